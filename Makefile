@@ -1,0 +1,30 @@
+# The project's commands. Everything installs itself: a fresh machine needs only Python.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Test-suite parallelism: pytest-xdist workers (the suite is compile-bound on 2 cores).
+TEST_WORKERS ?= 2
+
+.PHONY: install test demo bench clean
+
+install: $(VENV)/.installed
+
+# Re-install when the dependency list changes. The `torch` extra is the PyTorch peer
+# for benchmarks and parity tests, pinned to the local CPU wheel (see pyproject.toml).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[dev,torch]'
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -q
+
+demo: install
+	$(BIN)/python -m attention_jax.bench attention --quick
+
+bench: install
+	$(BIN)/python -m attention_jax.bench attention
+
+clean:
+	rm -rf $(VENV) .pytest_cache

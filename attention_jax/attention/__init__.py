@@ -1,0 +1,276 @@
+"""Scaled dot-product attention as pure JAX functions (no Flax), with selectable backends.
+
+Shape letters, used in every docstring, comment and einsum of the project:
+  B batch            T query length        S key/value length     D model width
+  N query heads      K key/value heads     G = N / K (query heads per K/V head)
+  H head dim         Hv value head dim     F MLP hidden           V vocabulary
+  P patches          E experts             L layers               A experts per token
+
+    y = dot_product_attention(q, k, v, causal=True)   # q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H]
+
+Implementations:
+  "reference"  the lectures' formula with the whole [B, N, T, S] score matrix; the test
+               oracle, and the only one that can return the attention weights.
+  "blockwise"  lax.scan over query blocks, online softmax over key blocks, hand-written
+               FlashAttention-2 style backward: O(T + S) memory forward and backward.
+  "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores).
+  "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16).
+  "auto"       cudnn where it applies, otherwise blockwise (or reference if weights are asked).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax.attention.blockwise import blockwise_attention
+from attention_jax.attention.masks import MaskSpec, dense_mask
+from attention_jax.attention.reference import reference_attention
+
+__all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskSpec", "default_block_sizes"]
+
+IMPLEMENTATIONS = ("auto", "reference", "blockwise", "xla", "cudnn")
+
+
+def default_block_sizes(backend: Optional[str] = None) -> tuple[int, int]:
+    """(block_q, block_k) for the blockwise path on this backend.
+
+    Larger tiles keep the matmuls efficient; the tile [B, N, bq, bk] is the only
+    score memory, so it stays a few MB at most. Measured with `attention_jax.bench`.
+    """
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return 512, 1024
+    return 512, 512
+
+
+def dot_product_attention(
+    q, k, v, *,
+    causal: bool = False,
+    segment_ids=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    kv_mask=None,
+    mask=None,
+    window: Union[int, tuple[int, int], None] = None,
+    q_offset=0,
+    scale: Optional[float] = None,
+    implementation: str = "auto",
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    return_weights: bool = False,
+):
+    """softmax(q kᵀ · scale) v over heads, with structural masks.
+
+    Args:
+      q: [B, T, N, H] queries.  k: [B, S, K, H] keys.  v: [B, S, K, Hv] values.
+        K must divide N (grouped-query attention: query head n reads K/V head n // G).
+      causal: query i sees keys j <= i (positions include `q_offset`).
+      segment_ids: [B, T] ids for self-attention (T == S); queries attend only to keys
+        of the same segment, e.g. packed documents. Or give q_segment_ids [B, T] and
+        kv_segment_ids [B, S] separately (cross-attention).
+      kv_mask: [B, S] bool, True for real keys: padding. Keys that are False are unseen.
+      mask: dense bool mask broadcastable to [B, N, T, S], for masks with no structure.
+      window: local attention. int w: keys within w positions either side; (left, right):
+        query i sees keys i-left .. i+right. With causal, right is 0.
+      q_offset: int or [B] ints, position of query 0 relative to key 0 (decoding
+        against a cache of earlier keys: T new queries after q_offset cached ones).
+      scale: multiplies the scores; default 1/sqrt(H) (keeps score variance near 1).
+      implementation: one of IMPLEMENTATIONS.
+      block_q, block_k: tile sizes for "blockwise" (defaults: `default_block_sizes()`).
+      return_weights: also return the attention weights [B, N, T, S] (reference only).
+
+    Returns:
+      [B, T, N, Hv] in q's dtype (and the weights if asked). Rows with no visible key
+      are zero, with zero gradients, never NaN.
+    """
+    _check_shapes(q, k, v)
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is unknown; valid: {IMPLEMENTATIONS}")
+    scale = _check_scale(scale, h)
+    window = _check_window(window)
+    spec = MaskSpec(
+        causal=bool(causal),
+        window=window,
+        q_offset=_check_offset(q_offset, b),
+        **_segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s),
+        mask=_check_dense_mask(mask, b, n, t, s),
+    )
+    impl = _choose(implementation, q.dtype, h, spec, return_weights)
+    if return_weights and impl != "reference":
+        raise ValueError(
+            f"return_weights=True needs implementation='reference' (or 'auto'); got "
+            f"{implementation!r}, which never forms the weights")
+    if impl == "reference":
+        return reference_attention(q, k, v, spec, scale, return_weights)
+    if impl == "blockwise":
+        default_q, default_k = default_block_sizes()
+        block_q = _check_block("block_q", block_q, default_q)
+        block_k = _check_block("block_k", block_k, default_k)
+        return blockwise_attention(q, k, v, spec, scale, block_q, block_k)
+    offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
+    return _jax_nn(q, k, v, spec, scale, impl, offset_is_zero)
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _cudnn_available() -> bool:
+    return any(d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
+               for d in jax.devices())
+
+
+def _choose(implementation, dtype, head_dim, spec: MaskSpec, return_weights) -> str:
+    if implementation == "cudnn" and not _cudnn_available():
+        raise ValueError(
+            f"implementation='cudnn' needs an NVIDIA GPU; this backend is "
+            f"{jax.default_backend()!r}. Valid here: 'auto', 'reference', 'blockwise', 'xla'")
+    if implementation != "auto":
+        return implementation
+    if return_weights:
+        return "reference"
+    cudnn_ok = (dtype in (jnp.float16, jnp.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
+                and spec.mask is None and spec.window is None)
+    if cudnn_ok and _cudnn_available():
+        return "cudnn"
+    return "blockwise"
+
+
+def _jax_nn(q, k, v, spec: MaskSpec, scale, impl, offset_is_zero):
+    """jax.nn.dot_product_attention; masks other than plain causal become one dense mask."""
+    b, t, n, _ = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    plain_causal = (spec.causal and spec.window is None and not spec.has_data_dependent
+                    and t == s and offset_is_zero)
+    if plain_causal:
+        y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
+    else:
+        full = dense_mask(spec, b, n, kv_heads, t, s)
+        y = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=full, implementation=impl)
+        if full is not None:  # jax.nn gives rows with no visible key the mean of v
+            any_visible = jnp.any(full, axis=-1)  # [B, N, T]
+            y = jnp.where(jnp.transpose(any_visible, (0, 2, 1))[..., None], y, 0)
+    return y
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_shapes(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ({'[B, T, N, H]' if name == 'q' else '[B, S, K, H]'}); "
+                f"got shape {getattr(x, 'shape', type(x).__name__)}")
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype} "
+            f"(cast them, e.g. to {jnp.result_type(q, k, v)})")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v need the same length S: k {k.shape}, v {v.shape}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v need the same number of heads K: k {k.shape}, v {v.shape}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k need the same head dim H: q {q.shape}, k {k.shape}")
+    n, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads == 0 or n % kv_heads:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(
+            f"k has K={kv_heads} heads, which must divide q's N={n} heads; valid K: {divisors}")
+    if min(q.shape[1], k.shape[1]) == 0:
+        raise ValueError(f"empty sequence: q {q.shape}, k {k.shape}")
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / float(np.sqrt(head_dim))
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be a finite number; got {scale}")
+    return scale
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, (int, np.integer)) else tuple(window)
+    if len(pair) != 2 or any(not isinstance(w, (int, np.integer)) or w < 0 for w in pair):
+        raise ValueError(
+            f"window must be a non-negative int or a (left, right) pair of them; got {window!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _check_block(name, value, default):
+    if value is None:
+        return default
+    if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return int(value)
+
+
+def _check_offset(q_offset, batch):
+    offset = jnp.asarray(q_offset)
+    if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim not in (0, 1) or (
+            offset.ndim == 1 and offset.shape[0] != batch):
+        raise ValueError(
+            f"q_offset must be an int or an int array of shape [B]=[{batch}]; "
+            f"got {offset.dtype} with shape {offset.shape}")
+    return jnp.broadcast_to(offset.astype(jnp.int32), (batch,))
+
+
+def _check_ids(name, ids, batch, length):
+    ids = jnp.asarray(ids)
+    if ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an int array of shape [{batch}, {length}]; "
+                         f"got {ids.dtype} {ids.shape}")
+    return ids.astype(jnp.int32)
+
+
+def _segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s):
+    """Reduce segment ids and key padding to one (q ids, kv ids) pair."""
+    if segment_ids is not None:
+        if q_segment_ids is not None or kv_segment_ids is not None:
+            raise ValueError("give segment_ids, or q_segment_ids with kv_segment_ids, not both")
+        if t != s:
+            raise ValueError(f"segment_ids is for self-attention (T == S); got T={t}, S={s}: "
+                             "use q_segment_ids and kv_segment_ids")
+        q_segment_ids = kv_segment_ids = segment_ids
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    q_ids = None if q_segment_ids is None else _check_ids("q_segment_ids", q_segment_ids, b, t)
+    kv_ids = None if kv_segment_ids is None else _check_ids("kv_segment_ids", kv_segment_ids, b, s)
+    if kv_mask is not None:
+        kv_mask = jnp.asarray(kv_mask)
+        if kv_mask.shape != (b, s) or kv_mask.dtype != jnp.bool_:
+            raise ValueError(f"kv_mask must be a bool array of shape [B, S]=[{b}, {s}]; "
+                             f"got {kv_mask.dtype} {kv_mask.shape}")
+        if q_ids is None:  # every query is segment 0; padding keys get -1, which no query has
+            q_ids = jnp.zeros((b, t), jnp.int32)
+            kv_ids = jnp.zeros((b, s), jnp.int32)
+        kv_ids = jnp.where(kv_mask, kv_ids, -1 - jnp.max(jnp.abs(q_ids)))  # matches no query
+    return {"q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
+
+
+def _check_dense_mask(mask, b, n, t, s):
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be boolean (True = attend); got {mask.dtype}")
+    if mask.ndim > 4:
+        raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {mask.shape}")
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    mb, mn, mt, ms = mask.shape
+    if mb not in (1, b) or mn not in (1, n) or mt not in (1, t) or ms not in (1, s):
+        raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {mask.shape}")
+    return jnp.broadcast_to(mask, (mb, mn, t, s))

@@ -1,0 +1,317 @@
+"""Memory-efficient attention: queries in blocks (lax.scan), keys in blocks, online softmax.
+
+For each block of `bq` queries we walk the key/value blocks keeping, per query row,
+the running max m, the running sum l of exp(score - m), and the running output
+acc = Σ exp(score - m)·v. When a new tile raises the max, the old sums are rescaled by
+exp(m_old - m_new) (Milakov & Gimelshein 2018; Rabe & Staats 2021). Only one
+[B, N, bq, bk] tile of scores exists at a time, so memory is O(T + S), not O(T·S).
+
+The backward pass is written by hand (jax.custom_vjp), FlashAttention-2 style: the
+forward saves only its output O and the per-row log-sum-exp L = m + log l; the backward
+recomputes each tile's probabilities P = exp(QKᵀ·scale - L) from them and accumulates
+  dV += Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP - rowsum(dO ∘ O)),
+  dQ += dS K·scale,   dK += dSᵀ Q·scale,
+so the gradient is O(T + S) memory as well. Autodiff through the loops would instead
+store every tile's probabilities for the backward pass: the N×N matrix again.
+
+Tiles that a causal or windowed mask hides entirely are never visited (loop bounds
+depend on the block index), and tiles it shows entirely skip the mask arithmetic.
+Arrays keep the caller's [B, T, K, G, H] layout; tiles are cut with dynamic slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attention_jax.attention.masks import MaskSpec, group_heads, visible
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything about the call that is a Python value (hashable, fixed at trace time)."""
+
+    causal: bool
+    window: Optional[tuple[int, int]]
+    scale: float
+    bq: int  # query block
+    bk: int  # key/value block
+    q_len: int  # T before padding
+    kv_len: int  # S before padding
+
+    def spec(self, arrays) -> MaskSpec:
+        return MaskSpec(self.causal, self.window, *arrays)
+
+
+def blockwise_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k: int):
+    """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    bq, bk = min(block_q, t), min(block_k, s)
+    st = _Static(spec.causal, spec.window, float(scale), bq, bk, t, s)
+    arrays = (spec.q_offset, spec.q_segment_ids, spec.kv_segment_ids, spec.mask)
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]: G query heads per K/V head
+    y = _attention(st, qg, k, v, arrays)
+    return y.reshape(b, t, n, v.shape[-1])
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _acc_dtype(dtype):
+    """Accumulate in float32 at least; float64 inputs stay float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _pad_to(x, axis: int, multiple: int, value=0):
+    extra = -x.shape[axis] % multiple
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _floordiv(a, b):
+    return jnp.floor_divide(a, b)
+
+
+class _Tiles:
+    """Padded inputs and the per-tile views both passes need."""
+
+    def __init__(self, st: _Static, q, k, v, arrays):
+        self.st = st
+        offset, q_seg, kv_seg, dense = arrays
+        self.q = _pad_to(q, 1, st.bq)  # [B, Tp, K, G, H]
+        self.k = _pad_to(k, 1, st.bk)  # [B, Sp, K, H]
+        self.v = _pad_to(v, 1, st.bk)
+        self.nq = self.q.shape[1] // st.bq
+        self.nk = self.k.shape[1] // st.bk
+        self.offset = offset  # [B]
+        self.off_min, self.off_max = jnp.min(offset), jnp.max(offset)
+        self.q_seg = None if q_seg is None else _pad_to(q_seg, 1, st.bq)
+        self.kv_seg = None if kv_seg is None else _pad_to(kv_seg, 1, st.bk, value=-1)
+        self.dense = None
+        if dense is not None:
+            dense = _pad_to(_pad_to(dense, 2, st.bq), 3, st.bk, value=False)
+            self.dense = group_heads(dense, k.shape[2])  # [B|1, K|1, G|1, Tp, Sp]
+        self.spec = st.spec(arrays)
+        self.kv_padded = self.k.shape[1] != st.kv_len
+        self.data_dependent = self.spec.has_data_dependent
+
+    def q_tile(self, x, i):
+        return _slice(x, i * self.st.bq, self.st.bq, 1)
+
+    def kv_tile(self, x, j):
+        return _slice(x, j * self.st.bk, self.st.bk, 1)
+
+    def scores(self, qi, kj):
+        """[B, bq, K, G, H] x [B, bk, K, H] -> [B, K, G, bq, bk] in the accumulation dtype."""
+        return jnp.einsum("BTKGH,BSKH->BKGTS", qi, kj, preferred_element_type=_acc_dtype(qi.dtype))
+
+    def tile_mask(self, i, j):
+        """Visibility [B|1, K|1, G|1, bq, bk] of tile (i, j), or None if nothing masks it."""
+        st = self.st
+        q_pos = self.offset[:, None] + i * st.bq + jnp.arange(st.bq, dtype=jnp.int32)[None, :]
+        k_pos = j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)
+        q_seg = None if self.q_seg is None else self.q_tile(self.q_seg, i)
+        k_seg = None if self.kv_seg is None else self.kv_tile(self.kv_seg, j)
+        dense = None
+        if self.dense is not None:
+            dense = _slice(_slice(self.dense, i * st.bq, st.bq, 3), j * st.bk, st.bk, 4)
+        ok = visible(self.spec, q_pos, k_pos, q_seg, k_seg, dense)
+        if self.kv_padded:
+            real = (k_pos < st.kv_len)[None, None, None, None, :]
+            ok = real if ok is None else ok & real
+        return ok
+
+    # Which tiles to visit. Query block i holds positions offset + [i·bq, i·bq + bq); key
+    # block j holds [j·bk, j·bk + bk). A key j is visible to query p when
+    # p - left <= j <= p + right. "lo/hi" bound the blocks with any visible pair (for any
+    # batch row); "full" are those where every pair is visible, so no mask is needed.
+
+    def kv_blocks_for(self, i):
+        st, spec = self.st, self.spec
+        q_min = self.off_min + i * st.bq
+        q_max = self.off_max + jnp.minimum(i * st.bq + st.bq, st.q_len) - 1
+        lo, hi, nk = 0, self.nk, self.nk
+        full_lo, full_hi = lo, hi
+        if spec.left is not None:
+            lo = jnp.clip(_floordiv(q_min - spec.left, st.bk), 0, nk)
+            full_lo = -_floordiv(-(q_max - spec.left), st.bk)  # ceil
+        if spec.right is not None:
+            hi = jnp.clip(_floordiv(q_max + spec.right, st.bk) + 1, 0, nk)
+            full_hi = _floordiv(q_min + spec.right + 1, st.bk)
+        if self.kv_padded:
+            full_hi = jnp.minimum(full_hi, nk - 1)
+        return self._ranges(lo, hi, full_lo, full_hi)
+
+    def q_blocks_for(self, j):
+        st, spec = self.st, self.spec
+        k_min = j * st.bk
+        k_max = jnp.minimum(j * st.bk + st.bk, st.kv_len) - 1
+        lo, hi, nq = 0, self.nq, self.nq
+        full_lo, full_hi = lo, hi
+        if spec.right is not None:
+            lo = jnp.clip(_floordiv(k_min - spec.right - self.off_max, st.bq), 0, nq)
+            full_lo = -_floordiv(-(k_max - spec.right - self.off_min), st.bq)  # ceil
+        if spec.left is not None:
+            hi = jnp.clip(_floordiv(k_max + spec.left - self.off_min, st.bq) + 1, 0, nq)
+            full_hi = _floordiv(k_min + spec.left - self.off_max + 1, st.bq)
+        if self.kv_padded:
+            full_hi = jnp.where(j == self.nk - 1, full_lo, full_hi)
+        return self._ranges(lo, hi, full_lo, full_hi)
+
+    def _ranges(self, lo, hi, full_lo, full_hi):
+        """Split [lo, hi) into masked [lo, a), unmasked [a, b), masked [b, hi)."""
+        if self.data_dependent:
+            return lo, hi, hi, hi
+        a = jnp.clip(full_lo, lo, hi)
+        b = jnp.clip(full_hi, a, hi)
+        return lo, a, b, hi
+
+
+def _three_loops(ranges, body, carry):
+    """Run body(idx, carry, masked) over the masked / unmasked / masked index ranges."""
+    lo, a, b, hi = ranges
+    carry = lax.fori_loop(lo, a, lambda x, c: body(x, c, True), carry)
+    carry = lax.fori_loop(a, b, lambda x, c: body(x, c, False), carry)
+    return lax.fori_loop(b, hi, lambda x, c: body(x, c, True), carry)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward(st: _Static, q, k, v, arrays):
+    """Returns y [B, T, K, G, Hv] and the log-sum-exp [B, K, G, Tp] (+inf on empty rows)."""
+    acc_t = _acc_dtype(q.dtype)
+    q = (q.astype(acc_t) * st.scale).astype(q.dtype)  # fold the scale into Q once
+    tiles = _Tiles(st, q, k, v, arrays)
+    b, tp, kh, g, _ = tiles.q.shape
+    hv = v.shape[-1]
+
+    def q_block(carry, i):
+        out, lse = carry
+        qi = tiles.q_tile(tiles.q, i)  # [B, bq, K, G, H]
+
+        def kv_step(j, state, masked):
+            m, l, acc = state  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, Hv]
+            s = tiles.scores(qi, tiles.kv_tile(tiles.k, j))  # [B, K, G, bq, bk]
+            if masked:
+                ok = tiles.tile_mask(i, j)
+                s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            if masked:  # a row with nothing visible yet keeps m = -inf; shift by 0 instead
+                m_new_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            else:
+                m_new_safe = m_new
+            p = jnp.exp(s - m_new_safe[..., None])
+            rescale = jnp.exp(m - m_new_safe)
+            l = l * rescale + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(v.dtype), tiles.kv_tile(tiles.v, j),
+                            preferred_element_type=acc_t)
+            return m_new, l, acc * rescale[..., None] + pv
+
+        init = (jnp.full((b, kh, g, st.bq), -jnp.inf, acc_t),
+                jnp.zeros((b, kh, g, st.bq), acc_t),
+                jnp.zeros((b, kh, g, st.bq, hv), acc_t))
+        m, l, acc = _three_loops(tiles.kv_blocks_for(i), kv_step, init)
+        y = acc / jnp.where(l == 0, 1.0, l)[..., None]  # empty rows: 0, not 0/0
+        y = jnp.transpose(y, (0, 3, 1, 2, 4)).astype(out.dtype)  # [B, bq, K, G, Hv]
+        row_lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+        out = lax.dynamic_update_slice_in_dim(out, y, i * st.bq, 1)
+        lse = lax.dynamic_update_slice_in_dim(lse, row_lse, i * st.bq, 3)
+        return (out, lse), None
+
+    init = (jnp.zeros((b, tp, kh, g, hv), q.dtype), jnp.zeros((b, kh, g, tp), acc_t))
+    (out, lse), _ = lax.scan(q_block, init, jnp.arange(tiles.nq))
+    return out[:, : st.q_len], lse
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
+    acc_t = _acc_dtype(q.dtype)
+    q_scaled = (q.astype(acc_t) * st.scale).astype(q.dtype)
+    tiles = _Tiles(st, q_scaled, k, v, arrays)
+    # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij: the softmax Jacobian's correction term.
+    delta = jnp.einsum("BTKGH,BTKGH->BKGT", d_out.astype(acc_t), out.astype(acc_t))
+    d_out = _pad_to(d_out, 1, st.bq)  # padded rows: dO = 0 and L = +inf, so P = 0 there
+    delta = _pad_to(delta, 3, st.bq)
+    b, tp, kh, g, h = tiles.q.shape
+    sp, hv = tiles.k.shape[1], v.shape[-1]
+
+    def kv_block(carry, j):
+        dq, dk, dv = carry
+        kj, vj = tiles.kv_tile(tiles.k, j), tiles.kv_tile(tiles.v, j)  # [B, bk, K, H]
+
+        def q_step(i, state, masked):
+            dq, dk_j, dv_j = state
+            qi = tiles.q_tile(tiles.q, i)  # [B, bq, K, G, H], already scaled
+            doi = tiles.q_tile(d_out, i)  # [B, bq, K, G, Hv]
+            s = tiles.scores(qi, kj)  # [B, K, G, bq, bk]
+            if masked:
+                s = jnp.where(tiles.tile_mask(i, j), s, -jnp.inf)
+            lse_i = _slice(lse, i * st.bq, st.bq, 3)[..., None]
+            p = jnp.exp(s - lse_i)  # exactly the forward's probabilities
+            dv_j = dv_j + jnp.einsum("BKGTS,BTKGH->BSKH", p.astype(doi.dtype), doi,
+                                     preferred_element_type=acc_t)
+            dp = jnp.einsum("BTKGH,BSKH->BKGTS", doi, vj, preferred_element_type=acc_t)
+            ds = p * (dp - _slice(delta, i * st.bq, st.bq, 3)[..., None])
+            # With Q pre-scaled, dK = dSᵀ (Q·scale) needs no extra factor; dQ does.
+            dk_j = dk_j + jnp.einsum("BKGTS,BTKGH->BSKH", ds.astype(qi.dtype), qi,
+                                     preferred_element_type=acc_t)
+            dq_i = jnp.einsum("BKGTS,BSKH->BTKGH", ds.astype(kj.dtype), kj,
+                              preferred_element_type=acc_t)
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, tiles.q_tile(dq, i) + dq_i * st.scale, i * st.bq, 1)
+            return dq, dk_j, dv_j
+
+        zeros_kv = jnp.zeros((b, st.bk, kh, h), acc_t)
+        dq, dk_j, dv_j = _three_loops(tiles.q_blocks_for(j), q_step,
+                                      (dq, zeros_kv, jnp.zeros((b, st.bk, kh, hv), acc_t)))
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_j, j * st.bk, 1)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_j, j * st.bk, 1)
+        return (dq, dk, dv), None
+
+    init = (jnp.zeros((b, tp, kh, g, h), acc_t), jnp.zeros((b, sp, kh, h), acc_t),
+            jnp.zeros((b, sp, kh, hv), acc_t))
+    (dq, dk, dv), _ = lax.scan(kv_block, init, jnp.arange(tiles.nk))
+    return (dq[:, : st.q_len].astype(q.dtype), dk[:, : st.kv_len].astype(k.dtype),
+            dv[:, : st.kv_len].astype(v.dtype))
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_vjp(st, q, k, v, arrays):
+    return _forward(st, q, k, v, arrays)[0]
+
+
+def _attention_fwd(st, q, k, v, arrays):
+    out, lse = _forward(st, q, k, v, arrays)
+    return out, (q, k, v, arrays, out, lse)
+
+
+def _attention_bwd(st, residuals, d_out):
+    q, k, v, arrays, out, lse = residuals
+    dq, dk, dv = _backward(st, q, k, v, arrays, out, lse, d_out)
+    # Offsets, segment ids and masks are integers/booleans: they have no gradient.
+    return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
+
+
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+_attention = _attention_vjp
