@@ -1,0 +1,18 @@
+"""Logical axis names, defined once. Parameters and activations are annotated with these
+(flax `nn.with_logical_partitioning` / `nn.with_logical_constraint`); a rules list in the
+experiment config maps them onto mesh axes (`data`, `fsdp`, `tensor`), see sharding.py.
+This module imports nothing so that every layer can use it.
+"""
+
+BATCH = "batch"  # B
+LENGTH = "length"  # T or S (activations)
+EMBED = "embed"  # D
+HEADS = "heads"  # N
+KV_HEADS = "kv_heads"  # K
+HEAD_DIM = "head_dim"  # H
+MLP = "mlp"  # F
+VOCAB = "vocab"  # V
+EXPERT = "expert"  # E
+LAYERS = "layers"  # the stacked-layer axis of nn.scan
+POSITION = "position"  # rows of a learned position table
+NORM = "norm"  # scales and biases of norms (never sharded)
