@@ -19,26 +19,34 @@ from attention_jax.data import builders
 
 
 class DatasetNotFoundError(FileNotFoundError):
-  """A dataset that is neither an offline builder nor prepared in the data dir."""
+    """A dataset that is neither an offline builder nor prepared in the data dir."""
 
 
 def _text_corpus(options) -> tuple[type, tfds.core.BuilderConfig]:
-  if 'globs' in options:
-    return builders.TextCorpus, builders.text_corpus_config(**options)
-  return builders.TextCorpus, builders.stdlib_corpus_config(**options)
+    if 'globs' in options:
+        return builders.TextCorpus, builders.text_corpus_config(**options)
+    return builders.TextCorpus, builders.stdlib_corpus_config(**options)
+
+
+def _number_translation(options) -> tuple[type, tfds.core.BuilderConfig | str | None]:
+    config = options.pop('config', None)
+    if options:
+        # Custom sizes/seed: the config name records them so prepared files never clash.
+        tag = '_'.join(f'{k}{v}' for k, v in sorted(options.items()))
+        config = builders.NumberTranslationConfig(name=f'custom_{tag}', **options)
+    return builders.NumberTranslation, config
 
 
 # Offline datasets: name -> function(options) -> (builder class, config or None).
 # To add one: write a GeneratorBasedBuilder in builders.py and register it here.
-OFFLINE: dict[str, Callable[[dict], tuple[type, tfds.core.BuilderConfig | None]]] = {
+# 'name/config' picks one of the builder's named configs (e.g. number_translation/small).
+OFFLINE: dict[str, Callable[[dict], tuple[type, tfds.core.BuilderConfig | str | None]]] = {
     'python_stdlib': lambda o: (builders.TextCorpus, builders.stdlib_corpus_config(**o)),
     'text_corpus': _text_corpus,
     'digits': lambda o: (builders.SklearnDigits, None),
-    'number_translation': lambda o: (
-        builders.NumberTranslation,
-        builders.NumberTranslationConfig(name=o.pop('name', 'custom'), **o) if o else None),
-    'number_translation/small': lambda o: (builders.NumberTranslation, 'small'),
+    'number_translation': _number_translation,
 }
+
 
 # Catalogue datasets the experiments name; any other tfds name works the same way.
 CATALOGUE_EXAMPLES = ('tiny_shakespeare', 'lm1b', 'mnist', 'cifar10', 'imagenette',
@@ -46,68 +54,71 @@ CATALOGUE_EXAMPLES = ('tiny_shakespeare', 'lm1b', 'mnist', 'cifar10', 'imagenett
 
 
 def default_data_dir() -> str:
-  """$TFDS_DATA_DIR if set, else ~/tensorflow_datasets (tfds' own default)."""
-  return os.environ.get('TFDS_DATA_DIR', os.path.expanduser('~/tensorflow_datasets'))
+    """$TFDS_DATA_DIR if set, else ~/tensorflow_datasets (tfds' own default)."""
+    return os.environ.get('TFDS_DATA_DIR', os.path.expanduser('~/tensorflow_datasets'))
 
 
 def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
                 **options) -> tfds.core.DatasetBuilder:
-  """The prepared builder for `name`.
+    """The prepared builder for `name`.
 
-  Offline builders are built (once) in `data_dir`; `options` configure them
-  (e.g. `max_files=8` for 'python_stdlib', `globs=[...]` for 'text_corpus').
-  Catalogue datasets must already be prepared in array_record format.
-  """
-  data_dir = os.fspath(data_dir or default_data_dir())
-  if name in OFFLINE:
-    cls, config = OFFLINE[name](dict(options))
-    kwargs = {} if config is None else {'config': config}
-    builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
-    if prepare and not builder.is_prepared():
-      builder.download_and_prepare()
-    return builder
-  if options:
-    raise ValueError(f'options {sorted(options)} only apply to the offline datasets '
-                     f'{sorted(OFFLINE)}; {name!r} is read from the tfds catalogue')
-  return _catalogue_builder(name, data_dir)
+    Offline builders are built (once) in `data_dir`; `options` configure them
+    (e.g. `max_files=8` for 'python_stdlib', `globs=[...]` for 'text_corpus').
+    Catalogue datasets must already be prepared in array_record format.
+    """
+    data_dir = os.fspath(data_dir or default_data_dir())
+    base, _, config_name = name.partition('/')
+    if base in OFFLINE:
+        if config_name:
+            options = {**options, 'config': config_name}
+        cls, config = OFFLINE[base](dict(options))
+        kwargs = {} if config is None else {'config': config}
+        builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
+        if prepare and not builder.is_prepared():
+            builder.download_and_prepare()
+        return builder
+    if options:
+        raise ValueError(f'options {sorted(options)} only apply to the offline datasets '
+                         f'{sorted(OFFLINE)}; {name!r} is read from the tfds catalogue')
+    return _catalogue_builder(name, data_dir)
 
 
 def _catalogue_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
-  how = (f'Prepare it on a machine with network (tfds needs tensorflow to build most '
-         f'catalogue datasets):\n'
-         f'    tfds build {name} --data_dir={data_dir} --file_format=array_record\n'
-         f'then copy {os.path.join(data_dir, name.split("/")[0])} to this machine.')
-  try:
-    # Constructing a builder reads only local metadata; it never downloads.
-    builder = tfds.builder(name, data_dir=data_dir, file_format=builders.FILE_FORMAT)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise DatasetNotFoundError(
-        f'Unknown dataset {name!r}: not an offline dataset ({", ".join(sorted(OFFLINE))}) '
-        f'and not in the tfds catalogue ({e.__class__.__name__}).') from None
-  if not builder.is_prepared():
-    raise DatasetNotFoundError(
-        f'Dataset {name!r} is not prepared in data_dir {data_dir!r} (looked for '
-        f'{os.path.join(os.fspath(builder.data_path), "dataset_info.json")}). '
-        f'Data is never downloaded at run time.\n{how}')
-  if builder.info.file_format is None or builder.info.file_format.value != builders.FILE_FORMAT:
-    fmt = builder.info.file_format.value if builder.info.file_format else 'unknown'
-    raise DatasetNotFoundError(
-        f'Dataset {name!r} in {data_dir!r} is stored as {fmt}, which has no random '
-        f'access; grain needs array_record. Convert it with\n'
-        f'    tfds convert_format --root_data_dir={data_dir} --out_file_format=array_record\n'
-        f'or rebuild it:\n{how}')
-  return builder
+    how = (f'Prepare it on a machine with network (tfds needs tensorflow to build most '
+           f'catalogue datasets):\n'
+           f'    tfds build {name} --data_dir={data_dir} --file_format=array_record\n'
+           f'then copy {os.path.join(data_dir, name.split("/")[0])} to this machine.')
+    try:
+        # Constructing a builder reads only local metadata; it never downloads.
+        builder = tfds.builder(name, data_dir=data_dir, file_format=builders.FILE_FORMAT)
+    except tfds.core.registered.DatasetNotFoundError as e:
+        raise DatasetNotFoundError(
+            f'Unknown dataset {name!r}: not an offline dataset ({", ".join(sorted(OFFLINE))}) '
+            f'and not in the tfds catalogue ({e.__class__.__name__}).') from None
+    if not builder.is_prepared():
+        raise DatasetNotFoundError(
+            f'Dataset {name!r} is not prepared in data_dir {data_dir!r} (looked for '
+            f'{os.path.join(os.fspath(builder.data_path), "dataset_info.json")}). '
+            f'Data is never downloaded at run time.\n{how}')
+    if builder.info.file_format is None or builder.info.file_format.value != builders.FILE_FORMAT:
+        fmt = builder.info.file_format.value if builder.info.file_format else 'unknown'
+        raise DatasetNotFoundError(
+            f'Dataset {name!r} in {data_dir!r} is stored as {fmt}, which has no random '
+            f'access; grain needs array_record. Convert it with\n'
+            f'    tfds convert_format --root_data_dir={data_dir} --out_file_format=array_record\n'
+            f'or rebuild it:\n{how}')
+    return builder
 
 
 def get_dataset(name: str, split: str, data_dir: str | None = None, **options):
-  """A random-access source of one split: `len(src)`, `src[i]` -> dict of numpy values.
+    """A random-access source of one split: `len(src)`, `src[i]` -> dict of numpy values.
 
-  Text features come back as UTF-8 `bytes`. Example:
-    src = get_dataset('digits', 'train', '/tmp/data')
-    src[0]['image'].shape  # (8, 8, 1)
-  """
-  builder = get_builder(name, data_dir, **options)
-  splits = list(builder.info.splits.keys())
-  if split.split('[')[0] not in splits:
-    raise ValueError(f'dataset {name!r} has no split {split!r}; valid: {splits}')
-  return builder.as_data_source(split)
+    Text features come back as UTF-8 `bytes`. Example:
+      src = get_dataset('digits', 'train', '/tmp/data')
+      src[0]['image'].shape  # (8, 8, 1)
+    """
+    builder = get_builder(name, data_dir, **options)
+    splits = list(builder.info.splits.keys())
+    if split.split('[')[0] not in splits:
+        raise ValueError(f'dataset {name!r} has no split {split!r}; valid: {splits}')
+    return builder.as_data_source(split)

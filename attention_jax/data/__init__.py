@@ -1,0 +1,87 @@
+"""Data: tfds datasets that work offline, grain loaders with resumable state,
+tokenizers and training objectives.
+
+Datasets (`get_dataset(name, split, data_dir, **options)`)
+-----------------------------------------------------------
+Offline, built on first use into `data_dir` (array_record files, no network, no
+TensorFlow):
+
+  name                        splits                    record
+  python_stdlib               train, validation         {'id', 'text'}: one stdlib .py file
+                              (options: max_files=N for the first N files)
+  text_corpus                 train, validation         {'id', 'text'} from your files
+                              (options: globs=[...], root=..., max_files=..., validation_percent=...)
+  digits                      train (1,438), test (359) {'image' uint8 [8, 8, 1], 'label', 'index'}
+  number_translation          train (20k), validation,  {'number', 'en', 'fr', 'de'}
+                              test (1k each)            ('number_translation/small': 2k/200/200)
+
+Text comes back as UTF-8 bytes. Corpus documents are split by a hash of their path, so
+a file is always in the same split; digits are split 80/20 per class with a fixed seed;
+number-translation integers are distinct across splits.
+
+Catalogue datasets (tiny_shakespeare, lm1b, mnist, cifar10, imagenette,
+wmt14_translate/de-en, wmt_t2t_translate/de-en, glue/cola, any tfds name) are read from
+`data_dir` if prepared there in array_record format. They are never downloaded at run
+time: a missing one raises `DatasetNotFoundError` at once, naming the dataset, the data
+dir and the `tfds build ... --file_format=array_record` command that prepares it.
+
+Adding a dataset: write a `tfds.core.GeneratorBasedBuilder` subclass of
+`builders.OfflineBuilder` in `builders.py` (features `Text`/`Tensor`/`ClassLabel`
+only, so it builds without TensorFlow; deterministic order and splits), then add one
+line to `sources.OFFLINE` mapping its name to the class and config. A catalogue
+dataset needs no code, only its name in the experiment config.
+
+Loading
+-------
+  src = get_dataset('digits', 'train', data_dir)
+  loader = make_loader(src, global_batch_size=128, seed=0,
+                       transform=ImageClassification(augment=True, padding=1))
+  for batch in loader:                       # host-local numpy, B = G / process_count
+    batch = to_global_batch(batch, mesh)     # global jax.Arrays sharded on 'data'
+  state = loader.get_state().to_dict()       # into the checkpoint; JSON-able
+  make_loader(src, ..., state=state)         # continues with exactly the next batch
+
+Language modelling packs documents into rows with segment ids and positions:
+  tok = get_tokenizer('byte')
+  rows = packed_lm_source(get_dataset('python_stdlib', 'train', data_dir), tok, 256)
+  make_loader(rows, global_batch_size=32, transform=CausalLM())
+
+Tokenizers: `get_tokenizer('char' | 'byte' | 'wordpiece' | 'bpe', ...)`,
+`tokenizer.save(workdir_subdir)`, `load_tokenizer(workdir_subdir)`.
+Objectives: `mlm_mask`, `nsp_pairs`, `next_token_targets`, `shift_right`,
+`seq2seq_example`, `normalize_image`, `random_crop_flip`.
+"""
+
+from attention_jax.data.loaders import Loader, LoaderState, to_global_batch
+from attention_jax.data.objectives import (mlm_mask, next_token_targets, normalize_image,
+                                           nsp_pairs, random_crop_flip, seq2seq_example,
+                                           shift_right)
+from attention_jax.data.packing import PackedSource, pack_documents, unpack_row
+from attention_jax.data.pipelines import (CausalLM, ImageClassification, MaskedLM,
+                                          Translation, packed_lm_source)
+from attention_jax.data.sources import (CATALOGUE_EXAMPLES, OFFLINE, DatasetNotFoundError,
+                                        default_data_dir, get_builder, get_dataset)
+from attention_jax.data.tokenization import (BPETokenizer, ByteTokenizer, CharTokenizer,
+                                             Tokenizer, WordPieceTokenizer, get_tokenizer,
+                                             load_tokenizer)
+
+
+def make_loader(source, *, global_batch_size: int, seed: int = 0, shuffle: bool = True,
+                num_epochs: int | None = None, transform=None, process_index: int | None = None,
+                process_count: int | None = None, worker_count: int = 0,
+                state=None) -> Loader:
+    """A `Loader` (see loaders.py): the process's share of seeded, shuffled, batched data."""
+    return Loader(source, global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
+                  num_epochs=num_epochs, transform=transform, process_index=process_index,
+                  process_count=process_count, worker_count=worker_count, state=state)
+
+
+__all__ = [
+    'BPETokenizer', 'ByteTokenizer', 'CATALOGUE_EXAMPLES', 'CausalLM', 'CharTokenizer',
+    'DatasetNotFoundError', 'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM',
+    'OFFLINE', 'PackedSource', 'Tokenizer', 'Translation', 'WordPieceTokenizer',
+    'default_data_dir', 'get_builder', 'get_dataset', 'get_tokenizer', 'load_tokenizer',
+    'make_loader', 'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
+    'pack_documents', 'packed_lm_source', 'random_crop_flip', 'seq2seq_example',
+    'shift_right', 'to_global_batch', 'unpack_row',
+]

@@ -1,0 +1,193 @@
+"""grain loaders whose position is a pure function of (seed, global example index).
+
+The order of examples is defined once, for the whole job, as a *global stream*:
+
+    stream[g] = transform(source[perm_e(g mod N)], rng(seed, g)),   e = g // N
+
+with `perm_e` a seeded permutation per epoch (grain's index shuffle: O(1) memory, so
+it scales to catalogue datasets) and `rng(seed, g)` the random stream of augmentation
+and masking. Global step s is the slice stream[s*G : (s+1)*G] (G the global batch), and
+process p of P takes the p-th contiguous block of B = G/P examples from it.
+
+Because nothing depends on P except which block a host reads, the loader's state is a
+single integer, the number of stream examples consumed (`next_index`). Saving it in a
+checkpoint and restoring it continues exactly, on the same or on a different number of
+hosts, and with any number of grain worker processes (workers prefetch ahead, but the
+state counts batches the caller has actually received).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Batch = Any  # A pytree (usually a dict) of numpy arrays with a leading batch axis.
+Transform = Callable[[Any, np.random.Generator], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderState:
+    """Everything needed to continue a loader exactly. JSON-able via `to_dict`.
+
+    `seed` and `num_records` are stored to refuse a restore into a different data
+    order (another seed, another dataset), which would silently repeat or skip data.
+    """
+    next_index: int
+    seed: int
+    num_records: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_any(cls, state: LoaderState | Mapping[str, Any] | bytes | str) -> LoaderState:
+        if isinstance(state, LoaderState):
+            return state
+        if isinstance(state, (bytes, str)):
+            state = json.loads(state)
+        return cls(**{k: int(state[k]) for k in ('next_index', 'seed', 'num_records')})
+
+
+class Loader:
+    """Batches of one process's share of a seeded, shuffled, repeated random-access source.
+
+    Args:
+      source: random-access source (`len`, `[i]`), e.g. from `get_dataset`.
+      global_batch_size: G, the batch summed over processes; each process yields G/P.
+      seed: shuffle and transform seed.
+      shuffle: global shuffle, different every epoch.
+      num_epochs: None repeats forever; otherwise the final partial global batch is
+        dropped so that all processes stop after the same number of steps.
+      transform: `fn(record, rng) -> record` applied per example before batching;
+        `rng` is a numpy Generator seeded by (seed, global index): deterministic and
+        different in every epoch.
+      process_index, process_count: this host's place; default jax's.
+      worker_count: grain worker processes (0 reads in the calling process).
+      state: a `LoaderState` (or its dict/bytes) to continue from.
+    """
+
+    def __init__(self, source, *, global_batch_size: int, seed: int = 0, shuffle: bool = True,
+                 num_epochs: int | None = None, transform: Transform | None = None,
+                 process_index: int | None = None, process_count: int | None = None,
+                 worker_count: int = 0, state=None):
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        if not 0 <= self.process_index < self.process_count:
+            raise ValueError(f'process_index={self.process_index} must be in '
+                             f'[0, process_count={self.process_count})')
+        if global_batch_size <= 0 or global_batch_size % self.process_count:
+            raise ValueError(f'global_batch_size={global_batch_size} must be a positive multiple '
+                             f'of process_count={self.process_count}')
+        if len(source) == 0:
+            raise ValueError('Loader got an empty source')
+        if num_epochs is not None and num_epochs <= 0:
+            raise ValueError(f'num_epochs={num_epochs} must be positive or None')
+        if not 0 <= seed < 2**32:
+            raise ValueError(f'seed={seed} must be in [0, 2**32)')
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.batch_size = global_batch_size // self.process_count  # B, per process.
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.transform = transform
+        self.worker_count = worker_count
+        self._next_index = 0
+        if state is not None:
+            self.set_state(state)
+
+    # --- State -------------------------------------------------------------------------
+    def get_state(self) -> LoaderState:
+        return LoaderState(self._next_index, self.seed, len(self.source))
+
+    def set_state(self, state) -> None:
+        state = LoaderState.from_any(state)
+        if (state.seed, state.num_records) != (self.seed, len(self.source)):
+            raise ValueError(
+                f'loader state was saved for seed={state.seed}, num_records={state.num_records}; '
+                f'this loader has seed={self.seed}, num_records={len(self.source)}')
+        self._next_index = state.next_index
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.source) // self.global_batch_size
+
+    @property
+    def epoch(self) -> float:
+        """Fractional epoch of the next batch, for logging."""
+        return self._next_index / len(self.source)
+
+    def __len__(self) -> int:
+        """Batches left (finite `num_epochs` only)."""
+        if self.num_epochs is None:
+            raise TypeError('an infinite Loader (num_epochs=None) has no length')
+        return max(0, len(self.source) * self.num_epochs - self._next_index) // self.global_batch_size
+
+    # --- Pipeline ----------------------------------------------------------------------
+    def _stream(self) -> grain.MapDataset:
+        """The global stream (see module docstring) as a grain MapDataset."""
+        ds = grain.MapDataset.source(self.source)
+        if self.shuffle:
+            ds = ds.shuffle(seed=self.seed)  # Reseeded per epoch by the repeat below.
+        if self.transform is not None:
+            ds = ds.random_map(self.transform, seed=self.seed)
+        return ds.repeat(self.num_epochs)
+
+    def _process_batches(self) -> grain.MapDataset:
+        """This process's batches from `next_index` on."""
+        stream = self._stream()
+        G, B = self.global_batch_size, self.batch_size
+        remaining = len(stream) - self._next_index
+        # Whole global batches only: all processes must agree on the number of steps.
+        stream = stream[self._next_index:self._next_index + (remaining // G) * G]
+        # Batch k of this stream is examples [k*B, (k+1)*B); global step s is batches
+        # s*P .. s*P+P-1, and this process takes batch s*P + p.
+        return stream.batch(B, drop_remainder=True)[self.process_index::self.process_count]
+
+    def __iter__(self) -> Iterator[Batch]:
+        ds = self._process_batches().to_iter_dataset()
+        if self.worker_count > 0:
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
+        for batch in ds:
+            # Advance before yielding: a checkpoint taken after receiving this batch must
+            # resume with the next one.
+            self._next_index += self.global_batch_size
+            yield batch
+
+
+def to_global_batch(batch: Batch, mesh: Mesh,
+                    data_axes: str | tuple[str, ...] = ('data',)) -> Batch:
+    """Host-local numpy batch [B, ...] -> global jax.Arrays [G, ...] sharded over `data_axes`.
+
+    Each process passes its own B = G/P rows; `jax.make_array_from_process_local_data`
+    assembles them (in process order, matching the Loader's blocks) without any host
+    gathering the whole batch. `data_axes` may name several mesh axes, e.g.
+    ('data', 'fsdp'), over which the batch dimension is split jointly.
+    """
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f'data_axes {missing} are not mesh axes {mesh.axis_names}')
+    sharding = NamedSharding(mesh, PartitionSpec(axes))
+    shards = int(np.prod([mesh.shape[a] for a in axes]))
+    local_shards = shards * jax.local_device_count() // jax.device_count()
+
+    def put(x):
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] % max(local_shards, 1):
+            raise ValueError(f'batch leaf of shape {x.shape}: the leading (batch) dimension must '
+                             f'divide evenly over the {max(local_shards, 1)} local shards of '
+                             f'mesh axes {axes}')
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(put, batch)

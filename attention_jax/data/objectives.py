@@ -1,0 +1,154 @@
+"""Training objectives as numpy transforms on examples: MLM masking, NSP pairs,
+next-token and teacher-forcing targets, image normalisation and augmentation.
+
+They run on the host inside the grain pipeline (`Loader(transform=...)`), take an
+explicit `np.random.Generator` (the loader seeds it by (seed, global index), which keeps
+resumption exact) and return dicts of numpy arrays with fixed shapes so that jit
+compiles once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------
+# Language modelling.
+# --------------------------------------------------------------------------------------
+
+
+def next_token_targets(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Causal LM example from a packed row [L]: predict token t+1 at t, inside a segment.
+
+    The last token of every piece has no target in the row (the next token belongs to
+    another document or is padding), so its weight is 0.
+    """
+    tokens, seg = row['tokens'], row['segment_ids']
+    targets = np.zeros_like(tokens)
+    targets[..., :-1] = tokens[..., 1:]
+    weights = np.zeros(tokens.shape, np.float32)
+    weights[..., :-1] = (seg[..., 1:] == seg[..., :-1]) & (seg[..., :-1] != 0)
+    return {'inputs': tokens, 'targets': targets, 'weights': weights,
+            'segment_ids': seg, 'positions': row['positions']}
+
+
+def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, vocab_size: int,
+             special_ids: Collection[int], mask_rate: float = 0.15,
+             mask_token_rate: float = 0.8, random_token_rate: float = 0.1) -> dict[str, np.ndarray]:
+    """BERT masking (Devlin et al. 2019, sec. 3.1) of tokens [..., L].
+
+    In each row, round(mask_rate * eligible) positions are chosen among non-special
+    tokens (padding, [CLS], [SEP], ... are never chosen). Of those, 80% become [MASK],
+    10% a random non-special token, 10% stay, and all of them are predicted.
+    Returns inputs, targets (the original tokens) and weights (1 where predicted).
+    """
+    tokens = np.asarray(tokens)
+    specials = np.array(sorted(special_ids), dtype=tokens.dtype)
+    eligible = ~np.isin(tokens, specials)
+    # Choose exactly k positions per row: rank random keys, ineligible ones last.
+    keys = np.where(eligible, rng.random(tokens.shape), np.inf)
+    ranks = np.argsort(np.argsort(keys, axis=-1), axis=-1)
+    k = np.round(mask_rate * eligible.sum(-1, keepdims=True))
+    chosen = (ranks < k) & eligible
+
+    action = rng.random(tokens.shape)
+    to_mask = chosen & (action < mask_token_rate)
+    to_random = chosen & (action >= mask_token_rate) & (action < mask_token_rate + random_token_rate)
+    normal_ids = np.setdiff1d(np.arange(vocab_size), specials)
+    random_ids = normal_ids[rng.integers(0, len(normal_ids), tokens.shape)]
+    inputs = np.where(to_mask, mask_id, np.where(to_random, random_ids, tokens))
+    return {'inputs': inputs.astype(tokens.dtype), 'targets': tokens,
+            'weights': chosen.astype(np.float32)}
+
+
+def nsp_pairs(documents: Sequence[Sequence[Sequence[int]]], rng: np.random.Generator, *,
+              seq_len: int, cls_id: int, sep_id: int, pad_id: int = 0) -> list[dict]:
+    """Next-sentence-prediction examples (Devlin et al. 2019, sec. 3.1, task #2).
+
+    For every pair of consecutive segments (A, B) of a document, with probability 1/2
+    B is kept (is_next=1), otherwise replaced by a random segment of another document
+    (is_next=0). Each example is [CLS] A [SEP] B [SEP] padded to `seq_len`, with
+    type_ids 0 for A and 1 for B; the longer side is trimmed when it does not fit.
+    """
+    if len(documents) < 2:
+        raise ValueError('nsp_pairs needs at least two documents to draw random segments')
+    examples = []
+    for d, doc in enumerate(documents):
+        for i in range(len(doc) - 1):
+            a, b, is_next = list(doc[i]), list(doc[i + 1]), 1
+            if rng.random() < 0.5:
+                other = int(rng.integers(0, len(documents) - 1))
+                other += other >= d  # Any document but this one.
+                segs = documents[other]
+                b, is_next = list(segs[int(rng.integers(0, len(segs)))]), 0
+            while len(a) + len(b) > seq_len - 3:
+                (a if len(a) > len(b) else b).pop()
+            tokens = [cls_id, *a, sep_id, *b, sep_id]
+            type_ids = [0] * (len(a) + 2) + [1] * (len(b) + 1)
+            pad = seq_len - len(tokens)
+            examples.append({'tokens': np.array(tokens + [pad_id] * pad, np.int32),
+                             'type_ids': np.array(type_ids + [0] * pad, np.int32),
+                             'is_next': np.int32(is_next)})
+    return examples
+
+
+# --------------------------------------------------------------------------------------
+# Sequence to sequence.
+# --------------------------------------------------------------------------------------
+
+
+def shift_right(targets: np.ndarray, bos_id: int) -> np.ndarray:
+    """Teacher forcing: the decoder reads [BOS, y_1, ..., y_{n-1}] and predicts y_1..y_n."""
+    targets = np.asarray(targets)
+    shifted = np.empty_like(targets)
+    shifted[..., 0] = bos_id
+    shifted[..., 1:] = targets[..., :-1]
+    return shifted
+
+
+def _pad_to(ids: Sequence[int], length: int, pad_id: int, name: str) -> np.ndarray:
+    if len(ids) > length:
+        raise ValueError(f'{name} has {len(ids)} tokens, more than the {length} allowed; '
+                         f'raise the max length or filter long examples')
+    return np.array(list(ids) + [pad_id] * (length - len(ids)), np.int32)
+
+
+def seq2seq_example(source_ids: Sequence[int], target_ids: Sequence[int], *,
+                    source_len: int, target_len: int, bos_id: int, eos_id: int,
+                    pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Fixed-length encoder-decoder example. Targets end with EOS so decoding can stop;
+    `target_weights` zero the padding in the loss."""
+    targets = _pad_to([*target_ids, eos_id], target_len, pad_id, 'target')
+    return {'inputs': _pad_to(source_ids, source_len, pad_id, 'source'),
+            'decoder_inputs': shift_right(targets, bos_id),
+            'targets': targets,
+            'target_weights': (targets != pad_id).astype(np.float32)}
+
+
+# --------------------------------------------------------------------------------------
+# Images.
+# --------------------------------------------------------------------------------------
+
+
+def normalize_image(image: np.ndarray, mean: Sequence[float] | float = 0.5,
+                    std: Sequence[float] | float = 0.5) -> np.ndarray:
+    """uint8 [..., H, W, C] -> float32 (x/255 - mean) / std, per channel."""
+    x = np.asarray(image, np.float32) / 255.0
+    return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+
+
+def random_crop_flip(image: np.ndarray, rng: np.random.Generator, *, padding: int = 0,
+                     flip: bool = False) -> np.ndarray:
+    """Pad by `padding` zeros on each side, crop back to H x W at a random offset, and
+    (if `flip`) mirror left-right with probability 1/2 (the CIFAR recipe of He et al.
+    2016). Leave flip off where mirroring changes the class (digits, text)."""
+    h, w = image.shape[:2]
+    if padding > 0:
+        widths = [(padding, padding), (padding, padding)] + [(0, 0)] * (image.ndim - 2)
+        padded = np.pad(image, widths)
+        top, left = rng.integers(0, 2 * padding + 1, size=2)
+        image = padded[top:top + h, left:left + w]
+    if flip and rng.random() < 0.5:
+        image = image[:, ::-1]
+    return np.ascontiguousarray(image)

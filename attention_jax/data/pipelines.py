@@ -1,0 +1,110 @@
+"""Per-task transforms that turn dataset records into model batches.
+
+They are small frozen dataclasses rather than closures so that grain can pickle them
+into worker processes. Each is `fn(record, rng) -> dict of numpy arrays`, the
+`transform` a `Loader` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from attention_jax.data import objectives
+from attention_jax.data.packing import PackedSource
+from attention_jax.data.tokenization import Tokenizer
+
+
+def _text(value) -> str:
+    return value.decode('utf-8') if isinstance(value, bytes) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeText:
+    """record -> token ids of record[key] (picklable, for PackedSource)."""
+    tokenizer: Tokenizer
+    key: str = 'text'
+
+    def __call__(self, record) -> list[int]:
+        return self.tokenizer.encode(_text(record[self.key]))
+
+
+def packed_lm_source(source, tokenizer: Tokenizer, seq_len: int, *, key: str = 'text',
+                     split_documents: bool = True,
+                     max_documents: int | None = None) -> PackedSource:
+    """Documents of `source[i][key]` tokenized, EOS-terminated (when the tokenizer has
+    one), packed into rows of `seq_len`."""
+    return PackedSource(source, EncodeText(tokenizer, key), seq_len,
+                        eos_id=getattr(tokenizer, 'eos_id', None),
+                        split_documents=split_documents, pad_id=tokenizer.pad_id,
+                        max_documents=max_documents)
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalLM:
+    """Packed row -> inputs/targets/weights/segment_ids/positions (next-token prediction)."""
+
+    def __call__(self, row, rng) -> dict[str, np.ndarray]:
+        del rng
+        return objectives.next_token_targets(row)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedLM:
+    """Packed row -> BERT MLM example; segment ids and positions pass through."""
+    mask_id: int
+    vocab_size: int
+    special_ids: tuple[int, ...]
+    mask_rate: float = 0.15
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, mask_rate: float = 0.15) -> MaskedLM:
+        return cls(tokenizer.mask_id, tokenizer.vocab_size, tuple(sorted(tokenizer.special_ids)),
+                   mask_rate)
+
+    def __call__(self, row, rng) -> dict[str, np.ndarray]:
+        out = objectives.mlm_mask(row['tokens'], rng, mask_id=self.mask_id,
+                                  vocab_size=self.vocab_size, special_ids=self.special_ids,
+                                  mask_rate=self.mask_rate)
+        return {**out, 'segment_ids': row['segment_ids'], 'positions': row['positions']}
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """Number-translation (or any text pair) record -> fixed-length seq2seq example."""
+    source_tokenizer: Tokenizer
+    target_tokenizer: Tokenizer
+    source_key: str = 'en'
+    target_key: str = 'fr'
+    source_len: int = 32
+    target_len: int = 32
+
+    def __call__(self, record, rng) -> dict[str, np.ndarray]:
+        del rng
+        tgt = self.target_tokenizer
+        return objectives.seq2seq_example(
+            self.source_tokenizer.encode(_text(record[self.source_key])),
+            tgt.encode(_text(record[self.target_key])),
+            source_len=self.source_len, target_len=self.target_len,
+            bos_id=tgt.bos_id, eos_id=tgt.eos_id, pad_id=tgt.pad_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageClassification:
+    """Image record -> normalised float image (optionally augmented) and label."""
+    mean: float | Sequence[float] = 0.5
+    std: float | Sequence[float] = 0.5
+    augment: bool = False
+    padding: int = 0
+    flip: bool = False
+    image_key: str = 'image'
+    label_key: str = 'label'
+
+    def __call__(self, record, rng) -> dict[str, np.ndarray]:
+        image = record[self.image_key]
+        if self.augment:
+            image = objectives.random_crop_flip(image, rng, padding=self.padding, flip=self.flip)
+        return {'image': objectives.normalize_image(image, self.mean, self.std),
+                'label': np.int32(record[self.label_key])}

