@@ -1,0 +1,296 @@
+"""RNN sequence-to-sequence model: the encoder-decoder the lectures start from, and the
+attention that was invented to fix it.
+
+Two decoders share one code path, switched by `RNNConfig.attention`:
+  - bottleneck (Cho et al. 2014, "RNN Encoder-Decoder"; Sutskever et al. 2014): the whole
+    source is squeezed into one fixed vector c, the encoder's final state, and the decoder
+    reads the same c at every step. Long sentences must fit through that vector.
+  - additive attention (Bahdanau, Cho & Bengio 2015, "RNNsearch"): at every step i the
+    decoder scores each encoder state h_j against its previous state s_{i-1},
+        e_ij = vᵀ tanh(W_s s_{i-1} + W_h h_j),   α_i = softmax_j(e_ij),   c_i = Σ_j α_ij h_j,
+    so the context is recomputed per target word and padding positions get α = 0.
+
+    model = RNNSeq2Seq(RNNConfig.from_variant("tiny"))
+    params = model.init(key, src, tgt_in)["params"]
+    logits, aux = model.apply({"params": params}, src, tgt_in)   # [B, T, V]; aux["attention"] [B, T, S]
+    tokens, aux = model.apply({"params": params}, src, method=model.generate, max_len=20)
+
+Sources are right-padded with `pad_id` (or give `src_mask` [B, S], True on real tokens).
+Targets: decoder input is `shift_right(targets)` ([BOS, y_1, ..., y_{T-1}]), loss is
+`seq2seq_loss(logits, targets, pad_id)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import axes
+
+__all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS", "shift_right", "seq2seq_loss"]
+
+CELLS = ("gru", "lstm")
+
+
+@dataclasses.dataclass(frozen=True)
+class RNNConfig:
+    src_vocab_size: int
+    tgt_vocab_size: int
+    embed_dim: int  # m in Bahdanau et al. Appendix A
+    hidden_dim: int  # n: units per direction of the encoder, and of the decoder
+    attention_dim: int  # n': hidden size of the alignment MLP
+    readout_dim: int  # l: maxout units of the deep output layer
+    attention: bool = True  # False: the single-context-vector bottleneck
+    bidirectional: bool = True  # encoder reads the source both ways (annotations = [→h; ←h])
+    cell: str = "gru"  # one of CELLS
+    dropout: float = 0.0  # on the embeddings and the readout
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    dtype: Any = jnp.float32  # computation dtype; params stay float32
+
+    def __post_init__(self):
+        if self.cell not in CELLS:
+            raise ValueError(f"cell={self.cell!r} is unknown; valid: {CELLS}")
+        for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "hidden_dim",
+                     "attention_dim", "readout_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            if not 0 <= getattr(self, name) < self.tgt_vocab_size:
+                raise ValueError(f"{name}={getattr(self, name)} must lie in "
+                                 f"[0, tgt_vocab_size={self.tgt_vocab_size})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {self.dropout}")
+
+    @classmethod
+    def from_variant(cls, name: str, **overrides) -> "RNNConfig":
+        if name not in VARIANTS:
+            raise ValueError(f"unknown RNN variant {name!r}; valid: {sorted(VARIANTS)}")
+        return cls(**{**VARIANTS[name], **overrides})
+
+
+# Bahdanau et al. 2015, Section 4.2 and Appendix A.2: 30k-word vocabularies, 620-d
+# embeddings, 1000 hidden units (per direction in RNNsearch's encoder), a 1000-unit
+# alignment model and a 500-unit maxout readout. RNNencdec is the paper's baseline
+# (Cho et al. 2014): same sizes, one-directional encoder, no attention.
+_PAPER = dict(src_vocab_size=30000, tgt_vocab_size=30000, embed_dim=620, hidden_dim=1000,
+              attention_dim=1000, readout_dim=500)
+_TINY = dict(src_vocab_size=32, tgt_vocab_size=32, embed_dim=16, hidden_dim=32,
+             attention_dim=32, readout_dim=16)
+VARIANTS = {
+    "rnnsearch": dict(_PAPER, attention=True, bidirectional=True),
+    "rnnencdec": dict(_PAPER, attention=False, bidirectional=False),
+    "tiny": dict(_TINY, attention=True),
+    "tiny-bottleneck": dict(_TINY, attention=False),
+    "tiny-lstm": dict(_TINY, attention=True, cell="lstm"),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def shift_right(targets, bos_id: int = 1):
+    """[y_1, ..., y_T] -> [BOS, y_1, ..., y_{T-1}]: the teacher-forced decoder input."""
+    bos = jnp.full_like(targets[:, :1], bos_id)
+    return jnp.concatenate([bos, targets[:, :-1]], axis=1)
+
+
+def seq2seq_loss(logits, targets, pad_id: int = 0):
+    """Mean token cross-entropy over non-pad targets; returns (loss, number of tokens)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    weights = (targets != pad_id).astype(jnp.float32)
+    count = jnp.sum(weights)
+    return jnp.sum(nll * weights) / jnp.maximum(count, 1.0), count
+
+
+def _dense(features, in_axis, out_axis, name, use_bias=True, dtype=jnp.float32):
+    return nn.Dense(
+        features, use_bias=use_bias, dtype=dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (in_axis, out_axis)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (out_axis,)))
+
+
+def _cell(cfg: RNNConfig, **module_kwargs):
+    """A GRU or LSTM cell of cfg.hidden_dim units. The hidden units carry the MLP axis
+    (the only wide axis an RNN has); the recurrent kernel's input side stays unsharded
+    because one parameter cannot use a mesh axis twice."""
+    cls = nn.GRUCell if cfg.cell == "gru" else nn.LSTMCell
+    return cls(
+        features=cfg.hidden_dim, dtype=cfg.dtype, **module_kwargs,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (axes.EMBED, axes.MLP)),
+        recurrent_kernel_init=nn.with_logical_partitioning(nn.initializers.orthogonal(), (None, axes.MLP)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes.MLP,)))
+
+
+def _hidden(cfg: RNNConfig, carry):
+    """The state s the rest of the model reads: h for a GRU, h of (c, h) for an LSTM."""
+    return carry if cfg.cell == "gru" else carry[1]
+
+
+# ----------------------------------------------------------------------------- decoder step
+
+
+class DecoderStep(nn.Module):
+    """One decoder step: previous token -> (new carry, logits, attention weights).
+
+    Scanned over time both for teacher forcing and for greedy decoding, so the two use
+    the same parameters and the same arithmetic.
+    """
+
+    config: RNNConfig
+
+    @nn.compact
+    def __call__(self, carry, y_prev, memory, deterministic: bool):
+        """carry: cell state; y_prev: [B] token ids; memory: dict of encoder arrays
+        (annotations [B, S, C], keys [B, S, A] = W_h h_j, mask [B, S], summary [B, C])."""
+        cfg = self.config
+        emb = nn.Embed(cfg.tgt_vocab_size, cfg.embed_dim, dtype=cfg.dtype, name="embed",
+                       embedding_init=nn.with_logical_partitioning(
+                           nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))(y_prev)  # [B, m]
+        emb = nn.Dropout(cfg.dropout)(emb, deterministic=deterministic)
+        s_prev = _hidden(cfg, carry)  # [B, n]
+
+        if cfg.attention:
+            # e_ij = vᵀ tanh(W_s s_{i-1} + W_h h_j); W_h h_j was computed once per source
+            # (Bahdanau et al. Appendix A.1.2: it does not depend on i).
+            query = _dense(cfg.attention_dim, axes.MLP, axes.HEAD_DIM, "attn_query",
+                           use_bias=False, dtype=cfg.dtype)(s_prev)  # [B, A]
+            hid = jnp.tanh(memory["keys"] + query[:, None, :])  # [B, S, A]
+            scores = _dense(1, axes.HEAD_DIM, None, "attn_v", use_bias=False,
+                            dtype=cfg.dtype)(hid)[..., 0]  # [B, S]
+            # A finite fill (not -inf) keeps a row with no real source token NaN-free,
+            # forward and backward; the final where gives padding exactly zero weight.
+            scores = jnp.where(memory["mask"], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+            alpha = jnp.where(memory["mask"], jax.nn.softmax(scores, axis=-1), 0.0)  # [B, S]
+            context = jnp.einsum("BS,BSC->BC", alpha.astype(cfg.dtype), memory["annotations"])
+        else:
+            # The bottleneck: the same summary vector at every step (Cho et al. 2014, eq. 6).
+            context = memory["summary"]  # [B, C]
+            alpha = None  # there is nothing to align
+
+        # The GRU/LSTM input is [E y_{i-1}; c_i]: a linear map of the concatenation equals
+        # Bahdanau's separate W E y + C c terms.
+        carry, s_new = _cell(self.config, name="cell")(carry, jnp.concatenate([emb, context], -1))
+
+        # Deep output (Bahdanau et al. Appendix A.2.2): t̃ = U s_i + V E y_{i-1} + C c_i,
+        # a maxout over pairs of t̃ units, then a linear map to the vocabulary.
+        pre = _dense(2 * cfg.readout_dim, axes.EMBED, axes.MLP, "readout", dtype=cfg.dtype)(
+            jnp.concatenate([s_new, emb, context], -1))  # [B, 2l]
+        t = jnp.max(pre.reshape(pre.shape[:-1] + (cfg.readout_dim, 2)), axis=-1)  # [B, l]
+        t = nn.Dropout(cfg.dropout)(t, deterministic=deterministic)
+        logits = _dense(cfg.tgt_vocab_size, axes.MLP, axes.VOCAB, "logits", dtype=cfg.dtype)(t)
+        return carry, logits, alpha
+
+
+def _teacher_body(step: DecoderStep, carry, y_prev, memory, deterministic):
+    carry, logits, alpha = step(carry, y_prev, memory, deterministic)
+    return carry, (logits, alpha)
+
+
+def _greedy_body(step: DecoderStep, state, _, memory, deterministic):
+    carry, y_prev, done = state
+    cfg = step.config
+    carry, logits, alpha = step(carry, y_prev, memory, deterministic)
+    token = jnp.argmax(logits, axis=-1).astype(y_prev.dtype)  # [B]
+    live = ~done  # this step belongs to the output (up to and including EOS)
+    token = jnp.where(live, token, cfg.pad_id)  # finished rows emit padding
+    return (carry, token, done | (token == cfg.eos_id)), (token, alpha, live)
+
+
+def _scan(body, length=None):
+    # Parameters are shared over time (broadcast); dropout draws a fresh mask per step.
+    return nn.scan(body, variable_broadcast="params", split_rngs={"params": False, "dropout": True},
+                   in_axes=(1, nn.broadcast, nn.broadcast), out_axes=1, length=length)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class RNNSeq2Seq(nn.Module):
+    """GRU/LSTM encoder-decoder, with Bahdanau attention or the single-vector bottleneck."""
+
+    config: RNNConfig
+
+    def setup(self):
+        cfg = self.config
+        self.src_embed = nn.Embed(cfg.src_vocab_size, cfg.embed_dim, dtype=cfg.dtype,
+                                  embedding_init=nn.with_logical_partitioning(
+                                      nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))
+        # parent=None: the cells are adopted by their nn.RNN rather than by this module.
+        forward = nn.RNN(_cell(cfg, parent=None), parent=None)
+        if cfg.bidirectional:
+            backward = nn.RNN(_cell(cfg, parent=None), parent=None)
+            self.encoder = nn.Bidirectional(forward, backward, return_carry=True)
+        else:
+            self.encoder = forward
+        self.attn_keys = _dense(cfg.attention_dim, axes.EMBED, axes.HEAD_DIM, "attn_keys",
+                                dtype=cfg.dtype)
+        self.init_state = _dense(cfg.hidden_dim, axes.EMBED, axes.MLP, "init_state", dtype=cfg.dtype)
+        self.decoder = DecoderStep(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def encode(self, src, src_mask=None, deterministic: bool = True):
+        """src: [B, S] ids, right-padded. Returns (memory dict, initial decoder carry)."""
+        cfg = self.config
+        src_mask = _check_source(src, src_mask, cfg.pad_id)
+        lengths = jnp.sum(src_mask, axis=-1).astype(jnp.int32)  # [B]
+        x = self.dropout(self.src_embed(src), deterministic=deterministic)  # [B, S, m]
+        carry, annotations = self.encoder(x, seq_lengths=lengths, return_carry=True)  # [B, S, C]
+        annotations = jnp.where(src_mask[..., None], annotations, 0)  # no junk past the end
+        if cfg.bidirectional:
+            # [→h_last; ←h_1]: each direction's state after reading the whole sentence.
+            summary = jnp.concatenate([_hidden(cfg, carry[0]), _hidden(cfg, carry[1])], -1)
+        else:
+            summary = _hidden(cfg, carry)  # [B, n]
+        # s_0 = tanh(W_s summary): Bahdanau et al. A.2.2 use ←h_1; Cho et al. the last h.
+        s0 = jnp.tanh(self.init_state(summary))  # [B, n]
+        dec_carry = s0 if cfg.cell == "gru" else (jnp.zeros_like(s0), s0)
+        memory = dict(annotations=annotations, mask=src_mask, summary=summary)
+        if cfg.attention:  # W_h h_j: computed once per source, read at every decoder step
+            memory["keys"] = self.attn_keys(annotations)  # [B, S, A]
+        return memory, dec_carry
+
+    def __call__(self, src, tgt_in, src_mask=None, deterministic: bool = True):
+        """Teacher forcing: src [B, S], tgt_in [B, T] (= shift_right(targets)).
+
+        Returns (logits [B, T, V], aux): aux["annotations"] [B, S, C] (encoder states),
+        aux["summary"] [B, C] (the bottleneck vector) and, with attention, aux["attention"]
+        [B, T, S] (each row sums to 1 over real source tokens, 0 on padding)."""
+        memory, carry = self.encode(src, src_mask, deterministic)
+        _, (logits, alpha) = _scan(_teacher_body)(self.decoder, carry, tgt_in, memory, deterministic)
+        return logits, _aux(alpha, annotations=memory["annotations"], summary=memory["summary"])
+
+    def generate(self, src, src_mask=None, max_len: int = 32):
+        """Greedy decoding for max_len steps from BOS. After a row emits EOS it emits
+        pad_id. Returns (tokens [B, max_len], aux) with aux["lengths"] [B] (tokens up to
+        and including EOS, or max_len) and, with attention, aux["attention"] [B, max_len, S]."""
+        cfg = self.config
+        if not isinstance(max_len, int) or max_len <= 0:
+            raise ValueError(f"max_len must be a positive int; got {max_len!r}")
+        memory, carry = self.encode(src, src_mask, deterministic=True)
+        b = src.shape[0]
+        start = (carry, jnp.full((b,), cfg.bos_id, jnp.int32), jnp.zeros((b,), bool))
+        _, (tokens, alpha, live) = _scan(_greedy_body, length=max_len)(
+            self.decoder, start, None, memory, True)
+        return tokens, _aux(alpha, lengths=jnp.sum(live, axis=-1).astype(jnp.int32))
+
+
+def _aux(alpha, **named):
+    return named if alpha is None else {"attention": alpha, **named}
+
+
+def _check_source(src, src_mask: Optional[jax.Array], pad_id: int):
+    if src.ndim != 2 or not jnp.issubdtype(src.dtype, jnp.integer):
+        raise ValueError(f"src must be int token ids of shape [B, S]; got {src.dtype} {src.shape}")
+    if src_mask is None:
+        return src != pad_id
+    if src_mask.shape != src.shape or src_mask.dtype != jnp.bool_:
+        raise ValueError(f"src_mask must be bool with src's shape {src.shape}; "
+                         f"got {src_mask.dtype} {src_mask.shape}")
+    return src_mask

@@ -1,0 +1,167 @@
+"""RNN seq2seq: Bahdanau attention vs the single-vector bottleneck, padding, decoding, training."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from attention_jax.models.rnn import RNNConfig, RNNSeq2Seq, VARIANTS, seq2seq_loss, shift_right
+
+# Row 0 has 4 real source tokens and 2 pads; row 1 is full.
+SRC = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]], jnp.int32)
+TGT = jnp.array([[4, 5, 2, 0], [6, 7, 8, 2]], jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)  # init compiles; share it between tests
+def _init(variant, **overrides):
+    model = RNNSeq2Seq(RNNConfig.from_variant(variant, **overrides))
+    params = nn.unbox(model.init(jax.random.key(0), SRC, shift_right(TGT))["params"])
+    return model, params
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-lstm"])
+def test_attention_weights_sum_to_one_on_real_tokens_and_zero_on_padding(variant):
+    model, params = _init(variant)
+    logits, aux = model.apply({"params": params}, SRC, shift_right(TGT))
+    assert logits.shape == (2, 4, 32)
+    alpha = np.asarray(aux["attention"])  # [B, T, S]
+    assert alpha.shape == (2, 4, 6)
+    np.testing.assert_allclose(alpha.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(alpha[0, :, 4:], 0.0)
+    assert np.all(alpha[0, :, :4] > 0) and np.all(alpha[1] > 0)
+
+
+def test_bottleneck_has_no_alignment_model_and_attention_does():
+    attn_model, attn_params = _init("tiny")
+    neck_model, neck_params = _init("tiny-bottleneck")
+    for name in ("attn_keys",):
+        assert name in attn_params and name not in neck_params
+    for name in ("attn_query", "attn_v"):
+        assert name in attn_params["decoder"] and name not in neck_params["decoder"]
+    _, neck_aux = neck_model.apply({"params": neck_params}, SRC, shift_right(TGT))
+    assert "attention" not in neck_aux and neck_aux["summary"].shape == (2, 64)
+    # The bottleneck decoder reads the source only through the summary vector: swapping in
+    # other annotations (same summary) leaves its logits unchanged; attention's do change.
+    for model, params, should_change in ((neck_model, neck_params, False),
+                                         (attn_model, attn_params, True)):
+        memory, carry = model.apply({"params": params}, SRC, method=model.encode)
+        noisy = dict(memory, annotations=memory["annotations"] + 1.0)
+        if "keys" in memory:
+            noisy["keys"] = memory["keys"] + 1.0
+
+        def step(m, carry, mem):
+            return m.decoder(carry, jnp.array([1, 1]), mem, True)[1]
+
+        a = nn.apply(step, model)({"params": params}, carry, memory)
+        b = nn.apply(step, model)({"params": params}, carry, noisy)
+        assert bool(jnp.any(jnp.abs(a - b) > 1e-4)) == should_change
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-bottleneck"])
+def test_pad_token_ids_do_not_matter(variant):
+    model, params = _init(variant)
+    mask = SRC != 0
+    other = jnp.where(mask, SRC, 17)  # same real tokens, different ids under the mask
+    a, _ = model.apply({"params": params}, SRC, shift_right(TGT), src_mask=mask)
+    b, _ = model.apply({"params": params}, other, shift_right(TGT), src_mask=mask)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    c, _ = model.apply({"params": params}, other, shift_right(TGT))  # 17s now count as real
+    assert not np.allclose(a[0], c[0], atol=1e-4)
+
+
+def test_greedy_decode_matches_teacher_forcing_on_its_own_output():
+    model, params = _init("tiny")
+    tokens, aux = model.apply({"params": params}, SRC, method=model.generate, max_len=7)
+    assert tokens.shape == (2, 7) and aux["attention"].shape == (2, 7, 6)
+    logits, tf_aux = model.apply({"params": params}, SRC, shift_right(tokens))
+    live = np.arange(7)[None, :] < np.asarray(aux["lengths"])[:, None]
+    np.testing.assert_array_equal(np.where(live, jnp.argmax(logits, -1), 0), np.where(live, tokens, 0))
+    np.testing.assert_allclose(np.where(live[..., None], tf_aux["attention"], 0),
+                               np.where(live[..., None], aux["attention"], 0), atol=1e-5)
+
+
+def test_greedy_decode_stops_at_eos_and_pads_after():
+    model, params = _init("tiny")
+
+    def favour(token):  # an output layer that always predicts `token`
+        kernel = jnp.zeros_like(params["decoder"]["logits"]["kernel"])
+        logits = {"kernel": kernel, "bias": jnp.zeros(32).at[token].set(10.0)}
+        return params | {"decoder": params["decoder"] | {"logits": logits}}
+
+    tokens, aux = model.apply({"params": favour(2)}, SRC, method=model.generate, max_len=5)
+    np.testing.assert_array_equal(tokens, [[2, 0, 0, 0, 0]] * 2)  # EOS, then padding
+    np.testing.assert_array_equal(aux["lengths"], [1, 1])
+    tokens, aux = model.apply({"params": favour(9)}, SRC, method=model.generate, max_len=5)
+    np.testing.assert_array_equal(tokens, [[9] * 5] * 2)  # never stops: runs to max_len
+    np.testing.assert_array_equal(aux["lengths"], [5, 5])
+
+
+@pytest.mark.parametrize("variant,attention", [("tiny", True), ("tiny-lstm", False)])
+def test_jitted_training_steps_decrease_the_loss(variant, attention):
+    model, params = _init(variant, dropout=0.1, attention=attention)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, key):
+        def loss_fn(p):
+            logits, _ = model.apply({"params": p}, SRC, shift_right(TGT), deterministic=False,
+                                    rngs={"dropout": key})
+            return seq2seq_loss(logits, TGT)[0]
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(6):
+        params, opt_state, loss = train_step(params, opt_state, jax.random.key(i))
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_seq2seq_loss_ignores_padding():
+    logits = jax.random.normal(jax.random.key(1), (2, 4, 32))
+    loss, count = seq2seq_loss(logits, TGT)
+    assert int(count) == 7
+    logp = jax.nn.log_softmax(logits)
+    manual = -sum(float(logp[b, t, TGT[b, t]]) for b in range(2) for t in range(4) if TGT[b, t] != 0) / 7
+    np.testing.assert_allclose(float(loss), manual, rtol=1e-5)
+
+
+def _gru_params(inp, n):  # flax GRUCell: 3 input kernels with biases, 3 recurrent, + b_hn
+    return 3 * (inp * n + n) + 3 * n * n + n
+
+
+def test_paper_size_rnnsearch_builds_without_memory_and_counts_match_equations():
+    cfg = RNNConfig.from_variant("rnnsearch")
+    model = RNNSeq2Seq(cfg)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 5), jnp.int32),
+                            jnp.zeros((1, 4), jnp.int32))
+    count = sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+    v, m, n, a, l = 30000, 620, 1000, 1000, 500
+    expected = (v * m + 2 * _gru_params(m, n)  # source embedding, two encoder directions
+                + 2 * n * n + n  # s_0 = tanh(W [→h; ←h])
+                + 2 * n * a + a + n * a + a  # W_h (keys), W_s (query), v
+                + v * m + _gru_params(m + 2 * n, n)  # target embedding, decoder GRU
+                + (n + m + 2 * n) * 2 * l + 2 * l + l * v + v)  # maxout readout, output layer
+    assert count == expected, (count, expected)
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match="valid"):
+        RNNConfig.from_variant("rnnsearch-xl")
+    with pytest.raises(ValueError, match="cell"):
+        RNNConfig.from_variant("tiny", cell="transformer")
+    with pytest.raises(ValueError, match="eos_id"):
+        RNNConfig.from_variant("tiny", eos_id=99)
+    model, params = _init("tiny")
+    with pytest.raises(ValueError, match="src_mask"):
+        model.apply({"params": params}, SRC, shift_right(TGT), src_mask=jnp.ones((2, 5), bool))
+    with pytest.raises(ValueError, match="max_len"):
+        model.apply({"params": params}, SRC, method=model.generate, max_len=0)
+    assert set(VARIANTS) >= {"rnnsearch", "rnnencdec", "tiny", "tiny-bottleneck", "tiny-lstm"}
