@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grain
+from absl import flags
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -157,6 +158,10 @@ class Loader:
     def __iter__(self) -> Iterator[Batch]:
         ds = self._process_batches().to_iter_dataset()
         if self.worker_count > 0:
+            # grain's workers read absl flags; outside an absl app (notebooks, pytest)
+            # nobody parsed them, so accept the defaults rather than crash.
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
         for batch in ds:
             # Advance before yielding: a checkpoint taken after receiving this batch must
