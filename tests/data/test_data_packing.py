@@ -81,8 +81,8 @@ def test_packed_attention_equals_unpacked_documents(implementation):
     rows = data.pack_documents(docs, seq_len, split_documents=False)
     vocab = max(max(doc) for doc in docs) + 1
     init = np.random.default_rng(2)
-    tok_emb = init.normal(size=(vocab, d)).astype(np.float32)
-    pos_emb = init.normal(size=(seq_len, d)).astype(np.float32)
+    tok_emb = jnp.asarray(init.normal(size=(vocab, d)), jnp.float32)
+    pos_emb = jnp.asarray(init.normal(size=(seq_len, d)), jnp.float32)
     wq, wk, wv = (init.normal(size=(d, heads, head_dim)).astype(np.float32) for _ in range(3))
 
     def layer(tokens, positions, segment_ids=None):
