@@ -1,0 +1,114 @@
+"""Objectives: MLM rates and specials, NSP pairs, teacher forcing, image transforms."""
+
+import numpy as np
+import pytest
+
+from attention_jax import data
+
+PAD, CLS, SEP, MASK, VOCAB = 0, 1, 2, 3, 1000
+SPECIALS = (PAD, CLS, SEP, MASK)
+
+
+def _batch(rng, rows=2000, length=128):
+    tokens = rng.integers(4, VOCAB, size=(rows, length))
+    tokens[:, 0] = CLS
+    lengths = rng.integers(20, length, size=rows)
+    for r, n in enumerate(lengths):
+        tokens[r, n - 1] = SEP
+        tokens[r, n:] = PAD
+    return tokens
+
+
+def test_mlm_rates_within_tolerance_and_specials_never_masked():
+    rng = np.random.default_rng(0)
+    tokens = _batch(rng)
+    out = data.mlm_mask(tokens, rng, mask_id=MASK, vocab_size=VOCAB, special_ids=SPECIALS)
+    special = np.isin(tokens, SPECIALS)
+    chosen = out['weights'] > 0
+    assert not (chosen & special).any()
+    np.testing.assert_array_equal(out['inputs'][special], tokens[special])
+    np.testing.assert_array_equal(out['targets'], tokens)
+    # 15% of each row's ordinary tokens (exactly, to rounding).
+    eligible = (~special).sum(1)
+    assert np.all(np.abs(chosen.sum(1) - 0.15 * eligible) <= 0.5)
+    n = chosen.sum()
+    masked = (out['inputs'] == MASK) & chosen
+    kept = (out['inputs'] == tokens) & chosen
+    replaced = chosen & ~masked & ~kept
+    # ~37k predictions: 5 standard deviations of a proportion are below 0.011.
+    assert abs(masked.sum() / n - 0.8) < 0.011
+    assert abs(kept.sum() / n - 0.1) < 0.011  # (+ random picks of the same id: 0.1%.)
+    assert abs(replaced.sum() / n - 0.1) < 0.011
+    assert not np.isin(out['inputs'][replaced], SPECIALS).any()
+    assert ((out['inputs'] != tokens) <= chosen).all()  # Nothing else changes.
+
+
+def test_masked_lm_transform_is_deterministic_per_rng():
+    row = data.pack_documents([list(range(10, 60))], 64)
+    row = {k: v[0] for k, v in row.items()}
+    t = data.MaskedLM(mask_id=MASK, vocab_size=VOCAB, special_ids=SPECIALS)
+    a = t(row, np.random.default_rng(3))
+    b = t(row, np.random.default_rng(3))
+    np.testing.assert_array_equal(a['inputs'], b['inputs'])
+    assert a['weights'].sum() == round(0.15 * 50)
+    np.testing.assert_array_equal(a['segment_ids'], row['segment_ids'])
+
+
+def test_nsp_pairs_are_half_real_next_and_well_formed():
+    rng = np.random.default_rng(0)
+    docs = [[[100 * d + 10 * s + i for i in range(1, 4)] for s in range(6)] for d in range(40)]
+    examples = data.nsp_pairs(docs, rng, seq_len=12, cls_id=CLS, sep_id=SEP)
+    assert len(examples) == 40 * 5
+    labels = np.array([e['is_next'] for e in examples])
+    assert abs(labels.mean() - 0.5) < 0.1  # 200 draws: 2.8 standard deviations.
+    for e in examples:
+        tokens, types = e['tokens'], e['type_ids']
+        assert tokens.shape == types.shape == (12,)
+        assert tokens[0] == CLS and tokens[4] == SEP and tokens[8] == SEP
+        a, b = tokens[1:4], tokens[5:8]
+        assert (types[:5] == 0).all() and (types[5:9] == 1).all() and (tokens[9:] == PAD).all()
+        same_doc, next_seg = a[0] // 100 == b[0] // 100, b[0] % 100 // 10 == a[0] % 100 // 10 + 1
+        assert (same_doc and next_seg) if e['is_next'] else not same_doc
+
+
+def test_teacher_forcing_shift_and_seq2seq_example():
+    np.testing.assert_array_equal(data.shift_right(np.array([[5, 6, 7]]), bos_id=1), [[1, 5, 6]])
+    ex = data.seq2seq_example([9, 8], [5, 6, 7], source_len=4, target_len=6, bos_id=1,
+                              eos_id=2)
+    np.testing.assert_array_equal(ex['inputs'], [9, 8, 0, 0])
+    np.testing.assert_array_equal(ex['targets'], [5, 6, 7, 2, 0, 0])
+    np.testing.assert_array_equal(ex['decoder_inputs'], [1, 5, 6, 7, 2, 0])
+    np.testing.assert_array_equal(ex['target_weights'], [1, 1, 1, 1, 0, 0])
+    with pytest.raises(ValueError, match='target has 7 tokens'):
+        data.seq2seq_example([1], [5] * 6, source_len=4, target_len=6, bos_id=1, eos_id=2)
+
+
+def test_translation_transform_on_number_translation(tmp_path):
+    src = data.get_dataset('number_translation', 'validation', tmp_path, num_train=20,
+                           num_validation=10, num_test=10)
+    tok = data.get_tokenizer('byte')
+    t = data.Translation(tok, tok, source_key='en', target_key='de', source_len=160,
+                         target_len=160)
+    ex = t(src[0], np.random.default_rng(0))
+    assert tok.decode(ex['inputs']) == src[0]['en'].decode()
+    assert tok.decode(ex['targets']) == src[0]['de'].decode()
+    assert ex['decoder_inputs'][0] == tok.bos_id
+
+
+def test_image_normalisation_and_augmentation():
+    image = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3) * 4
+    x = data.normalize_image(np.array([0, 255], np.uint8))
+    np.testing.assert_allclose(x, [-1, 1])
+    per_channel = data.normalize_image(image, mean=(0.1, 0.2, 0.3), std=(1, 2, 3))
+    np.testing.assert_allclose(per_channel[..., 2], (image[..., 2] / 255 - 0.3) / 3, rtol=1e-6)
+    rng = np.random.default_rng(0)
+    np.testing.assert_array_equal(data.random_crop_flip(image, rng), image)
+    padded = np.pad(image, ((2, 2), (2, 2), (0, 0)))
+    windows = {padded[t:t + 4, l:l + 5].tobytes() for t in range(5) for l in range(5)}
+    crops = [data.random_crop_flip(image, rng, padding=2) for _ in range(200)]
+    assert all(c.shape == image.shape and c.tobytes() in windows for c in crops)
+    assert len({c.tobytes() for c in crops}) > 10  # Offsets really vary.
+    flips = [data.random_crop_flip(image, rng, flip=True) for _ in range(100)]
+    mirrored = sum(np.array_equal(f, image[:, ::-1]) for f in flips)
+    assert 25 < mirrored < 75 and all(np.array_equal(f, image) or
+                                      np.array_equal(f, image[:, ::-1]) for f in flips)
