@@ -1,0 +1,200 @@
+"""Multi-head attention as a Flax module: projections around `attention.dot_product_attention`.
+
+    y, aux = MultiHeadAttention(num_heads=8)(x, causal...)       # self-attention
+    y, aux = MultiHeadAttention(num_heads=8)(x, context=enc)     # cross-attention
+
+Parameters are per head, their axes following the shape letters (gemma's einsum style):
+  self-attention, K == N  "qkv"   [D, 3, N, H]   one fused matmul for q, k and v
+  otherwise               "query" [D, N, H] and "kv" [Dc, 2, K, H] (k and v fused)
+  output                  "out"   [N, H, D]
+Grouped-query attention (Ainslie et al. 2023) uses K < N key/value heads, multi-query
+attention (Shazeer 2019) K = 1: fewer K/V heads shrink the decoding cache by N/K.
+
+Decoding cache (prefill, then one token at a time). The cache holds the keys and values
+of every earlier token, "key"/"value" [B, S_max, K, H] in the "cache" collection, where
+S_max is the length of the dummy input the cache was created with. In decode mode the
+caller passes `positions` [B, T], the absolute positions of the new tokens, contiguous
+per row; their keys/values are written at slots positions[:, 0] ... + T - 1 and the
+queries attend causally with q_offset = positions[:, 0]. Batches of prompts of different
+lengths are RIGHT-padded: prefill the padded [B, T] block at positions 0..T-1, then feed
+row b's next token at position len_b. The padding slots len_b..T-1 hold junk keys, but
+causality hides every slot after the current position, and each is overwritten by a real
+token before any query can see it — so no padding mask is needed while decoding.
+Writing past S_max is not checked inside jit (dynamic_update_slice would clamp): the
+caller (e.g. `models.gpt.generate`) sizes the cache for prompt + new tokens.
+
+Dropout (`dropout_rate`) acts on the per-head outputs before the output projection: the
+blockwise and fused kernels never form the attention weights, so dropping weights
+(Vaswani's attention dropout) would make implementations disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attention_jax import axes
+from attention_jax.attention import IMPLEMENTATIONS, dot_product_attention
+from attention_jax.layers.posemb import apply_rope
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_heads(d_model: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                head_dim: Optional[int] = None) -> tuple[int, int, int]:
+    """(N, K, H) after validation; raises ValueError naming the valid choices."""
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive; got {num_heads}")
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ValueError(
+                f"num_heads={num_heads} does not divide the model width D={d_model} (set "
+                f"head_dim explicitly, or use num_heads in {_divisors(d_model)})")
+        head_dim = d_model // num_heads
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    if kv <= 0 or num_heads % kv:
+        raise ValueError(f"num_kv_heads={kv} must divide num_heads={num_heads}; "
+                         f"valid: {_divisors(num_heads)}")
+    return num_heads, kv, head_dim
+
+
+def _write_cache(cache, new, start):
+    """cache [B, S, K, H] with new [B, T, K, H] written at row b's slots start[b].. ."""
+    def one(c, x, s):
+        return lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0))
+    return jax.vmap(one)(cache, new, start.astype(jnp.int32))
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (or grouped/multi-query) attention with output projection.
+
+    Attributes:
+      num_heads: N query heads.  num_kv_heads: K key/value heads (default N; must divide N).
+      head_dim: H (default D // N).  out_features: output width (default the input's D).
+      causal: query i sees keys j <= i (decoders).  window: local attention, see
+        `dot_product_attention`.
+      use_bias: biases on the projections (GPT-2, BERT, Vaswani: yes; LLaMA: no).
+      dropout_rate: on per-head outputs before the output projection (see module doc).
+      implementation: the attention backend ("blockwise" default; "reference" to get weights).
+      rope_base: if set, rotary embeddings with this base on q and k (self-attention only).
+      fuse_qkv: one [D, 3, N, H] projection for self-attention when K == N.
+      kernel_init: overrides the per-kernel fan-in initialiser (any shape-agnostic init).
+    """
+
+    num_heads: int
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    out_features: Optional[int] = None
+    causal: bool = False
+    window: Union[int, tuple[int, int], None] = None
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    implementation: str = "blockwise"
+    rope_base: Optional[float] = None
+    fuse_qkv: bool = True
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
+    kernel_init: Optional[Callable] = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def _param(self, name, shape, names, in_axis, out_axis):
+        init = self.kernel_init or nn.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+        return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
+
+    def _bias(self, name, shape, names):
+        if not self.use_bias:
+            return 0.0
+        init = nn.with_logical_partitioning(nn.initializers.zeros, names)
+        return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+
+    @nn.compact
+    def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
+                 mask=None, deterministic: bool = True, decode: bool = False,
+                 return_weights: bool = False):
+        """x [B, T, D] (queries), context [B, S, Dc] or None (self-attention).
+
+        positions: [B, T] int positions of x's tokens; used by RoPE, and required in
+          decode mode (see the module doc). Default arange(T).
+        segment_ids [B, T] (self-attention, packed sequences), kv_mask [B, S] bool (True =
+          real key; padding), mask: dense bool broadcastable to [B, N, T, S].
+        decode: use and update the "cache" collection (call with mutable=["cache"]).
+        return_weights: also return weights [B, N, T, S] in aux (reference path).
+        Returns (y [B, T, out_features or D], aux) with aux {"attention_weights": ...}
+        when asked, else {}.
+        """
+        b, t, d = x.shape
+        self_attention = context is None
+        n, k_heads, h = check_heads(d, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation={self.implementation!r} is unknown; "
+                             f"valid: {IMPLEMENTATIONS}")
+        x = x.astype(self.dtype)
+        if self_attention and k_heads == n and self.fuse_qkv:
+            w = self._param("qkv", (d, 3, n, h), (axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
+                            0, (1, 2, 3))
+            qkv = jnp.einsum("BTD,DCNH->BTCNH", x, w.astype(self.dtype))  # C: q, k, v
+            qkv = qkv + self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
+        else:
+            src = x if self_attention else context.astype(self.dtype)
+            wq = self._param("query", (d, n, h), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), 0, (1, 2))
+            q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(self.dtype))
+            q = q + self._bias("query_bias", (n, h), (axes.HEADS, axes.HEAD_DIM))
+            wkv = self._param("kv", (src.shape[-1], 2, k_heads, h),
+                              (axes.EMBED, None, axes.KV_HEADS, axes.HEAD_DIM), 0, (1, 2, 3))
+            kv = jnp.einsum("BSD,DCKH->BSCKH", src, wkv.astype(self.dtype))  # C: k, v
+            kv = kv + self._bias("kv_bias", (2, k_heads, h), (None, axes.KV_HEADS, axes.HEAD_DIM))
+            k, v = kv[:, :, 0], kv[:, :, 1]  # [B, S, K, H]
+        q = nn.with_logical_constraint(q, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
+        kv_names = (axes.BATCH, axes.LENGTH, axes.HEADS if k_heads == n else axes.KV_HEADS,
+                    axes.HEAD_DIM)
+        k = nn.with_logical_constraint(k, kv_names)
+        v = nn.with_logical_constraint(v, kv_names)
+
+        if positions is None:
+            if decode:
+                raise ValueError("decode=True needs positions [B, T]: the absolute positions of "
+                                 "the new tokens (where their keys go in the cache)")
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if self.rope_base is not None and self_attention:
+            q = apply_rope(q, positions, self.rope_base)
+            k = apply_rope(k, positions, self.rope_base)
+
+        q_offset = 0
+        if decode and self_attention:
+            if not self.causal:
+                raise ValueError("decode=True needs a causal self-attention (causal=True): a "
+                                 "cache of earlier keys only makes sense left to right")
+            if segment_ids is not None or kv_mask is not None or mask is not None:
+                raise ValueError("decode=True takes no segment_ids/kv_mask/mask: cached slots "
+                                 "are hidden by causality (right-padded prompts, see module doc)")
+            cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
+            cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+            start = positions[:, 0]  # [B]
+            cached_k.value = _write_cache(cached_k.value, k, start)
+            cached_v.value = _write_cache(cached_v.value, v, start)
+            k, v, q_offset = cached_k.value, cached_v.value, start  # [B, S_max, K, H]
+
+        out = dot_product_attention(
+            q, k, v, causal=self.causal and self_attention, window=self.window,
+            segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask, mask=mask,
+            q_offset=q_offset,
+            implementation="reference" if return_weights else self.implementation,
+            block_q=self.block_q, block_k=self.block_k, return_weights=return_weights)
+        aux = {}
+        if return_weights:
+            out, aux["attention_weights"] = out  # [B, N, T, S]
+        out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)  # [B, T, N, H]
+        d_out = self.out_features or d
+        wo = self._param("out", (n, h, d_out), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), (0, 1), 2)
+        y = jnp.einsum("BTNH,NHD->BTD", out, wo.astype(self.dtype))
+        y = y + self._bias("out_bias", (d_out,), (axes.EMBED,))
+        return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux

@@ -1,0 +1,258 @@
+"""Transformer blocks and the layer stack.
+
+One block = self-attention [+ cross-attention] + feed-forward, each a residual sublayer.
+Where the norm goes is a switch (`norm_position`):
+  "post"  x = Norm(x + Dropout(Sublayer(x)))   Vaswani et al. 2017 ("Add & Norm"), BERT.
+  "pre"   x = x + Dropout(Sublayer(Norm(x)))   GPT-2, ViT: the residual stream is never
+          normalised, so gradients reach early layers unscaled and deep stacks train
+          without warm-up (Xiong et al. 2020). Pre-norm stacks need a final norm, which
+          the models add after the stack.
+
+    cfg = BlockConfig(num_heads=4, causal=True)
+    y, aux = TransformerStack(cfg, num_layers=2)(x)      # x [B, T, D]
+
+The stack can `nn.scan` over layers (one compiled layer, parameters stacked on a
+leading LAYERS axis: compile time independent of depth) and rematerialise each layer
+(`nn.remat` with a named policy: recompute activations in the backward pass instead of
+storing them). Every block returns (y, aux); the stack stacks each aux leaf over layers
+([L, ...]) whether or not it scans, so callers read aux the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import axes
+from attention_jax.attention import IMPLEMENTATIONS
+from attention_jax.layers.attention import MultiHeadAttention
+from attention_jax.layers.mlp import ACTIVATIONS, MLP, MLPS, SwiGLU
+from attention_jax.layers.moe import MoE
+from attention_jax.layers.norms import NORMS, make_norm
+
+NORM_POSITIONS = ("pre", "post")
+REMAT_POLICIES = {
+    "none": None,  # no rematerialisation: store every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer
+    "dots": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Hyperparameters of one transformer block (hashable: a Flax module field).
+
+    num_heads N, num_kv_heads K (default N), head_dim H (default D/N).
+    mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu" (default ≈ 8D/3 rounded
+      to swiglu_multiple) or "moe" (num_experts, top_k, capacity_factor; hidden mlp_dim).
+    norm: "layernorm" | "rmsnorm"; norm_position: "pre" | "post".
+    causal: causal self-attention (decoders). cross_attention: add a cross-attention
+      sublayer over a context (encoder-decoder decoders).
+    dropout_rate: residual dropout on each sublayer's output (Vaswani §5.4) and in the MLP.
+    attention_dropout_rate: on per-head attention outputs (layers/attention.py).
+    implementation: attention backend; rope_base: rotary embeddings in self-attention.
+    """
+
+    num_heads: int
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    mlp: str = "mlp"
+    mlp_dim: Optional[int] = None
+    activation: str = "gelu"
+    swiglu_multiple: int = 128
+    norm: str = "layernorm"
+    norm_position: str = "pre"
+    norm_epsilon: float = 1e-6
+    causal: bool = False
+    cross_attention: bool = False
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    implementation: str = "blockwise"
+    rope_base: Optional[float] = None
+    window: Union[int, tuple[int, int], None] = None
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
+
+    def __post_init__(self):
+        choices = {"mlp": MLPS, "norm": NORMS, "norm_position": NORM_POSITIONS,
+                   "activation": tuple(ACTIVATIONS), "implementation": IMPLEMENTATIONS}
+        for field, valid in choices.items():
+            if getattr(self, field) not in valid:
+                raise ValueError(f"{field}={getattr(self, field)!r} is unknown; valid: {valid}")
+        n, k = self.num_heads, self.num_kv_heads
+        if n <= 0:
+            raise ValueError(f"num_heads must be positive; got {n}")
+        if k is not None and (k <= 0 or n % k):
+            raise ValueError(f"num_kv_heads={k} must divide num_heads={n}; valid: "
+                             f"{[d for d in range(1, n + 1) if n % d == 0]}")
+
+
+class TransformerBlock(nn.Module):
+    """One layer: self-attention, optional cross-attention, feed-forward; (y, aux) out."""
+
+    config: BlockConfig
+
+    def _flags(self) -> tuple[bool, bool]:
+        return self.config.causal, self.config.cross_attention
+
+    @nn.compact
+    def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
+                 context_mask=None, deterministic: bool = True, decode: bool = False,
+                 return_weights: bool = False):
+        """x [B, T, D]; context [B, S, Dc] (cross-attention blocks); positions [B, T];
+        segment_ids [B, T] / kv_mask [B, T] mask the self-attention keys; context_mask
+        [B, S] bool masks the context's padding; decode: use the KV cache (see
+        layers/attention.py). Returns (y [B, T, D], aux)."""
+        cfg = self.config
+        causal, cross = self._flags()
+        if cross and context is None:
+            raise ValueError("a cross-attention block needs context [B, S, Dc]")
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        d = x.shape[-1]
+        common = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                      head_dim=cfg.head_dim, use_bias=cfg.use_bias,
+                      dropout_rate=cfg.attention_dropout_rate, implementation=cfg.implementation,
+                      dtype=dtype, param_dtype=param_dtype)
+        calls = dict(deterministic=deterministic, return_weights=return_weights)
+
+        def norm(name):
+            return make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
+                             dtype=dtype, param_dtype=param_dtype, name=name)
+
+        def residual(x, name, sublayer):
+            """Pre-norm: x + f(norm(x)); post-norm: norm(x + f(x))."""
+            inp = norm(f"{name}_norm")(x) if cfg.norm_position == "pre" else x
+            y, sub_aux = sublayer(inp)
+            y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+            x = x + y
+            if cfg.norm_position == "post":
+                x = norm(f"{name}_norm")(x)
+            return nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED)), sub_aux
+
+        aux = {}
+        self_attn = MultiHeadAttention(causal=causal, window=cfg.window, rope_base=cfg.rope_base,
+                                       name="self_attention", **common)
+        x, a = residual(x, "self_attention", lambda h: self_attn(
+            h, positions=positions, segment_ids=segment_ids, kv_mask=kv_mask, decode=decode,
+            **calls))
+        if return_weights:
+            aux["self_attention_weights"] = a["attention_weights"]
+        if cross:
+            cross_attn = MultiHeadAttention(name="cross_attention", **common)
+            x, a = residual(x, "cross_attention", lambda h: cross_attn(
+                h, context, kv_mask=context_mask, decode=decode, **calls))
+            if return_weights:
+                aux["cross_attention_weights"] = a["attention_weights"]
+
+        if cfg.mlp == "moe":
+            ffn = MoE(num_experts=cfg.num_experts, top_k=cfg.top_k,
+                      capacity_factor=cfg.capacity_factor, hidden=cfg.mlp_dim,
+                      activation=cfg.activation, use_bias=cfg.use_bias,
+                      dropout_rate=cfg.dropout_rate, dtype=dtype, param_dtype=param_dtype,
+                      name="mlp")
+            x, aux["moe"] = residual(x, "mlp", lambda h: ffn(h, deterministic=deterministic))
+        else:
+            if cfg.mlp == "swiglu":
+                ffn = SwiGLU(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,
+                             use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
+                             param_dtype=param_dtype, name="mlp")
+            else:
+                ffn = MLP(hidden=cfg.mlp_dim or 4 * d, activation=cfg.activation,
+                          use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
+                          param_dtype=param_dtype, name="mlp")
+            x, _ = residual(x, "mlp", lambda h: (ffn(h, deterministic=deterministic), None))
+        return x, aux
+
+
+class EncoderBlock(TransformerBlock):
+    """Bidirectional self-attention + feed-forward (BERT, ViT, the Transformer encoder):
+    ignores config.causal / config.cross_attention."""
+
+    def _flags(self):
+        return False, False
+
+
+class DecoderBlock(TransformerBlock):
+    """Causal self-attention + cross-attention over the encoder + feed-forward (Vaswani
+    2017's decoder layer); needs `context`. Ignores config.causal / cross_attention."""
+
+    def _flags(self):
+        return True, True
+
+
+BLOCKS = {"transformer": TransformerBlock, "encoder": EncoderBlock, "decoder": DecoderBlock}
+
+
+def _positional(block_cls):
+    """A block whose extra inputs are positional and whose flags are fields: the form
+    nn.scan (broadcast inputs) and nn.remat (no static keyword arguments) need."""
+
+    class Layer(block_cls):
+        deterministic: bool = True
+        decode: bool = False
+        return_weights: bool = False
+
+        def __call__(self, x, context, positions, segment_ids, kv_mask, context_mask):
+            return super().__call__(
+                x, context, positions=positions, segment_ids=segment_ids, kv_mask=kv_mask,
+                context_mask=context_mask, deterministic=self.deterministic,
+                decode=self.decode, return_weights=self.return_weights)
+
+    Layer.__name__ = block_cls.__name__
+    return Layer
+
+
+class TransformerStack(nn.Module):
+    """num_layers blocks of one config: [B, T, D] -> ([B, T, D], aux stacked [L, ...]).
+
+    block: "transformer" (flags from config), "encoder" or "decoder" (see above).
+    scan_layers: nn.scan over layers; params then live under "layers" with a leading
+      L axis (logical name LAYERS), else under "layer_0", "layer_1", ...
+    remat_policy: one of REMAT_POLICIES.
+    """
+
+    config: BlockConfig
+    num_layers: int
+    block: str = "transformer"
+    scan_layers: bool = False
+    remat_policy: str = "none"
+
+    @nn.compact
+    def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
+                 context_mask=None, deterministic: bool = True, decode: bool = False,
+                 return_weights: bool = False):
+        if self.block not in BLOCKS:
+            raise ValueError(f"block={self.block!r} is unknown; valid: {tuple(BLOCKS)}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r} is unknown; "
+                             f"valid: {tuple(REMAT_POLICIES)}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1; got {self.num_layers}")
+        layer = _positional(BLOCKS[self.block])
+        if self.remat_policy != "none":
+            # prevent_cse stops XLA from merging the recomputation with the forward pass;
+            # inside scan the loop already prevents that, and the flag would cost speed.
+            layer = nn.remat(layer, policy=REMAT_POLICIES[self.remat_policy],
+                             prevent_cse=not self.scan_layers)
+        flags = dict(deterministic=deterministic, decode=decode, return_weights=return_weights)
+        inputs = (context, positions, segment_ids, kv_mask, context_mask)
+        if self.scan_layers:
+            scanned = nn.scan(
+                layer, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
+                length=self.num_layers, metadata_params={nn.PARTITION_NAME: axes.LAYERS})
+            return scanned(self.config, name="layers", **flags)(x, *inputs)
+        auxes = []
+        for i in range(self.num_layers):
+            x, aux = layer(self.config, name=f"layer_{i}", **flags)(x, *inputs)
+            auxes.append(aux)
+        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *auxes)

@@ -1,0 +1,98 @@
+"""Position-wise feed-forward layers: the two-layer MLP and SwiGLU.
+
+    MLP:     y = W2 act(W1 x + b1) + b2          hidden F = 4D (Vaswani 2017 §3.3)
+    SwiGLU:  y = W2 (silu(Wg x) ∘ (W1 x))       (Shazeer 2020, "GLU Variants Improve
+             Transformer"); a third matrix, so F ≈ 8D/3 keeps the parameter count of the
+             4D MLP; F is rounded up to a multiple (default 128) so the matmuls tile
+             cleanly on accelerators (LLaMA's 11008 for D=4096 is the same rule with 256).
+Kernels carry logical axes [D, F] = (EMBED, MLP) and [F, D] = (MLP, EMBED).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from attention_jax import axes
+
+ACTIVATIONS: dict[str, Callable] = {
+    "relu": nn.relu,
+    "gelu": functools.partial(nn.gelu, approximate=False),  # exact erf form (BERT)
+    "gelu_tanh": functools.partial(nn.gelu, approximate=True),  # GPT-2's tanh approximation
+    "silu": nn.silu,
+}
+MLPS = ("mlp", "swiglu", "moe")  # the feed-forward kinds a block can use (moe: layers/moe.py)
+
+
+def activation(name: str) -> Callable:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation={name!r} is unknown; valid: {tuple(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def swiglu_hidden(d_model: int, multiple_of: int = 128) -> int:
+    """F = 8D/3 rounded up to a multiple of `multiple_of`."""
+    return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
+
+
+def dense_init():
+    """LeCun normal with fan-in over the first axis: keeps activations' variance near 1."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+def _dense(features, in_axis, out_axis, use_bias, dtype, param_dtype, name, kernel_init=None):
+    return nn.Dense(
+        features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(kernel_init or dense_init(), (in_axis, out_axis)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)))
+
+
+class MLP(nn.Module):
+    """Two-layer MLP [B, T, D] -> [B, T, D] with hidden F (default 4D)."""
+
+    hidden: Optional[int] = None
+    activation: str = "gelu"
+    use_bias: bool = True
+    dropout_rate: float = 0.0  # on the hidden activations
+    kernel_init: Optional[Callable] = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        d = x.shape[-1]
+        f = self.hidden or 4 * d
+        act = activation(self.activation)
+        h = _dense(f, axes.EMBED, axes.MLP, self.use_bias, self.dtype, self.param_dtype,
+                   "wi", self.kernel_init)(x)  # [B, T, F]
+        h = nn.with_logical_constraint(act(h), (axes.BATCH, axes.LENGTH, axes.MLP))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return _dense(d, axes.MLP, axes.EMBED, self.use_bias, self.dtype, self.param_dtype,
+                      "wo", self.kernel_init)(h)  # [B, T, D]
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP [B, T, D] -> [B, T, D]: silu(x Wg) ∘ (x W1), then W2. No biases by default."""
+
+    hidden: Optional[int] = None  # default swiglu_hidden(D, multiple_of)
+    multiple_of: int = 128
+    use_bias: bool = False
+    dropout_rate: float = 0.0
+    kernel_init: Optional[Callable] = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        d = x.shape[-1]
+        f = self.hidden or swiglu_hidden(d, self.multiple_of)
+        args = (self.use_bias, self.dtype, self.param_dtype)
+        gate = _dense(f, axes.EMBED, axes.MLP, *args, "wg", self.kernel_init)(x)  # [B, T, F]
+        up = _dense(f, axes.EMBED, axes.MLP, *args, "wi", self.kernel_init)(x)  # [B, T, F]
+        h = nn.with_logical_constraint(nn.silu(gate) * up, (axes.BATCH, axes.LENGTH, axes.MLP))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return _dense(d, axes.MLP, axes.EMBED, *args, "wo", self.kernel_init)(h)  # [B, T, D]

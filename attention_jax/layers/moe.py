@@ -1,0 +1,154 @@
+"""Mixture-of-Experts feed-forward layer: E expert MLPs, a learned top-A router, capacity.
+
+Each token's router picks A of the E experts (GShard, Lepikhin et al. 2020; Switch,
+Fedus et al. 2021 for A = 1). Experts process fixed-size buffers so shapes stay static:
+each batch row (a "group") gives every expert room for
+
+    C = ceil(capacity_factor · T · A / E)   tokens.
+
+Routing is written as dense one-hot tensors and einsums, never a Python loop over
+experts, so the expert axis E of the weights and of the buffers can be sharded (the
+EXPERT logical axis) and XLA turns the einsums into all-to-alls:
+    dispatch [B, T, E, C]   1 where token t sits in slot c of expert e
+    combine  [B, T, E, C]   dispatch × the token's gate weight for that expert
+    expert_in  = einsum(dispatch, x)            [E, B, C, D]
+    expert_out = MLP_e(expert_in)                [E, B, C, D]   weights [E, D, F], [E, F, D]
+    y          = einsum(combine, expert_out)     [B, T, D]
+
+Over capacity. Slots are given out in priority order: all tokens' first choices before
+any second choice, earlier tokens first within a choice (GShard §2.2). An assignment that
+finds its expert full is DROPPED: it contributes nothing. A token all of whose
+assignments are dropped gets y = 0, so in a residual block (x + MoE(x)) it passes
+through unchanged; a token that keeps some assignments gets only those, with their
+gate weights not renormalised. The fraction dropped is reported in aux.
+
+Gates. With A > 1 the gate weights of a token's A choices are its router probabilities
+renormalised to sum to 1 (GShard); with A = 1 the gate is the raw probability (Switch),
+otherwise it would always be 1 and the router would get no gradient from the task loss.
+
+Auxiliary outputs (aux dict), to add to the loss and to plot:
+  load_balance_loss  E · Σ_e f_e · P_e  (Switch eq. 4), f_e the fraction of assignments
+                     the router sends to e (before capacity), P_e the mean router
+                     probability of e. Equals 1 for a uniform router, E when collapsed.
+  router_z_loss      mean (logsumexp logits)², keeps router logits small (ST-MoE, Zoph 2022).
+  expert_load [E]    f_e: the router's load per expert (sums to 1).
+  router_entropy     mean entropy of the router distribution (log E = uniform).
+  dropped_fraction   fraction of assignments dropped for lack of capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import axes
+from attention_jax.layers.mlp import activation
+
+
+def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int,
+                    capacity_factor: float) -> int:
+    """C: slots per expert per group; at least 1."""
+    return max(1, math.ceil(capacity_factor * tokens_per_group * top_k / num_experts))
+
+
+def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = None):
+    """Router logits [B, T, E] -> (dispatch [B, T, E, C] bool, combine [B, T, E, C], aux).
+
+    A pure function (no parameters) so the routing rules can be tested on chosen logits.
+    """
+    b, t, e = logits.shape
+    logits = logits.astype(jnp.float32)  # routing decisions in float32 (Switch §2.4)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
+    gates, experts = jax.lax.top_k(probs, top_k)  # [B, T, A]
+    if normalize_gates if normalize_gates is not None else top_k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # [B, T, A, E]
+
+    # Slot of each assignment in its expert's buffer: count earlier assignments to the same
+    # expert in priority order (choice rank first, then token position).
+    by_priority = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * t, e)  # [B, A·T, E]
+    slot = jnp.cumsum(by_priority, axis=1) - 1  # [B, A·T, E]
+    slot = jnp.swapaxes(slot.reshape(b, top_k, t, e), 1, 2)  # [B, T, A, E]
+    slot = jnp.sum(slot * choice, axis=-1)  # [B, T, A]: slot in the chosen expert
+    kept = slot < capacity  # [B, T, A]
+
+    slot_onehot = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity)  # [B, T, A, C]; dropped -> 0
+    dispatch_a = choice[..., None].astype(jnp.float32) * slot_onehot[:, :, :, None, :]  # [B, T, A, E, C]
+    dispatch = jnp.sum(dispatch_a, axis=2)  # [B, T, E, C]
+    combine = jnp.sum(dispatch_a * gates[..., None, None], axis=2)  # [B, T, E, C]
+
+    load = jnp.mean(jnp.sum(choice, axis=2), axis=(0, 1)) / top_k  # [E] f_e, sums to 1
+    mean_prob = jnp.mean(probs, axis=(0, 1))  # [E] P_e
+    aux = {
+        "load_balance_loss": e * jnp.sum(load * mean_prob),
+        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "expert_load": load,
+        "router_entropy": jnp.mean(-jnp.sum(probs * jnp.log(probs + 1e-9), axis=-1)),
+        "dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)),
+    }
+    return dispatch.astype(bool), combine, aux
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts MLP [B, T, D] -> ([B, T, D], aux); see the module doc.
+
+    Attributes:
+      num_experts: E.  top_k: A experts per token.  capacity_factor: slack in C.
+      hidden: F of each expert (default 4D).  activation: as in layers/mlp.py.
+      normalize_gates: renormalise the A gates to sum to 1 (default: when A > 1).
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    hidden: Optional[int] = None
+    activation: str = "gelu"
+    use_bias: bool = True
+    normalize_gates: Optional[bool] = None
+    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        b, t, d = x.shape
+        e, f = self.num_experts, self.hidden or 4 * x.shape[-1]
+        if e < 1 or not 1 <= self.top_k <= e:
+            raise ValueError(f"MoE needs num_experts >= 1 and 1 <= top_k <= num_experts; got "
+                             f"num_experts={e}, top_k={self.top_k} (valid top_k: 1..{max(e, 1)})")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0; got {self.capacity_factor}")
+        act = activation(self.activation)
+        fan_in = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                  in_axis=-2, out_axis=-1, batch_axis=0)
+
+        def param(name, init, shape, names):
+            return self.param(name, nn.with_logical_partitioning(init, names), shape,
+                              self.param_dtype)
+
+        w_router = param("router", nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+                         (d, e), (axes.EMBED, None))
+        logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), w_router.astype(jnp.float32))
+        capacity = expert_capacity(t, e, self.top_k, self.capacity_factor)
+        dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates)
+
+        wi = param("wi", fan_in, (e, d, f), (axes.EXPERT, axes.EMBED, axes.MLP))
+        wo = param("wo", fan_in, (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED))
+        x = x.astype(self.dtype)
+        expert_in = jnp.einsum("BTEC,BTD->EBCD", dispatch.astype(self.dtype), x)  # [E, B, C, D]
+        expert_in = nn.with_logical_constraint(expert_in, (axes.EXPERT, axes.BATCH, None, axes.EMBED))
+        hdn = jnp.einsum("EBCD,EDF->EBCF", expert_in, wi.astype(self.dtype))  # [E, B, C, F]
+        if self.use_bias:
+            hdn = hdn + param("wi_bias", nn.initializers.zeros, (e, f),
+                              (axes.EXPERT, axes.MLP))[:, None, None, :].astype(self.dtype)
+        hdn = nn.Dropout(self.dropout_rate)(act(hdn), deterministic=deterministic)
+        out = jnp.einsum("EBCF,EFD->EBCD", hdn, wo.astype(self.dtype))  # [E, B, C, D]
+        if self.use_bias:
+            out = out + param("wo_bias", nn.initializers.zeros, (e, d),
+                              (axes.EXPERT, axes.EMBED))[:, None, None, :].astype(self.dtype)
+        y = jnp.einsum("BTEC,EBCD->BTD", combine.astype(self.dtype), out)  # [B, T, D]
+        return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux

@@ -1,0 +1,84 @@
+"""Position information: sinusoidal, learned absolute, and rotary (RoPE).
+
+Attention by itself is permutation equivariant; these are the three ways the lectures
+give it word order. The first two are added to the token embeddings; RoPE instead
+rotates queries and keys inside attention so that q·k depends on the offset i - j only.
+
+    x = tok + sinusoidal(positions, D)                    # [B, T, D]
+    x = tok + LearnedPositionEmbedding(max_len, D)(positions)
+    q = apply_rope(q, positions)                          # [B, T, N, H], inside attention
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from attention_jax import axes
+
+POSITIONS = ("learned", "sinusoidal", "rope", "none")  # what models accept by name
+
+
+def sinusoidal(positions, dim: int, base: float = 10000.0, dtype: Any = jnp.float32):
+    """positions [..., T] (ints) -> [..., T, D] (Vaswani et al. 2017, §3.5):
+
+        PE(p, 2i) = sin(p / base^(2i/D)),   PE(p, 2i+1) = cos(p / base^(2i/D)).
+
+    Wavelengths form a geometric progression from 2π to base·2π, so PE(p + k) is a
+    linear function (a rotation per pair) of PE(p) for any fixed k.
+    """
+    if dim % 2:
+        raise ValueError(f"sinusoidal embeddings need an even dim (sin/cos pairs); got {dim}")
+    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # [D/2]
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., T, D/2, 2]
+    return pe.reshape(*angles.shape[:-1], dim).astype(dtype)  # sin at even, cos at odd
+
+
+def sinusoidal_table(length: int, dim: int, base: float = 10000.0):
+    """The [length, D] table of `sinusoidal` for positions 0..length-1 (for plots)."""
+    return sinusoidal(jnp.arange(length), dim, base)
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """A learned table [num_positions, D] (GPT-2, BERT, ViT): positions [B, T] -> [B, T, D]."""
+
+    num_positions: int
+    features: int
+    embedding_init: Callable = nn.initializers.normal(stddev=0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, positions):
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, (axes.POSITION, axes.EMBED)),
+            (self.num_positions, self.features), self.param_dtype)
+        return jnp.take(table, positions, axis=0).astype(self.dtype)  # [B, T, D]
+
+
+def rope_angles(positions, head_dim: int, base: float = 10000.0):
+    """positions [B, T] -> angles [B, T, H/2]: position p rotates pair i by p·base^(-2i/H)."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of coordinates: head_dim must be even; got {head_dim}")
+    inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [H/2]
+    return jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x, positions, base: float = 10000.0):
+    """Rotary position embedding (Su et al. 2021, RoFormer): x [B, T, N, H] -> [B, T, N, H].
+
+    Each pair of coordinates (x_i, x_{i+H/2}) is rotated by the angle p·θ_i. Rotations
+    compose, R(p)ᵀR(p') = R(p' - p), so (R(p) q)·(R(p') k) = q·R(p' - p) k depends only on
+    the offset. Pairs are (i, i + H/2) (the GPT-NeoX/LLaMA layout, no strided slices)
+    rather than RoFormer's (2i, 2i+1): a fixed permutation of coordinates, same model.
+    """
+    h = x.shape[-1]
+    angles = rope_angles(positions, h, base)[:, :, None, :]  # [B, T, 1, H/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.promote_types(x.dtype, jnp.float32)), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
