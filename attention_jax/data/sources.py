@@ -72,6 +72,8 @@ def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
         if config_name:
             options = {**options, 'config': config_name}
         cls, config = OFFLINE[base](dict(options))
+        if isinstance(config, tfds.core.BuilderConfig) and config.name in cls.builder_configs:
+            config = config.name  # tfds refuses an object named like a registered config.
         kwargs = {} if config is None else {'config': config}
         builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
         if prepare and not builder.is_prepared():

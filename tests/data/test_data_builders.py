@@ -128,3 +128,15 @@ def test_bad_split_and_options_are_named(tmp_path):
 def test_builders_do_not_need_tensorflow():
     # Importing and building above ran in this process; TensorFlow must not be loaded.
     assert 'tensorflow' not in sys.modules
+
+
+def test_default_configs_construct(tmp_path):
+    # The full corpus and the default translation set are what experiments use; building
+    # them is slow for a unit test, but their builders must resolve and list real files.
+    stdlib = data.get_builder('python_stdlib', tmp_path, prepare=False)
+    assert stdlib.builder_config.name == 'python_stdlib' and not stdlib.is_prepared()
+    assert len(builders.list_corpus_files(stdlib.builder_config)) > 100
+    numbers = data.get_builder('number_translation', tmp_path, prepare=False)
+    assert numbers.builder_config.num_train == 20_000
+    assert data.get_builder('number_translation/small', tmp_path,
+                            prepare=False).builder_config.num_train == 2_000
