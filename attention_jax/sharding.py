@@ -1,0 +1,203 @@
+"""Device mesh, logical-axis rules, and sharded creation of the train state.
+
+Parameters and activations are annotated with the logical names of `axes.py`; the run
+config's `mesh.rules` maps those names onto the three mesh axes:
+
+  data    pure data parallelism: the batch is split, parameters are replicated.
+  fsdp    the batch is split *and* parameters/optimizer state are split along their
+          `embed` axis and gathered just in time (ZeRO-3 / fully sharded data parallel).
+  tensor  Megatron-style model parallelism: heads and MLP hidden units are split.
+
+The same program runs on 1 CPU, 8 fake CPU devices, a GPU, or many hosts: jit with
+NamedShardings (what pjit became) lets XLA insert the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# Mesh axes the batch dimension is split over (fsdp also splits the batch: each fsdp
+# shard computes on its own examples with gathered parameters).
+BATCH_AXES = ("data", "fsdp")
+
+# A sensible default, used by every experiment; order matters: flax assigns each logical
+# axis the first rule whose mesh axis is not yet used by another dimension of the same
+# array, so activations [batch, length, embed] get batch over (data, fsdp) and an
+# unsharded embed, while parameters [vocab, embed] get embed over fsdp.
+DEFAULT_RULES = (
+    ("batch", BATCH_AXES),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("expert", None),
+    ("length", None),
+    ("head_dim", None),
+    ("layers", None),
+    ("position", None),
+    ("norm", None),
+)
+
+
+# ------------------------------------------------------------------------ distributed
+def maybe_initialize_distributed(cfg) -> None:
+    """`jax.distributed.initialize` when `mesh.distributed` is set (multi-host runs).
+
+    Must run before anything touches the devices. Empty coordinator/num_processes/
+    process_id mean "let JAX detect them" (SLURM, TPU pods, Kubernetes set them).
+    """
+    if not cfg.distributed:
+        return
+    if jax.distributed.is_initialized():
+        return
+    if cfg.cpu_collectives:
+        # CPU devices of different processes talk through gloo (tests, CPU clusters).
+        jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    kwargs = {}
+    if cfg.coordinator_address:
+        kwargs["coordinator_address"] = cfg.coordinator_address
+    if cfg.num_processes > 0:
+        kwargs["num_processes"] = cfg.num_processes
+    if cfg.process_id >= 0:
+        kwargs["process_id"] = cfg.process_id
+    jax.distributed.initialize(**kwargs)
+    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count())
+
+
+# ------------------------------------------------------------------------------- mesh
+def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
+    """{'data': -1, 'fsdp': 2, 'tensor': 1} on 8 devices -> {'data': 4, 'fsdp': 2, ...}.
+
+    -1 means "all remaining devices"; at most one axis may use it.
+    """
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are unknown; valid: {list(MESH_AXES)}")
+    sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
+    rest = [a for a, s in sizes.items() if s == -1]
+    bad = [f"mesh.{a}={s}" for a, s in sizes.items() if s == 0 or s < -1]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: mesh sizes must be positive or -1 (the rest)")
+    if len(rest) > 1:
+        raise ValueError(f"mesh axes {rest} are all -1; at most one axis may take the rest")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if rest:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh.{rest[0]}=-1 cannot take the rest: the other axes multiply to "
+                f"{fixed}, which does not divide the {num_devices} devices")
+        sizes[rest[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"mesh {sizes} has {fixed} devices but {num_devices} are available; set one "
+            f"axis to -1 or make the sizes multiply to {num_devices}")
+    return sizes
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over all devices (of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_mesh_shape(shape, len(devices))
+    # jax.make_mesh orders devices so that the fastest-changing axis (tensor) stays on
+    # the best-connected devices (same host / same ICI ring).
+    # Auto axes: XLA propagates shardings from the annotated inputs/params (the
+    # explicit sharding-in-types mode would make every op state its sharding).
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension split over data and fsdp; the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+# ------------------------------------------------------------------------------ rules
+def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
+    """Config rules (lists from JSON/CLI, or tuples) -> flax's tuple-of-pairs form.
+
+    Checks every mesh axis named so that a typo fails here rather than inside XLA.
+    """
+    out = []
+    for i, rule in enumerate(rules):
+        if len(rule) != 2:
+            raise ValueError(f"mesh.rules[{i}]={rule!r} must be a (logical_name, mesh_axes) pair")
+        name, target = rule
+        if isinstance(target, (list, tuple)):
+            target = tuple(target)
+            named = target
+        else:
+            named = () if target is None else (target,)
+        bad = [a for a in named if a not in MESH_AXES]
+        if bad:
+            raise ValueError(f"mesh.rules[{i}]: logical axis {name!r} maps to {bad}; "
+                             f"valid mesh axes: {list(MESH_AXES)} or None")
+        out.append((str(name), target))
+    return tuple(out)
+
+
+def logical_to_shardings(logical_specs, mesh: Mesh, rules):
+    """A tree of logical PartitionSpecs -> NamedShardings on `mesh`."""
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+
+def check_divisible(abstract_tree, shardings, what: str = "parameter") -> None:
+    """Fail before compilation when a sharded dimension does not divide its mesh axes.
+
+    XLA would otherwise pad or fail deep inside compilation with an opaque message.
+    """
+    problems = []
+    flat, _ = jax.tree_util.tree_flatten_with_path(abstract_tree)
+    flat_sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    for (path, leaf), sh in zip(flat, flat_sh):
+        for dim, axes in zip(leaf.shape, sh.spec):
+            if axes is None:
+                continue
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            size = math.prod(sh.mesh.shape[a] for a in axes)
+            if dim % size:
+                problems.append(f"{jax.tree_util.keystr(path)} shape {leaf.shape}: dimension "
+                                f"{dim} is split over mesh axes {axes} of size {size}")
+    if problems:
+        raise ValueError(
+            f"{len(problems)} {what}(s) cannot be sharded on mesh {dict(mesh_shape(flat_sh))}:"
+            "\n  " + "\n  ".join(problems[:10]) +
+            "\nChange the model size, the mesh sizes, or map the logical axis to None in "
+            "mesh.rules.")
+
+
+def mesh_shape(shardings) -> dict[str, int]:
+    for sh in shardings:
+        return dict(sh.mesh.shape)
+    return {}
+
+
+def shard_batch(batch, mesh: Mesh):
+    """Process-local numpy batch -> global jax.Arrays split over (data, fsdp).
+
+    Each process passes its own rows (the loader gives process p the p-th block of the
+    global batch); no process ever holds the whole batch.
+    """
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                        batch)

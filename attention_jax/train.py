@@ -1,0 +1,595 @@
+"""The trainer: `train_and_evaluate(config, workdir)`, one function read top to bottom.
+
+Phases, each a section below: config (defaults and validation) → mesh → data →
+model/optimizer (train state created already sharded) → step functions → checkpoint
+(resume order) → eval → loop. What differs between model families (which model, which
+data, which loss) is a `Task` built by `attention_jax.tasks`-style adapters at the end
+of this file; the trainer itself knows nothing about GPT or ViT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+from attention_jax import checkpoint as ckpt_lib
+from attention_jax import sharding
+from attention_jax.data import loaders
+
+
+# =================================================================================== config
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults of every group but `model` and `data`, which each experiment defines.
+
+    Experiments start from this and override; the keys here are also the schema that
+    `validate_config` checks (an unknown key is an error, not silently ignored).
+    """
+    c = ml_collections.ConfigDict()
+    c.task = ""  # which adapter builds model + data + loss: one of TASKS.
+    c.model = ml_collections.ConfigDict()  # fields of the model's own config dataclass.
+    c.data = ml_collections.ConfigDict()  # dataset name, lengths, tokenizer: per task.
+
+    c.optim = o = ml_collections.ConfigDict()
+    o.lr = 3e-4  # peak learning rate, reached after warmup.
+    o.warmup_steps = 100  # linear warmup from 0 (Goyal et al. 2017; stabilises Adam early).
+    o.schedule = "cosine"  # decay after warmup: cosine | linear | constant.
+    o.end_lr_ratio = 0.1  # final lr as a fraction of the peak (cosine/linear).
+    o.b1 = 0.9  # Adam first-moment decay.
+    o.b2 = 0.95  # Adam second-moment decay (0.95 is the LLM convention; 0.999 for small data).
+    o.eps = 1e-8  # Adam epsilon.
+    o.weight_decay = 0.1  # decoupled (AdamW, Loshchilov & Hutter 2019); not on norms/biases/embeddings.
+    o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables.
+    o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
+    o.grad_accum = 1  # micro-batches per optimizer step (train.batch_size is split into them).
+    o.moe_aux_weight = 0.01  # weight of an MoE load-balancing loss found in the model's aux.
+
+    c.train = t = ml_collections.ConfigDict()
+    t.steps = 1000  # optimizer steps.
+    t.batch_size = 32  # global batch (all processes, all micro-batches) per step.
+    t.seed = 0  # parameters, dropout and data order all derive from it.
+    t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
+    t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
+    t.progress = True  # show a progress bar on process 0.
+    t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
+    t.inject_nan_at = -1  # fault injection: make the loss NaN at this step (-1 never).
+    t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
+    t.keep_checkpoints = 3  # newest checkpoints kept on disk.
+    t.async_checkpoint = True  # write checkpoints in the background.
+    t.init_from = ""  # warm start: a workdir or checkpoint dir whose params (only) to load.
+    t.data_workers = 0  # grain worker processes (0: read in the trainer process).
+
+    c.mesh = m = ml_collections.ConfigDict()
+    m.data = -1  # data-parallel axis; -1 takes the devices the other axes leave.
+    m.fsdp = 1  # fully sharded data parallel: batch and parameters split.
+    m.tensor = 1  # tensor (model) parallel: heads and MLP hidden split.
+    m.num_devices = 0  # use only the first N devices (0: all), e.g. 1 for a one-device baseline.
+    m.rules = sharding.DEFAULT_RULES  # logical axis -> mesh axes (see sharding.py).
+    m.distributed = False  # call jax.distributed.initialize (multi-host).
+    m.coordinator_address = ""  # host:port of process 0; empty lets JAX detect it.
+    m.num_processes = -1  # -1: detect.
+    m.process_id = -1  # -1: detect.
+    m.cpu_collectives = ""  # e.g. gloo: collectives between CPU processes.
+
+    c.eval = e = ml_collections.ConfigDict()
+    e.every = 500  # steps between evaluations (and at the end); 0 only at the end.
+    e.steps = 10  # eval batches per evaluation; 0 = the whole split.
+    e.batch_size = 32  # global eval batch.
+    return c
+
+
+class ConfigError(ValueError):
+    """A config key with an invalid value; the message names the key and valid values."""
+
+
+_CHOICES = {
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "train.compute_dtype": ("float32", "bfloat16"),
+    "train.nonfinite": ("stop", "skip"),
+}
+
+
+def _flat(cfg: ml_collections.ConfigDict, prefix="") -> dict[str, Any]:
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def validate_config(config, num_devices: int | None = None, check_task: bool = True) -> None:
+    """Checks keys, types and combinations before anything is compiled.
+
+    With `num_devices`, also the mesh and what must divide it (batch, heads).
+    """
+    base = _flat(base_config())
+    got = _flat(config)
+    for key, value in got.items():
+        if key.startswith(("model.", "data.")):
+            continue  # Checked by the task against the model/data dataclasses.
+        if key not in base:
+            group = key.rsplit(".", 1)[0]
+            valid = sorted(k for k in base if k.rsplit(".", 1)[0] == group)
+            raise ConfigError(f"config.{key} is not a known key; valid keys in "
+                              f"config.{group}: {valid or sorted(base)}")
+        want = base[key]
+        if isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if type(value) is not type(want) and not (isinstance(want, tuple) and isinstance(value, list)):
+            raise ConfigError(f"config.{key}={value!r} has type {type(value).__name__}; "
+                              f"expected {type(want).__name__} (default {want!r})")
+    if check_task and config.task not in TASKS:
+        raise ConfigError(f"config.task={config.task!r} is unknown; valid: {sorted(TASKS)}")
+    for key, choices in _CHOICES.items():
+        if got[key] not in choices:
+            raise ConfigError(f"config.{key}={got[key]!r} is invalid; valid: {list(choices)}")
+    for key in ("train.steps", "train.batch_size", "optim.grad_accum", "train.log_every",
+                "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size"):
+        if got[key] <= 0:
+            raise ConfigError(f"config.{key}={got[key]} must be a positive integer")
+    for key in ("optim.warmup_steps", "eval.every", "eval.steps", "train.data_workers",
+                "mesh.num_devices"):
+        if got[key] < 0:
+            raise ConfigError(f"config.{key}={got[key]} must be >= 0")
+    sharding.rules_from_config(config.mesh.rules)
+    if num_devices is None:
+        return
+    try:
+        mesh = sharding.resolve_mesh_shape(
+            {a: config.mesh[a] for a in sharding.MESH_AXES}, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
+    dp = mesh["data"] * mesh["fsdp"]
+    batch, accum = config.train.batch_size, config.optim.grad_accum
+    if batch % (accum * dp):
+        valid = accum * dp
+        raise ConfigError(
+            f"config.train.batch_size={batch} must be divisible by optim.grad_accum × "
+            f"data-parallel size = {accum} × {dp} (mesh.data={mesh['data']} × "
+            f"mesh.fsdp={mesh['fsdp']}); valid: multiples of {valid}, e.g. "
+            f"{max(valid, batch // valid * valid)}")
+    if config.eval.batch_size % dp:
+        raise ConfigError(f"config.eval.batch_size={config.eval.batch_size} must be divisible "
+                          f"by the data-parallel size {dp}; valid: multiples of {dp}")
+    for key, value in config.model.items():
+        # Heads are split over the tensor axis (rule heads -> tensor): each device
+        # must hold whole heads.
+        if "heads" in key and isinstance(value, int) and value % mesh["tensor"]:
+            raise ConfigError(
+                f"config.model.{key}={value} is not divisible by mesh.tensor="
+                f"{mesh['tensor']}; valid: a tensor size dividing {value} "
+                f"({[d for d in range(1, value + 1) if value % d == 0]})")
+
+
+# ===================================================================================== task
+@dataclasses.dataclass
+class Task:
+    """What the trainer needs from a model family (built by the adapters in TASKS).
+
+    init(rng) -> the params tree (with flax logical-axis boxes);
+    loss(params, batch, rng, train) -> (scalar loss, {name: scalar metric});
+    sources are random-access (`len`, `[i]`), transforms map (record, np rng) -> example.
+    """
+    model: nn.Module
+    init: Callable[[jax.Array], Any]
+    loss: Callable[..., tuple[jax.Array, dict]]
+    train_source: Any
+    eval_source: Any
+    train_transform: Callable | None = None
+    eval_transform: Callable | None = None
+    unit: str = "examples"  # throughput unit in the progress bar: tokens | examples.
+    count: Callable[[dict], int] | None = None  # units in a host batch (default: rows).
+    sample: Callable | None = None  # (params, config, rng) -> list of strings.
+    save_assets: Callable[[str], None] | None = None  # e.g. the tokenizer into the workdir.
+
+
+def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
+    """Mean cross-entropy over weighted positions, and accuracy, in float32.
+
+    logits [..., V], targets [...] ints, weights [...] (0 for padding).
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    labels = jax.nn.one_hot(targets, vocab)
+    if label_smoothing:
+        labels = labels * (1 - label_smoothing) + label_smoothing / vocab
+    losses = optax.softmax_cross_entropy(logits, labels)
+    weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
+    total = jnp.maximum(weights.sum(), 1.0)
+    correct = (logits.argmax(-1) == targets).astype(jnp.float32)
+    return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+def moe_metrics(aux) -> tuple[jax.Array, dict]:
+    """(load-balancing loss, router metrics) found anywhere in a model's aux dict.
+
+    Mixture-of-experts layers report `load_balance_loss` (Switch Transformer, Fedus et
+    al. 2021), `router_entropy`, `dropped_fraction` and `expert_load` [E]; values from
+    several layers are averaged, so every task logs MoE models the same way.
+    """
+    found: dict[str, list] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        name = ckpt_lib._key_name(path[-1]) if path else ""
+        if name in MOE_KEYS:
+            found.setdefault(name, []).append(jnp.asarray(leaf, jnp.float32))
+    metrics = {}
+    for name, values in found.items():
+        value = jnp.mean(jnp.stack([v.reshape(-1, v.shape[-1]).mean(0) if v.ndim else v
+                                    for v in values]), axis=0)
+        if value.ndim:  # One metric per expert.
+            metrics.update({f"moe/{name}_{i}": value[i] for i in range(value.shape[0])})
+        else:
+            metrics[f"moe/{name}"] = value
+    return metrics.get("moe/load_balance_loss", jnp.float32(0.0)), metrics
+
+
+MOE_KEYS = ("load_balance_loss", "router_entropy", "dropped_fraction", "expert_load")
+
+
+# ============================================================================ optimizer
+def learning_rate_schedule(o, total_steps: int) -> optax.Schedule:
+    warmup = optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1))
+    decay_steps = max(total_steps - o.warmup_steps, 1)
+    end = o.lr * o.end_lr_ratio
+    if o.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(o.lr, decay_steps, alpha=o.end_lr_ratio)
+    elif o.schedule == "linear":
+        decay = optax.linear_schedule(o.lr, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(o.lr)
+    return optax.join_schedules([warmup, decay], [o.warmup_steps])
+
+
+def decay_mask(params):
+    """True where weight decay applies: matrices, but not embeddings (a lookup table
+    pulled toward zero only shrinks rare tokens), nor biases and norm scales (1-D)."""
+    def keep(path, x):
+        names = "/".join(ckpt_lib._key_name(k) for k in path).lower()
+        return x.ndim >= 2 and "embed" not in names and "pos_emb" not in names
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = learning_rate_schedule(o, total_steps)
+    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
+                             weight_decay=o.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+# ==================================================================================== state
+def create_state(task: Task, tx, mesh, rules, seed: int):
+    """Abstract state (with shardings) and a function that creates it already sharded.
+
+    The state is a dict {step, params, opt_state, rng}: plain containers keep checkpoints
+    readable by any tool. Shardings come from the logical names on the parameters; the
+    optimizer state mirrors them (optax's tree_map_params), counters are replicated.
+    """
+    boxed = jax.eval_shape(task.init, jax.random.PRNGKey(seed))
+    param_sh = sharding.logical_to_shardings(nn.get_partition_spec(boxed), mesh, rules)
+    abstract_params = nn.meta.unbox(boxed)
+    sharding.check_divisible(abstract_params, param_sh)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    repl = sharding.replicated(mesh)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: repl,
+        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+    shardings = {"step": repl, "params": param_sh, "opt_state": opt_sh, "rng": repl}
+
+    def init(seed_key):
+        params = nn.meta.unbox(task.init(seed_key))
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(params), "rng": jax.random.fold_in(seed_key, 1)}
+
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(seed))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+    # jit with out_shardings: every device computes only its own shards; the full
+    # state never exists on one device.
+    init_fn = jax.jit(init, out_shardings=shardings)
+    return abstract, shardings, lambda: init_fn(jax.random.PRNGKey(seed))
+
+
+# =========================================================================== step functions
+def _cast_params(params, dtype):
+    """Mixed precision: float32 master params, low-precision copy for the forward pass."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params)
+
+
+def make_train_step(task: Task, tx, schedule, config, mesh):
+    dtype = jnp.dtype(config.train.compute_dtype)
+    accum = config.optim.grad_accum
+    nan_at = config.train.inject_nan_at
+    batch_sh = sharding.batch_sharding(mesh)
+
+    def loss_fn(params, batch, rng, step):
+        loss, metrics = task.loss(_cast_params(params, dtype), batch, rng, True)
+        if nan_at >= 0:  # Fault injection for testing the non-finite path.
+            loss = loss * jnp.where(step == nan_at, jnp.nan, 1.0)
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state, batch):
+        step, params = state["step"], state["params"]
+        rng = jax.random.fold_in(state["rng"], step)  # A function of step: resume-exact.
+        if accum == 1:
+            (loss, metrics), grads = grad_fn(params, batch, rng, step)
+        else:
+            # Micro-batch j takes rows j, j+A, j+2A, ...: every device keeps an equal
+            # share of each micro-batch (a plain reshape would put micro-batch 0 on
+            # the first devices only).
+            def split(x):
+                x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(
+                    x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                        None, *batch_sh.spec)))
+
+            def body(carry, xs):
+                mb, j = xs
+                (l, m), g = grad_fn(params, mb, jax.random.fold_in(rng, j), step)
+                return jax.tree.map(jnp.add, carry, (l, m, g)), None
+
+            micro = jax.tree.map(split, batch)
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                 jax.eval_shape(grad_fn, params,
+                                                jax.tree.map(lambda x: x[0], micro), rng, step))
+            (loss, metrics), grads = zeros
+            (loss, metrics, grads), _ = jax.lax.scan(
+                body, (loss, metrics, grads), (micro, jnp.arange(accum)))
+            loss, metrics, grads = jax.tree.map(lambda x: x / accum, (loss, metrics, grads))
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite step changes nothing but the step counter: in "stop" mode the
+        # host stops after it, in "skip" mode training goes on with the old values.
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                           {"params": params, "opt_state": state["opt_state"]})
+        new_state = {**new, "step": step + 1, "rng": state["rng"]}
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": schedule(step),
+                   "finite": finite}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(task: Task, config):
+    dtype = jnp.dtype(config.train.compute_dtype)
+
+    def eval_step(params, batch):
+        loss, metrics = task.loss(_cast_params(params, dtype), batch, jax.random.PRNGKey(0), False)
+        return {**metrics, "loss": loss}
+
+    return eval_step
+
+
+# ================================================================================= metrics
+class MetricWriter:
+    """Metrics as JSONL (`metrics.jsonl`, one object per record) and TensorBoard event
+    files (`tensorboard/`), written by process 0 only."""
+
+    def __init__(self, workdir: str):
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for k, v in metrics.items():
+            self._tb.add_scalar(f"{split}/{k}", float(v), step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient became NaN/inf with `train.nonfinite='stop'`."""
+
+
+# ==================================================================================== data
+def make_train_loader(task: Task, config, state=None) -> loaders.Loader:
+    """Shuffled, repeated stream of training batches; this process's share of each.
+
+    Its position (`next_index`, examples consumed) depends only on the seed and the
+    number of steps taken, never on the number of devices or processes, so a run
+    resumes on any mesh with the same batches.
+    """
+    return loaders.Loader(task.train_source, global_batch_size=config.train.batch_size,
+                          seed=config.train.seed, transform=task.train_transform,
+                          worker_count=config.train.data_workers, state=state)
+
+
+def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
+    """Mean of the eval metrics over `eval.steps` batches (0: the whole split)."""
+    loader = loaders.Loader(task.eval_source, global_batch_size=config.eval.batch_size,
+                            seed=config.train.seed, shuffle=False, num_epochs=1,
+                            transform=task.eval_transform)
+    sums, n = {}, 0
+    for batch in loader:
+        metrics = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
+        sums = {k: sums.get(k, 0.0) + float(v) for k, v in metrics.items()}
+        n += 1
+        if config.eval.steps and n >= config.eval.steps:
+            break
+    if n == 0:
+        raise ValueError(f"the eval split has fewer than eval.batch_size="
+                         f"{config.eval.batch_size} examples; lower config.eval.batch_size")
+    means = {k: v / n for k, v in sums.items()}
+    if task.unit == "tokens":
+        means["perplexity"] = math.exp(min(means["loss"], 50.0))
+    return means
+
+
+# ==================================================================================== loop
+def setup(config, workdir: str, task: Task | None = None):
+    """Everything before the first step: validated config, mesh, task, optimizer, state
+    shardings and the checkpointer. Shared by training, eval and sampling."""
+    sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
+    devices = jax.devices()[:config.mesh.num_devices or None]
+    validate_config(config, len(devices), check_task=task is None)
+    mesh = sharding.make_mesh({a: config.mesh[a] for a in sharding.MESH_AXES}, devices)
+    rules = sharding.rules_from_config(config.mesh.rules)
+    task = task or TASKS[config.task](config)
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    # Shapes and shardings are worked out outside the mesh context: flax's partitioned
+    # initialisers would otherwise try to constrain abstract values eagerly.
+    with nn.logical_axis_rules(rules):
+        abstract, shardings, init_state = create_state(task, tx, mesh, rules, config.train.seed)
+    ckpt = ckpt_lib.Checkpointer(
+        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        save_every=config.train.checkpoint_every, keep=config.train.keep_checkpoints,
+        async_save=config.train.async_checkpoint)
+    return dataclasses.make_dataclass("Setup", ["mesh", "rules", "task", "tx", "schedule",
+                                                "abstract", "shardings", "init_state", "ckpt"])(
+        mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
+
+
+def restore_or_init(s, config):
+    """(state, data_state). Resume order: this workdir's latest checkpoint → the params
+    of `train.init_from` (fresh optimizer and data position) → scratch."""
+    if s.ckpt.latest_step() is not None:
+        state, data_state = s.ckpt.restore(s.abstract)
+        logging.info("resumed from %s at step %d", s.ckpt.directory, int(state["step"]))
+        return state, data_state
+    state = s.init_state()
+    if config.train.init_from:
+        src = config.train.init_from
+        if os.path.isdir(os.path.join(src, "checkpoints")):
+            src = os.path.join(src, "checkpoints")
+        state["params"], step = ckpt_lib.restore_params(src, s.abstract["params"])
+        logging.info("warm start: params from %s step %d", src, step)
+    return state, None
+
+
+def train_and_evaluate(config, workdir: str, task: Task | None = None) -> dict[str, Any]:
+    """Trains `config` in `workdir`, resuming whatever is there. Returns a summary:
+    {'step', 'train': last logged metrics, 'eval': last eval metrics, 'losses': the loss
+    of each step run by this call, 'stopped_by': signal name or None}."""
+    os.makedirs(workdir, exist_ok=True)
+    s = setup(config, workdir, task)
+    task, mesh = s.task, s.mesh
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+        if task.save_assets:
+            task.save_assets(workdir)
+
+    batch_sh = sharding.batch_sharding(mesh)
+    repl = sharding.replicated(mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(s.rules):
+        state, data_state = restore_or_init(s, config)
+        train_step = jax.jit(make_train_step(task, s.tx, s.schedule, config, mesh),
+                             in_shardings=(s.shardings, batch_sh), out_shardings=(s.shardings, repl),
+                             donate_argnums=0)  # The old state's buffers hold the new one.
+        eval_step = jax.jit(make_eval_step(task, config),
+                            in_shardings=(s.shardings["params"], batch_sh), out_shardings=repl)
+        loader = make_train_loader(task, config, data_state)
+        summary = _loop(config, workdir, s, state, loader, train_step, eval_step)
+    return summary
+
+
+def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str, Any]:
+    task, mesh, ckpt = s.task, s.mesh, s.ckpt
+    total = config.train.steps
+    step = int(jax.device_get(state["step"]))
+    writer = MetricWriter(workdir)
+    show = config.train.progress and jax.process_index() == 0
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, initial=step, disable=not show, dynamic_ncols=True, unit="step")
+    summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
+    window, units, t0 = [], 0, time.perf_counter()
+    batches = iter(loader)
+    try:
+        with ckpt_lib.StopRequest() as stop:
+            while step < total:
+                host_batch = next(batches)
+                units += (task.count(host_batch) if task.count else
+                          len(jax.tree.leaves(host_batch)[0])) * jax.process_count()
+                state, metrics = train_step(state, sharding.shard_batch(host_batch, mesh))
+                step += 1
+                metrics = jax.device_get(metrics)  # Syncs: the host needs loss/finite now.
+                if not metrics["finite"]:
+                    _nonfinite(config, step, metrics, ckpt)
+                    continue  # "skip": the update was not applied.
+                summary["losses"].append(float(metrics["loss"]))
+                window.append(metrics)
+                rate = units / max(time.perf_counter() - t0, 1e-9)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                **{f"{task.unit}/s": f"{rate:,.0f}"})
+                if step % config.train.log_every == 0 or step == total:
+                    means = {k: float(np.mean([m[k] for m in window])) for k in window[0]
+                             if k != "finite"}
+                    means[f"{task.unit}_per_sec"] = rate
+                    writer.write(step, "train", means)
+                    summary["train"], window, units, t0 = means, [], 0, time.perf_counter()
+                if step == total or (config.eval.every and step % config.eval.every == 0):
+                    summary["eval"] = evaluate(eval_step, state["params"], task, config, mesh)
+                    writer.write(step, "eval", summary["eval"])
+                    bar.write(f"step {step} eval: " + ", ".join(
+                        f"{k}={v:.4g}" for k, v in summary["eval"].items()))
+                stopping = stop.requested()
+                data_state = loader.get_state().to_dict()
+                if stopping or step == total:
+                    ckpt.save(step, state, data_state, force=True)
+                else:
+                    ckpt.save(step, state, data_state)  # Only every checkpoint_every steps.
+                if stopping:
+                    import signal as signal_lib
+                    summary["stopped_by"] = signal_lib.Signals(stop.signal).name
+                    bar.write(f"{summary['stopped_by']}: saved checkpoint at step {step}; "
+                              f"run the same command again to resume")
+                    break
+    finally:
+        ckpt.wait()  # A pending async save commits before we return or raise.
+        ckpt.close()
+        bar.close()
+        writer.close()
+    summary["step"] = step
+    return summary
+
+
+def _nonfinite(config, step, metrics, ckpt) -> None:
+    what = f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}"
+    if config.train.nonfinite == "skip":
+        logging.warning("step %d: non-finite (%s); update skipped", step, what)
+        return
+    ckpt.wait()
+    last = ckpt.latest_step()
+    where = (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
+             else "no checkpoint was written yet")
+    raise NonFiniteLossError(
+        f"non-finite training loss at step {step} ({what}); stopping without saving: "
+        f"{where}. Lower config.optim.lr, check the data, or set "
+        f"--config.train.nonfinite=skip to skip such steps.")
+
+
+# =================================================================================== tasks
+# config.task -> function(config) -> Task. The model families register below; a notebook
+# or a test can add its own (`TASKS["mine"] = make_my_task`).
+TASKS: dict[str, Callable[[Any], Task]] = {}

@@ -1,0 +1,148 @@
+"""A tiny language model and synthetic data for the training-system tests.
+
+Small enough to compile in a second on CPU, but with every kind of parameter the
+sharding rules care about: an embedding [vocab, embed], attention heads [embed, heads,
+head_dim] (split over `tensor`), an MLP [embed, mlp], biases and a norm, and an
+activation constraint on [batch, length, embed]. Registered as train.TASKS['tiny'].
+
+Also runnable as a worker process: `python tests/system/tiny.py CONFIG_JSON WORKDIR
+OUT_JSON` trains and writes the summary and a parameter checksum (subprocess tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from attention_jax import attention, train
+
+VOCAB, SEQ = 32, 16
+
+
+class SyntheticSequences:
+    """Random-access source: record i is an arithmetic sequence mod VOCAB with a start
+    and stride drawn from a generator seeded by i (deterministic, learnable)."""
+
+    def __init__(self, size: int, offset: int = 0):
+        self.size, self.offset = size, offset
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(self.offset + int(i))
+        start, stride = rng.integers(VOCAB), rng.integers(1, 4)
+        return {"tokens": ((start + stride * np.arange(SEQ + 1)) % VOCAB).astype(np.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class NextToken:
+    def __call__(self, record, rng):
+        del rng
+        return {"inputs": record["tokens"][:-1], "targets": record["tokens"][1:]}
+
+
+def _part(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class TinyLM(nn.Module):
+    width: int = 16
+    heads: int = 2
+    hidden: int = 32
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        d, n = self.width, self.heads
+        embed = self.param("embed", _part(nn.initializers.normal(0.5), ("vocab", "embed")),
+                           (VOCAB, d))
+        x = embed[tokens]  # [B, T, D]
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        qkv = self.param("qkv", _part(nn.initializers.lecun_normal(), ("embed", None, "heads", "head_dim")),
+                         (d, 3, n, d // n))
+        q, k, v = jnp.einsum("BTD,DCNH->CBTNH", x, qkv.astype(x.dtype))
+        y = attention.dot_product_attention(q, k, v, causal=True, implementation="reference")
+        out = self.param("out", _part(nn.initializers.lecun_normal(), ("heads", "head_dim", "embed")),
+                         (n, d // n, d))
+        x = x + jnp.einsum("BTNH,NHD->BTD", y, out.astype(x.dtype))
+        h = nn.Dense(self.hidden, kernel_init=_part(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                     bias_init=_part(nn.initializers.zeros, ("mlp",)), dtype=x.dtype)(x)
+        h = nn.Dropout(self.dropout, deterministic=not train)(nn.gelu(h))
+        x = x + nn.Dense(d, kernel_init=_part(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                         bias_init=_part(nn.initializers.zeros, ("embed",)), dtype=x.dtype)(h)
+        x = nn.LayerNorm(scale_init=_part(nn.initializers.ones, ("norm",)),
+                         bias_init=_part(nn.initializers.zeros, ("norm",)), dtype=x.dtype)(x)
+        return x @ embed.T.astype(x.dtype), {}
+
+
+def make_tiny_task(config) -> train.Task:
+    model = TinyLM(**config.model.to_dict())
+
+    def loss(params, batch, rng, is_train):
+        logits, aux = model.apply({"params": params}, batch["inputs"], train=is_train,
+                                  rngs={"dropout": rng})
+        return train.cross_entropy(logits, batch["targets"],
+                                   label_smoothing=config.optim.label_smoothing if is_train else 0.0)
+
+    def init(rng):
+        return model.init(rng, jnp.zeros((1, SEQ), jnp.int32))["params"]
+
+    return train.Task(model=model, init=init, loss=loss,
+                      train_source=SyntheticSequences(4096), eval_source=SyntheticSequences(256, 10**6),
+                      train_transform=NextToken(), eval_transform=NextToken(), unit="tokens",
+                      count=lambda b: b["inputs"].size)
+
+
+train.TASKS["tiny"] = make_tiny_task
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+    """10 steps of the tiny LM; overrides like {'mesh.data': 2, 'train.steps': 20}."""
+    c = train.base_config()
+    c.task = "tiny"
+    c.model = ml_collections.ConfigDict({"width": 16, "heads": 2, "hidden": 32, "dropout": 0.0})
+    c.optim.lr = 1e-2
+    c.optim.warmup_steps = 2
+    c.train.steps = 10
+    c.train.batch_size = 16
+    c.train.log_every = 5
+    c.train.progress = False
+    c.train.checkpoint_every = 5
+    c.eval.every = 0
+    c.eval.steps = 2
+    c.eval.batch_size = 16
+    c.mesh.data = -1
+    for key, value in overrides.items():
+        group, name = key.split(".")
+        c[group][name] = value
+    return c
+
+
+def params_checksum(workdir: str) -> list[float]:
+    """Sum and sum of squares of each parameter of the latest checkpoint (host numpy)."""
+    from attention_jax import checkpoint
+    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    step = ck.latest_step()
+    tree = ck.manager.restore(step, args=__import__("orbax.checkpoint").checkpoint.args.Composite(
+        state=__import__("orbax.checkpoint").checkpoint.args.StandardRestore()))["state"]["params"]
+    return [float(np.sum(np.asarray(x, np.float64) ** p)) for x in jax.tree.leaves(tree) for p in (1, 2)]
+
+
+if __name__ == "__main__":
+    # Worker: CONFIG_JSON WORKDIR OUT_JSON [process_id]. The config is a dict of overrides.
+    overrides = json.loads(sys.argv[1])
+    cfg = tiny_config(**overrides)
+    summary = train.train_and_evaluate(cfg, sys.argv[2])
+    if jax.process_index() == 0 or len(sys.argv) > 4:
+        with open(sys.argv[3], "w") as f:
+            json.dump({"losses": summary["losses"], "step": summary["step"],
+                       "stopped_by": summary["stopped_by"]}, f)
