@@ -10,7 +10,8 @@ TensorFlow):
   python_stdlib               train, validation         {'id', 'text'}: one stdlib .py file
                               (options: max_files=N for the first N files)
   text_corpus                 train, validation         {'id', 'text'} from your files
-                              (options: globs=[...], root=..., max_files=..., validation_percent=...)
+                              (options: globs=[...], root=..., max_files=...,
+                               validation_percent=...)
   digits                      train (1,438), test (359) {'image' uint8 [8, 8, 1], 'label', 'index'}
   number_translation          train (20k), validation,  {'number', 'en', 'fr', 'de'}
                               test (1k each)            ('number_translation/small': 2k/200/200)

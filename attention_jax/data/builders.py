@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
+from etils import epath  # tfds' own path library.
 
 # Builders read their own arguments from a config; the tfds file format that allows
 # random access (and therefore grain's global shuffle) is array_record.

@@ -132,7 +132,8 @@ class Loader:
         """Batches left (finite `num_epochs` only)."""
         if self.num_epochs is None:
             raise TypeError('an infinite Loader (num_epochs=None) has no length')
-        return max(0, len(self.source) * self.num_epochs - self._next_index) // self.global_batch_size
+        left = len(self.source) * self.num_epochs - self._next_index
+        return max(0, left) // self.global_batch_size
 
     # --- Pipeline ----------------------------------------------------------------------
     def _stream(self) -> grain.MapDataset:

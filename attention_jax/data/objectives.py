@@ -54,7 +54,8 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, voca
 
     action = rng.random(tokens.shape)
     to_mask = chosen & (action < mask_token_rate)
-    to_random = chosen & (action >= mask_token_rate) & (action < mask_token_rate + random_token_rate)
+    to_random = (chosen & (action >= mask_token_rate)
+                 & (action < mask_token_rate + random_token_rate))
     normal_ids = np.setdiff1d(np.arange(vocab_size), specials)
     random_ids = normal_ids[rng.integers(0, len(normal_ids), tokens.shape)]
     inputs = np.where(to_mask, mask_id, np.where(to_random, random_ids, tokens))

@@ -161,5 +161,10 @@ def test_to_global_batch_shards_along_data_axes():
     assert arr.sharding.spec[0] in ('data', ('data',))
     assert len(arr.addressable_shards) == len(devices)
     assert {s.data.shape for s in arr.addressable_shards} == {(4, 3)}
+    # Several mesh axes split the batch jointly (data parallel x FSDP).
+    mesh2 = Mesh(devices.reshape(len(devices) // 2, 2), ('data', 'fsdp'))
+    arr2 = data.to_global_batch(local, mesh2, data_axes=('data', 'fsdp'))['tokens']
+    np.testing.assert_array_equal(np.asarray(arr2), local['tokens'])
+    assert {s.data.shape for s in arr2.addressable_shards} == {(4, 3)}
     with pytest.raises(ValueError, match='not mesh axes'):
         data.to_global_batch(local, mesh, data_axes=('fsdp',))
