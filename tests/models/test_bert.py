@@ -1,0 +1,169 @@
+"""BERT: sizes from the paper, padding, order-blindness without positions, heads, training."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from attention_jax.models.bert import (Bert, BertConfig, VARIANTS, classification_loss,
+                                       mlm_loss)
+
+B, T = 2, 8
+IDS = jax.random.randint(jax.random.key(1), (B, T), 5, 128)
+TYPES = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]])
+MASK = jnp.arange(T)[None, :] < jnp.array([[5], [8]])  # row 0: 5 real tokens, 3 pads
+
+
+def _count(cfg, head):
+    shapes = jax.eval_shape(Bert(cfg, head=head).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+
+
+@functools.lru_cache(maxsize=None)  # one compiled init per config, shared by the tests
+def _params(head="pretraining", **overrides):
+    cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.0, attention_dropout_rate=0.0,
+                                  **overrides)
+    model = Bert(cfg, head=head)
+    return model, nn.unbox(jax.jit(model.init)(jax.random.key(0), IDS)["params"])
+
+
+def test_parameter_counts_match_the_paper():
+    # Devlin et al. Section 3: BERT-base 110M, BERT-large 340M. The encoder with pooler
+    # equals Hugging Face's BertModel exactly (109,482,240 and 335,141,888); the paper's
+    # 340M for large is rounded up by 1.4%.
+    base, large = BertConfig.from_variant("bert-base"), BertConfig.from_variant("bert-large")
+    assert _count(base, "encoder") == 109_482_240
+    assert _count(large, "encoder") == 335_141_888
+    assert abs(_count(base, "pretraining") / 110e6 - 1) < 0.01
+    assert abs(_count(large, "pretraining") / 340e6 - 1) < 0.015
+    # MLM head tied: the only extra [V, D]-sized tensor would be an untied decoder.
+    d, v = 768, 30522
+    assert _count(base, "pretraining") - _count(base, "encoder") == d * d + d + 2 * d + v + 2 * d + 2
+
+
+def test_mlm_head_is_tied_to_the_word_embedding():
+    model, params = _params()
+    out, aux = model.apply({"params": params}, IDS, TYPES, MASK)
+    h = aux["sequence"] @ params["mlm_transform"]["kernel"] + params["mlm_transform"]["bias"]
+    h = jax.nn.gelu(h, approximate=False)
+    mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+    h = (h - mu) / jnp.sqrt(var + 1e-12) * params["mlm_norm"]["scale"] + params["mlm_norm"]["bias"]
+    manual = h @ params["word_embeddings"]["embedding"].T + params["mlm_bias"]
+    np.testing.assert_allclose(out["mlm_logits"], manual, atol=1e-4, rtol=1e-4)
+    # Gathering masked positions first gives the same logits at those positions.
+    pos = jnp.array([[1, 3], [0, 7]])
+    gathered, _ = model.apply({"params": params}, IDS, TYPES, MASK, masked_positions=pos)
+    np.testing.assert_allclose(gathered["mlm_logits"],
+                               jnp.take_along_axis(out["mlm_logits"], pos[..., None], 1), atol=1e-5)
+    assert out["nsp_logits"].shape == (B, 2)
+
+
+def test_pad_tokens_do_not_change_real_token_outputs():
+    model, params = _params()
+    other = jnp.where(MASK, IDS, 99)  # different ids at the padding positions
+    a = model.apply({"params": params}, IDS, TYPES, MASK)[1]["sequence"]
+    b = model.apply({"params": params}, other, TYPES, MASK)[1]["sequence"]
+    np.testing.assert_allclose(a[0, :5], b[0, :5], atol=1e-5)
+    np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+    # Without the mask the pads are attended to, and real tokens see the change.
+    c = model.apply({"params": params}, other, TYPES)[1]["sequence"]
+    assert not np.allclose(a[0, :5], c[0, :5], atol=1e-3)
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_encoder_without_positions_is_permutation_equivariant(positions):
+    model, params = _params(head="encoder", position_embeddings=positions)
+    perm = jnp.array([3, 0, 6, 1, 7, 2, 5, 4])
+    y, _ = model.apply({"params": params}, IDS, TYPES)
+    y_perm, _ = model.apply({"params": params}, IDS[:, perm], TYPES[:, perm])
+    equivariant = np.allclose(y_perm, y[:, perm], atol=1e-5)
+    assert equivariant == (not positions)
+
+
+def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
+    _, params = _params()
+    labels = jnp.array([0, 1])
+
+    def loss(params, implementation):
+        cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.0, attention_dropout_rate=0.0,
+                                      implementation=implementation)
+        out, _ = Bert(cfg).apply({"params": params}, IDS, TYPES, MASK)
+        total = mlm_loss(out["mlm_logits"], IDS, MASK) + classification_loss(out["nsp_logits"], labels)
+        return total, out
+
+    (l_ref, out_ref), g_ref = jax.value_and_grad(loss, has_aux=True)(params, "reference")
+    (l_blk, out_blk), g_blk = jax.value_and_grad(loss, has_aux=True)(params, "blockwise")
+    np.testing.assert_allclose(l_ref, l_blk, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out_ref), jax.tree.leaves(out_blk)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_blk)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4)
+
+
+def test_attention_weights_hide_padding():
+    model, params = _params()
+    _, aux = model.apply({"params": params}, IDS, TYPES, MASK, return_weights=True)
+    w = np.asarray(aux["attention_weights"])  # [L, B, N, T, T]
+    assert w.shape == (2, B, 2, T, T)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(w[:, 0, :, :, 5:], 0.0)
+
+
+def test_classification_head_reads_the_pooled_cls_token():
+    model, params = _params(head="classification", num_labels=3)
+    logits, aux = model.apply({"params": params}, IDS, TYPES, MASK)
+    assert logits.shape == (B, 3)
+    np.testing.assert_allclose(aux["pooled"], jnp.tanh(
+        aux["sequence"][:, 0] @ params["pooler"]["kernel"] + params["pooler"]["bias"]), atol=1e-5)
+    np.testing.assert_allclose(logits, aux["pooled"] @ params["classifier"]["kernel"]
+                               + params["classifier"]["bias"], atol=1e-5)
+
+
+def test_jitted_pretraining_steps_decrease_the_loss():
+    cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.1, attention_dropout_rate=0.1)
+    model = Bert(cfg)
+    params = nn.unbox(_params()[1])
+    masked = jnp.where((jnp.arange(T) % 3 == 1)[None] & MASK, 4, IDS)  # [MASK]=4 at 1, 4, 7
+    weights = (masked != IDS).astype(jnp.float32)
+    nsp_labels = jnp.array([1, 0])
+    tx = optax.adam(3e-3)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, key):
+        def loss_fn(p):
+            out, _ = model.apply({"params": p}, masked, TYPES, MASK, deterministic=False,
+                                 rngs={"dropout": key})
+            return mlm_loss(out["mlm_logits"], IDS, weights) + classification_loss(
+                out["nsp_logits"], nsp_labels)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(8):
+        params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match=r"bert-base.*bert-large"):
+        BertConfig.from_variant("bert-huge")
+    with pytest.raises(ValueError, match=r"num_heads=5 does not divide.*\[1, 2, 4, 8, 16, 32\]"):
+        BertConfig.from_variant("bert-tiny", num_heads=5)
+    with pytest.raises(ValueError, match="activation"):
+        BertConfig.from_variant("bert-tiny", activation="swish")
+    cfg = BertConfig.from_variant("bert-tiny")
+    with pytest.raises(ValueError, match="head"):
+        jax.eval_shape(Bert(cfg, head="qa").init, jax.random.key(0), IDS)
+    with pytest.raises(ValueError, match="max_positions"):
+        jax.eval_shape(Bert(cfg).init, jax.random.key(0), jnp.zeros((1, 65), jnp.int32))
+    with pytest.raises(ValueError, match="token_type_ids"):
+        jax.eval_shape(Bert(cfg).init, jax.random.key(0), IDS, TYPES[:, :4])
+    assert {"bert-base", "bert-large", "bert-tiny"} <= set(VARIANTS)
