@@ -84,7 +84,7 @@ class TinyLM(nn.Module):
         return x @ embed.T.astype(x.dtype), {}
 
 
-def make_tiny_task(config) -> train.Task:
+def make_tiny_task(config, workdir=None) -> train.Task:
     model = TinyLM(**config.model.to_dict())
 
     def loss(params, batch, rng, is_train):
