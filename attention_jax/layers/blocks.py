@@ -156,6 +156,7 @@ class TransformerBlock(nn.Module):
         if cfg.mlp == "moe":
             ffn = MoE(num_experts=cfg.num_experts, top_k=cfg.top_k,
                       capacity_factor=cfg.capacity_factor, hidden=cfg.mlp_dim,
+                      priority="token" if causal else "choice",  # keeps decoders causal
                       activation=cfg.activation, use_bias=cfg.use_bias,
                       dropout_rate=cfg.dropout_rate, dtype=dtype, param_dtype=param_dtype,
                       name="mlp")

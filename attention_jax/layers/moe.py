@@ -6,6 +6,10 @@ each batch row (a "group") gives every expert room for
 
     C = ceil(capacity_factor · T · A / E)   tokens.
 
+C depends on T, so a token can be dropped in a full forward pass but kept when decoded
+alone (T = 1): decoding with the KV cache matches the full pass exactly only when no
+token is dropped (capacity_factor >= E / A guarantees it).
+
 Routing is written as dense one-hot tensors and einsums, never a Python loop over
 experts, so the expert axis E of the weights and of the buffers can be sharded (the
 EXPERT logical axis) and XLA turns the einsums into all-to-alls:
@@ -15,8 +19,13 @@ EXPERT logical axis) and XLA turns the einsums into all-to-alls:
     expert_out = MLP_e(expert_in)                [E, B, C, D]   weights [E, D, F], [E, F, D]
     y          = einsum(combine, expert_out)     [B, T, D]
 
-Over capacity. Slots are given out in priority order: all tokens' first choices before
-any second choice, earlier tokens first within a choice (GShard §2.2). An assignment that
+Over capacity. Slots are given out in priority order, `priority`:
+  "choice"  all tokens' first choices before any second choice, earlier tokens first
+            within a choice (GShard §2.2): first choices are rarely dropped.
+  "token"   earlier tokens first, a token's choices in rank order. Whether token t is
+            dropped then depends only on tokens <= t, so a causal model stays causal
+            ("choice" lets a later token's first choice evict an earlier second choice).
+An assignment that
 finds its expert full is DROPPED: it contributes nothing. A token all of whose
 assignments are dropped gets y = 0, so in a residual block (x + MoE(x)) it passes
 through unchanged; a token that keeps some assignments gets only those, with their
@@ -55,11 +64,17 @@ def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int,
     return max(1, math.ceil(capacity_factor * tokens_per_group * top_k / num_experts))
 
 
-def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = None):
+PRIORITIES = ("choice", "token")
+
+
+def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = None,
+          priority: str = "choice"):
     """Router logits [B, T, E] -> (dispatch [B, T, E, C] bool, combine [B, T, E, C], aux).
 
     A pure function (no parameters) so the routing rules can be tested on chosen logits.
     """
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority={priority!r} is unknown; valid: {PRIORITIES}")
     b, t, e = logits.shape
     logits = logits.astype(jnp.float32)  # routing decisions in float32 (Switch §2.4)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
@@ -69,10 +84,14 @@ def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = N
     choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # [B, T, A, E]
 
     # Slot of each assignment in its expert's buffer: count earlier assignments to the same
-    # expert in priority order (choice rank first, then token position).
-    by_priority = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * t, e)  # [B, A·T, E]
-    slot = jnp.cumsum(by_priority, axis=1) - 1  # [B, A·T, E]
-    slot = jnp.swapaxes(slot.reshape(b, top_k, t, e), 1, 2)  # [B, T, A, E]
+    # expert in priority order (choice rank, then token position; or token, then rank).
+    if priority == "choice":
+        by_priority = jnp.swapaxes(choice, 1, 2).reshape(b, top_k * t, e)  # [B, A·T, E]
+        slot = jnp.cumsum(by_priority, axis=1) - 1
+        slot = jnp.swapaxes(slot.reshape(b, top_k, t, e), 1, 2)  # [B, T, A, E]
+    else:
+        slot = jnp.cumsum(choice.reshape(b, t * top_k, e), axis=1) - 1  # [B, T·A, E]
+        slot = slot.reshape(b, t, top_k, e)
     slot = jnp.sum(slot * choice, axis=-1)  # [B, T, A]: slot in the chosen expert
     kept = slot < capacity  # [B, T, A]
 
@@ -100,6 +119,7 @@ class MoE(nn.Module):
       num_experts: E.  top_k: A experts per token.  capacity_factor: slack in C.
       hidden: F of each expert (default 4D).  activation: as in layers/mlp.py.
       normalize_gates: renormalise the A gates to sum to 1 (default: when A > 1).
+      priority: "choice" | "token", who gets a slot first (module doc); decoders use "token".
     """
 
     num_experts: int = 8
@@ -109,6 +129,7 @@ class MoE(nn.Module):
     activation: str = "gelu"
     use_bias: bool = True
     normalize_gates: Optional[bool] = None
+    priority: str = "choice"
     dropout_rate: float = 0.0
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -134,7 +155,8 @@ class MoE(nn.Module):
                          (d, e), (axes.EMBED, None))
         logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), w_router.astype(jnp.float32))
         capacity = expert_capacity(t, e, self.top_k, self.capacity_factor)
-        dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates)
+        dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates,
+                                         self.priority)
 
         wi = param("wi", fan_in, (e, d, f), (axes.EXPERT, axes.EMBED, axes.MLP))
         wo = param("wo", fan_in, (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED))

@@ -1,0 +1,297 @@
+"""GPT: a decoder-only transformer language model (Radford et al. 2018, 2019).
+
+    cfg = GPTConfig.from_variant("gpt-tiny")            # or get_config("gpt2", dropout_rate=0.1)
+    model = GPT(cfg)
+    params = model.init(key, tokens)["params"]           # tokens [B, T] int
+    logits, aux = model.apply({"params": params}, tokens)   # [B, T, V]
+    loss, metrics = lm_loss(logits, tokens)
+    out, lengths = generate(model, params, prompts, prompt_lengths, max_new_tokens=20,
+                            rng=key, temperature=0.8, top_p=0.9, stop_token=0)
+
+Token embedding + position (a learned table, or RoPE inside attention), a pre-norm
+stack of causal blocks, a final norm (pre-norm leaves the residual stream
+unnormalised), and an LM head that by default reuses the token embedding (tied, Press &
+Wolf 2017: saves V·D parameters, 38M of GPT-2 small's 124M).
+
+Decoding keeps a KV cache per layer (layers/attention.py). `generate` takes a batch of
+RIGHT-padded prompts with their lengths, prefills all of them in one call, then feeds
+each row's new token at its own position (len_b, len_b + 1, ...), all under one jit with
+a lax.scan over steps: fixed shapes, no Python loop at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from attention_jax import axes
+from attention_jax.layers.blocks import BlockConfig, TransformerStack
+from attention_jax.layers.norms import make_norm
+from attention_jax.layers.posemb import LearnedPositionEmbedding
+
+__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "cross_entropy",
+           "init_cache", "generate", "sample_logits"]
+
+GPT_POSITIONS = ("learned", "rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """A GPT model's hyperparameters (defaults: GPT-2 small)."""
+
+    vocab_size: int = 50257
+    max_len: int = 1024  # rows of the learned position table (context length)
+    num_layers: int = 12
+    embed_dim: int = 768  # D
+    num_heads: int = 12
+    num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
+    mlp: str = "mlp"  # "mlp" | "swiglu" | "moe"
+    mlp_dim: Optional[int] = None  # F (default 4D)
+    activation: str = "gelu_tanh"  # GPT-2's tanh-approximated GELU
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-5
+    position: str = "learned"  # "learned" | "rope"
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    implementation: str = "blockwise"
+    scan_layers: bool = False
+    remat_policy: str = "none"
+    num_experts: int = 8  # for mlp="moe"
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    moe_loss_weight: float = 0.01  # weight of the load-balancing loss (Switch uses 1e-2)
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
+
+    def __post_init__(self):
+        if self.position not in GPT_POSITIONS:
+            raise ValueError(f"position={self.position!r} is unknown; valid: {GPT_POSITIONS}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} does not divide embed_dim={self.embed_dim}; valid "
+                f"num_heads: {[n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0]}")
+        self.block()  # validates the block fields (norm, mlp, kv heads, ...)
+
+    @classmethod
+    def from_variant(cls, name: str, **overrides) -> "GPTConfig":
+        if name not in VARIANTS:
+            raise ValueError(f"unknown GPT variant {name!r}; valid: {sorted(VARIANTS)}")
+        return cls(**{**VARIANTS[name], **overrides})
+
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp=self.mlp,
+            mlp_dim=self.mlp_dim, activation=self.activation, norm=self.norm,
+            norm_epsilon=self.norm_epsilon, norm_position="pre", causal=True,
+            use_bias=self.use_bias, dropout_rate=self.dropout_rate,
+            implementation=self.implementation,
+            rope_base=self.rope_base if self.position == "rope" else None,
+            num_experts=self.num_experts, top_k=self.top_k,
+            capacity_factor=self.capacity_factor, dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+# GPT-2 sizes: Radford et al. 2019, Table 2 (layers, d_model; 1024 context, 50257 BPE
+# vocabulary, head dim 64). The paper's column says 117M/345M/762M/1542M; the released
+# checkpoints count 124M/355M/774M/1558M (the paper's numbers left out the position
+# table and miscounted small), which is what these configurations give.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(num_layers=12, embed_dim=768, num_heads=12),  # 124M
+    "gpt2-medium": dict(num_layers=24, embed_dim=1024, num_heads=16),  # 355M
+    "gpt2-large": dict(num_layers=36, embed_dim=1280, num_heads=20),  # 774M
+    "gpt2-xl": dict(num_layers=48, embed_dim=1600, num_heads=25),  # 1558M
+    # tiny models for tests and CPU experiments
+    "gpt-tiny": dict(vocab_size=256, max_len=128, num_layers=2, embed_dim=64, num_heads=4),
+    "gpt-tiny-rope": dict(vocab_size=256, max_len=128, num_layers=2, embed_dim=64,
+                          num_heads=4, num_kv_heads=2, position="rope", mlp="swiglu",
+                          norm="rmsnorm", use_bias=False, tie_embeddings=False),
+    "gpt-tiny-moe": dict(vocab_size=256, max_len=128, num_layers=2, embed_dim=64,
+                         num_heads=4, mlp="moe", num_experts=4, top_k=2, mlp_dim=128),
+}
+
+
+def get_config(variant: str, **overrides) -> GPTConfig:
+    """GPTConfig of a named variant with fields overridden; ValueError names the valid ones."""
+    return GPTConfig.from_variant(variant, **overrides)
+
+
+class GPT(nn.Module):
+    """tokens [B, T] -> (logits [B, T, V], aux).
+
+    aux: {"layers": per-layer aux stacked [L, ...] (attention weights when asked, MoE
+    statistics), "moe_loss": weighted load-balancing loss summed over layers (MoE only)}.
+    """
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens, *, positions=None, segment_ids=None, deterministic: bool = True,
+                 decode: bool = False, return_weights: bool = False):
+        """positions [B, T]: default arange(T); required with decode=True (the absolute
+        positions of the new tokens, see layers/attention.py). segment_ids [B, T]: packed
+        documents (no attention across documents)."""
+        cfg = self.config
+        b, t = tokens.shape
+        dtype = jnp.dtype(cfg.dtype)
+        if positions is None:
+            if decode:
+                raise ValueError("decode=True needs positions [B, T] (each row's next positions)")
+            if t > cfg.max_len and cfg.position == "learned":
+                raise ValueError(f"sequence length {t} exceeds max_len={cfg.max_len}")
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        embed = nn.Embed(
+            cfg.vocab_size, cfg.embed_dim, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                        (axes.VOCAB, axes.EMBED)),
+            name="token_embedding")
+        x = embed(tokens)  # [B, T, D]
+        if cfg.position == "learned":
+            x = x + LearnedPositionEmbedding(cfg.max_len, cfg.embed_dim, dtype=dtype,
+                                             param_dtype=jnp.dtype(cfg.param_dtype),
+                                             name="position_embedding")(positions)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
+        x, layer_aux = TransformerStack(
+            cfg.block(), cfg.num_layers, scan_layers=cfg.scan_layers,
+            remat_policy=cfg.remat_policy, name="decoder")(
+                x, positions=positions, segment_ids=segment_ids, deterministic=deterministic,
+                decode=decode, return_weights=return_weights)
+        x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias, dtype=dtype,
+                      name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)  # [B, T, V]: x · Eᵀ
+        else:
+            logits = nn.Dense(
+                cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
+                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                         (axes.EMBED, axes.VOCAB)),
+                name="lm_head")(x)
+        logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
+        aux = {"layers": layer_aux}
+        if cfg.mlp == "moe":
+            aux["moe_loss"] = cfg.moe_loss_weight * jnp.sum(layer_aux["moe"]["load_balance_loss"])
+        return logits.astype(jnp.float32), aux
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
+    """Mean token cross-entropy. logits [B, T, V], targets [B, T] ints, weights [B, T]
+    (0 on padding). With label_smoothing ε the target is (1-ε)·onehot + ε/V (Szegedy et
+    al. 2016; Vaswani §5.4 uses ε = 0.1). Returns (loss, {"loss", "accuracy", "tokens"})."""
+    v = logits.shape[-1]
+    if label_smoothing:
+        soft = optax.smooth_labels(jax.nn.one_hot(targets, v), label_smoothing)
+        per_token = optax.softmax_cross_entropy(logits, soft)
+    else:
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(weights), 1.0)
+    loss = jnp.sum(per_token * weights) / count
+    accuracy = jnp.sum((jnp.argmax(logits, -1) == targets) * weights) / count
+    return loss, {"loss": loss, "accuracy": accuracy, "tokens": jnp.sum(weights)}
+
+
+def lm_loss(logits, tokens, weights=None):
+    """Next-token loss: logits at position i predict tokens[i + 1]. logits [B, T, V],
+    tokens [B, T], weights [B, T] (1 on real tokens). Returns (loss, metrics)."""
+    w = None if weights is None else weights[:, 1:]
+    return cross_entropy(logits[:, :-1], tokens[:, 1:], w)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def init_cache(model: nn.Module, batch: int, max_len: int):
+    """An all-zero KV cache for `batch` rows and `max_len` positions (no FLOPs spent:
+    shapes come from jax.eval_shape)."""
+    tokens = jnp.zeros((batch, max_len), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens,
+                                               positions=positions, decode=True))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+
+def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None):
+    """One token per row from logits [B, V]. temperature 0 is greedy (argmax).
+    top_k keeps the k largest logits; top_p keeps the smallest set of tokens whose
+    probability reaches p (nucleus sampling, Holtzman et al. 2020)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int, rng=None,
+             temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, stop_token: Optional[int] = None,
+             pad_token: int = 0):
+    """Continue a batch of right-padded prompts with the KV cache.
+
+    prompts [B, T] ints, row b's prompt in prompts[b, :prompt_lengths[b]] (lengths >= 1).
+    temperature 0 (default) is greedy; otherwise sample with optional top_k / top_p.
+    A row stops after emitting stop_token (kept in the output); later slots get pad_token.
+    Returns (tokens [B, T + max_new_tokens], lengths [B]): each row's prompt followed
+    directly by its continuation, padded on the right.
+    """
+    cfg = model.config
+    b, t = prompts.shape
+    total = t + max_new_tokens
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if cfg.position == "learned" and total > cfg.max_len:
+        raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                         f"the position table (max_len={cfg.max_len})")
+    if temperature and rng is None:
+        raise ValueError("sampling (temperature > 0) needs rng")
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return _generate(model, sample, max_new_tokens, stop_token, pad_token,
+                     params, prompts, jnp.asarray(prompt_lengths, jnp.int32), rng)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _generate(model, sample, max_new_tokens, stop_token, pad_token, params, prompts, lengths, rng):
+    b, t = prompts.shape
+    rows = jnp.arange(b)
+    cache = init_cache(model, b, t + max_new_tokens)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    (logits, _), state = model.apply({"params": params, "cache": cache}, prompts,
+                                positions=positions, decode=True, mutable=["cache"])
+    last = logits[rows, lengths - 1]  # [B, V]: the prediction after each row's last token
+    out = jnp.concatenate([prompts, jnp.full((b, max_new_tokens), pad_token, prompts.dtype)], 1)
+    out = jnp.where(jnp.arange(t + max_new_tokens)[None] < lengths[:, None], out, pad_token)
+
+    def step(carry, i):
+        cache, last, done, out, rng = carry
+        rng, key = jax.random.split(rng)
+        token = jnp.where(done, pad_token, sample(key, last))  # [B]
+        pos = lengths + i  # [B]: where this token goes
+        out = out.at[rows, pos].set(token.astype(out.dtype))
+        new_done = done if stop_token is None else done | (token == stop_token)
+        (logits, _), state = model.apply({"params": params, "cache": cache}, token[:, None],
+                                    positions=pos[:, None], decode=True, mutable=["cache"])
+        return (state["cache"], logits[:, 0], new_done, out, rng), ~done
+
+    done = jnp.zeros((b,), bool)
+    (_, _, _, out, _), emitted = jax.lax.scan(
+        step, (state["cache"], last, done, out, rng), jnp.arange(max_new_tokens))
+    return out, lengths + jnp.sum(emitted, axis=0).astype(jnp.int32)
