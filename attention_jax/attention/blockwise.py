@@ -172,20 +172,28 @@ class _Tiles:
         return self._ranges(lo, hi, full_lo, full_hi)
 
     def _ranges(self, lo, hi, full_lo, full_hi):
-        """Split [lo, hi) into masked [lo, a), unmasked [a, b), masked [b, hi)."""
+        """[(start, stop, masked), ...]: the blocks to visit, split by whether they need a mask.
+
+        Only the loops that can be non-empty are built (each loop is compiled code).
+        """
         if self.data_dependent:
-            return lo, hi, hi, hi
+            return [(lo, hi, True)]
+        if not self.spec.has_positional and not self.kv_padded:
+            return [(lo, hi, False)]
         a = jnp.clip(full_lo, lo, hi)
         b = jnp.clip(full_hi, a, hi)
-        return lo, a, b, hi
+        return [(lo, a, True), (a, b, False), (b, hi, True)]
 
 
-def _three_loops(ranges, body, carry):
-    """Run body(idx, carry, masked) over the masked / unmasked / masked index ranges."""
-    lo, a, b, hi = ranges
-    carry = lax.fori_loop(lo, a, lambda x, c: body(x, c, True), carry)
-    carry = lax.fori_loop(a, b, lambda x, c: body(x, c, False), carry)
-    return lax.fori_loop(b, hi, lambda x, c: body(x, c, True), carry)
+def _run_blocks(ranges, body, carry):
+    """Run body(index, carry, masked) over each (start, stop, masked) range in turn."""
+    for start, stop, masked in ranges:
+        carry = lax.fori_loop(start, stop, functools.partial(_call_masked, body, masked), carry)
+    return carry
+
+
+def _call_masked(body, masked, index, carry):
+    return body(index, carry, masked)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -206,11 +214,11 @@ def _forward(st: _Static, q, k, v, arrays):
         def kv_step(j, state, masked):
             m, l, acc = state  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, Hv]
             s = tiles.scores(qi, tiles.kv_tile(tiles.k, j))  # [B, K, G, bq, bk]
-            if masked:
-                ok = tiles.tile_mask(i, j)
+            ok = tiles.tile_mask(i, j) if masked else None
+            if ok is not None:
                 s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            if masked:  # a row with nothing visible yet keeps m = -inf; shift by 0 instead
+            if ok is not None:  # a row with nothing visible yet keeps m = -inf; shift by 0 instead
                 m_new_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
             else:
                 m_new_safe = m_new
@@ -224,7 +232,7 @@ def _forward(st: _Static, q, k, v, arrays):
         init = (jnp.full((b, kh, g, st.bq), -jnp.inf, acc_t),
                 jnp.zeros((b, kh, g, st.bq), acc_t),
                 jnp.zeros((b, kh, g, st.bq, hv), acc_t))
-        m, l, acc = _three_loops(tiles.kv_blocks_for(i), kv_step, init)
+        m, l, acc = _run_blocks(tiles.kv_blocks_for(i), kv_step, init)
         y = acc / jnp.where(l == 0, 1.0, l)[..., None]  # empty rows: 0, not 0/0
         y = jnp.transpose(y, (0, 3, 1, 2, 4)).astype(out.dtype)  # [B, bq, K, G, Hv]
         row_lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
@@ -260,8 +268,9 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
             qi = tiles.q_tile(tiles.q, i)  # [B, bq, K, G, H], already scaled
             doi = tiles.q_tile(d_out, i)  # [B, bq, K, G, Hv]
             s = tiles.scores(qi, kj)  # [B, K, G, bq, bk]
-            if masked:
-                s = jnp.where(tiles.tile_mask(i, j), s, -jnp.inf)
+            ok = tiles.tile_mask(i, j) if masked else None
+            if ok is not None:
+                s = jnp.where(ok, s, -jnp.inf)
             lse_i = _slice(lse, i * st.bq, st.bq, 3)[..., None]
             p = jnp.exp(s - lse_i)  # exactly the forward's probabilities
             dv_j = dv_j + jnp.einsum("BKGTS,BTKGH->BSKH", p.astype(doi.dtype), doi,
@@ -278,7 +287,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
             return dq, dk_j, dv_j
 
         zeros_kv = jnp.zeros((b, st.bk, kh, h), acc_t)
-        dq, dk_j, dv_j = _three_loops(tiles.q_blocks_for(j), q_step,
+        dq, dk_j, dv_j = _run_blocks(tiles.q_blocks_for(j), q_step,
                                       (dq, zeros_kv, jnp.zeros((b, st.bk, kh, hv), acc_t)))
         dk = lax.dynamic_update_slice_in_dim(dk, dk_j, j * st.bk, 1)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_j, j * st.bk, 1)

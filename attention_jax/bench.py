@@ -1,0 +1,247 @@
+"""Benchmarks. Speed and memory targets live here, never as timed tests.
+
+    python -m attention_jax.bench attention            # the full table (about 10 minutes)
+    python -m attention_jax.bench attention --quick    # small sizes (make demo)
+
+`attention` times scaled dot-product attention, B=1, 8 heads, head dim 64, float32, over
+sequence lengths N, causal and not: forward and forward+backward (median of repeated
+runs after a warm-up) and XLA's compiled temp memory, for our reference and blockwise
+paths, jax.nn.dot_product_attention (XLA), and PyTorch's CPU
+`scaled_dot_product_attention` (a fused flash-style kernel) when torch is installed,
+all on the same thread count. It also measures this machine's float32 matmul rate, so
+the blockwise forward's FLOP rate can be read as a fraction of what the hardware does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax.attention import dot_product_attention
+
+HEADS, HEAD_DIM = 8, 64
+JAX_IMPLS = ("reference", "xla", "blockwise")
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` runs, after one untimed warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
+    """This machine's float32 matmul rate through XLA, in FLOP/s."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    return 2 * size ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
+
+
+def attention_flops(n: int, causal: bool) -> float:
+    """4·B·N·T·S·H for the two matmuls of the forward pass; causal needs half the tiles."""
+    return 4 * HEADS * n * n * HEAD_DIM * (0.5 if causal else 1.0)
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 << 30
+
+
+# ----------------------------------------------------------------------------- JAX paths
+
+
+def _jax_fns(impl: str, causal: bool):
+    def forward(q, k, v):
+        return dot_product_attention(q, k, v, causal=causal, implementation=impl)
+
+    def loss(q, k, v):
+        return jnp.sum(forward(q, k, v))
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def bench_jax(impl, n, causal, repeats, memory_budget):
+    """Times and temp memory of one JAX implementation; skips what would not fit."""
+    shape = jax.ShapeDtypeStruct((1, n, HEADS, HEAD_DIM), jnp.float32)
+    row = {"impl": impl, "n": n, "causal": causal}
+    forward, gradient = _jax_fns(impl, causal)
+    compiled = {}
+    for name, fn in (("fwd", forward), ("fwd_bwd", gradient)):
+        exe = fn.lower(shape, shape, shape).compile()
+        temp = exe.memory_analysis().temp_size_in_bytes
+        row[f"{name}_temp_bytes"] = temp
+        compiled[name] = exe
+    if max(row["fwd_temp_bytes"], row["fwd_bwd_temp_bytes"]) > memory_budget:
+        row["skipped"] = (f"needs {row['fwd_bwd_temp_bytes'] / 2**30:.1f} GiB of temp memory; "
+                          f"budget {memory_budget / 2**30:.1f} GiB")
+        return row
+    keys = jax.random.split(jax.random.key(n), 3)
+    q, k, v = (jax.random.normal(key, shape.shape, jnp.float32) for key in keys)
+    for name, exe in compiled.items():
+        row[f"{name}_s"] = median_time(lambda: jax.block_until_ready(exe(q, k, v)), repeats)
+    return row
+
+
+# ----------------------------------------------------------------------------- PyTorch peer
+
+
+def bench_torch(n, causal, repeats):
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=gen) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    row = {"impl": "torch_sdpa", "n": n, "causal": causal}
+    with torch.no_grad():
+        row["fwd_s"] = median_time(lambda: sdpa(q, k, v, is_causal=causal), repeats)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def fwd_bwd():
+        for x in (qg, kg, vg):
+            x.grad = None
+        sdpa(qg, kg, vg, is_causal=causal).sum().backward()
+
+    row["fwd_bwd_s"] = median_time(fwd_bwd, repeats)
+    return row
+
+
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt_time(row, key):
+    if "skipped" in row:
+        return "skip"
+    return f"{row[key]:.4f}" if key in row else "-"
+
+
+def _fmt_mem(row, key):
+    return f"{row[key] / 2**20:.1f}" if key in row else "-"
+
+
+def attention_table(rows, rate):
+    """Markdown table: one line per (N, causal, implementation), then the ratios."""
+    lines = ["| N | causal | impl | fwd s | fwd+bwd s | fwd temp MiB | fwd+bwd temp MiB | fwd GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gflops = ("-" if "fwd_s" not in r
+                  else f"{attention_flops(r['n'], r['causal']) / r['fwd_s'] / 1e9:.0f}")
+        lines.append(f"| {r['n']} | {r['causal']} | {r['impl']} | {_fmt_time(r, 'fwd_s')} | "
+                     f"{_fmt_time(r, 'fwd_bwd_s')} | {_fmt_mem(r, 'fwd_temp_bytes')} | "
+                     f"{_fmt_mem(r, 'fwd_bwd_temp_bytes')} | {gflops} |")
+    lines += ["", f"float32 matmul rate (XLA, 2048²): {rate / 1e9:.0f} GFLOP/s", ""]
+    lines += ratio_lines(rows, rate)
+    return "\n".join(lines)
+
+
+def ratio_lines(rows, rate):
+    """The targets: speed against each peer, causal vs full, FLOP rate, memory."""
+    by = {(r["impl"], r["n"], r["causal"]): r for r in rows}
+    out = ["| N | causal | blockwise speed-up vs torch fwd / fwd+bwd | vs reference fwd / fwd+bwd "
+           "| vs xla fwd | causal/full time fwd / fwd+bwd | % of matmul rate | temp memory ref/blockwise fwd / fwd+bwd |",
+           "|---|---|---|---|---|---|---|---|"]
+    for (impl, n, causal), b in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if impl != "blockwise" or "fwd_s" not in b:
+            continue
+
+        def speedup(peer, key):
+            p = by.get((peer, n, causal))
+            if not p or key not in p:
+                return "-"
+            return f"{p[key] / b[key]:.2f}×"
+
+        full = by.get(("blockwise", n, False))
+        causal_ratio = (f"{b['fwd_s'] / full['fwd_s']:.2f} / {b['fwd_bwd_s'] / full['fwd_bwd_s']:.2f}"
+                        if causal and full and "fwd_s" in full else "-")
+        ref = by.get(("reference", n, causal))
+        mem = (f"{ref['fwd_temp_bytes'] / b['fwd_temp_bytes']:.0f}× / "
+               f"{ref['fwd_bwd_temp_bytes'] / b['fwd_bwd_temp_bytes']:.0f}×") if ref else "-"
+        pct = 100 * attention_flops(n, causal) / b["fwd_s"] / rate
+        out.append(f"| {n} | {causal} | {speedup('torch_sdpa', 'fwd_s')} / "
+                   f"{speedup('torch_sdpa', 'fwd_bwd_s')} | {speedup('reference', 'fwd_s')} / "
+                   f"{speedup('reference', 'fwd_bwd_s')} | {speedup('xla', 'fwd_s')} | "
+                   f"{causal_ratio} | {pct:.0f}% | {mem} |")
+    return out
+
+
+def _progress(row):
+    if "skipped" in row:
+        return "skipped, " + row["skipped"]
+    return f"fwd {row['fwd_s']:.4f}s, fwd+bwd {row['fwd_bwd_s']:.4f}s"
+
+
+def run_attention(args):
+    sizes = args.sizes or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
+    repeats = args.repeats or (3 if args.quick else 5)
+    budget = args.memory_fraction * available_memory_bytes()
+    rate = matmul_rate()
+    peers = torch_available() and not args.no_torch
+    print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads, "
+          f"matmul {rate / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'not installed'}",
+          file=sys.stderr)
+    rows = []
+    for n in sizes:
+        for causal in (False, True):
+            for impl in JAX_IMPLS:
+                row = bench_jax(impl, n, causal, repeats, budget)
+                rows.append(row)
+                print(f"  N={n} causal={causal} {impl}: {_progress(row)}", file=sys.stderr)
+            if peers:
+                rows.append(bench_torch(n, causal, repeats))
+    table = attention_table(rows, rate)
+    print(table)
+    notes = [f"N={r['n']} causal={r['causal']} {r['impl']}: skipped, {r['skipped']}"
+             for r in rows if "skipped" in r]
+    if notes:
+        print("\n" + "\n".join(notes))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"matmul_flops_per_s": rate, "heads": HEADS, "head_dim": HEAD_DIM,
+                               "threads": os.cpu_count(), "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="which", required=True)
+    att = sub.add_parser("attention", help="attention forward/backward time and memory")
+    att.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
+    att.add_argument("--sizes", type=int, nargs="+", help="sequence lengths N")
+    att.add_argument("--repeats", type=int, help="timed runs per measurement (median)")
+    att.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    att.add_argument("--memory-fraction", type=float, default=0.5,
+                     help="skip an implementation whose temp memory exceeds this share of free RAM")
+    att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    if args.which == "attention":
+        run_attention(args)
+
+
+if __name__ == "__main__":
+    main()

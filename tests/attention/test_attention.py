@@ -1,0 +1,296 @@
+"""The attention primitive: blockwise against the float64 reference, the lectures'
+properties, masked rows, low precision, memory, and errors on bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.attention import dot_product_attention
+
+
+@dataclasses.dataclass
+class Case:
+    """One attention problem; `kwargs(rng)` builds the mask arguments for it."""
+
+    name: str
+    b: int = 2
+    t: int = 19
+    s: int = 19
+    n: int = 4
+    k: int = 4
+    h: int = 8
+    hv: int = 8
+    causal: bool = False
+    window: object = None
+    offset: object = 0  # int, or "per-row" for a [B] array
+    padding: bool = False  # kv_mask with a different number of real keys per row
+    segments: bool = False  # packed sequences
+    dense: bool = False  # an unstructured [B, 1, T, S] mask
+    block_q: int = 8
+    block_k: int = 8
+
+    def kwargs(self, rng):
+        kw = dict(causal=self.causal, window=self.window)
+        if self.offset == "per-row":
+            kw["q_offset"] = jnp.asarray(rng.integers(0, self.s - self.t + 1, self.b), jnp.int32)
+        else:
+            kw["q_offset"] = self.offset
+        if self.padding:
+            lengths = rng.integers(1, self.s + 1, self.b)
+            kw["kv_mask"] = jnp.asarray(np.arange(self.s)[None, :] < lengths[:, None])
+        if self.segments:
+            ids = np.sort(rng.integers(0, 3, (self.b, self.t)), axis=1)
+            kw["segment_ids"] = jnp.asarray(ids, jnp.int32)
+        if self.dense:
+            kw["mask"] = jnp.asarray(rng.random((self.b, 1, self.t, self.s)) < 0.7)
+        return kw
+
+
+CASES = [
+    Case("full"),
+    Case("causal", causal=True),
+    Case("odd-lengths", t=37, s=37, block_q=16, block_k=8),
+    Case("odd-causal", t=37, s=37, causal=True, block_q=8, block_k=16),
+    Case("cross", t=13, s=29, block_q=4, block_k=8),
+    Case("gqa", n=6, k=2, causal=True),
+    Case("mqa", n=4, k=1, t=21, s=21),
+    Case("value-dim", hv=5, t=11, s=17),
+    Case("padding", t=17, s=23, padding=True),
+    Case("padding-causal", t=23, s=23, padding=True, causal=True),
+    Case("window", t=33, s=33, window=(5, 3)),
+    Case("window-causal", t=33, s=33, window=4, causal=True, block_q=4, block_k=4),
+    Case("offset", t=9, s=30, offset=21, causal=True, block_q=4, block_k=8),
+    Case("offset-per-row", t=5, s=26, offset="per-row", causal=True, block_q=2, block_k=4),
+    Case("offset-window", t=7, s=40, offset="per-row", causal=True, window=6, block_k=4),
+    Case("segments", t=31, s=31, segments=True, causal=True),
+    Case("segments-padding", t=24, s=24, segments=True, padding=True),
+    Case("dense-mask", t=14, s=18, dense=True, n=4, k=2),
+    Case("single-block", t=5, s=7, block_q=64, block_k=64),
+]
+
+
+def _inputs(case, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((case.b, case.t, case.n, case.h))
+    k = rng.standard_normal((case.b, case.s, case.k, case.h))
+    v = rng.standard_normal((case.b, case.s, case.k, case.hv))
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)), case.kwargs(rng)
+
+
+def _value_and_grads(impl, q, k, v, kw, case):
+    # A fixed random projection of the output, so every output element gets a distinct
+    # cotangent (a plain sum would hide errors that cancel across the row).
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape[-1]), q.dtype)
+
+    def loss(q, k, v):
+        y = dot_product_attention(q, k, v, implementation=impl, block_q=case.block_q,
+                                  block_k=case.block_k, **kw)
+        return jnp.sum(jnp.sin(y) * w), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return y, grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_blockwise_equals_reference_float64(case, x64):
+    (q, k, v), kw = _inputs(case, jnp.float64)
+    y_ref, g_ref = _value_and_grads("reference", q, k, v, kw, case)
+    y_blk, g_blk = _value_and_grads("blockwise", q, k, v, kw, case)
+    np.testing.assert_allclose(y_blk, y_ref, rtol=0, atol=1e-10)
+    for name, a, b in zip("qkv", g_blk, g_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", CASES[::3], ids=lambda c: c.name)
+def test_blockwise_equals_reference_float32(case, x64):
+    (q, k, v), kw = _inputs(case, jnp.float32)
+    (q64, k64, v64), _ = _inputs(case, jnp.float64)
+    y_ref, g_ref = _value_and_grads("reference", q64, k64, v64, kw, case)
+    y_blk, g_blk = _value_and_grads("blockwise", q, k, v, kw, case)
+    assert y_blk.dtype == jnp.float32
+
+    def rel(a, b):
+        return float(jnp.linalg.norm(a.astype(jnp.float64) - b) / jnp.linalg.norm(b))
+
+    assert rel(y_blk, y_ref) < 1e-5
+    for a, b in zip(g_blk, g_ref):
+        assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[8], CASES[13]], ids=lambda c: c.name)
+def test_xla_path_equals_reference(case):
+    (q, k, v), kw = _inputs(case, jnp.float32)
+    y_ref = dot_product_attention(q, k, v, implementation="reference", **kw)
+    y_xla = dot_product_attention(q, k, v, implementation="xla", **kw)
+    np.testing.assert_allclose(y_xla, y_ref, atol=2e-5)
+
+
+def test_reference_weights_are_a_distribution():
+    (q, k, v), kw = _inputs(Case("w", causal=True, padding=True), jnp.float32)
+    y, a = dot_product_attention(q, k, v, return_weights=True, **kw)
+    assert a.shape == (2, 4, 19, 19)
+    assert float(a.min()) >= 0
+    visible_rows = a.sum(-1)
+    assert np.all((np.abs(visible_rows - 1) < 1e-5) | (visible_rows == 0))
+    causal_part = np.triu(np.ones((19, 19), bool), k=1)
+    assert float(jnp.abs(a[:, :, causal_part]).max()) == 0.0  # nothing from the future
+    # Y = AV, per head.
+    np.testing.assert_allclose(jnp.einsum("BNTS,BSNH->BTNH", a, v), y, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_self_attention_is_permutation_equivariant(impl):
+    """Without positions, permuting the tokens permutes the outputs the same way."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 23, 4, 8)), jnp.float32)
+    perm = rng.permutation(23)
+    attend = lambda x: dot_product_attention(x, x, x, implementation=impl, block_q=8, block_k=8)
+    np.testing.assert_allclose(attend(x[:, perm]), attend(x)[:, perm], atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_causal_output_ignores_the_future(impl):
+    """Changing tokens after position i leaves outputs 0..i unchanged, and changes later ones."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 20, 2, 8)), jnp.float32) for _ in range(3))
+    i = 11
+    k2 = k.at[:, i + 1:].set(jnp.asarray(rng.standard_normal((1, 8, 2, 8)), jnp.float32))
+    v2 = v.at[:, i + 1:].add(1.0)
+    f = lambda k, v: dot_product_attention(q, k, v, causal=True, implementation=impl,
+                                           block_q=4, block_k=4)
+    y, y2 = f(k, v), f(k2, v2)
+    np.testing.assert_array_equal(y[:, : i + 1], y2[:, : i + 1])
+    assert float(jnp.abs(y[:, i + 1:] - y2[:, i + 1:]).min()) > 0
+
+
+def test_scaling_keeps_score_variance_near_one():
+    """For unit-variance q, k, q·k has variance H; dividing by √H brings it back to 1."""
+    for h in (16, 64, 256):
+        kq, kk = jax.random.split(jax.random.key(h))
+        q = jax.random.normal(kq, (4, 64, 4, h))
+        k = jax.random.normal(kk, (4, 64, 4, h))
+        raw = jnp.einsum("BTNH,BSNH->BNTS", q, k)
+        assert abs(float(jnp.var(raw)) / h - 1) < 0.1
+        assert abs(float(jnp.var(raw / np.sqrt(h))) - 1) < 0.1
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "xla"])
+def test_fully_masked_rows_are_zero_with_finite_gradients(impl):
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 9, 2, 4)), jnp.float32) for _ in range(3))
+    kv_mask = jnp.asarray(np.array([[True] * 9, [False] * 9]))  # row 1 sees nothing
+
+    def loss(q, k, v):
+        y = dot_product_attention(q, k, v, kv_mask=kv_mask, implementation=impl,
+                                  block_q=4, block_k=4)
+        return jnp.sum(y ** 2), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    assert float(jnp.abs(y[1]).max()) == 0.0
+    assert float(jnp.abs(y[0]).max()) > 0
+    for g in grads:
+        assert bool(jnp.all(jnp.isfinite(g)))
+        assert float(jnp.abs(g[1]).max()) == 0.0
+
+
+def test_window_before_any_key_gives_zero_rows():
+    """Queries whose window reaches no key (a window behind the cache start) are empty."""
+    q = jnp.ones((1, 4, 1, 4))
+    kv = jnp.ones((1, 8, 1, 4))
+    for impl in ("reference", "blockwise"):
+        y = dot_product_attention(q, kv, kv, window=(0, 1), q_offset=-6, implementation=impl,
+                                  block_q=2, block_k=2)
+        # positions -6..-3 see keys up to -5..-2: none exist.
+        assert float(jnp.abs(y).max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_close_to_float32(dtype):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 70, 4, 48)).astype(np.float32) for _ in range(3))
+    ref = dot_product_attention(*(jnp.asarray(x) for x in (q, k, v)), causal=True,
+                                implementation="reference")
+    y = dot_product_attention(*(jnp.asarray(x, dtype) for x in (q, k, v)), causal=True,
+                              implementation="blockwise", block_q=16, block_k=32)
+    assert y.dtype == dtype
+    err = jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+    assert float(err) <= 1e-2
+    g = jax.grad(lambda q: dot_product_attention(q, q, q, causal=True, block_q=16,
+                                                 block_k=16).astype(jnp.float32).sum())
+    g16 = g(jnp.asarray(q, dtype)).astype(jnp.float32)
+    g32 = g(jnp.asarray(q))
+    assert float(jnp.linalg.norm(g16 - g32) / jnp.linalg.norm(g32)) <= 2e-2
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _temp_bytes(fn, n):
+    x = jax.ShapeDtypeStruct((1, n, 4, 32), jnp.float32)
+    return jax.jit(fn).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_grows_linearly_for_blockwise_and_quadratically_for_reference(causal):
+    def forward(impl):
+        return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, implementation=impl,
+                                                     block_q=128, block_k=128)
+
+    def gradient(impl):
+        return jax.grad(lambda q, k, v: forward(impl)(q, k, v).sum(), argnums=(0, 1, 2))
+
+    for make in (forward, gradient):
+        blk = [_temp_bytes(make("blockwise"), n) for n in (1024, 2048, 4096)]
+        ref = [_temp_bytes(make("reference"), n) for n in (1024, 2048)]
+        assert blk[2] <= 2.2 * blk[1] and blk[1] <= 2.2 * blk[0], (make.__name__, blk)
+        assert ref[1] >= 3.5 * ref[0], (make.__name__, ref)
+        assert blk[1] * 10 < ref[1], (make.__name__, blk, ref)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _ok():
+    return jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 10, 2, 16)), jnp.zeros((2, 10, 2, 16))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v: (q[0], k, v), r"q must have rank 4 \(\[B, T, N, H\]\); got shape \(8, 4, 16\)"),
+    (lambda q, k, v: (q, k[:1], v), r"batch sizes differ"),
+    (lambda q, k, v: (q, k, v[:, :9]), r"k and v need the same length S"),
+    (lambda q, k, v: (q, k[..., :8], v), r"same head dim H"),
+    (lambda q, k, v: (q[:, :, :3], k, v), r"K=2 heads, which must divide q's N=3 heads; valid K: \[1, 3\]"),
+    (lambda q, k, v: (q.astype(jnp.bfloat16), k, v), r"must share one dtype.*bfloat16"),
+    (lambda q, k, v: (q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)),
+     r"floating point"),
+])
+def test_bad_shapes_and_dtypes(change, message):
+    with pytest.raises(ValueError, match=message):
+        dot_product_attention(*change(*_ok()))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_q=0), r"block_q must be a positive int; got 0"),
+    (dict(block_k=-4), r"block_k must be a positive int; got -4"),
+    (dict(implementation="flash"), r"implementation='flash' is unknown; valid: \('auto'"),
+    (dict(implementation="cudnn"), r"implementation='cudnn' needs an NVIDIA GPU; this backend is 'cpu'"),
+    (dict(implementation="blockwise", return_weights=True), r"return_weights=True needs implementation='reference'"),
+    (dict(window=-1), r"window must be a non-negative int"),
+    (dict(window=(1, 2, 3)), r"window must be"),
+    (dict(q_offset=jnp.zeros(3, jnp.int32)), r"q_offset must be an int or an int array of shape \[B\]=\[2\]"),
+    (dict(kv_mask=jnp.ones((2, 8), bool)), r"kv_mask must be a bool array of shape \[B, S\]=\[2, 10\]"),
+    (dict(segment_ids=jnp.zeros((2, 8), jnp.int32)), r"segment_ids is for self-attention \(T == S\)"),
+    (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), r"must be given together"),
+    (dict(mask=jnp.ones((2, 4, 8, 9), bool)), r"mask must broadcast to \[B, N, T, S\]=\[2, 4, 8, 10\]"),
+    (dict(mask=jnp.ones((8, 10))), r"mask must be boolean"),
+    (dict(scale=float("nan")), r"scale must be a finite number"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dot_product_attention(*_ok(), **kwargs)
