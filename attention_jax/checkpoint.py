@@ -81,8 +81,12 @@ class Checkpointer:
             read_only=read_only,
             create=not read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data"))
+        # Handlers named up front so that a fresh manager can read metadata (structure
+        # checks) before the first restore.
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()})
 
     # ------------------------------------------------------------------------- query
     def latest_step(self) -> int | None:

@@ -481,12 +481,17 @@ def setup(config, workdir: str, task: Task | None = None):
         mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
 
 
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
 def restore_or_init(s, config):
     """(state, data_state). Resume order: this workdir's latest checkpoint → the params
     of `train.init_from` (fresh optimizer and data position) → scratch."""
     if s.ckpt.latest_step() is not None:
         state, data_state = s.ckpt.restore(s.abstract)
-        logging.info("resumed from %s at step %d", s.ckpt.directory, int(state["step"]))
+        _say(f"resumed from {s.ckpt.directory} at step {int(state['step'])}")
         return state, data_state
     state = s.init_state()
     if config.train.init_from:
@@ -494,7 +499,7 @@ def restore_or_init(s, config):
         if os.path.isdir(os.path.join(src, "checkpoints")):
             src = os.path.join(src, "checkpoints")
         state["params"], step = ckpt_lib.restore_params(src, s.abstract["params"])
-        logging.info("warm start: params from %s step %d", src, step)
+        _say(f"warm start: params from {src} step {step}")
     return state, None
 
 

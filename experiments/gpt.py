@@ -28,9 +28,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.remat_policy = "none"  # activation checkpointing per block (see layers/blocks.py).
 
     c.data.name = "python_stdlib"  # offline corpus: the standard library's own source.
+    c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: all files; a small number for smoke runs.
+    c.data.max_documents = 0  # 0: pack every document of the split.
     c.data.tokenizer = "byte"  # byte-level: no vocabulary to train, any text encodes.
+    c.data.vocab_size = 1024  # only for tokenizer="bpe" (trained on the train split).
     c.data.seq_len = 128  # tokens per packed row.
+    c.data.train_split = "train"  # split names of the dataset.
+    c.data.eval_split = "validation"
 
     c.optim.lr = 3e-3  # peak lr: a 0.4M-parameter model tolerates a large step.
     c.optim.warmup_steps = 50  # linear warmup.

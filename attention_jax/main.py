@@ -1,0 +1,154 @@
+r"""Command line: run an experiment config in a workdir.
+
+  python -m attention_jax.main --config=experiments/gpt.py --workdir=/tmp/gpt \
+      [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample]
+  attention-jax --config=experiments/vit.py:variant=vit-tiny/4 --workdir=/tmp/vit
+
+`--config=FILE:ARG` passes ARG to the file's `get_config(arg)`. Any field can be
+overridden with `--config.group.key=value`; an unknown key or a value of the wrong type
+is an error before anything runs. Running the same command again resumes from the
+workdir's latest checkpoint. Modes:
+  train   (default) train and evaluate, resuming what is in the workdir.
+  eval    evaluate the latest checkpoint on the eval split, print and log the metrics.
+  sample  language models: print continuations of config.eval.sample_prompts.
+Exit codes: 0 done, 1 a config or non-finite-loss error (message printed), 130/143
+stopped by SIGINT/SIGTERM after saving a checkpoint (run again to resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py[:arg]).",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the resolved config.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "sample"], "What to do.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def evaluate_checkpoint(config, workdir: str) -> dict:
+    """Metrics of the workdir's latest checkpoint (mode=eval)."""
+    import jax
+    import flax.linen as nn
+
+    from attention_jax import sharding, train
+    s = train.setup(config, workdir)
+    if s.ckpt.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
+    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+        state, _ = s.ckpt.restore(s.abstract)
+        eval_step = jax.jit(train.make_eval_step(s.task, config),
+                            in_shardings=(s.shardings["params"], sharding.batch_sharding(s.mesh)),
+                            out_shardings=sharding.replicated(s.mesh))
+        metrics = train.evaluate(eval_step, state["params"], s.task, config, s.mesh)
+    step = int(jax.device_get(state["step"]))
+    writer = train.MetricWriter(workdir)
+    writer.write(step, "eval", metrics)
+    writer.close()
+    s.ckpt.close()
+    return {"step": step, **metrics}
+
+
+def sample_checkpoint(config, workdir: str) -> list[str]:
+    """Continuations of config.eval.sample_prompts from the latest checkpoint."""
+    import jax
+    import flax.linen as nn
+
+    from attention_jax import train
+    s = train.setup(config, workdir)
+    if s.task.sample is None:
+        raise train.ConfigError(f"--mode=sample: task {config.task!r} cannot sample; "
+                                f"valid: {[t for t in ('gpt',) if t in train.TASKS]}")
+    if s.ckpt.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
+    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+        state, _ = s.ckpt.restore(s.abstract)
+        texts = s.task.sample(state["params"], jax.random.PRNGKey(config.train.seed))
+    s.ckpt.close()
+    return texts
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides are --config.x.y=v")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
+    from attention_jax import train
+    config, workdir = FLAGS.config, FLAGS.workdir
+    try:
+        if FLAGS.mode == "eval":
+            print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
+            return 0
+        if FLAGS.mode == "sample":
+            for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
+                print(f"--- prompt {prompt!r}\n{text}\n")
+            return 0
+        summary = train.train_and_evaluate(config, workdir)
+    except (train.ConfigError, train.NonFiniteLossError) as e:
+        # Expected failures get a one-paragraph message, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: summary[k] for k in ("step", "train", "eval", "stopped_by")}, indent=1))
+    task = train.TASKS.get(config.task)
+    if summary["stopped_by"]:
+        return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
+    if FLAGS.mode == "train" and config.task == "gpt" and task is not None:
+        for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
+            print(f"--- sample from {prompt!r}:\n{text}\n")
+    return 0
+
+
+def _bad_override(argv) -> str:
+    """Which `--config.a.b=v` failed and the keys that are valid there."""
+    import importlib.util
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        return ""
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_experiment", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(arg or None)
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0].split(".")
+        node, where = config, "config"
+        for key in path:
+            if not hasattr(node, "keys") or key not in node:
+                valid = sorted(node.keys()) if hasattr(node, "keys") else []
+                return f"{arg}: {where} has no key {key!r}; valid: {valid}"
+            node, where = node[key], f"{where}.{key}"
+    return ""
+
+
+def parse_flags(argv):
+    """absl flag parsing with config errors reported as one line naming the key."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}\nUsage: python -m attention_jax.main --config=experiments/NAME.py "
+              f"--workdir=DIR [--config.group.key=value ...] [--mode=train|eval|sample]",
+              file=sys.stderr)
+    except (AttributeError, KeyError) as e:  # An override naming a key the config lacks.
+        print(f"error: {_bad_override(argv) or e}", file=sys.stderr)
+    except (TypeError, ValueError) as e:  # An override of the wrong type.
+        print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def run() -> None:
+    """Console-script entry point (`attention-jax` in pyproject)."""
+    # Experiment files import attention_jax relative to the working directory.
+    sys.path.insert(0, os.getcwd())
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
