@@ -121,8 +121,8 @@ class MultiHeadAttention(nn.Module):
                  return_weights: bool = False):
         """x [B, T, D] (queries), context [B, S, Dc] or None (self-attention).
 
-        positions: [B, T] int positions of x's tokens; used by RoPE, and required in
-          decode mode (see the module doc). Default arange(T).
+        positions: [B, T] int positions of x's tokens; used by RoPE, and required for
+          self-attention in decode mode (see the module doc). Default arange(T).
         segment_ids [B, T] (self-attention, packed sequences), kv_mask [B, S] bool (True =
           real key; padding), mask: dense bool broadcastable to [B, N, T, S].
         decode: use and update the "cache" collection (call with mutable=["cache"]).
@@ -160,7 +160,7 @@ class MultiHeadAttention(nn.Module):
         v = nn.with_logical_constraint(v, kv_names)
 
         if positions is None:
-            if decode:
+            if decode and self_attention:
                 raise ValueError("decode=True needs positions [B, T]: the absolute positions of "
                                  "the new tokens (where their keys go in the cache)")
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -1,0 +1,319 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al. 2017).
+
+    cfg = EncDecConfig.from_variant("transformer-tiny")
+    model = EncoderDecoder(cfg)
+    params = model.init(key, src, shift_right(tgt))["params"]     # src [B, S], tgt [B, T]
+    logits, aux = model.apply({"params": params}, src, shift_right(tgt))   # [B, T, V]
+    loss, metrics = seq2seq_loss(logits, tgt, label_smoothing=0.1)
+    out = greedy_decode(model, params, src, max_len=20)                    # [B, 20]
+    out, scores = beam_search(model, params, src, beam_size=4, max_len=20) # [B, W, 20]
+
+Encoder: bidirectional self-attention over the source (padding masked). Decoder: causal
+self-attention over the target prefix, cross-attention to the encoder output, both with
+post-norm "Add & Norm" by default (the paper's Figure 1); `norm_position="pre"` gives
+the pre-norm variant, with a final norm after each stack. Positions are the sinusoids
+of §3.5 (no parameters); embeddings are multiplied by sqrt(D) (§3.4) so that they are
+not drowned by the unit-scale sinusoids. One matrix is shared by the source embedding,
+the target embedding and the pre-softmax projection (§3.4; the joint BPE vocabulary
+makes that possible).
+
+Decoding caches the decoder's self-attention keys/values (layers/attention.py); the
+cross-attention keys/values are recomputed from the encoder output at every step, a
+[B, S, D]·[D, 2D] matmul per layer, which keeps the cache a single kind of entry.
+Token ids: pad 0, bos 1, eos 2 by default; sources are right-padded with pad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import axes
+from attention_jax.layers.blocks import BlockConfig, TransformerStack
+from attention_jax.layers.norms import make_norm
+from attention_jax.layers.posemb import sinusoidal
+from attention_jax.models.gpt import cross_entropy
+
+__all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "shift_right",
+           "seq2seq_loss", "init_cache", "greedy_decode", "beam_search"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EncDecConfig:
+    """Hyperparameters of the encoder-decoder Transformer (defaults: Transformer base)."""
+
+    vocab_size: int = 37000  # shared source/target BPE vocabulary (WMT14 en-de, §5.1)
+    embed_dim: int = 512  # d_model
+    num_heads: int = 8
+    mlp_dim: int = 2048  # d_ff
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    activation: str = "relu"  # FFN(x) = max(0, xW1 + b1)W2 + b2 (§3.3)
+    norm: str = "layernorm"
+    norm_position: str = "post"
+    norm_epsilon: float = 1e-6
+    dropout_rate: float = 0.1  # P_drop (§5.4)
+    attention_dropout_rate: float = 0.0
+    share_embeddings: bool = True
+    implementation: str = "blockwise"
+    scan_layers: bool = False
+    remat_policy: str = "none"
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
+
+    def __post_init__(self):
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} does not divide embed_dim={self.embed_dim}; valid "
+                f"num_heads: {[n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0]}")
+        self.block()  # validates norm, norm_position, activation, implementation
+
+    @classmethod
+    def from_variant(cls, name: str, **overrides) -> "EncDecConfig":
+        if name not in VARIANTS:
+            raise ValueError(f"unknown encoder-decoder variant {name!r}; valid: {sorted(VARIANTS)}")
+        return cls(**{**VARIANTS[name], **overrides})
+
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            num_heads=self.num_heads, mlp="mlp", mlp_dim=self.mlp_dim, activation=self.activation,
+            norm=self.norm, norm_position=self.norm_position, norm_epsilon=self.norm_epsilon,
+            dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+            implementation=self.implementation, dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+# Vaswani et al. 2017, Table 3 (rows "base" and "big"). Exact counts of this code:
+# base 63.1M (the paper rounds to 65M), big 214.3M (paper: 213M); see tests/models.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "transformer-base": dict(),
+    "transformer-big": dict(embed_dim=1024, num_heads=16, mlp_dim=4096, dropout_rate=0.3),
+    "transformer-tiny": dict(vocab_size=64, embed_dim=32, num_heads=4, mlp_dim=64,
+                             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0),
+}
+
+
+def get_config(variant: str, **overrides) -> EncDecConfig:
+    """EncDecConfig of a named variant; unknown names raise ValueError listing valid ones."""
+    return EncDecConfig.from_variant(variant, **overrides)
+
+
+def shift_right(targets, bos_id: int = 1):
+    """Decoder input for teacher forcing: [bos, y_1, ..., y_{T-1}] from targets [B, T]."""
+    return jnp.concatenate([jnp.full_like(targets[:, :1], bos_id), targets[:, :-1]], axis=1)
+
+
+def seq2seq_loss(logits, targets, pad_id: int = 0, label_smoothing: float = 0.0):
+    """Teacher-forced cross-entropy over non-pad target tokens (label smoothing optional)."""
+    return cross_entropy(logits, targets, targets != pad_id, label_smoothing)
+
+
+class EncoderDecoder(nn.Module):
+    """(src [B, S], tgt_in [B, T]) -> (logits [B, T, V], aux {"encoder", "decoder"})."""
+
+    config: EncDecConfig
+
+    def setup(self):
+        cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        # std D^-1/2: after the sqrt(D) scaling the embedded tokens have unit variance,
+        # and the tied output projection starts with unit-scale logits.
+        init = nn.with_logical_partitioning(nn.initializers.normal(cfg.embed_dim ** -0.5),
+                                            (axes.VOCAB, axes.EMBED))
+
+        def embed(name):
+            return nn.Embed(cfg.vocab_size, cfg.embed_dim, embedding_init=init, dtype=dtype,
+                            param_dtype=param_dtype, name=name)
+
+        self.src_embed = embed("embedding")
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else embed("target_embedding")
+        if not cfg.share_embeddings:
+            self.output = nn.Dense(
+                cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                         (axes.EMBED, axes.VOCAB)),
+                name="output")
+        stack = functools.partial(TransformerStack, cfg.block(), scan_layers=cfg.scan_layers,
+                                  remat_policy=cfg.remat_policy)
+        self.encoder = stack(num_layers=cfg.num_encoder_layers, block="encoder")
+        self.decoder = stack(num_layers=cfg.num_decoder_layers, block="decoder")
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+        if cfg.norm_position == "pre":  # pre-norm leaves the residual stream unnormalised
+            self.encoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype)
+            self.decoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype)
+
+    def _embed(self, table, tokens, positions, deterministic):
+        x = table(tokens) * jnp.sqrt(jnp.float32(self.config.embed_dim)).astype(table.dtype)
+        x = x + sinusoidal(positions, self.config.embed_dim, dtype=x.dtype)  # [B, T, D]
+        return self.dropout(x, deterministic=deterministic)
+
+    def encode(self, src, src_mask=None, *, deterministic: bool = True,
+               return_weights: bool = False):
+        """src [B, S] -> (encoded [B, S, D], aux). src_mask [B, S] bool (default src != pad)."""
+        if src_mask is None:
+            src_mask = src != self.config.pad_id
+        b, s = src.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self._embed(self.src_embed, src, positions, deterministic)
+        x, aux = self.encoder(x, kv_mask=src_mask, deterministic=deterministic,
+                              return_weights=return_weights)
+        if self.config.norm_position == "pre":
+            x = self.encoder_norm(x)
+        return x, aux
+
+    def decode(self, tgt_in, encoded, src_mask, *, positions=None, deterministic: bool = True,
+               decode: bool = False, return_weights: bool = False):
+        """tgt_in [B, T] (shifted targets, or new tokens when decode=True), encoded
+        [B, S, D], src_mask [B, S] -> (logits [B, T, V], aux). With decode=True, positions
+        [B, T] are the tokens' absolute positions (right-padded prefixes, see
+        layers/attention.py) and the "cache" collection must be mutable."""
+        b, t = tgt_in.shape
+        if positions is None:
+            if decode:
+                raise ValueError("decode=True needs positions [B, T] (each row's next positions)")
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        y = self._embed(self.tgt_embed, tgt_in, positions, deterministic)
+        y, aux = self.decoder(y, encoded, positions=positions, context_mask=src_mask,
+                              deterministic=deterministic, decode=decode,
+                              return_weights=return_weights)
+        if self.config.norm_position == "pre":
+            y = self.decoder_norm(y)
+        logits = self.tgt_embed.attend(y) if self.config.share_embeddings else self.output(y)
+        logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
+        return logits.astype(jnp.float32), aux
+
+    def __call__(self, src, tgt_in, src_mask=None, *, deterministic: bool = True,
+                 return_weights: bool = False):
+        if src_mask is None:
+            src_mask = src != self.config.pad_id
+        encoded, enc_aux = self.encode(src, src_mask, deterministic=deterministic,
+                                       return_weights=return_weights)
+        logits, dec_aux = self.decode(tgt_in, encoded, src_mask, deterministic=deterministic,
+                                      return_weights=return_weights)
+        return logits, {"encoder": enc_aux, "decoder": dec_aux}
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def init_cache(model: EncoderDecoder, batch: int, max_len: int, src_len: int):
+    """All-zero decoder KV cache for `batch` rows and `max_len` target positions."""
+    d = model.config.embed_dim
+    tokens = jnp.zeros((batch, max_len), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len))
+    encoded = jnp.zeros((batch, src_len, d), jnp.dtype(model.config.dtype))
+    src_mask = jnp.ones((batch, src_len), bool)
+    shapes = jax.eval_shape(lambda: model.init(
+        jax.random.PRNGKey(0), tokens, encoded, src_mask, positions=positions, decode=True,
+        method=model.decode))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+
+def _step(model, params, cache, tokens, position, encoded, src_mask):
+    """One decoding step: tokens [B] at positions [B] -> (log-probs [B, V], cache)."""
+    (logits, _), state = model.apply(
+        {"params": params, "cache": cache}, tokens[:, None], encoded, src_mask,
+        positions=position[:, None], decode=True, mutable=["cache"], method=model.decode)
+    return jax.nn.log_softmax(logits[:, 0]), state["cache"]
+
+
+def greedy_decode(model: EncoderDecoder, params, src, *, max_len: int, src_mask=None):
+    """Most likely token at each step, with the cache. src [B, S] -> tokens [B, max_len]:
+    the output without bos, eos kept, pad after it."""
+    if src_mask is None:
+        src_mask = src != model.config.pad_id
+    return _greedy(model, max_len, params, src, src_mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _greedy(model, max_len, params, src, src_mask):
+    cfg = model.config
+    b = src.shape[0]
+    encoded, _ = model.apply({"params": params}, src, src_mask, method=model.encode)
+
+    def step(carry, i):
+        cache, token, done = carry
+        logp, cache = _step(model, params, cache, token, jnp.full((b,), i), encoded, src_mask)
+        token = jnp.where(done, cfg.pad_id, jnp.argmax(logp, -1).astype(jnp.int32))
+        return (cache, token, done | (token == cfg.eos_id)), token
+
+    start = (init_cache(model, b, max_len, src.shape[1]), jnp.full((b,), cfg.bos_id, jnp.int32),
+             jnp.zeros((b,), bool))
+    _, tokens = jax.lax.scan(step, start, jnp.arange(max_len))
+    return tokens.T  # [B, max_len]
+
+
+def length_penalty(length, alpha: float):
+    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, §7); scores are log p / lp."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: int,
+                alpha: float = 0.6, src_mask=None):
+    """Beam search with the cache (Vaswani §6.1 used beam 4, alpha 0.6).
+
+    Keeps the W best prefixes per source. A beam that has emitted eos is finished: it
+    extends only with pad at no cost, and competes with live beams by its length-penalised
+    score. Returns (tokens [B, W, max_len], scores [B, W]) sorted best first; scores are
+    log p(y | x) / lp(|y|), |y| counting tokens up to and including eos.
+    """
+    if src_mask is None:
+        src_mask = src != model.config.pad_id
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1; got {beam_size}")
+    if beam_size > model.config.vocab_size:
+        raise ValueError(f"beam_size={beam_size} exceeds the vocabulary ({model.config.vocab_size})")
+    return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _beam(model, w, max_len, alpha, params, src, src_mask):
+    cfg = model.config
+    b, s = src.shape
+    v = cfg.vocab_size
+    encoded, _ = model.apply({"params": params}, src, src_mask, method=model.encode)
+    encoded = jnp.repeat(encoded, w, axis=0)  # [B·W, S, D]: row b·W + k is beam k of source b
+    src_mask = jnp.repeat(src_mask, w, axis=0)
+    batch_axis = 1 if cfg.scan_layers else 0  # scanned caches are [L, B·W, S, K, H]
+    pad_only = jnp.where(jnp.arange(v) == cfg.pad_id, 0.0, -jnp.inf)  # [V]: finished beams
+
+    def carry_last(tokens, i):
+        prev = tokens[:, :, jnp.maximum(i - 1, 0)]  # [B, W]
+        return jnp.where(i == 0, cfg.bos_id, prev).reshape(b * w)
+
+    def step(carry, i):
+        cache, tokens, logp, finished, lengths = carry
+        last = carry_last(tokens, i)  # [B·W]: each beam's latest token
+        step_logp, cache = _step(model, params, cache, last, jnp.full((b * w,), i), encoded,
+                                 src_mask)
+        step_logp = jnp.where(finished[..., None], pad_only, step_logp.reshape(b, w, v))
+        cand = logp[..., None] + step_logp  # [B, W, V]
+        cand_len = jnp.where(finished, lengths, i + 1)[..., None]  # [B, W, 1]
+        rank = (cand / length_penalty(cand_len, alpha)).reshape(b, w * v)
+        _, best = jax.lax.top_k(rank, w)  # [B, W]
+        parent, token = best // v, (best % v).astype(jnp.int32)
+        gather = functools.partial(jnp.take_along_axis, indices=parent, axis=1)
+        logp = jnp.take_along_axis(cand.reshape(b, w * v), best, axis=1)
+        lengths = gather(jnp.broadcast_to(cand_len[..., 0], (b, w)))
+        finished = gather(finished) | (token == cfg.eos_id)
+        tokens = jnp.take_along_axis(tokens, parent[..., None], axis=1).at[:, :, i].set(token)
+        rows = (jnp.arange(b)[:, None] * w + parent).reshape(b * w)  # parent rows in B·W
+        cache = jax.tree.map(lambda c: jnp.take(c, rows, axis=batch_axis), cache)
+        return (cache, tokens, logp, finished, lengths), None
+
+    # Only beam 0 is alive at the start, so the first step expands one prefix, not W copies.
+    logp = jnp.tile(jnp.where(jnp.arange(w) == 0, 0.0, -jnp.inf)[None], (b, 1))
+    start = (init_cache(model, b * w, max_len, s), jnp.full((b, w, max_len), cfg.pad_id, jnp.int32),
+             logp, jnp.zeros((b, w), bool), jnp.zeros((b, w), jnp.int32))
+    (_, tokens, logp, _, lengths), _ = jax.lax.scan(step, start, jnp.arange(max_len))
+    scores = logp / length_penalty(lengths, alpha)
+    order = jnp.argsort(-scores, axis=1)
+    return (jnp.take_along_axis(tokens, order[..., None], axis=1),
+            jnp.take_along_axis(scores, order, axis=1))
