@@ -23,12 +23,18 @@ def _count(cfg, head):
     return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
 
 
-@functools.lru_cache(maxsize=None)  # one compiled init per config, shared by the tests
-def _params(head="pretraining", **overrides):
-    cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.0, attention_dropout_rate=0.0,
-                                  **overrides)
-    model = Bert(cfg, head=head)
-    return model, nn.unbox(jax.jit(model.init)(jax.random.key(0), IDS)["params"])
+def _model(head="pretraining", **overrides):
+    """bert-tiny without dropout. The reference attention path is the cheapest to run op by
+    op; the blockwise path is compared against it below."""
+    cfg = dict(dropout_rate=0.0, attention_dropout_rate=0.0, implementation="reference")
+    return Bert(BertConfig.from_variant("bert-tiny", **{**cfg, **overrides}), head=head)
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+    """One set of bert-tiny parameters for every test: the pretraining head's parameters
+    include those of the "encoder" head (extra ones are ignored by apply)."""
+    return nn.unbox(_model().init(jax.random.key(0), IDS)["params"])
 
 
 def test_parameter_counts_match_the_paper():
@@ -46,7 +52,7 @@ def test_parameter_counts_match_the_paper():
 
 
 def test_mlm_head_is_tied_to_the_word_embedding():
-    model, params = _params()
+    model, params = _model(), _params()
     out, aux = model.apply({"params": params}, IDS, TYPES, MASK)
     h = aux["sequence"] @ params["mlm_transform"]["kernel"] + params["mlm_transform"]["bias"]
     h = jax.nn.gelu(h, approximate=False)
@@ -63,7 +69,7 @@ def test_mlm_head_is_tied_to_the_word_embedding():
 
 
 def test_pad_tokens_do_not_change_real_token_outputs():
-    model, params = _params()
+    model, params = _model(), _params()
     other = jnp.where(MASK, IDS, 99)  # different ids at the padding positions
     a = model.apply({"params": params}, IDS, TYPES, MASK)[1]["sequence"]
     b = model.apply({"params": params}, other, TYPES, MASK)[1]["sequence"]
@@ -76,7 +82,7 @@ def test_pad_tokens_do_not_change_real_token_outputs():
 
 @pytest.mark.parametrize("positions", [False, True])
 def test_encoder_without_positions_is_permutation_equivariant(positions):
-    model, params = _params(head="encoder", position_embeddings=positions)
+    model, params = _model("encoder", position_embeddings=positions), _params()
     perm = jnp.array([3, 0, 6, 1, 7, 2, 5, 4])
     y, _ = model.apply({"params": params}, IDS, TYPES)
     y_perm, _ = model.apply({"params": params}, IDS[:, perm], TYPES[:, perm])
@@ -85,7 +91,7 @@ def test_encoder_without_positions_is_permutation_equivariant(positions):
 
 
 def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
-    _, params = _params()
+    params = _params()
     labels = jnp.array([0, 1])
 
     def loss(params, implementation):
@@ -105,7 +111,7 @@ def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
 
 
 def test_attention_weights_hide_padding():
-    model, params = _params()
+    model, params = _model(), _params()
     _, aux = model.apply({"params": params}, IDS, TYPES, MASK, return_weights=True)
     w = np.asarray(aux["attention_weights"])  # [L, B, N, T, T]
     assert w.shape == (2, B, 2, T, T)
@@ -114,7 +120,9 @@ def test_attention_weights_hide_padding():
 
 
 def test_classification_head_reads_the_pooled_cls_token():
-    model, params = _params(head="classification", num_labels=3)
+    model = _model("classification", num_labels=3)
+    classifier = {"kernel": jax.random.normal(jax.random.key(2), (32, 3)), "bias": jnp.ones(3)}
+    params = _params() | {"classifier": classifier}
     logits, aux = model.apply({"params": params}, IDS, TYPES, MASK)
     assert logits.shape == (B, 3)
     np.testing.assert_allclose(aux["pooled"], jnp.tanh(
@@ -124,9 +132,8 @@ def test_classification_head_reads_the_pooled_cls_token():
 
 
 def test_jitted_pretraining_steps_decrease_the_loss():
-    cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.1, attention_dropout_rate=0.1)
-    model = Bert(cfg)
-    params = nn.unbox(_params()[1])
+    model = _model(dropout_rate=0.1, attention_dropout_rate=0.1)
+    params = _params()
     masked = jnp.where((jnp.arange(T) % 3 == 1)[None] & MASK, 4, IDS)  # [MASK]=4 at 1, 4, 7
     weights = (masked != IDS).astype(jnp.float32)
     nsp_labels = jnp.array([1, 0])

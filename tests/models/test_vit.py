@@ -1,0 +1,174 @@
+"""ViT: sizes from the papers, patchify, position interpolation, order-blindness, training."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from attention_jax.models.vit import (ViT, ViTConfig, VARIANTS, interpolate_position_embeddings,
+                                      patchify)
+
+IMAGES = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
+
+
+def _count(name):
+    cfg = ViTConfig.from_variant(name)
+    image = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels))
+    shapes = jax.eval_shape(ViT(cfg).init, jax.random.key(0), image)
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+
+
+def _model(variant="vit-tiny/2", **overrides):
+    """Tiny ViT on the reference attention path (cheapest op by op; blockwise compared below)."""
+    return ViT(ViTConfig.from_variant(variant, **{"implementation": "reference", **overrides}))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(variant="vit-tiny/2", pool="cls"):
+    """Initial parameters with a random (not zero-initialised) head, so that gradients
+    reach the encoder and outputs depend on it."""
+    params = nn.unbox(_model(variant, pool=pool).init(jax.random.key(0), IMAGES)["params"])
+    kernel = jax.random.normal(jax.random.key(3), params["head"]["kernel"].shape)
+    return params | {"head": {"kernel": kernel, "bias": params["head"]["bias"]}}
+
+
+@pytest.mark.parametrize("name,published", [
+    ("vit-b/16", 86e6), ("vit-l/16", 307e6), ("vit-h/14", 632e6),  # Dosovitskiy et al. Table 1
+    ("vit-s/16", 22e6),  # DeiT Table 1 (its Ti, "5M", is 5.7M with the 1000-way head)
+])
+def test_parameter_counts_match_the_papers(name, published):
+    assert abs(_count(name) / published - 1) < 0.01
+
+
+def test_vit_b16_matches_hugging_face_exactly():
+    # google/vit-base-patch16-224 (ViTForImageClassification, 1000 labels): 86,567,656.
+    assert _count("vit-b/16") == 86_567_656
+
+
+def test_patch_embedding_is_a_stride_p_convolution():
+    model, params = _model("vit-tiny/4"), _params("vit-tiny/4")
+    x = patchify(IMAGES, 4)  # [B, 2, 2, 16]
+    np.testing.assert_array_equal(x[1, 1, 0].reshape(4, 4), IMAGES[1, 4:8, 0:4, 0])
+    kernel = params["patch_embedding"]  # [P, P, C, D]
+    conv = jax.lax.conv_general_dilated(IMAGES, kernel, (4, 4), "VALID",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    ours = jnp.einsum("BYXI,ID->BYXD", x, kernel.reshape(-1, kernel.shape[-1]))
+    np.testing.assert_allclose(ours, conv, atol=1e-5)
+    logits, aux = model.apply({"params": params}, IMAGES)
+    assert logits.shape == (2, 10) and aux["tokens"].shape == (2, 5, 32)
+
+
+def test_position_interpolation_is_exact_at_the_trained_grid_and_bilinear_elsewhere():
+    rows, cols = jnp.meshgrid(jnp.arange(4.0), jnp.arange(4.0), indexing="ij")
+    grid = jnp.stack([rows, cols, jnp.sin(rows * cols)], -1).reshape(16, 3)  # [P, D=3]
+    table = jnp.concatenate([jnp.full((1, 3), 7.0), grid])  # [1 + P, D], CLS row = 7
+    np.testing.assert_array_equal(interpolate_position_embeddings(table, (4, 4), (4, 4)), table)
+    big = interpolate_position_embeddings(table, (4, 4), (8, 6))
+    assert big.shape == (1 + 48, 3)
+    np.testing.assert_array_equal(big[0], 7.0)  # the CLS row is kept
+    # Bilinear reproduces a linear ramp between sample centres: an 8-row grid puts new row
+    # r at old coordinate (r + 0.5) / 2 - 0.5.
+    new_rows = big[1:].reshape(8, 6, 3)[..., 0]
+    np.testing.assert_allclose(new_rows[1:-1, 0], (np.arange(1, 7) + 0.5) / 2 - 0.5, atol=1e-6)
+    # The model at its own size uses the table untouched; at 12x16 it interpolates.
+    model, params = _model(), _params()
+    _, aux = model.apply({"params": params}, jnp.zeros((1, 12, 16, 1)))
+    assert aux["tokens"].shape == (1, 1 + 6 * 8, 32)
+
+
+def test_model_at_trained_size_adds_the_table_unchanged():
+    model, params = _model(position_embeddings=False), _params()
+    with_pos = _model()
+    # The encoder's inputs with and without positions differ by exactly the stored table.
+    inputs = []
+
+    def record(next_fun, args, kwargs, context):
+        if context.module.name == "encoder" and context.method_name == "__call__":
+            inputs.append(args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        model.apply({"params": params}, IMAGES)
+        with_pos.apply({"params": params}, IMAGES)
+    table = np.broadcast_to(params["position_embeddings"], inputs[0].shape)
+    np.testing.assert_allclose(inputs[1] - inputs[0], table, atol=1e-6)  # (x + t) - x
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_encoder_without_positions_is_permutation_equivariant(positions):
+    params = _params(pool="gap")
+    model = _model(pool="gap", position_embeddings=positions)
+    perm = np.array([5, 0, 13, 2, 9, 15, 1, 7, 3, 12, 4, 10, 8, 14, 6, 11])  # of 16 patches
+    # Shuffle the 2x2 patches of the image: patch k of the new image is patch perm[k].
+    patches = IMAGES.reshape(2, 4, 2, 4, 2, 1).transpose(0, 1, 3, 2, 4, 5).reshape(2, 16, 2, 2, 1)
+    shuffled = patches[:, perm].reshape(2, 4, 4, 2, 2, 1).transpose(0, 1, 3, 2, 4, 5).reshape(2, 8, 8, 1)
+    logits, aux = model.apply({"params": params}, IMAGES)
+    logits_p, aux_p = model.apply({"params": params}, shuffled)
+    equivariant = np.allclose(aux_p["tokens"], aux["tokens"][:, perm], atol=1e-5)
+    assert equivariant == (not positions)
+    if not positions:  # average pooling then makes the classifier order-blind
+        np.testing.assert_allclose(logits_p, logits, atol=1e-5)
+
+
+def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
+    params, labels = _params(), jnp.array([3, 7])
+
+    def loss(params, implementation):
+        logits, aux = _model(implementation=implementation).apply({"params": params}, IMAGES)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1)), aux["tokens"]
+
+    (l_ref, y_ref), g_ref = jax.value_and_grad(loss, has_aux=True)(params, "reference")
+    (l_blk, y_blk), g_blk = jax.value_and_grad(loss, has_aux=True)(params, "blockwise")
+    np.testing.assert_allclose(l_ref, l_blk, rtol=1e-5)
+    np.testing.assert_allclose(y_ref, y_blk, atol=2e-5, rtol=2e-5)
+    assert float(jnp.abs(g_ref["encoder"]["layer_0"]["self_attention"]["qkv"]).max()) > 1e-4
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_blk)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4)
+
+
+def test_jitted_training_steps_decrease_the_loss():
+    model = _model(dropout_rate=0.1)
+    params = nn.unbox(_model().init(jax.random.key(0), IMAGES)["params"])  # zero head, as trained
+    images = jax.random.normal(jax.random.key(5), (8, 8, 8, 1))
+    labels = jnp.arange(8) % 10
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, key):
+        def loss_fn(p):
+            logits, _ = model.apply({"params": p}, images, deterministic=False, rngs={"dropout": key})
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(8):
+        params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses[0], np.log(10), rtol=1e-5)  # zero head: uniform at start
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match=r"vit-b/16.*vit-tiny/2"):
+        ViTConfig.from_variant("vit-b/15")
+    with pytest.raises(ValueError, match=r"image_size=30 is not a multiple of patch_size=16"):
+        ViTConfig.from_variant("vit-b/16", image_size=30)
+    with pytest.raises(ValueError, match=r"num_heads=5 does not divide.*\[1, 2, 4, 8, 16, 32\]"):
+        ViTConfig.from_variant("vit-tiny/2", num_heads=5)
+    with pytest.raises(ValueError, match="pool"):
+        ViTConfig.from_variant("vit-tiny/2", pool="max")
+    model = _model()
+    with pytest.raises(ValueError, match="not a multiple of patch_size=2"):
+        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 9, 8, 1)))
+    with pytest.raises(ValueError, match="C=1"):
+        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
+    assert {"vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/16", "vit-h/14"} <= set(VARIANTS)
