@@ -174,3 +174,60 @@ def test_bad_configuration_raises():
     with pytest.raises(ValueError, match="token_type_ids"):
         jax.eval_shape(Bert(cfg).init, jax.random.key(0), IDS, TYPES[:, :4])
     assert {"bert-base", "bert-large", "bert-tiny"} <= set(VARIANTS)
+
+
+def _hf_layer(sd, prefix, n, ln_names):
+    """One Hugging Face encoder layer (torch state dict) in this project's layout."""
+    g = lambda name: sd[f"{prefix}.{name}"].detach().numpy()
+    d = g("attention.self.query.weight").shape[1]
+    qkv = [g(f"attention.self.{c}.weight").T.reshape(d, n, -1) for c in ("query", "key", "value")]
+    qkv_b = [g(f"attention.self.{c}.bias").reshape(n, -1) for c in ("query", "key", "value")]
+    norm = lambda name: {"scale": g(f"{name}.weight"), "bias": g(f"{name}.bias")}
+    return {
+        "self_attention": {"qkv": np.stack(qkv, 1), "qkv_bias": np.stack(qkv_b),
+                           "out": g("attention.output.dense.weight").T.reshape(n, -1, d),
+                           "out_bias": g("attention.output.dense.bias")},
+        "mlp": {"wi": {"kernel": g("intermediate.dense.weight").T, "bias": g("intermediate.dense.bias")},
+                "wo": {"kernel": g("output.dense.weight").T, "bias": g("output.dense.bias")}},
+        "self_attention_norm": norm(ln_names[0]), "mlp_norm": norm(ln_names[1])}
+
+
+@pytest.mark.slow
+def test_matches_hugging_face_bert_for_pretraining():
+    """Same weights, same outputs: post-norm, exact GELU, eps 1e-12, pooler and tied MLM
+    head are the architecture of the released checkpoints."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.0, attention_dropout_rate=0.0)
+    hf_cfg = transformers.BertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, intermediate_size=cfg.mlp_dim, hidden_act="gelu",
+        max_position_embeddings=cfg.max_positions, type_vocab_size=cfg.type_vocab_size,
+        layer_norm_eps=cfg.layer_norm_epsilon,
+        initializer_range=0.3)  # wide weights: activations O(1), where GELU variants differ
+    torch.manual_seed(0)
+    hf = transformers.BertForPreTraining(hf_cfg).eval()
+    sd = hf.state_dict()
+    g = lambda name: sd[name].detach().numpy()
+    norm = lambda name: {"scale": g(f"{name}.weight"), "bias": g(f"{name}.bias")}
+    dense = lambda name: {"kernel": g(f"{name}.weight").T, "bias": g(f"{name}.bias")}
+    params = {
+        "word_embeddings": {"embedding": g("bert.embeddings.word_embeddings.weight")},
+        "position_embeddings": {"embedding": g("bert.embeddings.position_embeddings.weight")},
+        "token_type_embeddings": {"embedding": g("bert.embeddings.token_type_embeddings.weight")},
+        "embeddings_norm": norm("bert.embeddings.LayerNorm"),
+        "encoder": {f"layer_{i}": _hf_layer(sd, f"bert.encoder.layer.{i}", cfg.num_heads,
+                                            ("attention.output.LayerNorm", "output.LayerNorm"))
+                    for i in range(cfg.num_layers)},
+        "pooler": dense("bert.pooler.dense"),
+        "mlm_transform": dense("cls.predictions.transform.dense"),
+        "mlm_norm": norm("cls.predictions.transform.LayerNorm"),
+        "mlm_bias": g("cls.predictions.bias"),
+        "nsp": dense("cls.seq_relationship"),
+    }
+    out, aux = Bert(cfg).apply({"params": params}, IDS, TYPES, MASK)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(np.asarray(IDS)), token_type_ids=torch.tensor(np.asarray(TYPES)),
+                 attention_mask=torch.tensor(np.asarray(MASK, np.int64)))
+    np.testing.assert_allclose(out["mlm_logits"], ref.prediction_logits.numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out["nsp_logits"], ref.seq_relationship_logits.numpy(), atol=1e-4, rtol=1e-4)

@@ -172,3 +172,60 @@ def test_bad_configuration_raises():
     with pytest.raises(ValueError, match="C=1"):
         jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
     assert {"vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/16", "vit-h/14"} <= set(VARIANTS)
+
+
+@pytest.mark.slow
+def test_matches_hugging_face_vit_for_image_classification():
+    """Same weights, same logits: pre-norm, exact GELU, eps 1e-12, CLS token and 1 + P
+    position rows are the architecture of the google/vit-* checkpoints."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = ViTConfig.from_variant("vit-tiny/2", layer_norm_epsilon=1e-12)
+    hf_cfg = transformers.ViTConfig(
+        hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.mlp_dim, hidden_act="gelu", layer_norm_eps=cfg.layer_norm_epsilon,
+        image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.num_channels,
+        num_labels=cfg.num_classes,
+        initializer_range=0.3)  # wide weights: activations O(1), where GELU variants differ
+    torch.manual_seed(0)
+    hf = transformers.ViTForImageClassification(hf_cfg).eval()
+    sd = hf.state_dict()
+    g = lambda name: sd[name].detach().numpy()
+    norm = lambda name: {"scale": g(f"{name}.weight"), "bias": g(f"{name}.bias")}
+    n, d = cfg.num_heads, cfg.d_model
+
+    def pick(*names):  # transformers 5 renamed the layer internals; accept either layout
+        return g(next(name for name in names if name in sd))
+
+    def layer(i):
+        new, old = f"vit.layers.{i}", f"vit.encoder.layer.{i}"
+        w = lambda new_name, old_name, part: pick(f"{new}.{new_name}.{part}", f"{old}.{old_name}.{part}")
+        names = [(f"attention.{c}_proj", f"attention.attention.{o}")
+                 for c, o in (("q", "query"), ("k", "key"), ("v", "value"))]
+        out, fc1, fc2 = (("attention.o_proj", "attention.output.dense"), ("mlp.fc1", "intermediate.dense"),
+                         ("mlp.fc2", "output.dense"))
+        return {
+            "self_attention": {"qkv": np.stack([w(*c, "weight").T.reshape(d, n, -1) for c in names], 1),
+                               "qkv_bias": np.stack([w(*c, "bias").reshape(n, -1) for c in names]),
+                               "out": w(*out, "weight").T.reshape(n, -1, d), "out_bias": w(*out, "bias")},
+            "mlp": {"wi": {"kernel": w(*fc1, "weight").T, "bias": w(*fc1, "bias")},
+                    "wo": {"kernel": w(*fc2, "weight").T, "bias": w(*fc2, "bias")}},
+            "self_attention_norm": {"scale": w("layernorm_before", "layernorm_before", "weight"),
+                                    "bias": w("layernorm_before", "layernorm_before", "bias")},
+            "mlp_norm": {"scale": w("layernorm_after", "layernorm_after", "weight"),
+                         "bias": w("layernorm_after", "layernorm_after", "bias")}}
+
+    params = {
+        # torch conv weight [D, C, P, P] -> [P, P, C, D]
+        "patch_embedding": g("vit.embeddings.patch_embeddings.projection.weight").transpose(2, 3, 1, 0),
+        "patch_bias": g("vit.embeddings.patch_embeddings.projection.bias"),
+        "cls": g("vit.embeddings.cls_token")[0],
+        "position_embeddings": g("vit.embeddings.position_embeddings")[0],
+        "encoder": {f"layer_{i}": layer(i) for i in range(cfg.num_layers)},
+        "encoder_norm": norm("vit.layernorm"),
+        "head": {"kernel": g("classifier.weight").T, "bias": g("classifier.bias")},
+    }
+    logits, _ = ViT(cfg).apply({"params": params}, IMAGES)
+    with torch.no_grad():
+        ref = hf(pixel_values=torch.tensor(np.asarray(IMAGES).transpose(0, 3, 1, 2))).logits.numpy()
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
