@@ -72,8 +72,8 @@ class Checkpointer:
     def __init__(self, directory, *, save_every: int = 1000, keep: int = 3,
                  async_save: bool = True, read_only: bool = False):
         self.directory = epath.Path(directory)
+        self.save_every = save_every
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_every,
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
             # Temporary directories left by a killed save are garbage: remove on open.
@@ -103,11 +103,17 @@ class Checkpointer:
         Not forced: only when `step` is a multiple of `save_every`. Every process must
         call this with the same step (the write is a collective).
         """
+        # The interval is decided here (orbax's own policy would also save the first
+        # step of every run); `force` tells orbax to save whatever its policy says.
+        if not force and int(step) % self.save_every:
+            return False
+        if int(step) in self.all_steps():
+            return False  # Already saved (e.g. a forced final save on a regular step).
         return self.manager.save(
             int(step),
             args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                     data=ocp.args.JsonSave(dict(data_state))),
-            force=force)
+            force=True)
 
     def wait(self) -> None:
         """Blocks until pending async saves have committed."""
@@ -115,6 +121,11 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+    def data_state(self, step: int) -> dict[str, Any]:
+        """Only the data-loader state of `step` (cheap: no arrays are read)."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        return dict(restored["data"])
 
     # ----------------------------------------------------------------------- restore
     def check_structure(self, abstract_state, step: int) -> None:

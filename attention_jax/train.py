@@ -64,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
     t.progress = True  # show a progress bar on process 0.
     t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
-    t.inject_nan_at = -1  # fault injection: make the loss NaN at this step (-1 never).
+    t.inject_nan_at = -1  # fault injection: the loss of step N (1-based, as logged) is NaN; -1 never.
     t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
     t.keep_checkpoints = 3  # newest checkpoints kept on disk.
     t.async_checkpoint = True  # write checkpoints in the background.
@@ -84,7 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.cpu_collectives = ""  # e.g. gloo: collectives between CPU processes.
 
     c.eval = e = ml_collections.ConfigDict()
-    e.every = 500  # steps between evaluations (and at the end); 0 only at the end.
+    e.every = 500  # steps between evaluations (and at the end); 0: only at the end; -1: never.
     e.steps = 10  # eval batches per evaluation; 0 = the whole split.
     e.batch_size = 32  # global eval batch.
     e.sample_prompts = ("def ", "import ")  # language models: prompts for --mode=sample.
@@ -145,7 +145,9 @@ def validate_config(config, num_devices: int | None = None, check_task: bool = T
                 "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size"):
         if got[key] <= 0:
             raise ConfigError(f"config.{key}={got[key]} must be a positive integer")
-    for key in ("optim.warmup_steps", "eval.every", "eval.steps", "train.data_workers",
+    if got["eval.every"] < -1:
+        raise ConfigError(f"config.eval.every={got['eval.every']} must be >= -1")
+    for key in ("optim.warmup_steps", "eval.steps", "train.data_workers",
                 "mesh.num_devices"):
         if got[key] < 0:
             raise ConfigError(f"config.{key}={got[key]} must be >= 0")
@@ -331,7 +333,7 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
     def loss_fn(params, batch, rng, step):
         loss, metrics = task.loss(_cast_params(params, dtype), batch, rng, True)
         if nan_at >= 0:  # Fault injection for testing the non-finite path.
-            loss = loss * jnp.where(step == nan_at, jnp.nan, 1.0)
+            loss = loss * jnp.where(step + 1 == nan_at, jnp.nan, 1.0)
         return loss, metrics
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -364,7 +366,7 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
             (loss, metrics, grads), _ = jax.lax.scan(
                 body, (loss, metrics, grads), (micro, jnp.arange(accum)))
             loss, metrics, grads = jax.tree.map(lambda x: x / accum, (loss, metrics, grads))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -506,7 +508,8 @@ def restore_or_init(s, config):
 def train_and_evaluate(config, workdir: str, task: Task | None = None) -> dict[str, Any]:
     """Trains `config` in `workdir`, resuming whatever is there. Returns a summary:
     {'step', 'train': last logged metrics, 'eval': last eval metrics, 'losses': the loss
-    of each step run by this call, 'stopped_by': signal name or None}."""
+    of each step run by this call, 'stopped_by': signal name or None, 'state': the final
+    train state (sharded jax.Arrays)}."""
     os.makedirs(workdir, exist_ok=True)
     s = setup(config, workdir, task)
     task, mesh = s.task, s.mesh
@@ -565,7 +568,8 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                     means[f"{task.unit}_per_sec"] = rate
                     writer.write(step, "train", means)
                     summary["train"], window, units, t0 = means, [], 0, time.perf_counter()
-                if step == total or (config.eval.every and step % config.eval.every == 0):
+                every = config.eval.every
+                if every >= 0 and (step == total or (every and step % every == 0)):
                     summary["eval"] = evaluate(eval_step, state["params"], task, config, mesh)
                     writer.write(step, "eval", summary["eval"])
                     bar.write(f"step {step} eval: " + ", ".join(
@@ -587,7 +591,7 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
         ckpt.close()
         bar.close()
         writer.close()
-    summary["step"] = step
+    summary["step"], summary["state"] = step, state
     return summary
 
 

@@ -112,12 +112,13 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict({"width": 16, "heads": 2, "hidden": 32, "dropout": 0.0})
     c.optim.lr = 1e-2
     c.optim.warmup_steps = 2
+    c.optim.decay_steps = 20  # the schedule of a 20-step run, so 10 + 10 steps resume it.
     c.train.steps = 10
     c.train.batch_size = 16
     c.train.log_every = 5
     c.train.progress = False
-    c.train.checkpoint_every = 5
-    c.eval.every = 0
+    c.train.checkpoint_every = 10
+    c.eval.every = -1
     c.eval.steps = 2
     c.eval.batch_size = 16
     c.mesh.data = -1
@@ -127,22 +128,28 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
-def params_checksum(workdir: str) -> list[float]:
-    """Sum and sum of squares of each parameter of the latest checkpoint (host numpy)."""
-    from attention_jax import checkpoint
-    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
-    step = ck.latest_step()
-    tree = ck.manager.restore(step, args=__import__("orbax.checkpoint").checkpoint.args.Composite(
-        state=__import__("orbax.checkpoint").checkpoint.args.StandardRestore()))["state"]["params"]
-    return [float(np.sum(np.asarray(x, np.float64) ** p)) for x in jax.tree.leaves(tree) for p in (1, 2)]
+def flat_params(state) -> dict[str, np.ndarray]:
+    """Host copies of the parameters, by path (single-process runs)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state["params"])
+    return {jax.tree_util.keystr(p): np.asarray(jax.device_get(x)) for p, x in flat}
+
+
+def param_sums(state) -> list[float]:
+    """Sum and sum of squares of each parameter: comparable across processes (computed
+    under jit, so it works when no process holds a whole parameter)."""
+    sums = jax.jit(lambda p: [(jnp.sum(x), jnp.sum(x * x)) for x in jax.tree.leaves(p)])
+    return [float(v) for pair in sums(state["params"]) for v in pair]
 
 
 if __name__ == "__main__":
-    # Worker: CONFIG_JSON WORKDIR OUT_JSON [process_id]. The config is a dict of overrides.
-    overrides = json.loads(sys.argv[1])
-    cfg = tiny_config(**overrides)
+    # Worker: OVERRIDES_JSON WORKDIR OUT_JSON. Trains the tiny LM, writes losses, the final
+    # step, the stopping signal and parameter sums (and OUT_JSON.npz with the parameters
+    # when it is the only process).
+    cfg = tiny_config(**json.loads(sys.argv[1]))
     summary = train.train_and_evaluate(cfg, sys.argv[2])
-    if jax.process_index() == 0 or len(sys.argv) > 4:
-        with open(sys.argv[3], "w") as f:
-            json.dump({"losses": summary["losses"], "step": summary["step"],
-                       "stopped_by": summary["stopped_by"]}, f)
+    with open(sys.argv[3], "w") as f:
+        json.dump({"losses": summary["losses"], "step": summary["step"],
+                   "stopped_by": summary["stopped_by"],
+                   "param_sums": param_sums(summary["state"])}, f)
+    if jax.process_count() == 1:
+        np.savez(sys.argv[3] + ".npz", **flat_params(summary["state"]))
