@@ -16,7 +16,10 @@ store every tile's probabilities for the backward pass: the N×N matrix again.
 
 Tiles that a causal or windowed mask hides entirely are never visited (loop bounds
 depend on the block index), and tiles it shows entirely skip the mask arithmetic.
-Arrays keep the caller's [B, T, K, G, H] layout; tiles are cut with dynamic slices.
+Inside, arrays are head-major and three-dimensional — q [X, G, T, H], k and v [X, S, H]
+with X = B·K — and a tile is [X, R, bk] with R = G·bq query rows, so every tile product
+is a plain batched matmul whose result needs no copy or transpose (on CPU, a per-tile
+copy of the scores costs as much as the exp).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class _Static:
     bk: int  # key/value block
     q_len: int  # T before padding
     kv_len: int  # S before padding
+    batch: int  # B
+    kv_heads: int  # K
 
     def spec(self, arrays) -> MaskSpec:
         return MaskSpec(self.causal, self.window, *arrays)
@@ -51,13 +56,17 @@ class _Static:
 def blockwise_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k: int):
     """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]."""
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    bq, bk = min(block_q, t), min(block_k, s)
-    st = _Static(spec.causal, spec.window, float(scale), bq, bk, t, s)
+    s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+    g = n // kh
+    st = _Static(spec.causal, spec.window, float(scale), min(block_q, t), min(block_k, s),
+                 t, s, b, kh)
     arrays = (spec.q_offset, spec.q_segment_ids, spec.kv_segment_ids, spec.mask)
-    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]: G query heads per K/V head
-    y = _attention(st, qg, k, v, arrays)
-    return y.reshape(b, t, n, v.shape[-1])
+    # The G query heads of a group share one K/V head: [B, T, N, H] -> [B·K, G, T, H].
+    qx = jnp.transpose(q.reshape(b, t, kh, g, h), (0, 2, 3, 1, 4)).reshape(b * kh, g, t, h)
+    kx = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kh, s, h)  # [X, S, H], never copied per head
+    vx = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kh, s, hv)
+    y = _attention(st, qx, kx, vx, arrays)  # [X, G, T, Hv]
+    return jnp.transpose(y.reshape(b, kh, g, t, hv), (0, 3, 1, 2, 4)).reshape(b, t, n, hv)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -91,10 +100,11 @@ class _Tiles:
     def __init__(self, st: _Static, q, k, v, arrays):
         self.st = st
         offset, q_seg, kv_seg, dense = arrays
-        self.q = _pad_to(q, 1, st.bq)  # [B, Tp, K, G, H]
-        self.k = _pad_to(k, 1, st.bk)  # [B, Sp, K, H]
+        self.q = _pad_to(q, 2, st.bq)  # [X, G, Tp, H]
+        self.k = _pad_to(k, 1, st.bk)  # [X, Sp, H]
         self.v = _pad_to(v, 1, st.bk)
-        self.nq = self.q.shape[1] // st.bq
+        self.groups = q.shape[1]
+        self.nq = self.q.shape[2] // st.bq
         self.nk = self.k.shape[1] // st.bk
         self.offset = offset  # [B]
         self.off_min, self.off_max = jnp.min(offset), jnp.max(offset)
@@ -103,36 +113,49 @@ class _Tiles:
         self.dense = None
         if dense is not None:
             dense = _pad_to(_pad_to(dense, 2, st.bq), 3, st.bk, value=False)
-            self.dense = group_heads(dense, k.shape[2])  # [B|1, K|1, G|1, Tp, Sp]
+            self.dense = group_heads(dense, st.kv_heads)  # [B|1, K|1, G|1, Tp, Sp]
         self.spec = st.spec(arrays)
         self.kv_padded = self.k.shape[1] != st.kv_len
         self.data_dependent = self.spec.has_data_dependent
 
-    def q_tile(self, x, i):
-        return _slice(x, i * self.st.bq, self.st.bq, 1)
+    def q_rows(self, x, i):
+        """Query block i of an [X, G, Tp, ...] array, as [X, R, ...] rows (R = G·bq)."""
+        tile = _slice(x, i * self.st.bq, self.st.bq, 2)
+        return tile.reshape(tile.shape[0], -1, *tile.shape[3:])
 
     def kv_tile(self, x, j):
+        """Key block j of an [X, Sp, ...] array."""
         return _slice(x, j * self.st.bk, self.st.bk, 1)
 
-    def scores(self, qi, kj):
-        """[B, bq, K, G, H] x [B, bk, K, H] -> [B, K, G, bq, bk] in the accumulation dtype."""
-        return jnp.einsum("BTKGH,BSKH->BKGTS", qi, kj, preferred_element_type=_acc_dtype(qi.dtype))
+    def unrows(self, rows):
+        """[X, R, ...] -> [X, G, bq, ...], to write a block back."""
+        return rows.reshape(rows.shape[0], self.groups, self.st.bq, *rows.shape[2:])
 
-    def tile_mask(self, i, j):
-        """Visibility [B|1, K|1, G|1, bq, bk] of tile (i, j), or None if nothing masks it."""
+    def scores(self, qi, kj):
+        """[X, R, H] x [X, bk, H] -> [X, R, bk] in the accumulation dtype."""
+        return jnp.einsum("XRH,XSH->XRS", qi, kj, preferred_element_type=_acc_dtype(qi.dtype))
+
+    def tile_mask(self, i, j, transposed=False):
+        """Visibility [X, R, bk] of tile (i, j) ([X, bk, R] if transposed), or None."""
         st = self.st
         q_pos = self.offset[:, None] + i * st.bq + jnp.arange(st.bq, dtype=jnp.int32)[None, :]
         k_pos = j * st.bk + jnp.arange(st.bk, dtype=jnp.int32)
-        q_seg = None if self.q_seg is None else self.q_tile(self.q_seg, i)
-        k_seg = None if self.kv_seg is None else self.kv_tile(self.kv_seg, j)
+        q_seg = None if self.q_seg is None else _slice(self.q_seg, i * st.bq, st.bq, 1)
+        k_seg = None if self.kv_seg is None else _slice(self.kv_seg, j * st.bk, st.bk, 1)
         dense = None
         if self.dense is not None:
             dense = _slice(_slice(self.dense, i * st.bq, st.bq, 3), j * st.bk, st.bk, 4)
-        ok = visible(self.spec, q_pos, k_pos, q_seg, k_seg, dense)
+        ok = visible(self.spec, q_pos, k_pos, q_seg, k_seg, dense)  # [B|1, K|1, G|1, bq, bk]
         if self.kv_padded:
             real = (k_pos < st.kv_len)[None, None, None, None, :]
             ok = real if ok is None else ok & real
-        return ok
+        if ok is None:
+            return None
+        ok = jnp.broadcast_to(ok, (st.batch, st.kv_heads, self.groups, st.bq, st.bk))
+        if transposed:
+            ok = jnp.transpose(ok, (0, 1, 4, 2, 3))  # [B, K, bk, G, bq]
+            return ok.reshape(st.batch * st.kv_heads, st.bk, self.groups * st.bq)
+        return ok.reshape(st.batch * st.kv_heads, self.groups * st.bq, st.bk)
 
     # Which tiles to visit. Query block i holds positions offset + [i·bq, i·bq + bq); key
     # block j holds [j·bk, j·bk + bk). A key j is visible to query p when
@@ -200,20 +223,20 @@ def _call_masked(body, masked, index, carry):
 
 
 def _forward(st: _Static, q, k, v, arrays):
-    """Returns y [B, T, K, G, Hv] and the log-sum-exp [B, K, G, Tp] (+inf on empty rows)."""
+    """Returns y [X, G, T, Hv] and the log-sum-exp [X, G, Tp] (+inf on empty rows)."""
     acc_t = _acc_dtype(q.dtype)
     q = (q.astype(acc_t) * st.scale).astype(q.dtype)  # fold the scale into Q once
     tiles = _Tiles(st, q, k, v, arrays)
-    b, tp, kh, g, _ = tiles.q.shape
-    hv = v.shape[-1]
+    x, g, tp, _ = tiles.q.shape
+    rows, hv = g * st.bq, v.shape[-1]
 
     def q_block(carry, i):
         out, lse = carry
-        qi = tiles.q_tile(tiles.q, i)  # [B, bq, K, G, H]
+        qi = tiles.q_rows(tiles.q, i)  # [X, R, H]
 
         def kv_step(j, state, masked):
-            m, l, acc = state  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, Hv]
-            s = tiles.scores(qi, tiles.kv_tile(tiles.k, j))  # [B, K, G, bq, bk]
+            m, l, acc = state  # [X, R], [X, R], [X, R, Hv]
+            s = tiles.scores(qi, tiles.kv_tile(tiles.k, j))  # [X, R, bk]
             ok = tiles.tile_mask(i, j) if masked else None
             if ok is not None:
                 s = jnp.where(ok, s, -jnp.inf)
@@ -225,78 +248,84 @@ def _forward(st: _Static, q, k, v, arrays):
             p = jnp.exp(s - m_new_safe[..., None])
             rescale = jnp.exp(m - m_new_safe)
             l = l * rescale + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(v.dtype), tiles.kv_tile(tiles.v, j),
+            pv = jnp.einsum("XRS,XSH->XRH", p.astype(v.dtype), tiles.kv_tile(tiles.v, j),
                             preferred_element_type=acc_t)
             return m_new, l, acc * rescale[..., None] + pv
 
-        init = (jnp.full((b, kh, g, st.bq), -jnp.inf, acc_t),
-                jnp.zeros((b, kh, g, st.bq), acc_t),
-                jnp.zeros((b, kh, g, st.bq, hv), acc_t))
+        init = (jnp.full((x, rows), -jnp.inf, acc_t), jnp.zeros((x, rows), acc_t),
+                jnp.zeros((x, rows, hv), acc_t))
         m, l, acc = _run_blocks(tiles.kv_blocks_for(i), kv_step, init)
         y = acc / jnp.where(l == 0, 1.0, l)[..., None]  # empty rows: 0, not 0/0
-        y = jnp.transpose(y, (0, 3, 1, 2, 4)).astype(out.dtype)  # [B, bq, K, G, Hv]
         row_lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
-        out = lax.dynamic_update_slice_in_dim(out, y, i * st.bq, 1)
-        lse = lax.dynamic_update_slice_in_dim(lse, row_lse, i * st.bq, 3)
+        out = lax.dynamic_update_slice_in_dim(out, tiles.unrows(y.astype(out.dtype)), i * st.bq, 2)
+        lse = lax.dynamic_update_slice_in_dim(lse, tiles.unrows(row_lse), i * st.bq, 2)
         return (out, lse), None
 
-    init = (jnp.zeros((b, tp, kh, g, hv), q.dtype), jnp.zeros((b, kh, g, tp), acc_t))
+    init = (jnp.zeros((x, g, tp, hv), q.dtype), jnp.zeros((x, g, tp), acc_t))
     (out, lse), _ = lax.scan(q_block, init, jnp.arange(tiles.nq))
-    return out[:, : st.q_len], lse
+    return out[:, :, : st.q_len], lse
 
 
 # ----------------------------------------------------------------------------- backward
 
 
 def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
+    """Gradients with key blocks outside and query blocks inside.
+
+    Tiles are computed transposed, [X, bk, R] (keys × query rows), so that the two
+    products accumulated per key block, dV += Pᵀ dO and dK += dSᵀ Q, are plain matmuls;
+    in the forward's [X, R, bk] orientation both would contract over the rows, which
+    XLA's CPU matmuls run several times slower. dQ is then accumulated transposed too.
+    """
     acc_t = _acc_dtype(q.dtype)
     q_scaled = (q.astype(acc_t) * st.scale).astype(q.dtype)
     tiles = _Tiles(st, q_scaled, k, v, arrays)
     # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij: the softmax Jacobian's correction term.
-    delta = jnp.einsum("BTKGH,BTKGH->BKGT", d_out.astype(acc_t), out.astype(acc_t))
-    d_out = _pad_to(d_out, 1, st.bq)  # padded rows: dO = 0 and L = +inf, so P = 0 there
-    delta = _pad_to(delta, 3, st.bq)
-    b, tp, kh, g, h = tiles.q.shape
+    delta = jnp.einsum("XGTH,XGTH->XGT", d_out.astype(acc_t), out.astype(acc_t))
+    d_out = _pad_to(d_out, 2, st.bq)  # padded rows: dO = 0 and L = +inf, so P = 0 there
+    delta = _pad_to(delta, 2, st.bq)
+    x, g, tp, h = tiles.q.shape
     sp, hv = tiles.k.shape[1], v.shape[-1]
 
     def kv_block(carry, j):
-        dq, dk, dv = carry
-        kj, vj = tiles.kv_tile(tiles.k, j), tiles.kv_tile(tiles.v, j)  # [B, bk, K, H]
+        dq_t, dk, dv = carry  # dq_t: [X, G, H, Tp], dQ transposed
+        kj, vj = tiles.kv_tile(tiles.k, j), tiles.kv_tile(tiles.v, j)  # [X, bk, H]
+        kj_t = jnp.swapaxes(kj, 1, 2)  # [X, H, bk], once per key block
 
         def q_step(i, state, masked):
-            dq, dk_j, dv_j = state
-            qi = tiles.q_tile(tiles.q, i)  # [B, bq, K, G, H], already scaled
-            doi = tiles.q_tile(d_out, i)  # [B, bq, K, G, Hv]
-            s = tiles.scores(qi, kj)  # [B, K, G, bq, bk]
-            ok = tiles.tile_mask(i, j) if masked else None
+            dq_t, dk_j, dv_j = state
+            qi = tiles.q_rows(tiles.q, i)  # [X, R, H], already scaled
+            doi = tiles.q_rows(d_out, i)  # [X, R, Hv]
+            s_t = jnp.einsum("XSH,XRH->XSR", kj, qi, preferred_element_type=acc_t)
+            ok = tiles.tile_mask(i, j, transposed=True) if masked else None
             if ok is not None:
-                s = jnp.where(ok, s, -jnp.inf)
-            lse_i = _slice(lse, i * st.bq, st.bq, 3)[..., None]
-            p = jnp.exp(s - lse_i)  # exactly the forward's probabilities
-            dv_j = dv_j + jnp.einsum("BKGTS,BTKGH->BSKH", p.astype(doi.dtype), doi,
+                s_t = jnp.where(ok, s_t, -jnp.inf)
+            # Exactly the forward's probabilities, from its saved log-sum-exp.
+            p_t = jnp.exp(s_t - tiles.q_rows(lse, i)[:, None, :])  # [X, bk, R]
+            dv_j = dv_j + jnp.einsum("XSR,XRH->XSH", p_t.astype(doi.dtype), doi,
                                      preferred_element_type=acc_t)
-            dp = jnp.einsum("BTKGH,BSKH->BKGTS", doi, vj, preferred_element_type=acc_t)
-            ds = p * (dp - _slice(delta, i * st.bq, st.bq, 3)[..., None])
+            dp_t = jnp.einsum("XSH,XRH->XSR", vj, doi, preferred_element_type=acc_t)
+            ds_t = p_t * (dp_t - tiles.q_rows(delta, i)[:, None, :])
             # With Q pre-scaled, dK = dSᵀ (Q·scale) needs no extra factor; dQ does.
-            dk_j = dk_j + jnp.einsum("BKGTS,BTKGH->BSKH", ds.astype(qi.dtype), qi,
+            dk_j = dk_j + jnp.einsum("XSR,XRH->XSH", ds_t.astype(qi.dtype), qi,
                                      preferred_element_type=acc_t)
-            dq_i = jnp.einsum("BKGTS,BSKH->BTKGH", ds.astype(kj.dtype), kj,
-                              preferred_element_type=acc_t)
-            dq = lax.dynamic_update_slice_in_dim(
-                dq, tiles.q_tile(dq, i) + dq_i * st.scale, i * st.bq, 1)
-            return dq, dk_j, dv_j
+            dq_i = jnp.einsum("XHS,XSR->XHR", kj_t, ds_t.astype(kj.dtype),
+                              preferred_element_type=acc_t) * st.scale  # [X, H, R]
+            dq_i = jnp.swapaxes(dq_i.reshape(x, h, g, st.bq), 1, 2)  # [X, G, H, bq]
+            dq_block = _slice(dq_t, i * st.bq, st.bq, 3) + dq_i
+            return lax.dynamic_update_slice_in_dim(dq_t, dq_block, i * st.bq, 3), dk_j, dv_j
 
-        zeros_kv = jnp.zeros((b, st.bk, kh, h), acc_t)
-        dq, dk_j, dv_j = _run_blocks(tiles.q_blocks_for(j), q_step,
-                                      (dq, zeros_kv, jnp.zeros((b, st.bk, kh, hv), acc_t)))
+        init = (dq_t, jnp.zeros((x, st.bk, h), acc_t), jnp.zeros((x, st.bk, hv), acc_t))
+        dq_t, dk_j, dv_j = _run_blocks(tiles.q_blocks_for(j), q_step, init)
         dk = lax.dynamic_update_slice_in_dim(dk, dk_j, j * st.bk, 1)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_j, j * st.bk, 1)
-        return (dq, dk, dv), None
+        return (dq_t, dk, dv), None
 
-    init = (jnp.zeros((b, tp, kh, g, h), acc_t), jnp.zeros((b, sp, kh, h), acc_t),
-            jnp.zeros((b, sp, kh, hv), acc_t))
-    (dq, dk, dv), _ = lax.scan(kv_block, init, jnp.arange(tiles.nk))
-    return (dq[:, : st.q_len].astype(q.dtype), dk[:, : st.kv_len].astype(k.dtype),
+    init = (jnp.zeros((x, g, h, tp), acc_t), jnp.zeros((x, sp, h), acc_t),
+            jnp.zeros((x, sp, hv), acc_t))
+    (dq_t, dk, dv), _ = lax.scan(kv_block, init, jnp.arange(tiles.nk))
+    dq = jnp.swapaxes(dq_t[..., : st.q_len], 2, 3)  # [X, G, T, H]
+    return (dq.astype(q.dtype), dk[:, : st.kv_len].astype(k.dtype),
             dv[:, : st.kv_len].astype(v.dtype))
 
 
