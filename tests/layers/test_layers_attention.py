@@ -1,0 +1,178 @@
+"""Attention layer, positions, norms, MLPs and blocks: properties from the lectures."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.layers import (BlockConfig, MultiHeadAttention, TransformerStack, apply_rope,
+                                  make_norm, sinusoidal)
+from attention_jax.layers.mlp import MLP, SwiGLU, swiglu_hidden
+
+
+def _x(shape, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def test_sinusoidal_matches_the_formula():
+    pos, dim = np.array([0, 1, 7, 50]), 16
+    got = np.asarray(sinusoidal(jnp.asarray(pos), dim))
+    i = np.arange(dim // 2)
+    angle = pos[:, None] / 10000.0 ** (2 * i[None] / dim)
+    want = np.zeros((4, dim))
+    want[:, 0::2], want[:, 1::2] = np.sin(angle), np.cos(angle)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_offset():
+    q, k = _x((1, 1, 1, 16), 1), _x((1, 1, 1, 16), 2)
+
+    def score(i, j):
+        qi = apply_rope(q, jnp.array([[i]]))
+        kj = apply_rope(k, jnp.array([[j]]))
+        return float(jnp.sum(qi * kj))
+
+    for offset in (0, 3, -5):
+        scores = [score(p + offset, p) for p in (0, 4, 17, 100)]
+        np.testing.assert_allclose(scores, scores[0], rtol=1e-4, atol=1e-4)
+    assert abs(score(3, 0) - score(0, 3)) > 1e-3  # positions matter (not the identity map)
+    # a rotation: norms are preserved
+    np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.array([[9]]))),
+                               jnp.linalg.norm(q), rtol=1e-5)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_reference_and_blockwise_agree_in_value_and_gradient(cross):
+    x, ctx = _x((2, 12, 32), 0), _x((2, 10, 24), 1)
+    kv_mask = jnp.arange(10)[None] < jnp.array([[10], [6]])
+    kwargs = dict(num_heads=4, num_kv_heads=2, block_q=4, block_k=4)
+    inputs = dict(context=ctx, kv_mask=kv_mask) if cross else dict(positions=None)
+    ref = MultiHeadAttention(causal=not cross, implementation="reference", rope_base=1e4, **kwargs)
+    blk = MultiHeadAttention(causal=not cross, implementation="blockwise", rope_base=1e4, **kwargs)
+    params = jax.jit(lambda: ref.init(jax.random.PRNGKey(2), x, **inputs)["params"])()
+
+    def loss(module):
+        return lambda p, x: jnp.sum(jnp.sin(module.apply({"params": p}, x, **inputs)[0]))
+
+    (lr, gr), (lb, gb) = (jax.jit(jax.value_and_grad(loss(m), argnums=(0, 1)))(params, x)
+                          for m in (ref, blk))
+    np.testing.assert_allclose(lr, lb, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_weights_are_returned_causal_and_normalised():
+    x = _x((2, 6, 16))
+    mha = MultiHeadAttention(num_heads=2, causal=True)
+    params = jax.jit(mha.init)(jax.random.PRNGKey(0), x)
+    _, aux = jax.jit(lambda p, x: mha.apply(p, x, return_weights=True))(params, x)
+    w = np.asarray(aux["attention_weights"])  # [B, N, T, S]
+    assert w.shape == (2, 2, 6, 6)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
+    assert np.all(np.triu(w, k=1) == 0)
+
+
+def test_parameters_follow_shape_letters_with_logical_axes():
+    x, ctx = _x((1, 4, 32)), _x((1, 3, 24))
+    fused = jax.eval_shape(MultiHeadAttention(num_heads=4).init, jax.random.PRNGKey(0), x)["params"]
+    assert fused["qkv"].value.shape == (32, 3, 4, 8)
+    assert fused["qkv"].names == ("embed", None, "heads", "head_dim")
+    assert fused["out"].value.shape == (4, 8, 32)
+    gqa = jax.eval_shape(MultiHeadAttention(num_heads=4, num_kv_heads=1).init,
+                         jax.random.PRNGKey(0), x, ctx)
+    assert gqa["params"]["query"].value.shape == (32, 4, 8)
+    assert gqa["params"]["kv"].value.shape == (24, 2, 1, 8)
+    assert gqa["params"]["kv"].names[2] == "kv_heads"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_heads=5), r"num_heads=5 does not divide.*\[1, 2, 4, 8, 16, 32\]"),
+    (dict(num_heads=4, num_kv_heads=3), r"num_kv_heads=3 must divide.*\[1, 2, 4\]"),
+    (dict(num_heads=4, implementation="flash"), r"valid: \('auto'"),
+])
+def test_bad_attention_configs_raise_with_valid_choices(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(MultiHeadAttention(**kwargs).init, jax.random.PRNGKey(0), _x((1, 4, 32)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(norm_position="middle"), r"valid: \('pre', 'post'\)"),
+    (dict(norm="batchnorm"), r"valid: \('layernorm', 'rmsnorm'\)"),
+    (dict(mlp="kan"), r"valid: \('mlp', 'swiglu', 'moe'\)"),
+    (dict(num_kv_heads=3), r"valid: \[1, 2, 4\]"),
+])
+def test_bad_block_configs_raise_with_valid_choices(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BlockConfig(**{"num_heads": 4, **kwargs})
+    with pytest.raises(ValueError, match="remat_policy"):
+        jax.eval_shape(TransformerStack(BlockConfig(num_heads=4), 1, remat_policy="some").init,
+                       jax.random.PRNGKey(0), _x((1, 4, 32)))
+
+
+def test_norms_and_mlps():
+    x = _x((2, 3, 8)) * 5 + 2
+    ln = make_norm("layernorm")
+    y = ln.apply(ln.init(jax.random.PRNGKey(0), x), x)
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-5)
+    rms = make_norm("rmsnorm")
+    y = rms.apply(rms.init(jax.random.PRNGKey(0), x), x)
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(y ** 2, -1)), 1, rtol=1e-3)
+    with pytest.raises(ValueError, match="valid"):
+        make_norm("groupnorm")
+    assert swiglu_hidden(4096, 256) == 11008  # LLaMA-7B's F
+    assert swiglu_hidden(64, 64) == 192
+    p = jax.eval_shape(MLP().init, jax.random.PRNGKey(0), x)["params"]
+    assert p["wi"]["kernel"].value.shape == (8, 32)  # F = 4D
+    p = jax.eval_shape(SwiGLU(multiple_of=16).init, jax.random.PRNGKey(0), x)["params"]
+    assert p["wg"]["kernel"].value.shape == (8, 32)  # 8·8/3 = 21.3 -> 32
+    with pytest.raises(ValueError, match="valid"):
+        jax.eval_shape(MLP(activation="swish2").init, jax.random.PRNGKey(0), x)
+
+
+def test_norm_position_switch():
+    """Post-norm ends each block with a norm (Add & Norm); pre-norm leaves the residual raw."""
+    x = _x((2, 5, 16)) * 3 + 1
+    for position, normalised in (("post", True), ("pre", False)):
+        stack = TransformerStack(BlockConfig(num_heads=2, norm_position=position), 1)
+        y, _ = jax.jit(stack.apply)(jax.jit(stack.init)(jax.random.PRNGKey(0), x), x)
+        is_norm = np.allclose(y.mean(-1), 0, atol=1e-4) and np.allclose(y.std(-1), 1, atol=1e-2)
+        assert is_norm == normalised, position
+
+
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_encoder_without_positions_is_permutation_equivariant(position):
+    x = _x((2, 7, 16))
+    perm = np.array([3, 0, 6, 1, 5, 2, 4])
+    stack = TransformerStack(BlockConfig(num_heads=4, norm_position=position), 2, block="encoder")
+    params = jax.jit(stack.init)(jax.random.PRNGKey(0), x)
+    y, _ = jax.jit(stack.apply)(params, x)
+    y_perm, _ = jax.jit(stack.apply)(params, x[:, perm])
+    np.testing.assert_allclose(y_perm, y[:, perm], atol=1e-5)
+    causal = TransformerStack(BlockConfig(num_heads=4, causal=True), 2)  # and a decoder is not
+    yc, _ = jax.jit(causal.apply)(params, x)
+    yc_perm, _ = jax.jit(causal.apply)(params, x[:, perm])
+    assert not np.allclose(yc_perm, yc[:, perm], atol=1e-3)
+
+
+def test_scan_and_remat_match_the_unrolled_stack():
+    x = _x((2, 6, 16))
+    cfg = BlockConfig(num_heads=2, causal=True)
+    loop = TransformerStack(cfg, 3)
+    scan = TransformerStack(cfg, 3, scan_layers=True, remat_policy="full")
+    loop_params = jax.jit(loop.init)(jax.random.PRNGKey(0), x)["params"]
+    unboxed = jax.tree.map(lambda b: b.value, loop_params,
+                           is_leaf=lambda b: hasattr(b, "names"))
+    stacked = {"layers": jax.tree.map(lambda *ls: jnp.stack(ls), *unboxed.values())}
+    scan_shapes = jax.eval_shape(lambda: scan.init(jax.random.PRNGKey(0), x))["params"]
+    assert scan_shapes["layers"]["self_attention"]["qkv"].names[0] == "layers"
+
+    def loss(module, p):
+        y, _ = module.apply({"params": p}, x, return_weights=False)
+        return jnp.sum(y ** 2)
+
+    l1, g1 = jax.jit(jax.value_and_grad(lambda p: loss(loop, p)))(unboxed)
+    l2, g2 = jax.jit(jax.value_and_grad(lambda p: loss(scan, p)))(stacked)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    g1 = {"layers": jax.tree.map(lambda *ls: jnp.stack(ls), *g1.values())}
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,90 @@
+"""Mixture-of-Experts routing: top-A dispatch, gate weights, capacity, auxiliary loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.layers.moe import MoE, expert_capacity, route
+
+
+def _logits(shape, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape) * 2
+
+
+def test_every_kept_token_goes_to_exactly_top_k_experts_with_weights_summing_to_one():
+    logits = _logits((3, 10, 5))
+    dispatch, combine, aux = route(logits, top_k=2, capacity=20)  # room for everyone
+    dispatch = np.asarray(dispatch)
+    np.testing.assert_array_equal(dispatch.sum(axis=(2, 3)), 2)  # A assignments per token
+    np.testing.assert_array_equal(dispatch.any(-1).sum(-1), 2)  # to 2 different experts
+    top2 = np.argsort(-np.asarray(logits), -1)[..., :2]
+    chosen = np.sort(np.nonzero(dispatch.any(-1))[2].reshape(3, 10, 2), -1)
+    np.testing.assert_array_equal(chosen, np.sort(top2, -1))  # the router's top-2
+    np.testing.assert_allclose(np.asarray(combine).sum(axis=(2, 3)), 1.0, rtol=1e-6)
+    assert np.all(dispatch.sum(1) <= 1)  # a slot holds at most one token
+    assert float(aux["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(np.asarray(aux["expert_load"]).sum(), 1.0, rtol=1e-6)
+
+
+def test_over_capacity_assignments_are_dropped_in_priority_order():
+    # Every token prefers expert 0, second choice expert 1; capacity 2.
+    logits = jnp.tile(jnp.array([3.0, 2.0, 0.0, -1.0]), (1, 5, 1))  # [1, 5, 4]
+    dispatch, combine, aux = route(logits, top_k=2, capacity=2, priority="choice")
+    d = np.asarray(dispatch)[0]  # [T, E, C]
+    # first choices come first: tokens 0, 1 get expert 0; tokens 0, 1 also get expert 1
+    np.testing.assert_array_equal(d[:, 0].any(-1), [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(d[:, 1].any(-1), [1, 1, 0, 0, 0])
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), 6 / 10)
+    assert np.all(np.asarray(combine)[0, 2:] == 0)  # dropped tokens contribute nothing
+
+    # "choice" lets a later first choice evict an earlier second choice; "token" does not.
+    mixed = jnp.array([[[2.0, 3.0, 0, 0], [3.0, 2.0, 0, 0], [3.0, 0.0, 2.0, 0]]])  # [1, 3, 4]
+    by_choice = np.asarray(route(mixed, 2, capacity=2, priority="choice")[0])[0]
+    by_token = np.asarray(route(mixed, 2, capacity=2, priority="token")[0])[0]
+    assert not by_choice[0, 0].any() and by_choice[2, 0].any()  # token 0's 2nd choice evicted
+    assert by_token[0, 0].any() and not by_token[2, 0].any()  # earliest token keeps its slot
+    with pytest.raises(ValueError, match=r"valid: \('choice', 'token'\)"):
+        route(mixed, 2, 2, priority="random")
+
+
+def test_dropped_tokens_pass_through_the_residual_unchanged():
+    moe = MoE(num_experts=2, top_k=1, capacity_factor=0.5)  # C = ceil(.5·8·1/2) = 2 per expert
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 6))
+    params = jax.jit(moe.init)(jax.random.PRNGKey(1), x)
+    y, aux = jax.jit(moe.apply)(params, x)
+    assert expert_capacity(8, 2, 1, 0.5) == 2
+    zero = np.all(np.asarray(y)[0] == 0, axis=-1)
+    assert zero.sum() == 8 - 4  # only 2 slots per expert: 4 tokens served, 4 dropped
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), 0.5)
+    np.testing.assert_allclose((x + y)[0, zero], x[0, zero])  # x + MoE(x) = x for them
+
+
+def test_load_balancing_loss_is_minimal_for_a_uniform_router():
+    e = 4
+    uniform = route(jnp.zeros((2, 16, e)), top_k=1, capacity=32)[2]
+    np.testing.assert_allclose(float(uniform["load_balance_loss"]), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(uniform["router_entropy"]), np.log(e), rtol=1e-4)
+    collapsed = route(jnp.tile(jnp.array([9.0, 0, 0, 0]), (2, 16, 1)), 1, 32)[2]
+    assert float(collapsed["load_balance_loss"]) > 3.9  # -> E when all tokens pick one expert
+    for seed in range(3):
+        skewed = route(_logits((2, 16, e), seed) + jnp.array([2.0, 0, 0, 0]), 1, 32)[2]
+        assert float(skewed["load_balance_loss"]) > 1.0
+
+
+def test_moe_layer_is_differentiable_and_experts_carry_the_expert_axis():
+    moe = MoE(num_experts=4, top_k=2, hidden=16)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
+    variables = jax.jit(moe.init)(jax.random.PRNGKey(1), x)
+    assert variables["params"]["wi"].value.shape == (4, 8, 16)
+    assert variables["params"]["wi"].names[0] == "expert"
+
+    def loss(p):
+        y, aux = moe.apply({"params": p}, x)
+        return jnp.sum(y ** 2) + aux["load_balance_loss"]
+
+    grads = jax.jit(jax.grad(loss))(variables["params"])
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    assert float(jnp.abs(grads["router"].value).sum()) > 0  # the router learns
+    with pytest.raises(ValueError, match="top_k"):
+        jax.eval_shape(MoE(num_experts=2, top_k=3).init, jax.random.PRNGKey(0), x)
