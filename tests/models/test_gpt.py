@@ -1,0 +1,171 @@
+"""GPT: parameter counts, causality, KV-cache decoding, generation, training."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from attention_jax.models import gpt
+
+
+def _count(cfg):
+    shapes = jax.eval_shape(lambda: gpt.GPT(cfg).init(jax.random.PRNGKey(0),
+                                                      jnp.zeros((1, 8), jnp.int32)))
+    return sum(x.size for x in jax.tree.leaves(shapes["params"]))
+
+
+@pytest.mark.parametrize("name, published", [
+    ("gpt2", 124e6), ("gpt2-medium", 355e6), ("gpt2-large", 774e6), ("gpt2-xl", 1558e6)])
+def test_parameter_counts_match_gpt2(name, published):
+    assert abs(_count(gpt.get_config(name)) - published) / published < 0.01
+
+
+def test_bad_configs_raise_with_valid_choices():
+    with pytest.raises(ValueError, match=r"unknown GPT variant 'gpt5'.*'gpt2'"):
+        gpt.get_config("gpt5")
+    with pytest.raises(ValueError, match=r"num_heads=5 does not divide embed_dim=64.*\[1, 2, 4"):
+        gpt.get_config("gpt-tiny", num_heads=5)
+    with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=4; valid: \[1, 2, 4\]"):
+        gpt.get_config("gpt-tiny", num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"valid: \('learned', 'rope'\)"):
+        gpt.get_config("gpt-tiny", position="alibi")
+
+
+# the MoE variant gets room for every token so decoding can match the full pass (moe.py)
+TINY = {"gpt-tiny": {}, "gpt-tiny-rope": {}, "gpt-tiny-moe": dict(capacity_factor=2.0),
+        "gpt-tiny-scan": dict(scan_layers=True, remat_policy="dots")}
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name):
+    cfg = gpt.get_config(name.replace("-scan", ""), **TINY[name])
+    model = gpt.GPT(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), jnp.zeros((1, 16), jnp.int32))["params"]
+    return model, params
+
+
+def _tokens(shape, seed=0):
+    return jax.random.randint(jax.random.PRNGKey(seed), shape, 3, 256)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-tiny-moe"])
+def test_causal_model_does_not_leak_the_future(name):
+    model, params = _model(name)
+    if name == "gpt-tiny-moe":  # tight capacity: drops happen, and must stay causal too
+        model = gpt.GPT(gpt.get_config("gpt-tiny-moe", capacity_factor=0.5))
+    apply = jax.jit(lambda t: model.apply({"params": params}, t)[0])
+    tokens = _tokens((2, 16))
+    changed = tokens.at[:, 9:].set(_tokens((2, 7), 5))
+    a, b = apply(tokens), apply(changed)
+    np.testing.assert_allclose(a[:, :9], b[:, :9], atol=1e-5)
+    assert not np.allclose(a[:, 9:], b[:, 9:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_kv_cache_decoding_equals_full_forward_for_unequal_prompts(name):
+    model, params = _model(name)
+    b, total, lengths = 3, 14, np.array([2, 7, 5])
+    tokens = _tokens((b, total), 1)
+    full = jax.jit(lambda t: model.apply({"params": params}, t)[0])(tokens)  # [B, T, V]
+
+    @jax.jit
+    def step(cache, t, pos):
+        (logits, _), state = model.apply({"params": params, "cache": cache}, t, positions=pos,
+                                         decode=True, mutable=["cache"])
+        return logits, state["cache"]
+
+    prompt_len = int(lengths.max())
+    prompts = jnp.where(jnp.arange(prompt_len)[None] < lengths[:, None], tokens[:, :prompt_len], 0)
+    cache = gpt.init_cache(model, b, total)
+    logits, cache = step(cache, prompts, jnp.broadcast_to(jnp.arange(prompt_len), (b, prompt_len)))
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(logits[row, :n], full[row, :n], atol=2e-4)
+    rows = np.arange(b)
+    for i in range(total - prompt_len):
+        pos = lengths + i  # each row continues after its own prompt
+        logits, cache = step(cache, tokens[rows, pos][:, None], jnp.asarray(pos)[:, None])
+        np.testing.assert_allclose(logits[:, 0], full[rows, pos], atol=2e-4)
+
+
+def test_generate_greedy_follows_the_full_model_and_stops():
+    model, params = _model("gpt-tiny-rope")
+    lengths = jnp.array([3, 6])
+    prompts = jnp.where(jnp.arange(6)[None] < lengths[:, None], _tokens((2, 6), 2), 0)
+    out, out_len = gpt.generate(model, params, prompts, lengths, max_new_tokens=5)
+    np.testing.assert_array_equal(out_len, lengths + 5)
+    full = jax.jit(lambda t: model.apply({"params": params}, t)[0])(out)
+    for row in range(2):
+        n = int(lengths[row])
+        np.testing.assert_array_equal(out[row, :n], prompts[row, :n])
+        np.testing.assert_array_equal(out[row, n:n + 5], jnp.argmax(full[row, n - 1:n + 4], -1))
+    # sampling restricted to one candidate by a tiny nucleus is greedy
+    again, _ = gpt.generate(model, params, prompts, lengths, max_new_tokens=5, temperature=1.5,
+                            rng=jax.random.PRNGKey(0), top_k=3, top_p=1e-6)
+    np.testing.assert_array_equal(again, out)
+    # stopping: row 0 emits the stop token first, then only padding
+    stop = int(out[0, 3])
+    stopped, stop_len = gpt.generate(model, params, prompts, lengths, max_new_tokens=5,
+                                     stop_token=stop, pad_token=0)
+    assert int(stop_len[0]) == 4 and np.all(np.asarray(stopped[0, 4:]) == 0)
+    first_stop = np.argmax(np.asarray(out[1, 6:]) == stop) if stop in out[1, 6:] else 5
+    assert int(stop_len[1]) == 6 + min(first_stop + 1, 5)
+
+
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.PRNGKey(0), 400)
+
+    def draw(keys, **kw):
+        return jax.jit(jax.vmap(lambda k: gpt.sample_logits(k, logits, **kw)[0]))(keys)
+
+    assert set(np.asarray(draw(keys, top_k=2)).tolist()) == {0, 1}
+    assert set(np.asarray(draw(keys, top_p=0.7)).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
+    assert set(np.asarray(draw(keys, top_p=1.0)).tolist()) == {0, 1, 2, 3}
+
+
+def _grads(model, params, tokens):
+    def loss(p):
+        logits, aux = model.apply({"params": p}, tokens)
+        return gpt.lm_loss(logits, tokens)[0] + aux.get("moe_loss", 0.0)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny"])
+def test_reference_and_blockwise_give_equal_outputs_and_gradients(name):
+    model, params = _model(name)
+    ref = gpt.GPT(gpt.get_config(name, implementation="reference", **TINY[name]))
+    tokens = _tokens((2, 16), 3)
+    (l1, g1), (l2, g2) = _grads(model, params, tokens), _grads(ref, params, tokens)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-tiny-moe"])
+def test_pre_norm_gpt_trains(name):
+    """A few jitted Adam steps on one batch reduce the next-token loss."""
+    model, params = _model(name)
+    tokens = _tokens((4, 16), 4)
+    opt = optax.adam(3e-3)
+
+    @jax.jit
+    def train_step(params, state):
+        loss, grads = _loss_and_grads(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def _loss_and_grads(p):
+        def loss(p):
+            logits, aux = model.apply({"params": p}, tokens)
+            return gpt.lm_loss(logits, tokens)[0] + aux.get("moe_loss", 0.0)
+        return jax.value_and_grad(loss)(p)
+
+    state = opt.init(params)
+    losses = []
+    for _ in range(5):
+        params, state, loss = train_step(params, state)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.1, losses
