@@ -268,8 +268,6 @@ def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: 
         src_mask = src != model.config.pad_id
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1; got {beam_size}")
-    if beam_size > model.config.vocab_size:
-        raise ValueError(f"beam_size={beam_size} exceeds the vocabulary ({model.config.vocab_size})")
     return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)
 
 
