@@ -136,6 +136,11 @@ def _dense(cfg: BertConfig, features, in_axis, out_axis, name):
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)))
 
 
+def _embed(cfg: BertConfig, rows, row_axis, name):
+    return nn.Embed(rows, cfg.d_model, dtype=jnp.dtype(cfg.dtype), name=name,
+                    embedding_init=nn.with_logical_partitioning(_init(cfg), (row_axis, axes.EMBED)))
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -170,14 +175,12 @@ class Bert(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
 
         # Input representation (Section 3.2): word + segment + position, LayerNorm, dropout.
-        word = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, name="word_embeddings",
-                        embedding_init=nn.with_logical_partitioning(_init(cfg), (axes.VOCAB, axes.EMBED)))
+        word = _embed(cfg, cfg.vocab_size, axes.VOCAB, "word_embeddings")
         x = word(input_ids)  # [B, T, D]
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         _check_ids("token_type_ids", token_type_ids, (b, t))
-        x = x + nn.Embed(cfg.type_vocab_size, cfg.d_model, dtype=dtype, name="token_type_embeddings",
-                         embedding_init=nn.with_logical_partitioning(_init(cfg), (None, axes.EMBED)))(token_type_ids)
+        x = x + _embed(cfg, cfg.type_vocab_size, None, "token_type_embeddings")(token_type_ids)
         if cfg.position_embeddings:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

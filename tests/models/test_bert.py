@@ -43,6 +43,7 @@ def test_parameter_counts_match_the_paper():
     # 340M for large is rounded up by 1.4%.
     base, large = BertConfig.from_variant("bert-base"), BertConfig.from_variant("bert-large")
     assert _count(base, "encoder") == 109_482_240
+    assert _count(BertConfig.from_variant("bert-base", scan_layers=True), "encoder") == 109_482_240
     assert _count(large, "encoder") == 335_141_888
     assert abs(_count(base, "pretraining") / 110e6 - 1) < 0.01
     assert abs(_count(large, "pretraining") / 340e6 - 1) < 0.015

@@ -15,8 +15,8 @@ from attention_jax.models.vit import (ViT, ViTConfig, VARIANTS, interpolate_posi
 IMAGES = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
 
 
-def _count(name):
-    cfg = ViTConfig.from_variant(name)
+def _count(name, **overrides):
+    cfg = ViTConfig.from_variant(name, **overrides)
     image = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels))
     shapes = jax.eval_shape(ViT(cfg).init, jax.random.key(0), image)
     return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
@@ -47,6 +47,7 @@ def test_parameter_counts_match_the_papers(name, published):
 def test_vit_b16_matches_hugging_face_exactly():
     # google/vit-base-patch16-224 (ViTForImageClassification, 1000 labels): 86,567,656.
     assert _count("vit-b/16") == 86_567_656
+    assert _count("vit-b/16", scan_layers=True, remat_policy="full") == 86_567_656
 
 
 def test_patch_embedding_is_a_stride_p_convolution():
