@@ -170,7 +170,7 @@ class DecoderStep(nn.Module):
             alpha = jnp.where(memory["mask"], jax.nn.softmax(scores, axis=-1), 0.0)  # [B, S]
             context = jnp.einsum("BS,BSC->BC", alpha.astype(cfg.dtype), memory["annotations"])
         else:
-            # The bottleneck: the same summary vector at every step (Cho et al. 2014, eq. 6).
+            # The bottleneck: the same summary vector at every step (Cho et al. 2014, Section 2.2).
             context = memory["summary"]  # [B, C]
             alpha = None  # there is nothing to align
 
