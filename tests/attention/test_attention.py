@@ -29,11 +29,12 @@ class Case:
     padding: bool = False  # kv_mask with a different number of real keys per row
     segments: bool = False  # packed sequences
     dense: bool = False  # an unstructured [B, 1, T, S] mask
+    scale: object = None  # None: the default 1/sqrt(H)
     block_q: int = 8
     block_k: int = 8
 
     def kwargs(self, rng):
-        kw = dict(causal=self.causal, window=self.window)
+        kw = dict(causal=self.causal, window=self.window, scale=self.scale)
         if self.offset == "per-row":
             kw["q_offset"] = jnp.asarray(rng.integers(0, self.s - self.t + 1, self.b), jnp.int32)
         else:
@@ -55,7 +56,7 @@ CASES = [
     Case("odd-lengths", t=37, s=37, block_q=16, block_k=8),
     Case("odd-causal", t=37, s=37, causal=True, block_q=8, block_k=16),
     Case("cross", t=13, s=29, block_q=4, block_k=8),
-    Case("gqa", n=6, k=2, causal=True),
+    Case("gqa-custom-scale", n=6, k=2, causal=True, scale=0.7),
     Case("mqa", n=4, k=1, t=21, s=21),
     Case("value-dim", hv=5, t=11, s=17),
     Case("padding", t=17, s=23, padding=True),
