@@ -127,7 +127,7 @@ def validate_config(config, num_devices: int | None = None, check_task: bool = T
             continue  # Checked by the task against the model/data dataclasses.
         if key not in base:
             group = key.rsplit(".", 1)[0]
-            valid = sorted(k for k in base if k.rsplit(".", 1)[0] == group)
+            valid = sorted(k.rsplit(".", 1)[1] for k in base if k.rsplit(".", 1)[0] == group)
             raise ConfigError(f"config.{key} is not a known key; valid keys in "
                               f"config.{group}: {valid or sorted(base)}")
         want = base[key]

@@ -6,7 +6,9 @@ Variants: `--config=experiments/gpt.py:variant=gpt-tiny-rope` (any name of model
 VARIANTS; `gpt-tiny-moe` logs router load, entropy and dropped tokens).
 Then: `--mode=sample` prints continuations of `eval.sample_prompts` from the checkpoint.
 
-Measured (2-core CPU): RUNTIME_PLACEHOLDER
+Measured (2-core CPU): 600 steps in 6.9 min wall (with other jobs sharing
+the 2 cores; ~10k tokens/s), validation loss 1.81 nats/byte (perplexity 6.1), next-byte
+accuracy 52%; samples are Python-looking words and indentation.
 """
 
 import ml_collections

@@ -1,0 +1,144 @@
+"""Every experiment config loads and trains one step; config errors say what is wrong."""
+
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+import tiny
+from attention_jax import checkpoint, train
+from conftest import REPO, subprocess_env
+
+EXPERIMENTS = sorted(glob.glob(os.path.join(REPO, "experiments", "*.py")))
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def shrink(c, data_dir):
+    """One step at tiny size on a small offline corpus."""
+    c.data.data_dir = data_dir
+    if "max_files" in c.data:
+        c.data.max_files = 6
+    if "seq_len" in c.data:
+        c.data.seq_len = 32
+    c.train.steps = 1
+    c.train.batch_size = 8
+    c.train.progress = False
+    c.eval.every = -1
+    return c
+
+
+def test_the_five_experiments_exist():
+    names = {os.path.basename(p)[:-3] for p in EXPERIMENTS}
+    assert {"gpt", "bert_mlm", "vit", "encdec", "rnn_seq2seq"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: os.path.basename(p)[:-3])
+def test_experiment_loads_and_trains_one_step(path, data_dir, tmp_path):
+    module = load(path)
+    name = os.path.basename(path)[:-3]
+    doc = module.__doc__
+    assert f"python -m attention_jax.main --config=experiments/{name}.py" in doc
+    config = module.get_config()
+    assert set(config.keys()) == {"task", "model", "data", "optim", "train", "mesh", "eval"}
+    train.validate_config(config)
+    summary = train.train_and_evaluate(shrink(config, data_dir), str(tmp_path))
+    assert summary["step"] == 1 and np.isfinite(summary["losses"][0])
+    assert os.path.exists(tmp_path / "config.json") and os.path.exists(tmp_path / "metrics.jsonl")
+    assert checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True).latest_step() == 1
+    assert re.search(r"Measured \(2-core CPU\): .*\d", doc), "docstring must give runtime and metric"
+
+
+# ----------------------------------------------------------------------------- errors
+def _raises(config, match, **kwargs):
+    with pytest.raises(train.ConfigError, match=match):
+        train.validate_config(config, **kwargs)
+
+
+def test_config_errors_name_the_key_and_valid_values():
+    c = tiny.tiny_config()
+    c.optim.lrr = 1e-3
+    _raises(c, r"config\.optim\.lrr is not a known key; valid keys in config\.optim: .*'lr'")
+
+    c = tiny.tiny_config().to_dict()
+    c["train"]["steps"] = "ten"
+    _raises(ml_collections.ConfigDict(c), r"config\.train\.steps='ten' has type str; expected int")
+
+    c = tiny.tiny_config(**{"optim.schedule": "cosin"})
+    _raises(c, r"config\.optim\.schedule='cosin' is invalid; valid: \['cosine', 'linear', 'constant'\]")
+
+    c = tiny.tiny_config(**{"mesh.data": 8, "train.batch_size": 12})
+    _raises(c, r"config\.train\.batch_size=12 must be divisible by .* = 1 × 8 .*valid: multiples "
+               r"of 8", num_devices=8)
+
+    c = tiny.tiny_config(**{"mesh.data": 3})
+    _raises(c, r"config\.mesh: .*3 devices but 8 are available", num_devices=8)
+
+    c = tiny.tiny_config(**{"mesh.rules": (("embed", "fsdpp"),)})
+    with pytest.raises(ValueError, match=r"maps to \['fsdpp'\]; valid mesh axes: \['data', 'fsdp', 'tensor'\]"):
+        train.validate_config(c)
+
+
+def test_heads_not_divisible_by_tensor_axis_fails_before_compiling(tmp_path):
+    c = tiny.tiny_config(**{"mesh.data": 2, "mesh.tensor": 4})
+    with pytest.raises(train.ConfigError, match=r"config\.model\.heads=2 is not divisible by "
+                                                r"mesh\.tensor=4; valid: mesh\.tensor in \[1, 2\]"):
+        train.train_and_evaluate(c, str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoints" / "0")
+
+
+def test_model_keys_are_checked_against_the_model_config(data_dir, tmp_path):
+    c = shrink(load(os.path.join(REPO, "experiments", "gpt.py")).get_config(), data_dir)
+    c.model.num_layerz = 3
+    with pytest.raises(train.ConfigError, match=r"config\.model\.num_layerz is not a field of "
+                                                r"GPTConfig; valid: .*'num_layers'"):
+        train.train_and_evaluate(c, str(tmp_path / "a"))
+    c = shrink(load(os.path.join(REPO, "experiments", "gpt.py")).get_config(), data_dir)
+    c.data.seq_len = 512
+    with pytest.raises(train.ConfigError, match=r"config\.data\.seq_len=512 exceeds "
+                                                r"config\.model\.max_len=128"):
+        train.train_and_evaluate(c, str(tmp_path / "b"))
+
+
+def test_checkpoint_of_another_model_is_refused_naming_keys(tmp_path):
+    workdir = str(tmp_path)
+    train.train_and_evaluate(tiny.tiny_config(), workdir)
+    wider = tiny.tiny_config()
+    wider.model.width = 32
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=r"shape differs: +params/embed model \(32, 32\) vs checkpoint \(32, 16\)"):
+        train.train_and_evaluate(wider, workdir)
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "attention_jax.main",
+                               "--config=experiments/gpt.py", f"--workdir={tmp_path}", *args],
+                              env=subprocess_env(8), cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+
+    out = cli("--config.data.bogus=1")
+    assert out.returncode == 1
+    assert "error: --config.data.bogus=1: config.data has no key 'bogus'; valid: [" in out.stderr
+    out = cli("--config.optim.lr=fast")
+    assert out.returncode == 1 and "could not convert string to float: 'fast'" in out.stderr
+    out = cli("--config.train.batch_size=12", "--config.mesh.data=8")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "error: config.train.batch_size=12 must be divisible" in out.stderr
