@@ -1,0 +1,404 @@
+"""Hugging Face conversion against PyTorch: tiny randomly initialised transformers models
+(no download) saved to tmp_path, loaded here, compared output for output.
+
+Parameters are re-drawn at O(1) scale (transformers initialises with std 0.02, where
+exact and tanh GELU, or swapped norms, would agree to 1e-4 and hide a wrong mapping).
+"""
+
+import dataclasses
+import json
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+from attention_jax import attention as attention_lib  # noqa: E402
+from attention_jax import convert  # noqa: E402
+from attention_jax.convert import hf as hf_lib  # noqa: E402
+from attention_jax.models import bert, gpt, vit  # noqa: E402
+
+TOL = 1e-4
+GPT_KW = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=48,
+              bos_token_id=None, eos_token_id=None)
+BERT_KW = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               vocab_size=97, max_position_embeddings=48, type_vocab_size=3)
+VIT_KW = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+              image_size=16, patch_size=4, num_channels=3)
+
+
+def _randomize(model, seed=0):
+    """All parameters at O(1) scale: norm scales 1 ± 0.2, everything else N(0, 0.3²)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            is_scale = p.ndim == 1 and name.endswith("weight")
+            p.copy_(1 + 0.2 * noise if is_scale else 0.3 * noise)
+    return model.eval()
+
+
+def _save(model, path):
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _apply(ckpt, *args, **kwargs):
+    return jax.jit(lambda p, *a: ckpt.model.apply({"params": p}, *a, **kwargs))(ckpt.params, *args)
+
+
+def _close(ours, theirs, tol=TOL):
+    ours, theirs = np.asarray(ours), np.asarray(theirs.detach().numpy() if hasattr(theirs, "detach") else theirs)
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    err = float(np.max(np.abs(ours - theirs)))
+    assert err < tol, f"max |ours - torch| = {err}"
+    return err
+
+
+def _tokens(seed, b=3, t=12, v=97):
+    return np.random.default_rng(seed).integers(0, v, (b, t)).astype(np.int64)
+
+
+def _bert_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 97, (3, 12)).astype(np.int64)
+    types = rng.integers(0, 3, (3, 12)).astype(np.int64)
+    mask = np.zeros((3, 12), np.int64)
+    for row, length in enumerate((12, 7, 3)):  # padded rows of unequal length
+        mask[row, :length] = 1
+    return ids, types, mask
+
+
+# ================================================================================== GPT-2
+
+
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "GPT2Model", "untied"])
+def test_gpt2_matches_pytorch(tmp_path, arch):
+    kw = dict(GPT_KW, tie_word_embeddings=arch != "untied")
+    cls = transformers.GPT2Model if arch == "GPT2Model" else transformers.GPT2LMHeadModel
+    theirs = _randomize(cls(transformers.GPT2Config(**kw)), seed=1)
+    ckpt = convert.load_hf(_save(theirs, tmp_path))
+    assert ckpt.config.activation == "gelu_tanh" and ckpt.config.norm_epsilon == 1e-5
+    assert ckpt.config.tie_embeddings == (arch != "untied")
+    tokens = _tokens(0)
+    logits, _ = _apply(ckpt, jnp.asarray(tokens, jnp.int32))
+    with torch.no_grad():
+        out = theirs(torch.from_numpy(tokens))
+        # GPT2Model has no LM head: compare h·wteᵀ, the logits of the tied head.
+        ref = out.last_hidden_state @ theirs.wte.weight.T if arch == "GPT2Model" else out.logits
+    _close(logits, ref)
+    # The same checkpoint read with exact GELU is measurably different: the comparison
+    # above can see the activation mapping.
+    exact = ckpt.model.clone(config=dataclasses.replace(ckpt.config, activation="gelu"))
+    other, _ = jax.jit(exact.apply)({"params": ckpt.params}, jnp.asarray(tokens, jnp.int32))
+    assert np.max(np.abs(np.asarray(other) - ref.numpy())) > 10 * TOL
+
+
+def test_gpt2_export_round_trip(tmp_path):
+    """A GPT trained here (random params) -> HF dir -> transformers: the same logits."""
+    cfg = gpt.GPTConfig(vocab_size=97, max_len=48, num_layers=2, embed_dim=32, num_heads=4)
+    model = gpt.GPT(cfg)
+    tokens = jnp.asarray(_tokens(1), jnp.int32)
+    params = _perturb(_init(model, tokens))
+    ours, _ = jax.jit(model.apply)({"params": params}, tokens)
+    out = convert.export_hf(model, params, tmp_path / "gpt")
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = theirs(torch.from_numpy(np.asarray(tokens, np.int64))).logits
+    _close(ours, ref)
+    # And back: the same numbers, bit for bit.
+    again = convert.load_hf(out)
+    _assert_trees_equal(again.params, params)
+
+
+def test_gpt_export_rejects_options_gpt2_lacks(tmp_path):
+    cfg = gpt.GPTConfig.from_variant("gpt-tiny-rope")
+    with pytest.raises(ValueError, match="GPTConfig.position='rope'"):
+        convert.export_hf(gpt.GPT(cfg), {}, tmp_path / "x")  # refused before params are read
+
+
+# =================================================================================== BERT
+
+BERT_ARCHS = ["BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification"]
+
+
+@pytest.mark.parametrize("arch", BERT_ARCHS)
+def test_bert_matches_pytorch_with_padding(tmp_path, arch):
+    theirs = _randomize(getattr(transformers, arch)(transformers.BertConfig(**BERT_KW, num_labels=3)),
+                        seed=2)
+    ckpt = convert.load_hf(_save(theirs, tmp_path))
+    assert ckpt.config.activation == "gelu" and ckpt.config.layer_norm_epsilon == 1e-12
+    ids, types, mask = _bert_inputs()
+    out, aux = _apply(ckpt, jnp.asarray(ids, jnp.int32), jnp.asarray(types, jnp.int32),
+                      jnp.asarray(mask, bool))
+    with torch.no_grad():
+        ref = theirs(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
+                     attention_mask=torch.from_numpy(mask), output_hidden_states=True)
+    # Padded positions too: their queries attend to the real keys on both sides.
+    _close(aux["sequence"], ref.hidden_states[-1])
+    if arch == "BertModel":
+        _close(out, ref.last_hidden_state)
+        _close(aux["pooled"], ref.pooler_output)
+    elif arch == "BertForMaskedLM":
+        _close(out["mlm_logits"], ref.logits)
+        assert sorted(ckpt.synthesized) == ["nsp/bias", "nsp/kernel", "pooler/bias", "pooler/kernel"]
+    elif arch == "BertForPreTraining":
+        _close(out["mlm_logits"], ref.prediction_logits)
+        _close(out["nsp_logits"], ref.seq_relationship_logits)
+    else:
+        assert ckpt.config.num_labels == 3
+        _close(out, ref.logits)
+
+
+@pytest.mark.parametrize("head", ["pretraining", "classification"])
+def test_bert_export_round_trip(tmp_path, head):
+    cfg = bert.BertConfig(vocab_size=97, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
+                          max_positions=48, type_vocab_size=2, num_labels=3)
+    model = bert.Bert(cfg, head=head)
+    ids, types, mask = _bert_inputs(1)
+    types = types % 2
+    args = (jnp.asarray(ids, jnp.int32), jnp.asarray(types, jnp.int32), jnp.asarray(mask, bool))
+    params = _perturb(_init(model, *args))
+    ours, _ = jax.jit(model.apply)({"params": params}, *args)
+    out = convert.export_hf(model, params, tmp_path / head)
+    with open(os.path.join(out, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    theirs = getattr(transformers, arch).from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = theirs(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
+                     attention_mask=torch.from_numpy(mask))
+    if head == "pretraining":
+        assert arch == "BertForPreTraining"
+        _close(ours["mlm_logits"], ref.prediction_logits)
+        _close(ours["nsp_logits"], ref.seq_relationship_logits)
+    else:
+        assert arch == "BertForSequenceClassification"
+        _close(ours, ref.logits)
+    _assert_trees_equal(convert.load_hf(out).params, params)
+
+
+# ==================================================================================== ViT
+
+
+@pytest.mark.parametrize("arch", ["ViTModel", "ViTForImageClassification"])
+def test_vit_matches_pytorch(tmp_path, arch):
+    theirs = _randomize(getattr(transformers, arch)(transformers.ViTConfig(**VIT_KW, num_labels=5)),
+                        seed=3)
+    if arch == "ViTModel":
+        with pytest.warns(UserWarning, match="pooler.dense.weight"):  # reported, not loaded
+            ckpt = convert.load_hf(_save(theirs, tmp_path))
+        assert ckpt.unused == ["pooler.dense.weight", "pooler.dense.bias"]
+    else:
+        ckpt = convert.load_hf(_save(theirs, tmp_path))
+    images = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    logits, aux = _apply(ckpt, jnp.asarray(images.transpose(0, 2, 3, 1)))  # NCHW -> NHWC
+    with torch.no_grad():
+        ref = theirs(pixel_values=torch.from_numpy(images), output_hidden_states=True)
+    if arch == "ViTModel":
+        _close(aux["tokens"], ref.last_hidden_state)
+    else:
+        _close(aux["tokens"][:, 0], theirs.vit.layernorm(ref.hidden_states[-1])[:, 0])
+        _close(logits, ref.logits)
+
+
+# ====================================================== attention backends on loaded models
+
+
+def test_blockwise_equals_reference_on_loaded_models(tmp_path, monkeypatch):
+    """Tiles of 8 so that 20 tokens span several (ragged) blocks; padding and causality."""
+    monkeypatch.setattr(attention_lib, "default_block_sizes", lambda backend=None: (8, 8))
+    g = _save(_randomize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT_KW)), 4),
+              tmp_path / "gpt")
+    b = _save(_randomize(transformers.BertModel(transformers.BertConfig(**BERT_KW)), 5),
+              tmp_path / "bert")
+    tokens = jnp.asarray(_tokens(2, t=20), jnp.int32)
+    mask = jnp.arange(20)[None] < jnp.array([[20], [13], [5]])
+    outs = {}
+    for impl in ("reference", "blockwise"):
+        outs[impl, "gpt"] = _apply(convert.load_hf(g, implementation=impl), tokens)[0]
+        outs[impl, "bert"] = _apply(convert.load_hf(b, implementation=impl), tokens,
+                                    jnp.zeros_like(tokens), mask)[0]
+    for family in ("gpt", "bert"):
+        np.testing.assert_allclose(outs["blockwise", family], outs["reference", family],
+                                   atol=2e-5, rtol=0)
+
+
+# ================================================================================= errors
+
+
+def _bert_dir(tmp_path, arch="BertModel", **kw):
+    model = getattr(transformers, arch)(transformers.BertConfig(**{**BERT_KW, **kw}))
+    return _save(model, tmp_path / arch)
+
+
+def _edit_tensors(path, edit):
+    from safetensors.numpy import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
+    path = _bert_dir(tmp_path)
+
+    def edit(t):
+        del t["encoder.layer.1.attention.self.key.weight"]
+        t["encoder.layer.0.intermediate.dense.weight"] = np.zeros((40, 32), np.float32)
+        t["encoder.layer.7.output.dense.weight"] = np.zeros((2, 2), np.float32)
+        t["embeddings.position_ids"] = np.arange(48)[None]  # a buffer: not an error
+    _edit_tensors(path, edit)
+    with pytest.raises(convert.ConversionError) as e:
+        convert.load_hf(path)
+    msg = str(e.value)
+    assert "missing: encoder.layer.1.attention.self.key.weight (32, 32)" in msg
+    assert "unexpected: encoder.layer.7.output.dense.weight (2, 2)" in msg
+    assert ("shape mismatch: encoder.layer.0.intermediate.dense.weight: checkpoint (40, 32), "
+            "expected (48, 32)") in msg
+    assert "position_ids" not in msg
+
+
+def test_prefixed_names_are_quoted_as_in_the_file(tmp_path):
+    path = _bert_dir(tmp_path, "BertForSequenceClassification")
+    _edit_tensors(path, lambda t: t.pop("bert.pooler.dense.bias"))
+    with pytest.raises(convert.ConversionError, match=r"missing: pooler.dense.bias"):
+        convert.load_hf(path)
+    _edit_tensors(path, lambda t: t.update({"bert.pooler.dense.bias": np.zeros(32, np.float32),
+                                            "classifier.extra": np.zeros(3, np.float32)}))
+    with pytest.raises(convert.ConversionError, match=r"unexpected: classifier.extra \(3,\)"):
+        convert.load_hf(path)
+
+
+def test_untied_mlm_decoder_is_an_error(tmp_path):
+    path = _bert_dir(tmp_path, "BertForMaskedLM")
+    _edit_tensors(path, lambda t: t.update(
+        {"cls.predictions.decoder.weight": np.ones((97, 32), np.float32)}))
+    with pytest.raises(convert.ConversionError, match="cls.predictions.decoder.weight: differs"):
+        convert.load_hf(path)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("position_embedding_type", "relative_key", "position_embedding_type='relative_key'"),
+    ("hidden_act", "mish", "hidden_act='mish'"),
+    ("is_decoder", True, "is_decoder=True"),
+    ("model_type", "roberta", "model_type='roberta'"),
+    ("architectures", ["BertForTokenClassification"], "BertForTokenClassification"),
+])
+def test_unsupported_options_are_named(tmp_path, key, value, match):
+    path = _bert_dir(tmp_path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg[key] = value
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=match):
+        convert.load_hf(path)
+
+
+def test_no_weights_file_is_named(tmp_path):
+    path = _bert_dir(tmp_path)
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or pytorch_model.bin"):
+        convert.load_hf(path)
+
+
+def test_pytorch_bin_and_bf16_safetensors(tmp_path):
+    model = _randomize(transformers.BertModel(transformers.BertConfig(**BERT_KW)), 6)
+    ref = convert.load_hf(_save(model, tmp_path / "st")).params
+    os.makedirs(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with open(tmp_path / "bin" / "config.json", "w") as f:
+        f.write(model.config.to_json_string())
+    _assert_trees_equal(convert.load_hf(tmp_path / "bin").params, ref)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    low = convert.load_hf(tmp_path / "bf16").params
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=0.02, rtol=0.01), low, ref)
+
+
+# ============================================================================ warm start
+
+
+def test_init_params_from_hf_pads_vocab_and_adds_a_head(tmp_path):
+    """Fine-tuning a BertForMaskedLM checkpoint as a classifier with our padded vocab."""
+    theirs = _randomize(transformers.BertForMaskedLM(transformers.BertConfig(**BERT_KW)), 7)
+    path = _save(theirs, tmp_path)
+    implied = convert.config_from_hf(path)[0]
+    cfg = dataclasses.replace(implied, vocab_size=128, num_labels=4, scan_layers=True)
+    model = bert.Bert(cfg, head="classification")
+    params = convert.init_params_from_hf(path, model, verbose=False)
+    emb = params["word_embeddings"]["embedding"]
+    np.testing.assert_array_equal(emb[:97], theirs.bert.embeddings.word_embeddings.weight.detach().numpy())
+    np.testing.assert_array_equal(emb[97:], 0)
+    assert params["encoder"]["layers"]["mlp"]["wi"]["kernel"].shape == (2, 32, 48)
+    assert params["classifier"]["kernel"].shape == (32, 4)
+    assert np.std(params["pooler"]["kernel"]) > 0  # new head: the model's own init, not zeros
+    ids, types, mask = _bert_inputs()
+    _, aux = jax.jit(model.apply)({"params": params}, jnp.asarray(ids, jnp.int32),
+                         jnp.asarray(types, jnp.int32), jnp.asarray(mask, bool))
+    with torch.no_grad():
+        ref = theirs.bert(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
+                          attention_mask=torch.from_numpy(mask))
+    _close(aux["sequence"], ref.last_hidden_state)  # the body is the checkpoint's
+
+
+def test_init_params_from_hf_names_architecture_differences(tmp_path):
+    path = _save(transformers.BertModel(transformers.BertConfig(**BERT_KW)), tmp_path)
+    cfg = dataclasses.replace(convert.config_from_hf(path)[0], num_layers=3, activation="gelu_tanh")
+    with pytest.raises(ValueError, match=r"num_layers=3 \(checkpoint: 2\).*activation='gelu_tanh'"):
+        convert.init_params_from_hf(path, bert.Bert(cfg))
+
+
+def test_restore_params_from_hf_onto_abstract_params(tmp_path):
+    """The CLI path (checkpoint.restore_params with init_from=hf:<dir>): only shapes known;
+    a ViT fine-tuned at another resolution with another number of classes."""
+    theirs = _randomize(transformers.ViTForImageClassification(
+        transformers.ViTConfig(**VIT_KW, num_labels=5)), 8)
+    path = _save(theirs, tmp_path)
+    cfg = dataclasses.replace(convert.config_from_hf(path)[0], image_size=24, num_classes=10)
+    abstract = _abstract_params(vit.ViT(cfg), jnp.zeros((1, 24, 24, 3)))
+    params, step = convert.restore_params_from_hf(path, abstract)
+    assert step == 0
+    assert params["position_embeddings"].shape == (1 + 36, 32)  # 4x4 grid resized to 6x6
+    assert params["head"]["kernel"].shape == (32, 10)
+    np.testing.assert_array_equal(params["head"]["bias"], 0)
+    np.testing.assert_array_equal(params["cls"], theirs.vit.embeddings.cls_token.detach().numpy()[0])
+    deeper = _abstract_params(vit.ViT(dataclasses.replace(cfg, num_layers=3)),
+                              jnp.zeros((1, 24, 24, 3)))
+    with pytest.raises(convert.ConversionError, match="missing: encoder/layer_2/mlp/wi/bias"):
+        convert.restore_params_from_hf(path, deeper)
+
+
+# ================================================================================ helpers
+
+
+def _init(model, *inputs):
+    return nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), *inputs)["params"])
+
+
+def _abstract_params(model, *inputs):
+    boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *inputs))["params"]
+    return nn.meta.unbox(boxed)
+
+
+def _perturb(params, seed=0):
+    """Our params at O(1) scale (our init leaves norms at 1/0 and biases at 0)."""
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    return jax.tree.unflatten(treedef, [np.asarray(x) + 0.2 * rng.standard_normal(x.shape).astype(np.float32)
+                                        for x in leaves])
+
+
+def _assert_trees_equal(a, b):
+    fa, fb = hf_lib.flatten(a), hf_lib.flatten(b)
+    assert sorted(fa) == sorted(fb)
+    for k in fa:
+        np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
