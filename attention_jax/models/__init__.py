@@ -4,6 +4,6 @@ Each module has a frozen config dataclass with `from_variant(name, **overrides)`
 VARIANTS table citing its paper, a linen model returning (output, aux), and its loss.
 """
 
-from attention_jax.models import bert, gpt, rnn, vit
+from attention_jax.models import bert, encdec, gpt, rnn, vit
 
-__all__ = ["bert", "gpt", "rnn", "vit"]
+__all__ = ["bert", "encdec", "gpt", "rnn", "vit"]

@@ -57,17 +57,16 @@ def _targets(shape, seed=0, vocab=64):
 
 def test_decoder_is_causal_and_source_padding_is_invisible():
     model, params = _model()
-    apply = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])
+    apply = jax.jit(lambda s, t, m: model.apply({"params": params}, s, t, m)[0])
+    mask = SRC != 0
     tgt_in = ed.shift_right(_targets((3, 8)))
-    base = apply(SRC, tgt_in)
-    later = apply(SRC, tgt_in.at[:, 5:].set(_targets((3, 3), 1)))
+    base = apply(SRC, tgt_in, mask)
+    later = apply(SRC, tgt_in.at[:, 5:].set(_targets((3, 3), 1)), mask)
     np.testing.assert_allclose(base[:, :5], later[:, :5], atol=1e-5)
     assert not np.allclose(base[:, 5:], later[:, 5:], atol=1e-3)
     # the content of padded source slots does not matter once they are masked
-    mask = SRC != 0
-    padded = jnp.where(mask, SRC, 33)
-    masked = jax.jit(lambda s: model.apply({"params": params}, s, tgt_in, mask)[0])
-    np.testing.assert_allclose(masked(padded), base, atol=1e-5)
+    np.testing.assert_allclose(apply(jnp.where(mask, SRC, 33), tgt_in, mask), base, atol=1e-5)
+    assert not np.allclose(apply(SRC, tgt_in, jnp.ones_like(mask)), base, atol=1e-3)
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(scan_layers=True, norm_position="pre")])
@@ -114,11 +113,11 @@ def test_greedy_decoding_matches_the_full_model_and_beam_of_one():
 
 
 def test_wide_beam_search_finds_the_exact_best_sequence():
-    """With W = V² beams on a 6-token vocabulary, beam search over 3 steps keeps every
+    """With W = V² beams on a 5-token vocabulary, beam search over 3 steps keeps every
     prefix, so it must return the most probable sequence found by enumeration."""
-    v, steps = 6, 3
+    v, steps = 5, 3
     model, params = _model(vocab_size=v)
-    src = jnp.array([[3, 4, 5, 3, 0], [5, 5, 4, 0, 0]])
+    src = jnp.array([[3, 4, 1, 3, 0], [4, 4, 3, 0, 0]])
     tokens, scores = ed.beam_search(model, params, src, beam_size=v * v, max_len=steps, alpha=0.0)
     seqs = np.array(list(itertools.product(range(v), repeat=steps)))  # [V³, 3]
     logits = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(
