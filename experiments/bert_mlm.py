@@ -6,7 +6,9 @@ Variants: `--config=experiments/bert_mlm.py:variant=bert-mini` (models/bert.py V
 A byte-level BPE vocabulary (with a <mask> token) is trained on the first 300 training
 documents and saved in the workdir; 15% of tokens are predicted (80/10/10 masking).
 
-Measured (2-core CPU): RUNTIME_PLACEHOLDER
+Measured (2-core CPU): 400 steps in 1.7 min wall, validation masked-token
+loss 5.65 (from 6.9 at init; BPE vocabulary 1024), masked-token accuracy 6.7%: MLM
+learns slowly at this size; more steps keep improving it.
 """
 
 import ml_collections

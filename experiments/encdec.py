@@ -5,7 +5,8 @@ Command (2-core CPU, default sizes):
 Variants: `--config=experiments/encdec.py:variant=transformer-base` (too big for a CPU).
 Pre-norm instead of the paper's post-norm: --config.model.norm_position=pre.
 
-Measured (2-core CPU): RUNTIME_PLACEHOLDER
+Measured (2-core CPU): 600 steps in 2.2 min wall, validation token accuracy
+99.7% (loss 0.067 without label smoothing).
 """
 
 import ml_collections
