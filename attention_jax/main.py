@@ -11,6 +11,8 @@ workdir's latest checkpoint. Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
   eval    evaluate the latest checkpoint on the eval split, print and log the metrics.
   sample  language models: print continuations of config.eval.sample_prompts.
+  embed   BERT sentence embeddings of the lines on stdin, from
+          --config.train.init_from=hf:<dir> or the workdir's checkpoint (convert.embed_cli).
 Exit codes: 0 done, 1 a config or non-finite-loss error (message printed), 130/143
 stopped by SIGINT/SIGTERM after saving a checkpoint (run again to resume).
 """
@@ -28,7 +30,7 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py[:arg]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the resolved config.")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "sample"], "What to do.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "sample", "embed"], "What to do.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -84,6 +86,10 @@ def main(argv) -> int:
     try:
         if FLAGS.mode == "eval":
             print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
+            return 0
+        if FLAGS.mode == "embed":
+            from attention_jax import convert
+            print(json.dumps(convert.embed_cli(config, workdir), indent=1))
             return 0
         if FLAGS.mode == "sample":
             for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):

@@ -213,4 +213,4 @@ def embed_cli(config, workdir: str, texts: Optional[Sequence[str]] = None) -> di
         json.dump(list(texts), f, indent=1)
     unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
     return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
-            "similarity": np.round(unit @ unit.T, 4).tolist()}
+            "similarity": np.round((unit @ unit.T).astype(np.float64), 4).tolist()}

@@ -633,10 +633,18 @@ def unflatten(flat: dict[str, Any]) -> dict:
     return tree
 
 
+def _strip_boxes(tree):
+    """Params without flax's partitioning boxes. Not nn.meta.unbox: inside a mesh context
+    (the trainer's) that applies sharding constraints, which abstract values refuse."""
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+    strip = lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x.unbox()
+    return jax.tree.map(lambda x: strip(x) if is_box(x) else x, tree, is_leaf=is_box)
+
+
 def _shapes(model: nn.Module, cfg, family: _Family) -> dict[str, tuple[int, ...]]:
     args, kwargs = family.dummy_input(cfg)
     abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args, **kwargs))
-    return {k: tuple(v.shape) for k, v in flatten(nn.meta.unbox(abstract["params"])).items()}
+    return {k: tuple(v.shape) for k, v in flatten(_strip_boxes(abstract["params"])).items()}
 
 
 def _unscanned(cfg):
@@ -821,7 +829,7 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
         raise ValueError(f"cannot export {type(model).__name__} as {arch!r}; valid: "
                          f"{list(family.architectures)}")
     hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
-    flat = _unstack_layers(flatten(nn.meta.unbox(params)))
+    flat = _unstack_layers(flatten(_strip_boxes(params)))
     unit = _unscanned(cfg)
     shapes = _shapes(family.model(unit, arch), unit, family)
     rules = family.rules(unit, arch)

@@ -401,3 +401,27 @@ def _assert_trees_equal(a, b):
     assert sorted(fa) == sorted(fb)
     for k in fa:
         np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
+
+
+def test_checkpoint_restore_params_hf_prefix_onto_a_mesh(tmp_path):
+    """The trainer's hook: checkpoint.restore_params('hf:<dir>') places params on the
+    run's shardings (8 fake devices; the padded vocabulary split over them)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from attention_jax import checkpoint
+    theirs = _randomize(transformers.BertForMaskedLM(transformers.BertConfig(**BERT_KW)), 9)
+    path = _save(theirs, tmp_path)
+    cfg = dataclasses.replace(convert.config_from_hf(path)[0], vocab_size=104)
+    abstract = _abstract_params(bert.Bert(cfg), jnp.zeros((1, 4), jnp.int32))
+    mesh = jax.make_mesh((8,), ("data",))
+    spec = lambda x: P("data") if x.shape[0] == 104 else P()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=NamedSharding(mesh, spec(x))),
+                            abstract)
+    params, step = checkpoint.restore_params(f"hf:{path}", abstract)
+    assert step == 0
+    emb = params["word_embeddings"]["embedding"]
+    assert emb.sharding.spec == P("data") and len(emb.addressable_shards) == 8
+    np.testing.assert_array_equal(np.asarray(emb)[:97],
+                                  theirs.bert.embeddings.word_embeddings.weight.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(params["mlm_bias"])[:97],
+                                  theirs.cls.predictions.bias.detach().numpy())

@@ -90,3 +90,31 @@ def test_blockwise_and_reference_attention_agree(monkeypatch):
     blockwise = convert.load_sentence_encoder(implementation="blockwise").embed(SENTENCES)
     reference = convert.load_sentence_encoder(implementation="reference").embed(SENTENCES)
     np.testing.assert_allclose(blockwise, reference, atol=1e-5)
+
+
+def test_embed_cli_on_another_bert_dir(tmp_path):
+    """--mode=embed's function on a small BERT dir with the same tokenizer, and no
+    sentence-transformers files (defaults: mean pooling, normalised)."""
+    import json
+    import shutil
+
+    import ml_collections
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=64)).eval()
+    model.save_pretrained(tmp_path / "bert")
+    shutil.copy(os.path.join(convert.bundled_minilm_dir(), "tokenizer.json"), tmp_path / "bert")
+    config = ml_collections.ConfigDict({"train": {"init_from": f"hf:{tmp_path / 'bert'}"}})
+    out = convert.embed_cli(config, str(tmp_path / "work"), texts=SENTENCES[:3])
+    emb = np.load(out["file"])
+    assert out["dim"] == 32 and emb.shape == (3, 32)
+    with open(tmp_path / "work" / "embeddings_texts.json") as f:
+        assert json.load(f) == SENTENCES[:3]
+    tok = transformers.AutoTokenizer.from_pretrained(convert.bundled_minilm_dir())
+    batch = tok(SENTENCES[:3], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    np.testing.assert_allclose(emb, ref, atol=1e-4)
+    np.testing.assert_allclose(out["similarity"], ref @ ref.T, atol=1e-3)
