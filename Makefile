@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Test-suite parallelism: pytest-xdist workers (the suite is compile-bound on 2 cores).
 TEST_WORKERS ?= 2
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -20,11 +20,19 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -q
 
+# The main job: a short GPT run on the offline corpus (Python's own standard library),
+# with a progress bar, checkpoints and metrics in DEMO_WORKDIR, then samples from it.
+# Run it again and it resumes from the last checkpoint.
+DEMO_WORKDIR ?= /tmp/attention_jax_demo
 demo: install
-	$(BIN)/python -m attention_jax.bench attention --quick
+	$(BIN)/python -m attention_jax.main --config=experiments/gpt.py --workdir=$(DEMO_WORKDIR) \
+		--config.train.steps=200 --config.eval.every=100
 
 bench: install
 	$(BIN)/python -m attention_jax.bench attention
+
+bench-quick: install
+	$(BIN)/python -m attention_jax.bench attention --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache
