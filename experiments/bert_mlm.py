@@ -19,7 +19,7 @@ from attention_jax import train
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
-    c.task = "bert_mlm"  # masked-language modelling on packed documents (train.mlm_task).
+    c.task = "bert_mlm"  # masked-language modelling on packed documents (tasks.mlm_task).
 
     c.model.variant = args.get("variant", "bert-tiny")  # a row of models/bert.py VARIANTS.
     c.model.d_model = 64  # D.

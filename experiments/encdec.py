@@ -17,7 +17,7 @@ from attention_jax import train
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
-    c.task = "encdec"  # teacher-forced translation (train.translation_task).
+    c.task = "encdec"  # teacher-forced translation (tasks.translation_task).
 
     c.model.variant = args.get("variant", "transformer-tiny")  # models/encdec.py VARIANTS.
     c.model.embed_dim = 64  # d_model.

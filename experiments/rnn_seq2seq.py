@@ -18,7 +18,7 @@ from attention_jax import train
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
-    c.task = "rnn_seq2seq"  # teacher-forced translation (train.translation_task).
+    c.task = "rnn_seq2seq"  # teacher-forced translation (tasks.translation_task).
 
     c.model.variant = args.get("variant", "tiny")  # models/rnn.py VARIANTS (vocab set by data).
     c.model.embed_dim = 64  # m.

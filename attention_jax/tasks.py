@@ -1,0 +1,334 @@
+"""What differs between model families: a `Task` per `config.task` (model, data, loss).
+
+`train.py` is the loop and knows nothing about GPT or ViT; it asks `TASKS[config.task]`
+for a `Task` and runs it. Each adapter here reads `config.model` (checked against the
+model's own config dataclass) and `config.data` (checked against the adapter's keys),
+builds the offline dataset splits and the tokenizer, and returns the loss function.
+A notebook or a test can register its own: `tasks.TASKS["mine"] = make_my_task`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from attention_jax import checkpoint as ckpt_lib
+
+
+# Defined here rather than in train.py because the adapters below raise it too and train
+# imports this module (never the reverse); train re-exports it as train.ConfigError.
+class ConfigError(ValueError):
+    """A config key with an invalid value; the message names the key and valid values."""
+
+
+# ===================================================================================== task
+@dataclasses.dataclass
+class Task:
+    """What the trainer needs from a model family (built by the adapters in TASKS).
+
+    init(rng) -> the params tree (with flax logical-axis boxes);
+    loss(params, batch, rng, train) -> (scalar loss, {name: scalar metric});
+    sources are random-access (`len`, `[i]`), transforms map (record, np rng) -> example.
+    """
+    model: nn.Module
+    init: Callable[[jax.Array], Any]
+    loss: Callable[..., tuple[jax.Array, dict]]
+    train_source: Any
+    eval_source: Any
+    train_transform: Callable | None = None
+    eval_transform: Callable | None = None
+    unit: str = "examples"  # throughput unit in the progress bar: tokens | examples.
+    count: Callable[[dict], int] | None = None  # units in a host batch (default: rows).
+    sample: Callable | None = None  # (params, rng) -> list of strings.
+    save_assets: Callable[[str], None] | None = None  # e.g. the tokenizer into the workdir.
+
+
+def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
+    """Mean cross-entropy over weighted positions, and accuracy, in float32.
+
+    logits [..., V], targets [...] ints, weights [...] (0 for padding).
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    labels = jax.nn.one_hot(targets, vocab)
+    if label_smoothing:
+        labels = labels * (1 - label_smoothing) + label_smoothing / vocab
+    losses = optax.softmax_cross_entropy(logits, labels)
+    weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
+    total = jnp.maximum(weights.sum(), 1.0)
+    correct = (logits.argmax(-1) == targets).astype(jnp.float32)
+    return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+def moe_metrics(aux) -> dict[str, jax.Array]:
+    """Router statistics found anywhere in a model's aux dict, averaged over layers.
+
+    Mixture-of-experts layers report `load_balance_loss` (Switch Transformer, Fedus et
+    al. 2021), `router_entropy`, `dropped_fraction` and `expert_load` [E] (one metric
+    per expert), so every task logs MoE models the same way. (The weighted balance loss
+    itself is added to the objective by the model, as aux["moe_loss"].)
+    """
+    found: dict[str, list] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        name = ckpt_lib._key_name(path[-1]) if path else ""
+        if name in MOE_KEYS:
+            found.setdefault(name, []).append(jnp.asarray(leaf, jnp.float32))
+    metrics = {}
+    for name, values in found.items():
+        value = jnp.mean(jnp.stack([v.reshape(-1, v.shape[-1]).mean(0) if name == "expert_load"
+                                    else v.mean() for v in values]), axis=0)
+        if value.ndim:
+            metrics.update({f"moe/{name}_{i}": value[i] for i in range(value.shape[0])})
+        else:
+            metrics[f"moe/{name}"] = value
+    return metrics
+
+
+MOE_KEYS = ("load_balance_loss", "router_entropy", "dropped_fraction", "expert_load")
+
+
+# ================================================================================ adapters
+# config.task -> function(config, workdir) -> Task. The model families register below; a
+# notebook or a test can add its own (`TASKS["mine"] = make_my_task`).
+TASKS: dict[str, Callable[[Any, str], Task]] = {}
+
+
+def model_config(cls, config, **forced):
+    """The model's frozen config from `config.model`: an optional `variant` name (the
+    model file's table) plus overrides of its fields. Unknown keys name the valid ones."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    given = config.model.to_dict()
+    variant = given.pop("variant", None)
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise ConfigError(f"config.model.{unknown[0]} is not a field of {cls.__name__}; "
+                          f"valid: {sorted(fields | {'variant'})}")
+    kwargs = {**given, **{k: v for k, v in forced.items() if k in fields}}
+    try:
+        return cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.model: {e}") from None
+
+
+def data_options(config, **defaults) -> ml_collections.ConfigDict:
+    """`config.data` checked against the task's keys (with their defaults and types)."""
+    given = config.data.to_dict()
+    for key, value in given.items():
+        if key not in defaults:
+            raise ConfigError(f"config.data.{key} is not a key of task {config.task!r}; "
+                              f"valid: {sorted(defaults)}")
+        want = type(defaults[key])
+        if not isinstance(value, want) and not (want is float and isinstance(value, int)):
+            raise ConfigError(f"config.data.{key}={value!r} must be {want.__name__}")
+    return ml_collections.ConfigDict({**defaults, **given})
+
+
+def _text(x) -> str:
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def _tokenizer(d, workdir: str, texts: Callable[[], list[str]]):
+    """The run's tokenizer: the one saved in the workdir (so a resumed run, eval and
+    sampling decode with exactly the training vocabulary), else a new one."""
+    from attention_jax import data
+    saved = os.path.join(workdir, "tokenizer")
+    if os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
+        tok = data.load_tokenizer(saved)
+        if tok.kind != d.tokenizer:
+            raise ConfigError(f"config.data.tokenizer={d.tokenizer!r} but {saved} holds a "
+                              f"{tok.kind!r} tokenizer; use a new workdir to change it")
+        return tok
+    if d.tokenizer in ("byte", "wordpiece"):
+        return data.get_tokenizer(d.tokenizer)
+    return data.get_tokenizer(d.tokenizer, texts=texts(), vocab_size=d.vocab_size)
+
+
+def padded_vocab(n: int, multiple: int = 64) -> int:
+    """Vocabulary rounded up so the vocab axis splits over any tensor size up to 64 and
+    the matmuls get hardware-friendly shapes (nanoGPT pads 50257 to 50304 likewise);
+    the extra rows are never targets, so they only learn to be unlikely."""
+    return -(-n // multiple) * multiple
+
+
+def _splits(d, **options):
+    from attention_jax import data
+    get = lambda split: data.get_dataset(d.name, split, d.data_dir or None, **options)
+    return get(d.train_split), get(d.eval_split)
+
+
+def _corpus_options(d) -> dict:
+    return {"max_files": d.max_files} if d.max_files else {}
+
+
+def lm_task(config, workdir: str) -> Task:
+    """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
+    from attention_jax import data
+    from attention_jax.models import gpt
+    d = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
+                     tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
+                     eval_split="validation")
+    train_docs, eval_docs = _splits(d, **_corpus_options(d))
+    tok = _tokenizer(d, workdir, lambda: [_text(train_docs[i]["text"])
+                                          for i in range(min(len(train_docs), 300))])
+    cfg = model_config(gpt.GPTConfig, config, vocab_size=padded_vocab(tok.vocab_size),
+                       dtype=config.train.compute_dtype)
+    if cfg.position == "learned" and d.seq_len > cfg.max_len:
+        raise ConfigError(f"config.data.seq_len={d.seq_len} exceeds config.model.max_len="
+                          f"{cfg.max_len}; valid: seq_len <= {cfg.max_len}")
+    model = gpt.GPT(cfg)
+    pack = lambda docs: data.packed_lm_source(docs, tok, d.seq_len,
+                                              max_documents=d.max_documents or None)
+
+    def loss(params, batch, rng, train):
+        logits, aux = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                                  segment_ids=batch["segment_ids"], deterministic=not train,
+                                  rngs={"dropout": rng})
+        nll, m = gpt.cross_entropy(logits, batch["targets"], batch["weights"],
+                                   config.optim.label_smoothing if train else 0.0)
+        return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
+
+    def sample(params, rng):
+        prompts = [tok.encode(p) or [tok.bos_id] for p in config.eval.sample_prompts]
+        width = max(map(len, prompts))
+        new = config.eval.sample_tokens
+        if cfg.position == "learned":
+            new = min(new, cfg.max_len - width)
+        padded = np.array([p + [tok.pad_id] * (width - len(p)) for p in prompts], np.int32)
+        out, lengths = gpt.generate(
+            model, params, padded, np.array([len(p) for p in prompts], np.int32),
+            max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
+            top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
+        out, lengths = np.asarray(out), np.asarray(lengths)
+        return [tok.decode(out[i, :lengths[i]]) for i in range(len(prompts))]
+
+    return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, d.seq_len), jnp.int32))["params"],
+                loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
+                train_transform=data.CausalLM(), eval_transform=data.CausalLM(), unit="tokens",
+                count=lambda b: int(np.sum(b["weights"])), sample=sample,
+                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")))
+
+
+def mlm_task(config, workdir: str) -> Task:
+    """BERT masked-language modelling (Devlin et al. 2019) on packed documents."""
+    from attention_jax import data
+    from attention_jax.models import bert
+    d = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
+                     tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
+                     train_split="train", eval_split="validation")
+    if d.tokenizer not in ("bpe", "wordpiece"):
+        raise ConfigError(f"config.data.tokenizer={d.tokenizer!r}: MLM needs a [MASK] token; "
+                          f"valid: ['bpe', 'wordpiece']")
+    train_docs, eval_docs = _splits(d, **_corpus_options(d))
+    tok = _tokenizer(d, workdir, lambda: [_text(train_docs[i]["text"])
+                                          for i in range(min(len(train_docs), 300))])
+    cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
+                       dtype=config.train.compute_dtype)
+    model = bert.Bert(cfg)
+    pack = lambda docs: data.packed_lm_source(docs, tok, d.seq_len,
+                                              max_documents=d.max_documents or None)
+    transform = data.MaskedLM.for_tokenizer(tok, d.mask_rate)
+    # The MLM head runs on the M predicted positions only (as BERT's own code does): a
+    # [B, T, V] logit array would dominate memory for a 30k vocabulary.
+    m_slots = math.ceil(d.mask_rate * d.seq_len) + 1
+
+    def loss(params, batch, rng, train):
+        _, slots = jax.lax.top_k(batch["weights"], m_slots)  # [B, M] predicted positions
+        take = lambda x: jnp.take_along_axis(x, slots, axis=1)
+        out, aux = model.apply({"params": params}, batch["inputs"],
+                               attention_mask=batch["segment_ids"] != 0,
+                               positions=batch["positions"], segment_ids=batch["segment_ids"],
+                               masked_positions=slots, deterministic=not train, rngs={"dropout": rng})
+        return cross_entropy(out["mlm_logits"], take(batch["targets"]), take(batch["weights"]),
+                             config.optim.label_smoothing if train else 0.0)
+
+    return Task(model=model, init=lambda rng: model.init(rng, jnp.ones((1, d.seq_len), jnp.int32))["params"],
+                loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
+                train_transform=transform, eval_transform=transform, unit="tokens",
+                count=lambda b: int(np.sum(b["segment_ids"] != 0)),
+                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")))
+
+
+def image_task(config, workdir: str) -> Task:
+    """ViT image classification (default: scikit-learn's 8×8 digits)."""
+    from attention_jax import data
+    from attention_jax.models import vit
+    d = data_options(config, name="digits", data_dir="", augment=True, padding=1, flip=False,
+                     train_split="train", eval_split="test")
+    train_src, eval_src = _splits(d)
+    cfg = model_config(vit.ViTConfig, config, dtype=config.train.compute_dtype)
+    model = vit.ViT(cfg)
+
+    def loss(params, batch, rng, train):
+        logits, _ = model.apply({"params": params}, batch["image"], deterministic=not train,
+                                rngs={"dropout": rng})
+        return cross_entropy(logits, batch["label"], None,
+                             config.optim.label_smoothing if train else 0.0)
+
+    shape = (1, cfg.image_size, cfg.image_size, cfg.num_channels)
+    return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros(shape))["params"],
+                loss=loss, train_source=train_src, eval_source=eval_src,
+                train_transform=data.ImageClassification(augment=d.augment, padding=d.padding,
+                                                         flip=d.flip),
+                eval_transform=data.ImageClassification())
+
+
+def translation_task(config, workdir: str) -> Task:
+    """Sequence to sequence, teacher-forced (default: English -> French number words).
+
+    config.task 'rnn_seq2seq' uses models/rnn.py; 'encdec' the Transformer of encdec.py.
+    One BPE vocabulary is shared by both languages (Vaswani et al. 2017 §5.1 share one).
+    """
+    from attention_jax import data
+    d = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
+                     tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
+                     train_split="train", eval_split="validation")
+    train_src, eval_src = _splits(d)
+    tok = _tokenizer(d, workdir, lambda: [_text(train_src[i][k]) for i in range(len(train_src))
+                                          for k in (d.source, d.target)])
+    ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
+    vocab = padded_vocab(tok.vocab_size)
+    if config.task == "rnn_seq2seq":
+        from attention_jax.models import rnn
+        cfg = model_config(rnn.RNNConfig, config, src_vocab_size=vocab,
+                           tgt_vocab_size=vocab, dtype=jnp.dtype(config.train.compute_dtype), **ids)
+        model = rnn.RNNSeq2Seq(cfg)
+        apply = lambda params, b, train, rng: model.apply(
+            {"params": params}, b["inputs"], b["decoder_inputs"], deterministic=not train,
+            rngs={"dropout": rng})
+    else:
+        from attention_jax.models import encdec
+        cfg = model_config(encdec.EncDecConfig, config, src_vocab_size=vocab,
+                           tgt_vocab_size=vocab, vocab_size=vocab,
+                           dtype=config.train.compute_dtype, **ids)
+        model = encdec.EncoderDecoder(cfg)
+        apply = lambda params, b, train, rng: model.apply(
+            {"params": params}, b["inputs"], b["decoder_inputs"], deterministic=not train,
+            rngs={"dropout": rng})
+
+    def loss(params, batch, rng, train):
+        logits, aux = apply(params, batch, train, rng)
+        return cross_entropy(logits, batch["targets"], batch["target_weights"],
+                             config.optim.label_smoothing if train else 0.0)
+
+    transform = data.Translation(tok, tok, d.source, d.target, d.source_len, d.target_len)
+    zeros = lambda n: jnp.zeros((1, n), jnp.int32)
+    return Task(model=model, init=lambda rng: model.init(rng, zeros(d.source_len) + 3,
+                                                         zeros(d.target_len) + 3)["params"],
+                loss=loss, train_source=train_src, eval_source=eval_src,
+                train_transform=transform, eval_transform=transform, unit="tokens",
+                count=lambda b: int(np.sum(b["target_weights"])),
+                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")))
+
+
+TASKS.update(gpt=lm_task, bert_mlm=mlm_task, vit=image_task, rnn_seq2seq=translation_task,
+             encdec=translation_task)
