@@ -1,0 +1,452 @@
+r"""Attention maps: per-layer, per-head weights as a PNG grid, and translation alignments.
+
+    python -m attention_jax.viz --workdir=/tmp/gpt --text="def main():" [--out=attn.png]
+    python -m attention_jax.viz --workdir=/tmp/rnn --text="three hundred and twelve"
+    python -m attention_jax.viz --workdir=/tmp/encdec --text="forty-two" [--target="..."]
+    python -m attention_jax.viz --workdir=/tmp/vit --image-index=3
+
+From a notebook, on arrays (no workdir needed):
+
+    weights = viz.model_attention(model, params, tokens)   # {"self": [L, N, T, T]}
+    fig = viz.plot_attention_grid(weights["self"], labels)  # rows = layers, cols = heads
+    fig = viz.plot_alignment(alpha, source_labels, target_labels)  # alpha [T, S]
+    viz.save(fig, "attn.png")
+
+or on a run: `maps = viz.attention_maps(workdir, text)` returns the figures by name.
+
+The weights come from the reference attention path (the only one that materialises the
+[B, N, T, S] matrix): models switch to it whenever `return_weights=True`. The RNN's
+Bahdanau attention is its own additive scorer and returns α [B, T, S] directly.
+
+For the translation models the picture is the source–target alignment of the lectures
+(Bahdanau et al. 2015, Fig. 3): target tokens down, source tokens across, one row per
+generated word. Without `--target` the model's own greedy translation is drawn. English
+→ German number words show reordering ("twenty-one" → "einundzwanzig": the German unit
+comes first) as weight off the diagonal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # Files only: no display on a server or in CI.
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+__all__ = ["MAX_TOKENS", "MAX_PANELS", "InputTooLongError", "plot_attention_grid",
+           "plot_alignment", "save", "model_attention", "token_labels", "load_run",
+           "attention_maps", "main"]
+
+# Beyond 64 tokens a row of labels no longer fits a panel at a readable font size, and
+# the [L, N, T, T] grid stops being a picture anyone can read.
+MAX_TOKENS = 64
+# 12 layers × 12 heads (BERT-base) is the most panels we draw in one figure.
+MAX_PANELS = 144
+PANEL_INCHES = 2.0
+DPI = 100
+
+
+class InputTooLongError(ValueError):
+    """The input has more tokens than can be drawn (or than the model was built for)."""
+
+
+def check_length(n: int, limit: int = MAX_TOKENS, what: str = "input",
+                 context: int | None = None) -> None:
+    """Raises InputTooLongError naming the length and the limit, before any compute."""
+    if context is not None and n > context:
+        raise InputTooLongError(f"{what} is {n} tokens long; the model's context is {context} "
+                                f"tokens. Give a shorter text (at most {min(limit, context)} tokens).")
+    if n > limit:
+        raise InputTooLongError(f"{what} is {n} tokens long; at most {limit} tokens can be drawn "
+                                f"(more and the per-head panels are unreadable). Give a shorter "
+                                f"text, or call plot_attention_grid yourself on a slice.")
+
+
+# ==================================================================================== drawing
+def _font_size(n: int) -> float:
+    return float(np.clip(160 / max(n, 1), 3.0, 8.0))
+
+
+def _ticks(ax, labels, axis: str, size: float) -> None:
+    if labels is None:
+        getattr(ax, f"set_{axis}ticks")([])
+        return
+    getattr(ax, f"set_{axis}ticks")(range(len(labels)))
+    getattr(ax, f"set_{axis}ticklabels")(labels, fontsize=size,
+                                         rotation=90 if axis == "x" else 0)
+
+
+def plot_attention_grid(weights, query_labels: Sequence[str] | None = None,
+                        key_labels: Sequence[str] | None = None, *, title: str | None = None,
+                        layer_names: Sequence[str] | None = None,
+                        max_tokens: int = MAX_TOKENS):
+    """Figure with one panel per (layer, head): rows are layers, columns heads.
+
+    weights [L, N, T, S] (a single layer [N, T, S] is taken as L = 1); panel (l, n) shows
+    query positions down and key positions across, colour 0..1. Token labels go on the
+    left column (queries) and the bottom row (keys); key labels default to the query
+    labels (self-attention).
+    """
+    w = np.asarray(weights, np.float32)
+    if w.ndim == 3:
+        w = w[None]
+    if w.ndim != 4:
+        raise ValueError(f"weights must be [L, N, T, S] (or [N, T, S]); got shape {w.shape}")
+    layers, heads, t, s = w.shape
+    if layers * heads > MAX_PANELS:
+        raise InputTooLongError(f"{layers} layers × {heads} heads = {layers * heads} panels; at "
+                                f"most {MAX_PANELS} can be drawn. Pass a subset of layers.")
+    check_length(max(t, s), max_tokens)
+    key_labels = query_labels if key_labels is None and s == t else key_labels
+    for name, labels, n in (("query_labels", query_labels, t), ("key_labels", key_labels, s)):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"{name} has {len(labels)} entries; the weights have {n} positions")
+    fig, axes = plt.subplots(layers, heads, squeeze=False, dpi=DPI,
+                             figsize=(PANEL_INCHES * heads + 0.8, PANEL_INCHES * layers + 0.8))
+    size = _font_size(max(t, s))
+    names = layer_names or [f"layer {i}" for i in range(layers)]
+    for i in range(layers):
+        for j in range(heads):
+            ax = axes[i, j]
+            ax.imshow(w[i, j], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest",
+                      aspect="auto")
+            _ticks(ax, query_labels if j == 0 else None, "y", size)
+            _ticks(ax, key_labels if i == layers - 1 else None, "x", size)
+            if i == 0:
+                ax.set_title(f"head {j}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel(names[i], fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_alignment(weights, source_labels: Sequence[str], target_labels: Sequence[str], *,
+                   title: str | None = None, panel_titles: Sequence[str] | None = None,
+                   max_tokens: int = MAX_TOKENS):
+    """The translation alignment: target tokens down, source tokens across, annotated.
+
+    weights [T, S], or [P, T, S] for P panels side by side (e.g. one per decoder layer).
+    """
+    w = np.asarray(weights, np.float32)
+    if w.ndim == 2:
+        w = w[None]
+    if w.ndim != 3:
+        raise ValueError(f"weights must be [T, S] or [P, T, S]; got shape {w.shape}")
+    panels, t, s = w.shape
+    check_length(s, max_tokens, what="source")
+    check_length(t, max_tokens, what="target")
+    if len(source_labels) != s or len(target_labels) != t:
+        raise ValueError(f"{len(source_labels)} source / {len(target_labels)} target labels for "
+                         f"weights of {s} source and {t} target positions")
+    # Cells about a third of an inch: the labels stay legible next to them.
+    width, height = max(3.0, 0.35 * s + 1.5), max(2.5, 0.35 * t + 1.5)
+    fig, axes = plt.subplots(1, panels, squeeze=False, dpi=DPI,
+                             figsize=(width * panels, height))
+    size = _font_size(max(t, s)) + 1
+    for p in range(panels):
+        ax = axes[0, p]
+        ax.imshow(w[p], cmap="gray_r", vmin=0.0, vmax=1.0, interpolation="nearest")
+        _ticks(ax, source_labels, "x", size)
+        _ticks(ax, target_labels if p == 0 else None, "y", size)
+        ax.xaxis.tick_top()  # The lectures' picture reads the source along the top.
+        if panel_titles:
+            ax.set_xlabel(panel_titles[p], fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, path: str) -> str:
+    """Writes the figure as PNG (creating the directory) and closes it; returns the path."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")
+    plt.close(fig)
+    return path
+
+
+# ============================================================================ weights from models
+def _stacked(x) -> np.ndarray:
+    """[L, B=1, N, T, S] from a TransformerStack's aux -> [L, N, T, S] float32 numpy."""
+    return np.asarray(x, np.float32)[:, 0]
+
+
+def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.ndarray]:
+    """Attention weights of one example, by kind of attention, from the reference path.
+
+    GPT / BERT: inputs [1, T] ids -> {"self": [L, N, T, T]}.
+    ViT: inputs [1, H, W, C] image -> {"self": [L, N, P(+1), P(+1)]}.
+    EncoderDecoder: inputs [1, S], decoder_inputs [1, T] -> {"encoder": [L, N, S, S],
+      "decoder": [L, N, T, T], "cross": [L, N, T, S]}.
+    RNNSeq2Seq (with attention): -> {"cross": [1, 1, T, S]} (one additive "head").
+    """
+    from attention_jax.models import bert, encdec, gpt, rnn, vit
+    variables = {"params": params}
+    if isinstance(model, gpt.GPT):
+        _, aux = model.apply(variables, inputs, return_weights=True)
+        return {"self": _stacked(aux["layers"]["self_attention_weights"])}
+    if isinstance(model, (bert.Bert, vit.ViT)):
+        _, aux = model.apply(variables, inputs, return_weights=True)
+        return {"self": _stacked(aux["attention_weights"])}
+    if isinstance(model, encdec.EncoderDecoder):
+        _, aux = model.apply(variables, inputs, decoder_inputs, return_weights=True)
+        return {"encoder": _stacked(aux["encoder"]["self_attention_weights"]),
+                "decoder": _stacked(aux["decoder"]["self_attention_weights"]),
+                "cross": _stacked(aux["decoder"]["cross_attention_weights"])}
+    if isinstance(model, rnn.RNNSeq2Seq):
+        if not model.config.attention:
+            raise ValueError("this RNN is the bottleneck model (attention=False): it reads one "
+                             "context vector, so there is no alignment to draw")
+        _, aux = model.apply(variables, inputs, decoder_inputs)
+        return {"cross": np.asarray(aux["attention"], np.float32)[None]}  # [1, 1, T, S]
+    raise TypeError(f"no attention weights for {type(model).__name__}; valid: GPT, Bert, ViT, "
+                    f"EncoderDecoder, RNNSeq2Seq")
+
+
+def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
+    """One readable label per token id: its own text, or <bos>/<eos>/... for specials."""
+    names = {getattr(tokenizer, f"{n}_id", None): f"<{n}>" for n in ("pad", "bos", "eos", "mask")}
+    out = []
+    for i in map(int, ids):
+        if i in names:
+            out.append(names[i])
+            continue
+        text = tokenizer.decode([i])
+        # A leading space marks a word start in byte-level BPE; show it as the middle dot.
+        text = text.replace("\n", "⏎").replace(" ", "·") if text.strip() else repr(text)
+        out.append(text)
+    return out
+
+
+# ======================================================================================== runs
+@dataclasses.dataclass
+class Run:
+    """What a workdir holds: the config, the task (model, data), params and tokenizer."""
+    config: Any
+    task: Any
+    params: Any
+    tokenizer: Any
+    step: int
+    setup: Any
+
+
+def load_config(workdir: str):
+    """The run's resolved config (`config.json`, written by the trainer at start)."""
+    import ml_collections
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: --workdir must be a training run's workdir "
+                                f"(python -m attention_jax.main ... --workdir=DIR writes it)")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    # Drawing runs on one device whatever mesh the run trained on: checkpoints restore
+    # onto any mesh, and a batch of one example divides no data axis.
+    config.mesh.num_devices = 1
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    config.mesh.distributed = False
+    config.train.batch_size = 1
+    config.eval.batch_size = 1
+    config.optim.grad_accum = 1
+    return config
+
+
+def load_run(workdir: str) -> Run:
+    """Config, tokenizer and the latest checkpoint's params of a training workdir.
+
+    Uses the trainer's own setup (the same task adapter builds the same model, with the
+    tokenizer saved in the workdir) and restores the latest train state.
+    """
+    import flax.linen as nn
+    import jax
+    from attention_jax import data, train
+    config = load_config(workdir)
+    s = train.setup(config, workdir)
+    try:
+        if s.ckpt.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
+        # As main.py's sample mode: the whole state onto this (one-device) mesh.
+        with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+            state, _ = s.ckpt.restore(s.abstract)
+    finally:
+        s.ckpt.close()
+    params, step = state["params"], int(jax.device_get(state["step"]))
+    tok_dir = os.path.join(workdir, "tokenizer")
+    tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
+    return Run(config, s.task, params, tokenizer, step, s)
+
+
+def _context(model) -> int | None:
+    """Longest input the model's position table allows (None: no limit)."""
+    cfg = model.config
+    if getattr(cfg, "position", None) == "learned":
+        return cfg.max_len
+    return getattr(cfg, "max_positions", None)
+
+
+def attention_maps(workdir: str, text: str | None = None, *, target: str | None = None,
+                   image_index: int = 0, layers: Sequence[int] | None = None,
+                   max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """Figures of a run's attention on one input, by name ("self", or for translation
+    "alignment", "cross", "encoder", "decoder"), and "info" (tokens, step).
+
+    text: the input (source sentence for translation). target: the translation to align
+    (default: the model's greedy output). image_index: ViT, the eval image to draw.
+    layers: which layers to draw (default all).
+    """
+    run = load_run(workdir)
+    return maps_for_run(run, text, target=target, image_index=image_index, layers=layers,
+                        max_tokens=max_tokens)
+
+
+def maps_for_run(run: Run, text: str | None, *, target: str | None = None,
+                 image_index: int = 0, layers: Sequence[int] | None = None,
+                 max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """attention_maps on an already loaded Run (several inputs, one restore)."""
+    import flax.linen as nn
+    import jax
+    from attention_jax.models import encdec, rnn, vit
+    model, tok = run.task.model, run.tokenizer
+    with jax.set_mesh(run.setup.mesh), nn.logical_axis_rules(run.setup.rules):
+        if isinstance(model, vit.ViT):
+            return _vit_maps(run, image_index, layers)
+        if text is None:
+            raise ValueError(f"--text is required for a {run.config.task!r} run")
+        src = tok.encode(text)
+        if isinstance(model, (encdec.EncoderDecoder, rnn.RNNSeq2Seq)):
+            return _translation_maps(run, src, target, layers, max_tokens)
+        check_length(len(src), max_tokens, "--text", _context(model))
+        if not src:
+            raise ValueError("--text encodes to no tokens; give some text")
+        weights = model_attention(model, run.params, np.array([src], np.int32))["self"]
+    labels = token_labels(tok, src)
+    weights, names = _select(weights, layers)
+    title = f"{run.config.task} self-attention, step {run.step}"
+    return {"self": plot_attention_grid(weights, labels, title=title, layer_names=names,
+                                        max_tokens=max_tokens),
+            "info": {"tokens": labels, "step": run.step}}
+
+
+def _select(weights, layers):
+    """Only the asked layers (all by default), with their names for the row labels."""
+    layers = list(range(weights.shape[0])) if layers is None else list(layers)
+    bad = [i for i in layers if not 0 <= i < weights.shape[0]]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist; valid: 0..{weights.shape[0] - 1}")
+    return weights[layers], [f"layer {i}" for i in layers]
+
+
+def _vit_maps(run, index, layers):
+    source = run.task.eval_source
+    if not 0 <= index < len(source):
+        raise ValueError(f"--image-index={index}; valid: 0..{len(source) - 1} (the eval split)")
+    example = run.task.eval_transform(source[index], np.random.default_rng(0))
+    image = np.asarray(example["image"], np.float32)[None]
+    weights = model_attention(run.task.model, run.params, image)["self"]
+    cfg = run.task.model.config
+    side = cfg.image_size // cfg.patch_size
+    labels = [f"{r},{c}" for r in range(side) for c in range(side)]  # patch row, column
+    if weights.shape[-1] == len(labels) + 1:
+        labels = ["[CLS]"] + labels
+    weights, names = _select(weights, layers)
+    title = f"ViT self-attention, eval image {index} (label {int(example['label'])}), step {run.step}"
+    return {"self": plot_attention_grid(weights, labels, title=title, layer_names=names),
+            "info": {"tokens": labels, "step": run.step}}
+
+
+def _translation_maps(run, src, target, layers, max_tokens):
+    from attention_jax.models import encdec, rnn
+    model, tok, cfg = run.task.model, run.tokenizer, run.config
+    source_len, target_len = cfg.data.source_len, cfg.data.target_len
+    check_length(len(src), max_tokens, "--text (source)", source_len)
+    if not src:
+        raise ValueError("--text encodes to no tokens; give a source sentence")
+    src_arr = np.array([src], np.int32)
+    if target is not None:
+        tgt = tok.encode(target) + [tok.eos_id]  # Targets end with EOS, as in training.
+    else:
+        # The model's own translation: greedy, cut after its EOS.
+        if isinstance(model, rnn.RNNSeq2Seq):
+            out, aux = model.apply({"params": run.params}, src_arr, method=model.generate,
+                                   max_len=target_len)
+            tgt = np.asarray(out)[0, :int(aux["lengths"][0])].tolist()
+        else:
+            out = np.asarray(encdec.greedy_decode(model, run.params, src_arr, max_len=target_len))[0]
+            ends = np.flatnonzero(out == tok.eos_id)
+            tgt = out[:ends[0] + 1 if len(ends) else len(out)].tolist()
+    check_length(len(tgt), max_tokens, "target", target_len)
+    # Teacher-forced on the target: row i is the attention while predicting target token i.
+    tgt_in = [tok.bos_id] + tgt[:-1]
+    weights = model_attention(model, run.params, src_arr, np.array([tgt_in], np.int32))
+    src_labels, tgt_labels = token_labels(tok, src), token_labels(tok, tgt)
+    translation = tok.decode(tgt)
+    head = f"{cfg.task} {cfg.data.source}→{cfg.data.target}, step {run.step}"
+    info = {"source": src_labels, "target": tgt_labels, "translation": translation,
+            "step": run.step}
+    if isinstance(model, rnn.RNNSeq2Seq):
+        return {"alignment": plot_alignment(weights["cross"][0, 0], src_labels, tgt_labels,
+                                            title=f"Bahdanau alignment α, {head}",
+                                            max_tokens=max_tokens),
+                "info": info}
+    cross, names = _select(weights["cross"], layers)
+    maps = {"alignment": plot_alignment(cross.mean(axis=1), src_labels, tgt_labels,
+                                        title=f"cross-attention (mean over heads), {head}",
+                                        panel_titles=[f"decoder {n}" for n in names],
+                                        max_tokens=max_tokens),
+            "cross": plot_attention_grid(cross, tgt_labels, src_labels, layer_names=names,
+                                         title=f"cross-attention per head, {head}",
+                                         max_tokens=max_tokens)}
+    for part, labels in (("encoder", src_labels), ("decoder", tgt_labels)):
+        w, names = _select(weights[part], layers)
+        maps[part] = plot_attention_grid(w, labels, layer_names=names, max_tokens=max_tokens,
+                                         title=f"{part} self-attention, {head}")
+    maps["info"] = info
+    return maps
+
+
+# ================================================================================ command line
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.viz", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="a training run's workdir")
+    parser.add_argument("--text", help="input text (translation: the source sentence)")
+    parser.add_argument("--target", help="translation: the target to align (default: the "
+                                         "model's greedy translation)")
+    parser.add_argument("--image-index", type=int, default=0, help="ViT: eval image to draw")
+    parser.add_argument("--layers", help="comma-separated layer indices (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help=f"refuse longer inputs (default {MAX_TOKENS})")
+    parser.add_argument("--out", help="PNG path (default: WORKDIR/attention.png); other "
+                                      "pictures go next to it as OUT_<name>.png")
+    args = parser.parse_args(argv)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    try:
+        maps = attention_maps(args.workdir, args.text, target=args.target,
+                              image_index=args.image_index, layers=layers,
+                              max_tokens=args.max_tokens)
+    except (InputTooLongError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    info = maps.pop("info")
+    out = args.out or os.path.join(args.workdir, "attention.png")
+    stem, _ = os.path.splitext(out)
+    main_name = "alignment" if "alignment" in maps else "self"
+    for name, fig in maps.items():
+        path = save(fig, out if name == main_name else f"{stem}_{name}.png")
+        print(f"wrote {path}")
+    if "translation" in info:
+        print(f"translation: {info['translation']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Attention pictures: grids from a tiny model, alignments from tiny translation models,
+the length limit, and the command line on a workdir trained for two steps.
+
+Checked: the PNG exists and has the figure's pixel size and panel count (never pixels).
+"""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import matplotlib.image
+import numpy as np
+import pytest
+
+from attention_jax import train, viz
+from attention_jax.models import encdec, gpt, rnn
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def png_shape(path):
+    return matplotlib.image.imread(path).shape
+
+
+def expected_pixels(fig):
+    w, h = fig.get_size_inches() * fig.dpi
+    return round(h), round(w)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    model = gpt.GPT(gpt.GPTConfig.from_variant("gpt-tiny"))  # 2 layers, 4 heads
+    tokens = jnp.arange(1, 11, dtype=jnp.int32)[None]
+    return model, model.init(jax.random.PRNGKey(0), tokens)["params"], tokens
+
+
+def test_grid_png_has_one_panel_per_layer_and_head(tiny_gpt, tmp_path):
+    model, params, tokens = tiny_gpt
+    weights = viz.model_attention(model, params, tokens)["self"]
+    assert weights.shape == (2, 4, 10, 10)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)  # softmax rows
+    assert np.all(np.triu(weights, k=1) == 0)  # causal: nothing above the diagonal
+    fig = viz.plot_attention_grid(weights, [f"t{i}" for i in range(10)], title="tiny")
+    assert len(fig.axes) == 8
+    height, width = expected_pixels(fig)
+    path = viz.save(fig, str(tmp_path / "sub" / "grid.png"))
+    assert png_shape(path)[:2] == (height, width)
+    assert width > height  # 4 heads across, 2 layers down
+
+
+def _labels(n, prefix):
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def test_alignment_of_a_tiny_encoder_decoder(tmp_path):
+    cfg = encdec.EncDecConfig.from_variant("transformer-tiny")
+    model = encdec.EncoderDecoder(cfg)
+    src = jnp.array([[5, 6, 7, 8, 9, 0, 0]], jnp.int32)  # two pad positions
+    tgt_in = jnp.array([[1, 10, 11, 12]], jnp.int32)
+    params = model.init(jax.random.PRNGKey(1), src, tgt_in)["params"]
+    w = viz.model_attention(model, params, src, tgt_in)
+    assert w["cross"].shape == (2, 4, 4, 7) and w["encoder"].shape == (2, 4, 7, 7)
+    assert np.all(w["cross"][..., 5:] == 0)  # padding gets no weight
+    fig = viz.plot_alignment(w["cross"].mean(1), _labels(7, "s"), _labels(4, "t"),
+                             panel_titles=["layer 0", "layer 1"])
+    assert len(fig.axes) == 2
+    height, width = expected_pixels(fig)
+    assert png_shape(viz.save(fig, str(tmp_path / "a.png")))[:2] == (height, width)
+
+
+def test_alignment_of_a_tiny_bahdanau_rnn_and_the_bottleneck_refused(tmp_path):
+    cfg = rnn.RNNConfig.from_variant("tiny")
+    src = jnp.array([[4, 5, 6, 7, 8]], jnp.int32)
+    tgt_in = jnp.array([[1, 9, 10]], jnp.int32)
+    model = rnn.RNNSeq2Seq(cfg)
+    params = model.init(jax.random.PRNGKey(2), src, tgt_in)["params"]
+    alpha = viz.model_attention(model, params, src, tgt_in)["cross"][0, 0]
+    assert alpha.shape == (3, 5)
+    np.testing.assert_allclose(alpha.sum(-1), 1.0, atol=1e-5)
+    fig = viz.plot_alignment(alpha, _labels(5, "s"), _labels(3, "t"), title="α")
+    assert os.path.getsize(viz.save(fig, str(tmp_path / "rnn.png"))) > 0
+
+    import dataclasses
+    bottleneck = rnn.RNNSeq2Seq(dataclasses.replace(cfg, attention=False))
+    params = bottleneck.init(jax.random.PRNGKey(2), src, tgt_in)["params"]
+    with pytest.raises(ValueError, match="bottleneck"):
+        viz.model_attention(bottleneck, params, src, tgt_in)
+
+
+def test_too_long_input_is_refused_naming_length_and_limit():
+    with pytest.raises(viz.InputTooLongError, match=r"is 65 tokens long; at most 64 tokens"):
+        viz.plot_attention_grid(np.zeros((1, 1, 65, 65)))
+    with pytest.raises(viz.InputTooLongError, match=r"is 20 tokens long; the model's context is 16"):
+        viz.check_length(20, context=16)
+    with pytest.raises(viz.InputTooLongError, match=r"169 panels; at most 144"):
+        viz.plot_attention_grid(np.zeros((13, 13, 4, 4)))
+
+
+def _gpt_config(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpt_exp", os.path.join(REPO, "experiments", "gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.data.max_files = 4
+    c.data.seq_len = 32
+    c.model.num_layers = 2
+    c.model.embed_dim = 32
+    c.model.num_heads = 2
+    c.train.steps = 2
+    c.train.batch_size = 8
+    c.train.progress = False
+    c.train.async_checkpoint = False
+    c.eval.every = -1
+    return c
+
+
+@pytest.mark.slow
+def test_command_line_on_a_two_step_workdir(tmp_path, capsys):
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(_gpt_config(tmp_path), workdir)
+    out = str(tmp_path / "pics" / "gpt.png")
+    assert viz.main(["--workdir", workdir, "--text", "def f(x):", "--out", out]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert png_shape(out)[2] in (3, 4)  # an RGB(A) image
+    # 9 bytes -> 2 layers × 2 heads: the figure is wider than tall by the head count.
+    assert png_shape(out)[1] >= png_shape(out)[0]
+
+    assert viz.main(["--workdir", workdir, "--text", "x" * 65, "--out", out]) == 1
+    err = capsys.readouterr().err
+    assert "65 tokens long" in err and "at most 64" in err
+    # A higher drawing limit still stops at the position table (max_len 128).
+    assert viz.main(["--workdir", workdir, "--text", "x" * 130, "--max-tokens", "200"]) == 1
+    assert "is 130 tokens long; the model's context is 128" in capsys.readouterr().err
