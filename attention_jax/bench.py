@@ -2,6 +2,7 @@
 
     python -m attention_jax.bench attention            # the full table (about 10 minutes)
     python -m attention_jax.bench attention --quick    # small sizes (make demo)
+    python -m attention_jax.bench train                # training steps/s vs PyTorch (bench_train.py)
 
 `attention` times scaled dot-product attention, B=1, 8 heads, head dim 64, float32, over
 sequence lengths N, causal and not: forward and forward+backward (median of repeated
@@ -238,9 +239,13 @@ def main(argv=None):
     att.add_argument("--memory-fraction", type=float, default=0.5,
                      help="skip an implementation whose temp memory exceeds this share of free RAM")
     att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")
+    from attention_jax import bench_train  # `train`: throughput against PyTorch peers
+    bench_train.add_parser(sub)
     args = parser.parse_args(argv)
     if args.which == "attention":
         run_attention(args)
+    elif args.which == "train":
+        bench_train.run_train(args)
 
 
 if __name__ == "__main__":

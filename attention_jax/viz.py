@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 from typing import Any, Sequence
 
 import matplotlib
@@ -108,7 +109,7 @@ def plot_attention_grid(weights, query_labels: Sequence[str] | None = None,
     for name, labels, n in (("query_labels", query_labels, t), ("key_labels", key_labels, s)):
         if labels is not None and len(labels) != n:
             raise ValueError(f"{name} has {len(labels)} entries; the weights have {n} positions")
-    fig, axes = plt.subplots(layers, heads, squeeze=False, dpi=DPI,
+    fig, axes = plt.subplots(layers, heads, squeeze=False, dpi=DPI, layout="constrained",
                              figsize=(PANEL_INCHES * heads + 0.8, PANEL_INCHES * layers + 0.8))
     size = _font_size(max(t, s))
     names = layer_names or [f"layer {i}" for i in range(layers)]
@@ -123,9 +124,7 @@ def plot_attention_grid(weights, query_labels: Sequence[str] | None = None,
                 ax.set_title(f"head {j}", fontsize=9)
             if j == 0:
                 ax.set_ylabel(names[i], fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    _title(fig, title)
     return fig
 
 
@@ -148,8 +147,8 @@ def plot_alignment(weights, source_labels: Sequence[str], target_labels: Sequenc
         raise ValueError(f"{len(source_labels)} source / {len(target_labels)} target labels for "
                          f"weights of {s} source and {t} target positions")
     # Cells about a third of an inch: the labels stay legible next to them.
-    width, height = max(3.0, 0.35 * s + 1.5), max(2.5, 0.35 * t + 1.5)
-    fig, axes = plt.subplots(1, panels, squeeze=False, dpi=DPI,
+    width, height = max(4.0, 0.35 * s + 1.5), max(3.0, 0.35 * t + 1.5)
+    fig, axes = plt.subplots(1, panels, squeeze=False, dpi=DPI, layout="constrained",
                              figsize=(width * panels, height))
     size = _font_size(max(t, s)) + 1
     for p in range(panels):
@@ -160,10 +159,14 @@ def plot_alignment(weights, source_labels: Sequence[str], target_labels: Sequenc
         ax.xaxis.tick_top()  # The lectures' picture reads the source along the top.
         if panel_titles:
             ax.set_xlabel(panel_titles[p], fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    _title(fig, title)
     return fig
+
+
+def _title(fig, title: str | None) -> None:
+    if title:  # Wrapped to the figure's width: a narrow alignment would clip it.
+        chars = max(int(fig.get_size_inches()[0] * 11), 20)
+        fig.suptitle(textwrap.fill(title, chars), fontsize=9)
 
 
 def save(fig, path: str) -> str:
@@ -221,10 +224,11 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
         if i in names:
             out.append(names[i])
             continue
-        text = tokenizer.decode([i])
         # A leading space marks a word start in byte-level BPE; show it as the middle dot.
-        text = text.replace("\n", "⏎").replace(" ", "·") if text.strip() else repr(text)
-        out.append(text)
+        text = tokenizer.decode([i]).replace("\n", "⏎").replace(" ", "·")
+        if not text.isprintable():  # control bytes and partial UTF-8: escapes, not boxes
+            text = text.encode("unicode_escape").decode("ascii")
+        out.append(text or f"#{i}")
     return out
 
 

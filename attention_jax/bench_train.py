@@ -1,0 +1,374 @@
+r"""Training throughput against PyTorch peers: `python -m attention_jax.bench train`.
+
+For each model shape below, one training step (forward, backward, AdamW update) is
+timed on our side and on a PyTorch peer of the same architecture, sizes and batch:
+
+  gpt-cpu    GPT, nanoGPT's CPU recipe: 4 layers, 4 heads, width 128, context 64, batch 12
+  gpt-baby   GPT, nanoGPT's "baby" shape: 6 layers, 6 heads, width 384, context 256, batch 16
+  bert-mini  BERT-base-shaped tiny (Turc et al. 2019's "mini": 4 layers × 256, 4 heads of
+             64, F = 4D, post-norm): masked LM, sequence 128, batch 32
+  vit-digits ViT on 8×8 digits as experiments/vit.py trains it (vit-tiny/2: 16 patches +
+             [CLS], width 32, 2 layers), batch 32
+
+Ours: `jax.jit` of value_and_grad of the model's loss plus `optax.adamw`, on the model
+modules directly (the trainer adds only data loading and logging around this), with the
+state donated. The peer: `transformers`' GPT2LMHeadModel, BertForMaskedLM and
+ViTForImageClassification, randomly initialised from a config, eager mode, default
+attention implementation, `torch.optim.AdamW`, `torch.set_num_threads(os.cpu_count())`
+so both sides use the same cores. Dropout is 0 on both sides; batches are synthetic
+(random tokens / images, the same arrays every step: throughput only).
+
+Timing: a few untimed warm-up steps (ours includes compilation), then the median of
+`--repeats` individually timed steps, each ended by waiting for the loss.
+
+Model FLOPs (the PaLM convention, Chowdhery et al. 2022, App. B), per token of a step:
+    6·N  +  12·L·T·D
+N: parameters that take part in a matmul per token: all but the position (and BERT's
+token-type) tables; a tied embedding counts once, for the output projection. 6 = 2
+(multiply-add) × 3 (forward, and two backward matmuls per weight). 12·L·T·D: the two
+attention matmuls QKᵀ and AV (2·2·T·D per token and layer forward, ×3 with backward),
+counted in full even for causal models, as PaLM does. A ViT image is T = patches (+1)
+tokens. BERT's MLM head: our loss, like the trainer's, projects only the ~15% predicted
+positions onto the vocabulary while BertForMaskedLM projects all of them; the FLOP count
+uses the full-model formula for both, so it slightly flatters neither. Model FLOPs
+utilisation (MFU) = model FLOP/s ÷ this machine's float32 matmul rate through XLA
+(bench.matmul_rate, a 2048² matmul): the share of what the cores can do that reaches the
+model's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+MASK_RATE = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmarked model: family, sizes, batch (both sides build it from this)."""
+    name: str
+    family: str  # gpt | bert | vit
+    layers: int
+    width: int  # D
+    heads: int
+    batch: int
+    seq_len: int = 0  # T for text models
+    vocab: int = 0
+    mlp: int = 0  # F; 0 means 4D
+    image_size: int = 0
+    patch_size: int = 0
+    channels: int = 0
+    classes: int = 0
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp or 4 * self.width
+
+    @property
+    def tokens(self) -> int:
+        """Sequence length the attention sees (ViT: patches + [CLS])."""
+        if self.family == "vit":
+            return (self.image_size // self.patch_size) ** 2 + 1
+        return self.seq_len
+
+    @property
+    def unit(self) -> str:
+        return "images" if self.family == "vit" else "tokens"
+
+    def units_per_step(self) -> int:
+        return self.batch if self.family == "vit" else self.batch * self.seq_len
+
+
+# nanoGPT's char-level Shakespeare vocabulary is 65 characters; both GPT shapes use it.
+SHAPES = {
+    "gpt-cpu": Shape("gpt-cpu", "gpt", layers=4, width=128, heads=4, batch=12, seq_len=64, vocab=65),
+    "gpt-baby": Shape("gpt-baby", "gpt", layers=6, width=384, heads=6, batch=16, seq_len=256,
+                      vocab=65),
+    "bert-mini": Shape("bert-mini", "bert", layers=4, width=256, heads=4, batch=32, seq_len=128,
+                       vocab=1024),
+    "vit-digits": Shape("vit-digits", "vit", layers=2, width=32, heads=2, batch=32, mlp=64,
+                        image_size=8, patch_size=2, channels=1, classes=10),
+}
+# A shape small enough for the test suite (compiles in seconds).
+SHAPES_TINY = {"gpt-test": Shape("gpt-test", "gpt", layers=1, width=32, heads=2, batch=2,
+                                 seq_len=16, vocab=65)}
+
+
+def model_flops_per_step(shape: Shape, matmul_params: int) -> float:
+    """6·N + 12·L·T·D per token (see the module docstring), times tokens per step."""
+    tokens = shape.batch * shape.tokens
+    return tokens * (6 * matmul_params + 12 * shape.layers * shape.tokens * shape.width)
+
+
+def synthetic_batch(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs and targets as numpy (each side converts): the same for both."""
+    rng = np.random.default_rng(seed)
+    b, t = shape.batch, shape.seq_len
+    if shape.family == "vit":
+        return {"image": rng.normal(size=(b, shape.image_size, shape.image_size, shape.channels))
+                .astype(np.float32), "label": rng.integers(0, shape.classes, b).astype(np.int32)}
+    tokens = rng.integers(4, shape.vocab, (b, t + 1)).astype(np.int32)
+    if shape.family == "gpt":
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    # Masked LM: the same number of predicted positions in every row (top_k needs a fixed M).
+    m = max(1, round(MASK_RATE * t))
+    positions = np.sort(np.stack([rng.choice(t, m, replace=False) for _ in range(b)]), axis=1)
+    inputs = tokens[:, :t].copy()
+    targets = np.take_along_axis(inputs, positions, axis=1)
+    np.put_along_axis(inputs, positions, 3, axis=1)  # id 3 stands for [MASK]
+    return {"inputs": inputs, "positions": positions.astype(np.int32), "targets": targets}
+
+
+def median_step_time(step: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, list]:
+    """Median wall time of step() (which must block until done) after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+# ======================================================================================= ours
+def build_ours(shape: Shape, implementation: str = "blockwise"):
+    """(model, loss(params, batch) -> scalar, init input) for our model of `shape`."""
+    import flax.linen as nn  # noqa: F401  (models are linen modules)
+    from attention_jax.models import bert, gpt, vit
+    if shape.family == "gpt":
+        cfg = gpt.GPTConfig(vocab_size=shape.vocab, max_len=shape.seq_len, num_layers=shape.layers,
+                            embed_dim=shape.width, num_heads=shape.heads, mlp_dim=shape.mlp_dim,
+                            implementation=implementation)
+        model = gpt.GPT(cfg)
+
+        def loss(params, batch):
+            logits, _ = model.apply({"params": params}, batch["inputs"])
+            return gpt.cross_entropy(logits, batch["targets"])[0]
+
+        return model, loss, (jnp.zeros((1, shape.seq_len), jnp.int32),)
+    if shape.family == "bert":
+        cfg = bert.BertConfig(vocab_size=shape.vocab, d_model=shape.width, num_layers=shape.layers,
+                              num_heads=shape.heads, mlp_dim=shape.mlp_dim,
+                              max_positions=shape.seq_len, dropout_rate=0.0,
+                              attention_dropout_rate=0.0, implementation=implementation)
+        model = bert.Bert(cfg)
+
+        def loss(params, batch):
+            out, _ = model.apply({"params": params}, batch["inputs"],
+                                 masked_positions=batch["positions"])
+            return bert.mlm_loss(out["mlm_logits"], batch["targets"],
+                                 jnp.ones(batch["targets"].shape, jnp.float32))
+
+        return model, loss, (jnp.zeros((1, shape.seq_len), jnp.int32),)
+    cfg = vit.ViTConfig(image_size=shape.image_size, patch_size=shape.patch_size,
+                        num_channels=shape.channels, d_model=shape.width, num_layers=shape.layers,
+                        num_heads=shape.heads, mlp_dim=shape.mlp_dim, num_classes=shape.classes,
+                        implementation=implementation)
+    model = vit.ViT(cfg)
+
+    def loss(params, batch):
+        logits, _ = model.apply({"params": params}, batch["image"])
+        labels = batch["label"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return model, loss, (jnp.zeros((1, shape.image_size, shape.image_size, shape.channels)),)
+
+
+def matmul_param_count(params) -> int:
+    """Parameters used in a per-token matmul: all but position / token-type tables."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path).lower()
+        if "position" in name or "pos_emb" in name or "token_type" in name:
+            continue
+        total += int(np.prod(leaf.shape))
+    return total
+
+
+def bench_ours(shape: Shape, warmup: int, repeats: int, implementation: str = "blockwise") -> dict:
+    import flax.linen as nn
+    model, loss_fn, init_args = build_ours(shape, implementation)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), *init_args)["params"])
+    tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    state = (params, tx.init(params))
+
+    def train_step(state, batch):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    step_fn = jax.jit(train_step, donate_argnums=0)  # the new state reuses the old buffers
+    batch = jax.tree.map(jnp.asarray, synthetic_batch(shape))
+    box = {"state": state, "loss": None}
+
+    def step():
+        box["state"], loss = step_fn(box["state"], batch)
+        box["loss"] = float(loss)  # waits for the step
+
+    median, times = median_step_time(step, warmup, repeats)
+    return {"side": "jax", "impl": implementation, "params": sum(int(np.prod(x.shape)) for x in
+                                                                  jax.tree.leaves(params)),
+            "matmul_params": matmul_param_count(params), "step_s": median, "times": times,
+            "loss": box["loss"]}
+
+
+# ======================================================================================= peer
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_torch(shape: Shape):
+    """The transformers model of `shape`, random init, dropout 0, eager (no compile)."""
+    import transformers as tf
+    if shape.family == "gpt":
+        cfg = tf.GPT2Config(vocab_size=shape.vocab, n_positions=shape.seq_len, n_embd=shape.width,
+                            n_layer=shape.layers, n_head=shape.heads, n_inner=shape.mlp_dim,
+                            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                            bos_token_id=0, eos_token_id=0)  # GPT-2's 50256 is past this vocab
+        return tf.GPT2LMHeadModel(cfg)
+    if shape.family == "bert":
+        cfg = tf.BertConfig(vocab_size=shape.vocab, hidden_size=shape.width,
+                            num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                            intermediate_size=shape.mlp_dim, max_position_embeddings=shape.seq_len,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return tf.BertForMaskedLM(cfg)
+    cfg = tf.ViTConfig(image_size=shape.image_size, patch_size=shape.patch_size,
+                       num_channels=shape.channels, hidden_size=shape.width,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       intermediate_size=shape.mlp_dim, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, num_labels=shape.classes)
+    return tf.ViTForImageClassification(cfg)
+
+
+def bench_torch(shape: Shape, warmup: int, repeats: int) -> dict:
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = build_torch(shape).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WEIGHT_DECAY)
+    b = synthetic_batch(shape)
+    if shape.family == "vit":
+        # transformers' ViT takes channels-first pixels.
+        kwargs = {"pixel_values": torch.from_numpy(b["image"]).permute(0, 3, 1, 2).contiguous(),
+                  "labels": torch.from_numpy(b["label"]).long()}
+    elif shape.family == "gpt":
+        # GPT2LMHeadModel shifts labels itself: give it the whole window, labels = inputs.
+        full = torch.from_numpy(np.concatenate([b["inputs"], b["targets"][:, -1:]], 1)).long()
+        kwargs = {"input_ids": full[:, :-1], "labels": full[:, :-1]}
+    else:
+        labels = torch.full(b["inputs"].shape, -100, dtype=torch.long)  # -100: not predicted
+        labels.scatter_(1, torch.from_numpy(b["positions"]).long(),
+                        torch.from_numpy(b["targets"]).long())
+        kwargs = {"input_ids": torch.from_numpy(b["inputs"]).long(), "labels": labels}
+    box = {}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(**kwargs).loss
+        loss.backward()
+        opt.step()
+        box["loss"] = loss.item()
+
+    median, times = median_step_time(step, warmup, repeats)
+    return {"side": "torch", "impl": getattr(model.config, "_attn_implementation", "eager"),
+            "params": sum(p.numel() for p in model.parameters()), "step_s": median,
+            "times": times, "loss": box["loss"]}
+
+
+# ===================================================================================== report
+def finish_row(row: dict, shape: Shape, matmul_params: int, rate: float) -> dict:
+    """Adds steps/s, units/s, model FLOP/s and MFU (the same FLOP count for both sides)."""
+    flops = model_flops_per_step(shape, matmul_params)
+    row.update(model=shape.name, unit=shape.unit, batch=shape.batch, seq=shape.tokens,
+               steps_per_s=1.0 / row["step_s"],
+               units_per_s=shape.units_per_step() / row["step_s"],
+               model_flops_per_step=flops, model_flops_per_s=flops / row["step_s"],
+               mfu=flops / row["step_s"] / rate)
+    return row
+
+
+def train_table(rows: list[dict], rate: float) -> str:
+    lines = ["| model | side | attention | params | batch × T | step ms | steps/s | units/s "
+             "| model GFLOP/s | MFU | jax/torch throughput |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by_model = {}
+    for r in rows:
+        by_model.setdefault(r["model"], {})[r["side"]] = r
+    for r in rows:
+        peer = by_model[r["model"]].get("torch")
+        ratio = (f"{peer['step_s'] / r['step_s']:.2f}×" if r["side"] == "jax" and peer else "")
+        lines.append(
+            f"| {r['model']} | {r['side']} | {r['impl']} | {r['params'] / 1e6:.2f}M | "
+            f"{r['batch']} × {r['seq']} | {r['step_s'] * 1e3:.1f} | {r['steps_per_s']:.2f} | "
+            f"{r['units_per_s']:,.0f} {r['unit']}/s | {r['model_flops_per_s'] / 1e9:.1f} | "
+            f"{100 * r['mfu']:.0f}% | {ratio} |")
+    lines += ["", f"float32 matmul rate (XLA, 2048²): {rate / 1e9:.0f} GFLOP/s; "
+                  f"{os.cpu_count()} CPU threads; JAX {jax.__version__}"]
+    return "\n".join(lines)
+
+
+def run_train(args) -> list[dict]:
+    """`bench train`: both sides for each chosen shape; prints the table, writes JSON."""
+    from attention_jax import bench
+    table = {**SHAPES, **SHAPES_TINY}
+    names = args.models or list(SHAPES)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"error: --models {unknown} unknown; valid: {sorted(table)}")
+    peers = torch_available() and not args.no_torch
+    rate = bench.matmul_rate(repeats=args.matmul_repeats)
+    print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads, matmul "
+          f"{rate / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'no'}", file=sys.stderr)
+    rows = []
+    for name in names:
+        shape = table[name]
+        ours = bench_ours(shape, args.warmup, args.repeats, args.implementation)
+        rows.append(finish_row(ours, shape, ours["matmul_params"], rate))
+        print(f"  {name} jax: {ours['step_s'] * 1e3:.1f} ms/step", file=sys.stderr)
+        if peers:
+            theirs = bench_torch(shape, args.warmup, args.repeats)
+            rows.append(finish_row(theirs, shape, ours["matmul_params"], rate))
+            print(f"  {name} torch: {theirs['step_s'] * 1e3:.1f} ms/step", file=sys.stderr)
+    print(train_table(rows, rate))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"matmul_flops_per_s": rate, "threads": os.cpu_count(),
+                               "shapes": {n: dataclasses.asdict(table[n]) for n in names},
+                               "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+    return rows
+
+
+def add_parser(sub) -> None:
+    """Registers `train` on bench.py's subcommand parser."""
+    p = sub.add_parser("train", help="training steps/s, tokens/s and MFU against PyTorch peers")
+    p.add_argument("--models", nargs="+", help=f"shapes to run (default: all of {list(SHAPES)})")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (ours compiles)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--implementation", default="blockwise",
+                   help="our attention backend (reference | blockwise | xla)")
+    p.add_argument("--matmul-repeats", type=int, default=10, help="timed 2048² matmuls")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
+    p.add_argument("--out", default="bench_results/train.json", help="JSON output path")

@@ -1,0 +1,57 @@
+"""`bench train` machinery on a tiny model for a couple of steps (no timing asserted):
+the table and JSON come out, FLOPs follow the stated formula, peers match our sizes."""
+
+import argparse
+import json
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from attention_jax import bench, bench_train
+
+
+def test_model_flops_formula():
+    shape = bench_train.SHAPES["gpt-cpu"]
+    # 6·N + 12·L·T·D per token, B·T tokens.
+    n = 1000
+    want = 12 * 64 * (6 * n + 12 * 4 * 64 * 128)
+    assert bench_train.model_flops_per_step(shape, n) == want
+    vit = bench_train.SHAPES["vit-digits"]
+    assert vit.tokens == 17 and vit.units_per_step() == vit.batch  # 16 patches + [CLS]
+
+
+def test_run_train_writes_table_and_json(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    parser = argparse.ArgumentParser()
+    bench_train.add_parser(parser.add_subparsers(dest="which"))
+    args = parser.parse_args(["train", "--models", "gpt-test", "--warmup", "1", "--repeats", "2",
+                              "--matmul-repeats", "1", "--out", str(out)])
+    rows = bench_train.run_train(args)
+    sides = {r["side"] for r in rows}
+    assert "jax" in sides and (sides == {"jax"} or sides == {"jax", "torch"})
+    for r in rows:
+        assert len(r["times"]) == 2 and r["step_s"] > 0 and np.isfinite(r["loss"])
+        assert 0 < r["mfu"] and r["units_per_s"] == pytest.approx(2 * 16 / r["step_s"])
+    printed = capsys.readouterr().out
+    assert "| gpt-test | jax |" in printed and "float32 matmul rate" in printed
+    saved = json.loads(out.read_text())
+    assert saved["rows"][0]["model"] == "gpt-test" and saved["matmul_flops_per_s"] > 0
+
+
+def test_bench_cli_registers_train(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench_train, "run_train", lambda args: seen.setdefault("args", args))
+    bench.main(["train", "--models", "gpt-test", "--no-torch"])
+    assert seen["args"].models == ["gpt-test"] and seen["args"].no_torch
+
+
+@pytest.mark.parametrize("name", ["gpt-cpu", "vit-digits"])
+def test_torch_peer_has_our_parameter_count(name):
+    pytest.importorskip("transformers")
+    shape = bench_train.SHAPES[name]
+    model, _, args = bench_train.build_ours(shape)
+    params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args)["params"]))
+    ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert sum(p.numel() for p in bench_train.build_torch(shape).parameters()) == ours
