@@ -1,0 +1,381 @@
+"""Evaluation beyond the training loss, for the experiments that reproduce the lectures.
+
+* Translation by source length (Bahdanau et al. 2015, Fig. 2): greedy translations of a
+  split from a run's checkpoint, exact-match accuracy and BLEU (sacrebleu) per source-
+  length bucket, for any number of runs; one JSON, one markdown table, one PNG.
+* Run summaries: the final eval metrics, parameter count and wall time of a set of runs
+  (a sweep), as a table and a plot.
+
+Command line (each reads finished run directories, trains nothing):
+  python -m attention_jax.analysis translation --out=docs/results/bottleneck \
+      rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck rnn-attention=/tmp/... transformer=/tmp/...
+  python -m attention_jax.analysis runs --out=docs/results/vit_patches --x=tokens \
+      p1=/tmp/vit/p1 p2=/tmp/vit/p2 ...
+
+A run directory is what `attention_jax.main` wrote: config.json, metrics.jsonl,
+checkpoints/ and (text tasks) tokenizer/. The config is read back from config.json, so
+the analysis needs no experiment file and sees the run's overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+# Source-length buckets in BPE tokens (the number-translation sources are 1-30 tokens):
+# (0, 8], (8, 16], (16, 24], (24, 32].
+DEFAULT_EDGES = (0, 8, 16, 24, 32)
+
+
+# ================================================================================ metrics
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    return [f"{lo + 1}-{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def bucket_index(length: int, edges: Sequence[int]) -> int:
+    """Bucket i holds lengths in (edges[i], edges[i+1]]; -1 outside all buckets."""
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        if lo < length <= hi:
+            return i
+    return -1
+
+
+def bucketed_translation_metrics(lengths: Sequence[int], hypotheses: Sequence[str],
+                                 references: Sequence[str],
+                                 edges: Sequence[int] = DEFAULT_EDGES) -> list[dict]:
+    """Exact match (%) and corpus BLEU per source-length bucket, plus an 'all' row.
+
+    BLEU is sacrebleu's corpus BLEU over the bucket's sentences (default 13a
+    tokenisation), so a bucket's score is comparable with published corpus scores; an
+    empty bucket gets n=0 and None for both metrics.
+    """
+    import sacrebleu
+    if not len(lengths) == len(hypotheses) == len(references):
+        raise ValueError(f"lengths, hypotheses and references differ in length: "
+                         f"{len(lengths)}, {len(hypotheses)}, {len(references)}")
+    groups: list[list[int]] = [[] for _ in range(len(edges) - 1)]
+    for i, n in enumerate(lengths):
+        b = bucket_index(n, edges)
+        if b >= 0:
+            groups[b].append(i)
+
+    def row(name, idx):
+        if not idx:
+            return {"bucket": name, "n": 0, "exact_match": None, "bleu": None}
+        hyp = [hypotheses[i].strip() for i in idx]
+        ref = [references[i].strip() for i in idx]
+        exact = 100.0 * np.mean([h == r for h, r in zip(hyp, ref)])
+        bleu = sacrebleu.corpus_bleu(hyp, [ref]).score
+        return {"bucket": name, "n": len(idx), "exact_match": float(exact), "bleu": float(bleu)}
+
+    rows = [row(name, idx) for name, idx in zip(bucket_labels(edges), groups)]
+    rows.append(row("all", [i for g in groups for i in g]))
+    return rows
+
+
+# ============================================================================= restoring
+def load_run_config(workdir: str):
+    """The run's config from its config.json, evaluated on one device (an analysis
+    needs no mesh; checkpoints restore onto any mesh)."""
+    import ml_collections
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
+                                f"written by attention_jax.main")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    config.mesh.num_devices = 1
+    config.mesh.data = 1
+    config.train.progress = False
+    return config
+
+
+def restore_run(workdir: str):
+    """(config, task, params) from the run's latest checkpoint."""
+    import flax.linen as nn
+    import jax
+
+    from attention_jax import train
+    config = load_run_config(workdir)
+    s = train.setup(config, workdir)
+    if s.ckpt.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train the run first")
+    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+        state, _ = s.ckpt.restore(s.abstract)
+    s.ckpt.close()
+    return config, s.task, jax.device_get(state["params"])
+
+
+def count_params(params) -> int:
+    import jax
+    return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+# ============================================================================ translation
+def _greedy_fn(model, max_len: int):
+    """A jitted src [B, S] -> tokens [B, max_len] for either translation model family."""
+    import jax
+
+    from attention_jax.models import encdec, rnn
+    if isinstance(model, rnn.RNNSeq2Seq):
+        return jax.jit(lambda params, src: model.apply(
+            {"params": params}, src, max_len=max_len, method=model.generate)[0])
+    if isinstance(model, encdec.EncoderDecoder):
+        return lambda params, src: encdec.greedy_decode(model, params, src, max_len=max_len)
+    raise TypeError(f"cannot translate with a {type(model).__name__}; valid: RNNSeq2Seq, "
+                    f"EncoderDecoder (config.task rnn_seq2seq or encdec)")
+
+
+def _until_eos(ids, eos_id: int) -> list[int]:
+    ids = [int(t) for t in ids]
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def translate_split(workdir: str, split: str = "test", max_examples: int = 0,
+                    batch_size: int = 100) -> list[dict]:
+    """Greedy translations of `split` by the run's checkpoint: one dict per example with
+    source, reference, hypothesis and source_tokens (the BPE length the model read)."""
+    from attention_jax import data
+    config, task, params = restore_run(workdir)
+    d = config.data
+    tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
+    records = data.get_dataset(d.name, split, d.data_dir or None)
+    n = min(len(records), max_examples) if max_examples else len(records)
+    text = lambda x: x.decode("utf-8") if isinstance(x, bytes) else str(x)
+    greedy = _greedy_fn(task.model, d.target_len)
+    out = []
+    for start in range(0, n, batch_size):
+        rows = [records[i] for i in range(start, min(start + batch_size, n))]
+        src = np.stack([task.eval_transform(r, None)["inputs"] for r in rows])
+        # Pad the last batch to the full size: one compiled shape for the whole split.
+        src_full = np.concatenate([src, np.repeat(src[:1], batch_size - len(src), 0)])
+        tokens = np.asarray(greedy(params, src_full))[:len(src)]
+        for r, s, t in zip(rows, src, tokens):
+            out.append({"source": text(r[d.source]), "reference": text(r[d.target]),
+                        "hypothesis": tok.decode(_until_eos(t, tok.eos_id)),
+                        "source_tokens": int(np.sum(s != tok.pad_id))})
+    return out
+
+
+def translation_report(runs: dict[str, str], out: str, split: str = "test",
+                       edges: Sequence[int] = DEFAULT_EDGES, max_examples: int = 0) -> dict:
+    """Bucketed exact match and BLEU of each named run; writes out.json, out.md, out.png
+    and out_examples.json (a few long-source translations of each run, to read)."""
+    results, examples = {}, {}
+    for name, workdir in runs.items():
+        rows = translate_split(workdir, split, max_examples)
+        results[name] = bucketed_translation_metrics(
+            [r["source_tokens"] for r in rows], [r["hypothesis"] for r in rows],
+            [r["reference"] for r in rows], edges)
+        longest = sorted(rows, key=lambda r: -r["source_tokens"])[:3]
+        examples[name] = longest
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"split": split, "edges": list(edges), "results": results}, f, indent=1)
+    with open(out + "_examples.json", "w") as f:
+        json.dump(examples, f, indent=1, ensure_ascii=False)
+    with open(out + ".md", "w") as f:
+        f.write(translation_table(results))
+    plot_translation(results, out + ".png")
+    return results
+
+
+def translation_table(results: dict[str, list[dict]]) -> str:
+    """Markdown: one row per bucket, exact match and BLEU of each run side by side."""
+    names = list(results)
+    head = "| source tokens | n | " + " | ".join(
+        f"{n} exact % | {n} BLEU" for n in names) + " |\n"
+    sep = "|---|---|" + "---|---|" * len(names) + "\n"
+    fmt = lambda v: "–" if v is None else f"{v:.1f}"
+    lines = []
+    for i, row in enumerate(results[names[0]]):
+        cells = [f"{fmt(results[n][i]['exact_match'])} | {fmt(results[n][i]['bleu'])}"
+                 for n in names]
+        lines.append(f"| {row['bucket']} | {row['n']} | " + " | ".join(cells) + " |\n")
+    return head + sep + "".join(lines)
+
+
+def plot_translation(results: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # No display on the machines these run on.
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, rows in results.items():
+        rows = [r for r in rows if r["bucket"] != "all"]
+        labels = [f"{r['bucket']}\n(n={r['n']})" for r in rows]
+        x = np.arange(len(rows))
+        for ax, key in zip(axes, ("exact_match", "bleu")):
+            y = [np.nan if r[key] is None else r[key] for r in rows]
+            ax.plot(x, y, marker="o", label=name)
+            ax.set_xticks(x, labels)
+    for ax, title in zip(axes, ("exact-match accuracy (%)", "BLEU")):
+        ax.set_title(title)
+        ax.set_xlabel("source length (BPE tokens)")
+        ax.set_ylim(0, 102)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ========================================================================= classification
+def classification_accuracy(workdir: str, split: str = "") -> tuple[float, int]:
+    """(accuracy, n) of the run's checkpoint on every image of `split` (default: the
+    run's eval split). The trainer's eval drops the last partial batch (359 digits test
+    images are 11 batches of 32 and 7 left over); this counts all of them."""
+    import jax
+
+    from attention_jax import data
+    config, task, params = restore_run(workdir)
+    records = data.get_dataset(config.data.name, split or config.data.eval_split,
+                               config.data.data_dir or None)
+    examples = [task.eval_transform(records[i], None) for i in range(len(records))]
+    images = np.stack([e["image"] for e in examples])
+    labels = np.array([e["label"] for e in examples])
+    logits, _ = jax.jit(lambda p, x: task.model.apply({"params": p}, x))(params, images)
+    return float(np.mean(np.asarray(logits).argmax(-1) == labels)), len(labels)
+
+
+# =================================================================================== runs
+def read_metrics(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_summary(workdir: str) -> dict:
+    """Final eval metrics, steps, parameter count and wall time of a finished run.
+
+    Wall time is the span from config.json (written before compiling) to the last
+    metric record (the final eval): compilation, training and evaluation included, as
+    a user waits for it. A resumed run's span includes the pause; start fresh to time.
+    """
+    import flax.linen as nn
+    import jax
+
+    from attention_jax import train
+    records = read_metrics(workdir)
+    evals = [r for r in records if r["split"] == "eval"]
+    trains = [r for r in records if r["split"] == "train"]
+    config = load_run_config(workdir)
+    task = train.TASKS[config.task](config, workdir)
+    shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
+    wall = (os.path.getmtime(os.path.join(workdir, "metrics.jsonl"))
+            - os.path.getmtime(os.path.join(workdir, "config.json")))
+    return {"workdir": workdir, "task": config.task, "step": trains[-1]["step"] if trains else 0,
+            "params": count_params(nn.meta.unbox(shapes)), "wall_s": round(wall, 1),
+            "eval": {k: v for k, v in (evals[-1] if evals else {}).items()
+                     if k not in ("step", "split")},
+            "model": config.model.to_dict()}
+
+
+def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accuracy") -> dict:
+    """A table (out.md, out.json) of the named runs and, with `x` (a model field such as
+    `patch_size`, or `tokens` for ViT's patch count), a plot (out.png) of the eval
+    metric and the wall time against it."""
+    rows = {name: run_summary(w) for name, w in runs.items()}
+    for r in rows.values():
+        m = r["model"]
+        if r["task"] == "vit":
+            side = m.get("image_size", 8) // m["patch_size"]
+            r["tokens"] = side * side + (1 if m.get("pool", "cls") == "cls" else 0)
+            # The whole test split, not the trainer's full batches only.
+            r["eval"]["accuracy_batches"] = r["eval"].get("accuracy")
+            r["eval"]["accuracy"], r["eval"]["n"] = classification_accuracy(r["workdir"])
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(runs_table(rows, metric))
+    if x:
+        plot_runs(rows, x, metric, out + ".png")
+    return rows
+
+
+def runs_table(rows: dict[str, dict], metric: str = "accuracy") -> str:
+    has_tokens = any("tokens" in r for r in rows.values())
+    head = ("| run | " + ("tokens | " if has_tokens else "") +
+            f"params | steps | eval {metric} | eval loss | wall time |\n")
+    sep = "|---|" + ("---|" if has_tokens else "") + "---|---|---|---|---|\n"
+    lines = []
+    for name, r in rows.items():
+        value = r["eval"].get(metric)
+        shown = "–" if value is None else (f"{100 * value:.1f}%" if metric == "accuracy"
+                                           else f"{value:.4g}")
+        loss = r["eval"].get("loss")
+        lines.append(f"| {name} | " + (f"{r.get('tokens', '–')} | " if has_tokens else "") +
+                     f"{r['params']:,} | {r['step']} | {shown} | "
+                     f"{'–' if loss is None else f'{loss:.4f}'} | {r['wall_s']:.0f} s |\n")
+    return head + sep + "".join(lines)
+
+
+def plot_runs(rows: dict[str, dict], x: str, metric: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pick = lambda r: r.get(x, r["model"].get(x))
+    items = sorted(((pick(r), name, r) for name, r in rows.items()), key=lambda t: t[0])
+    xs = [t[0] for t in items]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    values = [t[2]["eval"].get(metric, np.nan) for t in items]
+    values = [100 * v for v in values] if metric == "accuracy" else values
+    ax.plot(xs, values, marker="o", color="C0")
+    for xv, v, (_, name, _) in zip(xs, values, items):
+        ax.annotate(name, (xv, v), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel(x)
+    ax.set_ylabel(f"eval {metric}" + (" (%)" if metric == "accuracy" else ""), color="C0")
+    ax.set_xscale("log", base=2)
+    twin = ax.twinx()
+    twin.plot(xs, [t[2]["wall_s"] for t in items], marker="s", color="C1", linestyle="--")
+    twin.set_ylabel("wall time (s)", color="C1")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ==================================================================================== CLI
+def _named_runs(items: Sequence[str]) -> dict[str, str]:
+    runs = {}
+    for item in items:
+        name, sep, workdir = item.partition("=")
+        if not sep or not name or not workdir:
+            raise SystemExit(f"error: run {item!r} must be NAME=WORKDIR, e.g. "
+                             f"rnn-attention=/tmp/bottleneck/rnn-attention")
+        runs[name] = workdir
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.analysis",
+                                     description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("translation", help="bucketed exact match and BLEU of translation runs")
+    t.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
+    t.add_argument("--split", default="test")
+    t.add_argument("--edges", default=",".join(map(str, DEFAULT_EDGES)),
+                   help="source-length bucket edges in tokens, comma-separated")
+    t.add_argument("--max_examples", type=int, default=0, help="0: the whole split")
+    t.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    r = sub.add_parser("runs", help="final eval metrics, params and wall time of runs")
+    r.add_argument("--out", required=True)
+    r.add_argument("--x", default="", help="model field (or 'tokens') to plot against")
+    r.add_argument("--metric", default="accuracy")
+    r.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    args = parser.parse_args(argv)
+    if args.command == "translation":
+        edges = tuple(int(e) for e in args.edges.split(","))
+        results = translation_report(_named_runs(args.runs), args.out, args.split, edges,
+                                     args.max_examples)
+        print(translation_table(results))
+    else:
+        rows = runs_report(_named_runs(args.runs), args.out, args.x, args.metric)
+        print(runs_table(rows, args.metric))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+r"""The bottleneck and attention (Bahdanau et al. 2015): translation quality by input length.
+
+The lectures' first argument: an RNN encoder-decoder that squeezes the source into one
+vector (Cho et al. 2014) loses long inputs; letting the decoder attend over all encoder
+states (Bahdanau et al.) does not, and neither does the Transformer (Vaswani et al.
+2017), which is attention only. Three models on the same data (English -> French number
+words, 20k training pairs, sources of 1-30 BPE tokens), same steps and batch:
+
+  model=rnn-bottleneck   bidirectional GRU encoder, decoder sees one summary vector
+  model=rnn-attention    the same GRUs with Bahdanau (additive) attention
+  model=transformer      encoder-decoder Transformer, 2 + 2 layers, width 64
+
+Command (2-core CPU; one line per model, then the bucketed evaluation on the test split):
+  for m in rnn-bottleneck rnn-attention transformer; do
+    python -m attention_jax.main --config=experiments/bottleneck.py:model=$m \
+        --workdir=/tmp/bottleneck/$m; done
+  python -m attention_jax.analysis translation --out=docs/results/bottleneck \
+      rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck \
+      rnn-attention=/tmp/bottleneck/rnn-attention transformer=/tmp/bottleneck/transformer
+
+Measured (2-core CPU): see docs/results.md ("The bottleneck and attention") for the
+table, the plot and the wall time of each of the three runs.
+"""
+
+import ml_collections
+
+from attention_jax import train
+
+MODELS = ("rnn-bottleneck", "rnn-attention", "transformer")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
+    model = args.get("model", "rnn-attention")
+    if model not in MODELS:
+        raise ValueError(f"experiments/bottleneck.py: model={model!r} is unknown; valid: {MODELS}")
+    c = train.base_config()
+
+    if model.startswith("rnn"):
+        c.task = "rnn_seq2seq"  # teacher-forced translation (tasks.translation_task).
+        # models/rnn.py VARIANTS: 'tiny' has attention, 'tiny-bottleneck' does not.
+        c.model.variant = "tiny" if model == "rnn-attention" else "tiny-bottleneck"
+        c.model.embed_dim = 64  # m.
+        c.model.hidden_dim = 128  # n, per encoder direction (the bottleneck is 2n = 256 wide).
+        c.model.attention_dim = 64  # n', alignment MLP.
+        c.model.readout_dim = 64  # l, maxout readout.
+        c.model.cell = "gru"
+        c.optim.lr = 3e-3  # measured stable for both RNNs (experiments/rnn_seq2seq.py).
+        c.optim.b2 = 0.999
+        c.optim.weight_decay = 0.0  # none for the RNNs (as Bahdanau et al.).
+    else:
+        c.task = "encdec"
+        c.model.variant = "transformer-tiny"  # models/encdec.py VARIANTS.
+        c.model.embed_dim = 64  # d_model.
+        c.model.num_heads = 4
+        c.model.mlp_dim = 256  # d_ff = 4 d_model.
+        c.model.num_encoder_layers = 2
+        c.model.num_decoder_layers = 2
+        c.model.dropout_rate = 0.0  # like the RNNs: no regularisation, one pass of settings.
+        c.model.norm_position = "post"  # the paper's Add & Norm.
+        c.optim.lr = 2e-3  # measured (experiments/encdec.py).
+        c.optim.b2 = 0.98  # Vaswani §5.3.
+        c.optim.eps = 1e-9
+        c.optim.weight_decay = 0.0
+    c.optim.warmup_steps = 100
+
+    c.data.name = "number_translation"  # 20k/1k/1k pairs, integers below 10^12 (long inputs).
+    c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
+    c.data.source = "en"
+    c.data.target = "fr"  # fr | de (German reorders: 'einundzwanzig').
+    c.data.tokenizer = "bpe"  # one byte-level BPE vocabulary for both languages.
+    c.data.vocab_size = 512
+    c.data.source_len = 32  # the longest source is 30 tokens: nothing is cut.
+    c.data.target_len = 32  # the longest target is 30 tokens + EOS.
+    c.data.train_split = "train"
+    c.data.eval_split = "validation"
+
+    c.train.steps = int(args.get("steps", 1500))  # ~2.4 epochs of 20k pairs at batch 32.
+    c.train.batch_size = 32
+    c.train.log_every = 50
+    c.train.checkpoint_every = 500
+
+    c.mesh.data = -1
+
+    c.eval.every = 500  # teacher-forced token accuracy; the bucketed greedy eval is analysis.py.
+    c.eval.steps = 0  # the whole validation split (1k pairs).
+    c.eval.batch_size = 40
+    return c

@@ -1,0 +1,68 @@
+r"""ViT on scikit-learn's 8×8 digits: the accuracy target, [CLS] vs average pooling, and
+the patch-size trade-off (Dosovitskiy et al. 2020 §3.1 and Fig. 4: smaller patches mean
+more tokens, more compute, and usually better accuracy).
+
+A wider, deeper ViT than experiments/vit.py (width 64, 4 layers, 4 heads), trained
+longer. Arguments: `pool=cls|gap` and `patch=1|2|4|8` (8×8 images: 64, 16, 4 or 1
+patch tokens, plus [CLS] when pool=cls).
+
+Command (2-core CPU): the default run, then the sweeps and their table and plot:
+  python -m attention_jax.main --config=experiments/vit_digits.py --workdir=/tmp/vitd/cls-p2
+  python -m attention_jax.main --config=experiments/vit_digits.py:pool=gap \
+      --workdir=/tmp/vitd/gap-p2
+  for p in 1 4 8; do python -m attention_jax.main \
+      --config=experiments/vit_digits.py:patch=$p --workdir=/tmp/vitd/cls-p$p; done
+  python -m attention_jax.analysis runs --out=docs/results/vit_patches --x=tokens \
+      p1=/tmp/vitd/cls-p1 p2=/tmp/vitd/cls-p2 p4=/tmp/vitd/cls-p4 p8=/tmp/vitd/cls-p8
+  python -m attention_jax.analysis runs --out=docs/results/vit_pool \
+      cls=/tmp/vitd/cls-p2 gap=/tmp/vitd/gap-p2
+
+Measured (2-core CPU): see docs/results.md ("ViT on digits") for test accuracy and wall
+time of every run.
+"""
+
+import ml_collections
+
+from attention_jax import train
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
+    c = train.base_config()
+    c.task = "vit"  # image classification (tasks.image_task).
+
+    c.model.variant = "vit-tiny/2"  # models/vit.py VARIANTS: 8×8 grey images, 10 classes.
+    c.model.patch_size = int(args.get("patch", 2))  # 1 | 2 | 4 | 8 pixels per patch side.
+    c.model.pool = args.get("pool", "cls")  # cls: the [CLS] token; gap: mean of patch tokens.
+    c.model.d_model = 64  # D.
+    c.model.num_layers = 4
+    c.model.num_heads = 4  # head dim 16.
+    c.model.mlp_dim = 128  # F = 2D: tiny data, a narrower MLP trains as well.
+    c.model.dropout_rate = 0.0
+    c.model.remat_policy = "none"
+
+    c.data.name = "digits"  # 1,438 training and 359 test images.
+    c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
+    c.data.augment = False  # a random 1-pixel shift is large on 8×8 (see experiments/vit.py).
+    c.data.padding = 1
+    c.data.flip = False  # mirroring changes what a digit is.
+    c.data.train_split = "train"
+    c.data.eval_split = "test"
+
+    c.optim.lr = 2e-3  # peak lr.
+    c.optim.warmup_steps = 100
+    c.optim.b2 = 0.999  # small data: the classic Adam value.
+    c.optim.weight_decay = 0.05
+    c.optim.label_smoothing = 0.1  # regularises the 1.4k-image training set.
+
+    c.train.steps = int(args.get("steps", 2000))  # ~45 epochs at batch 32.
+    c.train.batch_size = 32
+    c.train.log_every = 50
+    c.train.checkpoint_every = 1000
+
+    c.mesh.data = -1
+
+    c.eval.every = 500  # test accuracy.
+    c.eval.steps = 0  # the whole test split.
+    c.eval.batch_size = 40  # divides the 359 test images but for 39 (dropped: last partial batch).
+    return c

@@ -1,0 +1,96 @@
+"""analysis.py: bucketed translation metrics on hand-made examples, and the reports on
+runs trained for a couple of steps."""
+
+import json
+import os
+
+import pytest
+
+from attention_jax import analysis, train
+from test_lecture_experiments import load, shrink
+
+
+def test_bucket_index_is_right_closed():
+    edges = (0, 8, 16)
+    assert [analysis.bucket_index(n, edges) for n in (0, 1, 8, 9, 16, 17)] == [-1, 0, 0, 1, 1, -1]
+    assert analysis.bucket_labels(edges) == ["1-8", "9-16"]
+
+
+def test_bucketed_metrics_on_a_hand_made_example():
+    lengths = [3, 5, 12, 14, 30]
+    refs = ["un deux trois quatre", "cinq six sept huit", "neuf dix onze douze",
+            "treize quatorze quinze seize", "dix-sept"]
+    hyps = ["un deux trois quatre",  # exact
+            "cinq six sept huit ",  # exact after stripping the space
+            "neuf dix onze douze",  # exact
+            "a b c d",  # nothing in common
+            "dix-sept"]  # bucket 25-32
+    rows = analysis.bucketed_translation_metrics(lengths, hyps, refs, edges=(0, 8, 16, 24, 32))
+    by = {r["bucket"]: r for r in rows}
+    assert [r["bucket"] for r in rows] == ["1-8", "9-16", "17-24", "25-32", "all"]
+    assert by["1-8"]["n"] == 2 and by["1-8"]["exact_match"] == 100.0
+    assert by["1-8"]["bleu"] == pytest.approx(100.0)
+    assert by["9-16"]["n"] == 2 and by["9-16"]["exact_match"] == 50.0
+    # Corpus BLEU of one perfect and one disjoint 4-word sentence: the clipped 4-gram
+    # precision is 1 match of 2, 3-grams 2/4, 2-grams 3/6, 1-grams 4/8; BP = 1.
+    assert by["9-16"]["bleu"] == pytest.approx(50.0, abs=1e-6)
+    assert by["17-24"] == {"bucket": "17-24", "n": 0, "exact_match": None, "bleu": None}
+    assert by["all"]["n"] == 5 and by["all"]["exact_match"] == 80.0
+
+
+def test_bucketed_metrics_refuse_mismatched_lists():
+    with pytest.raises(ValueError, match="differ in length: 2, 1, 1"):
+        analysis.bucketed_translation_metrics([1, 2], ["a"], ["a"])
+
+
+def test_translation_table_has_one_row_per_bucket():
+    rows = analysis.bucketed_translation_metrics([1, 9], ["a b", "c"], ["a b", "d"],
+                                                 edges=(0, 8, 16))
+    table = analysis.translation_table({"x": rows, "y": rows})
+    lines = table.strip().split("\n")
+    assert lines[0] == "| source tokens | n | x exact % | x BLEU | y exact % | y BLEU |"
+    assert lines[2].startswith("| 1-8 | 1 | 100.0 |") and lines[-1].startswith("| all | 2 |")
+
+
+def _tiny_run(name, arg, data_dir, workdir, **model):
+    config = shrink(load(name).get_config(arg), data_dir)
+    config.train.steps = 2
+    for k, v in model.items():
+        config.model[k] = v
+    train.train_and_evaluate(config, workdir)
+    return workdir
+
+
+@pytest.mark.slow
+def test_translation_report_on_two_step_runs(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    runs = {m: _tiny_run("bottleneck", f"model={m}", data_dir, str(tmp_path / m),
+                         **({"hidden_dim": 16, "embed_dim": 8} if m.startswith("rnn")
+                            else {"embed_dim": 16, "mlp_dim": 32}))
+            for m in ("rnn-bottleneck", "transformer")}
+    out = str(tmp_path / "report" / "bottleneck")
+    results = analysis.translation_report(runs, out, split="test", max_examples=12)
+    for m in runs:
+        assert sum(r["n"] for r in results[m][:-1]) == results[m][-1]["n"] == 12
+    for suffix in (".json", ".md", ".png", "_examples.json"):
+        assert os.path.getsize(out + suffix) > 0
+    with open(out + ".json") as f:
+        assert json.load(f)["edges"] == list(analysis.DEFAULT_EDGES)
+
+
+@pytest.mark.slow
+def test_runs_report_counts_every_test_image(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    runs = {f"p{p}": _tiny_run("vit_digits", f"patch={p}", data_dir, str(tmp_path / f"p{p}"),
+                               d_model=8, num_layers=1, num_heads=2, mlp_dim=8)
+            for p in (2, 4)}
+    for w in runs.values():  # The trainer's eval metric, so the table has a loss column.
+        with open(os.path.join(w, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": 2, "split": "eval", "accuracy": 0.1, "loss": 2.3}) + "\n")
+    out = str(tmp_path / "report" / "vit")
+    rows = analysis.runs_report(runs, out, x="tokens")
+    assert rows["p2"]["tokens"] == 17 and rows["p4"]["tokens"] == 5  # patches + [CLS]
+    assert rows["p2"]["eval"]["n"] == 359 and 0.0 <= rows["p2"]["eval"]["accuracy"] <= 1.0
+    assert rows["p2"]["params"] > 0 and rows["p2"]["step"] == 2
+    assert os.path.getsize(out + ".png") > 0
+    assert "| p4 | 5 |" in open(out + ".md").read()
