@@ -193,16 +193,19 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
       "decoder": [L, N, T, T], "cross": [L, N, T, S]}.
     RNNSeq2Seq (with attention): -> {"cross": [1, 1, T, S]} (one additive "head").
     """
+    import jax
     from attention_jax.models import bert, encdec, gpt, rnn, vit
     variables = {"params": params}
+    # One compiled call is quicker than dispatching a model's hundreds of ops eagerly.
+    apply = jax.jit(model.apply, static_argnames=("return_weights",))
     if isinstance(model, gpt.GPT):
-        _, aux = model.apply(variables, inputs, return_weights=True)
+        _, aux = apply(variables, inputs, return_weights=True)
         return {"self": _stacked(aux["layers"]["self_attention_weights"])}
     if isinstance(model, (bert.Bert, vit.ViT)):
-        _, aux = model.apply(variables, inputs, return_weights=True)
+        _, aux = apply(variables, inputs, return_weights=True)
         return {"self": _stacked(aux["attention_weights"])}
     if isinstance(model, encdec.EncoderDecoder):
-        _, aux = model.apply(variables, inputs, decoder_inputs, return_weights=True)
+        _, aux = apply(variables, inputs, decoder_inputs, return_weights=True)
         return {"encoder": _stacked(aux["encoder"]["self_attention_weights"]),
                 "decoder": _stacked(aux["decoder"]["self_attention_weights"]),
                 "cross": _stacked(aux["decoder"]["cross_attention_weights"])}
@@ -210,7 +213,7 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
         if not model.config.attention:
             raise ValueError("this RNN is the bottleneck model (attention=False): it reads one "
                              "context vector, so there is no alignment to draw")
-        _, aux = model.apply(variables, inputs, decoder_inputs)
+        _, aux = apply(variables, inputs, decoder_inputs)
         return {"cross": np.asarray(aux["attention"], np.float32)[None]}  # [1, 1, T, S]
     raise TypeError(f"no attention weights for {type(model).__name__}; valid: GPT, Bert, ViT, "
                     f"EncoderDecoder, RNNSeq2Seq")

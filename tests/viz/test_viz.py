@@ -32,7 +32,7 @@ def expected_pixels(fig):
 def tiny_gpt():
     model = gpt.GPT(gpt.GPTConfig.from_variant("gpt-tiny"))  # 2 layers, 4 heads
     tokens = jnp.arange(1, 11, dtype=jnp.int32)[None]
-    return model, model.init(jax.random.PRNGKey(0), tokens)["params"], tokens
+    return model, jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"], tokens
 
 
 def test_grid_png_has_one_panel_per_layer_and_head(tiny_gpt, tmp_path):
@@ -58,7 +58,7 @@ def test_alignment_of_a_tiny_encoder_decoder(tmp_path):
     model = encdec.EncoderDecoder(cfg)
     src = jnp.array([[5, 6, 7, 8, 9, 0, 0]], jnp.int32)  # two pad positions
     tgt_in = jnp.array([[1, 10, 11, 12]], jnp.int32)
-    params = model.init(jax.random.PRNGKey(1), src, tgt_in)["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), src, tgt_in)["params"]
     w = viz.model_attention(model, params, src, tgt_in)
     assert w["cross"].shape == (2, 4, 4, 7) and w["encoder"].shape == (2, 4, 7, 7)
     assert np.all(w["cross"][..., 5:] == 0)  # padding gets no weight
@@ -74,7 +74,7 @@ def test_alignment_of_a_tiny_bahdanau_rnn_and_the_bottleneck_refused(tmp_path):
     src = jnp.array([[4, 5, 6, 7, 8]], jnp.int32)
     tgt_in = jnp.array([[1, 9, 10]], jnp.int32)
     model = rnn.RNNSeq2Seq(cfg)
-    params = model.init(jax.random.PRNGKey(2), src, tgt_in)["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(2), src, tgt_in)["params"]
     alpha = viz.model_attention(model, params, src, tgt_in)["cross"][0, 0]
     assert alpha.shape == (3, 5)
     np.testing.assert_allclose(alpha.sum(-1), 1.0, atol=1e-5)
@@ -83,7 +83,7 @@ def test_alignment_of_a_tiny_bahdanau_rnn_and_the_bottleneck_refused(tmp_path):
 
     import dataclasses
     bottleneck = rnn.RNNSeq2Seq(dataclasses.replace(cfg, attention=False))
-    params = bottleneck.init(jax.random.PRNGKey(2), src, tgt_in)["params"]
+    params = jax.jit(bottleneck.init)(jax.random.PRNGKey(2), src, tgt_in)["params"]
     with pytest.raises(ValueError, match="bottleneck"):
         viz.model_attention(bottleneck, params, src, tgt_in)
 
