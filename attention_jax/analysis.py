@@ -6,6 +6,8 @@
 * Run summaries: the final eval metrics, parameter count and wall time of a set of runs
   (a sweep), as a table and a plot.
 
+* Loss by position past the training length (position encodings), and training curves.
+
 Command line (each reads finished run directories, trains nothing):
   python -m attention_jax.analysis translation --out=docs/results/bottleneck \
       rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck rnn-attention=/tmp/... transformer=/tmp/...
@@ -78,9 +80,9 @@ def bucketed_translation_metrics(lengths: Sequence[int], hypotheses: Sequence[st
 
 
 # ============================================================================= restoring
-def load_run_config(workdir: str):
+def load_run_config(workdir: str, overrides: dict | None = None):
     """The run's config from its config.json, evaluated on one device (an analysis
-    needs no mesh; checkpoints restore onto any mesh)."""
+    needs no mesh; checkpoints restore onto any mesh). `overrides`: {'data.seq_len': 256}."""
     import ml_collections
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -91,16 +93,19 @@ def load_run_config(workdir: str):
     config.mesh.num_devices = 1
     config.mesh.data = 1
     config.train.progress = False
+    for key, value in (overrides or {}).items():
+        group, name = key.split(".")
+        config[group][name] = value
     return config
 
 
-def restore_run(workdir: str):
+def restore_run(workdir: str, overrides: dict | None = None):
     """(config, task, params) from the run's latest checkpoint."""
     import flax.linen as nn
     import jax
 
     from attention_jax import train
-    config = load_run_config(workdir)
+    config = load_run_config(workdir, overrides)
     s = train.setup(config, workdir)
     if s.ckpt.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train the run first")
@@ -241,6 +246,102 @@ def classification_accuracy(workdir: str, split: str = "") -> tuple[float, int]:
     return float(np.mean(np.asarray(logits).argmax(-1) == labels)), len(labels)
 
 
+# ============================================================================== positions
+def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: int = 16):
+    """Validation next-token loss at each position 0..seq_len-1 (a language-model run
+    evaluated on rows of `seq_len`, possibly longer than it was trained on): where a
+    position encoding stops generalising, the loss climbs past the training length.
+    Returns (mean loss per position [seq_len], tokens counted per position)."""
+    import jax
+    import jax.numpy as jnp
+
+    from attention_jax.data import loaders
+    config, task, params = restore_run(workdir, {"data.seq_len": seq_len})
+    model = task.model
+
+    @jax.jit
+    def nll(params, b):  # [B, T] per-token negative log-likelihood.
+        logits, _ = model.apply({"params": params}, b["inputs"], positions=b["positions"],
+                                segment_ids=b["segment_ids"])
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
+
+    loader = loaders.Loader(task.eval_source, global_batch_size=batch_size, seed=0,
+                            shuffle=False, num_epochs=1, transform=task.eval_transform)
+    sums, counts = np.zeros(seq_len), np.zeros(seq_len)
+    for i, b in enumerate(loader):
+        if i >= batches:
+            break
+        losses = np.asarray(nll(params, {k: b[k] for k in
+                                         ("inputs", "targets", "positions", "segment_ids")}))
+        w = np.asarray(b["weights"], bool)
+        np.add.at(sums, b["positions"][w], losses[w])
+        np.add.at(counts, b["positions"][w], 1)
+    return sums / np.maximum(counts, 1), counts
+
+
+def positions_report(runs: dict[str, str], out: str, eval_len: int, train_len: int,
+                     batches: int = 8, batch_size: int = 16) -> dict:
+    """Loss by position of each run at `eval_len` (out.png, out.json) and a table of the
+    mean loss inside and beyond the training length (out.md)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = {}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, workdir in runs.items():
+        loss, counts = position_losses(workdir, eval_len, batches, batch_size)
+        inside = float(np.average(loss[:train_len], weights=counts[:train_len]))
+        beyond = float(np.average(loss[train_len:], weights=np.maximum(counts[train_len:], 1e-9)))
+        results[name] = {"loss_by_position": loss.tolist(), "tokens": counts.tolist(),
+                         "within_train_len": inside, "beyond_train_len": beyond}
+        # A moving average of 8 positions: single positions are noisy at this batch count.
+        smooth = np.convolve(loss, np.ones(8) / 8, mode="valid")
+        ax.plot(np.arange(len(smooth)) + 4, smooth, label=name)
+    ax.axvline(train_len, color="grey", linestyle=":", label=f"training length {train_len}")
+    ax.set_xlabel("position in the row")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out + ".png", dpi=120)
+    plt.close(fig)
+    with open(out + ".json", "w") as f:
+        json.dump({"eval_len": eval_len, "train_len": train_len, "results": results}, f)
+    table = (f"| run | loss, positions < {train_len} | loss, positions {train_len}-{eval_len - 1} |\n"
+             "|---|---|---|\n" + "".join(
+                 f"| {n} | {r['within_train_len']:.3f} | {r['beyond_train_len']:.3f} |\n"
+                 for n, r in results.items()))
+    with open(out + ".md", "w") as f:
+        f.write(table)
+    return results
+
+
+# ================================================================================= curves
+def plot_curves(runs: dict[str, str], path: str, metric: str = "loss") -> None:
+    """Train (thin) and eval (markers) `metric` against step for each run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, workdir) in enumerate(runs.items()):
+        records = read_metrics(workdir)
+        for split, style in (("train", dict(linewidth=1, alpha=0.6)),
+                             ("eval", dict(marker="o", linestyle="--"))):
+            pts = [(r["step"], r[metric]) for r in records if r["split"] == split and metric in r]
+            if pts:
+                ax.plot(*zip(*pts), color=f"C{i}", label=f"{name} {split}", **style)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # =================================================================================== runs
 def read_metrics(workdir: str) -> list[dict]:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -365,15 +466,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--out", required=True)
     r.add_argument("--x", default="", help="model field (or 'tokens') to plot against")
     r.add_argument("--metric", default="accuracy")
+    r.add_argument("--curves", default="", help="also plot this metric against step")
     r.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    p = sub.add_parser("positions", help="LM loss by position beyond the training length")
+    p.add_argument("--out", required=True)
+    p.add_argument("--eval_len", type=int, required=True)
+    p.add_argument("--train_len", type=int, required=True)
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     args = parser.parse_args(argv)
     if args.command == "translation":
         edges = tuple(int(e) for e in args.edges.split(","))
         results = translation_report(_named_runs(args.runs), args.out, args.split, edges,
                                      args.max_examples)
         print(translation_table(results))
+    elif args.command == "positions":
+        positions_report(_named_runs(args.runs), args.out, args.eval_len, args.train_len,
+                         args.batches)
+        print(open(args.out + ".md").read())
     else:
-        rows = runs_report(_named_runs(args.runs), args.out, args.x, args.metric)
+        runs = _named_runs(args.runs)
+        rows = runs_report(runs, args.out, args.x, args.metric)
+        if args.curves:
+            plot_curves(runs, args.out + "_curves.png", args.curves)
         print(runs_table(rows, args.metric))
 
 

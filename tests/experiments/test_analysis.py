@@ -4,6 +4,7 @@ runs trained for a couple of steps."""
 import json
 import os
 
+import numpy as np
 import pytest
 
 from attention_jax import analysis, train
@@ -94,3 +95,20 @@ def test_runs_report_counts_every_test_image(tmp_path):
     assert rows["p2"]["params"] > 0 and rows["p2"]["step"] == 2
     assert os.path.getsize(out + ".png") > 0
     assert "| p4 | 5 |" in open(out + ".md").read()
+
+
+@pytest.mark.slow
+def test_position_losses_past_the_training_length(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    workdir = _tiny_run("ablation_lm", "study=position,variant=learned", data_dir,
+                        str(tmp_path / "learned"))
+    loss, counts = analysis.position_losses(workdir, seq_len=64, batches=2, batch_size=4)
+    assert loss.shape == counts.shape == (64,)
+    assert counts[:32].sum() > 0 and counts[32:].sum() > 0  # rows longer than trained (32)
+    assert np.all(np.isfinite(loss)) and np.all(loss[counts > 0] > 0)
+    out = str(tmp_path / "report" / "positions")
+    results = analysis.positions_report({"learned": workdir}, out, eval_len=64, train_len=32,
+                                        batches=2, batch_size=4)
+    assert set(results["learned"]) >= {"within_train_len", "beyond_train_len"}
+    analysis.plot_curves({"learned": workdir}, out + "_curves.png")
+    assert os.path.getsize(out + ".png") > 0 and os.path.getsize(out + "_curves.png") > 0

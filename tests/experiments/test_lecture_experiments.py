@@ -44,7 +44,10 @@ def shrink(c, data_dir):
 
 CASES = [("bottleneck", "model=rnn-bottleneck"), ("bottleneck", "model=rnn-attention"),
          ("bottleneck", "model=transformer"), ("char_gpt", None), ("char_gpt", "size=baby"),
-         ("vit_digits", None), ("vit_digits", "pool=gap,patch=4")]
+         ("vit_digits", None), ("vit_digits", "pool=gap,patch=4"),
+         ("ablation_lm", "study=position,variant=learned"),
+         ("ablation_lm", "study=position,variant=rope"),
+         ("ablation_lm", "study=moe,variant=dense"), ("ablation_lm", "study=moe,variant=moe")]
 
 
 @pytest.mark.slow
@@ -82,3 +85,16 @@ def test_unknown_arguments_name_the_valid_ones():
         load("bottleneck").get_config("model=lstm")
     with pytest.raises(ValueError, match=r"size='huge' is unknown; valid: \['baby', 'cpu'\]"):
         load("char_gpt").get_config("size=huge")
+    with pytest.raises(ValueError, match=r"variant='rope' is unknown for study=moe; "
+                                         r"valid: \('dense', 'moe'\)"):
+        load("ablation_lm").get_config("study=moe,variant=rope")
+
+
+def test_ablation_pairs_differ_in_one_field():
+    get = load("ablation_lm").get_config
+    learned, rope = (get(f"study=position,variant={v}").to_dict() for v in ("learned", "rope"))
+    assert learned["model"].pop("position") == "learned" and rope["model"].pop("position") == "rope"
+    assert learned == rope
+    dense, moe = (get(f"study=moe,variant={v}").to_dict() for v in ("dense", "moe"))
+    assert (dense["model"].pop("mlp"), moe["model"].pop("mlp")) == ("mlp", "moe")
+    assert dense == moe and moe["model"]["top_k"] == 1  # equal active MLP parameters
