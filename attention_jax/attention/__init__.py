@@ -38,12 +38,13 @@ IMPLEMENTATIONS = ("auto", "reference", "blockwise", "xla", "cudnn")
 def default_block_sizes(backend: Optional[str] = None) -> tuple[int, int]:
     """(block_q, block_k) for the blockwise path on this backend.
 
-    Larger tiles keep the matmuls efficient; the tile [B, N, bq, bk] is the only
-    score memory, so it stays a few MB at most. Measured with `attention_jax.bench`.
+    The tile [B, N, bq, bk] is the only score memory. On CPU a tile of a few MB keeps
+    the matmuls efficient while the exp and reductions still run from cache: 256×512
+    was fastest of 128..1024 at N=4096 (`python -m attention_jax.bench attention`).
     """
     backend = backend or jax.default_backend()
     if backend == "cpu":
-        return 512, 1024
+        return 256, 512
     return 512, 512
 
 
