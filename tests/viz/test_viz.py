@@ -132,3 +132,15 @@ def test_command_line_on_a_two_step_workdir(tmp_path, capsys):
     # A higher drawing limit still stops at the position table (max_len 128).
     assert viz.main(["--workdir", workdir, "--text", "x" * 130, "--max-tokens", "200"]) == 1
     assert "is 130 tokens long; the model's context is 128" in capsys.readouterr().err
+
+
+def test_vit_grid_has_cls_and_patch_positions(tmp_path):
+    from attention_jax.models import vit
+    model = vit.ViT(vit.ViTConfig.from_variant("vit-tiny/4"))  # 4 patches + [CLS]
+    images = jnp.zeros((1, 8, 8, 1))
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), images)["params"]
+    weights = viz.model_attention(model, params, images)["self"]
+    assert weights.shape == (2, 2, 5, 5)
+    fig = viz.plot_attention_grid(weights, ["[CLS]", "0,0", "0,1", "1,0", "1,1"])
+    assert len(fig.axes) == 4
+    assert png_shape(viz.save(fig, str(tmp_path / "vit.png")))[:2] == expected_pixels(fig)
