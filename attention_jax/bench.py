@@ -78,6 +78,15 @@ def _jax_fns(impl: str, causal: bool):
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+def predicted_seconds(rows, impl, n, causal):
+    """fwd+bwd time at n extrapolated from this implementation's largest smaller n (∝ n²)."""
+    done = [r for r in rows if r["impl"] == impl and r["causal"] == causal and "fwd_bwd_s" in r]
+    if not done:
+        return 0.0
+    last = max(done, key=lambda r: r["n"])
+    return last["fwd_bwd_s"] * (n / last["n"]) ** 2
+
+
 def bench_jax(impl, n, causal, repeats, memory_budget):
     """Times and temp memory of one JAX implementation; skips what would not fit."""
     shape = jax.ShapeDtypeStruct((1, n, HEADS, HEAD_DIM), jnp.float32)
@@ -93,11 +102,18 @@ def bench_jax(impl, n, causal, repeats, memory_budget):
         row["skipped"] = (f"needs {row['fwd_bwd_temp_bytes'] / 2**30:.1f} GiB of temp memory; "
                           f"budget {memory_budget / 2**30:.1f} GiB")
         return row
-    keys = jax.random.split(jax.random.key(n), 3)
-    q, k, v = (jax.random.normal(key, shape.shape, jnp.float32) for key in keys)
-    for name, exe in compiled.items():
-        row[f"{name}_s"] = median_time(lambda: jax.block_until_ready(exe(q, k, v)), repeats)
     return row
+
+
+def time_jax(impl, n, causal, repeats):
+    """Median forward and forward+backward times of one JAX implementation."""
+    shape = (1, n, HEADS, HEAD_DIM)
+    keys = jax.random.split(jax.random.key(n), 3)
+    q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    times = {}
+    for name, fn in zip(("fwd", "fwd_bwd"), _jax_fns(impl, causal)):
+        times[f"{name}_s"] = median_time(lambda: jax.block_until_ready(fn(q, k, v)), repeats)
+    return times
 
 
 # ----------------------------------------------------------------------------- PyTorch peer
@@ -210,10 +226,23 @@ def run_attention(args):
         for causal in (False, True):
             for impl in JAX_IMPLS:
                 row = bench_jax(impl, n, causal, repeats, budget)
+                guess = predicted_seconds(rows, impl, n, causal)
+                if "skipped" not in row and guess > args.time_budget:
+                    # Memory (compiled above) is still reported; only the timing is skipped.
+                    row["skipped"] = (f"fwd+bwd would take ~{guess:.1f} s per call "
+                                      f"(--time-budget {args.time_budget:.0f} s)")
+                elif "skipped" not in row:
+                    row.update(time_jax(impl, n, causal, repeats))
                 rows.append(row)
                 print(f"  N={n} causal={causal} {impl}: {_progress(row)}", file=sys.stderr)
             if peers:
-                rows.append(bench_torch(n, causal, repeats))
+                guess = predicted_seconds(rows, "torch_sdpa", n, causal)
+                if guess > args.time_budget:
+                    rows.append({"impl": "torch_sdpa", "n": n, "causal": causal, "skipped":
+                                 f"fwd+bwd would take ~{guess:.1f} s per call "
+                                 f"(--time-budget {args.time_budget:.0f} s)"})
+                else:
+                    rows.append(bench_torch(n, causal, repeats))
     table = attention_table(rows, rate)
     print(table)
     notes = [f"N={r['n']} causal={r['causal']} {r['impl']}: skipped, {r['skipped']}"
@@ -238,6 +267,9 @@ def main(argv=None):
     att.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     att.add_argument("--memory-fraction", type=float, default=0.5,
                      help="skip an implementation whose temp memory exceeds this share of free RAM")
+    att.add_argument("--time-budget", type=float, default=8.0,
+                     help="skip timing an implementation whose fwd+bwd would exceed this many "
+                          "seconds per call (extrapolated from the previous N)")
     att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")
     from attention_jax import bench_train  # `train`: throughput against PyTorch peers
     bench_train.add_parser(sub)
