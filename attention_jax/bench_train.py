@@ -19,7 +19,8 @@ so both sides use the same cores. Dropout is 0 on both sides; batches are synthe
 (random tokens / images, the same arrays every step: throughput only).
 
 Timing: a few untimed warm-up steps (ours includes compilation), then the median of
-`--repeats` individually timed steps, each ended by waiting for the loss.
+`--repeats` individually timed steps, each ended by waiting for the loss; the two sides
+take turns step by step, so load from other jobs on a shared machine hits both alike.
 
 Model FLOPs (the PaLM convention, Chowdhery et al. 2022, App. B), per token of a step:
     6·N  +  12·L·T·D
@@ -132,16 +133,21 @@ def synthetic_batch(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
     return {"inputs": inputs, "positions": positions.astype(np.int32), "targets": targets}
 
 
-def median_step_time(step: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, list]:
-    """Median wall time of step() (which must block until done) after `warmup` calls."""
-    for _ in range(warmup):
-        step()
-    times = []
+def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int,
+                     repeats: int) -> dict[str, list[float]]:
+    """Wall times of each step() (which must block until done), after `warmup` calls of
+    each. The sides take turns, one step each, so that load from other processes on a
+    shared machine falls on both alike rather than on whichever ran second."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 # ======================================================================================= ours
@@ -199,12 +205,12 @@ def matmul_param_count(params) -> int:
     return total
 
 
-def bench_ours(shape: Shape, warmup: int, repeats: int, implementation: str = "blockwise") -> dict:
+def prepare_ours(shape: Shape, implementation: str = "blockwise"):
+    """(step(), info): one jitted training step of our model on a fixed synthetic batch."""
     import flax.linen as nn
     model, loss_fn, init_args = build_ours(shape, implementation)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), *init_args)["params"])
     tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    state = (params, tx.init(params))
 
     def train_step(state, batch):
         params, opt_state = state
@@ -214,17 +220,16 @@ def bench_ours(shape: Shape, warmup: int, repeats: int, implementation: str = "b
 
     step_fn = jax.jit(train_step, donate_argnums=0)  # the new state reuses the old buffers
     batch = jax.tree.map(jnp.asarray, synthetic_batch(shape))
-    box = {"state": state, "loss": None}
+    info = {"side": "jax", "impl": implementation,
+            "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+            "matmul_params": matmul_param_count(params)}
+    box = {"state": (params, tx.init(params))}
 
     def step():
         box["state"], loss = step_fn(box["state"], batch)
-        box["loss"] = float(loss)  # waits for the step
+        info["loss"] = float(loss)  # waits for the step
 
-    median, times = median_step_time(step, warmup, repeats)
-    return {"side": "jax", "impl": implementation, "params": sum(int(np.prod(x.shape)) for x in
-                                                                  jax.tree.leaves(params)),
-            "matmul_params": matmul_param_count(params), "step_s": median, "times": times,
-            "loss": box["loss"]}
+    return step, info
 
 
 # ======================================================================================= peer
@@ -261,7 +266,8 @@ def build_torch(shape: Shape):
     return tf.ViTForImageClassification(cfg)
 
 
-def bench_torch(shape: Shape, warmup: int, repeats: int) -> dict:
+def prepare_torch(shape: Shape):
+    """(step(), info): one eager training step of the transformers peer."""
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
@@ -274,33 +280,34 @@ def bench_torch(shape: Shape, warmup: int, repeats: int) -> dict:
         kwargs = {"pixel_values": torch.from_numpy(b["image"]).permute(0, 3, 1, 2).contiguous(),
                   "labels": torch.from_numpy(b["label"]).long()}
     elif shape.family == "gpt":
-        # GPT2LMHeadModel shifts labels itself: give it the whole window, labels = inputs.
-        full = torch.from_numpy(np.concatenate([b["inputs"], b["targets"][:, -1:]], 1)).long()
-        kwargs = {"input_ids": full[:, :-1], "labels": full[:, :-1]}
+        # GPT2LMHeadModel shifts the labels itself: labels = the input window.
+        inputs = torch.from_numpy(b["inputs"]).long()
+        kwargs = {"input_ids": inputs, "labels": inputs}
     else:
         labels = torch.full(b["inputs"].shape, -100, dtype=torch.long)  # -100: not predicted
         labels.scatter_(1, torch.from_numpy(b["positions"]).long(),
                         torch.from_numpy(b["targets"]).long())
         kwargs = {"input_ids": torch.from_numpy(b["inputs"]).long(), "labels": labels}
-    box = {}
+    info = {"side": "torch", "impl": getattr(model.config, "_attn_implementation", "eager"),
+            "params": sum(p.numel() for p in model.parameters())}
 
     def step():
         opt.zero_grad(set_to_none=True)
         loss = model(**kwargs).loss
         loss.backward()
         opt.step()
-        box["loss"] = loss.item()
+        info["loss"] = loss.item()
 
-    median, times = median_step_time(step, warmup, repeats)
-    return {"side": "torch", "impl": getattr(model.config, "_attn_implementation", "eager"),
-            "params": sum(p.numel() for p in model.parameters()), "step_s": median,
-            "times": times, "loss": box["loss"]}
+    return step, info
 
 
 # ===================================================================================== report
-def finish_row(row: dict, shape: Shape, matmul_params: int, rate: float) -> dict:
-    """Adds steps/s, units/s, model FLOP/s and MFU (the same FLOP count for both sides)."""
+def finish_row(row: dict, times: list[float], shape: Shape, matmul_params: int,
+               rate: float) -> dict:
+    """Median step time, steps/s, units/s, model FLOP/s and MFU (the same FLOP count for
+    both sides)."""
     flops = model_flops_per_step(shape, matmul_params)
+    row.update(times=times, step_s=statistics.median(times))
     row.update(model=shape.name, unit=shape.unit, batch=shape.batch, seq=shape.tokens,
                steps_per_s=1.0 / row["step_s"],
                units_per_s=shape.units_per_step() / row["step_s"],
@@ -338,19 +345,29 @@ def run_train(args) -> list[dict]:
     if unknown:
         raise SystemExit(f"error: --models {unknown} unknown; valid: {sorted(table)}")
     peers = torch_available() and not args.no_torch
-    rate = bench.matmul_rate(repeats=args.matmul_repeats)
+    # The machine's rate is the best of a measurement before and after: on a shared
+    # machine a single one may catch another job and flatter every MFU.
+    rate_before = bench.matmul_rate(repeats=args.matmul_repeats)
     print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads, matmul "
-          f"{rate / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'no'}", file=sys.stderr)
-    rows = []
+          f"{rate_before / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'no'}",
+          file=sys.stderr)
+    measured = []  # (shape, info, times): rows once the matmul rate is known
     for name in names:
         shape = table[name]
-        ours = bench_ours(shape, args.warmup, args.repeats, args.implementation)
-        rows.append(finish_row(ours, shape, ours["matmul_params"], rate))
-        print(f"  {name} jax: {ours['step_s'] * 1e3:.1f} ms/step", file=sys.stderr)
+        steps, infos = {}, {}
+        steps["jax"], infos["jax"] = prepare_ours(shape, args.implementation)
         if peers:
-            theirs = bench_torch(shape, args.warmup, args.repeats)
-            rows.append(finish_row(theirs, shape, ours["matmul_params"], rate))
-            print(f"  {name} torch: {theirs['step_s'] * 1e3:.1f} ms/step", file=sys.stderr)
+            steps["torch"], infos["torch"] = prepare_torch(shape)
+        times = time_interleaved(steps, args.warmup, args.repeats)
+        for side in steps:
+            measured.append((shape, infos[side], times[side], infos["jax"]["matmul_params"]))
+            print(f"  {name} {side}: {statistics.median(times[side]) * 1e3:.1f} ms/step",
+                  file=sys.stderr)
+    rate = max(rate_before, bench.matmul_rate(repeats=args.matmul_repeats))
+    # Both sides count model FLOPs from our parameter count (the peers' differ by BERT's
+    # unused pooler/NSP head at most).
+    rows = [finish_row(info, times, shape, matmul_params, rate)
+            for shape, info, times, matmul_params in measured]
     print(train_table(rows, rate))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
