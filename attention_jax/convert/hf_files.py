@@ -1,0 +1,137 @@
+"""Hugging Face model dirs on disk: config.json + model.safetensors or pytorch_model.bin.
+
+Reading safetensors needs only numpy; pytorch_model.bin needs torch, imported only then.
+Also the error every conversion raises when tensors and parameters do not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+
+class ConversionError(ValueError):
+    """Checkpoint tensors that do not fit the model: every offending name is listed."""
+
+
+def describe(title, missing=(), unexpected=(), mismatched=(), limit=20) -> str:
+    """ConversionError's message: every offending name, by what is wrong with it."""
+    lines = [title + ":"]
+    for label, items in (("missing", missing), ("unexpected", unexpected),
+                         ("shape mismatch", mismatched)):
+        for item in list(items)[:limit]:
+            lines.append(f"  {label}: {item}")
+        if len(items) > limit:
+            lines.append(f"  ... and {len(items) - limit} more {label}")
+    return "\n".join(lines)
+
+
+# ================================================================================ reading
+
+
+def _read_safetensors(file: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+    try:
+        return load_file(file)
+    except TypeError:
+        # numpy has no bfloat16, so the safetensors numpy reader refuses bf16 files; the
+        # format is a JSON header + raw buffers, which ml_dtypes (a jax dependency) reads.
+        return _read_safetensors_raw(file)
+
+
+def _read_safetensors_raw(file: str) -> dict[str, np.ndarray]:
+    import ml_dtypes
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in dtypes:
+            raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}; "
+                             f"readable: {sorted(dtypes)}")
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(data[start:end], dtypes[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def _read_torch(file: str) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"{file} is a PyTorch pickle; reading it needs torch (pip install "
+                          f"'attention_jax[torch]'), or save the model as model.safetensors "
+                          f"(transformers: save_pretrained(dir, safe_serialization=True))") from None
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
+
+
+def _read_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a model dir: single file or sharded (an index.json naming the shards)."""
+    for name, reader in (("model.safetensors", _read_safetensors),
+                         ("pytorch_model.bin", _read_torch)):
+        if os.path.exists(os.path.join(path, name)):
+            return reader(os.path.join(path, name))
+        index = os.path.join(path, name + ".index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            out = {}
+            for shard in shards:
+                out.update(reader(os.path.join(path, shard)))
+            return out
+    raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin (nor a sharded "
+                            f"*.index.json); files there: {sorted(os.listdir(path))}")
+
+
+def read_hf_dir(path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json as a dict, {tensor name: float32 array}) of a Hugging Face model dir.
+
+    Legacy TF-era names (LayerNorm.gamma / .beta) are renamed to weight / bias, as
+    transformers itself does on load."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a directory; expected a Hugging Face model "
+                                f"dir with config.json and model.safetensors or pytorch_model.bin")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(f"{path}: no config.json (the model's architecture); files "
+                                f"there: {sorted(os.listdir(path))}")
+    with open(cfg_file) as f:
+        hf_cfg = json.load(f)
+    tensors = {}
+    for name, x in _read_tensors(path).items():
+        name = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", name))
+        tensors[name] = np.asarray(x, np.float32) if np.issubdtype(x.dtype, np.floating) or \
+            x.dtype.name == "bfloat16" else np.asarray(x)
+    return hf_cfg, tensors
+
+
+def read_hf_config(path_or_config) -> dict:
+    """config.json of a model dir, or the dict itself."""
+    if isinstance(path_or_config, dict):
+        return path_or_config
+    with open(os.path.join(os.fspath(path_or_config), "config.json")) as f:
+        return json.load(f)
+
+
+# ================================================================================ writing
+
+
+def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
+    """config.json + model.safetensors that transformers' from_pretrained reads."""
+    os.makedirs(out_dir, exist_ok=True)
+    from safetensors.numpy import save_file
+    # transformers checks the "format" metadata to know the layout is PyTorch's.
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    return os.fspath(out_dir)
