@@ -20,7 +20,8 @@ so both sides use the same cores. Dropout is 0 on both sides; batches are synthe
 
 Timing: a few untimed warm-up steps (ours includes compilation), then the median of
 `--repeats` individually timed steps, each ended by waiting for the loss; the two sides
-take turns step by step, so load from other jobs on a shared machine hits both alike.
+take turns in two blocks each, so load from other jobs on a shared machine hits both
+alike (see time_in_turns).
 
 Model FLOPs (the PaLM convention, Chowdhery et al. 2022, App. B), per token of a step:
     6·N  +  12·L·T·D
@@ -133,20 +134,26 @@ def synthetic_batch(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
     return {"inputs": inputs, "positions": positions.astype(np.int32), "targets": targets}
 
 
-def time_interleaved(steps: dict[str, Callable[[], Any]], warmup: int,
-                     repeats: int) -> dict[str, list[float]]:
-    """Wall times of each step() (which must block until done), after `warmup` calls of
-    each. The sides take turns, one step each, so that load from other processes on a
-    shared machine falls on both alike rather than on whichever ran second."""
+def time_in_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int,
+                  rounds: int = 2) -> dict[str, list[float]]:
+    """Wall times of each step() (which must block until done): `repeats` per side, taken
+    in `rounds` blocks that alternate between the sides, so that load from other jobs
+    on a shared machine falls on both alike. Each block starts with one untimed step,
+    and blocks are long rather than single steps: right after the other framework ran,
+    a step is slow (its worker threads were still spinning; measured: torch steps
+    alternated one by one with JAX steps took 10× longer on gpt-cpu)."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     times = {name: [] for name in steps}
-    for _ in range(repeats):
+    per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
+    for count in per_round:
         for name, step in steps.items():
-            start = time.perf_counter()
             step()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(count):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -358,7 +365,7 @@ def run_train(args) -> list[dict]:
         steps["jax"], infos["jax"] = prepare_ours(shape, args.implementation)
         if peers:
             steps["torch"], infos["torch"] = prepare_torch(shape)
-        times = time_interleaved(steps, args.warmup, args.repeats)
+        times = time_in_turns(steps, args.warmup, args.repeats)
         for side in steps:
             measured.append((shape, infos[side], times[side], infos["jax"]["matmul_params"]))
             print(f"  {name} {side}: {statistics.median(times[side]) * 1e3:.1f} ms/step",
