@@ -20,8 +20,9 @@ so both sides use the same cores. Dropout is 0 on both sides; batches are synthe
 
 Timing: a few untimed warm-up steps (ours includes compilation), then the median of
 `--repeats` individually timed steps, each ended by waiting for the loss; the two sides
-take turns in two blocks each, so load from other jobs on a shared machine hits both
-alike (see time_in_turns).
+take turns in two blocks each, with a pause before each block, so load from other jobs
+on a shared machine hits both alike and neither runs while the other's threads still
+spin (see time_in_turns).
 
 Model FLOPs (the PaLM convention, Chowdhery et al. 2022, App. B), per token of a step:
     6·N  +  12·L·T·D
@@ -135,13 +136,16 @@ def synthetic_batch(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def time_in_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int,
-                  rounds: int = 2) -> dict[str, list[float]]:
+                  rounds: int = 2, settle_s: float = 2.0) -> dict[str, list[float]]:
     """Wall times of each step() (which must block until done): `repeats` per side, taken
     in `rounds` blocks that alternate between the sides, so that load from other jobs
-    on a shared machine falls on both alike. Each block starts with one untimed step,
-    and blocks are long rather than single steps: right after the other framework ran,
-    a step is slow (its worker threads were still spinning; measured: torch steps
-    alternated one by one with JAX steps took 10× longer on gpt-cpu)."""
+    on a shared machine falls on both alike.
+
+    Each block starts after a `settle_s` pause and one untimed step: right after one
+    framework ran, the other is slow while the first one's worker threads still spin
+    (measured on vit-digits: torch 15 ms/step alone, 300 ms just after JAX steps, 15 ms
+    again 2 s later).
+    """
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -149,6 +153,7 @@ def time_in_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int
     per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
     for count in per_round:
         for name, step in steps.items():
+            time.sleep(settle_s)
             step()
             for _ in range(count):
                 start = time.perf_counter()
@@ -365,7 +370,7 @@ def run_train(args) -> list[dict]:
         steps["jax"], infos["jax"] = prepare_ours(shape, args.implementation)
         if peers:
             steps["torch"], infos["torch"] = prepare_torch(shape)
-        times = time_in_turns(steps, args.warmup, args.repeats)
+        times = time_in_turns(steps, args.warmup, args.repeats, settle_s=args.settle)
         for side in steps:
             measured.append((shape, infos[side], times[side], infos["jax"]["matmul_params"]))
             print(f"  {name} {side}: {statistics.median(times[side]) * 1e3:.1f} ms/step",
@@ -394,5 +399,7 @@ def add_parser(sub) -> None:
     p.add_argument("--implementation", default="blockwise",
                    help="our attention backend (reference | blockwise | xla)")
     p.add_argument("--matmul-repeats", type=int, default=10, help="timed 2048² matmuls")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds of pause before each block of timed steps")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--out", default="bench_results/train.json", help="JSON output path")

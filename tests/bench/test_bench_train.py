@@ -27,7 +27,7 @@ def test_run_train_writes_table_and_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench_train.add_parser(parser.add_subparsers(dest="which"))
     args = parser.parse_args(["train", "--models", "gpt-test", "--warmup", "1", "--repeats", "2",
-                              "--matmul-repeats", "1", "--out", str(out)])
+                              "--matmul-repeats", "1", "--settle", "0", "--out", str(out)])
     rows = bench_train.run_train(args)
     sides = {r["side"] for r in rows}
     assert "jax" in sides and (sides == {"jax"} or sides == {"jax", "torch"})
