@@ -220,7 +220,9 @@ def plot_translation(results: dict[str, list[dict]], path: str) -> None:
     for ax, title in zip(axes, ("exact-match accuracy (%)", "BLEU")):
         ax.set_title(title)
         ax.set_xlabel("source length (BPE tokens)")
-        ax.set_ylim(0, 102)
+        # Zoomed to the data (not 0-100): the differences that matter are a few points.
+        low = min(v for line in ax.get_lines() for v in line.get_ydata() if np.isfinite(v))
+        ax.set_ylim(max(0.0, low - 5), 101)
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()

@@ -18,8 +18,13 @@ Command (2-core CPU; one line per model, then the bucketed evaluation on the tes
       rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck \
       rnn-attention=/tmp/bottleneck/rnn-attention transformer=/tmp/bottleneck/transformer
 
-Measured (2-core CPU): see docs/results.md ("The bottleneck and attention") for the
-table, the plot and the wall time of each of the three runs.
+Measured (2-core CPU, other jobs sharing the cores): 1500 steps each in 140 s
+(rnn-bottleneck), 192 s (rnn-attention), 144 s (transformer); the evaluation 11 s.
+Exact match on the 1000 test pairs by source length (BPE tokens 1-8 / 9-16 / 17-24 /
+25-32): rnn-bottleneck 100 / 99.1 / 95.0 / 83.4% (BLEU 100 / 99.5 / 98.3 / 95.9),
+rnn-attention 100% in every bucket, transformer 96.9 / 99.7 / 99.5 / 99.5% (BLEU
+98.8-99.9): only the single-vector model degrades with length. Table and plot:
+docs/results.md ("The bottleneck and attention").
 """
 
 import ml_collections
@@ -70,8 +75,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.target = "fr"  # fr | de (German reorders: 'einundzwanzig').
     c.data.tokenizer = "bpe"  # one byte-level BPE vocabulary for both languages.
     c.data.vocab_size = 512
-    c.data.source_len = 32  # the longest source is 30 tokens: nothing is cut.
-    c.data.target_len = 32  # the longest target is 30 tokens + EOS.
+    c.data.source_len = 40  # the longest training sentence is 35 BPE tokens: nothing is cut.
+    c.data.target_len = 40  # 35 + EOS.
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 

@@ -4,21 +4,26 @@ more tokens, more compute, and usually better accuracy).
 
 A wider, deeper ViT than experiments/vit.py (width 64, 4 layers, 4 heads), trained
 longer. Arguments: `pool=cls|gap` and `patch=1|2|4|8` (8×8 images: 64, 16, 4 or 1
-patch tokens, plus [CLS] when pool=cls).
+patch tokens, plus [CLS] when pool=cls; default 4).
 
-Command (2-core CPU): the default run, then the sweeps and their table and plot:
-  python -m attention_jax.main --config=experiments/vit_digits.py --workdir=/tmp/vitd/cls-p2
-  python -m attention_jax.main --config=experiments/vit_digits.py:pool=gap \
-      --workdir=/tmp/vitd/gap-p2
-  for p in 1 4 8; do python -m attention_jax.main \
+Command (2-core CPU): the default run (4×4 patches, [CLS]), then the sweeps and their
+tables and plot (analysis.py evaluates every one of the 359 test images):
+  python -m attention_jax.main --config=experiments/vit_digits.py --workdir=/tmp/vitd/cls-p4
+  for p in 1 2 8; do python -m attention_jax.main \
       --config=experiments/vit_digits.py:patch=$p --workdir=/tmp/vitd/cls-p$p; done
+  python -m attention_jax.main --config=experiments/vit_digits.py:pool=gap,patch=2 \
+      --workdir=/tmp/vitd/gap-p2
   python -m attention_jax.analysis runs --out=docs/results/vit_patches --x=tokens \
       p1=/tmp/vitd/cls-p1 p2=/tmp/vitd/cls-p2 p4=/tmp/vitd/cls-p4 p8=/tmp/vitd/cls-p8
   python -m attention_jax.analysis runs --out=docs/results/vit_pool \
       cls=/tmp/vitd/cls-p2 gap=/tmp/vitd/gap-p2
 
-Measured (2-core CPU): see docs/results.md ("ViT on digits") for test accuracy and wall
-time of every run.
+Measured (2-core CPU, other jobs sharing the cores): the default (patch 4, 5 tokens)
+reaches 97.8% test accuracy (all 359 images) in 29 s wall, 2000 steps. Patch 8 / 2 / 1
+(2 / 17 / 65 tokens): 96.9% in 25 s / 96.9% in 44 s / 68.0% in 143 s; at patch 2,
+average pooling 97.2% vs [CLS] 96.9%. On 8×8 images one-pixel tokens (a 1-d patch
+embedding) train worst and slowest: the lectures' "more tokens, more accuracy" needs
+patches that carry some structure. Tables: docs/results.md ("ViT on digits").
 """
 
 import ml_collections
@@ -32,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = "vit"  # image classification (tasks.image_task).
 
     c.model.variant = "vit-tiny/2"  # models/vit.py VARIANTS: 8×8 grey images, 10 classes.
-    c.model.patch_size = int(args.get("patch", 2))  # 1 | 2 | 4 | 8 pixels per patch side.
+    c.model.patch_size = int(args.get("patch", 4))  # 1 | 2 | 4 | 8 pixels per patch side.
     c.model.pool = args.get("pool", "cls")  # cls: the [CLS] token; gap: mean of patch tokens.
     c.model.d_model = 64  # D.
     c.model.num_layers = 4
