@@ -244,7 +244,8 @@ class Run:
     params: Any
     tokenizer: Any
     step: int
-    setup: Any
+    mesh: Any
+    rules: Any
 
 
 def load_config(workdir: str):
@@ -270,26 +271,39 @@ def load_config(workdir: str):
 def load_run(workdir: str) -> Run:
     """Config, tokenizer and the latest checkpoint's params of a training workdir.
 
-    Uses the trainer's own setup (the same task adapter builds the same model, with the
-    tokenizer saved in the workdir) and restores the latest train state.
+    The model comes from the trainer's own task adapter (the same model, with the
+    tokenizer saved in the workdir), the state shapes from its create_state. The
+    checkpoint is opened read-only rather than through train.setup: a writable manager
+    removes the temporary directories of a save in progress, and a run may still be
+    training in this workdir while we draw.
     """
     import flax.linen as nn
     import jax
-    from attention_jax import data, train
+    from attention_jax import checkpoint as ckpt_lib
+    from attention_jax import data, sharding, train
     config = load_config(workdir)
-    s = train.setup(config, workdir)
+    train.validate_config(config, 1)
+    mesh = sharding.make_mesh({a: config.mesh[a] for a in sharding.MESH_AXES}, jax.devices()[:1])
+    rules = sharding.rules_from_config(config.mesh.rules)
+    task = train.TASKS[config.task](config, workdir)
+    tx, _ = train.make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
+    with nn.logical_axis_rules(rules):
+        abstract, _, _ = train.create_state(task, tx, mesh, rules, config.train.seed)
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint in {directory}: train first")
+    ckpt = ckpt_lib.Checkpointer(directory, read_only=True)
     try:
-        if s.ckpt.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
-        # As main.py's sample mode: the whole state onto this (one-device) mesh.
-        with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-            state, _ = s.ckpt.restore(s.abstract)
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}: train first")
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            state, _ = ckpt.restore(abstract)  # as main.py's sample mode, onto one device
     finally:
-        s.ckpt.close()
-    params, step = state["params"], int(jax.device_get(state["step"]))
+        ckpt.close()
     tok_dir = os.path.join(workdir, "tokenizer")
     tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
-    return Run(config, s.task, params, tokenizer, step, s)
+    return Run(config, task, state["params"], tokenizer, int(jax.device_get(state["step"])),
+               mesh, rules)
 
 
 def _context(model) -> int | None:
@@ -323,7 +337,7 @@ def maps_for_run(run: Run, text: str | None, *, target: str | None = None,
     import jax
     from attention_jax.models import encdec, rnn, vit
     model, tok = run.task.model, run.tokenizer
-    with jax.set_mesh(run.setup.mesh), nn.logical_axis_rules(run.setup.rules):
+    with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
         if isinstance(model, vit.ViT):
             return _vit_maps(run, image_index, layers)
         if text is None:
