@@ -401,18 +401,21 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
 
 def runs_table(rows: dict[str, dict], metric: str = "accuracy") -> str:
     has_tokens = any("tokens" in r for r in rows.values())
-    head = ("| run | " + ("tokens | " if has_tokens else "") +
-            f"params | steps | eval {metric} | eval loss | wall time |\n")
-    sep = "|---|" + ("---|" if has_tokens else "") + "---|---|---|---|---|\n"
+    loss_column = metric != "loss"  # The loss beside another metric; not twice.
+    head = ("| run | " + ("tokens | " if has_tokens else "") + f"params | steps | eval {metric} | "
+            + ("eval loss | " if loss_column else "") + "wall time |\n")
+    sep = "|---|" + ("---|" if has_tokens else "") + "---|---|---|" + \
+        ("---|" if loss_column else "") + "---|\n"
     lines = []
     for name, r in rows.items():
         value = r["eval"].get(metric)
         shown = "–" if value is None else (f"{100 * value:.1f}%" if metric == "accuracy"
-                                           else f"{value:.4g}")
+                                           else f"{value:.4f}")
         loss = r["eval"].get("loss")
         lines.append(f"| {name} | " + (f"{r.get('tokens', '–')} | " if has_tokens else "") +
-                     f"{r['params']:,} | {r['step']} | {shown} | "
-                     f"{'–' if loss is None else f'{loss:.4f}'} | {r['wall_s']:.0f} s |\n")
+                     f"{r['params']:,} | {r['step']} | {shown} | " +
+                     (f"{'–' if loss is None else f'{loss:.4f}'} | " if loss_column else "") +
+                     f"{r['wall_s']:.0f} s |\n")
     return head + sep + "".join(lines)
 
 
