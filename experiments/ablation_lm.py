@@ -26,7 +26,7 @@ Command (2-core CPU):
   python -m attention_jax.analysis runs --metric=loss --curves=loss \
       --out=docs/results/moe dense=/tmp/abl/moe-dense moe=/tmp/abl/moe-moe
 
-Measured (2-core CPU, other jobs sharing the cores), 1000 steps of batch 16 each:
+Measured (2-core CPU): 1000 steps of batch 16 each, other jobs sharing the cores:
   position: learned 140 s, RoPE 179 s. Validation loss (trained on 64) at positions
     0-63 / 64-255 of 256-token rows: learned 1.94 / 3.50 (jumps at exactly 64), RoPE
     1.64 / 2.38 (flat to ~100, then rises gradually).

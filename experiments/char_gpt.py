@@ -17,7 +17,7 @@ Samples from a checkpoint:
   python -m attention_jax.main --config=experiments/char_gpt.py --workdir=/tmp/char_gpt \
       --mode=sample
 
-Measured (2-core CPU, other jobs sharing the cores): the CPU recipe (0.8M parameters)
+Measured (2-core CPU): other jobs sharing the cores, the CPU recipe (0.8M parameters)
 trains 2000 steps in 182 s wall (~9k tokens/s), validation loss 1.59 nats/char
 (perplexity 4.9, next-character accuracy 57%); samples are Python-shaped words and
 indentation ("import the prort ____(string path, oviders, execept."). The baby GPT:
