@@ -165,7 +165,6 @@ def time_in_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int
 # ======================================================================================= ours
 def build_ours(shape: Shape, implementation: str = "blockwise"):
     """(model, loss(params, batch) -> scalar, init input) for our model of `shape`."""
-    import flax.linen as nn  # noqa: F401  (models are linen modules)
     from attention_jax.models import bert, gpt, vit
     if shape.family == "gpt":
         cfg = gpt.GPTConfig(vocab_size=shape.vocab, max_len=shape.seq_len, num_layers=shape.layers,
