@@ -142,9 +142,9 @@ def time_in_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int
     on a shared machine falls on both alike.
 
     Each block starts after a `settle_s` pause and one untimed step: right after one
-    framework ran, the other is slow while the first one's worker threads still spin
-    (measured on vit-digits: torch 15 ms/step alone, 300 ms just after JAX steps, 15 ms
-    again 2 s later).
+    framework ran, the other can be slow, likely while the first one's worker threads
+    still spin (measured on vit-digits: torch 15 ms/step alone, 300 ms just after JAX
+    steps, 15 ms again 2 s later; on a loaded machine contention dwarfs this).
     """
     for step in steps.values():
         for _ in range(warmup):
