@@ -182,12 +182,18 @@ def restore_params(directory, abstract_params, step: int | None = None):
     if diff:
         raise CheckpointMismatchError(
             f"init_from checkpoint {ckpt.directory / str(step)} does not match the model:\n{diff}")
-    # A partial restore: the tree we ask for names only `params`.
+    ckpt.close()
+    # A partial restore: the tree we ask for names only `params`; the optimizer state is
+    # never read. Only the PyTree handler (same files as the standard one) restores a
+    # subtree, so this read-only manager registers it for "state".
+    reader = ocp.CheckpointManager(
+        ckpt.directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler()})
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
                                 {"params": abstract_params})
-    restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+    restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item={"params": abstract_params}, restore_args=restore_args, partial_restore=True)))
-    ckpt.close()
+    reader.close()
     return restored["state"]["params"], step
 
 
