@@ -106,7 +106,7 @@ def restore_run(workdir: str, overrides: dict | None = None):
 
     from attention_jax import train
     config = load_run_config(workdir, overrides)
-    s = train.setup(config, workdir)
+    s = train.setup(config, workdir, read_only=True)
     if s.ckpt.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train the run first")
     with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):

@@ -40,7 +40,7 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
     import flax.linen as nn
 
     from attention_jax import sharding, train
-    s = train.setup(config, workdir)
+    s = train.setup(config, workdir, read_only=True)
     if s.ckpt.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
     with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
@@ -63,7 +63,7 @@ def sample_checkpoint(config, workdir: str) -> list[str]:
     import flax.linen as nn
 
     from attention_jax import train
-    s = train.setup(config, workdir)
+    s = train.setup(config, workdir, read_only=True)
     if s.task.sample is None:
         raise train.ConfigError(f"--mode=sample: task {config.task!r} cannot sample; "
                                 f"valid: {[t for t in ('gpt',) if t in train.TASKS]}")

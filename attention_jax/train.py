@@ -391,9 +391,13 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
 
 
 # ==================================================================================== loop
-def setup(config, workdir: str, task: Task | None = None):
+def setup(config, workdir: str, task: Task | None = None, read_only: bool = False):
     """Everything before the first step: validated config, mesh, task, optimizer, state
-    shardings and the checkpointer. Shared by training, eval and sampling."""
+    shardings and the checkpointer. Shared by training, eval and sampling.
+
+    read_only: for tools that only read a run (eval, sample, analysis): a writable
+    checkpoint manager would clean up the temporary folder of a save in progress if
+    the run is still training in the same workdir."""
     sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
     devices = jax.devices()[:config.mesh.num_devices or None]
     validate_config(config, len(devices), check_task=task is None)
@@ -409,7 +413,7 @@ def setup(config, workdir: str, task: Task | None = None):
     ckpt = ckpt_lib.Checkpointer(
         os.path.join(os.path.abspath(workdir), "checkpoints"),
         save_every=config.train.checkpoint_every, keep=config.train.keep_checkpoints,
-        async_save=config.train.async_checkpoint)
+        async_save=config.train.async_checkpoint, read_only=read_only)
     return dataclasses.make_dataclass("Setup", ["mesh", "rules", "task", "tx", "schedule",
                                                 "abstract", "shardings", "init_state", "ckpt"])(
         mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
