@@ -243,6 +243,7 @@ def run_attention(args):
                                  f"(--time-budget {args.time_budget:.0f} s)"})
                 else:
                     rows.append(bench_torch(n, causal, repeats))
+                print(f"  N={n} causal={causal} torch_sdpa: {_progress(rows[-1])}", file=sys.stderr)
     table = attention_table(rows, rate)
     print(table)
     notes = [f"N={r['n']} causal={r['causal']} {r['impl']}: skipped, {r['skipped']}"
