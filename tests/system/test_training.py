@@ -123,6 +123,12 @@ state = {"params": {"w": jnp.full((2048, 4096), 1.0)}, "step": jnp.int32(1)}
 ck.save(1, state, {"next_index": 1}); ck.wait()
 state = {"params": {"w": jnp.full((2048, 4096), 2.0)}, "step": jnp.int32(2)}
 ck.save(2, state, {"next_index": 2})  # Returns once the async write has started.
+# Kill only once the write has put something on disk (on a fast machine the background
+# thread may not have created its temporary folder yet when save() returns).
+import time
+deadline = time.time() + 30
+while time.time() < deadline and not [n for n in os.listdir(sys.argv[1]) if n != "1"]:
+    time.sleep(0.0005)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
