@@ -87,11 +87,13 @@ def load_run_config(workdir: str, overrides: dict | None = None):
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
-                                f"written by attention_jax.main")
+                                f"written by attention_jax.main (--workdir=DIR writes it)")
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    # One device whatever mesh the run trained on: checkpoints restore onto any mesh.
     config.mesh.num_devices = 1
-    config.mesh.data = 1
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    config.mesh.distributed = False
     config.train.progress = False
     for key, value in (overrides or {}).items():
         group, name = key.split(".")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import textwrap
@@ -249,23 +248,10 @@ class Run:
 
 
 def load_config(workdir: str):
-    """The run's resolved config (`config.json`, written by the trainer at start)."""
-    import ml_collections
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: --workdir must be a training run's workdir "
-                                f"(python -m attention_jax.main ... --workdir=DIR writes it)")
-    with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    # Drawing runs on one device whatever mesh the run trained on: checkpoints restore
-    # onto any mesh, and a batch of one example divides no data axis.
-    config.mesh.num_devices = 1
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    config.mesh.distributed = False
-    config.train.batch_size = 1
-    config.eval.batch_size = 1
-    config.optim.grad_accum = 1
-    return config
+    """The run's resolved config on one device, with batches of one example to draw."""
+    from attention_jax import analysis
+    return analysis.load_run_config(workdir, {"train.batch_size": 1, "eval.batch_size": 1,
+                                              "optim.grad_accum": 1})
 
 
 def load_run(workdir: str) -> Run:
