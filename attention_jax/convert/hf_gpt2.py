@@ -73,7 +73,9 @@ class GPT2Family(Family):
     def hf_config(self, c: gpt.GPTConfig, arch):
         unsupported = {"position": ("learned", c.position), "norm": ("layernorm", c.norm),
                        "mlp": ("mlp", c.mlp), "use_bias": (True, c.use_bias),
-                       "num_kv_heads": (c.num_heads, c.num_kv_heads or c.num_heads)}
+                       "num_kv_heads": (c.num_heads, c.num_kv_heads or c.num_heads),
+                       "norm_position": ("pre", c.norm_position),
+                       "attention_scale": (None, c.attention_scale)}
         for field, (want, got) in unsupported.items():
             if want != got:
                 raise ValueError(f"GPTConfig.{field}={got!r} has no GPT-2 equivalent; valid: {want!r}")

@@ -83,6 +83,8 @@ class MultiHeadAttention(nn.Module):
       dropout_rate: on per-head outputs before the output projection (see module doc).
       implementation: the attention backend ("blockwise" default; "reference" to get weights).
       rope_base: if set, rotary embeddings with this base on q and k (self-attention only).
+      scale: the logits' multiplier (default 1/sqrt(H); 1.0 turns the scaling off, for the
+        ablation that shows why it is there).
       fuse_qkv: one [D, 3, N, H] projection for self-attention when K == N.
       kernel_init: overrides the per-kernel fan-in initialiser (any shape-agnostic init).
     """
@@ -97,6 +99,7 @@ class MultiHeadAttention(nn.Module):
     dropout_rate: float = 0.0
     implementation: str = "blockwise"
     rope_base: Optional[float] = None
+    scale: Optional[float] = None
     fuse_qkv: bool = True
     block_q: Optional[int] = None
     block_k: Optional[int] = None
@@ -186,7 +189,7 @@ class MultiHeadAttention(nn.Module):
         out = dot_product_attention(
             q, k, v, causal=self.causal and self_attention, window=self.window,
             segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask, mask=mask,
-            q_offset=q_offset,
+            q_offset=q_offset, scale=self.scale,
             implementation="reference" if return_weights else self.implementation,
             block_q=self.block_q, block_k=self.block_k, return_weights=return_weights)
         aux = {}

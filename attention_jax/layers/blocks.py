@@ -56,6 +56,7 @@ class BlockConfig:
     dropout_rate: residual dropout on each sublayer's output (Vaswani §5.4) and in the MLP.
     attention_dropout_rate: on per-head attention outputs (layers/attention.py).
     implementation: attention backend; rope_base: rotary embeddings in self-attention.
+    attention_scale: multiplier of the attention logits (default 1/sqrt(H)).
     """
 
     num_heads: int
@@ -75,6 +76,7 @@ class BlockConfig:
     attention_dropout_rate: float = 0.0
     implementation: str = "blockwise"
     rope_base: Optional[float] = None
+    attention_scale: Optional[float] = None
     window: Union[int, tuple[int, int], None] = None
     num_experts: int = 8
     top_k: int = 2
@@ -121,6 +123,7 @@ class TransformerBlock(nn.Module):
         common = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, use_bias=cfg.use_bias,
                       dropout_rate=cfg.attention_dropout_rate, implementation=cfg.implementation,
+                      scale=cfg.attention_scale,
                       dtype=dtype, param_dtype=param_dtype)
         calls = dict(deterministic=deterministic, return_weights=return_weights)
 

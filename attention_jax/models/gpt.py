@@ -8,9 +8,10 @@
     out, lengths = generate(model, params, prompts, prompt_lengths, max_new_tokens=20,
                             rng=key, temperature=0.8, top_p=0.9, stop_token=0)
 
-Token embedding + position (a learned table, or RoPE inside attention), a pre-norm
-stack of causal blocks, a final norm (pre-norm leaves the residual stream
-unnormalised), and an LM head that by default reuses the token embedding (tied, Press &
+Token embedding + position (a learned table, fixed sinusoids, or RoPE inside
+attention), a stack of causal blocks (pre-norm as in GPT-2 by default; post-norm as in
+GPT-1 and the original Transformer for the ablation), a final norm when pre-norm
+(pre-norm leaves the residual stream unnormalised), and an LM head that by default reuses the token embedding (tied, Press &
 Wolf 2017: saves V·D parameters, 38M of GPT-2 small's 124M).
 
 Decoding keeps a KV cache per layer (layers/attention.py). `generate` takes a batch of
@@ -33,12 +34,12 @@ import optax
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import LearnedPositionEmbedding
+from attention_jax.layers.posemb import LearnedPositionEmbedding, sinusoidal
 
 __all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "cross_entropy",
            "init_cache", "generate", "sample_logits"]
 
-GPT_POSITIONS = ("learned", "rope")
+GPT_POSITIONS = ("learned", "sinusoidal", "rope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,9 @@ class GPTConfig:
     activation: str = "gelu_tanh"  # GPT-2's tanh-approximated GELU
     norm: str = "layernorm"
     norm_epsilon: float = 1e-5
-    position: str = "learned"  # "learned" | "rope"
+    norm_position: str = "pre"  # "pre" (GPT-2) | "post" (GPT-1, Vaswani et al.)
+    attention_scale: Optional[float] = None  # logits multiplier; None = 1/sqrt(head dim)
+    position: str = "learned"  # "learned" | "sinusoidal" | "rope"
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     use_bias: bool = True
@@ -90,10 +93,11 @@ class GPTConfig:
         return BlockConfig(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp=self.mlp,
             mlp_dim=self.mlp_dim, activation=self.activation, norm=self.norm,
-            norm_epsilon=self.norm_epsilon, norm_position="pre", causal=True,
+            norm_epsilon=self.norm_epsilon, norm_position=self.norm_position, causal=True,
             use_bias=self.use_bias, dropout_rate=self.dropout_rate,
             implementation=self.implementation,
             rope_base=self.rope_base if self.position == "rope" else None,
+            attention_scale=self.attention_scale,
             num_experts=self.num_experts, top_k=self.top_k,
             capacity_factor=self.capacity_factor, dtype=self.dtype, param_dtype=self.param_dtype)
 
@@ -156,6 +160,8 @@ class GPT(nn.Module):
             x = x + LearnedPositionEmbedding(cfg.max_len, cfg.embed_dim, dtype=dtype,
                                              param_dtype=jnp.dtype(cfg.param_dtype),
                                              name="position_embedding")(positions)
+        elif cfg.position == "sinusoidal":  # fixed, defined at every position
+            x = x + sinusoidal(positions, cfg.embed_dim, dtype=dtype)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
         x, layer_aux = TransformerStack(
@@ -163,8 +169,9 @@ class GPT(nn.Module):
             remat_policy=cfg.remat_policy, name="decoder")(
                 x, positions=positions, segment_ids=segment_ids, deterministic=deterministic,
                 decode=decode, return_weights=return_weights)
-        x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias, dtype=dtype,
-                      name="final_norm")(x)
+        if cfg.norm_position == "pre":  # post-norm blocks already end in a norm
+            x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
+                          dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)  # [B, T, V]: x · Eᵀ
         else:

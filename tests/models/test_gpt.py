@@ -2,6 +2,7 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,18 +31,21 @@ def test_bad_configs_raise_with_valid_choices():
         gpt.get_config("gpt-tiny", num_heads=5)
     with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=4; valid: \[1, 2, 4\]"):
         gpt.get_config("gpt-tiny", num_kv_heads=3)
-    with pytest.raises(ValueError, match=r"valid: \('learned', 'rope'\)"):
+    with pytest.raises(ValueError, match=r"valid: \('learned', 'sinusoidal', 'rope'\)"):
         gpt.get_config("gpt-tiny", position="alibi")
+    with pytest.raises(ValueError, match=r"norm_position='middle' is unknown; valid: \('pre', 'post'\)"):
+        gpt.get_config("gpt-tiny", norm_position="middle")
 
 
 # the MoE variant gets room for every token so decoding can match the full pass (moe.py)
 TINY = {"gpt-tiny": {}, "gpt-tiny-rope": {}, "gpt-tiny-moe": dict(capacity_factor=2.0),
-        "gpt-tiny-scan": dict(scan_layers=True, remat_policy="dots")}
+        "gpt-tiny-scan": dict(scan_layers=True, remat_policy="dots"),
+        "gpt-tiny-post": dict(norm_position="post", position="sinusoidal")}
 
 
 @functools.lru_cache(maxsize=None)
 def _model(name):
-    cfg = gpt.get_config(name.replace("-scan", ""), **TINY[name])
+    cfg = gpt.get_config(name.replace("-scan", "").replace("-post", ""), **TINY[name])
     model = gpt.GPT(cfg)
     params = jax.jit(model.init)(jax.random.PRNGKey(1), jnp.zeros((1, 16), jnp.int32))["params"]
     return model, params
@@ -51,7 +55,7 @@ def _tokens(shape, seed=0):
     return jax.random.randint(jax.random.PRNGKey(seed), shape, 3, 256)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-tiny-moe"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-tiny-moe", "gpt-tiny-post"])
 def test_causal_model_does_not_leak_the_future(name):
     model, params = _model(name)
     if name == "gpt-tiny-moe":  # tight capacity: drops happen, and must stay causal too
@@ -170,3 +174,52 @@ def test_pre_norm_gpt_trains(name):
         params, state, loss = train_step(params, state)
         losses.append(float(loss))
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_attention_scale_multiplies_the_logits():
+    """attention_scale=c equals the default 1/sqrt(H) model with its query projection
+    (kernel and bias) multiplied by c·sqrt(H): the scale reaches every layer's logits."""
+    model, params = _model("gpt-tiny")
+    h = model.config.embed_dim // model.config.num_heads
+    c = 1.0  # the "scaling off" arm of the ablation
+    scaled = gpt.GPT(gpt.get_config("gpt-tiny", attention_scale=c))
+
+    def boost_queries(p):
+        p = jax.tree.map(lambda x: x, nn.unbox(p))  # plain arrays, in dicts we may edit
+        for layer in p["decoder"].values():
+            attn = layer["self_attention"]
+            attn["qkv"] = attn["qkv"].at[:, 0].multiply(c * np.sqrt(h))
+            attn["qkv_bias"] = attn["qkv_bias"].at[0].multiply(c * np.sqrt(h))
+        return p
+
+    tokens = _tokens((2, 16), 6)
+    ours = scaled.apply({"params": params}, tokens)[0]
+    np.testing.assert_allclose(ours, model.apply({"params": boost_queries(params)}, tokens)[0],
+                               rtol=1e-4, atol=1e-4)
+    assert not np.allclose(ours, model.apply({"params": params}, tokens)[0], atol=1e-3)
+
+
+def test_post_norm_ends_in_a_norm_and_pre_norm_adds_a_final_one():
+    pre, pre_params = _model("gpt-tiny")
+    post, post_params = _model("gpt-tiny-post")
+    assert "final_norm" in pre_params and "final_norm" not in post_params
+    # the last post-norm block's output is normalised: zero mean, unit variance per token
+    # (LayerNorm's scale and bias start at 1 and 0)
+    x = jnp.asarray(_tokens((2, 16), 7))
+    _, state = post.apply({"params": post_params}, x, capture_intermediates=True, mutable=True)
+    last = state["intermediates"]["decoder"][f"layer_{post.config.num_layers - 1}"]
+    hidden = last["__call__"][0][0]  # [B, T, D]
+    np.testing.assert_allclose(jnp.mean(hidden, -1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(jnp.std(hidden, -1), 1.0, atol=1e-3)
+
+
+def test_sinusoidal_and_rope_models_run_past_max_len_but_learned_refuses():
+    """Sinusoids are defined at every position (Vaswani §3.5's argument for them); a
+    learned table has max_len rows."""
+    long = _tokens((1, 200), 8)  # gpt-tiny's max_len is 128
+    model, params = _model("gpt-tiny-post")  # sinusoidal positions
+    logits = model.apply({"params": params}, long)[0]
+    assert logits.shape == (1, 200, 256) and np.isfinite(logits).all()
+    learned, learned_params = _model("gpt-tiny")
+    with pytest.raises(ValueError, match="sequence length 200 exceeds max_len=128"):
+        learned.apply({"params": learned_params}, long)
