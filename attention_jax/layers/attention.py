@@ -39,6 +39,7 @@ from jax import lax
 
 from attention_jax import axes
 from attention_jax.attention import IMPLEMENTATIONS, dot_product_attention
+from attention_jax.layers.linear import matmul
 from attention_jax.layers.posemb import apply_rope
 
 
@@ -140,22 +141,25 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"implementation={self.implementation!r} is unknown; "
                              f"valid: {IMPLEMENTATIONS}")
         x = x.astype(self.dtype)
+        # q, k and v are separate 2-D matmuls even from the fused [D, 3, N, H] kernel:
+        # slicing one [B, T, 3, N, H] product apart copies it (layers/linear.py).
         if self_attention and k_heads == n and self.fuse_qkv:
             w = self._param("qkv", (d, 3, n, h), (axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
-                            0, (1, 2, 3))
-            qkv = jnp.einsum("BTD,DCNH->BTCNH", x, w.astype(self.dtype))  # C: q, k, v
-            qkv = qkv + self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
+                            0, (1, 2, 3)).astype(self.dtype)
+            bias = self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
+            q, k, v = (matmul(x, w[:, c]) + (bias[c] if self.use_bias else 0.0)
+                       for c in range(3))  # each [B, T, N, H]
         else:
             src = x if self_attention else context.astype(self.dtype)
             wq = self._param("query", (d, n, h), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), 0, (1, 2))
-            q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(self.dtype))
+            q = matmul(x, wq.astype(self.dtype))
             q = q + self._bias("query_bias", (n, h), (axes.HEADS, axes.HEAD_DIM))
             wkv = self._param("kv", (src.shape[-1], 2, k_heads, h),
                               (axes.EMBED, None, axes.KV_HEADS, axes.HEAD_DIM), 0, (1, 2, 3))
-            kv = jnp.einsum("BSD,DCKH->BSCKH", src, wkv.astype(self.dtype))  # C: k, v
-            kv = kv + self._bias("kv_bias", (2, k_heads, h), (None, axes.KV_HEADS, axes.HEAD_DIM))
-            k, v = kv[:, :, 0], kv[:, :, 1]  # [B, S, K, H]
+            wkv = wkv.astype(self.dtype)
+            bkv = self._bias("kv_bias", (2, k_heads, h), (None, axes.KV_HEADS, axes.HEAD_DIM))
+            k, v = (matmul(src, wkv[:, c]) + (bkv[c] if self.use_bias else 0.0)
+                    for c in range(2))  # [B, S, K, H]
         q = nn.with_logical_constraint(q, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
         kv_names = (axes.BATCH, axes.LENGTH, axes.HEADS if k_heads == n else axes.KV_HEADS,
                     axes.HEAD_DIM)
@@ -198,6 +202,6 @@ class MultiHeadAttention(nn.Module):
         out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)  # [B, T, N, H]
         d_out = self.out_features or d
         wo = self._param("out", (n, h, d_out), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), (0, 1), 2)
-        y = jnp.einsum("BTNH,NHD->BTD", out, wo.astype(self.dtype))
+        y = matmul(out, wo.astype(self.dtype), in_dims=2)  # [B, T, D]
         y = y + self._bias("out_bias", (d_out,), (axes.EMBED,))
         return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.layers.linear import dot_general_2d
 
 ACTIVATIONS: dict[str, Callable] = {
     "relu": nn.relu,
@@ -47,6 +48,7 @@ def dense_init():
 def _dense(features, in_axis, out_axis, use_bias, dtype, param_dtype, name, kernel_init=None):
     return nn.Dense(
         features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name,
+        dot_general=dot_general_2d,  # 2-D matmuls, forward and backward (layers/linear.py)
         kernel_init=nn.with_logical_partitioning(kernel_init or dense_init(), (in_axis, out_axis)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)))
 

@@ -33,6 +33,7 @@ import optax
 
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
+from attention_jax.layers.linear import dot_general_2d, matmul
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import LearnedPositionEmbedding, sinusoidal
 
@@ -173,10 +174,11 @@ class GPT(nn.Module):
             x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
                           dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x)  # [B, T, V]: x · Eᵀ
+            logits = matmul(x, embed.embedding.astype(dtype).T)  # [B, T, V]: x · Eᵀ
         else:
             logits = nn.Dense(
                 cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
+                dot_general=dot_general_2d,
                 kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                          (axes.EMBED, axes.VOCAB)),
                 name="lm_head")(x)

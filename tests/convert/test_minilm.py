@@ -86,7 +86,7 @@ def test_blockwise_and_reference_attention_agree(monkeypatch):
     """Tiles of 8 tokens: the longest row spans several blocks, short rows mostly padding.
     (A new encoder: the module's one is compiled with the default tiles already.)"""
     from attention_jax import attention as attention_lib
-    monkeypatch.setattr(attention_lib, "default_block_sizes", lambda backend=None: (8, 8))
+    monkeypatch.setattr(attention_lib, "default_block_sizes", lambda *args, **kwargs: (8, 8))
     blockwise = convert.load_sentence_encoder(implementation="blockwise").embed(SENTENCES)
     reference = convert.load_sentence_encoder(implementation="reference").embed(SENTENCES)
     np.testing.assert_allclose(blockwise, reference, atol=1e-5)
