@@ -18,11 +18,13 @@ attention implementation, `torch.optim.AdamW`, `torch.set_num_threads(os.cpu_cou
 so both sides use the same cores. Dropout is 0 on both sides; batches are synthetic
 (random tokens / images, the same arrays every step: throughput only).
 
-Timing: a few untimed warm-up steps (ours includes compilation), then the median of
-`--repeats` individually timed steps, each ended by waiting for the loss; the two sides
-take turns in two blocks each, with a pause before each block, so load from other jobs
-on a shared machine hits both alike and neither runs while the other's threads still
-spin (see time_in_turns).
+Timing: each side runs in a process of its own (a fresh Python that imports only what
+that side needs): a few untimed warm-up steps (ours includes compilation), then
+individually timed steps, each ended by waiting for the loss. The two sides take turns,
+two processes each with a pause before each, and the report gives the median over both.
+Separate processes because the two runtimes' worker threads spin after their work is
+done: measured in one process on the quiet 2-core machine, our gpt-cpu step took a median
+58.7 ms right after PyTorch steps against 33 ms alone.
 
 Model FLOPs (the PaLM convention, Chowdhery et al. 2022, App. B), per token of a step:
     6·N  +  12·L·T·D
@@ -45,10 +47,10 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -135,31 +137,46 @@ def synthetic_batch(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
     return {"inputs": inputs, "positions": positions.astype(np.int32), "targets": targets}
 
 
-def time_in_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int,
-                  rounds: int = 2, settle_s: float = 2.0) -> dict[str, list[float]]:
-    """Wall times of each step() (which must block until done): `repeats` per side, taken
-    in `rounds` blocks that alternate between the sides, so that load from other jobs
-    on a shared machine falls on both alike.
+def measure_side(name: str, side: str, implementation: str, warmup: int, repeats: int) -> dict:
+    """One side of shape `name` in this process: `warmup` untimed steps, then `repeats`
+    timed ones. Returns the side's info (params, loss, ...) with "times" in seconds."""
+    shape = {**SHAPES, **SHAPES_TINY}[name]
+    step, info = prepare_ours(shape, implementation) if side == "jax" else prepare_torch(shape)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {**info, "times": times}
 
-    Each block starts after a `settle_s` pause and one untimed step: right after one
-    framework ran, the other can be slow, likely while the first one's worker threads
-    still spin (measured on vit-digits: torch 15 ms/step alone, 300 ms just after JAX
-    steps, 15 ms again 2 s later; on a loaded machine contention dwarfs this).
-    """
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times = {name: [] for name in steps}
+
+def measure_in_subprocess(name: str, side: str, implementation: str, warmup: int,
+                          repeats: int) -> dict:
+    """`measure_side` in a fresh Python process (see the module docstring: why)."""
+    cmd = [sys.executable, "-m", "attention_jax.bench_train", name, side, implementation,
+           str(warmup), str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"timing {name} ({side}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def time_in_turns(name: str, sides: list[str], implementation: str, warmup: int, repeats: int,
+                  rounds: int = 2, settle_s: float = 2.0) -> dict[str, dict]:
+    """Each side's info and `repeats` step times, taken in `rounds` processes per side
+    that alternate between the sides (load from other jobs falls on both alike), each
+    after a `settle_s` pause."""
     per_round = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
+    results: dict[str, dict] = {}
     for count in per_round:
-        for name, step in steps.items():
+        for side in sides:
             time.sleep(settle_s)
-            step()
-            for _ in range(count):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
-    return times
+            r = measure_in_subprocess(name, side, implementation, warmup, count)
+            r["times"] = results.get(side, {}).get("times", []) + r["times"]
+            results[side] = r
+    return results
 
 
 # ======================================================================================= ours
@@ -367,15 +384,14 @@ def run_train(args) -> list[dict]:
           file=sys.stderr)
     measured = []  # (shape, info, times): rows once the matmul rate is known
     for name in names:
-        shape = table[name]
-        steps, infos = {}, {}
-        steps["jax"], infos["jax"] = prepare_ours(shape, args.implementation)
-        if peers:
-            steps["torch"], infos["torch"] = prepare_torch(shape)
-        times = time_in_turns(steps, args.warmup, args.repeats, settle_s=args.settle)
-        for side in steps:
-            measured.append((shape, infos[side], times[side], infos["jax"]["matmul_params"]))
-            print(f"  {name} {side}: {statistics.median(times[side]) * 1e3:.1f} ms/step",
+        sides = ["jax", "torch"] if peers else ["jax"]
+        results = time_in_turns(name, sides, args.implementation, args.warmup, args.repeats,
+                                settle_s=args.settle)
+        for side in sides:
+            info = results[side]
+            times = info.pop("times")
+            measured.append((table[name], info, times, results["jax"]["matmul_params"]))
+            print(f"  {name} {side}: {statistics.median(times) * 1e3:.1f} ms/step",
                   file=sys.stderr)
     rate = max(rate_before, bench.matmul_rate(repeats=args.matmul_repeats))
     # Both sides count model FLOPs from our parameter count (the peers' differ by BERT's
@@ -405,3 +421,8 @@ def add_parser(sub) -> None:
                    help="seconds of pause before each block of timed steps")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--out", default="bench_results/train.json", help="JSON output path")
+
+
+if __name__ == "__main__":  # one side's timing, run by measure_in_subprocess
+    _name, _side, _implementation, _warmup, _repeats = sys.argv[1:]
+    print(json.dumps(measure_side(_name, _side, _implementation, int(_warmup), int(_repeats))))
