@@ -1,37 +1,81 @@
 r"""Language-model ablations the lectures argue, on the offline corpus (byte level).
 
-Two studies on nanoGPT's CPU shape (4 layers, 4 heads, width 128), each a pair of runs
-that differ in one field:
+Four studies, each a set of runs that differ in one field, on nanoGPT's CPU shape
+(4 layers, 4 heads, width 128) unless said otherwise; 1000 steps of batch 16 on rows of
+64 tokens, learning rate 1e-3, for all:
 
-  study=position, variant=learned | rope
+  study=position, variant=learned | rope | sinusoidal
     Trained on rows of 64 tokens, evaluated on rows of 256: a learned position table has
     never trained rows 64-255 (they stay at their random initialisation), while RoPE
-    (Su et al. 2021) encodes only relative offsets inside attention. The plot shows the
-    validation loss at each position; the table the mean inside and beyond 64.
-    (The GPT has no sinusoidal option; sinusoids live in models/encdec.py.)
+    (Su et al. 2021) encodes only relative offsets inside attention, and the fixed
+    sinusoids of Vaswani et al. (2017, §3.5) are defined at every position but were
+    only seen at 0-63. The plot shows the validation loss at each position; the table
+    the mean inside and beyond 64.
   study=moe, variant=dense | moe
     Dense MLP of width 512 against a Switch-style mixture of 4 experts of width 512 with
     top-1 routing (Fedus et al. 2021): the same parameters active per token, 4x the MLP
     parameters in total. Same steps, batch and learning rate.
+  study=scale, variant=scaled-h32 | unscaled-h32 | scaled-h128 | unscaled-h128
+    Attention logits q·k/sqrt(H) (Vaswani et al. 2017, §3.2.1) against q·k
+    (attention_scale=1.0), at head dim H = 32 (4 heads) and H = 128 (1 head) of the
+    same width: with unit-variance q and k the unscaled logits have std sqrt(H), which
+    saturates the softmax (near one-hot rows, vanishing gradients), more so at larger H.
+    `python experiments/ablation_lm.py` (below) measures the attention rows' entropy
+    and largest weight at initialisation and after training.
+  study=norm, variant=pre | post
+    Pre-norm x + f(LN(x)) (GPT-2) against post-norm LN(x + f(x)) (GPT-1, Vaswani et
+    al.) at depth: 24 layers of width 64 (4 heads, MLP 256), same learning rate. Two
+    controls by override: the pair at lr 3e-4 (is it the learning rate?) and at 4
+    layers (is it the depth?).
 
 Command (2-core CPU):
-  for v in learned rope; do
+  for v in learned rope sinusoidal; do
     python -m attention_jax.main --config=experiments/ablation_lm.py:study=position,variant=$v \
         --workdir=/tmp/abl/pos-$v; done
   python -m attention_jax.analysis positions --out=docs/results/positions --train_len=64 \
-      --eval_len=256 learned=/tmp/abl/pos-learned rope=/tmp/abl/pos-rope
+      --eval_len=256 learned=/tmp/abl/pos-learned rope=/tmp/abl/pos-rope \
+      sinusoidal=/tmp/abl/pos-sinusoidal
   for v in dense moe; do
     python -m attention_jax.main --config=experiments/ablation_lm.py:study=moe,variant=$v \
         --workdir=/tmp/abl/moe-$v; done
   python -m attention_jax.analysis runs --metric=loss --curves=loss \
       --out=docs/results/moe dense=/tmp/abl/moe-dense moe=/tmp/abl/moe-moe
+  for v in scaled-h32 unscaled-h32 scaled-h128 unscaled-h128; do
+    python -m attention_jax.main --config=experiments/ablation_lm.py:study=scale,variant=$v \
+        --workdir=/tmp/abl/scale-$v; done
+  python -m attention_jax.analysis runs --metric=loss --curves=loss --out=docs/results/scale \
+      scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
+      scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
+  python experiments/ablation_lm.py --out=docs/results/scale_attention \
+      scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
+      scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
+  for v in pre post; do
+    python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
+        --workdir=/tmp/abl/norm-$v
+    python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
+        --config.optim.lr=3e-4 --workdir=/tmp/abl/norm-$v-lr3e-4
+    python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
+        --config.model.num_layers=4 --workdir=/tmp/abl/norm-$v-l4; done
+  python -m attention_jax.analysis runs --metric=loss --curves=loss --out=docs/results/norm \
+      pre=/tmp/abl/norm-pre post=/tmp/abl/norm-post \
+      pre-lr3e-4=/tmp/abl/norm-pre-lr3e-4 post-lr3e-4=/tmp/abl/norm-post-lr3e-4 \
+      pre-4layers=/tmp/abl/norm-pre-l4 post-4layers=/tmp/abl/norm-post-l4
 
-Measured (2-core CPU): 1000 steps of batch 16 each, other jobs sharing the cores:
-  position: learned 140 s, RoPE 179 s. Validation loss (trained on 64) at positions
-    0-63 / 64-255 of 256-token rows: learned 1.94 / 3.50 (jumps at exactly 64), RoPE
-    1.64 / 2.38 (flat to ~100, then rises gradually).
+Measured (2-core CPU): 1000 steps of batch 16 each, other jobs sharing the cores (so
+wall times vary by +-30% between otherwise equal runs):
+  position: learned 140 s, RoPE 179 s, sinusoidal 111 s. Validation loss (trained on
+    64) at positions 0-63 / 64-255 of 256-token rows: learned 1.94 / 3.50 (jumps at
+    exactly 64), RoPE 1.64 / 2.38 (flat to ~100, then rises gradually), sinusoidal
+    2.51 / 4.21 (worse inside already; bumps past 64).
   moe: dense 164 s, validation loss 1.855; MoE (2.8x the parameters, same active ones)
     205 s, 1.871 including the 0.010 balance loss, 7.1% of tokens over capacity.
+  scale: 73-106 s each; validation loss scaled / unscaled: H=32 1.855 / 2.099, H=128
+    1.896 / 2.330. Largest attention weight at init, scaled / unscaled: H=32 0.16 /
+    0.70, H=128 0.16 / 0.76; after training unscaled H=128 is one-hot (0.97, entropy
+    0.06 nats against 1.67 scaled). `python experiments/ablation_lm.py ...`: 42 s.
+  norm, 24 layers: pre 224 s, 2.178; post 161 s, 3.114 (stalls at the unigram loss
+    3.16 from step ~200 on; no NaN). lr 3e-4: pre 2.464, post 3.117 (246 s each). At
+    4 layers post-norm trains, and better: pre 2.174, post 2.046 (about 60 s each).
 Plots and tables: docs/results.md ("Ablations").
 """
 
@@ -39,7 +83,12 @@ import ml_collections
 
 from attention_jax import train
 
-STUDIES = {"position": ("learned", "rope"), "moe": ("dense", "moe")}
+STUDIES = {
+    "position": ("learned", "rope", "sinusoidal"),
+    "moe": ("dense", "moe"),
+    "scale": ("scaled-h32", "unscaled-h32", "scaled-h128", "unscaled-h128"),
+    "norm": ("pre", "post"),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -63,14 +112,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.use_bias = False
     c.model.remat_policy = "none"
     # A table 4x the training length: rows 64-255 exist (so the model can be evaluated
-    # at 256) but are never trained. RoPE ignores max_len.
+    # at 256) but are never trained. RoPE and sinusoids ignore max_len.
     c.model.max_len = 256
     c.model.position = variant if study == "position" else "learned"
+    c.model.norm_position = "pre"  # GPT-2; "post" (GPT-1, Vaswani et al.) in study=norm.
+    c.model.attention_scale = None  # None: 1/sqrt(H); 1.0: unscaled logits (study=scale).
     if study == "moe":
         c.model.mlp = "mlp" if variant == "dense" else "moe"
         c.model.num_experts = 4  # E.
         c.model.top_k = 1  # Switch routing: one expert's MLP per token = the dense MLP's cost.
         c.model.capacity_factor = 1.25  # Switch's default; overflow tokens skip the MLP.
+    if study == "scale":
+        scaling, head_dim = variant.split("-h")
+        c.model.num_heads = c.model.embed_dim // int(head_dim)  # H = 32: 4 heads; 128: 1.
+        c.model.attention_scale = None if scaling == "scaled" else 1.0
+    if study == "norm":
+        # Deep and narrow: depth is what the two placements differ on (Xiong et al. 2020),
+        # at about twice the 4x128 model's CPU time.
+        c.model.num_layers = 24
+        c.model.embed_dim = 64
+        c.model.mlp_dim = 256
+        c.model.norm_position = variant
 
     c.data.name = "python_stdlib"
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
@@ -98,3 +160,92 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.steps = 20
     c.eval.batch_size = 48
     return c
+
+
+# ==================================================== study=scale: what the softmax does
+# (Beside the study it measures, run as `python experiments/ablation_lm.py`; a candidate
+# for an `attention` subcommand of attention_jax/analysis.py.)
+def attention_stats(model, params, batch) -> dict[str, float]:
+    """Mean entropy (nats) and mean largest weight of the causal attention rows of a GPT
+    on a packed batch (inputs, positions, segment_ids [B, T]), over layers, heads and the
+    rows of real tokens; `uniform_entropy` is the entropy the same rows would have with
+    equal weights on every key they may see (log of the number of such keys).
+
+    A saturated softmax (the lectures' argument for 1/sqrt(H): logits of std sqrt(H)
+    make it near one-hot) shows as a largest weight near 1 and entropy near 0.
+    """
+    import jax
+    import numpy as np
+
+    _, aux = jax.jit(model.apply, static_argnames="return_weights")(
+        {"params": params}, batch["inputs"], positions=batch["positions"],
+        segment_ids=batch["segment_ids"], return_weights=True)
+    w = np.asarray(aux["layers"]["self_attention_weights"], np.float64)  # [L, B, N, T, S]
+    seg = np.asarray(batch["segment_ids"])
+    t = seg.shape[1]
+    visible = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))  # [B, T, S]
+    real = seg != 0  # [B, T] query rows of real tokens (0 is padding)
+    entropy = -np.sum(w * np.log(np.where(w > 0, w, 1.0)), -1)  # [L, B, N, T]; 0 log 0 = 0
+    rows = np.broadcast_to(real[None, :, None], entropy.shape)
+    return {"entropy": float(entropy[rows].mean()),
+            "max_weight": float(w.max(-1)[rows].mean()),
+            "uniform_entropy": float(np.log(visible.sum(-1))[real].mean())}
+
+
+def attention_report(runs: dict[str, str], out: str, batches: int = 4,
+                     batch_size: int = 16) -> dict:
+    """attention_stats of each run at initialisation (its seed) and at its latest
+    checkpoint, on the first validation rows; writes out.json and out.md (a table)."""
+    import json
+    import os
+
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from attention_jax import analysis
+    from attention_jax.data import loaders
+    results = {}
+    for name, workdir in runs.items():
+        config, task, trained = analysis.restore_run(workdir)
+        init = nn.meta.unbox(task.init(jax.random.PRNGKey(config.train.seed)))
+        loader = loaders.Loader(task.eval_source, global_batch_size=batch_size, seed=0,
+                                shuffle=False, num_epochs=1, transform=task.eval_transform)
+        stats = {"init": [], "trained": []}
+        for i, b in enumerate(loader):
+            if i >= batches:
+                break
+            for when, params in (("init", init), ("trained", trained)):
+                stats[when].append(attention_stats(task.model, params, b))
+        if not stats["init"]:
+            raise ValueError(f"{workdir}: the validation split has fewer than batch_size="
+                             f"{batch_size} rows; valid: batch_size <= {len(task.eval_source)}")
+        results[name] = {when: {k: float(np.mean([s[k] for s in v])) for k in v[0]}
+                         for when, v in stats.items()}
+        results[name]["head_dim"] = config.model.embed_dim // config.model.num_heads
+        results[name]["attention_scale"] = config.model.get("attention_scale")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    uniform = next(iter(results.values()))["init"]["uniform_entropy"]
+    table = ("| run | entropy at init | largest weight at init | entropy trained | "
+             "largest weight trained |\n|---|---|---|---|---|\n" + "".join(
+                 f"| {n} | {r['init']['entropy']:.2f} | {r['init']['max_weight']:.2f} | "
+                 f"{r['trained']['entropy']:.2f} | {r['trained']['max_weight']:.2f} |\n"
+                 for n, r in results.items())
+             + f"\nEntropy in nats, mean over layers, heads and query rows; equal weights "
+               f"on every visible key would give {uniform:.2f}.\n")
+    with open(out + ".md", "w") as f:
+        f.write(table)
+    return results
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="attention entropy of study=scale runs")
+    parser.add_argument("--out", required=True, help="path prefix of the .json/.md written")
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    a = parser.parse_args()
+    attention_report(dict(r.split("=", 1) for r in a.runs), a.out, a.batches, a.batch_size)

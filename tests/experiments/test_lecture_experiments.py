@@ -47,7 +47,13 @@ def shrink(c, data_dir):
 CASES = [("bottleneck", "model=rnn-bottleneck"), ("bottleneck", "model=transformer"),
          ("char_gpt", "size=baby"), ("vit_digits", "pool=gap,patch=2"),
          ("ablation_lm", "study=position,variant=rope"),
-         ("ablation_lm", "study=moe,variant=dense"), ("ablation_lm", "study=moe,variant=moe")]
+         ("ablation_lm", "study=position,variant=sinusoidal"),
+         ("ablation_lm", "study=moe,variant=dense"), ("ablation_lm", "study=moe,variant=moe"),
+         # scaled-h32 is the learned-position config (test_ablation_pairs_differ_in_one_field).
+         ("ablation_lm", "study=scale,variant=unscaled-h32"),
+         ("ablation_lm", "study=scale,variant=scaled-h128"),
+         ("ablation_lm", "study=scale,variant=unscaled-h128"),
+         ("ablation_lm", "study=norm,variant=pre"), ("ablation_lm", "study=norm,variant=post")]
 
 
 @pytest.mark.slow
@@ -98,3 +104,58 @@ def test_ablation_pairs_differ_in_one_field():
     dense, moe = (get(f"study=moe,variant={v}").to_dict() for v in ("dense", "moe"))
     assert (dense["model"].pop("mlp"), moe["model"].pop("mlp")) == ("mlp", "moe")
     assert dense == moe and moe["model"]["top_k"] == 1  # equal active MLP parameters
+    sinusoidal = get("study=position,variant=sinusoidal").to_dict()
+    assert sinusoidal["model"].pop("position") == "sinusoidal" and sinusoidal == learned
+
+    scale = {v: get(f"study=scale,variant={v}").to_dict() for v in
+             ("scaled-h32", "unscaled-h32", "scaled-h128", "unscaled-h128")}
+    # The H = 32 baseline is the same model as the other studies' baselines.
+    assert scale["scaled-h32"] == get("study=position,variant=learned").to_dict()
+    for h, heads in ((32, 4), (128, 1)):
+        scaled, unscaled = scale[f"scaled-h{h}"], scale[f"unscaled-h{h}"]
+        assert scaled["model"]["embed_dim"] // scaled["model"]["num_heads"] == h
+        assert scaled["model"]["num_heads"] == heads
+        # None is the model's 1/sqrt(H); 1.0 is no scaling.
+        assert (scaled["model"].pop("attention_scale"), unscaled["model"].pop("attention_scale")) \
+            == (None, 1.0)
+        assert scaled == unscaled
+    assert scale["scaled-h32"]["model"].pop("num_heads") == 4
+    assert scale["scaled-h128"]["model"].pop("num_heads") == 1
+    assert scale["scaled-h32"] == scale["scaled-h128"]  # same width: only H differs
+
+    pre, post = (get(f"study=norm,variant={v}").to_dict() for v in ("pre", "post"))
+    assert (pre["model"].pop("norm_position"),
+            post["model"].pop("norm_position")) == ("pre", "post")
+    assert pre == post and pre["model"]["num_layers"] == 24  # "at depth"
+    assert pre["optim"]["lr"] == learned["optim"]["lr"]  # the same learning rate
+
+
+def test_attention_stats_measure_saturation():
+    """The scale study's measurement: logits scaled by 0 give equal weights on every
+    visible key (so entropy == uniform_entropy exactly); at initialisation, unscaled
+    logits at head dim 64 give a peakier softmax than scaled ones."""
+    import jax
+    import jax.numpy as jnp
+
+    from attention_jax.models import gpt
+    stats = load("ablation_lm").attention_stats
+    # Two documents and padding in row 0; one document in row 1.
+    seg = np.array([[1, 1, 1, 2, 2, 0, 0, 0], [1] * 8], np.int32)
+    positions = np.array([[0, 1, 2, 0, 1, 0, 0, 0], list(range(8))], np.int32)
+    batch = {"inputs": np.arange(16, dtype=np.int32).reshape(2, 8) % 50,
+             "positions": positions, "segment_ids": seg}
+    visible = np.array([1, 2, 3, 1, 2] + list(range(1, 9)), np.float64)  # keys per real row
+
+    def run(scale):
+        model = gpt.GPT(gpt.get_config("gpt-tiny", num_layers=1, num_heads=1,
+                                       attention_scale=scale))
+        params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        return stats(model, params, batch)
+
+    uniform = run(0.0)
+    assert uniform["uniform_entropy"] == pytest.approx(np.mean(np.log(visible)))
+    assert uniform["entropy"] == pytest.approx(uniform["uniform_entropy"], abs=1e-6)
+    assert uniform["max_weight"] == pytest.approx(np.mean(1 / visible), abs=1e-6)
+    scaled, unscaled = run(None), run(1.0)
+    assert unscaled["entropy"] < scaled["entropy"] < uniform["entropy"]
+    assert unscaled["max_weight"] > scaled["max_weight"]
