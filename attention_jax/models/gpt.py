@@ -151,12 +151,19 @@ class GPT(nn.Module):
             if t > cfg.max_len and cfg.position == "learned":
                 raise ValueError(f"sequence length {t} exceeds max_len={cfg.max_len}")
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        # Fixed sinusoids have entries of size ~1; GPT-2's 0.02-std token table would be
+        # drowned by them, so that variant follows Vaswani et al. §3.4 instead: table std
+        # D^-1/2, multiplied by sqrt(D) on the way in (unit-variance tokens).
+        sinusoidal_input = cfg.position == "sinusoidal"
+        init_std = cfg.embed_dim ** -0.5 if sinusoidal_input else 0.02
         embed = nn.Embed(
             cfg.vocab_size, cfg.embed_dim, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std),
                                                         (axes.VOCAB, axes.EMBED)),
             name="token_embedding")
         x = embed(tokens)  # [B, T, D]
+        if sinusoidal_input:
+            x = x * jnp.sqrt(jnp.float32(cfg.embed_dim)).astype(x.dtype)
         if cfg.position == "learned":
             x = x + LearnedPositionEmbedding(cfg.max_len, cfg.embed_dim, dtype=dtype,
                                              param_dtype=jnp.dtype(cfg.param_dtype),

@@ -223,3 +223,14 @@ def test_sinusoidal_and_rope_models_run_past_max_len_but_learned_refuses():
     learned, learned_params = _model("gpt-tiny")
     with pytest.raises(ValueError, match="sequence length 200 exceeds max_len=128"):
         learned.apply({"params": learned_params}, long)
+
+
+def test_sinusoidal_variant_gives_tokens_and_positions_the_same_scale():
+    """Vaswani §3.4: with fixed sinusoids (entries of size ~1) the token table is scaled by
+    sqrt(D) from std D^-1/2, so embedded tokens have unit variance, not GPT-2's 0.02."""
+    model, params = _model("gpt-tiny-post")  # sinusoidal
+    table = nn.unbox(params)["token_embedding"]["embedding"]
+    d = model.config.embed_dim
+    assert abs(float(jnp.std(table)) * np.sqrt(d) - 1.0) < 0.1
+    _, learned_params = _model("gpt-tiny")
+    assert abs(float(jnp.std(nn.unbox(learned_params)["token_embedding"]["embedding"])) - 0.02) < 0.003
