@@ -63,10 +63,10 @@ Command (2-core CPU):
 
 Measured (2-core CPU): 1000 steps of batch 16 each, other jobs sharing the cores (so
 wall times vary by +-30% between otherwise equal runs):
-  position: learned 140 s, RoPE 179 s, sinusoidal 111 s. Validation loss (trained on
+  position: learned 140 s, RoPE 179 s, sinusoidal 97 s. Validation loss (trained on
     64) at positions 0-63 / 64-255 of 256-token rows: learned 1.94 / 3.50 (jumps at
     exactly 64), RoPE 1.64 / 2.38 (flat to ~100, then rises gradually), sinusoidal
-    2.51 / 4.21 (worse inside already; bumps past 64).
+    1.81 / 3.39 (between the two inside; climbs to ~3.4 by position 75).
   moe: dense 164 s, validation loss 1.855; MoE (2.8x the parameters, same active ones)
     205 s, 1.871 including the 0.010 balance loss, 7.1% of tokens over capacity.
   scale: 73-106 s each; validation loss scaled / unscaled: H=32 1.855 / 2.099, H=128
