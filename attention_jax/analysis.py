@@ -7,12 +7,16 @@
   (a sweep), as a table and a plot.
 
 * Loss by position past the training length (position encodings), and training curves.
+* Attention entropy and largest weight of a GPT's rows, at initialisation and trained
+  (the softmax-scaling ablation).
 
 Command line (each reads finished run directories, trains nothing):
   python -m attention_jax.analysis translation --out=docs/results/bottleneck \
       rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck rnn-attention=/tmp/... transformer=/tmp/...
   python -m attention_jax.analysis runs --out=docs/results/vit_patches --x=tokens \
       p1=/tmp/vit/p1 p2=/tmp/vit/p2 ...
+  python -m attention_jax.analysis attention --out=docs/results/scale_attention \
+      scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 ...
 
 A run directory is what `attention_jax.main` wrote: config.json, metrics.jsonl,
 checkpoints/ and (text tasks) tokenizer/. The config is read back from config.json, so
@@ -22,6 +26,7 @@ the analysis needs no experiment file and sees the run's overrides.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -250,6 +255,18 @@ def classification_accuracy(workdir: str, split: str = "") -> tuple[float, int]:
     return float(np.mean(np.asarray(logits).argmax(-1) == labels)), len(labels)
 
 
+def eval_batches(task, batches: int, batch_size: int):
+    """The first `batches` validation batches of a task, unshuffled and transformed as the
+    trainer's eval sees them (the same rows for every run of the same data)."""
+    from attention_jax.data import loaders
+    loader = loaders.Loader(task.eval_source, global_batch_size=batch_size, seed=0,
+                            shuffle=False, num_epochs=1, transform=task.eval_transform)
+    for i, b in enumerate(loader):
+        if i >= batches:
+            return
+        yield b
+
+
 # ============================================================================== positions
 def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: int = 16):
     """Validation next-token loss at each position 0..seq_len-1 (a language-model run
@@ -259,7 +276,6 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
     import jax
     import jax.numpy as jnp
 
-    from attention_jax.data import loaders
     config, task, params = restore_run(workdir, {"data.seq_len": seq_len})
     model = task.model
 
@@ -270,12 +286,8 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
         return -jnp.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
 
-    loader = loaders.Loader(task.eval_source, global_batch_size=batch_size, seed=0,
-                            shuffle=False, num_epochs=1, transform=task.eval_transform)
     sums, counts = np.zeros(seq_len), np.zeros(seq_len)
-    for i, b in enumerate(loader):
-        if i >= batches:
-            break
+    for b in eval_batches(task, batches, batch_size):
         losses = np.asarray(nll(params, {k: b[k] for k in
                                          ("inputs", "targets", "positions", "segment_ids")}))
         w = np.asarray(b["weights"], bool)
@@ -317,6 +329,80 @@ def positions_report(runs: dict[str, str], out: str, eval_len: int, train_len: i
              "|---|---|---|\n" + "".join(
                  f"| {n} | {r['within_train_len']:.3f} | {r['beyond_train_len']:.3f} |\n"
                  for n, r in results.items()))
+    with open(out + ".md", "w") as f:
+        f.write(table)
+    return results
+
+
+# ============================================================================== attention
+@functools.lru_cache(maxsize=None)
+def _self_attention_weights_fn(model):
+    """One compiled GPT forward per model configuration that returns the self-attention
+    weights [L, B, N, T, S] of a packed batch (models are hashable by their config)."""
+    import jax
+
+    @jax.jit
+    def weights(params, batch):
+        _, aux = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                             segment_ids=batch["segment_ids"], return_weights=True)
+        return aux["layers"]["self_attention_weights"]
+    return weights
+
+
+def attention_stats(model, params, batch) -> dict[str, float]:
+    """Mean entropy (nats) and mean largest weight of the causal attention rows of a GPT
+    on a packed batch (inputs, positions, segment_ids [B, T]), over layers, heads and the
+    rows of real tokens; `uniform_entropy` is the entropy the same rows would have with
+    equal weights on every key they may see (log of the number of such keys).
+
+    A saturated softmax (the lectures' argument for 1/sqrt(H): logits of std sqrt(H)
+    make it near one-hot) shows as a largest weight near 1 and entropy near 0.
+    """
+    batch = {k: batch[k] for k in ("inputs", "positions", "segment_ids")}
+    w = np.asarray(_self_attention_weights_fn(model)(params, batch), np.float64)
+    seg = np.asarray(batch["segment_ids"])
+    t = seg.shape[1]
+    visible = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))  # [B, T, S]
+    real = seg != 0  # [B, T] query rows of real tokens (0 is padding)
+    entropy = -np.sum(w * np.log(np.where(w > 0, w, 1.0)), -1)  # [L, B, N, T]; 0 log 0 = 0
+    rows = np.broadcast_to(real[None, :, None], entropy.shape)
+    return {"entropy": float(entropy[rows].mean()),
+            "max_weight": float(w.max(-1)[rows].mean()),
+            "uniform_entropy": float(np.log(visible.sum(-1))[real].mean())}
+
+
+def attention_report(runs: dict[str, str], out: str, batches: int = 4,
+                     batch_size: int = 16) -> dict:
+    """attention_stats of each language-model run at initialisation (its seed) and at
+    its latest checkpoint, on the first validation rows; writes out.json and out.md."""
+    import flax.linen as nn
+    import jax
+    results = {}
+    for name, workdir in runs.items():
+        config, task, trained = restore_run(workdir)
+        init = nn.meta.unbox(task.init(jax.random.PRNGKey(config.train.seed)))
+        stats = {"init": [], "trained": []}
+        for b in eval_batches(task, batches, batch_size):
+            for when, params in (("init", init), ("trained", trained)):
+                stats[when].append(attention_stats(task.model, params, b))
+        if not stats["init"]:
+            raise ValueError(f"{workdir}: the validation split has fewer than batch_size="
+                             f"{batch_size} rows; valid: batch_size <= {len(task.eval_source)}")
+        results[name] = {when: {k: float(np.mean([s[k] for s in v])) for k in v[0]}
+                         for when, v in stats.items()}
+        results[name]["head_dim"] = config.model.embed_dim // config.model.num_heads
+        results[name]["attention_scale"] = config.model.get("attention_scale")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    uniform = next(iter(results.values()))["init"]["uniform_entropy"]
+    table = ("| run | entropy at init | largest weight at init | entropy trained | "
+             "largest weight trained |\n|---|---|---|---|---|\n" + "".join(
+                 f"| {n} | {r['init']['entropy']:.2f} | {r['init']['max_weight']:.2f} | "
+                 f"{r['trained']['entropy']:.2f} | {r['trained']['max_weight']:.2f} |\n"
+                 for n, r in results.items())
+             + f"\nEntropy in nats, mean over layers, heads and query rows; equal weights "
+               f"on every visible key would give {uniform:.2f}.\n")
     with open(out + ".md", "w") as f:
         f.write(table)
     return results
@@ -481,6 +567,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--train_len", type=int, required=True)
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    a = sub.add_parser("attention", help="entropy and largest weight of GPT attention rows, "
+                                         "at initialisation and trained")
+    a.add_argument("--out", required=True)
+    a.add_argument("--batches", type=int, default=4)
+    a.add_argument("--batch_size", type=int, default=16)
+    a.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     args = parser.parse_args(argv)
     if args.command == "translation":
         edges = tuple(int(e) for e in args.edges.split(","))
@@ -490,6 +582,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "positions":
         positions_report(_named_runs(args.runs), args.out, args.eval_len, args.train_len,
                          args.batches)
+        print(open(args.out + ".md").read())
+    elif args.command == "attention":
+        attention_report(_named_runs(args.runs), args.out, args.batches, args.batch_size)
         print(open(args.out + ".md").read())
     else:
         runs = _named_runs(args.runs)

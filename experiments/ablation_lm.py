@@ -20,7 +20,7 @@ Four studies, each a set of runs that differ in one field, on nanoGPT's CPU shap
     (attention_scale=1.0), at head dim H = 32 (4 heads) and H = 128 (1 head) of the
     same width: with unit-variance q and k the unscaled logits have std sqrt(H), which
     saturates the softmax (near one-hot rows, vanishing gradients), more so at larger H.
-    `python experiments/ablation_lm.py` (below) measures the attention rows' entropy
+    `python -m attention_jax.analysis attention` (below) measures the attention rows' entropy
     and largest weight at initialisation and after training.
   study=norm, variant=pre | post
     Pre-norm x + f(LN(x)) (GPT-2) against post-norm LN(x + f(x)) (GPT-1, Vaswani et
@@ -46,7 +46,7 @@ Command (2-core CPU):
   python -m attention_jax.analysis runs --metric=loss --curves=loss --out=docs/results/scale \
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
       scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
-  python experiments/ablation_lm.py --out=docs/results/scale_attention \
+  python -m attention_jax.analysis attention --out=docs/results/scale_attention \
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
       scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
   for v in pre post; do
@@ -72,7 +72,7 @@ wall times vary by +-30% between otherwise equal runs):
   scale: 73-106 s each; validation loss scaled / unscaled: H=32 1.855 / 2.099, H=128
     1.896 / 2.330. Largest attention weight at init, scaled / unscaled: H=32 0.16 /
     0.70, H=128 0.16 / 0.76; after training unscaled H=128 is one-hot (0.97, entropy
-    0.06 nats against 1.67 scaled). `python experiments/ablation_lm.py ...`: 42 s.
+    0.06 nats against 1.67 scaled). `python -m attention_jax.analysis attention ...`: 42 s.
   norm, 24 layers: pre 224 s, 2.178; post 161 s, 3.114 (stalls at the unigram loss
     3.16 from step ~200 on; no NaN). lr 3e-4: pre 2.464, post 3.117 (246 s each). At
     4 layers post-norm trains, and better: pre 2.174, post 2.046 (about 60 s each).
@@ -160,92 +160,3 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.steps = 20
     c.eval.batch_size = 48
     return c
-
-
-# ==================================================== study=scale: what the softmax does
-# (Beside the study it measures, run as `python experiments/ablation_lm.py`; a candidate
-# for an `attention` subcommand of attention_jax/analysis.py.)
-def attention_stats(model, params, batch) -> dict[str, float]:
-    """Mean entropy (nats) and mean largest weight of the causal attention rows of a GPT
-    on a packed batch (inputs, positions, segment_ids [B, T]), over layers, heads and the
-    rows of real tokens; `uniform_entropy` is the entropy the same rows would have with
-    equal weights on every key they may see (log of the number of such keys).
-
-    A saturated softmax (the lectures' argument for 1/sqrt(H): logits of std sqrt(H)
-    make it near one-hot) shows as a largest weight near 1 and entropy near 0.
-    """
-    import jax
-    import numpy as np
-
-    _, aux = jax.jit(model.apply, static_argnames="return_weights")(
-        {"params": params}, batch["inputs"], positions=batch["positions"],
-        segment_ids=batch["segment_ids"], return_weights=True)
-    w = np.asarray(aux["layers"]["self_attention_weights"], np.float64)  # [L, B, N, T, S]
-    seg = np.asarray(batch["segment_ids"])
-    t = seg.shape[1]
-    visible = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))  # [B, T, S]
-    real = seg != 0  # [B, T] query rows of real tokens (0 is padding)
-    entropy = -np.sum(w * np.log(np.where(w > 0, w, 1.0)), -1)  # [L, B, N, T]; 0 log 0 = 0
-    rows = np.broadcast_to(real[None, :, None], entropy.shape)
-    return {"entropy": float(entropy[rows].mean()),
-            "max_weight": float(w.max(-1)[rows].mean()),
-            "uniform_entropy": float(np.log(visible.sum(-1))[real].mean())}
-
-
-def attention_report(runs: dict[str, str], out: str, batches: int = 4,
-                     batch_size: int = 16) -> dict:
-    """attention_stats of each run at initialisation (its seed) and at its latest
-    checkpoint, on the first validation rows; writes out.json and out.md (a table)."""
-    import json
-    import os
-
-    import flax.linen as nn
-    import jax
-    import numpy as np
-
-    from attention_jax import analysis
-    from attention_jax.data import loaders
-    results = {}
-    for name, workdir in runs.items():
-        config, task, trained = analysis.restore_run(workdir)
-        init = nn.meta.unbox(task.init(jax.random.PRNGKey(config.train.seed)))
-        loader = loaders.Loader(task.eval_source, global_batch_size=batch_size, seed=0,
-                                shuffle=False, num_epochs=1, transform=task.eval_transform)
-        stats = {"init": [], "trained": []}
-        for i, b in enumerate(loader):
-            if i >= batches:
-                break
-            for when, params in (("init", init), ("trained", trained)):
-                stats[when].append(attention_stats(task.model, params, b))
-        if not stats["init"]:
-            raise ValueError(f"{workdir}: the validation split has fewer than batch_size="
-                             f"{batch_size} rows; valid: batch_size <= {len(task.eval_source)}")
-        results[name] = {when: {k: float(np.mean([s[k] for s in v])) for k in v[0]}
-                         for when, v in stats.items()}
-        results[name]["head_dim"] = config.model.embed_dim // config.model.num_heads
-        results[name]["attention_scale"] = config.model.get("attention_scale")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    uniform = next(iter(results.values()))["init"]["uniform_entropy"]
-    table = ("| run | entropy at init | largest weight at init | entropy trained | "
-             "largest weight trained |\n|---|---|---|---|---|\n" + "".join(
-                 f"| {n} | {r['init']['entropy']:.2f} | {r['init']['max_weight']:.2f} | "
-                 f"{r['trained']['entropy']:.2f} | {r['trained']['max_weight']:.2f} |\n"
-                 for n, r in results.items())
-             + f"\nEntropy in nats, mean over layers, heads and query rows; equal weights "
-               f"on every visible key would give {uniform:.2f}.\n")
-    with open(out + ".md", "w") as f:
-        f.write(table)
-    return results
-
-
-if __name__ == "__main__":
-    import argparse
-    parser = argparse.ArgumentParser(description="attention entropy of study=scale runs")
-    parser.add_argument("--out", required=True, help="path prefix of the .json/.md written")
-    parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--batch_size", type=int, default=16)
-    parser.add_argument("runs", nargs="+", help="NAME=WORKDIR")
-    a = parser.parse_args()
-    attention_report(dict(r.split("=", 1) for r in a.runs), a.out, a.batches, a.batch_size)

@@ -137,8 +137,8 @@ def test_attention_stats_measure_saturation():
     import jax
     import jax.numpy as jnp
 
+    from attention_jax.analysis import attention_stats as stats
     from attention_jax.models import gpt
-    stats = load("ablation_lm").attention_stats
     # Two documents and padding in row 0; one document in row 1.
     seg = np.array([[1, 1, 1, 2, 2, 0, 0, 0], [1] * 8], np.int32)
     positions = np.array([[0, 1, 2, 0, 1, 0, 0, 0], list(range(8))], np.int32)
