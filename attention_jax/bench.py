@@ -33,15 +33,20 @@ HEADS, HEAD_DIM = 8, 64
 JAX_IMPLS = ("reference", "xla", "blockwise")
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of fn() over `repeats` runs, after one untimed warm-up run."""
-    fn()
+def wall_times(fn, repeats: int) -> list[float]:
+    """Wall time of each of `repeats` calls of fn() (which must block until done)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` runs, after one untimed warm-up run."""
+    fn()
+    return statistics.median(wall_times(fn, repeats))
 
 
 def matmul_rate(size: int = 2048, repeats: int = 10) -> float:

@@ -141,15 +141,11 @@ def measure_side(name: str, side: str, implementation: str, warmup: int, repeats
     """One side of shape `name` in this process: `warmup` untimed steps, then `repeats`
     timed ones. Returns the side's info (params, loss, ...) with "times" in seconds."""
     shape = {**SHAPES, **SHAPES_TINY}[name]
+    from attention_jax import bench
     step, info = prepare_ours(shape, implementation) if side == "jax" else prepare_torch(shape)
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {**info, "times": times}
+    return {**info, "times": bench.wall_times(step, repeats)}
 
 
 def measure_in_subprocess(name: str, side: str, implementation: str, warmup: int,

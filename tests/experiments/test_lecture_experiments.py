@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from attention_jax import checkpoint, train
+from attention_jax import checkpoint, tasks, train
+from attention_jax.models import bert
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,3 +160,25 @@ def test_attention_stats_measure_saturation():
     scaled, unscaled = run(None), run(1.0)
     assert unscaled["entropy"] < scaled["entropy"] < uniform["entropy"]
     assert unscaled["max_weight"] > scaled["max_weight"]
+
+
+def test_bert_mlm_default_uses_wordpiece_and_its_own_shape():
+    c = load("bert_mlm").get_config()
+    train.validate_config(c)
+    assert c.data.tokenizer == "wordpiece"
+    assert c.model.max_positions >= c.data.seq_len
+    cfg = tasks.model_config(bert.BertConfig, c, vocab_size=30528)
+    assert (cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.mlp_dim) == (
+        c.model.num_layers, c.model.num_heads, c.model.d_model, 4 * c.model.d_model)
+
+
+def test_bert_mlm_variant_argument_takes_the_variant_shape():
+    """A variant argument gives that variant's shape (explicit model fields would
+    override it)."""
+    c = load("bert_mlm").get_config("variant=bert-mini")
+    train.validate_config(c)
+    cfg = tasks.model_config(bert.BertConfig, c, vocab_size=30528)
+    mini = bert.VARIANTS["bert-mini"]
+    assert (cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.mlp_dim) == (
+        mini["num_layers"], mini["num_heads"], mini["d_model"], mini["mlp_dim"])
+    assert cfg.max_positions >= c.data.seq_len
