@@ -143,12 +143,14 @@ class MultiHeadAttention(nn.Module):
         x = x.astype(self.dtype)
         # q, k and v are separate 2-D matmuls even from the fused [D, 3, N, H] kernel:
         # slicing one [B, T, 3, N, H] product apart copies it (layers/linear.py).
+        def project(src, w, bias, c):  # src · w[:, c] + bias[c]: [B, T, D] -> [B, T, heads, H]
+            return matmul(src, w[:, c]) + (bias[c] if self.use_bias else 0.0)
+
         if self_attention and k_heads == n and self.fuse_qkv:
             w = self._param("qkv", (d, 3, n, h), (axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
                             0, (1, 2, 3)).astype(self.dtype)
             bias = self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
-            q, k, v = (matmul(x, w[:, c]) + (bias[c] if self.use_bias else 0.0)
-                       for c in range(3))  # each [B, T, N, H]
+            q, k, v = (project(x, w, bias, c) for c in range(3))  # each [B, T, N, H]
         else:
             src = x if self_attention else context.astype(self.dtype)
             wq = self._param("query", (d, n, h), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), 0, (1, 2))
@@ -158,8 +160,7 @@ class MultiHeadAttention(nn.Module):
                               (axes.EMBED, None, axes.KV_HEADS, axes.HEAD_DIM), 0, (1, 2, 3))
             wkv = wkv.astype(self.dtype)
             bkv = self._bias("kv_bias", (2, k_heads, h), (None, axes.KV_HEADS, axes.HEAD_DIM))
-            k, v = (matmul(src, wkv[:, c]) + (bkv[c] if self.use_bias else 0.0)
-                    for c in range(2))  # [B, S, K, H]
+            k, v = (project(src, wkv, bkv, c) for c in range(2))  # [B, S, K, H]
         q = nn.with_logical_constraint(q, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
         kv_names = (axes.BATCH, axes.LENGTH, axes.HEADS if k_heads == n else axes.KV_HEADS,
                     axes.HEAD_DIM)
