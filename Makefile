@@ -29,10 +29,10 @@ demo: install
 		--config.train.steps=200 --config.eval.every=100
 
 bench: install
-	$(BIN)/python -m attention_jax.bench attention
+	$(BIN)/python -m attention_jax.tools.bench attention
 
 bench-quick: install
-	$(BIN)/python -m attention_jax.bench attention --quick
+	$(BIN)/python -m attention_jax.tools.bench attention --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache

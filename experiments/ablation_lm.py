@@ -20,7 +20,7 @@ Four studies, each a set of runs that differ in one field, on nanoGPT's CPU shap
     (attention_scale=1.0), at head dim H = 32 (4 heads) and H = 128 (1 head) of the
     same width: with unit-variance q and k the unscaled logits have std sqrt(H), which
     saturates the softmax (near one-hot rows, vanishing gradients), more so at larger H.
-    `python -m attention_jax.analysis attention` (below) measures the attention rows' entropy
+    `python -m attention_jax.tools.analysis attention` (below) measures the attention rows' entropy
     and largest weight at initialisation and after training.
   study=norm, variant=pre | post
     Pre-norm x + f(LN(x)) (GPT-2) against post-norm LN(x + f(x)) (GPT-1, Vaswani et
@@ -32,21 +32,21 @@ Command (2-core CPU):
   for v in learned rope sinusoidal; do
     python -m attention_jax.main --config=experiments/ablation_lm.py:study=position,variant=$v \
         --workdir=/tmp/abl/pos-$v; done
-  python -m attention_jax.analysis positions --out=docs/results/positions --train_len=64 \
+  python -m attention_jax.tools.analysis positions --out=docs/results/positions --train_len=64 \
       --eval_len=256 learned=/tmp/abl/pos-learned rope=/tmp/abl/pos-rope \
       sinusoidal=/tmp/abl/pos-sinusoidal
   for v in dense moe; do
     python -m attention_jax.main --config=experiments/ablation_lm.py:study=moe,variant=$v \
         --workdir=/tmp/abl/moe-$v; done
-  python -m attention_jax.analysis runs --metric=loss --curves=loss \
+  python -m attention_jax.tools.analysis runs --metric=loss --curves=loss \
       --out=docs/results/moe dense=/tmp/abl/moe-dense moe=/tmp/abl/moe-moe
   for v in scaled-h32 unscaled-h32 scaled-h128 unscaled-h128; do
     python -m attention_jax.main --config=experiments/ablation_lm.py:study=scale,variant=$v \
         --workdir=/tmp/abl/scale-$v; done
-  python -m attention_jax.analysis runs --metric=loss --curves=loss --out=docs/results/scale \
+  python -m attention_jax.tools.analysis runs --metric=loss --curves=loss --out=docs/results/scale \
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
       scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
-  python -m attention_jax.analysis attention --out=docs/results/scale_attention \
+  python -m attention_jax.tools.analysis attention --out=docs/results/scale_attention \
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
       scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
   for v in pre post; do
@@ -56,7 +56,7 @@ Command (2-core CPU):
         --config.optim.lr=3e-4 --workdir=/tmp/abl/norm-$v-lr3e-4
     python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
         --config.model.num_layers=4 --workdir=/tmp/abl/norm-$v-l4; done
-  python -m attention_jax.analysis runs --metric=loss --curves=loss --out=docs/results/norm \
+  python -m attention_jax.tools.analysis runs --metric=loss --curves=loss --out=docs/results/norm \
       pre=/tmp/abl/norm-pre post=/tmp/abl/norm-post \
       pre-lr3e-4=/tmp/abl/norm-pre-lr3e-4 post-lr3e-4=/tmp/abl/norm-post-lr3e-4 \
       pre-4layers=/tmp/abl/norm-pre-l4 post-4layers=/tmp/abl/norm-post-l4
@@ -72,7 +72,7 @@ wall times vary by +-30% between otherwise equal runs):
   scale: 73-106 s each; validation loss scaled / unscaled: H=32 1.855 / 2.099, H=128
     1.896 / 2.330. Largest attention weight at init, scaled / unscaled: H=32 0.16 /
     0.70, H=128 0.16 / 0.76; after training unscaled H=128 is one-hot (0.97, entropy
-    0.06 nats against 1.67 scaled). `python -m attention_jax.analysis attention ...`: 42 s.
+    0.06 nats against 1.67 scaled). `python -m attention_jax.tools.analysis attention ...`: 42 s.
   norm, 24 layers: pre 224 s, 2.178; post 161 s, 3.114 (stalls at the unigram loss
     3.16 from step ~200 on; no NaN). lr 3e-4: pre 2.464, post 3.117 (246 s each). At
     4 layers post-norm trains, and better: pre 2.174, post 2.046 (about 60 s each).

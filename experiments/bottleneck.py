@@ -14,7 +14,7 @@ Command (2-core CPU; one line per model, then the bucketed evaluation on the tes
   for m in rnn-bottleneck rnn-attention transformer; do
     python -m attention_jax.main --config=experiments/bottleneck.py:model=$m \
         --workdir=/tmp/bottleneck/$m; done
-  python -m attention_jax.analysis translation --out=docs/results/bottleneck \
+  python -m attention_jax.tools.analysis translation --out=docs/results/bottleneck \
       rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck \
       rnn-attention=/tmp/bottleneck/rnn-attention transformer=/tmp/bottleneck/transformer
 

@@ -13,9 +13,9 @@ tables and plot (analysis.py evaluates every one of the 359 test images):
       --config=experiments/vit_digits.py:patch=$p --workdir=/tmp/vitd/cls-p$p; done
   python -m attention_jax.main --config=experiments/vit_digits.py:pool=gap,patch=2 \
       --workdir=/tmp/vitd/gap-p2
-  python -m attention_jax.analysis runs --out=docs/results/vit_patches --x=tokens \
+  python -m attention_jax.tools.analysis runs --out=docs/results/vit_patches --x=tokens \
       p1=/tmp/vitd/cls-p1 p2=/tmp/vitd/cls-p2 p4=/tmp/vitd/cls-p4 p8=/tmp/vitd/cls-p8
-  python -m attention_jax.analysis runs --out=docs/results/vit_pool \
+  python -m attention_jax.tools.analysis runs --out=docs/results/vit_pool \
       cls=/tmp/vitd/cls-p2 gap=/tmp/vitd/gap-p2
 
 Measured (2-core CPU): other jobs sharing the cores, the default (patch 4, 5 tokens)

@@ -18,3 +18,9 @@ def x64():
     """Run a test with float64 enabled (numerics against the float64 reference)."""
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A tfds data directory shared by a test module's tiny runs."""
+    return str(tmp_path_factory.mktemp("tfds"))

@@ -1,47 +1,11 @@
 """The lecture experiments' configs: every variant loads, validates and trains one step."""
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
 from attention_jax import checkpoint, tasks, train
 from attention_jax.models import bert
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load(name):
-    path = os.path.join(REPO, "experiments", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
-def shrink(c, data_dir):
-    """One step at tiny size on small offline data (the 2k-pair translation set, six
-    corpus files), so the test builds its datasets in seconds."""
-    c.data.data_dir = data_dir
-    if c.data.name == "number_translation":
-        c.data.name = "number_translation/small"
-    if "max_files" in c.data:
-        c.data.max_files = 6
-    if c.task == "gpt":
-        c.data.seq_len = min(c.data.seq_len, 32)
-        c.model.num_layers, c.model.embed_dim = 1, 4 * c.model.num_heads
-    c.train.steps = 1
-    c.train.batch_size = 8
-    c.train.progress = False
-    c.eval.every = -1
-    return c
-
+from helpers import load, shrink
 
 # The default of each file (no argument) already trains one step in
 # tests/system/test_experiments_and_config.py; these are the other variants.
@@ -138,7 +102,7 @@ def test_attention_stats_measure_saturation():
     import jax
     import jax.numpy as jnp
 
-    from attention_jax.analysis import attention_stats as stats
+    from attention_jax.tools.analysis import attention_stats as stats
     from attention_jax.models import gpt
     # Two documents and padding in row 0; one document in row 1.
     seg = np.array([[1, 1, 1, 2, 2, 0, 0, 0], [1] * 8], np.int32)

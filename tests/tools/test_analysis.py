@@ -1,4 +1,4 @@
-"""analysis.py: bucketed translation metrics on hand-made examples, and the reports on
+"""tools/analysis.py: bucketed translation metrics on hand-made examples, and the reports on
 runs trained for a couple of steps."""
 
 import json
@@ -7,8 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from attention_jax import analysis, train
-from test_lecture_experiments import load, shrink
+from attention_jax import train
+from attention_jax.tools import analysis
+from helpers import load, shrink
 
 
 def test_bucket_index_is_right_closed():

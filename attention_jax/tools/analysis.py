@@ -11,11 +11,11 @@
   (the softmax-scaling ablation).
 
 Command line (each reads finished run directories, trains nothing):
-  python -m attention_jax.analysis translation --out=docs/results/bottleneck \
+  python -m attention_jax.tools.analysis translation --out=docs/results/bottleneck \
       rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck rnn-attention=/tmp/... transformer=/tmp/...
-  python -m attention_jax.analysis runs --out=docs/results/vit_patches --x=tokens \
+  python -m attention_jax.tools.analysis runs --out=docs/results/vit_patches --x=tokens \
       p1=/tmp/vit/p1 p2=/tmp/vit/p2 ...
-  python -m attention_jax.analysis attention --out=docs/results/scale_attention \
+  python -m attention_jax.tools.analysis attention --out=docs/results/scale_attention \
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 ...
 
 A run directory is what `attention_jax.main` wrote: config.json, metrics.jsonl,
@@ -545,7 +545,7 @@ def _named_runs(items: Sequence[str]) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m attention_jax.analysis",
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.analysis",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("translation", help="bucketed exact match and BLEU of translation runs")

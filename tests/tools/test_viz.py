@@ -13,8 +13,9 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from attention_jax import train, viz
+from attention_jax import train
 from attention_jax.models import encdec, gpt, rnn
+from attention_jax.tools import viz
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

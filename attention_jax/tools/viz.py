@@ -1,9 +1,9 @@
 r"""Attention maps: per-layer, per-head weights as a PNG grid, and translation alignments.
 
-    python -m attention_jax.viz --workdir=/tmp/gpt --text="def main():" [--out=attn.png]
-    python -m attention_jax.viz --workdir=/tmp/rnn --text="three hundred and twelve"
-    python -m attention_jax.viz --workdir=/tmp/encdec --text="forty-two" [--target="..."]
-    python -m attention_jax.viz --workdir=/tmp/vit --image-index=3
+    python -m attention_jax.tools.viz --workdir=/tmp/gpt --text="def main():" [--out=attn.png]
+    python -m attention_jax.tools.viz --workdir=/tmp/rnn --text="three hundred and twelve"
+    python -m attention_jax.tools.viz --workdir=/tmp/encdec --text="forty-two" [--target="..."]
+    python -m attention_jax.tools.viz --workdir=/tmp/vit --image-index=3
 
 From a notebook, on arrays (no workdir needed):
 
@@ -249,7 +249,7 @@ class Run:
 
 def load_config(workdir: str):
     """The run's resolved config on one device, with batches of one example to draw."""
-    from attention_jax import analysis
+    from attention_jax.tools import analysis
     return analysis.load_run_config(workdir, {"train.batch_size": 1, "eval.batch_size": 1,
                                               "optim.grad_accum": 1})
 
@@ -422,7 +422,7 @@ def _translation_maps(run, src, target, layers, max_tokens):
 
 # ================================================================================ command line
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attention_jax.viz", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.viz", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="a training run's workdir")
     parser.add_argument("--text", help="input text (translation: the source sentence)")

@@ -1,10 +1,6 @@
-"""Benchmarks. Speed and memory targets live here, never as timed tests.
+"""The attention benchmark: `python -m attention_jax.tools.bench attention [--quick]`.
 
-    python -m attention_jax.bench attention            # the full table (about 10 minutes)
-    python -m attention_jax.bench attention --quick    # small sizes (make demo)
-    python -m attention_jax.bench train                # training steps/s vs PyTorch (bench_train.py)
-
-`attention` times scaled dot-product attention, B=1, 8 heads, head dim 64, float32, over
+Times scaled dot-product attention, B=1, 8 heads, head dim 64, float32, over
 sequence lengths N, causal and not: forward and forward+backward (median of repeated
 runs after a warm-up) and XLA's compiled temp memory, for our reference and blockwise
 paths, jax.nn.dot_product_attention (XLA), and PyTorch's CPU
@@ -15,12 +11,9 @@ the blockwise forward's FLOP rate can be read as a fraction of what the hardware
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -28,46 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.attention import dot_product_attention
+from attention_jax.tools.bench.timing import (available_memory_bytes, installed, matmul_rate,
+                                              median_time)
 
 HEADS, HEAD_DIM = 8, 64
 JAX_IMPLS = ("reference", "xla", "blockwise")
 
 
-def wall_times(fn, repeats: int) -> list[float]:
-    """Wall time of each of `repeats` calls of fn() (which must block until done)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of fn() over `repeats` runs, after one untimed warm-up run."""
-    fn()
-    return statistics.median(wall_times(fn, repeats))
-
-
-def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
-    """This machine's float32 matmul rate through XLA, in FLOP/s."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    return 2 * size ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
-
-
 def attention_flops(n: int, causal: bool) -> float:
     """4·B·N·T·S·H for the two matmuls of the forward pass; causal needs half the tiles."""
     return 4 * HEADS * n * n * HEAD_DIM * (0.5 if causal else 1.0)
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return 8 << 30
 
 
 # ----------------------------------------------------------------------------- JAX paths
@@ -145,14 +108,6 @@ def bench_torch(n, causal, repeats):
     return row
 
 
-def torch_available() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -217,12 +172,13 @@ def _progress(row):
     return f"fwd {row['fwd_s']:.4f}s, fwd+bwd {row['fwd_bwd_s']:.4f}s"
 
 
-def run_attention(args):
+def run(args):
+    """`bench attention`: the table on stdout, the rows as JSON in --out."""
     sizes = args.sizes or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
     repeats = args.repeats or (3 if args.quick else 5)
     budget = args.memory_fraction * available_memory_bytes()
     rate = matmul_rate()
-    peers = torch_available() and not args.no_torch
+    peers = installed("torch") and not args.no_torch
     print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads, "
           f"matmul {rate / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'not installed'}",
           file=sys.stderr)
@@ -262,10 +218,8 @@ def run_attention(args):
     print(f"\nwrote {out}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attention_jax.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="which", required=True)
+def add_parser(sub) -> None:
+    """Registers `attention` on the bench command's subcommand parser."""
     att = sub.add_parser("attention", help="attention forward/backward time and memory")
     att.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
     att.add_argument("--sizes", type=int, nargs="+", help="sequence lengths N")
@@ -277,14 +231,3 @@ def main(argv=None):
                      help="skip timing a peer (not blockwise) whose fwd+bwd would exceed this "
                           "many seconds per call (extrapolated from the previous N)")
     att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")
-    from attention_jax import bench_train  # `train`: throughput against PyTorch peers
-    bench_train.add_parser(sub)
-    args = parser.parse_args(argv)
-    if args.which == "attention":
-        run_attention(args)
-    elif args.which == "train":
-        bench_train.run_train(args)
-
-
-if __name__ == "__main__":
-    main()

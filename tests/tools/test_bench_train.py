@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from attention_jax import bench, bench_train
+from attention_jax.tools.bench import __main__ as bench_cli
+from attention_jax.tools.bench import train as bench_train
 
 
 def test_model_flops_formula():
@@ -28,7 +29,7 @@ def test_run_train_writes_table_and_json(tmp_path, capsys):
     bench_train.add_parser(parser.add_subparsers(dest="which"))
     args = parser.parse_args(["train", "--models", "gpt-test", "--warmup", "1", "--repeats", "2",
                               "--matmul-repeats", "1", "--settle", "0", "--out", str(out)])
-    rows = bench_train.run_train(args)
+    rows = bench_train.run(args)
     sides = {r["side"] for r in rows}
     assert "jax" in sides and (sides == {"jax"} or sides == {"jax", "torch"})
     for r in rows:
@@ -42,8 +43,8 @@ def test_run_train_writes_table_and_json(tmp_path, capsys):
 
 def test_bench_cli_registers_train(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench_train, "run_train", lambda args: seen.setdefault("args", args))
-    bench.main(["train", "--models", "gpt-test", "--no-torch"])
+    monkeypatch.setattr(bench_train, "run", lambda args: seen.setdefault("args", args))
+    bench_cli.main(["train", "--models", "gpt-test", "--no-torch"])
     assert seen["args"].models == ["gpt-test"] and seen["args"].no_torch
 
 

@@ -1,4 +1,4 @@
-r"""Training throughput against PyTorch peers: `python -m attention_jax.bench train`.
+r"""Training throughput against PyTorch peers: `python -m attention_jax.tools.bench train`.
 
 For each model shape below, one training step (forward, backward, AdamW update) is
 timed on our side and on a PyTorch peer of the same architecture, sizes and batch:
@@ -37,7 +37,7 @@ tokens. BERT's MLM head: our loss, like the trainer's, projects only the ~15% pr
 positions onto the vocabulary while BertForMaskedLM projects all of them; the FLOP count
 uses the full-model formula for both, so it slightly flatters neither. Model FLOPs
 utilisation (MFU) = model FLOP/s ÷ this machine's float32 matmul rate through XLA
-(bench.matmul_rate, a 2048² matmul): the share of what the cores can do that reaches the
+(timing.matmul_rate, a 2048² matmul): the share of what the cores can do that reaches the
 model's own arithmetic.
 """
 
@@ -56,6 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from attention_jax.tools.bench.timing import installed, matmul_rate, wall_times
 
 LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
 MASK_RATE = 0.15
@@ -141,17 +143,16 @@ def measure_side(name: str, side: str, implementation: str, warmup: int, repeats
     """One side of shape `name` in this process: `warmup` untimed steps, then `repeats`
     timed ones. Returns the side's info (params, loss, ...) with "times" in seconds."""
     shape = {**SHAPES, **SHAPES_TINY}[name]
-    from attention_jax import bench
     step, info = prepare_ours(shape, implementation) if side == "jax" else prepare_torch(shape)
     for _ in range(warmup):
         step()
-    return {**info, "times": bench.wall_times(step, repeats)}
+    return {**info, "times": wall_times(step, repeats)}
 
 
 def measure_in_subprocess(name: str, side: str, implementation: str, warmup: int,
                           repeats: int) -> dict:
     """`measure_side` in a fresh Python process (see the module docstring: why)."""
-    cmd = [sys.executable, "-m", "attention_jax.bench_train", name, side, implementation,
+    cmd = [sys.executable, "-m", "attention_jax.tools.bench.train", name, side, implementation,
            str(warmup), str(repeats)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
@@ -257,15 +258,6 @@ def prepare_ours(shape: Shape, implementation: str = "blockwise"):
 
 
 # ======================================================================================= peer
-def torch_available() -> bool:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def build_torch(shape: Shape):
     """The transformers model of `shape`, random init, dropout 0, eager (no compile)."""
     import transformers as tf
@@ -363,18 +355,17 @@ def train_table(rows: list[dict], rate: float) -> str:
     return "\n".join(lines)
 
 
-def run_train(args) -> list[dict]:
+def run(args) -> list[dict]:
     """`bench train`: both sides for each chosen shape; prints the table, writes JSON."""
-    from attention_jax import bench
     table = {**SHAPES, **SHAPES_TINY}
     names = args.models or list(SHAPES)
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"error: --models {unknown} unknown; valid: {sorted(table)}")
-    peers = torch_available() and not args.no_torch
+    peers = installed("torch", "transformers") and not args.no_torch
     # The machine's rate is the best of a measurement before and after: on a shared
     # machine a single one may catch another job and flatter every MFU.
-    rate_before = bench.matmul_rate(repeats=args.matmul_repeats)
+    rate_before = matmul_rate(repeats=args.matmul_repeats)
     print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads, matmul "
           f"{rate_before / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'no'}",
           file=sys.stderr)
@@ -389,7 +380,7 @@ def run_train(args) -> list[dict]:
             measured.append((table[name], info, times, results["jax"]["matmul_params"]))
             print(f"  {name} {side}: {statistics.median(times) * 1e3:.1f} ms/step",
                   file=sys.stderr)
-    rate = max(rate_before, bench.matmul_rate(repeats=args.matmul_repeats))
+    rate = max(rate_before, matmul_rate(repeats=args.matmul_repeats))
     # Both sides count model FLOPs from our parameter count (the peers' differ by BERT's
     # unused pooler/NSP head at most).
     rows = [finish_row(info, times, shape, matmul_params, rate)
@@ -405,7 +396,7 @@ def run_train(args) -> list[dict]:
 
 
 def add_parser(sub) -> None:
-    """Registers `train` on bench.py's subcommand parser."""
+    """Registers `train` on the bench command's subcommand parser."""
     p = sub.add_parser("train", help="training steps/s, tokens/s and MFU against PyTorch peers")
     p.add_argument("--models", nargs="+", help=f"shapes to run (default: all of {list(SHAPES)})")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (ours compiles)")

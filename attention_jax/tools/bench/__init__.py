@@ -1,0 +1,8 @@
+"""Benchmarks. Speed and memory targets live here, never as timed tests.
+
+    python -m attention_jax.tools.bench attention            # the full table (about 10 minutes)
+    python -m attention_jax.tools.bench attention --quick    # small sizes (make bench-quick)
+    python -m attention_jax.tools.bench train                # training steps/s vs PyTorch
+
+timing.py holds what both measure with; attention.py and train.py one benchmark each.
+"""

@@ -1,0 +1,25 @@
+"""The bench command: `python -m attention_jax.tools.bench attention|train [options]`."""
+
+from __future__ import annotations
+
+import argparse
+
+import attention_jax.tools.bench as bench
+from attention_jax.tools.bench import attention, train
+
+BENCHMARKS = {"attention": attention, "train": train}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.bench",
+                                     description=bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="which", required=True)
+    for module in BENCHMARKS.values():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    return BENCHMARKS[args.which].run(args)
+
+
+if __name__ == "__main__":
+    main()

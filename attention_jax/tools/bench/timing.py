@@ -1,0 +1,53 @@
+"""What both benchmarks time with: wall times of a blocking call, this machine's matmul
+rate (the yardstick for FLOP rates and MFU), free memory, and whether a peer is installed."""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def wall_times(fn, repeats: int) -> list[float]:
+    """Wall time of each of `repeats` calls of fn() (which must block until done)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` runs, after one untimed warm-up run."""
+    fn()
+    return statistics.median(wall_times(fn, repeats))
+
+
+def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
+    """This machine's float32 matmul rate through XLA, in FLOP/s."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    return 2 * size ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 << 30
+
+
+def installed(*modules: str) -> bool:
+    """Whether every one of `modules` can be imported (the PyTorch peers are optional)."""
+    try:
+        for m in modules:
+            importlib.import_module(m)
+    except ImportError:
+        return False
+    return True
