@@ -13,13 +13,26 @@ Implementations:
                oracle, and the only one that can return the attention weights.
   "blockwise"  lax.scan over query blocks, online softmax over key blocks, hand-written
                FlashAttention-2 style backward: O(T + S) memory forward and backward.
+  "pallas"     the blockwise algorithm as fused Pallas kernels (pallas.py): Triton on
+               NVIDIA GPUs, interpret mode on CPU (slow; for tests). Every structural mask.
   "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores).
-  "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16).
-  "auto"       cudnn where it applies, otherwise blockwise (or reference if weights are asked).
+  "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16),
+               driven by its own causal / key-length / left-window arguments.
+  "auto"       per backend, dtype and mask; `explain(...)` says which and why without
+               running anything:
+                 weights asked for          -> reference
+                 NVIDIA GPU, what cuDNN can express (f16/bf16, H % 8 == 0, H <= 128;
+                   causal, right padding as kv_lengths, a causal left window, GQA)
+                                            -> cudnn
+                 NVIDIA GPU, anything else (segment ids, kv_mask, two-sided windows,
+                   query offsets, float32, a dense mask)   -> pallas
+                 CPU, TPU, float64          -> blockwise
+               so no path builds an N×N mask unless the caller passed one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import jax
@@ -28,11 +41,14 @@ import numpy as np
 
 from attention_jax.attention.blockwise import blockwise_attention
 from attention_jax.attention.masks import MaskSpec, dense_mask
+from attention_jax.attention.pallas import pallas_attention
+from attention_jax.attention.pallas import default_block_sizes as pallas_block_sizes
 from attention_jax.attention.reference import reference_attention
 
-__all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskSpec", "default_block_sizes"]
+__all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "MaskSpec",
+           "default_block_sizes"]
 
-IMPLEMENTATIONS = ("auto", "reference", "blockwise", "xla", "cudnn")
+IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas", "xla", "cudnn")
 
 
 def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] = None,
@@ -71,6 +87,7 @@ def dot_product_attention(
     q_segment_ids=None,
     kv_segment_ids=None,
     kv_mask=None,
+    kv_lengths=None,
     mask=None,
     window: Union[int, tuple[int, int], None] = None,
     q_offset=0,
@@ -90,6 +107,9 @@ def dot_product_attention(
         of the same segment, e.g. packed documents. Or give q_segment_ids [B, T] and
         kv_segment_ids [B, S] separately (cross-attention).
       kv_mask: [B, S] bool, True for real keys: padding. Keys that are False are unseen.
+      kv_lengths: [B] ints, the number of real keys of each row when the padding is on
+        the right (keys at positions >= kv_lengths[b] are unseen). The same mask as a
+        prefix kv_mask, in a form cuDNN takes natively and the kernels use to skip tiles.
       mask: dense bool mask broadcastable to [B, N, T, S], for masks with no structure.
       window: local attention. int w: keys within w positions either side; (left, right):
         query i sees keys i-left .. i+right. With causal, right is 0.
@@ -97,28 +117,21 @@ def dot_product_attention(
         against a cache of earlier keys: T new queries after q_offset cached ones).
       scale: multiplies the scores; default 1/sqrt(H) (keeps score variance near 1).
       implementation: one of IMPLEMENTATIONS.
-      block_q, block_k: tile sizes for "blockwise" (defaults: `default_block_sizes()`).
+      block_q, block_k: tile sizes for "blockwise" (defaults: `default_block_sizes()`)
+        and for "pallas"'s forward and dQ kernels (powers of two >= 16).
       return_weights: also return the attention weights [B, N, T, S] (reference only).
 
     Returns:
       [B, T, N, Hv] in q's dtype (and the weights if asked). Rows with no visible key
       are zero, with zero gradients, never NaN.
     """
-    _check_shapes(q, k, v)
+    spec, scale = _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids,
+                           kv_mask, kv_lengths, mask, window, q_offset, scale, implementation)
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is unknown; valid: {IMPLEMENTATIONS}")
-    scale = _check_scale(scale, h)
-    window = _check_window(window)
-    spec = MaskSpec(
-        causal=bool(causal),
-        window=window,
-        q_offset=_check_offset(q_offset, b),
-        **_segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s),
-        mask=_check_dense_mask(mask, b, n, t, s),
-    )
-    impl = _choose(implementation, q.dtype, h, spec, return_weights)
+    s = k.shape[1]
+    offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
+    impl, _ = _choose(implementation, q.dtype, h, (t, s), spec, return_weights, offset_is_zero,
+                      jax.default_backend(), _cudnn_available())
     if return_weights and impl != "reference":
         raise ValueError(
             f"return_weights=True needs implementation='reference' (or 'auto'); got "
@@ -130,8 +143,45 @@ def dot_product_attention(
         block_q = _check_block("block_q", block_q, default_q)
         block_k = _check_block("block_k", block_k, default_k)
         return blockwise_attention(q, k, v, spec, scale, block_q, block_k)
-    offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
+    if impl == "pallas":
+        blocks = pallas_block_sizes(h, q.dtype)
+        blocks = dataclasses.replace(
+            blocks, fwd_q=_check_block("block_q", block_q, blocks.fwd_q, pow2=True),
+            fwd_k=_check_block("block_k", block_k, blocks.fwd_k, pow2=True))
+        return pallas_attention(q, k, v, spec, scale, blocks)
     return _jax_nn(q, k, v, spec, scale, impl, offset_is_zero)
+
+
+def explain(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=None,
+            kv_segment_ids=None, kv_mask=None, kv_lengths=None, mask=None, window=None,
+            q_offset=0, implementation: str = "auto", return_weights: bool = False,
+            backend: Optional[str] = None) -> tuple[str, str]:
+    """(implementation, reason): what `dot_product_attention` would run, without running it.
+
+    Takes the same arguments; arrays may be `jax.ShapeDtypeStruct`s. `backend` ("cpu",
+    "gpu", "tpu"; default: this process's) asks what would happen on another backend,
+    so the choice for a GPU can be checked on a laptop:
+
+        explain(q, k, v, causal=True, segment_ids=ids, backend="gpu")
+        # ('pallas', 'segment ids: cuDNN has no argument for them')
+    """
+    backend = backend or jax.default_backend()
+    offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
+    answer = []
+
+    def trace(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths,
+              mask, q_offset):
+        spec, _ = _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids,
+                           kv_mask, kv_lengths, mask, window, q_offset, None, implementation)
+        if implementation == "cudnn" and backend != "gpu":
+            raise ValueError(f"implementation='cudnn' needs an NVIDIA GPU; backend={backend!r}")
+        answer.append(_choose(implementation, q.dtype, q.shape[-1], (q.shape[1], k.shape[1]),
+                              spec, return_weights,
+                              offset_is_zero, backend, backend == "gpu"))
+
+    jax.eval_shape(trace, q, k, v, segment_ids, q_segment_ids, kv_segment_ids, kv_mask,
+                   kv_lengths, mask, q_offset)
+    return answer[0]
 
 
 # ----------------------------------------------------------------------------- backends
@@ -142,36 +192,97 @@ def _cudnn_available() -> bool:
                for d in jax.devices())
 
 
-def _choose(implementation, dtype, head_dim, spec: MaskSpec, return_weights) -> str:
-    if implementation == "cudnn" and not _cudnn_available():
+def _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids, kv_mask,
+             kv_lengths, mask, window, q_offset, scale, implementation):
+    """Validate everything and reduce the mask arguments to one MaskSpec."""
+    _check_shapes(q, k, v)
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is unknown; valid: {IMPLEMENTATIONS}")
+    spec = MaskSpec(
+        causal=bool(causal),
+        window=_check_window(window),
+        q_offset=_check_offset(q_offset, b),
+        **_segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s),
+        mask=_check_dense_mask(mask, b, n, t, s),
+        kv_lengths=_check_lengths(kv_lengths, b),
+    )
+    return spec, _check_scale(scale, h)
+
+
+def _cudnn_available() -> bool:
+    return any(d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
+               for d in jax.devices())
+
+
+def _cudnn_refusal(dtype, head_dim, spec: MaskSpec, offset_is_zero, t, s) -> Optional[str]:
+    """Why cuDNN (through jax.nn's own arguments) cannot run this call, or None if it can."""
+    if dtype not in (jnp.float16, jnp.bfloat16):
+        return f"dtype {jnp.dtype(dtype).name}: cuDNN runs float16/bfloat16 only"
+    if head_dim % 8 or head_dim > 128:
+        return f"head dim {head_dim}: cuDNN needs a multiple of 8, at most 128"
+    if spec.q_segment_ids is not None:
+        return "segment ids (or kv_mask): cuDNN has no argument for them"
+    if spec.mask is not None:
+        return "a dense mask: cuDNN would take it as an N×N bias"
+    if not offset_is_zero:
+        return "a query offset: cuDNN's causal mask starts at query 0"
+    if spec.window is not None and not spec.causal:
+        return f"window {spec.window} without causal: cuDNN takes left windows with causal only"
+    if spec.causal and t != s:
+        return f"causal cross-attention (T={t}, S={s}): left to the kernels that define it"
+    return None
+
+
+def _choose(implementation, dtype, head_dim, lengths, spec: MaskSpec, return_weights,
+            offset_is_zero, backend: str, nvidia: bool) -> tuple[str, str]:
+    """(implementation, reason) for this call on this backend; lengths is (T, S)."""
+    if implementation == "cudnn" and not nvidia:
         raise ValueError(
             f"implementation='cudnn' needs an NVIDIA GPU; this backend is "
-            f"{jax.default_backend()!r}. Valid here: 'auto', 'reference', 'blockwise', 'xla'")
+            f"{backend!r}. Valid here: 'auto', 'reference', 'blockwise', 'pallas', 'xla'")
+    if implementation == "pallas" and backend != "cpu" and dtype == jnp.float64:
+        raise ValueError("implementation='pallas' takes float16, bfloat16 or float32 on a "
+                         "GPU; got float64 (use 'blockwise' or 'reference')")
     if implementation != "auto":
-        return implementation
+        return implementation, "asked for"
     if return_weights:
-        return "reference"
-    cudnn_ok = (dtype in (jnp.float16, jnp.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
-                and spec.mask is None and spec.window is None)
-    if cudnn_ok and _cudnn_available():
-        return "cudnn"
-    return "blockwise"
+        return "reference", "attention weights asked for: only the reference forms them"
+    if backend == "gpu" and nvidia:
+        refusal = _cudnn_refusal(dtype, head_dim, spec, offset_is_zero, *lengths)
+        if refusal is None:
+            return "cudnn", "cuDNN expresses this mask through its own arguments"
+        if dtype != jnp.float64:
+            return "pallas", refusal
+        return "blockwise", refusal + "; the Pallas kernel has no float64 either"
+    return "blockwise", f"backend {backend!r}: the portable lax.scan kernel"
 
 
 def _jax_nn(q, k, v, spec: MaskSpec, scale, impl, offset_is_zero):
-    """jax.nn.dot_product_attention; masks other than plain causal become one dense mask."""
+    """jax.nn.dot_product_attention, with the mask in its own arguments where they can say it.
+
+    is_causal, key_value_seq_lengths and a causal left window are structural (cuDNN skips
+    the hidden tiles); anything else becomes one dense [B, N, T, S] mask, which is why
+    "auto" never sends such calls here.
+    """
     b, t, n, _ = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
-    plain_causal = (spec.causal and spec.window is None and not spec.has_data_dependent
-                    and t == s and offset_is_zero)
-    if plain_causal:
-        y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
-    else:
-        full = dense_mask(spec, b, n, kv_heads, t, s)
-        y = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=full, implementation=impl)
-        if full is not None:  # jax.nn gives rows with no visible key the mean of v
-            any_visible = jnp.any(full, axis=-1)  # [B, N, T]
-            y = jnp.where(jnp.transpose(any_visible, (0, 2, 1))[..., None], y, 0)
+    structural = (spec.q_segment_ids is None and spec.mask is None and offset_is_zero
+                  and (spec.window is None or (spec.causal and impl == "cudnn")))
+    if structural:
+        window = None if spec.window is None else (spec.window[0], 0)
+        y = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=spec.causal, key_value_seq_lengths=spec.kv_lengths,
+            local_window_size=window, implementation=impl)
+        if spec.kv_lengths is not None:  # a row of no real keys is zero, as on every path
+            y = jnp.where((spec.kv_lengths > 0)[:, None, None, None], y, 0)
+        return y
+    full = dense_mask(spec, b, n, kv_heads, t, s)
+    y = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=full, implementation=impl)
+    if full is not None:  # jax.nn gives rows with no visible key the mean of v
+        any_visible = jnp.any(full, axis=-1)  # [B, N, T]
+        y = jnp.where(jnp.transpose(any_visible, (0, 2, 1))[..., None], y, 0)
     return y
 
 
@@ -227,12 +338,25 @@ def _check_window(window):
     return int(pair[0]), int(pair[1])
 
 
-def _check_block(name, value, default):
+def _check_block(name, value, default, pow2=False):
     if value is None:
         return default
     if not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if pow2 and (value < 16 or value & (value - 1)):
+        raise ValueError(f"{name} must be a power of two >= 16 for implementation='pallas'; "
+                         f"got {value!r}")
     return int(value)
+
+
+def _check_lengths(kv_lengths, batch):
+    if kv_lengths is None:
+        return None
+    lengths = jnp.asarray(kv_lengths)
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"kv_lengths must be an int array of shape [B]=[{batch}]; "
+                         f"got {lengths.dtype} {lengths.shape}")
+    return lengths.astype(jnp.int32)
 
 
 def _check_offset(q_offset, batch):

@@ -60,12 +60,12 @@ def blockwise_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, blo
     g = n // kh
     st = _Static(spec.causal, spec.window, float(scale), min(block_q, t), min(block_k, s),
                  t, s, b, kh)
-    arrays = (spec.q_offset, spec.q_segment_ids, spec.kv_segment_ids, spec.mask)
+    arrays = (spec.q_offset, spec.q_segment_ids, spec.kv_segment_ids, spec.mask, spec.kv_lengths)
     # The G query heads of a group share one K/V head: [B, T, N, H] -> [B·K, G, T, H].
     qx = jnp.transpose(q.reshape(b, t, kh, g, h), (0, 2, 3, 1, 4)).reshape(b * kh, g, t, h)
     kx = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kh, s, h)  # [X, S, H], never copied per head
     vx = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kh, s, hv)
-    y = _attention(st, qx, kx, vx, arrays)  # [X, G, T, Hv]
+    y = _attention_vjp(st, qx, kx, vx, arrays)  # [X, G, T, Hv]
     return jnp.transpose(y.reshape(b, kh, g, t, hv), (0, 3, 1, 2, 4)).reshape(b, t, n, hv)
 
 
@@ -90,16 +90,12 @@ def _slice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _floordiv(a, b):
-    return jnp.floor_divide(a, b)
-
-
 class _Tiles:
     """Padded inputs and the per-tile views both passes need."""
 
     def __init__(self, st: _Static, q, k, v, arrays):
         self.st = st
-        offset, q_seg, kv_seg, dense = arrays
+        offset, q_seg, kv_seg, dense, self.kv_lengths = arrays
         self.q = _pad_to(q, 2, st.bq)  # [X, G, Tp, H]
         self.k = _pad_to(k, 1, st.bk)  # [X, Sp, H]
         self.v = _pad_to(v, 1, st.bk)
@@ -145,7 +141,8 @@ class _Tiles:
         dense = None
         if self.dense is not None:
             dense = _slice(_slice(self.dense, i * st.bq, st.bq, 3), j * st.bk, st.bk, 4)
-        ok = visible(self.spec, q_pos, k_pos, q_seg, k_seg, dense)  # [B|1, K|1, G|1, bq, bk]
+        ok = visible(self.spec, q_pos, k_pos, q_seg, k_seg, dense,
+                     self.kv_lengths)  # [B|1, K|1, G|1, bq, bk]
         if self.kv_padded:
             real = (k_pos < st.kv_len)[None, None, None, None, :]
             ok = real if ok is None else ok & real
@@ -169,11 +166,11 @@ class _Tiles:
         lo, hi, nk = 0, self.nk, self.nk
         full_lo, full_hi = lo, hi
         if spec.left is not None:
-            lo = jnp.clip(_floordiv(q_min - spec.left, st.bk), 0, nk)
-            full_lo = -_floordiv(-(q_max - spec.left), st.bk)  # ceil
+            lo = jnp.clip(jnp.floor_divide(q_min - spec.left, st.bk), 0, nk)
+            full_lo = -jnp.floor_divide(-(q_max - spec.left), st.bk)  # ceil
         if spec.right is not None:
-            hi = jnp.clip(_floordiv(q_max + spec.right, st.bk) + 1, 0, nk)
-            full_hi = _floordiv(q_min + spec.right + 1, st.bk)
+            hi = jnp.clip(jnp.floor_divide(q_max + spec.right, st.bk) + 1, 0, nk)
+            full_hi = jnp.floor_divide(q_min + spec.right + 1, st.bk)
         if self.kv_padded:
             full_hi = jnp.minimum(full_hi, nk - 1)
         return self._ranges(lo, hi, full_lo, full_hi)
@@ -185,11 +182,11 @@ class _Tiles:
         lo, hi, nq = 0, self.nq, self.nq
         full_lo, full_hi = lo, hi
         if spec.right is not None:
-            lo = jnp.clip(_floordiv(k_min - spec.right - self.off_max, st.bq), 0, nq)
-            full_lo = -_floordiv(-(k_max - spec.right - self.off_min), st.bq)  # ceil
+            lo = jnp.clip(jnp.floor_divide(k_min - spec.right - self.off_max, st.bq), 0, nq)
+            full_lo = -jnp.floor_divide(-(k_max - spec.right - self.off_min), st.bq)  # ceil
         if spec.left is not None:
-            hi = jnp.clip(_floordiv(k_max + spec.left - self.off_min, st.bq) + 1, 0, nq)
-            full_hi = _floordiv(k_min + spec.left - self.off_max + 1, st.bq)
+            hi = jnp.clip(jnp.floor_divide(k_max + spec.left - self.off_min, st.bq) + 1, 0, nq)
+            full_hi = jnp.floor_divide(k_min + spec.left - self.off_max + 1, st.bq)
         if self.kv_padded:
             full_hi = jnp.where(j == self.nk - 1, full_lo, full_hi)
         return self._ranges(lo, hi, full_lo, full_hi)
@@ -351,5 +348,3 @@ def _attention_bwd(st, residuals, d_out):
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
-
-_attention = _attention_vjp

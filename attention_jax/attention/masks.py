@@ -8,6 +8,7 @@ A key at position j is visible to a query at position i when all of these hold:
   - causal:           j <= i
   - window (L, R):    i - L <= j <= i + R
   - segment ids:      q_segment[i] == kv_segment[j]
+  - key lengths:      j < kv_lengths[b]   (right padding: the first kv_lengths[b] keys are real)
   - dense mask:       mask[..., i, j]
 Query positions are `q_offset + arange(T)`: the offset places the queries after a cache
 of earlier keys when decoding (query 0 of a decode step sits at position `q_offset`).
@@ -31,6 +32,7 @@ class MaskSpec:
       q_segment_ids:   int32 [B, T] or None.
       kv_segment_ids:  int32 [B, S] or None (-1 marks a padding key no query matches).
       mask:            bool [B|1, N|1, T, S] or None, a dense mask where one must be given.
+      kv_lengths:      int32 [B] or None: keys at positions >= kv_lengths[b] are padding.
     """
 
     causal: bool = False
@@ -39,6 +41,7 @@ class MaskSpec:
     q_segment_ids: Optional[jax.Array] = None
     kv_segment_ids: Optional[jax.Array] = None
     mask: Optional[jax.Array] = None
+    kv_lengths: Optional[jax.Array] = None
 
     @property
     def left(self) -> Optional[int]:
@@ -59,15 +62,17 @@ class MaskSpec:
     @property
     def has_data_dependent(self) -> bool:
         """Masks that depend on array contents, so no tile can be assumed fully visible."""
-        return self.q_segment_ids is not None or self.mask is not None
+        return (self.q_segment_ids is not None or self.mask is not None
+                or self.kv_lengths is not None)
 
 
-def visible(spec: MaskSpec, q_pos, k_pos, q_seg=None, k_seg=None, dense=None):
+def visible(spec: MaskSpec, q_pos, k_pos, q_seg=None, k_seg=None, dense=None, k_len=None):
     """Boolean visibility on a grid, broadcast to [B, 1, 1, Tq, Sk].
 
     q_pos: [B, Tq] absolute query positions; k_pos: [Sk] key positions.
     q_seg / k_seg: [B, Tq] / [B, Sk] segment ids of this rectangle (or None).
     dense: [B|1, N|1, Tq, Sk] slice of the dense mask (or None), reshaped by the caller.
+    k_len: [B] number of real keys per batch row (or None).
     Returns None when nothing restricts this rectangle.
     """
     ok = None
@@ -83,6 +88,8 @@ def visible(spec: MaskSpec, q_pos, k_pos, q_seg=None, k_seg=None, dense=None):
         ok = both(ok, kj >= qi - spec.left)
     if q_seg is not None:
         ok = both(ok, q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
+    if k_len is not None:
+        ok = both(ok, kj < k_len[:, None, None, None, None])
     if dense is not None:
         ok = both(ok, dense)
     return ok
@@ -96,7 +103,8 @@ def dense_mask(spec: MaskSpec, batch: int, num_heads: int, num_kv_heads: int,
     dense = None
     if spec.mask is not None:
         dense = group_heads(spec.mask, num_kv_heads)
-    ok = visible(spec, q_pos, k_pos, spec.q_segment_ids, spec.kv_segment_ids, dense)
+    ok = visible(spec, q_pos, k_pos, spec.q_segment_ids, spec.kv_segment_ids, dense,
+                 spec.kv_lengths)
     if ok is None:
         return None
     ok = jnp.broadcast_to(ok, (ok.shape[0], ok.shape[1], ok.shape[2], q_len, kv_len))

@@ -1,0 +1,542 @@
+"""FlashAttention as fused Pallas kernels: the blockwise algorithm, one tile per program.
+
+The algorithm is blockwise.py's (read that first: it is the teaching text); here it is
+written as three GPU kernels instead of a lax.scan, so a tile of scores lives in
+registers and never reaches memory:
+
+  forward   program (query block i, batch b, head n): walks the key blocks j that the
+            mask lets query block i see, keeping the running max m, sum l and output
+            acc of the online softmax; writes O and the per-row log-sum-exp L.
+  dK, dV    program (key block j, b, n): walks the query blocks that can see key block
+            j, recomputes P = exp(S - L) from the saved L and accumulates
+            dV += Pᵀ dO and dK += dSᵀ Q with dS = P ∘ (dP - rowsum(dO ∘ O)).
+  dQ        program (query block i, b, n): walks the same key blocks as the forward and
+            accumulates dQ += dS K.
+  (FlashAttention-2, Dao 2023, algorithms 1 and 2; dQ gets its own kernel instead of
+  atomic adds, so the gradient is deterministic.)
+
+Tiles are read in place from the [B, T, N, H] / [B, S, K, H] arrays: a program loads a
+[rows, H] slice of one head through a strided pointer, so there is no transpose, and a
+grouped-query head n reads K/V head n // G without copying K/V. Scores are kept in
+base 2 (exp2 is the GPU's native exponential): S₂ = Q Kᵀ · scale · log₂e, and L is
+stored in the same base, so the backward's P = exp2(S₂ - L₂) is exactly the forward's.
+
+Masks are structural, as everywhere in the package (masks.py): a program works out from
+its block index, the batch row's query offset and key length which key blocks are
+hidden entirely (never visited), which are visible entirely (visited without any mask
+arithmetic) and which need the per-element mask (causal diagonal, window edges, a
+partial last block, segment ids, a dense mask tile). Rows with no visible key give zero
+output and zero gradients.
+
+Backends: Pallas lowers these kernels through Triton on NVIDIA GPUs (run and measured
+on an H100: see the README). On CPU they run with `interpret=True`, which is how the
+test suite checks every mask against the float64 reference. The kernel bodies use only
+what Mosaic TPU also lowers (2-D tiles, dots, exp2, where), but they have not been run
+on a TPU, and TPU block shapes have other constraints; treat TPU as untested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from attention_jax.attention.masks import MaskSpec
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and launch settings of the three kernels.
+
+    fwd_q × fwd_k: the forward's (and the dQ kernel's) query block × key block.
+    bwd_q × bwd_k: the dK/dV kernel's query block (its inner loop) × key block (one per
+    program). Triton wants powers of two, at least 16 (the tensor-core dot's minimum).
+    """
+
+    fwd_q: int = 128
+    fwd_k: int = 64
+    bwd_q: int = 64
+    bwd_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+
+
+def default_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> BlockSizes:
+    """Tile sizes measured fastest on an H100 (see `python -m attention_jax.tools.bench`).
+
+    In interpret mode (CPU) speed means nothing; small tiles make the tests walk several
+    blocks per row so that the loop bounds and the partial masks are exercised.
+    """
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
+    wide = head_dim > 64 or jnp.dtype(dtype).itemsize > 2
+    if wide:
+        return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=8,
+                          num_stages=3, bwd_num_warps=8, bwd_num_stages=2)
+    return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=4,
+                      num_stages=3, bwd_num_warps=4, bwd_num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything about the call fixed at trace time (hashable, for custom_vjp)."""
+
+    causal: bool
+    left: Optional[int]  # how far back a query looks (None: unbounded)
+    right: Optional[int]  # how far ahead (None: unbounded; 0 when causal)
+    scale: float
+    q_len: int  # T before padding
+    kv_len: int  # S before padding
+    heads: int  # N
+    groups: int  # G = N / K
+    has_lengths: bool
+    has_segments: bool
+    mask_shape: Optional[tuple[int, int]]  # (B|1, N|1) of the dense mask, or None
+    blocks: BlockSizes
+    interpret: bool
+
+    @property
+    def data_dependent(self) -> bool:
+        """Masks read from arrays: no tile can be assumed fully visible without looking."""
+        return self.has_segments or self.mask_shape is not None
+
+
+def pallas_attention(q, k, v, spec: MaskSpec, scale: float,
+                     blocks: Optional[BlockSizes] = None, interpret: Optional[bool] = None):
+    """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv], fused kernels."""
+    b, t, n, h = q.shape
+    s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    blocks = blocks or default_block_sizes(h, q.dtype)
+    right = spec.right
+    st = _Static(
+        causal=spec.causal, left=spec.left, right=right, scale=float(scale), q_len=t,
+        kv_len=s, heads=n, groups=n // kh, has_lengths=spec.kv_lengths is not None,
+        has_segments=spec.q_segment_ids is not None,
+        mask_shape=None if spec.mask is None else tuple(spec.mask.shape[:2]),
+        blocks=blocks, interpret=bool(interpret))
+    arrays = (spec.q_offset, spec.kv_lengths, spec.q_segment_ids, spec.kv_segment_ids,
+              None if spec.mask is None else spec.mask.astype(jnp.int8))
+    # Pad lengths to whole blocks and head dims to a power of two (zeros change no
+    # product); the kernels mask the padded keys, and the padded rows are cut off.
+    tp, sp = _round_up(t, max(blocks.fwd_q, blocks.bwd_q)), _round_up(s, max(blocks.fwd_k, blocks.bwd_k))
+    hp, hvp = _pow2_at_least_16(h), _pow2_at_least_16(hv)
+    qp = _pad(_pad(q, 1, tp), 3, hp)
+    kp = _pad(_pad(k, 1, sp), 3, hp)
+    vp = _pad(_pad(v, 1, sp), 3, hvp)
+    arrays = _pad_arrays(arrays, tp, sp)
+    y = _flash(st, qp, kp, vp, arrays)
+    return y[:, :t, :, :hv]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pow2_at_least_16(x: int) -> int:
+    return max(16, 1 << (x - 1).bit_length())
+
+
+def _pad(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_arrays(arrays, tp, sp):
+    offset, lengths, q_seg, kv_seg, mask = arrays
+    if q_seg is not None:
+        q_seg, kv_seg = _pad(q_seg, 1, tp), _pad(kv_seg, 1, sp)
+    if mask is not None:
+        mask = _pad(_pad(mask, 2, tp), 3, sp)
+    return offset, lengths, q_seg, kv_seg, mask
+
+
+def _div(a, b: int):
+    """a // b for a >= 0 (lax.div truncates, which is floor for non-negative a)."""
+    return lax.div(a, jnp.int32(b))
+
+
+def _kv_blocks(st: _Static, bk: int, q_first, q_last, length):
+    """Key blocks for queries at positions [q_first, q_last]: (lo, a, b, hi).
+
+    Blocks [lo, hi) hold some visible key; of those, [a, b) are visible entirely and
+    need no mask. Query p sees key j when p - left <= j <= p + right and j < length.
+    """
+    nk = _round_up(st.kv_len, bk) // bk
+    lo, hi = jnp.int32(0), jnp.int32(nk)
+    full_lo, full_hi = jnp.int32(0), jnp.int32(st.kv_len // bk)  # a partial last block is masked
+    if st.right is not None:
+        hi = jnp.minimum(hi, _div(jnp.maximum(q_last + st.right + bk, 0), bk))
+        full_hi = jnp.minimum(full_hi, _div(jnp.maximum(q_first + st.right + 1, 0), bk))
+    if st.left is not None:
+        lo = jnp.minimum(_div(jnp.maximum(q_first - st.left, 0), bk), hi)
+        full_lo = _div(jnp.maximum(q_last - st.left, 0) + bk - 1, bk)
+    if length is not None:
+        hi = jnp.minimum(hi, _div(length + bk - 1, bk))
+        full_hi = jnp.minimum(full_hi, _div(length, bk))
+    return _split(lo, hi, full_lo, full_hi, st.data_dependent)
+
+
+def _q_blocks(st: _Static, bq: int, nq: int, k_first, k_last, offset, length):
+    """Query blocks that can see keys at positions [k_first, k_last]: (lo, a, b, hi).
+
+    Query block i holds positions offset + [i·bq, i·bq + bq). The inverse of
+    `_kv_blocks`: a query p sees key j when j - right <= p <= j + left.
+    """
+    lo, hi = jnp.int32(0), jnp.int32(nq)
+    full_lo, full_hi = jnp.int32(0), jnp.int32(nq)
+    if st.right is not None:
+        lo = jnp.minimum(_div(jnp.maximum(k_first - st.right - offset, 0), bq), hi)
+        full_lo = _div(jnp.maximum(k_last - st.right - offset, 0) + bq - 1, bq)
+    if st.left is not None:
+        hi = jnp.minimum(hi, _div(jnp.maximum(k_last + st.left - offset + bq, 0), bq))
+        full_hi = _div(jnp.maximum(k_first + st.left - offset + 1, 0), bq)
+    partial = k_last >= st.kv_len  # this key block holds padding keys: every tile masked
+    if length is not None:
+        hi = jnp.where(k_first >= length, lo, hi)  # every key of the block is padding
+        partial = partial | (k_last >= length)
+    full_hi = jnp.where(partial, full_lo, full_hi)
+    return _split(lo, hi, full_lo, full_hi, st.data_dependent)
+
+
+def _split(lo, hi, full_lo, full_hi, data_dependent: bool):
+    if data_dependent:
+        return lo, hi, hi, hi
+    a = jnp.clip(full_lo, lo, hi)
+    b = jnp.clip(full_hi, a, hi)
+    return lo, a, b, hi
+
+
+def _visible(st: _Static, q_pos, k_pos, length, q_seg, k_seg, dense):
+    """Visibility of a [len(q_pos), len(k_pos)] tile (None if nothing restricts it)."""
+    conditions = []
+    q, kk = q_pos[:, None], k_pos[None, :]
+    if st.right is not None:
+        conditions.append(kk <= q + st.right)
+    if st.left is not None:
+        conditions.append(kk >= q - st.left)
+    if st.kv_len % max(st.blocks.fwd_k, st.blocks.bwd_k):
+        conditions.append(kk < st.kv_len)
+    if length is not None:
+        conditions.append(kk < length)
+    if q_seg is not None:
+        conditions.append(q_seg[:, None] == k_seg[None, :])
+    if dense is not None:
+        conditions.append(dense != 0)
+    return functools.reduce(jnp.logical_and, conditions) if conditions else None
+
+
+def _acc(dtype):
+    """Accumulate in float32 at least (float64 stays float64, in interpret mode only)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _dot(a, b, trans_b=False):
+    """A tile product with float32 accumulation (exact float32 products for f32 inputs)."""
+    return pl.dot(a, b, trans_b=trans_b, allow_tf32=a.dtype != jnp.float32)
+
+
+def _loop(ranges, body, carry):
+    """Visit [lo, a) masked, [a, b) unmasked, [b, hi) masked; body(j, carry, masked)."""
+    lo, a, b, hi = ranges
+    carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
+
+
+class _Refs:
+    """The optional inputs of a kernel, unpacked by what the call has."""
+
+    def __init__(self, st: _Static, refs):
+        refs = list(refs)
+        self.offset = refs.pop(0)
+        self.lengths = refs.pop(0) if st.has_lengths else None
+        self.q_seg = refs.pop(0) if st.has_segments else None
+        self.kv_seg = refs.pop(0) if st.has_segments else None
+        self.mask = refs.pop(0) if st.mask_shape is not None else None
+        self.rest = refs
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
+    bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
+    i, b = nq - 1 - pl.program_id(0), pl.program_id(1)  # heaviest causal rows first
+    r = _Refs(st, refs)
+    o_ref, lse_ref = r.rest
+    offset = r.offset[b]
+    length = None if r.lengths is None else r.lengths[b]
+    q_first = offset + i * bq
+    q_last = offset + jnp.minimum(i * bq + bq, st.q_len) - 1
+    q_pos = q_first + lax.iota(jnp.int32, bq)
+    q = q_ref[...]  # [bq, H]
+    q_seg = None if r.q_seg is None else r.q_seg[...]
+
+    def step(j, carry, masked):
+        m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
+        keys = pl.ds(j * bk, bk)
+        s = _dot(q, k_ref[keys, :], trans_b=True) * (st.scale * LOG2_E)  # [bq, bk]
+        if masked:
+            ok = _visible(st, q_pos, j * bk + lax.iota(jnp.int32, bk), length, q_seg,
+                          None if r.kv_seg is None else r.kv_seg[keys],
+                          None if r.mask is None else r.mask[:, keys])
+            s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        if masked:  # a row with nothing visible yet keeps m = -inf: shift by 0 instead
+            m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        rescale = jnp.exp2(m - m_new)
+        l = l * rescale + jnp.sum(p, axis=1)
+        acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        return m_new, l, acc
+
+    acc_t = _acc(q.dtype)
+    init = (jnp.full((bq,), -jnp.inf, acc_t), jnp.zeros((bq,), acc_t),
+            jnp.zeros((bq, v_ref.shape[-1]), acc_t))
+    m, l, acc = _loop(_kv_blocks(st, bk, q_first, q_last, length), step, init)
+    seen = l > 0  # rows with no visible key: output 0, L = +inf (so backward P = 0)
+    l = jnp.where(seen, l, 1.0)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(l), jnp.inf)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
+    bq, bk = st.blocks.bwd_q, st.blocks.bwd_k
+    j, b = pl.program_id(0), pl.program_id(1)
+    r = _Refs(st, refs)
+    dk_ref, dv_ref = r.rest
+    offset = r.offset[b]
+    length = None if r.lengths is None else r.lengths[b]
+    k_pos = j * bk + lax.iota(jnp.int32, bk)
+    k, v = k_ref[...], v_ref[...]  # [bk, H], [bk, Hv]: stay in registers
+    k_seg = None if r.kv_seg is None else r.kv_seg[...]
+
+    def step(i, carry, masked):
+        dk, dv = carry
+        rows = pl.ds(i * bq, bq)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        # Transposed tiles [bk, bq], so that both accumulations are plain products.
+        s_t = _dot(k, q, trans_b=True) * (st.scale * LOG2_E)
+        if masked:
+            ok = _visible(st, offset + i * bq + lax.iota(jnp.int32, bq), k_pos, length,
+                          None if r.q_seg is None else r.q_seg[rows], k_seg,
+                          None if r.mask is None else r.mask[rows, :])
+            s_t = jnp.where(ok.T, s_t, -jnp.inf)
+        p_t = jnp.exp2(s_t - lse_ref[rows][None, :])  # exactly the forward's P, transposed
+        dv = dv + _dot(p_t.astype(do.dtype), do)
+        dp_t = _dot(v, do, trans_b=True)
+        ds_t = p_t * (dp_t - delta_ref[rows][None, :])
+        dk = dk + _dot(ds_t.astype(q.dtype), q)
+        return dk, dv
+
+    init = (jnp.zeros(k.shape, _acc(k.dtype)), jnp.zeros(v.shape, _acc(k.dtype)))
+    k_last = j * bk + bk - 1
+    dk, dv = _loop(_q_blocks(st, bq, nq, j * bk, k_last, offset, length), step, init)
+    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)  # S = scale · Q Kᵀ
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
+    bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
+    i, b = nq - 1 - pl.program_id(0), pl.program_id(1)
+    r = _Refs(st, refs)
+    (dq_ref,) = r.rest
+    offset = r.offset[b]
+    length = None if r.lengths is None else r.lengths[b]
+    q_first = offset + i * bq
+    q_last = offset + jnp.minimum(i * bq + bq, st.q_len) - 1
+    q_pos = q_first + lax.iota(jnp.int32, bq)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_seg = None if r.q_seg is None else r.q_seg[...]
+
+    def step(j, dq, masked):
+        keys = pl.ds(j * bk, bk)
+        k = k_ref[keys, :]
+        s = _dot(q, k, trans_b=True) * (st.scale * LOG2_E)
+        if masked:
+            ok = _visible(st, q_pos, j * bk + lax.iota(jnp.int32, bk), length, q_seg,
+                          None if r.kv_seg is None else r.kv_seg[keys],
+                          None if r.mask is None else r.mask[:, keys])
+            s = jnp.where(ok, s, -jnp.inf)
+        p = jnp.exp2(s - lse[:, None])
+        dp = _dot(do, v_ref[keys, :], trans_b=True)
+        ds = p * (dp - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = _loop(_kv_blocks(st, bk, q_first, q_last, length), step,
+               jnp.zeros(q.shape, _acc(q.dtype)))
+    dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+def _mask_inputs(st: _Static, arrays, q_spec, kv_spec, mask_spec):
+    """The optional inputs and their BlockSpecs, in the order `_Refs` unpacks them."""
+    offset, lengths, q_seg, kv_seg, mask = arrays
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    inputs, specs = [offset], [whole(offset)]
+    if st.has_lengths:
+        inputs.append(lengths)
+        specs.append(whole(lengths))
+    if st.has_segments:
+        inputs += [q_seg, kv_seg]
+        specs += [q_spec, kv_spec]
+    if st.mask_shape is not None:
+        inputs.append(mask)
+        specs.append(mask_spec)
+    return inputs, specs
+
+
+def _mask_index(st: _Static, b, n):
+    """Block index of the dense mask's (batch, head) for program (b, n): 0 where broadcast."""
+    mb, mn = st.mask_shape
+    return (b if mb > 1 else 0), (n if mn > 1 else 0)
+
+
+def _params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _forward(st: _Static, q, k, v, arrays):
+    bsz, tp, n, hp = q.shape
+    sp, hvp, g = k.shape[1], v.shape[3], st.groups
+    bq = st.blocks.fwd_q
+    nq = tp // bq
+    rev = lambda i: nq - 1 - i  # noqa: E731  (program 0 takes the last, heaviest causal block)
+    inputs, specs = _mask_inputs(
+        st, arrays,
+        q_spec=pl.BlockSpec((None, bq), lambda i, b, h: (b, rev(i))),
+        kv_spec=pl.BlockSpec((None, sp), lambda i, b, h: (b, 0)),
+        mask_spec=pl.BlockSpec((None, None, bq, sp),
+                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)))
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, st=st, nq=nq),
+        grid=(nq, bsz, n),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
+            pl.BlockSpec((None, sp, None, hp), lambda i, b, h: (b, 0, h // g, 0)),
+            pl.BlockSpec((None, sp, None, hvp), lambda i, b, h: (b, 0, h // g, 0)),
+            *specs],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, tp, n, hvp), q.dtype),
+                   jax.ShapeDtypeStruct((bsz, n, tp), _acc(q.dtype))],
+        compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
+        interpret=st.interpret, name="flash_forward",
+    )(q, k, v, *inputs)
+    return out, lse
+
+
+def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
+    bsz, tp, n, hp = q.shape
+    sp, kh, hvp, g = k.shape[1], k.shape[2], v.shape[3], st.groups
+    # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij, the softmax Jacobian's correction term.
+    delta = jnp.einsum("BTNH,BTNH->BNT", d_out.astype(lse.dtype), out.astype(lse.dtype))
+
+    # dK, dV: one program per key block and query head. With G > 1 query heads per K/V
+    # head, each program writes its head's share in float32 and the G shares are summed.
+    bq, bk = st.blocks.bwd_q, st.blocks.bwd_k
+    nq, nk = tp // bq, sp // bk
+    inputs, specs = _mask_inputs(
+        st, arrays,
+        q_spec=pl.BlockSpec((None, tp), lambda j, b, h: (b, 0)),
+        kv_spec=pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+        mask_spec=pl.BlockSpec((None, None, tp, bk),
+                               lambda j, b, h: (*_mask_index(st, b, h), 0, j)))
+    grad_dtype = k.dtype if g == 1 else _acc(k.dtype)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, st=st, nq=nq),
+        grid=(nk, bsz, n),
+        in_specs=[
+            pl.BlockSpec((None, tp, None, hp), lambda j, b, h: (b, 0, h, 0)),
+            pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h // g, 0)),
+            pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h // g, 0)),
+            pl.BlockSpec((None, tp, None, hvp), lambda j, b, h: (b, 0, h, 0)),
+            pl.BlockSpec((None, None, tp), lambda j, b, h: (b, h, 0)),
+            pl.BlockSpec((None, None, tp), lambda j, b, h: (b, h, 0)),
+            *specs],
+        out_specs=[
+            pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
+            pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, sp, n, hp), grad_dtype),
+                   jax.ShapeDtypeStruct((bsz, sp, n, hvp), grad_dtype)],
+        compiler_params=_params(st.blocks.bwd_num_warps, st.blocks.bwd_num_stages),
+        interpret=st.interpret, name="flash_backward_dkdv",
+    )(q, k, v, d_out, lse, delta, *inputs)
+    if g > 1:
+        dk = dk.reshape(bsz, sp, kh, g, hp).sum(axis=3).astype(k.dtype)
+        dv = dv.reshape(bsz, sp, kh, g, hvp).sum(axis=3).astype(v.dtype)
+
+    # dQ: one program per query block and head, the forward's loop again.
+    bq = st.blocks.fwd_q
+    nq = tp // bq
+    rev = lambda i: nq - 1 - i  # noqa: E731
+    inputs, specs = _mask_inputs(
+        st, arrays,
+        q_spec=pl.BlockSpec((None, bq), lambda i, b, h: (b, rev(i))),
+        kv_spec=pl.BlockSpec((None, sp), lambda i, b, h: (b, 0)),
+        mask_spec=pl.BlockSpec((None, None, bq, sp),
+                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st, nq=nq),
+        grid=(nq, bsz, n),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
+            pl.BlockSpec((None, sp, None, hp), lambda i, b, h: (b, 0, h // g, 0)),
+            pl.BlockSpec((None, sp, None, hvp), lambda i, b, h: (b, 0, h // g, 0)),
+            pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
+            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
+            *specs],
+        out_specs=pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
+        interpret=st.interpret, name="flash_backward_dq",
+    )(q, k, v, d_out, lse, delta, *inputs)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st, q, k, v, arrays):
+    return _forward(st, q, k, v, arrays)[0]
+
+
+def _flash_fwd(st, q, k, v, arrays):
+    out, lse = _forward(st, q, k, v, arrays)
+    return out, (q, k, v, arrays, out, lse)
+
+
+def _flash_bwd(st, residuals, d_out):
+    q, k, v, arrays, out, lse = residuals
+    dq, dk, dv = _backward(st, q, k, v, arrays, out, lse, d_out)
+    # Offsets, lengths, segment ids and masks are integers: they have no gradient.
+    return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
