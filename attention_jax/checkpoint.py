@@ -167,11 +167,7 @@ def restore_params(directory, abstract_params, step: int | None = None):
 
     Reads the `params` subtree without touching optimizer state, onto the shardings of
     `abstract_params`; mismatching keys raise CheckpointMismatchError.
-    `hf:<dir>` names a Hugging Face model dir instead (attention_jax/convert), step 0.
     """
-    if str(directory).startswith("hf:"):
-        from attention_jax import convert
-        return convert.restore_params_from_hf(str(directory)[len("hf:"):], abstract_params)
     ckpt = Checkpointer(directory, read_only=True)
     step = ckpt.latest_step() if step is None else step
     if step is None:

@@ -12,7 +12,7 @@ workdir's latest checkpoint. Modes:
   eval    evaluate the latest checkpoint on the eval split, print and log the metrics.
   sample  language models: print continuations of config.eval.sample_prompts.
   embed   BERT sentence embeddings of the lines on stdin, from
-          --config.train.init_from=hf:<dir> or the workdir's checkpoint (convert.embed_cli).
+          --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
 Exit codes: 0 done, 1 a config or non-finite-loss error (message printed), 130/143
 stopped by SIGINT/SIGTERM after saving a checkpoint (run again to resume).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -37,43 +38,68 @@ flags.mark_flags_as_required(["config", "workdir"])
 def evaluate_checkpoint(config, workdir: str) -> dict:
     """Metrics of the workdir's latest checkpoint (mode=eval)."""
     import jax
-    import flax.linen as nn
 
-    from attention_jax import sharding, train
-    s = train.setup(config, workdir, read_only=True)
-    if s.ckpt.latest_step() is None:
-        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-        state, _ = s.ckpt.restore(s.abstract)
-        eval_step = jax.jit(train.make_eval_step(s.task, config),
-                            in_shardings=(s.shardings["params"], sharding.batch_sharding(s.mesh)),
-                            out_shardings=sharding.replicated(s.mesh))
-        metrics = train.evaluate(eval_step, state["params"], s.task, config, s.mesh)
-    step = int(jax.device_get(state["step"]))
+    from attention_jax import runs, sharding, train
+    run = runs.open_run(workdir, config=config)
+    with run.mesh_context():
+        eval_step = jax.jit(train.make_eval_step(run.task, config),
+                            in_shardings=(run.shardings["params"], sharding.batch_sharding(run.mesh)),
+                            out_shardings=sharding.replicated(run.mesh))
+        metrics = train.evaluate(eval_step, run.params, run.task, config, run.mesh)
     writer = train.MetricWriter(workdir)
-    writer.write(step, "eval", metrics)
+    writer.write(run.step, "eval", metrics)
     writer.close()
-    s.ckpt.close()
-    return {"step": step, **metrics}
+    return {"step": run.step, **metrics}
 
 
 def sample_checkpoint(config, workdir: str) -> list[str]:
     """Continuations of config.eval.sample_prompts from the latest checkpoint."""
     import jax
-    import flax.linen as nn
 
-    from attention_jax import train
-    s = train.setup(config, workdir, read_only=True)
-    if s.task.sample is None:
+    from attention_jax import runs, train
+    run = runs.open_run(workdir, config=config)
+    if run.task.sample is None:
         raise train.ConfigError(f"--mode=sample: task {config.task!r} cannot sample; "
                                 f"valid: {[t for t in ('gpt',) if t in train.TASKS]}")
-    if s.ckpt.latest_step() is None:
-        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-        state, _ = s.ckpt.restore(s.abstract)
-        texts = s.task.sample(state["params"], jax.random.PRNGKey(config.train.seed))
-    s.ckpt.close()
-    return texts
+    with run.mesh_context():
+        return run.task.sample(run.params, jax.random.PRNGKey(config.train.seed))
+
+
+def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dict:
+    """`--mode=embed`: embeds `texts` (default: the non-empty lines of stdin) with the
+    BERT of `config.train.init_from=hf:<dir>`, else the workdir's trained BERT. Writes
+    workdir/embeddings.npy ([B, D] float32) and embeddings_texts.json; returns
+    {"texts", "dim", "file", "similarity"} (the cosine matrix, for a quick look)."""
+    import jax
+    import numpy as np
+
+    from attention_jax import convert, runs, train
+    from attention_jax.models import bert
+    if texts is None:
+        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise ValueError("--mode=embed: no texts (give one text per line on stdin)")
+    src = str(config.train.init_from or "")
+    if src.startswith("hf:"):
+        enc = convert.load_sentence_encoder(src[len("hf:"):])
+    else:  # A BERT trained here (task "mlm"): the workdir's latest checkpoint and tokenizer.
+        run = runs.open_run(workdir, config=config)
+        if not isinstance(run.task.model, bert.Bert):
+            raise train.ConfigError(f"--mode=embed needs a BERT; task {config.task!r} builds a "
+                                    f"{type(run.task.model).__name__} (or pass "
+                                    f"--config.train.init_from=hf:<bert dir>)")
+        params = jax.tree.map(np.asarray, jax.device_get(run.params))
+        enc = convert.SentenceEncoder(run.task.model, params, run.tokenizer,
+                                      max_length=run.task.model.config.max_positions)
+    emb = enc.embed(list(texts))
+    os.makedirs(workdir, exist_ok=True)
+    file = os.path.join(workdir, "embeddings.npy")
+    np.save(file, emb)
+    with open(os.path.join(workdir, "embeddings_texts.json"), "w") as f:
+        json.dump(list(texts), f, indent=1)
+    unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
+    return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
+            "similarity": np.round((unit @ unit.T).astype(np.float64), 4).tolist()}
 
 
 def main(argv) -> int:
@@ -88,8 +114,7 @@ def main(argv) -> int:
             print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
             return 0
         if FLAGS.mode == "embed":
-            from attention_jax import convert
-            print(json.dumps(convert.embed_cli(config, workdir), indent=1))
+            print(json.dumps(embed_texts(config, workdir), indent=1))
             return 0
         if FLAGS.mode == "sample":
             for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):

@@ -25,6 +25,7 @@ import optax
 from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
+from attention_jax import convert
 from attention_jax import sharding
 from attention_jax.data import loaders
 # The model families live in tasks.py; these names are re-exported because callers
@@ -433,12 +434,24 @@ def restore_or_init(s, config):
         return state, data_state
     state = s.init_state()
     if config.train.init_from:
-        src = config.train.init_from
+        state["params"] = warm_start_params(config.train.init_from, s.abstract["params"])
+    return state, None
+
+
+def warm_start_params(init_from: str, abstract_params):
+    """The params of `train.init_from` on the shardings of `abstract_params`: another
+    run's workdir or checkpoint directory, or `hf:<dir>`, a Hugging Face model dir
+    (convert/)."""
+    if init_from.startswith("hf:"):
+        params, step = convert.restore_params_from_hf(init_from[len("hf:"):], abstract_params)
+        src = init_from
+    else:
+        src = init_from
         if os.path.isdir(os.path.join(src, "checkpoints")):
             src = os.path.join(src, "checkpoints")
-        state["params"], step = ckpt_lib.restore_params(src, s.abstract["params"])
-        _say(f"warm start: params from {src} step {step}")
-    return state, None
+        params, step = ckpt_lib.restore_params(src, abstract_params)
+    _say(f"warm start: params from {src} step {step}")
+    return params
 
 
 def train_and_evaluate(config, workdir: str, task: Task | None = None) -> dict[str, Any]:

@@ -10,17 +10,17 @@
     enc.similarity(["A cat sits on the mat."], ["A kitten rests on a rug.", "Stocks fell."])
 
 CLI: `--config.train.init_from=hf:<dir>` warm-starts an experiment from a HF checkpoint
-(`restore_params_from_hf`, called by checkpoint.restore_params), and `--mode=embed`
-prints sentence embeddings (`embed_cli`). See hf.py and embed.py.
+(`restore_params_from_hf`, called by train.restore_or_init), and `--mode=embed`
+prints sentence embeddings (main.embed_texts). See hf.py and embed.py.
 """
 
-from attention_jax.convert.embed import (SentenceEncoder, bundled_minilm_dir, embed_cli,
+from attention_jax.convert.embed import (SentenceEncoder, bundled_minilm_dir,
                                          load_sentence_encoder, mean_pool)
 from attention_jax.convert.hf import (ConversionError, HFCheckpoint, config_from_hf, export_hf,
                                       hf_model_overrides, init_params_from_hf, load_hf,
                                       read_hf_dir, restore_params_from_hf)
 
 __all__ = ["ConversionError", "HFCheckpoint", "SentenceEncoder", "bundled_minilm_dir",
-           "config_from_hf", "embed_cli", "export_hf", "hf_model_overrides",
+           "config_from_hf", "export_hf", "hf_model_overrides",
            "init_params_from_hf", "load_hf", "load_sentence_encoder", "mean_pool",
            "read_hf_dir", "restore_params_from_hf"]

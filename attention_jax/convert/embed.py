@@ -12,7 +12,7 @@ and normalisation come from the sentence-transformers files in the dir
 (1_Pooling/config.json, modules.json) when present.
 
 CLI: `python -m attention_jax.main --mode=embed --config=... --workdir=DIR
---config.train.init_from=hf:<dir>` reads one text per line on stdin (see `embed_cli`).
+--config.train.init_from=hf:<dir>` reads one text per line on stdin (main.embed_texts).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import functools
 import importlib.util
 import json
 import os
-import sys
 from typing import Optional, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,8 +30,7 @@ import numpy as np
 from attention_jax.convert.hf import load_hf
 from attention_jax.models import bert
 
-__all__ = ["SentenceEncoder", "load_sentence_encoder", "mean_pool", "bundled_minilm_dir",
-           "embed_cli"]
+__all__ = ["SentenceEncoder", "load_sentence_encoder", "mean_pool", "bundled_minilm_dir"]
 
 POOLINGS = ("mean", "cls")
 
@@ -171,46 +168,3 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
         max_length=max_length or min(st_cfg.get("max_seq_length", 10 ** 9), ckpt.config.max_positions),
         pooling=pooling or dir_pooling, normalize=dir_normalize if normalize is None else normalize,
         batch_size=batch_size)
-
-
-def _encoder_from_workdir(config, workdir: str) -> SentenceEncoder:
-    """A BERT trained here (task "mlm"): the workdir's latest checkpoint and tokenizer."""
-    from attention_jax import train
-    from attention_jax.data import load_tokenizer
-    s = train.setup(config, workdir)
-    if not isinstance(s.task.model, bert.Bert):
-        raise train.ConfigError(f"--mode=embed needs a BERT; task {config.task!r} builds a "
-                                f"{type(s.task.model).__name__} (or pass "
-                                f"--config.train.init_from=hf:<bert dir>)")
-    if s.ckpt.latest_step() is None:
-        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first, or pass "
-                                f"--config.train.init_from=hf:<bert dir>")
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-        state, _ = s.ckpt.restore(s.abstract)
-    s.ckpt.close()
-    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
-    tok = load_tokenizer(os.path.join(workdir, "tokenizer"))
-    return SentenceEncoder(s.task.model, params, tok, max_length=s.task.model.config.max_positions)
-
-
-def embed_cli(config, workdir: str, texts: Optional[Sequence[str]] = None) -> dict:
-    """`--mode=embed`: embeds `texts` (default: the non-empty lines of stdin) with the
-    BERT of `config.train.init_from=hf:<dir>`, else the workdir's trained BERT. Writes
-    workdir/embeddings.npy ([B, D] float32) and embeddings_texts.json; returns
-    {"texts", "dim", "file", "similarity"} (the cosine matrix, for a quick look)."""
-    if texts is None:
-        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if not texts:
-        raise ValueError("--mode=embed: no texts (give one text per line on stdin)")
-    src = str(config.train.init_from or "")
-    enc = (load_sentence_encoder(src[len("hf:"):]) if src.startswith("hf:")
-           else _encoder_from_workdir(config, workdir))
-    emb = enc.embed(list(texts))
-    os.makedirs(workdir, exist_ok=True)
-    file = os.path.join(workdir, "embeddings.npy")
-    np.save(file, emb)
-    with open(os.path.join(workdir, "embeddings_texts.json"), "w") as f:
-        json.dump(list(texts), f, indent=1)
-    unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
-    return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
-            "similarity": np.round((unit @ unit.T).astype(np.float64), 4).tolist()}

@@ -85,41 +85,13 @@ def bucketed_translation_metrics(lengths: Sequence[int], hypotheses: Sequence[st
 
 
 # ============================================================================= restoring
-def load_run_config(workdir: str, overrides: dict | None = None):
-    """The run's config from its config.json, evaluated on one device (an analysis
-    needs no mesh; checkpoints restore onto any mesh). `overrides`: {'data.seq_len': 256}."""
-    import ml_collections
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
-                                f"written by attention_jax.main (--workdir=DIR writes it)")
-    with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    # One device whatever mesh the run trained on: checkpoints restore onto any mesh.
-    config.mesh.num_devices = 1
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    config.mesh.distributed = False
-    config.train.progress = False
-    for key, value in (overrides or {}).items():
-        group, name = key.split(".")
-        config[group][name] = value
-    return config
-
-
 def restore_run(workdir: str, overrides: dict | None = None):
-    """(config, task, params) from the run's latest checkpoint."""
-    import flax.linen as nn
+    """(config, task, params on the host) from the run's latest checkpoint (runs.open_run)."""
     import jax
 
-    from attention_jax import train
-    config = load_run_config(workdir, overrides)
-    s = train.setup(config, workdir, read_only=True)
-    if s.ckpt.latest_step() is None:
-        raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train the run first")
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-        state, _ = s.ckpt.restore(s.abstract)
-    s.ckpt.close()
-    return config, s.task, jax.device_get(state["params"])
+    from attention_jax.runs import open_run
+    run = open_run(workdir, overrides)
+    return run.config, run.task, jax.device_get(run.params)
 
 
 def count_params(params) -> int:
@@ -449,10 +421,11 @@ def run_summary(workdir: str) -> dict:
     import jax
 
     from attention_jax import train
+    from attention_jax.runs import load_config
     records = read_metrics(workdir)
     evals = [r for r in records if r["split"] == "eval"]
     trains = [r for r in records if r["split"] == "train"]
-    config = load_run_config(workdir)
+    config = load_config(workdir)
     task = train.TASKS[config.task](config, workdir)
     shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
     wall = (os.path.getmtime(os.path.join(workdir, "metrics.jsonl"))

@@ -28,7 +28,6 @@ comes first) as weight off the diagonal.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import textwrap
@@ -41,7 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 __all__ = ["MAX_TOKENS", "MAX_PANELS", "InputTooLongError", "plot_attention_grid",
-           "plot_alignment", "save", "model_attention", "token_labels", "load_run",
+           "plot_alignment", "save", "model_attention", "token_labels",
            "attention_maps", "main"]
 
 # Beyond 64 tokens a row of labels no longer fits a panel at a readable font size, and
@@ -235,61 +234,8 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 
 
 # ======================================================================================== runs
-@dataclasses.dataclass
-class Run:
-    """What a workdir holds: the config, the task (model, data), params and tokenizer."""
-    config: Any
-    task: Any
-    params: Any
-    tokenizer: Any
-    step: int
-    mesh: Any
-    rules: Any
-
-
-def load_config(workdir: str):
-    """The run's resolved config on one device, with batches of one example to draw."""
-    from attention_jax.tools import analysis
-    return analysis.load_run_config(workdir, {"train.batch_size": 1, "eval.batch_size": 1,
-                                              "optim.grad_accum": 1})
-
-
-def load_run(workdir: str) -> Run:
-    """Config, tokenizer and the latest checkpoint's params of a training workdir.
-
-    The model comes from the trainer's own task adapter (the same model, with the
-    tokenizer saved in the workdir), the state shapes from its create_state. The
-    checkpoint is opened read-only rather than through train.setup: a writable manager
-    removes the temporary directories of a save in progress, and a run may still be
-    training in this workdir while we draw.
-    """
-    import flax.linen as nn
-    import jax
-    from attention_jax import checkpoint as ckpt_lib
-    from attention_jax import data, sharding, train
-    config = load_config(workdir)
-    train.validate_config(config, 1)
-    mesh = sharding.make_mesh({a: config.mesh[a] for a in sharding.MESH_AXES}, jax.devices()[:1])
-    rules = sharding.rules_from_config(config.mesh.rules)
-    task = train.TASKS[config.task](config, workdir)
-    tx, _ = train.make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
-    with nn.logical_axis_rules(rules):
-        abstract, _, _ = train.create_state(task, tx, mesh, rules, config.train.seed)
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint in {directory}: train first")
-    ckpt = ckpt_lib.Checkpointer(directory, read_only=True)
-    try:
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {directory}: train first")
-        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            state, _ = ckpt.restore(abstract)  # as main.py's sample mode, onto one device
-    finally:
-        ckpt.close()
-    tok_dir = os.path.join(workdir, "tokenizer")
-    tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
-    return Run(config, task, state["params"], tokenizer, int(jax.device_get(state["step"])),
-               mesh, rules)
+# A run is drawn from batches of one example.
+ONE_EXAMPLE = {"train.batch_size": 1, "eval.batch_size": 1, "optim.grad_accum": 1}
 
 
 def _context(model) -> int | None:
@@ -310,20 +256,19 @@ def attention_maps(workdir: str, text: str | None = None, *, target: str | None 
     (default: the model's greedy output). image_index: ViT, the eval image to draw.
     layers: which layers to draw (default all).
     """
-    run = load_run(workdir)
+    from attention_jax import runs
+    run = runs.open_run(workdir, ONE_EXAMPLE)
     return maps_for_run(run, text, target=target, image_index=image_index, layers=layers,
                         max_tokens=max_tokens)
 
 
-def maps_for_run(run: Run, text: str | None, *, target: str | None = None,
+def maps_for_run(run, text: str | None, *, target: str | None = None,
                  image_index: int = 0, layers: Sequence[int] | None = None,
                  max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """attention_maps on an already loaded Run (several inputs, one restore)."""
-    import flax.linen as nn
-    import jax
+    """attention_maps on an already opened runs.Run (several inputs, one restore)."""
     from attention_jax.models import encdec, rnn, vit
     model, tok = run.task.model, run.tokenizer
-    with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+    with run.mesh_context():
         if isinstance(model, vit.ViT):
             return _vit_maps(run, image_index, layers)
         if text is None:

@@ -359,7 +359,7 @@ def test_init_params_from_hf_names_architecture_differences(tmp_path):
 
 
 def test_restore_params_from_hf_onto_abstract_params(tmp_path):
-    """The CLI path (checkpoint.restore_params with init_from=hf:<dir>): only shapes known;
+    """The CLI path (train.warm_start_params with init_from=hf:<dir>): only shapes known;
     a ViT fine-tuned at another resolution with another number of classes."""
     theirs = _randomize(transformers.ViTForImageClassification(
         transformers.ViTConfig(**VIT_KW, num_labels=5)), 8)
@@ -403,11 +403,11 @@ def _assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
 
 
-def test_checkpoint_restore_params_hf_prefix_onto_a_mesh(tmp_path):
-    """The trainer's hook: checkpoint.restore_params('hf:<dir>') places params on the
+def test_warm_start_hf_prefix_onto_a_mesh(tmp_path):
+    """The trainer's hook: train.warm_start_params('hf:<dir>') places params on the
     run's shardings (8 fake devices; the padded vocabulary split over them)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from attention_jax import checkpoint
+    from attention_jax import train
     theirs = _randomize(transformers.BertForMaskedLM(transformers.BertConfig(**BERT_KW)), 9)
     path = _save(theirs, tmp_path)
     cfg = dataclasses.replace(convert.config_from_hf(path)[0], vocab_size=104)
@@ -417,8 +417,7 @@ def test_checkpoint_restore_params_hf_prefix_onto_a_mesh(tmp_path):
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=NamedSharding(mesh, spec(x))),
                             abstract)
-    params, step = checkpoint.restore_params(f"hf:{path}", abstract)
-    assert step == 0
+    params = train.warm_start_params(f"hf:{path}", abstract)
     emb = params["word_embeddings"]["embedding"]
     assert emb.sharding.spec == P("data") and len(emb.addressable_shards) == 8
     np.testing.assert_array_equal(np.asarray(emb)[:97],

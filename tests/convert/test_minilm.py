@@ -92,7 +92,7 @@ def test_blockwise_and_reference_attention_agree(monkeypatch):
     np.testing.assert_allclose(blockwise, reference, atol=1e-5)
 
 
-def test_embed_cli_on_another_bert_dir(tmp_path):
+def test_embed_mode_on_another_bert_dir(tmp_path):
     """--mode=embed's function on a small BERT dir with the same tokenizer, and no
     sentence-transformers files (defaults: mean pooling, normalised)."""
     import json
@@ -105,7 +105,8 @@ def test_embed_cli_on_another_bert_dir(tmp_path):
     model.save_pretrained(tmp_path / "bert")
     shutil.copy(os.path.join(convert.bundled_minilm_dir(), "tokenizer.json"), tmp_path / "bert")
     config = ml_collections.ConfigDict({"train": {"init_from": f"hf:{tmp_path / 'bert'}"}})
-    out = convert.embed_cli(config, str(tmp_path / "work"), texts=SENTENCES[:3])
+    from attention_jax import main
+    out = main.embed_texts(config, str(tmp_path / "work"), texts=SENTENCES[:3])
     emb = np.load(out["file"])
     assert out["dim"] == 32 and emb.shape == (3, 32)
     with open(tmp_path / "work" / "embeddings_texts.json") as f:

@@ -1,0 +1,57 @@
+"""runs.open_run on a workdir trained for one step, and main's modes that read a run
+(eval, sample) through it."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from attention_jax import main, runs, train
+from helpers import load, shrink
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory, data_dir):
+    workdir = str(tmp_path_factory.mktemp("gpt"))
+    config = shrink(load("gpt").get_config(), data_dir)
+    config.eval.sample_prompts = ("def ",)
+    config.eval.sample_tokens = 4
+    config.eval.batch_size = 8
+    summary = train.train_and_evaluate(config, workdir)
+    return config, workdir, summary
+
+
+def test_open_run_restores_the_trained_params(gpt_run):
+    config, workdir, summary = gpt_run
+    run = runs.open_run(workdir, {"train.batch_size": 1})
+    assert run.step == 1 and run.config.train.batch_size == 1
+    assert run.config.mesh.num_devices == 1 and run.tokenizer is not None
+    trained = summary["state"]["params"]
+    for a, b in zip(jax.tree.leaves(run.params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_main_eval_and_sample_modes(gpt_run):
+    config, workdir, _ = gpt_run
+    metrics = main.evaluate_checkpoint(config, workdir)
+    assert metrics["step"] == 1 and np.isfinite(metrics["loss"])
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        assert json.loads(f.readlines()[-1])["split"] == "eval"
+    texts = main.sample_checkpoint(config, workdir)
+    assert len(texts) == 1 and isinstance(texts[0], str)
+
+
+def test_open_run_names_what_is_missing(tmp_path, gpt_run):
+    with pytest.raises(FileNotFoundError, match="is not a run directory"):
+        runs.open_run(str(tmp_path))
+    config, workdir, _ = gpt_run
+    untrained = tmp_path / "untrained"
+    untrained.mkdir()
+    shutil.copy(os.path.join(workdir, "config.json"), untrained)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .*: train first"):
+        runs.open_run(str(untrained))
+    with pytest.raises(ValueError, match="overrides="):
+        runs.open_run(workdir, {"data.seq_len": 8}, config=config)
