@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from attention_jax.attention import dot_product_attention
 from attention_jax.tools.bench.timing import (available_memory_bytes, installed, matmul_rate,
