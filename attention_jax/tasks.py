@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from attention_jax import checkpoint as ckpt_lib
+from attention_jax.models.losses import cross_entropy
 
 
 # Defined here rather than in train.py because the adapters below raise it too and train
@@ -51,23 +51,6 @@ class Task:
     count: Callable[[dict], int] | None = None  # units in a host batch (default: rows).
     sample: Callable | None = None  # (params, rng) -> list of strings.
     save_assets: Callable[[str], None] | None = None  # e.g. the tokenizer into the workdir.
-
-
-def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
-    """Mean cross-entropy over weighted positions, and accuracy, in float32.
-
-    logits [..., V], targets [...] ints, weights [...] (0 for padding).
-    """
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    labels = jax.nn.one_hot(targets, vocab)
-    if label_smoothing:
-        labels = labels * (1 - label_smoothing) + label_smoothing / vocab
-    losses = optax.softmax_cross_entropy(logits, labels)
-    weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
-    total = jnp.maximum(weights.sum(), 1.0)
-    correct = (logits.argmax(-1) == targets).astype(jnp.float32)
-    return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
 
 
 def moe_metrics(aux) -> dict[str, jax.Array]:
@@ -193,8 +176,8 @@ def lm_task(config, workdir: str) -> Task:
         logits, aux = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
                                   segment_ids=batch["segment_ids"], deterministic=not train,
                                   rngs={"dropout": rng})
-        nll, m = gpt.cross_entropy(logits, batch["targets"], batch["weights"],
-                                   config.optim.label_smoothing if train else 0.0)
+        nll, m = cross_entropy(logits, batch["targets"], batch["weights"],
+                               config.optim.label_smoothing if train else 0.0)
         return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
 
     def sample(params, rng):

@@ -29,8 +29,8 @@ from attention_jax import convert
 from attention_jax import sharding
 from attention_jax.data import loaders
 # The model families live in tasks.py; these names are re-exported because callers
-# (main.py, convert/, tests) use them as train.ConfigError, train.Task, train.TASKS.
-from attention_jax.tasks import TASKS, ConfigError, Task, cross_entropy, moe_metrics  # noqa: F401
+# (main.py, runs.py, tools, tests) use them as train.ConfigError, train.Task, train.TASKS.
+from attention_jax.tasks import TASKS, ConfigError, Task  # noqa: F401
 
 
 # =================================================================================== config

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 # --------------------------------------------------------------------------------------
@@ -109,13 +111,15 @@ def nsp_pairs(documents: Sequence[Sequence[Sequence[int]]], rng: np.random.Gener
 # --------------------------------------------------------------------------------------
 
 
-def shift_right(targets: np.ndarray, bos_id: int) -> np.ndarray:
-    """Teacher forcing: the decoder reads [BOS, y_1, ..., y_{n-1}] and predicts y_1..y_n."""
-    targets = np.asarray(targets)
-    shifted = np.empty_like(targets)
-    shifted[..., 0] = bos_id
-    shifted[..., 1:] = targets[..., :-1]
-    return shifted
+def shift_right(targets, bos_id: int = 1):
+    """Teacher forcing: the decoder reads [BOS, y_1, ..., y_{n-1}] and predicts y_1..y_n.
+
+    targets [..., T]: numpy in the data pipeline, a jax array inside a model's step (the
+    result is of the same kind)."""
+    xp = jnp if isinstance(targets, jax.Array) else np
+    targets = xp.asarray(targets)
+    bos = xp.full_like(targets[..., :1], bos_id)
+    return xp.concatenate([bos, targets[..., :-1]], axis=-1)
 
 
 def _pad_to(ids: Sequence[int], length: int, pad_id: int, name: str) -> np.ndarray:

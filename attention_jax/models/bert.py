@@ -31,7 +31,6 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
@@ -42,7 +41,7 @@ from attention_jax.layers.mlp import ACTIVATIONS, activation as get_activation
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import LearnedPositionEmbedding
 
-__all__ = ["BertConfig", "Bert", "HEADS", "VARIANTS", "mlm_loss", "classification_loss"]
+__all__ = ["BertConfig", "Bert", "HEADS", "VARIANTS"]
 
 HEADS = ("pretraining", "classification", "encoder")
 
@@ -109,21 +108,6 @@ VARIANTS = {
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def mlm_loss(logits, targets, weights):
-    """Masked-LM cross-entropy averaged over predicted positions (weights 1 where
-    predicted, 0 elsewhere). logits [..., V], targets/weights [...]. Returns a scalar."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    weights = weights.astype(jnp.float32)
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def classification_loss(logits, labels):
-    """Mean cross-entropy of [B, C] logits against int labels [B] (NSP or fine-tuning)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1))
 
 
 def _init(cfg: BertConfig):

@@ -2,9 +2,10 @@
 
     cfg = EncDecConfig.from_variant("transformer-tiny")
     model = EncoderDecoder(cfg)
-    params = model.init(key, src, shift_right(tgt))["params"]     # src [B, S], tgt [B, T]
-    logits, aux = model.apply({"params": params}, src, shift_right(tgt))   # [B, T, V]
-    loss, metrics = seq2seq_loss(logits, tgt, label_smoothing=0.1)
+    tgt_in = losses.shift_right(tgt, cfg.bos_id)                           # tgt [B, T]
+    params = model.init(key, src, tgt_in)["params"]                        # src [B, S]
+    logits, aux = model.apply({"params": params}, src, tgt_in)             # [B, T, V]
+    loss, metrics = losses.cross_entropy(logits, tgt, tgt != cfg.pad_id, label_smoothing=0.1)
     out = greedy_decode(model, params, src, max_len=20)                    # [B, 20]
     out, scores = beam_search(model, params, src, beam_size=4, max_len=20) # [B, W, 20]
 
@@ -37,10 +38,8 @@ from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import sinusoidal
-from attention_jax.models.gpt import cross_entropy
 
-__all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "shift_right",
-           "seq2seq_loss", "init_cache", "greedy_decode", "beam_search"]
+__all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "init_cache", "greedy_decode", "beam_search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +102,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def get_config(variant: str, **overrides) -> EncDecConfig:
     """EncDecConfig of a named variant; unknown names raise ValueError listing valid ones."""
     return EncDecConfig.from_variant(variant, **overrides)
-
-
-def shift_right(targets, bos_id: int = 1):
-    """Decoder input for teacher forcing: [bos, y_1, ..., y_{T-1}] from targets [B, T]."""
-    return jnp.concatenate([jnp.full_like(targets[:, :1], bos_id), targets[:, :-1]], axis=1)
-
-
-def seq2seq_loss(logits, targets, pad_id: int = 0, label_smoothing: float = 0.0):
-    """Teacher-forced cross-entropy over non-pad target tokens (label smoothing optional)."""
-    return cross_entropy(logits, targets, targets != pad_id, label_smoothing)
 
 
 class EncoderDecoder(nn.Module):

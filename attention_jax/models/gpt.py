@@ -29,15 +29,14 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
-
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d, matmul
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import LearnedPositionEmbedding, sinusoidal
+from attention_jax.models.losses import cross_entropy
 
-__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "cross_entropy",
+__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss",
            "init_cache", "generate", "sample_logits"]
 
 GPT_POSITIONS = ("learned", "sinusoidal", "rope")
@@ -199,26 +198,9 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- losses
 
 
-def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
-    """Mean token cross-entropy. logits [B, T, V], targets [B, T] ints, weights [B, T]
-    (0 on padding). With label_smoothing ε the target is (1-ε)·onehot + ε/V (Szegedy et
-    al. 2016; Vaswani §5.4 uses ε = 0.1). Returns (loss, {"loss", "accuracy", "tokens"})."""
-    v = logits.shape[-1]
-    if label_smoothing:
-        soft = optax.smooth_labels(jax.nn.one_hot(targets, v), label_smoothing)
-        per_token = optax.softmax_cross_entropy(logits, soft)
-    else:
-        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    count = jnp.maximum(jnp.sum(weights), 1.0)
-    loss = jnp.sum(per_token * weights) / count
-    accuracy = jnp.sum((jnp.argmax(logits, -1) == targets) * weights) / count
-    return loss, {"loss": loss, "accuracy": accuracy, "tokens": jnp.sum(weights)}
-
-
 def lm_loss(logits, tokens, weights=None):
     """Next-token loss: logits at position i predict tokens[i + 1]. logits [B, T, V],
-    tokens [B, T], weights [B, T] (1 on real tokens). Returns (loss, metrics)."""
+    tokens [B, T], weights [B, T] (1 on real tokens). Returns (loss, {"accuracy"})."""
     w = None if weights is None else weights[:, 1:]
     return cross_entropy(logits[:, :-1], tokens[:, 1:], w)
 

@@ -16,8 +16,8 @@ Two decoders share one code path, switched by `RNNConfig.attention`:
     tokens, aux = model.apply({"params": params}, src, method=model.generate, max_len=20)
 
 Sources are right-padded with `pad_id` (or give `src_mask` [B, S], True on real tokens).
-Targets: decoder input is `shift_right(targets)` ([BOS, y_1, ..., y_{T-1}]), loss is
-`seq2seq_loss(logits, targets, pad_id)`.
+Targets: decoder input is `losses.shift_right(targets)` ([BOS, y_1, ..., y_{T-1}]), loss
+is `losses.cross_entropy(logits, targets, targets != pad_id)`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from attention_jax import axes
 
-__all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS", "shift_right", "seq2seq_loss"]
+__all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
 
 CELLS = ("gru", "lstm")
 
@@ -92,21 +92,6 @@ VARIANTS = {
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def shift_right(targets, bos_id: int = 1):
-    """[y_1, ..., y_T] -> [BOS, y_1, ..., y_{T-1}]: the teacher-forced decoder input."""
-    bos = jnp.full_like(targets[:, :1], bos_id)
-    return jnp.concatenate([bos, targets[:, :-1]], axis=1)
-
-
-def seq2seq_loss(logits, targets, pad_id: int = 0):
-    """Mean token cross-entropy over non-pad targets; returns (loss, number of tokens)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
-    weights = (targets != pad_id).astype(jnp.float32)
-    count = jnp.sum(weights)
-    return jnp.sum(nll * weights) / jnp.maximum(count, 1.0), count
 
 
 def _dense(features, in_axis, out_axis, name, use_bias=True, dtype=jnp.float32):

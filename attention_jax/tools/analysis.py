@@ -246,7 +246,8 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
     position encoding stops generalising, the loss climbs past the training length.
     Returns (mean loss per position [seq_len], tokens counted per position)."""
     import jax
-    import jax.numpy as jnp
+
+    from attention_jax.models.losses import token_cross_entropy
 
     config, task, params = restore_run(workdir, {"data.seq_len": seq_len})
     model = task.model
@@ -255,8 +256,7 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
     def nll(params, b):  # [B, T] per-token negative log-likelihood.
         logits, _ = model.apply({"params": params}, b["inputs"], positions=b["positions"],
                                 segment_ids=b["segment_ids"])
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-        return -jnp.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
+        return token_cross_entropy(logits, b["targets"])
 
     sums, counts = np.zeros(seq_len), np.zeros(seq_len)
     for b in eval_batches(task, batches, batch_size):

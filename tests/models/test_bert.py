@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from attention_jax.models.bert import (Bert, BertConfig, VARIANTS, classification_loss,
-                                       mlm_loss)
+from attention_jax.models.bert import Bert, BertConfig, VARIANTS
+from attention_jax.models.losses import cross_entropy
 
 B, T = 2, 8
 IDS = jax.random.randint(jax.random.key(1), (B, T), 5, 128)
@@ -99,7 +99,8 @@ def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
         cfg = BertConfig.from_variant("bert-tiny", dropout_rate=0.0, attention_dropout_rate=0.0,
                                       implementation=implementation)
         out, _ = Bert(cfg).apply({"params": params}, IDS, TYPES, MASK)
-        total = mlm_loss(out["mlm_logits"], IDS, MASK) + classification_loss(out["nsp_logits"], labels)
+        total = (cross_entropy(out["mlm_logits"], IDS, MASK)[0]
+                 + cross_entropy(out["nsp_logits"], labels)[0])
         return total, out
 
     grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
@@ -147,8 +148,8 @@ def test_jitted_pretraining_steps_decrease_the_loss():
         def loss_fn(p):
             out, _ = model.apply({"params": p}, masked, TYPES, MASK, deterministic=False,
                                  rngs={"dropout": key})
-            return mlm_loss(out["mlm_logits"], IDS, weights) + classification_loss(
-                out["nsp_logits"], nsp_labels)
+            return (cross_entropy(out["mlm_logits"], IDS, weights)[0]
+                    + cross_entropy(out["nsp_logits"], nsp_labels)[0])
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state)

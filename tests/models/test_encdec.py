@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from attention_jax.models import encdec as ed
+from attention_jax.models.losses import cross_entropy, shift_right
 
 
 def _count(cfg):
@@ -59,7 +60,7 @@ def test_decoder_is_causal_and_source_padding_is_invisible():
     model, params = _model()
     apply = jax.jit(lambda s, t, m: model.apply({"params": params}, s, t, m)[0])
     mask = SRC != 0
-    tgt_in = ed.shift_right(_targets((3, 8)))
+    tgt_in = shift_right(_targets((3, 8)))
     base = apply(SRC, tgt_in, mask)
     later = apply(SRC, tgt_in.at[:, 5:].set(_targets((3, 3), 1)), mask)
     np.testing.assert_allclose(base[:, :5], later[:, :5], atol=1e-5)
@@ -74,7 +75,7 @@ def test_kv_cache_decoding_equals_teacher_forcing_for_unequal_prefixes(overrides
     model, params = _model(**overrides)
     mask = SRC != 0
     b, total, lengths = 3, 8, np.array([1, 4, 2])
-    tgt_in = ed.shift_right(_targets((b, total), 2))
+    tgt_in = shift_right(_targets((b, total), 2))
     full = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(SRC, tgt_in)
     encoded, _ = jax.jit(lambda s: model.apply({"params": params}, s, method=model.encode))(SRC)
 
@@ -101,7 +102,7 @@ def test_kv_cache_decoding_equals_teacher_forcing_for_unequal_prefixes(overrides
 def test_greedy_decoding_matches_the_full_model_and_beam_of_one():
     model, params = _model()
     out = ed.greedy_decode(model, params, SRC, max_len=6)
-    full = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(SRC, ed.shift_right(out))
+    full = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(SRC, shift_right(out))
     best = np.asarray(jnp.argmax(full, -1))
     for row in range(3):
         seq = np.asarray(out[row])
@@ -121,7 +122,7 @@ def test_wide_beam_search_finds_the_exact_best_sequence():
     tokens, scores = ed.beam_search(model, params, src, beam_size=v * v, max_len=steps, alpha=0.0)
     seqs = np.array(list(itertools.product(range(v), repeat=steps)))  # [V³, 3]
     logits = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(
-        jnp.repeat(src, len(seqs), 0), ed.shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
+        jnp.repeat(src, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
     logp = np.asarray(jax.nn.log_softmax(logits)).reshape(2, len(seqs), steps, v)
     for row in range(2):
         best, best_seq = -np.inf, None
@@ -145,7 +146,7 @@ def test_reference_and_blockwise_give_equal_outputs_and_gradients():
 
     def value_and_grad(m):
         def loss(p):
-            return ed.seq2seq_loss(m.apply({"params": p}, SRC, ed.shift_right(tgt))[0], tgt)[0]
+            return cross_entropy(m.apply({"params": p}, SRC, shift_right(tgt))[0], tgt, tgt != 0)[0]
         return jax.jit(jax.value_and_grad(loss))(params)
 
     (l1, g1), (l2, g2) = value_and_grad(model), value_and_grad(ref)
@@ -162,9 +163,9 @@ def test_post_norm_transformer_trains_with_label_smoothing():
     @jax.jit
     def train_step(params, state, rng):
         def loss(p):
-            logits, _ = model.apply({"params": p}, SRC, ed.shift_right(tgt), deterministic=False,
+            logits, _ = model.apply({"params": p}, SRC, shift_right(tgt), deterministic=False,
                                     rngs={"dropout": rng})
-            return ed.seq2seq_loss(logits, tgt, label_smoothing=0.1)[0]
+            return cross_entropy(logits, tgt, tgt != 0, label_smoothing=0.1)[0]
         value, grads = jax.value_and_grad(loss)(params)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value

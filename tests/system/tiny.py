@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from attention_jax import attention, train
+from attention_jax.models import losses
 
 VOCAB, SEQ = 32, 16
 
@@ -89,7 +90,7 @@ def make_tiny_task(config, workdir=None) -> train.Task:
     def loss(params, batch, rng, is_train):
         logits, aux = model.apply({"params": params}, batch["inputs"], train=is_train,
                                   rngs={"dropout": rng})
-        return train.cross_entropy(logits, batch["targets"],
+        return losses.cross_entropy(logits, batch["targets"],
                                    label_smoothing=config.optim.label_smoothing if is_train else 0.0)
 
     def init(rng):

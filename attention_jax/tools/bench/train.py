@@ -179,7 +179,7 @@ def time_in_turns(name: str, sides: list[str], implementation: str, warmup: int,
 # ======================================================================================= ours
 def build_ours(shape: Shape, implementation: str = "blockwise"):
     """(model, loss(params, batch) -> scalar, init input) for our model of `shape`."""
-    from attention_jax.models import bert, gpt, vit
+    from attention_jax.models import bert, gpt, losses, vit
     if shape.family == "gpt":
         cfg = gpt.GPTConfig(vocab_size=shape.vocab, max_len=shape.seq_len, num_layers=shape.layers,
                             embed_dim=shape.width, num_heads=shape.heads, mlp_dim=shape.mlp_dim,
@@ -188,7 +188,7 @@ def build_ours(shape: Shape, implementation: str = "blockwise"):
 
         def loss(params, batch):
             logits, _ = model.apply({"params": params}, batch["inputs"])
-            return gpt.cross_entropy(logits, batch["targets"])[0]
+            return losses.cross_entropy(logits, batch["targets"])[0]
 
         return model, loss, (jnp.zeros((1, shape.seq_len), jnp.int32),)
     if shape.family == "bert":
@@ -201,8 +201,7 @@ def build_ours(shape: Shape, implementation: str = "blockwise"):
         def loss(params, batch):
             out, _ = model.apply({"params": params}, batch["inputs"],
                                  masked_positions=batch["positions"])
-            return bert.mlm_loss(out["mlm_logits"], batch["targets"],
-                                 jnp.ones(batch["targets"].shape, jnp.float32))
+            return losses.cross_entropy(out["mlm_logits"], batch["targets"])[0]
 
         return model, loss, (jnp.zeros((1, shape.seq_len), jnp.int32),)
     cfg = vit.ViTConfig(image_size=shape.image_size, patch_size=shape.patch_size,
@@ -213,8 +212,7 @@ def build_ours(shape: Shape, implementation: str = "blockwise"):
 
     def loss(params, batch):
         logits, _ = model.apply({"params": params}, batch["image"])
-        labels = batch["label"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return losses.cross_entropy(logits, batch["label"])[0]
 
     return model, loss, (jnp.zeros((1, shape.image_size, shape.image_size, shape.channels)),)
 

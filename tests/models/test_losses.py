@@ -1,0 +1,52 @@
+"""models/losses.py: the one cross-entropy (masks, label smoothing, accuracy) and the one
+shift_right, checked against the formulas written out by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.models.losses import cross_entropy, shift_right, token_cross_entropy
+
+TGT = np.array([[3, 4, 0, 0], [5, 6, 7, 0]])  # 0 is padding: 5 real tokens
+
+
+def _logits():
+    return jax.random.normal(jax.random.key(1), (2, 4, 8))
+
+
+def test_cross_entropy_averages_over_weighted_positions_only():
+    logits = _logits()
+    loss, metrics = cross_entropy(logits, TGT, TGT != 0)
+    logp = np.asarray(jax.nn.log_softmax(logits))
+    real = [(b, t) for b in range(2) for t in range(4) if TGT[b, t]]
+    manual = -sum(logp[b, t, TGT[b, t]] for b, t in real) / len(real)
+    np.testing.assert_allclose(float(loss), manual, rtol=1e-6)
+    hits = sum(int(np.argmax(logp[b, t]) == TGT[b, t]) for b, t in real)
+    np.testing.assert_allclose(float(metrics["accuracy"]), hits / len(real), rtol=1e-6)
+    unweighted, _ = cross_entropy(logits, TGT)
+    np.testing.assert_allclose(float(unweighted), -np.mean(
+        np.take_along_axis(logp, TGT[..., None], -1)), rtol=1e-6)
+
+
+def test_label_smoothing_mixes_in_the_uniform_distribution():
+    logits, eps, v = _logits(), 0.1, 8
+    logp = np.asarray(jax.nn.log_softmax(logits))
+    soft = (1 - eps) * np.eye(v)[TGT] + eps / v
+    np.testing.assert_allclose(np.asarray(token_cross_entropy(logits, TGT, eps)),
+                               -(soft * logp).sum(-1), rtol=1e-5)
+    with pytest.raises(ValueError, match="label_smoothing=1.5; valid: 0 <= label_smoothing < 1"):
+        token_cross_entropy(logits, TGT, 1.5)
+
+
+def test_cross_entropy_is_float32_for_bfloat16_logits():
+    loss, _ = cross_entropy(_logits().astype(jnp.bfloat16), TGT, TGT != 0)
+    assert loss.dtype == jnp.float32
+
+
+def test_shift_right_on_numpy_and_inside_jit():
+    want = [[1, 3, 4, 0], [1, 5, 6, 7]]
+    host = shift_right(TGT, bos_id=1)
+    assert isinstance(host, np.ndarray) and host.dtype == TGT.dtype
+    np.testing.assert_array_equal(host, want)
+    np.testing.assert_array_equal(jax.jit(shift_right, static_argnums=1)(jnp.asarray(TGT), 1), want)
