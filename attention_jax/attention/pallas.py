@@ -72,20 +72,27 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> BlockSizes:
-    """Tile sizes measured fastest on an H100 (see `python -m attention_jax.tools.bench`).
+    """Tile sizes measured fastest on an H100 (bf16, B·T = 16k tokens, T = 4096).
 
-    In interpret mode (CPU) speed means nothing; small tiles make the tests walk several
-    blocks per row so that the loop bounds and the partial masks are exercised.
+    Forward (fwd_q, fwd_k, warps, stages) swept over 8 settings, dK/dV over 8: 128×64 with
+    8 warps and 3 stages led the forward at H = 64 and 128; the dK/dV kernel liked
+    64×128, 8 warps, 3 stages at H = 128 and 64×64, 4 warps at H = 64. Float32 tiles
+    and H > 128 tiles are twice the bytes and must be smaller to fit the 227 KiB of
+    shared memory a block may use. In interpret mode (CPU) speed means nothing; small
+    tiles make the tests walk several blocks per row, so that loop bounds and partial
+    masks are exercised.
     """
     backend = backend or jax.default_backend()
     if backend == "cpu":
         return BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
-    wide = head_dim > 64 or jnp.dtype(dtype).itemsize > 2
-    if wide:
+    if jnp.dtype(dtype).itemsize > 2 or head_dim > 128:
+        return BlockSizes(fwd_q=64, fwd_k=32, bwd_q=32, bwd_k=64, num_warps=4,
+                          num_stages=2, bwd_num_warps=4, bwd_num_stages=2)
+    if head_dim > 64:
         return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=8,
-                          num_stages=3, bwd_num_warps=8, bwd_num_stages=2)
-    return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=4,
-                      num_stages=3, bwd_num_warps=4, bwd_num_stages=2)
+                          num_stages=3, bwd_num_warps=8, bwd_num_stages=3)
+    return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=64, num_warps=8,
+                      num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,17 @@ class _Static:
     mask_shape: Optional[tuple[int, int]]  # (B|1, N|1) of the dense mask, or None
     blocks: BlockSizes
     interpret: bool
+
+    @property
+    def kv_padded(self) -> bool:
+        """Keys past S exist (S padded to whole blocks) and must be masked."""
+        return self.kv_len % max(self.blocks.fwd_k, self.blocks.bwd_k) != 0
+
+    @property
+    def may_mask(self) -> bool:
+        """Whether any tile can need the per-element mask (else one unmasked loop)."""
+        return (self.left is not None or self.right is not None or self.has_lengths
+                or self.data_dependent or self.kv_padded)
 
     @property
     def data_dependent(self) -> bool:
@@ -233,7 +251,7 @@ def _visible(st: _Static, q_pos, k_pos, length, q_seg, k_seg, dense):
         conditions.append(kk <= q + st.right)
     if st.left is not None:
         conditions.append(kk >= q - st.left)
-    if st.kv_len % max(st.blocks.fwd_k, st.blocks.bwd_k):
+    if st.kv_padded:
         conditions.append(kk < st.kv_len)
     if length is not None:
         conditions.append(kk < length)
@@ -250,13 +268,22 @@ def _acc(dtype):
 
 
 def _dot(a, b, trans_b=False):
-    """A tile product with float32 accumulation (exact float32 products for f32 inputs)."""
-    return pl.dot(a, b, trans_b=trans_b, allow_tf32=a.dtype != jnp.float32)
+    """A tile product a·b (a·bᵀ if trans_b) with float32 accumulation; float32 inputs get
+    exact float32 products, not TF32."""
+    contract = ((1,), (1,)) if trans_b else ((1,), (0,))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                           preferred_element_type=_acc(a.dtype))
 
 
-def _loop(ranges, body, carry):
-    """Visit [lo, a) masked, [a, b) unmasked, [b, hi) masked; body(j, carry, masked)."""
+def _loop(st: _Static, ranges, body, carry):
+    """Visit [lo, a) masked, [a, b) unmasked, [b, hi) masked; body(j, carry, masked).
+
+    Each loop is compiled code, so a call whose mask can never restrict a tile gets one.
+    """
     lo, a, b, hi = ranges
+    if not st.may_mask:
+        return lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
     carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), carry)
     carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
     return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
@@ -312,7 +339,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     acc_t = _acc(q.dtype)
     init = (jnp.full((bq,), -jnp.inf, acc_t), jnp.zeros((bq,), acc_t),
             jnp.zeros((bq, v_ref.shape[-1]), acc_t))
-    m, l, acc = _loop(_kv_blocks(st, bk, q_first, q_last, length), step, init)
+    m, l, acc = _loop(st, _kv_blocks(st, bk, q_first, q_last, length), step, init)
     seen = l > 0  # rows with no visible key: output 0, L = +inf (so backward P = 0)
     l = jnp.where(seen, l, 1.0)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -350,7 +377,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
     init = (jnp.zeros(k.shape, _acc(k.dtype)), jnp.zeros(v.shape, _acc(k.dtype)))
     k_last = j * bk + bk - 1
-    dk, dv = _loop(_q_blocks(st, bq, nq, j * bk, k_last, offset, length), step, init)
+    dk, dv = _loop(st, _q_blocks(st, bq, nq, j * bk, k_last, offset, length), step, init)
     dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)  # S = scale · Q Kᵀ
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -383,7 +410,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = _loop(_kv_blocks(st, bk, q_first, q_last, length), step,
+    dq = _loop(st, _kv_blocks(st, bk, q_first, q_last, length), step,
                jnp.zeros(q.shape, _acc(q.dtype)))
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 

@@ -1,0 +1,185 @@
+"""The attention benchmark on a GPU: `python -m attention_jax.tools.bench attention` there.
+
+FlashAttention-2's setup (Dao 2023, §4.1): bfloat16, model width N·H = 2048, B·T = 16k
+tokens, head dims 64 and 128, T from 1k to 16k, causal and not, plus *packed* causal
+rows (segment ids, four documents per row), which cuDNN cannot express. For each JAX
+path (blockwise lax.scan, the Pallas kernels, jax.nn's cuDNN and XLA, and "auto", with
+what auto chose and why) it prints forward and forward+backward TFLOP/s and the compiled
+temp memory; with a CUDA PyTorch, SDPA's FlashAttention-2 and cuDNN backends are timed
+in a process of their own (`torch_attention.py`). FLOPs: 4·B·N·T·S·H per forward, half
+of it when causal (packed rows are counted as causal), ×3.5 for forward+backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax.attention import dot_product_attention, explain
+from attention_jax.tools.bench.timing import installed
+
+WIDTH, TOKENS = 2048, 16384  # N·H and B·T
+JAX_IMPLS = ("blockwise", "pallas", "cudnn", "xla", "auto")
+MASKS = ("full", "causal", "packed")
+
+
+def shapes(quick: bool):
+    """(H, T, mask) rows: the FlashAttention-2 grid, smaller with --quick."""
+    lengths = (1024, 4096) if quick else (1024, 4096, 16384)
+    return [(h, t, mask) for h in (64, 128) for t in lengths for mask in MASKS]
+
+
+def flops(h: int, t: int, mask: str) -> float:
+    b, n = TOKENS // t, WIDTH // h
+    return 4 * b * n * t * t * h * (1.0 if mask == "full" else 0.5)
+
+
+def _inputs(h, t, mask):
+    b, n = TOKENS // t, WIDTH // h
+    keys = jax.random.split(jax.random.key(t + h), 3)
+    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
+    kwargs = {"causal": mask != "full"}
+    if mask == "packed":  # four documents of T/4 tokens per row
+        kwargs["segment_ids"] = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None].repeat(b, 0)
+    return q, k, v, kwargs
+
+
+def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
+    """Median seconds per call; calls are queued back to back (as in a training step),
+    enough of them per timing that launch latency does not count."""
+    jax.block_until_ready(fn(*args))
+    start = _now()
+    jax.block_until_ready(fn(*args))
+    inner = max(1, int(min_seconds / max(_now() - start, 1e-6)))
+    times = []
+    for _ in range(repeats):
+        start = _now()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((_now() - start) / inner)
+    return float(np.median(times))
+
+
+def _now():
+    import time
+    return time.perf_counter()
+
+
+def bench_jax(impl, h, t, mask, memory_budget):
+    q, k, v, kwargs = _inputs(h, t, mask)
+    row = {"impl": impl, "H": h, "T": t, "mask": mask}
+    if impl == "auto":
+        row["auto"] = " — ".join(explain(q, k, v, **kwargs))
+    if impl == "cudnn" and mask == "packed":
+        row["skipped"] = "cuDNN has no segment ids (only a dense N×N mask)"
+        return row
+
+    def forward(q, k, v):
+        return dot_product_attention(q, k, v, implementation=impl, **kwargs)
+
+    def loss(q, k, v):
+        return jnp.sum(forward(q, k, v).astype(jnp.float32))
+
+    fns = {"fwd": jax.jit(forward), "fwd_bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+    try:
+        for name, fn in fns.items():
+            exe = fn.lower(q, k, v).compile()
+            row[f"{name}_temp_bytes"] = exe.memory_analysis().temp_size_in_bytes
+            if row[f"{name}_temp_bytes"] > memory_budget:
+                row["skipped"] = (f"needs {row[f'{name}_temp_bytes'] / 2**30:.0f} GiB of temp "
+                                  f"memory ({memory_budget / 2**30:.0f} GiB budget)")
+                return row
+            fns[name] = exe
+        for name, exe in fns.items():
+            row[f"{name}_s"] = gpu_time(exe, q, k, v)
+    except Exception as e:  # a backend refusing a shape is a result, not a crash
+        row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return row
+
+
+def bench_torch(rows_spec, out_path: Path):
+    """SDPA's flash and cuDNN backends, in a process of its own (JAX holds the GPU's memory
+    pool here; the other runtime must not share our process)."""
+    cmd = [sys.executable, "-m", "attention_jax.tools.bench.torch_attention", "--out", str(out_path),
+           "--rows", json.dumps(rows_spec)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    if done.returncode != 0 or not out_path.exists():
+        print(f"torch peer failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return []
+    return json.loads(out_path.read_text())
+
+
+def _rate(row, key):
+    if "skipped" in row or key not in row:
+        return "–"
+    return f"{flops(row['H'], row['T'], row['mask']) * (3.5 if key == 'fwd_bwd_s' else 1) / row[key] / 1e12:.0f}"
+
+
+def table(rows):
+    impls = [i for i in ("blockwise", "pallas", "cudnn", "xla", "auto", "torch_flash", "torch_cudnn")
+             if any(r["impl"] == i for r in rows)]
+    by = {(r["impl"], r["H"], r["T"], r["mask"]): r for r in rows}
+    keys = sorted({(r["H"], r["T"], r["mask"]) for r in rows},
+                  key=lambda x: (x[0], x[1], MASKS.index(x[2])))
+    lines = ["| H | T | mask | " + " | ".join(impls) + " | pallas ÷ cudnn | auto chose |",
+             "|---|---|---|" + "---|" * (len(impls) + 2)]
+    for h, t, mask in keys:
+        cells = []
+        for impl in impls:
+            r = by.get((impl, h, t, mask))
+            cells.append("–" if r is None else f"{_rate(r, 'fwd_s')} / {_rate(r, 'fwd_bwd_s')}")
+        p, c = by.get(("pallas", h, t, mask)), by.get(("cudnn", h, t, mask))
+        ratio = "–"
+        if p and c and "fwd_s" in p and "fwd_s" in c:
+            ratio = f"{c['fwd_s'] / p['fwd_s']:.2f} / {c['fwd_bwd_s'] / p['fwd_bwd_s']:.2f}"
+        auto = by.get(("auto", h, t, mask), {}).get("auto", "–").split(" — ")[0]
+        lines.append(f"| {h} | {t} | {mask} | " + " | ".join(cells) + f" | {ratio} | {auto} |")
+    lines += ["", "TFLOP/s forward / forward+backward, bfloat16.", "",
+              "| H | T | mask | temp MiB fwd / fwd+bwd: " + " | ".join(
+                  i for i in impls if not i.startswith("torch")) + " |",
+              "|---|---|---|" + "---|" * len([i for i in impls if not i.startswith("torch")])]
+    for h, t, mask in keys:
+        cells = []
+        for impl in impls:
+            if impl.startswith("torch"):
+                continue
+            r = by.get((impl, h, t, mask), {})
+            cells.append(f"{r['fwd_temp_bytes'] / 2**20:.0f} / {r['fwd_bwd_temp_bytes'] / 2**20:.0f}"
+                         if "fwd_bwd_temp_bytes" in r else "–")
+        lines.append(f"| {h} | {t} | {mask} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args):
+    device = jax.devices()[0]
+    total = device.memory_stats().get("bytes_limit", 80 << 30) if device.memory_stats() else 80 << 30
+    budget = args.memory_fraction * total
+    specs = [(h, t, m) for h, t, m in shapes(args.quick)
+             if not args.sizes or t in args.sizes]
+    print(f"GPU: {device.device_kind}, bf16, N·H={WIDTH}, B·T={TOKENS}", file=sys.stderr)
+    rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if installed("torch") and not args.no_torch:
+        rows += bench_torch([[h, t, m] for h, t, m in specs if m != "packed"],
+                            out.with_name(out.stem + "_torch.json"))
+    for h, t, mask in specs:
+        for impl in JAX_IMPLS:
+            row = bench_jax(impl, h, t, mask, budget)
+            rows.append(row)
+            print(f"  H={h} T={t} {mask} {impl}: fwd {_rate(row, 'fwd_s')} / fwd+bwd "
+                  f"{_rate(row, 'fwd_bwd_s')} TFLOP/s {row.get('skipped', '')}", file=sys.stderr)
+            out.write_text(json.dumps({"device": device.device_kind, "rows": rows}, indent=1))
+    print(table(rows))
+    for r in rows:
+        if r["impl"] == "auto":
+            print(f"explain H={r['H']} T={r['T']} {r['mask']}: auto -> {r['auto']}")
+    print(f"\nwrote {out}")
