@@ -119,10 +119,6 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None) -> Me
                          devices=devices)
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data and fsdp; the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

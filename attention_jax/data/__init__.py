@@ -35,17 +35,17 @@ dataset needs no code, only its name in the experiment config.
 Loading
 -------
   src = get_dataset('digits', 'train', data_dir)
-  loader = make_loader(src, global_batch_size=128, seed=0,
-                       transform=ImageClassification(augment=True, padding=1))
+  loader = Loader(src, global_batch_size=128, seed=0,
+                  transform=ImageClassification(augment=True, padding=1))
   for batch in loader:                       # host-local numpy, B = G / process_count
     batch = to_global_batch(batch, mesh)     # global jax.Arrays sharded on 'data'
   state = loader.get_state().to_dict()       # into the checkpoint; JSON-able
-  make_loader(src, ..., state=state)         # continues with exactly the next batch
+  Loader(src, ..., state=state)              # continues with exactly the next batch
 
 Language modelling packs documents into rows with segment ids and positions:
   tok = get_tokenizer('byte')
   rows = packed_lm_source(get_dataset('python_stdlib', 'train', data_dir), tok, 256)
-  make_loader(rows, global_batch_size=32, transform=CausalLM())
+  Loader(rows, global_batch_size=32, transform=CausalLM())
 
 Tokenizers: `get_tokenizer('char' | 'byte' | 'wordpiece' | 'bpe', ...)`,
 `tokenizer.save(workdir_subdir)`, `load_tokenizer(workdir_subdir)`.
@@ -67,22 +67,12 @@ from attention_jax.data.tokenization import (BPETokenizer, ByteTokenizer, CharTo
                                              load_tokenizer)
 
 
-def make_loader(source, *, global_batch_size: int, seed: int = 0, shuffle: bool = True,
-                num_epochs: int | None = None, transform=None, process_index: int | None = None,
-                process_count: int | None = None, worker_count: int = 0,
-                state=None) -> Loader:
-    """A `Loader` (see loaders.py): the process's share of seeded, shuffled, batched data."""
-    return Loader(source, global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
-                  num_epochs=num_epochs, transform=transform, process_index=process_index,
-                  process_count=process_count, worker_count=worker_count, state=state)
-
-
 __all__ = [
     'BPETokenizer', 'ByteTokenizer', 'CATALOGUE_EXAMPLES', 'CausalLM', 'CharTokenizer',
     'DatasetNotFoundError', 'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM',
     'OFFLINE', 'PackedSource', 'Tokenizer', 'Translation', 'WordPieceTokenizer',
     'default_data_dir', 'get_builder', 'get_dataset', 'get_tokenizer', 'load_tokenizer',
-    'make_loader', 'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
+    'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
     'pack_documents', 'packed_lm_source', 'random_crop_flip', 'seq2seq_example',
     'shift_right', 'to_global_batch', 'unpack_row',
 ]

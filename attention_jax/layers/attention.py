@@ -102,8 +102,6 @@ class MultiHeadAttention(nn.Module):
     rope_base: Optional[float] = None
     scale: Optional[float] = None
     fuse_qkv: bool = True
-    block_q: Optional[int] = None
-    block_k: Optional[int] = None
     kernel_init: Optional[Callable] = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -196,7 +194,7 @@ class MultiHeadAttention(nn.Module):
             segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask, mask=mask,
             q_offset=q_offset, scale=self.scale,
             implementation="reference" if return_weights else self.implementation,
-            block_q=self.block_q, block_k=self.block_k, return_weights=return_weights)
+            return_weights=return_weights)
         aux = {}
         if return_weights:
             out, aux["attention_weights"] = out  # [B, N, T, S]

@@ -38,12 +38,12 @@ def _add_noise(record, rng):
 def test_resume_continues_exactly_with_shuffle_and_epochs(k):
     kwargs = dict(global_batch_size=8, seed=5, num_epochs=3, transform=_add_noise,
                   process_index=0, process_count=1)
-    full = _take(data.make_loader(_source(), **kwargs))
+    full = _take(data.Loader(_source(), **kwargs))
     assert len(full) == (3 * N) // 8
-    first = data.make_loader(_source(), **kwargs)
+    first = data.Loader(_source(), **kwargs)
     head = _take(first, k)
     state = json.dumps(first.get_state().to_dict())  # What a checkpoint stores.
-    resumed = _take(data.make_loader(_source(), state=json.loads(state), **kwargs))
+    resumed = _take(data.Loader(_source(), state=json.loads(state), **kwargs))
     assert len(head) + len(resumed) == len(full)
     for got, want in zip(head + resumed, full):
         for key in want:
@@ -51,7 +51,7 @@ def test_resume_continues_exactly_with_shuffle_and_epochs(k):
 
 
 def test_each_epoch_is_a_new_permutation_and_transform_rng_changes():
-    loader = data.make_loader(_source(), global_batch_size=10, seed=1, num_epochs=2,
+    loader = data.Loader(_source(), global_batch_size=10, seed=1, num_epochs=2,
                               transform=_add_noise, process_index=0, process_count=1)
     batches = _take(loader)
     order = _indices(batches)
@@ -63,14 +63,14 @@ def test_each_epoch_is_a_new_permutation_and_transform_rng_changes():
     for i, z in zip(order, noise):
         by_record.setdefault(int(i), []).append(int(z))
     assert all(a != b for a, b in by_record.values())  # Fresh augmentation per epoch.
-    other_seed = data.make_loader(_source(), global_batch_size=10, seed=2, num_epochs=1,
+    other_seed = data.Loader(_source(), global_batch_size=10, seed=2, num_epochs=1,
                                   process_index=0, process_count=1)
     assert list(_indices(_take(other_seed))) != list(order[:N])
 
 
 def test_two_processes_are_disjoint_cover_the_epoch_and_match_one_process():
     def run(p, count):
-        return _take(data.make_loader(_source(40), global_batch_size=10, seed=3, num_epochs=1,
+        return _take(data.Loader(_source(40), global_batch_size=10, seed=3, num_epochs=1,
                                       process_index=p, process_count=count))
     p0, p1 = run(0, 2), run(1, 2)
     assert len(p0) == len(p1) == 4 and p0[0]['index'].shape == (5,)
@@ -85,7 +85,7 @@ def test_two_processes_are_disjoint_cover_the_epoch_and_match_one_process():
 
 def test_partial_final_global_batch_is_dropped_on_every_process():
     def run(p):
-        return _take(data.make_loader(_source(), global_batch_size=12, seed=0, num_epochs=1,
+        return _take(data.Loader(_source(), global_batch_size=12, seed=0, num_epochs=1,
                                       process_index=p, process_count=3))
     counts = [len(run(p)) for p in range(3)]
     assert counts == [N // 12] * 3  # Processes never disagree on the number of steps.
@@ -93,14 +93,14 @@ def test_partial_final_global_batch_is_dropped_on_every_process():
 
 def test_resume_on_a_different_process_count():
     kwargs = dict(global_batch_size=8, seed=9, num_epochs=2)
-    loaders = [data.make_loader(_source(), process_index=p, process_count=2, **kwargs)
+    loaders = [data.Loader(_source(), process_index=p, process_count=2, **kwargs)
                for p in range(2)]
     for loader in loaders:
         _take(loader, 5)
     state = loaders[0].get_state()
     assert state == loaders[1].get_state()  # Every process holds the same state.
     continued_two = [_take(loader) for loader in loaders]
-    one = _take(data.make_loader(_source(), process_index=0, process_count=1, state=state,
+    one = _take(data.Loader(_source(), process_index=0, process_count=1, state=state,
                                  **kwargs))
     assert len(one) == len(continued_two[0])
     for s, batch in enumerate(one):
@@ -110,25 +110,25 @@ def test_resume_on_a_different_process_count():
 
 
 def test_state_from_another_dataset_or_seed_is_refused():
-    loader = data.make_loader(_source(), global_batch_size=8, seed=1, process_index=0,
+    loader = data.Loader(_source(), global_batch_size=8, seed=1, process_index=0,
                               process_count=1)
     _take(loader, 2)
     state = loader.get_state().to_bytes()
     with pytest.raises(ValueError, match='seed=1'):
-        data.make_loader(_source(), global_batch_size=8, seed=2, state=state,
+        data.Loader(_source(), global_batch_size=8, seed=2, state=state,
                          process_index=0, process_count=1)
     with pytest.raises(ValueError, match='num_records=50'):
-        data.make_loader(_source(49), global_batch_size=8, seed=1, state=state,
+        data.Loader(_source(49), global_batch_size=8, seed=1, state=state,
                          process_index=0, process_count=1)
     with pytest.raises(ValueError, match='multiple of process_count=3'):
-        data.make_loader(_source(), global_batch_size=8, process_index=0, process_count=3)
+        data.Loader(_source(), global_batch_size=8, process_index=0, process_count=3)
 
 
 def test_worker_processes_give_the_same_batches():
     kwargs = dict(global_batch_size=8, seed=4, num_epochs=1, transform=_add_noise,
                   process_index=0, process_count=1)
-    inline = _take(data.make_loader(_source(), **kwargs))
-    workers = _take(data.make_loader(_source(), worker_count=1, **kwargs))
+    inline = _take(data.Loader(_source(), **kwargs))
+    workers = _take(data.Loader(_source(), worker_count=1, **kwargs))
     assert len(inline) == len(workers)
     for a, b in zip(inline, workers):
         np.testing.assert_array_equal(a['index'], b['index'])
@@ -140,10 +140,10 @@ def test_tfds_source_with_image_transform_resumes(tmp_path):
     transform = data.ImageClassification(augment=True, padding=1)
     kwargs = dict(global_batch_size=16, seed=0, num_epochs=2, transform=transform,
                   process_index=0, process_count=1)
-    full = _take(data.make_loader(source, **kwargs))
-    first = data.make_loader(source, **kwargs)
+    full = _take(data.Loader(source, **kwargs))
+    first = data.Loader(source, **kwargs)
     head = _take(first, 30)  # 359 // 16 = 22 steps per epoch: crosses into epoch 2.
-    rest = _take(data.make_loader(source, state=first.get_state(), **kwargs))
+    rest = _take(data.Loader(source, state=first.get_state(), **kwargs))
     assert full[0]['image'].shape == (16, 8, 8, 1) and full[0]['image'].dtype == np.float32
     for got, want in zip(head + rest, full):
         np.testing.assert_array_equal(got['image'], want['image'])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_jax import attention as attention_lib
 from attention_jax.layers import (BlockConfig, MultiHeadAttention, TransformerStack, apply_rope,
                                   make_norm, sinusoidal)
 from attention_jax.layers.mlp import MLP, SwiGLU, swiglu_hidden
@@ -42,10 +43,12 @@ def test_rope_scores_depend_only_on_relative_offset():
 
 
 @pytest.mark.parametrize("cross", [False, True])
-def test_reference_and_blockwise_agree_in_value_and_gradient(cross):
+def test_reference_and_blockwise_agree_in_value_and_gradient(cross, monkeypatch):
+    # Tiles of 4: several per row, so the blockwise scan really runs over blocks.
+    monkeypatch.setattr(attention_lib, "default_block_sizes", lambda *args, **kwargs: (4, 4))
     x, ctx = _x((2, 12, 32), 0), _x((2, 10, 24), 1)
     kv_mask = jnp.arange(10)[None] < jnp.array([[10], [6]])
-    kwargs = dict(num_heads=4, num_kv_heads=2, block_q=4, block_k=4)
+    kwargs = dict(num_heads=4, num_kv_heads=2)
     inputs = dict(context=ctx, kv_mask=kv_mask) if cross else dict(positions=None)
     ref = MultiHeadAttention(causal=not cross, implementation="reference", rope_base=1e4, **kwargs)
     blk = MultiHeadAttention(causal=not cross, implementation="blockwise", rope_base=1e4, **kwargs)
