@@ -30,7 +30,8 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tree does not match the model (different depth, width, ...)."""
 
 
-def _key_name(k) -> str:
+def key_name(k) -> str:
+    """The name of one step of a pytree path (dict key, attribute or index)."""
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
@@ -40,7 +41,7 @@ def _key_name(k) -> str:
 def flat_shapes(tree) -> dict[str, tuple[int, ...]]:
     """{'params/block_0/attn/w': shape} for arrays, abstract arrays or orbax metadata."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {"/".join(_key_name(k) for k in path): tuple(getattr(leaf, "shape", ()))
+    return {"/".join(key_name(k) for k in path): tuple(getattr(leaf, "shape", ()))
             for path, leaf in flat}
 
 

@@ -63,7 +63,7 @@ def moe_metrics(aux) -> dict[str, jax.Array]:
     """
     found: dict[str, list] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
-        name = ckpt_lib._key_name(path[-1]) if path else ""
+        name = ckpt_lib.key_name(path[-1]) if path else ""
         if name in MOE_KEYS:
             found.setdefault(name, []).append(jnp.asarray(leaf, jnp.float32))
     metrics = {}

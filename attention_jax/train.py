@@ -200,13 +200,20 @@ def learning_rate_schedule(o, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [o.warmup_steps])
 
 
+# Parameters that weight decay leaves alone, by the role their name gives them: lookup
+# tables ("embedding": token, segment and learned position tables; ViT's
+# "position_embeddings"; a table pulled toward zero only shrinks rare tokens), ViT's
+# [CLS] token ("cls"), norm scales ("scale") and biases ("bias", "<matrix>_bias").
+NO_DECAY = ("embedding", "position_embeddings", "cls", "scale", "bias")
+
+
 def decay_mask(params):
-    """True where weight decay applies: matrices, but not embeddings (a lookup table
-    pulled toward zero only shrinks rare tokens), nor biases and norm scales (1-D)."""
-    def keep(path, x):
-        names = "/".join(ckpt_lib._key_name(k) for k in path).lower()
-        return x.ndim >= 2 and "embed" not in names and "pos_emb" not in names
-    return jax.tree_util.tree_map_with_path(keep, params)
+    """True where weight decay applies: the matrices (projection kernels of any rank,
+    ViT's patch-embedding convolution, MoE routers), by the role of the leaf's name."""
+    def decays(path, x):
+        name = ckpt_lib.key_name(path[-1]) if path else ""
+        return x.ndim >= 2 and name not in NO_DECAY and not name.endswith("_bias")
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
