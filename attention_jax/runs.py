@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from attention_jax import data, train
+from attention_jax import data, tasks, train
 
 
 def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
@@ -35,7 +35,10 @@ def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.C
         raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
                                 f"written by attention_jax.main (--workdir=DIR writes it)")
     with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+        raw = json.load(f)
+    # A run written before the model fields were renamed keeps opening.
+    raw["model"] = tasks.rename_old_model_fields(raw.get("task", ""), raw.get("model", {}))
+    config = ml_collections.ConfigDict(raw)
     config.mesh.num_devices = 1
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
     config.mesh.distributed = False

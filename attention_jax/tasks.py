@@ -86,6 +86,29 @@ MOE_KEYS = ("load_balance_loss", "router_entropy", "dropped_fraction", "expert_l
 TASKS: dict[str, Callable[[Any, str], Task]] = {}
 
 
+# Model-config fields renamed since a run may have written its config.json (old -> new),
+# by task: one spelling of the fields the families share (d_model, max_len,
+# norm_epsilon, dropout_rate, vocab_size). runs.load_config maps them when reading.
+RENAMED_MODEL_FIELDS = {
+    "gpt": {"embed_dim": "d_model"},
+    "encdec": {"embed_dim": "d_model"},
+    "bert_mlm": {"max_positions": "max_len", "layer_norm_epsilon": "norm_epsilon"},
+    "vit": {"layer_norm_epsilon": "norm_epsilon"},
+    "rnn_seq2seq": {"src_vocab_size": "vocab_size", "dropout": "dropout_rate"},
+}
+
+
+def rename_old_model_fields(task: str, model: dict) -> dict:
+    """`model` (a config.json's "model" group) with the old field names of `task`'s
+    model replaced by today's; a field written under both names is an error."""
+    renamed = RENAMED_MODEL_FIELDS.get(task, {})
+    both = sorted(old for old, new in renamed.items() if old in model and new in model)
+    if both:
+        raise ConfigError(f"config.model has both {both[0]!r} and its new name "
+                          f"{renamed[both[0]]!r}; keep only {renamed[both[0]]!r}")
+    return {renamed.get(k, k): v for k, v in model.items()}
+
+
 def model_config(cls, config, **forced):
     """The model's frozen config from `config.model`: an optional `variant` name (the
     model file's table) plus overrides of its fields. Unknown keys name the valid ones."""
@@ -96,7 +119,7 @@ def model_config(cls, config, **forced):
     if unknown:
         raise ConfigError(f"config.model.{unknown[0]} is not a field of {cls.__name__}; "
                           f"valid: {sorted(fields | {'variant'})}")
-    kwargs = {**given, **{k: v for k, v in forced.items() if k in fields}}
+    kwargs = {**given, **forced}
     try:
         return cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -282,16 +305,15 @@ def translation_task(config, workdir: str) -> Task:
     vocab = padded_vocab(tok.vocab_size)
     if config.task == "rnn_seq2seq":
         from attention_jax.models import rnn
-        cfg = model_config(rnn.RNNConfig, config, src_vocab_size=vocab,
-                           tgt_vocab_size=vocab, dtype=jnp.dtype(config.train.compute_dtype), **ids)
+        cfg = model_config(rnn.RNNConfig, config, vocab_size=vocab,
+                           dtype=jnp.dtype(config.train.compute_dtype), **ids)
         model = rnn.RNNSeq2Seq(cfg)
         apply = lambda params, b, train, rng: model.apply(
             {"params": params}, b["inputs"], b["decoder_inputs"], deterministic=not train,
             rngs={"dropout": rng})
     else:
         from attention_jax.models import encdec
-        cfg = model_config(encdec.EncDecConfig, config, src_vocab_size=vocab,
-                           tgt_vocab_size=vocab, vocab_size=vocab,
+        cfg = model_config(encdec.EncDecConfig, config, vocab_size=vocab,
                            dtype=config.train.compute_dtype, **ids)
         model = encdec.EncoderDecoder(cfg)
         apply = lambda params, b, train, rng: model.apply(

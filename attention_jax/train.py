@@ -177,12 +177,12 @@ def check_model_fits_mesh(model, mesh) -> None:
     hold whole heads. Checked on the model's resolved config (variant + overrides)."""
     cfg = getattr(model, "config", model)
     tensor = mesh.shape["tensor"]
-    for field in dataclasses.fields(cfg) if dataclasses.is_dataclass(cfg) else ():
-        value = getattr(cfg, field.name)
-        if "heads" in field.name and isinstance(value, int) and value % tensor:
+    for name in ("num_heads", "num_kv_heads"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value % tensor:
             divisors = [d for d in range(1, value + 1) if value % d == 0]
             raise ConfigError(
-                f"config.model.{field.name}={value} is not divisible by mesh.tensor={tensor}; "
+                f"config.model.{name}={value} is not divisible by mesh.tensor={tensor}; "
                 f"valid: mesh.tensor in {divisors}, or num heads a multiple of {tensor}")
 
 

@@ -106,7 +106,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.model.num_layers = 4
     c.model.num_heads = 4
-    c.model.embed_dim = 128  # D.
+    c.model.d_model = 128  # D.
     c.model.mlp_dim = 512  # F = 4D, per expert in the MoE run.
     c.model.dropout_rate = 0.0
     c.model.use_bias = False
@@ -124,13 +124,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.capacity_factor = 1.25  # Switch's default; overflow tokens skip the MLP.
     if study == "scale":
         scaling, head_dim = variant.split("-h")
-        c.model.num_heads = c.model.embed_dim // int(head_dim)  # H = 32: 4 heads; 128: 1.
+        c.model.num_heads = c.model.d_model // int(head_dim)  # H = 32: 4 heads; 128: 1.
         c.model.attention_scale = None if scaling == "scaled" else 1.0
     if study == "norm":
         # Deep and narrow: depth is what the two placements differ on (Xiong et al. 2020),
         # at about twice the 4x128 model's CPU time.
         c.model.num_layers = 24
-        c.model.embed_dim = 64
+        c.model.d_model = 64
         c.model.mlp_dim = 256
         c.model.norm_position = variant
 

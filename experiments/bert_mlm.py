@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.num_layers = LAYERS  # encoder blocks (post-norm, as BERT).
         c.model.num_heads = HEADS  # N (head dim H = D / N = 32).
         c.model.mlp_dim = 4 * WIDTH  # F = 4D.
-    c.model.max_positions = 64  # position table rows (>= data.seq_len).
+    c.model.max_len = 64  # position table rows (>= data.seq_len).
     c.model.dropout_rate = 0.0  # ~1 epoch of a 2.8M-token corpus: no regularisation needed.
     c.model.attention_dropout_rate = 0.0
     c.model.remat_policy = "none"  # activation checkpointing per block.

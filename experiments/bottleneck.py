@@ -56,7 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     else:
         c.task = "encdec"
         c.model.variant = "transformer-tiny"  # models/encdec.py VARIANTS.
-        c.model.embed_dim = 64  # d_model.
+        c.model.d_model = 64
         c.model.num_heads = 4
         c.model.mlp_dim = 256  # d_ff = 4 d_model.
         c.model.num_encoder_layers = 2

@@ -23,7 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.model.variant = args.get("variant", "gpt-tiny")  # a row of models/gpt.py VARIANTS.
     c.model.num_layers = 2  # decoder blocks.
-    c.model.embed_dim = 128  # D.
+    c.model.d_model = 128  # D.
     c.model.num_heads = 4  # N (head dim 32).
     c.model.max_len = 128  # rows of the learned position table.
     c.model.dropout_rate = 0.0  # small model, short run: no regularisation needed.

@@ -26,7 +26,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.attention_dim = 64  # n', alignment MLP.
     c.model.readout_dim = 64  # l, maxout readout.
     c.model.cell = "gru"  # gru | lstm.
-    c.model.dropout = 0.0
+    c.model.dropout_rate = 0.0
 
     c.data.name = "number_translation/small"  # 2k/200/200 pairs; "number_translation": 20k.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.

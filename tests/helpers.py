@@ -29,7 +29,7 @@ def shrink(c, data_dir):
         c.data.max_files = 6
     if c.task == "gpt":
         c.data.seq_len = min(c.data.seq_len, 32)
-        c.model.num_layers, c.model.embed_dim = 1, 4 * c.model.num_heads
+        c.model.num_layers, c.model.d_model = 1, 4 * c.model.num_heads
     c.train.steps = 1
     c.train.batch_size = 8
     c.train.progress = False

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from attention_jax import main, runs, train
+from attention_jax import main, runs, tasks, train
 from helpers import load, shrink
 
 
@@ -55,3 +55,27 @@ def test_open_run_names_what_is_missing(tmp_path, gpt_run):
         runs.open_run(str(untrained))
     with pytest.raises(ValueError, match="overrides="):
         runs.open_run(workdir, {"data.seq_len": 8}, config=config)
+
+
+def test_a_config_json_with_the_old_field_names_still_opens(tmp_path, gpt_run):
+    """A workdir written before the rename (GPT's embed_dim, now d_model) keeps opening."""
+    config, workdir, _ = gpt_run
+    old = tmp_path / "old"
+    shutil.copytree(workdir, old)
+    with open(old / "config.json") as f:
+        raw = json.load(f)
+    raw["model"]["embed_dim"] = raw["model"].pop("d_model")
+    with open(old / "config.json", "w") as f:
+        json.dump(raw, f)
+    run = runs.open_run(str(old))
+    assert run.task.model.config.d_model == config.model.d_model and run.step == 1
+
+
+def test_old_model_field_names_map_per_family():
+    assert tasks.rename_old_model_fields(
+        "bert_mlm", {"max_positions": 64, "layer_norm_epsilon": 1e-12, "num_layers": 2}) == {
+        "max_len": 64, "norm_epsilon": 1e-12, "num_layers": 2}
+    assert tasks.rename_old_model_fields("rnn_seq2seq", {"dropout": 0.1, "embed_dim": 8}) == {
+        "dropout_rate": 0.1, "embed_dim": 8}  # the RNN's embed_dim is its own field (m)
+    with pytest.raises(tasks.ConfigError, match="both 'embed_dim' and its new name 'd_model'"):
+        tasks.rename_old_model_fields("gpt", {"embed_dim": 8, "d_model": 8})

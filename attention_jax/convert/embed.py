@@ -86,9 +86,9 @@ class SentenceEncoder:
                  pooling: str = "mean", normalize: bool = True, batch_size: int = 64):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r} is unknown; valid: {POOLINGS}")
-        if not 2 < max_length <= model.config.max_positions:
-            raise ValueError(f"max_length={max_length} must be in (2, max_positions="
-                             f"{model.config.max_positions}]")
+        if not 2 < max_length <= model.config.max_len:
+            raise ValueError(f"max_length={max_length} must be in (2, max_len="
+                             f"{model.config.max_len}]")
         # The encoder head computes only what embedding needs (no MLM logits); its
         # params are the body + pooler, a subset of any head's.
         self.model = bert.Bert(model.config, head="encoder")
@@ -165,6 +165,6 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
     dir_pooling, dir_normalize = _pooling_from_dir(path)
     return SentenceEncoder(
         ckpt.model, ckpt.params, WordPieceTokenizer(tok_file),
-        max_length=max_length or min(st_cfg.get("max_seq_length", 10 ** 9), ckpt.config.max_positions),
+        max_length=max_length or min(st_cfg.get("max_seq_length", 10 ** 9), ckpt.config.max_len),
         pooling=pooling or dir_pooling, normalize=dir_normalize if normalize is None else normalize,
         batch_size=batch_size)

@@ -253,7 +253,7 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0):
     params, new, unused = fit(family, converted, {k: v.shape for k, v in target.items()},
                               lambda n, s: fresh_numpy(n, s, seed), grid, where=os.fspath(path))
     fields = family.arch_fields(implied)
-    unseen = {k: fields[k] for k in fields if k in ("activation", "layer_norm_epsilon", "norm_epsilon")}
+    unseen = {k: fields[k] for k in fields if k in ("activation", "norm_epsilon")}
     print(f"warm start from {path} ({arch}): config.model must use {unseen}; "
           f"new heads {new or 'none'}; checkpoint heads not used {unused or 'none'}", flush=True)
 

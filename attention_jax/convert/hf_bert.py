@@ -36,10 +36,10 @@ class BertFamily(Family):
         return bert.BertConfig(
             vocab_size=hf_cfg["vocab_size"], d_model=hf_cfg["hidden_size"],
             num_layers=hf_cfg["num_hidden_layers"], num_heads=hf_cfg["num_attention_heads"],
-            mlp_dim=hf_cfg["intermediate_size"], max_positions=hf_cfg.get("max_position_embeddings", 512),
+            mlp_dim=hf_cfg["intermediate_size"], max_len=hf_cfg.get("max_position_embeddings", 512),
             type_vocab_size=hf_cfg.get("type_vocab_size", 2), num_labels=num_labels(hf_cfg),
             activation=activation_from_hf(hf_cfg, "hidden_act", "gelu"),
-            layer_norm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
+            norm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
             dropout_rate=hf_cfg.get("hidden_dropout_prob", 0.1),
             attention_dropout_rate=hf_cfg.get("attention_probs_dropout_prob", 0.1),
             initializer_range=hf_cfg.get("initializer_range", 0.02))
@@ -49,7 +49,7 @@ class BertFamily(Family):
         e = "embeddings."
         rules = [copy("word_embeddings/embedding", e + "word_embeddings.weight", (v, d)),
                  copy("position_embeddings/embedding", e + "position_embeddings.weight",
-                      (c.max_positions, d)),
+                      (c.max_len, d)),
                  copy("token_type_embeddings/embedding", e + "token_type_embeddings.weight",
                       (c.type_vocab_size, d)),
                  *layernorm("embeddings_norm", e + "LayerNorm", d)]
@@ -87,9 +87,9 @@ class BertFamily(Family):
 
     def arch_fields(self, c: bert.BertConfig):
         return dict(vocab_size=c.vocab_size, d_model=c.d_model, num_layers=c.num_layers,
-                    num_heads=c.num_heads, mlp_dim=c.mlp_dim, max_positions=c.max_positions,
+                    num_heads=c.num_heads, mlp_dim=c.mlp_dim, max_len=c.max_len,
                     type_vocab_size=c.type_vocab_size, activation=c.activation,
-                    layer_norm_epsilon=c.layer_norm_epsilon,
+                    norm_epsilon=c.norm_epsilon,
                     position_embeddings=c.position_embeddings)
 
     def hf_config(self, c: bert.BertConfig, arch):
@@ -101,8 +101,8 @@ class BertFamily(Family):
                "hidden_act": activation_to_hf(c.activation, "BertConfig.activation", "BERT"),
                "hidden_dropout_prob": c.dropout_rate,
                "attention_probs_dropout_prob": c.attention_dropout_rate,
-               "max_position_embeddings": c.max_positions, "type_vocab_size": c.type_vocab_size,
-               "initializer_range": c.initializer_range, "layer_norm_eps": c.layer_norm_epsilon,
+               "max_position_embeddings": c.max_len, "type_vocab_size": c.type_vocab_size,
+               "initializer_range": c.initializer_range, "layer_norm_eps": c.norm_epsilon,
                "position_embedding_type": "absolute", "pad_token_id": 0,
                "tie_word_embeddings": True}
         if arch == "BertForSequenceClassification":

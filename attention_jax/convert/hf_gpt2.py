@@ -27,14 +27,14 @@ class GPT2Family(Family):
         tie = arch == "GPT2Model" or bool(hf_cfg.get("tie_word_embeddings", True))
         return gpt.GPTConfig(
             vocab_size=hf_cfg["vocab_size"], max_len=hf_cfg["n_positions"],
-            num_layers=hf_cfg["n_layer"], embed_dim=hf_cfg["n_embd"], num_heads=hf_cfg["n_head"],
+            num_layers=hf_cfg["n_layer"], d_model=hf_cfg["n_embd"], num_heads=hf_cfg["n_head"],
             mlp_dim=hf_cfg.get("n_inner"),
             activation=activation_from_hf(hf_cfg, "activation_function", "gelu_new"),
             norm_epsilon=hf_cfg.get("layer_norm_epsilon", 1e-5), tie_embeddings=tie,
             dropout_rate=hf_cfg.get("resid_pdrop", 0.0))
 
     def rules(self, c: gpt.GPTConfig, arch):
-        d, f, v = c.embed_dim, c.mlp_dim or 4 * c.embed_dim, c.vocab_size
+        d, f, v = c.d_model, c.mlp_dim or 4 * c.d_model, c.vocab_size
         rules = [copy("token_embedding/embedding", "wte.weight", (v, d)),
                  copy("position_embedding/embedding", "wpe.weight", (c.max_len, d))]
         for i in range(c.num_layers):
@@ -64,9 +64,9 @@ class GPT2Family(Family):
 
     def arch_fields(self, c: gpt.GPTConfig):
         return dict(vocab_size=c.vocab_size, max_len=c.max_len, num_layers=c.num_layers,
-                    embed_dim=c.embed_dim, num_heads=c.num_heads,
+                    d_model=c.d_model, num_heads=c.num_heads,
                     num_kv_heads=c.num_kv_heads or c.num_heads, mlp=c.mlp,
-                    mlp_dim=c.mlp_dim or 4 * c.embed_dim, activation=c.activation, norm=c.norm,
+                    mlp_dim=c.mlp_dim or 4 * c.d_model, activation=c.activation, norm=c.norm,
                     norm_epsilon=c.norm_epsilon, position=c.position,
                     tie_embeddings=c.tie_embeddings, use_bias=c.use_bias)
 
@@ -81,7 +81,7 @@ class GPT2Family(Family):
                 raise ValueError(f"GPTConfig.{field}={got!r} has no GPT-2 equivalent; valid: {want!r}")
         activation = activation_to_hf(c.activation, "GPTConfig.activation", "GPT-2")
         return {"model_type": "gpt2", "architectures": [arch], "vocab_size": c.vocab_size,
-                "n_positions": c.max_len, "n_embd": c.embed_dim, "n_layer": c.num_layers,
+                "n_positions": c.max_len, "n_embd": c.d_model, "n_layer": c.num_layers,
                 "n_head": c.num_heads, "n_inner": c.mlp_dim, "activation_function": activation,
                 "layer_norm_epsilon": c.norm_epsilon, "tie_word_embeddings": c.tie_embeddings,
                 "resid_pdrop": c.dropout_rate, "embd_pdrop": c.dropout_rate, "attn_pdrop": 0.0,

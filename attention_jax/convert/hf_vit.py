@@ -45,7 +45,7 @@ class ViTFamily(Family):
             num_channels=hf_cfg.get("num_channels", 3), d_model=hf_cfg["hidden_size"],
             num_layers=hf_cfg["num_hidden_layers"], num_heads=hf_cfg["num_attention_heads"],
             mlp_dim=hf_cfg["intermediate_size"], num_classes=num_classes, pool="cls",
-            layer_norm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
+            norm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
             dropout_rate=hf_cfg.get("hidden_dropout_prob", 0.0),
             attention_dropout_rate=hf_cfg.get("attention_probs_dropout_prob", 0.0))
 
@@ -83,7 +83,7 @@ class ViTFamily(Family):
     def arch_fields(self, c: vit.ViTConfig):
         return dict(patch_size=c.patch_size, num_channels=c.num_channels, d_model=c.d_model,
                     num_layers=c.num_layers, num_heads=c.num_heads, mlp_dim=c.mlp_dim,
-                    layer_norm_epsilon=c.layer_norm_epsilon, pool=c.pool,
+                    norm_epsilon=c.norm_epsilon, pool=c.pool,
                     position_embeddings=c.position_embeddings)
 
     def dummy_input(self, c):

@@ -53,11 +53,11 @@ class BertConfig:
     num_layers: int = 12  # L
     num_heads: int = 12  # A
     mlp_dim: int = 3072  # 4H
-    max_positions: int = 512
+    max_len: int = 512
     type_vocab_size: int = 2  # segments A and B
     num_labels: int = 2  # classification head
     activation: str = "gelu"  # exact erf GELU, as the released checkpoints
-    layer_norm_epsilon: float = 1e-12
+    norm_epsilon: float = 1e-12
     dropout_rate: float = 0.1
     attention_dropout_rate: float = 0.1  # on per-head outputs, see layers/attention.py
     initializer_range: float = 0.02  # std of the truncated-normal weight init
@@ -69,7 +69,7 @@ class BertConfig:
 
     def __post_init__(self):
         check_heads(self.d_model, self.num_heads)  # ValueError listing the valid head counts
-        for name in ("vocab_size", "d_model", "num_layers", "mlp_dim", "max_positions",
+        for name in ("vocab_size", "d_model", "num_layers", "mlp_dim", "max_len",
                      "type_vocab_size", "num_labels"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
@@ -88,7 +88,7 @@ class BertConfig:
     def block(self) -> BlockConfig:
         return BlockConfig(
             num_heads=self.num_heads, mlp="mlp", mlp_dim=self.mlp_dim, activation=self.activation,
-            norm="layernorm", norm_position="post", norm_epsilon=self.layer_norm_epsilon,
+            norm="layernorm", norm_position="post", norm_epsilon=self.norm_epsilon,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             implementation=self.implementation, dtype=self.dtype)
 
@@ -101,9 +101,9 @@ VARIANTS = {
     "bert-base": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072),
     "bert-large": dict(d_model=1024, num_layers=24, num_heads=16, mlp_dim=4096),
     "bert-tiny": dict(vocab_size=128, d_model=32, num_layers=2, num_heads=2, mlp_dim=64,
-                      max_positions=64),
+                      max_len=64),
     "bert-mini": dict(vocab_size=1024, d_model=256, num_layers=4, num_heads=4, mlp_dim=1024,
-                      max_positions=128),
+                      max_len=128),
 }
 
 
@@ -154,8 +154,8 @@ class Bert(nn.Module):
             raise ValueError(f"head={self.head!r} is unknown; valid: {HEADS}")
         _check_ids("input_ids", input_ids, None)
         b, t = input_ids.shape
-        if t > cfg.max_positions and cfg.position_embeddings and positions is None:
-            raise ValueError(f"input length T={t} exceeds max_positions={cfg.max_positions}")
+        if t > cfg.max_len and cfg.position_embeddings and positions is None:
+            raise ValueError(f"input length T={t} exceeds max_len={cfg.max_len}")
         dtype = jnp.dtype(cfg.dtype)
 
         # Input representation (Section 3.2): word + segment + position, LayerNorm, dropout.
@@ -168,9 +168,9 @@ class Bert(nn.Module):
         if cfg.position_embeddings:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            x = x + LearnedPositionEmbedding(cfg.max_positions, cfg.d_model, embedding_init=_init(cfg),
+            x = x + LearnedPositionEmbedding(cfg.max_len, cfg.d_model, embedding_init=_init(cfg),
                                              dtype=dtype, name="position_embeddings")(positions)
-        x = make_norm("layernorm", epsilon=cfg.layer_norm_epsilon, dtype=dtype, name="embeddings_norm")(x)
+        x = make_norm("layernorm", epsilon=cfg.norm_epsilon, dtype=dtype, name="embeddings_norm")(x)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
         kv_mask = None
@@ -202,7 +202,7 @@ class Bert(nn.Module):
             h = jnp.take_along_axis(x, masked_positions[..., None].astype(jnp.int32), axis=1)  # [B, M, D]
         h = _dense(cfg, cfg.d_model, axes.EMBED, axes.MLP, "mlm_transform")(h)
         h = get_activation(cfg.activation)(h)
-        h = make_norm("layernorm", epsilon=cfg.layer_norm_epsilon, dtype=dtype, name="mlm_norm")(h)
+        h = make_norm("layernorm", epsilon=cfg.norm_epsilon, dtype=dtype, name="mlm_norm")(h)
         mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, (axes.VOCAB,)),
                               (cfg.vocab_size,), jnp.float32)
         mlm_logits = word.attend(h) + mlm_bias.astype(dtype)  # [B, T or M, V]

@@ -47,7 +47,7 @@ class EncDecConfig:
     """Hyperparameters of the encoder-decoder Transformer (defaults: Transformer base)."""
 
     vocab_size: int = 37000  # shared source/target BPE vocabulary (WMT14 en-de, §5.1)
-    embed_dim: int = 512  # d_model
+    d_model: int = 512
     num_heads: int = 8
     mlp_dim: int = 2048  # d_ff
     num_encoder_layers: int = 6
@@ -69,10 +69,10 @@ class EncDecConfig:
     param_dtype: Any = "float32"
 
     def __post_init__(self):
-        if self.embed_dim % self.num_heads:
+        if self.d_model % self.num_heads:
             raise ValueError(
-                f"num_heads={self.num_heads} does not divide embed_dim={self.embed_dim}; valid "
-                f"num_heads: {[n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0]}")
+                f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "
+                f"num_heads: {[n for n in range(1, self.d_model + 1) if self.d_model % n == 0]}")
         self.block()  # validates norm, norm_position, activation, implementation
 
     @classmethod
@@ -93,8 +93,8 @@ class EncDecConfig:
 # base 63.1M (the paper rounds to 65M), big 214.3M (paper: 213M); see tests/models.
 VARIANTS: dict[str, dict[str, Any]] = {
     "transformer-base": dict(),
-    "transformer-big": dict(embed_dim=1024, num_heads=16, mlp_dim=4096, dropout_rate=0.3),
-    "transformer-tiny": dict(vocab_size=64, embed_dim=32, num_heads=4, mlp_dim=64,
+    "transformer-big": dict(d_model=1024, num_heads=16, mlp_dim=4096, dropout_rate=0.3),
+    "transformer-tiny": dict(vocab_size=64, d_model=32, num_heads=4, mlp_dim=64,
                              num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0),
 }
 
@@ -114,11 +114,11 @@ class EncoderDecoder(nn.Module):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         # std D^-1/2: after the sqrt(D) scaling the embedded tokens have unit variance,
         # and the tied output projection starts with unit-scale logits.
-        init = nn.with_logical_partitioning(nn.initializers.normal(cfg.embed_dim ** -0.5),
+        init = nn.with_logical_partitioning(nn.initializers.normal(cfg.d_model ** -0.5),
                                             (axes.VOCAB, axes.EMBED))
 
         def embed(name):
-            return nn.Embed(cfg.vocab_size, cfg.embed_dim, embedding_init=init, dtype=dtype,
+            return nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype,
                             param_dtype=param_dtype, name=name)
 
         self.src_embed = embed("embedding")
@@ -139,8 +139,8 @@ class EncoderDecoder(nn.Module):
             self.decoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype)
 
     def _embed(self, table, tokens, positions, deterministic):
-        x = table(tokens) * jnp.sqrt(jnp.float32(self.config.embed_dim)).astype(table.dtype)
-        x = x + sinusoidal(positions, self.config.embed_dim, dtype=x.dtype)  # [B, T, D]
+        x = table(tokens) * jnp.sqrt(jnp.float32(self.config.d_model)).astype(table.dtype)
+        x = x + sinusoidal(positions, self.config.d_model, dtype=x.dtype)  # [B, T, D]
         return self.dropout(x, deterministic=deterministic)
 
     def encode(self, src, src_mask=None, *, deterministic: bool = True,
@@ -194,7 +194,7 @@ class EncoderDecoder(nn.Module):
 
 def init_cache(model: EncoderDecoder, batch: int, max_len: int, src_len: int):
     """All-zero decoder KV cache for `batch` rows and `max_len` target positions."""
-    d = model.config.embed_dim
+    d = model.config.d_model
     tokens = jnp.zeros((batch, max_len), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len))
     encoded = jnp.zeros((batch, src_len, d), jnp.dtype(model.config.dtype))

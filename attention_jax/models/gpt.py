@@ -49,7 +49,7 @@ class GPTConfig:
     vocab_size: int = 50257
     max_len: int = 1024  # rows of the learned position table (context length)
     num_layers: int = 12
-    embed_dim: int = 768  # D
+    d_model: int = 768  # D
     num_heads: int = 12
     num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
     mlp: str = "mlp"  # "mlp" | "swiglu" | "moe"
@@ -77,10 +77,10 @@ class GPTConfig:
     def __post_init__(self):
         if self.position not in GPT_POSITIONS:
             raise ValueError(f"position={self.position!r} is unknown; valid: {GPT_POSITIONS}")
-        if self.embed_dim % self.num_heads:
+        if self.d_model % self.num_heads:
             raise ValueError(
-                f"num_heads={self.num_heads} does not divide embed_dim={self.embed_dim}; valid "
-                f"num_heads: {[n for n in range(1, self.embed_dim + 1) if self.embed_dim % n == 0]}")
+                f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "
+                f"num_heads: {[n for n in range(1, self.d_model + 1) if self.d_model % n == 0]}")
         self.block()  # validates the block fields (norm, mlp, kv heads, ...)
 
     @classmethod
@@ -107,16 +107,16 @@ class GPTConfig:
 # checkpoints count 124M/355M/774M/1558M (the paper's numbers left out the position
 # table and miscounted small), which is what these configurations give.
 VARIANTS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(num_layers=12, embed_dim=768, num_heads=12),  # 124M
-    "gpt2-medium": dict(num_layers=24, embed_dim=1024, num_heads=16),  # 355M
-    "gpt2-large": dict(num_layers=36, embed_dim=1280, num_heads=20),  # 774M
-    "gpt2-xl": dict(num_layers=48, embed_dim=1600, num_heads=25),  # 1558M
+    "gpt2": dict(num_layers=12, d_model=768, num_heads=12),  # 124M
+    "gpt2-medium": dict(num_layers=24, d_model=1024, num_heads=16),  # 355M
+    "gpt2-large": dict(num_layers=36, d_model=1280, num_heads=20),  # 774M
+    "gpt2-xl": dict(num_layers=48, d_model=1600, num_heads=25),  # 1558M
     # tiny models for tests and CPU experiments
-    "gpt-tiny": dict(vocab_size=256, max_len=128, num_layers=2, embed_dim=64, num_heads=4),
-    "gpt-tiny-rope": dict(vocab_size=256, max_len=128, num_layers=2, embed_dim=64,
+    "gpt-tiny": dict(vocab_size=256, max_len=128, num_layers=2, d_model=64, num_heads=4),
+    "gpt-tiny-rope": dict(vocab_size=256, max_len=128, num_layers=2, d_model=64,
                           num_heads=4, num_kv_heads=2, position="rope", mlp="swiglu",
                           norm="rmsnorm", use_bias=False, tie_embeddings=False),
-    "gpt-tiny-moe": dict(vocab_size=256, max_len=128, num_layers=2, embed_dim=64,
+    "gpt-tiny-moe": dict(vocab_size=256, max_len=128, num_layers=2, d_model=64,
                          num_heads=4, mlp="moe", num_experts=4, top_k=2, mlp_dim=128),
 }
 
@@ -154,21 +154,21 @@ class GPT(nn.Module):
         # drowned by them, so that variant follows Vaswani et al. §3.4 instead: table std
         # D^-1/2, multiplied by sqrt(D) on the way in (unit-variance tokens).
         sinusoidal_input = cfg.position == "sinusoidal"
-        init_std = cfg.embed_dim ** -0.5 if sinusoidal_input else 0.02
+        init_std = cfg.d_model ** -0.5 if sinusoidal_input else 0.02
         embed = nn.Embed(
-            cfg.vocab_size, cfg.embed_dim, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
+            cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std),
                                                         (axes.VOCAB, axes.EMBED)),
             name="token_embedding")
         x = embed(tokens)  # [B, T, D]
         if sinusoidal_input:
-            x = x * jnp.sqrt(jnp.float32(cfg.embed_dim)).astype(x.dtype)
+            x = x * jnp.sqrt(jnp.float32(cfg.d_model)).astype(x.dtype)
         if cfg.position == "learned":
-            x = x + LearnedPositionEmbedding(cfg.max_len, cfg.embed_dim, dtype=dtype,
+            x = x + LearnedPositionEmbedding(cfg.max_len, cfg.d_model, dtype=dtype,
                                              param_dtype=jnp.dtype(cfg.param_dtype),
                                              name="position_embedding")(positions)
         elif cfg.position == "sinusoidal":  # fixed, defined at every position
-            x = x + sinusoidal(positions, cfg.embed_dim, dtype=dtype)
+            x = x + sinusoidal(positions, cfg.d_model, dtype=dtype)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
         x, layer_aux = TransformerStack(

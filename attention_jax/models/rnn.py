@@ -38,8 +38,7 @@ CELLS = ("gru", "lstm")
 
 @dataclasses.dataclass(frozen=True)
 class RNNConfig:
-    src_vocab_size: int
-    tgt_vocab_size: int
+    vocab_size: int  # the source's, and the target's unless tgt_vocab_size is set
     embed_dim: int  # m in Bahdanau et al. Appendix A
     hidden_dim: int  # n: units per direction of the encoder, and of the decoder
     attention_dim: int  # n': hidden size of the alignment MLP
@@ -47,7 +46,8 @@ class RNNConfig:
     attention: bool = True  # False: the single-context-vector bottleneck
     bidirectional: bool = True  # encoder reads the source both ways (annotations = [→h; ←h])
     cell: str = "gru"  # one of CELLS
-    dropout: float = 0.0  # on the embeddings and the readout
+    dropout_rate: float = 0.0  # on the embeddings and the readout
+    tgt_vocab_size: Optional[int] = None  # a target vocabulary of its own (None: vocab_size)
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -56,16 +56,20 @@ class RNNConfig:
     def __post_init__(self):
         if self.cell not in CELLS:
             raise ValueError(f"cell={self.cell!r} is unknown; valid: {CELLS}")
-        for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "hidden_dim",
+        for name in ("vocab_size", "target_vocab_size", "embed_dim", "hidden_dim",
                      "attention_dim", "readout_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
         for name in ("pad_id", "bos_id", "eos_id"):
-            if not 0 <= getattr(self, name) < self.tgt_vocab_size:
+            if not 0 <= getattr(self, name) < self.target_vocab_size:
                 raise ValueError(f"{name}={getattr(self, name)} must lie in "
-                                 f"[0, tgt_vocab_size={self.tgt_vocab_size})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1); got {self.dropout}")
+                                 f"[0, target vocabulary size {self.target_vocab_size})")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1); got {self.dropout_rate}")
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.tgt_vocab_size or self.vocab_size
 
     @classmethod
     def from_variant(cls, name: str, **overrides) -> "RNNConfig":
@@ -78,9 +82,9 @@ class RNNConfig:
 # embeddings, 1000 hidden units (per direction in RNNsearch's encoder), a 1000-unit
 # alignment model and a 500-unit maxout readout. RNNencdec is the paper's baseline
 # (Cho et al. 2014): same sizes, one-directional encoder, no attention.
-_PAPER = dict(src_vocab_size=30000, tgt_vocab_size=30000, embed_dim=620, hidden_dim=1000,
+_PAPER = dict(vocab_size=30000, embed_dim=620, hidden_dim=1000,
               attention_dim=1000, readout_dim=500)
-_TINY = dict(src_vocab_size=32, tgt_vocab_size=32, embed_dim=16, hidden_dim=32,
+_TINY = dict(vocab_size=32, embed_dim=16, hidden_dim=32,
              attention_dim=32, readout_dim=16)
 VARIANTS = {
     "rnnsearch": dict(_PAPER, attention=True, bidirectional=True),
@@ -135,10 +139,10 @@ class DecoderStep(nn.Module):
         """carry: cell state; y_prev: [B] token ids; memory: dict of encoder arrays
         (annotations [B, S, C], keys [B, S, A] = W_h h_j, mask [B, S], summary [B, C])."""
         cfg = self.config
-        emb = nn.Embed(cfg.tgt_vocab_size, cfg.embed_dim, dtype=cfg.dtype, name="embed",
+        emb = nn.Embed(cfg.target_vocab_size, cfg.embed_dim, dtype=cfg.dtype, name="embed",
                        embedding_init=nn.with_logical_partitioning(
                            nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))(y_prev)  # [B, m]
-        emb = nn.Dropout(cfg.dropout)(emb, deterministic=deterministic)
+        emb = nn.Dropout(cfg.dropout_rate)(emb, deterministic=deterministic)
         s_prev = _hidden(cfg, carry)  # [B, n]
 
         if cfg.attention:
@@ -168,8 +172,8 @@ class DecoderStep(nn.Module):
         pre = _dense(2 * cfg.readout_dim, axes.EMBED, axes.MLP, "readout", dtype=cfg.dtype)(
             jnp.concatenate([s_new, emb, context], -1))  # [B, 2l]
         t = jnp.max(pre.reshape(pre.shape[:-1] + (cfg.readout_dim, 2)), axis=-1)  # [B, l]
-        t = nn.Dropout(cfg.dropout)(t, deterministic=deterministic)
-        logits = _dense(cfg.tgt_vocab_size, axes.MLP, axes.VOCAB, "logits", dtype=cfg.dtype)(t)
+        t = nn.Dropout(cfg.dropout_rate)(t, deterministic=deterministic)
+        logits = _dense(cfg.target_vocab_size, axes.MLP, axes.VOCAB, "logits", dtype=cfg.dtype)(t)
         return carry, logits, alpha
 
 
@@ -204,7 +208,7 @@ class RNNSeq2Seq(nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.src_embed = nn.Embed(cfg.src_vocab_size, cfg.embed_dim, dtype=cfg.dtype,
+        self.src_embed = nn.Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.dtype,
                                   embedding_init=nn.with_logical_partitioning(
                                       nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))
         # parent=None: the cells are adopted by their nn.RNN rather than by this module.
@@ -218,7 +222,7 @@ class RNNSeq2Seq(nn.Module):
                                 dtype=cfg.dtype)
         self.init_state = _dense(cfg.hidden_dim, axes.EMBED, axes.MLP, "init_state", dtype=cfg.dtype)
         self.decoder = DecoderStep(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout_rate)
 
     def encode(self, src, src_mask=None, deterministic: bool = True):
         """src: [B, S] ids, right-padded. Returns (memory dict, initial decoder carry)."""

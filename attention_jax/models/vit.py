@@ -17,7 +17,7 @@ patches changes, so the learned position table is resized as a 2-D grid by bilin
 interpolation; the [CLS] row is kept. At the trained resolution the table is used as is.
 
 For Hugging Face `google/vit-*` checkpoints: pre-norm, exact GELU, LayerNorm epsilon
-1e-12 (`layer_norm_epsilon`; big_vision and the paper's code use 1e-6), a CLS token,
+1e-12 (`norm_epsilon`; big_vision and the paper's code use 1e-6), a CLS token,
 1 + P position rows, no pooler before the classifier.
 """
 
@@ -52,7 +52,7 @@ class ViTConfig:
     mlp_dim: int = 3072
     num_classes: int = 1000
     pool: str = "cls"  # "cls": classify the [CLS] token; "gap": average the patch tokens
-    layer_norm_epsilon: float = 1e-6
+    norm_epsilon: float = 1e-6
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     position_embeddings: bool = True  # False: an order-blind encoder (for the lectures' tests)
@@ -93,7 +93,7 @@ class ViTConfig:
     def block(self) -> BlockConfig:
         return BlockConfig(
             num_heads=self.num_heads, mlp="mlp", mlp_dim=self.mlp_dim, activation="gelu",
-            norm="layernorm", norm_position="pre", norm_epsilon=self.layer_norm_epsilon,
+            norm="layernorm", norm_position="pre", norm_epsilon=self.norm_epsilon,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             implementation=self.implementation, dtype=self.dtype)
 
@@ -202,7 +202,7 @@ class ViT(nn.Module):
                                         scan_layers=cfg.scan_layers, remat_policy=cfg.remat_policy,
                                         name="encoder")(
             x, deterministic=deterministic, return_weights=return_weights)
-        x = make_norm("layernorm", epsilon=cfg.layer_norm_epsilon, dtype=dtype, name="encoder_norm")(x)
+        x = make_norm("layernorm", epsilon=cfg.norm_epsilon, dtype=dtype, name="encoder_norm")(x)
         pooled = x[:, 0] if cfg.pool == "cls" else jnp.mean(x, axis=1)  # [B, D]
         aux = {"tokens": x, "pooled": pooled}
         if return_weights:

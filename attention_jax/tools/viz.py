@@ -240,10 +240,10 @@ ONE_EXAMPLE = {"train.batch_size": 1, "eval.batch_size": 1, "optim.grad_accum": 
 
 def _context(model) -> int | None:
     """Longest input the model's position table allows (None: no limit)."""
-    cfg = model.config
-    if getattr(cfg, "position", None) == "learned":
-        return cfg.max_len
-    return getattr(cfg, "max_positions", None)
+    cfg = model.config  # GPT's max_len limits only its learned table; BERT's always.
+    if getattr(cfg, "position", "learned") == "learned":
+        return getattr(cfg, "max_len", None)
+    return None
 
 
 def attention_maps(workdir: str, text: str | None = None, *, target: str | None = None,

@@ -105,7 +105,7 @@ def test_gpt2_matches_pytorch(tmp_path, arch):
 
 def test_gpt2_export_round_trip(tmp_path):
     """A GPT trained here (random params) -> HF dir -> transformers: the same logits."""
-    cfg = gpt.GPTConfig(vocab_size=97, max_len=48, num_layers=2, embed_dim=32, num_heads=4)
+    cfg = gpt.GPTConfig(vocab_size=97, max_len=48, num_layers=2, d_model=32, num_heads=4)
     model = gpt.GPT(cfg)
     tokens = jnp.asarray(_tokens(1), jnp.int32)
     params = _random_params(model, tokens)
@@ -136,7 +136,7 @@ def test_bert_matches_pytorch_with_padding(tmp_path, arch):
     theirs = _randomize(getattr(transformers, arch)(transformers.BertConfig(**BERT_KW, num_labels=3)),
                         seed=2)
     ckpt = convert.load_hf(_save(theirs, tmp_path))
-    assert ckpt.config.activation == "gelu" and ckpt.config.layer_norm_epsilon == 1e-12
+    assert ckpt.config.activation == "gelu" and ckpt.config.norm_epsilon == 1e-12
     ids, types, mask = _bert_inputs()
     out, aux = _apply(ckpt, jnp.asarray(ids, jnp.int32), jnp.asarray(types, jnp.int32),
                       jnp.asarray(mask, bool))
@@ -162,7 +162,7 @@ def test_bert_matches_pytorch_with_padding(tmp_path, arch):
 @pytest.mark.parametrize("head", ["pretraining", "classification"])
 def test_bert_export_round_trip(tmp_path, head):
     cfg = bert.BertConfig(vocab_size=97, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
-                          max_positions=48, type_vocab_size=2, num_labels=3)
+                          max_len=48, type_vocab_size=2, num_labels=3)
     model = bert.Bert(cfg, head=head)
     ids, types, mask = _bert_inputs(1)
     types = types % 2

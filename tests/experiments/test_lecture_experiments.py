@@ -35,10 +35,10 @@ def test_config_loads_and_trains_one_step(name, arg, data_dir, tmp_path):
 
 def test_configs_match_the_recipes_they_cite():
     cpu = load("char_gpt").get_config()
-    assert (cpu.model.num_layers, cpu.model.num_heads, cpu.model.embed_dim, cpu.data.seq_len,
+    assert (cpu.model.num_layers, cpu.model.num_heads, cpu.model.d_model, cpu.data.seq_len,
             cpu.train.batch_size, cpu.train.steps) == (4, 4, 128, 64, 12, 2000)
     baby = load("char_gpt").get_config("size=baby")
-    assert (baby.model.num_layers, baby.model.num_heads, baby.model.embed_dim,
+    assert (baby.model.num_layers, baby.model.num_heads, baby.model.d_model,
             baby.data.seq_len) == (6, 6, 384, 256)
     configs = {m: load("bottleneck").get_config(f"model={m}") for m in load("bottleneck").MODELS}
     assert configs["rnn-bottleneck"].model.variant == "tiny-bottleneck"
@@ -78,7 +78,7 @@ def test_ablation_pairs_differ_in_one_field():
     assert scale["scaled-h32"] == get("study=position,variant=learned").to_dict()
     for h, heads in ((32, 4), (128, 1)):
         scaled, unscaled = scale[f"scaled-h{h}"], scale[f"unscaled-h{h}"]
-        assert scaled["model"]["embed_dim"] // scaled["model"]["num_heads"] == h
+        assert scaled["model"]["d_model"] // scaled["model"]["num_heads"] == h
         assert scaled["model"]["num_heads"] == heads
         # None is the model's 1/sqrt(H); 1.0 is no scaling.
         assert (scaled["model"].pop("attention_scale"), unscaled["model"].pop("attention_scale")) \
@@ -130,7 +130,7 @@ def test_bert_mlm_default_uses_wordpiece_and_its_own_shape():
     c = load("bert_mlm").get_config()
     train.validate_config(c)
     assert c.data.tokenizer == "wordpiece"
-    assert c.model.max_positions >= c.data.seq_len
+    assert c.model.max_len >= c.data.seq_len
     cfg = tasks.model_config(bert.BertConfig, c, vocab_size=30528)
     assert (cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.mlp_dim) == (
         c.model.num_layers, c.model.num_heads, c.model.d_model, 4 * c.model.d_model)
@@ -145,4 +145,4 @@ def test_bert_mlm_variant_argument_takes_the_variant_shape():
     mini = bert.VARIANTS["bert-mini"]
     assert (cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.mlp_dim) == (
         mini["num_layers"], mini["num_heads"], mini["d_model"], mini["mlp_dim"])
-    assert cfg.max_positions >= c.data.seq_len
+    assert cfg.max_len >= c.data.seq_len

@@ -172,7 +172,7 @@ def test_bad_configuration_raises():
     cfg = BertConfig.from_variant("bert-tiny")
     with pytest.raises(ValueError, match="head"):
         jax.eval_shape(Bert(cfg, head="qa").init, jax.random.key(0), IDS)
-    with pytest.raises(ValueError, match="max_positions"):
+    with pytest.raises(ValueError, match="max_len"):
         jax.eval_shape(Bert(cfg).init, jax.random.key(0), jnp.zeros((1, 65), jnp.int32))
     with pytest.raises(ValueError, match="token_type_ids"):
         jax.eval_shape(Bert(cfg).init, jax.random.key(0), IDS, TYPES[:, :4])
@@ -205,8 +205,8 @@ def test_matches_hugging_face_bert_for_pretraining():
     hf_cfg = transformers.BertConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, intermediate_size=cfg.mlp_dim, hidden_act="gelu",
-        max_position_embeddings=cfg.max_positions, type_vocab_size=cfg.type_vocab_size,
-        layer_norm_eps=cfg.layer_norm_epsilon,
+        max_position_embeddings=cfg.max_len, type_vocab_size=cfg.type_vocab_size,
+        layer_norm_eps=cfg.norm_epsilon,
         initializer_range=0.3)  # wide weights: activations O(1), where GELU variants differ
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(hf_cfg).eval()

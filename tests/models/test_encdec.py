@@ -36,7 +36,7 @@ def test_parameter_counts_match_the_paper():
 def test_bad_configs_raise_with_valid_choices():
     with pytest.raises(ValueError, match=r"unknown encoder-decoder variant.*'transformer-base'"):
         ed.get_config("transformer-huge")
-    with pytest.raises(ValueError, match=r"num_heads=3 does not divide embed_dim=32.*\[1, 2, 4"):
+    with pytest.raises(ValueError, match=r"num_heads=3 does not divide d_model=32.*\[1, 2, 4"):
         ed.get_config("transformer-tiny", num_heads=3)
     with pytest.raises(ValueError, match=r"valid: \('pre', 'post'\)"):
         ed.get_config("transformer-tiny", norm_position="sandwich")

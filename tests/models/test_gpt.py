@@ -27,7 +27,7 @@ def test_parameter_counts_match_gpt2(name, published):
 def test_bad_configs_raise_with_valid_choices():
     with pytest.raises(ValueError, match=r"unknown GPT variant 'gpt5'.*'gpt2'"):
         gpt.get_config("gpt5")
-    with pytest.raises(ValueError, match=r"num_heads=5 does not divide embed_dim=64.*\[1, 2, 4"):
+    with pytest.raises(ValueError, match=r"num_heads=5 does not divide d_model=64.*\[1, 2, 4"):
         gpt.get_config("gpt-tiny", num_heads=5)
     with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=4; valid: \[1, 2, 4\]"):
         gpt.get_config("gpt-tiny", num_kv_heads=3)
@@ -180,7 +180,7 @@ def test_attention_scale_multiplies_the_logits():
     """attention_scale=c equals the default 1/sqrt(H) model with its query projection
     (kernel and bias) multiplied by c·sqrt(H): the scale reaches every layer's logits."""
     model, params = _model("gpt-tiny")
-    h = model.config.embed_dim // model.config.num_heads
+    h = model.config.d_model // model.config.num_heads
     c = 1.0  # the "scaling off" arm of the ablation
     scaled = gpt.GPT(gpt.get_config("gpt-tiny", attention_scale=c))
 
@@ -230,7 +230,7 @@ def test_sinusoidal_variant_gives_tokens_and_positions_the_same_scale():
     sqrt(D) from std D^-1/2, so embedded tokens have unit variance, not GPT-2's 0.02."""
     model, params = _model("gpt-tiny-post")  # sinusoidal
     table = nn.unbox(params)["token_embedding"]["embedding"]
-    d = model.config.embed_dim
+    d = model.config.d_model
     assert abs(float(jnp.std(table)) * np.sqrt(d) - 1.0) < 0.1
     _, learned_params = _model("gpt-tiny")
     assert abs(float(jnp.std(nn.unbox(learned_params)["token_embedding"]["embedding"])) - 0.02) < 0.003

@@ -104,7 +104,7 @@ def test_greedy_decode_stops_at_eos_and_pads_after():
 @pytest.mark.parametrize("variant,attention", [("tiny", True), ("tiny-lstm", False)])
 def test_jitted_training_steps_decrease_the_loss(variant, attention):
     params = _init(variant, attention=attention)[1]  # dropout adds no parameters
-    model = RNNSeq2Seq(RNNConfig.from_variant(variant, dropout=0.1, attention=attention))
+    model = RNNSeq2Seq(RNNConfig.from_variant(variant, dropout_rate=0.1, attention=attention))
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
 

@@ -182,10 +182,10 @@ def test_matches_hugging_face_vit_for_image_classification():
     position rows are the architecture of the google/vit-* checkpoints."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cfg = ViTConfig.from_variant("vit-tiny/2", layer_norm_epsilon=1e-12)
+    cfg = ViTConfig.from_variant("vit-tiny/2", norm_epsilon=1e-12)
     hf_cfg = transformers.ViTConfig(
         hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.mlp_dim, hidden_act="gelu", layer_norm_eps=cfg.layer_norm_epsilon,
+        intermediate_size=cfg.mlp_dim, hidden_act="gelu", layer_norm_eps=cfg.norm_epsilon,
         image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.num_channels,
         num_labels=cfg.num_classes,
         initializer_range=0.3)  # wide weights: activations O(1), where GELU variants differ

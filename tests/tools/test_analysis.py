@@ -68,7 +68,7 @@ def test_translation_report_on_two_step_runs(tmp_path):
     data_dir = str(tmp_path / "tfds")
     runs = {m: _tiny_run("bottleneck", f"model={m}", data_dir, str(tmp_path / m),
                          **({"hidden_dim": 16, "embed_dim": 8} if m.startswith("rnn")
-                            else {"embed_dim": 16, "mlp_dim": 32}))
+                            else {"d_model": 16, "mlp_dim": 32}))
             for m in ("rnn-bottleneck", "transformer")}
     out = str(tmp_path / "report" / "bottleneck")
     results = analysis.translation_report(runs, out, split="test", max_examples=12)

@@ -106,7 +106,7 @@ def _gpt_config(tmp_path):
     c.data.max_files = 4
     c.data.seq_len = 32
     c.model.num_layers = 2
-    c.model.embed_dim = 32
+    c.model.d_model = 32
     c.model.num_heads = 2
     c.train.steps = 2
     c.train.batch_size = 8

@@ -182,7 +182,7 @@ def build_ours(shape: Shape, implementation: str = "blockwise"):
     from attention_jax.models import bert, gpt, losses, vit
     if shape.family == "gpt":
         cfg = gpt.GPTConfig(vocab_size=shape.vocab, max_len=shape.seq_len, num_layers=shape.layers,
-                            embed_dim=shape.width, num_heads=shape.heads, mlp_dim=shape.mlp_dim,
+                            d_model=shape.width, num_heads=shape.heads, mlp_dim=shape.mlp_dim,
                             implementation=implementation)
         model = gpt.GPT(cfg)
 
@@ -194,7 +194,7 @@ def build_ours(shape: Shape, implementation: str = "blockwise"):
     if shape.family == "bert":
         cfg = bert.BertConfig(vocab_size=shape.vocab, d_model=shape.width, num_layers=shape.layers,
                               num_heads=shape.heads, mlp_dim=shape.mlp_dim,
-                              max_positions=shape.seq_len, dropout_rate=0.0,
+                              max_len=shape.seq_len, dropout_rate=0.0,
                               attention_dropout_rate=0.0, implementation=implementation)
         model = bert.Bert(cfg)
 
