@@ -133,8 +133,8 @@ class Bert(nn.Module):
 
     output: head "pretraining" -> {"mlm_logits" [B, T or M, V], "nsp_logits" [B, 2]};
             "classification" -> logits [B, num_labels]; "encoder" -> hidden states [B, T, D].
-    aux:    "sequence" [B, T, D] final hidden states, "pooled" [B, D] (tanh pooler on
-            [CLS]), and "attention_weights" [L, B, N, T, T] when return_weights=True.
+    aux:    "hidden_states" [B, T, D] final hidden states, "pooled" [B, D] (tanh pooler on
+            [CLS]), and "attention_weights" {"self": [L, B, N, T, T]} when return_weights=True.
     """
 
     config: BertConfig
@@ -183,9 +183,9 @@ class Bert(nn.Module):
                                         name="encoder")(
             x, segment_ids=segment_ids, kv_mask=kv_mask, deterministic=deterministic,
             return_weights=return_weights)
-        aux = {"sequence": x}
+        aux = {"hidden_states": x}
         if return_weights:
-            aux["attention_weights"] = stack_aux["self_attention_weights"]  # [L, B, N, T, T]
+            aux["attention_weights"] = {"self": stack_aux["self_attention_weights"]}  # [L, B, N, T, T]
 
         # The pooler: a tanh layer on [CLS] (position 0), the sentence-level representation.
         pooled = jnp.tanh(_dense(cfg, cfg.d_model, axes.EMBED, axes.MLP, "pooler")(x[:, 0]))  # [B, D]

@@ -186,7 +186,12 @@ class EncoderDecoder(nn.Module):
                                        return_weights=return_weights)
         logits, dec_aux = self.decode(tgt_in, encoded, src_mask, deterministic=deterministic,
                                       return_weights=return_weights)
-        return logits, {"encoder": enc_aux, "decoder": dec_aux}
+        aux = {"encoder": enc_aux, "decoder": dec_aux}
+        if return_weights:  # [L, B, N, T or S, S or T], one entry per kind of attention
+            aux["attention_weights"] = {"encoder": enc_aux.pop("self_attention_weights"),
+                                        "decoder": dec_aux.pop("self_attention_weights"),
+                                        "cross": dec_aux.pop("cross_attention_weights")}
+        return logits, aux
 
 
 # ----------------------------------------------------------------------------- decoding

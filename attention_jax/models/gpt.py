@@ -129,8 +129,9 @@ def get_config(variant: str, **overrides) -> GPTConfig:
 class GPT(nn.Module):
     """tokens [B, T] -> (logits [B, T, V], aux).
 
-    aux: {"layers": per-layer aux stacked [L, ...] (attention weights when asked, MoE
-    statistics), "moe_loss": weighted load-balancing loss summed over layers (MoE only)}.
+    aux: {"layers": per-layer aux stacked [L, ...] (MoE statistics), "attention_weights":
+    {"self": [L, B, N, T, S]} when asked, "moe_loss": weighted load-balancing loss summed
+    over layers (MoE only)}.
     """
 
     config: GPTConfig
@@ -190,6 +191,8 @@ class GPT(nn.Module):
                 name="lm_head")(x)
         logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
         aux = {"layers": layer_aux}
+        if return_weights:
+            aux["attention_weights"] = {"self": layer_aux.pop("self_attention_weights")}  # [L, B, N, T, S]
         if cfg.mlp == "moe":
             aux["moe_loss"] = cfg.moe_loss_weight * jnp.sum(layer_aux["moe"]["load_balance_loss"])
         return logits.astype(jnp.float32), aux

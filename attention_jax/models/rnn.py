@@ -12,7 +12,8 @@ Two decoders share one code path, switched by `RNNConfig.attention`:
 
     model = RNNSeq2Seq(RNNConfig.from_variant("tiny"))
     params = model.init(key, src, tgt_in)["params"]
-    logits, aux = model.apply({"params": params}, src, tgt_in)   # [B, T, V]; aux["attention"] [B, T, S]
+    logits, aux = model.apply({"params": params}, src, tgt_in, return_weights=True)   # [B, T, V]
+    aux["attention_weights"]["cross"]   # [1, B, 1, T, S]: one layer, one additive "head"
     tokens, aux = model.apply({"params": params}, src, method=model.generate, max_len=20)
 
 Sources are right-padded with `pad_id` (or give `src_mask` [B, S], True on real tokens).
@@ -245,20 +246,25 @@ class RNNSeq2Seq(nn.Module):
             memory["keys"] = self.attn_keys(annotations)  # [B, S, A]
         return memory, dec_carry
 
-    def __call__(self, src, tgt_in, src_mask=None, deterministic: bool = True):
+    def __call__(self, src, tgt_in, src_mask=None, deterministic: bool = True,
+                 return_weights: bool = False):
         """Teacher forcing: src [B, S], tgt_in [B, T] (= shift_right(targets)).
 
-        Returns (logits [B, T, V], aux): aux["annotations"] [B, S, C] (encoder states),
-        aux["summary"] [B, C] (the bottleneck vector) and, with attention, aux["attention"]
-        [B, T, S] (each row sums to 1 over real source tokens, 0 on padding)."""
+        Returns (logits [B, T, V], aux): aux["hidden_states"] [B, S, C] (the encoder's
+        annotations), aux["summary"] [B, C] (the bottleneck vector) and, with attention and
+        return_weights, aux["attention_weights"]["cross"] [1, B, 1, T, S] (the other
+        families' [L, B, N, T, S]; each row sums to 1 over real source tokens, 0 on
+        padding). The weights are computed either way: they make the context."""
         memory, carry = self.encode(src, src_mask, deterministic)
         _, (logits, alpha) = _scan(_teacher_body)(self.decoder, carry, tgt_in, memory, deterministic)
-        return logits, _aux(alpha, annotations=memory["annotations"], summary=memory["summary"])
+        return logits, _aux(alpha if return_weights else None,
+                            hidden_states=memory["annotations"], summary=memory["summary"])
 
-    def generate(self, src, src_mask=None, max_len: int = 32):
+    def generate(self, src, src_mask=None, max_len: int = 32, return_weights: bool = False):
         """Greedy decoding for max_len steps from BOS. After a row emits EOS it emits
         pad_id. Returns (tokens [B, max_len], aux) with aux["lengths"] [B] (tokens up to
-        and including EOS, or max_len) and, with attention, aux["attention"] [B, max_len, S]."""
+        and including EOS, or max_len) and, with attention and return_weights,
+        aux["attention_weights"]["cross"] [1, B, 1, max_len, S]."""
         cfg = self.config
         if not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"max_len must be a positive int; got {max_len!r}")
@@ -267,11 +273,14 @@ class RNNSeq2Seq(nn.Module):
         start = (carry, jnp.full((b,), cfg.bos_id, jnp.int32), jnp.zeros((b,), bool))
         _, (tokens, alpha, live) = _scan(_greedy_body, length=max_len)(
             self.decoder, start, None, memory, True)
-        return tokens, _aux(alpha, lengths=jnp.sum(live, axis=-1).astype(jnp.int32))
+        return tokens, _aux(alpha if return_weights else None,
+                            lengths=jnp.sum(live, axis=-1).astype(jnp.int32))
 
 
 def _aux(alpha, **named):
-    return named if alpha is None else {"attention": alpha, **named}
+    """alpha [B, T, S] as the families' attention_weights {"cross": [L=1, B, N=1, T, S]}."""
+    return named if alpha is None else {"attention_weights": {"cross": alpha[None, :, None]},
+                                        **named}
 
 
 def _check_source(src, src_mask: Optional[jax.Array], pad_id: int):

@@ -153,8 +153,8 @@ def interpolate_position_embeddings(table, grid, new_grid, num_prefix: int = 1):
 class ViT(nn.Module):
     """Vision Transformer classifier: images [B, H, W, C] -> (logits [B, num_classes], aux).
 
-    aux: "tokens" [B, 1 + P or P, D] final (normed) token states, "pooled" [B, D] the
-    classifier input, and "attention_weights" [L, B, N, T, T] when return_weights=True.
+    aux: "hidden_states" [B, 1 + P or P, D] final (normed) token states, "pooled" [B, D] the
+    classifier input, and "attention_weights" {"self": [L, B, N, T, T]} when return_weights=True.
     H and W may differ from config.image_size (position embeddings are interpolated) but
     must be multiples of the patch size.
     """
@@ -204,9 +204,9 @@ class ViT(nn.Module):
             x, deterministic=deterministic, return_weights=return_weights)
         x = make_norm("layernorm", epsilon=cfg.norm_epsilon, dtype=dtype, name="encoder_norm")(x)
         pooled = x[:, 0] if cfg.pool == "cls" else jnp.mean(x, axis=1)  # [B, D]
-        aux = {"tokens": x, "pooled": pooled}
+        aux = {"hidden_states": x, "pooled": pooled}
         if return_weights:
-            aux["attention_weights"] = stack_aux["self_attention_weights"]  # [L, B, N, T, T]
+            aux["attention_weights"] = {"self": stack_aux["self_attention_weights"]}  # [L, B, N, T, T]
         # Zero-initialised head (Appendix B.1.1 fine-tuning): starts at uniform predictions.
         logits = nn.Dense(cfg.num_classes, dtype=dtype, name="head",
                           kernel_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED, None)),

@@ -317,7 +317,7 @@ def _self_attention_weights_fn(model):
     def weights(params, batch):
         _, aux = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
                              segment_ids=batch["segment_ids"], return_weights=True)
-        return aux["layers"]["self_attention_weights"]
+        return aux["attention_weights"]["self"]
     return weights
 
 

@@ -177,11 +177,6 @@ def save(fig, path: str) -> str:
 
 
 # ============================================================================ weights from models
-def _stacked(x) -> np.ndarray:
-    """[L, B=1, N, T, S] from a TransformerStack's aux -> [L, N, T, S] float32 numpy."""
-    return np.asarray(x, np.float32)[:, 0]
-
-
 def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.ndarray]:
     """Attention weights of one example, by kind of attention, from the reference path.
 
@@ -192,29 +187,16 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
     RNNSeq2Seq (with attention): -> {"cross": [1, 1, T, S]} (one additive "head").
     """
     import jax
-    from attention_jax.models import bert, encdec, gpt, rnn, vit
-    variables = {"params": params}
     # One compiled call is quicker than dispatching a model's hundreds of ops eagerly.
     apply = jax.jit(model.apply, static_argnames=("return_weights",))
-    if isinstance(model, gpt.GPT):
-        _, aux = apply(variables, inputs, return_weights=True)
-        return {"self": _stacked(aux["layers"]["self_attention_weights"])}
-    if isinstance(model, (bert.Bert, vit.ViT)):
-        _, aux = apply(variables, inputs, return_weights=True)
-        return {"self": _stacked(aux["attention_weights"])}
-    if isinstance(model, encdec.EncoderDecoder):
-        _, aux = apply(variables, inputs, decoder_inputs, return_weights=True)
-        return {"encoder": _stacked(aux["encoder"]["self_attention_weights"]),
-                "decoder": _stacked(aux["decoder"]["self_attention_weights"]),
-                "cross": _stacked(aux["decoder"]["cross_attention_weights"])}
-    if isinstance(model, rnn.RNNSeq2Seq):
-        if not model.config.attention:
-            raise ValueError("this RNN is the bottleneck model (attention=False): it reads one "
-                             "context vector, so there is no alignment to draw")
-        _, aux = apply(variables, inputs, decoder_inputs)
-        return {"cross": np.asarray(aux["attention"], np.float32)[None]}  # [1, 1, T, S]
-    raise TypeError(f"no attention weights for {type(model).__name__}; valid: GPT, Bert, ViT, "
-                    f"EncoderDecoder, RNNSeq2Seq")
+    inputs = (inputs,) if decoder_inputs is None else (inputs, decoder_inputs)
+    _, aux = apply({"params": params}, *inputs, return_weights=True)
+    if "attention_weights" not in aux:
+        raise ValueError(f"{type(model).__name__} returned no attention weights: a bottleneck "
+                         f"model (attention=False) reads one context vector, so there is no "
+                         f"alignment to draw")
+    # Every family: {kind: [L, B=1, N, T, S]} -> {kind: [L, N, T, S]} float32 numpy.
+    return {kind: np.asarray(w, np.float32)[:, 0] for kind, w in aux["attention_weights"].items()}
 
 
 def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:

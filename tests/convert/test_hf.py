@@ -144,7 +144,7 @@ def test_bert_matches_pytorch_with_padding(tmp_path, arch):
         ref = theirs(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
                      attention_mask=torch.from_numpy(mask), output_hidden_states=True)
     # Padded positions too: their queries attend to the real keys on both sides.
-    _close(aux["sequence"], ref.hidden_states[-1])
+    _close(aux["hidden_states"], ref.hidden_states[-1])
     if arch == "BertModel":
         _close(out, ref.last_hidden_state)
         _close(aux["pooled"], ref.pooler_output)
@@ -204,9 +204,9 @@ def test_vit_matches_pytorch(tmp_path, arch):
     with torch.no_grad():
         ref = theirs(pixel_values=torch.from_numpy(images), output_hidden_states=True)
     if arch == "ViTModel":
-        _close(aux["tokens"], ref.last_hidden_state)
+        _close(aux["hidden_states"], ref.last_hidden_state)
     else:
-        _close(aux["tokens"][:, 0], theirs.vit.layernorm(ref.hidden_states[-1])[:, 0])
+        _close(aux["hidden_states"][:, 0], theirs.vit.layernorm(ref.hidden_states[-1])[:, 0])
         _close(logits, ref.logits)
 
 
@@ -348,7 +348,7 @@ def test_init_params_from_hf_pads_vocab_and_adds_a_head(tmp_path):
     with torch.no_grad():
         ref = theirs.bert(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
                           attention_mask=torch.from_numpy(mask))
-    _close(aux["sequence"], ref.last_hidden_state)  # the body is the checkpoint's
+    _close(aux["hidden_states"], ref.last_hidden_state)  # the body is the checkpoint's
 
 
 def test_init_params_from_hf_names_architecture_differences(tmp_path):

@@ -55,7 +55,7 @@ def test_parameter_counts_match_the_paper():
 def test_mlm_head_is_tied_to_the_word_embedding():
     model, params = _model(), _params()
     out, aux = model.apply({"params": params}, IDS, TYPES, MASK)
-    h = aux["sequence"] @ params["mlm_transform"]["kernel"] + params["mlm_transform"]["bias"]
+    h = aux["hidden_states"] @ params["mlm_transform"]["kernel"] + params["mlm_transform"]["bias"]
     h = jax.nn.gelu(h, approximate=False)
     mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
     h = (h - mu) / jnp.sqrt(var + 1e-12) * params["mlm_norm"]["scale"] + params["mlm_norm"]["bias"]
@@ -72,12 +72,12 @@ def test_mlm_head_is_tied_to_the_word_embedding():
 def test_pad_tokens_do_not_change_real_token_outputs():
     model, params = _model(), _params()
     other = jnp.where(MASK, IDS, 99)  # different ids at the padding positions
-    a = model.apply({"params": params}, IDS, TYPES, MASK)[1]["sequence"]
-    b = model.apply({"params": params}, other, TYPES, MASK)[1]["sequence"]
+    a = model.apply({"params": params}, IDS, TYPES, MASK)[1]["hidden_states"]
+    b = model.apply({"params": params}, other, TYPES, MASK)[1]["hidden_states"]
     np.testing.assert_allclose(a[0, :5], b[0, :5], atol=1e-5)
     np.testing.assert_allclose(a[1], b[1], atol=1e-5)
     # Without the mask the pads are attended to, and real tokens see the change.
-    c = model.apply({"params": params}, other, TYPES)[1]["sequence"]
+    c = model.apply({"params": params}, other, TYPES)[1]["hidden_states"]
     assert not np.allclose(a[0, :5], c[0, :5], atol=1e-3)
 
 
@@ -116,7 +116,7 @@ def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
 def test_attention_weights_hide_padding():
     model, params = _model(), _params()
     _, aux = model.apply({"params": params}, IDS, TYPES, MASK, return_weights=True)
-    w = np.asarray(aux["attention_weights"])  # [L, B, N, T, T]
+    w = np.asarray(aux["attention_weights"]["self"])  # [L, B, N, T, T]
     assert w.shape == (2, B, 2, T, T)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_array_equal(w[:, 0, :, :, 5:], 0.0)
@@ -129,7 +129,7 @@ def test_classification_head_reads_the_pooled_cls_token():
     logits, aux = model.apply({"params": params}, IDS, TYPES, MASK)
     assert logits.shape == (B, 3)
     np.testing.assert_allclose(aux["pooled"], jnp.tanh(
-        aux["sequence"][:, 0] @ params["pooler"]["kernel"] + params["pooler"]["bias"]), atol=1e-5)
+        aux["hidden_states"][:, 0] @ params["pooler"]["kernel"] + params["pooler"]["bias"]), atol=1e-5)
     np.testing.assert_allclose(logits, aux["pooled"] @ params["classifier"]["kernel"]
                                + params["classifier"]["bias"], atol=1e-5)
 

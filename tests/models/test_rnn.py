@@ -27,10 +27,11 @@ def _init(variant, **overrides):
 @pytest.mark.parametrize("variant", ["tiny", "tiny-lstm"])
 def test_attention_weights_sum_to_one_on_real_tokens_and_zero_on_padding(variant):
     model, params = _init(variant)
-    logits, aux = model.apply({"params": params}, SRC, shift_right(TGT))
+    logits, aux = model.apply({"params": params}, SRC, shift_right(TGT), return_weights=True)
     assert logits.shape == (2, 4, 32)
-    alpha = np.asarray(aux["attention"])  # [B, T, S]
-    assert alpha.shape == (2, 4, 6)
+    alpha = np.asarray(aux["attention_weights"]["cross"])  # [L=1, B, N=1, T, S]
+    assert alpha.shape == (1, 2, 1, 4, 6)
+    alpha = alpha[0, :, 0]  # [B, T, S]
     np.testing.assert_allclose(alpha.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_array_equal(alpha[0, :, 4:], 0.0)
     assert np.all(alpha[0, :, :4] > 0) and np.all(alpha[1] > 0)
@@ -43,8 +44,9 @@ def test_bottleneck_has_no_alignment_model_and_attention_does():
         assert name in attn_params and name not in neck_params
     for name in ("attn_query", "attn_v"):
         assert name in attn_params["decoder"] and name not in neck_params["decoder"]
-    _, neck_aux = neck_model.apply({"params": neck_params}, SRC, shift_right(TGT))
-    assert "attention" not in neck_aux and neck_aux["summary"].shape == (2, 64)
+    _, neck_aux = neck_model.apply({"params": neck_params}, SRC, shift_right(TGT),
+                                   return_weights=True)
+    assert "attention_weights" not in neck_aux and neck_aux["summary"].shape == (2, 64)
     # The bottleneck decoder reads the source only through the summary vector: swapping in
     # other annotations (same summary) leaves its logits unchanged; attention's do change.
     for model, params, should_change in ((neck_model, neck_params, False),
@@ -76,13 +78,16 @@ def test_pad_token_ids_do_not_matter(variant):
 
 def test_greedy_decode_matches_teacher_forcing_on_its_own_output():
     model, params = _init("tiny")
-    tokens, aux = model.apply({"params": params}, SRC, method=model.generate, max_len=7)
-    assert tokens.shape == (2, 7) and aux["attention"].shape == (2, 7, 6)
-    logits, tf_aux = model.apply({"params": params}, SRC, shift_right(tokens))
+    tokens, aux = model.apply({"params": params}, SRC, method=model.generate, max_len=7,
+                              return_weights=True)
+    alpha = aux["attention_weights"]["cross"][0, :, 0]  # [B, T, S]
+    assert tokens.shape == (2, 7) and alpha.shape == (2, 7, 6)
+    logits, tf_aux = model.apply({"params": params}, SRC, shift_right(tokens), return_weights=True)
     live = np.arange(7)[None, :] < np.asarray(aux["lengths"])[:, None]
     np.testing.assert_array_equal(np.where(live, jnp.argmax(logits, -1), 0), np.where(live, tokens, 0))
-    np.testing.assert_allclose(np.where(live[..., None], tf_aux["attention"], 0),
-                               np.where(live[..., None], aux["attention"], 0), atol=1e-5)
+    np.testing.assert_allclose(
+        np.where(live[..., None], tf_aux["attention_weights"]["cross"][0, :, 0], 0),
+        np.where(live[..., None], alpha, 0), atol=1e-5)
 
 
 def test_greedy_decode_stops_at_eos_and_pads_after():

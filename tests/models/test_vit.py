@@ -60,7 +60,7 @@ def test_patch_embedding_is_a_stride_p_convolution():
     ours = jnp.einsum("BYXI,ID->BYXD", x, kernel.reshape(-1, kernel.shape[-1]))
     np.testing.assert_allclose(ours, conv, atol=1e-5)
     logits, aux = model.apply({"params": params}, IMAGES)
-    assert logits.shape == (2, 10) and aux["tokens"].shape == (2, 5, 32)
+    assert logits.shape == (2, 10) and aux["hidden_states"].shape == (2, 5, 32)
 
 
 def test_position_interpolation_is_exact_at_the_trained_grid_and_bilinear_elsewhere():
@@ -78,7 +78,7 @@ def test_position_interpolation_is_exact_at_the_trained_grid_and_bilinear_elsewh
     # The model at its own size uses the table untouched; at 12x16 it interpolates.
     model, params = _model(), _params()
     _, aux = model.apply({"params": params}, jnp.zeros((1, 12, 16, 1)))
-    assert aux["tokens"].shape == (1, 1 + 6 * 8, 32)
+    assert aux["hidden_states"].shape == (1, 1 + 6 * 8, 32)
 
 
 def test_model_at_trained_size_adds_the_table_unchanged():
@@ -109,7 +109,7 @@ def test_encoder_without_positions_is_permutation_equivariant(positions):
     shuffled = patches[:, perm].reshape(2, 4, 4, 2, 2, 1).transpose(0, 1, 3, 2, 4, 5).reshape(2, 8, 8, 1)
     logits, aux = model.apply({"params": params}, IMAGES)
     logits_p, aux_p = model.apply({"params": params}, shuffled)
-    equivariant = np.allclose(aux_p["tokens"], aux["tokens"][:, perm], atol=1e-5)
+    equivariant = np.allclose(aux_p["hidden_states"], aux["hidden_states"][:, perm], atol=1e-5)
     assert equivariant == (not positions)
     if not positions:  # average pooling then makes the classifier order-blind
         np.testing.assert_allclose(logits_p, logits, atol=1e-5)
@@ -121,7 +121,7 @@ def test_reference_and_blockwise_attention_agree_in_outputs_and_gradients():
     def loss(params, implementation):
         logits, aux = _model(implementation=implementation).apply({"params": params}, IMAGES)
         logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1)), aux["tokens"]
+        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1)), aux["hidden_states"]
 
     grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
     (l_ref, y_ref), g_ref = grad_fn(params, "reference")

@@ -145,3 +145,29 @@ def test_vit_grid_has_cls_and_patch_positions(tmp_path):
     fig = viz.plot_attention_grid(weights, ["[CLS]", "0,0", "0,1", "1,0", "1,1"])
     assert len(fig.axes) == 4
     assert png_shape(viz.save(fig, str(tmp_path / "vit.png")))[:2] == expected_pixels(fig)
+
+
+def test_every_family_returns_attention_weights_under_one_key():
+    """aux["attention_weights"] is {kind: [L, B, N, T, S]} in all five families: the tools
+    read it without asking which model they hold."""
+    from attention_jax.models import bert, vit
+    tokens = jnp.ones((1, 5), jnp.int32)
+    cases = {
+        "gpt": (gpt.GPT(gpt.GPTConfig.from_variant("gpt-tiny")), (tokens,), {"self"}),
+        "bert": (bert.Bert(bert.BertConfig.from_variant("bert-tiny")), (tokens,), {"self"}),
+        "vit": (vit.ViT(vit.ViTConfig.from_variant("vit-tiny/2")), (jnp.zeros((1, 4, 4, 1)),),
+                {"self"}),
+        "encdec": (encdec.EncoderDecoder(encdec.get_config("transformer-tiny")),
+                   (tokens, tokens[:, :3]), {"encoder", "decoder", "cross"}),
+        "rnn": (rnn.RNNSeq2Seq(rnn.RNNConfig.from_variant("tiny")), (tokens, tokens[:, :3]),
+                {"cross"}),
+    }
+    for name, (model, args, kinds) in cases.items():
+        variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))
+        _, aux = jax.eval_shape(lambda v: model.apply(v, *args, return_weights=True), variables)
+        weights = aux["attention_weights"]
+        assert set(weights) == kinds, name
+        for kind, w in weights.items():
+            assert w.ndim == 5 and w.shape[1] == 1, (name, kind, w.shape)
+        _, plain = jax.eval_shape(lambda v: model.apply(v, *args), variables)
+        assert "attention_weights" not in plain, name
