@@ -52,15 +52,15 @@ def base_config() -> ml_collections.ConfigDict:
     o.end_lr_ratio = 0.1  # final lr as a fraction of the peak (cosine/linear).
     o.b1 = 0.9  # Adam first-moment decay.
     o.b2 = 0.95  # Adam second-moment decay (0.95 is the LLM convention; 0.999 for small data).
-    o.eps = 1e-8  # Adam epsilon.
-    o.weight_decay = 0.1  # decoupled (AdamW, Loshchilov & Hutter 2019); not on norms/biases/embeddings.
+    o.eps = 1e-8
+    o.weight_decay = 0.1  # decoupled (AdamW, Loshchilov & Hutter 2019); matrices only (decay_mask).
     o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables.
     o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
     o.grad_accum = 1  # micro-batches per optimizer step (train.batch_size is split into them).
     o.decay_steps = 0  # length of the warmup + decay schedule; 0: train.steps.
 
     c.train = t = ml_collections.ConfigDict()
-    t.steps = 1000  # optimizer steps.
+    t.steps = 1000  # optimizer steps (each of grad_accum micro-batches).
     t.batch_size = 32  # global batch (all processes, all micro-batches) per step.
     t.seed = 0  # parameters, dropout and data order all derive from it.
     t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
@@ -69,8 +69,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
     t.inject_nan_at = -1  # fault injection: the loss of step N (1-based, as logged) is NaN; -1 never.
     t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
-    t.keep_checkpoints = 3  # newest checkpoints kept on disk.
-    t.async_checkpoint = True  # write checkpoints in the background.
+    t.keep_checkpoints = 3
+    t.async_checkpoint = True
     t.init_from = ""  # warm start: a workdir or checkpoint dir whose params (only) to load.
     t.data_workers = 0  # grain worker processes (0: read in the trainer process).
 
@@ -88,7 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = e = ml_collections.ConfigDict()
     e.every = 500  # steps between evaluations (and at the end); 0: only at the end; -1: never.
-    e.steps = 10  # eval batches per evaluation; 0 = the whole split.
+    e.steps = 10  # 0: the whole split.
     e.batch_size = 32  # global eval batch.
     e.sample_prompts = ("def ", "import ")  # language models: prompts for --mode=sample.
     e.sample_tokens = 64  # tokens generated per prompt.

@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.b2 = 0.98  # BERT-style second moment.
     c.optim.weight_decay = 0.01  # BERT's value.
 
-    c.train.steps = 2400  # optimizer steps.
+    c.train.steps = 2400
     c.train.batch_size = 16  # global batch: 1024 tokens, 160 of them predicted.
     c.train.log_every = 50
     c.train.checkpoint_every = 800

@@ -40,7 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 
-    c.optim.lr = 2e-3  # peak lr.
+    c.optim.lr = 2e-3
     c.optim.warmup_steps = 100  # post-norm needs warmup (§5.3 uses 4000 at full scale).
     c.optim.b2 = 0.98  # §5.3.
     c.optim.eps = 1e-9  # §5.3.

@@ -22,7 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
 
     c.model.variant = args.get("variant", "gpt-tiny")  # a row of models/gpt.py VARIANTS.
-    c.model.num_layers = 2  # decoder blocks.
+    c.model.num_layers = 2
     c.model.d_model = 128  # D.
     c.model.num_heads = 4  # N (head dim 32).
     c.model.max_len = 128  # rows of the learned position table.
@@ -36,22 +36,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer = "byte"  # byte-level: no vocabulary to train, any text encodes.
     c.data.vocab_size = 1024  # only for tokenizer="bpe" (trained on the train split).
     c.data.seq_len = 128  # tokens per packed row.
-    c.data.train_split = "train"  # split names of the dataset.
+    c.data.train_split = "train"
     c.data.eval_split = "validation"
 
     c.optim.lr = 3e-3  # peak lr: a 0.4M-parameter model tolerates a large step.
-    c.optim.warmup_steps = 50  # linear warmup.
-    c.optim.weight_decay = 0.1  # on matrices only.
+    c.optim.warmup_steps = 50
+    c.optim.weight_decay = 0.1  # on matrices only (train.decay_mask).
 
     c.train.steps = 600  # ~5 min on 2 CPU cores.
     c.train.batch_size = 32  # 4k tokens per step.
-    c.train.log_every = 20  # metric records.
-    c.train.checkpoint_every = 200  # checkpoints.
+    c.train.log_every = 20
+    c.train.checkpoint_every = 200
 
     c.mesh.data = -1  # all devices data-parallel by default.
 
     c.eval.every = 200  # validation loss / perplexity.
-    c.eval.steps = 8  # validation batches per evaluation.
-    c.eval.batch_size = 32  # global eval batch.
-    c.eval.sample_prompts = ("def ", "import ", "class ")  # --mode=sample prompts.
+    c.eval.steps = 8
+    c.eval.batch_size = 32
+    c.eval.sample_prompts = ("def ", "import ", "class ")
     return c

@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.data.name = "number_translation/small"  # 2k/200/200 pairs; "number_translation": 20k.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
-    c.data.source = "en"  # source language key.
+    c.data.source = "en"
     c.data.target = "fr"  # fr | de.
     c.data.tokenizer = "bpe"  # shared byte-level BPE trained on the train split.
     c.data.vocab_size = 512
@@ -39,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 
-    c.optim.lr = 3e-3  # peak lr.
+    c.optim.lr = 3e-3
     c.optim.warmup_steps = 50
     c.optim.b2 = 0.999
     c.optim.weight_decay = 0.0  # none for the RNN (as Bahdanau et al.).

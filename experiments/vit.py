@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "test"
 
-    c.optim.lr = 2e-3  # peak lr.
+    c.optim.lr = 2e-3
     c.optim.warmup_steps = 50
     c.optim.b2 = 0.999  # small data: the classic Adam value.
     c.optim.weight_decay = 0.05
