@@ -147,7 +147,7 @@ class SentenceEncoder:
 
 def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
                           pooling: Optional[str] = None, normalize: Optional[bool] = None,
-                          implementation: str = "blockwise", batch_size: int = 64) -> SentenceEncoder:
+                          implementation: str = "auto", batch_size: int = 64) -> SentenceEncoder:
     """A SentenceEncoder from a Hugging Face BERT dir (config.json, model.safetensors,
     tokenizer.json; default: the bundled all-MiniLM-L6-v2). max_length defaults to
     sentence_bert_config.json's max_seq_length, else the position table; pooling and

@@ -82,7 +82,8 @@ class MultiHeadAttention(nn.Module):
         `dot_product_attention`.
       use_bias: biases on the projections (GPT-2, BERT, Vaswani: yes; LLaMA: no).
       dropout_rate: on per-head outputs before the output projection (see module doc).
-      implementation: the attention backend ("blockwise" default; "reference" to get weights).
+      implementation: the attention backend ("auto" default: cuDNN or the Pallas kernels on a
+        GPU, blockwise on CPU; "reference" to get weights).
       rope_base: if set, rotary embeddings with this base on q and k (self-attention only).
       scale: the logits' multiplier (default 1/sqrt(H); 1.0 turns the scaling off, for the
         ablation that shows why it is there).
@@ -98,7 +99,7 @@ class MultiHeadAttention(nn.Module):
     window: Union[int, tuple[int, int], None] = None
     use_bias: bool = True
     dropout_rate: float = 0.0
-    implementation: str = "blockwise"
+    implementation: str = "auto"
     rope_base: Optional[float] = None
     scale: Optional[float] = None
     fuse_qkv: bool = True

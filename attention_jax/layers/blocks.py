@@ -74,7 +74,7 @@ class BlockConfig:
     use_bias: bool = True
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
-    implementation: str = "blockwise"
+    implementation: str = "auto"
     rope_base: Optional[float] = None
     attention_scale: Optional[float] = None
     window: Union[int, tuple[int, int], None] = None

@@ -62,7 +62,7 @@ class BertConfig:
     attention_dropout_rate: float = 0.1  # on per-head outputs, see layers/attention.py
     initializer_range: float = 0.02  # std of the truncated-normal weight init
     position_embeddings: bool = True  # False: an order-blind encoder (for the lectures' tests)
-    implementation: str = "blockwise"  # attention backend
+    implementation: str = "auto"  # attention backend
     scan_layers: bool = False
     remat_policy: str = "none"
     dtype: Any = "float32"

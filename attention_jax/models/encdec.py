@@ -59,7 +59,7 @@ class EncDecConfig:
     dropout_rate: float = 0.1  # P_drop (§5.4)
     attention_dropout_rate: float = 0.0
     share_embeddings: bool = True
-    implementation: str = "blockwise"
+    implementation: str = "auto"
     scan_layers: bool = False
     remat_policy: str = "none"
     pad_id: int = 0

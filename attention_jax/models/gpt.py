@@ -64,7 +64,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     use_bias: bool = True
     dropout_rate: float = 0.0
-    implementation: str = "blockwise"
+    implementation: str = "auto"
     scan_layers: bool = False
     remat_policy: str = "none"
     num_experts: int = 8  # for mlp="moe"

@@ -56,7 +56,7 @@ class ViTConfig:
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     position_embeddings: bool = True  # False: an order-blind encoder (for the lectures' tests)
-    implementation: str = "blockwise"
+    implementation: str = "auto"
     scan_layers: bool = False
     remat_policy: str = "none"
     dtype: Any = "float32"
