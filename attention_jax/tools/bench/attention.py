@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from attention_jax.attention import dot_product_attention
 from attention_jax.tools.bench import attention_gpu
-from attention_jax.tools.bench.timing import (available_memory_bytes, installed, matmul_rate,
-                                              median_time)
+from attention_jax.tools.bench.timing import (available_memory_bytes, cpu_vector_isa,
+                                              installed, matmul_rate, median_time)
 
 HEADS, HEAD_DIM = 8, 64
 JAX_IMPLS = ("reference", "xla", "blockwise")
@@ -121,7 +121,7 @@ def _fmt_mem(row, key):
     return f"{row[key] / 2**20:.1f}" if key in row else "-"
 
 
-def attention_table(rows, rate):
+def attention_table(rows, rate, isa="unknown ISA"):
     """Markdown table: one line per (N, causal, implementation), then the ratios."""
     lines = ["| N | causal | impl | fwd s | fwd+bwd s | fwd temp MiB | fwd+bwd temp MiB | fwd GFLOP/s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -131,7 +131,8 @@ def attention_table(rows, rate):
         lines.append(f"| {r['n']} | {r['causal']} | {r['impl']} | {_fmt_time(r, 'fwd_s')} | "
                      f"{_fmt_time(r, 'fwd_bwd_s')} | {_fmt_mem(r, 'fwd_temp_bytes')} | "
                      f"{_fmt_mem(r, 'fwd_bwd_temp_bytes')} | {gflops} |")
-    lines += ["", f"float32 matmul rate (XLA, 2048²): {rate / 1e9:.0f} GFLOP/s", ""]
+    lines += ["", f"float32 matmul rate (XLA, 2048²): {rate / 1e9:.0f} GFLOP/s on a "
+                  f"{os.cpu_count()}-thread {isa} host", ""]
     lines += ratio_lines(rows, rate)
     return "\n".join(lines)
 
@@ -181,7 +182,8 @@ def run(args):
     budget = args.memory_fraction * available_memory_bytes()
     rate = matmul_rate()
     peers = installed("torch") and not args.no_torch
-    print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads, "
+    isa = cpu_vector_isa()
+    print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads ({isa}), "
           f"matmul {rate / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'not installed'}",
           file=sys.stderr)
     rows = []
@@ -207,7 +209,7 @@ def run(args):
                 else:
                     rows.append(bench_torch(n, causal, repeats))
                 print(f"  N={n} causal={causal} torch_sdpa: {_progress(rows[-1])}", file=sys.stderr)
-    table = attention_table(rows, rate)
+    table = attention_table(rows, rate, isa)
     print(table)
     notes = [f"N={r['n']} causal={r['causal']} {r['impl']}: skipped, {r['skipped']}"
              for r in rows if "skipped" in r]
@@ -215,7 +217,8 @@ def run(args):
         print("\n" + "\n".join(notes))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"matmul_flops_per_s": rate, "heads": HEADS, "head_dim": HEAD_DIM,
+    out.write_text(json.dumps({"matmul_flops_per_s": rate, "cpu_isa": isa,
+                               "heads": HEADS, "head_dim": HEAD_DIM,
                                "threads": os.cpu_count(), "rows": rows}, indent=1))
     print(f"\nwrote {out}")
 

@@ -34,6 +34,19 @@ def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
 
 
+def cpu_vector_isa() -> str:
+    """The widest x86 vector extension this host has ("AVX-512", "AVX2" or "other"): CPU
+    matmul rates and our kernels' ratios against PyTorch differ between the two."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return "other"
+    if "avx512f" in flags:
+        return "AVX-512"
+    return "AVX2" if "avx2" in flags else "other"
+
+
 def available_memory_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
