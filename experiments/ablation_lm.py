@@ -103,6 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          f"study={study}; valid: {STUDIES[study]}")
     c = train.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.num_layers = 4
     c.model.num_heads = 4

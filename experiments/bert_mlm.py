@@ -37,6 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
     c.task = "bert_mlm"  # masked-language modelling on packed documents (tasks.mlm_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.variant = args.get("variant", "")  # a row of models/bert.py VARIANTS; "": below.
     if not c.model.variant:  # Explicit fields override a variant's, so set them only without one.

@@ -55,6 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.optim.weight_decay = 0.0  # none for the RNNs (as Bahdanau et al.).
     else:
         c.task = "encdec"
+        c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
         c.model.variant = "transformer-tiny"  # models/encdec.py VARIANTS.
         c.model.d_model = 64
         c.model.num_heads = 4

@@ -47,6 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     layers, heads, width, context, batch, steps = SIZES[size]
     c = train.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.num_layers = layers  # n_layer.
     c.model.num_heads = heads  # n_head.

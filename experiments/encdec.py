@@ -18,6 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
     c.task = "encdec"  # teacher-forced translation (tasks.translation_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.variant = args.get("variant", "transformer-tiny")  # models/encdec.py VARIANTS.
     c.model.d_model = 64

@@ -20,6 +20,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.variant = args.get("variant", "gpt-tiny")  # a row of models/gpt.py VARIANTS.
     c.model.num_layers = 2

@@ -17,6 +17,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
     c.task = "vit"  # image classification (tasks.image_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.variant = args.get("variant", "vit-tiny/2")  # models/vit.py VARIANTS: 2×2 patches.
     c.model.pool = "cls"  # classify the [CLS] token ("gap": average the patch tokens).

@@ -35,6 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
     c = train.base_config()
     c.task = "vit"  # image classification (tasks.image_task).
+    c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.variant = "vit-tiny/2"  # models/vit.py VARIANTS: 8×8 grey images, 10 classes.
     c.model.patch_size = int(args.get("patch", 4))  # 1 | 2 | 4 | 8 pixels per patch side.
