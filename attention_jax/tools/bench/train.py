@@ -1,5 +1,10 @@
 r"""Training throughput against PyTorch peers: `python -m attention_jax.tools.bench train`.
 
+On a GPU (JAX's backend, asked in a child process; or `--device gpu`) `run` hands over to
+train_gpu.py: GPT-2 124M and medium at T = 1024 in bfloat16 against a PyTorch GPT-2 of
+this project (torch_gpt.py, torch.compile), MFU against the H100's peak and a measured
+bf16 matmul. Everything below is the CPU mode.
+
 For each model shape below, one training step (forward, backward, AdamW update) is
 timed on our side and on a PyTorch peer of the same architecture, sizes and batch:
 
@@ -57,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from attention_jax.tools.bench import train_gpu
 from attention_jax.tools.bench.timing import installed, matmul_rate, wall_times
 
 LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
@@ -354,7 +360,17 @@ def train_table(rows: list[dict], rate: float) -> str:
 
 
 def run(args) -> list[dict]:
-    """`bench train`: both sides for each chosen shape; prints the table, writes JSON."""
+    """`bench train`: both sides for each chosen shape; prints the table, writes JSON.
+    On a GPU (asked in a child process, so this one never touches it) train_gpu.run."""
+    device = getattr(args, "device", "cpu")
+    if device != "cpu":
+        info = train_gpu.gpu_available() if device == "auto" else None
+        if device == "gpu" or info:
+            args.repeats = args.repeats or train_gpu.GPU_REPEATS
+            args.implementation = args.implementation or "auto"
+            return train_gpu.run(args, info)
+    args.repeats = args.repeats or 10
+    args.implementation = args.implementation or "blockwise"
     table = {**SHAPES, **SHAPES_TINY}
     names = args.models or list(SHAPES)
     unknown = [n for n in names if n not in table]
@@ -398,14 +414,19 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="training steps/s, tokens/s and MFU against PyTorch peers")
     p.add_argument("--models", nargs="+", help=f"shapes to run (default: all of {list(SHAPES)})")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (ours compiles)")
-    p.add_argument("--repeats", type=int, default=10, help="timed steps (median reported)")
-    p.add_argument("--implementation", default="blockwise",
-                   help="our attention backend (reference | blockwise | xla)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed steps (median reported; default 10); on a GPU, timings of "
+                        f"--steps steps each (default {train_gpu.GPU_REPEATS})")
+    p.add_argument("--implementation", default=None,
+                   help="our attention backend (reference | blockwise | xla; default blockwise); "
+                        "on a GPU also cudnn | pallas | auto (the default there), or a "
+                        "comma-separated list of them")
     p.add_argument("--matmul-repeats", type=int, default=10, help="timed 2048² matmuls")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of pause before each block of timed steps")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--out", default="bench_results/train.json", help="JSON output path")
+    train_gpu.add_arguments(p)
 
 
 if __name__ == "__main__":  # one side's timing, run by measure_in_subprocess

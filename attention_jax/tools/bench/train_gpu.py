@@ -1,0 +1,438 @@
+r"""The train benchmark on a GPU: `python -m attention_jax.tools.bench train` there.
+
+    python -m attention_jax.tools.bench train                      # all shapes below
+    python -m attention_jax.tools.bench train --quick              # gpt2-124m, batch 16 only
+    python -m attention_jax.tools.bench train --shapes gpt2-medium --implementation auto,cudnn
+
+`train.run` sends here when JAX's backend is a GPU (asked in a child process; see below).
+Shapes (T = 1024, vocabulary 50304 = 50257 padded to a multiple of 64, as nanoGPT does):
+
+  gpt2-124m    12 layers, 12 heads, width 768, batch 16 and 32
+  gpt2-medium  24 layers, 16 heads, width 1024, batch 8 and 16
+
+What is timed: one training step, forward + backward + AdamW update (lr 3e-4, betas
+(0.9, 0.95), weight decay 0.1 on matrices), float32 parameters and optimizer state,
+bfloat16 compute, random tokens (the same batch every step: throughput only).
+Ours: `jax.jit` of value_and_grad of models/gpt.py's next-token cross-entropy
+(models/losses.py) plus `optax.adamw`, the state donated, GPTConfig(dtype="bfloat16"),
+attention from `--implementation` (default "auto"; a comma-separated list times several).
+The peer (torch_gpt.py): a GPT-2 written here in nanoGPT's manner, `torch.compile`,
+bfloat16 autocast, SDPA causal attention, fused AdamW. Both sides: a few warm-up steps
+(compilation), then `--repeats` timings of `--steps` steps queued back to back and ended by
+one wait, the median per step.
+
+Where each side runs: every measurement is a child process, one after the other; this
+(parent) process never initialises the GPU. JAX preallocates 75% of the GPU's memory when
+it starts, so a PyTorch peer sharing a process, or running next to a live JAX process,
+would measure in what is left. Order: device query, the PyTorch peer (skipped with a note
+when torch has no CUDA), the matmul rate, then our rows; one process per row, so an
+out-of-memory row is recorded in the table and the next starts on an empty GPU.
+
+Model FLOPs per token (PaLM, Chowdhery et al. 2022, App. B; as train.py's):
+    6·N + 12·L·T·D,   N = V·D + L·(12·D² + 13·D) + 2·D
+N: parameters without the position table (the tied embedding counted once). MFU =
+FLOPs per token × tokens/s ÷ a peak, two of them: H100_BF16_PEAK, the H100 SXM's dense
+bfloat16 rate from NVIDIA's datasheet (989 TFLOP/s; the PCIe card's is 756, so read the
+device name in the output), and an 8192³ bfloat16 matmul through XLA timed in the same
+run (median of repeats): what the GPU actually sustains on the best-case matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+H100_BF16_PEAK = 989e12  # FLOP/s: H100 SXM5, dense bfloat16 (NVIDIA H100 datasheet)
+MATMUL_SIZE = 8192
+GPU_REPEATS = 5  # timings of --steps steps each; the median is reported
+LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "blockwise", "xla", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUShape:
+    """A GPT-2-shaped model and the batches it is timed at."""
+    name: str
+    layers: int  # L
+    heads: int  # N
+    width: int  # D
+    batches: tuple[int, ...]
+    seq_len: int = 1024  # T
+    vocab: int = 50304  # V
+
+    def row(self, batch: int) -> dict:
+        """What a child process needs to build one side of this shape at `batch`."""
+        return {"shape": self.name, "layers": self.layers, "heads": self.heads,
+                "width": self.width, "seq_len": self.seq_len, "vocab": self.vocab,
+                "batch": batch}
+
+
+SHAPES = {
+    "gpt2-124m": GPUShape("gpt2-124m", layers=12, heads=12, width=768, batches=(16, 32)),
+    "gpt2-medium": GPUShape("gpt2-medium", layers=24, heads=16, width=1024, batches=(8, 16)),
+}
+QUICK = [("gpt2-124m", 16)]
+# For the tests: compiles in seconds on a CPU.
+SHAPES_TINY = {"gpt-tiny-gpu": GPUShape("gpt-tiny-gpu", layers=1, heads=2, width=32,
+                                        batches=(2,), seq_len=16, vocab=64)}
+
+
+def matmul_params(row: dict) -> int:
+    """N of the FLOP formula: V·D + L·(12D² + 13D) + 2D (see the module docstring).
+    Per block: LayerNorms 2·2D, QKV 3D² + 3D, attention output D² + D, MLP 4D² + 4D and
+    4D² + D; then the final LayerNorm 2D and the (tied) token embedding V·D."""
+    d, layers, v = row["width"], row["layers"], row["vocab"]
+    return v * d + layers * (12 * d * d + 13 * d) + 2 * d
+
+
+def flops_per_token(row: dict) -> float:
+    """6·N + 12·L·T·D."""
+    return 6 * matmul_params(row) + 12 * row["layers"] * row["seq_len"] * row["width"]
+
+
+def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK) -> dict:
+    """Adds tokens/s, model FLOP/s and both MFUs to a measured row (not to a failed one)."""
+    if "step_s" not in r:
+        return r
+    tokens_per_s = r["batch"] * r["seq_len"] / r["step_s"]
+    model_flops = flops_per_token(r) * tokens_per_s
+    r.update(tokens_per_s=tokens_per_s, model_flops_per_s=model_flops, mfu_peak=model_flops / peak,
+             mfu_matmul=model_flops / matmul_rate if matmul_rate else None)
+    return r
+
+
+def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
+    """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up."""
+    peers = {(r["shape"], r["batch"]): r for r in rows if r["side"] == "torch" and "step_s" in r}
+    lines = [f"| shape | batch | side / attention | ms/step | tokens/s | MFU vs "
+             f"{H100_BF16_PEAK / 1e12:.0f} peak | MFU vs matmul | ours ÷ peer (speed) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        side = f"{r['side']} / {r['impl']}"
+        if "step_s" not in r:
+            err = r.get("error", "no result").replace("|", "/")
+            lines.append(f"| {r['shape']} | {r['batch']} | {side} | failed: {err} "
+                         "| – | – | – | – |")
+            continue
+        peer = peers.get((r["shape"], r["batch"]))
+        ratio = f"{peer['step_s'] / r['step_s']:.2f}×" if r["side"] == "jax" and peer else ""
+        mfu_mm = f"{100 * r['mfu_matmul']:.1f}%" if r.get("mfu_matmul") else "–"
+        lines.append(f"| {r['shape']} | {r['batch']} | {side} | {1e3 * r['step_s']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {100 * r['mfu_peak']:.1f}% | {mfu_mm} "
+                     f"| {ratio} |")
+    rate = f"{matmul_rate / 1e12:.0f} TFLOP/s" if matmul_rate else "not measured"
+    lines += ["", f"Device: {device}. bf16 matmul {MATMUL_SIZE}³ through XLA: {rate}; peak "
+                  f"{H100_BF16_PEAK / 1e12:.0f} TFLOP/s is the H100 SXM's dense bf16 figure."]
+    return "\n".join(lines)
+
+
+def select_rows(quick: bool, shapes: list[str] | None, table_=None) -> list[tuple[str, int]]:
+    """(shape name, batch) pairs: --quick, else every shape's batches, filtered by --shapes
+    (a name, or name:batch)."""
+    table_ = table_ or SHAPES
+    pairs = list(QUICK) if quick else [(n, b) for n, s in table_.items() for b in s.batches]
+    if shapes:
+        valid = sorted(table_) + [f"{n}:{b}" for n, s in table_.items() for b in s.batches]
+        unknown = [s for s in shapes if s not in valid]
+        if unknown:
+            raise SystemExit(f"error: --shapes {unknown} unknown; valid: {valid}")
+        pairs = [(n, b) for n, b in pairs if n in shapes or f"{n}:{b}" in shapes]
+    return pairs
+
+
+# ================================================================ child processes: JAX side
+def _import_models():
+    """attention_jax.models without the data pipeline's packages.
+
+    models/losses.py imports `shift_right` from attention_jax.data.objectives, which runs
+    attention_jax/data/__init__.py, which imports grain and tensorflow_datasets; the GPU
+    machine has neither. objectives.py itself needs only jax and numpy, so when they are
+    missing the package is registered without running its __init__ (this process only)."""
+    if "attention_jax.data" not in sys.modules and not (
+            _findable("grain") and _findable("tensorflow_datasets")):
+        import attention_jax
+        pkg = types.ModuleType("attention_jax.data")
+        pkg.__path__ = [str(Path(attention_jax.__file__).parent / "data")]
+        sys.modules["attention_jax.data"] = pkg
+    from attention_jax.models import gpt, losses
+    return gpt, losses
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0):
+    """(step(state) -> (state, loss), state): our jitted, donating training step of `row`
+    on a fixed batch of random tokens."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+    gpt, losses = _import_models()
+    cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
+                        d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
+                        implementation=implementation, dtype=dtype, param_dtype="float32")
+    model = gpt.GPT(cfg)
+    key_init, key_data = jax.random.split(jax.random.key(seed))
+    tokens = jax.random.randint(key_data, (row["batch"], row["seq_len"] + 1), 0, row["vocab"],
+                                jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
+    tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))  # matrices decay
+
+    def loss_fn(params, inputs, targets):
+        logits, _ = model.apply({"params": params}, inputs)  # float32 logits
+        return losses.cross_entropy(logits, targets)[0]
+
+    def train_step(state, inputs, targets):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    step_fn = jax.jit(train_step, donate_argnums=0)  # the new state reuses the old buffers
+    state = (params, tx.init(params))
+    info = {"params": sum(int(x.size) for x in jax.tree.leaves(params))}
+    return (lambda s: step_fn(s, inputs, targets)), state, info
+
+
+def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int = 5,
+                 steps: int = 10, dtype: str = "bfloat16") -> dict:
+    """One row of our side: median seconds per step over `repeats` timings of `steps`
+    steps queued back to back (one wait at the end), after `warmup` steps."""
+    import jax
+    result = {**row, "side": "jax", "impl": implementation, "dtype": dtype}
+    try:
+        start = time.perf_counter()
+        step, state, info = prepare_ours(row, implementation, dtype)
+        result.update(info)
+        loss = None
+        for _ in range(max(1, warmup)):
+            state, loss = step(state)
+        result["first_loss"] = float(loss)  # waits
+        result["warmup_s"] = time.perf_counter() - start
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, loss = step(state)
+            jax.block_until_ready((state, loss))
+            times.append((time.perf_counter() - start) / steps)
+        result.update(times=times, step_s=statistics.median(times), loss=float(loss))
+        stats = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            result["peak_bytes"] = stats["peak_bytes_in_use"]
+    except Exception as e:  # out of memory, a backend refusing a shape: a result
+        lines = str(e).strip().splitlines()
+        result["error"] = f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+    return result
+
+
+def measure_matmul(size: int = MATMUL_SIZE, repeats: int = 7, steps: int = 10,
+                   dtype: str = "bfloat16") -> dict:
+    """bfloat16 size³ matmul rate through XLA (float32 accumulation), FLOP/s: median of
+    `repeats` timings of `steps` matmuls queued back to back."""
+    import jax
+    import jax.numpy as jnp
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (size, size), jnp.dtype(dtype))
+    b = jax.random.normal(kb, (size, size), jnp.dtype(dtype))
+    mm = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(mm(a, b))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [mm(a, b) for _ in range(steps)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / steps)
+    return {"size": size, "dtype": dtype, "times": times,
+            "flops_per_s": 2 * size ** 3 / statistics.median(times)}
+
+
+def device_info() -> dict:
+    import jax
+    d = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device": d.device_kind, "count": jax.device_count(),
+            "jax": jax.__version__}
+
+
+def child_main(argv=None):
+    """`python -m attention_jax.tools.bench.train_gpu info|matmul|jax --out F [...]`."""
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["info", "matmul", "jax"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--row", help="JSON row (jax)")
+    p.add_argument("--implementation", default="auto")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--size", type=int, default=MATMUL_SIZE)
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype (jax, matmul)")
+    a = p.parse_args(argv)
+    if a.what == "info":
+        result = device_info()
+    elif a.what == "matmul":
+        result = measure_matmul(a.size, a.repeats, a.steps, a.dtype)
+    else:
+        result = measure_ours(json.loads(a.row), a.implementation, a.warmup, a.repeats, a.steps,
+                              a.dtype)
+        result["device"] = device_info()["device"]
+    Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+# ======================================================================== the parent process
+def gpu_available(timeout: float = 300) -> dict | None:
+    """The device info if JAX's default backend is a GPU, else None; asked in a child
+    process so that this one never initialises the GPU. Skipped (None) at once when no
+    JAX CUDA/ROCm plugin is installed or JAX_PLATFORMS names no GPU."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu", "rocm")):
+        return None
+    import pkgutil
+    names = {m.name for m in pkgutil.iter_modules()}
+    plugin = any(n.startswith(("jax_cuda", "jax_rocm")) for n in names)
+    if _findable("jax_plugins"):
+        import jax_plugins
+        plugin |= any("cuda" in m.name or "rocm" in m.name
+                      for m in pkgutil.iter_modules(jax_plugins.__path__))
+    if not plugin:
+        return None
+    info = _child_info(timeout)
+    return info if info.get("backend") == "gpu" else None
+
+
+def _child_info(timeout: float) -> dict:
+    return _child(["info"], timeout)
+
+
+def _child(args: list[str], timeout: float, module: str = "attention_jax.tools.bench.train_gpu"
+           ) -> dict | list:
+    """Runs `python -m module args --out F` and returns F's JSON, or {"error": ...} when the
+    process failed (its stderr's tail goes to our stderr)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s", "returncode": None}
+        if out.exists():
+            try:
+                return json.loads(out.read_text())
+            except json.JSONDecodeError:
+                pass
+        tail = done.stderr.strip().splitlines()
+        if done.returncode:
+            print(f"    child {' '.join(args[:1])} exited {done.returncode}:\n"
+                  + "\n".join("      " + x for x in tail[-15:]), file=sys.stderr, flush=True)
+        return {"error": (tail[-1][:200] if tail else f"exit code {done.returncode}"),
+                "returncode": done.returncode}
+
+
+def run(args, info: dict | None = None, shapes_table: dict | None = None) -> list[dict]:
+    """`bench train` on a GPU (see the module docstring). `info`: the device info the
+    caller already has; `shapes_table`: SHAPES unless a test passes SHAPES_TINY."""
+    table_ = shapes_table or SHAPES
+    info = info or _child_info(args.child_timeout)
+    device = info.get("device", "unknown device")
+    impls = [i.strip() for i in (args.implementation or "auto").split(",") if i.strip()]
+    bad = [i for i in impls if i not in IMPLEMENTATIONS]
+    if bad:
+        raise SystemExit(f"error: --implementation {bad} unknown; valid: {list(IMPLEMENTATIONS)}")
+    pairs = select_rows(args.quick, args.shapes, table_)
+    print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    timing = ["--warmup", str(args.warmup), "--repeats", str(args.repeats),
+              "--steps", str(args.steps)]
+    rows: list[dict] = []
+    record = {"device": device, "jax": info.get("jax"), "peak_flops_per_s": H100_BF16_PEAK,
+              "matmul_flops_per_s": None, "rows": rows}
+
+    def save():
+        out.write_text(json.dumps(record, indent=1))
+
+    # 1. The PyTorch peer, first: nothing of ours holds GPU memory yet.
+    if args.no_torch:
+        print("torch peer: skipped (--no-torch)", file=sys.stderr)
+    elif not _findable("torch"):
+        print("torch peer: skipped (torch is not installed)", file=sys.stderr)
+    else:
+        for name, batch in pairs:
+            row = table_[name].row(batch)
+            print(f"  torch {name} batch {batch} ...", file=sys.stderr, flush=True)
+            got = _child(["--rows", json.dumps([row]), *timing], args.child_timeout,
+                         module="attention_jax.tools.bench.torch_gpt")
+            if isinstance(got, dict) and got.get("returncode") == 3:  # torch has no CUDA
+                print("torch peer: skipped (torch has no CUDA device)", file=sys.stderr)
+                break
+            if isinstance(got, list):
+                result = got[0] if got else {"error": "the peer wrote no row"}
+            else:
+                result = {k: v for k, v in got.items() if k != "returncode"}
+            rows.append({**row, "side": "torch", "impl": "sdpa + compile", **result})
+            save()
+    # 2. The matmul yardstick.
+    print(f"  bf16 matmul {MATMUL_SIZE}³ ...", file=sys.stderr, flush=True)
+    mm = _child(["matmul", "--size", str(args.matmul_size), "--dtype", args.dtype],
+                args.child_timeout)
+    rate = mm.get("flops_per_s")
+    record["matmul_flops_per_s"] = rate
+    print(f"    {rate / 1e12:.0f} TFLOP/s" if rate else f"    failed: {mm.get('error')}",
+          file=sys.stderr, flush=True)
+    # 3. Ours: one process per row and attention implementation.
+    for name, batch in pairs:
+        for impl in impls:
+            row = table_[name].row(batch)
+            print(f"  jax {name} batch {batch} attention {impl} ...", file=sys.stderr, flush=True)
+            result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
+                             "--dtype", args.dtype, *timing], args.child_timeout)
+            result.pop("returncode", None)
+            rows.append({**row, "side": "jax", "impl": impl, **result})
+            r = rows[-1]
+            print(f"    {r['error'] if 'error' in r else '%.1f ms/step' % (1e3 * r['step_s'])}",
+                  file=sys.stderr, flush=True)
+            save()
+    for r in rows:
+        finish_row(r, rate)
+    save()
+    print(table(rows, rate, device))
+    print(f"\nwrote {out}")
+    return rows
+
+
+def add_arguments(p) -> None:
+    """The GPU mode's own options on `bench train`'s parser."""
+    g = p.add_argument_group("GPU mode (when JAX's backend is a GPU)")
+    g.add_argument("--quick", action="store_true", help="GPU: only gpt2-124m at batch 16")
+    g.add_argument("--shapes", nargs="+",
+                   help=f"GPU: shapes to run, a name or name:batch (default all: {list(SHAPES)})")
+    g.add_argument("--steps", type=int, default=10,
+                   help="GPU: steps queued back to back per timing (--repeats timings)")
+    g.add_argument("--matmul-size", type=int, default=MATMUL_SIZE, help="GPU: the yardstick matmul")
+    g.add_argument("--child-timeout", type=float, default=420,
+                   help="GPU: seconds before a child process (one row) is given up")
+    g.add_argument("--dtype", default="bfloat16",
+                   help="GPU: our compute dtype and the matmul's (float32 for tests on a CPU, "
+                        "whose dots refuse bf16 x bf16 -> f32)")
+    g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="which mode: auto asks JAX in a child process")
+
+
+if __name__ == "__main__":
+    child_main()
