@@ -316,34 +316,55 @@ class _Refs:
 # ----------------------------------------------------------------------------- kernels
 
 
+class _QueryBlock:
+    """What the forward and dQ programs share: program (query block i, batch b, head n)
+    holds queries at positions offset[b] + [i·bq, i·bq + bq) and walks the key blocks
+    they can see."""
+
+    def __init__(self, st: _Static, r: _Refs, nq: int, bq: int, bk: int):
+        self.st, self.r, self.bk = st, r, bk
+        i, b = nq - 1 - pl.program_id(0), pl.program_id(1)  # heaviest causal rows first
+        offset = r.offset[b]
+        self.length = None if r.lengths is None else r.lengths[b]
+        self.q_first = offset + i * bq
+        self.q_last = offset + jnp.minimum(i * bq + bq, st.q_len) - 1
+        self.q_pos = self.q_first + lax.iota(jnp.int32, bq)
+        self.q_seg = None if r.q_seg is None else r.q_seg[...]
+
+    def visible(self, j):
+        """[bq, bk] visibility of key block j."""
+        keys, r = pl.ds(j * self.bk, self.bk), self.r
+        return _visible(self.st, self.q_pos, j * self.bk + lax.iota(jnp.int32, self.bk),
+                        self.length, self.q_seg, None if r.kv_seg is None else r.kv_seg[keys],
+                        None if r.mask is None else r.mask[:, keys])
+
+    def walk(self, tile, carry):
+        """carry = tile(j, carry, masked) over the key blocks j these queries can see."""
+        def step(j, carry, masked):
+            if masked and self.q_seg is not None:
+                k_seg = self.r.kv_seg[pl.ds(j * self.bk, self.bk)]
+                return _if_segments_meet(self.q_seg, k_seg,
+                                         functools.partial(tile, j, masked=True), carry)
+            return tile(j, carry, masked)
+
+        ranges = _kv_blocks(self.st, self.bk, self.q_first, self.q_last, self.length)
+        return _loop(self.st, ranges, step, carry)
+
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
-    bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
-    i, b = nq - 1 - pl.program_id(0), pl.program_id(1)  # heaviest causal rows first
+    bk = st.blocks.fwd_k
     r = _Refs(st, refs)
     o_ref, lse_ref = r.rest
-    offset = r.offset[b]
-    length = None if r.lengths is None else r.lengths[b]
-    q_first = offset + i * bq
-    q_last = offset + jnp.minimum(i * bq + bq, st.q_len) - 1
-    q_pos = q_first + lax.iota(jnp.int32, bq)
+    block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
     q = q_ref[...]  # [bq, H]
-    q_seg = None if r.q_seg is None else r.q_seg[...]
-
-    def step(j, carry, masked):
-        if masked and q_seg is not None:
-            return _if_segments_meet(q_seg, r.kv_seg[pl.ds(j * bk, bk)],
-                                     functools.partial(tile, j, masked=True), carry)
-        return tile(j, carry, masked)
 
     def tile(j, carry, masked):
         m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
         keys = pl.ds(j * bk, bk)
         s = _dot(q, k_ref[keys, :], trans_b=True) * (st.scale * LOG2_E)  # [bq, bk]
         if masked:
-            ok = _visible(st, q_pos, j * bk + lax.iota(jnp.int32, bk), length, q_seg,
-                          None if r.kv_seg is None else r.kv_seg[keys],
-                          None if r.mask is None else r.mask[:, keys])
-            s = jnp.where(ok, s, -jnp.inf)
+            s = jnp.where(block.visible(j), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         if masked:  # a row with nothing visible yet keeps m = -inf: shift by 0 instead
             m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -353,10 +374,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
         acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
         return m_new, l, acc
 
-    acc_t = _acc(q.dtype)
-    init = (jnp.full((bq,), -jnp.inf, acc_t), jnp.zeros((bq,), acc_t),
-            jnp.zeros((bq, v_ref.shape[-1]), acc_t))
-    m, l, acc = _loop(st, _kv_blocks(st, bk, q_first, q_last, length), step, init)
+    rows, acc_t = q.shape[0], _acc(q.dtype)
+    init = (jnp.full((rows,), -jnp.inf, acc_t), jnp.zeros((rows,), acc_t),
+            jnp.zeros((rows, v_ref.shape[-1]), acc_t))
+    m, l, acc = block.walk(tile, init)
     seen = l > 0  # rows with no visible key: output 0, L = +inf (so backward P = 0)
     l = jnp.where(seen, l, 1.0)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -406,41 +427,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
-    bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
-    i, b = nq - 1 - pl.program_id(0), pl.program_id(1)
+    bk = st.blocks.fwd_k
     r = _Refs(st, refs)
     (dq_ref,) = r.rest
-    offset = r.offset[b]
-    length = None if r.lengths is None else r.lengths[b]
-    q_first = offset + i * bq
-    q_last = offset + jnp.minimum(i * bq + bq, st.q_len) - 1
-    q_pos = q_first + lax.iota(jnp.int32, bq)
+    block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    q_seg = None if r.q_seg is None else r.q_seg[...]
-
-    def step(j, dq, masked):
-        if masked and q_seg is not None:
-            return _if_segments_meet(q_seg, r.kv_seg[pl.ds(j * bk, bk)],
-                                     functools.partial(tile, j, masked=True), dq)
-        return tile(j, dq, masked)
 
     def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
         k = k_ref[keys, :]
         s = _dot(q, k, trans_b=True) * (st.scale * LOG2_E)
         if masked:
-            ok = _visible(st, q_pos, j * bk + lax.iota(jnp.int32, bk), length, q_seg,
-                          None if r.kv_seg is None else r.kv_seg[keys],
-                          None if r.mask is None else r.mask[:, keys])
-            s = jnp.where(ok, s, -jnp.inf)
+            s = jnp.where(block.visible(j), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
         dp = _dot(do, v_ref[keys, :], trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = _loop(st, _kv_blocks(st, bk, q_first, q_last, length), step,
-               jnp.zeros(q.shape, _acc(q.dtype)))
+    dq = block.walk(tile, jnp.zeros(q.shape, _acc(q.dtype)))
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 

@@ -53,18 +53,36 @@ Objectives: `mlm_mask`, `nsp_pairs`, `next_token_targets`, `shift_right`,
 `seq2seq_example`, `normalize_image`, `random_crop_flip`.
 """
 
-from attention_jax.data.loaders import Loader, LoaderState, to_global_batch
-from attention_jax.data.objectives import (mlm_mask, next_token_targets, normalize_image,
-                                           nsp_pairs, random_crop_flip, seq2seq_example,
-                                           shift_right)
-from attention_jax.data.packing import PackedSource, pack_documents, unpack_row
-from attention_jax.data.pipelines import (CausalLM, ImageClassification, MaskedLM,
-                                          Translation, packed_lm_source)
-from attention_jax.data.sources import (CATALOGUE_EXAMPLES, OFFLINE, DatasetNotFoundError,
-                                        default_data_dir, get_builder, get_dataset)
-from attention_jax.data.tokenization import (BPETokenizer, ByteTokenizer, CharTokenizer,
-                                             Tokenizer, WordPieceTokenizer, get_tokenizer,
-                                             load_tokenizer)
+import importlib
+
+# Names are imported on first use (PEP 562), so that `attention_jax.data.objectives` (the
+# models' shift_right) costs no tensorflow-datasets or grain import: a notebook or a GPU
+# machine that only builds models never needs them.
+_WHERE = {
+    'loaders': ('Loader', 'LoaderState', 'to_global_batch'),
+    'objectives': ('mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
+                   'random_crop_flip', 'seq2seq_example', 'shift_right'),
+    'packing': ('PackedSource', 'pack_documents', 'unpack_row'),
+    'pipelines': ('CausalLM', 'ImageClassification', 'MaskedLM', 'Translation',
+                  'packed_lm_source'),
+    'sources': ('CATALOGUE_EXAMPLES', 'OFFLINE', 'DatasetNotFoundError', 'default_data_dir',
+                'get_builder', 'get_dataset'),
+    'tokenization': ('BPETokenizer', 'ByteTokenizer', 'CharTokenizer', 'Tokenizer',
+                     'WordPieceTokenizer', 'get_tokenizer', 'load_tokenizer'),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+
+def __getattr__(name):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'attention_jax.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f'attention_jax.data.{_MODULE_OF[name]}'), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_MODULE_OF))
 
 
 __all__ = [
