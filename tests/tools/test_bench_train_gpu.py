@@ -35,7 +35,7 @@ def test_our_param_count_matches_the_formula():
     import jax
     import numpy as np
     row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
-    gpt, _ = train_gpu._import_models()
+    from attention_jax.models import gpt
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"])
     params = jax.eval_shape(lambda: nn.meta.unbox(gpt.GPT(cfg).init(

@@ -48,7 +48,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 H100_BF16_PEAK = 989e12  # FLOP/s: H100 SXM5, dense bfloat16 (NVIDIA H100 datasheet)
@@ -150,23 +149,6 @@ def select_rows(quick: bool, shapes: list[str] | None, table_=None) -> list[tupl
 
 
 # ================================================================ child processes: JAX side
-def _import_models():
-    """attention_jax.models without the data pipeline's packages.
-
-    models/losses.py imports `shift_right` from attention_jax.data.objectives, which runs
-    attention_jax/data/__init__.py, which imports grain and tensorflow_datasets; the GPU
-    machine has neither. objectives.py itself needs only jax and numpy, so when they are
-    missing the package is registered without running its __init__ (this process only)."""
-    if "attention_jax.data" not in sys.modules and not (
-            _findable("grain") and _findable("tensorflow_datasets")):
-        import attention_jax
-        pkg = types.ModuleType("attention_jax.data")
-        pkg.__path__ = [str(Path(attention_jax.__file__).parent / "data")]
-        sys.modules["attention_jax.data"] = pkg
-    from attention_jax.models import gpt, losses
-    return gpt, losses
-
-
 def _findable(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -181,7 +163,7 @@ def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: 
     import jax
     import jax.numpy as jnp
     import optax
-    gpt, losses = _import_models()
+    from attention_jax.models import gpt, losses  # in the child only: it starts JAX
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
                         implementation=implementation, dtype=dtype, param_dtype="float32")
