@@ -265,6 +265,10 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
         w = np.asarray(b["weights"], bool)
         np.add.at(sums, b["positions"][w], losses[w])
         np.add.at(counts, b["positions"][w], 1)
+    if not counts.any():
+        raise ValueError(f"{workdir}: the validation split has fewer than batch_size="
+                         f"{batch_size} rows of {seq_len} tokens; valid: batch_size <= "
+                         f"{len(task.eval_source)}")
     return sums / np.maximum(counts, 1), counts
 
 
@@ -539,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval_len", type=int, required=True)
     p.add_argument("--train_len", type=int, required=True)
     p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     a = sub.add_parser("attention", help="entropy and largest weight of GPT attention rows, "
                                          "at initialisation and trained")
@@ -554,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(translation_table(results))
     elif args.command == "positions":
         positions_report(_named_runs(args.runs), args.out, args.eval_len, args.train_len,
-                         args.batches)
+                         args.batches, args.batch_size)
         print(open(args.out + ".md").read())
     elif args.command == "attention":
         attention_report(_named_runs(args.runs), args.out, args.batches, args.batch_size)
