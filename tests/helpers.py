@@ -35,3 +35,29 @@ def shrink(c, data_dir):
     c.train.progress = False
     c.eval.every = -1
     return c
+
+
+def adam_losses(loss_fn, params, steps: int, lr: float) -> list[float]:
+    """The loss at each of `steps` jitted Adam steps on loss_fn(params, rng) -> scalar
+    (rng: a fresh key per step, for dropout)."""
+    import jax
+    import optax
+    tx = optax.adam(lr)
+
+    @jax.jit
+    def step(params, opt_state, rng):
+        loss, grads = jax.value_and_grad(loss_fn)(params, rng)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state, losses = tx.init(params), []
+    for i in range(steps):
+        params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+        losses.append(float(loss))
+    return losses
+
+
+def assert_loss_goes_down(losses, by: float) -> None:
+    """Every loss finite, and the last lower than the first by more than `by`."""
+    import numpy as np
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - by, losses

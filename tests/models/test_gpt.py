@@ -6,10 +6,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from attention_jax.models import gpt
+from helpers import adam_losses, assert_loss_goes_down
 
 
 def _count(cfg):
@@ -154,26 +154,12 @@ def test_pre_norm_gpt_trains(name):
     """A few jitted Adam steps on one batch reduce the next-token loss."""
     model, params = _model(name)
     tokens = _tokens((4, 16), 4)
-    opt = optax.adam(3e-3)
 
-    @jax.jit
-    def train_step(params, state):
-        loss, grads = _loss_and_grads(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+    def loss(p, _):
+        logits, aux = model.apply({"params": p}, tokens)
+        return gpt.lm_loss(logits, tokens)[0] + aux.get("moe_loss", 0.0)
 
-    def _loss_and_grads(p):
-        def loss(p):
-            logits, aux = model.apply({"params": p}, tokens)
-            return gpt.lm_loss(logits, tokens)[0] + aux.get("moe_loss", 0.0)
-        return jax.value_and_grad(loss)(p)
-
-    state = opt.init(params)
-    losses = []
-    for _ in range(5):
-        params, state, loss = train_step(params, state)
-        losses.append(float(loss))
-    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.1, losses
+    assert_loss_goes_down(adam_losses(loss, params, steps=5, lr=3e-3), by=0.1)
 
 
 def test_attention_scale_multiplies_the_logits():

@@ -6,11 +6,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from attention_jax.models.vit import (ViT, ViTConfig, VARIANTS, interpolate_position_embeddings,
                                       patchify)
+from helpers import adam_losses, assert_loss_goes_down
 
 IMAGES = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
 
@@ -138,25 +138,14 @@ def test_jitted_training_steps_decrease_the_loss():
     params = nn.unbox(_model().init(jax.random.key(0), IMAGES)["params"])  # zero head, as trained
     images = jax.random.normal(jax.random.key(5), (8, 8, 8, 1))
     labels = jnp.arange(8) % 10
-    tx = optax.adam(1e-2)
-    opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state, key):
-        def loss_fn(p):
-            logits, _ = model.apply({"params": p}, images, deterministic=False, rngs={"dropout": key})
-            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+    def loss_fn(p, key):
+        logits, _ = model.apply({"params": p}, images, deterministic=False, rngs={"dropout": key})
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for i in range(8):
-        params, opt_state, loss = step(params, opt_state, jax.random.key(i))
-        losses.append(float(loss))
+    losses = adam_losses(loss_fn, params, steps=8, lr=1e-2)
     np.testing.assert_allclose(losses[0], np.log(10), rtol=1e-5)  # zero head: uniform at start
-    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+    assert_loss_goes_down(losses, by=0.3)
 
 
 def test_bad_configuration_raises():

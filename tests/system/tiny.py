@@ -56,13 +56,13 @@ def _part(init, names):
 
 class TinyLM(nn.Module):
     width: int = 16
-    heads: int = 2
+    num_heads: int = 2  # spelled as the model configs spell it (train.check_model_fits_mesh)
     hidden: int = 32
     dropout: float = 0.0
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
-        d, n = self.width, self.heads
+        d, n = self.width, self.num_heads
         embed = self.param("embed", _part(nn.initializers.normal(0.5), ("vocab", "embed")),
                            (VOCAB, d))
         x = embed[tokens]  # [B, T, D]
@@ -109,7 +109,7 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
     """10 steps of the tiny LM; overrides like {'mesh.data': 2, 'train.steps': 20}."""
     c = train.base_config()
     c.task = "tiny"
-    c.model = ml_collections.ConfigDict({"width": 16, "heads": 2, "hidden": 32, "dropout": 0.0})
+    c.model = ml_collections.ConfigDict({"width": 16, "num_heads": 2, "hidden": 32, "dropout": 0.0})
     c.optim.lr = 1e-2
     c.optim.warmup_steps = 2
     c.optim.decay_steps = 20  # the schedule of a 20-step run, so 10 + 10 steps resume it.

@@ -228,7 +228,7 @@ def matmul_param_count(params) -> int:
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(k, "key", k)) for k in path).lower()
-        if "position" in name or "pos_emb" in name or "token_type" in name:
+        if "position" in name or "token_type" in name:
             continue
         total += int(np.prod(leaf.shape))
     return total
