@@ -61,7 +61,7 @@ def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] =
     here), so its size depends on how many heads share it. `heads` (B·N), `head_dim` and
     the lengths, when given, pick the largest tile whose working set stays under 8 MiB;
     without them, the tile for one sequence of 8 heads. Measured (2-core CPU,
-    `python -m attention_jax.bench attention` and the train benchmark's shapes):
+    `python -m attention_jax.tools.bench attention` and the train benchmark's shapes):
     8 heads at N=4096 run fastest at 256×512 (working set 7.3 MiB); 96 heads (batch 16 ×
     6) at N=256 causal at 64×64, 28% faster forward+backward than one 256×256 tile; at
     N ≤ 128 one tile of the whole problem beats any loop.
