@@ -475,6 +475,16 @@ def _mask_index(st: _Static, b, n):
     return (b if mb > 1 else 0), (n if mn > 1 else 0)
 
 
+def _query_grid_masks(st: _Static, arrays, bq: int, sp: int, rev):
+    """Mask inputs of the forward and dQ grids (query block rev(i), batch b, head h)."""
+    return _mask_inputs(
+        st, arrays,
+        q_spec=pl.BlockSpec((None, bq), lambda i, b, h: (b, rev(i))),
+        kv_spec=pl.BlockSpec((None, sp), lambda i, b, h: (b, 0)),
+        mask_spec=pl.BlockSpec((None, None, bq, sp),
+                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)))
+
+
 def _params(num_warps, num_stages):
     from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -486,12 +496,7 @@ def _forward(st: _Static, q, k, v, arrays):
     bq = st.blocks.fwd_q
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731  (program 0 takes the last, heaviest causal block)
-    inputs, specs = _mask_inputs(
-        st, arrays,
-        q_spec=pl.BlockSpec((None, bq), lambda i, b, h: (b, rev(i))),
-        kv_spec=pl.BlockSpec((None, sp), lambda i, b, h: (b, 0)),
-        mask_spec=pl.BlockSpec((None, None, bq, sp),
-                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)))
+    inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
@@ -555,12 +560,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
     bq = st.blocks.fwd_q
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731
-    inputs, specs = _mask_inputs(
-        st, arrays,
-        q_spec=pl.BlockSpec((None, bq), lambda i, b, h: (b, rev(i))),
-        kv_spec=pl.BlockSpec((None, sp), lambda i, b, h: (b, 0)),
-        mask_spec=pl.BlockSpec((None, None, bq, sp),
-                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)))
+    inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
