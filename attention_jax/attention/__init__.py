@@ -163,7 +163,7 @@ def explain(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=No
     so the choice for a GPU can be checked on a laptop:
 
         explain(q, k, v, causal=True, segment_ids=ids, backend="gpu")
-        # ('pallas', 'segment ids: cuDNN has no argument for them')
+        # ('pallas', 'segment ids (or kv_mask): cuDNN has no argument for them')
     """
     backend = backend or jax.default_backend()
     offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
@@ -173,11 +173,8 @@ def explain(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=No
               mask, q_offset):
         spec, _ = _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids,
                            kv_mask, kv_lengths, mask, window, q_offset, None, implementation)
-        if implementation == "cudnn" and backend != "gpu":
-            raise ValueError(f"implementation='cudnn' needs an NVIDIA GPU; backend={backend!r}")
         answer.append(_choose(implementation, q.dtype, q.shape[-1], (q.shape[1], k.shape[1]),
-                              spec, return_weights,
-                              offset_is_zero, backend, backend == "gpu"))
+                              spec, return_weights, offset_is_zero, backend, backend == "gpu"))
 
     jax.eval_shape(trace, q, k, v, segment_ids, q_segment_ids, kv_segment_ids, kv_mask,
                    kv_lengths, mask, q_offset)
@@ -209,11 +206,6 @@ def _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids, kv_mas
         kv_lengths=_check_lengths(kv_lengths, b),
     )
     return spec, _check_scale(scale, h)
-
-
-def _cudnn_available() -> bool:
-    return any(d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
-               for d in jax.devices())
 
 
 def _cudnn_refusal(dtype, head_dim, spec: MaskSpec, offset_is_zero, t, s) -> Optional[str]:

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -55,22 +56,17 @@ def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
     """Median seconds per call; calls are queued back to back (as in a training step),
     enough of them per timing that launch latency does not count."""
     jax.block_until_ready(fn(*args))
-    start = _now()
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    inner = max(1, int(min_seconds / max(_now() - start, 1e-6)))
+    inner = max(1, int(min_seconds / max(time.perf_counter() - start, 1e-6)))
     times = []
     for _ in range(repeats):
-        start = _now()
+        start = time.perf_counter()
         for _ in range(inner):
             out = fn(*args)
         jax.block_until_ready(out)
-        times.append((_now() - start) / inner)
+        times.append((time.perf_counter() - start) / inner)
     return float(np.median(times))
-
-
-def _now():
-    import time
-    return time.perf_counter()
 
 
 def bench_jax(impl, h, t, mask, memory_budget):
