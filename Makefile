@@ -34,5 +34,9 @@ bench: install
 bench-quick: install
 	$(BIN)/python -m attention_jax.tools.bench attention --quick
 
+# The test suite's persistent XLA cache (tests/system/conftest.py: CACHE) lives in the
+# temp dir, outside the repository.
+TEST_XLA_CACHE = $${TMPDIR:-/tmp}/attention_jax_test_xla_cache_$$(id -u)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache "$(TEST_XLA_CACHE)"

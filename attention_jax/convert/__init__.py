@@ -3,7 +3,7 @@
     from attention_jax import convert
     ckpt = convert.load_hf("path/to/hf_dir")      # our model + params (no torch needed)
     out, aux = ckpt.model.apply({"params": ckpt.params}, inputs)
-    convert.export_hf(model, params, "out_dir")   # GPT-2 / BERT back to transformers
+    convert.export_hf(model, params, "out_dir")   # GPT-2 / BERT / ViT back to transformers
     params = convert.init_params_from_hf("path/to/hf_dir", model)   # fine-tuning start
 
     enc = convert.load_sentence_encoder()          # bundled all-MiniLM-L6-v2

@@ -2,7 +2,7 @@
 
     ckpt = load_hf("path/to/dir")          # config.json + model.safetensors (or pytorch_model.bin)
     out, aux = ckpt.model.apply({"params": ckpt.params}, inputs)
-    export_hf(ckpt.model, ckpt.params, "out_dir")       # GPT-2 and BERT, readable by transformers
+    export_hf(ckpt.model, ckpt.params, "out_dir")       # GPT-2, BERT and ViT, readable by transformers
     params = init_params_from_hf("path/to/dir", model)  # warm start a model of our own config
 
 Supported: GPT-2 (GPT2LMHeadModel, GPT2Model), BERT (BertModel, BertForMaskedLM,
@@ -139,26 +139,30 @@ def load_hf(path, *, implementation: Optional[str] = None, dtype: str = "float32
 
 # ================================================================================ export
 
+# The architecture a model exports as when `architecture=` is not given.
 _EXPORT_ARCH = {("gpt2", None): "GPT2LMHeadModel", ("bert", "pretraining"): "BertForPreTraining",
                 ("bert", "classification"): "BertForSequenceClassification",
-                ("bert", "encoder"): "BertModel"}
+                ("bert", "encoder"): "BertModel", ("vit", None): "ViTForImageClassification"}
 
 
 def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None) -> str:
     """Writes config.json + model.safetensors that transformers loads as the same model.
 
-    model: a GPT or Bert module (its config and, for BERT, its head pick the
-    architecture: pretraining -> BertForPreTraining, classification ->
-    BertForSequenceClassification, encoder -> BertModel). GPT-2 and BERT only; options
-    they cannot express (RoPE, RMSNorm, SwiGLU, ...) raise a ValueError naming them.
+    model: a GPT, Bert or ViT module (or its config). Its family and, for BERT, its head
+    pick the architecture unless `architecture=` names one: GPT -> GPT2LMHeadModel;
+    BERT pretraining -> BertForPreTraining, classification ->
+    BertForSequenceClassification, encoder -> BertModel; ViT ->
+    ViTForImageClassification (architecture="ViTModel": params without the "head").
+    Options an architecture cannot express (RoPE, RMSNorm, SwiGLU, average pooling, ...)
+    raise a ValueError naming them.
     """
     cfg = getattr(model, "config", model)  # a model, or its config
     family = _family_of(cfg)
-    head = getattr(model, "head", None)
-    arch = architecture or _EXPORT_ARCH.get((family.model_type, head if family.model_type == "bert" else None))
-    if arch is None or arch not in family.architectures:
-        raise ValueError(f"cannot export {type(model).__name__} as {arch!r}; valid: "
-                         f"{list(family.architectures)}")
+    head = getattr(model, "head", None) if family.model_type == "bert" else None
+    arch = architecture or _EXPORT_ARCH.get((family.model_type, head))
+    if arch not in family.architectures:
+        raise ValueError(f"export_hf: architecture={architecture!r} cannot export a "
+                         f"{type(cfg).__name__} model; valid: {list(family.architectures)}")
     hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
     flat = unstack_layers(flatten(strip_boxes(params)))
     unit = unscanned(cfg)
@@ -170,6 +174,11 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
                   for r in rules if r.ours in flat and tuple(np.shape(flat[r.ours])) != shapes[r.ours]]
     # Parameters of a head the architecture lacks would be lost: refuse instead.
     unexpected = [n for n in flat if n not in wanted]
+    if unexpected and not (missing or mismatched) and \
+            all(n.startswith(family.head_paths) for n in unexpected):
+        raise ConversionError(f"export_hf: architecture={arch!r} has no place for the params' "
+                         f"head {sorted(unexpected)}; pass params without it, or pick an "
+                         f"architecture with that head from {list(family.architectures)}")
     if missing or unexpected or mismatched:
         raise ConversionError(describe(f"params do not fit {arch}", missing, unexpected, mismatched))
     return write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))

@@ -187,7 +187,7 @@ class Family(abc.ABC):
 
     def hf_config(self, cfg, arch) -> dict:
         raise ValueError(f"export to Hugging Face is not supported for {self.model_type!r}; "
-                         f"valid: GPT-2 and BERT")
+                         f"valid: GPT-2, BERT and ViT")
 
     def dummy_input(self, cfg):
         """(args, kwargs) for model.init: token ids here; ViT overrides with an image."""

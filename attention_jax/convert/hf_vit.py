@@ -1,5 +1,7 @@
 """ViT (ViTModel, ViTForImageClassification) <-> our ViT: config mapping and tensor
-rules. Import only: our ViT has no Hugging Face export."""
+rules, both ways. Export writes ViTForImageClassification (our ViT always has a
+classifier); ViTModel takes params without the "head" (transformers then builds its
+pooler afresh unless loaded with `ViTModel.from_pretrained(dir, add_pooling_layer=False)`)."""
 
 from __future__ import annotations
 
@@ -85,6 +87,25 @@ class ViTFamily(Family):
                     num_layers=c.num_layers, num_heads=c.num_heads, mlp_dim=c.mlp_dim,
                     norm_epsilon=c.norm_epsilon, pool=c.pool,
                     position_embeddings=c.position_embeddings)
+
+    def hf_config(self, c: vit.ViTConfig, arch):
+        # transformers' ViT: [CLS] pooling, learned absolute positions, exact GELU.
+        unsupported = {"pool": ("cls", c.pool), "position_embeddings": (True, c.position_embeddings)}
+        for field, (want, got) in unsupported.items():
+            if want != got:
+                raise ValueError(f"ViTConfig.{field}={got!r} has no transformers ViT "
+                                 f"equivalent; valid: {want!r}")
+        out = {"model_type": "vit", "architectures": [arch], "hidden_size": c.d_model,
+               "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+               "intermediate_size": c.mlp_dim, "hidden_act": "gelu",
+               "hidden_dropout_prob": c.dropout_rate,
+               "attention_probs_dropout_prob": c.attention_dropout_rate,
+               "layer_norm_eps": c.norm_epsilon, "image_size": c.image_size,
+               "patch_size": c.patch_size, "num_channels": c.num_channels, "qkv_bias": True}
+        if arch == "ViTForImageClassification":
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(c.num_classes)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(c.num_classes)}
+        return out
 
     def dummy_input(self, c):
         return (jnp.zeros((1, c.image_size, c.image_size, c.num_channels)),), {}

@@ -210,6 +210,54 @@ def test_vit_matches_pytorch(tmp_path, arch):
         _close(logits, ref.logits)
 
 
+def _vit_ours(**kw):
+    cfg = vit.ViTConfig(image_size=16, patch_size=4, num_channels=3, d_model=32, num_layers=2,
+                        num_heads=4, mlp_dim=48, num_classes=5, norm_epsilon=1e-12, **kw)
+    return vit.ViT(cfg)
+
+
+def test_vit_export_round_trip(tmp_path):
+    """A ViT trained here (random params) -> HF dir -> transformers' ViTForImageClassification:
+    the same logits and final [CLS] state; and ViTModel (no head): the same token states."""
+    model = _vit_ours()
+    images = np.random.default_rng(1).standard_normal((2, 16, 16, 3)).astype(np.float32)
+    params = _random_params(model, jnp.asarray(images))
+    logits, aux = jax.jit(model.apply)({"params": params}, jnp.asarray(images))
+    out = convert.export_hf(model, params, tmp_path / "vit")  # no architecture=: the classifier
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["ViTForImageClassification"]
+    theirs = transformers.ViTForImageClassification.from_pretrained(out).eval()
+    pixels = torch.from_numpy(images.transpose(0, 3, 1, 2).copy())  # NHWC -> NCHW
+    with torch.no_grad():
+        ref = theirs(pixel_values=pixels, output_hidden_states=True)
+        ref_cls = theirs.vit.layernorm(ref.hidden_states[-1])[:, 0]
+    _close(logits, ref.logits)
+    _close(aux["pooled"], ref_cls)
+    _assert_trees_equal(convert.load_hf(out).params, params)
+
+    body = {k: v for k, v in params.items() if k != "head"}
+    out = convert.export_hf(model, body, tmp_path / "vit_body", architecture="ViTModel")
+    encoder = transformers.ViTModel.from_pretrained(out, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        _close(aux["hidden_states"], encoder(pixel_values=pixels).last_hidden_state)
+
+
+def test_vit_export_errors_name_the_argument(tmp_path):
+    model = _vit_ours()
+    with pytest.raises(ValueError, match=r"^export_hf: architecture='ViTMAEModel' cannot export a "
+                                         r"ViTConfig model; valid: \['ViTModel', "
+                                         r"'ViTForImageClassification'\]$"):
+        convert.export_hf(model, {}, tmp_path / "x", architecture="ViTMAEModel")
+    params = _random_params(model, jnp.zeros((1, 16, 16, 3)))
+    with pytest.raises(ValueError, match=r"architecture='ViTModel' has no place for the params' "
+                                         r"head \['head/bias', 'head/kernel'\]"):
+        convert.export_hf(model, params, tmp_path / "x", architecture="ViTModel")
+    with pytest.raises(ValueError, match=r"ViTConfig.pool='gap' has no transformers ViT "
+                                         r"equivalent; valid: 'cls'"):
+        convert.export_hf(_vit_ours(pool="gap"), {}, tmp_path / "x")
+    assert not os.path.exists(tmp_path / "x")  # refused before anything is written
+
+
 # ====================================================== attention backends on loaded models
 
 
