@@ -35,7 +35,10 @@ from typing import Any, Sequence
 
 import matplotlib
 
-matplotlib.use("Agg")  # Files only: no display on a server or in CI.
+# Files only (no display on a server or in CI), except in a notebook, whose inline
+# backend shows the figures these functions return.
+if "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -201,7 +204,8 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
 
 def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
     """One readable label per token id: its own text, or <bos>/<eos>/... for specials."""
-    names = {getattr(tokenizer, f"{n}_id", None): f"<{n}>" for n in ("pad", "bos", "eos", "mask")}
+    names = {getattr(tokenizer, f"{n}_id", None): f"<{n}>"
+             for n in ("pad", "bos", "eos", "mask", "cls", "sep")}  # cls/sep: WordPiece's
     out = []
     for i in map(int, ids):
         if i in names:

