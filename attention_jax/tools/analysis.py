@@ -632,14 +632,22 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    from attention_jax import train
+    from attention_jax import data, tasks
+    from attention_jax.models import gpt
     from attention_jax.runs import load_config
     runs = []
     for w in workdirs:
         config = load_config(w)
-        task = train.TASKS[config.task](config, w)
-        shapes = nn.meta.unbox(jax.eval_shape(task.init, jax.random.PRNGKey(0)))
+        if config.task != "gpt":
+            raise ValueError(f"{w}: task {config.task!r}; the scaling report reads GPT runs "
+                             f"(config.task 'gpt')")
+        # The model from its config and saved tokenizer: no corpus to load for a count.
+        vocab = tasks.padded_vocab(data.load_tokenizer(os.path.join(w, "tokenizer")).vocab_size)
+        model = gpt.GPT(tasks.model_config(gpt.GPTConfig, config, vocab_size=vocab))
+        shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0),
+                                              jax.numpy.ones((1, 8), "int32"))["params"])
         n = non_embedding_params(shapes)
         records = read_metrics(w)
         evals = [r for r in records if r["split"] == "eval"]
@@ -689,8 +697,10 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax = axes[1]
-    ax.semilogx(n, fit["residuals"], "o-", color="C1", label="E + A·N^-α (nats)")
-    ax.semilogx(n, fit["pure_residuals"], "s--", color="C2", label="pure power law (log loss)")
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.plot(n, fit["residuals"], "o-", color="C1", label="E + A·N^-α (nats)")
+    ax.plot(n, fit["pure_residuals"], "s--", color="C2", label="pure power law (log loss)")
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_xlabel("non-embedding parameters N")
     ax.set_ylabel("residual (measured − fit)")

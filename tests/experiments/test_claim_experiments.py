@@ -61,7 +61,7 @@ def test_gated_and_plain_mlps_have_equal_parameters_and_settings():
     configs = {m: module.get_config(f"mlp={m}") for m in module.VARIANTS}
     counts = {m: analysis.count_params(_gpt_params(c)) for m, c in configs.items()}
     assert len(set(counts.values())) == 1, counts
-    assert configs["swiglu"].model.mlp_dim == 256 and configs["relu"].model.mlp_dim == 384
+    assert configs["swiglu"].model.mlp_dim == 128 and configs["relu"].model.mlp_dim == 192
     assert (configs["relu"].model.mlp, configs["relu"].model.activation) == ("mlp", "relu")
     assert configs["geglu"].model.mlp == "geglu"
     strip = lambda c: {**c.to_dict(), "model": {k: v for k, v in c.model.to_dict().items()
