@@ -11,7 +11,7 @@ setting). 200 steps of batch 16 × 64 bytes, lr 2e-3, cosine; the seed
 
 Command (2-core CPU; 4 variants × 3 seeds, then the table with the spread across seeds):
   python -m attention_jax.tools.sweep --config=experiments/gated_mlp.py \
-      --workdir=/tmp/gated --grid=mlp=relu,gelu,swiglu,geglu --grid=train.seed=0,1,2
+      --workdir=/tmp/gated --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
   python -m attention_jax.tools.analysis seeds --out=docs/results/gated_mlp --by=mlp /tmp/gated/*
 
 Measured: see the README's Results ("Gated MLPs").

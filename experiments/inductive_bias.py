@@ -19,8 +19,8 @@ on all 359 test images.
 
 Command (2-core CPU; 2 models × 4 fractions × 3 seeds, then the table and the curves):
   python -m attention_jax.tools.sweep --config=experiments/inductive_bias.py \
-      --workdir=/tmp/inductive --grid=model=cnn,vit \
-      --grid=data.train_fraction=0.1,0.25,0.5,1.0 --grid=train.seed=0,1,2
+      --workdir=/tmp/inductive --grid=train.seed=0,1,2 \
+      --grid=data.train_fraction=0.1,0.25,0.5,1.0 --grid=model=cnn,vit
   python -m attention_jax.tools.analysis seeds --out=docs/results/inductive_bias --by=model \
       --x=train_fraction --metric=accuracy /tmp/inductive/*
 

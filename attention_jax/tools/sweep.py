@@ -1,15 +1,17 @@
 r"""A grid of runs of one experiment config, trained one after another in one process.
 
     python -m attention_jax.tools.sweep --config=experiments/gated_mlp.py --workdir=/tmp/gated \
-        --grid=mlp=relu,gelu,swiglu,geglu --grid=train.seed=0,1,2
+        --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
 
 Each --grid is KEY=V1,V2,...: a KEY with a dot is a config field (`train.seed`,
 `data.train_fraction`), set like `--config.train.seed=1` of attention_jax.main; a KEY
 without one is an argument of the experiment file (`experiments/gated_mlp.py:mlp=relu`).
-Every combination trains in WORKDIR/<key><value>-<key><value>... (e.g.
-/tmp/gated/mlprelu-seed0) exactly as `attention_jax.main` would train it, plus a
-sweep.json there naming the point, which `analysis seeds --by=KEY` groups on. A point
-whose run already finished is skipped, so an interrupted sweep resumes where it stopped.
+Every combination trains, the first --grid varying slowest (put the seed first: a
+sweep stopped early then has every variant for its first seeds), in
+WORKDIR/<key><value>-<key><value>... (e.g. /tmp/gated/seed0-mlprelu), exactly as
+`attention_jax.main` would train it, plus a sweep.json there naming the point, which
+`analysis seeds --by=KEY` groups on. A point whose run already finished is skipped, so
+an interrupted sweep resumes where it stopped.
 
 Why one process: a small run's own training is seconds on a CPU, while starting Python,
 JAX and the data pipeline costs tens of seconds per process; here it is paid once. And

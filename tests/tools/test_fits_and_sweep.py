@@ -157,7 +157,7 @@ def test_sweep_grid_points_names_and_typed_overrides():
     pts = sweep.points(grid)
     assert pts == [{"mlp": "relu", "train.seed": "0"}, {"mlp": "relu", "train.seed": "1"},
                    {"mlp": "gelu", "train.seed": "0"}, {"mlp": "gelu", "train.seed": "1"}]
-    assert sweep.point_name(pts[1]) == "mlprelu-seed1"
+    assert sweep.point_name(pts[1]) == "mlprelu-seed1"  # the grid order: first key first
     c = sweep.point_config("experiments/inductive_bias.py",
                            {"model": "vit", "data.train_fraction": "0.25", "train.seed": "2"})
     assert c.task == "vit" and c.data.train_fraction == 0.25 and c.train.seed == 2
