@@ -22,9 +22,9 @@ L = 5..8 (3.5M-14M) are the same command with a larger `layers`; on the CPU they
 fit this session's budget (see below).
 
 Measured (2-core CPU shared five ways, load average 8-19, so every time here is several
-times a quiet machine's): L = 1..4 took 65 s, 160 s, 318 s and 1157 s (about 300
-training tokens/s at L = 4; a 20-step probe of L = 8 ran at ~350 tokens/s, so L = 5..8
-would have needed roughly 20-60 minutes each). Validation loss 2.724, 2.547, 2.500,
+times a quiet machine's): L = 1..4 took 65 s, 160 s, 318 s and 1157 s (L = 4: 177
+tokens/s over the whole run; L = 5..8 cost 2-8× its FLOPs per token, so at that rate
+they would have needed about 40 minutes to 2.6 hours each). Validation loss 2.724, 2.547, 2.500,
 2.459 nats/byte; the fit, its uncertainty and the compute envelope are in the README's
 Results ("Scaling laws").
 """
