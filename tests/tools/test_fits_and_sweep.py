@@ -146,7 +146,7 @@ def test_attention_cost_report_fits_quadratic_time_and_memory_slopes(tmp_path):
     assert s["reference"]["fwd_temp_bytes"]["n"][-1] == 8192  # memory of a skipped timing
     assert s["blockwise"]["fwd_bwd_temp_bytes"]["slope"] == pytest.approx(1.0)
     assert "fwd_temp_bytes" not in s["torch_sdpa"]
-    assert "| blockwise | 512–4096 | 2.00 ± 0.00 |" in open(tmp_path / "cost.md").read()
+    assert "| blockwise | 2.00 ± 0.00 (N 512–4096) |" in open(tmp_path / "cost.md").read()
     with pytest.raises(ValueError, match="no rows with mask='packed'"):
         analysis.attention_cost_report(str(path), str(tmp_path / "c2"), mask="packed")
 
