@@ -14,7 +14,10 @@ Command (2-core CPU; 4 variants × 3 seeds, then the table with the spread acros
       --workdir=/tmp/gated --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
   python -m attention_jax.tools.analysis seeds --out=docs/results/gated_mlp --by=mlp /tmp/gated/*
 
-Measured: see the README's Results ("Gated MLPs").
+Measured (2-core CPU shared five ways): 12 runs in 20 minutes wall, 64-430 s each (the
+first run of each MLP compiles). Validation loss, mean ± std over 3 seeds: ReLU 2.6965 ±
+0.0110, GELU 2.6934 ± 0.0153, SwiGLU 2.6907 ± 0.0350, GeGLU 2.6921 ± 0.0246: Shazeer's
+order, but inside the seed spread. Table and plot: the README's Results ("Gated MLPs").
 """
 
 import ml_collections
