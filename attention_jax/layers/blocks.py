@@ -49,7 +49,8 @@ class BlockConfig:
 
     num_heads N, num_kv_heads K (default N), head_dim H (default D/N).
     mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu" or "geglu" (gated; hidden
-      mlp_dim, default ≈ 8D/3 rounded to swiglu_multiple) or "moe" (num_experts, top_k, capacity_factor; hidden mlp_dim).
+      mlp_dim, default ≈ 8D/3 rounded to swiglu_multiple) or "moe" (num_experts, top_k,
+      capacity_factor; hidden mlp_dim).
     norm: "layernorm" | "rmsnorm"; norm_position: "pre" | "post".
     causal: causal self-attention (decoders). cross_attention: add a cross-attention
       sublayer over a context (encoder-decoder decoders).

@@ -27,7 +27,8 @@ ACTIVATIONS: dict[str, Callable] = {
     "gelu_tanh": functools.partial(nn.gelu, approximate=True),  # GPT-2's tanh approximation
     "silu": nn.silu,
 }
-MLPS = ("mlp", "swiglu", "geglu", "moe")  # the feed-forward kinds a block can use (moe: layers/moe.py)
+# The feed-forward kinds a block can use (moe: layers/moe.py).
+MLPS = ("mlp", "swiglu", "geglu", "moe")
 # The gated kinds and the activation of their gate (Shazeer 2020, eq. 5-6; GeGLU's GELU exact).
 GATED_MLPS = {"swiglu": "silu", "geglu": "gelu"}
 

@@ -45,8 +45,9 @@ class CNNConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
         if self.width % self.groups:
+            valid = [g for g in range(1, self.width + 1) if self.width % g == 0]
             raise ValueError(f"groups={self.groups} does not divide width={self.width}; valid "
-                             f"groups: {[g for g in range(1, self.width + 1) if self.width % g == 0]}")
+                             f"groups: {valid}")
         if self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size} must be odd (a centred 'SAME' "
                              f"kernel); valid: 1, 3, 5, ...")

@@ -531,8 +531,8 @@ def fit_slope(x, y) -> dict:
     lx, ly = np.log(x), np.log(y)
     if len(x) == 2:
         slope = (ly[1] - ly[0]) / (lx[1] - lx[0])
-        return {"slope": float(slope), "stderr": 0.0, "prefactor": float(np.exp(ly[0] - slope * lx[0])),
-                "points": 2}
+        return {"slope": float(slope), "stderr": 0.0,
+                "prefactor": float(np.exp(ly[0] - slope * lx[0])), "points": 2}
     (slope, intercept), cov = np.polyfit(lx, ly, 1, cov="unscaled")
     resid = ly - (slope * lx + intercept)
     dof = len(x) - 2
@@ -588,7 +588,8 @@ def fit_power_law(n, loss) -> dict:
             "pure_alpha": -pure["slope"], "pure_alpha_stderr": pure["stderr"],
             "pure_Nc": float(pure["prefactor"] ** (1 / -pure["slope"])) if pure["slope"] < 0
             else float("inf"),
-            "pure_residuals": (np.log(loss) - np.log(pure["prefactor"] * n ** pure["slope"])).tolist()}
+            "pure_residuals": (np.log(loss)
+                               - np.log(pure["prefactor"] * n ** pure["slope"])).tolist()}
 
 
 # ========================================================================== scaling laws
@@ -653,7 +654,8 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
         evals = [r for r in records if r["split"] == "eval"]
         trains = [r for r in records if r["split"] == "train" and "loss" in r]
         if not evals or not trains:
-            raise ValueError(f"{w}: no eval or train records in metrics.jsonl; is the run finished?")
+            raise ValueError(f"{w}: no eval or train records in metrics.jsonl; is the run "
+                             f"finished?")
         tokens_per_step = config.train.batch_size * config.data.seq_len
         steps = np.array([r["step"] for r in trains])
         runs.append({"workdir": w, "layers": config.model.num_layers,
@@ -691,7 +693,8 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
               label=f"E + A·N^-α: α = {fit['alpha']:.3f} ± {fit['alpha_stderr']:.3f}, "
                     f"E = {fit['E']:.2f}")
     ax.loglog(grid, (fit["pure_Nc"] / grid) ** fit["pure_alpha"], "--", color="C2",
-              label=f"(N_c/N)^α_N: α_N = {fit['pure_alpha']:.3f} ± {fit['pure_alpha_stderr']:.3f}")
+              label=f"(N_c/N)^α_N: α_N = {fit['pure_alpha']:.3f} ± "
+                    f"{fit['pure_alpha_stderr']:.3f}")
     ax.set_xlabel("non-embedding parameters N")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.legend(fontsize=8)
@@ -877,8 +880,9 @@ def seeds_table(result: dict) -> str:
                      f"{fmt(r['min'])} – {fmt(r['max'])} | {r['wall_s']:.0f} s |")
     for pair, xs in result.get("crossings", {}).items():
         lines.append("")
-        lines.append(f"{pair}: the mean curves cross at {x} ≈ " + ", ".join(f"{v:.3g}" for v in xs)
-                     if xs else f"{pair}: the mean curves do not cross over the measured {x}.")
+        where = ", ".join(f"{v:.3g}" for v in xs)
+        lines.append(f"{pair}: the mean curves cross at {x} ≈ {where}" if xs else
+                     f"{pair}: the mean curves do not cross over the measured {x}.")
     return "\n".join(lines) + "\n"
 
 
@@ -930,8 +934,8 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
                 "2 = quadratic in N, 1 = linear.\n")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     impls = list(slopes)
-    for ax, (prefix, unit, scale) in zip(axes, (("s", "seconds", 1.0),
-                                                ("temp_bytes", "compiled temp memory (MiB)", 2 ** -20))):
+    quantities = (("s", "seconds", 1.0), ("temp_bytes", "compiled temp memory (MiB)", 2 ** -20))
+    for ax, (prefix, unit, scale) in zip(axes, quantities):
         for i, impl in enumerate(impls):
             for key, style in ((f"fwd_{prefix}", "-"), (f"fwd_bwd_{prefix}", "--")):
                 s = slopes[impl].get(key)

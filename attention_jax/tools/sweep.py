@@ -46,14 +46,16 @@ def load_experiment(path: str, arg: str | None = None) -> ml_collections.ConfigD
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
-    """['mlp=relu,gelu', 'train.seed=0,1'] -> {'mlp': ['relu', 'gelu'], 'train.seed': ['0', '1']}."""
+    """['mlp=relu,gelu', 'train.seed=0,1']
+    -> {'mlp': ['relu', 'gelu'], 'train.seed': ['0', '1']}."""
     grid = {}
     for item in items:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise ValueError(f"--grid={item!r} must be KEY=V1,V2,..., e.g. train.seed=0,1,2")
         if key in grid:
-            raise ValueError(f"--grid key {key!r} is given twice; list all its values in one --grid")
+            raise ValueError(f"--grid key {key!r} is given twice; list all its values in "
+                             f"one --grid")
         grid[key] = values.split(",")
     return grid
 
@@ -144,7 +146,8 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.sweep",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="experiment file, e.g. experiments/gated_mlp.py")
+    parser.add_argument("--config", required=True,
+                        help="experiment file, e.g. experiments/gated_mlp.py")
     parser.add_argument("--workdir", required=True, help="parent of the runs' directories")
     parser.add_argument("--grid", action="append", default=[], required=True,
                         help="KEY=V1,V2,... (repeatable; dotted KEY: a config field)")
