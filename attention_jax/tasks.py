@@ -265,14 +265,22 @@ def mlm_task(config, workdir: str) -> Task:
 
 
 def image_task(config, workdir: str) -> Task:
-    """ViT image classification (default: scikit-learn's 8×8 digits)."""
+    """Image classification (default: scikit-learn's 8×8 digits): config.task 'vit' uses
+    models/vit.py, 'cnn' the residual CNN of models/cnn.py. data.train_fraction < 1
+    trains on that share of the training split (data.subset_fraction)."""
     from attention_jax import data
-    from attention_jax.models import vit
+    from attention_jax.models import cnn, vit
     d = data_options(config, name="digits", data_dir="", augment=True, padding=1, flip=False,
-                     train_split="train", eval_split="test")
+                     train_split="train", eval_split="test", train_fraction=1.0)
     train_src, eval_src = _splits(d)
-    cfg = model_config(vit.ViTConfig, config, dtype=config.train.compute_dtype)
-    model = vit.ViT(cfg)
+    try:
+        train_src = data.subset_fraction(train_src, d.train_fraction)
+    except ValueError as e:
+        raise ConfigError(f"config.data.train_fraction: {e}") from None
+    family = {"vit": (vit.ViTConfig, vit.ViT), "cnn": (cnn.CNNConfig, cnn.CNN)}
+    config_cls, model_cls = family[config.task]
+    cfg = model_config(config_cls, config, dtype=config.train.compute_dtype)
+    model = model_cls(cfg)
 
     def loss(params, batch, rng, train):
         logits, _ = model.apply({"params": params}, batch["image"], deterministic=not train,
@@ -335,5 +343,6 @@ def translation_task(config, workdir: str) -> Task:
                 save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")))
 
 
-TASKS.update(gpt=lm_task, bert_mlm=mlm_task, vit=image_task, rnn_seq2seq=translation_task,
+TASKS.update(gpt=lm_task, bert_mlm=mlm_task, vit=image_task, cnn=image_task,
+             rnn_seq2seq=translation_task,
              encdec=translation_task)

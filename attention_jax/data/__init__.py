@@ -66,7 +66,7 @@ _WHERE = {
     'pipelines': ('CausalLM', 'ImageClassification', 'MaskedLM', 'Translation',
                   'packed_lm_source'),
     'sources': ('CATALOGUE_EXAMPLES', 'OFFLINE', 'DatasetNotFoundError', 'default_data_dir',
-                'get_builder', 'get_dataset'),
+                'Subset', 'get_builder', 'get_dataset', 'subset_fraction'),
     'tokenization': ('BPETokenizer', 'ByteTokenizer', 'CharTokenizer', 'Tokenizer',
                      'WordPieceTokenizer', 'get_tokenizer', 'load_tokenizer'),
 }

@@ -124,3 +124,31 @@ def get_dataset(name: str, split: str, data_dir: str | None = None, **options):
     if split.split('[')[0] not in splits:
         raise ValueError(f'dataset {name!r} has no split {split!r}; valid: {splits}')
     return builder.as_data_source(split)
+
+
+class Subset:
+    """The records of `source` at `indices`, in that order: a random-access source too."""
+
+    def __init__(self, source, indices):
+        self.source = source
+        self.indices = [int(i) for i in indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.source[self.indices[i]]
+
+
+def subset_fraction(source, fraction: float, seed: int = 0):
+    """A random `fraction` of `source` (at least one record), drawn with `seed`; fraction
+    1 returns `source` itself. The draw is a prefix of one fixed permutation, so smaller
+    fractions are subsets of larger ones (10% ⊂ 25% ⊂ 50%): a data-size sweep adds data
+    to what the smaller runs saw instead of drawing a different set each time."""
+    import numpy as np
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} must be in (0, 1]; valid: e.g. 0.1, 0.25, 1.0")
+    if fraction == 1:
+        return source
+    order = np.random.default_rng(seed).permutation(len(source))
+    return Subset(source, np.sort(order[:max(1, round(fraction * len(source)))]))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.layers.mlp import ACTIVATIONS, MLP, MLPS, SwiGLU
+from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, SwiGLU
 from attention_jax.layers.moe import MoE
 from attention_jax.layers.norms import NORMS, make_norm
 
@@ -48,8 +48,9 @@ class BlockConfig:
     """Hyperparameters of one transformer block (hashable: a Flax module field).
 
     num_heads N, num_kv_heads K (default N), head_dim H (default D/N).
-    mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu" (default ≈ 8D/3 rounded
-      to swiglu_multiple) or "moe" (num_experts, top_k, capacity_factor; hidden mlp_dim).
+    mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu" or "geglu" (gated; hidden
+      mlp_dim, default ≈ 8D/3 rounded to swiglu_multiple) or "moe" (num_experts, top_k,
+      capacity_factor; hidden mlp_dim).
     norm: "layernorm" | "rmsnorm"; norm_position: "pre" | "post".
     causal: causal self-attention (decoders). cross_attention: add a cross-attention
       sublayer over a context (encoder-decoder decoders).
@@ -165,8 +166,9 @@ class TransformerBlock(nn.Module):
                       name="mlp")
             x, aux["moe"] = residual(x, "mlp", lambda h: ffn(h, deterministic=deterministic))
         else:
-            if cfg.mlp == "swiglu":
+            if cfg.mlp in GATED_MLPS:
                 ffn = SwiGLU(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,
+                             gate_activation=GATED_MLPS[cfg.mlp],
                              use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
                              param_dtype=param_dtype, name="mlp")
             else:

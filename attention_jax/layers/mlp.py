@@ -1,10 +1,11 @@
-"""Position-wise feed-forward layers: the two-layer MLP and SwiGLU.
+"""Position-wise feed-forward layers: the two-layer MLP and the gated ones (SwiGLU, GeGLU).
 
     MLP:     y = W2 act(W1 x + b1) + b2          hidden F = 4D (Vaswani 2017 §3.3)
     SwiGLU:  y = W2 (silu(Wg x) ∘ (W1 x))       (Shazeer 2020, "GLU Variants Improve
              Transformer"); a third matrix, so F ≈ 8D/3 keeps the parameter count of the
              4D MLP; F is rounded up to a multiple (default 128) so the matmuls tile
              cleanly on accelerators (LLaMA's 11008 for D=4096 is the same rule with 256).
+    GeGLU:   y = W2 (gelu(Wg x) ∘ (W1 x))       the same paper's GELU-gated variant.
 Kernels carry logical axes [D, F] = (EMBED, MLP) and [F, D] = (MLP, EMBED).
 """
 
@@ -26,7 +27,10 @@ ACTIVATIONS: dict[str, Callable] = {
     "gelu_tanh": functools.partial(nn.gelu, approximate=True),  # GPT-2's tanh approximation
     "silu": nn.silu,
 }
-MLPS = ("mlp", "swiglu", "moe")  # the feed-forward kinds a block can use (moe: layers/moe.py)
+# The feed-forward kinds a block can use (moe: layers/moe.py).
+MLPS = ("mlp", "swiglu", "geglu", "moe")
+# The gated kinds and the activation of their gate (Shazeer 2020, eq. 5-6; GeGLU's GELU exact).
+GATED_MLPS = {"swiglu": "silu", "geglu": "gelu"}
 
 
 def activation(name: str) -> Callable:
@@ -78,9 +82,12 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP [B, T, D] -> [B, T, D]: silu(x Wg) ∘ (x W1), then W2. No biases by default."""
+    """Gated MLP [B, T, D] -> [B, T, D]: act(x Wg) ∘ (x W1), then W2. No biases by default.
+
+    gate_activation "silu" is SwiGLU, "gelu" GeGLU (any name in ACTIVATIONS)."""
 
     hidden: Optional[int] = None  # default swiglu_hidden(D, multiple_of)
+    gate_activation: str = "silu"
     multiple_of: int = 128
     use_bias: bool = False
     dropout_rate: float = 0.0
@@ -95,6 +102,6 @@ class SwiGLU(nn.Module):
         args = (self.use_bias, self.dtype, self.param_dtype)
         gate = _dense(f, axes.EMBED, axes.MLP, *args, "wg", self.kernel_init)(x)  # [B, T, F]
         up = _dense(f, axes.EMBED, axes.MLP, *args, "wi", self.kernel_init)(x)  # [B, T, F]
-        h = nn.with_logical_constraint(nn.silu(gate) * up, (axes.BATCH, axes.LENGTH, axes.MLP))
+        h = nn.with_logical_constraint(activation(self.gate_activation)(gate) * up, (axes.BATCH, axes.LENGTH, axes.MLP))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return _dense(d, axes.MLP, axes.EMBED, *args, "wo", self.kernel_init)(h)  # [B, T, D]

@@ -5,6 +5,6 @@ VARIANTS table citing its paper and a linen model returning (output, aux); losse
 holds the cross-entropy and shift_right they all train with.
 """
 
-from attention_jax.models import bert, encdec, gpt, losses, rnn, vit
+from attention_jax.models import bert, cnn, encdec, gpt, losses, rnn, vit
 
-__all__ = ["bert", "encdec", "gpt", "losses", "rnn", "vit"]
+__all__ = ["bert", "cnn", "encdec", "gpt", "losses", "rnn", "vit"]

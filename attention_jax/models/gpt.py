@@ -52,7 +52,7 @@ class GPTConfig:
     d_model: int = 768  # D
     num_heads: int = 12
     num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
-    mlp: str = "mlp"  # "mlp" | "swiglu" | "moe"
+    mlp: str = "mlp"  # "mlp" | "swiglu" | "geglu" | "moe"
     mlp_dim: Optional[int] = None  # F (default 4D)
     activation: str = "gelu_tanh"  # GPT-2's tanh-approximated GELU
     norm: str = "layernorm"

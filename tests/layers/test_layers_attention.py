@@ -101,7 +101,7 @@ def test_bad_attention_configs_raise_with_valid_choices(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(norm_position="middle"), r"valid: \('pre', 'post'\)"),
     (dict(norm="batchnorm"), r"valid: \('layernorm', 'rmsnorm'\)"),
-    (dict(mlp="kan"), r"valid: \('mlp', 'swiglu', 'moe'\)"),
+    (dict(mlp="kan"), r"valid: \('mlp', 'swiglu', 'geglu', 'moe'\)"),
     (dict(num_kv_heads=3), r"valid: \[1, 2, 4\]"),
 ])
 def test_bad_block_configs_raise_with_valid_choices(kwargs, match):

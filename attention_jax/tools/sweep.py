@@ -1,0 +1,168 @@
+r"""A grid of runs of one experiment config, trained one after another in one process.
+
+    python -m attention_jax.tools.sweep --config=experiments/gated_mlp.py --workdir=/tmp/gated \
+        --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
+
+Each --grid is KEY=V1,V2,...: a KEY with a dot is a config field (`train.seed`,
+`data.train_fraction`), set like `--config.train.seed=1` of attention_jax.main; a KEY
+without one is an argument of the experiment file (`experiments/gated_mlp.py:mlp=relu`).
+Every combination trains, the first --grid varying slowest (put the seed first: a
+sweep stopped early then has every variant for its first seeds), in
+WORKDIR/<key><value>-<key><value>... (e.g. /tmp/gated/seed0-mlprelu), exactly as
+`attention_jax.main` would train it, plus a sweep.json there naming the point, which
+`analysis seeds --by=KEY` groups on. A point whose run already finished is skipped, so
+an interrupted sweep resumes where it stopped.
+
+Why one process: a small run's own training is seconds on a CPU, while starting Python,
+JAX and the data pipeline costs tens of seconds per process; here it is paid once. And
+compiling the train step costs tens of seconds more per run, the same program for
+points that differ only in the seed or the data (the seed is an argument of the jitted
+init, not a constant): XLA's persistent compilation cache in WORKDIR/.jax_cache compiles
+each distinct model once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import ml_collections
+
+
+def load_experiment(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """`get_config(arg)` of an experiment file, as `--config=path:arg` loads it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--config={path!r}: no such experiment file")
+    spec = importlib.util.spec_from_file_location(f"_experiment_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
+    """['mlp=relu,gelu', 'train.seed=0,1']
+    -> {'mlp': ['relu', 'gelu'], 'train.seed': ['0', '1']}."""
+    grid = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise ValueError(f"--grid={item!r} must be KEY=V1,V2,..., e.g. train.seed=0,1,2")
+        if key in grid:
+            raise ValueError(f"--grid key {key!r} is given twice; list all its values in "
+                             f"one --grid")
+        grid[key] = values.split(",")
+    return grid
+
+
+def points(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Every combination, the first key varying slowest."""
+    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+
+
+def point_name(point: dict[str, str]) -> str:
+    """{'mlp': 'relu', 'train.seed': '0'} -> 'mlprelu-seed0' (the last part of dotted keys)."""
+    return "-".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point.items())
+
+
+def _typed(old, text: str, key: str):
+    """`text` as the type of the config's current value (bool, int, float or str)."""
+    if isinstance(old, bool):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"--grid {key}={text!r} must be true or false")
+        return text.lower() == "true"
+    for kind in (int, float):
+        if isinstance(old, kind):
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"--grid {key}={text!r} must be {kind.__name__}") from None
+    return text
+
+
+def point_config(path: str, point: dict[str, str]) -> ml_collections.ConfigDict:
+    """The config of one grid point: experiment arguments first, then field overrides."""
+    args = ",".join(f"{k}={v}" for k, v in point.items() if "." not in k)
+    config = load_experiment(path, args)
+    for key, text in point.items():
+        if "." not in key:
+            continue
+        *groups, field = key.split(".")
+        node = config
+        for g in groups:
+            if g not in node:
+                raise ValueError(f"--grid {key}: config has no group {g!r}; valid: {sorted(node)}")
+            node = node[g]
+        if field not in node:
+            raise ValueError(f"--grid {key}: config.{'.'.join(groups)} has no key {field!r}; "
+                             f"valid: {sorted(node)}")
+        node[field] = _typed(node[field], text, key)
+    return config
+
+
+def finished(workdir: str, steps: int) -> bool:
+    """Whether the run in workdir trained all `steps` and wrote its final evaluation."""
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return False
+    return any(r.get("split") == "eval" and r.get("step") == steps for r in records)
+
+
+def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> list[dict]:
+    """Trains every point of the grid (skipping finished ones); returns one record each."""
+    import jax
+
+    from attention_jax import train
+    configs = [(p, point_config(config_path, p)) for p in points(grid)]  # all errors first
+    for _, config in configs:
+        train.validate_config(config)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    records = []
+    for point, config in configs:
+        run_dir = os.path.join(workdir, point_name(point))
+        record = {"point": point, "workdir": run_dir, "config": config_path}
+        if finished(run_dir, config.train.steps):
+            print(f"[sweep] {run_dir}: finished before, skipped", file=sys.stderr)
+            records.append({**record, "skipped": True})
+            continue
+        start = time.time()
+        summary = train.train_and_evaluate(config, run_dir)
+        record.update(wall_s=round(time.time() - start, 1), eval=summary["eval"])
+        with open(os.path.join(run_dir, "sweep.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"[sweep] {run_dir}: {record['wall_s']} s, eval {summary['eval']}", file=sys.stderr)
+        records.append(record)
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.sweep",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True,
+                        help="experiment file, e.g. experiments/gated_mlp.py")
+    parser.add_argument("--workdir", required=True, help="parent of the runs' directories")
+    parser.add_argument("--grid", action="append", default=[], required=True,
+                        help="KEY=V1,V2,... (repeatable; dotted KEY: a config field)")
+    args = parser.parse_args(argv)
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
+    sys.path.insert(0, os.getcwd())  # experiment files import attention_jax from here.
+    try:
+        grid = parse_grid(args.grid)
+        start = time.time()
+        records = run_sweep(args.config, args.workdir, grid)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(json.dumps({"runs": len(records), "wall_s": round(time.time() - start, 1)}))
+
+
+if __name__ == "__main__":
+    main()

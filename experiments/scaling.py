@@ -1,0 +1,100 @@
+r"""Scaling laws (Kaplan et al. 2020): validation loss against model size N on one token budget,
+and loss against training compute C for each size (the compute-efficient envelope).
+
+One shape rule for every size: L layers of width D = 48·L, head dim 48 (L heads), MLP 4D,
+no biases, so the non-embedding parameters are N = 12·L·D² (Kaplan's count; embeddings,
+position table and norms left out): L = 1..8 gives 27.6k, 221k, 746k, 1.77M, 3.46M, 5.97M,
+9.48M and 14.2M. Argument `layers=L` picks the size. Every size trains on the same token
+budget (`steps`, default 200, of batch 16 × 64 bytes of the stdlib corpus, under one epoch, so the
+training loss is an unbiased estimate of the held-out loss) with Kaplan's size-dependent
+peak learning rate lr(N) ≈ 0.003239 − 0.0001395·ln N (their eq. D.1), 10% warmup and a
+cosine decay to 10%.
+
+The compute axis is C ≈ 6·N·tokens (forward and backward of the non-embedding weights;
+Kaplan §2.1), read from each run's logged training loss; the envelope is the lowest loss
+any size reached at each C.
+
+Command (2-core CPU; the sweep, then the fit, table and plots):
+  for l in 1 2 3 4; do python -m attention_jax.main \
+      --config=experiments/scaling.py:layers=$l --workdir=/tmp/scaling/l$l; done
+  python -m attention_jax.tools.analysis scaling --out=docs/results/scaling /tmp/scaling/l*
+L = 5..8 (3.5M-14M) are the same command with a larger `layers`; on the CPU they did not
+fit this session's budget (see below).
+
+Measured (2-core CPU shared five ways, load average 8-19, so every time here is several
+times a quiet machine's): L = 1..4 took 65 s, 160 s, 318 s and 1157 s (L = 4: 177
+tokens/s over the whole run; L = 5..8 cost 2-8× its FLOPs per token, so at that rate
+they would have needed about 40 minutes to 2.6 hours each). Validation loss 2.724, 2.547, 2.500,
+2.459 nats/byte; the fit, its uncertainty and the compute envelope are in the README's
+Results ("Scaling laws").
+"""
+
+import math
+
+import ml_collections
+
+from attention_jax import train
+
+LAYERS = tuple(range(1, 9))
+WIDTH_PER_LAYER = 48  # D = 48·L: the aspect ratio D/L = 48 at every size.
+HEAD_DIM = 48
+
+
+def non_embedding_params(layers: int) -> int:
+    """Kaplan's N = 12·L·D² (attention 4D², MLP 8D² per layer; no biases, norms, embeddings)."""
+    d = WIDTH_PER_LAYER * layers
+    return 12 * layers * d * d
+
+
+def kaplan_lr(n: int) -> float:
+    """Kaplan et al. 2020, eq. D.1: the learning rate that worked across their sizes."""
+    return 0.003239 - 0.0001395 * math.log(n)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
+    layers = int(args.get("layers", 2))
+    if layers not in LAYERS:
+        raise ValueError(f"experiments/scaling.py: layers={layers} is outside the sweep; "
+                         f"valid: {LAYERS}")
+    c = train.base_config()
+    c.task = "gpt"
+    c.model.implementation = "auto"
+    c.model.num_layers = layers
+    c.model.d_model = WIDTH_PER_LAYER * layers
+    c.model.num_heads = layers  # head dim 48 at every size.
+    c.model.mlp_dim = 4 * c.model.d_model
+    c.model.dropout_rate = 0.0  # under one epoch: nothing to regularise.
+    c.model.use_bias = False
+    c.model.remat_policy = "none"
+    c.model.max_len = 64
+
+    c.data.name = "python_stdlib"
+    c.data.data_dir = ""
+    c.data.max_files = 0
+    c.data.max_documents = 0
+    c.data.tokenizer = "byte"
+    c.data.vocab_size = 1024  # unused by the byte tokenizer.
+    c.data.seq_len = 64
+    c.data.train_split = "train"
+    c.data.eval_split = "validation"
+
+    steps = int(args.get("steps", 200))
+    c.optim.lr = kaplan_lr(non_embedding_params(layers))
+    c.optim.warmup_steps = max(1, steps // 10)
+    c.optim.schedule = "cosine"
+    c.optim.end_lr_ratio = 0.1
+    c.optim.b2 = 0.95
+    c.optim.weight_decay = 0.1
+
+    c.train.steps = steps  # 200 × 16 × 64 = 205k tokens for every size.
+    c.train.batch_size = 16
+    c.train.log_every = 10  # the compute sweep's points.
+    c.train.checkpoint_every = steps
+
+    c.mesh.data = -1
+
+    c.eval.every = 0  # once, at the end: L(N).
+    c.eval.steps = 20  # 20 × 48 rows of 64 bytes = 61k validation tokens.
+    c.eval.batch_size = 48
+    return c

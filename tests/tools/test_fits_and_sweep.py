@@ -1,0 +1,177 @@
+"""The lecture-claim analyses (#17): power-law and slope fits on synthetic data with a
+known exponent, the compute envelope, seed grouping and crossings, the attention-cost
+report on a benchmark JSON, and tools/sweep's grid handling."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from attention_jax.tools import analysis, sweep
+
+
+# ---------------------------------------------------------------------------------- fits
+def test_power_law_fit_recovers_alpha_and_E_with_honest_errors():
+    n = np.geomspace(3e4, 1.5e7, 8)
+    rng = np.random.default_rng(0)
+    loss = 1.3 + 40.0 * n ** -0.3 + rng.normal(0, 0.003, n.size)
+    fit = analysis.fit_power_law(n, loss)
+    assert fit["alpha"] == pytest.approx(0.3, abs=0.05)
+    assert fit["E"] == pytest.approx(1.3, abs=0.05)
+    assert fit["A"] == pytest.approx(40.0, rel=0.5)
+    # The truth lies within 3 standard errors, and the errors are not absurdly small.
+    assert abs(fit["alpha"] - 0.3) < 3 * fit["alpha_stderr"] + 1e-3
+    assert 1e-4 < fit["alpha_stderr"] < 0.1
+    np.testing.assert_allclose(np.sum(np.square(fit["residuals"])) / n.size, fit["rmse"] ** 2)
+    assert fit["rmse"] < 0.006
+
+
+def test_power_law_fit_is_exact_on_noiseless_data_and_pure_law_matches_kaplan_form():
+    n = np.geomspace(1e4, 1e8, 6)
+    fit = analysis.fit_power_law(n, 0.8 + 5.0 * n ** -0.25)
+    assert fit["alpha"] == pytest.approx(0.25, rel=1e-4)
+    assert fit["E"] == pytest.approx(0.8, rel=1e-4)
+    np.testing.assert_allclose(fit["residuals"], 0, atol=1e-6)
+    # No irreducible term: Kaplan's L = (N_c/N)^α_N is a straight line in log-log.
+    pure = analysis.fit_power_law(n, (8.8e13 / n) ** 0.076)
+    assert pure["pure_alpha"] == pytest.approx(0.076, rel=1e-6)
+    assert pure["pure_Nc"] == pytest.approx(8.8e13, rel=1e-4)
+    assert pure["pure_alpha_stderr"] < 1e-6
+
+
+def test_slope_fit_recovers_quadratic_and_linear_growth():
+    n = np.array([256, 512, 1024, 2048, 4096])
+    rng = np.random.default_rng(1)
+    quad = analysis.fit_slope(n, 3e-9 * n ** 2 * np.exp(rng.normal(0, 0.02, n.size)))
+    lin = analysis.fit_slope(n, 4096.0 * n)
+    assert quad["slope"] == pytest.approx(2.0, abs=0.05) and 0 < quad["stderr"] < 0.05
+    assert lin["slope"] == pytest.approx(1.0, abs=1e-9) and lin["prefactor"] == pytest.approx(4096)
+    assert analysis.fit_slope([1, 2], [3, 12])["slope"] == pytest.approx(2.0)
+
+
+def test_fits_reject_bad_input():
+    with pytest.raises(ValueError, match="positive"):
+        analysis.fit_slope([1, 2, 3], [1, 0, 2])
+    with pytest.raises(ValueError, match="same length >= 2"):
+        analysis.fit_slope([1], [1])
+    with pytest.raises(ValueError, match="length >= 4"):
+        analysis.fit_power_law([1, 2, 3], [3, 2, 1])
+
+
+def test_compute_envelope_is_the_lowest_loss_reached_by_each_compute():
+    curves = {"small": ([1.0, 10.0, 100.0], [3.0, 2.0, 1.8]),
+              "large": ([10.0, 100.0, 1000.0], [2.5, 1.5, 1.0])}
+    c, loss = analysis.compute_envelope(curves, points=4)  # grid 1, 10, 100, 1000
+    np.testing.assert_allclose(c, [1, 10, 100, 1000])
+    np.testing.assert_allclose(loss, [3.0, 2.0, 1.5, 1.0])
+
+
+def test_non_embedding_params_leave_out_the_tables():
+    params = {"token_embedding": {"embedding": np.zeros((256, 8))},
+              "position_embedding": {"embedding": np.zeros((64, 8))},
+              "decoder": {"layer_0": {"mlp": {"wi": {"kernel": np.zeros((8, 32))}}}},
+              "final_norm": {"scale": np.zeros(8)}}
+    assert analysis.non_embedding_params(params) == 8 * 32 + 8
+
+
+# ----------------------------------------------------------------------- seeds, crossings
+def test_crossings_are_interpolated_in_log_x():
+    assert analysis.crossings([0.1, 1.0], [1.0, 3.0], [2.0, 2.0]) == pytest.approx([10 ** -0.5])
+    assert analysis.crossings([1, 2, 4], [1, 1, 1], [2, 3, 4]) == []
+    assert analysis.crossings([1, 2], [1, 5], [1, 3]) == [1.0]
+
+
+def _fake_run(path, point, metric_value, metric="accuracy"):
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({}, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 10, "split": "eval", metric: metric_value}) + "\n")
+    with open(os.path.join(path, "sweep.json"), "w") as f:
+        json.dump({"point": point}, f)
+    return str(path)
+
+
+def test_seeds_report_groups_means_spreads_and_crossing(tmp_path):
+    # cnn beats vit at 10% and loses at 100%: the curves cross in between.
+    values = {("cnn", 0.1): [0.80, 0.82, 0.84], ("cnn", 1.0): [0.95, 0.95, 0.95],
+              ("vit", 0.1): [0.60, 0.62, 0.64], ("vit", 1.0): [0.97, 0.98, 0.99]}
+    dirs = [_fake_run(tmp_path / f"{m}{f}s{s}", {"model": m, "data.train_fraction": str(f),
+                                                "train.seed": str(s)}, v)
+            for (m, f), vs in values.items() for s, v in enumerate(vs)]
+    out = str(tmp_path / "report" / "ib")
+    result = analysis.seeds_report(dirs, out, by="model", x="train_fraction", metric="accuracy")
+    g = {(r["model"], r["train_fraction"]): r for r in result["groups"]}
+    assert g[("cnn", 0.1)]["mean"] == pytest.approx(0.82)
+    assert g[("cnn", 0.1)]["std"] == pytest.approx(0.02)  # ddof=1 over three seeds
+    assert g[("vit", 1.0)]["n"] == 3 and g[("cnn", 1.0)]["std"] == pytest.approx(0, abs=1e-12)
+    (cross,) = result["crossings"]["cnn vs vit"]
+    # d(x) = cnn − vit: +0.20 at 0.1, −0.03 at 1.0 -> log-linear zero at t = 0.20/0.23.
+    assert cross == pytest.approx(10 ** (-1 + 0.20 / 0.23))
+    table = open(out + ".md").read()
+    assert "| cnn | 0.1 | 3 | 82.0% | 2.0 |" in table and "cross at train_fraction ≈ 0.741" in table
+    assert os.path.getsize(out + ".png") > 0
+
+
+def test_seeds_report_names_a_run_without_the_metric(tmp_path):
+    run = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 1.0, metric="loss")
+    with pytest.raises(ValueError, match="no eval record with 'accuracy'"):
+        analysis.seeds_report([run], str(tmp_path / "out"), by="mlp", metric="accuracy")
+
+
+# ---------------------------------------------------------------------- attention's cost
+def test_attention_cost_report_fits_quadratic_time_and_memory_slopes(tmp_path):
+    rows = []
+    for n in (512, 1024, 2048, 4096):
+        rows.append({"impl": "reference", "n": n, "causal": False, "fwd_s": 1e-9 * n ** 2,
+                     "fwd_bwd_s": 3e-9 * n ** 2, "fwd_temp_bytes": 32 * n ** 2,
+                     "fwd_bwd_temp_bytes": 80 * n ** 2})
+        rows.append({"impl": "blockwise", "n": n, "causal": False, "fwd_s": 5e-10 * n ** 2,
+                     "fwd_bwd_s": 1.5e-9 * n ** 2, "fwd_temp_bytes": 2048 * n,
+                     "fwd_bwd_temp_bytes": 8192 * n})
+        rows.append({"impl": "torch_sdpa", "n": n, "causal": False, "fwd_s": 7e-10 * n ** 2,
+                     "fwd_bwd_s": 2e-9 * n ** 2})
+        rows.append({"impl": "reference", "n": n, "causal": True, "fwd_s": 1.0})  # other mask
+    rows.append({"impl": "reference", "n": 8192, "causal": False, "skipped": "time",
+                 "fwd_temp_bytes": 32 * 8192 ** 2, "fwd_bwd_temp_bytes": 80 * 8192 ** 2})
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"rows": rows}))
+    result = analysis.attention_cost_report(str(path), str(tmp_path / "cost"))
+    s = result["slopes"]
+    for impl in ("reference", "blockwise", "torch_sdpa"):
+        assert s[impl]["fwd_s"]["slope"] == pytest.approx(2.0)
+        assert s[impl]["fwd_bwd_s"]["slope"] == pytest.approx(2.0)
+    assert s["reference"]["fwd_temp_bytes"]["slope"] == pytest.approx(2.0)
+    assert s["reference"]["fwd_temp_bytes"]["n"][-1] == 8192  # memory of a skipped timing
+    assert s["blockwise"]["fwd_bwd_temp_bytes"]["slope"] == pytest.approx(1.0)
+    assert "fwd_temp_bytes" not in s["torch_sdpa"]
+    assert "| blockwise | 2.00 ± 0.00 (N 512–4096) |" in open(tmp_path / "cost.md").read()
+    with pytest.raises(ValueError, match="no rows with mask='packed'"):
+        analysis.attention_cost_report(str(path), str(tmp_path / "c2"), mask="packed")
+
+
+# --------------------------------------------------------------------------------- sweep
+def test_sweep_grid_points_names_and_typed_overrides():
+    grid = sweep.parse_grid(["mlp=relu,gelu", "train.seed=0,1"])
+    pts = sweep.points(grid)
+    assert pts == [{"mlp": "relu", "train.seed": "0"}, {"mlp": "relu", "train.seed": "1"},
+                   {"mlp": "gelu", "train.seed": "0"}, {"mlp": "gelu", "train.seed": "1"}]
+    assert sweep.point_name(pts[1]) == "mlprelu-seed1"  # the grid order: first key first
+    c = sweep.point_config("experiments/inductive_bias.py",
+                           {"model": "vit", "data.train_fraction": "0.25", "train.seed": "2"})
+    assert c.task == "vit" and c.data.train_fraction == 0.25 and c.train.seed == 2
+    assert isinstance(c.train.seed, int)
+
+
+def test_sweep_rejects_bad_grids_naming_what_is_valid():
+    with pytest.raises(ValueError, match="must be KEY=V1,V2"):
+        sweep.parse_grid(["seed"])
+    with pytest.raises(ValueError, match="given twice"):
+        sweep.parse_grid(["a=1", "a=2"])
+    with pytest.raises(ValueError, match=r"config.train has no key 'sed'; valid: \[.*'seed'"):
+        sweep.point_config("experiments/gated_mlp.py", {"train.sed": "1"})
+    with pytest.raises(ValueError, match="train.seed='x' must be int"):
+        sweep.point_config("experiments/gated_mlp.py", {"train.seed": "x"})
+    with pytest.raises(ValueError, match=r"mlp='tanh' is unknown; valid: \('relu'"):
+        sweep.point_config("experiments/gated_mlp.py", {"mlp": "tanh"})
