@@ -59,9 +59,12 @@ from attention_jax.attention.masks import MaskSpec
 
 def sequence_axis_size(mesh=None) -> Optional[int]:
     """Size of the `sequence` axis of `mesh` (default: the ambient `jax.set_mesh` mesh),
-    or None when there is no such mesh or axis."""
+    or None when there is no such mesh or axis, or when the caller is already inside a
+    shard_map over it (the axis is manual: each device sees only its own shard)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty or axes.SEQUENCE not in mesh.axis_names:
+        return None
+    if axes.SEQUENCE in getattr(mesh, "manual_axes", ()):
         return None
     return int(mesh.shape[axes.SEQUENCE])
 
