@@ -79,6 +79,25 @@ def test_ring_other_masks_float64(name, x64):
     _check(_mesh(4), name)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_cross_attention_with_offsets_float64(causal, x64):
+    """T = 16 queries against S = 32 keys: causal with a per-row query offset (a prefill
+    after cached keys), or cross-attention with separate query/key segment ids."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, 16, N, H)))
+    k, v = (jnp.asarray(rng.standard_normal((B, 32, K, H))) for _ in range(2))
+    if causal:
+        kw = dict(causal=True, q_offset=jnp.asarray([16, 10], jnp.int32))
+    else:
+        kw = dict(q_segment_ids=jnp.asarray(rng.integers(0, 2, (B, 16)), jnp.int32),
+                  kv_segment_ids=jnp.asarray(rng.integers(0, 2, (B, 32)), jnp.int32))
+    y_ref, g_ref = _value_and_grads("reference", q, k, v, kw)
+    with jax.set_mesh(_mesh(4)):
+        y, g = _value_and_grads("ring", q, k, v, kw)
+    for a, b in zip((y, *g), (y_ref, *g_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10)
+
+
 def test_ring_with_batch_and_heads_split_too(x64):
     """data=2 × sequence=2 × tensor=2: batch, sequence and K/V heads all split."""
     _check(_mesh(2, data=2, tensor=2), "packed")
