@@ -97,7 +97,6 @@ class _Ring:
     kv_chunk: int
     zigzag: bool  # chunks (d, 2P-1-d) on device d; else (2d, 2d+1)
     pair: _Static  # the blockwise call for one (query chunk, key chunk) pair
-    has_lengths: bool
 
     def chunk_ids(self, device):
         """Global indices [2] of the two chunks device `device` (traced) holds."""
@@ -130,8 +129,7 @@ def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k:
     c, ck = t // (2 * p), s // (2 * p)
     ring = _Ring(p, c, ck, zigzag=spec.right is not None or spec.left is not None,
                  pair=_Static(spec.causal, spec.window, float(scale), min(block_q, c),
-                              min(block_k, ck), c, ck, local_b, local_kh),
-                 has_lengths=spec.kv_lengths is not None)
+                              min(block_k, ck), c, ck, local_b, local_kh))
 
     bspec = batch_axes or None
     seq = PartitionSpec(bspec, axes.SEQUENCE)

@@ -98,7 +98,6 @@ def _mib(n: float) -> str:
 
 def attention_table(args) -> list[dict]:
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
     from attention_jax.attention import dot_product_attention
     from attention_jax.tools.bench.timing import median_time
