@@ -12,7 +12,9 @@ r, device d holds the block that started on device d - r, hands it on with
 `lax.ppermute` (issued before the compute on it, so the transfer can overlap the
 compute) and folds it into its statistics with the blockwise kernel (blockwise.py),
 whose (out, lse) result is merged exactly as the online softmax merges tiles. After P
-steps every query has seen every key. Nothing larger than a device's own share of the
+steps every query has seen every key. (The loop is one lax.scan of P identical steps,
+so it also sends on the last one, returning each block home: one transfer in P spent
+to compile the step once.) Nothing larger than a device's own share of the
 sequence exists on any device: memory O(T / P) for activations, plus the blockwise
 kernel's tile.
 
@@ -24,7 +26,8 @@ dK/dV accumulators, which travel with the block and arrive home after P steps.
 Layout. Each device holds two chunks of T / (2P) tokens. Under a causal mask, device d
 gets chunks d and 2P-1-d (zig-zag): with contiguous shards, device 0's queries would
 see one block and the last device's P, so device 0 would idle most of the ring; with
-the zig-zag every device computes the same two chunk pairs at every step, and pairs
+the zig-zag every device does the same work at every step (two chunk pairs' worth:
+at step 0 two causal diagonals and one full pair, later two full pairs), and pairs
 that lie entirely in the future are skipped (lax.cond). The model's activations stay
 in natural order, sharded contiguously (device d: chunks 2d, 2d+1); the attention call
 moves its chunks to the zig-zag owners with two ppermutes in and two out. Positions
