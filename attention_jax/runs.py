@@ -41,6 +41,7 @@ def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.C
     config = ml_collections.ConfigDict(raw)
     config.mesh.num_devices = 1
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    config.mesh.sequence = 1
     config.mesh.distributed = False
     config.train.progress = False
     for key, value in (overrides or {}).items():

@@ -1,11 +1,14 @@
 """Device mesh, logical-axis rules, and sharded creation of the train state.
 
 Parameters and activations are annotated with the logical names of `axes.py`; the run
-config's `mesh.rules` maps those names onto the three mesh axes:
+config's `mesh.rules` maps those names onto the four mesh axes:
 
   data    pure data parallelism: the batch is split, parameters are replicated.
   fsdp    the batch is split *and* parameters/optimizer state are split along their
           `embed` axis and gathered just in time (ZeRO-3 / fully sharded data parallel).
+  sequence  context parallelism: the length of activations is split; attention runs as
+          ring attention (attention/ring.py), passing keys and values between the
+          devices of this axis, so no device holds the whole sequence.
   tensor  Megatron-style model parallelism: heads and MLP hidden units are split.
 
 The same program runs on 1 CPU, 8 fake CPU devices, a GPU, or many hosts: jit with
@@ -24,15 +27,15 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 # Mesh axes the batch dimension is split over (fsdp also splits the batch: each fsdp
 # shard computes on its own examples with gathered parameters).
 BATCH_AXES = ("data", "fsdp")
 
 # A sensible default, used by every experiment; order matters: flax assigns each logical
 # axis the first rule whose mesh axis is not yet used by another dimension of the same
-# array, so activations [batch, length, embed] get batch over (data, fsdp) and an
-# unsharded embed, while parameters [vocab, embed] get embed over fsdp.
+# array, so activations [batch, length, embed] get batch over (data, fsdp), length over
+# sequence and an unsharded embed, while parameters [vocab, embed] get embed over fsdp.
 DEFAULT_RULES = (
     ("batch", BATCH_AXES),
     ("embed", "fsdp"),
@@ -41,7 +44,7 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("expert", None),
-    ("length", None),
+    ("length", "sequence"),
     ("head_dim", None),
     ("layers", None),
     ("position", None),
@@ -78,7 +81,8 @@ def maybe_initialize_distributed(cfg) -> None:
 
 # ------------------------------------------------------------------------------- mesh
 def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
-    """{'data': -1, 'fsdp': 2, 'tensor': 1} on 8 devices -> {'data': 4, 'fsdp': 2, ...}.
+    """{'data': -1, 'fsdp': 2, 'tensor': 1} on 8 devices -> {'data': 4, 'fsdp': 2, ...}
+    (axes not given have size 1).
 
     -1 means "all remaining devices"; at most one axis may use it.
     """
@@ -107,7 +111,7 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over all devices (of all processes)."""
+    """The (data, fsdp, sequence, tensor) mesh over all devices (of all processes)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(shape, len(devices))
     # jax.make_mesh orders devices so that the fastest-changing axis (tensor) stays on

@@ -51,6 +51,7 @@ class Task:
     count: Callable[[dict], int] | None = None  # units in a host batch (default: rows).
     sample: Callable | None = None  # (params, rng) -> list of strings.
     save_assets: Callable[[str], None] | None = None  # e.g. the tokenizer into the workdir.
+    seq_len: int | None = None  # tokens per example when fixed (checked against mesh.sequence).
 
 
 def moe_metrics(aux) -> dict[str, jax.Array]:
@@ -221,7 +222,7 @@ def lm_task(config, workdir: str) -> Task:
                 loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
                 train_transform=data.CausalLM(), eval_transform=data.CausalLM(), unit="tokens",
                 count=lambda b: int(np.sum(b["weights"])), sample=sample,
-                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")))
+                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")), seq_len=d.seq_len)
 
 
 def mlm_task(config, workdir: str) -> Task:
@@ -261,7 +262,7 @@ def mlm_task(config, workdir: str) -> Task:
                 loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
                 train_transform=transform, eval_transform=transform, unit="tokens",
                 count=lambda b: int(np.sum(b["segment_ids"] != 0)),
-                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")))
+                save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")), seq_len=d.seq_len)
 
 
 def image_task(config, workdir: str) -> Task:

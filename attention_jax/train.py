@@ -77,6 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = m = ml_collections.ConfigDict()
     m.data = -1  # data-parallel axis; -1 takes the devices the other axes leave.
     m.fsdp = 1  # fully sharded data parallel: batch and parameters split.
+    m.sequence = 1  # sequence (context) parallel: activations' length split, ring attention.
     m.tensor = 1  # tensor (model) parallel: heads and MLP hidden split.
     m.num_devices = 0  # use only the first N devices (0: all), e.g. 1 for a one-device baseline.
     m.rules = sharding.DEFAULT_RULES  # logical axis -> mesh axes (see sharding.py).
@@ -155,7 +156,7 @@ def validate_config(config, num_devices: int | None = None, check_task: bool = T
         return
     try:
         mesh = sharding.resolve_mesh_shape(
-            {a: config.mesh[a] for a in sharding.MESH_AXES}, num_devices)
+            {a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, num_devices)
     except ValueError as e:
         raise ConfigError(f"config.mesh: {e}") from None
     dp = mesh["data"] * mesh["fsdp"]
@@ -172,10 +173,19 @@ def validate_config(config, num_devices: int | None = None, check_task: bool = T
                           f"by the data-parallel size {dp}; valid: multiples of {dp}")
 
 
-def check_model_fits_mesh(model, mesh) -> None:
+def check_model_fits_mesh(model, mesh, seq_len: int | None = None) -> None:
     """Heads are split over the tensor axis (rule heads -> tensor): every device must
-    hold whole heads. Checked on the model's resolved config (variant + overrides)."""
+    hold whole heads. Checked on the model's resolved config (variant + overrides).
+    The length is split over the sequence axis into two chunks per device (ring
+    attention's zig-zag), so seq_len (when the task has a fixed one) must divide."""
     cfg = getattr(model, "config", model)
+    sequence = mesh.shape.get("sequence", 1)
+    if seq_len is not None and sequence > 1 and seq_len % (2 * sequence):
+        raise ConfigError(
+            f"config.data.seq_len={seq_len} is not divisible by 2 × mesh.sequence = "
+            f"{2 * sequence} (ring attention gives each device two chunks of the sequence); "
+            f"valid: seq_len a multiple of {2 * sequence}, or mesh.sequence in "
+            f"{[d for d in range(1, seq_len + 1) if seq_len % (2 * d) == 0]}")
     tensor = mesh.shape["tensor"]
     for name in ("num_heads", "num_kv_heads"):
         value = getattr(cfg, name, None)
@@ -409,10 +419,10 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
     devices = jax.devices()[:config.mesh.num_devices or None]
     validate_config(config, len(devices), check_task=task is None)
-    mesh = sharding.make_mesh({a: config.mesh[a] for a in sharding.MESH_AXES}, devices)
+    mesh = sharding.make_mesh({a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, devices)
     rules = sharding.rules_from_config(config.mesh.rules)
     task = task or TASKS[config.task](config, workdir)
-    check_model_fits_mesh(task.model, mesh)
+    check_model_fits_mesh(task.model, mesh, task.seq_len)
     tx, schedule = make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
     # Shapes and shardings are worked out outside the mesh context: flax's partitioned
     # initialisers would otherwise try to constrain abstract values eagerly.

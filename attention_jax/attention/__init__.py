@@ -18,9 +18,14 @@ Implementations:
   "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores).
   "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16),
                driven by its own causal / key-length / left-window arguments.
+  "ring"       the sequence split over the ambient mesh's `sequence` axis (run under
+               `jax.set_mesh(mesh)`), keys/values passed around the devices, blockwise on
+               each (ring.py): memory O(T / devices). T and S divisible by 2 × devices.
   "auto"       per backend, dtype and mask; `explain(...)` says which and why without
                running anything:
                  weights asked for          -> reference
+                 ambient mesh with sequence > 1, lengths divisible by 2 × sequence, no
+                   dense mask               -> ring
                  NVIDIA GPU, what cuDNN can express (f16/bf16, H % 8 == 0, H <= 128;
                    causal, right padding as kv_lengths, a causal left window, GQA)
                                             -> cudnn
@@ -44,11 +49,12 @@ from attention_jax.attention.masks import MaskSpec, dense_mask
 from attention_jax.attention.pallas import pallas_attention
 from attention_jax.attention.pallas import default_block_sizes as pallas_block_sizes
 from attention_jax.attention.reference import reference_attention
+from attention_jax.attention.ring import ring_attention, ring_refusal, sequence_axis_size
 
 __all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "MaskSpec",
            "default_block_sizes"]
 
-IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas", "xla", "cudnn")
+IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas", "xla", "cudnn", "ring")
 
 
 def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] = None,
@@ -130,8 +136,9 @@ def dot_product_attention(
     b, t, n, h = q.shape
     s = k.shape[1]
     offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
+    sequence = sequence_axis_size()
     impl, _ = _choose(implementation, q.dtype, h, (t, s), spec, return_weights, offset_is_zero,
-                      jax.default_backend(), _cudnn_available())
+                      jax.default_backend(), _cudnn_available(), sequence)
     if return_weights and impl != "reference":
         raise ValueError(
             f"return_weights=True needs implementation='reference' (or 'auto'); got "
@@ -143,6 +150,12 @@ def dot_product_attention(
         block_q = _check_block("block_q", block_q, default_q)
         block_k = _check_block("block_k", block_k, default_k)
         return blockwise_attention(q, k, v, spec, scale, block_q, block_k)
+    if impl == "ring":  # the blockwise tiles, sized for one device's chunk of the ring
+        chunk_q, chunk_k = t // (2 * sequence), s // (2 * sequence)
+        default_q, default_k = default_block_sizes(heads=b * n, head_dim=h, q_len=chunk_q,
+                                                   kv_len=chunk_k)
+        return ring_attention(q, k, v, spec, scale, _check_block("block_q", block_q, default_q),
+                              _check_block("block_k", block_k, default_k))
     if impl == "pallas":
         blocks = pallas_block_sizes(h, q.dtype)
         blocks = dataclasses.replace(
@@ -174,7 +187,8 @@ def explain(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=No
         spec, _ = _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids,
                            kv_mask, kv_lengths, mask, window, q_offset, None, implementation)
         answer.append(_choose(implementation, q.dtype, q.shape[-1], (q.shape[1], k.shape[1]),
-                              spec, return_weights, offset_is_zero, backend, backend == "gpu"))
+                              spec, return_weights, offset_is_zero, backend, backend == "gpu",
+                              sequence_axis_size()))
 
     jax.eval_shape(trace, q, k, v, segment_ids, q_segment_ids, kv_segment_ids, kv_mask,
                    kv_lengths, mask, q_offset)
@@ -228,8 +242,21 @@ def _cudnn_refusal(dtype, head_dim, spec: MaskSpec, offset_is_zero, t, s) -> Opt
 
 
 def _choose(implementation, dtype, head_dim, lengths, spec: MaskSpec, return_weights,
-            offset_is_zero, backend: str, nvidia: bool) -> tuple[str, str]:
-    """(implementation, reason) for this call on this backend; lengths is (T, S)."""
+            offset_is_zero, backend: str, nvidia: bool,
+            sequence: Optional[int] = None) -> tuple[str, str]:
+    """(implementation, reason) for this call on this backend; lengths is (T, S);
+    sequence: the ambient mesh's sequence-axis size (None: no such axis)."""
+    if implementation == "ring" or (implementation == "auto" and not return_weights
+                                    and sequence is not None and sequence > 1):
+        refusal = ring_refusal(spec, *lengths, sequence)
+        if refusal is None:
+            return "ring", (f"the mesh splits the sequence over {sequence} devices" if
+                            implementation == "auto" else "asked for")
+        if implementation == "ring":
+            raise ValueError(refusal)
+        impl, reason = _choose(implementation, dtype, head_dim, lengths, spec, return_weights,
+                               offset_is_zero, backend, nvidia)  # the one-device choice
+        return impl, f"{reason}; not ring: {refusal}"
     if implementation == "cudnn" and not nvidia:
         raise ValueError(
             f"implementation='cudnn' needs an NVIDIA GPU; this backend is "

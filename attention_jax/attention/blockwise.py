@@ -56,17 +56,32 @@ class _Static:
 def blockwise_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k: int):
     """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]."""
     b, t, n, h = q.shape
-    s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
-    g = n // kh
+    s, kh = k.shape[1], k.shape[2]
     st = _Static(spec.causal, spec.window, float(scale), min(block_q, t), min(block_k, s),
                  t, s, b, kh)
     arrays = (spec.q_offset, spec.q_segment_ids, spec.kv_segment_ids, spec.mask, spec.kv_lengths)
-    # The G query heads of a group share one K/V head: [B, T, N, H] -> [B·K, G, T, H].
-    qx = jnp.transpose(q.reshape(b, t, kh, g, h), (0, 2, 3, 1, 4)).reshape(b * kh, g, t, h)
+    y = _attention_vjp(st, *to_groups(q, k, v), arrays)  # [X, G, T, Hv]
+    return from_groups(y, b, kh)
+
+
+def to_groups(q, k, v):
+    """The kernel's head-major layout: the G query heads of a group share one K/V head.
+
+    q [B, T, N, H] -> [B·K, G, T, H];  k [B, S, K, H] -> [B·K, S, H];  v likewise.
+    """
+    b, t, n, h = q.shape
+    s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+    qx = jnp.transpose(q.reshape(b, t, kh, n // kh, h), (0, 2, 3, 1, 4)).reshape(b * kh, -1, t, h)
     kx = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kh, s, h)  # [X, S, H], never copied per head
     vx = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kh, s, hv)
-    y = _attention_vjp(st, qx, kx, vx, arrays)  # [X, G, T, Hv]
-    return jnp.transpose(y.reshape(b, kh, g, t, hv), (0, 3, 1, 2, 4)).reshape(b, t, n, hv)
+    return qx, kx, vx
+
+
+def from_groups(y, batch: int, kv_heads: int):
+    """[B·K, G, T, Hv] -> [B, T, N, Hv], the inverse of `to_groups` for outputs."""
+    _, g, t, hv = y.shape
+    y = jnp.transpose(y.reshape(batch, kv_heads, g, t, hv), (0, 3, 1, 2, 4))
+    return y.reshape(batch, t, kv_heads * g, hv)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -219,8 +234,10 @@ def _call_masked(body, masked, index, carry):
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward(st: _Static, q, k, v, arrays):
-    """Returns y [X, G, T, Hv] and the log-sum-exp [X, G, Tp] (+inf on empty rows)."""
+def _forward(st: _Static, q, k, v, arrays, out_dtype=None):
+    """Returns y [X, G, T, Hv] (in out_dtype, default q's) and the log-sum-exp
+    [X, G, Tp] (+inf on empty rows). Ring attention (ring.py) calls it once per pair of
+    sequence chunks, with out_dtype the accumulation dtype, and merges the results."""
     acc_t = _acc_dtype(q.dtype)
     q = (q.astype(acc_t) * st.scale).astype(q.dtype)  # fold the scale into Q once
     tiles = _Tiles(st, q, k, v, arrays)
@@ -258,7 +275,7 @@ def _forward(st: _Static, q, k, v, arrays):
         lse = lax.dynamic_update_slice_in_dim(lse, tiles.unrows(row_lse), i * st.bq, 2)
         return (out, lse), None
 
-    init = (jnp.zeros((x, g, tp, hv), q.dtype), jnp.zeros((x, g, tp), acc_t))
+    init = (jnp.zeros((x, g, tp, hv), out_dtype or q.dtype), jnp.zeros((x, g, tp), acc_t))
     (out, lse), _ = lax.scan(q_block, init, jnp.arange(tiles.nq))
     return out[:, :, : st.q_len], lse
 
@@ -266,8 +283,13 @@ def _forward(st: _Static, q, k, v, arrays):
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
+def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, delta=None, grad_dtype=None):
     """Gradients with key blocks outside and query blocks inside.
+
+    lse is the forward's (padded) log-sum-exp. Ring attention passes the final output,
+    log-sum-exp and `delta` [X, G, T] (rowsum(dO ∘ O)) of the whole sequence, so that
+    one call gives this pair of chunks' share of dQ, dK and dV, returned in grad_dtype
+    (default: the inputs' dtypes) to be summed around the ring.
 
     Tiles are computed transposed, [X, bk, R] (keys × query rows), so that the two
     products accumulated per key block, dV += Pᵀ dO and dK += dSᵀ Q, are plain matmuls;
@@ -278,7 +300,8 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
     q_scaled = (q.astype(acc_t) * st.scale).astype(q.dtype)
     tiles = _Tiles(st, q_scaled, k, v, arrays)
     # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij: the softmax Jacobian's correction term.
-    delta = jnp.einsum("XGTH,XGTH->XGT", d_out.astype(acc_t), out.astype(acc_t))
+    if delta is None:
+        delta = jnp.einsum("XGTH,XGTH->XGT", d_out.astype(acc_t), out.astype(acc_t))
     d_out = _pad_to(d_out, 2, st.bq)  # padded rows: dO = 0 and L = +inf, so P = 0 there
     delta = _pad_to(delta, 2, st.bq)
     x, g, tp, h = tiles.q.shape
@@ -322,8 +345,8 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
             jnp.zeros((x, sp, hv), acc_t))
     (dq_t, dk, dv), _ = lax.scan(kv_block, init, jnp.arange(tiles.nk))
     dq = jnp.swapaxes(dq_t[..., : st.q_len], 2, 3)  # [X, G, T, H]
-    return (dq.astype(q.dtype), dk[:, : st.kv_len].astype(k.dtype),
-            dv[:, : st.kv_len].astype(v.dtype))
+    return (dq.astype(grad_dtype or q.dtype), dk[:, : st.kv_len].astype(grad_dtype or k.dtype),
+            dv[:, : st.kv_len].astype(grad_dtype or v.dtype))
 
 
 # ----------------------------------------------------------------------------- custom_vjp

@@ -65,7 +65,7 @@ def test_config_errors_name_the_key_and_valid_values():
     _raises(c, r"config\.mesh: .*3 devices but 8 are available", num_devices=8)
 
     c = tiny.tiny_config(**{"mesh.rules": (("embed", "fsdpp"),)})
-    with pytest.raises(ValueError, match=r"maps to \['fsdpp'\]; valid mesh axes: \['data', 'fsdp', 'tensor'\]"):
+    with pytest.raises(ValueError, match=r"maps to \['fsdpp'\]; valid mesh axes: \['data', 'fsdp', 'sequence', 'tensor'\]"):
         train.validate_config(c)
 
 

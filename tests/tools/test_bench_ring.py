@@ -1,0 +1,30 @@
+"""`bench ring` machinery at tiny sizes on the 8 fake devices (no timing asserted): the
+three tables come out, and what they report follows from the memory analysis."""
+
+import argparse
+import json
+
+import pytest
+
+from attention_jax.tools.bench import ring as bench_ring
+
+
+@pytest.mark.slow
+def test_run_ring_writes_tables_and_json(tmp_path, capsys):
+    out = tmp_path / "ring.json"
+    parser = argparse.ArgumentParser()
+    bench_ring.add_parser(parser.add_subparsers(dest="which"))
+    args = parser.parse_args(["ring", "--sizes", "1", "4", "--length", "1024",
+                              "--gpt-length", "512", "--budget-mib", "16",
+                              "--max-length", "2048", "--repeats", "1", "--out", str(out)])
+    results = bench_ring.run(args)
+    assert json.loads(out.read_text()) == results
+    att, gpt = results["attention"], results["gpt"]
+    assert [r["implementation"] for r in att] == ["blockwise", "ring"]
+    assert all(r["seconds"] > 0 for r in att + gpt)
+    assert gpt[1]["bytes"] < gpt[0]["bytes"]  # 4 devices share the sequence
+    one, gspmd, ring = results["context"]
+    assert (one["devices"], ring["devices"], ring["implementation"]) == (1, 4, "ring")
+    assert ring["longest_T"] > one["longest_T"] > 0
+    assert 0 < ring["bytes"] <= ring["budget_bytes"]
+    assert "longest GPT training context within 16 MiB" in capsys.readouterr().out
