@@ -31,6 +31,24 @@ class ConfigError(ValueError):
     """A config key with an invalid value; the message names the key and valid values."""
 
 
+def check_range(key: str, value, interval: str) -> None:
+    """ConfigError unless `value` lies in `interval`, written as in maths: "(0, inf)",
+    "[0, 1)", "[1, inf)"; the message names config.<key>, the value and the range."""
+    low, high = (x.strip() for x in interval[1:-1].split(","))
+    low, high = float(low), float(high)
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    if above and below:  # False for NaN as well.
+        return
+    name, fmt = key, lambda x: f"{x:g}"
+    if math.isinf(high):
+        valid = f"{name} {'>' if interval[0] == '(' else '>='} {fmt(low)}"
+    else:
+        valid = (f"{fmt(low)} {'<' if interval[0] == '(' else '<='} {name} "
+                 f"{'<' if interval[-1] == ')' else '<='} {fmt(high)}")
+    raise ConfigError(f"config.{key}={value!r} is out of range; valid: {valid}")
+
+
 # ===================================================================================== task
 @dataclasses.dataclass
 class Task:
@@ -121,9 +139,21 @@ def model_config(cls, config, **forced):
                           f"valid: {sorted(fields | {'variant'})}")
     kwargs = {**given, **forced}
     try:
-        return cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
+        cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
+    # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
+    # checked on the resolved config so a variant's own values are covered too.
+    for f in dataclasses.fields(cfg):
+        if f.name.endswith("dropout_rate") and isinstance(getattr(cfg, f.name), (int, float)):
+            check_range(f"model.{f.name}", getattr(cfg, f.name), "[0, 1)")
+    return cfg
+
+
+# Valid ranges of the `config.data` keys the adapters share (a key a task lacks is skipped).
+DATA_RANGES = {"mask_rate": "(0, 1)", "seq_len": "[1, inf)", "source_len": "[1, inf)",
+               "target_len": "[1, inf)", "vocab_size": "[1, inf)", "max_files": "[0, inf)",
+               "max_documents": "[0, inf)", "padding": "[0, inf)"}
 
 
 def data_options(config, **defaults) -> ml_collections.ConfigDict:
@@ -136,7 +166,11 @@ def data_options(config, **defaults) -> ml_collections.ConfigDict:
         want = type(defaults[key])
         if not isinstance(value, want) and not (want is float and isinstance(value, int)):
             raise ConfigError(f"config.data.{key}={value!r} must be {want.__name__}")
-    return ml_collections.ConfigDict({**defaults, **given})
+    merged = {**defaults, **given}
+    for key, interval in DATA_RANGES.items():
+        if key in merged:
+            check_range(f"data.{key}", merged[key], interval)
+    return ml_collections.ConfigDict(merged)
 
 
 def _text(x) -> str:
@@ -147,6 +181,10 @@ def _tokenizer(d, workdir: str, texts: Callable[[], list[str]]):
     """The run's tokenizer: the one saved in the workdir (so a resumed run, eval and
     sampling decode with exactly the training vocabulary), else a new one."""
     from attention_jax import data
+    from attention_jax.data.tokenization import KINDS
+    if d.tokenizer not in KINDS:
+        raise ConfigError(f"config.data.tokenizer={d.tokenizer!r} is unknown; valid: "
+                          f"{list(KINDS)}{_did_you_mean(d.tokenizer, KINDS)}")
     saved = os.path.join(workdir, "tokenizer")
     if os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
         tok = data.load_tokenizer(saved)
@@ -166,10 +204,25 @@ def padded_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _splits(d, **options):
+    """The train and eval splits; a dataset that is unknown or not prepared here is a
+    ConfigError naming config.data.name (the message says how to prepare it)."""
     from attention_jax import data
-    get = lambda split: data.get_dataset(d.name, split, d.data_dir or None, **options)
-    return get(d.train_split), get(d.eval_split)
+    from attention_jax.data import sources
+
+    def get(key):
+        try:
+            return data.get_dataset(d.name, d[key], d.data_dir or None, **options)
+        except data.DatasetNotFoundError as e:
+            hint = _did_you_mean(d.name, [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES])
+            raise ConfigError(f"config.data.name={d.name!r}{hint}: {e}") from None
+    return get("train_split"), get("eval_split")
 
 
 def _corpus_options(d) -> dict:

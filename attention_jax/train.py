@@ -30,7 +30,7 @@ from attention_jax import sharding
 from attention_jax.data import loaders
 # The model families live in tasks.py; these names are re-exported because callers
 # (main.py, runs.py, tools, tests) use them as train.ConfigError, train.Task, train.TASKS.
-from attention_jax.tasks import TASKS, ConfigError, Task  # noqa: F401
+from attention_jax.tasks import TASKS, ConfigError, Task, check_range  # noqa: F401
 
 
 # =================================================================================== config
@@ -104,6 +104,36 @@ _CHOICES = {
 }
 
 
+# Valid values of the numeric keys, as intervals ("(" open, "[" closed; tasks.check_range).
+RANGES = {
+    "optim.lr": "(0, inf)",
+    "optim.warmup_steps": "[0, inf)",
+    "optim.end_lr_ratio": "[0, 1]",
+    "optim.b1": "[0, 1)",
+    "optim.b2": "[0, 1)",
+    "optim.eps": "(0, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.clip_norm": "[0, inf)",
+    "optim.label_smoothing": "[0, 1)",
+    "optim.grad_accum": "[1, inf)",
+    "optim.decay_steps": "[0, inf)",
+    "train.steps": "[1, inf)",
+    "train.batch_size": "[1, inf)",
+    "train.log_every": "[1, inf)",
+    "train.inject_nan_at": "[-1, inf)",
+    "train.checkpoint_every": "[1, inf)",
+    "train.keep_checkpoints": "[1, inf)",
+    "train.data_workers": "[0, inf)",
+    "mesh.num_devices": "[0, inf)",
+    "eval.every": "[-1, inf)",
+    "eval.steps": "[0, inf)",
+    "eval.batch_size": "[1, inf)",
+    "eval.sample_tokens": "[1, inf)",
+    "eval.sample_temperature": "[0, inf)",
+    "eval.sample_top_k": "[0, inf)",
+}
+
+
 def _flat(cfg: ml_collections.ConfigDict, prefix="") -> dict[str, Any]:
     out = {}
     for k, v in cfg.items():
@@ -140,16 +170,17 @@ def validate_config(config, num_devices: int | None = None, check_task: bool = T
     for key, choices in _CHOICES.items():
         if got[key] not in choices:
             raise ConfigError(f"config.{key}={got[key]!r} is invalid; valid: {list(choices)}")
-    for key in ("train.steps", "train.batch_size", "optim.grad_accum", "train.log_every",
-                "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size"):
-        if got[key] <= 0:
-            raise ConfigError(f"config.{key}={got[key]} must be a positive integer")
-    if got["eval.every"] < -1:
-        raise ConfigError(f"config.eval.every={got['eval.every']} must be >= -1")
-    for key in ("optim.warmup_steps", "eval.steps", "train.data_workers",
-                "mesh.num_devices"):
-        if got[key] < 0:
-            raise ConfigError(f"config.{key}={got[key]} must be >= 0")
+    for key, interval in RANGES.items():
+        check_range(key, got[key], interval)
+    schedule = got["optim.decay_steps"] or got["train.steps"]
+    if got["optim.warmup_steps"] > schedule:
+        what = (f"optim.decay_steps={schedule}" if got["optim.decay_steps"]
+                else f"the run (train.steps={schedule})")
+        raise ConfigError(
+            f"config.optim.warmup_steps={got['optim.warmup_steps']} is longer than {what}: "
+            f"the learning rate would never reach optim.lr; valid: warmup_steps <= {schedule} "
+            f"(or set optim.decay_steps >= {got['optim.warmup_steps']} to run the start of a "
+            f"longer schedule)")
     sharding.rules_from_config(config.mesh.rules)
     if num_devices is None:
         return
@@ -390,7 +421,7 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
         if config.eval.steps and n >= config.eval.steps:
             break
     if n == 0:
-        raise ValueError(f"the eval split has fewer than eval.batch_size="
+        raise ConfigError(f"the eval split has fewer than eval.batch_size="
                          f"{config.eval.batch_size} examples; lower config.eval.batch_size")
     means = {k: v / n for k, v in sums.items()}
     if task.unit == "tokens":
