@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import tensorflow_datasets as tfds
 
+from attention_jax import quiet
 from attention_jax.data import builders
 
 
@@ -75,9 +76,10 @@ def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
         if isinstance(config, tfds.core.BuilderConfig) and config.name in cls.builder_configs:
             config = config.name  # tfds refuses an object named like a registered config.
         kwargs = {} if config is None else {'config': config}
-        builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
-        if prepare and not builder.is_prepared():
-            builder.download_and_prepare()
+        with quiet.drop_log_messages(*builders.HARMLESS_TFDS_WARNINGS):
+            builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
+            if prepare and not builder.is_prepared():
+                builder.download_and_prepare()
         return builder
     if options:
         raise ValueError(f'options {sorted(options)} only apply to the offline datasets '
