@@ -170,6 +170,11 @@ def data_options(config, **defaults) -> ml_collections.ConfigDict:
     for key, interval in DATA_RANGES.items():
         if key in merged:
             check_range(f"data.{key}", merged[key], interval)
+    if "tokenizer" in merged:  # Before any data is built.
+        from attention_jax.data.tokenization import KINDS
+        if merged["tokenizer"] not in KINDS:
+            raise ConfigError(f"config.data.tokenizer={merged['tokenizer']!r} is unknown; valid: "
+                              f"{list(KINDS)}{_did_you_mean(merged['tokenizer'], KINDS)}")
     return ml_collections.ConfigDict(merged)
 
 
@@ -181,10 +186,6 @@ def _tokenizer(d, workdir: str, texts: Callable[[], list[str]]):
     """The run's tokenizer: the one saved in the workdir (so a resumed run, eval and
     sampling decode with exactly the training vocabulary), else a new one."""
     from attention_jax import data
-    from attention_jax.data.tokenization import KINDS
-    if d.tokenizer not in KINDS:
-        raise ConfigError(f"config.data.tokenizer={d.tokenizer!r} is unknown; valid: "
-                          f"{list(KINDS)}{_did_you_mean(d.tokenizer, KINDS)}")
     saved = os.path.join(workdir, "tokenizer")
     if os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
         tok = data.load_tokenizer(saved)
@@ -216,17 +217,34 @@ def _splits(d, **options):
     from attention_jax import data
     from attention_jax.data import sources
 
+    offline = d.name.split("/")[0] in sources.OFFLINE
+
     def get(key):
         try:
-            return data.get_dataset(d.name, d[key], d.data_dir or None, **options)
+            src = data.get_dataset(d.name, d[key], d.data_dir or None,
+                                   **(options if offline else {}))
         except data.DatasetNotFoundError as e:
-            hint = _did_you_mean(d.name, [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES])
+            known = [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES]
+            hint = "" if d.name in known else _did_you_mean(d.name, known)
             raise ConfigError(f"config.data.name={d.name!r}{hint}: {e}") from None
+        if options and not offline:  # e.g. max_files, which only the offline corpora have
+            key, value = next(iter(options.items()))
+            raise ConfigError(f"config.data.{key}={value!r} applies only to the offline "
+                              f"datasets {sorted(sources.OFFLINE)}; set it to 0 for "
+                              f"{d.name!r}")
+        return src
     return get("train_split"), get("eval_split")
 
 
 def _corpus_options(d) -> dict:
     return {"max_files": d.max_files} if d.max_files else {}
+
+
+def data_parallel_size() -> int:
+    """Devices the batch is split over in the current mesh (jax.set_mesh), 1 without one."""
+    from attention_jax import sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
 
 
 def lm_task(config, workdir: str) -> Task:
@@ -262,13 +280,17 @@ def lm_task(config, workdir: str) -> Task:
         new = config.eval.sample_tokens
         if cfg.position == "learned":
             new = min(new, cfg.max_len - width)
+        # As many rows as the batch axes split evenly (extra one-token rows, dropped
+        # after): otherwise XLA must replicate the activations at every layer.
+        rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()
+        prompts = prompts + [[tok.bos_id]] * (rows - len(prompts))
         padded = np.array([p + [tok.pad_id] * (width - len(p)) for p in prompts], np.int32)
         out, lengths = gpt.generate(
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
             top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
         out, lengths = np.asarray(out), np.asarray(lengths)
-        return [tok.decode(out[i, :lengths[i]]) for i in range(len(prompts))]
+        return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]
 
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, d.seq_len), jnp.int32))["params"],
                 loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
