@@ -119,8 +119,8 @@ def test_a_run_says_where_its_outputs_are_and_prints_no_third_party_noise(traine
     lines = out.stdout.splitlines()
     assert lines[0].startswith("building the offline dataset text_corpus/python_stdlib_first6 ")
     assert lines[0].endswith("(once; nothing is downloaded)")
-    assert lines[1].startswith(f"workdir {workdir}: config.json, checkpoints/ (every 500 "
-                               f"steps and at the end), metrics.jsonl and tensorboard/")
+    assert lines[1] == (f"workdir {workdir}: config.json, checkpoints/ (every 200 steps and "
+                        f"at the end), metrics.jsonl and tensorboard/ (every 2 steps), tokenizer/")
     # stdout is a pipe: one plain line per logged window, no carriage-return bar.
     assert any(line.startswith("step 2/2  loss ") and "tokens/s" in line for line in lines)
     assert "\r" not in out.stdout + out.stderr
