@@ -25,6 +25,13 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from attention_jax import quiet
+
+
+# orbax logs this (a warning) whenever a manager is opened read-only, as every reader of a
+# run does on purpose (runs.open_run, warm starts).
+READ_ONLY_WARNING = "Given directory is read only=%s"
+
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tree does not match the model (different depth, width, ...)."""
@@ -75,7 +82,10 @@ class Checkpointer:
         self.directory = epath.Path(directory)
         self.save_every = save_every
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            # A read-only manager saves and deletes nothing; saying so up front spares
+            # orbax's warnings that it overrides these two.
+            max_to_keep=None if read_only else keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
             # Temporary directories left by a killed save are garbage: remove on open.
             cleanup_tmp_directories=not read_only,
@@ -84,10 +94,11 @@ class Checkpointer:
         )
         # Handlers named up front so that a fresh manager can read metadata (structure
         # checks) before the first restore.
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": ocp.JsonCheckpointHandler()})
+        with quiet.drop_log_messages(READ_ONLY_WARNING):  # read-only is what we asked for
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={"state": ocp.StandardCheckpointHandler(),
+                               "data": ocp.JsonCheckpointHandler()})
 
     # ------------------------------------------------------------------------- query
     def latest_step(self) -> int | None:
@@ -183,9 +194,11 @@ def restore_params(directory, abstract_params, step: int | None = None):
     # A partial restore: the tree we ask for names only `params`; the optimizer state is
     # never read. Only the PyTree handler (same files as the standard one) restores a
     # subtree, so this read-only manager registers it for "state".
-    reader = ocp.CheckpointManager(
-        ckpt.directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    with quiet.drop_log_messages(READ_ONLY_WARNING):
+        reader = ocp.CheckpointManager(
+            ckpt.directory, options=ocp.CheckpointManagerOptions(
+                read_only=True, create=False, save_interval_steps=0),
+            item_handlers={"state": ocp.PyTreeCheckpointHandler()})
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
                                 {"params": abstract_params})
     restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(

@@ -1,20 +1,24 @@
 r"""Command line: run an experiment config in a workdir.
 
   python -m attention_jax.main --config=experiments/gpt.py --workdir=/tmp/gpt \
-      [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample]
+      [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample|embed]
   attention-jax --config=experiments/vit.py:variant=vit-tiny/4 --workdir=/tmp/vit
 
 `--config=FILE:ARG` passes ARG to the file's `get_config(arg)`. Any field can be
-overridden with `--config.group.key=value`; an unknown key or a value of the wrong type
-is an error before anything runs. Running the same command again resumes from the
-workdir's latest checkpoint. Modes:
+overridden with `--config.group.key=value`; an unknown key, a value of the wrong type
+or range is an error before anything runs. Running the same command again resumes from
+the workdir's latest checkpoint; if training-relevant keys differ from the workdir's
+config.json the run stops and lists them (--resume_changed resumes anyway; a changed
+train.steps, to extend a run, and the keys in train.RESUME_SAFE_KEYS need no flag).
+Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
   eval    evaluate the latest checkpoint on the eval split, print and log the metrics.
   sample  language models: print continuations of config.eval.sample_prompts.
   embed   BERT sentence embeddings of the lines on stdin, from
           --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
-Exit codes: 0 done, 1 a config or non-finite-loss error (message printed), 130/143
-stopped by SIGINT/SIGTERM after saving a checkpoint (run again to resume).
+Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
+message, no traceback), 130/143 stopped by SIGINT/SIGTERM after saving a checkpoint
+(run again to resume).
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py[:arg]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the resolved config.")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "sample", "embed"], "What to do.")
+MODES = ["train", "eval", "sample", "embed"]
+flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+flags.DEFINE_bool("resume_changed", False,
+                  "Resume the workdir's checkpoint even though training-relevant config keys "
+                  "differ from its config.json (the old one is kept as "
+                  "config_until_step_N.json).")
 flags.mark_flags_as_required(["config", "workdir"])
+USAGE = ("python -m attention_jax.main --config=experiments/NAME.py[:ARG] --workdir=DIR "
+         f"[--config.group.key=value ...] [--mode={'|'.join(MODES)}] [--resume_changed]")
+
+
+class InputError(ValueError):
+    """Bad input on stdin (--mode=embed)."""
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
@@ -78,7 +93,7 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     if texts is None:
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
-        raise ValueError("--mode=embed: no texts (give one text per line on stdin)")
+        raise InputError("--mode=embed: no texts (give one text per line on stdin)")
     src = str(config.train.init_from or "")
     if src.startswith("hf:"):
         enc = convert.load_sentence_encoder(src[len("hf:"):])
@@ -103,49 +118,108 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
 
 
 def main(argv) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides are --config.x.y=v")
+    del argv  # parse_flags has refused stray arguments.
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
-    from attention_jax import train
+    from attention_jax import checkpoint, runs, train
+    from attention_jax.data import sources
+    # Mistakes a user can make, each reported as one `error: ...` line; anything else is a
+    # bug and keeps its traceback.
+    user_errors = (train.ConfigError, train.NonFiniteLossError, runs.RunNotFoundError,
+                   checkpoint.CheckpointMismatchError, sources.DatasetNotFoundError, InputError)
     config, workdir = FLAGS.config, FLAGS.workdir
     try:
-        if FLAGS.mode == "eval":
-            print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
-            return 0
-        if FLAGS.mode == "embed":
-            print(json.dumps(embed_texts(config, workdir), indent=1))
-            return 0
-        if FLAGS.mode == "sample":
-            for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
-                print(f"--- prompt {prompt!r}\n{text}\n")
-            return 0
-        summary = train.train_and_evaluate(config, workdir)
-    except (train.ConfigError, train.NonFiniteLossError) as e:
-        # Expected failures get a one-paragraph message, not a traceback.
-        print(f"error: {e}", file=sys.stderr)
+        return _run_mode(config, workdir, train)
+    except user_errors as e:
+        where = f"--mode={FLAGS.mode}: " if isinstance(e, runs.RunNotFoundError) else ""
+        print(f"error: {where}{e}", file=sys.stderr)
         return 1
+
+
+def _run_mode(config, workdir, train) -> int:
+    if FLAGS.mode == "eval":
+        print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
+        return 0
+    if FLAGS.mode == "embed":
+        print(json.dumps(embed_texts(config, workdir), indent=1))
+        return 0
+    if FLAGS.mode == "sample":
+        for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
+            print(f"--- prompt {prompt!r}\n{text}\n")
+        return 0
+    summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
     print(json.dumps({k: summary[k] for k in ("step", "train", "eval", "stopped_by")}, indent=1))
-    task = train.TASKS.get(config.task)
     if summary["stopped_by"]:
         return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
-    if FLAGS.mode == "train" and config.task == "gpt" and task is not None:
+    if config.task == "gpt" and train.TASKS.get(config.task) is not None:
         for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
             print(f"--- sample from {prompt!r}:\n{text}\n")
     return 0
 
 
-def _bad_override(argv) -> str:
-    """Which `--config.a.b=v` failed and the keys that are valid there."""
+def _config_spec(argv) -> str | None:
+    """The value of --config (`--config=F` or `--config F`), or None."""
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _load_experiment(spec: str):
+    """The ConfigDict of `experiments/NAME.py[:ARG]` (ARG goes to its get_config)."""
     import importlib.util
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None:
-        return ""
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_experiment", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    config = module.get_config(arg or None)
+    return module.get_config(arg or None)
+
+
+def experiments() -> dict[str, str]:
+    """experiments/*.py of the working directory (else the repository's): path -> the
+    first line of its docstring, read without running the file."""
+    import ast
+    import glob
+    here = glob.glob(os.path.join("experiments", "*.py"))
+    repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+    out = {}
+    for path in sorted(here or glob.glob(os.path.join(repo, "*.py"))):
+        with open(path) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        out[path] = doc.strip().split("\n")[0]
+    return out
+
+
+def help_text(argv) -> str:
+    """--help: the module doc, the experiments, the flags, and with --config=FILE the
+    keys of that config with their values."""
+    lines = [__doc__.strip(), "", f"Usage: {USAGE}", "", "Experiments (--config=PATH):"]
+    found = experiments()
+    width = max(map(len, found), default=0)
+    lines += [f"  {path:<{width}}  {doc}" for path, doc in found.items()]
+    lines += ["", "Flags:"]
+    lines += [f"  --{name}: {FLAGS[name].help}" for name in ("config", "workdir", "mode",
+                                                             "resume_changed")]
+    spec = _config_spec(argv)
+    if spec and os.path.isfile(spec.partition(":")[0]):
+        from attention_jax import train
+        config = _load_experiment(spec)
+        lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
+        lines += [f"  {key} = {value!r}" for key, value in train._flat(config).items()]
+    else:
+        lines += ["", "A config's keys and values: add --help to a command with "
+                      "--config=experiments/NAME.py"]
+    return "\n".join(lines)
+
+
+def _bad_override(argv) -> str:
+    """Which `--config.a.b=v` failed and the keys that are valid there."""
+    spec = _config_spec(argv)
+    if spec is None:
+        return ""
+    config = _load_experiment(spec)
     for arg in argv:
         if not arg.startswith("--config."):
             continue
@@ -159,19 +233,39 @@ def _bad_override(argv) -> str:
     return ""
 
 
-def parse_flags(argv):
-    """absl flag parsing with config errors reported as one line naming the key."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"error: {e}\nUsage: python -m attention_jax.main --config=experiments/NAME.py "
-              f"--workdir=DIR [--config.group.key=value ...] [--mode=train|eval|sample]",
-              file=sys.stderr)
-    except (AttributeError, KeyError) as e:  # An override naming a key the config lacks.
-        print(f"error: {_bad_override(argv) or e}", file=sys.stderr)
-    except (TypeError, ValueError) as e:  # An override of the wrong type.
-        print(f"error: {e}", file=sys.stderr)
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
     sys.exit(1)
+
+
+def parse_flags(argv):
+    """absl flag parsing with every mistake reported as one line: a missing experiment
+    file, a stray argument, an unknown flag, an override naming a key the config lacks
+    or of the wrong type. --help prints help_text and exits 0."""
+    if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
+        print(help_text(argv))
+        sys.exit(0)
+    spec = _config_spec(argv)
+    if spec is not None and not os.path.isfile(spec.partition(":")[0]):
+        import difflib
+        names = list(experiments())
+        close = difflib.get_close_matches(spec.partition(":")[0], names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        _fail(f"--config={spec}: no such file{hint}. Experiments: "
+              f"{', '.join(names) or 'none found in ./experiments'}")
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e}\nUsage: {USAGE}")
+    except (AttributeError, KeyError) as e:  # An override naming a key the config lacks.
+        _fail(_bad_override(argv) or str(e))
+    except (TypeError, ValueError) as e:  # An override of the wrong type.
+        _fail(str(e))
+    if len(rest) > 1:
+        _fail(f"unexpected argument{'s' if len(rest) > 2 else ''} {' '.join(rest[1:])}: "
+              f"flags are --name=value and config overrides --config.group.key=value "
+              f"(--help lists them)")
+    return rest
 
 
 def run() -> None:

@@ -27,12 +27,16 @@ import ml_collections
 from attention_jax import data, tasks, train
 
 
+class RunNotFoundError(FileNotFoundError):
+    """The workdir holds no run, or no checkpoint yet (train first)."""
+
+
 def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """The run's config from its config.json, set to one device (a reader needs no mesh;
     checkpoints restore onto any mesh). `overrides`: {'data.seq_len': 256}."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
+        raise RunNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
                                 f"written by attention_jax.main (--workdir=DIR writes it)")
     with open(path) as f:
         raw = json.load(f)
@@ -82,7 +86,8 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
     s = train.setup(config, workdir, read_only=True)
     try:
         if s.ckpt.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
+            raise RunNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first "
+                                   f"(--mode=train with this --workdir)")
         with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
             state, _ = s.ckpt.restore(s.abstract)
     finally:

@@ -31,6 +31,24 @@ class ConfigError(ValueError):
     """A config key with an invalid value; the message names the key and valid values."""
 
 
+def check_range(key: str, value, interval: str) -> None:
+    """ConfigError unless `value` lies in `interval`, written as in maths: "(0, inf)",
+    "[0, 1)", "[1, inf)"; the message names config.<key>, the value and the range."""
+    low, high = (x.strip() for x in interval[1:-1].split(","))
+    low, high = float(low), float(high)
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    if above and below:  # False for NaN as well.
+        return
+    name, fmt = key, lambda x: f"{x:g}"
+    if math.isinf(high):
+        valid = f"{name} {'>' if interval[0] == '(' else '>='} {fmt(low)}"
+    else:
+        valid = (f"{fmt(low)} {'<' if interval[0] == '(' else '<='} {name} "
+                 f"{'<' if interval[-1] == ')' else '<='} {fmt(high)}")
+    raise ConfigError(f"config.{key}={value!r} is out of range; valid: {valid}")
+
+
 # ===================================================================================== task
 @dataclasses.dataclass
 class Task:
@@ -122,9 +140,21 @@ def model_config(cls, config, **forced):
                           f"valid: {sorted(fields | {'variant'})}")
     kwargs = {**given, **forced}
     try:
-        return cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
+        cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
+    # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
+    # checked on the resolved config so a variant's own values are covered too.
+    for f in dataclasses.fields(cfg):
+        if f.name.endswith("dropout_rate") and isinstance(getattr(cfg, f.name), (int, float)):
+            check_range(f"model.{f.name}", getattr(cfg, f.name), "[0, 1)")
+    return cfg
+
+
+# Valid ranges of the `config.data` keys the adapters share (a key a task lacks is skipped).
+DATA_RANGES = {"mask_rate": "(0, 1)", "seq_len": "[1, inf)", "source_len": "[1, inf)",
+               "target_len": "[1, inf)", "vocab_size": "[1, inf)", "max_files": "[0, inf)",
+               "max_documents": "[0, inf)", "padding": "[0, inf)"}
 
 
 def data_options(config, **defaults) -> ml_collections.ConfigDict:
@@ -137,7 +167,16 @@ def data_options(config, **defaults) -> ml_collections.ConfigDict:
         want = type(defaults[key])
         if not isinstance(value, want) and not (want is float and isinstance(value, int)):
             raise ConfigError(f"config.data.{key}={value!r} must be {want.__name__}")
-    return ml_collections.ConfigDict({**defaults, **given})
+    merged = {**defaults, **given}
+    for key, interval in DATA_RANGES.items():
+        if key in merged:
+            check_range(f"data.{key}", merged[key], interval)
+    if "tokenizer" in merged:  # Before any data is built.
+        from attention_jax.data.tokenization import KINDS
+        if merged["tokenizer"] not in KINDS:
+            raise ConfigError(f"config.data.tokenizer={merged['tokenizer']!r} is unknown; valid: "
+                              f"{list(KINDS)}{_did_you_mean(merged['tokenizer'], KINDS)}")
+    return ml_collections.ConfigDict(merged)
 
 
 def _text(x) -> str:
@@ -167,14 +206,46 @@ def padded_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _splits(d, **options):
+    """The train and eval splits; a dataset that is unknown or not prepared here is a
+    ConfigError naming config.data.name (the message says how to prepare it)."""
     from attention_jax import data
-    get = lambda split: data.get_dataset(d.name, split, d.data_dir or None, **options)
-    return get(d.train_split), get(d.eval_split)
+    from attention_jax.data import sources
+
+    offline = d.name.split("/")[0] in sources.OFFLINE
+
+    def get(key):
+        try:
+            src = data.get_dataset(d.name, d[key], d.data_dir or None,
+                                   **(options if offline else {}))
+        except data.DatasetNotFoundError as e:
+            known = [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES]
+            hint = "" if d.name in known else _did_you_mean(d.name, known)
+            raise ConfigError(f"config.data.name={d.name!r}{hint}: {e}") from None
+        if options and not offline:  # e.g. max_files, which only the offline corpora have
+            key, value = next(iter(options.items()))
+            raise ConfigError(f"config.data.{key}={value!r} applies only to the offline "
+                              f"datasets {sorted(sources.OFFLINE)}; set it to 0 for "
+                              f"{d.name!r}")
+        return src
+    return get("train_split"), get("eval_split")
 
 
 def _corpus_options(d) -> dict:
     return {"max_files": d.max_files} if d.max_files else {}
+
+
+def data_parallel_size() -> int:
+    """Devices the batch is split over in the current mesh (jax.set_mesh), 1 without one."""
+    from attention_jax import sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
 
 
 def lm_task(config, workdir: str) -> Task:
@@ -210,13 +281,17 @@ def lm_task(config, workdir: str) -> Task:
         new = config.eval.sample_tokens
         if cfg.position == "learned":
             new = min(new, cfg.max_len - width)
+        # As many rows as the batch axes split evenly (extra one-token rows, dropped
+        # after): otherwise XLA must replicate the activations at every layer.
+        rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()
+        prompts = prompts + [[tok.bos_id]] * (rows - len(prompts))
         padded = np.array([p + [tok.pad_id] * (width - len(p)) for p in prompts], np.int32)
         out, lengths = gpt.generate(
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
             top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
         out, lengths = np.asarray(out), np.asarray(lengths)
-        return [tok.decode(out[i, :lengths[i]]) for i in range(len(prompts))]
+        return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]
 
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, d.seq_len), jnp.int32))["params"],
                 loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ from attention_jax import sharding
 from attention_jax.data import loaders
 # The model families live in tasks.py; these names are re-exported because callers
 # (main.py, runs.py, tools, tests) use them as train.ConfigError, train.Task, train.TASKS.
-from attention_jax.tasks import TASKS, ConfigError, Task  # noqa: F401
+from attention_jax.tasks import TASKS, ConfigError, Task, check_range  # noqa: F401
 
 
 # =================================================================================== config
@@ -105,6 +106,36 @@ _CHOICES = {
 }
 
 
+# Valid values of the numeric keys, as intervals ("(" open, "[" closed; tasks.check_range).
+RANGES = {
+    "optim.lr": "(0, inf)",
+    "optim.warmup_steps": "[0, inf)",
+    "optim.end_lr_ratio": "[0, 1]",
+    "optim.b1": "[0, 1)",
+    "optim.b2": "[0, 1)",
+    "optim.eps": "(0, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.clip_norm": "[0, inf)",
+    "optim.label_smoothing": "[0, 1)",
+    "optim.grad_accum": "[1, inf)",
+    "optim.decay_steps": "[0, inf)",
+    "train.steps": "[1, inf)",
+    "train.batch_size": "[1, inf)",
+    "train.log_every": "[1, inf)",
+    "train.inject_nan_at": "[-1, inf)",
+    "train.checkpoint_every": "[1, inf)",
+    "train.keep_checkpoints": "[1, inf)",
+    "train.data_workers": "[0, inf)",
+    "mesh.num_devices": "[0, inf)",
+    "eval.every": "[-1, inf)",
+    "eval.steps": "[0, inf)",
+    "eval.batch_size": "[1, inf)",
+    "eval.sample_tokens": "[1, inf)",
+    "eval.sample_temperature": "[0, inf)",
+    "eval.sample_top_k": "[0, inf)",
+}
+
+
 def _flat(cfg: ml_collections.ConfigDict, prefix="") -> dict[str, Any]:
     out = {}
     for k, v in cfg.items():
@@ -141,16 +172,17 @@ def validate_config(config, num_devices: int | None = None, check_task: bool = T
     for key, choices in _CHOICES.items():
         if got[key] not in choices:
             raise ConfigError(f"config.{key}={got[key]!r} is invalid; valid: {list(choices)}")
-    for key in ("train.steps", "train.batch_size", "optim.grad_accum", "train.log_every",
-                "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size"):
-        if got[key] <= 0:
-            raise ConfigError(f"config.{key}={got[key]} must be a positive integer")
-    if got["eval.every"] < -1:
-        raise ConfigError(f"config.eval.every={got['eval.every']} must be >= -1")
-    for key in ("optim.warmup_steps", "eval.steps", "train.data_workers",
-                "mesh.num_devices"):
-        if got[key] < 0:
-            raise ConfigError(f"config.{key}={got[key]} must be >= 0")
+    for key, interval in RANGES.items():
+        check_range(key, got[key], interval)
+    schedule = got["optim.decay_steps"] or got["train.steps"]
+    if got["optim.warmup_steps"] > schedule:
+        what = (f"optim.decay_steps={schedule}" if got["optim.decay_steps"]
+                else f"the run (train.steps={schedule})")
+        raise ConfigError(
+            f"config.optim.warmup_steps={got['optim.warmup_steps']} is longer than {what}: "
+            f"the learning rate would never reach optim.lr; valid: warmup_steps <= {schedule} "
+            f"(or set optim.decay_steps >= {got['optim.warmup_steps']} to run the start of a "
+            f"longer schedule)")
     sharding.rules_from_config(config.mesh.rules)
     if num_devices is None:
         return
@@ -400,7 +432,7 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
         if config.eval.steps and n >= config.eval.steps:
             break
     if n == 0:
-        raise ValueError(f"the eval split has fewer than eval.batch_size="
+        raise ConfigError(f"the eval split has fewer than eval.batch_size="
                          f"{config.eval.batch_size} examples; lower config.eval.batch_size")
     means = {k: v / n for k, v in sums.items()}
     if task.unit == "tokens":
@@ -471,19 +503,26 @@ def warm_start_params(init_from: str, abstract_params):
     return params
 
 
-def train_and_evaluate(config, workdir: str, task: Task | None = None) -> dict[str, Any]:
+def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
+                       resume_changed: bool = False) -> dict[str, Any]:
     """Trains `config` in `workdir`, resuming whatever is there. Returns a summary:
-    {'step', 'train': last logged metrics, 'eval': last eval metrics, 'losses': the loss
-    of each step run by this call, 'stopped_by': signal name or None, 'state': the final
-    train state (sharded jax.Arrays)}."""
+    {'step', 'train': last logged metrics, 'eval': last eval metrics (both read back
+    from metrics.jsonl when this call logged none), 'losses': the loss of each step run
+    by this call, 'stopped_by': signal name or None, 'state': the final train state
+    (sharded jax.Arrays)}.
+
+    Resuming with training-relevant keys changed from the workdir's config.json is a
+    ConfigError listing them, unless `resume_changed` (see check_config_change)."""
     os.makedirs(workdir, exist_ok=True)
     s = setup(config, workdir, task)
     task, mesh = s.task, s.mesh
+    check_config_change(config, workdir, s.ckpt.latest_step(), resume_changed)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
         if task.save_assets:
             task.save_assets(workdir)
+    _say(f"workdir {os.path.abspath(workdir)}: " + ", ".join(_outputs(config, task)))
 
     batch_sh = sharding.batch_sharding(mesh)
     repl = sharding.replicated(mesh)
@@ -496,7 +535,114 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None) -> dict[s
                             in_shardings=(s.shardings["params"], batch_sh), out_shardings=repl)
         loader = make_train_loader(task, config, data_state)
         summary = _loop(config, workdir, s, state, loader, train_step, eval_step)
+    for split, record in last_records(workdir).items():
+        summary[split] = summary[split] or record  # e.g. a resumed run with nothing to do
+    _say(f"workdir {os.path.abspath(workdir)}: checkpoints/ up to step {summary['step']}, "
+         f"metrics.jsonl, tensorboard/, config.json")
     return summary
+
+
+def _outputs(config, task: Task) -> list[str]:
+    """What a training run writes into its workdir, for the line printed at the start."""
+    out = ["config.json",
+           f"checkpoints/ (every {config.train.checkpoint_every} steps and at the end)",
+           f"metrics.jsonl and tensorboard/ (every {config.train.log_every} steps)"]
+    if task.save_assets:
+        out.append("tokenizer/")
+    return out
+
+
+def last_records(workdir: str) -> dict[str, dict]:
+    """The last 'train' and 'eval' records of workdir/metrics.jsonl (with their step)."""
+    found = {"train": {}, "eval": {}}
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return found
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # A line cut short by a kill.
+            if record.get("split") in found:
+                found[record.pop("split")] = record
+    return found
+
+
+# Keys a resumed run may change without resume_changed=True: how long to train, how often
+# to log, evaluate and checkpoint, where the data lives, on which devices (checkpoints
+# restore onto any mesh), and the attention backend; none changes what a step computes.
+# Keys ending in "." cover their whole group.
+RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.checkpoint_every",
+                    "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
+                    "train.nonfinite", "train.inject_nan_at", "train.init_from",
+                    "data.data_dir", "model.implementation", "model.remat_policy",
+                    "mesh.", "eval.")
+
+
+def _flat_json(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat_json(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(config, workdir: str) -> dict[str, tuple[Any, Any]]:
+    """{key: (value in workdir/config.json, value in `config`)} for every key that
+    differs ({} without a config.json). A key one side lacks counts as its default."""
+    from attention_jax import tasks
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        stored = json.load(f)
+    stored["model"] = tasks.rename_old_model_fields(stored.get("task", ""), stored.get("model", {}))
+    old = _flat_json(stored)
+    new = _flat_json(json.loads(config.to_json_best_effort()))
+    base = _flat_json(json.loads(base_config().to_json_best_effort()))
+    missing = "(absent)"
+    changes = {}
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, base.get(key, missing)), new.get(key, base.get(key, missing))
+        if before != after:
+            changes[key] = (before, after)
+    return changes
+
+
+def check_config_change(config, workdir: str, step: int | None, resume_changed: bool) -> None:
+    """Before resuming the checkpoint at `step`: compares `config` with the run's
+    config.json. Changes only of RESUME_SAFE_KEYS (e.g. train.steps, to extend a run) are
+    printed as a note; others raise a ConfigError listing `key: old -> new` and the ways
+    through, unless `resume_changed` (then the old file is kept as
+    config_until_step_<step>.json)."""
+    if step is None:
+        return  # Nothing to resume: the workdir's config.json is simply replaced.
+    changes = config_changes(config, workdir)
+    if not changes:
+        return
+    safe = lambda key: any(key == k or (k.endswith(".") and key.startswith(k))
+                           for k in RESUME_SAFE_KEYS)
+    show = lambda keys: ", ".join(f"{k}: {json.dumps(changes[k][0])} -> "
+                                  f"{json.dumps(changes[k][1])}" for k in keys)
+    relevant = [k for k in changes if not safe(k)]
+    if relevant and not resume_changed:
+        raise ConfigError(
+            f"{workdir} holds a run at step {step} trained with another config: "
+            f"{show(relevant)}. To resume it with the new values anyway pass "
+            f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
+            f"from scratch use a new --workdir.")
+    note = f"resuming step {step} with config changes: {show(list(changes))}"
+    if "train.steps" in changes and not config.optim.decay_steps:
+        note += (f" (the learning-rate schedule now spans {changes['train.steps'][1]} steps; "
+                 f"--config.optim.decay_steps={changes['train.steps'][0]} keeps the old one)")
+    if relevant and jax.process_index() == 0:
+        old = os.path.join(workdir, f"config_until_step_{step}.json")
+        os.replace(os.path.join(workdir, "config.json"), old)
+        note += f"; the previous config is kept as {old}"
+    _say(note)
 
 
 def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str, Any]:
@@ -505,10 +651,15 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
     step = int(jax.device_get(state["step"]))
     writer = MetricWriter(workdir)
     show = config.train.progress and jax.process_index() == 0
+    # A bar on a terminal; in a log file (the bar's stream is not a terminal) one plain
+    # line per logged window instead of a line of carriage returns.
+    plain = show and not sys.stderr.isatty()
     from tqdm.auto import tqdm
-    bar = tqdm(total=total, initial=step, disable=not show, dynamic_ncols=True, unit="step")
+    bar = tqdm(total=total, initial=step, disable=not show or plain, dynamic_ncols=True,
+               unit="step")
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
     window, units, t0 = [], 0, time.perf_counter()
+    start_step, start_time = step, t0
     batches = iter(loader)
     try:
         with ckpt_lib.StopRequest() as stop:
@@ -532,7 +683,14 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                     means = {k: float(np.mean([m[k] for m in window])) for k in window[0]
                              if k != "finite"}
                     means[f"{task.unit}_per_sec"] = rate
+                    if len(window) != config.train.log_every:
+                        # Fewer steps than a full window: it began at a resume, ends the
+                        # run early, or lost skipped non-finite steps.
+                        means["steps_in_window"] = float(len(window))
                     writer.write(step, "train", means)
+                    if plain:
+                        _say(_progress_line(step, total, means, task.unit,
+                                            time.perf_counter() - start_time, step - start_step))
                     summary["train"], window, units, t0 = means, [], 0, time.perf_counter()
                 every = config.eval.every
                 if every >= 0 and (step == total or (every and step % every == 0)):
@@ -559,6 +717,13 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
         writer.close()
     summary["step"], summary["state"] = step, state
     return summary
+
+
+def _progress_line(step, total, means, unit, elapsed, steps_done) -> str:
+    """One line of progress for a log file: step, loss, lr, throughput, time left."""
+    left = elapsed / max(steps_done, 1) * (total - step)
+    return (f"step {step}/{total}  loss {means['loss']:.4f}  lr {means['lr']:.2e}  "
+            f"{means[f'{unit}_per_sec']:,.0f} {unit}/s  {int(left) // 60}m{int(left) % 60:02d}s left")
 
 
 def _nonfinite(config, step, metrics, ckpt) -> None:

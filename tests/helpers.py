@@ -31,6 +31,7 @@ def shrink(c, data_dir):
         c.data.seq_len = min(c.data.seq_len, 32)
         c.model.num_layers, c.model.d_model = 1, 4 * c.model.num_heads
     c.train.steps = 1
+    c.optim.warmup_steps = min(c.optim.warmup_steps, c.train.steps)
     c.train.batch_size = 8
     c.train.progress = False
     c.eval.every = -1

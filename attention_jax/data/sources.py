@@ -11,10 +11,12 @@ network).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import tensorflow_datasets as tfds
 
+from attention_jax import quiet
 from attention_jax.data import builders
 
 
@@ -75,9 +77,12 @@ def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
         if isinstance(config, tfds.core.BuilderConfig) and config.name in cls.builder_configs:
             config = config.name  # tfds refuses an object named like a registered config.
         kwargs = {} if config is None else {'config': config}
-        builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
-        if prepare and not builder.is_prepared():
-            builder.download_and_prepare()
+        if not sys.stderr.isatty():
+            tfds.disable_progress_bar()  # Its bars are lines of escape codes in a log file.
+        with quiet.drop_log_messages(*builders.HARMLESS_TFDS_WARNINGS):
+            builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
+            if prepare and not builder.is_prepared():
+                builder.download_and_prepare()
         return builder
     if options:
         raise ValueError(f'options {sorted(options)} only apply to the offline datasets '
@@ -90,14 +95,18 @@ def _catalogue_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
            f'catalogue datasets):\n'
            f'    tfds build {name} --data_dir={data_dir} --file_format=array_record\n'
            f'then copy {os.path.join(data_dir, name.split("/")[0])} to this machine.')
-    try:
-        # Constructing a builder reads only local metadata; it never downloads.
-        builder = tfds.builder(name, data_dir=data_dir, file_format=builders.FILE_FORMAT)
-    except tfds.core.registered.DatasetNotFoundError as e:
-        raise DatasetNotFoundError(
-            f'Unknown dataset {name!r}: not an offline dataset ({", ".join(sorted(OFFLINE))}) '
-            f'and not in the tfds catalogue ({e.__class__.__name__}).') from None
-    if not builder.is_prepared():
+    # (tfds warns of a variant folder without dataset_info.json; the error below says it.)
+    with quiet.drop_log_messages(*builders.HARMLESS_TFDS_WARNINGS):
+        try:
+            # Constructing a builder reads only local metadata; it never downloads.
+            builder = tfds.builder(name, data_dir=data_dir, file_format=builders.FILE_FORMAT)
+        except tfds.core.registered.DatasetNotFoundError as e:
+            raise DatasetNotFoundError(
+                f'Unknown dataset {name!r}: not an offline dataset '
+                f'({", ".join(sorted(OFFLINE))}) and not in the tfds catalogue '
+                f'({e.__class__.__name__}).') from None
+        prepared = builder.is_prepared()
+    if not prepared:
         raise DatasetNotFoundError(
             f'Dataset {name!r} is not prepared in data_dir {data_dir!r} (looked for '
             f'{os.path.join(os.fspath(builder.data_path), "dataset_info.json")}). '

@@ -57,7 +57,21 @@ class LearnedPositionEmbedding(nn.Module):
             "embedding",
             nn.with_logical_partitioning(self.embedding_init, (axes.POSITION, axes.EMBED)),
             (self.num_positions, self.features), self.param_dtype)
-        return jnp.take(table, positions, axis=0).astype(self.dtype)  # [B, T, D]
+        return lookup(table, positions, axes.POSITION).astype(self.dtype)  # [B, T, D]
+
+
+def lookup(table, ids, rows_axis: str = axes.VOCAB):
+    """Rows `ids` [B, T] of an embedding table [R, D] -> [B, T, D].
+
+    Under FSDP the table's D is split over `fsdp` (rule embed -> fsdp). A gather from the
+    split table yields [B, T, D/fsdp] pieces, which no collective turns into activations
+    split by batch over (data, fsdp): XLA then falls back to replicating the result ("[SPMD]
+    Involuntary full rematerialization") at every lookup, most visibly when sampling a
+    few prompts. So the table is first gathered to whole rows, as FSDP gathers every
+    weight before use; the rows stay split over `tensor` (a masked gather and a sum).
+    """
+    table = nn.with_logical_constraint(table, (rows_axis, None))
+    return jnp.take(table, ids, axis=0)
 
 
 def rope_angles(positions, head_dim: int, base: float = 10000.0):

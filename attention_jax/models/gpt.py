@@ -33,7 +33,7 @@ from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d, matmul
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import LearnedPositionEmbedding, sinusoidal
+from attention_jax.layers.posemb import LearnedPositionEmbedding, lookup, sinusoidal
 from attention_jax.models.losses import cross_entropy
 
 __all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss",
@@ -161,7 +161,7 @@ class GPT(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std),
                                                         (axes.VOCAB, axes.EMBED)),
             name="token_embedding")
-        x = embed(tokens)  # [B, T, D]
+        x = lookup(embed.embedding, tokens).astype(dtype)  # [B, T, D] (see posemb.lookup)
         if sinusoidal_input:
             x = x * jnp.sqrt(jnp.float32(cfg.d_model)).astype(x.dtype)
         if cfg.position == "learned":

@@ -95,9 +95,11 @@ def test_checkpoint_of_another_model_is_refused_naming_keys(tmp_path):
     train.train_and_evaluate(tiny.tiny_config(), workdir)
     wider = tiny.tiny_config()
     wider.model.width = 32
+    with pytest.raises(train.ConfigError, match=r"model\.width: 16 -> 32"):
+        train.train_and_evaluate(wider, workdir)  # the changed config is named first
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=r"shape differs: +params/embed model \(32, 32\) vs checkpoint \(32, 16\)"):
-        train.train_and_evaluate(wider, workdir)
+        train.train_and_evaluate(wider, workdir, resume_changed=True)
 
 
 def test_cli_reports_config_errors_in_one_line(tmp_path):

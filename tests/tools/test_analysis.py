@@ -57,6 +57,7 @@ def test_translation_table_has_one_row_per_bucket():
 def _tiny_run(name, arg, data_dir, workdir, **model):
     config = shrink(load(name).get_config(arg), data_dir)
     config.train.steps = 2
+    config.optim.warmup_steps = 1
     for k, v in model.items():
         config.model[k] = v
     train.train_and_evaluate(config, workdir)

@@ -109,6 +109,7 @@ def _gpt_config(tmp_path):
     c.model.d_model = 32
     c.model.num_heads = 2
     c.train.steps = 2
+    c.optim.warmup_steps = 1
     c.train.batch_size = 8
     c.train.progress = False
     c.train.async_checkpoint = False

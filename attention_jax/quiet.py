@@ -1,0 +1,37 @@
+"""Third-party log lines that are known to be harmless where we trigger them, dropped
+while our code triggers them: never a blanket silence, always one message template of
+one library, and only around the call that provokes it.
+
+    with quiet.drop_log_messages("Given directory is read only=%s"):
+        manager = ocp.CheckpointManager(...)   # read-only on purpose: nothing to warn of
+
+Messages are matched on their format string (`record.msg`), not the formatted text,
+so a filter cannot swallow a different message that happens to contain the words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, templates):
+        super().__init__()
+        self.templates = frozenset(templates)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.templates
+
+
+@contextlib.contextmanager
+def drop_log_messages(*templates: str, logger: str = "absl"):
+    """Drops records whose format string is one of `templates` from `logger` (absl's,
+    which orbax and tensorflow-datasets log through) for the duration of the block."""
+    target = logging.getLogger(logger)
+    f = _DropMessages(templates)
+    target.addFilter(f)
+    try:
+        yield
+    finally:
+        target.removeFilter(f)

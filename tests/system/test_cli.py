@@ -1,0 +1,178 @@
+"""The command line as a newcomer meets it: every mistake one `error: ...` line and exit
+code 1 (no traceback), --help that helps, quiet runs that say where their outputs went,
+a plain progress log when stdout is a file, and resuming a changed config only on
+request. Each test runs `python -m attention_jax.main` in a subprocess (8 CPU devices)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, subprocess_env
+
+# The GPT experiment at test size: one small layer, six corpus files, two steps.
+TINY_GPT = ["--config=experiments/gpt.py", "--config.data.max_files=6",
+            "--config.data.seq_len=32", "--config.model.num_layers=1",
+            "--config.model.d_model=16", "--config.train.steps=2",
+            "--config.optim.warmup_steps=1", "--config.train.batch_size=8",
+            "--config.train.log_every=2", "--config.eval.every=-1", "--config.eval.steps=1",
+            "--config.eval.batch_size=8", "--config.eval.sample_tokens=4"]
+
+
+def cli(*args, cache: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = subprocess_env(8)
+    if not cache:  # XLA only warns while compiling: a cache hit would hide its warnings.
+        for key in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+            env.pop(key)
+    return subprocess.run([sys.executable, "-m", "attention_jax.main", *args], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(out: subprocess.CompletedProcess) -> str:
+    """The run failed with exit code 1 and exactly one line on stderr: `error: ...`."""
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+# ------------------------------------------------------------------ mistakes, one line each
+def test_misspelt_experiment_file_and_stray_argument(tmp_path):
+    line = one_error_line(cli("--config=experiments/gtp.py", f"--workdir={tmp_path}"))
+    assert line.startswith("error: --config=experiments/gtp.py: no such file (did you mean "
+                           "experiments/gpt.py?). Experiments: ")
+    assert "experiments/vit.py" in line
+    line = one_error_line(cli("--config=experiments/gpt.py", f"--workdir={tmp_path}", "steps=5"))
+    assert line.startswith("error: unexpected argument steps=5: ")
+    assert "--config.group.key=value" in line
+
+
+def test_help_exits_0_with_modes_experiments_and_a_configs_keys():
+    out = cli("--help")
+    assert out.returncode == 0, out.stderr
+    assert "[--mode=train|eval|sample|embed]" in out.stdout
+    assert "experiments/gpt.py" in out.stdout and "experiments/bert_mlm.py" in out.stdout
+    assert "--resume_changed" in out.stdout
+    assert "optim.lr = " not in out.stdout  # keys need a config: the help says how
+    assert "add --help to a command with --config=experiments/NAME.py" in out.stdout
+    out = cli("--config=experiments/gpt.py", "--help")
+    assert out.returncode == 0
+    assert "  optim.lr = 0.003" in out.stdout and "  data.name = 'python_stdlib'" in out.stdout
+
+
+def test_out_of_range_values_fail_before_anything_runs(tmp_path):
+    line = one_error_line(cli("--config=experiments/gpt.py", f"--workdir={tmp_path}",
+                              "--config.optim.lr=-1e-3"))
+    assert line == "error: config.optim.lr=-0.001 is out of range; valid: optim.lr > 0"
+    line = one_error_line(cli("--config=experiments/gpt.py", f"--workdir={tmp_path}",
+                              "--config.optim.warmup_steps=700"))
+    assert line.startswith("error: config.optim.warmup_steps=700 is longer than the run "
+                           "(train.steps=600)")
+    assert not os.path.exists(tmp_path / "config.json")
+
+
+def test_unknown_dataset_tokenizer_and_unprepared_catalogue_dataset(tmp_path, data_dir):
+    work = f"--workdir={tmp_path}"
+    line = one_error_line(cli(*TINY_GPT, work, f"--config.data.data_dir={data_dir}",
+                              "--config.data.name=pyhton_stdlib"))
+    assert line.startswith("error: config.data.name='pyhton_stdlib' (did you mean "
+                           "'python_stdlib'?): Unknown dataset 'pyhton_stdlib'")
+    line = one_error_line(cli(*TINY_GPT, work, f"--config.data.data_dir={data_dir}",
+                              "--config.data.tokenizer=bytes"))
+    assert line == ("error: config.data.tokenizer='bytes' is unknown; valid: ['char', 'byte', "
+                    "'wordpiece', 'bpe'] (did you mean 'byte'?)")
+    # Not prepared: the message goes on with the command that prepares it (no traceback).
+    out = cli(*TINY_GPT, work, f"--config.data.data_dir={tmp_path / 'empty'}",
+              "--config.data.name=lm1b")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: config.data.name='lm1b': Dataset 'lm1b' is not "
+                                 "prepared in data_dir")
+    assert "tfds build lm1b" in out.stderr
+
+
+def test_eval_without_a_checkpoint(tmp_path, data_dir):
+    line = one_error_line(cli(*TINY_GPT, f"--workdir={tmp_path}", "--mode=eval",
+                              f"--config.data.data_dir={data_dir}"))
+    assert line == (f"error: --mode=eval: no checkpoint in {tmp_path}/checkpoints: train "
+                    f"first (--mode=train with this --workdir)")
+
+
+# ---------------------------------------------------------- a run, quiet, in a log file
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """TINY_GPT trained on an fsdp × tensor mesh into a fresh data dir (so the offline
+    dataset is built here), without the XLA cache so compile-time warnings show."""
+    root = tmp_path_factory.mktemp("cli")
+    workdir, data = str(root / "run"), str(root / "tfds")
+    args = [*TINY_GPT, f"--workdir={workdir}", f"--config.data.data_dir={data}",
+            "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+    return workdir, args, cli(*args, cache=False)
+
+
+@pytest.mark.slow
+def test_a_run_says_where_its_outputs_are_and_prints_no_third_party_noise(trained):
+    workdir, _, out = trained
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("building the offline dataset text_corpus/python_stdlib_first6 ")
+    assert lines[0].endswith("(once; nothing is downloaded)")
+    assert lines[1] == (f"workdir {workdir}: config.json, checkpoints/ (every 200 steps and "
+                        f"at the end), metrics.jsonl and tensorboard/ (every 2 steps), tokenizer/")
+    # stdout is a pipe: one plain line per logged window, no carriage-return bar.
+    assert any(line.startswith("step 2/2  loss ") and "tokens/s" in line for line in lines)
+    assert "\r" not in out.stdout + out.stderr
+    assert f"workdir {workdir}: checkpoints/ up to step 2, metrics.jsonl" in out.stdout
+    assert "--- sample from 'def '" in out.stdout
+    for noise in ("Downloading and preparing", "downloaded and prepared",
+                  "Using custom data configuration", "read only", "read_only=True",
+                  "Involuntary full rematerialization", "Traceback"):
+        assert noise not in out.stdout + out.stderr, noise
+
+
+@pytest.mark.slow
+def test_sampling_on_an_fsdp_tensor_mesh_reshards_nothing(trained):
+    """Three prompts on a mesh whose batch axes hold 4 devices (data 2 × fsdp 2), no XLA
+    cache: the sampling jit compiles without an involuntary full rematerialization."""
+    workdir, args, _ = trained
+    out = cli(*args, "--mode=sample", cache=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("--- prompt ") == 3
+    assert "Involuntary full rematerialization" not in out.stderr
+    assert "read only" not in out.stderr and "read_only=True" not in out.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_changed_config_stops_unless_asked(trained):
+    workdir, args, first = trained
+    assert first.returncode == 0
+    line = one_error_line(cli(*args, "--config.optim.lr=1e-3", "--config.optim.b2=0.99"))
+    assert line == (f"error: {workdir} holds a run at step 2 trained with another config: "
+                    f"optim.b2: 0.95 -> 0.99, optim.lr: 0.003 -> 0.001. To resume it with the "
+                    f"new values anyway pass --resume_changed (train_and_evaluate(..., "
+                    f"resume_changed=True)); to train from scratch use a new --workdir.")
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["optim"]["lr"] == 0.003  # untouched
+
+    out = cli(*args, "--config.optim.lr=1e-3", "--config.train.steps=3", "--resume_changed")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (f"resuming step 2 with config changes: optim.lr: 0.003 -> 0.001, train.steps: "
+            f"2 -> 3 (the learning-rate schedule now spans 3 steps; "
+            f"--config.optim.decay_steps=2 keeps the old one); the previous config is kept "
+            f"as {workdir}/config_until_step_2.json") in out.stdout
+    with open(os.path.join(workdir, "config_until_step_2.json")) as f:
+        assert json.load(f)["optim"]["lr"] == 0.003
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["optim"]["lr"] == 0.001
+    summary = json.loads(out.stdout[out.stdout.index("\n{") + 1:out.stdout.index("\n}") + 2])
+    # The window of step 3 began at the resume: one step of a log_every=2 window, marked.
+    assert summary["step"] == 3 and summary["train"]["steps_in_window"] == 1
+
+    # Nothing left to do: the summary shows the last records of metrics.jsonl.
+    out = cli(*args, "--config.optim.lr=1e-3", "--config.train.steps=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout[out.stdout.index("\n{") + 1:out.stdout.index("\n}") + 2])
+    assert summary["train"]["step"] == 3 and summary["train"]["steps_in_window"] == 1
+    assert "resuming" not in out.stdout  # same config as config.json now: no note

@@ -1,0 +1,124 @@
+"""Config values checked before anything compiles, and what a resumed run may change."""
+
+import json
+import os
+
+import pytest
+
+import tiny
+from attention_jax import tasks, train
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("optim.lr", -1e-3, "config.optim.lr=-0.001 is out of range; valid: optim.lr > 0"),
+    ("optim.lr", 0.0, "config.optim.lr=0.0 is out of range; valid: optim.lr > 0"),
+    ("optim.b2", 1.0, "config.optim.b2=1.0 is out of range; valid: 0 <= optim.b2 < 1"),
+    ("optim.label_smoothing", 1.5, "config.optim.label_smoothing=1.5 is out of range; valid: "
+                                   "0 <= optim.label_smoothing < 1"),
+    ("optim.end_lr_ratio", float("nan"), "config.optim.end_lr_ratio=nan is out of range; "
+                                         "valid: 0 <= optim.end_lr_ratio <= 1"),
+    ("optim.weight_decay", -0.1, "config.optim.weight_decay=-0.1 is out of range; valid: "
+                                 "optim.weight_decay >= 0"),
+    ("train.steps", 0, "config.train.steps=0 is out of range; valid: train.steps >= 1"),
+    ("train.batch_size", -8, "config.train.batch_size=-8 is out of range; valid: "
+                             "train.batch_size >= 1"),
+    ("eval.every", -2, "config.eval.every=-2 is out of range; valid: eval.every >= -1"),
+    ("eval.sample_temperature", -1.0, "config.eval.sample_temperature=-1.0 is out of range; "
+                                      "valid: eval.sample_temperature >= 0"),
+])
+def test_out_of_range_values_name_the_key_value_and_range(key, value, message):
+    with pytest.raises(train.ConfigError) as e:
+        train.validate_config(tiny.tiny_config(**{key: value}))
+    assert str(e.value) == message
+
+
+def test_boundaries_are_valid():
+    train.validate_config(tiny.tiny_config(**{"optim.b1": 0.0, "optim.clip_norm": 0.0,
+                                              "eval.every": -1, "optim.end_lr_ratio": 1.0,
+                                              "optim.warmup_steps": 20}))
+
+
+def test_warmup_longer_than_the_schedule():
+    c = tiny.tiny_config(**{"optim.decay_steps": 0, "optim.warmup_steps": 11})
+    with pytest.raises(train.ConfigError, match=r"^config\.optim\.warmup_steps=11 is longer than "
+                                                r"the run \(train\.steps=10\): .*valid: "
+                                                r"warmup_steps <= 10 \(or set optim\.decay_steps"):
+        train.validate_config(c)
+    c = tiny.tiny_config(**{"optim.decay_steps": 20, "optim.warmup_steps": 21})
+    with pytest.raises(train.ConfigError, match=r"longer than optim\.decay_steps=20"):
+        train.validate_config(c)
+    # The start of a longer schedule (10 steps of a 20-step one) is fine.
+    train.validate_config(tiny.tiny_config(**{"optim.decay_steps": 20, "optim.warmup_steps": 15}))
+
+
+def test_model_dropout_and_data_probabilities():
+    from attention_jax.models import bert, gpt
+    c = tiny.tiny_config()
+    c.model = {"attention_dropout_rate": 1.0}
+    with pytest.raises(train.ConfigError, match=r"^config\.model\.attention_dropout_rate=1\.0 is "
+                                                r"out of range; valid: 0 <= model\."
+                                                r"attention_dropout_rate < 1$"):
+        tasks.model_config(bert.BertConfig, c)
+    c.model = {"variant": "gpt-tiny", "dropout_rate": -0.1}
+    with pytest.raises(train.ConfigError, match=r"config\.model\.dropout_rate=-0\.1"):
+        tasks.model_config(gpt.GPTConfig, c)
+    c.data = {"mask_rate": 1.2}
+    with pytest.raises(train.ConfigError, match=r"^config\.data\.mask_rate=1\.2 is out of range; "
+                                                r"valid: 0 < data\.mask_rate < 1$"):
+        tasks.data_options(c, mask_rate=0.15, seq_len=128)
+    c.data = {"seq_len": 0}
+    with pytest.raises(train.ConfigError, match=r"data\.seq_len >= 1"):
+        tasks.data_options(c, mask_rate=0.15, seq_len=128)
+    c.data = {"tokenizer": "bytes"}
+    with pytest.raises(train.ConfigError, match=r"config\.data\.tokenizer='bytes' is unknown; "
+                                                r"valid: .*\(did you mean 'byte'\?\)"):
+        tasks.data_options(c, tokenizer="byte")
+
+
+# ------------------------------------------------------------------------ resuming a run
+def test_resume_refuses_changed_training_keys_and_lists_them(tmp_path, capsys):
+    workdir = str(tmp_path)
+    train.train_and_evaluate(tiny.tiny_config(), workdir)
+    out = capsys.readouterr().out
+    assert f"workdir {os.path.abspath(workdir)}: config.json, checkpoints/ (every 10 steps" in out
+    assert f"workdir {os.path.abspath(workdir)}: checkpoints/ up to step 10" in out
+
+    changed = tiny.tiny_config(**{"optim.lr": 2e-2, "train.batch_size": 32})
+    with pytest.raises(train.ConfigError) as e:
+        train.train_and_evaluate(changed, workdir)
+    assert str(e.value) == (
+        f"{workdir} holds a run at step 10 trained with another config: optim.lr: 0.01 -> "
+        f"0.02, train.batch_size: 16 -> 32. To resume it with the new values anyway pass "
+        f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train from "
+        f"scratch use a new --workdir.")
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["optim"]["lr"] == 0.01  # not overwritten
+
+    # Extending the run and logging/evaluating differently needs no flag, only a note.
+    longer = tiny.tiny_config(**{"train.steps": 15, "train.log_every": 3, "eval.every": 15})
+    summary = train.train_and_evaluate(longer, workdir)
+    out = capsys.readouterr().out
+    assert ("resuming step 10 with config changes: eval.every: -1 -> 15, train.log_every: 5 -> "
+            "3, train.steps: 10 -> 15\n") in out  # decay_steps is set: the schedule is kept
+    assert summary["step"] == 15
+    # Windows: steps 11-12 (resumed mid-window), 13-15; both logged with their count.
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if '"train"' in line]
+    assert [(r["step"], r.get("steps_in_window")) for r in records] == [
+        (5, None), (10, None), (12, 2.0), (15, None)]
+
+    summary = train.train_and_evaluate(changed, workdir, resume_changed=True)
+    assert summary["step"] == 15  # nothing left to do ...
+    assert summary["train"]["step"] == 15 and summary["eval"]["step"] == 15  # ... from the file
+    assert os.path.exists(tmp_path / "config_until_step_15.json")
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["optim"]["lr"] == 0.02
+
+
+def test_no_checkpoint_means_nothing_to_compare(tmp_path):
+    """A config.json without a checkpoint (a run killed before its first save) is simply
+    replaced: there is no run to resume."""
+    with open(tmp_path / "config.json", "w") as f:
+        f.write(tiny.tiny_config(**{"optim.lr": 0.5}).to_json_best_effort())
+    train.check_config_change(tiny.tiny_config(), str(tmp_path), None, resume_changed=False)
+    assert train.config_changes(tiny.tiny_config(), str(tmp_path)) == {"optim.lr": (0.5, 0.01)}
