@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -185,7 +186,7 @@ def _mesh_of(state) -> dict[str, int]:
     return {}
 
 
-def _one_line(e: BaseException, where=None, limit: int = 200) -> str:
+def _one_line(e: BaseException, where=None, limit: int = 300) -> str:
     """The root cause of an orbax/tensorstore error as one short line (paths inside the
     folder `where` written relative to it: the message names the folder already)."""
     seen = []
@@ -200,6 +201,9 @@ def _one_line(e: BaseException, where=None, limit: int = 200) -> str:
         err, text = seen[-1], ""
     if where is not None:
         text = text.replace(f"{where}/", "").replace(str(where), ".")
+    # tensorstore appends the whole JSON spec of the failed read: noise to a person.
+    text = re.sub(r"\s*\[tensorstore_spec=.*?(\]\s*$|$)", "", text)
+    text = text.replace('Error opening "zarr" driver: ', "")
     text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -207,6 +211,25 @@ def _one_line(e: BaseException, where=None, limit: int = 200) -> str:
 def _is_committed(path: epath.Path) -> bool:
     """Orbax's commit marker, written once every item of the step is on disk."""
     return (path / "commit_success.txt").exists()
+
+
+def _ignore_late_tensorstore_callbacks() -> None:
+    """After a failed read, tensorstore's remaining reads finish on their own threads and
+    call back into the event loop orbax has closed by then: each prints a 'RuntimeError:
+    Event loop is closed' traceback (dozens for one damaged file) that would bury the
+    one-line message. Only those are dropped; every other unraisable error still shows."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_attention_jax", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._attention_jax = True
+    sys.unraisablehook = hook
 
 
 def _sync(name: str) -> None:
@@ -381,6 +404,7 @@ class Checkpointer:
         try:
             tree = self.manager.item_metadata(step)["state"].tree
         except Exception as e:  # noqa: BLE001 - orbax raises anything from here
+            _ignore_late_tensorstore_callbacks()
             raise CheckpointDamagedError(step, self.step_path(step),
                                          f"state metadata unreadable "
                                          f"({_one_line(e, self.step_path(step))})") from None
@@ -433,6 +457,7 @@ class Checkpointer:
             try:
                 read[what] = fn()
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise anything
+                _ignore_late_tensorstore_callbacks()
                 error = f"{what} could not be read ({_one_line(e, path)})"
             if not _all_agree(error is None):
                 raise CheckpointDamagedError(step, path, error or f"another process could not "

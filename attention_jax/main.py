@@ -121,7 +121,7 @@ def main(argv) -> int:
                 print(f"--- prompt {prompt!r}\n{text}\n")
             return 0
         summary = train.train_and_evaluate(config, workdir)
-    except (train.ConfigError, train.NonFiniteLossError) as e:
+    except (train.ConfigError, train.NonFiniteLossError, train.NoIntactCheckpointError) as e:
         # Expected failures get a one-paragraph message, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         return 1

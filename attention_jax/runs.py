@@ -83,7 +83,9 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
         if s.ckpt.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first")
         with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-            state, _ = s.ckpt.restore(s.abstract)
+            # The newest step that restores and verifies (a damaged one is reported and
+            # skipped, not moved: a reader changes nothing in the workdir).
+            state, _, _ = s.ckpt.restore_intact(s.abstract, say=lambda m: print(f"WARNING: {m}"))
     finally:
         s.ckpt.close()
     tok_dir = os.path.join(workdir, "tokenizer")

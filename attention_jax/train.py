@@ -25,6 +25,7 @@ import optax
 from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
+from attention_jax.checkpoint import NoIntactCheckpointError  # noqa: F401 (main catches it)
 from attention_jax import convert
 from attention_jax import sharding
 from attention_jax.data import loaders

@@ -1,13 +1,13 @@
-"""The bench command: `python -m attention_jax.tools.bench attention|train [options]`."""
+"""The bench command: `python -m attention_jax.tools.bench attention|train|checkpoint [options]`."""
 
 from __future__ import annotations
 
 import argparse
 
 import attention_jax.tools.bench as bench
-from attention_jax.tools.bench import attention, train
+from attention_jax.tools.bench import attention, checkpoint, train
 
-BENCHMARKS = {"attention": attention, "train": train}
+BENCHMARKS = {"attention": attention, "train": train, "checkpoint": checkpoint}
 
 
 def main(argv=None):
