@@ -539,7 +539,8 @@ def verify_against(recorded: dict[str, Any], found: dict[str, dict], data_state)
     parts = []
     if bad:
         names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        parts.append(f"corrupt: array {names} does not match its digest")
+        parts.append(f"corrupt: array {names} does not match its digest" if len(bad) == 1 else
+                     f"corrupt: arrays {names} do not match their digests")
     if recorded.get("data") and data_digest(data_state) != recorded["data"]:
         parts.append("corrupt: data-loader state does not match its digest")
     return "; ".join(parts)

@@ -378,15 +378,16 @@ def drop_records_after(path: str, step: int) -> None:
     other, never half of each."""
     if not os.path.exists(path):
         return
-    def step_of(line):
+
+    def kept(line) -> bool:
         try:
-            return json.loads(line).get("step", 0)
+            return json.loads(line).get("step", 0) <= step
         except ValueError:
-            return None  # a line torn by a crash: dropped too
+            return False  # a line torn by a crash: dropped too
 
     with open(path) as f:
         lines = [line for line in f if line.strip()]
-    keep = [line for line in lines if (step_of(line) is not None and step_of(line) <= step)]
+    keep = [line for line in lines if kept(line)]
     if len(keep) == len(lines):
         return
     tmp = f"{path}.tmp"

@@ -132,7 +132,7 @@ DAMAGES = {
     "array file overwritten": (_overwrite_array_file, UNREADABLE),
     "64 garbage bytes in an array file": (_garbage_in_the_middle,
                                           UNREADABLE + ("does not match its digest",)),
-    "state of another step": (_state_of_another_step, ("corrupt: array ",)),
+    "state of another step": (_state_of_another_step, ("corrupt: arrays ",)),
     "state/_METADATA deleted": (_delete_metadata, ("state metadata unreadable",)),
     "state/_METADATA garbage": (_garbage_metadata, ("state metadata unreadable",)),
     "ocdbt manifests deleted": (_delete_manifests, UNREADABLE),
@@ -173,7 +173,7 @@ def test_stop_instead_of_falling_back(runs, tmp_path):
         train.train_and_evaluate(config, workdir)
     message = str(e.value)
     assert "\n" not in message and message.startswith(
-        f"checkpoint step 15 in {_step(workdir, 15)} is damaged: corrupt: array "), message
+        f"checkpoint step 15 in {_step(workdir, 15)} is damaged: corrupt: arrays "), message
     assert "checkpoint_on_damage='stop'" in message and "[5, 10]" in message
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before  # untouched
 
@@ -187,7 +187,7 @@ def test_no_intact_checkpoint_lists_every_step(runs, tmp_path):
         train.train_and_evaluate(tiny.tiny_config(**STEPS, **{"train.steps": 20}), workdir)
     message = str(e.value)
     assert "\n" not in message
-    for step, why in ((15, "state metadata"), (10, "does not match its digest"),
+    for step, why in ((15, "state metadata"), (10, "do not match their digests"),
                       (5, "data-loader state")):
         assert f"step {step}: " in message and why in message.split(f"step {step}: ")[1], message
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "5"]
@@ -306,7 +306,8 @@ def test_verifier_table(runs, tmp_path, capsys):
     for step, line in rows.items():
         assert "data=8 fsdp=1 tensor=1" in line and " KB " in line, line
     assert rows[10].endswith("  ok")
-    assert "DAMAGED: corrupt: array " in rows[15] and "does not match its digest" in rows[15]
+    assert "DAMAGED: corrupt: arrays opt_state/1/0/count, " in rows[15], rows[15]
+    assert rows[15].endswith("do not match their digests"), rows[15]
     assert "DAMAGED: data-loader state could not be read" in rows[5]
     assert lines[4].startswith("25: no commit marker")
     # All intact: exit status 0; nothing was moved by the verifier.
@@ -344,3 +345,17 @@ def test_digest_is_the_same_for_every_sharding():
     for spec in (P(), P("a"), P(None, "b"), P("b", "a"), P(("a", "b"))):
         y = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
         assert checkpoint.state_digests({"x": y}) == want, spec
+
+
+def test_read_metrics_of_a_file_written_before_the_fix(tmp_path):
+    """A metrics.jsonl with a resume's repeated steps (as older versions wrote it): the
+    analysis tools see each (step, split) once, the resumed run's record winning."""
+    from attention_jax.tools import analysis
+    rows = ([{"step": s, "split": "train", "loss": 10.0 - s} for s in range(1, 6)]
+            + [{"step": 4, "split": "eval", "loss": 9.0}]
+            + [{"step": s, "split": "train", "loss": 20.0 - s} for s in range(3, 7)])
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    records = analysis.read_metrics(str(tmp_path))
+    assert [(r["step"], r["split"]) for r in records] == [(s, "train") for s in range(1, 7)]
+    assert [r["loss"] for r in records] == [9.0, 8.0, 17.0, 16.0, 15.0, 14.0]
