@@ -134,7 +134,9 @@ def _shard_sums(words: np.ndarray, offsets, global_shape) -> tuple[int, int]:
 
 def array_digest_partial(x) -> tuple[int, int]:
     """This process's share of `x`'s (A, B): its shards with replica_id 0."""
-    if not isinstance(x, jax.Array):
+    if not isinstance(x, jax.Array):  # a host value, the same on every process: counted once
+        if jax.process_index() != 0:
+            return 0, 0
         words = _words(np.asarray(x))
         return _shard_sums(words, (0,) * words.ndim, words.shape)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # typed PRNG keys

@@ -359,3 +359,57 @@ def test_read_metrics_of_a_file_written_before_the_fix(tmp_path):
     records = analysis.read_metrics(str(tmp_path))
     assert [(r["step"], r["split"]) for r in records] == [(s, "train") for s in range(1, 7)]
     assert [r["loss"] for r in records] == [9.0, 8.0, 17.0, 16.0, 15.0, 14.0]
+
+
+TWO_PROCESSES = r"""
+import os, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv[1]))
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from attention_jax import checkpoint
+mesh = jax.make_mesh((2, 2), ("data", "tensor"))  # 2 devices on each process
+x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6) * 0.3
+w = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data", "tensor")),
+                                 lambda i: x[i])
+state = {"w": w, "step": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
+# Each process adds up its own shards; the digest is that of the whole array.
+assert checkpoint.state_digests(state) == checkpoint.state_digests({"w": x, "step": np.int32(3)})
+ck = checkpoint.Checkpointer(sys.argv[3], save_every=1)
+ck.save(1, state, {"next_index": 1})
+ck.save(2, state, {"next_index": 2})
+ck.wait()
+ck.close()
+if jax.process_index() == 0:  # step 2's data-loader state: valid JSON, wrong position
+    with open(os.path.join(sys.argv[3], "2", "data", "metadata"), "w") as f:
+        f.write('{"next_index": 7}')
+multihost_utils.sync_global_devices("damaged")
+ck = checkpoint.Checkpointer(sys.argv[3], save_every=1)
+abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        state)
+restored, data_state, step = ck.restore_intact(abstract, say=print)
+assert step == 1 and data_state == {"next_index": 1}, (step, data_state)
+assert sorted(os.listdir(sys.argv[3])) == ["1", "2.corrupt"], os.listdir(sys.argv[3])
+ck.close()
+print("RESTORED", jax.process_index(), step)
+"""
+
+
+def test_two_processes_digest_save_and_fall_back_together(tmp_path):
+    """jax.distributed with 2 processes × 2 CPU devices: the digest of an array split over
+    both processes equals the one-process digest, and both processes agree to fall back
+    when a step does not verify (process 0 moves it aside once)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port, subprocess_env
+    address, directory = f"127.0.0.1:{free_port()}", str(tmp_path / "ck")
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, str(i), address, directory],
+                              env=subprocess_env(2), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"RESTORED {i} 1" in out, out[-3000:]
+    assert "falling back to step 1: damaged step 2 moved aside" in outputs[0]
