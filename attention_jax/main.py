@@ -126,7 +126,8 @@ def main(argv) -> int:
     # Mistakes a user can make, each reported as one `error: ...` line; anything else is a
     # bug and keeps its traceback.
     user_errors = (train.ConfigError, train.NonFiniteLossError, runs.RunNotFoundError,
-                   checkpoint.CheckpointMismatchError, sources.DatasetNotFoundError, InputError)
+                   checkpoint.NoIntactCheckpointError, checkpoint.CheckpointMismatchError,
+                   sources.DatasetNotFoundError, InputError)
     config, workdir = FLAGS.config, FLAGS.workdir
     try:
         return _run_mode(config, workdir, train)

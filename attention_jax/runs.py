@@ -89,7 +89,9 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
             raise RunNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first "
                                    f"(--mode=train with this --workdir)")
         with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-            state, _ = s.ckpt.restore(s.abstract)
+            # The newest step that restores and verifies (a damaged one is reported and
+            # skipped, not moved: a reader changes nothing in the workdir).
+            state, _, _ = s.ckpt.restore_intact(s.abstract, say=lambda m: print(f"WARNING: {m}"))
     finally:
         s.ckpt.close()
     tok_dir = os.path.join(workdir, "tokenizer")

@@ -72,6 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
     t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
     t.keep_checkpoints = 3
     t.async_checkpoint = True
+    # A checkpoint that fails to restore or to match its digests: fall_back to the newest
+    # intact one (the damaged ones are moved aside, never deleted) | stop with the reason.
+    t.checkpoint_on_damage = "fall_back"
     t.init_from = ""  # warm start: a workdir or checkpoint dir whose params (only) to load.
     t.data_workers = 0  # grain worker processes (0: read in the trainer process).
 
@@ -103,6 +106,7 @@ _CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.compute_dtype": ("float32", "bfloat16"),
     "train.nonfinite": ("stop", "skip"),
+    "train.checkpoint_on_damage": ("fall_back", "stop"),
 }
 
 
@@ -379,12 +383,19 @@ class MetricWriter:
     """Metrics as JSONL (`metrics.jsonl`, one object per record) and TensorBoard event
     files (`tensorboard/`), written by process 0 only."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, resume_step: int | None = None):
+        """resume_step: training (re)starts after this step, so records of later steps
+        (written before a crash, or before a fall back to an older checkpoint) are
+        superseded: dropped from metrics.jsonl and purged from TensorBoard."""
         self.enabled = jax.process_index() == 0
         if self.enabled:
             from tensorboardX import SummaryWriter
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            path = os.path.join(workdir, "metrics.jsonl")
+            if resume_step is not None:
+                drop_records_after(path, resume_step)
+            self._jsonl = open(path, "a")
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -400,6 +411,32 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def drop_records_after(path: str, step: int) -> None:
+    """Rewrites the JSONL file `path` without the records of steps after `step`: written
+    to a temporary file and renamed over the old one, so a crash leaves one or the
+    other, never half of each."""
+    if not os.path.exists(path):
+        return
+
+    def kept(line) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except ValueError:
+            return False  # a line torn by a crash: dropped too
+
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if kept(line)]
+    if len(keep) == len(lines):
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -477,9 +514,13 @@ def _say(message: str) -> None:
 def restore_or_init(s, config):
     """(state, data_state). Resume order: this workdir's latest checkpoint → the params
     of `train.init_from` (fresh optimizer and data position) → scratch."""
-    if s.ckpt.latest_step() is not None:
-        state, data_state = s.ckpt.restore(s.abstract)
-        _say(f"resumed from {s.ckpt.directory} at step {int(state['step'])}")
+    # The newest checkpoint that restores and matches its digests (damaged newer ones are
+    # reported, and moved aside unless train.checkpoint_on_damage='stop').
+    restored = s.ckpt.restore_intact(s.abstract, on_damage=config.train.checkpoint_on_damage,
+                                     say=lambda m: _say(f"WARNING: {m}"))
+    if restored is not None:
+        state, data_state, step = restored
+        _say(f"resumed from {s.ckpt.directory} at step {step}")
         return state, data_state
     state = s.init_state()
     if config.train.init_from:
@@ -649,7 +690,7 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
     task, mesh, ckpt = s.task, s.mesh, s.ckpt
     total = config.train.steps
     step = int(jax.device_get(state["step"]))
-    writer = MetricWriter(workdir)
+    writer = MetricWriter(workdir, resume_step=step)
     show = config.train.progress and jax.process_index() == 0
     # A bar on a terminal; in a log file (the bar's stream is not a terminal) one plain
     # line per logged window instead of a line of carriage returns.

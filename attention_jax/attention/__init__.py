@@ -341,19 +341,37 @@ def _check_shapes(q, k, v):
 def _check_scale(scale, head_dim):
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim))
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be a finite number; got {scale}")
-    return scale
+    try:
+        if isinstance(scale, (bool, np.bool_, str, bytes)):
+            raise TypeError
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a finite number (a Python or NumPy float or int) or "
+                         f"None for 1/sqrt(head_dim); got {scale!r}") from None
+    if not np.isfinite(value):
+        raise ValueError(f"scale must be a finite number; got {value}")
+    return value
+
+
+def _is_int(w) -> bool:
+    # bool is an int to Python, but window=True is a mistake, not a window of 1.
+    return isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
 
 
 def _check_window(window):
     if window is None:
         return None
-    pair = (window, window) if isinstance(window, (int, np.integer)) else tuple(window)
-    if len(pair) != 2 or any(not isinstance(w, (int, np.integer)) or w < 0 for w in pair):
-        raise ValueError(
-            f"window must be a non-negative int or a (left, right) pair of them; got {window!r}")
+    valid = ("window must be a non-negative int or a (left, right) pair of them, or None "
+             "(Python or NumPy ints: masks are built when tracing, so not a float, bool or "
+             "array)")
+    if _is_int(window):
+        pair = (window, window)
+    elif isinstance(window, (tuple, list)):
+        pair = tuple(window)
+    else:
+        raise ValueError(f"{valid}; got {window!r}")
+    if len(pair) != 2 or any(not _is_int(w) or w < 0 for w in pair):
+        raise ValueError(f"{valid}; got {window!r}")
     return int(pair[0]), int(pair[1])
 
 

@@ -420,8 +420,21 @@ def plot_curves(runs: dict[str, str], path: str, metric: str = "loss") -> None:
 
 # =================================================================================== runs
 def read_metrics(workdir: str) -> list[dict]:
+    """The records of metrics.jsonl, one per (step, split). The trainer rewrites the file
+    on resume (train.drop_records_after); a file written before that, or a repeated
+    --mode=eval, can hold a step twice: the later record supersedes the earlier, in the
+    earlier one's place."""
+    records: dict[tuple, dict] = {}
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                key = (r.get("step"), r.get("split"))
+                if key in records and r.get("split") == "train":
+                    # A resumed run's record: the ones after it were superseded too.
+                    records = {k: v for k, v in records.items() if k[0] < r.get("step")}
+                records[key] = r
+    return list(records.values())
 
 
 def run_summary(workdir: str) -> dict:

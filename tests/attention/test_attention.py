@@ -295,3 +295,27 @@ def test_bad_shapes_and_dtypes(change, message):
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dot_product_attention(*_ok(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=2.5), r"window must be a non-negative int .*; got 2\.5$"),
+    (dict(window=jnp.array(3)), r"window must be a non-negative int .*not a float, bool or array\); got Array\(3"),
+    (dict(window=True), r"window must be a non-negative int .*; got True$"),
+    (dict(window=(2, 1.0)), r"window must be a non-negative int .*; got \(2, 1\.0\)$"),
+    (dict(window="3"), r"window must be .*; got '3'$"),
+    (dict(scale="a"), r"scale must be a finite number .* or None for 1/sqrt\(head_dim\); got 'a'$"),
+    (dict(scale=True), r"scale must be a finite number .*; got True$"),
+    (dict(scale=[0.5]), r"scale must be a finite number .*; got \[0\.5\]$"),
+])
+def test_window_and_scale_of_the_wrong_type(kwargs, message):
+    """Each names the argument and what is valid (was: an unrelated TypeError, a bool
+    taken as window 1, float()'s message without the argument's name)."""
+    with pytest.raises(ValueError, match=message):
+        dot_product_attention(*_ok(), **kwargs)
+
+
+def test_window_and_scale_of_numpy_types_are_accepted():
+    q, k, v = _ok()
+    a = dot_product_attention(q, k, v, window=np.int64(2), scale=np.float32(0.5))
+    b = dot_product_attention(q, k, v, window=(2, 2), scale=0.5)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

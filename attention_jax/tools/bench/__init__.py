@@ -4,6 +4,7 @@
     python -m attention_jax.tools.bench attention --quick    # small sizes (make bench-quick)
     python -m attention_jax.tools.bench train                # training steps/s vs PyTorch
     python -m attention_jax.tools.bench ring                 # ring attention vs sequence size
+    python -m attention_jax.tools.bench checkpoint           # digest cost at save/restore
 
 timing.py holds what both measure with; attention.py and train.py one benchmark each.
 """

@@ -1,13 +1,13 @@
-"""The bench command: `python -m attention_jax.tools.bench attention|train|ring [options]`."""
+"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint [options]`."""
 
 from __future__ import annotations
 
 import argparse
 
 import attention_jax.tools.bench as bench
-from attention_jax.tools.bench import attention, ring, train
+from attention_jax.tools.bench import attention, checkpoint, ring, train
 
-BENCHMARKS = {"attention": attention, "train": train, "ring": ring}
+BENCHMARKS = {"attention": attention, "train": train, "ring": ring, "checkpoint": checkpoint}
 
 
 def main(argv=None):

@@ -1,0 +1,137 @@
+r"""Cost of checkpoint digests: `python -m attention_jax.tools.bench checkpoint`.
+
+The train state of a GPT-2-shaped model (default 9 layers of GPT-2 small: 103M
+parameters; the state adds AdamW's two moments, 3 x 103M float32 values) is saved and
+restored with `checkpoint.Checkpointer`, and each time the digest's share is measured:
+
+  digest at save      checkpoint.state_digests(state), what Checkpointer.save adds
+  save                Checkpointer.save + wait until committed, digests included; and
+                      the part of it that blocks the caller (training resumes after it)
+  plain save          the same orbax save without the digest item
+  verify at restore   state_digests of the restored state (what restore adds)
+  restore             Checkpointer.restore (reads and verifies)
+
+The moments are filled with random values, not the zeros of a fresh optimizer, which
+orbax's compression would shrink to nothing and make the save look cheaper than in a
+real run. Median over --repeats; every repeat saves a new step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+
+def _state(layers: int, seed: int = 0):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from attention_jax.models import gpt
+    model = gpt.GPT(gpt.GPTConfig.from_variant("gpt2", num_layers=layers))
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed),
+                                               jnp.zeros((1, 8), jnp.int32))["params"])
+    opt_state = optax.adamw(1e-3).init(params)
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 10_000))
+    opt_state = jax.tree.map(
+        lambda x: (jax.random.normal(next(keys), x.shape, x.dtype) * 1e-3
+                   if x.ndim and jnp.issubdtype(x.dtype, jnp.floating) else x), opt_state)
+    return {"step": jnp.int32(1), "params": params, "opt_state": opt_state,
+            "rng": jax.random.PRNGKey(seed)}
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(args) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from attention_jax import checkpoint
+    state = jax.block_until_ready(_state(args.layers))
+    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    n_values = sum(np.size(x) for x in jax.tree.leaves(state))
+    root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
+    data_state = {"next_index": 123, "seed": 0, "num_records": 1000}
+    out = {"params": int(n_params), "state_values": int(n_values),
+           "state_bytes": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))}
+    try:
+        state_digests = lambda: checkpoint.state_digests(state)  # noqa: E731
+        state_digests()  # warm-up
+        out["digest_at_save_s"] = _median_time(state_digests, args.repeats)
+
+        ck = checkpoint.Checkpointer(os.path.join(root, "with"), save_every=1, keep=2)
+        step, blocking = iter(range(1, 10_000)), []
+
+        def save():
+            t = time.perf_counter()
+            ck.save(next(step), state, data_state)
+            blocking.append(time.perf_counter() - t)
+            ck.wait()
+        out["save_s"] = _median_time(save, args.repeats)
+        out["save_blocking_s"] = statistics.median(blocking)
+
+        plain = ocp.CheckpointManager(
+            os.path.join(root, "plain"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()})
+        plain_step = iter(range(1, 10_000))
+
+        def plain_save():
+            plain.save(next(plain_step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+            plain.wait_until_finished()
+        out["plain_save_s"] = _median_time(plain_save, args.repeats)
+        plain.close()
+
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=x.sharding), state)
+        latest = ck.latest_step()
+        restored = {}
+
+        def restore():
+            restored["state"] = jax.block_until_ready(ck.restore(abstract, latest)[0])
+        out["restore_s"] = _median_time(restore, args.repeats)
+        out["verify_at_restore_s"] = _median_time(
+            lambda: checkpoint.state_digests(restored["state"]), args.repeats)
+        ck.close()
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    out["digest_share_of_save"] = out["digest_at_save_s"] / out["save_s"]
+    out["verify_share_of_restore"] = out["verify_at_restore_s"] / out["restore_s"]
+    print(f"state: {n_params / 1e6:.1f}M parameters, {n_values / 1e6:.1f}M values "
+          f"({out['state_bytes'] / 2**30:.2f} GiB) on {jax.devices()[0].platform}, "
+          f"median of {args.repeats}")
+    for key in ("digest_at_save_s", "save_blocking_s", "save_s", "plain_save_s",
+                "verify_at_restore_s", "restore_s"):
+        print(f"  {key:22s} {out[key]:8.3f}")
+    print(f"  digest / save          {out['digest_share_of_save']:8.1%}")
+    print(f"  verify / restore       {out['verify_share_of_restore']:8.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def add_parser(sub) -> None:
+    """Registers `checkpoint` on the bench command's subcommand parser."""
+    p = sub.add_parser("checkpoint", help="cost of the checkpoint digests at save and restore")
+    p.add_argument("--layers", type=int, default=9,
+                   help="GPT-2 small's shape with this many layers (9: 103M parameters)")
+    p.add_argument("--repeats", type=int, default=3, help="timed saves/restores (median)")
+    p.add_argument("--dir", default="", help="where to write (default: a temporary folder)")
+    p.add_argument("--json", default="", help="also write the numbers to this file")
