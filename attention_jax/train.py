@@ -617,6 +617,7 @@ def last_records(workdir: str) -> dict[str, dict]:
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
+                    "train.checkpoint_on_damage",
                     "data.data_dir", "model.implementation", "model.remat_policy",
                     "mesh.", "eval.")
 

@@ -9,12 +9,13 @@ the byte-level stdlib corpus; the plain MLPs have hidden F = 4D = 192 (two matri
 setting). 200 steps of batch 16 × 64 bytes, lr 2e-3, cosine; the seed
 (`--config.train.seed`) sets the initialisation and the data order.
 
+One run: python -m attention_jax.main --config=experiments/gated_mlp.py:mlp=swiglu --workdir=/tmp/gated/swiglu
 Command (2-core CPU; 4 variants × 3 seeds, then the table with the spread across seeds):
   python -m attention_jax.tools.sweep --config=experiments/gated_mlp.py \
       --workdir=/tmp/gated --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
   python -m attention_jax.tools.analysis seeds --out=docs/results/gated_mlp --by=mlp /tmp/gated/*
 
-Measured (2-core CPU shared five ways): 12 runs in 20 minutes wall, 64-430 s each (the
+Measured (2-core CPU): shared five ways, 12 runs in 20 minutes wall, 64-430 s each (the
 first run of each MLP compiles). Validation loss, mean ± std over 3 seeds: ReLU 2.6965 ±
 0.0110, GELU 2.6934 ± 0.0153, SwiGLU 2.6907 ± 0.0350, GeGLU 2.6921 ± 0.0246: Shazeer's
 order, but inside the seed spread. Table and plot: the README's Results ("Gated MLPs").

@@ -17,6 +17,7 @@ on all 359 test images.
              parameter count, its 64 positions per image cost 9× the FLOPs a step, more
              than the shared 2-core CPU had to spare when this ran.
 
+One run: python -m attention_jax.main --config=experiments/inductive_bias.py:model=cnn --workdir=/tmp/cnn
 Command (2-core CPU; 2 models × 4 fractions × 3 seeds, then the table and the curves):
   python -m attention_jax.tools.sweep --config=experiments/inductive_bias.py \
       --workdir=/tmp/inductive --grid=train.seed=0,1,2 \
@@ -24,7 +25,7 @@ Command (2-core CPU; 2 models × 4 fractions × 3 seeds, then the table and the 
   python -m attention_jax.tools.analysis seeds --out=docs/results/inductive_bias --by=model \
       --x=train_fraction --metric=accuracy /tmp/inductive/*
 
-Measured (2-core CPU shared five ways): 24 runs in 26 minutes wall (seed 2 in a second
+Measured (2-core CPU): shared five ways, 24 runs in 26 minutes wall (seed 2 in a second
 process alongside), 30-560 s each. Test accuracy, mean over 3 seeds, CNN / ViT: 10%
 84.5 / 85.5, 25% 90.7 / 92.4, 50% 91.7 / 95.1, 100% 94.0 / 96.8: ViT ahead at every
 size, no crossing. Table, plot and the reasons: the README's Results ("Inductive bias

@@ -15,14 +15,15 @@ Kaplan §2.1), read from each run's logged training loss; the envelope is the lo
 any size reached at each C.
 
 Command (2-core CPU; the sweep, then the fit, table and plots):
-  for l in 1 2 3 4; do python -m attention_jax.main \
-      --config=experiments/scaling.py:layers=$l --workdir=/tmp/scaling/l$l; done
+  for l in 1 2 3 4; do
+    python -m attention_jax.main --config=experiments/scaling.py:layers=$l --workdir=/tmp/scaling/l$l
+  done
   python -m attention_jax.tools.analysis scaling --out=docs/results/scaling /tmp/scaling/l*
 L = 5..8 (3.5M-14M) are the same command with a larger `layers`; on the CPU they did not
 fit this session's budget (see below).
 
-Measured (2-core CPU shared five ways, load average 8-19, so every time here is several
-times a quiet machine's): L = 1..4 took 65 s, 160 s, 318 s and 1157 s (L = 4: 177
+Measured (2-core CPU): shared five ways, load average 8-19, so every time here is several
+times a quiet machine's: L = 1..4 took 65 s, 160 s, 318 s and 1157 s (L = 4: 177
 tokens/s over the whole run; L = 5..8 cost 2-8× its FLOPs per token, so at that rate
 they would have needed about 40 minutes to 2.6 hours each). Validation loss 2.724, 2.547, 2.500,
 2.459 nats/byte; the fit, its uncertainty and the compute envelope are in the README's

@@ -33,6 +33,7 @@ def shrink(c, data_dir):
     c.train.steps = 1
     c.optim.warmup_steps = min(c.optim.warmup_steps, c.train.steps)
     c.train.batch_size = 8
+    c.eval.batch_size = 8  # divides the 8 fake devices (a one-device eval batch may not).
     c.train.progress = False
     c.eval.every = -1
     return c

@@ -280,7 +280,7 @@ def test_saved_on_2x2x2_verifies_and_resumes_on_1_and_4_devices(runs, tmp_path):
     train.train_and_evaluate(tiny.tiny_config(**STEPS, **mesh222), base)
     rows, _ = checkpoint.verify_directory(base)
     assert [(r["step"], r["mesh"], r["status"]) for r in rows] == [
-        (10, "data=2 fsdp=2 tensor=2", "ok"), (5, "data=2 fsdp=2 tensor=2", "ok")]
+        (10, "data=2 fsdp=2 sequence=1 tensor=2", "ok"), (5, "data=2 fsdp=2 sequence=1 tensor=2", "ok")]
     for name, mesh in (("one", {"mesh.num_devices": 1}),
                        ("four", {"mesh.num_devices": 4, "mesh.data": 1, "mesh.fsdp": 2,
                                  "mesh.tensor": 2})):
@@ -304,7 +304,7 @@ def test_verifier_table(runs, tmp_path, capsys):
     rows = {int(line.split()[0]): line for line in lines[1:4]}
     assert sorted(rows) == [5, 10, 15]
     for step, line in rows.items():
-        assert "data=8 fsdp=1 tensor=1" in line and " KB " in line, line
+        assert "data=8 fsdp=1 sequence=1 tensor=1" in line and " KB " in line, line
     assert rows[10].endswith("  ok")
     assert "DAMAGED: corrupt: arrays opt_state/1/0/count, " in rows[15], rows[15]
     assert rows[15].endswith("do not match their digests"), rows[15]
