@@ -696,7 +696,9 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
     # A bar on a terminal; in a log file (the bar's stream is not a terminal) one plain
     # line per logged window instead of a line of carriage returns.
     plain = show and not sys.stderr.isatty()
-    from tqdm.auto import tqdm
+    # The terminal bar only: a notebook's stderr is not a terminal, so it gets the plain
+    # lines (tqdm.auto would warn there that ipywidgets is missing).
+    from tqdm import tqdm
     bar = tqdm(total=total, initial=step, disable=not show or plain, dynamic_ncols=True,
                unit="step")
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
