@@ -492,6 +492,8 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     rules = sharding.rules_from_config(config.mesh.rules)
     task = task or TASKS[config.task](config, workdir)
     check_model_fits_mesh(task.model, mesh, task.seq_len)
+    if config.eval.every >= 0:
+        check_eval_split(task, config.eval.batch_size)
     tx, schedule = make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
     # Shapes and shardings are worked out outside the mesh context: flax's partitioned
     # initialisers would otherwise try to constrain abstract values eagerly.
@@ -504,6 +506,16 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     return dataclasses.make_dataclass("Setup", ["mesh", "rules", "task", "tx", "schedule",
                                                 "abstract", "shardings", "init_state", "ckpt"])(
         mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
+
+
+def check_eval_split(task: Task, batch_size: int) -> None:
+    """Before any step: an eval split smaller than one eval batch would end the run
+    at its first evaluation, after the training it did."""
+    n = len(task.eval_source)
+    if n < batch_size:
+        raise ConfigError(f"config.eval.batch_size={batch_size} is larger than the eval split "
+                          f"({n} examples); valid: 1 to {n} (a multiple of the data-parallel "
+                          f"size), or more eval data (e.g. config.data.max_files)")
 
 
 def _say(message: str) -> None:

@@ -122,3 +122,14 @@ def test_no_checkpoint_means_nothing_to_compare(tmp_path):
         f.write(tiny.tiny_config(**{"optim.lr": 0.5}).to_json_best_effort())
     train.check_config_change(tiny.tiny_config(), str(tmp_path), None, resume_changed=False)
     assert train.config_changes(tiny.tiny_config(), str(tmp_path)) == {"optim.lr": (0.5, 0.01)}
+
+
+def test_an_eval_batch_larger_than_the_eval_split_stops_before_training(tmp_path):
+    # The tiny task's eval split holds 256 sequences; this was found only at the first
+    # evaluation, after the training steps before it.
+    config = tiny.tiny_config(**{"eval.every": 0, "eval.batch_size": 512})
+    with pytest.raises(train.ConfigError) as e:
+        train.train_and_evaluate(config, str(tmp_path))
+    assert str(e.value).startswith("config.eval.batch_size=512 is larger than the eval split "
+                                   "(256 examples); valid: 1 to 256")
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
