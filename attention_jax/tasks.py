@@ -206,6 +206,21 @@ def padded_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
+def lm_vocab_size(config, tokens: int) -> int:
+    """The LM's vocabulary: the tokenizer's `tokens` padded to a multiple of 64, or
+    config.model.vocab_size when given (at least `tokens`): e.g. 50304, GPT-2's padded
+    size, so a byte-level run has GPT-2's LM head and FLOPs; the extra rows are never
+    targets."""
+    asked = config.model.get("vocab_size")
+    if not asked:
+        return padded_vocab(tokens)
+    if asked < tokens:
+        raise ConfigError(f"config.model.vocab_size={asked} is smaller than the tokenizer's "
+                          f"{tokens} tokens; valid: at least {tokens}, or unset (the "
+                          f"tokenizer's size padded to a multiple of 64: {padded_vocab(tokens)})")
+    return asked
+
+
 def _did_you_mean(word: str, choices) -> str:
     import difflib
     close = difflib.get_close_matches(word, list(choices), n=1)
@@ -258,7 +273,7 @@ def lm_task(config, workdir: str) -> Task:
     train_docs, eval_docs = _splits(d, **_corpus_options(d))
     tok = _tokenizer(d, workdir, lambda: [_text(train_docs[i]["text"])
                                           for i in range(min(len(train_docs), 300))])
-    cfg = model_config(gpt.GPTConfig, config, vocab_size=padded_vocab(tok.vocab_size),
+    cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
     if cfg.position == "learned" and d.seq_len > cfg.max_len:
         raise ConfigError(f"config.data.seq_len={d.seq_len} exceeds config.model.max_len="

@@ -77,6 +77,10 @@ def base_config() -> ml_collections.ConfigDict:
     t.checkpoint_on_damage = "fall_back"
     t.init_from = ""  # warm start: a workdir or checkpoint dir whose params (only) to load.
     t.data_workers = 0  # grain worker processes (0: read in the trainer process).
+    # Batches read and sent to the devices ahead of the step that takes them (0: each is
+    # read when its step starts). The host waits for the device only when it logs,
+    # evaluates or checkpoints.
+    t.prefetch = 2
 
     c.mesh = m = ml_collections.ConfigDict()
     m.data = -1  # data-parallel axis; -1 takes the devices the other axes leave.
@@ -130,6 +134,7 @@ RANGES = {
     "train.checkpoint_every": "[1, inf)",
     "train.keep_checkpoints": "[1, inf)",
     "train.data_workers": "[0, inf)",
+    "train.prefetch": "[0, inf)",
     "mesh.num_devices": "[0, inf)",
     "eval.every": "[-1, inf)",
     "eval.steps": "[0, inf)",
@@ -444,6 +449,32 @@ class NonFiniteLossError(FloatingPointError):
 
 
 # ==================================================================================== data
+def prefetch_to_device(loader: loaders.Loader, mesh, size: int, count=None):
+    """Yields (batch on the devices, units in it, the loader's state after it), with
+    `size` more batches already sent to the devices: their host-to-device copies run
+    while the step before them computes (jax transfers asynchronously). The loader's
+    state travels with each batch, so a checkpoint records the position of the batches
+    the steps took, not of those read ahead. count(host batch): the units (tokens,
+    examples) it holds on this process; default its rows."""
+    import collections
+
+    def put(host):
+        n = count(host) if count else len(jax.tree.leaves(host)[0])
+        return (sharding.shard_batch(host, mesh), n * jax.process_count(),
+                loader.get_state().to_dict())
+
+    ahead = collections.deque()
+    hosts = iter(loader)
+    try:
+        for host in hosts:
+            ahead.append(put(host))
+            if len(ahead) > size:
+                yield ahead.popleft()
+        yield from ahead
+    finally:
+        hosts.close()
+
+
 def make_train_loader(task: Task, config, state=None) -> loaders.Loader:
     """Shuffled, repeated stream of training batches; this process's share of each.
 
@@ -453,7 +484,8 @@ def make_train_loader(task: Task, config, state=None) -> loaders.Loader:
     """
     return loaders.Loader(task.train_source, global_batch_size=config.train.batch_size,
                           seed=config.train.seed, transform=task.train_transform,
-                          worker_count=config.train.data_workers, state=state)
+                          worker_count=config.train.data_workers,
+                          read_ahead=config.train.prefetch, state=state)
 
 
 def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
@@ -628,6 +660,7 @@ def last_records(workdir: str) -> dict[str, dict]:
 # Keys ending in "." cover their whole group.
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
+                    "train.prefetch",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
                     "train.checkpoint_on_damage",
                     "data.data_dir", "model.implementation", "model.remat_policy",
@@ -700,8 +733,15 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
 
 
 def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str, Any]:
+    """The steps. The host never waits for a step to finish except at a *sync point*:
+    a step that logs, evaluates or checkpoints (or the last, or one after a stop
+    signal). Between them it only queues work, so the device runs step after step while
+    the host reads and transfers the next batches (`prefetch_to_device`). At a sync
+    point the metrics of every step since the last one are fetched at once and checked;
+    a non-finite step is found there, before anything is saved, and since such a step
+    applies no update, "stop" still stops with the last good checkpoint intact."""
     task, mesh, ckpt = s.task, s.mesh, s.ckpt
-    total = config.train.steps
+    total, log_every, eval_every = config.train.steps, config.train.log_every, config.eval.every
     step = int(jax.device_get(state["step"]))
     writer = MetricWriter(workdir, resume_step=step)
     show = config.train.progress and jax.process_index() == 0
@@ -714,52 +754,61 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
     bar = tqdm(total=total, initial=step, disable=not show or plain, dynamic_ncols=True,
                unit="step")
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
+    pending = []  # (step, metrics still on the device) since the last sync point
     window, units, t0 = [], 0, time.perf_counter()
     start_step, start_time = step, t0
-    batches = iter(loader)
+    batches = prefetch_to_device(loader, mesh, config.train.prefetch, task.count)
     try:
         with ckpt_lib.StopRequest() as stop:
             while step < total:
-                host_batch = next(batches)
-                units += (task.count(host_batch) if task.count else
-                          len(jax.tree.leaves(host_batch)[0])) * jax.process_count()
-                state, metrics = train_step(state, sharding.shard_batch(host_batch, mesh))
+                batch, batch_units, data_state = next(batches)
+                units += batch_units
+                state, metrics = train_step(state, batch)
                 step += 1
-                metrics = jax.device_get(metrics)  # Syncs: the host needs loss/finite now.
-                if not metrics["finite"]:
-                    _nonfinite(config, step, metrics, ckpt)
-                    continue  # "skip": the update was not applied.
-                summary["losses"].append(float(metrics["loss"]))
-                window.append(metrics)
-                rate = units / max(time.perf_counter() - t0, 1e-9)
+                pending.append((step, metrics))
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                                **{f"{task.unit}/s": f"{rate:,.0f}"})
-                if step % config.train.log_every == 0 or step == total:
+                stopping = stop.requested()
+                log_now = step % log_every == 0 or step == total
+                eval_now = eval_every >= 0 and (step == total or
+                                                (eval_every and step % eval_every == 0))
+                save_now = stopping or step == total or step % ckpt.save_every == 0
+                if not (log_now or eval_now or save_now):
+                    if step == start_step + 1:
+                        # The first step compiled: throughput is measured from its end.
+                        jax.block_until_ready(metrics)
+                        units, t0 = 0, time.perf_counter()
+                    continue
+                # ---- sync point: the one wait for the device since the last one.
+                for at, m in jax.device_get(pending):
+                    if not m["finite"]:
+                        _nonfinite(config, at, m, ckpt)  # raises in "stop" mode
+                        continue  # "skip": the update was not applied.
+                    summary["losses"].append(float(m["loss"]))
+                    window.append(m)
+                pending = []
+                if log_now and window:
                     means = {k: float(np.mean([m[k] for m in window])) for k in window[0]
                              if k != "finite"}
-                    means[f"{task.unit}_per_sec"] = rate
-                    if len(window) != config.train.log_every:
+                    means[f"{task.unit}_per_sec"] = units / max(time.perf_counter() - t0, 1e-9)
+                    if len(window) != log_every:
                         # Fewer steps than a full window: it began at a resume, ends the
                         # run early, or lost skipped non-finite steps.
                         means["steps_in_window"] = float(len(window))
                     writer.write(step, "train", means)
+                    bar.set_postfix(loss=f"{means['loss']:.4f}", lr=f"{means['lr']:.2e}",
+                                    **{f"{task.unit}/s": f"{means[f'{task.unit}_per_sec']:,.0f}"})
                     if plain:
                         _say(_progress_line(step, total, means, task.unit,
                                             time.perf_counter() - start_time, step - start_step))
                     summary["train"], window, units, t0 = means, [], 0, time.perf_counter()
-                every = config.eval.every
-                if every >= 0 and (step == total or (every and step % every == 0)):
+                if eval_now:
                     summary["eval"] = evaluate(eval_step, state["params"], task, config, mesh)
                     writer.write(step, "eval", summary["eval"])
                     bar.write(f"step {step} eval: " + ", ".join(
                         f"{k}={v:.4g}" for k, v in summary["eval"].items()))
-                stopping = stop.requested()
-                data_state = loader.get_state().to_dict()
-                if stopping or step == total:
-                    ckpt.save(step, state, data_state, force=True)
-                else:
-                    ckpt.save(step, state, data_state)  # Only every checkpoint_every steps.
+                    units, t0 = 0, time.perf_counter()  # evaluation is not training time
+                if save_now:
+                    ckpt.save(step, state, data_state, force=stopping or step == total)
                 if stopping:
                     import signal as signal_lib
                     summary["stopped_by"] = signal_lib.Signals(stop.signal).name
@@ -767,6 +816,7 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                               f"run the same command again to resume")
                     break
     finally:
+        batches.close()  # stops the loader's reading thread
         ckpt.wait()  # A pending async save commits before we return or raise.
         ckpt.close()
         bar.close()

@@ -92,6 +92,17 @@ def _acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _cpu_dot_inputs(*operands):
+    """The operands of a dot XLA:CPU may not run in bfloat16: it folds the transpose of
+    kj_t into the dot, and for bf16 × bf16 → f32 contracting a middle axis it has no
+    kernel (it fails at run time: "Unsupported element type for DotThunk"). There the
+    operands are widened to float32 (the same result: the products are exact in f32);
+    other backends keep them narrow."""
+    if jax.default_backend() != "cpu" or all(x.dtype != jnp.bfloat16 for x in operands):
+        return operands
+    return tuple(x.astype(jnp.float32) for x in operands)
+
+
 def _pad_to(x, axis: int, multiple: int, value=0):
     extra = -x.shape[axis] % multiple
     if extra == 0:
@@ -329,7 +340,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, delta=None, grad_dt
             # With Q pre-scaled, dK = dSᵀ (Q·scale) needs no extra factor; dQ does.
             dk_j = dk_j + jnp.einsum("XSR,XRH->XSH", ds_t.astype(qi.dtype), qi,
                                      preferred_element_type=acc_t)
-            dq_i = jnp.einsum("XHS,XSR->XHR", kj_t, ds_t.astype(kj.dtype),
+            dq_i = jnp.einsum("XHS,XSR->XHR", *_cpu_dot_inputs(kj_t, ds_t.astype(kj.dtype)),
                               preferred_element_type=acc_t) * st.scale  # [X, H, R]
             dq_i = jnp.swapaxes(dq_i.reshape(x, h, g, st.bq), 1, 2)  # [X, G, H, bq]
             dq_block = _slice(dq_t, i * st.bq, st.bq, 3) + dq_i

@@ -185,6 +185,29 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(v).all() for v in tiny.flat_params(summary["state"]).values())
 
 
+def test_the_host_waits_only_at_sync_points_and_prefetch_resumes_exactly(reference, tmp_path,
+                                                                         monkeypatch):
+    """With batches prefetched 3 ahead, the host fetches device values only when it logs
+    or checkpoints (not once per step), the losses are the uninterrupted run's, and the
+    checkpoint records the position of the batches the steps took, not of those read
+    ahead: the resumed run continues with the same data. A non-finite last step in skip
+    mode still gets the final checkpoint."""
+    fetches = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: fetches.append(1) or device_get(x))
+    cfg = tiny.tiny_config(**{"train.prefetch": 3, "train.log_every": 10, "eval.every": -1})
+    workdir = str(tmp_path / "w")
+    first = train.train_and_evaluate(cfg, workdir)  # 10 steps, a checkpoint at 10
+    assert first["losses"] == reference["losses"][:10]
+    assert len(fetches) <= 3, f"{len(fetches)} fetches from the device in 10 steps"
+    monkeypatch.setattr(jax, "device_get", device_get)
+    cfg.train.steps, cfg.train.inject_nan_at, cfg.train.nonfinite = 20, 20, "skip"
+    rest = train.train_and_evaluate(cfg, workdir)
+    assert rest["losses"] == reference["losses"][10:19]  # step 20 was skipped
+    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    assert ck.all_steps() == [10, 20]
+
+
 def test_gradient_accumulation_and_bfloat16(reference, tmp_path):
     """Two micro-batches of 8 make the same steps as one batch of 16; bfloat16 compute
     (float32 parameters) trains too, close to the float32 run."""

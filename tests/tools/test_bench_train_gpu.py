@@ -119,25 +119,34 @@ def test_our_child_step_on_cpu():
 
 
 def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
-    """The parent's whole flow (device query, matmul child, our rows in children, table,
-    JSON), the children running on the CPU at a tiny size; the peer skipped."""
+    """The parent's whole flow (device query, matmul child, our rows in children, the
+    trainer's row from main.py's own metrics, table, JSON), the children running on the
+    CPU at a tiny size; the peer skipped."""
     out = tmp_path / "train_gpu.json"
     parser = argparse.ArgumentParser()
     bench_train.add_parser(parser.add_subparsers(dest="which"))
+    trainer_args = (f"--config.data.max_files=6 --config.data.data_dir={tmp_path / 'tfds'} "
+                    "--config.mesh.num_devices=1")
     args = parser.parse_args(["train", "--device", "gpu", "--no-torch", "--warmup", "1",
                               "--repeats", "1", "--steps", "1", "--matmul-size", "256",
-                              "--dtype", "float32",
+                              "--dtype", "float32", "--trainer-steps", "6",
+                              f"--trainer-args={trainer_args}",
                               "--implementation", "blockwise,xla", "--out", str(out)])
     # train.run dispatches on --device gpu; the device query answers from the CPU here.
     monkeypatch.setattr(train_gpu, "SHAPES", train_gpu.SHAPES_TINY)
     monkeypatch.setattr(train_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
     rows = bench_train.run(args)
-    assert [(r["side"], r["impl"]) for r in rows] == [("jax", "blockwise"), ("jax", "xla")]
+    assert [(r["side"], r["impl"]) for r in rows] == [
+        ("jax", "blockwise"), ("jax", "xla"), ("trainer", "blockwise"), ("trainer", "xla")]
     assert all("error" not in r and r["mfu_peak"] > 0 and r["mfu_matmul"] > 0 for r in rows)
+    trained = rows[2]
+    assert trained["windows"] == 5  # 6 steps logged one by one, the first window left out
+    assert trained["step_s"] == pytest.approx(2 * 16 / trained["tokens_per_s_logged"])
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
+    assert "| gpt-tiny-gpu | 2 | trainer / blockwise |" in printed and "of our step" in printed
     saved = json.loads(out.read_text())
-    assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 2
+    assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 4
 
 
 def test_cpu_mode_is_chosen_without_a_gpu_plugin(monkeypatch):

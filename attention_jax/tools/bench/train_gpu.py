@@ -25,8 +25,10 @@ Where each side runs: every measurement is a child process, one after the other;
 (parent) process never initialises the GPU. JAX preallocates 75% of the GPU's memory when
 it starts, so a PyTorch peer sharing a process, or running next to a live JAX process,
 would measure in what is left. Order: device query, the PyTorch peer (skipped with a note
-when torch has no CUDA), the matmul rate, then our rows; one process per row, so an
-out-of-memory row is recorded in the table and the next starts on an empty GPU.
+when torch has no CUDA), the matmul rate, our rows, then the trainer's rows (trainer.py:
+main.py on the same shape with real data, its own logged tokens/s; `--trainer-steps 0`
+leaves them out); one process per row, so an out-of-memory row is recorded in the table
+and the next starts on an empty GPU.
 
 Model FLOPs per token (PaLM, Chowdhery et al. 2022, App. B; as train.py's):
     6·N + 12·L·T·D,   N = V·D + L·(12·D² + 13·D) + 2·D
@@ -44,11 +46,14 @@ import importlib.util
 import json
 import os
 import statistics
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from attention_jax.tools.bench import trainer
 
 H100_BF16_PEAK = 989e12  # FLOP/s: H100 SXM5, dense bfloat16 (NVIDIA H100 datasheet)
 MATMUL_SIZE = 8192
@@ -81,8 +86,9 @@ SHAPES = {
 }
 QUICK = [("gpt2-124m", 16)]
 # For the tests: compiles in seconds on a CPU.
+# (The vocabulary holds the trainer row's 259 byte tokens.)
 SHAPES_TINY = {"gpt-tiny-gpu": GPUShape("gpt-tiny-gpu", layers=1, heads=2, width=32,
-                                        batches=(2,), seq_len=16, vocab=64)}
+                                        batches=(2,), seq_len=16, vocab=320)}
 
 
 def matmul_params(row: dict) -> int:
@@ -110,8 +116,11 @@ def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK)
 
 
 def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
-    """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up."""
+    """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up, and
+    a trainer row's speed is given as a share of our bare step's (same attention)."""
     peers = {(r["shape"], r["batch"]): r for r in rows if r["side"] == "torch" and "step_s" in r}
+    steps = {(r["shape"], r["batch"], r["impl"]): r for r in rows
+             if r["side"] == "jax" and "step_s" in r}
     lines = [f"| shape | batch | side / attention | ms/step | tokens/s | MFU vs "
              f"{H100_BF16_PEAK / 1e12:.0f} peak | MFU vs matmul | ours ÷ peer (speed) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -124,6 +133,9 @@ def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
             continue
         peer = peers.get((r["shape"], r["batch"]))
         ratio = f"{peer['step_s'] / r['step_s']:.2f}×" if r["side"] == "jax" and peer else ""
+        step = steps.get((r["shape"], r["batch"], r["impl"]))
+        if r["side"] == "trainer" and step:
+            ratio = f"{step['step_s'] / r['step_s']:.2f} of our step"
         mfu_mm = f"{100 * r['mfu_matmul']:.1f}%" if r.get("mfu_matmul") else "–"
         lines.append(f"| {r['shape']} | {r['batch']} | {side} | {1e3 * r['step_s']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {100 * r['mfu_peak']:.1f}% | {mfu_mm} "
@@ -390,6 +402,19 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
             print(f"    {r['error'] if 'error' in r else '%.1f ms/step' % (1e3 * r['step_s'])}",
                   file=sys.stderr, flush=True)
             save()
+    # 4. The trainer (main.py) on the same shapes: its own logged tokens/s.
+    if args.trainer_steps:
+        extra = tuple(shlex.split(args.trainer_args))
+        for name, batch in pairs:
+            for impl in impls:
+                row = table_[name].row(batch)
+                print(f"  trainer {name} batch {batch} attention {impl} ...", file=sys.stderr,
+                      flush=True)
+                result = trainer.measure(row, impl, dtype=args.dtype, steps=args.trainer_steps,
+                                         log_every=max(1, args.trainer_steps // 6),
+                                         timeout=args.child_timeout, extra=extra)
+                rows.append({**row, "side": "trainer", "impl": impl, **result})
+                save()
     for r in rows:
         finish_row(r, rate)
     save()
@@ -412,6 +437,11 @@ def add_arguments(p) -> None:
     g.add_argument("--dtype", default="bfloat16",
                    help="GPU: our compute dtype and the matmul's (float32 for tests on a CPU, "
                         "whose dots refuse bf16 x bf16 -> f32)")
+    g.add_argument("--trainer-steps", type=int, default=60,
+                   help="GPU: steps of the trainer row (main.py on each shape; 0: no such row)")
+    g.add_argument("--trainer-args", default="",
+                   help="GPU: more main.py arguments for the trainer row, one string, e.g. "
+                        "--trainer-args='--config.data.max_files=50'")
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which mode: auto asks JAX in a child process")
 
