@@ -41,6 +41,7 @@ from absl import logging
 from etils import epath
 
 from attention_jax import quiet
+from attention_jax.errors import UserError
 
 
 # orbax logs this (a warning) whenever a manager is opened read-only, as every reader of a
@@ -48,7 +49,7 @@ from attention_jax import quiet
 READ_ONLY_WARNING = "Given directory is read only=%s"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     """The checkpoint's tree does not match the model (different depth, width, ...)."""
 
 
@@ -90,7 +91,7 @@ class CheckpointDamagedError(RuntimeError):
         super().__init__(f"checkpoint step {step} in {path} is damaged: {reason}")
 
 
-class NoIntactCheckpointError(RuntimeError):
+class NoIntactCheckpointError(UserError, RuntimeError):
     """Every committed checkpoint of a directory is damaged (or resume was told to stop)."""
 
 

@@ -31,6 +31,8 @@ from typing import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from attention_jax.errors import UserError
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py[:arg]).",
                                 lock_config=True)
@@ -46,7 +48,7 @@ USAGE = ("python -m attention_jax.main --config=experiments/NAME.py[:ARG] --work
          f"[--config.group.key=value ...] [--mode={'|'.join(MODES)}] [--resume_changed]")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """Bad input on stdin (--mode=embed)."""
 
 
@@ -121,17 +123,11 @@ def main(argv) -> int:
     del argv  # parse_flags has refused stray arguments.
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
-    from attention_jax import checkpoint, runs, train
-    from attention_jax.data import sources
-    # Mistakes a user can make, each reported as one `error: ...` line; anything else is a
-    # bug and keeps its traceback.
-    user_errors = (train.ConfigError, train.NonFiniteLossError, runs.RunNotFoundError,
-                   checkpoint.NoIntactCheckpointError, checkpoint.CheckpointMismatchError,
-                   sources.DatasetNotFoundError, InputError)
+    from attention_jax import runs, train
     config, workdir = FLAGS.config, FLAGS.workdir
     try:
         return _run_mode(config, workdir, train)
-    except user_errors as e:
+    except UserError as e:  # a mistake in the request: one line; a bug keeps its traceback
         where = f"--mode={FLAGS.mode}: " if isinstance(e, runs.RunNotFoundError) else ""
         print(f"error: {where}{e}", file=sys.stderr)
         return 1

@@ -25,9 +25,10 @@ import jax
 import ml_collections
 
 from attention_jax import data, tasks, train
+from attention_jax.errors import UserError
 
 
-class RunNotFoundError(FileNotFoundError):
+class RunNotFoundError(UserError, FileNotFoundError):
     """The workdir holds no run, or no checkpoint yet (train first)."""
 
 

@@ -22,12 +22,13 @@ import ml_collections
 import numpy as np
 
 from attention_jax import checkpoint as ckpt_lib
+from attention_jax.errors import UserError
 from attention_jax.models.losses import cross_entropy
 
 
 # Defined here rather than in train.py because the adapters below raise it too and train
 # imports this module (never the reverse); train re-exports it as train.ConfigError.
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key with an invalid value; the message names the key and valid values."""
 
 

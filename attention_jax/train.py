@@ -29,6 +29,7 @@ from attention_jax import checkpoint as ckpt_lib
 from attention_jax import convert
 from attention_jax import sharding
 from attention_jax.data import loaders
+from attention_jax.errors import UserError
 # The model families live in tasks.py; these names are re-exported because callers
 # (main.py, runs.py, tools, tests) use them as train.ConfigError, train.Task, train.TASKS.
 from attention_jax.tasks import TASKS, ConfigError, Task, check_range  # noqa: F401
@@ -418,33 +419,42 @@ class MetricWriter:
             self._tb.close()
 
 
+def read_records(path: str) -> list[dict]:
+    """The records of a metrics.jsonl file, in order ([] without the file). A line cut
+    short by a kill is skipped."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn or blank line
+    return records
+
+
 def drop_records_after(path: str, step: int) -> None:
-    """Rewrites the JSONL file `path` without the records of steps after `step`: written
-    to a temporary file and renamed over the old one, so a crash leaves one or the
-    other, never half of each."""
+    """Rewrites the JSONL file `path` without the records of steps after `step` (and
+    without torn lines): written to a temporary file and renamed over the old one, so a
+    crash leaves one or the other, never half of each."""
     if not os.path.exists(path):
         return
-
-    def kept(line) -> bool:
-        try:
-            return json.loads(line).get("step", 0) <= step
-        except ValueError:
-            return False  # a line torn by a crash: dropped too
-
+    records = read_records(path)
+    keep = [r for r in records if r.get("step", 0) <= step]
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    keep = [line for line in lines if kept(line)]
-    if len(keep) == len(lines):
+        unchanged = len(keep) == sum(1 for line in f if line.strip())
+    if unchanged:
         return
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.writelines(line if line.endswith("\n") else line + "\n" for line in keep)
+        f.writelines(json.dumps(r) + "\n" for r in keep)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(UserError, FloatingPointError):
     """The loss or gradient became NaN/inf with `train.nonfinite='stop'`."""
 
 
@@ -640,17 +650,9 @@ def _outputs(config, task: Task) -> list[str]:
 def last_records(workdir: str) -> dict[str, dict]:
     """The last 'train' and 'eval' records of workdir/metrics.jsonl (with their step)."""
     found = {"train": {}, "eval": {}}
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return found
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # A line cut short by a kill.
-            if record.get("split") in found:
-                found[record.pop("split")] = record
+    for record in read_records(os.path.join(workdir, "metrics.jsonl")):
+        if record.get("split") in found:
+            found[record.pop("split")] = record
     return found
 
 

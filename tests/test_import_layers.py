@@ -3,8 +3,8 @@ no import circles, and every import points to the module's own layer or a lower 
 
     attention, data < layers < models < tasks, convert < train < runs, main < tools
 
-axes.py, quiet.py, sharding.py and checkpoint.py import nothing of the package but axes
-and quiet and so stand on the ground floor with attention/ and data/, where anything may use them.
+axes.py, quiet.py, errors.py, sharding.py and checkpoint.py import nothing of the package
+but axes, quiet and errors and so stand on the ground floor with attention/ and data/, where anything may use them.
 """
 
 import ast
@@ -15,7 +15,7 @@ import pytest
 from helpers import REPO
 
 PACKAGE = "attention_jax"
-LAYERS = [{"attention", "data", "axes", "sharding", "checkpoint", "quiet"}, {"layers"}, {"models"},
+LAYERS = [{"attention", "data", "axes", "sharding", "checkpoint", "quiet", "errors"}, {"layers"}, {"models"},
           {"tasks", "convert"}, {"train"}, {"runs", "main"}, {"tools"}]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

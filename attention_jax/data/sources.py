@@ -18,9 +18,10 @@ import tensorflow_datasets as tfds
 
 from attention_jax import quiet
 from attention_jax.data import builders
+from attention_jax.errors import UserError
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(UserError, FileNotFoundError):
     """A dataset that is neither an offline builder nor prepared in the data dir."""
 
 

@@ -424,16 +424,17 @@ def read_metrics(workdir: str) -> list[dict]:
     on resume (train.drop_records_after); a file written before that, or a repeated
     --mode=eval, can hold a step twice: the later record supersedes the earlier, in the
     earlier one's place."""
+    from attention_jax import train
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics (is {workdir} a training run's workdir?)")
     records: dict[tuple, dict] = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                key = (r.get("step"), r.get("split"))
-                if key in records and r.get("split") == "train":
-                    # A resumed run's record: the ones after it were superseded too.
-                    records = {k: v for k, v in records.items() if k[0] < r.get("step")}
-                records[key] = r
+    for r in train.read_records(path):
+        key = (r.get("step"), r.get("split"))
+        if key in records and r.get("split") == "train":
+            # A resumed run's record: the ones after it were superseded too.
+            records = {k: v for k, v in records.items() if k[0] < r.get("step")}
+        records[key] = r
     return list(records.values())
 
 

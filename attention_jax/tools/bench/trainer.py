@@ -12,13 +12,14 @@ input pipeline, so the figure is the median of the windows after it.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from attention_jax import train
 
 EXPERIMENT = Path(__file__).resolve().parents[3] / "experiments" / "gpt2_gpu.py"
 
@@ -57,13 +58,8 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
-        rates = []
-        path = Path(workdir) / "metrics.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                if record.get("split") == "train":
-                    rates.append(record["tokens_per_sec"])
+        rates = [r["tokens_per_sec"] for r in train.read_records(f"{workdir}/metrics.jsonl")
+                 if r.get("split") == "train"]
         if done.returncode or len(rates) < 2:
             tail = (done.stderr or done.stdout).strip().splitlines()
             return {"error": tail[-1][:200] if tail else f"exit code {done.returncode}"}
