@@ -78,9 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.checkpoint_on_damage = "fall_back"
     t.init_from = ""  # warm start: a workdir or checkpoint dir whose params (only) to load.
     t.data_workers = 0  # grain worker processes (0: read in the trainer process).
-    # Batches read and sent to the devices ahead of the step that takes them (0: each is
-    # read when its step starts). The host waits for the device only when it logs,
-    # evaluates or checkpoints.
+    # Batches sent to the devices ahead of the step that takes them (0: each when its step
+    # starts). The host waits for the device only when it logs, evaluates or checkpoints.
     t.prefetch = 2
 
     c.mesh = m = ml_collections.ConfigDict()
@@ -464,8 +463,12 @@ def prefetch_to_device(loader: loaders.Loader, mesh, size: int, count=None):
     `size` more batches already sent to the devices: their host-to-device copies run
     while the step before them computes (jax transfers asynchronously). The loader's
     state travels with each batch, so a checkpoint records the position of the batches
-    the steps took, not of those read ahead. count(host batch): the units (tokens,
-    examples) it holds on this process; default its rows."""
+    the steps took, not of those sent ahead. count(host batch): the units (tokens,
+    examples) it holds on this process; default its rows.
+
+    Reading needs no thread of ours: grain's iterator already reads examples ahead with
+    a pool of threads (a grain thread-prefetch stage on top of it measured slower:
+    6.6-9.0 ms a 16 x 1024 batch against 0.1-5.3 ms without it, loaded 2-core CPU)."""
     import collections
 
     def put(host):
@@ -494,8 +497,7 @@ def make_train_loader(task: Task, config, state=None) -> loaders.Loader:
     """
     return loaders.Loader(task.train_source, global_batch_size=config.train.batch_size,
                           seed=config.train.seed, transform=task.train_transform,
-                          worker_count=config.train.data_workers,
-                          read_ahead=config.train.prefetch, state=state)
+                          worker_count=config.train.data_workers, state=state)
 
 
 def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:

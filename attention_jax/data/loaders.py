@@ -74,15 +74,13 @@ class Loader:
         different in every epoch.
       process_index, process_count: this host's place; default jax's.
       worker_count: grain worker processes (0 reads in the calling process).
-      read_ahead: with worker_count 0, batches a background thread reads ahead of the
-        caller, so reading overlaps the caller's work (workers read ahead themselves).
       state: a `LoaderState` (or its dict/bytes) to continue from.
     """
 
     def __init__(self, source, *, global_batch_size: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None, transform: Transform | None = None,
                  process_index: int | None = None, process_count: int | None = None,
-                 worker_count: int = 0, read_ahead: int = 0, state=None):
+                 worker_count: int = 0, state=None):
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= self.process_index < self.process_count:
@@ -105,9 +103,6 @@ class Loader:
         self.num_epochs = num_epochs
         self.transform = transform
         self.worker_count = worker_count
-        if read_ahead < 0:
-            raise ValueError(f'read_ahead={read_ahead}; valid: 0 or more batches')
-        self.read_ahead = read_ahead
         self._next_index = 0
         if state is not None:
             self.set_state(state)
@@ -169,20 +164,11 @@ class Loader:
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
-        elif self.read_ahead:
-            ds = grain.experimental.ThreadPrefetchIterDataset(
-                ds, prefetch_buffer_size=self.read_ahead)
-        batches = iter(ds)
-        try:
-            for batch in batches:
-                # Advance before yielding: a checkpoint taken after receiving this batch
-                # must resume with the next one.
-                self._next_index += self.global_batch_size
-                yield batch
-        finally:
-            close = getattr(batches, 'close', None)
-            if close:  # stops the reading thread or worker processes
-                close()
+        for batch in ds:
+            # Advance before yielding: a checkpoint taken after receiving this batch must
+            # resume with the next one.
+            self._next_index += self.global_batch_size
+            yield batch
 
 
 def to_global_batch(batch: Batch, mesh: Mesh,

@@ -135,27 +135,6 @@ def test_worker_processes_give_the_same_batches():
         np.testing.assert_array_equal(a['noise'], b['noise'])
 
 
-def test_reading_ahead_in_a_thread_gives_the_same_batches_and_states():
-    """read_ahead: a background thread reads batches before the caller asks; the batches
-    and the state after each (what a checkpoint records) are those of inline reading."""
-    kwargs = dict(global_batch_size=8, seed=4, num_epochs=2, transform=_add_noise,
-                  process_index=0, process_count=1)
-    inline, ahead = data.Loader(_source(), **kwargs), data.Loader(_source(), read_ahead=3, **kwargs)
-    pairs = list(zip(inline, ahead))
-    assert len(pairs) == 2 * N // 8
-    for a, b in pairs:
-        np.testing.assert_array_equal(a['noise'], b['noise'])
-    # Stopped early, the thread has read past the caller; the state counts only what
-    # the caller received, so a resume continues with the next batch.
-    loader = data.Loader(_source(), read_ahead=4, **kwargs)
-    first = _take(loader, 2)
-    assert loader.get_state().next_index == 16
-    rest = _take(data.Loader(_source(), state=loader.get_state(), **kwargs))
-    np.testing.assert_array_equal(_indices(first + rest), _indices(_take(data.Loader(_source(), **kwargs))))
-    with pytest.raises(ValueError, match='read_ahead=-1'):
-        data.Loader(_source(), read_ahead=-1, **kwargs)
-
-
 def test_tfds_source_with_image_transform_resumes(tmp_path):
     source = data.get_dataset('digits', 'test', tmp_path)
     transform = data.ImageClassification(augment=True, padding=1)
