@@ -35,6 +35,7 @@ import threading
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -166,19 +167,65 @@ def tree_paths(tree) -> list[tuple[str, Any]]:
     return [("/".join(key_name(k) for k in path), leaf) for path, leaf in flat]
 
 
-def state_digests(state) -> dict[str, dict[str, Any]]:
-    """{path: {'shape', 'dtype', 'digest'}} for every array of `state` (a collective with
-    several processes: each adds up its shards, the partial sums are all-gathered)."""
+def _on_accelerator(x) -> bool:
+    return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.sharding.device_set)
+
+
+@jax.jit
+def _device_sums(arrays):
+    """[len(arrays), 2] uint32: (A, B) of every array, computed where it lives (uint32
+    arithmetic wraps modulo 2**32 as the numpy sums do, so the digests are the same)."""
+    out = []
+    for x in arrays:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            x = jax.random.key_data(x)
+        bits = 8 * x.dtype.itemsize
+        if x.dtype == jnp.bool_:
+            words = x.astype(jnp.uint32)  # one byte, 0 or 1
+        else:
+            words = jax.lax.bitcast_convert_type(x, jnp.uint32 if bits == 64 else
+                                                 jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+        index = jnp.zeros(words.shape, jnp.uint32)
+        stride = 1
+        for d in reversed(range(words.ndim)):  # the flat index i, modulo 2**32
+            index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(
+                stride % _MOD)
+            stride *= words.shape[d]
+        out.append(jnp.stack([words.sum(dtype=jnp.uint32), (index * words).sum(dtype=jnp.uint32)]))
+    return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+
+
+def state_digests(state, on_device: bool | None = None) -> dict[str, dict[str, Any]]:
+    """{path: {'shape', 'dtype', 'digest'}} for every array of `state`.
+
+    On an accelerator (`on_device` None: any array lives on one) the sums run there in
+    one jitted program and only the 2 words per array come back, instead of copying the
+    whole state to the host for numpy (orbax copies it for the write anyway, but in its
+    own format). On CPU numpy over the shards is faster (see above); with several
+    processes each adds up its own shards and the partial sums are all-gathered."""
     leaves = tree_paths(state)
-    sums = np.array([array_digest_partial(x) for _, x in leaves], np.uint64).reshape(-1, 2)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        gathered = np.asarray(multihost_utils.process_allgather(sums.astype(np.uint32)))
-        sums = gathered.astype(np.uint64).sum(axis=0) % _MOD
-    return {path: {"shape": list(np.shape(x)), "dtype": str(np.dtype(x.dtype) if hasattr(x, "dtype")
-                                                            else np.asarray(x).dtype),
+    if on_device is None:
+        on_device = any(_on_accelerator(x) for _, x in leaves)
+    if on_device and all(isinstance(x, jax.Array) for _, x in leaves):
+        sums = np.asarray(_device_sums([x for _, x in leaves]).addressable_data(0), np.uint64)
+    else:
+        sums = np.array([array_digest_partial(x) for _, x in leaves], np.uint64).reshape(-1, 2)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            gathered = np.asarray(multihost_utils.process_allgather(sums.astype(np.uint32)))
+            sums = gathered.astype(np.uint64).sum(axis=0) % _MOD
+    return {path: {"shape": list(np.shape(x)), "dtype": _dtype_name(x),
                    "digest": f"{int(a):08x}{int(b):08x}"}
             for (path, x), (a, b) in zip(leaves, sums)}
+
+
+def _dtype_name(x) -> str:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return str(np.asarray(x).dtype)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return str(dtype)  # e.g. key<fry>: a typed PRNG key
+    return str(np.dtype(dtype))
 
 
 def data_digest(data_state) -> str:
