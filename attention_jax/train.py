@@ -65,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.batch_size = 32  # global batch (all processes, all micro-batches) per step.
     t.seed = 0  # parameters, dropout and data order all derive from it.
     t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
+    t.loss_chunk_size = 0  # GPT: positions per chunk of the fused LM head + loss; 0: whole logits.
     t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
     t.progress = True  # show a progress bar on process 0.
     t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
@@ -130,6 +131,7 @@ RANGES = {
     "train.checkpoint_every": "[1, inf)",
     "train.keep_checkpoints": "[1, inf)",
     "train.data_workers": "[0, inf)",
+    "train.loss_chunk_size": "[0, inf)",
     "mesh.num_devices": "[0, inf)",
     "eval.every": "[-1, inf)",
     "eval.steps": "[0, inf)",
@@ -629,7 +631,7 @@ def last_records(workdir: str) -> dict[str, dict]:
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
-                    "train.checkpoint_on_damage",
+                    "train.checkpoint_on_damage", "train.loss_chunk_size",
                     "data.data_dir", "model.implementation", "model.remat_policy",
                     "mesh.", "eval.")
 
