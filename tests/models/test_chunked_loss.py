@@ -5,6 +5,8 @@ against the whole-logits path, the GPT task with train.loss_chunk_size against t
 whole-logits loss, a mesh that splits the vocabulary (and the length) against one
 device, and the errors."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from helpers import load, shrink
 
 from attention_jax import sharding, tasks
 from attention_jax.layers.linear import matmul
+from attention_jax.models.gpt import GPT, GPTConfig, lm_head_weights
 from attention_jax.models.losses import chunked_head_cross_entropy, cross_entropy
 
 
@@ -161,6 +164,24 @@ def test_a_mesh_splitting_the_vocabulary_gives_the_one_device_values(data, seque
     np.testing.assert_allclose(float(m["accuracy"]), float(want_m["accuracy"]), rtol=1e-6)
     for a, b in zip(grads, want_g, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", ["gpt-tiny", "gpt-tiny-rope"])  # tied; untied head
+def test_gpt_hidden_times_the_head_weights_are_its_logits(variant):
+    cfg = GPTConfig.from_variant(variant, num_layers=1)
+    model = GPT(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+    # init with return_hidden still creates the head's parameters
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens, return_hidden=True)["params"])
+    assert ("lm_head" in params) == (not cfg.tie_embeddings)
+    logits, aux = model.apply({"params": params}, tokens)
+    hidden, hidden_aux = model.apply({"params": params}, tokens, return_hidden=True)
+    assert hidden.shape == (2, 8, cfg.d_model) and set(hidden_aux) == set(aux)
+    kernel, bias = lm_head_weights(params, cfg)
+    assert kernel.shape == (cfg.d_model, cfg.vocab_size) and bias is None
+    np.testing.assert_allclose(np.asarray(hidden @ kernel), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+    assert lm_head_weights(params, bf16)[0].dtype == jnp.bfloat16
 
 
 @pytest.mark.slow
