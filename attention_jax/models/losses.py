@@ -86,9 +86,9 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
     dkernel (D·V float32) from the forward pass to the end of the backward one. Without
     differentiation (evaluation) only the logits and the statistics are computed.
 
-    Each chunk's dkernel = hiddenᵀ·dz sums over the batch, so on a mesh that splits the
-    batch XLA reduces it across the batch shards once per chunk (n reductions of D×V,
-    where the whole-logits path makes one): prefer few, large chunks there.
+    On a mesh that splits the batch, each batch shard sums its own dkernel over the
+    chunks and the shards' sums are reduced once at the end, as the whole-logits path
+    reduces its one gradient (not once per chunk).
     """
     _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing)
     b, t, d = hidden.shape
@@ -168,13 +168,32 @@ def _fused_head_loss(smoothing, h, kernel, bias, y, scale):
     return lax.scan(body, (zero, zero), (h, y, scale))[0]
 
 
+def _batch_shards(b: int) -> int:
+    """Devices the batch axis is split over under the current mesh and logical rules (1
+    without them, or when they do not divide b)."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return 1
+    names = nn.logical_to_mesh_axes((axes.BATCH,), rules)[0]
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    p = math.prod(mesh.shape.get(a, 1) for a in names)
+    return p if b % p == 0 else 1
+
+
 def _fused_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
     v = kernel.shape[1]
     dtype = jnp.result_type(h.dtype, kernel.dtype)  # the matmuls' operand dtype
+    # The weight gradient sums over the batch. Summed in one [D, V] accumulator, a batch
+    # split over P devices is reduced across them at every chunk; so each batch shard
+    # keeps its own partial sum ([P, D, V], split over P like the batch: per device the
+    # size of one [D, V]) and the P partials are reduced once, after the last chunk.
+    p = _batch_shards(h.shape[1])
+    partial = (axes.BATCH, axes.EMBED, axes.VOCAB)
 
     def body(carry, xs):
         loss_sum, correct_sum, dkernel, dbias = carry
         hc, y, scale = xs
+        b, c, d = hc.shape
         z = _chunk_logits(hc, kernel, bias)
         loss, correct, lse, is_target = _chunk_statistics(z, y, smoothing)
         q = jnp.where(is_target, 1.0 - smoothing, 0.0) + smoothing / v
@@ -182,20 +201,22 @@ def _fused_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
         dz = nn.with_logical_constraint(dz, (axes.BATCH, axes.LENGTH, axes.VOCAB))
         dz_in = dz.astype(dtype)
         dh = matmul(dz_in, kernel.T, preferred_element_type=jnp.float32).astype(h.dtype)
-        dkernel = dkernel + lax.dot_general(  # hᵀ·dz over the folded [B·c] axis
-            hc.reshape(-1, hc.shape[-1]).astype(dtype), dz_in.reshape(-1, v),
-            (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dkernel = dkernel + lax.dot_general(  # hᵀ·dz per shard, over its folded [B/P·c] axis
+            hc.reshape(p, b // p * c, d).astype(dtype), dz_in.reshape(p, b // p * c, v),
+            (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)  # [P, D, V]
+        dkernel = nn.with_logical_constraint(dkernel, partial)
         if dbias is not None:
-            dbias = dbias + jnp.sum(dz, axis=(0, 1))
+            dbias = dbias + jnp.sum(dz.reshape(p, -1, v), axis=1)  # [P, V]
         return (loss_sum + jnp.sum(scale * loss), correct_sum + jnp.sum(scale * correct),
                 dkernel, dbias), dh
 
     zero = jnp.zeros((), jnp.float32)
-    dkernel = nn.with_logical_constraint(jnp.zeros(kernel.shape, jnp.float32),
-                                         (axes.EMBED, axes.VOCAB))
-    dbias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    dkernel = nn.with_logical_constraint(jnp.zeros((p, *kernel.shape), jnp.float32), partial)
+    dbias = None if bias is None else jnp.zeros((p, v), jnp.float32)
     (loss_sum, correct_sum, dkernel, dbias), dh = lax.scan(
         body, (zero, zero, dkernel, dbias), (h, y, scale))
+    dkernel = nn.with_logical_constraint(dkernel.sum(0), (axes.EMBED, axes.VOCAB))
+    dbias = None if dbias is None else dbias.sum(0)
     # kernel and bias ride along for their dtypes only (inputs: no copies).
     return (loss_sum, correct_sum), (dh, dkernel, dbias, kernel, bias)
 

@@ -166,6 +166,24 @@ def test_a_mesh_splitting_the_vocabulary_gives_the_one_device_values(data, seque
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+def test_the_kernel_gradient_is_reduced_over_the_batch_once_not_per_chunk():
+    """Batch split in 4, vocabulary in 2: no all-reduce of the [D, V/2] weight-gradient
+    shard inside the chunk loop (each batch shard keeps its own partial sum), one after."""
+    hidden, kernel, bias, targets, weights = _inputs(b=8, t=16, d=16, v=64)
+    mesh = _mesh(4, 1, 2)
+    spec = lambda *names: jax.sharding.NamedSharding(mesh, nn.logical_to_mesh_axes(names))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        h = jax.device_put(hidden, spec("batch", "length", "embed"))
+        k = jax.device_put(kernel, spec("embed", "vocab"))
+        y = jax.device_put(targets, spec("batch", "length"))
+        grad = jax.jit(jax.grad(lambda h, k: chunked_head_cross_entropy(h, k, y, chunk_size=4)[0],
+                                argnums=(0, 1)))
+        hlo = grad.lower(h, k).compile().as_text()
+    reductions = [line for line in hlo.splitlines()
+                  if "all-reduce(" in line and "16,32]" in line.split("all-reduce(")[0]]  # [.., D, V/2]
+    assert reductions and not [r for r in reductions if "while/body" in r], reductions
+
+
 @pytest.mark.parametrize("variant", ["gpt-tiny", "gpt-tiny-rope"])  # tied; untied head
 def test_gpt_hidden_times_the_head_weights_are_its_logits(variant):
     cfg = GPTConfig.from_variant(variant, num_layers=1)
