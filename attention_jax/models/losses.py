@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import flax.linen as nn
 import jax
@@ -73,8 +74,9 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
     How: a `lax.scan` over chunks of the length axis T (the batch axis stays whole, so its
     data/fsdp sharding is untouched). Chunk j holds positions j, j + n, j + 2n, ... (n
     chunks): a length sharded over the sequence axis then stays split the same way within
-    each chunk (needs chunk_size divisible by that axis). T not a multiple of chunk_size
-    is padded with weight-0 positions, which add nothing.
+    each chunk (evenly when chunk_size is a multiple of that axis; else XLA pads the
+    split). T not a multiple of chunk_size is padded with weight-0 positions, which add
+    nothing.
 
     Under differentiation the forward computes the gradient too, chunk by chunk, as the
     fused linear cross-entropy of Liger-Kernel (Hsu et al. 2024): with
@@ -95,7 +97,7 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
     weights = (jnp.ones((b, t), jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
     scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw
-    n, c = _chunk_layout(t, chunk_size)
+    n, c = _chunk_layout(t, int(chunk_size))
     if n * c > t:  # padding positions carry weight 0
         pad = ((0, 0), (0, n * c - t))
         hidden = jnp.pad(hidden, pad + ((0, 0),))
@@ -108,7 +110,7 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
 
 
 def _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing):
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r}; valid: an int >= 1 (positions per chunk)")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}; valid: 0 <= label_smoothing < 1")
