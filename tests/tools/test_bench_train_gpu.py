@@ -118,42 +118,24 @@ def test_our_child_step_on_cpu():
     assert "error" in bad and "step_s" not in bad  # recorded, not raised
 
 
-def test_loss_chunk_option():
-    """--loss-chunk's values (the parent's flow below times 0 and 4 against each other)."""
-    assert train_gpu.parse_loss_chunks("0, 256") == [0, 256]
-    for bad in ("-1", "abc", ""):
-        with pytest.raises(SystemExit, match="--loss-chunk .* valid: integers >= 0"):
-            train_gpu.parse_loss_chunks(bad)
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
-    r = train_gpu.measure_ours(row, "xla", warmup=1, repeats=1, steps=1, dtype="float32",
-                               loss_chunk_size=4)
-    assert "error" not in r and r["impl"] == "xla loss-chunk 4" and r["loss_chunk"] == 4
-    assert r["first_loss"] == pytest.approx(math.log(row["vocab"]), rel=0.1)  # uniform at init
-
-
 def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     """The parent's whole flow (device query, matmul child, our rows in children, table,
-    JSON), the children running on the CPU at a tiny size; the peer skipped. The chunked
-    loss (--loss-chunk 4) starts from the same loss as the whole logits."""
+    JSON), the children running on the CPU at a tiny size; the peer skipped."""
     out = tmp_path / "train_gpu.json"
     parser = argparse.ArgumentParser()
     bench_train.add_parser(parser.add_subparsers(dest="which"))
     args = parser.parse_args(["train", "--device", "gpu", "--no-torch", "--warmup", "1",
                               "--repeats", "1", "--steps", "1", "--matmul-size", "256",
                               "--dtype", "float32",
-                              "--implementation", "blockwise", "--loss-chunk", "0,4",
-                              "--out", str(out)])
+                              "--implementation", "blockwise,xla", "--out", str(out)])
     # train.run dispatches on --device gpu; the device query answers from the CPU here.
     monkeypatch.setattr(train_gpu, "SHAPES", train_gpu.SHAPES_TINY)
     monkeypatch.setattr(train_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
     rows = bench_train.run(args)
-    assert [(r["side"], r["impl"], r["loss_chunk"]) for r in rows] == [
-        ("jax", "blockwise", 0), ("jax", "blockwise loss-chunk 4", 4)]
-    assert rows[1]["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-5)
+    assert [(r["side"], r["impl"]) for r in rows] == [("jax", "blockwise"), ("jax", "xla")]
     assert all("error" not in r and r["mfu_peak"] > 0 and r["mfu_matmul"] > 0 for r in rows)
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
-    assert "| gpt-tiny-gpu | 2 | jax / blockwise loss-chunk 4 |" in printed
     saved = json.loads(out.read_text())
     assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 2
 
@@ -161,3 +143,24 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
 def test_cpu_mode_is_chosen_without_a_gpu_plugin(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert train_gpu.gpu_available() is None
+
+
+def test_loss_chunk_option(tmp_path):
+    """--loss-chunk: the values the parent takes, and a child process's step (run in this
+    process) with the chunked loss, starting from the same loss as the whole logits."""
+    assert train_gpu.parse_loss_chunks("0, 256") == [0, 256]
+    for bad in ("-1", "abc", ""):
+        with pytest.raises(SystemExit, match="--loss-chunk .* valid: integers >= 0"):
+            train_gpu.parse_loss_chunks(bad)
+    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    results = []
+    for chunk in ("0", "4"):
+        out = tmp_path / f"chunk{chunk}.json"
+        train_gpu.child_main(["jax", "--out", str(out), "--row", json.dumps(row),
+                              "--implementation", "xla", "--dtype", "float32", "--warmup", "1",
+                              "--repeats", "1", "--steps", "1", "--loss-chunk", chunk])
+        results.append(json.loads(out.read_text()))
+    whole, chunked = results
+    assert "error" not in chunked and chunked["impl"] == "xla loss-chunk 4"
+    assert chunked["loss_chunk"] == 4 and whole["impl"] == "xla"
+    assert chunked["first_loss"] == pytest.approx(whole["first_loss"], rel=1e-5)

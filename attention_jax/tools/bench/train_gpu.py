@@ -439,15 +439,15 @@ def add_arguments(p) -> None:
                    help=f"GPU: shapes to run, a name or name:batch (default all: {list(SHAPES)})")
     g.add_argument("--steps", type=int, default=10,
                    help="GPU: steps queued back to back per timing (--repeats timings)")
+    g.add_argument("--loss-chunk", default="0",
+                   help="GPU: positions per chunk of the fused LM head + loss, e.g. 256 or "
+                        "0,256 (0: whole logits)")
     g.add_argument("--matmul-size", type=int, default=MATMUL_SIZE, help="GPU: the yardstick matmul")
     g.add_argument("--child-timeout", type=float, default=420,
                    help="GPU: seconds before a child process (one row) is given up")
     g.add_argument("--dtype", default="bfloat16",
                    help="GPU: our compute dtype and the matmul's (float32 for tests on a CPU, "
                         "whose dots refuse bf16 x bf16 -> f32)")
-    g.add_argument("--loss-chunk", default="0",
-                   help="GPU: positions per chunk of the fused LM head + loss, e.g. 256 or "
-                        "0,256 (0: whole logits)")
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which mode: auto asks JAX in a child process")
 
