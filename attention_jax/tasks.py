@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from attention_jax import checkpoint as ckpt_lib
-from attention_jax.models.losses import chunked_head_cross_entropy, cross_entropy
+from attention_jax.models.losses import cross_entropy
 
 
 # Defined here rather than in train.py because the adapters below raise it too and train
@@ -251,7 +251,7 @@ def data_parallel_size() -> int:
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
-    from attention_jax.models import gpt
+    from attention_jax.models import gpt, losses
     d = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
                      eval_split="validation")
@@ -278,9 +278,9 @@ def lm_task(config, workdir: str) -> Task:
         smoothing = config.optim.label_smoothing if train else 0.0
         if chunk_size:
             kernel, bias = gpt.lm_head_weights(params, cfg)
-            nll, m = chunked_head_cross_entropy(out, kernel, batch["targets"], batch["weights"],
-                                                bias=bias, chunk_size=chunk_size,
-                                                label_smoothing=smoothing)
+            nll, m = losses.chunked_head_cross_entropy(
+                out, kernel, batch["targets"], batch["weights"], bias=bias,
+                chunk_size=chunk_size, label_smoothing=smoothing)
         else:
             nll, m = cross_entropy(out, batch["targets"], batch["weights"], smoothing)
         return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
