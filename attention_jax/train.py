@@ -66,6 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.batch_size = 32  # global batch (all processes, all micro-batches) per step.
     t.seed = 0  # parameters, dropout and data order all derive from it.
     t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
+    t.loss_chunk_size = 0  # GPT: positions per chunk of the fused LM head + loss; 0: whole logits.
     t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
     t.progress = True  # show a progress bar on process 0.
     t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
@@ -129,6 +130,7 @@ RANGES = {
     "optim.decay_steps": "[0, inf)",
     "train.steps": "[1, inf)",
     "train.batch_size": "[1, inf)",
+    "train.loss_chunk_size": "[0, inf)",
     "train.log_every": "[1, inf)",
     "train.inject_nan_at": "[-1, inf)",
     "train.checkpoint_every": "[1, inf)",
@@ -666,7 +668,7 @@ RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.c
                     "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
                     "train.prefetch",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
-                    "train.checkpoint_on_damage",
+                    "train.checkpoint_on_damage", "train.loss_chunk_size",
                     "data.data_dir", "model.implementation", "model.remat_policy",
                     "mesh.", "eval.")
 

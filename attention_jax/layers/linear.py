@@ -27,15 +27,19 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def matmul(x, w, in_dims: int = 1, precision=None):
-    """x [..., *w.shape[:in_dims]] · w -> [..., *w.shape[in_dims:]], as [M, K] @ [K, O]."""
+def matmul(x, w, in_dims: int = 1, precision=None, preferred_element_type=None):
+    """x [..., *w.shape[:in_dims]] · w -> [..., *w.shape[in_dims:]], as [M, K] @ [K, O].
+
+    preferred_element_type=jnp.float32 returns the float32 accumulator of bfloat16
+    operands unrounded (the LM head's logits, models/losses.py)."""
     k_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     if x.shape[x.ndim - in_dims:] != k_shape:
         raise ValueError(f"matmul: x {x.shape} does not end in the weight's input axes "
                          f"{k_shape} (weight {w.shape}, in_dims={in_dims})")
     lead = x.shape[:x.ndim - in_dims]
     k = math.prod(k_shape)
-    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), precision=precision)
+    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), precision=precision,
+                   preferred_element_type=preferred_element_type)
     return y.reshape(*lead, *out_shape)
 
 

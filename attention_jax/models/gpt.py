@@ -5,6 +5,8 @@
     params = model.init(key, tokens)["params"]           # tokens [B, T] int
     logits, aux = model.apply({"params": params}, tokens)   # [B, T, V]
     loss, metrics = lm_loss(logits, tokens)
+    hidden, aux = model.apply({"params": params}, tokens, return_hidden=True)  # [B, T, D]
+    kernel, bias = lm_head_weights(params, cfg)      # the head as [D, V] (chunked losses)
     out, lengths = generate(model, params, prompts, prompt_lengths, max_new_tokens=20,
                             rng=key, temperature=0.8, top_p=0.9, stop_token=0)
 
@@ -36,7 +38,7 @@ from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import LearnedPositionEmbedding, lookup, sinusoidal
 from attention_jax.models.losses import cross_entropy
 
-__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss",
+__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "lm_head_weights",
            "init_cache", "generate", "sample_logits"]
 
 GPT_POSITIONS = ("learned", "sinusoidal", "rope")
@@ -127,7 +129,10 @@ def get_config(variant: str, **overrides) -> GPTConfig:
 
 
 class GPT(nn.Module):
-    """tokens [B, T] -> (logits [B, T, V], aux).
+    """tokens [B, T] -> (logits [B, T, V], aux); with return_hidden=True (hidden [B, T, D],
+    aux): the final hidden states, after the final norm, in the compute dtype, for a loss
+    that applies the head itself (models/losses.py chunked_head_cross_entropy with
+    lm_head_weights).
 
     aux: {"layers": per-layer aux stacked [L, ...] (MoE statistics), "attention_weights":
     {"self": [L, B, N, T, S]} when asked, "moe_loss": weighted load-balancing loss summed
@@ -138,7 +143,7 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, *, positions=None, segment_ids=None, deterministic: bool = True,
-                 decode: bool = False, return_weights: bool = False):
+                 decode: bool = False, return_weights: bool = False, return_hidden: bool = False):
         """positions [B, T]: default arange(T); required with decode=True (the absolute
         positions of the new tokens, see layers/attention.py). segment_ids [B, T]: packed
         documents (no attention across documents)."""
@@ -180,6 +185,13 @@ class GPT(nn.Module):
         if cfg.norm_position == "pre":  # post-norm blocks already end in a norm
             x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
                           dtype=dtype, name="final_norm")(x)
+        aux = {"layers": layer_aux}
+        if return_weights:
+            aux["attention_weights"] = {"self": layer_aux.pop("self_attention_weights")}  # [L, B, N, T, S]
+        if cfg.mlp == "moe":
+            aux["moe_loss"] = cfg.moe_loss_weight * jnp.sum(layer_aux["moe"]["load_balance_loss"])
+        if return_hidden and not self.is_initializing():  # init still creates the head
+            return x, aux
         if cfg.tie_embeddings:
             logits = matmul(x, embed.embedding.astype(dtype).T)  # [B, T, V]: x · Eᵀ
         else:
@@ -190,12 +202,19 @@ class GPT(nn.Module):
                                                          (axes.EMBED, axes.VOCAB)),
                 name="lm_head")(x)
         logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
-        aux = {"layers": layer_aux}
-        if return_weights:
-            aux["attention_weights"] = {"self": layer_aux.pop("self_attention_weights")}  # [L, B, N, T, S]
-        if cfg.mlp == "moe":
-            aux["moe_loss"] = cfg.moe_loss_weight * jnp.sum(layer_aux["moe"]["load_balance_loss"])
+        if return_hidden:
+            return x, aux
         return logits.astype(jnp.float32), aux
+
+
+def lm_head_weights(params, config: GPTConfig):
+    """(kernel [D, V], bias [V] or None) of the LM head in the compute dtype: the token
+    embedding transposed when tied, else lm_head's kernel (no bias: GPT-2's head has
+    none). logits = hidden · kernel, as GPT.__call__ computes them."""
+    dtype = jnp.dtype(config.dtype)
+    if config.tie_embeddings:
+        return params["token_embedding"]["embedding"].astype(dtype).T, None
+    return params["lm_head"]["kernel"].astype(dtype), None
 
 
 # ----------------------------------------------------------------------------- losses

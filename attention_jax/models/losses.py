@@ -1,21 +1,32 @@
 """The losses every model family trains with, in float32 whatever the compute dtype.
 
     loss, metrics = cross_entropy(logits, targets, weights, label_smoothing=0.1)
+    loss, metrics = chunked_head_cross_entropy(hidden, kernel, targets, weights,
+                                               chunk_size=128)   # = cross_entropy(hidden @ kernel, ...)
     tgt_in = shift_right(targets, bos_id)   # teacher forcing (data/objectives.py)
 
 One cross-entropy for next-token, masked-LM, classification and translation targets:
-weights mask padding or select the predicted positions.
+weights mask padding or select the predicted positions. The chunked form fuses the LM
+head into the loss so that the [B, T, V] logits never exist at once (see its docstring).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
+from attention_jax import axes
 from attention_jax.data.objectives import shift_right
+from attention_jax.layers.linear import matmul
 
-__all__ = ["cross_entropy", "token_cross_entropy", "shift_right"]
+__all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy", "shift_right"]
 
 
 def token_cross_entropy(logits, targets, label_smoothing: float = 0.0):
@@ -42,3 +53,182 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
     total = jnp.maximum(weights.sum(), 1.0)
     correct = (logits.argmax(-1) == targets).astype(jnp.float32)
     return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+# ======================================================================== the chunked head
+def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
+                               chunk_size: int, label_smoothing: float = 0.0):
+    """`cross_entropy(hidden @ kernel + bias, targets, weights, label_smoothing)` computed
+    `chunk_size` positions at a time, so that only one chunk's logits [B, c, V] exist.
+
+    hidden [B, T, D] (the final hidden states), kernel [D, V], bias [V] or None, targets
+    [B, T] ints, weights [B, T] (default all 1). Returns (loss, {"accuracy"}): the mean
+    over weighted positions, and the weighted accuracy of the argmax, as cross_entropy.
+
+    Precision: the head's matmul runs in the inputs' dtype (bfloat16 under mixed
+    precision) with its float32 accumulator kept as the logits; softmax, log-sum-exp and
+    loss in float32. Gradients flow to hidden, kernel and bias; weights are constants (no
+    gradient; a loss weighted by a differentiable quantity must use cross_entropy), and
+    targets are integers. Only reverse mode (grad, vjp): a custom VJP has no forward mode.
+
+    How: a `lax.scan` over chunks of the length axis T (the batch axis stays whole, so its
+    data/fsdp sharding is untouched). Chunk j holds positions j, j + n, j + 2n, ... (n
+    chunks): a length sharded over the sequence axis then stays split the same way within
+    each chunk (evenly when chunk_size is a multiple of that axis; else XLA pads the
+    split). T not a multiple of chunk_size is padded with weight-0 positions, which add
+    nothing.
+
+    Under differentiation the forward computes the gradient too, chunk by chunk, as the
+    fused linear cross-entropy of Liger-Kernel (Hsu et al. 2024): with
+    dz = (softmax(z) - q)·w/Σw (q the target distribution after smoothing), it keeps
+    dhidden = dz·kernelᵀ (hidden's dtype), and sums dkernel = hiddenᵀ·dz and dbias = Σ dz
+    in float32; the backward pass only scales them by the loss's cotangent. That costs
+    the same three matmuls as the whole-logits path (jax.checkpoint + scan would
+    recompute the logits in the backward pass: a fourth), at the price of holding
+    dkernel (D·V float32) from the forward pass to the end of the backward one. Without
+    differentiation (evaluation) only the logits and the statistics are computed.
+
+    On a mesh that splits the batch, each batch shard sums its own dkernel over the
+    chunks and the shards' sums are reduced once at the end, as the whole-logits path
+    reduces its one gradient (not once per chunk).
+    """
+    _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing)
+    b, t, d = hidden.shape
+    weights = (jnp.ones((b, t), jnp.float32) if weights is None
+               else jnp.asarray(weights).astype(jnp.float32))
+    scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw
+    n, c = _chunk_layout(t, int(chunk_size))
+    if n * c > t:  # padding positions carry weight 0
+        pad = ((0, 0), (0, n * c - t))
+        hidden = jnp.pad(hidden, pad + ((0, 0),))
+        targets, scale = jnp.pad(targets, pad), jnp.pad(scale, pad)
+    # Position i·n + j goes to chunk j: [B, n·c, ...] -> [B, c, n, ...] -> [n, B, c, ...].
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(b, c, n, *x.shape[2:]), 2, 0)
+    loss, accuracy = _fused_head_loss(float(label_smoothing), to_chunks(hidden), kernel, bias,
+                                      to_chunks(targets.astype(jnp.int32)), to_chunks(scale))
+    return loss, {"accuracy": accuracy}
+
+
+def _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}; valid: an int >= 1 (positions per chunk)")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}; valid: 0 <= label_smoothing < 1")
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden has shape {hidden.shape}; valid: [B, T, D] (3 axes)")
+    b, t, d = hidden.shape
+    if kernel.ndim != 2 or kernel.shape[0] != d:
+        raise ValueError(f"kernel has shape {kernel.shape}; valid: [D, V] with D = {d} "
+                         f"(hidden's last axis, hidden {hidden.shape})")
+    if targets.shape != (b, t):
+        raise ValueError(f"targets has shape {targets.shape}; valid: [B, T] = {(b, t)}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets has dtype {targets.dtype}; valid: an integer dtype")
+    if weights is not None and jnp.shape(weights) != (b, t):
+        raise ValueError(f"weights has shape {jnp.shape(weights)}; valid: [B, T] = {(b, t)}")
+    if bias is not None and bias.shape != kernel.shape[1:]:
+        raise ValueError(f"bias has shape {bias.shape}; valid: [V] = {kernel.shape[1:]} or None")
+
+
+def _chunk_layout(t: int, chunk_size: int) -> tuple[int, int]:
+    """(chunks n, positions per chunk c), n·c >= t: c = chunk_size, or t if that is less."""
+    c = min(chunk_size, t)
+    return math.ceil(t / c), c
+
+
+def _chunk_logits(h, kernel, bias):
+    """h [B, c, D] -> float32 logits [B, c, V]: the matmul in h's dtype, its float32
+    accumulator kept. The vocabulary may be split over the tensor axis."""
+    z = matmul(h, kernel, preferred_element_type=jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    return nn.with_logical_constraint(z, (axes.BATCH, axes.LENGTH, axes.VOCAB))
+
+
+def _chunk_statistics(z, y, smoothing):
+    """Per position of a chunk: loss [B, c], correct [B, c], log-sum-exp [B, c] and the
+    target mask [B, c, V]. loss = lse - (1-ε)·z_y - ε·mean(z), i.e. -Σ q·log softmax(z)
+    with q = (1-ε)·onehot(y) + ε/V."""
+    is_target = lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]  # no gather:
+    lse = jax.nn.logsumexp(z, axis=-1)  # a vocabulary split over devices stays split
+    loss = lse - jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
+    if smoothing:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - jnp.mean(z, axis=-1))
+    correct = (jnp.argmax(z, axis=-1) == y).astype(jnp.float32)
+    return loss, correct, lse, is_target
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_head_loss(smoothing, h, kernel, bias, y, scale):
+    """(Σ scale·loss, Σ scale·correct) over chunks h [n, B, c, D], y and scale [n, B, c]."""
+    def body(carry, xs):
+        h, y, scale = xs
+        loss, correct, _, _ = _chunk_statistics(_chunk_logits(h, kernel, bias), y, smoothing)
+        return (carry[0] + jnp.sum(scale * loss), carry[1] + jnp.sum(scale * correct)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    return lax.scan(body, (zero, zero), (h, y, scale))[0]
+
+
+def _batch_shards(b: int) -> int:
+    """Devices the batch axis is split over under the current mesh and logical rules (1
+    without them, or when they do not divide b)."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return 1
+    names = nn.logical_to_mesh_axes((axes.BATCH,), rules)[0]
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    p = math.prod(mesh.shape.get(a, 1) for a in names)
+    return p if b % p == 0 else 1
+
+
+def _fused_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
+    v = kernel.shape[1]
+    dtype = jnp.result_type(h.dtype, kernel.dtype)  # the matmuls' operand dtype
+    # The weight gradient sums over the batch. Summed in one [D, V] accumulator, a batch
+    # split over P devices is reduced across them at every chunk; so each batch shard
+    # keeps its own partial sum ([P, D, V], split over P like the batch: per device the
+    # size of one [D, V]) and the P partials are reduced once, after the last chunk.
+    p = _batch_shards(h.shape[1])
+    partial = (axes.BATCH, axes.EMBED, axes.VOCAB)
+
+    def body(carry, xs):
+        loss_sum, correct_sum, dkernel, dbias = carry
+        hc, y, scale = xs
+        b, c, d = hc.shape
+        z = _chunk_logits(hc, kernel, bias)
+        loss, correct, lse, is_target = _chunk_statistics(z, y, smoothing)
+        q = jnp.where(is_target, 1.0 - smoothing, 0.0) + smoothing / v
+        dz = (jnp.exp(z - lse[..., None]) - q) * scale[..., None]  # [B, c, V] float32
+        dz = nn.with_logical_constraint(dz, (axes.BATCH, axes.LENGTH, axes.VOCAB))
+        dz_in = dz.astype(dtype)
+        dh = matmul(dz_in, kernel.T, preferred_element_type=jnp.float32).astype(h.dtype)
+        dkernel = dkernel + lax.dot_general(  # hᵀ·dz per shard, over its folded [B/P·c] axis
+            hc.reshape(p, b // p * c, d).astype(dtype), dz_in.reshape(p, b // p * c, v),
+            (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)  # [P, D, V]
+        dkernel = nn.with_logical_constraint(dkernel, partial)
+        if dbias is not None:
+            dbias = dbias + jnp.sum(dz.reshape(p, -1, v), axis=1)  # [P, V]
+        return (loss_sum + jnp.sum(scale * loss), correct_sum + jnp.sum(scale * correct),
+                dkernel, dbias), dh
+
+    zero = jnp.zeros((), jnp.float32)
+    dkernel = nn.with_logical_constraint(jnp.zeros((p, *kernel.shape), jnp.float32), partial)
+    dbias = None if bias is None else jnp.zeros((p, v), jnp.float32)
+    (loss_sum, correct_sum, dkernel, dbias), dh = lax.scan(
+        body, (zero, zero, dkernel, dbias), (h, y, scale))
+    dkernel = nn.with_logical_constraint(dkernel.sum(0), (axes.EMBED, axes.VOCAB))
+    dbias = None if dbias is None else dbias.sum(0)
+    # kernel and bias ride along for their dtypes only (inputs: no copies).
+    return (loss_sum, correct_sum), (dh, dkernel, dbias, kernel, bias)
+
+
+def _fused_head_loss_bwd(smoothing, residuals, cotangents):
+    dh, dkernel, dbias, kernel, bias = residuals
+    g = cotangents[0]  # the accuracy is piecewise constant: its cotangent contributes 0
+    dbias = None if bias is None else (g * dbias).astype(bias.dtype)
+    return ((g * dh.astype(jnp.float32)).astype(dh.dtype), (g * dkernel).astype(kernel.dtype),
+            dbias, None, None)
+
+
+_fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)

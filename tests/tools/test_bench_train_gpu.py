@@ -152,3 +152,24 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
 def test_cpu_mode_is_chosen_without_a_gpu_plugin(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert train_gpu.gpu_available() is None
+
+
+def test_loss_chunk_option(tmp_path):
+    """--loss-chunk: the values the parent takes, and a child process's step (run in this
+    process) with the chunked loss, starting from the same loss as the whole logits."""
+    assert train_gpu.parse_loss_chunks("0, 256") == [0, 256]
+    for bad in ("-1", "abc", ""):
+        with pytest.raises(SystemExit, match="--loss-chunk .* valid: integers >= 0"):
+            train_gpu.parse_loss_chunks(bad)
+    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    results = []
+    for chunk in ("0", "4"):
+        out = tmp_path / f"chunk{chunk}.json"
+        train_gpu.child_main(["jax", "--out", str(out), "--row", json.dumps(row),
+                              "--implementation", "xla", "--dtype", "float32", "--warmup", "1",
+                              "--repeats", "1", "--steps", "1", "--loss-chunk", chunk])
+        results.append(json.loads(out.read_text()))
+    whole, chunked = results
+    assert "error" not in chunked and chunked["impl"] == "xla loss-chunk 4"
+    assert chunked["loss_chunk"] == 4 and whole["impl"] == "xla"
+    assert chunked["first_loss"] == pytest.approx(whole["first_loss"], rel=1e-5)

@@ -15,7 +15,11 @@ What is timed: one training step, forward + backward + AdamW update (lr 3e-4, be
 bfloat16 compute, random tokens (the same batch every step: throughput only).
 Ours: `jax.jit` of value_and_grad of models/gpt.py's next-token cross-entropy
 (models/losses.py) plus `optax.adamw`, the state donated, GPTConfig(dtype="bfloat16"),
-attention from `--implementation` (default "auto"; a comma-separated list times several).
+attention from `--implementation` (default "auto"; a comma-separated list times several);
+`--loss-chunk N` applies the LM head and the loss N positions at a time
+(losses.chunked_head_cross_entropy: the [B, T, V] float32 logits, 3.3 GB at gpt2-124m batch
+16, never exist at once; 0, the default, builds them whole; a comma-separated list times
+several).
 The peer (torch_gpt.py): a GPT-2 written here in nanoGPT's manner, `torch.compile`,
 bfloat16 autocast, SDPA causal attention, fused AdamW. Both sides: a few warm-up steps
 (compilation), then `--repeats` timings of `--steps` steps queued back to back and ended by
@@ -168,9 +172,10 @@ def _findable(module: str) -> bool:
         return False
 
 
-def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0):
+def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
+                 loss_chunk_size: int = 0):
     """(step(state) -> (state, loss), state): our jitted, donating training step of `row`
-    on a fixed batch of random tokens."""
+    on a fixed batch of random tokens. loss_chunk_size > 0: the chunked head + loss."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -189,6 +194,11 @@ def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: 
                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))  # matrices decay
 
     def loss_fn(params, inputs, targets):
+        if loss_chunk_size:
+            hidden, _ = model.apply({"params": params}, inputs, return_hidden=True)
+            kernel, bias = gpt.lm_head_weights(params, cfg)
+            return losses.chunked_head_cross_entropy(hidden, kernel, targets, bias=bias,
+                                                     chunk_size=loss_chunk_size)[0]
         logits, _ = model.apply({"params": params}, inputs)  # float32 logits
         return losses.cross_entropy(logits, targets)[0]
 
@@ -205,14 +215,16 @@ def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: 
 
 
 def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int = 5,
-                 steps: int = 10, dtype: str = "bfloat16") -> dict:
+                 steps: int = 10, dtype: str = "bfloat16", loss_chunk_size: int = 0) -> dict:
     """One row of our side: median seconds per step over `repeats` timings of `steps`
     steps queued back to back (one wait at the end), after `warmup` steps."""
     import jax
-    result = {**row, "side": "jax", "impl": implementation, "dtype": dtype}
+    result = {**row, "side": "jax", "impl": _impl_label(implementation, loss_chunk_size),
+              "dtype": dtype, "loss_chunk": loss_chunk_size}
     try:
         start = time.perf_counter()
-        step, state, info = prepare_ours(row, implementation, dtype)
+        step, state, info = prepare_ours(row, implementation, dtype,
+                                         loss_chunk_size=loss_chunk_size)
         result.update(info)
         loss = None
         for _ in range(max(1, warmup)):
@@ -234,6 +246,11 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
         lines = str(e).strip().splitlines()
         result["error"] = f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
     return result
+
+
+def _impl_label(implementation: str, loss_chunk_size: int) -> str:
+    """The table's attention column, with the loss chunk when there is one."""
+    return f"{implementation} loss-chunk {loss_chunk_size}" if loss_chunk_size else implementation
 
 
 def measure_matmul(size: int = MATMUL_SIZE, repeats: int = 7, steps: int = 10,
@@ -277,6 +294,7 @@ def child_main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", type=int, default=MATMUL_SIZE)
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (jax, matmul)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="jax: positions per loss chunk")
     a = p.parse_args(argv)
     if a.what == "info":
         result = device_info()
@@ -284,7 +302,7 @@ def child_main(argv=None):
         result = measure_matmul(a.size, a.repeats, a.steps, a.dtype)
     else:
         result = measure_ours(json.loads(a.row), a.implementation, a.warmup, a.repeats, a.steps,
-                              a.dtype)
+                              a.dtype, a.loss_chunk)
         result["device"] = device_info()["device"]
     Path(a.out).write_text(json.dumps(result, indent=1))
 
@@ -348,6 +366,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     bad = [i for i in impls if i not in IMPLEMENTATIONS]
     if bad:
         raise SystemExit(f"error: --implementation {bad} unknown; valid: {list(IMPLEMENTATIONS)}")
+    chunks = parse_loss_chunks(getattr(args, "loss_chunk", "0"))
     pairs = select_rows(args.quick, args.shapes, table_)
     print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
     out = Path(args.out)
@@ -389,15 +408,17 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     record["matmul_flops_per_s"] = rate
     print(f"    {rate / 1e12:.0f} TFLOP/s" if rate else f"    failed: {mm.get('error')}",
           file=sys.stderr, flush=True)
-    # 3. Ours: one process per row and attention implementation.
+    # 3. Ours: one process per row, attention implementation and loss chunk.
     for name, batch in pairs:
-        for impl in impls:
+        for impl, chunk in [(i, c) for i in impls for c in chunks]:
             row = table_[name].row(batch)
-            print(f"  jax {name} batch {batch} attention {impl} ...", file=sys.stderr, flush=True)
+            label = _impl_label(impl, chunk)
+            print(f"  jax {name} batch {batch} attention {label} ...", file=sys.stderr, flush=True)
             result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
-                             "--dtype", args.dtype, *timing], args.child_timeout)
+                             "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing],
+                            args.child_timeout)
             result.pop("returncode", None)
-            rows.append({**row, "side": "jax", "impl": impl, **result})
+            rows.append({**row, "side": "jax", "impl": label, "loss_chunk": chunk, **result})
             r = rows[-1]
             print(f"    {r['error'] if 'error' in r else '%.1f ms/step' % (1e3 * r['step_s'])}",
                   file=sys.stderr, flush=True)
@@ -423,6 +444,18 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     return rows
 
 
+def parse_loss_chunks(text) -> list[int]:
+    """--loss-chunk "0,256" -> [0, 256]; SystemExit naming the valid values otherwise."""
+    try:
+        chunks = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        chunks = [-1]
+    if not chunks or min(chunks) < 0:
+        raise SystemExit(f"error: --loss-chunk {text!r}; valid: integers >= 0, comma-separated "
+                         "(0: whole logits)")
+    return chunks
+
+
 def add_arguments(p) -> None:
     """The GPU mode's own options on `bench train`'s parser."""
     g = p.add_argument_group("GPU mode (when JAX's backend is a GPU)")
@@ -431,6 +464,9 @@ def add_arguments(p) -> None:
                    help=f"GPU: shapes to run, a name or name:batch (default all: {list(SHAPES)})")
     g.add_argument("--steps", type=int, default=10,
                    help="GPU: steps queued back to back per timing (--repeats timings)")
+    g.add_argument("--loss-chunk", default="0",
+                   help="GPU: positions per chunk of the fused LM head + loss, e.g. 256 or "
+                        "0,256 (0: whole logits)")
     g.add_argument("--matmul-size", type=int, default=MATMUL_SIZE, help="GPU: the yardstick matmul")
     g.add_argument("--child-timeout", type=float, default=420,
                    help="GPU: seconds before a child process (one row) is given up")
