@@ -69,7 +69,8 @@ def test_table_on_fabricated_rows():
 def test_select_rows():
     assert train_gpu.select_rows(True, None) == [("gpt2-124m", 16)]
     assert train_gpu.select_rows(False, None) == [("gpt2-124m", 16), ("gpt2-124m", 32),
-                                                 ("gpt2-medium", 8), ("gpt2-medium", 16)]
+                                                 ("gpt2-medium", 8), ("gpt2-medium", 16),
+                                                 ("gpt2-xl", 8), ("gpt2-xl", 16)]
     assert train_gpu.select_rows(False, ["gpt2-medium"]) == [("gpt2-medium", 8),
                                                             ("gpt2-medium", 16)]
     assert train_gpu.select_rows(False, ["gpt2-124m:32"]) == [("gpt2-124m", 32)]
@@ -88,6 +89,12 @@ def test_torch_peer_step_on_cpu_learns():
     assert all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(row["vocab"]), rel=0.1)  # uniform at init
     assert losses[-1] < losses[0]  # the same batch every step: it memorises
+    # Recomputing each block in the backward pass (gpt2-xl's remat) changes nothing computed.
+    remat_step, _, _ = torch_gpt.make_step({**row, "remat": "full"}, device="cpu",
+                                           compile=False, lr=3e-3)
+    again, _, _ = torch_gpt.make_step(row, device="cpu", compile=False, lr=3e-3)
+    for _ in range(3):
+        assert float(remat_step()) == pytest.approx(float(again()), rel=1e-5)
     with torch.no_grad():  # causal: a later token does not change earlier logits
         x = torch.randint(0, row["vocab"], (1, row["seq_len"]))
         y = x.clone()
@@ -119,34 +126,54 @@ def test_our_child_step_on_cpu():
 
 
 def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
-    """The parent's whole flow (device query, matmul child, our rows in children, the
-    trainer's row from main.py's own metrics, table, JSON), the children running on the
-    CPU at a tiny size; the peer skipped."""
+    """The parent's whole flow (device query, matmul child, our rows in children, a second
+    set with extra XLA flags, the trainer's row from main.py's own metrics, --fit, table,
+    JSON), the children running on the CPU at a tiny size; the peer skipped."""
     out = tmp_path / "train_gpu.json"
     parser = argparse.ArgumentParser()
     bench_train.add_parser(parser.add_subparsers(dest="which"))
     trainer_args = (f"--config.data.max_files=6 --config.data.data_dir={tmp_path / 'tfds'} "
                     "--config.mesh.num_devices=1")
+    # A flag the CPU knows, whose effect the child reports: its device count.
+    flags = "--xla_force_host_platform_device_count=1"
     args = parser.parse_args(["train", "--device", "gpu", "--no-torch", "--warmup", "1",
                               "--repeats", "1", "--steps", "1", "--matmul-size", "256",
                               "--dtype", "float32", "--trainer-steps", "6",
-                              f"--trainer-args={trainer_args}",
-                              "--implementation", "blockwise,xla", "--out", str(out)])
+                              f"--trainer-args={trainer_args}", "--xla-flags", "",
+                              f"--xla-flags={flags}", "--fit", "--fit-limit-gib", "0.05",
+                              "--implementation", "blockwise", "--out", str(out)])
     # train.run dispatches on --device gpu; the device query answers from the CPU here.
     monkeypatch.setattr(train_gpu, "SHAPES", train_gpu.SHAPES_TINY)
     monkeypatch.setattr(train_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
     rows = bench_train.run(args)
     assert [(r["side"], r["impl"]) for r in rows] == [
-        ("jax", "blockwise"), ("jax", "xla"), ("trainer", "blockwise"), ("trainer", "xla")]
+        ("jax", "blockwise"), ("jax", "blockwise xla1"), ("trainer", "blockwise")]
     assert all("error" not in r and r["mfu_peak"] > 0 and r["mfu_matmul"] > 0 for r in rows)
+    assert rows[0]["devices"] == 8 and rows[1]["devices"] == 1  # the flags reached the child
     trained = rows[2]
     assert trained["windows"] == 5  # 6 steps logged one by one, the first window left out
     assert trained["step_s"] == pytest.approx(2 * 16 / trained["tokens_per_s_logged"])
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
     assert "| gpt-tiny-gpu | 2 | trainer / blockwise |" in printed and "of our step" in printed
+    assert f"xla1: XLA_FLAGS += {flags}" in printed
+    assert "largest batch of gpt-tiny-gpu (blockwise, remat none): " in printed
     saved = json.loads(out.read_text())
-    assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 4
+    assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 3
+    (fit,) = saved["fits"]
+    assert fit["largest_batch"] >= 1 and fit["bytes"] <= fit["limit_bytes"] == int(0.05 * 2**30)
+
+
+def test_largest_batch_is_the_last_that_fits():
+    """The search's answer b fits and b + 1 does not, by compiled memory; a limit below
+    batch 1 gives 0. (Compile only: nothing runs.)"""
+    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(1)
+    at = lambda b: train_gpu.compiled_bytes({**row, "batch": b}, "xla", "float32")
+    limit = (at(6) + at(7)) // 2
+    fit = train_gpu.largest_batch(row, "xla", limit, "float32")
+    b = fit["largest_batch"]
+    assert at(b) == fit["bytes"] <= limit < at(b + 1)
+    assert train_gpu.largest_batch(row, "xla", at(1) - 1, "float32")["largest_batch"] == 0
 
 
 def test_cpu_mode_is_chosen_without_a_gpu_plugin(monkeypatch):

@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -57,8 +58,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """tokens [B, T] -> logits [B, T, V]."""
 
-    def __init__(self, layers: int, heads: int, width: int, seq_len: int, vocab: int):
+    def __init__(self, layers: int, heads: int, width: int, seq_len: int, vocab: int,
+                 remat: bool = False):
         super().__init__()
+        self.remat = remat  # recompute each block in the backward pass (activation checkpointing)
         self.token_embedding = nn.Embedding(vocab, width)
         self.position_embedding = nn.Embedding(seq_len, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
@@ -80,7 +83,10 @@ class GPT(nn.Module):
         positions = torch.arange(t, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.remat and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
@@ -89,7 +95,8 @@ def make_step(row: dict, device: str = "cuda", compile: bool = True, lr: float =
     """(step() -> loss tensor, model, info) for one row; step does forward, backward and
     the AdamW update on a fixed batch of random tokens. No host sync inside step."""
     torch.manual_seed(seed)
-    model = GPT(row["layers"], row["heads"], row["width"], row["seq_len"], row["vocab"]).to(device)
+    model = GPT(row["layers"], row["heads"], row["width"], row["seq_len"], row["vocab"],
+                remat=row.get("remat", "none") != "none").to(device)
     cuda = device.startswith("cuda")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

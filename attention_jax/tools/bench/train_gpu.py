@@ -3,12 +3,22 @@ r"""The train benchmark on a GPU: `python -m attention_jax.tools.bench train` th
     python -m attention_jax.tools.bench train                      # all shapes below
     python -m attention_jax.tools.bench train --quick              # gpt2-124m, batch 16 only
     python -m attention_jax.tools.bench train --shapes gpt2-medium --implementation auto,cudnn
+    python -m attention_jax.tools.bench train --shapes gpt2-xl --fit  # + the largest batch
+    python -m attention_jax.tools.bench train --quick --xla-flags='--xla_gpu_enable_latency_hiding_scheduler=true'
 
 `train.run` sends here when JAX's backend is a GPU (asked in a child process; see below).
 Shapes (T = 1024, vocabulary 50304 = 50257 padded to a multiple of 64, as nanoGPT does):
 
   gpt2-124m    12 layers, 12 heads, width 768, batch 16 and 32
   gpt2-medium  24 layers, 16 heads, width 1024, batch 8 and 16
+  gpt2-xl      48 layers, 25 heads, width 1600, batch 8 and 16, each block recomputed in
+               the backward pass on both sides (remat "full"; torch.utils.checkpoint)
+
+--fit adds, per shape and attention, the largest batch whose step fits in the device's
+memory, from XLA's compiled memory analysis (nothing runs; the step's memory is affine
+in the batch: batches 1 and 2 predict it, the prediction is compiled to check).
+--xla-flags F (repeatable) times our rows once more with F added to XLA_FLAGS, labelled
+xla0, xla1, ...: a flag is kept in the project only if it measures faster.
 
 What is timed: one training step, forward + backward + AdamW update (lr 3e-4, betas
 (0.9, 0.95), weight decay 0.1 on matrices), float32 parameters and optimizer state,
@@ -76,17 +86,21 @@ class GPUShape:
     batches: tuple[int, ...]
     seq_len: int = 1024  # T
     vocab: int = 50304  # V
+    remat: str = "none"  # activation checkpointing per block, on both sides (layers/blocks.py)
 
     def row(self, batch: int) -> dict:
         """What a child process needs to build one side of this shape at `batch`."""
         return {"shape": self.name, "layers": self.layers, "heads": self.heads,
                 "width": self.width, "seq_len": self.seq_len, "vocab": self.vocab,
-                "batch": batch}
+                "batch": batch, "remat": self.remat}
 
 
 SHAPES = {
     "gpt2-124m": GPUShape("gpt2-124m", layers=12, heads=12, width=768, batches=(16, 32)),
     "gpt2-medium": GPUShape("gpt2-medium", layers=24, heads=16, width=1024, batches=(8, 16)),
+    # 1.56B: its activations at batch 8 do not fit in 80 GB without recomputation.
+    "gpt2-xl": GPUShape("gpt2-xl", layers=48, heads=25, width=1600, batches=(8, 16),
+                        remat="full"),
 }
 QUICK = [("gpt2-124m", 16)]
 # For the tests: compiles in seconds on a CPU.
@@ -172,24 +186,17 @@ def _findable(module: str) -> bool:
         return False
 
 
-def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
-                 loss_chunk_size: int = 0):
-    """(step(state) -> (state, loss), state): our jitted, donating training step of `row`
-    on a fixed batch of random tokens. loss_chunk_size > 0: the chunked head + loss."""
-    import flax.linen as nn
+def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int = 0):
+    """(model, optimizer, train_step(state, inputs, targets) -> (state, loss)) of `row`:
+    value_and_grad of the next-token loss plus AdamW; state = (params, opt_state)."""
     import jax
-    import jax.numpy as jnp
     import optax
     from attention_jax.models import gpt, losses  # in the child only: it starts JAX
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
-                        implementation=implementation, dtype=dtype, param_dtype="float32")
+                        implementation=implementation, dtype=dtype, param_dtype="float32",
+                        remat_policy=row.get("remat", "none"))
     model = gpt.GPT(cfg)
-    key_init, key_data = jax.random.split(jax.random.key(seed))
-    tokens = jax.random.randint(key_data, (row["batch"], row["seq_len"] + 1), 0, row["vocab"],
-                                jnp.int32)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
     tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))  # matrices decay
 
@@ -208,10 +215,65 @@ def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: 
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
+    return model, tx, train_step
+
+
+def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
+                 loss_chunk_size: int = 0):
+    """(step(state) -> (state, loss), state): our jitted, donating training step of `row`
+    on a fixed batch of random tokens. loss_chunk_size > 0: the chunked head + loss."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    model, tx, train_step = _step_parts(row, implementation, dtype, loss_chunk_size)
+    key_init, key_data = jax.random.split(jax.random.key(seed))
+    tokens = jax.random.randint(key_data, (row["batch"], row["seq_len"] + 1), 0, row["vocab"],
+                                jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
     step_fn = jax.jit(train_step, donate_argnums=0)  # the new state reuses the old buffers
     state = (params, tx.init(params))
     info = {"params": sum(int(x.size) for x in jax.tree.leaves(params))}
     return (lambda s: step_fn(s, inputs, targets)), state, info
+
+
+def compiled_bytes(row: dict, implementation: str, dtype: str = "bfloat16",
+                   loss_chunk_size: int = 0) -> int:
+    """Device memory our step needs at `row`'s batch, from XLA's compiled memory analysis
+    (arguments + outputs + temporaries − the donated state they share); nothing runs."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    model, tx, train_step = _step_parts(row, implementation, dtype, loss_chunk_size)
+    tokens = jax.ShapeDtypeStruct((row["batch"], row["seq_len"]), jnp.int32)
+    params = jax.eval_shape(lambda: nn.meta.unbox(model.init(
+        jax.random.key(0), jnp.zeros((1, row["seq_len"]), jnp.int32))["params"]))
+    state = (params, jax.eval_shape(tx.init, params))
+    m = jax.jit(train_step, donate_argnums=0).lower(state, tokens, tokens).compile()
+    m = m.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def largest_batch(row: dict, implementation: str, limit_bytes: int, dtype: str = "bfloat16",
+                  loss_chunk_size: int = 0, most: int = 4096) -> dict:
+    """The largest batch of `row`'s shape whose step fits in `limit_bytes`, by compiled
+    memory: a step's memory is affine in the batch (the state, plus activations per
+    row), so batches 1 and 2 predict it; the prediction is then compiled and stepped
+    down until it fits. {"largest_batch", "bytes", "bytes_per_row", "limit_bytes"}."""
+    at = lambda b: compiled_bytes({**row, "batch": b}, implementation, dtype, loss_chunk_size)
+    one, two = at(1), at(2)
+    if one > limit_bytes:
+        return {"largest_batch": 0, "bytes": one, "bytes_per_row": two - one,
+                "limit_bytes": limit_bytes}
+    per_row = max(two - one, 1)
+    batch = max(1, min(most, 1 + (limit_bytes - one) // per_row))
+    used = at(batch)
+    while used > limit_bytes and batch > 1:  # the prediction was optimistic
+        batch = max(1, int(batch * limit_bytes / used))
+        used = at(batch)
+    return {"largest_batch": batch, "bytes": used, "bytes_per_row": per_row,
+            "limit_bytes": limit_bytes}
 
 
 def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int = 5,
@@ -274,6 +336,21 @@ def measure_matmul(size: int = MATMUL_SIZE, repeats: int = 7, steps: int = 10,
             "flops_per_s": 2 * size ** 3 / statistics.median(times)}
 
 
+def fit_child(row: dict, implementation: str, dtype: str, limit_gib: float,
+              loss_chunk_size: int = 0) -> dict:
+    """largest_batch within `limit_gib` (0: the first device's allocator limit, e.g. 75%
+    of an H100's memory under JAX's default preallocation); errors as a result."""
+    import jax
+    try:
+        limit = int(limit_gib * 2**30) or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        if not limit:
+            return {"error": "this device reports no memory limit: give --fit-limit-gib"}
+        return largest_batch(row, implementation, limit, dtype, loss_chunk_size)
+    except Exception as e:  # noqa: BLE001 - a compile failure is a result
+        lines = str(e).strip().splitlines()
+        return {"error": f"{type(e).__name__}: {lines[0][:200] if lines else ''}"}
+
+
 def device_info() -> dict:
     import jax
     d = jax.devices()[0]
@@ -285,7 +362,7 @@ def child_main(argv=None):
     """`python -m attention_jax.tools.bench.train_gpu info|matmul|jax --out F [...]`."""
     import argparse
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["info", "matmul", "jax"])
+    p.add_argument("what", choices=["info", "matmul", "jax", "fit"])
     p.add_argument("--out", required=True)
     p.add_argument("--row", help="JSON row (jax)")
     p.add_argument("--implementation", default="auto")
@@ -295,15 +372,20 @@ def child_main(argv=None):
     p.add_argument("--size", type=int, default=MATMUL_SIZE)
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (jax, matmul)")
     p.add_argument("--loss-chunk", type=int, default=0, help="jax: positions per loss chunk")
+    p.add_argument("--limit-gib", type=float, default=0,
+                   help="fit: memory to fit in (0: the device's allocator limit)")
     a = p.parse_args(argv)
     if a.what == "info":
         result = device_info()
     elif a.what == "matmul":
         result = measure_matmul(a.size, a.repeats, a.steps, a.dtype)
+    elif a.what == "fit":
+        result = fit_child(json.loads(a.row), a.implementation, a.dtype, a.limit_gib, a.loss_chunk)
     else:
         result = measure_ours(json.loads(a.row), a.implementation, a.warmup, a.repeats, a.steps,
                               a.dtype, a.loss_chunk)
-        result["device"] = device_info()["device"]
+        info = device_info()
+        result.update(device=info["device"], devices=info["count"])
     Path(a.out).write_text(json.dumps(result, indent=1))
 
 
@@ -332,15 +414,19 @@ def _child_info(timeout: float) -> dict:
     return _child(["info"], timeout)
 
 
-def _child(args: list[str], timeout: float, module: str = "attention_jax.tools.bench.train_gpu"
-           ) -> dict | list:
+def _child(args: list[str], timeout: float, module: str = "attention_jax.tools.bench.train_gpu",
+           xla_flags: str = "") -> dict | list:
     """Runs `python -m module args --out F` and returns F's JSON, or {"error": ...} when the
-    process failed (its stderr's tail goes to our stderr)."""
+    process failed (its stderr's tail goes to our stderr). xla_flags: added to the
+    child's XLA_FLAGS."""
+    env = None
+    if xla_flags:
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s", "returncode": None}
         if out.exists():
@@ -408,17 +494,21 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     record["matmul_flops_per_s"] = rate
     print(f"    {rate / 1e12:.0f} TFLOP/s" if rate else f"    failed: {mm.get('error')}",
           file=sys.stderr, flush=True)
-    # 3. Ours: one process per row, attention implementation and loss chunk.
+    # 3. Ours: one process per row, attention implementation, loss chunk and XLA flags.
+    flag_sets = getattr(args, "xla_flags", None) or [""]
+    record["xla_flags"] = {f"xla{k}": f for k, f in enumerate(flag_sets) if f}
     for name, batch in pairs:
-        for impl, chunk in [(i, c) for i in impls for c in chunks]:
+        for impl, chunk, k in [(i, c, k) for i in impls for c in chunks
+                               for k in range(len(flag_sets))]:
             row = table_[name].row(batch)
-            label = _impl_label(impl, chunk)
+            label = _impl_label(impl, chunk) + (f" xla{k}" if flag_sets[k] else "")
             print(f"  jax {name} batch {batch} attention {label} ...", file=sys.stderr, flush=True)
             result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
                              "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing],
-                            args.child_timeout)
+                            args.child_timeout, xla_flags=flag_sets[k])
             result.pop("returncode", None)
-            rows.append({**row, "side": "jax", "impl": label, "loss_chunk": chunk, **result})
+            rows.append({**row, "side": "jax", **result, "impl": label, "loss_chunk": chunk,
+                         "xla_flags": flag_sets[k]})
             r = rows[-1]
             print(f"    {r['error'] if 'error' in r else '%.1f ms/step' % (1e3 * r['step_s'])}",
                   file=sys.stderr, flush=True)
@@ -436,10 +526,31 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                                          timeout=args.child_timeout, extra=extra)
                 rows.append({**row, "side": "trainer", "impl": impl, **result})
                 save()
+    # 5. --fit: the largest batch of each shape that fits, from compiled memory.
+    if getattr(args, "fit", False):
+        record["fits"] = fits = []
+        for name in dict.fromkeys(n for n, _ in pairs):
+            for impl in impls:
+                row = table_[name].row(1)
+                print(f"  fit {name} attention {impl} ...", file=sys.stderr, flush=True)
+                got = _child(["fit", "--row", json.dumps(row), "--implementation", impl,
+                              "--dtype", args.dtype, "--limit-gib", str(args.fit_limit_gib)],
+                             args.child_timeout)
+                got.pop("returncode", None)
+                fits.append({"shape": name, "impl": impl, "remat": row.get("remat", "none"),
+                             **got})
+                save()
     for r in rows:
         finish_row(r, rate)
     save()
     print(table(rows, rate, device))
+    for k, flags in record["xla_flags"].items():
+        print(f"{k}: XLA_FLAGS += {flags}")
+    for f in record.get("fits", []):
+        print(f"largest batch of {f['shape']} ({f['impl']}, remat {f['remat']}): "
+              + (f"{f['largest_batch']} ({f['bytes'] / 2**30:.1f} of {f['limit_bytes'] / 2**30:.1f} "
+                 f"GiB compiled; {f['bytes_per_row'] / 2**20:,.0f} MiB a row)"
+                 if "largest_batch" in f else f"failed: {f.get('error')}"))
     print(f"\nwrote {out}")
     return rows
 
@@ -478,6 +589,14 @@ def add_arguments(p) -> None:
     g.add_argument("--trainer-args", default="",
                    help="GPU: more main.py arguments for the trainer row, one string, e.g. "
                         "--trainer-args='--config.data.max_files=50'")
+    g.add_argument("--fit", action="store_true",
+                   help="GPU: also find each shape's largest batch that fits (compiled memory)")
+    g.add_argument("--fit-limit-gib", type=float, default=0,
+                   help="GPU: the memory --fit fills (default: the device allocator's limit)")
+    g.add_argument("--xla-flags", action="append", default=None,
+                   help="GPU: extra XLA_FLAGS for a second set of our rows (repeatable; each set "
+                        "is timed beside the rows without), e.g. "
+                        "--xla-flags='--xla_gpu_enable_latency_hiding_scheduler=true'")
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which mode: auto asks JAX in a child process")
 
