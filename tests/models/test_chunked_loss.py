@@ -273,3 +273,33 @@ def test_config_key_is_checked_and_resume_safe():
     with pytest.raises(train.ConfigError, match=r"config.train.loss_chunk_size=-1 .* >= 0"):
         train.validate_config(c)
     assert "train.loss_chunk_size" in train.RESUME_SAFE_KEYS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_chunked_equals_whole_in_bfloat16_on_a_gpu():
+    """On the GPU's bf16 dots (float32 accumulation): the chunked loss and gradients
+    against the whole-logits path at a GPT-2-like head (V = 50304), and the float64
+    reference at a small one."""
+    rng = np.random.default_rng(0)
+    b, t, d, v = 2, 256, 128, 50304
+    hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.normal(size=(d, v)) / np.sqrt(d), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+
+    def whole(h, k):
+        return cross_entropy(matmul(h, k, preferred_element_type=jnp.float32), targets)[0]
+
+    def chunked(h, k):
+        return chunked_head_cross_entropy(h, k, targets, chunk_size=64)[0]
+
+    (lw, gw), (lc, gc) = (jax.jit(jax.value_and_grad(f, (0, 1)))(hidden, kernel)
+                          for f in (whole, chunked))
+    assert float(lc) == pytest.approx(float(lw), rel=1e-3)
+    for a, c in zip(gw, gc):
+        a, c = a.astype(jnp.float32), c.astype(jnp.float32)
+        assert float(jnp.linalg.norm(a - c) / jnp.linalg.norm(a)) < 2e-2
+    h, k, bias, tg, w = _inputs()
+    loss, _ = chunked_head_cross_entropy(jnp.asarray(h, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
+                                         tg, w, bias=jnp.asarray(bias), chunk_size=5)
+    assert float(loss) == pytest.approx(float(_reference(h, k, bias, tg, w, 0.0)[0]), rel=2e-2)

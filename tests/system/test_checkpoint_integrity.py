@@ -375,6 +375,20 @@ def test_digest_computed_on_the_devices_equals_the_host_one():
             != want["f32"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_digest_on_a_gpu_takes_the_device_path_and_equals_numpy():
+    """A state that lives on the GPU is digested there (the default path), with the
+    numpy digests of its host copy."""
+    rng = np.random.default_rng(1)
+    host = {"w": rng.standard_normal((64, 48)).astype(np.float32),
+            "h": rng.standard_normal((32,)).astype(jnp.bfloat16),
+            "step": np.int32(7), "rng": np.asarray(jax.random.key_data(jax.random.key(3)))}
+    state = jax.device_put(host, jax.devices()[0])
+    assert checkpoint._on_accelerator(state["w"])
+    assert checkpoint.state_digests(state) == checkpoint.state_digests(host)
+
+
 def test_read_metrics_of_a_file_written_before_the_fix(tmp_path):
     """A metrics.jsonl with a resume's repeated steps (as older versions wrote it): the
     analysis tools see each (step, split) once, the resumed run's record winning."""
