@@ -7,7 +7,8 @@ state restored read-only onto this process's devices.
     with run.mesh_context():
         logits, aux = run.task.model.apply({"params": run.params}, tokens)
 
-Used by main's eval / sample / embed modes and by tools/ (analysis, viz). The checkpoint
+Used by main's eval / sample / embed modes and by tools/ (analysis, fits, viz), which
+also read a finished run's records here: read_metrics, run_summary, count_params. The checkpoint
 is opened read-only (train.setup(read_only=True)): a writable manager would clean up the
 temporary folder of a save in progress if the run is still training in the workdir.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -99,3 +101,50 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
     tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
     return Run(config, s.task, state["params"], int(jax.device_get(state["step"])), tokenizer,
                s.mesh, s.rules, s.shardings)
+
+
+# ============================================================== a finished run's records
+def count_params(params) -> int:
+    """Elements in a tree of arrays (or shapes)."""
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of metrics.jsonl, one per (step, split). The trainer rewrites the file
+    on resume (train.drop_records_after); a file written before that, or a repeated
+    --mode=eval, can hold a step twice: the later record supersedes the earlier, in the
+    earlier one's place."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics (is {workdir} a training run's workdir?)")
+    records: dict[tuple, dict] = {}
+    for r in train.read_records(path):
+        key = (r.get("step"), r.get("split"))
+        if key in records and r.get("split") == "train":
+            # A resumed run's record: the ones after it were superseded too.
+            records = {k: v for k, v in records.items() if k[0] < r.get("step")}
+        records[key] = r
+    return list(records.values())
+
+
+def run_summary(workdir: str) -> dict:
+    """Final eval metrics, steps, parameter count and wall time of a finished run.
+
+    Wall time is the span from config.json (written before compiling) to the last
+    metric record (the final eval): compilation, training and evaluation included, as
+    a user waits for it. A resumed run's span includes the pause; start fresh to time.
+    """
+    records = read_metrics(workdir)
+    evals = [r for r in records if r["split"] == "eval"]
+    trains = [r for r in records if r["split"] == "train"]
+    config = load_config(workdir)
+    task = train.TASKS[config.task](config, workdir)
+    shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
+    wall = (os.path.getmtime(os.path.join(workdir, "metrics.jsonl"))
+            - os.path.getmtime(os.path.join(workdir, "config.json")))
+    return {"workdir": workdir, "task": config.task, "step": trains[-1]["step"] if trains else 0,
+            "params": count_params(nn.meta.unbox(shapes)), "wall_s": round(wall, 1),
+            "eval": {k: v for k, v in (evals[-1] if evals else {}).items()
+                     if k not in ("step", "split")},
+            "model": config.model.to_dict()}

@@ -9,9 +9,9 @@ import pytest
 from flax import linen as nn
 from helpers import load, shrink
 
-from attention_jax import checkpoint, data, tasks, train
+from attention_jax import checkpoint, data, runs, tasks, train
 from attention_jax.models import gpt
-from attention_jax.tools import analysis
+from attention_jax.tools import fits
 
 CASES = [("scaling", "layers=1"), ("scaling", "layers=8"),
          *[("gated_mlp", f"mlp={m}") for m in ("relu", "gelu", "swiglu", "geglu")],
@@ -47,7 +47,7 @@ def test_scaling_sizes_follow_one_rule_and_kaplans_count(layers):
     d = module.WIDTH_PER_LAYER * layers
     assert (c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.mlp_dim) == (
         layers, d, layers, 4 * d)
-    n = analysis.non_embedding_params(_gpt_params(c))
+    n = fits.non_embedding_params(_gpt_params(c))
     # Kaplan's 12·L·D², plus the norms' scales the count includes (2 per layer, 1 final).
     assert n == module.non_embedding_params(layers) + (2 * layers + 1) * d
     assert c.optim.lr == pytest.approx(0.003239 - 0.0001395 * np.log(12 * layers * d * d))
@@ -62,7 +62,7 @@ def test_scaling_rejects_a_size_outside_the_sweep():
 def test_gated_and_plain_mlps_have_equal_parameters_and_settings():
     module = load("gated_mlp")
     configs = {m: module.get_config(f"mlp={m}") for m in module.VARIANTS}
-    counts = {m: analysis.count_params(_gpt_params(c)) for m, c in configs.items()}
+    counts = {m: runs.count_params(_gpt_params(c)) for m, c in configs.items()}
     assert len(set(counts.values())) == 1, counts
     assert configs["swiglu"].model.mlp_dim == 128 and configs["relu"].model.mlp_dim == 192
     assert (configs["relu"].model.mlp, configs["relu"].model.activation) == ("mlp", "relu")

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from attention_jax.tools import analysis, sweep
+from attention_jax.tools import fits, sweep
 
 
 # ---------------------------------------------------------------------------------- fits
@@ -16,7 +16,7 @@ def test_power_law_fit_recovers_alpha_and_E_with_honest_errors():
     n = np.geomspace(3e4, 1.5e7, 8)
     rng = np.random.default_rng(0)
     loss = 1.3 + 40.0 * n ** -0.3 + rng.normal(0, 0.003, n.size)
-    fit = analysis.fit_power_law(n, loss)
+    fit = fits.fit_power_law(n, loss)
     assert fit["alpha"] == pytest.approx(0.3, abs=0.05)
     assert fit["E"] == pytest.approx(1.3, abs=0.05)
     assert fit["A"] == pytest.approx(40.0, rel=0.5)
@@ -29,12 +29,12 @@ def test_power_law_fit_recovers_alpha_and_E_with_honest_errors():
 
 def test_power_law_fit_is_exact_on_noiseless_data_and_pure_law_matches_kaplan_form():
     n = np.geomspace(1e4, 1e8, 6)
-    fit = analysis.fit_power_law(n, 0.8 + 5.0 * n ** -0.25)
+    fit = fits.fit_power_law(n, 0.8 + 5.0 * n ** -0.25)
     assert fit["alpha"] == pytest.approx(0.25, rel=1e-4)
     assert fit["E"] == pytest.approx(0.8, rel=1e-4)
     np.testing.assert_allclose(fit["residuals"], 0, atol=1e-6)
     # No irreducible term: Kaplan's L = (N_c/N)^α_N is a straight line in log-log.
-    pure = analysis.fit_power_law(n, (8.8e13 / n) ** 0.076)
+    pure = fits.fit_power_law(n, (8.8e13 / n) ** 0.076)
     assert pure["pure_alpha"] == pytest.approx(0.076, rel=1e-6)
     assert pure["pure_Nc"] == pytest.approx(8.8e13, rel=1e-4)
     assert pure["pure_alpha_stderr"] < 1e-6
@@ -43,26 +43,26 @@ def test_power_law_fit_is_exact_on_noiseless_data_and_pure_law_matches_kaplan_fo
 def test_slope_fit_recovers_quadratic_and_linear_growth():
     n = np.array([256, 512, 1024, 2048, 4096])
     rng = np.random.default_rng(1)
-    quad = analysis.fit_slope(n, 3e-9 * n ** 2 * np.exp(rng.normal(0, 0.02, n.size)))
-    lin = analysis.fit_slope(n, 4096.0 * n)
+    quad = fits.fit_slope(n, 3e-9 * n ** 2 * np.exp(rng.normal(0, 0.02, n.size)))
+    lin = fits.fit_slope(n, 4096.0 * n)
     assert quad["slope"] == pytest.approx(2.0, abs=0.05) and 0 < quad["stderr"] < 0.05
     assert lin["slope"] == pytest.approx(1.0, abs=1e-9) and lin["prefactor"] == pytest.approx(4096)
-    assert analysis.fit_slope([1, 2], [3, 12])["slope"] == pytest.approx(2.0)
+    assert fits.fit_slope([1, 2], [3, 12])["slope"] == pytest.approx(2.0)
 
 
 def test_fits_reject_bad_input():
     with pytest.raises(ValueError, match="positive"):
-        analysis.fit_slope([1, 2, 3], [1, 0, 2])
+        fits.fit_slope([1, 2, 3], [1, 0, 2])
     with pytest.raises(ValueError, match="same length >= 2"):
-        analysis.fit_slope([1], [1])
+        fits.fit_slope([1], [1])
     with pytest.raises(ValueError, match="length >= 4"):
-        analysis.fit_power_law([1, 2, 3], [3, 2, 1])
+        fits.fit_power_law([1, 2, 3], [3, 2, 1])
 
 
 def test_compute_envelope_is_the_lowest_loss_reached_by_each_compute():
     curves = {"small": ([1.0, 10.0, 100.0], [3.0, 2.0, 1.8]),
               "large": ([10.0, 100.0, 1000.0], [2.5, 1.5, 1.0])}
-    c, loss = analysis.compute_envelope(curves, points=4)  # grid 1, 10, 100, 1000
+    c, loss = fits.compute_envelope(curves, points=4)  # grid 1, 10, 100, 1000
     np.testing.assert_allclose(c, [1, 10, 100, 1000])
     np.testing.assert_allclose(loss, [3.0, 2.0, 1.5, 1.0])
 
@@ -72,14 +72,14 @@ def test_non_embedding_params_leave_out_the_tables():
               "position_embedding": {"embedding": np.zeros((64, 8))},
               "decoder": {"layer_0": {"mlp": {"wi": {"kernel": np.zeros((8, 32))}}}},
               "final_norm": {"scale": np.zeros(8)}}
-    assert analysis.non_embedding_params(params) == 8 * 32 + 8
+    assert fits.non_embedding_params(params) == 8 * 32 + 8
 
 
 # ----------------------------------------------------------------------- seeds, crossings
 def test_crossings_are_interpolated_in_log_x():
-    assert analysis.crossings([0.1, 1.0], [1.0, 3.0], [2.0, 2.0]) == pytest.approx([10 ** -0.5])
-    assert analysis.crossings([1, 2, 4], [1, 1, 1], [2, 3, 4]) == []
-    assert analysis.crossings([1, 2], [1, 5], [1, 3]) == [1.0]
+    assert fits.crossings([0.1, 1.0], [1.0, 3.0], [2.0, 2.0]) == pytest.approx([10 ** -0.5])
+    assert fits.crossings([1, 2, 4], [1, 1, 1], [2, 3, 4]) == []
+    assert fits.crossings([1, 2], [1, 5], [1, 3]) == [1.0]
 
 
 def _fake_run(path, point, metric_value, metric="accuracy"):
@@ -101,7 +101,7 @@ def test_seeds_report_groups_means_spreads_and_crossing(tmp_path):
                                                 "train.seed": str(s)}, v)
             for (m, f), vs in values.items() for s, v in enumerate(vs)]
     out = str(tmp_path / "report" / "ib")
-    result = analysis.seeds_report(dirs, out, by="model", x="train_fraction", metric="accuracy")
+    result = fits.seeds_report(dirs, out, by="model", x="train_fraction", metric="accuracy")
     g = {(r["model"], r["train_fraction"]): r for r in result["groups"]}
     assert g[("cnn", 0.1)]["mean"] == pytest.approx(0.82)
     assert g[("cnn", 0.1)]["std"] == pytest.approx(0.02)  # ddof=1 over three seeds
@@ -117,7 +117,7 @@ def test_seeds_report_groups_means_spreads_and_crossing(tmp_path):
 def test_seeds_report_names_a_run_without_the_metric(tmp_path):
     run = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 1.0, metric="loss")
     with pytest.raises(ValueError, match="no eval record with 'accuracy'"):
-        analysis.seeds_report([run], str(tmp_path / "out"), by="mlp", metric="accuracy")
+        fits.seeds_report([run], str(tmp_path / "out"), by="mlp", metric="accuracy")
 
 
 # ---------------------------------------------------------------------- attention's cost
@@ -137,7 +137,7 @@ def test_attention_cost_report_fits_quadratic_time_and_memory_slopes(tmp_path):
                  "fwd_temp_bytes": 32 * 8192 ** 2, "fwd_bwd_temp_bytes": 80 * 8192 ** 2})
     path = tmp_path / "attention.json"
     path.write_text(json.dumps({"rows": rows}))
-    result = analysis.attention_cost_report(str(path), str(tmp_path / "cost"))
+    result = fits.attention_cost_report(str(path), str(tmp_path / "cost"))
     s = result["slopes"]
     for impl in ("reference", "blockwise", "torch_sdpa"):
         assert s[impl]["fwd_s"]["slope"] == pytest.approx(2.0)
@@ -148,7 +148,7 @@ def test_attention_cost_report_fits_quadratic_time_and_memory_slopes(tmp_path):
     assert "fwd_temp_bytes" not in s["torch_sdpa"]
     assert "| blockwise | 2.00 ± 0.00 (N 512–4096) |" in open(tmp_path / "cost.md").read()
     with pytest.raises(ValueError, match="no rows with mask='packed'"):
-        analysis.attention_cost_report(str(path), str(tmp_path / "c2"), mask="packed")
+        fits.attention_cost_report(str(path), str(tmp_path / "c2"), mask="packed")
 
 
 # --------------------------------------------------------------------------------- sweep
