@@ -139,8 +139,7 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     args = parser.parse_args(["train", "--device", "gpu", "--no-torch", "--warmup", "1",
                               "--repeats", "1", "--steps", "1", "--matmul-size", "256",
                               "--dtype", "float32", "--trainer-steps", "6",
-                              f"--trainer-args={trainer_args}", "--xla-flags", "",
-                              f"--xla-flags={flags}", "--fit", "--fit-limit-gib", "0.05",
+                              f"--trainer-args={trainer_args}", f"--xla-flags={flags}", "--fit", "--fit-limit-gib", "0.05",
                               "--implementation", "blockwise", "--out", str(out)])
     # train.run dispatches on --device gpu; the device query answers from the CPU here.
     monkeypatch.setattr(train_gpu, "SHAPES", train_gpu.SHAPES_TINY)

@@ -495,7 +495,8 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     print(f"    {rate / 1e12:.0f} TFLOP/s" if rate else f"    failed: {mm.get('error')}",
           file=sys.stderr, flush=True)
     # 3. Ours: one process per row, attention implementation, loss chunk and XLA flags.
-    flag_sets = getattr(args, "xla_flags", None) or [""]
+    # The rows without extra flags first, always: each flag set is timed beside them.
+    flag_sets = list(dict.fromkeys(["", *(getattr(args, "xla_flags", None) or [])]))
     record["xla_flags"] = {f"xla{k}": f for k, f in enumerate(flag_sets) if f}
     for name, batch in pairs:
         for impl, chunk, k in [(i, c, k) for i in impls for c in chunks
@@ -594,8 +595,8 @@ def add_arguments(p) -> None:
     g.add_argument("--fit-limit-gib", type=float, default=0,
                    help="GPU: the memory --fit fills (default: the device allocator's limit)")
     g.add_argument("--xla-flags", action="append", default=None,
-                   help="GPU: extra XLA_FLAGS for a second set of our rows (repeatable; each set "
-                        "is timed beside the rows without), e.g. "
+                   help="GPU: extra XLA_FLAGS for another set of our rows (repeatable; each set "
+                        "is timed beside the rows without, which always run), e.g. "
                         "--xla-flags='--xla_gpu_enable_latency_hiding_scheduler=true'")
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which mode: auto asks JAX in a child process")
