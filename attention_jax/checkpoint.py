@@ -389,6 +389,10 @@ class Checkpointer:
                                 "not finish): ignored, moved aside to %s", path, target)
 
     # -------------------------------------------------------------------------- save
+    def due(self, step: int) -> bool:
+        """Whether `step` is one of the regular saves (a multiple of save_every)."""
+        return int(step) % self.save_every == 0
+
     def save(self, step: int, state, data_state: dict[str, Any], *, force: bool = False) -> bool:
         """Starts saving `state` at `step`; True if a save was started.
 
@@ -399,7 +403,7 @@ class Checkpointer:
         """
         # The interval is decided here (orbax's own policy would also save the first
         # step of every run); `force` tells orbax to save whatever its policy says.
-        if not force and int(step) % self.save_every:
+        if not force and not self.due(step):
             return False
         if int(step) in self.all_steps():
             return False  # Already saved (e.g. a forced final save on a regular step).

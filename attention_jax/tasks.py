@@ -267,7 +267,7 @@ def data_parallel_size() -> int:
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
-    from attention_jax.models import gpt, losses
+    from attention_jax.models import gpt
     d = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
                      eval_split="validation")
@@ -288,17 +288,11 @@ def lm_task(config, workdir: str) -> Task:
     chunk_size = config.train.get("loss_chunk_size", 0)
 
     def loss(params, batch, rng, train):
-        out, aux = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                               segment_ids=batch["segment_ids"], deterministic=not train,
-                               rngs={"dropout": rng}, return_hidden=chunk_size > 0)
-        smoothing = config.optim.label_smoothing if train else 0.0
-        if chunk_size:
-            kernel, bias = gpt.lm_head_weights(params, cfg)
-            nll, m = losses.chunked_head_cross_entropy(
-                out, kernel, batch["targets"], batch["weights"], bias=bias,
-                chunk_size=chunk_size, label_smoothing=smoothing)
-        else:
-            nll, m = cross_entropy(out, batch["targets"], batch["weights"], smoothing)
+        (nll, m), aux = gpt.head_loss(
+            model, params, batch["inputs"], batch["targets"], batch["weights"],
+            chunk_size=chunk_size, label_smoothing=config.optim.label_smoothing if train else 0.0,
+            positions=batch["positions"], segment_ids=batch["segment_ids"],
+            deterministic=not train, rngs={"dropout": rng})
         return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
 
     def sample(params, rng):

@@ -776,7 +776,7 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                 log_now = step % log_every == 0 or step == total
                 eval_now = eval_every >= 0 and (step == total or
                                                 (eval_every and step % eval_every == 0))
-                save_now = stopping or step == total or step % ckpt.save_every == 0
+                save_now = stopping or step == total or ckpt.due(step)
                 if not (log_now or eval_now or save_now):
                     if step == start_step + 1:
                         # The first step compiled: throughput is measured from its end.

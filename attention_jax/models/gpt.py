@@ -36,9 +36,9 @@ from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d, matmul
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import LearnedPositionEmbedding, lookup, sinusoidal
-from attention_jax.models.losses import cross_entropy
+from attention_jax.models.losses import chunked_head_cross_entropy, cross_entropy
 
-__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "lm_head_weights",
+__all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "lm_head_weights", "head_loss",
            "init_cache", "generate", "sample_logits"]
 
 GPT_POSITIONS = ("learned", "sinusoidal", "rope")
@@ -225,6 +225,22 @@ def lm_loss(logits, tokens, weights=None):
     tokens [B, T], weights [B, T] (1 on real tokens). Returns (loss, {"accuracy"})."""
     w = None if weights is None else weights[:, 1:]
     return cross_entropy(logits[:, :-1], tokens[:, 1:], w)
+
+
+def head_loss(model: GPT, params, inputs, targets, weights=None, *, chunk_size: int = 0,
+              label_smoothing: float = 0.0, **apply_kwargs):
+    """((loss, {"accuracy"}), aux) of predicting `targets` [B, T] from `inputs` [B, T]:
+    the model's logits through cross_entropy, or, with chunk_size > 0, its final hidden
+    states through the head `chunk_size` positions at a time (chunked_head_cross_entropy:
+    the [B, T, V] logits never exist). apply_kwargs go to model.apply (positions,
+    segment_ids, deterministic, rngs)."""
+    out, aux = model.apply({"params": params}, inputs, return_hidden=chunk_size > 0,
+                           **apply_kwargs)
+    if not chunk_size:
+        return cross_entropy(out, targets, weights, label_smoothing), aux
+    kernel, bias = lm_head_weights(params, model.config)
+    return chunked_head_cross_entropy(out, kernel, targets, weights, bias=bias,
+                                      chunk_size=chunk_size, label_smoothing=label_smoothing), aux
 
 
 # ----------------------------------------------------------------------------- decoding

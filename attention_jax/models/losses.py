@@ -29,13 +29,17 @@ from attention_jax.layers.linear import matmul
 __all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy", "shift_right"]
 
 
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}; valid: 0 <= label_smoothing < 1")
+
+
 def token_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     """Cross-entropy at every position: logits [..., V], targets [...] ints -> [...].
 
     With label_smoothing ε the target is (1-ε)·onehot + ε/V (Szegedy et al. 2016;
     Vaswani et al. 2017 §5.4 use ε = 0.1)."""
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing}; valid: 0 <= label_smoothing < 1")
+    _check_label_smoothing(label_smoothing)
     logits = logits.astype(jnp.float32)
     if label_smoothing:
         soft = optax.smooth_labels(jax.nn.one_hot(targets, logits.shape[-1]), label_smoothing)
@@ -112,8 +116,7 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
 def _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r}; valid: an int >= 1 (positions per chunk)")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing}; valid: 0 <= label_smoothing < 1")
+    _check_label_smoothing(label_smoothing)
     if hidden.ndim != 3:
         raise ValueError(f"hidden has shape {hidden.shape}; valid: [B, T, D] (3 axes)")
     b, t, d = hidden.shape

@@ -191,7 +191,7 @@ def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int
     value_and_grad of the next-token loss plus AdamW; state = (params, opt_state)."""
     import jax
     import optax
-    from attention_jax.models import gpt, losses  # in the child only: it starts JAX
+    from attention_jax.models import gpt  # in the child only: it starts JAX
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
                         implementation=implementation, dtype=dtype, param_dtype="float32",
@@ -201,13 +201,7 @@ def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int
                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))  # matrices decay
 
     def loss_fn(params, inputs, targets):
-        if loss_chunk_size:
-            hidden, _ = model.apply({"params": params}, inputs, return_hidden=True)
-            kernel, bias = gpt.lm_head_weights(params, cfg)
-            return losses.chunked_head_cross_entropy(hidden, kernel, targets, bias=bias,
-                                                     chunk_size=loss_chunk_size)[0]
-        logits, _ = model.apply({"params": params}, inputs)  # float32 logits
-        return losses.cross_entropy(logits, targets)[0]
+        return gpt.head_loss(model, params, inputs, targets, chunk_size=loss_chunk_size)[0][0]
 
     def train_step(state, inputs, targets):
         params, opt_state = state
@@ -305,9 +299,15 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
         if "peak_bytes_in_use" in stats:
             result["peak_bytes"] = stats["peak_bytes_in_use"]
     except Exception as e:  # out of memory, a backend refusing a shape: a result
-        lines = str(e).strip().splitlines()
-        result["error"] = f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+        result["error"] = _error_line(e)
     return result
+
+
+def _error_line(e: BaseException) -> str:
+    """The exception's type and first line, short enough for a table cell (torch_gpt.py
+    has its own: importing it would import torch)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _impl_label(implementation: str, loss_chunk_size: int) -> str:
@@ -347,8 +347,7 @@ def fit_child(row: dict, implementation: str, dtype: str, limit_gib: float,
             return {"error": "this device reports no memory limit: give --fit-limit-gib"}
         return largest_batch(row, implementation, limit, dtype, loss_chunk_size)
     except Exception as e:  # noqa: BLE001 - a compile failure is a result
-        lines = str(e).strip().splitlines()
-        return {"error": f"{type(e).__name__}: {lines[0][:200] if lines else ''}"}
+        return {"error": _error_line(e)}
 
 
 def device_info() -> dict:
