@@ -19,7 +19,6 @@ import numbers
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from attention_jax import axes
@@ -40,23 +39,62 @@ def token_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     With label_smoothing ε the target is (1-ε)·onehot + ε/V (Szegedy et al. 2016;
     Vaswani et al. 2017 §5.4 use ε = 0.1)."""
     _check_label_smoothing(label_smoothing)
-    logits = logits.astype(jnp.float32)
-    if label_smoothing:
-        soft = optax.smooth_labels(jax.nn.one_hot(targets, logits.shape[-1]), label_smoothing)
-        return optax.softmax_cross_entropy(logits, soft)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets.astype(jnp.int32))
+    return _cross_entropy_terms(float(label_smoothing), logits, targets.astype(jnp.int32))[0]
 
 
 def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
     """Mean cross-entropy over weighted positions, and accuracy.
 
     logits [..., V], targets [...] ints, weights [...] (0 for padding and positions that
-    are not predicted; default all 1). Returns (loss, {"accuracy"})."""
-    losses = token_cross_entropy(logits, targets, label_smoothing)
+    are not predicted; default all 1). Returns (loss, {"accuracy"}): a position counts
+    as correct when its target's logit is the largest (argmax; a tie with the target
+    counts as correct)."""
+    _check_label_smoothing(label_smoothing)
+    losses, correct = _cross_entropy_terms(float(label_smoothing), logits,
+                                           targets.astype(jnp.int32))
     weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
     total = jnp.maximum(weights.sum(), 1.0)
-    correct = (logits.argmax(-1) == targets).astype(jnp.float32)
     return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+# Why a custom VJP for a textbook formula: the logits are the largest tensor of a
+# language model's step ([B, T, V]: 1.6 GB in bfloat16 for GPT-2 small at 16 × 1024), and
+# each pass over them is a pass through device memory. The forward reads them twice (the
+# row max, then Σ exp and the target's logit in one pass: no gather, so a vocabulary
+# split over devices stays split); the backward reads them once and writes
+# dlogits = (softmax - q)·g directly in the logits' dtype. Autodiff of the same formula
+# through a gather (take_along_axis) adds a float32 dlogits, a scatter into it and a
+# conversion: three more passes, 4.5 ms of a 36.5 ms step on an H100 (bench profile).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cross_entropy_terms(smoothing, logits, targets):
+    """(loss, correct) per position, float32 [...]: loss = lse(z) - (1-ε)·z_y - ε·mean(z)."""
+    return _cross_entropy_forward(smoothing, logits, targets)[0]
+
+
+def _cross_entropy_forward(smoothing, logits, targets):
+    z = logits.astype(jnp.float32)
+    is_target = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
+    z_max = jnp.max(z, axis=-1)
+    target_z = jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
+    lse = z_max + jnp.log(jnp.sum(jnp.exp(z - z_max[..., None]), axis=-1))
+    loss = lse - target_z
+    if smoothing:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - jnp.mean(z, axis=-1))
+    correct = (target_z >= z_max).astype(jnp.float32)
+    return (loss, correct), (logits, targets, lse)
+
+
+def _cross_entropy_backward(smoothing, residuals, cotangents):
+    logits, targets, lse = residuals
+    g = cotangents[0]  # d/d(loss); `correct` has no gradient
+    z = logits.astype(jnp.float32)
+    is_target = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
+    q = jnp.where(is_target, 1.0 - smoothing, 0.0) + smoothing / z.shape[-1]
+    dz = (jnp.exp(z - lse[..., None]) - q) * g[..., None]
+    return dz.astype(logits.dtype), None
+
+
+_cross_entropy_terms.defvjp(_cross_entropy_forward, _cross_entropy_backward)
 
 
 # ======================================================================== the chunked head

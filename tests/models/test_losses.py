@@ -50,3 +50,24 @@ def test_shift_right_on_numpy_and_inside_jit():
     assert isinstance(host, np.ndarray) and host.dtype == TGT.dtype
     np.testing.assert_array_equal(host, want)
     np.testing.assert_array_equal(jax.jit(shift_right, static_argnums=1)(jnp.asarray(TGT), 1), want)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradient_matches_the_float64_formula(smoothing, dtype):
+    """The custom VJP's dlogits = (softmax - q)·w/Σw, in the logits' dtype, against the
+    same derivative written out in float64 numpy (and a -inf logit stays at zero)."""
+    logits = np.asarray(_logits(), np.float64) * 3.0
+    logits[0, 0, 1] = -np.inf  # a masked vocabulary entry
+    x = jnp.asarray(logits, dtype)
+    weights = (TGT != 0).astype(np.float64)
+    grad = jax.grad(lambda z: cross_entropy(z, TGT, TGT != 0, smoothing)[0])(x)
+    assert grad.dtype == jnp.dtype(dtype)
+    z = np.asarray(x.astype(jnp.float32), np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    q = (1 - smoothing) * np.eye(8)[TGT] + smoothing / 8
+    want = (p - q) * (weights / weights.sum())[..., None]
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(np.asarray(grad, np.float64), want, atol=tol, rtol=tol)
+    assert np.isfinite(np.asarray(grad, np.float64)).all()

@@ -1,13 +1,14 @@
-"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint [options]`."""
+"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint|profile [options]`."""
 
 from __future__ import annotations
 
 import argparse
 
 import attention_jax.tools.bench as bench
-from attention_jax.tools.bench import attention, checkpoint, ring, train
+from attention_jax.tools.bench import attention, checkpoint, profile, ring, train
 
-BENCHMARKS = {"attention": attention, "train": train, "ring": ring, "checkpoint": checkpoint}
+BENCHMARKS = {"attention": attention, "train": train, "ring": ring, "checkpoint": checkpoint,
+              "profile": profile}
 
 
 def main(argv=None):

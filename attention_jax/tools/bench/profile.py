@@ -1,0 +1,214 @@
+r"""Where a training step's time goes: `python -m attention_jax.tools.bench profile`.
+
+    python -m attention_jax.tools.bench profile                       # gpt2-124m, batch 16
+    python -m attention_jax.tools.bench profile --shape gpt2-124m --batch 32 --loss-chunk 256
+    python -m attention_jax.tools.bench profile --out bench_results/profile   # + trace, HLO
+
+Builds the GPU benchmark's step (train_gpu.py: GPT-2 shapes, AdamW, bfloat16 compute),
+runs it until compiled, then records `--steps` steps with `jax.profiler.trace` and reads
+the trace back: every op the device ran, grouped by name, with its time per step and
+its share of the step, and the same grouped into kinds (matmuls, attention, XLA's fused
+elementwise kernels, copies, ...). The printed table is what a person reads first; the
+directory `--out` keeps the Perfetto trace (open it at ui.perfetto.dev), the compiled
+HLO (a kernel's `hlo_op` names an instruction there) and the table as JSON.
+
+Where the ops come from: on a GPU the trace has one process per device ("/device:GPU:0")
+whose threads are its CUDA streams; each kernel is one event there. On a CPU, XLA runs
+its thunks on host threads; those events are read instead (the CPU trace names fused
+regions coarsely, so the table is useful on a GPU and a test on a CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Kinds, tried in order against the lower-cased kernel name (and its HLO op's name).
+KINDS = (
+    ("attention", ("fmha", "flash", "cudnn", "sdpa", "attention", "mha")),
+    ("matmul", ("gemm", "cublas", "xmma", "cutlass", "nvjet", "matmul", "dot", "wgmma")),
+    ("copy", ("memcpy", "memset", "copy", "transpose")),
+    ("reduction", ("reduce", "reduction", "softmax", "scatter", "gather")),
+    ("elementwise", ("fusion", "loop", "input", "triton", "convert", "add", "multiply")),
+)
+# Host-side bookkeeping in a CPU trace: not ops.
+HOST_NOISE = ("ThreadpoolListener", "SlinkyThreadPool", "ThunkExecutor", "end: ")
+
+
+def kind_of(name: str, hlo_op: str = "") -> str:
+    text = f"{name} {hlo_op}".lower()
+    for kind, words in KINDS:
+        if any(w in text for w in words):
+            return kind
+    return "other"
+
+
+def read_trace(log_dir: str) -> list[dict]:
+    """The trace events of the newest `perfetto_trace.json.gz` under log_dir."""
+    found = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"),
+                             recursive=True), key=os.path.getmtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}")
+    with gzip.open(found[-1], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_ops(events: list[dict]) -> tuple[list[dict], str]:
+    """(the op events, where they were found): complete events ("X") on a device's
+    threads when the trace has a device process, else on the host's non-Python threads."""
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X" and e.get("dur") is not None]
+    device_pids = {p for p, n in procs.items() if n.startswith("/device:")}
+    if device_pids:
+        # A device process holds its streams and, on some versions, derived lines ("XLA
+        # Ops", "XLA Modules", "Steps") that repeat the kernels: count streams only.
+        ops = [e for e in spans if e["pid"] in device_pids
+               and "stream" in threads.get((e["pid"], e["tid"]), "").lower()]
+        if not ops:  # no thread named as a stream: every device event
+            ops = [e for e in spans if e["pid"] in device_pids]
+        return ops, ", ".join(sorted(procs[p] for p in device_pids))
+    ops = [e for e in spans if threads.get((e["pid"], e["tid"]), "") != "python"
+           and not e["name"].startswith(HOST_NOISE)]
+    return ops, "host threads (no device process in the trace)"
+
+
+def summarize(events: list[dict], steps: int, step_s: float | None = None) -> dict:
+    """Per-op and per-kind device time per step from the trace's op events.
+    step_s: the step's wall time measured outside the trace (for the shares)."""
+    ops, source = device_ops(events)
+    by_name: dict[str, dict] = {}
+    for e in ops:
+        args = e.get("args") or {}
+        hlo = str(args.get("hlo_op", "") or args.get("long_name", ""))
+        row = by_name.setdefault(e["name"], {"name": e["name"], "hlo_op": hlo, "calls": 0,
+                                             "us": 0.0, "kind": kind_of(e["name"], hlo)})
+        row["calls"] += 1
+        row["us"] += float(e["dur"])
+    rows = sorted(by_name.values(), key=lambda r: -r["us"])
+    busy_s = sum(r["us"] for r in rows) * 1e-6 / steps
+    for r in rows:
+        r["ms_per_step"] = r["us"] * 1e-3 / steps
+        r["calls_per_step"] = r["calls"] / steps
+    kinds = collections.defaultdict(lambda: {"ms_per_step": 0.0, "ops_per_step": 0.0})
+    for r in rows:
+        kinds[r["kind"]]["ms_per_step"] += r["ms_per_step"]
+        kinds[r["kind"]]["ops_per_step"] += r["calls_per_step"]
+    return {"source": source, "steps": steps, "device_busy_s_per_step": busy_s,
+            "step_s": step_s, "ops": rows,
+            "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms_per_step"]))}
+
+
+def table(summary: dict, top: int = 30) -> str:
+    """Markdown: the kinds, then the `top` ops by time."""
+    step_ms = 1e3 * (summary["step_s"] or summary["device_busy_s_per_step"])
+    busy = 1e3 * summary["device_busy_s_per_step"]
+    lines = [f"Ops from {summary['source']}; {summary['steps']} steps traced. Step "
+             f"{step_ms:.2f} ms wall, device busy {busy:.2f} ms "
+             f"({100 * busy / step_ms:.0f}%).", "",
+             "| kind | ms/step | % of step | ops/step |", "|---|---|---|---|"]
+    for kind, k in summary["kinds"].items():
+        lines.append(f"| {kind} | {k['ms_per_step']:.2f} | {100 * k['ms_per_step'] / step_ms:.1f}% "
+                     f"| {k['ops_per_step']:.0f} |")
+    lines += ["", "| op | hlo op | kind | calls/step | ms/step | % of step |", "|---|---|---|---|---|---|"]
+    for r in summary["ops"][:top]:
+        name = r["name"] if len(r["name"]) <= 70 else r["name"][:67] + "..."
+        lines.append(f"| `{name}` | {r['hlo_op'][:40]} | {r['kind']} | {r['calls_per_step']:g} "
+                     f"| {r['ms_per_step']:.3f} | {100 * r['ms_per_step'] / step_ms:.1f}% |")
+    return "\n".join(lines)
+
+
+def profile_step(row: dict, implementation: str = "auto", dtype: str = "bfloat16",
+                 loss_chunk_size: int = 0, steps: int = 3, warmup: int = 3,
+                 out_dir: str | None = None) -> dict:
+    """Compiles and warms up the step of `row` (a train_gpu shape row), times `steps`
+    steps, then traces `steps` more; returns summarize()'s dict. out_dir: keeps the
+    trace and the compiled HLO there (else a temporary directory)."""
+    import tempfile
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from attention_jax.tools.bench import train_gpu
+    model, tx, train_step = train_gpu._step_parts(row, implementation, dtype, loss_chunk_size)
+    key_init, key_data = jax.random.split(jax.random.key(0))
+    tokens = jax.random.randint(key_data, (row["batch"], row["seq_len"] + 1), 0, row["vocab"],
+                                jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
+    state = (params, tx.init(params))
+    compiled = jax.jit(train_step, donate_argnums=0).lower(state, inputs, targets).compile()
+    for _ in range(warmup):
+        state, loss = compiled(state, inputs, targets)
+    jax.block_until_ready(loss)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, loss = compiled(state, inputs, targets)
+    jax.block_until_ready((state, loss))
+    step_s = (time.perf_counter() - start) / steps
+    keep = out_dir is not None
+    log_dir = out_dir or tempfile.mkdtemp(prefix="profile_")
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            state, loss = compiled(state, inputs, targets)
+        jax.block_until_ready((state, loss))
+    summary = summarize(read_trace(log_dir), steps, step_s)
+    summary.update(row=row, implementation=implementation, dtype=dtype,
+                   loss_chunk=loss_chunk_size, device=jax.devices()[0].device_kind,
+                   loss=float(loss))
+    if keep:
+        with gzip.open(Path(log_dir) / "step.hlo.txt.gz", "wt") as f:
+            f.write(compiled.as_text())
+        (Path(log_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    else:
+        import shutil
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return summary
+
+
+def add_parser(sub) -> None:
+    from attention_jax.tools.bench import train_gpu
+    p = sub.add_parser("profile", help="where a GPT-2 training step's time goes (jax.profiler)",
+                       description=__doc__,
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    shapes = {**train_gpu.SHAPES, **train_gpu.SHAPES_TINY}
+    p.add_argument("--shape", default="gpt2-124m", choices=sorted(shapes))
+    p.add_argument("--batch", type=int, default=None, help="default: the shape's first batch")
+    p.add_argument("--implementation", default="auto", choices=train_gpu.IMPLEMENTATIONS)
+    p.add_argument("--dtype", default="bfloat16",
+                   help="compute dtype (float32 on a CPU, whose dots refuse bf16 x bf16 -> f32)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="positions per LM-head chunk (0: whole)")
+    p.add_argument("--steps", type=int, default=3, help="steps timed, then steps traced")
+    p.add_argument("--top", type=int, default=30, help="ops listed")
+    p.add_argument("--out", default=None,
+                   help="directory for the trace, the compiled HLO and summary.json")
+
+
+def run(args) -> dict:
+    from attention_jax.tools.bench import train_gpu
+    shape = {**train_gpu.SHAPES, **train_gpu.SHAPES_TINY}[args.shape]
+    if args.batch is not None and args.batch < 1:
+        raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
+    if args.loss_chunk < 0:
+        raise SystemExit(f"error: --loss-chunk {args.loss_chunk}; valid: an integer >= 0")
+    row = shape.row(args.batch or shape.batches[0])
+    print(f"profiling {args.shape} batch {row['batch']} attention {args.implementation} "
+          f"loss-chunk {args.loss_chunk} ...", file=sys.stderr, flush=True)
+    summary = profile_step(row, args.implementation, args.dtype, args.loss_chunk, args.steps,
+                           out_dir=args.out)
+    print(f"{summary['device']}: {args.shape} batch {row['batch']}, attention "
+          f"{args.implementation}, loss-chunk {args.loss_chunk}, loss {summary['loss']:.3f}")
+    print(table(summary, args.top))
+    return summary
