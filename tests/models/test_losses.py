@@ -71,3 +71,33 @@ def test_gradient_matches_the_float64_formula(smoothing, dtype):
     tol = 1e-6 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(np.asarray(grad, np.float64), want, atol=tol, rtol=tol)
     assert np.isfinite(np.asarray(grad, np.float64)).all()
+    if not smoothing:  # the masked entry leaves the loss finite and exact
+        logp = z - z.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        want_loss = -(np.take_along_axis(logp, TGT[..., None], -1)[..., 0] * weights).sum()
+        np.testing.assert_allclose(float(cross_entropy(x, TGT, TGT != 0)[0]),
+                                   want_loss / weights.sum(), rtol=tol)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_vocabulary_split_over_devices_gives_the_one_device_values(smoothing):
+    """Logits [B, T, V] split over batch, length and vocabulary (2 × 2 × 2 devices):
+    the one-pass reduction over V and its gradient equal the unsplit ones."""
+    import flax.linen as nn
+    from attention_jax import sharding
+    logits = jax.random.normal(jax.random.key(2), (4, 16, 32)) * 2.0
+    targets = jax.random.randint(jax.random.key(3), (4, 16), 0, 32)
+    weights = jax.random.uniform(jax.random.key(4), (4, 16)) > 0.3
+    fn = jax.jit(jax.value_and_grad(
+        lambda z, y, w: cross_entropy(z, y, w, smoothing)[0]))
+    want_loss, want_grad = fn(logits, targets, weights)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "sequence": 2, "tensor": 2},
+                              jax.devices()[:8])
+    spec = lambda *names: jax.sharding.NamedSharding(mesh, nn.logical_to_mesh_axes(names))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        z = jax.device_put(logits, spec("batch", "length", "vocab"))
+        assert z.addressable_shards[0].data.shape == (2, 8, 16)
+        loss, grad = fn(z, jax.device_put(targets, spec("batch", "length")),
+                        jax.device_put(weights, spec("batch", "length")))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5, atol=1e-7)
