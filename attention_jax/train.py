@@ -601,6 +601,18 @@ def warm_start_params(init_from: str, abstract_params):
     return params
 
 
+def jit_steps(s, config):
+    """(train_step, eval_step) of setup `s`, jitted on its mesh: train_step(state, batch)
+    -> (state, metrics) donates the old state; eval_step(params, batch) -> metrics."""
+    batch_sh, repl = sharding.batch_sharding(s.mesh), sharding.replicated(s.mesh)
+    train_step = jax.jit(make_train_step(s.task, s.tx, s.schedule, config, s.mesh),
+                         in_shardings=(s.shardings, batch_sh), out_shardings=(s.shardings, repl),
+                         donate_argnums=0)  # The old state's buffers hold the new one.
+    eval_step = jax.jit(make_eval_step(s.task, config),
+                        in_shardings=(s.shardings["params"], batch_sh), out_shardings=repl)
+    return train_step, eval_step
+
+
 def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
                        resume_changed: bool = False) -> dict[str, Any]:
     """Trains `config` in `workdir`, resuming whatever is there. Returns a summary:
@@ -622,15 +634,9 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
             task.save_assets(workdir)
     _say(f"workdir {os.path.abspath(workdir)}: " + ", ".join(_outputs(config, task)))
 
-    batch_sh = sharding.batch_sharding(mesh)
-    repl = sharding.replicated(mesh)
     with jax.set_mesh(mesh), nn.logical_axis_rules(s.rules):
         state, data_state = restore_or_init(s, config)
-        train_step = jax.jit(make_train_step(task, s.tx, s.schedule, config, mesh),
-                             in_shardings=(s.shardings, batch_sh), out_shardings=(s.shardings, repl),
-                             donate_argnums=0)  # The old state's buffers hold the new one.
-        eval_step = jax.jit(make_eval_step(task, config),
-                            in_shardings=(s.shardings["params"], batch_sh), out_shardings=repl)
+        train_step, eval_step = jit_steps(s, config)
         loader = make_train_loader(task, config, data_state)
         summary = _loop(config, workdir, s, state, loader, train_step, eval_step)
     for split, record in last_records(workdir).items():

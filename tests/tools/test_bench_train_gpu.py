@@ -146,19 +146,23 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(train_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
     rows = bench_train.run(args)
     assert [(r["side"], r["impl"]) for r in rows] == [
-        ("jax", "blockwise"), ("jax", "blockwise xla1"), ("trainer", "blockwise")]
+        ("jax", "blockwise"), ("jax", "blockwise xla1"), ("trainer step", "blockwise"),
+        ("trainer", "blockwise")]
     assert all("error" not in r and r["mfu_peak"] > 0 and r["mfu_matmul"] > 0 for r in rows)
     assert rows[0]["devices"] == 8 and rows[1]["devices"] == 1  # the flags reached the child
-    trained = rows[2]
+    assert math.isfinite(rows[2]["loss"]) and len(rows[2]["times"]) == 1  # the jitted step alone
+    trained = rows[3]
     assert trained["windows"] == 5  # 6 steps logged one by one, the first window left out
     assert trained["step_s"] == pytest.approx(2 * 16 / trained["tokens_per_s_logged"])
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
     assert "| gpt-tiny-gpu | 2 | trainer / blockwise |" in printed and "of our step" in printed
+    assert "| gpt-tiny-gpu | 2 | trainer step / blockwise |" in printed
+    assert "of the trainer step |" in printed
     assert f"xla1: XLA_FLAGS += {flags}" in printed
     assert "largest batch of gpt-tiny-gpu (blockwise, remat none): " in printed
     saved = json.loads(out.read_text())
-    assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 3
+    assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 4
     (fit,) = saved["fits"]
     assert fit["largest_batch"] >= 1 and fit["bytes"] <= fit["limit_bytes"] == int(0.05 * 2**30)
 

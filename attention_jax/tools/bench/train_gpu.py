@@ -40,8 +40,9 @@ Where each side runs: every measurement is a child process, one after the other;
 it starts, so a PyTorch peer sharing a process, or running next to a live JAX process,
 would measure in what is left. Order: device query, the PyTorch peer (skipped with a note
 when torch has no CUDA), the matmul rate, our rows, then the trainer's rows (trainer.py:
-main.py on the same shape with real data, its own logged tokens/s; `--trainer-steps 0`
-leaves them out); one process per row, so an out-of-memory row is recorded in the table
+the trainer's own jitted step timed alone on a real batch, "trainer step", then main.py
+on the same shape with real data, its own logged tokens/s; `--trainer-steps 0` leaves
+them out); one process per row, so an out-of-memory row is recorded in the table
 and the next starts on an empty GPU.
 
 Model FLOPs per token (PaLM, Chowdhery et al. 2022, App. B; as train.py's):
@@ -134,11 +135,13 @@ def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK)
 
 
 def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
-    """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up, and
-    a trainer row's speed is given as a share of our bare step's (same attention)."""
+    """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up; the
+    trainer's rows give their speed as a share of our bare step's (same attention), and
+    main.py's row also as a share of the trainer's jitted step alone."""
     peers = {(r["shape"], r["batch"]): r for r in rows if r["side"] == "torch" and "step_s" in r}
-    steps = {(r["shape"], r["batch"], r["impl"]): r for r in rows
-             if r["side"] == "jax" and "step_s" in r}
+    measured = lambda side: {(r["shape"], r["batch"], r["impl"]): r for r in rows
+                             if r["side"] == side and "step_s" in r}
+    steps, trainer_steps = measured("jax"), measured("trainer step")
     lines = [f"| shape | batch | side / attention | ms/step | tokens/s | MFU vs "
              f"{H100_BF16_PEAK / 1e12:.0f} peak | MFU vs matmul | ours ÷ peer (speed) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -151,9 +154,12 @@ def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
             continue
         peer = peers.get((r["shape"], r["batch"]))
         ratio = f"{peer['step_s'] / r['step_s']:.2f}×" if r["side"] == "jax" and peer else ""
-        step = steps.get((r["shape"], r["batch"], r["impl"]))
-        if r["side"] == "trainer" and step:
-            ratio = f"{step['step_s'] / r['step_s']:.2f} of our step"
+        key = (r["shape"], r["batch"], r["impl"])
+        if r["side"] in ("trainer", "trainer step") and key in steps:
+            ratio = f"{steps[key]['step_s'] / r['step_s']:.2f} of our step"
+        if r["side"] == "trainer" and key in trainer_steps:
+            ratio += (", " if ratio else "") + (
+                f"{trainer_steps[key]['step_s'] / r['step_s']:.2f} of the trainer step")
         mfu_mm = f"{100 * r['mfu_matmul']:.1f}%" if r.get("mfu_matmul") else "–"
         lines.append(f"| {r['shape']} | {r['batch']} | {side} | {1e3 * r['step_s']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {100 * r['mfu_peak']:.1f}% | {mfu_mm} "
@@ -513,12 +519,20 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
             print(f"    {r['error'] if 'error' in r else '%.1f ms/step' % (1e3 * r['step_s'])}",
                   file=sys.stderr, flush=True)
             save()
-    # 4. The trainer (main.py) on the same shapes: its own logged tokens/s.
+    # 4. The trainer on the same shapes: its jitted step alone on a real batch, then
+    # main.py itself (its own logged tokens/s).
     if args.trainer_steps:
         extra = tuple(shlex.split(args.trainer_args))
         for name, batch in pairs:
             for impl in impls:
                 row = table_[name].row(batch)
+                print(f"  trainer step {name} batch {batch} attention {impl} ...",
+                      file=sys.stderr, flush=True)
+                result = _child(["step", "--row", json.dumps(row), "--implementation", impl,
+                                 "--dtype", args.dtype, *timing, "--extra", json.dumps(extra)],
+                                args.child_timeout, module="attention_jax.tools.bench.trainer")
+                result.pop("returncode", None)
+                rows.append({**row, "side": "trainer step", "impl": impl, **result})
                 print(f"  trainer {name} batch {batch} attention {impl} ...", file=sys.stderr,
                       flush=True)
                 result = trainer.measure(row, impl, dtype=args.dtype, steps=args.trainer_steps,

@@ -8,6 +8,12 @@ The run is experiments/gpt2_gpu.py with the row's shape set over it: real data (
 byte-level stdlib corpus, packed; the vocabulary padded to the row's), AdamW, bf16, one
 checkpoint at the end, no evaluation. Its first logged window holds the warm-up of the
 input pipeline, so the figure is the median of the windows after it.
+
+`measure_step` splits that gap in two: the trainer's own jitted step (train.jit_steps:
+its loss on packed documents, so attention with segment ids, gradient clipping, the
+metrics, the non-finite guard) timed alone on one real batch, as the bare step is
+timed. Bare step → trainer step is what the trainer's step computes beyond the bare
+one; trainer step → trainer is the host's share (reading, sending, logging).
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from attention_jax import train
 EXPERIMENT = Path(__file__).resolve().parents[3] / "experiments" / "gpt2_gpu.py"
 
 
-def command(row: dict, workdir: str, *, steps: int, log_every: int, implementation: str,
-            dtype: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The main.py command line that trains `row`'s shape for `steps` steps."""
-    overrides = {
+def overrides(row: dict, *, steps: int, log_every: int, implementation: str,
+              dtype: str) -> dict:
+    """The config keys (over experiments/gpt2_gpu.py) that give `row`'s shape and run."""
+    return {
         "model.num_layers": row["layers"], "model.num_heads": row["heads"],
         "model.d_model": row["width"], "model.max_len": row["seq_len"],
         "model.vocab_size": row["vocab"], "model.implementation": implementation,
@@ -36,8 +42,15 @@ def command(row: dict, workdir: str, *, steps: int, log_every: int, implementati
         "train.checkpoint_every": steps, "optim.warmup_steps": min(10, steps),
         "eval.every": -1,
     }
+
+
+def command(row: dict, workdir: str, *, steps: int, log_every: int, implementation: str,
+            dtype: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The main.py command line that trains `row`'s shape for `steps` steps."""
+    keys = overrides(row, steps=steps, log_every=log_every, implementation=implementation,
+                     dtype=dtype)
     return [sys.executable, "-m", "attention_jax.main", f"--config={EXPERIMENT}",
-            f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items()),
+            f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in keys.items()),
             *extra]
 
 
@@ -66,3 +79,89 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
     tokens_per_s = statistics.median(rates[1:])
     return {"step_s": row["batch"] * row["seq_len"] / tokens_per_s,
             "tokens_per_s_logged": tokens_per_s, "windows": len(rates) - 1}
+
+
+def experiment_config(row: dict, implementation: str, dtype: str, steps: int,
+                      extra: tuple[str, ...] = ()):
+    """The config main.py would run for `command(...)`: the experiment file with the
+    row's keys and the `--config.*` arguments of `extra` set, parsed as main.py parses
+    them (ml_collections' config flag); other arguments of `extra` are left out."""
+    from absl import flags
+    from ml_collections import config_flags
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "experiment", flag_values=values)
+    keys = overrides(row, steps=steps, log_every=1, implementation=implementation, dtype=dtype)
+    argv = ["trainer", f"--config={EXPERIMENT}", *(f"--config.{k}={v}" for k, v in keys.items()),
+            *(a for a in extra if a.startswith("--config."))]
+    # The config flag finds its --config.* overrides in sys.argv, not in the list parsed.
+    saved, sys.argv = sys.argv, argv
+    try:
+        values(argv)
+    finally:
+        sys.argv = saved
+    return values.config
+
+
+def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", warmup: int = 3,
+                 repeats: int = 5, steps: int = 10, extra: tuple[str, ...] = ()) -> dict:
+    """The trainer's jitted step alone (no loop, no logging): median seconds per step
+    over `repeats` timings of `steps` steps queued back to back on one real batch, after
+    `warmup` steps; as train_gpu.measure_ours times the bare step. extra: main.py
+    arguments, as for `measure` (its --config.* ones apply). Runs in this process (a
+    child of the benchmark); errors come back as {"error": ...}."""
+    import statistics as stats
+    import time
+
+    import flax.linen as nn
+    import jax
+
+    from attention_jax.tools.bench.train_gpu import _error_line
+    try:
+        config = experiment_config(row, implementation, dtype, max(warmup + repeats * steps, 1),
+                                   extra)
+        with tempfile.TemporaryDirectory() as workdir:
+            s = train.setup(config, workdir)
+            with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+                state, _ = train.restore_or_init(s, config)
+                train_step, _ = train.jit_steps(s, config)
+                batches = train.prefetch_to_device(train.make_train_loader(s.task, config),
+                                                   s.mesh, 0, s.task.count)
+                batch = next(batches)[0]
+                batches.close()
+                for _ in range(max(1, warmup)):
+                    state, metrics = train_step(state, batch)
+                jax.block_until_ready(metrics)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        state, metrics = train_step(state, batch)
+                    jax.block_until_ready((state, metrics))
+                    times.append((time.perf_counter() - start) / steps)
+        return {"step_s": stats.median(times), "times": times, "loss": float(metrics["loss"])}
+    except Exception as e:  # noqa: BLE001 - a failure is a result of the row
+        return {"error": _error_line(e)}
+
+
+def child_main(argv=None):
+    """`python -m attention_jax.tools.bench.trainer step --row JSON --out F [...]`."""
+    import argparse
+    import json
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["step"])
+    p.add_argument("--row", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--implementation", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--extra", default="[]", help="JSON list of main.py arguments")
+    a = p.parse_args(argv)
+    result = measure_step(json.loads(a.row), a.implementation, dtype=a.dtype, warmup=a.warmup,
+                          repeats=a.repeats, steps=a.steps, extra=tuple(json.loads(a.extra)))
+    Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    child_main()
