@@ -15,13 +15,20 @@ accumulation (`train.compute_dtype`); LayerNorm statistics, softmax and the loss
 float32. Attention "auto": cuDNN, or the Pallas kernels when documents are packed into a
 row (they are here: segment ids go to the kernel, no dense mask).
 
-Measured (H100 80GB HBM3, 2026-11-22): 36.6 ms a step, 447k tokens/s, MFU 38.7% of the
-989 TFLOP/s peak: the bare step at this shape and batch (`bench train --quick`), against
-36.2 ms for the PyTorch peer (torch.compile, SDPA, fused AdamW). The trainer with this
-config (its own logged tokens/s, and the loss it reaches) has not been run on a GPU yet:
-it was written in a session without one. Things to try on the GPU, each a config key:
-`train.loss_chunk_size` (the LM head and loss a chunk of positions at a time),
-`train.batch_size=32`, `model.remat_policy`.
+Measured (H100 80GB HBM3, 2026-11-23): the bare step at this shape and batch 34.6 ms
+(`bench train --device gpu --shapes gpt2-124m`), 473k tokens/s, MFU 40.9% of the 989
+TFLOP/s peak, 1.04× the PyTorch peer (torch.compile, SDPA, fused AdamW: 35.9 ms); at
+batch 32 67.3 ms, 42.1%, 1.01×. This config itself (the trainer's own logged tokens/s,
+median of its windows after the first): 363k tokens/s at batch 16 (45.1 ms a step, 0.77
+of the bare step), 402k at batch 32. The 5000-step run has not been made: a 120-step run
+of this command (`--config.train.steps=120 --config.optim.warmup_steps=10`) logged a
+mean training loss of 2.48 nats per byte over steps 101-120, 98 s for the whole command
+(the corpus built, compiled, trained, checkpointed). Why the trainer's step is slower than the bare one is open (its batches are
+packed documents, so attention takes the Pallas kernels with segment ids instead of
+cuDNN; it clips gradients and guards against non-finite steps); `bench train` now has a
+"trainer step" row to split that gap, not yet run on a GPU. Config keys to try there:
+`train.batch_size=32`, `train.loss_chunk_size`, `train.data_workers`,
+`model.remat_policy`.
 """
 
 import ml_collections
