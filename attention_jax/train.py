@@ -364,10 +364,15 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite step changes nothing but the step counter: in "stop" mode the
-        # host stops after it, in "skip" mode training goes on with the old values.
-        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
-                           {"params": params, "opt_state": state["opt_state"]})
+        if config.train.nonfinite == "skip":
+            # A non-finite step changes nothing but the step counter: training goes on
+            # with the old values. Only here: selecting between the old and new state
+            # makes XLA copy every AdamW moment each step (the new moments are written
+            # in place while the parameters' update still reads the old ones). In "stop"
+            # mode the host finds the step at the next sync point, before anything is
+            # saved, and stops: the state after it is never saved or used.
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                               {"params": params, "opt_state": state["opt_state"]})
         new_state = {**new, "step": step + 1, "rng": state["rng"]}
         metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": schedule(step),
                    "finite": finite}
@@ -749,8 +754,9 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
     signal). Between them it only queues work, so the device runs step after step while
     the host reads and transfers the next batches (`prefetch_to_device`). At a sync
     point the metrics of every step since the last one are fetched at once and checked;
-    a non-finite step is found there, before anything is saved, and since such a step
-    applies no update, "stop" still stops with the last good checkpoint intact."""
+    a non-finite step is found there, before anything is saved: "stop" stops with the
+    last good checkpoint intact (the state after that step is dropped), "skip" goes on
+    (its step applied no update: make_train_step)."""
     task, mesh, ckpt = s.task, s.mesh, s.ckpt
     total, log_every, eval_every = config.train.steps, config.train.log_every, config.eval.every
     step = int(jax.device_get(state["step"]))

@@ -217,3 +217,24 @@ def test_gradient_accumulation_and_bfloat16(reference, tmp_path):
                                     str(tmp_path / "b"))
     _close(bf16["losses"], reference["losses"][:10], rtol=5e-2)
     assert all(v.dtype == np.float32 for v in tiny.flat_params(bf16["state"]).values())
+
+
+@pytest.mark.parametrize("nonfinite, most_copies", [("stop", 2), ("skip", None)])
+def test_the_default_step_copies_no_optimizer_state(tmp_path, nonfinite, most_copies):
+    """In "stop" mode the compiled step copies none of the AdamW moments (the non-finite
+    guard that makes XLA copy each of them, every step, is compiled only for "skip");
+    in "skip" mode the guard is there, and so are the copies."""
+    import re
+    cfg = tiny.tiny_config(**{"train.nonfinite": nonfinite, "mesh.num_devices": 1})
+    s = train.setup(cfg, str(tmp_path))
+    step, _ = train.jit_steps(s, cfg)
+    with jax.set_mesh(s.mesh):
+        batch = {k: jax.ShapeDtypeStruct((16, tiny.SEQ), np.int32) for k in ("inputs", "targets")}
+        text = step.lower(s.abstract, batch).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    copied = re.findall(r"= \S+ copy\(%([\w.\-]+)\)", entry)
+    moments = [c for c in copied if "__mu__" in c or "__nu__" in c]
+    if most_copies is None:
+        assert moments, "skip mode's guard no longer copies: the comment in train.py is stale"
+    else:
+        assert not moments and len(copied) <= most_copies, copied

@@ -3,6 +3,7 @@ r"""Where a training step's time goes: `python -m attention_jax.tools.bench prof
     python -m attention_jax.tools.bench profile                       # gpt2-124m, batch 16
     python -m attention_jax.tools.bench profile --shape gpt2-124m --batch 32 --loss-chunk 256
     python -m attention_jax.tools.bench profile --out bench_results/profile   # + trace, HLO
+    python -m attention_jax.tools.bench profile --trainer   # the trainer's step, a real batch
 
 Builds the GPU benchmark's step (train_gpu.py: GPT-2 shapes, AdamW, bfloat16 compute),
 runs it until compiled, then records `--steps` steps with `jax.profiler.trace` and reads
@@ -11,6 +12,9 @@ its share of the step, and the same grouped into kinds (matmuls, attention, XLA'
 elementwise kernels, copies, ...). The printed table is what a person reads first; the
 directory `--out` keeps the Perfetto trace (open it at ui.perfetto.dev), the compiled
 HLO (a kernel's `hlo_op` names an instruction there) and the table as JSON.
+`--trainer` profiles the trainer's own jitted step instead (bench/trainer.py: main.py's
+step at this shape, on one real batch of the packed corpus): the two tables side by side
+say what the trainer's step adds to the bare one.
 
 Where the ops come from: on a GPU the trace has one process per device ("/device:GPU:0")
 whose threads are its CUDA streams; each kernel is one event there. On a CPU, XLA runs
@@ -25,8 +29,7 @@ import glob
 import gzip
 import json
 import os
-import re
-import statistics
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -129,14 +132,10 @@ def table(summary: dict, top: int = 30) -> str:
     return "\n".join(lines)
 
 
-def profile_step(row: dict, implementation: str = "auto", dtype: str = "bfloat16",
-                 loss_chunk_size: int = 0, steps: int = 3, warmup: int = 3,
-                 out_dir: str | None = None) -> dict:
-    """Compiles and warms up the step of `row` (a train_gpu shape row), times `steps`
-    steps, then traces `steps` more; returns summarize()'s dict. out_dir: keeps the
-    trace and the compiled HLO there (else a temporary directory)."""
-    import tempfile
-
+def bare_step(row: dict, implementation: str = "auto", dtype: str = "bfloat16",
+              loss_chunk_size: int = 0):
+    """(compiled step(state, inputs, targets), state, (inputs, targets)): the GPU
+    benchmark's bare step of `row` (train_gpu.py) on a fixed batch of random tokens."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -149,32 +148,40 @@ def profile_step(row: dict, implementation: str = "auto", dtype: str = "bfloat16
     params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
     state = (params, tx.init(params))
     compiled = jax.jit(train_step, donate_argnums=0).lower(state, inputs, targets).compile()
+    return compiled, state, (inputs, targets)
+
+
+def profile_step(compiled, state, args: tuple, steps: int = 3, warmup: int = 3,
+                 out_dir: str | None = None) -> dict:
+    """Runs `compiled(state, *args) -> (state, out)` `warmup` times, times `steps` steps,
+    then traces `steps` more; returns summarize()'s dict (plus "last": the last step's
+    output, fetched). out_dir: keeps the trace and the compiled HLO there (else a
+    temporary directory)."""
+    import shutil
+    import tempfile
+
+    import jax
     for _ in range(warmup):
-        state, loss = compiled(state, inputs, targets)
-    jax.block_until_ready(loss)
+        state, out = compiled(state, *args)
+    jax.block_until_ready(out)
     start = time.perf_counter()
     for _ in range(steps):
-        state, loss = compiled(state, inputs, targets)
-    jax.block_until_ready((state, loss))
+        state, out = compiled(state, *args)
+    jax.block_until_ready((state, out))
     step_s = (time.perf_counter() - start) / steps
-    keep = out_dir is not None
     log_dir = out_dir or tempfile.mkdtemp(prefix="profile_")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         for _ in range(steps):
-            state, loss = compiled(state, inputs, targets)
-        jax.block_until_ready((state, loss))
+            state, out = compiled(state, *args)
+        jax.block_until_ready((state, out))
     summary = summarize(read_trace(log_dir), steps, step_s)
-    summary.update(row=row, implementation=implementation, dtype=dtype,
-                   loss_chunk=loss_chunk_size, device=jax.devices()[0].device_kind,
-                   loss=float(loss))
-    if keep:
+    summary.update(device=jax.devices()[0].device_kind, last=jax.device_get(out))
+    if out_dir is None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
         with gzip.open(Path(log_dir) / "step.hlo.txt.gz", "wt") as f:
             f.write(compiled.as_text())
-        (Path(log_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
-    else:
-        import shutil
-        shutil.rmtree(log_dir, ignore_errors=True)
     return summary
 
 
@@ -194,21 +201,41 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=30, help="ops listed")
     p.add_argument("--out", default=None,
                    help="directory for the trace, the compiled HLO and summary.json")
+    p.add_argument("--trainer", action="store_true",
+                   help="profile the trainer's own step (main.py's, experiments/gpt2_gpu.py at "
+                        "this shape: packed documents, clipping, metrics) on a real batch")
+    p.add_argument("--trainer-args", default="",
+                   help="with --trainer: main.py --config.* arguments, one string, e.g. "
+                        "--trainer-args='--config.data.max_files=50'")
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench import train_gpu
+    from attention_jax.tools.bench import train_gpu, trainer
     shape = {**train_gpu.SHAPES, **train_gpu.SHAPES_TINY}[args.shape]
     if args.batch is not None and args.batch < 1:
         raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
     if args.loss_chunk < 0:
         raise SystemExit(f"error: --loss-chunk {args.loss_chunk}; valid: an integer >= 0")
     row = shape.row(args.batch or shape.batches[0])
-    print(f"profiling {args.shape} batch {row['batch']} attention {args.implementation} "
+    which = "the trainer's step" if args.trainer else "the bare step"
+    print(f"profiling {which}: {args.shape} batch {row['batch']} attention {args.implementation} "
           f"loss-chunk {args.loss_chunk} ...", file=sys.stderr, flush=True)
-    summary = profile_step(row, args.implementation, args.dtype, args.loss_chunk, args.steps,
-                           out_dir=args.out)
-    print(f"{summary['device']}: {args.shape} batch {row['batch']}, attention "
+    if args.trainer:
+        extra = (f"--config.train.loss_chunk_size={args.loss_chunk}",
+                 *shlex.split(args.trainer_args))
+        compiled, state, batch = trainer.compiled_step(row, args.implementation, dtype=args.dtype,
+                                                       extra=extra)
+        summary = profile_step(compiled, state, (batch,), args.steps, out_dir=args.out)
+        loss = summary.pop("last")["loss"]
+    else:
+        compiled, state, batch = bare_step(row, args.implementation, args.dtype, args.loss_chunk)
+        summary = profile_step(compiled, state, batch, args.steps, out_dir=args.out)
+        loss = summary.pop("last")
+    summary.update(row=row, step=which, implementation=args.implementation, dtype=args.dtype,
+                   loss_chunk=args.loss_chunk, loss=float(loss))
+    if args.out:
+        (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"{summary['device']}: {which}, {args.shape} batch {row['batch']}, attention "
           f"{args.implementation}, loss-chunk {args.loss_chunk}, loss {summary['loss']:.3f}")
     print(table(summary, args.top))
     return summary

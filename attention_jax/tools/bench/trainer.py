@@ -102,6 +102,29 @@ def experiment_config(row: dict, implementation: str, dtype: str, steps: int,
     return values.config
 
 
+def compiled_step(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: int = 100,
+                  extra: tuple[str, ...] = ()):
+    """(compiled train_step(state, batch) -> (state, metrics), state, batch): the
+    trainer's own step (train.jit_steps) for `row`'s shape, compiled for the mesh of
+    the experiment config, its fresh state, and one real batch on the devices (the
+    packed corpus, as main.py reads it). steps: the run length the schedule is set for.
+    The data is built or read under the config's data_dir (a temporary workdir holds
+    the rest)."""
+    import flax.linen as nn
+    import jax
+    config = experiment_config(row, implementation, dtype, steps, extra)
+    with tempfile.TemporaryDirectory() as workdir:
+        s = train.setup(config, workdir)
+        with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+            state, _ = train.restore_or_init(s, config)
+            train_step, _ = train.jit_steps(s, config)
+            batches = train.prefetch_to_device(train.make_train_loader(s.task, config), s.mesh,
+                                               0, s.task.count)
+            batch = next(batches)[0]
+            batches.close()
+            return train_step.lower(state, batch).compile(), state, batch
+
+
 def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", warmup: int = 3,
                  repeats: int = 5, steps: int = 10, extra: tuple[str, ...] = ()) -> dict:
     """The trainer's jitted step alone (no loop, no logging): median seconds per step
@@ -112,32 +135,22 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
     import statistics as stats
     import time
 
-    import flax.linen as nn
     import jax
 
     from attention_jax.tools.bench.train_gpu import _error_line
     try:
-        config = experiment_config(row, implementation, dtype, max(warmup + repeats * steps, 1),
-                                   extra)
-        with tempfile.TemporaryDirectory() as workdir:
-            s = train.setup(config, workdir)
-            with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-                state, _ = train.restore_or_init(s, config)
-                train_step, _ = train.jit_steps(s, config)
-                batches = train.prefetch_to_device(train.make_train_loader(s.task, config),
-                                                   s.mesh, 0, s.task.count)
-                batch = next(batches)[0]
-                batches.close()
-                for _ in range(max(1, warmup)):
-                    state, metrics = train_step(state, batch)
-                jax.block_until_ready(metrics)
-                times = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        state, metrics = train_step(state, batch)
-                    jax.block_until_ready((state, metrics))
-                    times.append((time.perf_counter() - start) / steps)
+        step, state, batch = compiled_step(row, implementation, dtype=dtype,
+                                           steps=max(warmup + repeats * steps, 1), extra=extra)
+        for _ in range(max(1, warmup)):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, metrics = step(state, batch)
+            jax.block_until_ready((state, metrics))
+            times.append((time.perf_counter() - start) / steps)
         return {"step_s": stats.median(times), "times": times, "loss": float(metrics["loss"])}
     except Exception as e:  # noqa: BLE001 - a failure is a result of the row
         return {"error": _error_line(e)}
