@@ -774,13 +774,22 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
     pending = []  # (step, metrics still on the device) since the last sync point
     window, units, t0 = [], 0, time.perf_counter()
     start_step, start_time = step, t0
+    # Where the host's time goes in a window: waiting for the next batch (reading and
+    # sending it) and in the step call (tracing once, then only queueing work unless
+    # the device makes it wait). Logged as shares of the window's time: the rest is the
+    # wait for the device at the sync point.
+    host = {"data": 0.0, "dispatch": 0.0}
     batches = prefetch_to_device(loader, mesh, config.train.prefetch, task.count)
     try:
         with ckpt_lib.StopRequest() as stop:
             while step < total:
+                t_data = time.perf_counter()
                 batch, batch_units, data_state = next(batches)
+                t_step = time.perf_counter()
                 units += batch_units
                 state, metrics = train_step(state, batch)
+                host["data"] += t_step - t_data
+                host["dispatch"] += time.perf_counter() - t_step
                 step += 1
                 pending.append((step, metrics))
                 bar.update(1)
@@ -794,6 +803,7 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                         # The first step compiled: throughput is measured from its end.
                         jax.block_until_ready(metrics)
                         units, t0 = 0, time.perf_counter()
+                        host = dict.fromkeys(host, 0.0)
                     continue
                 # ---- sync point: the one wait for the device since the last one.
                 for at, m in jax.device_get(pending):
@@ -806,7 +816,10 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                 if log_now and window:
                     means = {k: float(np.mean([m[k] for m in window])) for k in window[0]
                              if k != "finite"}
-                    means[f"{task.unit}_per_sec"] = units / max(time.perf_counter() - t0, 1e-9)
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    means[f"{task.unit}_per_sec"] = units / elapsed
+                    means["host_data_frac"] = host["data"] / elapsed
+                    means["host_dispatch_frac"] = host["dispatch"] / elapsed
                     if len(window) != log_every:
                         # Fewer steps than a full window: it began at a resume, ends the
                         # run early, or lost skipped non-finite steps.
@@ -818,12 +831,14 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                         _say(_progress_line(step, total, means, task.unit,
                                             time.perf_counter() - start_time, step - start_step))
                     summary["train"], window, units, t0 = means, [], 0, time.perf_counter()
+                    host = dict.fromkeys(host, 0.0)
                 if eval_now:
                     summary["eval"] = evaluate(eval_step, state["params"], task, config, mesh)
                     writer.write(step, "eval", summary["eval"])
                     bar.write(f"step {step} eval: " + ", ".join(
                         f"{k}={v:.4g}" for k, v in summary["eval"].items()))
                     units, t0 = 0, time.perf_counter()  # evaluation is not training time
+                    host = dict.fromkeys(host, 0.0)
                 if save_now:
                     ckpt.save(step, state, data_state, force=stopping or step == total)
                 if stopping:

@@ -154,6 +154,9 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     trained = rows[3]
     assert trained["windows"] == 5  # 6 steps logged one by one, the first window left out
     assert trained["step_s"] == pytest.approx(2 * 16 / trained["tokens_per_s_logged"])
+    # the host's shares of a window (getting batches, calling the step) are logged
+    assert 0 < trained["host_data_frac"] < 1 and 0 < trained["host_dispatch_frac"] < 1
+    assert trained["host_data_frac"] + trained["host_dispatch_frac"] <= 1.01
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
     assert "| gpt-tiny-gpu | 2 | trainer / blockwise |" in printed and "of our step" in printed

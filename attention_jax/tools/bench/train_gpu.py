@@ -539,6 +539,10 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                                          log_every=max(1, args.trainer_steps // 6),
                                          timeout=args.child_timeout, extra=extra)
                 rows.append({**row, "side": "trainer", "impl": impl, **result})
+                if "host_dispatch_frac" in result:
+                    print(f"    host: {100 * result['host_data_frac']:.0f}% getting batches, "
+                          f"{100 * result['host_dispatch_frac']:.0f}% in the step call",
+                          file=sys.stderr, flush=True)
                 save()
     # 5. --fit: the largest batch of each shape that fits, from compiled memory.
     if getattr(args, "fit", False):

@@ -56,9 +56,11 @@ def command(row: dict, workdir: str, *, steps: int, log_every: int, implementati
 
 def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: int = 60,
             log_every: int = 10, timeout: float = 600, extra: tuple[str, ...] = ()) -> dict:
-    """{"step_s", "tokens_per_s_logged", "windows"}: the median logged tokens/s of the
-    windows after the first, as seconds per step; or {"error": ...} when the run failed or
-    logged too few windows."""
+    """{"step_s", "tokens_per_s_logged", "windows", "windows_tokens_per_s",
+    "host_data_frac", "host_dispatch_frac"}: the median logged tokens/s of the windows
+    after the first, as seconds per step, every window's figure, and the median shares of
+    a window the host spent getting batches and calling the step; or {"error": ...}
+    when the run failed or logged too few windows."""
     if steps < 2 * log_every:
         raise ValueError(f"steps={steps} must be at least 2 × log_every={log_every}: the first "
                          f"window is left out")
@@ -71,14 +73,19 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
-        rates = [r["tokens_per_sec"] for r in train.read_records(f"{workdir}/metrics.jsonl")
-                 if r.get("split") == "train"]
+        records = [r for r in train.read_records(f"{workdir}/metrics.jsonl")
+                   if r.get("split") == "train"]
+        rates = [r["tokens_per_sec"] for r in records]
         if done.returncode or len(rates) < 2:
             tail = (done.stderr or done.stdout).strip().splitlines()
             return {"error": tail[-1][:200] if tail else f"exit code {done.returncode}"}
     tokens_per_s = statistics.median(rates[1:])
+    # The host's shares of each window (train._loop): getting batches, calling the step.
+    host = {k: statistics.median(r[k] for r in records[1:])
+            for k in ("host_data_frac", "host_dispatch_frac") if k in records[-1]}
     return {"step_s": row["batch"] * row["seq_len"] / tokens_per_s,
-            "tokens_per_s_logged": tokens_per_s, "windows": len(rates) - 1}
+            "tokens_per_s_logged": tokens_per_s, "windows": len(rates) - 1,
+            "windows_tokens_per_s": rates, **host}
 
 
 def experiment_config(row: dict, implementation: str, dtype: str, steps: int,
