@@ -5,6 +5,7 @@
     python -m attention_jax.tools.bench train                # training steps/s vs PyTorch
     python -m attention_jax.tools.bench ring                 # ring attention vs sequence size
     python -m attention_jax.tools.bench checkpoint           # digest cost at save/restore
+    python -m attention_jax.tools.bench profile              # where a GPT-2 step's time goes
 
 timing.py holds what both measure with; attention.py and train.py one benchmark each.
 """
