@@ -368,7 +368,8 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
             # A non-finite step changes nothing but the step counter: training goes on
             # with the old values. Only here: selecting between the old and new state
             # makes XLA copy every AdamW moment each step (the new moments are written
-            # in place while the parameters' update still reads the old ones). In "stop"
+            # in place while the parameters' update still reads the old ones; seen in the
+            # compiled step, tests/system/test_training.py counts the copies). In "stop"
             # mode the host finds the step at the next sync point, before anything is
             # saved, and stops: the state after it is never saved or used.
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
