@@ -206,3 +206,15 @@ def test_loss_chunk_option(tmp_path):
     assert "error" not in chunked and chunked["impl"] == "xla loss-chunk 4"
     assert chunked["loss_chunk"] == 4 and whole["impl"] == "xla"
     assert chunked["first_loss"] == pytest.approx(whole["first_loss"], rel=1e-5)
+
+
+def test_a_failing_trainer_step_row_is_recorded_not_raised(tmp_path):
+    """The trainer-step child (the trainer's own step alone) writes a bad configuration's
+    error as its row, as the other children do."""
+    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    out = tmp_path / "row.json"
+    train_gpu.child_main(["trainer-step", "--row", json.dumps(row), "--implementation",
+                          "no-such-attention", "--dtype", "float32", "--out", str(out),
+                          "--extra", json.dumps(["--config.mesh.num_devices=1"])])
+    got = json.loads(out.read_text())
+    assert "step_s" not in got and "no-such-attention" in got["error"]

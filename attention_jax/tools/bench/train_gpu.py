@@ -364,10 +364,11 @@ def device_info() -> dict:
 
 
 def child_main(argv=None):
-    """`python -m attention_jax.tools.bench.train_gpu info|matmul|jax --out F [...]`."""
+    """`python -m attention_jax.tools.bench.train_gpu info|matmul|jax|fit|trainer-step
+    --out F [...]` (trainer-step: trainer.measure_step, the trainer's own step)."""
     import argparse
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["info", "matmul", "jax", "fit"])
+    p.add_argument("what", choices=["info", "matmul", "jax", "fit", "trainer-step"])
     p.add_argument("--out", required=True)
     p.add_argument("--row", help="JSON row (jax)")
     p.add_argument("--implementation", default="auto")
@@ -377,6 +378,8 @@ def child_main(argv=None):
     p.add_argument("--size", type=int, default=MATMUL_SIZE)
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (jax, matmul)")
     p.add_argument("--loss-chunk", type=int, default=0, help="jax: positions per loss chunk")
+    p.add_argument("--extra", default="[]",
+                   help="trainer-step: JSON list of main.py arguments (its --config.* apply)")
     p.add_argument("--limit-gib", type=float, default=0,
                    help="fit: memory to fit in (0: the device's allocator limit)")
     a = p.parse_args(argv)
@@ -384,6 +387,13 @@ def child_main(argv=None):
         result = device_info()
     elif a.what == "matmul":
         result = measure_matmul(a.size, a.repeats, a.steps, a.dtype)
+    elif a.what == "trainer-step":
+        try:
+            result = trainer.measure_step(json.loads(a.row), a.implementation, dtype=a.dtype,
+                                          warmup=a.warmup, repeats=a.repeats, steps=a.steps,
+                                          extra=tuple(json.loads(a.extra)))
+        except Exception as e:  # noqa: BLE001 - out of memory, a bad config: a result
+            result = {"error": _error_line(e)}
     elif a.what == "fit":
         result = fit_child(json.loads(a.row), a.implementation, a.dtype, a.limit_gib, a.loss_chunk)
     else:
@@ -528,9 +538,9 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                 row = table_[name].row(batch)
                 print(f"  trainer step {name} batch {batch} attention {impl} ...",
                       file=sys.stderr, flush=True)
-                result = _child(["step", "--row", json.dumps(row), "--implementation", impl,
-                                 "--dtype", args.dtype, *timing, "--extra", json.dumps(extra)],
-                                args.child_timeout, module="attention_jax.tools.bench.trainer")
+                result = _child(["trainer-step", "--row", json.dumps(row), "--implementation",
+                                 impl, "--dtype", args.dtype, *timing, "--extra", json.dumps(extra)],
+                                args.child_timeout)
                 result.pop("returncode", None)
                 rows.append({**row, "side": "trainer step", "impl": impl, **result})
                 print(f"  trainer {name} batch {batch} attention {impl} ...", file=sys.stderr,

@@ -137,51 +137,23 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
     """The trainer's jitted step alone (no loop, no logging): median seconds per step
     over `repeats` timings of `steps` steps queued back to back on one real batch, after
     `warmup` steps; as train_gpu.measure_ours times the bare step. extra: main.py
-    arguments, as for `measure` (its --config.* ones apply). Runs in this process (a
-    child of the benchmark); errors come back as {"error": ...}."""
+    arguments, as for `measure` (its --config.* ones apply). Runs in this process: the
+    benchmark calls it in a child (train_gpu.py's `trainer-step`), which records an
+    exception as the row's error."""
     import statistics as stats
     import time
 
     import jax
-
-    from attention_jax.tools.bench.train_gpu import _error_line
-    try:
-        step, state, batch = compiled_step(row, implementation, dtype=dtype,
-                                           steps=max(warmup + repeats * steps, 1), extra=extra)
-        for _ in range(max(1, warmup)):
+    step, state, batch = compiled_step(row, implementation, dtype=dtype,
+                                       steps=max(warmup + repeats * steps, 1), extra=extra)
+    for _ in range(max(1, warmup)):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
             state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(steps):
-                state, metrics = step(state, batch)
-            jax.block_until_ready((state, metrics))
-            times.append((time.perf_counter() - start) / steps)
-        return {"step_s": stats.median(times), "times": times, "loss": float(metrics["loss"])}
-    except Exception as e:  # noqa: BLE001 - a failure is a result of the row
-        return {"error": _error_line(e)}
-
-
-def child_main(argv=None):
-    """`python -m attention_jax.tools.bench.trainer step --row JSON --out F [...]`."""
-    import argparse
-    import json
-    p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["step"])
-    p.add_argument("--row", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--implementation", default="auto")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--extra", default="[]", help="JSON list of main.py arguments")
-    a = p.parse_args(argv)
-    result = measure_step(json.loads(a.row), a.implementation, dtype=a.dtype, warmup=a.warmup,
-                          repeats=a.repeats, steps=a.steps, extra=tuple(json.loads(a.extra)))
-    Path(a.out).write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    child_main()
+        jax.block_until_ready((state, metrics))
+        times.append((time.perf_counter() - start) / steps)
+    return {"step_s": stats.median(times), "times": times, "loss": float(metrics["loss"])}
