@@ -29,6 +29,14 @@ def test_the_bare_step_profile_sums_its_ops_and_keeps_trace_and_hlo(tmp_path, ca
     assert sum(k["ms_per_step"] for k in summary["kinds"].values()) == pytest.approx(busy)
     assert any(k in summary["kinds"] for k in ("matmul", "elementwise"))
     assert math.isfinite(summary["loss"])
+    # each op found in the compiled module: its shape and the JAX operation it came from
+    assert sum(bool(r["shape"]) for r in ops) >= len(ops) // 2
+    assert any("dot_general" in r["source"] or "GPT" in r["source"] for r in ops)
+    import gzip
+    sources = profile.hlo_sources(gzip.open(out / "step.hlo.txt.gz", "rt").read())
+    numbered = next(n for n in sources if n.rsplit(".", 1)[-1].isdigit())
+    gpu_name = numbered[::-1].replace(".", "_", 1)[::-1]  # XLA:GPU's kernel name for it
+    assert profile._source_of(gpu_name, sources) == sources[numbered]
     saved = json.loads((out / "summary.json").read_text())
     assert saved["row"]["batch"] == 2 and (out / "step.hlo.txt.gz").stat().st_size > 0
     assert list(out.rglob("perfetto_trace.json.gz"))

@@ -9,7 +9,10 @@ Builds the GPU benchmark's step (train_gpu.py: GPT-2 shapes, AdamW, bfloat16 com
 runs it until compiled, then records `--steps` steps with `jax.profiler.trace` and reads
 the trace back: every op the device ran, grouped by name, with its time per step and
 its share of the step, and the same grouped into kinds (matmuls, attention, XLA's fused
-elementwise kernels, copies, ...). The printed table is what a person reads first; the
+elementwise kernels, copies, ...). An op that XLA generated is found in the compiled
+module: the table gives its shape and the JAX operation it came from (the layer's path,
+e.g. `transpose(jvp(GPT))/decoder/layer_11/mlp/wi/reduce_sum`: the backward pass of the
+last MLP's input projection); library kernels (cuBLAS, cuDNN) have no such entry. The printed table is what a person reads first; the
 directory `--out` keeps the Perfetto trace (open it at ui.perfetto.dev), the compiled
 HLO (a kernel's `hlo_op` names an instruction there) and the table as JSON.
 `--trainer` profiles the trainer's own jitted step instead (bench/trainer.py: main.py's
@@ -24,11 +27,13 @@ regions coarsely, so the table is useful on a GPU and a test on a CPU).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import gzip
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -87,10 +92,34 @@ def device_ops(events: list[dict]) -> tuple[list[dict], str]:
     return ops, "host threads (no device process in the trace)"
 
 
-def summarize(events: list[dict], steps: int, step_s: float | None = None) -> dict:
+def hlo_sources(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (its shape, the JAX operation it came from)} of a compiled
+    module's text: what a kernel named after a fusion computes, and where in the model."""
+    found = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+(?: \S+)*?) [a-z][\w\-]*\(", line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            found[m.group(1)] = (m.group(2), op.group(1) if op else "")
+    return found
+
+
+def _source_of(kernel: str, sources: dict) -> tuple[str, str]:
+    """A kernel's HLO instruction: the same name (CPU thunks), or, as XLA:GPU names
+    kernels, the fusion's name with its last '.' written '_' (loop_add_fusion_3)."""
+    if kernel in sources:
+        return sources[kernel]
+    m = re.match(r"(.*)_(\d+)$", kernel)
+    return sources.get(f"{m.group(1)}.{m.group(2)}", ("", "")) if m else ("", "")
+
+
+def summarize(events: list[dict], steps: int, step_s: float | None = None,
+              hlo_text: str = "") -> dict:
     """Per-op and per-kind device time per step from the trace's op events.
-    step_s: the step's wall time measured outside the trace (for the shares)."""
+    step_s: the step's wall time measured outside the trace (for the shares). hlo_text:
+    the compiled module, to give each op its shape and source (hlo_sources)."""
     ops, source = device_ops(events)
+    sources = hlo_sources(hlo_text) if hlo_text else {}
     by_name: dict[str, dict] = {}
     for e in ops:
         args = e.get("args") or {}
@@ -100,6 +129,8 @@ def summarize(events: list[dict], steps: int, step_s: float | None = None) -> di
         row["calls"] += 1
         row["us"] += float(e["dur"])
     rows = sorted(by_name.values(), key=lambda r: -r["us"])
+    for r in rows:
+        r["shape"], r["source"] = _source_of(r["name"], sources)
     busy_s = sum(r["us"] for r in rows) * 1e-6 / steps
     for r in rows:
         r["ms_per_step"] = r["us"] * 1e-3 / steps
@@ -124,11 +155,14 @@ def table(summary: dict, top: int = 30) -> str:
     for kind, k in summary["kinds"].items():
         lines.append(f"| {kind} | {k['ms_per_step']:.2f} | {100 * k['ms_per_step'] / step_ms:.1f}% "
                      f"| {k['ops_per_step']:.0f} |")
-    lines += ["", "| op | hlo op | kind | calls/step | ms/step | % of step |", "|---|---|---|---|---|---|"]
+    lines += ["", "| op | kind | calls/step | ms/step | % of step | shape | from |",
+              "|---|---|---|---|---|---|---|"]
+    short = lambda text, n: text if len(text) <= n else text[:n - 3] + "..."
     for r in summary["ops"][:top]:
-        name = r["name"] if len(r["name"]) <= 70 else r["name"][:67] + "..."
-        lines.append(f"| `{name}` | {r['hlo_op'][:40]} | {r['kind']} | {r['calls_per_step']:g} "
-                     f"| {r['ms_per_step']:.3f} | {100 * r['ms_per_step'] / step_ms:.1f}% |")
+        origin = re.sub(r"^jit\([^)]*\)/", "", r.get("source", ""))  # the step's own name
+        lines.append(f"| `{short(r['name'], 60)}` | {r['kind']} | {r['calls_per_step']:g} "
+                     f"| {r['ms_per_step']:.3f} | {100 * r['ms_per_step'] / step_ms:.1f}% "
+                     f"| {short(r.get('shape', ''), 40)} | {short(origin, 70)} |")
     return "\n".join(lines)
 
 
@@ -175,13 +209,14 @@ def profile_step(compiled, state, args: tuple, steps: int = 3, warmup: int = 3,
         for _ in range(steps):
             state, out = compiled(state, *args)
         jax.block_until_ready((state, out))
-    summary = summarize(read_trace(log_dir), steps, step_s)
+    hlo_text = compiled.as_text()
+    summary = summarize(read_trace(log_dir), steps, step_s, hlo_text)
     summary.update(device=jax.devices()[0].device_kind, last=jax.device_get(out))
     if out_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
         with gzip.open(Path(log_dir) / "step.hlo.txt.gz", "wt") as f:
-            f.write(compiled.as_text())
+            f.write(hlo_text)
     return summary
 
 
@@ -189,7 +224,7 @@ def add_parser(sub) -> None:
     from attention_jax.tools.bench import train_gpu
     p = sub.add_parser("profile", help="where a GPT-2 training step's time goes (jax.profiler)",
                        description=__doc__,
-                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     shapes = {**train_gpu.SHAPES, **train_gpu.SHAPES_TINY}
     p.add_argument("--shape", default="gpt2-124m", choices=sorted(shapes))
     p.add_argument("--batch", type=int, default=None, help="default: the shape's first batch")
