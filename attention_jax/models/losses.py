@@ -47,8 +47,7 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
 
     logits [..., V], targets [...] ints, weights [...] (0 for padding and positions that
     are not predicted; default all 1). Returns (loss, {"accuracy"}): a position counts
-    as correct when its target's logit is the largest (argmax; a tie with the target
-    counts as correct)."""
+    as correct when its target is the argmax (the first index of the largest logit)."""
     _check_label_smoothing(label_smoothing)
     losses, correct = _cross_entropy_terms(float(label_smoothing), logits,
                                            targets.astype(jnp.int32))
@@ -83,7 +82,12 @@ def _cross_entropy_forward(smoothing, logits, targets):
     loss = lse - target_z
     if smoothing:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - jnp.mean(z, axis=-1))
-    correct = (target_z >= z_max).astype(jnp.float32)
+    # argmax == target without a third pass: the target holds the max and no earlier
+    # entry equals it (a sibling of the Σexp reduction over the same logits).
+    iota = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    ties_before = jnp.sum(jnp.where((iota < targets[..., None]) & (z == z_max[..., None]),
+                                    1.0, 0.0), axis=-1)
+    correct = ((target_z >= z_max) & (ties_before == 0)).astype(jnp.float32)
     return (loss, correct), (logits, targets, lse)
 
 

@@ -101,3 +101,15 @@ def test_a_vocabulary_split_over_devices_gives_the_one_device_values(smoothing):
                         jax.device_put(weights, spec("batch", "length")))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5, atol=1e-7)
+
+
+def test_accuracy_is_argmax_even_with_ties():
+    """Equal logits (a zero-initialised head): argmax is index 0, so only targets 0 count
+    as correct; a tie between the target and an earlier index is a miss, with a later one
+    a hit."""
+    _, m = cross_entropy(jnp.zeros((2, 4, 8)), TGT)
+    assert float(m["accuracy"]) == np.mean(TGT == 0)
+    logits = jnp.zeros((1, 2, 8)).at[0, :, 2].set(1.0).at[0, :, 5].set(1.0)
+    targets = np.array([[2, 5]])  # the max is at 2 and 5: argmax is 2
+    _, m = cross_entropy(logits, targets)
+    assert float(m["accuracy"]) == 0.5
