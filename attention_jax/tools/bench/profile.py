@@ -166,25 +166,6 @@ def table(summary: dict, top: int = 30) -> str:
     return "\n".join(lines)
 
 
-def bare_step(row: dict, implementation: str = "auto", dtype: str = "bfloat16",
-              loss_chunk_size: int = 0):
-    """(compiled step(state, inputs, targets), state, (inputs, targets)): the GPU
-    benchmark's bare step of `row` (train_gpu.py) on a fixed batch of random tokens."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    from attention_jax.tools.bench import train_gpu
-    model, tx, train_step = train_gpu._step_parts(row, implementation, dtype, loss_chunk_size)
-    key_init, key_data = jax.random.split(jax.random.key(0))
-    tokens = jax.random.randint(key_data, (row["batch"], row["seq_len"] + 1), 0, row["vocab"],
-                                jnp.int32)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
-    state = (params, tx.init(params))
-    compiled = jax.jit(train_step, donate_argnums=0).lower(state, inputs, targets).compile()
-    return compiled, state, (inputs, targets)
-
-
 def profile_step(compiled, state, args: tuple, steps: int = 3, warmup: int = 3,
                  out_dir: str | None = None) -> dict:
     """Runs `compiled(state, *args) -> (state, out)` `warmup` times, times `steps` steps,
@@ -263,7 +244,8 @@ def run(args) -> dict:
         summary = profile_step(compiled, state, (batch,), args.steps, out_dir=args.out)
         loss = summary.pop("last")["loss"]
     else:
-        compiled, state, batch = bare_step(row, args.implementation, args.dtype, args.loss_chunk)
+        compiled, state, batch = train_gpu.compiled_ours(row, args.implementation, args.dtype,
+                                                         loss_chunk_size=args.loss_chunk)
         summary = profile_step(compiled, state, batch, args.steps, out_dir=args.out)
         loss = summary.pop("last")
     summary.update(row=row, step=which, implementation=args.implementation, dtype=args.dtype,

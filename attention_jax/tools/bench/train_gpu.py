@@ -218,10 +218,11 @@ def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int
     return model, tx, train_step
 
 
-def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
-                 loss_chunk_size: int = 0):
-    """(step(state) -> (state, loss), state): our jitted, donating training step of `row`
-    on a fixed batch of random tokens. loss_chunk_size > 0: the chunked head + loss."""
+def compiled_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
+                  loss_chunk_size: int = 0):
+    """(compiled step(state, inputs, targets) -> (state, loss), state, (inputs, targets)):
+    our donating training step of `row`, compiled, on a fixed batch of random tokens.
+    loss_chunk_size > 0: the chunked head + loss."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -231,10 +232,19 @@ def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: 
                                 jnp.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
-    step_fn = jax.jit(train_step, donate_argnums=0)  # the new state reuses the old buffers
     state = (params, tx.init(params))
-    info = {"params": sum(int(x.size) for x in jax.tree.leaves(params))}
-    return (lambda s: step_fn(s, inputs, targets)), state, info
+    # Donated: the new state reuses the old buffers.
+    compiled = jax.jit(train_step, donate_argnums=0).lower(state, inputs, targets).compile()
+    return compiled, state, (inputs, targets)
+
+
+def prepare_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
+                 loss_chunk_size: int = 0):
+    """(step(state) -> (state, loss), state, info): compiled_ours's step on its batch."""
+    import jax
+    compiled, state, batch = compiled_ours(row, implementation, dtype, seed, loss_chunk_size)
+    info = {"params": sum(int(x.size) for x in jax.tree.leaves(state[0]))}
+    return (lambda s: compiled(s, *batch)), state, info
 
 
 def compiled_bytes(row: dict, implementation: str, dtype: str = "bfloat16",

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from attention_jax import train
@@ -140,9 +141,6 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
     arguments, as for `measure` (its --config.* ones apply). Runs in this process: the
     benchmark calls it in a child (train_gpu.py's `trainer-step`), which records an
     exception as the row's error."""
-    import statistics as stats
-    import time
-
     import jax
     step, state, batch = compiled_step(row, implementation, dtype=dtype,
                                        steps=max(warmup + repeats * steps, 1), extra=extra)
@@ -156,4 +154,4 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
             state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))
         times.append((time.perf_counter() - start) / steps)
-    return {"step_s": stats.median(times), "times": times, "loss": float(metrics["loss"])}
+    return {"step_s": statistics.median(times), "times": times, "loss": float(metrics["loss"])}
