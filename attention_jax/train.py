@@ -773,13 +773,13 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                unit="step")
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
     pending = []  # (step, metrics still on the device) since the last sync point
-    window, units, t0 = [], 0, time.perf_counter()
+    # A throughput window: units trained, its start, and where the host's time went in
+    # it: waiting for the next batch (reading and sending it) and in the step call
+    # (tracing once, then only queueing work unless the device makes it wait). Logged as
+    # shares of the window's time: the rest is the wait for the device at the sync point.
+    new_window = lambda: (0, time.perf_counter(), {"data": 0.0, "dispatch": 0.0})
+    window, (units, t0, host) = [], new_window()
     start_step, start_time = step, t0
-    # Where the host's time goes in a window: waiting for the next batch (reading and
-    # sending it) and in the step call (tracing once, then only queueing work unless
-    # the device makes it wait). Logged as shares of the window's time: the rest is the
-    # wait for the device at the sync point.
-    host = {"data": 0.0, "dispatch": 0.0}
     batches = prefetch_to_device(loader, mesh, config.train.prefetch, task.count)
     try:
         with ckpt_lib.StopRequest() as stop:
@@ -803,8 +803,7 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                     if step == start_step + 1:
                         # The first step compiled: throughput is measured from its end.
                         jax.block_until_ready(metrics)
-                        units, t0 = 0, time.perf_counter()
-                        host = dict.fromkeys(host, 0.0)
+                        units, t0, host = new_window()
                     continue
                 # ---- sync point: the one wait for the device since the last one.
                 for at, m in jax.device_get(pending):
@@ -831,15 +830,14 @@ def _loop(config, workdir, s, state, loader, train_step, eval_step) -> dict[str,
                     if plain:
                         _say(_progress_line(step, total, means, task.unit,
                                             time.perf_counter() - start_time, step - start_step))
-                    summary["train"], window, units, t0 = means, [], 0, time.perf_counter()
-                    host = dict.fromkeys(host, 0.0)
+                    summary["train"], window = means, []
+                    units, t0, host = new_window()
                 if eval_now:
                     summary["eval"] = evaluate(eval_step, state["params"], task, config, mesh)
                     writer.write(step, "eval", summary["eval"])
                     bar.write(f"step {step} eval: " + ", ".join(
                         f"{k}={v:.4g}" for k, v in summary["eval"].items()))
-                    units, t0 = 0, time.perf_counter()  # evaluation is not training time
-                    host = dict.fromkeys(host, 0.0)
+                    units, t0, host = new_window()  # evaluation is not training time
                 if save_now:
                     ckpt.save(step, state, data_state, force=stopping or step == total)
                 if stopping:

@@ -91,14 +91,18 @@ def _cross_entropy_forward(smoothing, logits, targets):
     return (loss, correct), (logits, targets, lse)
 
 
+def _softmax_minus_target(smoothing, z, targets, lse):
+    """d(loss)/dz per position: softmax(z) - q, float32 [..., V] (z float32, lse [...])."""
+    is_target = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
+    q = jnp.where(is_target, 1.0 - smoothing, 0.0) + smoothing / z.shape[-1]
+    return jnp.exp(z - lse[..., None]) - q
+
+
 def _cross_entropy_backward(smoothing, residuals, cotangents):
     logits, targets, lse = residuals
     g = cotangents[0]  # d/d(loss); `correct` has no gradient
-    z = logits.astype(jnp.float32)
-    is_target = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == targets[..., None]
-    q = jnp.where(is_target, 1.0 - smoothing, 0.0) + smoothing / z.shape[-1]
-    dz = (jnp.exp(z - lse[..., None]) - q) * g[..., None]
-    return dz.astype(logits.dtype), None
+    dz = _softmax_minus_target(smoothing, logits.astype(jnp.float32), targets, lse)
+    return (dz * g[..., None]).astype(logits.dtype), None
 
 
 _cross_entropy_terms.defvjp(_cross_entropy_forward, _cross_entropy_backward)
@@ -193,25 +197,12 @@ def _chunk_logits(h, kernel, bias):
     return nn.with_logical_constraint(z, (axes.BATCH, axes.LENGTH, axes.VOCAB))
 
 
-def _chunk_statistics(z, y, smoothing):
-    """Per position of a chunk: loss [B, c], correct [B, c], log-sum-exp [B, c] and the
-    target mask [B, c, V]. loss = lse - (1-ε)·z_y - ε·mean(z), i.e. -Σ q·log softmax(z)
-    with q = (1-ε)·onehot(y) + ε/V."""
-    is_target = lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]  # no gather:
-    lse = jax.nn.logsumexp(z, axis=-1)  # a vocabulary split over devices stays split
-    loss = lse - jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
-    if smoothing:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - jnp.mean(z, axis=-1))
-    correct = (jnp.argmax(z, axis=-1) == y).astype(jnp.float32)
-    return loss, correct, lse, is_target
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_head_loss(smoothing, h, kernel, bias, y, scale):
     """(Σ scale·loss, Σ scale·correct) over chunks h [n, B, c, D], y and scale [n, B, c]."""
     def body(carry, xs):
         h, y, scale = xs
-        loss, correct, _, _ = _chunk_statistics(_chunk_logits(h, kernel, bias), y, smoothing)
+        (loss, correct), _ = _cross_entropy_forward(smoothing, _chunk_logits(h, kernel, bias), y)
         return (carry[0] + jnp.sum(scale * loss), carry[1] + jnp.sum(scale * correct)), None
 
     zero = jnp.zeros((), jnp.float32)
@@ -245,9 +236,8 @@ def _fused_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
         hc, y, scale = xs
         b, c, d = hc.shape
         z = _chunk_logits(hc, kernel, bias)
-        loss, correct, lse, is_target = _chunk_statistics(z, y, smoothing)
-        q = jnp.where(is_target, 1.0 - smoothing, 0.0) + smoothing / v
-        dz = (jnp.exp(z - lse[..., None]) - q) * scale[..., None]  # [B, c, V] float32
+        (loss, correct), (_, _, lse) = _cross_entropy_forward(smoothing, z, y)  # as the whole path
+        dz = _softmax_minus_target(smoothing, z, y, lse) * scale[..., None]  # [B, c, V] float32
         dz = nn.with_logical_constraint(dz, (axes.BATCH, axes.LENGTH, axes.VOCAB))
         dz_in = dz.astype(dtype)
         dh = matmul(dz_in, kernel.T, preferred_element_type=jnp.float32).astype(h.dtype)

@@ -36,7 +36,6 @@ import os
 import re
 import shlex
 import sys
-import time
 from pathlib import Path
 
 # Kinds, tried in order against the lower-cased kernel name (and its HLO op's name).
@@ -176,20 +175,16 @@ def profile_step(compiled, state, args: tuple, steps: int = 3, warmup: int = 3,
     import tempfile
 
     import jax
+    from attention_jax.tools.bench import timing
+    step = lambda s: compiled(s, *args)
     for _ in range(warmup):
-        state, out = compiled(state, *args)
+        state, out = step(state)
     jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, out = compiled(state, *args)
-    jax.block_until_ready((state, out))
-    step_s = (time.perf_counter() - start) / steps
+    (step_s,), state, out = timing.queued_step_times(step, state, 1, steps)
     log_dir = out_dir or tempfile.mkdtemp(prefix="profile_")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        for _ in range(steps):
-            state, out = compiled(state, *args)
-        jax.block_until_ready((state, out))
+        _, state, out = timing.queued_step_times(step, state, 1, steps)
     hlo_text = compiled.as_text()
     summary = summarize(read_trace(log_dir), steps, step_s, hlo_text)
     summary.update(device=jax.devices()[0].device_kind, last=jax.device_get(out))

@@ -27,6 +27,20 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(wall_times(fn, repeats))
 
 
+def queued_step_times(step, state, repeats: int, steps: int):
+    """Seconds per step of `repeats` timings of `steps` training steps queued back to
+    back and ended by one wait (the device never waits for the host in between).
+    step(state) -> (state, out). Returns (times, the last state, the last out)."""
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, out = step(state)
+        jax.block_until_ready((state, out))
+        times.append((time.perf_counter() - start) / steps)
+    return times, state, out
+
+
 def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
     """This machine's float32 matmul rate through XLA, in FLOP/s."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)

@@ -291,6 +291,8 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
     """One row of our side: median seconds per step over `repeats` timings of `steps`
     steps queued back to back (one wait at the end), after `warmup` steps."""
     import jax
+
+    from attention_jax.tools.bench import timing  # it imports JAX: children only
     result = {**row, "side": "jax", "impl": _impl_label(implementation, loss_chunk_size),
               "dtype": dtype, "loss_chunk": loss_chunk_size}
     try:
@@ -303,13 +305,7 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
             state, loss = step(state)
         result["first_loss"] = float(loss)  # waits
         result["warmup_s"] = time.perf_counter() - start
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(steps):
-                state, loss = step(state)
-            jax.block_until_ready((state, loss))
-            times.append((time.perf_counter() - start) / steps)
+        times, state, loss = timing.queued_step_times(step, state, repeats, steps)
         result.update(times=times, step_s=statistics.median(times), loss=float(loss))
         stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:

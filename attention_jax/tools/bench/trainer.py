@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from attention_jax import train
@@ -142,16 +141,13 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
     benchmark calls it in a child (train_gpu.py's `trainer-step`), which records an
     exception as the row's error."""
     import jax
-    step, state, batch = compiled_step(row, implementation, dtype=dtype,
-                                       steps=max(warmup + repeats * steps, 1), extra=extra)
+
+    from attention_jax.tools.bench import timing
+    compiled, state, batch = compiled_step(row, implementation, dtype=dtype,
+                                           steps=max(warmup + repeats * steps, 1), extra=extra)
+    step = lambda s: compiled(s, batch)
     for _ in range(max(1, warmup)):
-        state, metrics = step(state, batch)
+        state, metrics = step(state)
     jax.block_until_ready(metrics)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append((time.perf_counter() - start) / steps)
+    times, state, metrics = timing.queued_step_times(step, state, repeats, steps)
     return {"step_s": statistics.median(times), "times": times, "loss": float(metrics["loss"])}
