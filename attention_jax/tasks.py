@@ -268,9 +268,15 @@ def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
     from attention_jax.models import gpt
+    # packing: "documents" keeps each packed document to itself (segment ids, positions
+    # restarting per document); "stream" reads a row as a window of one token stream, as
+    # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
     d = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
-                     eval_split="validation")
+                     eval_split="validation", packing="documents")
+    if d.packing not in data.PACKINGS:
+        raise ConfigError(f"config.data.packing={d.packing!r} is unknown; valid: "
+                          f"{list(data.PACKINGS)}")
     train_docs, eval_docs = _splits(d, **_corpus_options(d))
     tok = _tokenizer(d, workdir, lambda: [_text(train_docs[i]["text"])
                                           for i in range(min(len(train_docs), 300))])
@@ -291,7 +297,7 @@ def lm_task(config, workdir: str) -> Task:
         (nll, m), aux = gpt.head_loss(
             model, params, batch["inputs"], batch["targets"], batch["weights"],
             chunk_size=chunk_size, label_smoothing=config.optim.label_smoothing if train else 0.0,
-            positions=batch["positions"], segment_ids=batch["segment_ids"],
+            positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
             deterministic=not train, rngs={"dropout": rng})
         return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
 
@@ -315,7 +321,8 @@ def lm_task(config, workdir: str) -> Task:
 
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, d.seq_len), jnp.int32))["params"],
                 loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
-                train_transform=data.CausalLM(), eval_transform=data.CausalLM(), unit="tokens",
+                train_transform=data.CausalLM(d.packing), eval_transform=data.CausalLM(d.packing),
+                unit="tokens",
                 count=lambda b: int(np.sum(b["weights"])), sample=sample,
                 save_assets=lambda w: tok.save(os.path.join(w, "tokenizer")), seq_len=d.seq_len)
 

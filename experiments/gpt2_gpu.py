@@ -56,6 +56,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.seq_len = 1024
     c.data.train_split = "train"
     c.data.eval_split = "validation"
+    # "documents": each packed document sees only itself (segment ids: Pallas attention on
+    # a GPU). "stream": one causal stream across documents, as GPT-2 and nanoGPT train
+    # (cuDNN attention, the bare step's inputs).
+    c.data.packing = "documents"
 
     c.optim.lr = 6e-4  # GPT-2 small's peak lr (GPT-3 paper, Table 2.1), cosine decay.
     c.optim.warmup_steps = 200

@@ -60,7 +60,7 @@ import importlib
 # machine that only builds models never needs them.
 _WHERE = {
     'loaders': ('Loader', 'LoaderState', 'to_global_batch'),
-    'objectives': ('mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
+    'objectives': ('PACKINGS', 'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
                    'random_crop_flip', 'seq2seq_example', 'shift_right'),
     'packing': ('PackedSource', 'pack_documents', 'unpack_row'),
     'pipelines': ('CausalLM', 'ImageClassification', 'MaskedLM', 'Translation',
@@ -88,7 +88,7 @@ def __dir__():
 __all__ = [
     'BPETokenizer', 'ByteTokenizer', 'CATALOGUE_EXAMPLES', 'CausalLM', 'CharTokenizer',
     'DatasetNotFoundError', 'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM',
-    'OFFLINE', 'PackedSource', 'Tokenizer', 'Translation', 'WordPieceTokenizer',
+    'OFFLINE', 'PACKINGS', 'PackedSource', 'Tokenizer', 'Translation', 'WordPieceTokenizer',
     'default_data_dir', 'get_builder', 'get_dataset', 'get_tokenizer', 'load_tokenizer',
     'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
     'pack_documents', 'packed_lm_source', 'random_crop_flip', 'seq2seq_example',

@@ -21,17 +21,32 @@ import numpy as np
 # --------------------------------------------------------------------------------------
 
 
-def next_token_targets(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Causal LM example from a packed row [L]: predict token t+1 at t, inside a segment.
+PACKINGS = ('documents', 'stream')
 
-    The last token of every piece has no target in the row (the next token belongs to
-    another document or is padding), so its weight is 0.
+
+def next_token_targets(row: dict[str, np.ndarray], packing: str = 'documents') -> dict[str, np.ndarray]:
+    """Causal LM example from a packed row [L]: predict token t+1 at t.
+
+    packing 'documents': each document is its own sequence. The last token of every
+      piece has no target in the row (the next token belongs to another document or is
+      padding), so its weight is 0; segment_ids and positions go with the example, for
+      attention that stays inside a document and positions that restart at each.
+    packing 'stream': the row is a window of one token stream, as GPT-2 and nanoGPT
+      train. Every next token is a target (a document's end-of-text token predicts the
+      next document's first token), except padding; no segment_ids or positions, so
+      attention is plain causal over the row and positions run 0..L-1.
     """
+    if packing not in PACKINGS:
+        raise ValueError(f'packing={packing!r} is unknown; valid: {PACKINGS}')
     tokens, seg = row['tokens'], row['segment_ids']
     targets = np.zeros_like(tokens)
     targets[..., :-1] = tokens[..., 1:]
     weights = np.zeros(tokens.shape, np.float32)
-    weights[..., :-1] = (seg[..., 1:] == seg[..., :-1]) & (seg[..., :-1] != 0)
+    real = seg != 0
+    if packing == 'stream':
+        weights[..., :-1] = real[..., 1:] & real[..., :-1]
+        return {'inputs': tokens, 'targets': targets, 'weights': weights}
+    weights[..., :-1] = (seg[..., 1:] == seg[..., :-1]) & real[..., :-1]
     return {'inputs': tokens, 'targets': targets, 'weights': weights,
             'segment_ids': seg, 'positions': row['positions']}
 

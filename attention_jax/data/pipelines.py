@@ -44,11 +44,13 @@ def packed_lm_source(source, tokenizer: Tokenizer, seq_len: int, *, key: str = '
 
 @dataclasses.dataclass(frozen=True)
 class CausalLM:
-    """Packed row -> inputs/targets/weights/segment_ids/positions (next-token prediction)."""
+    """Packed row -> inputs/targets/weights (next-token prediction), with segment_ids
+    and positions when packing is 'documents' (objectives.next_token_targets)."""
+    packing: str = 'documents'
 
     def __call__(self, row, rng) -> dict[str, np.ndarray]:
         del rng
-        return objectives.next_token_targets(row)
+        return objectives.next_token_targets(row, self.packing)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,20 @@ def test_next_token_targets_stay_inside_a_document():
     np.testing.assert_array_equal(ex['weights'], [1, 1, 0, 1, 0, 0])
 
 
+def test_stream_targets_cross_documents_but_not_padding():
+    """packing='stream' (GPT-2, nanoGPT): a row is a window of one token stream; every
+    next token is a target, across documents, except padding; no segment ids."""
+    rows = data.pack_documents([[5, 6, 7], [8, 9], [10]], 8)
+    ex = data.next_token_targets({k: v[0] for k, v in rows.items()}, 'stream')
+    assert set(ex) == {'inputs', 'targets', 'weights'}
+    np.testing.assert_array_equal(ex['inputs'], [5, 6, 7, 8, 9, 10, 0, 0])
+    np.testing.assert_array_equal(ex['targets'][:5], [6, 7, 8, 9, 10])
+    # 7 -> 8 and 9 -> 10 cross documents and count; 10 -> padding does not.
+    np.testing.assert_array_equal(ex['weights'], [1, 1, 1, 1, 1, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"packing='rows' is unknown; valid: \('documents', 'stream'\)"):
+        data.next_token_targets({k: v[0] for k, v in rows.items()}, 'rows')
+
+
 def test_packed_source_over_corpus(tmp_path):
     corpus = data.get_dataset('python_stdlib', 'train', tmp_path, max_files=4)
     tok = data.get_tokenizer('byte')

@@ -131,3 +131,40 @@ def test_lm_vocabulary_can_be_padded_to_gpt2s_but_not_below_the_tokenizer(data_d
     with pytest.raises(train.ConfigError, match=r"config\.model\.vocab_size=100 is smaller than "
                                                 r"the tokenizer's 259 tokens; valid: at least 259"):
         train.TASKS["gpt"](config, str(tmp_path))
+
+
+def test_lm_stream_packing_attends_across_documents(data_dir, tmp_path):
+    """data.packing: 'documents' (default) keeps a packed document to itself, so changing
+    the first document of a row leaves the loss on the second unchanged; 'stream'
+    (GPT-2, nanoGPT) reads the row as one causal stream, so the same change reaches the
+    second document. A packing that does not exist is named with the valid ones."""
+    import jax
+    import flax.linen as nn
+
+    def second_document_losses(packing):
+        config = shrink(load("gpt").get_config(), data_dir)
+        config.data.packing = packing
+        task = train.TASKS["gpt"](config, str(tmp_path / packing))
+        params = nn.meta.unbox(jax.jit(task.init)(jax.random.key(0)))
+        row = next(r for r in (task.train_source[i] for i in range(len(task.train_source)))
+                   if r["segment_ids"].max() >= 2 and (r["segment_ids"] == 1).sum() > 1)
+        seg = row["segment_ids"]
+        second = dict(row, tokens=row["tokens"].copy())
+        second["tokens"][seg == 1] = (second["tokens"][seg == 1] + 7) % 256  # first document
+        losses = []
+        for r in (row, second):
+            ex = task.train_transform(r, None)
+            batch = {k: v[None] for k, v in ex.items()}
+            batch["weights"] = batch["weights"] * (seg == 2)[None]  # loss on document 2 only
+            losses.append(float(task.loss(params, batch, jax.random.key(0), False)[0]))
+        return losses, ex
+
+    (a, b), ex = second_document_losses("documents")
+    assert "segment_ids" in ex and a == pytest.approx(b, abs=1e-6)
+    (a, b), ex = second_document_losses("stream")
+    assert "segment_ids" not in ex and abs(a - b) > 1e-4
+    config = shrink(load("gpt").get_config(), data_dir)
+    config.data.packing = "rows"
+    with pytest.raises(train.ConfigError, match=r"config\.data\.packing='rows' is unknown; valid: "
+                                                r"\['documents', 'stream'\]"):
+        train.TASKS["gpt"](config, str(tmp_path / "bad"))

@@ -140,7 +140,8 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
                               "--repeats", "1", "--steps", "1", "--matmul-size", "256",
                               "--dtype", "float32", "--trainer-steps", "6",
                               f"--trainer-args={trainer_args}", f"--xla-flags={flags}", "--fit", "--fit-limit-gib", "0.05",
-                              "--implementation", "blockwise", "--out", str(out)])
+                              "--implementation", "blockwise", "--packing", "stream",
+                              "--out", str(out)])
     # train.run dispatches on --device gpu; the device query answers from the CPU here.
     monkeypatch.setattr(train_gpu, "SHAPES", train_gpu.SHAPES_TINY)
     monkeypatch.setattr(train_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
@@ -148,6 +149,7 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     assert [(r["side"], r["impl"]) for r in rows] == [
         ("jax", "blockwise"), ("jax", "blockwise xla1"), ("trainer step", "blockwise"),
         ("trainer", "blockwise")]
+    assert rows[2]["packing"] == rows[3]["packing"] == "stream"
     assert all("error" not in r and r["mfu_peak"] > 0 and r["mfu_matmul"] > 0 for r in rows)
     assert rows[0]["devices"] == 8 and rows[1]["devices"] == 1  # the flags reached the child
     assert math.isfinite(rows[2]["loss"]) and len(rows[2]["times"]) == 1  # the jitted step alone
@@ -159,8 +161,9 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     assert trained["host_data_frac"] + trained["host_dispatch_frac"] <= 1.01
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
-    assert "| gpt-tiny-gpu | 2 | trainer / blockwise |" in printed and "of our step" in printed
-    assert "| gpt-tiny-gpu | 2 | trainer step / blockwise |" in printed
+    assert "| gpt-tiny-gpu | 2 | trainer / blockwise, stream packing |" in printed
+    assert "of our step" in printed
+    assert "| gpt-tiny-gpu | 2 | trainer step / blockwise, stream packing |" in printed
     assert "of the trainer step |" in printed
     assert f"xla1: XLA_FLAGS += {flags}" in printed
     assert "largest batch of gpt-tiny-gpu (blockwise, remat none): " in printed
@@ -168,6 +171,16 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     assert saved["matmul_flops_per_s"] > 0 and len(saved["rows"]) == 4
     (fit,) = saved["fits"]
     assert fit["largest_batch"] >= 1 and fit["bytes"] <= fit["limit_bytes"] == int(0.05 * 2**30)
+
+
+def test_packing_option_names_the_valid_values(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench_train.add_parser(parser.add_subparsers(dest="which"))
+    args = parser.parse_args(["train", "--device", "gpu", "--packing", "documents,rows",
+                              "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match=r"--packing 'documents,rows'; valid: \['documents', "
+                                         r"'stream'\]"):
+        train_gpu.run(args, info={"device": "cpu (test)"})
 
 
 def test_largest_batch_is_the_last_that_fits():

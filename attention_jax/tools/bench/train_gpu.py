@@ -19,6 +19,10 @@ memory, from XLA's compiled memory analysis (nothing runs; the step's memory is 
 in the batch: batches 1 and 2 predict it, the prediction is compiled to check).
 --xla-flags F (repeatable) times our rows once more with F added to XLA_FLAGS, labelled
 xla0, xla1, ...: a flag is kept in the project only if it measures faster.
+--packing documents,stream runs the trainer rows once per data.packing: "documents"
+(the default) gives attention the packed documents' segment ids (the Pallas kernels on
+a GPU), "stream" the bare step's plain causal rows (cuDNN), which splits what the
+document masks cost in the trainer from the rest.
 
 What is timed: one training step, forward + backward + AdamW update (lr 3e-4, betas
 (0.9, 0.95), weight decay 0.1 on matrices), float32 parameters and optimizer state,
@@ -68,6 +72,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from attention_jax.data.objectives import PACKINGS
 from attention_jax.tools.bench import trainer
 
 H100_BF16_PEAK = 989e12  # FLOP/s: H100 SXM5, dense bfloat16 (NVIDIA H100 datasheet)
@@ -137,16 +142,17 @@ def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK)
 def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
     """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up; the
     trainer's rows give their speed as a share of our bare step's (same attention), and
-    main.py's row also as a share of the trainer's jitted step alone."""
+    main.py's row also as a share of the trainer's jitted step alone (same packing)."""
     peers = {(r["shape"], r["batch"]): r for r in rows if r["side"] == "torch" and "step_s" in r}
-    measured = lambda side: {(r["shape"], r["batch"], r["impl"]): r for r in rows
-                             if r["side"] == side and "step_s" in r}
+    measured = lambda side: {(r["shape"], r["batch"], r["impl"], r.get("packing")): r
+                             for r in rows if r["side"] == side and "step_s" in r}
     steps, trainer_steps = measured("jax"), measured("trainer step")
     lines = [f"| shape | batch | side / attention | ms/step | tokens/s | MFU vs "
              f"{H100_BF16_PEAK / 1e12:.0f} peak | MFU vs matmul | ours ÷ peer (speed) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        side = f"{r['side']} / {r['impl']}"
+        side = f"{r['side']} / {r['impl']}" + (", stream packing" if r.get("packing") == "stream"
+                                                else "")
         if "step_s" not in r:
             err = r.get("error", "no result").replace("|", "/")
             lines.append(f"| {r['shape']} | {r['batch']} | {side} | failed: {err} "
@@ -154,9 +160,10 @@ def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
             continue
         peer = peers.get((r["shape"], r["batch"]))
         ratio = f"{peer['step_s'] / r['step_s']:.2f}×" if r["side"] == "jax" and peer else ""
-        key = (r["shape"], r["batch"], r["impl"])
-        if r["side"] in ("trainer", "trainer step") and key in steps:
-            ratio = f"{steps[key]['step_s'] / r['step_s']:.2f} of our step"
+        key = (r["shape"], r["batch"], r["impl"], r.get("packing"))
+        bare = steps.get((r["shape"], r["batch"], r["impl"], None))
+        if r["side"] in ("trainer", "trainer step") and bare:
+            ratio = f"{bare['step_s'] / r['step_s']:.2f} of our step"
         if r["side"] == "trainer" and key in trainer_steps:
             ratio += (", " if ratio else "") + (
                 f"{trainer_steps[key]['step_s'] / r['step_s']:.2f} of the trainer step")
@@ -474,6 +481,10 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     if bad:
         raise SystemExit(f"error: --implementation {bad} unknown; valid: {list(IMPLEMENTATIONS)}")
     chunks = parse_loss_chunks(getattr(args, "loss_chunk", "0"))
+    packings = [p.strip() for p in getattr(args, "packing", "documents").split(",") if p.strip()]
+    if not packings or set(packings) - set(PACKINGS):
+        raise SystemExit(f"error: --packing {getattr(args, 'packing', '')!r}; valid: "
+                         f"{list(PACKINGS)}, comma-separated")
     pairs = select_rows(args.quick, args.shapes, table_)
     print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
     out = Path(args.out)
@@ -537,24 +548,29 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
             save()
     # 4. The trainer on the same shapes: its jitted step alone on a real batch, then
     # main.py itself (its own logged tokens/s).
+    # Per packing of the documents (data.packing): "documents" gives attention segment
+    # ids, "stream" the bare step's plain causal rows.
     if args.trainer_steps:
-        extra = tuple(shlex.split(args.trainer_args))
         for name, batch in pairs:
-            for impl in impls:
+            for impl, packing in [(i, p) for i in impls for p in packings]:
                 row = table_[name].row(batch)
-                print(f"  trainer step {name} batch {batch} attention {impl} ...",
+                extra = (*shlex.split(args.trainer_args), f"--config.data.packing={packing}")
+                label = impl if packing == "documents" else f"{impl}, stream packing"
+                print(f"  trainer step {name} batch {batch} attention {label} ...",
                       file=sys.stderr, flush=True)
                 result = _child(["trainer-step", "--row", json.dumps(row), "--implementation",
                                  impl, "--dtype", args.dtype, *timing, "--extra", json.dumps(extra)],
                                 args.child_timeout)
                 result.pop("returncode", None)
-                rows.append({**row, "side": "trainer step", "impl": impl, **result})
-                print(f"  trainer {name} batch {batch} attention {impl} ...", file=sys.stderr,
+                rows.append({**row, "side": "trainer step", "impl": impl, "packing": packing,
+                             **result})
+                print(f"  trainer {name} batch {batch} attention {label} ...", file=sys.stderr,
                       flush=True)
                 result = trainer.measure(row, impl, dtype=args.dtype, steps=args.trainer_steps,
                                          log_every=max(1, args.trainer_steps // 6),
                                          timeout=args.child_timeout, extra=extra)
-                rows.append({**row, "side": "trainer", "impl": impl, **result})
+                rows.append({**row, "side": "trainer", "impl": impl, "packing": packing,
+                             **result})
                 if "host_dispatch_frac" in result:
                     print(f"    host: {100 * result['host_data_frac']:.0f}% getting batches, "
                           f"{100 * result['host_dispatch_frac']:.0f}% in the step call",
@@ -623,6 +639,9 @@ def add_arguments(p) -> None:
     g.add_argument("--trainer-args", default="",
                    help="GPU: more main.py arguments for the trainer row, one string, e.g. "
                         "--trainer-args='--config.data.max_files=50'")
+    g.add_argument("--packing", default="documents",
+                   help="GPU: the trainer rows' data.packing, e.g. documents,stream (documents: "
+                        "segment ids, Pallas attention; stream: plain causal rows, cuDNN)")
     g.add_argument("--fit", action="store_true",
                    help="GPU: also find each shape's largest batch that fits (compiled memory)")
     g.add_argument("--fit-limit-gib", type=float, default=0,
