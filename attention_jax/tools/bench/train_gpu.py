@@ -355,6 +355,13 @@ def measure_matmul(size: int = MATMUL_SIZE, repeats: int = 7, steps: int = 10,
             "flops_per_s": 2 * size ** 3 / statistics.median(times)}
 
 
+# --fit only compiles (three or more times per shape) and reads the memory analysis, so
+# it skips autotuning the matmuls, a large share of a GPU compile: the step's buffers are
+# the same whichever kernel runs a matmul (its scratch workspace aside). With autotuning,
+# the GPT-2 medium fit did not finish inside a 10-minute device call (2026-11-23).
+FIT_XLA_FLAGS = "--xla_gpu_autotune_level=0"
+
+
 def fit_child(row: dict, implementation: str, dtype: str, limit_gib: float,
               loss_chunk_size: int = 0) -> dict:
     """largest_batch within `limit_gib` (0: the first device's allocator limit, e.g. 75%
@@ -585,7 +592,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                 print(f"  fit {name} attention {impl} ...", file=sys.stderr, flush=True)
                 got = _child(["fit", "--row", json.dumps(row), "--implementation", impl,
                               "--dtype", args.dtype, "--limit-gib", str(args.fit_limit_gib)],
-                             args.child_timeout)
+                             args.child_timeout, xla_flags=FIT_XLA_FLAGS)
                 got.pop("returncode", None)
                 fits.append({"shape": name, "impl": impl, "remat": row.get("remat", "none"),
                              **got})
