@@ -684,6 +684,11 @@ RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.c
                     "mesh.", "eval.")
 
 
+# Keys the experiment configs gained after runs were saved without them, with the value
+# those runs trained with: resuming such a run with the key at that value is no change.
+ADDED_KEYS = {"data.packing": "documents"}
+
+
 def _flat_json(tree: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in tree.items():
@@ -706,7 +711,7 @@ def config_changes(config, workdir: str) -> dict[str, tuple[Any, Any]]:
     stored["model"] = tasks.rename_old_model_fields(stored.get("task", ""), stored.get("model", {}))
     old = _flat_json(stored)
     new = _flat_json(json.loads(config.to_json_best_effort()))
-    base = _flat_json(json.loads(base_config().to_json_best_effort()))
+    base = {**_flat_json(json.loads(base_config().to_json_best_effort())), **ADDED_KEYS}
     missing = "(absent)"
     changes = {}
     for key in sorted(set(old) | set(new)):

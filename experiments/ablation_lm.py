@@ -142,6 +142,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer = "byte"
     c.data.vocab_size = 1024  # unused by the byte tokenizer.
     c.data.seq_len = 64  # training length.
+    c.data.packing = "documents"  # each document attends to itself; "stream": across (GPT-2).
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 

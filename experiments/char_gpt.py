@@ -64,6 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer = "byte"  # characters of ASCII source (nanoGPT's char model has 65).
     c.data.vocab_size = 1024  # unused by the byte tokenizer.
     c.data.seq_len = context  # block_size.
+    c.data.packing = "documents"  # each document attends to itself; "stream": across (GPT-2).
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 

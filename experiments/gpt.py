@@ -37,6 +37,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer = "byte"  # byte-level: no vocabulary to train, any text encodes.
     c.data.vocab_size = 1024  # only for tokenizer="bpe" (trained on the train split).
     c.data.seq_len = 128  # tokens per packed row.
+    # "documents": a packed document attends only to itself, positions restart;
+    # "stream": one causal stream across documents, as GPT-2 and nanoGPT train.
+    c.data.packing = "documents"
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 

@@ -133,3 +133,18 @@ def test_an_eval_batch_larger_than_the_eval_split_stops_before_training(tmp_path
     assert str(e.value).startswith("config.eval.batch_size=512 is larger than the eval split "
                                    "(256 examples); valid: 1 to 256")
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_old_value(tmp_path):
+    """experiments/gpt.py gained data.packing after runs were saved without it: such a
+    run trained with "documents", so resuming it with that value is no change, and with
+    "stream" is one."""
+    from helpers import load
+    config = load("gpt").get_config()
+    saved = json.loads(config.to_json_best_effort())
+    del saved["data"]["packing"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    assert train.config_changes(config, str(tmp_path)) == {}
+    config.data.packing = "stream"
+    assert train.config_changes(config, str(tmp_path)) == {"data.packing": ("documents", "stream")}
