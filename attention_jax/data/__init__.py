@@ -46,6 +46,7 @@ Language modelling packs documents into rows with segment ids and positions:
   tok = get_tokenizer('byte')
   rows = packed_lm_source(get_dataset('python_stdlib', 'train', data_dir), tok, 256)
   Loader(rows, global_batch_size=32, transform=CausalLM())
+  (CausalLM('stream'): the rows as one causal token stream, no segment ids, as GPT-2)
 
 Tokenizers: `get_tokenizer('char' | 'byte' | 'wordpiece' | 'bpe', ...)`,
 `tokenizer.save(workdir_subdir)`, `load_tokenizer(workdir_subdir)`.

@@ -24,7 +24,8 @@ import numpy as np
 PACKINGS = ('documents', 'stream')
 
 
-def next_token_targets(row: dict[str, np.ndarray], packing: str = 'documents') -> dict[str, np.ndarray]:
+def next_token_targets(row: dict[str, np.ndarray],
+                       packing: str = 'documents') -> dict[str, np.ndarray]:
     """Causal LM example from a packed row [L]: predict token t+1 at t.
 
     packing 'documents': each document is its own sequence. The last token of every
