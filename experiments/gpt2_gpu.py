@@ -14,6 +14,8 @@ targets. Float32 parameters and AdamW state; matmuls in bfloat16 with float32
 accumulation (`train.compute_dtype`); LayerNorm statistics, softmax and the loss in
 float32. Attention "auto": cuDNN, or the Pallas kernels when documents are packed into a
 row (they are here: segment ids go to the kernel, no dense mask).
+`--config.data.packing=stream` trains as GPT-2 and nanoGPT do instead: a row is one
+causal stream across documents, plain causal attention (cuDNN), the bare step's inputs.
 
 Measured (H100 80GB HBM3, 2026-11-23): the bare step at this shape and batch 34.6 ms
 (`bench train --device gpu --shapes gpt2-124m`), 473k tokens/s, MFU 40.9% of the 989
@@ -23,10 +25,11 @@ median of its windows after the first): 363k tokens/s at batch 16 (45.1 ms a ste
 of the bare step), 402k at batch 32. The 5000-step run has not been made: a 120-step run
 of this command (`--config.train.steps=120 --config.optim.warmup_steps=10`) logged a
 mean training loss of 2.48 nats per byte over steps 101-120, 98 s for the whole command
-(the corpus built, compiled, trained, checkpointed). Why the trainer's step is slower than the bare one is open (its batches are
-packed documents, so attention takes the Pallas kernels with segment ids instead of
-cuDNN; it clips gradients and guards against non-finite steps); `bench train` now has a
-"trainer step" row to split that gap, not yet run on a GPU. Config keys to try there:
+(the corpus built, compiled, trained, checkpointed). Why the trainer's step is slower
+than the bare one is open (its batches are packed documents, so attention takes the
+Pallas kernels with segment ids instead of cuDNN; it clips gradients and computes the
+accuracy); `bench train --packing documents,stream` has a "trainer step" row per packing
+to split that gap, not yet run on a GPU. Config keys to try there:
 `train.batch_size=32`, `train.loss_chunk_size`, `train.data_workers`,
 `model.remat_policy`.
 """
