@@ -172,11 +172,13 @@ def data_options(config, **defaults) -> ml_collections.ConfigDict:
     for key, interval in DATA_RANGES.items():
         if key in merged:
             check_range(f"data.{key}", merged[key], interval)
-    if "tokenizer" in merged:  # Before any data is built.
-        from attention_jax.data.tokenization import KINDS
-        if merged["tokenizer"] not in KINDS:
-            raise ConfigError(f"config.data.tokenizer={merged['tokenizer']!r} is unknown; valid: "
-                              f"{list(KINDS)}{_did_you_mean(merged['tokenizer'], KINDS)}")
+    # Keys with a fixed set of values, checked before any data is built.
+    from attention_jax.data.objectives import PACKINGS
+    from attention_jax.data.tokenization import KINDS
+    for key, valid in (("tokenizer", KINDS), ("packing", PACKINGS)):
+        if key in merged and merged[key] not in valid:
+            raise ConfigError(f"config.data.{key}={merged[key]!r} is unknown; valid: "
+                              f"{list(valid)}{_did_you_mean(merged[key], valid)}")
     return ml_collections.ConfigDict(merged)
 
 
@@ -274,9 +276,6 @@ def lm_task(config, workdir: str) -> Task:
     d = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
                      eval_split="validation", packing="documents")
-    if d.packing not in data.PACKINGS:
-        raise ConfigError(f"config.data.packing={d.packing!r} is unknown; valid: "
-                          f"{list(data.PACKINGS)}")
     train_docs, eval_docs = _splits(d, **_corpus_options(d))
     tok = _tokenizer(d, workdir, lambda: [_text(train_docs[i]["text"])
                                           for i in range(min(len(train_docs), 300))])

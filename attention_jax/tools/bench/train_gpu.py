@@ -151,8 +151,7 @@ def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
              f"{H100_BF16_PEAK / 1e12:.0f} peak | MFU vs matmul | ours ÷ peer (speed) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        side = f"{r['side']} / {r['impl']}" + (", stream packing" if r.get("packing") == "stream"
-                                                else "")
+        side = f"{r['side']} / {_attention_label(r['impl'], r.get('packing'))}"
         if "step_s" not in r:
             err = r.get("error", "no result").replace("|", "/")
             lines.append(f"| {r['shape']} | {r['batch']} | {side} | failed: {err} "
@@ -329,6 +328,11 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
+def _attention_label(impl: str, packing: str | None) -> str:
+    """A row's attention in the table; a trainer row says when its packing is "stream"."""
+    return f"{impl}, stream packing" if packing == "stream" else impl
+
+
 def _impl_label(implementation: str, loss_chunk_size: int) -> str:
     """The table's attention column, with the loss chunk when there is one."""
     return f"{implementation} loss-chunk {loss_chunk_size}" if loss_chunk_size else implementation
@@ -488,10 +492,11 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     if bad:
         raise SystemExit(f"error: --implementation {bad} unknown; valid: {list(IMPLEMENTATIONS)}")
     chunks = parse_loss_chunks(getattr(args, "loss_chunk", "0"))
-    packings = [p.strip() for p in getattr(args, "packing", "documents").split(",") if p.strip()]
+    packing_arg = getattr(args, "packing", "documents")
+    packings = [p.strip() for p in packing_arg.split(",") if p.strip()]
     if not packings or set(packings) - set(PACKINGS):
-        raise SystemExit(f"error: --packing {getattr(args, 'packing', '')!r}; valid: "
-                         f"{list(PACKINGS)}, comma-separated")
+        raise SystemExit(f"error: --packing {packing_arg!r}; valid: {list(PACKINGS)}, "
+                         "comma-separated")
     pairs = select_rows(args.quick, args.shapes, table_)
     print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
     out = Path(args.out)
@@ -562,7 +567,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
             for impl, packing in [(i, p) for i in impls for p in packings]:
                 row = table_[name].row(batch)
                 extra = (*shlex.split(args.trainer_args), f"--config.data.packing={packing}")
-                label = impl if packing == "documents" else f"{impl}, stream packing"
+                label = _attention_label(impl, packing)
                 print(f"  trainer step {name} batch {batch} attention {label} ...",
                       file=sys.stderr, flush=True)
                 result = _child(["trainer-step", "--row", json.dumps(row), "--implementation",
