@@ -25,7 +25,7 @@ test: install
 # Run it again and it resumes from the last checkpoint.
 DEMO_WORKDIR ?= /tmp/attention_jax_demo
 demo: install
-	$(BIN)/python -m attention_jax.main --config=experiments/gpt.py --workdir=$(DEMO_WORKDIR) \
+	$(BIN)/python -m attention_jax.main --config=gpt --workdir=$(DEMO_WORKDIR) \
 		--config.train.steps=200 --config.eval.every=100
 
 bench: install

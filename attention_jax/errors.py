@@ -1,12 +1,55 @@
-"""UserError: the base of every exception that reports a mistake in what was asked (a
-config value, a missing run or dataset, a damaged checkpoint, a diverged run), not a bug.
+"""The errors that report a mistake in what was asked, and the checks that raise them.
 
-The command line (main.py) prints such an error as one line, `error: ...`, and exits 1;
+UserError is the base of every exception that reports a mistake in the request (a config
+value, a missing run or dataset, a damaged checkpoint, a diverged run), not a bug. The
+command line (main.py) prints such an error as one line, `error: ...`, and exits 1;
 anything else keeps its traceback. Each subclass also derives from the built-in error a
 caller would expect (ValueError, FileNotFoundError, ...), so `except ValueError` still
 catches a ConfigError.
 """
 
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable
+
 
 class UserError(Exception):
     """A mistake in the request; its message says what is wrong and what is valid."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config key with an invalid value; the message names the key and valid values."""
+
+
+def did_you_mean(word, choices: Iterable) -> str:
+    """' (did you mean 'x'?)' for the choice closest to `word`, or ''."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(name: str, value, valid: Iterable) -> None:
+    """ConfigError "NAME=VALUE is unknown; valid: [...]" unless `value` is one of `valid`.
+    `name` is what the user wrote, e.g. "config.data.tokenizer"."""
+    valid = list(valid)
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} is unknown; valid: {valid}"
+                          f"{did_you_mean(value, valid)}")
+
+
+def check_range(key: str, value, interval: str) -> None:
+    """ConfigError unless `value` lies in `interval`, written as in maths: "(0, inf)",
+    "[0, 1)", "[1, inf)"; the message names config.<key>, the value and the range."""
+    low, high = (float(x.strip()) for x in interval[1:-1].split(","))
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    if above and below:  # False for NaN as well.
+        return
+    fmt = lambda x: f"{x:g}"
+    if math.isinf(high):
+        valid = f"{key} {'>' if interval[0] == '(' else '>='} {fmt(low)}"
+    else:
+        valid = (f"{fmt(low)} {'<' if interval[0] == '(' else '<='} {key} "
+                 f"{'<' if interval[-1] == ')' else '<='} {fmt(high)}")
+    raise ConfigError(f"config.{key}={value!r} is out of range; valid: {valid}")

@@ -1,15 +1,18 @@
 r"""Command line: run an experiment config in a workdir.
 
-  python -m attention_jax.main --config=experiments/gpt.py --workdir=/tmp/gpt \
+  python -m attention_jax.main --config=gpt --workdir=/tmp/gpt \
       [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample|embed]
-  attention-jax --config=experiments/vit.py:variant=vit-tiny/4 --workdir=/tmp/vit
+  attention-jax --config=vit:variant=vit-tiny/4 --workdir=/tmp/vit
+  attention-jax --config=path/to/my_config.py --workdir=/tmp/mine
 
-`--config=FILE:ARG` passes ARG to the file's `get_config(arg)`. Any field can be
-overridden with `--config.group.key=value`; an unknown key, a value of the wrong type
-or range is an error before anything runs. Running the same command again resumes from
+`--config=NAME` is a config shipped in attention_jax/configs/, `--config=FILE.py` one of
+yours (its get_config(arg) built on attention_jax.config.base_config()); `:ARG` passes the
+experiment's own arguments (`variant=...,steps=...`). Any field can be overridden with
+`--config.group.key=value`; an unknown key or argument, a value of the wrong type or
+range is an error before anything runs. Running the same command again resumes from
 the workdir's latest checkpoint; if training-relevant keys differ from the workdir's
 config.json the run stops and lists them (--resume_changed resumes anyway; a changed
-train.steps, to extend a run, and the keys in train.RESUME_SAFE_KEYS need no flag).
+train.steps, to extend a run, and the keys in workdir.RESUME_SAFE_KEYS need no flag).
 Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
   eval    evaluate the latest checkpoint on the eval split, print and log the metrics.
@@ -29,13 +32,13 @@ import sys
 from typing import Sequence
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from attention_jax.errors import UserError
+from attention_jax import config as config_lib
+from attention_jax.errors import ConfigError, UserError
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py[:arg]).",
-                                lock_config=True)
+flags.DEFINE_string("config", None, "A shipped config NAME or a FILE.py, then :ARG (its "
+                    "arguments): gpt, vit:variant=vit-tiny/4, path/to/mine.py.")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the resolved config.")
 MODES = ["train", "eval", "sample", "embed"]
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
@@ -44,7 +47,7 @@ flags.DEFINE_bool("resume_changed", False,
                   "differ from its config.json (the old one is kept as "
                   "config_until_step_N.json).")
 flags.mark_flags_as_required(["config", "workdir"])
-USAGE = ("python -m attention_jax.main --config=experiments/NAME.py[:ARG] --workdir=DIR "
+USAGE = ("python -m attention_jax.main --config=NAME|FILE.py[:ARG] --workdir=DIR "
          f"[--config.group.key=value ...] [--mode={'|'.join(MODES)}] [--resume_changed]")
 
 
@@ -53,17 +56,15 @@ class InputError(UserError, ValueError):
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
-    """Metrics of the workdir's latest checkpoint (mode=eval)."""
-    import jax
-
-    from attention_jax import runs, sharding, train
+    """Metrics of the workdir's latest checkpoint (mode=eval), with the trainer's own
+    jitted eval step."""
+    from attention_jax import runs, steps
+    from attention_jax import workdir as workdir_lib
     run = runs.open_run(workdir, config=config)
     with run.mesh_context():
-        eval_step = jax.jit(train.make_eval_step(run.task, config),
-                            in_shardings=(run.shardings["params"], sharding.batch_sharding(run.mesh)),
-                            out_shardings=sharding.replicated(run.mesh))
-        metrics = train.evaluate(eval_step, run.params, run.task, config, run.mesh)
-    writer = train.MetricWriter(workdir)
+        eval_step = steps.jit_eval_step(run.task, config, run.mesh, run.shardings["params"])
+        metrics = steps.evaluate(eval_step, run.params, run.task, config, run.mesh)
+    writer = workdir_lib.MetricWriter(workdir)
     writer.write(run.step, "eval", metrics)
     writer.close()
     return {"step": run.step, **metrics}
@@ -73,11 +74,11 @@ def sample_checkpoint(config, workdir: str) -> list[str]:
     """Continuations of config.eval.sample_prompts from the latest checkpoint."""
     import jax
 
-    from attention_jax import runs, train
+    from attention_jax import runs
     run = runs.open_run(workdir, config=config)
     if run.task.sample is None:
-        raise train.ConfigError(f"--mode=sample: task {config.task!r} cannot sample; "
-                                f"valid: {[t for t in ('gpt',) if t in train.TASKS]}")
+        raise ConfigError(f"--mode=sample: task {config.task!r} cannot sample (its Task "
+                          f"sets no `sample`); language models can, e.g. --config=gpt")
     with run.mesh_context():
         return run.task.sample(run.params, jax.random.PRNGKey(config.train.seed))
 
@@ -90,25 +91,21 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     import jax
     import numpy as np
 
-    from attention_jax import convert, runs, train
-    from attention_jax.models import bert
+    from attention_jax import convert, runs
     if texts is None:
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
         raise InputError("--mode=embed: no texts (give one text per line on stdin)")
     src = str(config.train.init_from or "")
     if src.startswith("hf:"):
-        enc = convert.load_sentence_encoder(src[len("hf:"):])
-    else:  # A BERT trained here (task "mlm"): the workdir's latest checkpoint and tokenizer.
+        emb = convert.load_sentence_encoder(src[len("hf:"):]).embed(list(texts))
+    else:  # A model trained here that embeds text: the workdir's latest checkpoint.
         run = runs.open_run(workdir, config=config)
-        if not isinstance(run.task.model, bert.Bert):
-            raise train.ConfigError(f"--mode=embed needs a BERT; task {config.task!r} builds a "
-                                    f"{type(run.task.model).__name__} (or pass "
-                                    f"--config.train.init_from=hf:<bert dir>)")
-        params = jax.tree.map(np.asarray, jax.device_get(run.params))
-        enc = convert.SentenceEncoder(run.task.model, params, run.tokenizer,
-                                      max_length=run.task.model.config.max_len)
-    emb = enc.embed(list(texts))
+        if run.task.embed is None:
+            raise ConfigError(f"--mode=embed: task {config.task!r} cannot embed text (its Task "
+                              f"sets no `embed`); a BERT can (--config=bert_mlm), or pass "
+                              f"--config.train.init_from=hf:<bert dir>")
+        emb = run.task.embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
     os.makedirs(workdir, exist_ok=True)
     file = os.path.join(workdir, "embeddings.npy")
     np.save(file, emb)
@@ -123,17 +120,18 @@ def main(argv) -> int:
     del argv  # parse_flags has refused stray arguments.
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
-    from attention_jax import runs, train
-    config, workdir = FLAGS.config, FLAGS.workdir
+    from attention_jax import runs
+    config, workdir = _loaded["config"], FLAGS.workdir
     try:
-        return _run_mode(config, workdir, train)
+        return _run_mode(config, workdir)
     except UserError as e:  # a mistake in the request: one line; a bug keeps its traceback
         where = f"--mode={FLAGS.mode}: " if isinstance(e, runs.RunNotFoundError) else ""
         print(f"error: {where}{e}", file=sys.stderr)
         return 1
 
 
-def _run_mode(config, workdir, train) -> int:
+def _run_mode(config, workdir) -> int:
+    from attention_jax import train
     if FLAGS.mode == "eval":
         print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
         return 0
@@ -148,7 +146,7 @@ def _run_mode(config, workdir, train) -> int:
     print(json.dumps({k: summary[k] for k in ("step", "train", "eval", "stopped_by")}, indent=1))
     if summary["stopped_by"]:
         return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
-    if config.task == "gpt" and train.TASKS.get(config.task) is not None:
+    if summary["task"].sample is not None:  # a language model: show what it learnt
         for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
             print(f"--- sample from {prompt!r}:\n{text}\n")
     return 0
@@ -164,70 +162,45 @@ def _config_spec(argv) -> str | None:
     return None
 
 
-def _load_experiment(spec: str):
-    """The ConfigDict of `experiments/NAME.py[:ARG]` (ARG goes to its get_config)."""
-    import importlib.util
-    path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_experiment", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
-
-
-def experiments() -> dict[str, str]:
-    """experiments/*.py of the working directory (else the repository's): path -> the
-    first line of its docstring, read without running the file."""
-    import ast
-    import glob
-    here = glob.glob(os.path.join("experiments", "*.py"))
-    repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
-    out = {}
-    for path in sorted(here or glob.glob(os.path.join(repo, "*.py"))):
-        with open(path) as f:
-            doc = ast.get_docstring(ast.parse(f.read())) or ""
-        out[path] = doc.strip().split("\n")[0]
-    return out
+def _split_overrides(argv) -> tuple[list[str], list[str]]:
+    """(argv without the overrides, ["group.key=value", ...]) of `--config.group.key=value`
+    arguments; `--config.key` alone sets a boolean key, `--noconfig.key` clears it."""
+    rest, overrides = [], []
+    for a in argv:
+        for prefix, bare in (("--config.", "true"), ("--noconfig.", "false")):
+            if a.startswith(prefix):
+                key, sep, value = a[len(prefix):].partition("=")
+                if prefix == "--noconfig." and sep:
+                    _fail(f"{a}: --noconfig.KEY takes no value; use --config.{key}={value}")
+                overrides.append(f"{key}={value if sep else bare}")
+                break
+        else:
+            rest.append(a)
+    return rest, overrides
 
 
 def help_text(argv) -> str:
-    """--help: the module doc, the experiments, the flags, and with --config=FILE the
+    """--help: the module doc, the shipped configs, the flags, and with --config=SPEC the
     keys of that config with their values."""
-    lines = [__doc__.strip(), "", f"Usage: {USAGE}", "", "Experiments (--config=PATH):"]
-    found = experiments()
+    lines = [__doc__.strip(), "", f"Usage: {USAGE}", "",
+             "Shipped configs (--config=NAME; attention_jax/configs/NAME.py):"]
+    found = config_lib.shipped()
     width = max(map(len, found), default=0)
-    lines += [f"  {path:<{width}}  {doc}" for path, doc in found.items()]
+    lines += [f"  {name:<{width}}  {doc}" for name, doc in found.items()]
     lines += ["", "Flags:"]
     lines += [f"  --{name}: {FLAGS[name].help}" for name in ("config", "workdir", "mode",
                                                              "resume_changed")]
     spec = _config_spec(argv)
-    if spec and os.path.isfile(spec.partition(":")[0]):
-        from attention_jax import train
-        config = _load_experiment(spec)
+    if spec:
+        try:
+            config = config_lib.load(spec)
+        except UserError as e:
+            _fail(str(e))
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
-        lines += [f"  {key} = {value!r}" for key, value in train._flat(config).items()]
+        lines += [f"  {key} = {value!r}" for key, value in config_lib.flat(config).items()]
     else:
-        lines += ["", "A config's keys and values: add --help to a command with "
-                      "--config=experiments/NAME.py"]
+        lines += ["", "A config's keys and values: add --help to a command with --config=NAME"]
     return "\n".join(lines)
-
-
-def _bad_override(argv) -> str:
-    """Which `--config.a.b=v` failed and the keys that are valid there."""
-    spec = _config_spec(argv)
-    if spec is None:
-        return ""
-    config = _load_experiment(spec)
-    for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        path = arg[len("--config."):].split("=", 1)[0].split(".")
-        node, where = config, "config"
-        for key in path:
-            if not hasattr(node, "keys") or key not in node:
-                valid = sorted(node.keys()) if hasattr(node, "keys") else []
-                return f"{arg}: {where} has no key {key!r}; valid: {valid}"
-            node, where = node[key], f"{where}.{key}"
-    return ""
 
 
 def _fail(message: str):
@@ -235,40 +208,36 @@ def _fail(message: str):
     sys.exit(1)
 
 
+# The config parse_flags loaded, for main (absl hands main only the leftover argv).
+_loaded: dict = {}
+
+
 def parse_flags(argv):
-    """absl flag parsing with every mistake reported as one line: a missing experiment
-    file, a stray argument, an unknown flag, an override naming a key the config lacks
-    or of the wrong type. --help prints help_text and exits 0."""
+    """absl flag parsing with every mistake reported as one line: an unknown config,
+    a misspelt experiment argument, a stray argument, an unknown flag, an override
+    naming a key the config lacks or of the wrong type. --help prints help_text and
+    exits 0. The config is loaded here (attention_jax.config.load), once."""
     if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
         print(help_text(argv))
         sys.exit(0)
-    spec = _config_spec(argv)
-    if spec is not None and not os.path.isfile(spec.partition(":")[0]):
-        import difflib
-        names = list(experiments())
-        close = difflib.get_close_matches(spec.partition(":")[0], names, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        _fail(f"--config={spec}: no such file{hint}. Experiments: "
-              f"{', '.join(names) or 'none found in ./experiments'}")
+    argv, overrides = _split_overrides(argv)
     try:
         rest = FLAGS(argv)
     except flags.Error as e:
         _fail(f"{e}\nUsage: {USAGE}")
-    except (AttributeError, KeyError) as e:  # An override naming a key the config lacks.
-        _fail(_bad_override(argv) or str(e))
-    except (TypeError, ValueError) as e:  # An override of the wrong type.
-        _fail(str(e))
     if len(rest) > 1:
         _fail(f"unexpected argument{'s' if len(rest) > 2 else ''} {' '.join(rest[1:])}: "
               f"flags are --name=value and config overrides --config.group.key=value "
               f"(--help lists them)")
+    try:
+        _loaded["config"] = config_lib.load(FLAGS.config, overrides)
+    except UserError as e:
+        _fail(str(e))
     return rest
 
 
 def run() -> None:
     """Console-script entry point (`attention-jax` in pyproject)."""
-    # Experiment files import attention_jax relative to the working directory.
-    sys.path.insert(0, os.getcwd())
     app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
 
 

@@ -8,7 +8,8 @@ state restored read-only onto this process's devices.
         logits, aux = run.task.model.apply({"params": run.params}, tokens)
 
 Used by main's eval / sample / embed modes and by tools/ (analysis, fits, viz), which
-also read a finished run's records here: read_metrics, run_summary, count_params. The checkpoint
+also summarise a finished run here (run_summary, count_params; its files are read
+through workdir.py). The checkpoint
 is opened read-only (train.setup(read_only=True)): a writable manager would clean up the
 temporary folder of a save in progress if the run is still training in the workdir.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 from typing import Any
@@ -26,34 +26,22 @@ import flax.linen as nn
 import jax
 import ml_collections
 
+from attention_jax import config as config_lib
 from attention_jax import data, tasks, train
-from attention_jax.errors import UserError
-
-
-class RunNotFoundError(UserError, FileNotFoundError):
-    """The workdir holds no run, or no checkpoint yet (train first)."""
+from attention_jax import workdir as workdir_lib
+from attention_jax.workdir import RunNotFoundError
 
 
 def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """The run's config from its config.json, set to one device (a reader needs no mesh;
     checkpoints restore onto any mesh). `overrides`: {'data.seq_len': 256}."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise RunNotFoundError(f"{path} does not exist: {workdir!r} is not a run directory "
-                                f"written by attention_jax.main (--workdir=DIR writes it)")
-    with open(path) as f:
-        raw = json.load(f)
-    # A run written before the model fields were renamed keeps opening.
-    raw["model"] = tasks.rename_old_model_fields(raw.get("task", ""), raw.get("model", {}))
-    config = ml_collections.ConfigDict(raw)
+    config = workdir_lib.read_config(workdir)
     config.mesh.num_devices = 1
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
     config.mesh.sequence = 1
     config.mesh.distributed = False
     config.train.progress = False
-    for key, value in (overrides or {}).items():
-        group, name = key.split(".")
-        config[group][name] = value
+    config_lib.apply_overrides(config, overrides or {})
     return config
 
 
@@ -62,7 +50,7 @@ class Run:
     """A restored run. params: sharded jax.Arrays on `mesh`; tokenizer: the one saved in
     the workdir (None for image runs)."""
     config: Any
-    task: train.Task
+    task: tasks.Task
     params: Any
     step: int
     tokenizer: Any
@@ -97,7 +85,7 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
             state, _, _ = s.ckpt.restore_intact(s.abstract, say=lambda m: print(f"WARNING: {m}"))
     finally:
         s.ckpt.close()
-    tok_dir = os.path.join(workdir, "tokenizer")
+    tok_dir = workdir_lib.path(workdir, workdir_lib.TOKENIZER)
     tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
     return Run(config, s.task, state["params"], int(jax.device_get(state["step"])), tokenizer,
                s.mesh, s.rules, s.shardings)
@@ -110,24 +98,6 @@ def count_params(params) -> int:
 
 
 
-def read_metrics(workdir: str) -> list[dict]:
-    """The records of metrics.jsonl, one per (step, split). The trainer rewrites the file
-    on resume (train.drop_records_after); a file written before that, or a repeated
-    --mode=eval, can hold a step twice: the later record supersedes the earlier, in the
-    earlier one's place."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no metrics (is {workdir} a training run's workdir?)")
-    records: dict[tuple, dict] = {}
-    for r in train.read_records(path):
-        key = (r.get("step"), r.get("split"))
-        if key in records and r.get("split") == "train":
-            # A resumed run's record: the ones after it were superseded too.
-            records = {k: v for k, v in records.items() if k[0] < r.get("step")}
-        records[key] = r
-    return list(records.values())
-
-
 def run_summary(workdir: str) -> dict:
     """Final eval metrics, steps, parameter count and wall time of a finished run.
 
@@ -135,16 +105,14 @@ def run_summary(workdir: str) -> dict:
     metric record (the final eval): compilation, training and evaluation included, as
     a user waits for it. A resumed run's span includes the pause; start fresh to time.
     """
-    records = read_metrics(workdir)
+    records = workdir_lib.read_metrics(workdir)
     evals = [r for r in records if r["split"] == "eval"]
     trains = [r for r in records if r["split"] == "train"]
     config = load_config(workdir)
-    task = train.TASKS[config.task](config, workdir)
+    task = tasks.TASKS[config.task](config, workdir)
     shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
-    wall = (os.path.getmtime(os.path.join(workdir, "metrics.jsonl"))
-            - os.path.getmtime(os.path.join(workdir, "config.json")))
     return {"workdir": workdir, "task": config.task, "step": trains[-1]["step"] if trains else 0,
-            "params": count_params(nn.meta.unbox(shapes)), "wall_s": round(wall, 1),
+            "params": count_params(nn.meta.unbox(shapes)), "wall_s": workdir_lib.wall_seconds(workdir),
             "eval": {k: v for k, v in (evals[-1] if evals else {}).items()
                      if k not in ("step", "split")},
             "model": config.model.to_dict()}

@@ -1,22 +1,18 @@
-"""Helpers the tests share: load an experiment file, shrink its config to one tiny step.
+"""Helpers the tests share: load a shipped experiment config, shrink its config to one tiny step.
 
 Importable from every test directory (pytest puts tests/, where conftest.py lives, on
 sys.path); the `data_dir` fixture is in conftest.py.
 """
 
-import importlib.util
+import importlib
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(name):
-    """experiments/<name>.py as a module."""
-    path = os.path.join(REPO, "experiments", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The shipped config attention_jax/configs/<name>.py as a module."""
+    return importlib.import_module(f"attention_jax.configs.{name}")
 
 
 def shrink(c, data_dir):

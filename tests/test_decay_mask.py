@@ -1,4 +1,4 @@
-"""train.decay_mask by role: for each model family, exactly which parameters decay.
+"""optimizer.decay_mask by role: for each model family, exactly which parameters decay.
 
 Matrices decay (projection kernels of any rank, ViT's patch-embedding convolution, MoE
 routers and experts); biases, norm scales, lookup tables (token, segment, position) and
@@ -14,6 +14,7 @@ import pytest
 
 from attention_jax import train
 from attention_jax.models import bert, encdec, gpt, rnn, vit
+from attention_jax import optimizer
 
 TOKENS = jnp.zeros((1, 8), jnp.int32)
 BLOCK = {"mlp/wi/kernel", "mlp/wo/kernel", "self_attention/qkv", "self_attention/out"}
@@ -49,7 +50,7 @@ FAMILIES = {
 
 def _decayed(model, args):
     params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args)["params"]))
-    mask = train.decay_mask(params)
+    mask = optimizer.decay_mask(params)
     names = set()
     for path, decays in jax.tree_util.tree_flatten_with_path(mask)[0]:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
@@ -70,7 +71,7 @@ def test_matrices_decay_and_nothing_else(family):
         leaf_name = str(getattr(path[-1], "key", path[-1]))
         full = re.sub(r"layer_\d+", "layer_N", "/".join(str(getattr(k, "key", k)) for k in path))
         if full not in want:
-            assert leaf_name in train.NO_DECAY or leaf_name.endswith("_bias"), full
+            assert leaf_name in optimizer.NO_DECAY or leaf_name.endswith("_bias"), full
 
 
 def test_vit_patch_embedding_decays_and_cls_token_does_not():

@@ -11,6 +11,8 @@ import pytest
 
 from attention_jax import main, runs, tasks, train
 from helpers import load, shrink
+from attention_jax import workdir as workdir_lib
+from attention_jax.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +74,10 @@ def test_a_config_json_with_the_old_field_names_still_opens(tmp_path, gpt_run):
 
 
 def test_old_model_field_names_map_per_family():
-    assert tasks.rename_old_model_fields(
+    assert workdir_lib.rename_old_model_fields(
         "bert_mlm", {"max_positions": 64, "layer_norm_epsilon": 1e-12, "num_layers": 2}) == {
         "max_len": 64, "norm_epsilon": 1e-12, "num_layers": 2}
-    assert tasks.rename_old_model_fields("rnn_seq2seq", {"dropout": 0.1, "embed_dim": 8}) == {
+    assert workdir_lib.rename_old_model_fields("rnn_seq2seq", {"dropout": 0.1, "embed_dim": 8}) == {
         "dropout_rate": 0.1, "embed_dim": 8}  # the RNN's embed_dim is its own field (m)
-    with pytest.raises(tasks.ConfigError, match="both 'embed_dim' and its new name 'd_model'"):
-        tasks.rename_old_model_fields("gpt", {"embed_dim": 8, "d_model": 8})
+    with pytest.raises(ConfigError, match="both 'embed_dim' and its new name 'd_model'"):
+        workdir_lib.rename_old_model_fields("gpt", {"embed_dim": 8, "d_model": 8})

@@ -60,7 +60,7 @@ class CNNConfig:
 
 
 # "resnet-tiny": 3 blocks of 48 channels on 8×8 digits, about the parameters of the digits
-# ViT of experiments/vit_digits.py (124k in the blocks against its 131k).
+# ViT of configs/vit_digits.py (124k in the blocks against its 131k).
 VARIANTS = {
     "resnet-tiny": dict(image_size=8, num_channels=1, width=48, num_blocks=3, num_classes=10),
 }

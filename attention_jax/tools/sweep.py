@@ -1,11 +1,11 @@
 r"""A grid of runs of one experiment config, trained one after another in one process.
 
-    python -m attention_jax.tools.sweep --config=experiments/gated_mlp.py --workdir=/tmp/gated \
+    python -m attention_jax.tools.sweep --config=gated_mlp --workdir=/tmp/gated \
         --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
 
 Each --grid is KEY=V1,V2,...: a KEY with a dot is a config field (`train.seed`,
 `data.train_fraction`), set like `--config.train.seed=1` of attention_jax.main; a KEY
-without one is an argument of the experiment file (`experiments/gated_mlp.py:mlp=relu`).
+without one is an argument of the experiment file (`configs/gated_mlp.py:mlp=relu`).
 Every combination trains, the first --grid varying slowest (put the seed first: a
 sweep stopped early then has every variant for its first seeds), in
 WORKDIR/<key><value>-<key><value>... (e.g. /tmp/gated/seed0-mlprelu), exactly as
@@ -24,7 +24,6 @@ each distinct model once.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -34,15 +33,9 @@ from collections.abc import Sequence
 
 import ml_collections
 
-
-def load_experiment(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
-    """`get_config(arg)` of an experiment file, as `--config=path:arg` loads it."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--config={path!r}: no such experiment file")
-    spec = importlib.util.spec_from_file_location(f"_experiment_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+from attention_jax import config as config_lib
+from attention_jax import workdir as workdir_lib
+from attention_jax.errors import UserError
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
@@ -70,49 +63,14 @@ def point_name(point: dict[str, str]) -> str:
     return "-".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point.items())
 
 
-def _typed(old, text: str, key: str):
-    """`text` as the type of the config's current value (bool, int, float or str)."""
-    if isinstance(old, bool):
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"--grid {key}={text!r} must be true or false")
-        return text.lower() == "true"
-    for kind in (int, float):
-        if isinstance(old, kind):
-            try:
-                return kind(text)
-            except ValueError:
-                raise ValueError(f"--grid {key}={text!r} must be {kind.__name__}") from None
-    return text
-
-
-def point_config(path: str, point: dict[str, str]) -> ml_collections.ConfigDict:
-    """The config of one grid point: experiment arguments first, then field overrides."""
+def point_config(spec: str, point: dict[str, str]) -> ml_collections.ConfigDict:
+    """The config of one grid point: experiment arguments first, then field overrides
+    (attention_jax.config.load, as the command line loads it)."""
     args = ",".join(f"{k}={v}" for k, v in point.items() if "." not in k)
-    config = load_experiment(path, args)
-    for key, text in point.items():
-        if "." not in key:
-            continue
-        *groups, field = key.split(".")
-        node = config
-        for g in groups:
-            if g not in node:
-                raise ValueError(f"--grid {key}: config has no group {g!r}; valid: {sorted(node)}")
-            node = node[g]
-        if field not in node:
-            raise ValueError(f"--grid {key}: config.{'.'.join(groups)} has no key {field!r}; "
-                             f"valid: {sorted(node)}")
-        node[field] = _typed(node[field], text, key)
-    return config
-
-
-def finished(workdir: str, steps: int) -> bool:
-    """Whether the run in workdir trained all `steps` and wrote its final evaluation."""
-    try:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return False
-    return any(r.get("split") == "eval" and r.get("step") == steps for r in records)
+    name, _, given = spec.partition(":")
+    args = ",".join(a for a in (given, args) if a)
+    overrides = {k: v for k, v in point.items() if "." in k}
+    return config_lib.load(f"{name}:{args}" if args else name, overrides)
 
 
 def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> list[dict]:
@@ -122,14 +80,14 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
     from attention_jax import train
     configs = [(p, point_config(config_path, p)) for p in points(grid)]  # all errors first
     for _, config in configs:
-        train.validate_config(config)
+        config_lib.validate(config)
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     records = []
     for point, config in configs:
         run_dir = os.path.join(workdir, point_name(point))
         record = {"point": point, "workdir": run_dir, "config": config_path}
-        if finished(run_dir, config.train.steps):
+        if workdir_lib.finished(run_dir, config.train.steps):
             print(f"[sweep] {run_dir}: finished before, skipped", file=sys.stderr)
             records.append({**record, "skipped": True})
             continue
@@ -147,19 +105,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.sweep",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True,
-                        help="experiment file, e.g. experiments/gated_mlp.py")
+                        help="a shipped config NAME or a FILE.py (as attention_jax.main "
+                             "takes it), e.g. gated_mlp")
     parser.add_argument("--workdir", required=True, help="parent of the runs' directories")
     parser.add_argument("--grid", action="append", default=[], required=True,
                         help="KEY=V1,V2,... (repeatable; dotted KEY: a config field)")
     args = parser.parse_args(argv)
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
-    sys.path.insert(0, os.getcwd())  # experiment files import attention_jax from here.
     try:
         grid = parse_grid(args.grid)
         start = time.time()
         records = run_sweep(args.config, args.workdir, grid)
-    except ValueError as e:
+    except (UserError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(json.dumps({"runs": len(records), "wall_s": round(time.time() - start, 1)}))
 

@@ -12,6 +12,8 @@ from helpers import load, shrink
 from attention_jax import checkpoint, data, runs, tasks, train
 from attention_jax.models import gpt
 from attention_jax.tools import fits
+from attention_jax import config as config_lib
+from attention_jax.errors import ConfigError
 
 CASES = [("scaling", "layers=1"), ("scaling", "layers=8"),
          *[("gated_mlp", f"mlp={m}") for m in ("relu", "gelu", "swiglu", "geglu")],
@@ -22,7 +24,7 @@ CASES = [("scaling", "layers=1"), ("scaling", "layers=8"),
 @pytest.mark.parametrize("name,arg", CASES, ids=[f"{n}:{a}" for n, a in CASES])
 def test_config_loads_and_trains_one_step(name, arg, data_dir, tmp_path):
     config = load(name).get_config(arg)
-    train.validate_config(config)
+    config_lib.validate(config)
     if name == "inductive_bias":
         config.data.train_fraction = 0.1  # the smallest subset the sweep trains on
         # One eval batch of all 359 test images is for one device (359 is prime); the
@@ -97,5 +99,5 @@ def test_train_fraction_takes_nested_subsets_and_rejects_bad_values(data_dir):
     config.data.train_fraction = 0.25
     assert len(tasks.TASKS["cnn"](config, "").train_source) == 360
     config.data.train_fraction = 1.5
-    with pytest.raises(train.ConfigError, match=r"train_fraction: fraction=1.5 must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"train_fraction: fraction=1.5 must be in \(0, 1\]"):
         tasks.TASKS["cnn"](config, "")

@@ -6,6 +6,7 @@ import pytest
 from attention_jax import checkpoint, tasks, train
 from attention_jax.models import bert
 from helpers import load, shrink
+from attention_jax import config as config_lib
 
 # The default of each file (no argument) already trains one step in
 # tests/system/test_experiments_and_config.py; these are the other variants.
@@ -25,9 +26,9 @@ CASES = [("bottleneck", "model=rnn-bottleneck"), ("bottleneck", "model=transform
 @pytest.mark.parametrize("name,arg", CASES, ids=[f"{n}:{a}" for n, a in CASES])
 def test_config_loads_and_trains_one_step(name, arg, data_dir, tmp_path):
     module = load(name)
-    assert f"python -m attention_jax.main --config=experiments/{name}.py" in module.__doc__
+    assert f"python -m attention_jax.main --config={name}" in module.__doc__
     config = module.get_config(arg)
-    train.validate_config(config)
+    config_lib.validate(config)
     summary = train.train_and_evaluate(shrink(config, data_dir), str(tmp_path))
     assert summary["step"] == 1 and np.isfinite(summary["losses"][0])
     assert checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True).latest_step() == 1
@@ -128,7 +129,7 @@ def test_attention_stats_measure_saturation():
 
 def test_bert_mlm_default_uses_wordpiece_and_its_own_shape():
     c = load("bert_mlm").get_config()
-    train.validate_config(c)
+    config_lib.validate(c)
     assert c.data.tokenizer == "wordpiece"
     assert c.model.max_len >= c.data.seq_len
     cfg = tasks.model_config(bert.BertConfig, c, vocab_size=30528)
@@ -140,7 +141,7 @@ def test_bert_mlm_variant_argument_takes_the_variant_shape():
     """A variant argument gives that variant's shape (explicit model fields would
     override it)."""
     c = load("bert_mlm").get_config("variant=bert-mini")
-    train.validate_config(c)
+    config_lib.validate(c)
     cfg = tasks.model_config(bert.BertConfig, c, vocab_size=30528)
     mini = bert.VARIANTS["bert-mini"]
     assert (cfg.num_layers, cfg.num_heads, cfg.d_model, cfg.mlp_dim) == (

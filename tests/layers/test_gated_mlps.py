@@ -42,7 +42,7 @@ def test_swiglu_and_geglu_differ_only_in_the_gate():
 
 
 def test_gated_mlps_at_8d_over_3_have_the_plain_mlps_parameters():
-    d = 48  # experiments/gated_mlp.py's width: 8·48/3 = 128 exactly
+    d = 48  # configs/gated_mlp.py's width: 8·48/3 = 128 exactly
     x = jnp.zeros((1, 2, d))
     count = lambda layer: sum(np.size(v) for v in jax.tree.leaves(
         jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)))

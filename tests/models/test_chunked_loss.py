@@ -18,6 +18,9 @@ from attention_jax import sharding, tasks
 from attention_jax.layers.linear import matmul
 from attention_jax.models.gpt import GPT, GPTConfig, lm_head_weights
 from attention_jax.models.losses import chunked_head_cross_entropy, cross_entropy
+from attention_jax import config as config_lib
+from attention_jax import workdir as workdir_lib
+from attention_jax.errors import ConfigError
 
 
 def _inputs(b=2, t=12, d=8, v=24, seed=0, zero_weights=True):
@@ -270,9 +273,9 @@ def test_config_key_is_checked_and_resume_safe():
     c = load("gpt").get_config()
     assert c.train.loss_chunk_size == 0
     c.train.loss_chunk_size = -1
-    with pytest.raises(train.ConfigError, match=r"config.train.loss_chunk_size=-1 .* >= 0"):
-        train.validate_config(c)
-    assert "train.loss_chunk_size" in train.RESUME_SAFE_KEYS
+    with pytest.raises(ConfigError, match=r"config.train.loss_chunk_size=-1 .* >= 0"):
+        config_lib.validate(c)
+    assert "train.loss_chunk_size" in workdir_lib.RESUME_SAFE_KEYS
 
 
 @pytest.mark.gpu

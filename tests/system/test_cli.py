@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, subprocess_env
 
 # The GPT experiment at test size: one small layer, six corpus files, two steps.
-TINY_GPT = ["--config=experiments/gpt.py", "--config.data.max_files=6",
+TINY_GPT = ["--config=gpt", "--config.data.max_files=6",
             "--config.data.seq_len=32", "--config.model.num_layers=1",
             "--config.model.d_model=16", "--config.train.steps=2",
             "--config.optim.warmup_steps=1", "--config.train.batch_size=8",
@@ -40,37 +40,63 @@ def one_error_line(out: subprocess.CompletedProcess) -> str:
 
 
 # ------------------------------------------------------------------ mistakes, one line each
-def test_misspelt_experiment_file_and_stray_argument(tmp_path):
-    line = one_error_line(cli("--config=experiments/gtp.py", f"--workdir={tmp_path}"))
-    assert line.startswith("error: --config=experiments/gtp.py: no such file (did you mean "
-                           "experiments/gpt.py?). Experiments: ")
-    assert "experiments/vit.py" in line
-    line = one_error_line(cli("--config=experiments/gpt.py", f"--workdir={tmp_path}", "steps=5"))
+def test_misspelt_config_argument_and_stray_argument(tmp_path):
+    line = one_error_line(cli("--config=gtp", f"--workdir={tmp_path}"))
+    assert line.startswith("error: --config=gtp is not a shipped config (did you mean 'gpt'?); "
+                           "valid: [")
+    assert "'vit'" in line and "or a path to a .py file with get_config()" in line
+    line = one_error_line(cli("--config=nowhere/mine.py", f"--workdir={tmp_path}"))
+    assert line.startswith("error: --config=nowhere/mine.py: no such file; shipped configs: ")
+    # A misspelt experiment argument never trains the default silently.
+    line = one_error_line(cli("--config=gpt:varient=gpt-tiny-rope", f"--workdir={tmp_path}"))
+    assert line == ("error: --config=gpt:varient=gpt-tiny-rope: 'varient' is not an argument of "
+                    "this config (did you mean 'variant'?); valid: ['variant'] as "
+                    ":key=value,key=value")
+    line = one_error_line(cli("--config=char_gpt:size=huge", f"--workdir={tmp_path}"))
+    assert line.startswith("error: --config=char_gpt:size=huge: :size='huge' is unknown; valid: [")
+    line = one_error_line(cli("--config=gpt", f"--workdir={tmp_path}", "steps=5"))
     assert line.startswith("error: unexpected argument steps=5: ")
     assert "--config.group.key=value" in line
+    assert not os.path.exists(tmp_path / "config.json")
 
 
-def test_help_exits_0_with_modes_experiments_and_a_configs_keys():
+def test_old_experiments_paths_and_a_users_own_config_file(tmp_path):
+    # The configs lived in experiments/ of the repository: those paths still name them.
+    out = cli("--config=experiments/gpt.py", "--help")
+    assert out.returncode == 0 and "  data.name = 'python_stdlib'" in out.stdout
+    mine = tmp_path / "mine.py"
+    mine.write_text("from attention_jax.configs import gpt\n\n"
+                    "def get_config(arg=None):\n"
+                    "    c = gpt.get_config(arg)\n"
+                    "    c.optim.lr = 0.0123\n"
+                    "    return c\n")
+    out = cli(f"--config={mine}:variant=gpt-tiny-rope", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "  optim.lr = 0.0123" in out.stdout and "  model.variant = 'gpt-tiny-rope'" in out.stdout
+
+
+def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     out = cli("--help")
     assert out.returncode == 0, out.stderr
     assert "[--mode=train|eval|sample|embed]" in out.stdout
-    assert "experiments/gpt.py" in out.stdout and "experiments/bert_mlm.py" in out.stdout
+    assert "\n  gpt " in out.stdout and "\n  bert_mlm " in out.stdout
     assert "--resume_changed" in out.stdout
     assert "optim.lr = " not in out.stdout  # keys need a config: the help says how
-    assert "add --help to a command with --config=experiments/NAME.py" in out.stdout
-    out = cli("--config=experiments/gpt.py", "--help")
+    assert "add --help to a command with --config=NAME" in out.stdout
+    out = cli("--config=gpt", "--help")
     assert out.returncode == 0
     assert "  optim.lr = 0.003" in out.stdout and "  data.name = 'python_stdlib'" in out.stdout
 
 
 def test_out_of_range_values_fail_before_anything_runs(tmp_path):
-    line = one_error_line(cli("--config=experiments/gpt.py", f"--workdir={tmp_path}",
+    line = one_error_line(cli("--config=gpt", f"--workdir={tmp_path}",
                               "--config.optim.lr=-1e-3"))
     assert line == "error: config.optim.lr=-0.001 is out of range; valid: optim.lr > 0"
-    line = one_error_line(cli("--config=experiments/gpt.py", f"--workdir={tmp_path}",
-                              "--config.optim.warmup_steps=700"))
-    assert line.startswith("error: config.optim.warmup_steps=700 is longer than the run "
-                           "(train.steps=600)")
+    line = one_error_line(cli("--config=gpt", f"--workdir={tmp_path}",
+                              "--config.optim.warmup_steps=-7"))
+    assert line.startswith("error: config.optim.warmup_steps=-7 is out of range")
+    line = one_error_line(cli("--config=gpt", f"--workdir={tmp_path}", "--config.optim.lr=fast"))
+    assert line == "error: config.optim.lr='fast' must be a float (now 0.003)"
     assert not os.path.exists(tmp_path / "config.json")
 
 

@@ -14,9 +14,11 @@ import tiny
 from attention_jax import checkpoint, train
 from conftest import REPO, subprocess_env
 from helpers import load, shrink
+from attention_jax import config as config_lib
+from attention_jax import tasks
+from attention_jax.errors import ConfigError
 
-EXPERIMENTS = sorted(os.path.basename(p)[:-3]
-                     for p in glob.glob(os.path.join(REPO, "experiments", "*.py")))
+EXPERIMENTS = sorted(config_lib.shipped())
 
 
 def test_the_five_experiments_exist():
@@ -28,10 +30,10 @@ def test_the_five_experiments_exist():
 def test_experiment_loads_and_trains_one_step(name, data_dir, tmp_path):
     module = load(name)
     doc = module.__doc__
-    assert f"python -m attention_jax.main --config=experiments/{name}.py" in doc
+    assert f"python -m attention_jax.main --config={name}" in doc
     config = module.get_config()
     assert set(config.keys()) == {"task", "model", "data", "optim", "train", "mesh", "eval"}
-    train.validate_config(config)
+    config_lib.validate(config)
     summary = train.train_and_evaluate(shrink(config, data_dir), str(tmp_path))
     assert summary["step"] == 1 and np.isfinite(summary["losses"][0])
     assert os.path.exists(tmp_path / "config.json") and os.path.exists(tmp_path / "metrics.jsonl")
@@ -42,8 +44,8 @@ def test_experiment_loads_and_trains_one_step(name, data_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- errors
 def _raises(config, match, **kwargs):
-    with pytest.raises(train.ConfigError, match=match):
-        train.validate_config(config, **kwargs)
+    with pytest.raises(ConfigError, match=match):
+        config_lib.validate(config, **kwargs)
 
 
 def test_config_errors_name_the_key_and_valid_values():
@@ -56,7 +58,7 @@ def test_config_errors_name_the_key_and_valid_values():
     _raises(ml_collections.ConfigDict(c), r"config\.train\.steps='ten' has type str; expected int")
 
     c = tiny.tiny_config(**{"optim.schedule": "cosin"})
-    _raises(c, r"config\.optim\.schedule='cosin' is invalid; valid: \['cosine', 'linear', 'constant'\]")
+    _raises(c, r"config\.optim\.schedule='cosin' is unknown; valid: \['cosine', 'linear', 'constant'\] \(did you mean 'cosine'\?\)")
 
     c = tiny.tiny_config(**{"mesh.data": 8, "train.batch_size": 12})
     _raises(c, r"config\.train\.batch_size=12 must be divisible by .* = 1 × 8 .*valid: multiples "
@@ -67,12 +69,12 @@ def test_config_errors_name_the_key_and_valid_values():
 
     c = tiny.tiny_config(**{"mesh.rules": (("embed", "fsdpp"),)})
     with pytest.raises(ValueError, match=r"maps to \['fsdpp'\]; valid mesh axes: \['data', 'fsdp', 'sequence', 'tensor'\]"):
-        train.validate_config(c)
+        config_lib.validate(c)
 
 
 def test_heads_not_divisible_by_tensor_axis_fails_before_compiling(tmp_path):
     c = tiny.tiny_config(**{"mesh.data": 2, "mesh.tensor": 4})
-    with pytest.raises(train.ConfigError, match=r"config\.model\.num_heads=2 is not divisible by "
+    with pytest.raises(ConfigError, match=r"config\.model\.num_heads=2 is not divisible by "
                                                 r"mesh\.tensor=4; valid: mesh\.tensor in \[1, 2\]"):
         train.train_and_evaluate(c, str(tmp_path))
     assert not os.path.exists(tmp_path / "checkpoints" / "0")
@@ -81,12 +83,12 @@ def test_heads_not_divisible_by_tensor_axis_fails_before_compiling(tmp_path):
 def test_model_keys_are_checked_against_the_model_config(data_dir, tmp_path):
     c = shrink(load("gpt").get_config(), data_dir)
     c.model.num_layerz = 3
-    with pytest.raises(train.ConfigError, match=r"config\.model\.num_layerz is not a field of "
+    with pytest.raises(ConfigError, match=r"config\.model\.num_layerz is not a field of "
                                                 r"GPTConfig; valid: .*'num_layers'"):
         train.train_and_evaluate(c, str(tmp_path / "a"))
     c = shrink(load("gpt").get_config(), data_dir)
     c.data.seq_len = 512
-    with pytest.raises(train.ConfigError, match=r"config\.data\.seq_len=512 exceeds "
+    with pytest.raises(ConfigError, match=r"config\.data\.seq_len=512 exceeds "
                                                 r"config\.model\.max_len=128"):
         train.train_and_evaluate(c, str(tmp_path / "b"))
 
@@ -96,7 +98,7 @@ def test_checkpoint_of_another_model_is_refused_naming_keys(tmp_path):
     train.train_and_evaluate(tiny.tiny_config(), workdir)
     wider = tiny.tiny_config()
     wider.model.width = 32
-    with pytest.raises(train.ConfigError, match=r"model\.width: 16 -> 32"):
+    with pytest.raises(ConfigError, match=r"model\.width: 16 -> 32"):
         train.train_and_evaluate(wider, workdir)  # the changed config is named first
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=r"shape differs: +params/embed model \(32, 32\) vs checkpoint \(32, 16\)"):
@@ -106,31 +108,28 @@ def test_checkpoint_of_another_model_is_refused_naming_keys(tmp_path):
 def test_cli_reports_config_errors_in_one_line(tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "attention_jax.main",
-                               "--config=experiments/gpt.py", f"--workdir={tmp_path}", *args],
+                               "--config=gpt", f"--workdir={tmp_path}", *args],
                               env=subprocess_env(8), cwd=REPO, capture_output=True, text=True,
                               timeout=120)
 
     out = cli("--config.data.bogus=1")
     assert out.returncode == 1
-    assert "error: --config.data.bogus=1: config.data has no key 'bogus'; valid: [" in out.stderr
-    out = cli("--config.optim.lr=fast")
-    assert out.returncode == 1 and "could not convert string to float: 'fast'" in out.stderr
+    assert "error: --config.data.bogus: config.data has no key 'bogus'; valid: [" in out.stderr
     out = cli("--config.train.batch_size=12", "--config.mesh.data=8")
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "error: config.train.batch_size=12 must be divisible" in out.stderr
 
-
 def test_lm_vocabulary_can_be_padded_to_gpt2s_but_not_below_the_tokenizer(data_dir, tmp_path):
-    """model.vocab_size gives the byte-level LM GPT-2's head (experiments/gpt2_gpu.py);
+    """model.vocab_size gives the byte-level LM GPT-2's head (configs/gpt2_gpu.py);
     unset, the tokenizer's 259 tokens are padded to 320; below 259 is a ConfigError."""
     config = shrink(load("gpt2_gpu").get_config(), data_dir)
-    assert train.TASKS["gpt"](config, str(tmp_path)).model.config.vocab_size == 50304
+    assert tasks.TASKS["gpt"](config, str(tmp_path)).model.config.vocab_size == 50304
     config.model.vocab_size = 0
-    assert train.TASKS["gpt"](config, str(tmp_path)).model.config.vocab_size == 320
+    assert tasks.TASKS["gpt"](config, str(tmp_path)).model.config.vocab_size == 320
     config.model.vocab_size = 100
-    with pytest.raises(train.ConfigError, match=r"config\.model\.vocab_size=100 is smaller than "
+    with pytest.raises(ConfigError, match=r"config\.model\.vocab_size=100 is smaller than "
                                                 r"the tokenizer's 259 tokens; valid: at least 259"):
-        train.TASKS["gpt"](config, str(tmp_path))
+        tasks.TASKS["gpt"](config, str(tmp_path))
 
 
 def test_lm_stream_packing_attends_across_documents(data_dir, tmp_path):
@@ -144,7 +143,7 @@ def test_lm_stream_packing_attends_across_documents(data_dir, tmp_path):
     def second_document_losses(packing):
         config = shrink(load("gpt").get_config(), data_dir)
         config.data.packing = packing
-        task = train.TASKS["gpt"](config, str(tmp_path / packing))
+        task = tasks.TASKS["gpt"](config, str(tmp_path / packing))
         params = nn.meta.unbox(jax.jit(task.init)(jax.random.key(0)))
         row = next(r for r in (task.train_source[i] for i in range(len(task.train_source)))
                    if r["segment_ids"].max() >= 2 and (r["segment_ids"] == 1).sum() > 1)
@@ -165,6 +164,6 @@ def test_lm_stream_packing_attends_across_documents(data_dir, tmp_path):
     assert "segment_ids" not in ex and abs(a - b) > 1e-4
     config = shrink(load("gpt").get_config(), data_dir)
     config.data.packing = "rows"
-    with pytest.raises(train.ConfigError, match=r"config\.data\.packing='rows' is unknown; valid: "
+    with pytest.raises(ConfigError, match=r"config\.data\.packing='rows' is unknown; valid: "
                                                 r"\['documents', 'stream'\]"):
-        train.TASKS["gpt"](config, str(tmp_path / "bad"))
+        tasks.TASKS["gpt"](config, str(tmp_path / "bad"))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from attention_jax import train
+from attention_jax.errors import ConfigError
 from helpers import load, shrink
 
 
@@ -55,6 +56,6 @@ def test_checkpoint_restores_across_sequence_sizes(one_device, data_dir, tmp_pat
 
 def test_seq_len_must_split_into_two_chunks_per_sequence_device(data_dir, tmp_path):
     config = _config(data_dir, **{"mesh.sequence": 4, "data.seq_len": 36})
-    with pytest.raises(train.ConfigError, match=r"config.data.seq_len=36 is not divisible by "
+    with pytest.raises(ConfigError, match=r"config.data.seq_len=36 is not divisible by "
                                                  r"2 × mesh.sequence = 8.*mesh.sequence in"):
         train.train_and_evaluate(config, str(tmp_path))

@@ -126,6 +126,7 @@ ck.save(2, state, {"next_index": 2})  # Returns once the async write has started
 # Kill only once the write has put something on disk (on a fast machine the background
 # thread may not have created its temporary folder yet when save() returns).
 import time
+from attention_jax import steps
 deadline = time.time() + 30
 while time.time() < deadline and not [n for n in os.listdir(sys.argv[1]) if n != "1"]:
     time.sleep(0.0005)
@@ -227,7 +228,7 @@ def test_the_default_step_copies_no_optimizer_state(tmp_path, nonfinite, most_co
     import re
     cfg = tiny.tiny_config(**{"train.nonfinite": nonfinite, "mesh.num_devices": 1})
     s = train.setup(cfg, str(tmp_path))
-    step, _ = train.jit_steps(s, cfg)
+    step, _ = steps.jit_steps(s, cfg)
     with jax.set_mesh(s.mesh):
         batch = {k: jax.ShapeDtypeStruct((16, tiny.SEQ), np.int32) for k in ("inputs", "targets")}
         text = step.lower(s.abstract, batch).compile().as_text()

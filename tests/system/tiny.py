@@ -3,7 +3,7 @@
 Small enough to compile in a second on CPU, but with every kind of parameter the
 sharding rules care about: an embedding [vocab, embed], attention heads [embed, heads,
 head_dim] (split over `tensor`), an MLP [embed, mlp], biases and a norm, and an
-activation constraint on [batch, length, embed]. Registered as train.TASKS['tiny'].
+activation constraint on [batch, length, embed]. Registered as tasks.TASKS['tiny'].
 
 Also runnable as a worker process: `python tests/system/tiny.py CONFIG_JSON WORKDIR
 OUT_JSON` trains and writes the summary and a parameter checksum (subprocess tests).
@@ -23,6 +23,8 @@ import numpy as np
 
 from attention_jax import attention, train
 from attention_jax.models import losses
+from attention_jax import config as config_lib
+from attention_jax import tasks
 
 VOCAB, SEQ = 32, 16
 
@@ -56,7 +58,7 @@ def _part(init, names):
 
 class TinyLM(nn.Module):
     width: int = 16
-    num_heads: int = 2  # spelled as the model configs spell it (train.check_model_fits_mesh)
+    num_heads: int = 2  # spelled as the model configs spell it (config_lib.check_model_fits_mesh)
     hidden: int = 32
     dropout: float = 0.0
 
@@ -84,7 +86,7 @@ class TinyLM(nn.Module):
         return x @ embed.T.astype(x.dtype), {}
 
 
-def make_tiny_task(config, workdir=None) -> train.Task:
+def make_tiny_task(config, workdir=None) -> tasks.Task:
     model = TinyLM(**config.model.to_dict())
 
     def loss(params, batch, rng, is_train):
@@ -96,18 +98,18 @@ def make_tiny_task(config, workdir=None) -> train.Task:
     def init(rng):
         return model.init(rng, jnp.zeros((1, SEQ), jnp.int32))["params"]
 
-    return train.Task(model=model, init=init, loss=loss,
+    return tasks.Task(model=model, init=init, loss=loss,
                       train_source=SyntheticSequences(4096), eval_source=SyntheticSequences(256, 10**6),
                       train_transform=NextToken(), eval_transform=NextToken(), unit="tokens",
                       count=lambda b: b["inputs"].size)
 
 
-train.TASKS["tiny"] = make_tiny_task
+tasks.TASKS["tiny"] = make_tiny_task
 
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
     """10 steps of the tiny LM; overrides like {'mesh.data': 2, 'train.steps': 20}."""
-    c = train.base_config()
+    c = config_lib.base_config()
     c.task = "tiny"
     c.model = ml_collections.ConfigDict({"width": 16, "num_heads": 2, "hidden": 32, "dropout": 0.0})
     c.optim.lr = 1e-2

@@ -213,7 +213,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None,
                    help="directory for the trace, the compiled HLO and summary.json")
     p.add_argument("--trainer", action="store_true",
-                   help="profile the trainer's own step (main.py's, experiments/gpt2_gpu.py at "
+                   help="profile the trainer's own step (main.py's, configs/gpt2_gpu.py at "
                         "this shape: packed documents, clipping, metrics) on a real batch")
     p.add_argument("--trainer-args", default="",
                    help="with --trainer: main.py --config.* arguments, one string, e.g. "

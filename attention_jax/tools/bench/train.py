@@ -12,7 +12,7 @@ timed on our side and on a PyTorch peer of the same architecture, sizes and batc
   gpt-baby   GPT, nanoGPT's "baby" shape: 6 layers, 6 heads, width 384, context 256, batch 16
   bert-mini  BERT-base-shaped tiny (Turc et al. 2019's "mini": 4 layers × 256, 4 heads of
              64, F = 4D, post-norm): masked LM, sequence 128, batch 32
-  vit-digits ViT on 8×8 digits as experiments/vit.py trains it (vit-tiny/2: 16 patches +
+  vit-digits ViT on 8×8 digits as configs/vit.py trains it (vit-tiny/2: 16 patches +
              [CLS], width 32, 2 layers), batch 32
 
 Ours: `jax.jit` of value_and_grad of the model's loss plus `optax.adamw`, on the model

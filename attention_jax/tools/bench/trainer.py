@@ -4,7 +4,7 @@ tokens/s read back from the run's metrics.jsonl.
 `bench train --device gpu` adds one such row per shape and attention implementation,
 beside the bare step of the same shape (train_gpu.py): the gap between them is what the
 trainer costs around the step (reading and sending batches, logging, checkpointing).
-The run is experiments/gpt2_gpu.py with the row's shape set over it: real data (the
+The run is configs/gpt2_gpu.py with the row's shape set over it: real data (the
 byte-level stdlib corpus, packed; the vocabulary padded to the row's), AdamW, bf16, one
 checkpoint at the end, no evaluation. Its first logged window holds the warm-up of the
 input pipeline, so the figure is the median of the windows after it.
@@ -32,7 +32,7 @@ EXPERIMENT = Path(__file__).resolve().parents[3] / "experiments" / "gpt2_gpu.py"
 
 def overrides(row: dict, *, steps: int, log_every: int, implementation: str,
               dtype: str) -> dict:
-    """The config keys (over experiments/gpt2_gpu.py) that give `row`'s shape and run."""
+    """The config keys (over configs/gpt2_gpu.py) that give `row`'s shape and run."""
     return {
         "model.num_layers": row["layers"], "model.num_heads": row["heads"],
         "model.d_model": row["width"], "model.max_len": row["seq_len"],

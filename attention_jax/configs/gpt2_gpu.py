@@ -2,7 +2,7 @@ r"""GPT-2 small (124M) on one GPU: the GPT-2 shape, bfloat16 compute, the byte-l
 Python-stdlib corpus.
 
 Command (one NVIDIA GPU; a step is 14 TFLOP, minutes on a laptop CPU):
-  python -m attention_jax.main --config=experiments/gpt2_gpu.py --workdir=/tmp/gpt2_gpu
+  python -m attention_jax.main --config=gpt2_gpu --workdir=/tmp/gpt2_gpu
 Its tokens/s and MFU side by side with the bare step and a PyTorch peer:
   python -m attention_jax.tools.bench train --device gpu --shapes gpt2-124m:16
 
@@ -36,12 +36,12 @@ to split that gap, not yet run on a GPU. Config keys to try there:
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
-    c = train.base_config()
+    c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.num_layers = 12  # GPT-2 small (models/gpt.py VARIANTS["gpt2"]).
     c.model.d_model = 768

@@ -10,11 +10,11 @@ Learning rate schedule as nanoGPT's shakespeare_char config: 1e-3 peak, 100 warm
 steps, cosine to 1e-4, AdamW betas (0.9, 0.99), weight decay 0.1, clip 1.0.
 
 Command (2-core CPU):
-  python -m attention_jax.main --config=experiments/char_gpt.py --workdir=/tmp/char_gpt
-  python -m attention_jax.main --config=experiments/char_gpt.py:size=baby \
+  python -m attention_jax.main --config=char_gpt --workdir=/tmp/char_gpt
+  python -m attention_jax.main --config=char_gpt:size=baby \
       --workdir=/tmp/baby_gpt      # 6x384, context 256, batch 16: sized for ~15 minutes
 Samples from a checkpoint:
-  python -m attention_jax.main --config=experiments/char_gpt.py --workdir=/tmp/char_gpt \
+  python -m attention_jax.main --config=char_gpt --workdir=/tmp/char_gpt \
       --mode=sample
 
 Measured (2-core CPU): other jobs sharing the cores, the CPU recipe (0.8M parameters)
@@ -29,7 +29,7 @@ compilation, evaluations and samples; ~2.5k tokens/s), validation loss 1.538 nat
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 # size -> (layers, heads, width, context, batch, steps). The baby GPT's batch and steps
 # are cut from nanoGPT's 64 x 5000 (a GPU budget) to what 2 CPU cores do in ~15 minutes.
@@ -40,12 +40,9 @@ SIZES = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    size = args.get("size", "cpu")
-    if size not in SIZES:
-        raise ValueError(f"experiments/char_gpt.py: size={size!r} is unknown; valid: {sorted(SIZES)}")
-    layers, heads, width, context, batch, steps = SIZES[size]
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, {"size": SIZES}, size="cpu", steps=0)  # steps 0: the size's.
+    layers, heads, width, context, batch, steps = SIZES[args.size]
+    c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
@@ -76,7 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.1
     c.optim.clip_norm = 1.0
 
-    c.train.steps = int(args.get("steps", steps))  # max_iters.
+    c.train.steps = args.steps or steps  # max_iters.
     c.train.batch_size = batch  # batch_size.
     c.train.log_every = 50
     c.train.checkpoint_every = 500

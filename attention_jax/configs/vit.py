@@ -1,8 +1,8 @@
 r"""ViT (Dosovitskiy et al. 2020) on scikit-learn's 8×8 handwritten digits (offline).
 
 Command (2-core CPU, default sizes):
-  python -m attention_jax.main --config=experiments/vit.py --workdir=/tmp/vit
-Variants: `--config=experiments/vit.py:variant=vit-tiny/4` (4×4 patches: 4 tokens
+  python -m attention_jax.main --config=vit --workdir=/tmp/vit
+Variants: `--config=vit:variant=vit-tiny/4` (4×4 patches: 4 tokens
 instead of 16). 1,438 training / 359 test images, 10 classes.
 
 Measured (2-core CPU): 600 steps in 30 s wall, test accuracy 87.5% (loss 0.42).
@@ -10,16 +10,16 @@ Measured (2-core CPU): 600 steps in 30 s wall, test accuracy 87.5% (loss 0.42).
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, variant="vit-tiny/2")
+    c = config_lib.base_config()
     c.task = "vit"  # image classification (tasks.image_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.get("variant", "vit-tiny/2")  # models/vit.py VARIANTS: 2×2 patches.
+    c.model.variant = args.variant  # models/vit.py VARIANTS: 2×2 patches.
     c.model.pool = "cls"  # classify the [CLS] token ("gap": average the patch tokens).
     c.model.dropout_rate = 0.0  # measured: dropout only slows this tiny model down.
     c.model.remat_policy = "none"  # activation checkpointing per block.

@@ -12,7 +12,7 @@ words, 20k training pairs, sources of 1-30 BPE tokens), same steps and batch:
 
 Command (2-core CPU; one line per model, then the bucketed evaluation on the test split):
   for m in rnn-bottleneck rnn-attention transformer; do
-    python -m attention_jax.main --config=experiments/bottleneck.py:model=$m \
+    python -m attention_jax.main --config=bottleneck:model=$m \
         --workdir=/tmp/bottleneck/$m; done
   python -m attention_jax.tools.analysis translation --out=docs/results/bottleneck \
       rnn-bottleneck=/tmp/bottleneck/rnn-bottleneck \
@@ -29,17 +29,15 @@ docs/results.md ("The bottleneck and attention").
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 MODELS = ("rnn-bottleneck", "rnn-attention", "transformer")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    model = args.get("model", "rnn-attention")
-    if model not in MODELS:
-        raise ValueError(f"experiments/bottleneck.py: model={model!r} is unknown; valid: {MODELS}")
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, {"model": MODELS}, model="rnn-attention", steps=1500)
+    model = args.model
+    c = config_lib.base_config()
 
     if model.startswith("rnn"):
         c.task = "rnn_seq2seq"  # teacher-forced translation (tasks.translation_task).
@@ -50,7 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.attention_dim = 64  # n', alignment MLP.
         c.model.readout_dim = 64  # l, maxout readout.
         c.model.cell = "gru"
-        c.optim.lr = 3e-3  # measured stable for both RNNs (experiments/rnn_seq2seq.py).
+        c.optim.lr = 3e-3  # measured stable for both RNNs (configs/rnn_seq2seq.py).
         c.optim.b2 = 0.999
         c.optim.weight_decay = 0.0  # none for the RNNs (as Bahdanau et al.).
     else:
@@ -64,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.num_decoder_layers = 2
         c.model.dropout_rate = 0.0  # like the RNNs: no regularisation, one pass of settings.
         c.model.norm_position = "post"  # the paper's Add & Norm.
-        c.optim.lr = 2e-3  # measured (experiments/encdec.py).
+        c.optim.lr = 2e-3  # measured (configs/encdec.py).
         c.optim.b2 = 0.98  # Vaswani §5.3.
         c.optim.eps = 1e-9
         c.optim.weight_decay = 0.0
@@ -81,7 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 
-    c.train.steps = int(args.get("steps", 1500))  # ~2.4 epochs of 20k pairs at batch 32.
+    c.train.steps = args.steps  # ~2.4 epochs of 20k pairs at batch 32.
     c.train.batch_size = 32
     c.train.log_every = 50
     c.train.checkpoint_every = 500

@@ -11,8 +11,8 @@ The MLM head is tied to the word embedding and runs on the predicted positions o
 them the 30,528 × 128 word embedding, whose output matmul is most of a step's time.
 
 Command (2-core CPU, default sizes):
-  python -m attention_jax.main --config=experiments/bert_mlm.py --workdir=/tmp/bert_mlm
-Variants: `--config=experiments/bert_mlm.py:variant=bert-mini` (the shape of a
+  python -m attention_jax.main --config=bert_mlm --workdir=/tmp/bert_mlm
+Variants: `--config=bert_mlm:variant=bert-mini` (the shape of a
 models/bert.py VARIANTS row instead of the default one below).
 
 Measured (2-core CPU): another training job sharing the cores, 2400 steps of batch
@@ -27,19 +27,19 @@ modelling").
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 # The default shape: (layers, heads, width). Post-norm (BERT's), GELU, MLP 4x width.
 LAYERS, HEADS, WIDTH = 4, 4, 128
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, variant="")
+    c = config_lib.base_config()
     c.task = "bert_mlm"  # masked-language modelling on packed documents (tasks.mlm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.get("variant", "")  # a row of models/bert.py VARIANTS; "": below.
+    c.model.variant = args.variant  # a row of models/bert.py VARIANTS; "": below.
     if not c.model.variant:  # Explicit fields override a variant's, so set them only without one.
         c.model.d_model = WIDTH  # D.
         c.model.num_layers = LAYERS  # encoder blocks (post-norm, as BERT).

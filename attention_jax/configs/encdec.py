@@ -1,8 +1,8 @@
 r"""The encoder-decoder Transformer (Vaswani et al. 2017): English -> French number words.
 
 Command (2-core CPU, default sizes):
-  python -m attention_jax.main --config=experiments/encdec.py --workdir=/tmp/encdec
-Variants: `--config=experiments/encdec.py:variant=transformer-base` (too big for a CPU).
+  python -m attention_jax.main --config=encdec --workdir=/tmp/encdec
+Variants: `--config=encdec:variant=transformer-base` (too big for a CPU).
 Pre-norm instead of the paper's post-norm: --config.model.norm_position=pre.
 
 Measured (2-core CPU): 600 steps in 2.2 min wall, validation token accuracy
@@ -11,16 +11,16 @@ Measured (2-core CPU): 600 steps in 2.2 min wall, validation token accuracy
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, variant="transformer-tiny")
+    c = config_lib.base_config()
     c.task = "encdec"  # teacher-forced translation (tasks.translation_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.get("variant", "transformer-tiny")  # models/encdec.py VARIANTS.
+    c.model.variant = args.variant  # models/encdec.py VARIANTS.
     c.model.d_model = 64
     c.model.num_heads = 4
     c.model.mlp_dim = 256  # d_ff.

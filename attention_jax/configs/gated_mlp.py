@@ -9,9 +9,9 @@ the byte-level stdlib corpus; the plain MLPs have hidden F = 4D = 192 (two matri
 setting). 200 steps of batch 16 × 64 bytes, lr 2e-3, cosine; the seed
 (`--config.train.seed`) sets the initialisation and the data order.
 
-One run: python -m attention_jax.main --config=experiments/gated_mlp.py:mlp=swiglu --workdir=/tmp/gated/swiglu
+One run: python -m attention_jax.main --config=gated_mlp:mlp=swiglu --workdir=/tmp/gated/swiglu
 Command (2-core CPU; 4 variants × 3 seeds, then the table with the spread across seeds):
-  python -m attention_jax.tools.sweep --config=experiments/gated_mlp.py \
+  python -m attention_jax.tools.sweep --config=gated_mlp \
       --workdir=/tmp/gated --grid=train.seed=0,1,2 --grid=mlp=relu,gelu,swiglu,geglu
   python -m attention_jax.tools.analysis seeds --out=docs/results/gated_mlp --by=mlp /tmp/gated/*
 
@@ -23,7 +23,7 @@ order, but inside the seed spread. Table and plot: the README's Results ("Gated 
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 VARIANTS = {  # mlp=... -> (config.model.mlp, config.model.activation)
     "relu": ("mlp", "relu"),
@@ -35,12 +35,9 @@ D_MODEL = 48
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    name = args.get("mlp", "swiglu")
-    if name not in VARIANTS:
-        raise ValueError(f"experiments/gated_mlp.py: mlp={name!r} is unknown; "
-                         f"valid: {tuple(VARIANTS)}")
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, {"mlp": VARIANTS}, mlp="swiglu", steps=200)
+    name = args.mlp
+    c = config_lib.base_config()
     c.task = "gpt"
     c.model.implementation = "auto"
     c.model.num_layers = 2
@@ -70,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.b2 = 0.99
     c.optim.weight_decay = 0.1
 
-    c.train.steps = int(args.get("steps", 200))
+    c.train.steps = args.steps
     c.train.batch_size = 16
     c.train.log_every = 25
     c.train.checkpoint_every = c.train.steps

@@ -16,7 +16,7 @@ any size reached at each C.
 
 Command (2-core CPU; the sweep, then the fit, table and plots):
   for l in 1 2 3 4; do
-    python -m attention_jax.main --config=experiments/scaling.py:layers=$l --workdir=/tmp/scaling/l$l
+    python -m attention_jax.main --config=scaling:layers=$l --workdir=/tmp/scaling/l$l
   done
   python -m attention_jax.tools.analysis scaling --out=docs/results/scaling /tmp/scaling/l*
 L = 5..8 (3.5M-14M) are the same command with a larger `layers`; on the CPU they did not
@@ -34,7 +34,7 @@ import math
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 LAYERS = tuple(range(1, 9))
 WIDTH_PER_LAYER = 48  # D = 48·L: the aspect ratio D/L = 48 at every size.
@@ -53,12 +53,12 @@ def kaplan_lr(n: int) -> float:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    layers = int(args.get("layers", 2))
+    args = config_lib.parse_arg(arg, layers=2, steps=200)
+    layers = args.layers
     if layers not in LAYERS:
-        raise ValueError(f"experiments/scaling.py: layers={layers} is outside the sweep; "
+        raise ValueError(f"configs/scaling.py: layers={layers} is outside the sweep; "
                          f"valid: {LAYERS}")
-    c = train.base_config()
+    c = config_lib.base_config()
     c.task = "gpt"
     c.model.implementation = "auto"
     c.model.num_layers = layers
@@ -81,7 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 
-    steps = int(args.get("steps", 200))
+    steps = args.steps
     c.optim.lr = kaplan_lr(non_embedding_params(layers))
     c.optim.warmup_steps = max(1, steps // 10)
     c.optim.schedule = "cosine"

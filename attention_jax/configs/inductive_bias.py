@@ -9,7 +9,7 @@ order; the subset stays the same). Both models see the same 300 steps of batch 3
 67 epochs, by fraction), lr 2e-3, label smoothing 0.1, no augmentation, and are scored
 on all 359 test images.
 
-  model=vit  experiments/vit_digits.py's ViT: 4×4 patches + [CLS], width 64, 4 layers,
+  model=vit  configs/vit_digits.py's ViT: 4×4 patches + [CLS], width 64, 4 layers,
              4 heads, MLP 128 (136k parameters).
   model=cnn  models/cnn.py "resnet-tiny" at width 16: 3×3 stem, 3 pre-activation residual
              blocks of 16 channels at full 8×8 resolution, GroupNorm (8 groups), global
@@ -17,9 +17,9 @@ on all 359 test images.
              parameter count, its 64 positions per image cost 9× the FLOPs a step, more
              than the shared 2-core CPU had to spare when this ran.
 
-One run: python -m attention_jax.main --config=experiments/inductive_bias.py:model=cnn --workdir=/tmp/cnn
+One run: python -m attention_jax.main --config=inductive_bias:model=cnn --workdir=/tmp/cnn
 Command (2-core CPU; 2 models × 4 fractions × 3 seeds, then the table and the curves):
-  python -m attention_jax.tools.sweep --config=experiments/inductive_bias.py \
+  python -m attention_jax.tools.sweep --config=inductive_bias \
       --workdir=/tmp/inductive --grid=train.seed=0,1,2 \
       --grid=data.train_fraction=0.1,0.25,0.5,1.0 --grid=model=cnn,vit
   python -m attention_jax.tools.analysis seeds --out=docs/results/inductive_bias --by=model \
@@ -32,35 +32,23 @@ size, no crossing. Table, plot and the reasons: the README's Results ("Inductive
 against data").
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from attention_jax import config as config_lib
+from attention_jax.configs import vit_digits
 
 MODELS = ("cnn", "vit")
 
 
-def _vit_digits_config():
-    """experiments/vit_digits.py's default config (files here are not a package)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vit_digits.py")
-    spec = importlib.util.spec_from_file_location("_vit_digits", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    name = args.get("model", "cnn")
-    if name not in MODELS:
-        raise ValueError(f"experiments/inductive_bias.py: model={name!r} is unknown; "
-                         f"valid: {MODELS}")
-    c = _vit_digits_config()  # data, optimiser and eval shared by both models.
+    args = config_lib.parse_arg(arg, {"model": MODELS}, model="cnn", steps=300)
+    name = args.model
+    c = vit_digits.get_config()  # data, optimiser and eval shared by both models.
     c.data.train_fraction = 1.0  # set per run: 0.1 | 0.25 | 0.5 | 1.0.
     if name == "cnn":
         c.task = "cnn"  # image classification with models/cnn.py (tasks.image_task).
         c.model = ml_collections.ConfigDict({"variant": "resnet-tiny", "width": 16})
-    c.train.steps = int(args.get("steps", 300))
+    c.train.steps = args.steps
     c.train.checkpoint_every = c.train.steps
     c.eval.every = 0  # once, at the end.
     # Every test image in one batch (none dropped), on one device; 359 is prime, so on a

@@ -30,18 +30,18 @@ Four studies, each a set of runs that differ in one field, on nanoGPT's CPU shap
 
 Command (2-core CPU):
   for v in learned rope sinusoidal; do
-    python -m attention_jax.main --config=experiments/ablation_lm.py:study=position,variant=$v \
+    python -m attention_jax.main --config=ablation_lm:study=position,variant=$v \
         --workdir=/tmp/abl/pos-$v; done
   python -m attention_jax.tools.analysis positions --out=docs/results/positions --train_len=64 \
       --eval_len=256 learned=/tmp/abl/pos-learned rope=/tmp/abl/pos-rope \
       sinusoidal=/tmp/abl/pos-sinusoidal
   for v in dense moe; do
-    python -m attention_jax.main --config=experiments/ablation_lm.py:study=moe,variant=$v \
+    python -m attention_jax.main --config=ablation_lm:study=moe,variant=$v \
         --workdir=/tmp/abl/moe-$v; done
   python -m attention_jax.tools.analysis runs --metric=loss --curves=loss \
       --out=docs/results/moe dense=/tmp/abl/moe-dense moe=/tmp/abl/moe-moe
   for v in scaled-h32 unscaled-h32 scaled-h128 unscaled-h128; do
-    python -m attention_jax.main --config=experiments/ablation_lm.py:study=scale,variant=$v \
+    python -m attention_jax.main --config=ablation_lm:study=scale,variant=$v \
         --workdir=/tmp/abl/scale-$v; done
   python -m attention_jax.tools.analysis runs --metric=loss --curves=loss --out=docs/results/scale \
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
@@ -50,11 +50,11 @@ Command (2-core CPU):
       scaled-h32=/tmp/abl/scale-scaled-h32 unscaled-h32=/tmp/abl/scale-unscaled-h32 \
       scaled-h128=/tmp/abl/scale-scaled-h128 unscaled-h128=/tmp/abl/scale-unscaled-h128
   for v in pre post; do
-    python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
+    python -m attention_jax.main --config=ablation_lm:study=norm,variant=$v \
         --workdir=/tmp/abl/norm-$v
-    python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
+    python -m attention_jax.main --config=ablation_lm:study=norm,variant=$v \
         --config.optim.lr=3e-4 --workdir=/tmp/abl/norm-$v-lr3e-4
-    python -m attention_jax.main --config=experiments/ablation_lm.py:study=norm,variant=$v \
+    python -m attention_jax.main --config=ablation_lm:study=norm,variant=$v \
         --config.model.num_layers=4 --workdir=/tmp/abl/norm-$v-l4; done
   python -m attention_jax.tools.analysis runs --metric=loss --curves=loss --out=docs/results/norm \
       pre=/tmp/abl/norm-pre post=/tmp/abl/norm-post \
@@ -81,7 +81,7 @@ Plots and tables: docs/results.md ("Ablations").
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 STUDIES = {
     "position": ("learned", "rope", "sinusoidal"),
@@ -92,16 +92,11 @@ STUDIES = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    study = args.get("study", "position")
-    if study not in STUDIES:
-        raise ValueError(f"experiments/ablation_lm.py: study={study!r} is unknown; "
-                         f"valid: {sorted(STUDIES)}")
-    variant = args.get("variant", STUDIES[study][0])
-    if variant not in STUDIES[study]:
-        raise ValueError(f"experiments/ablation_lm.py: variant={variant!r} is unknown for "
-                         f"study={study}; valid: {STUDIES[study]}")
-    c = train.base_config()
+    # variant "": the study's first (its baseline).
+    args = config_lib.parse_arg(arg, {"study": STUDIES}, study="position", variant="", steps=1000)
+    study, variant = args.study, args.variant or STUDIES[args.study][0]
+    config_lib.check_choice(f":variant (study={study})", variant, STUDIES[study])
+    c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
@@ -146,12 +141,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "validation"
 
-    c.optim.lr = 1e-3  # nanoGPT's shakespeare_char schedule (experiments/char_gpt.py).
+    c.optim.lr = 1e-3  # nanoGPT's shakespeare_char schedule (configs/char_gpt.py).
     c.optim.warmup_steps = 100
     c.optim.b2 = 0.99
     c.optim.weight_decay = 0.1
 
-    c.train.steps = int(args.get("steps", 1000))
+    c.train.steps = args.steps
     c.train.batch_size = 16
     c.train.log_every = 50
     c.train.checkpoint_every = 500

@@ -1,9 +1,9 @@
 r"""RNN encoder-decoder with Bahdanau attention: English -> French number words (offline).
 
 Command (2-core CPU, default sizes):
-  python -m attention_jax.main --config=experiments/rnn_seq2seq.py --workdir=/tmp/rnn
+  python -m attention_jax.main --config=rnn_seq2seq --workdir=/tmp/rnn
 The bottleneck the lectures start from (one context vector, Cho et al. 2014):
-  --config=experiments/rnn_seq2seq.py:variant=tiny-bottleneck
+  --config=rnn_seq2seq:variant=tiny-bottleneck
 Target language: --config.data.target=de. One BPE vocabulary (512) for both sides.
 
 Measured (2-core CPU): 600 steps in 2.8 min wall (other jobs sharing the
@@ -12,15 +12,15 @@ cores), validation token accuracy 99.9% (loss 0.0019) with attention.
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, variant="tiny")
+    c = config_lib.base_config()
     c.task = "rnn_seq2seq"  # teacher-forced translation (tasks.translation_task).
 
-    c.model.variant = args.get("variant", "tiny")  # models/rnn.py VARIANTS (vocab set by data).
+    c.model.variant = args.variant  # models/rnn.py VARIANTS (vocab set by data).
     c.model.embed_dim = 64  # m.
     c.model.hidden_dim = 128  # n, per encoder direction.
     c.model.attention_dim = 64  # n', alignment MLP.

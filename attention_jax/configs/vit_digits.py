@@ -2,16 +2,16 @@ r"""ViT on scikit-learn's 8×8 digits: the accuracy target, [CLS] vs average poo
 the patch-size trade-off (Dosovitskiy et al. 2020 §3.1 and Fig. 4: smaller patches mean
 more tokens, more compute, and usually better accuracy).
 
-A wider, deeper ViT than experiments/vit.py (width 64, 4 layers, 4 heads), trained
+A wider, deeper ViT than configs/vit.py (width 64, 4 layers, 4 heads), trained
 longer. Arguments: `pool=cls|gap` and `patch=1|2|4|8` (8×8 images: 64, 16, 4 or 1
 patch tokens, plus [CLS] when pool=cls; default 4).
 
 Command (2-core CPU): the default run (4×4 patches, [CLS]), then the sweeps and their
 tables and plot (analysis.py evaluates every one of the 359 test images):
-  python -m attention_jax.main --config=experiments/vit_digits.py --workdir=/tmp/vitd/cls-p4
+  python -m attention_jax.main --config=vit_digits --workdir=/tmp/vitd/cls-p4
   for p in 1 2 8; do python -m attention_jax.main \
-      --config=experiments/vit_digits.py:patch=$p --workdir=/tmp/vitd/cls-p$p; done
-  python -m attention_jax.main --config=experiments/vit_digits.py:pool=gap,patch=2 \
+      --config=vit_digits:patch=$p --workdir=/tmp/vitd/cls-p$p; done
+  python -m attention_jax.main --config=vit_digits:pool=gap,patch=2 \
       --workdir=/tmp/vitd/gap-p2
   python -m attention_jax.tools.analysis runs --out=docs/results/vit_patches --x=tokens \
       p1=/tmp/vitd/cls-p1 p2=/tmp/vitd/cls-p2 p4=/tmp/vitd/cls-p4 p8=/tmp/vitd/cls-p8
@@ -28,18 +28,18 @@ patches that carry some structure. Tables: docs/results.md ("ViT on digits").
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, patch=4, pool="cls", steps=2000)
+    c = config_lib.base_config()
     c.task = "vit"  # image classification (tasks.image_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
     c.model.variant = "vit-tiny/2"  # models/vit.py VARIANTS: 8×8 grey images, 10 classes.
-    c.model.patch_size = int(args.get("patch", 4))  # 1 | 2 | 4 | 8 pixels per patch side.
-    c.model.pool = args.get("pool", "cls")  # cls: the [CLS] token; gap: mean of patch tokens.
+    c.model.patch_size = args.patch  # 1 | 2 | 4 | 8 pixels per patch side.
+    c.model.pool = args.pool  # cls: the [CLS] token; gap: mean of patch tokens.
     c.model.d_model = 64  # D.
     c.model.num_layers = 4
     c.model.num_heads = 4  # head dim 16.
@@ -49,7 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.data.name = "digits"  # 1,438 training and 359 test images.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
-    c.data.augment = False  # a random 1-pixel shift is large on 8×8 (see experiments/vit.py).
+    c.data.augment = False  # a random 1-pixel shift is large on 8×8 (see configs/vit.py).
     c.data.padding = 1
     c.data.flip = False  # mirroring changes what a digit is.
     c.data.train_split = "train"
@@ -61,7 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.05
     c.optim.label_smoothing = 0.1  # regularises the 1.4k-image training set.
 
-    c.train.steps = int(args.get("steps", 2000))  # ~45 epochs at batch 32.
+    c.train.steps = args.steps  # ~45 epochs at batch 32.
     c.train.batch_size = 32
     c.train.log_every = 50
     c.train.checkpoint_every = 1000

@@ -1,8 +1,8 @@
 r"""GPT on the offline Python-stdlib corpus (byte-level): next-token prediction.
 
 Command (2-core CPU, default sizes):
-  python -m attention_jax.main --config=experiments/gpt.py --workdir=/tmp/gpt
-Variants: `--config=experiments/gpt.py:variant=gpt-tiny-rope` (any name of models/gpt.py's
+  python -m attention_jax.main --config=gpt --workdir=/tmp/gpt
+Variants: `--config=gpt:variant=gpt-tiny-rope` (any name of models/gpt.py's
 VARIANTS; `gpt-tiny-moe` logs router load, entropy and dropped tokens).
 Then: `--mode=sample` prints continuations of `eval.sample_prompts` from the checkpoint.
 
@@ -13,16 +13,16 @@ accuracy 52%; samples are Python-looking words and indentation.
 
 import ml_collections
 
-from attention_jax import train
+from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-    c = train.base_config()
+    args = config_lib.parse_arg(arg, variant="gpt-tiny")
+    c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.get("variant", "gpt-tiny")  # a row of models/gpt.py VARIANTS.
+    c.model.variant = args.variant  # a row of models/gpt.py VARIANTS.
     c.model.num_layers = 2
     c.model.d_model = 128  # D.
     c.model.num_heads = 4  # N (head dim 32).

@@ -1,0 +1,376 @@
+r"""The run config: its schema and defaults, its validation, and how a config is loaded.
+
+    config = config_lib.load("gpt:variant=gpt-tiny-rope", ["train.steps=50"])
+    config = config_lib.load("my_experiment.py", {"optim.lr": 1e-3})
+
+A config names an experiment: a shipped one by name (`attention_jax/configs/NAME.py`,
+installed with the package) or a file of the user's (`path/to/file.py`), then `:ARG`, the
+experiment's own arguments (`variant=gpt-tiny-rope,steps=100`, parsed by `parse_arg`,
+which refuses a key the experiment does not take), then overrides of any field
+(`train.steps=50`, typed by the field's current value). main, the sweep and the
+benchmarks all load configs here. Every experiment starts from `base_config()`, whose
+keys are the schema `validate` checks; `model` and `data` belong to the task, which checks
+them against the model's config dataclass and its own data keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+
+from attention_jax import sharding
+from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
+
+
+# =================================================================================== schema
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults of every group but `model` and `data`, which each experiment defines.
+
+    Experiments start from this and override; the keys here are also the schema that
+    `validate` checks (an unknown key is an error, not silently ignored).
+    """
+    c = ml_collections.ConfigDict()
+    c.task = ""  # which family builds model + data + loss: a name registered in tasks.py.
+    c.model = ml_collections.ConfigDict()  # fields of the model's own config dataclass.
+    c.data = ml_collections.ConfigDict()  # dataset name, lengths, tokenizer: per task.
+
+    c.optim = o = ml_collections.ConfigDict()
+    o.lr = 3e-4  # peak learning rate, reached after warmup.
+    o.warmup_steps = 100  # linear warmup from 0 (Goyal et al. 2017; stabilises Adam early).
+    o.schedule = "cosine"  # decay after warmup: cosine | linear | constant.
+    o.end_lr_ratio = 0.1  # final lr as a fraction of the peak (cosine/linear).
+    o.b1 = 0.9  # Adam first-moment decay.
+    o.b2 = 0.95  # Adam second-moment decay (0.95 is the LLM convention; 0.999 for small data).
+    o.eps = 1e-8
+    o.weight_decay = 0.1  # decoupled (AdamW, Loshchilov & Hutter 2019); matrices only (decay_mask).
+    o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables.
+    o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
+    o.grad_accum = 1  # micro-batches per optimizer step (train.batch_size is split into them).
+    o.decay_steps = 0  # length of the warmup + decay schedule; 0: train.steps.
+
+    c.train = t = ml_collections.ConfigDict()
+    t.steps = 1000  # optimizer steps (each of grad_accum micro-batches).
+    t.batch_size = 32  # global batch (all processes, all micro-batches) per step.
+    t.seed = 0  # parameters, dropout and data order all derive from it.
+    t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
+    t.loss_chunk_size = 0  # GPT: positions per chunk of the fused LM head + loss; 0: whole logits.
+    t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
+    t.progress = True  # show a progress bar on process 0.
+    t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
+    t.inject_nan_at = -1  # fault injection: the loss of step N (1-based, as logged) is NaN; -1 never.
+    t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
+    t.keep_checkpoints = 3
+    t.async_checkpoint = True
+    # A checkpoint that fails to restore or to match its digests: fall_back to the newest
+    # intact one (the damaged ones are moved aside, never deleted) | stop with the reason.
+    t.checkpoint_on_damage = "fall_back"
+    t.init_from = ""  # warm start: a workdir or checkpoint dir whose params (only) to load.
+    t.data_workers = 0  # grain worker processes (0: read in the trainer process).
+    # Batches sent to the devices ahead of the step that takes them (0: each when its step
+    # starts). The host waits for the device only when it logs, evaluates or checkpoints.
+    t.prefetch = 2
+
+    c.mesh = m = ml_collections.ConfigDict()
+    m.data = -1  # data-parallel axis; -1 takes the devices the other axes leave.
+    m.fsdp = 1  # fully sharded data parallel: batch and parameters split.
+    m.sequence = 1  # sequence (context) parallel: activations' length split, ring attention.
+    m.tensor = 1  # tensor (model) parallel: heads and MLP hidden split.
+    m.num_devices = 0  # use only the first N devices (0: all), e.g. 1 for a one-device baseline.
+    m.rules = sharding.DEFAULT_RULES  # logical axis -> mesh axes (see sharding.py).
+    m.distributed = False  # call jax.distributed.initialize (multi-host).
+    m.coordinator_address = ""  # host:port of process 0; empty lets JAX detect it.
+    m.num_processes = -1  # -1: detect.
+    m.process_id = -1  # -1: detect.
+    m.cpu_collectives = ""  # e.g. gloo: collectives between CPU processes.
+
+    c.eval = e = ml_collections.ConfigDict()
+    e.every = 500  # steps between evaluations (and at the end); 0: only at the end; -1: never.
+    e.steps = 10  # 0: the whole split.
+    e.batch_size = 32  # global eval batch.
+    e.sample_prompts = ("def ", "import ")  # language models: prompts for --mode=sample.
+    e.sample_tokens = 64  # tokens generated per prompt.
+    e.sample_temperature = 0.8  # 0 is greedy.
+    e.sample_top_k = 40  # keep the k most likely tokens (0: all).
+    return c
+
+
+CHOICES = {
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "train.compute_dtype": ("float32", "bfloat16"),
+    "train.nonfinite": ("stop", "skip"),
+    "train.checkpoint_on_damage": ("fall_back", "stop"),
+}
+
+# Valid values of the numeric keys, as intervals ("(" open, "[" closed; errors.check_range).
+RANGES = {
+    "optim.lr": "(0, inf)",
+    "optim.warmup_steps": "[0, inf)",
+    "optim.end_lr_ratio": "[0, 1]",
+    "optim.b1": "[0, 1)",
+    "optim.b2": "[0, 1)",
+    "optim.eps": "(0, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.clip_norm": "[0, inf)",
+    "optim.label_smoothing": "[0, 1)",
+    "optim.grad_accum": "[1, inf)",
+    "optim.decay_steps": "[0, inf)",
+    "train.steps": "[1, inf)",
+    "train.batch_size": "[1, inf)",
+    "train.loss_chunk_size": "[0, inf)",
+    "train.log_every": "[1, inf)",
+    "train.inject_nan_at": "[-1, inf)",
+    "train.checkpoint_every": "[1, inf)",
+    "train.keep_checkpoints": "[1, inf)",
+    "train.data_workers": "[0, inf)",
+    "train.prefetch": "[0, inf)",
+    "mesh.num_devices": "[0, inf)",
+    "eval.every": "[-1, inf)",
+    "eval.steps": "[0, inf)",
+    "eval.batch_size": "[1, inf)",
+    "eval.sample_tokens": "[1, inf)",
+    "eval.sample_temperature": "[0, inf)",
+    "eval.sample_top_k": "[0, inf)",
+}
+
+
+def flat(tree, prefix: str = "") -> dict[str, Any]:
+    """{"group.key": value} of a ConfigDict or a nested dict (e.g. a config.json)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, (dict, ml_collections.ConfigDict)):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# =============================================================================== validation
+def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None = None) -> None:
+    """Checks keys, types, choices and ranges before anything is compiled.
+
+    tasks: the registered task names config.task must be one of (None: not checked).
+    num_devices: also the mesh and what must divide it (batch sizes).
+    """
+    base = flat(base_config())
+    got = flat(config)
+    for key, value in got.items():
+        if key.startswith(("model.", "data.")):
+            continue  # Checked by the task against the model/data dataclasses.
+        if key not in base:
+            group = key.rsplit(".", 1)[0]
+            valid = sorted(k.rsplit(".", 1)[1] for k in base if k.rsplit(".", 1)[0] == group)
+            raise ConfigError(f"config.{key} is not a known key; valid keys in "
+                              f"config.{group}: {valid or sorted(base)}")
+        want = base[key]
+        if isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if type(value) is not type(want) and not (isinstance(want, tuple) and isinstance(value, list)):
+            raise ConfigError(f"config.{key}={value!r} has type {type(value).__name__}; "
+                              f"expected {type(want).__name__} (default {want!r})")
+    if tasks is not None:
+        check_choice("config.task", config.task, sorted(tasks))
+    for key, choices in CHOICES.items():
+        check_choice(f"config.{key}", got[key], choices)
+    for key, interval in RANGES.items():
+        check_range(key, got[key], interval)
+    sharding.rules_from_config(config.mesh.rules)
+    if num_devices is None:
+        return
+    try:
+        mesh = sharding.resolve_mesh_shape(
+            {a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
+    dp = mesh["data"] * mesh["fsdp"]
+    batch, accum = config.train.batch_size, config.optim.grad_accum
+    if batch % (accum * dp):
+        valid = accum * dp
+        raise ConfigError(
+            f"config.train.batch_size={batch} must be divisible by optim.grad_accum × "
+            f"data-parallel size = {accum} × {dp} (mesh.data={mesh['data']} × "
+            f"mesh.fsdp={mesh['fsdp']}); valid: multiples of {valid}, e.g. "
+            f"{max(valid, batch // valid * valid)}")
+    if config.eval.batch_size % dp:
+        raise ConfigError(f"config.eval.batch_size={config.eval.batch_size} must be divisible "
+                          f"by the data-parallel size {dp}; valid: multiples of {dp}")
+
+
+def warnings(config) -> list[str]:
+    """What is allowed but probably not meant, one line each (printed, never raised): a
+    smoke run (`--config.train.steps=5`) of any experiment must just work."""
+    out = []
+    schedule = config.optim.decay_steps or config.train.steps
+    if config.optim.warmup_steps > schedule:
+        what = (f"optim.decay_steps={schedule}" if config.optim.decay_steps
+                else f"the run (train.steps={schedule})")
+        peak = schedule / config.optim.warmup_steps
+        out.append(f"config.optim.warmup_steps={config.optim.warmup_steps} is longer than "
+                   f"{what}: the learning rate stops at {peak:.0%} of optim.lr")
+    return out
+
+
+def check_model_fits_mesh(model_config, mesh_shape: Mapping[str, int],
+                          seq_len: int | None = None) -> None:
+    """Heads are split over the tensor axis (rule heads -> tensor): every device must
+    hold whole heads. Checked on the model's resolved config (variant + overrides).
+    The length is split over the sequence axis into two chunks per device (ring
+    attention's zig-zag), so seq_len (when the task has a fixed one) must divide."""
+    sequence = mesh_shape.get("sequence", 1)
+    if seq_len is not None and sequence > 1 and seq_len % (2 * sequence):
+        fits = [d for d in range(1, seq_len + 1)
+                if seq_len % (2 * d) == 0 and jax.device_count() % d == 0]
+        raise ConfigError(
+            f"config.data.seq_len={seq_len} is not divisible by 2 × mesh.sequence = "
+            f"{2 * sequence} (ring attention gives each device two chunks of the sequence); "
+            f"valid: seq_len a multiple of {2 * sequence}, or mesh.sequence in {fits}")
+    tensor = mesh_shape.get("tensor", 1)
+    for name in ("num_heads", "num_kv_heads"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and value % tensor:
+            divisors = [d for d in range(1, value + 1) if value % d == 0]
+            raise ConfigError(
+                f"config.model.{name}={value} is not divisible by mesh.tensor={tensor}; "
+                f"valid: mesh.tensor in {divisors}, or num heads a multiple of {tensor}")
+
+
+# =================================================================================== loading
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def shipped() -> dict[str, str]:
+    """The configs shipped in attention_jax/configs: name -> the first line of its
+    docstring, read without running the file."""
+    out = {}
+    for file in sorted(os.listdir(CONFIG_DIR)):
+        if file.endswith(".py") and not file.startswith("_"):
+            with open(os.path.join(CONFIG_DIR, file)) as f:
+                doc = ast.get_docstring(ast.parse(f.read())) or ""
+            out[file[:-3]] = doc.strip().split("\n")[0]
+    return out
+
+
+def _module(name: str):
+    """The module of a config: a shipped name, or a path to a .py file. An old
+    `experiments/NAME.py` path names the shipped config NAME (the configs lived there)."""
+    base = os.path.basename(name)
+    if (not os.path.exists(name) and os.path.dirname(name) == "experiments"
+            and base.endswith(".py") and base[:-3] in shipped()):
+        name = base[:-3]
+    if name.endswith(".py"):
+        if not os.path.isfile(name):
+            raise ConfigError(f"--config={name}: no such file; shipped configs: "
+                              f"{', '.join(shipped())}")
+        spec = importlib.util.spec_from_file_location(
+            f"_config_{os.path.basename(name)[:-3]}", name)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(name)))  # its own helpers
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.pop(0)
+        return module
+    if name not in shipped():
+        raise ConfigError(f"--config={name} is not a shipped config{did_you_mean(name, shipped())}"
+                          f"; valid: {list(shipped())}, or a path to a .py file with get_config()")
+    return importlib.import_module(f"attention_jax.configs.{name}")
+
+
+def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_collections.ConfigDict:
+    """The config of `spec` ("NAME[:ARG]" or "path/to/file.py[:ARG]") with `overrides`
+    applied: {"train.steps": 50} or ["train.steps=50"] (strings are typed by the field)."""
+    name, _, arg = spec.partition(":")
+    module = _module(name)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"--config={spec}: {name} defines no get_config(arg)")
+    try:
+        config = module.get_config(arg or None)
+    except ConfigError as e:
+        raise ConfigError(f"--config={spec}: {e}") from None
+    apply_overrides(config, overrides)
+    return config
+
+
+def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> None:
+    """Sets each "group.key" of `overrides` on `config`; a key the config lacks is a
+    ConfigError naming the valid keys, a string is parsed as the field's type."""
+    items = (overrides.items() if isinstance(overrides, Mapping)
+             else (_split_override(o) for o in overrides))
+    for key, value in items:
+        *groups, field = key.split(".")
+        node, where = config, "config"
+        for name in [*groups, field]:
+            if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+                valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                raise ConfigError(f"--config.{key}: {where} has no key {name!r}; valid: {valid}"
+                                  f"{did_you_mean(name, valid)}")
+            if name != field:
+                node, where = node[name], f"{where}.{name}"
+        old = node[field]
+        if isinstance(value, str):
+            value = parse_value(f"config.{key}", old, value)
+        try:
+            node[field] = value
+        except TypeError as e:
+            raise ConfigError(f"--config.{key}={value!r}: {e}") from None
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must be group.key=value, e.g. train.steps=50")
+    return key, value
+
+
+def parse_value(name: str, old, text: str):
+    """`text` as the type of the field's current value `old`."""
+    if isinstance(old, bool):
+        word = text.strip().lower()
+        if word not in ("true", "false", "1", "0"):
+            raise ConfigError(f"{name}={text!r} must be true or false")
+        return word in ("true", "1")
+    for kind in (int, float):
+        if isinstance(old, kind):
+            try:
+                return kind(text)
+            except ValueError:
+                raise ConfigError(f"{name}={text!r} must be {'an int' if kind is int else 'a float'}"
+                                  f" (now {old!r})") from None
+    if isinstance(old, (tuple, list)) or old is None:
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            if old is None:
+                return text
+            raise ConfigError(f"{name}={text!r} must be a Python tuple, e.g. "
+                              f"{tuple(old)!r}") from None
+        if isinstance(old, tuple) and isinstance(value, list):
+            value = tuple(value)
+        return value
+    return text
+
+
+def parse_arg(arg: str | None, choices: Mapping[str, Iterable] | None = None,
+              **defaults) -> ml_collections.ConfigDict:
+    """An experiment's `:ARG` ("variant=gpt-tiny-rope,steps=100") over `defaults`, each
+    value typed as its default; a key not in `defaults`, or a value outside `choices[key]`,
+    is a ConfigError naming the valid ones (so a misspelt argument never trains the
+    default silently)."""
+    args = dict(defaults)
+    for item in (arg.split(",") if arg else []):
+        key, sep, text = item.partition("=")
+        if not sep or key not in defaults:
+            valid = sorted(defaults)
+            raise ConfigError(f"{key!r} is not an argument of this config{did_you_mean(key, valid)}"
+                              f"; valid: {valid} as :key=value,key=value")
+        args[key] = parse_value(f":{key}", defaults[key], text)
+    for key, valid in (choices or {}).items():
+        check_choice(f":{key}", args[key], valid)
+    return ml_collections.ConfigDict(args)

@@ -1,0 +1,171 @@
+"""The step functions: the train state created already sharded, the jitted training and
+evaluation steps, and the evaluation over the eval split. What a step computes for a
+model family comes from its `Task` (tasks.py): `task.init` and `task.loss`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from attention_jax import sharding
+from attention_jax.data import loaders
+from attention_jax.errors import ConfigError
+from attention_jax.tasks import Task
+
+
+# ==================================================================================== state
+def create_state(task: Task, tx, mesh, rules, seed: int):
+    """Abstract state (with shardings) and a function that creates it already sharded.
+
+    The state is a dict {step, params, opt_state, rng}: plain containers keep checkpoints
+    readable by any tool. Shardings come from the logical names on the parameters; the
+    optimizer state mirrors them (optax's tree_map_params), counters are replicated.
+    """
+    boxed = jax.eval_shape(task.init, jax.random.PRNGKey(seed))
+    param_sh = sharding.logical_to_shardings(nn.get_partition_spec(boxed), mesh, rules)
+    abstract_params = nn.meta.unbox(boxed)
+    sharding.check_divisible(abstract_params, param_sh)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    repl = sharding.replicated(mesh)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: repl,
+        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+    shardings = {"step": repl, "params": param_sh, "opt_state": opt_sh, "rng": repl}
+
+    def init(seed_key):
+        params = nn.meta.unbox(task.init(seed_key))
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(params), "rng": jax.random.fold_in(seed_key, 1)}
+
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(seed))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+    # jit with out_shardings: every device computes only its own shards; the full
+    # state never exists on one device.
+    init_fn = jax.jit(init, out_shardings=shardings)
+    return abstract, shardings, lambda: init_fn(jax.random.PRNGKey(seed))
+
+
+# =========================================================================== step functions
+def cast_params(params, dtype):
+    """Mixed precision: float32 master params, low-precision copy for the forward pass."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params)
+
+
+def make_train_step(task: Task, tx, schedule, config, mesh):
+    dtype = jnp.dtype(config.train.compute_dtype)
+    accum = config.optim.grad_accum
+    nan_at = config.train.inject_nan_at
+    batch_sh = sharding.batch_sharding(mesh)
+
+    def loss_fn(params, batch, rng, step):
+        loss, metrics = task.loss(cast_params(params, dtype), batch, rng, True)
+        if nan_at >= 0:  # Fault injection for testing the non-finite path.
+            loss = loss * jnp.where(step + 1 == nan_at, jnp.nan, 1.0)
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state, batch):
+        step, params = state["step"], state["params"]
+        rng = jax.random.fold_in(state["rng"], step)  # A function of step: resume-exact.
+        if accum == 1:
+            (loss, metrics), grads = grad_fn(params, batch, rng, step)
+        else:
+            # Micro-batch j takes rows j, j+A, j+2A, ...: every device keeps an equal
+            # share of each micro-batch (a plain reshape would put micro-batch 0 on
+            # the first devices only).
+            def split(x):
+                x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(
+                    x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                        None, *batch_sh.spec)))
+
+            def body(carry, xs):
+                mb, j = xs
+                (l, m), g = grad_fn(params, mb, jax.random.fold_in(rng, j), step)
+                return jax.tree.map(jnp.add, carry, (l, m, g)), None
+
+            micro = jax.tree.map(split, batch)
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                 jax.eval_shape(grad_fn, params,
+                                                jax.tree.map(lambda x: x[0], micro), rng, step))
+            (loss, metrics), grads = zeros
+            (loss, metrics, grads), _ = jax.lax.scan(
+                body, (loss, metrics, grads), (micro, jnp.arange(accum)))
+            loss, metrics, grads = jax.tree.map(lambda x: x / accum, (loss, metrics, grads))
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if config.train.nonfinite == "skip":
+            # A non-finite step changes nothing but the step counter: training goes on
+            # with the old values. Only here: selecting between the old and new state
+            # makes XLA copy every AdamW moment each step (the new moments are written
+            # in place while the parameters' update still reads the old ones; seen in the
+            # compiled step, tests/system/test_training.py counts the copies). In "stop"
+            # mode the host finds the step at the next sync point, before anything is
+            # saved, and stops: the state after it is never saved or used.
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                               {"params": params, "opt_state": state["opt_state"]})
+        new_state = {**new, "step": step + 1, "rng": state["rng"]}
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": schedule(step),
+                   "finite": finite}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(task: Task, config):
+    dtype = jnp.dtype(config.train.compute_dtype)
+
+    def eval_step(params, batch):
+        loss, metrics = task.loss(cast_params(params, dtype), batch, jax.random.PRNGKey(0), False)
+        return {**metrics, "loss": loss}
+
+    return eval_step
+
+
+def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
+    """Mean of the eval metrics over `eval.steps` batches (0: the whole split)."""
+    loader = loaders.Loader(task.eval_source, global_batch_size=config.eval.batch_size,
+                            seed=config.train.seed, shuffle=False, num_epochs=1,
+                            transform=task.eval_transform)
+    sums, n = {}, 0
+    for batch in loader:
+        metrics = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
+        sums = {k: sums.get(k, 0.0) + float(v) for k, v in metrics.items()}
+        n += 1
+        if config.eval.steps and n >= config.eval.steps:
+            break
+    if n == 0:
+        raise ConfigError(f"the eval split has fewer than eval.batch_size="
+                         f"{config.eval.batch_size} examples; lower config.eval.batch_size")
+    means = {k: v / n for k, v in sums.items()}
+    if task.unit == "tokens":
+        means["perplexity"] = math.exp(min(means["loss"], 50.0))
+    return means
+
+
+def jit_eval_step(task: Task, config, mesh, param_shardings):
+    """eval_step(params, batch) -> metrics, jitted on `mesh` (params on `param_shardings`)."""
+    return jax.jit(make_eval_step(task, config),
+                   in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
+                   out_shardings=sharding.replicated(mesh))
+
+
+def jit_steps(s, config):
+    """(train_step, eval_step) of a train.Setup `s` (its task, tx, schedule, mesh and
+    shardings), jitted on its mesh: train_step(state, batch) -> (state, metrics) donates
+    the old state; eval_step(params, batch) -> metrics."""
+    batch_sh, repl = sharding.batch_sharding(s.mesh), sharding.replicated(s.mesh)
+    train_step = jax.jit(make_train_step(s.task, s.tx, s.schedule, config, s.mesh),
+                         in_shardings=(s.shardings, batch_sh), out_shardings=(s.shardings, repl),
+                         donate_argnums=0)  # The old state's buffers hold the new one.
+    return train_step, jit_eval_step(s.task, config, s.mesh, s.shardings["params"])

@@ -1,0 +1,270 @@
+"""The run directory: what a training run writes into its workdir, and how it is read back.
+
+    workdir/config.json      the resolved config (write_config / read_config)
+    workdir/metrics.jsonl    one record per (step, split) (MetricWriter / read_metrics)
+    workdir/tensorboard/     the same metrics as TensorBoard event files
+    workdir/checkpoints/     orbax steps (checkpoint.py)
+    workdir/tokenizer/       the run's tokenizer, for eval, sampling and resume
+
+The trainer, `runs`, the tools and the sweep all go through here, so the file names,
+the handling of a line torn by a kill, and the mapping of old config names live in one
+place. Also here: the guard that stops a resume with a changed config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from attention_jax import config as config_lib
+from attention_jax.errors import ConfigError, UserError
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+CHECKPOINTS = "checkpoints"
+TOKENIZER = "tokenizer"
+
+
+class RunNotFoundError(UserError, FileNotFoundError):
+    """The workdir holds no run, or no checkpoint yet (train first)."""
+
+
+def path(workdir: str, name: str) -> str:
+    """workdir/name, for one of the names above."""
+    return os.path.join(workdir, name)
+
+
+# =================================================================================== config
+# Model-config fields renamed since a run may have written its config.json (old -> new),
+# by task: one spelling of the fields the families share (d_model, max_len,
+# norm_epsilon, dropout_rate, vocab_size).
+RENAMED_MODEL_FIELDS = {
+    "gpt": {"embed_dim": "d_model"},
+    "encdec": {"embed_dim": "d_model"},
+    "bert_mlm": {"max_positions": "max_len", "layer_norm_epsilon": "norm_epsilon"},
+    "vit": {"layer_norm_epsilon": "norm_epsilon"},
+    "rnn_seq2seq": {"src_vocab_size": "vocab_size", "dropout": "dropout_rate"},
+}
+
+# Keys the experiment configs gained after runs were saved without them, with the value
+# those runs trained with: resuming such a run with the key at that value is no change.
+ADDED_KEYS = {"data.packing": "documents"}
+
+
+def rename_old_model_fields(task: str, model: dict) -> dict:
+    """`model` (a config.json's "model" group) with the old field names of `task`'s
+    model replaced by today's; a field written under both names is an error."""
+    renamed = RENAMED_MODEL_FIELDS.get(task, {})
+    both = sorted(old for old, new in renamed.items() if old in model and new in model)
+    if both:
+        raise ConfigError(f"config.model has both {both[0]!r} and its new name "
+                          f"{renamed[both[0]]!r}; keep only {renamed[both[0]]!r}")
+    return {renamed.get(k, k): v for k, v in model.items()}
+
+
+def write_config(workdir: str, config) -> None:
+    with open(path(workdir, CONFIG), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+
+
+def read_config_json(workdir: str) -> dict | None:
+    """The run's config.json as a dict with today's model field names (None without it)."""
+    file = path(workdir, CONFIG)
+    if not os.path.exists(file):
+        return None
+    with open(file) as f:
+        stored = json.load(f)
+    stored["model"] = rename_old_model_fields(stored.get("task", ""), stored.get("model", {}))
+    return stored
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The run's config; RunNotFoundError if `workdir` holds no run."""
+    stored = read_config_json(workdir)
+    if stored is None:
+        raise RunNotFoundError(f"{path(workdir, CONFIG)} does not exist: {workdir!r} is not a "
+                               f"run directory written by attention_jax.main (--workdir=DIR "
+                               f"writes it)")
+    return ml_collections.ConfigDict(stored)
+
+
+# ================================================================================== metrics
+class MetricWriter:
+    """Metrics as JSONL (`metrics.jsonl`, one object per record) and TensorBoard event
+    files (`tensorboard/`), written by process 0 only."""
+
+    def __init__(self, workdir: str, resume_step: int | None = None):
+        """resume_step: training (re)starts after this step, so records of later steps
+        (written before a crash, or before a fall back to an older checkpoint) are
+        superseded: dropped from metrics.jsonl and purged from TensorBoard."""
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+            file = path(workdir, METRICS)
+            if resume_step is not None:
+                drop_records_after(file, resume_step)
+            self._jsonl = open(file, "a")
+            self._tb = SummaryWriter(path(workdir, TENSORBOARD),
+                                     purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for k, v in metrics.items():
+            self._tb.add_scalar(f"{split}/{k}", float(v), step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+def read_records(file: str) -> list[dict]:
+    """The records of a JSONL file, in order ([] without the file). A line cut short by
+    a kill is skipped."""
+    if not os.path.exists(file):
+        return []
+    records = []
+    with open(file) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn or blank line
+    return records
+
+
+def drop_records_after(file: str, step: int) -> None:
+    """Rewrites the JSONL `file` without the records of steps after `step` (and without
+    torn lines): written to a temporary file and renamed over the old one, so a crash
+    leaves one or the other, never half of each."""
+    if not os.path.exists(file):
+        return
+    records = read_records(file)
+    keep = [r for r in records if r.get("step", 0) <= step]
+    with open(file) as f:
+        unchanged = len(keep) == sum(1 for line in f if line.strip())
+    if unchanged:
+        return
+    tmp = f"{file}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of metrics.jsonl, one per (step, split). The trainer rewrites the file
+    on resume (drop_records_after); a file written before that, or a repeated
+    --mode=eval, can hold a step twice: the later record supersedes the earlier, in the
+    earlier one's place."""
+    file = path(workdir, METRICS)
+    if not os.path.exists(file):
+        raise RunNotFoundError(f"{file}: no metrics (is {workdir} a training run's workdir?)")
+    records: dict[tuple, dict] = {}
+    for r in read_records(file):
+        key = (r.get("step"), r.get("split"))
+        if key in records and r.get("split") == "train":
+            # A resumed run's record: the ones after it were superseded too.
+            records = {k: v for k, v in records.items() if k[0] < r.get("step")}
+        records[key] = r
+    return list(records.values())
+
+
+def last_records(workdir: str) -> dict[str, dict]:
+    """The last 'train' and 'eval' records of metrics.jsonl (with their step)."""
+    found = {"train": {}, "eval": {}}
+    for record in read_records(path(workdir, METRICS)):
+        if record.get("split") in found:
+            found[record.pop("split")] = record
+    return found
+
+
+def finished(workdir: str, steps: int) -> bool:
+    """Whether the run trained all `steps` and wrote its final evaluation."""
+    return any(r.get("split") == "eval" and r.get("step") == steps
+               for r in read_records(path(workdir, METRICS)))
+
+
+def wall_seconds(workdir: str) -> float:
+    """From config.json (written before compiling) to the last metric record (the final
+    eval): compilation, training and evaluation included, as a user waits for it. A
+    resumed run's span includes the pause."""
+    return round(os.path.getmtime(path(workdir, METRICS))
+                 - os.path.getmtime(path(workdir, CONFIG)), 1)
+
+
+# ============================================================================ resume guard
+# Keys a resumed run may change without resume_changed=True: how long to train, how often
+# to log, evaluate and checkpoint, where the data lives, on which devices (checkpoints
+# restore onto any mesh), and the attention backend; none changes what a step computes.
+# Keys ending in "." cover their whole group.
+RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.checkpoint_every",
+                    "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
+                    "train.prefetch",
+                    "train.nonfinite", "train.inject_nan_at", "train.init_from",
+                    "train.checkpoint_on_damage", "train.loss_chunk_size",
+                    "data.data_dir", "model.implementation", "model.remat_policy",
+                    "mesh.", "eval.")
+
+
+def config_changes(config, workdir: str) -> dict[str, tuple[Any, Any]]:
+    """{key: (value in workdir/config.json, value in `config`)} for every key that
+    differs ({} without a config.json). A key one side lacks counts as its default."""
+    stored = read_config_json(workdir)
+    if stored is None:
+        return {}
+    old = config_lib.flat(stored)
+    new = config_lib.flat(json.loads(config.to_json_best_effort()))
+    base = {**config_lib.flat(json.loads(config_lib.base_config().to_json_best_effort())),
+            **ADDED_KEYS}
+    missing = "(absent)"
+    changes = {}
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, base.get(key, missing)), new.get(key, base.get(key, missing))
+        if before != after:
+            changes[key] = (before, after)
+    return changes
+
+
+def check_config_change(config, workdir: str, step: int | None, resume_changed: bool) -> str:
+    """Before resuming the checkpoint at `step`: compares `config` with the run's
+    config.json. Changes only of RESUME_SAFE_KEYS (e.g. train.steps, to extend a run)
+    give a note (returned, for the caller to print; "" when nothing changed); others
+    raise a ConfigError listing `key: old -> new` and the ways through, unless
+    `resume_changed` (then the old file is kept as config_until_step_<step>.json)."""
+    if step is None:
+        return ""  # Nothing to resume: the workdir's config.json is simply replaced.
+    changes = config_changes(config, workdir)
+    if not changes:
+        return ""
+    safe = lambda key: any(key == k or (k.endswith(".") and key.startswith(k))
+                           for k in RESUME_SAFE_KEYS)
+    show = lambda keys: ", ".join(f"{k}: {json.dumps(changes[k][0])} -> "
+                                  f"{json.dumps(changes[k][1])}" for k in keys)
+    relevant = [k for k in changes if not safe(k)]
+    if relevant and not resume_changed:
+        raise ConfigError(
+            f"{workdir} holds a run at step {step} trained with another config: "
+            f"{show(relevant)}. To resume it with the new values anyway pass "
+            f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
+            f"from scratch use a new --workdir.")
+    note = f"resuming step {step} with config changes: {show(list(changes))}"
+    if "train.steps" in changes and not config.optim.decay_steps:
+        note += (f" (the learning-rate schedule now spans {changes['train.steps'][1]} steps; "
+                 f"--config.optim.decay_steps={changes['train.steps'][0]} keeps the old one)")
+    if relevant and jax.process_index() == 0:
+        old = path(workdir, f"config_until_step_{step}.json")
+        os.replace(path(workdir, CONFIG), old)
+        note += f"; the previous config is kept as {old}"
+    return note
