@@ -1,10 +1,13 @@
 """The package's import structure, read from its source with `ast` (nothing imported):
 no import circles, and every import points to the module's own layer or a lower one:
 
-    attention, data < layers < models < tasks, convert < train < runs, main < tools
+    attention, data < checkpoint < layers < models < tasks, convert, config, workdir
+        < optimizer, steps < train < runs, main, verify, configs < tools
 
-axes.py, quiet.py, errors.py, sharding.py and checkpoint.py import nothing of the package
-but axes, quiet and errors and so stand on the ground floor with attention/ and data/, where anything may use them.
+axes.py, quiet.py, errors.py, sharding.py and digests.py import nothing of the package but
+axes, quiet and errors and so stand on the ground floor with attention/ and data/, where
+anything may use them. checkpoint.py stands on digests (never the other way round), and the
+checkpoint verifier (verify.py) is a command like main.
 """
 
 import ast
@@ -15,8 +18,9 @@ import pytest
 from helpers import REPO
 
 PACKAGE = "attention_jax"
-LAYERS = [{"attention", "data", "axes", "sharding", "checkpoint", "quiet", "errors"}, {"layers"}, {"models"},
-          {"tasks", "convert"}, {"train"}, {"runs", "main"}, {"tools"}]
+LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors"}, {"checkpoint"},
+          {"layers"}, {"models"}, {"tasks", "convert", "config", "workdir"},
+          {"optimizer", "steps"}, {"train"}, {"runs", "main", "verify", "configs"}, {"tools"}]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 

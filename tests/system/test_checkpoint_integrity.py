@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import tiny
-from attention_jax import checkpoint, train
+from attention_jax import checkpoint, digests, train, verify
+from attention_jax import config as config_lib
+from attention_jax.errors import ConfigError
 
 STEPS = {"train.checkpoint_every": 5, "train.log_every": 1}
 
@@ -191,6 +193,7 @@ def test_no_intact_checkpoint_lists_every_step(runs, tmp_path):
                       (5, "data-loader state")):
         assert f"step {step}: " in message and why in message.split(f"step {step}: ")[1], message
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "5"]
+    assert f"python -m attention_jax.verify {workdir}/checkpoints`" in message, message
 
 
 def test_a_step_folder_without_commit_marker_is_ignored(runs, tmp_path):
@@ -255,30 +258,30 @@ def test_digest_detects_one_flipped_bit_in_any_array(runs):
         state, _ = s.ckpt.restore(s.abstract, 15)
     s.ckpt.close()
     host = jax.tree.map(np.asarray, jax.device_get(state))
-    digests = checkpoint.state_digests(host)
-    assert digests == checkpoint.state_digests(state)  # numpy and sharded: the same
+    recorded = digests.state_digests(host)
+    assert recorded == digests.state_digests(state)  # numpy and sharded: the same
     rng = np.random.default_rng(0)
-    paths = checkpoint.tree_paths(host)
+    paths = digests.tree_paths(host)
     for path, leaf in paths:
         words = leaf.copy().reshape(-1).view(np.uint32)
         words[rng.integers(words.size)] ^= np.uint32(1 << int(rng.integers(32)))
         flipped = dict(paths)
         flipped[path] = words.view(leaf.dtype).reshape(leaf.shape)
-        changed = checkpoint.state_digests(flipped)
-        assert changed[path]["digest"] != digests[path]["digest"], path
-        assert sum(changed[p] != digests[p] for p, _ in paths) == 1
+        changed = digests.state_digests(flipped)
+        assert changed[path]["digest"] != recorded[path]["digest"], path
+        assert sum(changed[p] != recorded[p] for p, _ in paths) == 1
     # Two elements swapped: the sum of the words is the same, the position-weighted part not.
     w = host["params"]["embed"].copy()
     w[[0, 1]] = w[[1, 0]]
-    assert (checkpoint.state_digests({"w": w})["w"]["digest"][8:]
-            != checkpoint.state_digests({"w": host["params"]["embed"]})["w"]["digest"][8:])
+    assert (digests.state_digests({"w": w})["w"]["digest"][8:]
+            != digests.state_digests({"w": host["params"]["embed"]})["w"]["digest"][8:])
 
 
 def test_saved_on_2x2x2_verifies_and_resumes_on_1_and_4_devices(runs, tmp_path):
     mesh222 = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
     base = str(tmp_path / "base")
     train.train_and_evaluate(tiny.tiny_config(**STEPS, **mesh222), base)
-    rows, _ = checkpoint.verify_directory(base)
+    rows, _ = verify.verify_directory(base)
     assert [(r["step"], r["mesh"], r["status"]) for r in rows] == [
         (10, "data=2 fsdp=2 sequence=1 tensor=2", "ok"), (5, "data=2 fsdp=2 sequence=1 tensor=2", "ok")]
     for name, mesh in (("one", {"mesh.num_devices": 1}),
@@ -298,7 +301,7 @@ def test_verifier_table(runs, tmp_path, capsys):
     _state_of_another_step(_step(workdir, 15))
     _delete_data_state(_step(workdir, 5))
     os.makedirs(_step(workdir, 25))
-    assert checkpoint.main(["verify", workdir]) == 1
+    assert verify.main([workdir]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["step", "saved", "at", "(UTC)", "size", "mesh", "status"]
     rows = {int(line.split()[0]): line for line in lines[1:4]}
@@ -311,8 +314,24 @@ def test_verifier_table(runs, tmp_path, capsys):
     assert "DAMAGED: data-loader state could not be read" in rows[5]
     assert lines[4].startswith("25: no commit marker")
     # All intact: exit status 0; nothing was moved by the verifier.
-    assert checkpoint.main(["verify", runs["base"]]) == 0
+    assert verify.main([runs["base"]]) == 0
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "25", "5"]
+
+
+def test_verifier_command_line(tmp_path):
+    """The command the README and the no-intact-checkpoint message give: a workdir that
+    does not exist is exit status 2 with a one-line message; an empty one is status 1."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+    for workdir, status, said in ((tmp_path / "nowhere", 2, "has no checkpoints folder"),
+                                  (tmp_path, 1, "(no committed checkpoints)")):
+        done = subprocess.run([sys.executable, "-m", "attention_jax.verify", str(workdir)],
+                              env=subprocess_env(1), cwd=REPO, capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == status and said in done.stdout + done.stderr, (
+            done.stdout + done.stderr)[-3000:]
 
 
 def test_metrics_have_one_record_per_step_after_a_resume(runs, tmp_path):
@@ -331,20 +350,20 @@ def test_metrics_have_one_record_per_step_after_a_resume(runs, tmp_path):
 
 def test_config_rejects_an_unknown_damage_policy():
     config = tiny.tiny_config(**{"train.checkpoint_on_damage": "ignore"})
-    with pytest.raises(train.ConfigError, match=r"checkpoint_on_damage='ignore'.*fall_back"):
-        train.validate_config(config)
+    with pytest.raises(ConfigError, match=r"checkpoint_on_damage='ignore'.*fall_back"):
+        config_lib.validate(config)
 
 
 def test_digest_is_the_same_for_every_sharding():
     """One array, four layouts (replicated, split over 2, 4 and 8 devices in 1 and 2
     dimensions): one digest."""
     x = jnp.arange(8 * 12 * 3, dtype=jnp.float32).reshape(8, 12, 3) * 0.37
-    want = checkpoint.state_digests({"x": np.asarray(x)})
+    want = digests.state_digests({"x": np.asarray(x)})
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     P = jax.sharding.PartitionSpec
     for spec in (P(), P("a"), P(None, "b"), P("b", "a"), P(("a", "b"))):
         y = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-        assert checkpoint.state_digests({"x": y}) == want, spec
+        assert digests.state_digests({"x": y}) == want, spec
 
 
 def test_digest_computed_on_the_devices_equals_the_host_one():
@@ -360,18 +379,18 @@ def test_digest_computed_on_the_devices_equals_the_host_one():
               "u8": rng.integers(0, 255, (16,), dtype=np.uint8),
               "bool": rng.random((8, 2)) < 0.5,
               "step": np.int32(123456), "empty": np.zeros((0, 4), np.float32)}
-    want = checkpoint.state_digests(values)
+    want = digests.state_digests(values)
     for spec in (P(), P("a"), P(("a", "b"))):
         sharded = {k: jax.device_put(v, jax.sharding.NamedSharding(
             mesh, spec if np.ndim(v) and np.shape(v)[0] % 8 == 0 else P())) for k, v in values.items()}
         sharded["key"] = jax.random.key(7)
-        got = checkpoint.state_digests(sharded, on_device=True)
+        got = digests.state_digests(sharded, on_device=True)
         assert {k: v for k, v in got.items() if k != "key"} == want, spec
-        assert got["key"] == checkpoint.state_digests({"key": jax.random.key(7)},
+        assert got["key"] == digests.state_digests({"key": jax.random.key(7)},
                                                       on_device=False)["key"]
     flipped = values["f32"].copy()
     flipped.view(np.uint32)[3, 7, 1] ^= np.uint32(1 << 20)
-    assert (checkpoint.state_digests({"f32": jnp.asarray(flipped)}, on_device=True)["f32"]
+    assert (digests.state_digests({"f32": jnp.asarray(flipped)}, on_device=True)["f32"]
             != want["f32"])
 
 
@@ -385,8 +404,8 @@ def test_digest_on_a_gpu_takes_the_device_path_and_equals_numpy():
             "h": rng.standard_normal((32,)).astype(jnp.bfloat16),
             "step": np.int32(7), "rng": np.asarray(jax.random.key_data(jax.random.key(3)))}
     state = jax.device_put(host, jax.devices()[0])
-    assert checkpoint._on_accelerator(state["w"])
-    assert checkpoint.state_digests(state) == checkpoint.state_digests(host)
+    assert digests._on_accelerator(state["w"])
+    assert digests.state_digests(state) == digests.state_digests(host)
 
 
 def test_read_metrics_of_a_file_written_before_the_fix(tmp_path):
@@ -411,14 +430,14 @@ jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from attention_jax import checkpoint
+from attention_jax import checkpoint, digests
 mesh = jax.make_mesh((2, 2), ("data", "tensor"))  # 2 devices on each process
 x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6) * 0.3
 w = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data", "tensor")),
                                  lambda i: x[i])
 state = {"w": w, "step": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
 # Each process adds up its own shards; the digest is that of the whole array.
-assert checkpoint.state_digests(state) == checkpoint.state_digests({"w": x, "step": np.int32(3)})
+assert digests.state_digests(state) == digests.state_digests({"w": x, "step": np.int32(3)})
 ck = checkpoint.Checkpointer(sys.argv[3], save_every=1)
 ck.save(1, state, {"next_index": 1})
 ck.save(2, state, {"next_index": 2})

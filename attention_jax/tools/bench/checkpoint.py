@@ -4,7 +4,7 @@ The train state of a GPT-2-shaped model (default 9 layers of GPT-2 small: 103M
 parameters; the state adds AdamW's two moments, 3 x 103M float32 values) is saved and
 restored with `checkpoint.Checkpointer`, and each time the digest's share is measured:
 
-  digest at save      checkpoint.state_digests(state), what Checkpointer.save adds
+  digest at save      digests.state_digests(state), what Checkpointer.save adds
   save                Checkpointer.save + wait until committed, digests included; and
                       the part of it that blocks the caller (training resumes after it)
   plain save          the same orbax save without the digest item
@@ -59,7 +59,7 @@ def run(args) -> dict:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from attention_jax import checkpoint
+    from attention_jax import checkpoint, digests
     state = jax.block_until_ready(_state(args.layers))
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_values = sum(np.size(x) for x in jax.tree.leaves(state))
@@ -68,7 +68,7 @@ def run(args) -> dict:
     out = {"params": int(n_params), "state_values": int(n_values),
            "state_bytes": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))}
     try:
-        state_digests = lambda: checkpoint.state_digests(state)  # noqa: E731
+        state_digests = lambda: digests.state_digests(state)  # noqa: E731
         state_digests()  # warm-up
         out["digest_at_save_s"] = _median_time(state_digests, args.repeats)
 
@@ -106,7 +106,7 @@ def run(args) -> dict:
             restored["state"] = jax.block_until_ready(ck.restore(abstract, latest)[0])
         out["restore_s"] = _median_time(restore, args.repeats)
         out["verify_at_restore_s"] = _median_time(
-            lambda: checkpoint.state_digests(restored["state"]), args.repeats)
+            lambda: digests.state_digests(restored["state"]), args.repeats)
         ck.close()
     finally:
         if not args.dir:
