@@ -9,27 +9,30 @@ import jax
 import numpy as np
 import pytest
 
+from attention_jax.models import flops
 from attention_jax.tools.bench import __main__ as bench_cli
-from attention_jax.tools.bench import train as bench_train
+from attention_jax.tools.bench import train_speed
 
 
 def test_model_flops_formula():
-    shape = bench_train.SHAPES["gpt-cpu"]
+    shape = train_speed.SHAPES["gpt-cpu"]
     # 6·N + 12·L·T·D per token, B·T tokens.
     n = 1000
-    want = 12 * 64 * (6 * n + 12 * 4 * 64 * 128)
-    assert bench_train.model_flops_per_step(shape, n) == want
-    vit = bench_train.SHAPES["vit-digits"]
+    assert flops.flops_per_token(n, 4, 64, 128) == 6 * n + 12 * 4 * 64 * 128
+    row = train_speed.finish_row({}, [0.5], shape, n, rate=1e9)
+    assert row["model_flops_per_step"] == 12 * 64 * (6 * n + 12 * 4 * 64 * 128)
+    assert row["mfu"] == pytest.approx(row["model_flops_per_step"] / 0.5 / 1e9)
+    vit = train_speed.SHAPES["vit-digits"]
     assert vit.tokens == 17 and vit.units_per_step() == vit.batch  # 16 patches + [CLS]
 
 
 def test_run_train_writes_table_and_json(tmp_path, capsys):
     out = tmp_path / "train.json"
     parser = argparse.ArgumentParser()
-    bench_train.add_parser(parser.add_subparsers(dest="which"))
+    train_speed.add_parser(parser.add_subparsers(dest="which"))
     args = parser.parse_args(["train", "--models", "gpt-test", "--warmup", "1", "--repeats", "2",
                               "--matmul-repeats", "1", "--settle", "0", "--out", str(out)])
-    rows = bench_train.run(args)
+    rows = train_speed.run(args)
     sides = {r["side"] for r in rows}
     assert "jax" in sides and (sides == {"jax"} or sides == {"jax", "torch"})
     for r in rows:
@@ -43,7 +46,7 @@ def test_run_train_writes_table_and_json(tmp_path, capsys):
 
 def test_bench_cli_registers_train(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench_train, "run", lambda args: seen.setdefault("args", args))
+    monkeypatch.setattr(train_speed, "run", lambda args: seen.setdefault("args", args))
     bench_cli.main(["train", "--models", "gpt-test", "--no-torch"])
     assert seen["args"].models == ["gpt-test"] and seen["args"].no_torch
 
@@ -51,8 +54,8 @@ def test_bench_cli_registers_train(monkeypatch):
 @pytest.mark.parametrize("name", ["gpt-cpu", "vit-digits"])
 def test_torch_peer_has_our_parameter_count(name):
     pytest.importorskip("transformers")
-    shape = bench_train.SHAPES[name]
-    model, _, args = bench_train.build_ours(shape)
+    shape = train_speed.SHAPES[name]
+    model, _, args = train_speed.build_ours(shape)
     params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args)["params"]))
     ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    assert sum(p.numel() for p in bench_train.build_torch(shape).parameters()) == ours
+    assert sum(p.numel() for p in train_speed.build_torch(shape).parameters()) == ours

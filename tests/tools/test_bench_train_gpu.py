@@ -8,25 +8,26 @@ import math
 
 import pytest
 
-from attention_jax.tools.bench import train as bench_train
-from attention_jax.tools.bench import train_gpu
+from attention_jax.models import flops
+from attention_jax.tools.bench import train_speed, train_speed_gpu
 
 
 def test_flops_and_mfu_by_hand():
-    row = train_gpu.SHAPES["gpt2-124m"].row(16)
+    row = train_speed_gpu.SHAPES["gpt2-124m"].row(16)
     # N = V·D + L·(12D² + 13D) + 2D = 38,633,472 + 12·7,087,872 + 1,536
-    assert train_gpu.matmul_params(row) == 123_689_472
+    assert train_speed_gpu.matmul_params(row) == 123_689_472
     # 6N + 12·L·T·D = 742,136,832 + 113,246,208
-    assert train_gpu.flops_per_token(row) == 855_383_040
-    r = train_gpu.finish_row({**row, "side": "jax", "impl": "cudnn", "step_s": 0.0389},
-                             matmul_rate=800e12)
+    assert flops.flops_per_token(123_689_472, 12, 1024, 768) == 855_383_040
+    r = train_speed_gpu.finish_row({**row, "side": "jax", "impl": "cudnn", "step_s": 0.0389},
+                                   matmul_rate=800e12)
     tokens_per_s = 16 * 1024 / 0.0389
     assert r["tokens_per_s"] == pytest.approx(tokens_per_s)
     assert r["mfu_peak"] == pytest.approx(855_383_040 * tokens_per_s / 989e12)
     assert round(100 * r["mfu_peak"]) == 36  # the issue's 38.9 ms -> 36%
     assert r["mfu_matmul"] == pytest.approx(855_383_040 * tokens_per_s / 800e12)
-    medium = train_gpu.SHAPES["gpt2-medium"].row(8)
-    assert train_gpu.matmul_params(medium) == 50304 * 1024 + 24 * (12 * 1024**2 + 13 * 1024) + 2048
+    medium = train_speed_gpu.SHAPES["gpt2-medium"].row(8)
+    assert (train_speed_gpu.matmul_params(medium)
+            == 50304 * 1024 + 24 * (12 * 1024**2 + 13 * 1024) + 2048)
 
 
 def test_our_param_count_matches_the_formula():
@@ -34,26 +35,26 @@ def test_our_param_count_matches_the_formula():
     import flax.linen as nn
     import jax
     import numpy as np
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
     from attention_jax.models import gpt
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"])
     params = jax.eval_shape(lambda: nn.meta.unbox(gpt.GPT(cfg).init(
         jax.random.PRNGKey(0), np.zeros((1, row["seq_len"]), np.int32))["params"]))
-    assert bench_train.matmul_param_count(params) == train_gpu.matmul_params(row)
+    assert flops.matmul_params(params) == train_speed_gpu.matmul_params(row)
 
 
 def test_table_on_fabricated_rows():
-    base = train_gpu.SHAPES["gpt2-124m"].row(16)
+    base = train_speed_gpu.SHAPES["gpt2-124m"].row(16)
     rows = [{**base, "side": "torch", "impl": "sdpa + compile", "step_s": 0.040},
             {**base, "side": "jax", "impl": "cudnn", "step_s": 0.032},
             {**base, "side": "jax", "impl": "pallas",
              "error": "XlaRuntimeError: RESOURCE_EXHAUSTED | oom"},
-            {**train_gpu.SHAPES["gpt2-medium"].row(8), "side": "jax", "impl": "auto",
+            {**train_speed_gpu.SHAPES["gpt2-medium"].row(8), "side": "jax", "impl": "auto",
              "step_s": 0.1}]
     for r in rows:
-        train_gpu.finish_row(r, 800e12)
-    text = train_gpu.table(rows, 800e12, "NVIDIA H100 80GB HBM3")
+        train_speed_gpu.finish_row(r, 800e12)
+    text = train_speed_gpu.table(rows, 800e12, "NVIDIA H100 80GB HBM3")
     lines = text.splitlines()
     assert lines[0].startswith("| shape | batch |") and "MFU vs 989 peak" in lines[0]
     assert "| gpt2-124m | 16 | jax / cudnn | 32.0 |" in text and "1.25×" in text
@@ -61,29 +62,29 @@ def test_table_on_fabricated_rows():
     assert all(line.count("|") == 9 for line in lines[:6])
     assert "NVIDIA H100 80GB HBM3" in text and "800 TFLOP/s" in text
     assert "| gpt2-medium | 8 | jax / auto | 100.0 |" in text  # no peer: no ratio
-    no_rate = train_gpu.table([train_gpu.finish_row({**base, "side": "jax", "impl": "auto",
-                                                     "step_s": 0.04}, None)], None, "x")
+    no_rate = train_speed_gpu.table([train_speed_gpu.finish_row(
+        {**base, "side": "jax", "impl": "auto", "step_s": 0.04}, None)], None, "x")
     assert "not measured" in no_rate
 
 
 def test_select_rows():
-    assert train_gpu.select_rows(True, None) == [("gpt2-124m", 16)]
-    assert train_gpu.select_rows(False, None) == [("gpt2-124m", 16), ("gpt2-124m", 32),
-                                                 ("gpt2-medium", 8), ("gpt2-medium", 16),
-                                                 ("gpt2-xl", 8), ("gpt2-xl", 16)]
-    assert train_gpu.select_rows(False, ["gpt2-medium"]) == [("gpt2-medium", 8),
-                                                            ("gpt2-medium", 16)]
-    assert train_gpu.select_rows(False, ["gpt2-124m:32"]) == [("gpt2-124m", 32)]
+    assert train_speed_gpu.select_rows(True, None) == [("gpt2-124m", 16)]
+    assert train_speed_gpu.select_rows(False, None) == [
+        ("gpt2-124m", 16), ("gpt2-124m", 32), ("gpt2-medium", 8), ("gpt2-medium", 16),
+        ("gpt2-xl", 8), ("gpt2-xl", 16)]
+    assert train_speed_gpu.select_rows(False, ["gpt2-medium"]) == [("gpt2-medium", 8),
+                                                                  ("gpt2-medium", 16)]
+    assert train_speed_gpu.select_rows(False, ["gpt2-124m:32"]) == [("gpt2-124m", 32)]
     with pytest.raises(SystemExit, match="gpt2-small"):
-        train_gpu.select_rows(False, ["gpt2-small"])
+        train_speed_gpu.select_rows(False, ["gpt2-small"])
 
 
 def test_torch_peer_step_on_cpu_learns():
     torch = pytest.importorskip("torch")
     from attention_jax.tools.bench import torch_gpt
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
     step, model, info = torch_gpt.make_step(row, device="cpu", compile=False, lr=3e-3)
-    assert info["params"] == train_gpu.matmul_params(row) + row["seq_len"] * row["width"]
+    assert info["params"] == train_speed_gpu.matmul_params(row) + row["seq_len"] * row["width"]
     assert model.lm_head.weight is model.token_embedding.weight  # tied
     losses = [float(step()) for _ in range(8)]
     assert all(math.isfinite(x) for x in losses)
@@ -106,7 +107,7 @@ def test_torch_peer_cli_on_cpu(tmp_path):
     pytest.importorskip("torch")
     from attention_jax.tools.bench import torch_gpt
     out = tmp_path / "peer.json"
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
     torch_gpt.main(["--rows", json.dumps([row]), "--out", str(out), "--device", "cpu",
                     "--no-compile", "--warmup", "1", "--repeats", "2", "--steps", "2"])
     (r,) = json.loads(out.read_text())
@@ -115,13 +116,14 @@ def test_torch_peer_cli_on_cpu(tmp_path):
 
 
 def test_our_child_step_on_cpu():
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
-    r = train_gpu.measure_ours(row, "blockwise", warmup=1, repeats=2, steps=2, dtype="float32")
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    r = train_speed_gpu.measure_ours(row, "blockwise", warmup=1, repeats=2, steps=2,
+                                     dtype="float32")
     assert "error" not in r, r.get("error")
     assert len(r["times"]) == 2 and r["step_s"] > 0 and math.isfinite(r["loss"])
-    assert r["params"] == train_gpu.matmul_params(row) + row["seq_len"] * row["width"]
-    bad = train_gpu.measure_ours(row, "no-such-attention", warmup=1, repeats=1, steps=1,
-                                 dtype="float32")
+    assert r["params"] == train_speed_gpu.matmul_params(row) + row["seq_len"] * row["width"]
+    bad = train_speed_gpu.measure_ours(row, "no-such-attention", warmup=1, repeats=1, steps=1,
+                                       dtype="float32")
     assert "error" in bad and "step_s" not in bad  # recorded, not raised
 
 
@@ -131,7 +133,7 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     JSON), the children running on the CPU at a tiny size; the peer skipped."""
     out = tmp_path / "train_gpu.json"
     parser = argparse.ArgumentParser()
-    bench_train.add_parser(parser.add_subparsers(dest="which"))
+    train_speed.add_parser(parser.add_subparsers(dest="which"))
     trainer_args = (f"--config.data.max_files=6 --config.data.data_dir={tmp_path / 'tfds'} "
                     "--config.mesh.num_devices=1")
     # A flag the CPU knows, whose effect the child reports: its device count.
@@ -142,10 +144,10 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
                               f"--trainer-args={trainer_args}", f"--xla-flags={flags}", "--fit", "--fit-limit-gib", "0.05",
                               "--implementation", "blockwise", "--packing", "stream",
                               "--out", str(out)])
-    # train.run dispatches on --device gpu; the device query answers from the CPU here.
-    monkeypatch.setattr(train_gpu, "SHAPES", train_gpu.SHAPES_TINY)
-    monkeypatch.setattr(train_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
-    rows = bench_train.run(args)
+    # train_speed.run dispatches on --device gpu; the device query answers from the CPU here.
+    monkeypatch.setattr(train_speed_gpu, "SHAPES", train_speed_gpu.SHAPES_TINY)
+    monkeypatch.setattr(train_speed_gpu, "_child_info", lambda timeout: {"device": "cpu (test)"})
+    rows = train_speed.run(args)
     assert [(r["side"], r["impl"]) for r in rows] == [
         ("jax", "blockwise"), ("jax", "blockwise xla1"), ("trainer step", "blockwise"),
         ("trainer", "blockwise")]
@@ -175,45 +177,46 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
 
 def test_packing_option_names_the_valid_values(tmp_path):
     parser = argparse.ArgumentParser()
-    bench_train.add_parser(parser.add_subparsers(dest="which"))
+    train_speed.add_parser(parser.add_subparsers(dest="which"))
     args = parser.parse_args(["train", "--device", "gpu", "--packing", "documents,rows",
                               "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match=r"--packing 'documents,rows'; valid: \['documents', "
                                          r"'stream'\]"):
-        train_gpu.run(args, info={"device": "cpu (test)"})
+        train_speed_gpu.run(args, info={"device": "cpu (test)"})
 
 
 def test_largest_batch_is_the_last_that_fits():
     """The search's answer b fits and b + 1 does not, by compiled memory; a limit below
     batch 1 gives 0. (Compile only: nothing runs.)"""
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(1)
-    at = lambda b: train_gpu.compiled_bytes({**row, "batch": b}, "xla", "float32")
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(1)
+    at = lambda b: train_speed_gpu.compiled_bytes({**row, "batch": b}, "xla", "float32")
     limit = (at(6) + at(7)) // 2
-    fit = train_gpu.largest_batch(row, "xla", limit, "float32")
+    fit = train_speed_gpu.largest_batch(row, "xla", limit, "float32")
     b = fit["largest_batch"]
     assert at(b) == fit["bytes"] <= limit < at(b + 1)
-    assert train_gpu.largest_batch(row, "xla", at(1) - 1, "float32")["largest_batch"] == 0
+    assert train_speed_gpu.largest_batch(row, "xla", at(1) - 1, "float32")["largest_batch"] == 0
 
 
 def test_cpu_mode_is_chosen_without_a_gpu_plugin(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert train_gpu.gpu_available() is None
+    assert train_speed_gpu.gpu_available() is None
 
 
 def test_loss_chunk_option(tmp_path):
     """--loss-chunk: the values the parent takes, and a child process's step (run in this
     process) with the chunked loss, starting from the same loss as the whole logits."""
-    assert train_gpu.parse_loss_chunks("0, 256") == [0, 256]
+    assert train_speed_gpu.parse_loss_chunks("0, 256") == [0, 256]
     for bad in ("-1", "abc", ""):
         with pytest.raises(SystemExit, match="--loss-chunk .* valid: integers >= 0"):
-            train_gpu.parse_loss_chunks(bad)
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+            train_speed_gpu.parse_loss_chunks(bad)
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
     results = []
     for chunk in ("0", "4"):
         out = tmp_path / f"chunk{chunk}.json"
-        train_gpu.child_main(["jax", "--out", str(out), "--row", json.dumps(row),
-                              "--implementation", "xla", "--dtype", "float32", "--warmup", "1",
-                              "--repeats", "1", "--steps", "1", "--loss-chunk", chunk])
+        train_speed_gpu.child_main(["jax", "--out", str(out), "--row", json.dumps(row),
+                                    "--implementation", "xla", "--dtype", "float32",
+                                    "--warmup", "1", "--repeats", "1", "--steps", "1",
+                                    "--loss-chunk", chunk])
         results.append(json.loads(out.read_text()))
     whole, chunked = results
     assert "error" not in chunked and chunked["impl"] == "xla loss-chunk 4"
@@ -224,10 +227,27 @@ def test_loss_chunk_option(tmp_path):
 def test_a_failing_trainer_step_row_is_recorded_not_raised(tmp_path):
     """The trainer-step child (the trainer's own step alone) writes a bad configuration's
     error as its row, as the other children do."""
-    row = train_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
     out = tmp_path / "row.json"
-    train_gpu.child_main(["trainer-step", "--row", json.dumps(row), "--implementation",
-                          "no-such-attention", "--dtype", "float32", "--out", str(out),
-                          "--extra", json.dumps(["--config.mesh.num_devices=1"])])
+    train_speed_gpu.child_main(["trainer-step", "--row", json.dumps(row), "--implementation",
+                                "no-such-attention", "--dtype", "float32", "--out", str(out),
+                                "--extra", json.dumps(["--config.mesh.num_devices=1"])])
     got = json.loads(out.read_text())
     assert "step_s" not in got and "no-such-attention" in got["error"]
+
+
+def test_trainer_row_config_is_the_shipped_gpt2_gpu_with_the_row_set():
+    """The trainer rows run configs/gpt2_gpu.py by name, with the row's shape and the
+    --config.* arguments of --trainer-args set over it (as main.py would); nothing runs."""
+    from attention_jax.tools.bench import trainer
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    cmd = trainer.command(row, "/tmp/run", steps=6, log_every=1, implementation="xla",
+                          dtype="float32", extra=("--config.data.packing=stream",))
+    assert cmd[1:5] == ["-m", "attention_jax.main", "--config=gpt2_gpu", "--workdir=/tmp/run"]
+    assert "--config.train.batch_size=2" in cmd and cmd[-1] == "--config.data.packing=stream"
+    config = trainer.experiment_config(row, "xla", "float32", 6,
+                                       extra=("--config.data.packing=stream", "--mode=train"))
+    assert (config.model.num_layers, config.model.d_model, config.model.vocab_size) == (1, 32, 320)
+    assert config.model.implementation == "xla" and config.train.compute_dtype == "float32"
+    assert config.train.steps == 6 and config.eval.every == -1
+    assert config.data.packing == "stream"

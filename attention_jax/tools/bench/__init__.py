@@ -7,5 +7,6 @@
     python -m attention_jax.tools.bench checkpoint           # digest cost at save/restore
     python -m attention_jax.tools.bench profile              # where a GPT-2 step's time goes
 
-timing.py holds what both measure with; attention.py and train.py one benchmark each.
+timing.py holds what they measure with; the others one benchmark each (train_speed.py
+and train_speed_gpu.py the two modes of `train`, around bare_step.py's step).
 """

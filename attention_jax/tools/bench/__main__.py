@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 import attention_jax.tools.bench as bench
-from attention_jax.tools.bench import attention, checkpoint, profile, ring, train
+from attention_jax.tools.bench import attention, checkpoint, profile, ring, train_speed
 
-BENCHMARKS = {"attention": attention, "train": train, "ring": ring, "checkpoint": checkpoint,
-              "profile": profile}
+BENCHMARKS = {"attention": attention, "train": train_speed, "ring": ring,
+              "checkpoint": checkpoint, "profile": profile}
 
 
 def main(argv=None):

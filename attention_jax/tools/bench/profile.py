@@ -5,9 +5,9 @@ r"""Where a training step's time goes: `python -m attention_jax.tools.bench prof
     python -m attention_jax.tools.bench profile --out bench_results/profile   # + trace, HLO
     python -m attention_jax.tools.bench profile --trainer   # the trainer's step, a real batch
 
-Builds the GPU benchmark's step (train_gpu.py: GPT-2 shapes, AdamW, bfloat16 compute),
-runs it until compiled, then records `--steps` steps with `jax.profiler.trace` and reads
-the trace back: every op the device ran, grouped by name, with its time per step and
+Builds the GPU benchmark's bare step (train_speed_gpu.py: GPT-2 shapes, AdamW, bfloat16
+compute), runs it until compiled, then records `--steps` steps with `jax.profiler.trace`
+and reads the trace back: every op the device ran, grouped by name, with its time per step and
 its share of the step, and the same grouped into kinds (matmuls, attention, XLA's fused
 elementwise kernels, copies, ...). An op that XLA generated is found in the compiled
 module: the table gives its shape and the JAX operation it came from (the layer's path,
@@ -197,14 +197,14 @@ def profile_step(compiled, state, args: tuple, steps: int = 3, warmup: int = 3,
 
 
 def add_parser(sub) -> None:
-    from attention_jax.tools.bench import train_gpu
+    from attention_jax.tools.bench import train_speed_gpu
     p = sub.add_parser("profile", help="where a GPT-2 training step's time goes (jax.profiler)",
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    shapes = {**train_gpu.SHAPES, **train_gpu.SHAPES_TINY}
+    shapes = {**train_speed_gpu.SHAPES, **train_speed_gpu.SHAPES_TINY}
     p.add_argument("--shape", default="gpt2-124m", choices=sorted(shapes))
     p.add_argument("--batch", type=int, default=None, help="default: the shape's first batch")
-    p.add_argument("--implementation", default="auto", choices=train_gpu.IMPLEMENTATIONS)
+    p.add_argument("--implementation", default="auto", choices=train_speed_gpu.IMPLEMENTATIONS)
     p.add_argument("--dtype", default="bfloat16",
                    help="compute dtype (float32 on a CPU, whose dots refuse bf16 x bf16 -> f32)")
     p.add_argument("--loss-chunk", type=int, default=0, help="positions per LM-head chunk (0: whole)")
@@ -221,8 +221,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench import train_gpu, trainer
-    shape = {**train_gpu.SHAPES, **train_gpu.SHAPES_TINY}[args.shape]
+    from attention_jax.tools.bench import train_speed_gpu, trainer
+    shape = {**train_speed_gpu.SHAPES, **train_speed_gpu.SHAPES_TINY}[args.shape]
     if args.batch is not None and args.batch < 1:
         raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
     if args.loss_chunk < 0:
@@ -239,8 +239,8 @@ def run(args) -> dict:
         summary = profile_step(compiled, state, (batch,), args.steps, out_dir=args.out)
         loss = summary.pop("last")["loss"]
     else:
-        compiled, state, batch = train_gpu.compiled_ours(row, args.implementation, args.dtype,
-                                                         loss_chunk_size=args.loss_chunk)
+        compiled, state, batch = train_speed_gpu.compiled_ours(
+            row, args.implementation, args.dtype, loss_chunk_size=args.loss_chunk)
         summary = profile_step(compiled, state, batch, args.steps, out_dir=args.out)
         loss = summary.pop("last")
     summary.update(row=row, step=which, implementation=args.implementation, dtype=args.dtype,

@@ -1,4 +1,4 @@
-"""What both benchmarks time with: wall times of a blocking call, this machine's matmul
+"""What the benchmarks time with: wall times of a blocking call, this machine's matmul
 rate (the yardstick for FLOP rates and MFU), free memory, and whether a peer is installed."""
 
 from __future__ import annotations
@@ -41,11 +41,18 @@ def queued_step_times(step, state, repeats: int, steps: int):
     return times, state, out
 
 
-def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
-    """This machine's float32 matmul rate through XLA, in FLOP/s."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    return 2 * size ** 3 / median_time(lambda: mm(a).block_until_ready(), repeats)
+def matmul_rate(size: int = 2048, repeats: int = 10, dtype: str = "float32",
+                queued: int = 1) -> float:
+    """This machine's rate on a size³ matmul of `dtype` inputs through XLA, in FLOP/s:
+    the median of `repeats` timings, each of `queued` matmuls queued back to back and
+    ended by one wait, after an untimed one. The CPU yardstick is float32 one at a
+    time; the GPU's, bfloat16 (float32 accumulation) queued, as its steps are timed."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (size, size), jnp.dtype(dtype))
+    b = jax.random.normal(kb, (size, size), jnp.dtype(dtype))
+    mm = jax.jit(lambda a, b: a @ b)
+    queue = lambda: jax.block_until_ready([mm(a, b) for _ in range(queued)])
+    return 2 * size ** 3 * queued / median_time(queue, repeats)
 
 
 def cpu_vector_isa() -> str:

@@ -8,11 +8,12 @@ position table, pre-LayerNorm blocks, causal self-attention through
 dropout. The step: `torch.compile`d model, bfloat16 autocast, float32 parameters,
 `torch.optim.AdamW(fused=True)` (decay on matrices only, as nanoGPT), random tokens.
 
-Timing as train_gpu.py's (which starts this, before JAX touches the GPU): a few warm-up
-steps, then `--repeats` timings of `--steps` steps queued back to back and ended by one
-synchronize; the median per step. Each row of --rows: {"shape", "layers", "heads", "width",
-"seq_len", "vocab", "batch"}; the out file gets one result dict per row (an "error" key
-when the step failed, e.g. out of memory), written after every row.
+Timing as train_speed_gpu.py's (which starts this, before JAX touches the GPU): a few
+warm-up steps, then `--repeats` timings of `--steps` steps queued back to back and ended
+by one synchronize; the median per step. Each row of --rows: {"shape", "layers", "heads",
+"width", "seq_len", "vocab", "batch"}; the out file gets one result dict per row (an
+"error" key when the step failed, e.g. out of memory), written after every row. AdamW's
+hyperparameters are bare_step.py's, our step's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
-LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+from attention_jax.tools.bench.bare_step import BETAS, EPS, LR, WEIGHT_DECAY  # ours (no JAX)
 
 
 class Block(nn.Module):

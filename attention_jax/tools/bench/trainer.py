@@ -2,14 +2,14 @@
 tokens/s read back from the run's metrics.jsonl.
 
 `bench train --device gpu` adds one such row per shape and attention implementation,
-beside the bare step of the same shape (train_gpu.py): the gap between them is what the
-trainer costs around the step (reading and sending batches, logging, checkpointing).
+beside the bare step of the same shape (train_speed_gpu.py): the gap between them is what
+the trainer costs around the step (reading and sending batches, logging, checkpointing).
 The run is configs/gpt2_gpu.py with the row's shape set over it: real data (the
 byte-level stdlib corpus, packed; the vocabulary padded to the row's), AdamW, bf16, one
 checkpoint at the end, no evaluation. Its first logged window holds the warm-up of the
 input pipeline, so the figure is the median of the windows after it.
 
-`measure_step` splits that gap in two: the trainer's own jitted step (train.jit_steps:
+`measure_step` splits that gap in two: the trainer's own jitted step (steps.jit_steps:
 its loss on packed documents, so attention with segment ids, gradient clipping, the
 metrics, the non-finite guard) timed alone on one real batch, as the bare step is
 timed. Bare step → trainer step is what the trainer's step computes beyond the bare
@@ -25,9 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import attention_jax
+from attention_jax import config as config_lib
+from attention_jax import steps as steps_lib
 from attention_jax import train
+from attention_jax import workdir as workdir_lib
 
-EXPERIMENT = Path(__file__).resolve().parents[3] / "experiments" / "gpt2_gpu.py"
+CONFIG = "gpt2_gpu"  # attention_jax/configs/gpt2_gpu.py
 
 
 def overrides(row: dict, *, steps: int, log_every: int, implementation: str,
@@ -49,7 +53,7 @@ def command(row: dict, workdir: str, *, steps: int, log_every: int, implementati
     """The main.py command line that trains `row`'s shape for `steps` steps."""
     keys = overrides(row, steps=steps, log_every=log_every, implementation=implementation,
                      dtype=dtype)
-    return [sys.executable, "-m", "attention_jax.main", f"--config={EXPERIMENT}",
+    return [sys.executable, "-m", "attention_jax.main", f"--config={CONFIG}",
             f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in keys.items()),
             *extra]
 
@@ -67,20 +71,22 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
     with tempfile.TemporaryDirectory() as workdir:
         cmd = command(row, workdir, steps=steps, log_every=log_every,
                       implementation=implementation, dtype=dtype, extra=extra)
+        # The child runs this copy of the package, wherever the parent found it.
+        package_root = str(Path(attention_jax.__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(EXPERIMENT.parents[1]), os.environ.get("PYTHONPATH")) if p)}
+            p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
-        records = [r for r in train.read_records(f"{workdir}/metrics.jsonl")
-                   if r.get("split") == "train"]
+        records = [r for r in workdir_lib.read_records(
+            workdir_lib.path(workdir, workdir_lib.METRICS)) if r.get("split") == "train"]
         rates = [r["tokens_per_sec"] for r in records]
         if done.returncode or len(rates) < 2:
             tail = (done.stderr or done.stdout).strip().splitlines()
             return {"error": tail[-1][:200] if tail else f"exit code {done.returncode}"}
     tokens_per_s = statistics.median(rates[1:])
-    # The host's shares of each window (train._loop): getting batches, calling the step.
+    # The host's shares of each window (train.Throughput): getting batches, calling the step.
     host = {k: statistics.median(r[k] for r in records[1:])
             for k in ("host_data_frac", "host_dispatch_frac") if k in records[-1]}
     return {"step_s": row["batch"] * row["seq_len"] / tokens_per_s,
@@ -90,29 +96,20 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
 
 def experiment_config(row: dict, implementation: str, dtype: str, steps: int,
                       extra: tuple[str, ...] = ()):
-    """The config main.py would run for `command(...)`: the experiment file with the
-    row's keys and the `--config.*` arguments of `extra` set, parsed as main.py parses
-    them (ml_collections' config flag); other arguments of `extra` are left out."""
-    from absl import flags
-    from ml_collections import config_flags
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "experiment", flag_values=values)
+    """The config main.py would run for `command(...)`: configs/gpt2_gpu.py with the
+    row's keys and the `--config.*` arguments of `extra` set, as strings typed by their
+    fields (config.load, as main.py loads it; `--config.KEY` alone sets a boolean); other
+    arguments of `extra` are left out."""
     keys = overrides(row, steps=steps, log_every=1, implementation=implementation, dtype=dtype)
-    argv = ["trainer", f"--config={EXPERIMENT}", *(f"--config.{k}={v}" for k, v in keys.items()),
-            *(a for a in extra if a.startswith("--config."))]
-    # The config flag finds its --config.* overrides in sys.argv, not in the list parsed.
-    saved, sys.argv = sys.argv, argv
-    try:
-        values(argv)
-    finally:
-        sys.argv = saved
-    return values.config
+    given = [a.removeprefix("--config.") for a in extra if a.startswith("--config.")]
+    return config_lib.load(CONFIG, [*(f"{k}={v}" for k, v in keys.items()),
+                                    *(a if "=" in a else f"{a}=true" for a in given)])
 
 
 def compiled_step(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: int = 100,
                   extra: tuple[str, ...] = ()):
     """(compiled train_step(state, batch) -> (state, metrics), state, batch): the
-    trainer's own step (train.jit_steps) for `row`'s shape, compiled for the mesh of
+    trainer's own step (steps.jit_steps) for `row`'s shape, compiled for the mesh of
     the experiment config, its fresh state, and one real batch on the devices (the
     packed corpus, as main.py reads it). steps: the run length the schedule is set for.
     The data is built or read under the config's data_dir (a temporary workdir holds
@@ -124,7 +121,7 @@ def compiled_step(row: dict, implementation: str, *, dtype: str = "bfloat16", st
         s = train.setup(config, workdir)
         with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
             state, _ = train.restore_or_init(s, config)
-            train_step, _ = train.jit_steps(s, config)
+            train_step, _ = steps_lib.jit_steps(s, config)
             batches = train.prefetch_to_device(train.make_train_loader(s.task, config), s.mesh,
                                                0, s.task.count)
             batch = next(batches)[0]
@@ -136,9 +133,9 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
                  repeats: int = 5, steps: int = 10, extra: tuple[str, ...] = ()) -> dict:
     """The trainer's jitted step alone (no loop, no logging): median seconds per step
     over `repeats` timings of `steps` steps queued back to back on one real batch, after
-    `warmup` steps; as train_gpu.measure_ours times the bare step. extra: main.py
+    `warmup` steps; as train_speed_gpu.measure_ours times the bare step. extra: main.py
     arguments, as for `measure` (its --config.* ones apply). Runs in this process: the
-    benchmark calls it in a child (train_gpu.py's `trainer-step`), which records an
+    benchmark calls it in a child (train_speed_gpu.py's `trainer-step`), which records an
     exception as the row's error."""
     import jax
 

@@ -6,7 +6,8 @@ r"""The train benchmark on a GPU: `python -m attention_jax.tools.bench train` th
     python -m attention_jax.tools.bench train --shapes gpt2-xl --fit  # + the largest batch
     python -m attention_jax.tools.bench train --quick --xla-flags='--xla_gpu_enable_latency_hiding_scheduler=true'
 
-`train.run` sends here when JAX's backend is a GPU (asked in a child process; see below).
+`train_speed.run` sends here when JAX's backend is a GPU (asked in a child process; see
+below).
 Shapes (T = 1024, vocabulary 50304 = 50257 padded to a multiple of 64, as nanoGPT does):
 
   gpt2-124m    12 layers, 12 heads, width 768, batch 16 and 32
@@ -27,13 +28,13 @@ document masks cost in the trainer from the rest.
 What is timed: one training step, forward + backward + AdamW update (lr 3e-4, betas
 (0.9, 0.95), weight decay 0.1 on matrices), float32 parameters and optimizer state,
 bfloat16 compute, random tokens (the same batch every step: throughput only).
-Ours: `jax.jit` of value_and_grad of models/gpt.py's next-token cross-entropy
-(models/losses.py) plus `optax.adamw`, the state donated, GPTConfig(dtype="bfloat16"),
-attention from `--implementation` (default "auto"; a comma-separated list times several);
-`--loss-chunk N` applies the LM head and the loss N positions at a time
-(losses.chunked_head_cross_entropy: the [B, T, V] float32 logits, 3.3 GB at gpt2-124m batch
-16, never exist at once; 0, the default, builds them whole; a comma-separated list times
-several).
+Ours: bare_step.py's step, `jax.jit` of value_and_grad of models/gpt.py's next-token
+cross-entropy (models/losses.py) plus `optax.adamw`, the state donated,
+GPTConfig(dtype="bfloat16"), attention from `--implementation` (default "auto"; a
+comma-separated list times several); `--loss-chunk N` applies the LM head and the loss N
+positions at a time (losses.chunked_head_cross_entropy: the [B, T, V] float32 logits,
+3.3 GB at gpt2-124m batch 16, never exist at once; 0, the default, builds them whole; a
+comma-separated list times several).
 The peer (torch_gpt.py): a GPT-2 written here in nanoGPT's manner, `torch.compile`,
 bfloat16 autocast, SDPA causal attention, fused AdamW. Both sides: a few warm-up steps
 (compilation), then `--repeats` timings of `--steps` steps queued back to back and ended by
@@ -49,13 +50,15 @@ on the same shape with real data, its own logged tokens/s; `--trainer-steps 0` l
 them out); one process per row, so an out-of-memory row is recorded in the table
 and the next starts on an empty GPU.
 
-Model FLOPs per token (PaLM, Chowdhery et al. 2022, App. B; as train.py's):
+Model FLOPs per token (PaLM, Chowdhery et al. 2022, App. B; models/flops.py's
+flops_per_token, as for the CPU rows and the trainer):
     6·N + 12·L·T·D,   N = V·D + L·(12·D² + 13·D) + 2·D
 N: parameters without the position table (the tied embedding counted once). MFU =
 FLOPs per token × tokens/s ÷ a peak, two of them: H100_BF16_PEAK, the H100 SXM's dense
 bfloat16 rate from NVIDIA's datasheet (989 TFLOP/s; the PCIe card's is 756, so read the
 device name in the output), and an 8192³ bfloat16 matmul through XLA timed in the same
-run (median of repeats): what the GPU actually sustains on the best-case matmul.
+run (timing.matmul_rate, median of repeats): what the GPU actually sustains on the
+best-case matmul.
 """
 
 from __future__ import annotations
@@ -73,12 +76,12 @@ import time
 from pathlib import Path
 
 from attention_jax.data.objectives import PACKINGS
-from attention_jax.tools.bench import trainer
+from attention_jax.models import flops
+from attention_jax.tools.bench import bare_step, trainer
 
 H100_BF16_PEAK = 989e12  # FLOP/s: H100 SXM5, dense bfloat16 (NVIDIA H100 datasheet)
 MATMUL_SIZE = 8192
 GPU_REPEATS = 5  # timings of --steps steps each; the median is reported
-LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
 IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "blockwise", "xla", "reference")
 
 
@@ -116,16 +119,13 @@ SHAPES_TINY = {"gpt-tiny-gpu": GPUShape("gpt-tiny-gpu", layers=1, heads=2, width
 
 
 def matmul_params(row: dict) -> int:
-    """N of the FLOP formula: V·D + L·(12D² + 13D) + 2D (see the module docstring).
-    Per block: LayerNorms 2·2D, QKV 3D² + 3D, attention output D² + D, MLP 4D² + 4D and
-    4D² + D; then the final LayerNorm 2D and the (tied) token embedding V·D."""
+    """N of the FLOP formula from the row's sizes, without building the model (this
+    process never starts JAX's backend): V·D + L·(12D² + 13D) + 2D, which is
+    flops.matmul_params of our GPT's parameters (a test checks it). Per block: LayerNorms
+    2·2D, QKV 3D² + 3D, attention output D² + D, MLP 4D² + 4D and 4D² + D; then the
+    final LayerNorm 2D and the (tied) token embedding V·D."""
     d, layers, v = row["width"], row["layers"], row["vocab"]
     return v * d + layers * (12 * d * d + 13 * d) + 2 * d
-
-
-def flops_per_token(row: dict) -> float:
-    """6·N + 12·L·T·D."""
-    return 6 * matmul_params(row) + 12 * row["layers"] * row["seq_len"] * row["width"]
 
 
 def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK) -> dict:
@@ -133,7 +133,8 @@ def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK)
     if "step_s" not in r:
         return r
     tokens_per_s = r["batch"] * r["seq_len"] / r["step_s"]
-    model_flops = flops_per_token(r) * tokens_per_s
+    per_token = flops.flops_per_token(matmul_params(r), r["layers"], r["seq_len"], r["width"])
+    model_flops = per_token * tokens_per_s
     r.update(tokens_per_s=tokens_per_s, model_flops_per_s=model_flops, mfu_peak=model_flops / peak,
              mfu_matmul=model_flops / matmul_rate if matmul_rate else None)
     return r
@@ -200,28 +201,19 @@ def _findable(module: str) -> bool:
 
 def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int = 0):
     """(model, optimizer, train_step(state, inputs, targets) -> (state, loss)) of `row`:
-    value_and_grad of the next-token loss plus AdamW; state = (params, opt_state)."""
-    import jax
-    import optax
+    bare_step's jitted, donating step of the next-token loss; state = (params, opt_state)."""
     from attention_jax.models import gpt  # in the child only: it starts JAX
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
                         implementation=implementation, dtype=dtype, param_dtype="float32",
                         remat_policy=row.get("remat", "none"))
     model = gpt.GPT(cfg)
-    tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
-                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))  # matrices decay
+    tx = bare_step.adamw(decay_matrices_only=True)  # as the peer's (torch_gpt.py)
 
     def loss_fn(params, inputs, targets):
         return gpt.head_loss(model, params, inputs, targets, chunk_size=loss_chunk_size)[0][0]
 
-    def train_step(state, inputs, targets):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    return model, tx, train_step
+    return model, tx, bare_step.make_train_step(loss_fn, tx)
 
 
 def compiled_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed: int = 0,
@@ -239,8 +231,7 @@ def compiled_ours(row: dict, implementation: str, dtype: str = "bfloat16", seed:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     params = nn.meta.unbox(jax.jit(model.init)(key_init, inputs[:1])["params"])
     state = (params, tx.init(params))
-    # Donated: the new state reuses the old buffers.
-    compiled = jax.jit(train_step, donate_argnums=0).lower(state, inputs, targets).compile()
+    compiled = train_step.lower(state, inputs, targets).compile()
     return compiled, state, (inputs, targets)
 
 
@@ -265,8 +256,7 @@ def compiled_bytes(row: dict, implementation: str, dtype: str = "bfloat16",
     params = jax.eval_shape(lambda: nn.meta.unbox(model.init(
         jax.random.key(0), jnp.zeros((1, row["seq_len"]), jnp.int32))["params"]))
     state = (params, jax.eval_shape(tx.init, params))
-    m = jax.jit(train_step, donate_argnums=0).lower(state, tokens, tokens).compile()
-    m = m.memory_analysis()
+    m = train_step.lower(state, tokens, tokens).compile().memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
 
@@ -338,27 +328,6 @@ def _impl_label(implementation: str, loss_chunk_size: int) -> str:
     return f"{implementation} loss-chunk {loss_chunk_size}" if loss_chunk_size else implementation
 
 
-def measure_matmul(size: int = MATMUL_SIZE, repeats: int = 7, steps: int = 10,
-                   dtype: str = "bfloat16") -> dict:
-    """bfloat16 size³ matmul rate through XLA (float32 accumulation), FLOP/s: median of
-    `repeats` timings of `steps` matmuls queued back to back."""
-    import jax
-    import jax.numpy as jnp
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (size, size), jnp.dtype(dtype))
-    b = jax.random.normal(kb, (size, size), jnp.dtype(dtype))
-    mm = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(mm(a, b))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outs = [mm(a, b) for _ in range(steps)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - start) / steps)
-    return {"size": size, "dtype": dtype, "times": times,
-            "flops_per_s": 2 * size ** 3 / statistics.median(times)}
-
-
 # --fit only compiles (three or more times per shape) and reads the memory analysis, so
 # it skips autotuning the matmuls, a large share of a GPU compile: the step's buffers are
 # the same whichever kernel runs a matmul (its scratch workspace aside). With autotuning,
@@ -388,8 +357,9 @@ def device_info() -> dict:
 
 
 def child_main(argv=None):
-    """`python -m attention_jax.tools.bench.train_gpu info|matmul|jax|fit|trainer-step
-    --out F [...]` (trainer-step: trainer.measure_step, the trainer's own step)."""
+    """`python -m attention_jax.tools.bench.train_speed_gpu info|matmul|jax|fit|trainer-step
+    --out F [...]` (matmul: timing.matmul_rate of `--steps` queued matmuls;
+    trainer-step: trainer.measure_step, the trainer's own step)."""
     import argparse
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["info", "matmul", "jax", "fit", "trainer-step"])
@@ -410,7 +380,9 @@ def child_main(argv=None):
     if a.what == "info":
         result = device_info()
     elif a.what == "matmul":
-        result = measure_matmul(a.size, a.repeats, a.steps, a.dtype)
+        from attention_jax.tools.bench import timing
+        result = {"size": a.size, "dtype": a.dtype,
+                  "flops_per_s": timing.matmul_rate(a.size, a.repeats, a.dtype, queued=a.steps)}
     elif a.what == "trainer-step":
         try:
             result = trainer.measure_step(json.loads(a.row), a.implementation, dtype=a.dtype,
@@ -453,7 +425,8 @@ def _child_info(timeout: float) -> dict:
     return _child(["info"], timeout)
 
 
-def _child(args: list[str], timeout: float, module: str = "attention_jax.tools.bench.train_gpu",
+def _child(args: list[str], timeout: float,
+           module: str = "attention_jax.tools.bench.train_speed_gpu",
            xla_flags: str = "") -> dict | list:
     """Runs `python -m module args --out F` and returns F's JSON, or {"error": ...} when the
     process failed (its stderr's tail goes to our stderr). xla_flags: added to the

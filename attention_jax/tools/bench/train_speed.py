@@ -1,9 +1,9 @@
 r"""Training throughput against PyTorch peers: `python -m attention_jax.tools.bench train`.
 
-On a GPU (JAX's backend, asked in a child process; or `--device gpu`) `run` hands over to
-train_gpu.py: GPT-2 124M and medium at T = 1024 in bfloat16 against a PyTorch GPT-2 of
-this project (torch_gpt.py, torch.compile), MFU against the H100's peak and a measured
-bf16 matmul. Everything below is the CPU mode.
+On a GPU (JAX's backend, asked in a child process; or `--device gpu`) `run` hands over
+to train_speed_gpu.py: GPT-2 124M and medium at T = 1024 in bfloat16 against a PyTorch
+GPT-2 of this project (torch_gpt.py, torch.compile), MFU against the H100's peak and a
+measured bf16 matmul. Everything below is the CPU mode.
 
 For each model shape below, one training step (forward, backward, AdamW update) is
 timed on our side and on a PyTorch peer of the same architecture, sizes and batch:
@@ -15,13 +15,14 @@ timed on our side and on a PyTorch peer of the same architecture, sizes and batc
   vit-digits ViT on 8×8 digits as configs/vit.py trains it (vit-tiny/2: 16 patches +
              [CLS], width 32, 2 layers), batch 32
 
-Ours: `jax.jit` of value_and_grad of the model's loss plus `optax.adamw`, on the model
-modules directly (the trainer adds only data loading and logging around this), with the
-state donated. The peer: `transformers`' GPT2LMHeadModel, BertForMaskedLM and
-ViTForImageClassification, randomly initialised from a config, eager mode, default
-attention implementation, `torch.optim.AdamW`, `torch.set_num_threads(os.cpu_count())`
-so both sides use the same cores. Dropout is 0 on both sides; batches are synthetic
-(random tokens / images, the same arrays every step: throughput only).
+Ours: bare_step.py's step, `jax.jit` of value_and_grad of the model's loss plus
+`optax.adamw`, on the model modules directly (the trainer adds only data loading and
+logging around this), with the state donated. The peer: `transformers`' GPT2LMHeadModel,
+BertForMaskedLM and ViTForImageClassification, randomly initialised from a config, eager
+mode, default attention implementation, `torch.optim.AdamW`,
+`torch.set_num_threads(os.cpu_count())` so both sides use the same cores. Dropout is 0
+on both sides; batches are synthetic (random tokens / images, the same arrays every
+step: throughput only).
 
 Timing: each side runs in a process of its own (a fresh Python that imports only what
 that side needs): a few untimed warm-up steps (ours includes compilation), then
@@ -31,19 +32,15 @@ Separate processes because the two runtimes' worker threads spin after their wor
 done: measured in one process on the quiet 2-core machine, our gpt-cpu step took a median
 58.7 ms right after PyTorch steps against 33 ms alone.
 
-Model FLOPs (the PaLM convention, Chowdhery et al. 2022, App. B), per token of a step:
-    6·N  +  12·L·T·D
-N: parameters that take part in a matmul per token: all but the position (and BERT's
-token-type) tables; a tied embedding counts once, for the output projection. 6 = 2
-(multiply-add) × 3 (forward, and two backward matmuls per weight). 12·L·T·D: the two
-attention matmuls QKᵀ and AV (2·2·T·D per token and layer forward, ×3 with backward),
-counted in full even for causal models, as PaLM does. A ViT image is T = patches (+1)
-tokens. BERT's MLM head: our loss, like the trainer's, projects only the ~15% predicted
-positions onto the vocabulary while BertForMaskedLM projects all of them; the FLOP count
-uses the full-model formula for both, so it slightly flatters neither. Model FLOPs
-utilisation (MFU) = model FLOP/s ÷ this machine's float32 matmul rate through XLA
-(timing.matmul_rate, a 2048² matmul): the share of what the cores can do that reaches the
-model's own arithmetic.
+Model FLOPs per token: 6·N + 12·L·T·D (PaLM's convention; models/flops.py, whose
+docstring explains the terms, as the trainer counts them), N counted from our model's
+parameters (all but the position and token-type tables: flops.matmul_params). A ViT
+image is T = patches (+1) tokens. BERT's MLM head: our loss, like the trainer's,
+projects only the ~15% predicted positions onto the vocabulary while BertForMaskedLM
+projects all of them; the FLOP count uses the full-model formula for both, so it
+slightly flatters neither. Model FLOPs utilisation (MFU) = model FLOP/s ÷ this machine's
+float32 matmul rate through XLA (timing.matmul_rate, a 2048² matmul): the share of what
+the cores can do that reaches the model's own arithmetic.
 """
 
 from __future__ import annotations
@@ -60,12 +57,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from attention_jax.tools.bench import train_gpu
+from attention_jax.models import flops
+from attention_jax.tools.bench import bare_step, train_speed_gpu
+from attention_jax.tools.bench.bare_step import BETAS, EPS, LR, WEIGHT_DECAY
 from attention_jax.tools.bench.timing import installed, matmul_rate, wall_times
 
-LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
 MASK_RATE = 0.15
 
 
@@ -120,12 +117,6 @@ SHAPES_TINY = {"gpt-test": Shape("gpt-test", "gpt", layers=1, width=32, heads=2,
                                  seq_len=16, vocab=65)}
 
 
-def model_flops_per_step(shape: Shape, matmul_params: int) -> float:
-    """6·N + 12·L·T·D per token (see the module docstring), times tokens per step."""
-    tokens = shape.batch * shape.tokens
-    return tokens * (6 * matmul_params + 12 * shape.layers * shape.tokens * shape.width)
-
-
 def synthetic_batch(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs and targets as numpy (each side converts): the same for both."""
     rng = np.random.default_rng(seed)
@@ -158,8 +149,8 @@ def measure_side(name: str, side: str, implementation: str, warmup: int, repeats
 def measure_in_subprocess(name: str, side: str, implementation: str, warmup: int,
                           repeats: int) -> dict:
     """`measure_side` in a fresh Python process (see the module docstring: why)."""
-    cmd = [sys.executable, "-m", "attention_jax.tools.bench.train", name, side, implementation,
-           str(warmup), str(repeats)]
+    cmd = [sys.executable, "-m", "attention_jax.tools.bench.train_speed", name, side,
+           implementation, str(warmup), str(repeats)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"timing {name} ({side}) failed:\n{done.stderr[-3000:]}")
@@ -223,35 +214,18 @@ def build_ours(shape: Shape, implementation: str = "blockwise"):
     return model, loss, (jnp.zeros((1, shape.image_size, shape.image_size, shape.channels)),)
 
 
-def matmul_param_count(params) -> int:
-    """Parameters used in a per-token matmul: all but position / token-type tables."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = "/".join(str(getattr(k, "key", k)) for k in path).lower()
-        if "position" in name or "token_type" in name:
-            continue
-        total += int(np.prod(leaf.shape))
-    return total
-
-
 def prepare_ours(shape: Shape, implementation: str = "blockwise"):
-    """(step(), info): one jitted training step of our model on a fixed synthetic batch."""
+    """(step(), info): the bare step (bare_step.make_train_step) of our model on a fixed
+    synthetic batch."""
     import flax.linen as nn
     model, loss_fn, init_args = build_ours(shape, implementation)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), *init_args)["params"])
-    tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-
-    def train_step(state, batch):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    step_fn = jax.jit(train_step, donate_argnums=0)  # the new state reuses the old buffers
+    tx = bare_step.adamw()
+    step_fn = bare_step.make_train_step(loss_fn, tx)
     batch = jax.tree.map(jnp.asarray, synthetic_batch(shape))
     info = {"side": "jax", "impl": implementation,
             "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
-            "matmul_params": matmul_param_count(params)}
+            "matmul_params": flops.matmul_params(params)}
     box = {"state": (params, tx.init(params))}
 
     def step():
@@ -326,13 +300,14 @@ def finish_row(row: dict, times: list[float], shape: Shape, matmul_params: int,
                rate: float) -> dict:
     """Median step time, steps/s, units/s, model FLOP/s and MFU (the same FLOP count for
     both sides)."""
-    flops = model_flops_per_step(shape, matmul_params)
+    per_step = shape.batch * shape.tokens * flops.flops_per_token(
+        matmul_params, shape.layers, shape.tokens, shape.width)
     row.update(times=times, step_s=statistics.median(times))
     row.update(model=shape.name, unit=shape.unit, batch=shape.batch, seq=shape.tokens,
                steps_per_s=1.0 / row["step_s"],
                units_per_s=shape.units_per_step() / row["step_s"],
-               model_flops_per_step=flops, model_flops_per_s=flops / row["step_s"],
-               mfu=flops / row["step_s"] / rate)
+               model_flops_per_step=per_step, model_flops_per_s=per_step / row["step_s"],
+               mfu=per_step / row["step_s"] / rate)
     return row
 
 
@@ -361,14 +336,14 @@ def train_table(rows: list[dict], rate: float) -> str:
 
 def run(args) -> list[dict]:
     """`bench train`: both sides for each chosen shape; prints the table, writes JSON.
-    On a GPU (asked in a child process, so this one never touches it) train_gpu.run."""
+    On a GPU (asked in a child process, so this one never touches it) train_speed_gpu.run."""
     device = getattr(args, "device", "cpu")
     if device != "cpu":
-        info = train_gpu.gpu_available() if device == "auto" else None
+        info = train_speed_gpu.gpu_available() if device == "auto" else None
         if device == "gpu" or info:
-            args.repeats = args.repeats or train_gpu.GPU_REPEATS
+            args.repeats = args.repeats or train_speed_gpu.GPU_REPEATS
             args.implementation = args.implementation or "auto"
-            return train_gpu.run(args, info)
+            return train_speed_gpu.run(args, info)
     args.repeats = args.repeats or 10
     args.implementation = args.implementation or "blockwise"
     table = {**SHAPES, **SHAPES_TINY}
@@ -416,7 +391,7 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (ours compiles)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed steps (median reported; default 10); on a GPU, timings of "
-                        f"--steps steps each (default {train_gpu.GPU_REPEATS})")
+                        f"--steps steps each (default {train_speed_gpu.GPU_REPEATS})")
     p.add_argument("--implementation", default=None,
                    help="our attention backend (reference | blockwise | xla; default blockwise); "
                         "on a GPU also cudnn | pallas | auto (the default there), or a "
@@ -426,7 +401,7 @@ def add_parser(sub) -> None:
                    help="seconds of pause before each block of timed steps")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--out", default="bench_results/train.json", help="JSON output path")
-    train_gpu.add_arguments(p)
+    train_speed_gpu.add_arguments(p)
 
 
 if __name__ == "__main__":  # one side's timing, run by measure_in_subprocess
