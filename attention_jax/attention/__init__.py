@@ -15,14 +15,15 @@ Implementations:
                FlashAttention-2 style backward: O(T + S) memory forward and backward.
   "pallas"     the blockwise algorithm as fused Pallas kernels (pallas.py): Triton on
                NVIDIA GPUs, interpret mode on CPU (slow; for tests). Every structural mask.
-  "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores).
+  "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores; jax_nn.py).
   "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16),
-               driven by its own causal / key-length / left-window arguments.
+               driven by its own causal / key-length / left-window arguments (jax_nn.py).
   "ring"       the sequence split over the ambient mesh's `sequence` axis (run under
                `jax.set_mesh(mesh)`), keys/values passed around the devices, blockwise on
                each (ring.py): memory O(T / devices). T and S divisible by 2 × devices.
-  "auto"       per backend, dtype and mask; `explain(...)` says which and why without
-               running anything:
+  "auto"       the first row of the table `BACKENDS` (below) that looks at this call on
+               this platform and does not refuse it; `explain(...)` says which and why
+               without running anything:
                  weights asked for          -> reference
                  ambient mesh with sequence > 1, lengths divisible by 2 × sequence, no
                    dense mask               -> ring
@@ -33,28 +34,30 @@ Implementations:
                    query offsets, float32, a dense mask)   -> pallas
                  CPU, TPU, float64          -> blockwise
                so no path builds an N×N mask unless the caller passed one.
+
+Adding a backend: write a module that exports its run function `(q, k, v, call) -> y`
+and its rules `(call, platform) -> reason or None` (call.py has the record; pallas.py
+is an example), then add one `Backend` row for it to `BACKENDS`, where its place is its
+place in auto's order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import inspect
+from typing import Callable, Optional, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring
 from attention_jax.attention.blockwise import blockwise_attention
-from attention_jax.attention.masks import MaskSpec, dense_mask
-from attention_jax.attention.pallas import pallas_attention
-from attention_jax.attention.pallas import default_block_sizes as pallas_block_sizes
-from attention_jax.attention.reference import reference_attention
-from attention_jax.attention.ring import ring_attention, ring_refusal, sequence_axis_size
+from attention_jax.attention.call import AttentionCall, Platform, make_call
+from attention_jax.attention.masks import MaskSpec
+from attention_jax.attention.ring import ring_attention, sequence_axis_size
 
-__all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "MaskSpec",
+__all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "BACKENDS", "MaskSpec",
            "default_block_sizes"]
-
-IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas", "xla", "cudnn", "ring")
 
 
 def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] = None,
@@ -84,6 +87,69 @@ def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] =
         if working_set <= 8 * 2**20:
             return bq, bk
     return 32, 64
+
+
+# ----------------------------------------------------------------------------- the table
+
+Rule = Callable[[AttentionCall, Platform], Optional[str]]
+
+
+def _never(call: AttentionCall, platform: Platform) -> Optional[str]:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One row of the dispatch table: a backend and the rules that say where it runs."""
+
+    name: str  # what `implementation=` calls it
+    run: Callable  # (q, k, v, call) -> y [B, T, N, Hv]
+    # Why it cannot run this call here (None: it can). An explicit request raises it.
+    refusal: Rule = _never
+    # Where "auto" looks at this backend, its reason for taking it; None where it does
+    # not look (everywhere, by default: such a row runs only when asked for by name).
+    auto_reason: Rule = _never
+    # Why "auto" passes it over although it could run the call (e.g. cuDNN would be
+    # handed a dense mask).
+    auto_refusal: Rule = _never
+    weights: bool = False  # can return the attention weights
+
+
+def _blockwise(q, k, v, call: AttentionCall):
+    default_q, default_k = default_block_sizes(heads=call.batch * call.heads,
+                                               head_dim=call.head_dim, q_len=call.q_len,
+                                               kv_len=call.kv_len)
+    return blockwise_attention(q, k, v, call.spec, call.scale, call.block_q or default_q,
+                               call.block_k or default_k)
+
+
+def _ring(q, k, v, call: AttentionCall):
+    """Ring attention with the blockwise tiles, sized for one device's chunk of the ring."""
+    sequence = sequence_axis_size()
+    default_q, default_k = default_block_sizes(
+        heads=call.batch * call.heads, head_dim=call.head_dim,
+        q_len=call.q_len // (2 * sequence), kv_len=call.kv_len // (2 * sequence))
+    return ring_attention(q, k, v, call.spec, call.scale, call.block_q or default_q,
+                          call.block_k or default_k)
+
+
+# In auto's order: the first row whose auto_reason speaks and whose rules do not refuse.
+# (blockwise and ring read their tiles from default_block_sizes above, so their run
+# functions are here.)
+BACKENDS = (
+    Backend("reference", reference.run, auto_reason=reference.auto_reason, weights=True),
+    Backend("ring", _ring, refusal=ring.refusal, auto_reason=ring.auto_reason),
+    Backend("cudnn", jax_nn.cudnn, refusal=jax_nn.cudnn_refusal,
+            auto_reason=jax_nn.cudnn_auto_reason, auto_refusal=jax_nn.cudnn_auto_refusal),
+    Backend("pallas", pallas.run, refusal=pallas.refusal, auto_reason=pallas.auto_reason),
+    Backend("blockwise", _blockwise, auto_reason=blockwise.auto_reason),
+    Backend("xla", jax_nn.xla),
+)
+_BY_NAME = {row.name: row for row in BACKENDS}
+IMPLEMENTATIONS = ("auto",) + tuple(_BY_NAME)
+
+
+# ----------------------------------------------------------------------------- entry points
 
 
 def dot_product_attention(
@@ -123,332 +189,109 @@ def dot_product_attention(
         against a cache of earlier keys: T new queries after q_offset cached ones).
       scale: multiplies the scores; default 1/sqrt(H) (keeps score variance near 1).
       implementation: one of IMPLEMENTATIONS.
-      block_q, block_k: tile sizes for "blockwise" (defaults: `default_block_sizes()`)
-        and for "pallas"'s forward and dQ kernels (powers of two >= 16).
+      block_q, block_k: tile sizes for "blockwise" and "ring" (defaults:
+        `default_block_sizes()`) and for "pallas"'s forward and dQ kernels (powers of two
+        >= 16; defaults: `pallas.kernel_block_sizes()`).
       return_weights: also return the attention weights [B, N, T, S] (reference only).
 
     Returns:
       [B, T, N, Hv] in q's dtype (and the weights if asked). Rows with no visible key
       are zero, with zero gradients, never NaN.
     """
-    spec, scale = _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids,
-                           kv_mask, kv_lengths, mask, window, q_offset, scale, implementation)
-    b, t, n, h = q.shape
-    s = k.shape[1]
-    offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
-    sequence = sequence_axis_size()
-    impl, _ = _choose(implementation, q.dtype, h, (t, s), spec, return_weights, offset_is_zero,
-                      jax.default_backend(), _cudnn_available(), sequence)
-    if return_weights and impl != "reference":
-        raise ValueError(
-            f"return_weights=True needs implementation='reference' (or 'auto'); got "
-            f"{implementation!r}, which never forms the weights")
-    if impl == "reference":
-        return reference_attention(q, k, v, spec, scale, return_weights)
-    if impl == "blockwise":
-        default_q, default_k = default_block_sizes(heads=b * n, head_dim=h, q_len=t, kv_len=s)
-        block_q = _check_block("block_q", block_q, default_q)
-        block_k = _check_block("block_k", block_k, default_k)
-        return blockwise_attention(q, k, v, spec, scale, block_q, block_k)
-    if impl == "ring":  # the blockwise tiles, sized for one device's chunk of the ring
-        chunk_q, chunk_k = t // (2 * sequence), s // (2 * sequence)
-        default_q, default_k = default_block_sizes(heads=b * n, head_dim=h, q_len=chunk_q,
-                                                   kv_len=chunk_k)
-        return ring_attention(q, k, v, spec, scale, _check_block("block_q", block_q, default_q),
-                              _check_block("block_k", block_k, default_k))
-    if impl == "pallas":
-        blocks = pallas_block_sizes(h, q.dtype)
-        blocks = dataclasses.replace(
-            blocks, fwd_q=_check_block("block_q", block_q, blocks.fwd_q, pow2=True),
-            fwd_k=_check_block("block_k", block_k, blocks.fwd_k, pow2=True))
-        return pallas_attention(q, k, v, spec, scale, blocks)
-    return _jax_nn(q, k, v, spec, scale, impl, offset_is_zero)
+    call = make_call(q, k, v, causal=causal, segment_ids=segment_ids,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                     kv_mask=kv_mask, kv_lengths=kv_lengths, mask=mask, window=window,
+                     q_offset=q_offset, scale=scale, block_q=block_q, block_k=block_k,
+                     return_weights=return_weights)
+    impl, _ = _choose(implementation, call, _platform())
+    return _BY_NAME[impl].run(q, k, v, call)
 
 
-def explain(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=None,
-            kv_segment_ids=None, kv_mask=None, kv_lengths=None, mask=None, window=None,
-            q_offset=0, implementation: str = "auto", return_weights: bool = False,
-            backend: Optional[str] = None) -> tuple[str, str]:
+_CALL_ARGUMENTS = tuple(inspect.signature(make_call).parameters)[3:]  # after q, k, v
+
+
+def explain(q, k, v, *, implementation: str = "auto", backend: Optional[str] = None,
+            **kwargs) -> tuple[str, str]:
     """(implementation, reason): what `dot_product_attention` would run, without running it.
 
-    Takes the same arguments; arrays may be `jax.ShapeDtypeStruct`s. `backend` ("cpu",
-    "gpu", "tpu"; default: this process's) asks what would happen on another backend,
-    so the choice for a GPU can be checked on a laptop:
+    Takes the same arguments (checked the same way); arrays may be `jax.ShapeDtypeStruct`s.
+    `backend` ("cpu", "gpu", "tpu"; default: this process's) asks what would happen on
+    another backend, so the choice for a GPU can be checked on a laptop:
 
         explain(q, k, v, causal=True, segment_ids=ids, backend="gpu")
-        # ('pallas', 'segment ids (or kv_mask): cuDNN has no argument for them')
+        # ('pallas', 'the fused Pallas kernels take every mask, tile by tile; '
+        #  'not cudnn: segment ids (or kv_mask): cuDNN has no argument for them')
+
+    The reason is auto's reason for its choice, then why each backend it looked at first
+    passed ("; not cudnn: ..."); an explicit `implementation` that can run says "asked for".
     """
-    backend = backend or jax.default_backend()
-    offset_is_zero = isinstance(q_offset, (int, np.integer)) and q_offset == 0
+    if backend not in (None, "cpu", "gpu", "tpu"):
+        raise ValueError(f"backend={backend!r} is unknown; valid: 'cpu', 'gpu', 'tpu', or None "
+                         f"for this process's ({jax.default_backend()!r})")
+    unknown = sorted(set(kwargs) - set(_CALL_ARGUMENTS))
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments {unknown}; valid: "
+                        f"dot_product_attention's {_CALL_ARGUMENTS} and implementation, backend")
+    platform = _platform(backend)
+    # Arrays and ShapeDtypeStructs are traced; Python values stay static, as in a real
+    # call (a static q_offset of 0 is what lets cuDNN take a causal mask).
+    arrays = {name: x for name, x in kwargs.items()
+              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))}
+    static = {name: x for name, x in kwargs.items() if name not in arrays}
     answer = []
 
-    def trace(q, k, v, segment_ids, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths,
-              mask, q_offset):
-        spec, _ = _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids,
-                           kv_mask, kv_lengths, mask, window, q_offset, None, implementation)
-        answer.append(_choose(implementation, q.dtype, q.shape[-1], (q.shape[1], k.shape[1]),
-                              spec, return_weights, offset_is_zero, backend, backend == "gpu",
-                              sequence_axis_size()))
+    def trace(q, k, v, arrays):
+        answer.append(_choose(implementation, make_call(q, k, v, **static, **arrays), platform))
 
-    jax.eval_shape(trace, q, k, v, segment_ids, q_segment_ids, kv_segment_ids, kv_mask,
-                   kv_lengths, mask, q_offset)
+    jax.eval_shape(trace, q, k, v, arrays)
     return answer[0]
 
 
-# ----------------------------------------------------------------------------- backends
+# ----------------------------------------------------------------------------- choosing
 
 
-def _cudnn_available() -> bool:
-    return any(d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
-               for d in jax.devices())
-
-
-def _prepare(q, k, v, causal, segment_ids, q_segment_ids, kv_segment_ids, kv_mask,
-             kv_lengths, mask, window, q_offset, scale, implementation):
-    """Validate everything and reduce the mask arguments to one MaskSpec."""
-    _check_shapes(q, k, v)
-    b, t, n, h = q.shape
-    s = k.shape[1]
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is unknown; valid: {IMPLEMENTATIONS}")
-    spec = MaskSpec(
-        causal=bool(causal),
-        window=_check_window(window),
-        q_offset=_check_offset(q_offset, b),
-        **_segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s),
-        mask=_check_dense_mask(mask, b, n, t, s),
-        kv_lengths=_check_lengths(kv_lengths, b),
-    )
-    return spec, _check_scale(scale, h)
-
-
-def _cudnn_refusal(dtype, head_dim, spec: MaskSpec, offset_is_zero, t, s) -> Optional[str]:
-    """Why cuDNN (through jax.nn's own arguments) cannot run this call, or None if it can."""
-    if dtype not in (jnp.float16, jnp.bfloat16):
-        return f"dtype {jnp.dtype(dtype).name}: cuDNN runs float16/bfloat16 only"
-    if head_dim % 8 or head_dim > 128:
-        return f"head dim {head_dim}: cuDNN needs a multiple of 8, at most 128"
-    if spec.q_segment_ids is not None:
-        return "segment ids (or kv_mask): cuDNN has no argument for them"
-    if spec.mask is not None:
-        return "a dense mask: cuDNN would take it as an N×N bias"
-    if not offset_is_zero:
-        return "a query offset: cuDNN's causal mask starts at query 0"
-    if spec.window is not None and not spec.causal:
-        return f"window {spec.window} without causal: cuDNN takes left windows with causal only"
-    if spec.causal and t != s:
-        return f"causal cross-attention (T={t}, S={s}): left to the kernels that define it"
-    return None
-
-
-def _choose(implementation, dtype, head_dim, lengths, spec: MaskSpec, return_weights,
-            offset_is_zero, backend: str, nvidia: bool,
-            sequence: Optional[int] = None) -> tuple[str, str]:
-    """(implementation, reason) for this call on this backend; lengths is (T, S);
-    sequence: the ambient mesh's sequence-axis size (None: no such axis)."""
-    if implementation == "ring" or (implementation == "auto" and not return_weights
-                                    and sequence is not None and sequence > 1):
-        refusal = ring_refusal(spec, *lengths, sequence)
-        if refusal is None:
-            return "ring", (f"the mesh splits the sequence over {sequence} devices" if
-                            implementation == "auto" else "asked for")
-        if implementation == "ring":
-            raise ValueError(refusal)
-        impl, reason = _choose(implementation, dtype, head_dim, lengths, spec, return_weights,
-                               offset_is_zero, backend, nvidia)  # the one-device choice
-        return impl, f"{reason}; not ring: {refusal}"
-    if implementation == "cudnn" and not nvidia:
-        raise ValueError(
-            f"implementation='cudnn' needs an NVIDIA GPU; this backend is "
-            f"{backend!r}. Valid here: 'auto', 'reference', 'blockwise', 'pallas', 'xla'")
-    if implementation == "pallas" and backend != "cpu" and dtype == jnp.float64:
-        raise ValueError("implementation='pallas' takes float16, bfloat16 or float32 on a "
-                         "GPU; got float64 (use 'blockwise' or 'reference')")
-    if implementation != "auto":
-        return implementation, "asked for"
-    if return_weights:
-        return "reference", "attention weights asked for: only the reference forms them"
-    if backend == "gpu" and nvidia:
-        refusal = _cudnn_refusal(dtype, head_dim, spec, offset_is_zero, *lengths)
-        if refusal is None:
-            return "cudnn", "cuDNN expresses this mask through its own arguments"
-        if dtype != jnp.float64:
-            return "pallas", refusal
-        return "blockwise", refusal + "; the Pallas kernel has no float64 either"
-    return "blockwise", f"backend {backend!r}: the portable lax.scan kernel"
-
-
-def _jax_nn(q, k, v, spec: MaskSpec, scale, impl, offset_is_zero):
-    """jax.nn.dot_product_attention, with the mask in its own arguments where they can say it.
-
-    is_causal, key_value_seq_lengths and a causal left window are structural (cuDNN skips
-    the hidden tiles); anything else becomes one dense [B, N, T, S] mask, which is why
-    "auto" never sends such calls here.
-    """
-    b, t, n, _ = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    structural = (spec.q_segment_ids is None and spec.mask is None and offset_is_zero
-                  and (spec.window is None or (spec.causal and impl == "cudnn")))
-    if structural:
-        window = None if spec.window is None else (spec.window[0], 0)
-        y = jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=spec.causal, key_value_seq_lengths=spec.kv_lengths,
-            local_window_size=window, implementation=impl)
-        if spec.kv_lengths is not None:  # a row of no real keys is zero, as on every path
-            y = jnp.where((spec.kv_lengths > 0)[:, None, None, None], y, 0)
-        return y
-    full = dense_mask(spec, b, n, kv_heads, t, s)
-    y = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=full, implementation=impl)
-    if full is not None:  # jax.nn gives rows with no visible key the mean of v
-        any_visible = jnp.any(full, axis=-1)  # [B, N, T]
-        y = jnp.where(jnp.transpose(any_visible, (0, 2, 1))[..., None], y, 0)
-    return y
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_shapes(q, k, v):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(
-                f"{name} must have rank 4 ({'[B, T, N, H]' if name == 'q' else '[B, S, K, H]'}); "
-                f"got shape {getattr(x, 'shape', type(x).__name__)}")
-    dtypes = {q.dtype, k.dtype, v.dtype}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype} "
-            f"(cast them, e.g. to {jnp.result_type(q, k, v)})")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v need the same length S: k {k.shape}, v {v.shape}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v need the same number of heads K: k {k.shape}, v {v.shape}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k need the same head dim H: q {q.shape}, k {k.shape}")
-    n, kv_heads = q.shape[2], k.shape[2]
-    if kv_heads == 0 or n % kv_heads:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise ValueError(
-            f"k has K={kv_heads} heads, which must divide q's N={n} heads; valid K: {divisors}")
-    if min(q.shape[1], k.shape[1]) == 0:
-        raise ValueError(f"empty sequence: q {q.shape}, k {k.shape}")
-
-
-def _check_scale(scale, head_dim):
-    if scale is None:
-        return 1.0 / float(np.sqrt(head_dim))
-    try:
-        if isinstance(scale, (bool, np.bool_, str, bytes)):
-            raise TypeError
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"scale must be a finite number (a Python or NumPy float or int) or "
-                         f"None for 1/sqrt(head_dim); got {scale!r}") from None
-    if not np.isfinite(value):
-        raise ValueError(f"scale must be a finite number; got {value}")
-    return value
-
-
-def _is_int(w) -> bool:
-    # bool is an int to Python, but window=True is a mistake, not a window of 1.
-    return isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
-
-
-def _check_window(window):
-    if window is None:
-        return None
-    valid = ("window must be a non-negative int or a (left, right) pair of them, or None "
-             "(Python or NumPy ints: masks are built when tracing, so not a float, bool or "
-             "array)")
-    if _is_int(window):
-        pair = (window, window)
-    elif isinstance(window, (tuple, list)):
-        pair = tuple(window)
+def _platform(backend: Optional[str] = None) -> Platform:
+    """This process's platform, or `backend` as explain's "what if" (a GPU then counts as
+    an NVIDIA one)."""
+    if backend is None:
+        backend = jax.default_backend()
+        nvidia = any(d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
+                     for d in jax.devices())
     else:
-        raise ValueError(f"{valid}; got {window!r}")
-    if len(pair) != 2 or any(not _is_int(w) or w < 0 for w in pair):
-        raise ValueError(f"{valid}; got {window!r}")
-    return int(pair[0]), int(pair[1])
+        nvidia = backend == "gpu"
+    return Platform(backend, nvidia, sequence_axis_size())
 
 
-def _check_block(name, value, default, pow2=False):
-    if value is None:
-        return default
-    if not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
-    if pow2 and (value < 16 or value & (value - 1)):
-        raise ValueError(f"{name} must be a power of two >= 16 for implementation='pallas'; "
-                         f"got {value!r}")
-    return int(value)
+def _refusal(row: Backend, call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why `row` cannot run `call` here: its own rule, then the weights, which only the
+    rows marked `weights` form."""
+    reason = row.refusal(call, platform)
+    if reason is None and call.return_weights and not row.weights:
+        valid = " or ".join(repr(r.name) for r in BACKENDS if r.weights)
+        reason = (f"return_weights=True needs implementation={valid} (or 'auto'); got "
+                  f"{row.name!r}, which never forms the weights")
+    return reason
 
 
-def _check_lengths(kv_lengths, batch):
-    if kv_lengths is None:
-        return None
-    lengths = jnp.asarray(kv_lengths)
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"kv_lengths must be an int array of shape [B]=[{batch}]; "
-                         f"got {lengths.dtype} {lengths.shape}")
-    return lengths.astype(jnp.int32)
-
-
-def _check_offset(q_offset, batch):
-    offset = jnp.asarray(q_offset)
-    if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim not in (0, 1) or (
-            offset.ndim == 1 and offset.shape[0] != batch):
-        raise ValueError(
-            f"q_offset must be an int or an int array of shape [B]=[{batch}]; "
-            f"got {offset.dtype} with shape {offset.shape}")
-    return jnp.broadcast_to(offset.astype(jnp.int32), (batch,))
-
-
-def _check_ids(name, ids, batch, length):
-    ids = jnp.asarray(ids)
-    if ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an int array of shape [{batch}, {length}]; "
-                         f"got {ids.dtype} {ids.shape}")
-    return ids.astype(jnp.int32)
-
-
-def _segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s):
-    """Reduce segment ids and key padding to one (q ids, kv ids) pair."""
-    if segment_ids is not None:
-        if q_segment_ids is not None or kv_segment_ids is not None:
-            raise ValueError("give segment_ids, or q_segment_ids with kv_segment_ids, not both")
-        if t != s:
-            raise ValueError(f"segment_ids is for self-attention (T == S); got T={t}, S={s}: "
-                             "use q_segment_ids and kv_segment_ids")
-        q_segment_ids = kv_segment_ids = segment_ids
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    q_ids = None if q_segment_ids is None else _check_ids("q_segment_ids", q_segment_ids, b, t)
-    kv_ids = None if kv_segment_ids is None else _check_ids("kv_segment_ids", kv_segment_ids, b, s)
-    if kv_mask is not None:
-        kv_mask = jnp.asarray(kv_mask)
-        if kv_mask.shape != (b, s) or kv_mask.dtype != jnp.bool_:
-            raise ValueError(f"kv_mask must be a bool array of shape [B, S]=[{b}, {s}]; "
-                             f"got {kv_mask.dtype} {kv_mask.shape}")
-        if q_ids is None:  # every query is segment 0; padding keys get -1, which no query has
-            q_ids = jnp.zeros((b, t), jnp.int32)
-            kv_ids = jnp.zeros((b, s), jnp.int32)
-        kv_ids = jnp.where(kv_mask, kv_ids, -1 - jnp.max(jnp.abs(q_ids)))  # matches no query
-    return {"q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
-
-
-def _check_dense_mask(mask, b, n, t, s):
-    if mask is None:
-        return None
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-        raise ValueError(f"mask must be boolean (True = attend); got {mask.dtype}")
-    if mask.ndim > 4:
-        raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {mask.shape}")
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    mb, mn, mt, ms = mask.shape
-    if mb not in (1, b) or mn not in (1, n) or mt not in (1, t) or ms not in (1, s):
-        raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {mask.shape}")
-    return jnp.broadcast_to(mask, (mb, mn, t, s))
+def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tuple[str, str]:
+    """(implementation, reason) for this call on this platform; raises, naming the reason,
+    when an explicit implementation cannot run it."""
+    if implementation != "auto":
+        if implementation not in _BY_NAME:
+            raise ValueError(f"implementation={implementation!r} is unknown; valid: "
+                             f"{IMPLEMENTATIONS}")
+        reason = _refusal(_BY_NAME[implementation], call, platform)
+        if reason is not None:
+            raise ValueError(reason)
+        return implementation, "asked for"
+    passed_over = []
+    for row in BACKENDS:
+        taken_because = row.auto_reason(call, platform)
+        if taken_because is None:
+            continue
+        refusal = _refusal(row, call, platform) or row.auto_refusal(call, platform)
+        if refusal is None:
+            return row.name, "; ".join([taken_because] + passed_over)
+        passed_over.append(f"not {row.name}: {refusal}")
+    raise AssertionError(f"no row of BACKENDS takes this call ({passed_over}); the last row "
+                         f"auto looks at must take every call")

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attention_jax.attention.call import AttentionCall, Platform
 from attention_jax.attention.masks import MaskSpec, group_heads, visible
 
 
@@ -62,6 +63,12 @@ def blockwise_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, blo
     arrays = (spec.q_offset, spec.q_segment_ids, spec.kv_segment_ids, spec.mask, spec.kv_lengths)
     y = _attention_vjp(st, *to_groups(q, k, v), arrays)  # [X, G, T, Hv]
     return from_groups(y, b, kh)
+
+
+def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """The last row "auto" looks at, so its reason is always given: this path runs every
+    call on every backend, in O(T + S) memory."""
+    return f"backend {platform.backend!r}: the portable lax.scan kernel"
 
 
 def to_groups(q, k, v):

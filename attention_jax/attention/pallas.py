@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from attention_jax.attention.call import AttentionCall, Platform
 from attention_jax.attention.masks import MaskSpec
 
 LOG2_E = math.log2(math.e)
@@ -71,7 +72,7 @@ class BlockSizes:
     bwd_num_stages: int = 2
 
 
-def default_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> BlockSizes:
+def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> BlockSizes:
     """Tile sizes measured fastest on an H100 (bf16, B·T = 16k tokens, T = 4096).
 
     Forward (fwd_q, fwd_k, warps, stages) swept over 8 settings, dK/dV over 8: 128×64 with
@@ -137,7 +138,7 @@ def pallas_attention(q, k, v, spec: MaskSpec, scale: float,
     s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    blocks = blocks or default_block_sizes(h, q.dtype)
+    blocks = blocks or kernel_block_sizes(h, q.dtype)
     right = spec.right
     st = _Static(
         causal=spec.causal, left=spec.left, right=right, scale=float(scale), q_len=t,
@@ -157,6 +158,39 @@ def pallas_attention(q, k, v, spec: MaskSpec, scale: float,
     arrays = _pad_arrays(arrays, tp, sp)
     y = _flash(st, qp, kp, vp, arrays)
     return y[:, :t, :, :hv]
+
+
+def run(q, k, v, call: AttentionCall):
+    """The dispatcher's entry: `pallas_attention` with `kernel_block_sizes`, whose forward
+    and dQ tiles `call.block_q` / `call.block_k` replace when given."""
+    blocks = kernel_block_sizes(call.head_dim, call.dtype)
+    blocks = dataclasses.replace(blocks, fwd_q=_pow2_block("block_q", call.block_q, blocks.fwd_q),
+                                 fwd_k=_pow2_block("block_k", call.block_k, blocks.fwd_k))
+    return pallas_attention(q, k, v, call.spec, call.scale, blocks)
+
+
+def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why the kernels cannot run this call here: Triton has no float64 (interpret mode
+    on CPU has, which is how the tests compare against the float64 reference)."""
+    if platform.backend != "cpu" and call.dtype == jnp.float64:
+        return ("implementation='pallas' takes float16, bfloat16 or float32 on a GPU; got "
+                "float64 (use 'blockwise' or 'reference')")
+    return None
+
+
+def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Where "auto" looks at the kernels, its reason for taking them: NVIDIA GPUs only (on
+    CPU they run interpreted, slow, for tests; on TPU they have never run)."""
+    return "the fused Pallas kernels take every mask, tile by tile" if platform.nvidia_gpu else None
+
+
+def _pow2_block(name: str, value: Optional[int], default: int) -> int:
+    if value is None:
+        return default
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 for implementation='pallas'; "
+                         f"got {value!r}")
+    return value
 
 
 # ----------------------------------------------------------------------------- helpers

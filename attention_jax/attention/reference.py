@@ -7,9 +7,12 @@ A for probing and plots. Its memory grows with T·S; use the blockwise path for 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
+from attention_jax.attention.call import AttentionCall, Platform
 from attention_jax.attention.masks import MaskSpec, dense_mask
 
 
@@ -42,3 +45,14 @@ def reference_attention(q, k, v, spec: MaskSpec, scale: float, return_weights: b
     if return_weights:
         return y, a.reshape(b, n, t, s)
     return y
+
+
+def run(q, k, v, call: AttentionCall):
+    """The dispatcher's entry: y, or (y, A) when the call asks for the weights."""
+    return reference_attention(q, k, v, call.spec, call.scale, call.return_weights)
+
+
+def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Where "auto" takes the reference: only for the weights, which no other path forms
+    (it holds all T·S scores)."""
+    return "attention weights asked for: only the reference forms them" if call.return_weights else None

@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec
 from attention_jax import axes
 from attention_jax.attention.blockwise import (_acc_dtype, _backward, _forward, _pad_to,
                                                _Static, from_groups, to_groups)
+from attention_jax.attention.call import AttentionCall, Platform
 from attention_jax.attention.masks import MaskSpec
 
 
@@ -72,9 +73,21 @@ def sequence_axis_size(mesh=None) -> Optional[int]:
     return int(mesh.shape[axes.SEQUENCE])
 
 
-def ring_refusal(spec: MaskSpec, q_len: int, kv_len: int, devices: Optional[int]) -> Optional[str]:
-    """Why ring attention cannot run this call (a sentence naming the argument and the
-    valid values), or None if it can."""
+def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why ring attention cannot run this call under this mesh (a sentence naming the
+    argument and the valid values), or None if it can."""
+    return _refusal(call.spec, call.q_len, call.kv_len, platform.sequence)
+
+
+def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Where "auto" looks at the ring, its reason for taking it: under a mesh that splits
+    the sequence, where activations are sharded along T already."""
+    if platform.sequence is None or platform.sequence <= 1:
+        return None
+    return f"the mesh splits the sequence over {platform.sequence} devices"
+
+
+def _refusal(spec: MaskSpec, q_len: int, kv_len: int, devices: Optional[int]) -> Optional[str]:
     if devices is None:
         return (f"implementation='ring' needs a mesh with a {axes.SEQUENCE!r} axis: run under "
                 f"`with jax.set_mesh(mesh):` with mesh.sequence > 1 (train config "
@@ -111,15 +124,15 @@ class _Ring:
 def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k: int,
                    mesh=None):
     """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv], under a mesh
-    with a `sequence` axis (`mesh` or the ambient one); see `ring_refusal` for what it
+    with a `sequence` axis (`mesh` or the ambient one); see `refusal` for what it
     needs. block_q / block_k: the blockwise tiles within a chunk."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     p = sequence_axis_size(mesh)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    refusal = ring_refusal(spec, t, s, p)
-    if refusal:
-        raise ValueError(refusal)
+    reason = _refusal(spec, t, s, p)
+    if reason:
+        raise ValueError(reason)
     # Batch over the data axes and heads over tensor, where they divide; anything that
     # does not divide is replicated (correct, and GSPMD gathers it).
     batch_axes = tuple(a for a in (axes.DATA, axes.FSDP) if a in mesh.axis_names)

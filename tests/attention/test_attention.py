@@ -2,13 +2,15 @@
 properties, masked rows, low precision, memory, and errors on bad input."""
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_jax.attention import dot_product_attention
+from attention_jax.attention import dot_product_attention, explain
+from attention_jax.attention.call import make_call
 
 
 @dataclasses.dataclass
@@ -328,3 +330,28 @@ def test_window_and_scale_of_numpy_types_are_accepted():
     a = dot_product_attention(q, k, v, window=np.int64(2), scale=np.float32(0.5))
     b = dot_product_attention(q, k, v, window=(2, 2), scale=0.5)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_explain_takes_the_arguments_of_dot_product_attention():
+    """One signature: explain forwards its keywords to make_call, which
+    dot_product_attention's keywords (and their defaults) mirror."""
+    def keywords(fn):
+        return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+                if p.kind == p.KEYWORD_ONLY}
+
+    assert keywords(dot_product_attention) == {**keywords(make_call), "implementation": "auto"}
+    q, k, v = _ok()
+    cpu = ("blockwise", "backend 'cpu': the portable lax.scan kernel")
+    assert explain(q, k, v, scale=0.5, block_q=16, window=2, q_offset=np.int64(3)) == cpu
+    assert explain(q, k, v, causal=True, backend="tpu")[0] == "blockwise"
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['causel'\]; valid: "
+                                        r"dot_product_attention's \('causal'"):
+        explain(q, k, v, causel=True)
+    with pytest.raises(ValueError, match=r"backend='cuda' is unknown; valid: 'cpu', 'gpu', 'tpu'"):
+        explain(q, k, v, backend="cuda")
+    # What the call would refuse, explain refuses too.
+    with pytest.raises(ValueError, match=r"return_weights=True needs implementation='reference' "
+                                         r"\(or 'auto'\); got 'xla'"):
+        explain(q, k, v, implementation="xla", return_weights=True)
+    with pytest.raises(ValueError, match=r"block_q must be a positive int; got 0"):
+        explain(q, k, v, block_q=0)

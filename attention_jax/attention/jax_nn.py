@@ -1,0 +1,85 @@
+"""jax.nn.dot_product_attention behind this package's masks: the "xla" and "cudnn" backends.
+
+jax.nn says causal, right padding (key_value_seq_lengths) and a causal left window in
+its own arguments, which cuDNN's fused kernel turns into skipped tiles. Anything else
+becomes one dense [B, N, T, S] mask, which is why "auto" sends cuDNN only what those
+arguments express (`cudnn_auto_refusal`) and never picks "xla".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax.attention.call import AttentionCall, Platform
+from attention_jax.attention.masks import dense_mask
+
+
+def xla(q, k, v, call: AttentionCall):
+    """jax.nn's XLA path: q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]."""
+    return _jax_nn(q, k, v, call, "xla")
+
+
+def cudnn(q, k, v, call: AttentionCall):
+    """jax.nn's fused cuDNN kernel (NVIDIA GPUs, float16/bfloat16), same shapes."""
+    return _jax_nn(q, k, v, call, "cudnn")
+
+
+def cudnn_refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why cuDNN cannot run at all here: it needs an NVIDIA GPU."""
+    if platform.nvidia:
+        return None
+    return (f"implementation='cudnn' needs an NVIDIA GPU; this backend is "
+            f"{platform.backend!r}. Valid here: 'auto', 'reference', 'blockwise', 'pallas', 'xla'")
+
+
+def cudnn_auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """On NVIDIA GPUs "auto" looks at cuDNN first (after ring): its reason for taking it."""
+    return "cuDNN expresses this mask through its own arguments" if platform.nvidia_gpu else None
+
+
+def cudnn_auto_refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why "auto" passes cuDNN over: what jax.nn's arguments cannot say would reach cuDNN
+    as a dense mask (or not at all: jax.nn checks dtype and head dim)."""
+    spec = call.spec
+    if call.dtype not in (jnp.float16, jnp.bfloat16):
+        return f"dtype {jnp.dtype(call.dtype).name}: cuDNN runs float16/bfloat16 only"
+    if call.head_dim % 8 or call.head_dim > 128:
+        return f"head dim {call.head_dim}: cuDNN needs a multiple of 8, at most 128"
+    if spec.q_segment_ids is not None:
+        return "segment ids (or kv_mask): cuDNN has no argument for them"
+    if spec.mask is not None:
+        return "a dense mask: cuDNN would take it as an N×N bias"
+    if not call.offset_is_zero:
+        return "a query offset: cuDNN's causal mask starts at query 0"
+    if spec.window is not None and not spec.causal:
+        return f"window {spec.window} without causal: cuDNN takes left windows with causal only"
+    if spec.causal and call.q_len != call.kv_len:
+        return (f"causal cross-attention (T={call.q_len}, S={call.kv_len}): left to the kernels "
+                f"that define it")
+    return None
+
+
+def _jax_nn(q, k, v, call: AttentionCall, implementation: str):
+    """jax.nn.dot_product_attention, with the mask in its own arguments where they can say it."""
+    spec = call.spec
+    structural = (spec.q_segment_ids is None and spec.mask is None and call.offset_is_zero
+                  and (spec.window is None or (spec.causal and implementation == "cudnn")))
+    if structural:
+        window = None if spec.window is None else (spec.window[0], 0)
+        y = jax.nn.dot_product_attention(
+            q, k, v, scale=call.scale, is_causal=spec.causal,
+            key_value_seq_lengths=spec.kv_lengths, local_window_size=window,
+            implementation=implementation)
+        if spec.kv_lengths is not None:  # a row of no real keys is zero, as on every path
+            y = jnp.where((spec.kv_lengths > 0)[:, None, None, None], y, 0)
+        return y
+    full = dense_mask(spec, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len)
+    y = jax.nn.dot_product_attention(q, k, v, scale=call.scale, mask=full,
+                                     implementation=implementation)
+    if full is not None:  # jax.nn gives rows with no visible key the mean of v
+        any_visible = jnp.any(full, axis=-1)  # [B, N, T]
+        y = jnp.where(jnp.transpose(any_visible, (0, 2, 1))[..., None], y, 0)
+    return y
