@@ -21,13 +21,10 @@ the newest step that restores and verifies, moving damaged steps aside (`30.corr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import sys
-import threading
 from typing import Any, Callable
 
 import jax
@@ -460,53 +457,3 @@ def restore_params(directory, abstract_params, step: int | None = None):
 
 
 # ------------------------------------------------------------------------- preemption
-class StopRequest(contextlib.AbstractContextManager):
-    """Turns SIGTERM/SIGINT into a flag the training loop polls between steps.
-
-    Saving inside a signal handler would race with the step in flight; instead the
-    loop finishes the current step, saves a final checkpoint and exits. A second
-    signal while stopping restores the default behaviour (a user pressing Ctrl-C twice
-    wants out now). With several processes, `requested()` is true on all of them as
-    soon as any one received a signal, so they agree on the step they stop at.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._previous = {}
-
-    def _handler(self, signum, frame):
-        if self.signal is not None:
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            signal.raise_signal(signum)
-            return
-        self.signal = signum
-        logging.warning("received %s: stopping after this step with a final checkpoint",
-                        signal.Signals(signum).name)
-
-    def __enter__(self):
-        # Signal handlers can only be installed from the main thread (tests call the
-        # trainer from worker threads sometimes): then there is simply no handler.
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-        self._previous.clear()
-        return False
-
-    def requested(self) -> bool:
-        local = self.signal is not None
-        if jax.process_count() == 1:
-            return local
-        from jax.experimental import multihost_utils
-        flags = multihost_utils.process_allgather(np.int32(self.signal or 0))
-        nonzero = np.asarray(flags).ravel()
-        nonzero = nonzero[nonzero != 0]
-        if nonzero.size and self.signal is None:
-            self.signal = int(nonzero[0])
-        return bool(nonzero.size)

@@ -11,10 +11,12 @@ family's registered `Task` (tasks.py): the trainer knows nothing about GPT or Vi
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -27,7 +29,6 @@ from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
 from attention_jax import convert, sharding, steps
 from attention_jax import workdir as workdir_lib
-from attention_jax.checkpoint import StopRequest
 from attention_jax.data import loaders
 from attention_jax.errors import ConfigError, UserError
 from attention_jax.optimizer import make_optimizer
@@ -179,7 +180,7 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     {'step', 'train': last logged metrics, 'eval': last eval metrics (both read back
     from metrics.jsonl when this call logged none), 'losses': the loss of each step run
     by this call, 'stopped_by': signal name or None, 'state': the final train state
-    (sharded jax.Arrays)}.
+    (sharded jax.Arrays), 'task': the run's Task}.
 
     Resuming with training-relevant keys changed from the workdir's config.json is a
     ConfigError listing them, unless `resume_changed` (see workdir.check_config_change)."""
@@ -203,6 +204,7 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
         summary = _loop(config, workdir, s, state, loader, train_step, eval_step)
     for split, record in workdir_lib.last_records(workdir).items():
         summary[split] = summary[split] or record  # e.g. a resumed run with nothing to do
+    summary["task"] = s.task
     _say(f"workdir {os.path.abspath(workdir)}: checkpoints/ up to step {summary['step']}, "
          f"metrics.jsonl, tensorboard/, config.json")
     return summary
@@ -288,6 +290,58 @@ def _loop(config, workdir, s: Setup, state, loader, train_step, eval_step) -> di
         progress.close()
     summary["step"], summary["state"] = step, state
     return summary
+
+
+class StopRequest(contextlib.AbstractContextManager):
+    """Turns SIGTERM/SIGINT into a flag the training loop polls between steps.
+
+    Saving inside a signal handler would race with the step in flight; instead the
+    loop finishes the current step, saves a final checkpoint and exits. A second
+    signal while stopping restores the default behaviour (a user pressing Ctrl-C twice
+    wants out now). With several processes, `requested()` is true on all of them as
+    soon as any one received a signal, so they agree on the step they stop at.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        if self.signal is not None:
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.signal = signum
+        logging.warning("received %s: stopping after this step with a final checkpoint",
+                        signal.Signals(signum).name)
+
+    def __enter__(self):
+        # Signal handlers can only be installed from the main thread (tests call the
+        # trainer from worker threads sometimes): then there is simply no handler.
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+        return False
+
+    def requested(self) -> bool:
+        local = self.signal is not None
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+        flags = multihost_utils.process_allgather(np.int32(self.signal or 0))
+        nonzero = np.asarray(flags).ravel()
+        nonzero = nonzero[nonzero != 0]
+        if nonzero.size and self.signal is None:
+            self.signal = int(nonzero[0])
+        return bool(nonzero.size)
 
 
 def _finite_steps(pending, config, ckpt, losses: list) -> list[dict]:

@@ -27,7 +27,6 @@ def shrink(c, data_dir):
         c.data.seq_len = min(c.data.seq_len, 32)
         c.model.num_layers, c.model.d_model = 1, 4 * c.model.num_heads
     c.train.steps = 1
-    c.optim.warmup_steps = min(c.optim.warmup_steps, c.train.steps)
     c.train.batch_size = 8
     c.eval.batch_size = 8  # divides the 8 fake devices (a one-device eval batch may not).
     c.train.progress = False

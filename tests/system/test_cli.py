@@ -202,3 +202,30 @@ def test_resuming_a_changed_config_stops_unless_asked(trained):
     summary = json.loads(out.stdout[out.stdout.index("\n{") + 1:out.stdout.index("\n}") + 2])
     assert summary["train"]["step"] == 3 and summary["train"]["steps_in_window"] == 1
     assert "resuming" not in out.stdout  # same config as config.json now: no note
+
+
+# ------------------------------------------------------------------ installed, not editable
+@pytest.mark.slow
+def test_a_wheel_install_trains_a_shipped_config_from_any_directory(tmp_path, data_dir):
+    """`pip install .` (a wheel, not the editable checkout): the configs ship inside the
+    package, so the console script trains one by name from a directory that holds
+    nothing of the repository."""
+    pip = [sys.executable, "-m", "pip", "-q"]
+    wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), REPO],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("attention_jax-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = subprocess_env(8)
+    env["PYTHONPATH"] = str(site)  # the wheel's files only, not the checkout
+    where = subprocess.run([sys.executable, "-c", "import attention_jax.configs as c; "
+                            "print(c.__file__)"], env=env, cwd=elsewhere, capture_output=True,
+                           text=True, timeout=60)
+    assert where.stdout.startswith(str(site)), where
+    out = subprocess.run([str(site / "bin" / "attention-jax"), *TINY_GPT,
+                          f"--workdir={tmp_path / 'run'}", f"--config.data.data_dir={data_dir}"],
+                         env=env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / "2")

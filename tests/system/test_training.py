@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tiny
-from attention_jax import checkpoint, train
+from attention_jax import checkpoint, steps, train
 from conftest import finish, free_port, start_worker, subprocess_env
 
 MESHES = {
@@ -126,7 +126,6 @@ ck.save(2, state, {"next_index": 2})  # Returns once the async write has started
 # Kill only once the write has put something on disk (on a fast machine the background
 # thread may not have created its temporary folder yet when save() returns).
 import time
-from attention_jax import steps
 deadline = time.time() + 30
 while time.time() < deadline and not [n for n in os.listdir(sys.argv[1]) if n != "1"]:
     time.sleep(0.0005)
