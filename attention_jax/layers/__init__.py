@@ -7,7 +7,7 @@ from attention_jax.layers import attention, blocks, mlp, moe, norms, posemb
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.layers.blocks import (BlockConfig, DecoderBlock, EncoderBlock,
                                          TransformerBlock, TransformerStack)
-from attention_jax.layers.mlp import MLP, SwiGLU
+from attention_jax.layers.mlp import MLP, GatedMLP
 from attention_jax.layers.moe import MoE
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import (LearnedPositionEmbedding, apply_rope, sinusoidal,
@@ -15,5 +15,5 @@ from attention_jax.layers.posemb import (LearnedPositionEmbedding, apply_rope, s
 
 __all__ = ["attention", "blocks", "mlp", "moe", "norms", "posemb", "MultiHeadAttention",
            "BlockConfig", "TransformerBlock", "EncoderBlock", "DecoderBlock",
-           "TransformerStack", "MLP", "SwiGLU", "MoE", "make_norm", "LearnedPositionEmbedding",
+           "TransformerStack", "MLP", "GatedMLP", "MoE", "make_norm", "LearnedPositionEmbedding",
            "apply_rope", "sinusoidal", "sinusoidal_table"]

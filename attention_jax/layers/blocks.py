@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, SwiGLU
+from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP
 from attention_jax.layers.moe import MoE
 from attention_jax.layers.norms import NORMS, make_norm
 
@@ -167,7 +167,7 @@ class TransformerBlock(nn.Module):
             x, aux["moe"] = residual(x, "mlp", lambda h: ffn(h, deterministic=deterministic))
         else:
             if cfg.mlp in GATED_MLPS:
-                ffn = SwiGLU(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,
+                ffn = GatedMLP(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,
                              gate_activation=GATED_MLPS[cfg.mlp],
                              use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
                              param_dtype=param_dtype, name="mlp")

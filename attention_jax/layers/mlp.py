@@ -1,4 +1,4 @@
-"""Position-wise feed-forward layers: the two-layer MLP and the gated ones (SwiGLU, GeGLU).
+"""Position-wise feed-forward layers: the two-layer `MLP` and `GatedMLP` (SwiGLU, GeGLU).
 
     MLP:     y = W2 act(W1 x + b1) + b2          hidden F = 4D (Vaswani 2017 §3.3)
     SwiGLU:  y = W2 (silu(Wg x) ∘ (W1 x))       (Shazeer 2020, "GLU Variants Improve
@@ -70,7 +70,7 @@ def activation(name: str) -> Callable:
     return ACTIVATIONS[name]
 
 
-def swiglu_hidden(d_model: int, multiple_of: int = 128) -> int:
+def gated_hidden(d_model: int, multiple_of: int = 128) -> int:
     """F = 8D/3 rounded up to a multiple of `multiple_of`."""
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
@@ -112,12 +112,12 @@ class MLP(nn.Module):
                       "wo", self.kernel_init)(h)  # [B, T, D]
 
 
-class SwiGLU(nn.Module):
+class GatedMLP(nn.Module):
     """Gated MLP [B, T, D] -> [B, T, D]: act(x Wg) ∘ (x W1), then W2. No biases by default.
 
     gate_activation "silu" is SwiGLU, "gelu" GeGLU (any name in ACTIVATIONS)."""
 
-    hidden: Optional[int] = None  # default swiglu_hidden(D, multiple_of)
+    hidden: Optional[int] = None  # default gated_hidden(D, multiple_of)
     gate_activation: str = "silu"
     multiple_of: int = 128
     use_bias: bool = False
@@ -129,7 +129,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
         d = x.shape[-1]
-        f = self.hidden or swiglu_hidden(d, self.multiple_of)
+        f = self.hidden or gated_hidden(d, self.multiple_of)
         args = (self.use_bias, self.dtype, self.param_dtype)
         gate = _dense(f, axes.EMBED, axes.MLP, *args, "wg", self.kernel_init)(x)  # [B, T, F]
         up = _dense(f, axes.EMBED, axes.MLP, *args, "wi", self.kernel_init)(x)  # [B, T, F]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
-from attention_jax.layers.mlp import GATED_MLPS, MLP, SwiGLU
+from attention_jax.layers.mlp import GATED_MLPS, MLP, GatedMLP
 
 
 def _gelu64(x):  # exact (erf) GELU
@@ -23,7 +23,7 @@ REFERENCE = {"silu": lambda x: x / (1 + np.exp(-x)), "gelu": _gelu64}
 @pytest.mark.parametrize("kind", sorted(GATED_MLPS))
 def test_gated_mlp_matches_float64_reference(kind):
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 12))
-    layer = SwiGLU(hidden=32, gate_activation=GATED_MLPS[kind])
+    layer = GatedMLP(hidden=32, gate_activation=GATED_MLPS[kind])
     params = nn.unbox(layer.init(jax.random.PRNGKey(1), x)["params"])
     y = layer.apply({"params": params}, x)
     w = {k: np.asarray(jax.device_get(v["kernel"]), np.float64) for k, v in params.items()}
@@ -35,9 +35,9 @@ def test_gated_mlp_matches_float64_reference(kind):
 
 def test_swiglu_and_geglu_differ_only_in_the_gate():
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 3, 8))
-    params = SwiGLU(hidden=16).init(jax.random.PRNGKey(1), x)
-    y_swi = SwiGLU(hidden=16).apply(params, x)
-    y_ge = SwiGLU(hidden=16, gate_activation="gelu").apply(params, x)
+    params = GatedMLP(hidden=16).init(jax.random.PRNGKey(1), x)
+    y_swi = GatedMLP(hidden=16).apply(params, x)
+    y_ge = GatedMLP(hidden=16, gate_activation="gelu").apply(params, x)
     assert not np.allclose(y_swi, y_ge, atol=1e-3)
 
 
@@ -46,7 +46,7 @@ def test_gated_mlps_at_8d_over_3_have_the_plain_mlps_parameters():
     x = jnp.zeros((1, 2, d))
     count = lambda layer: sum(np.size(v) for v in jax.tree.leaves(
         jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)))
-    assert count(MLP(hidden=4 * d, use_bias=False)) == count(SwiGLU(hidden=8 * d // 3)) == 18432
+    assert count(MLP(hidden=4 * d, use_bias=False)) == count(GatedMLP(hidden=8 * d // 3)) == 18432
 
 
 def test_block_builds_the_gated_mlp_of_its_kind():

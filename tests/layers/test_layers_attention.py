@@ -8,7 +8,7 @@ import pytest
 from attention_jax import attention as attention_lib
 from attention_jax.layers import (BlockConfig, MultiHeadAttention, TransformerStack, apply_rope,
                                   make_norm, sinusoidal)
-from attention_jax.layers.mlp import MLP, SwiGLU, swiglu_hidden
+from attention_jax.layers.mlp import MLP, GatedMLP, gated_hidden
 
 
 def _x(shape, seed=0):
@@ -122,11 +122,11 @@ def test_norms_and_mlps():
     np.testing.assert_allclose(jnp.sqrt(jnp.mean(y ** 2, -1)), 1, rtol=1e-3)
     with pytest.raises(ValueError, match="valid"):
         make_norm("groupnorm")
-    assert swiglu_hidden(4096, 256) == 11008  # LLaMA-7B's F
-    assert swiglu_hidden(64, 64) == 192
+    assert gated_hidden(4096, 256) == 11008  # LLaMA-7B's F
+    assert gated_hidden(64, 64) == 192
     p = jax.eval_shape(MLP().init, jax.random.PRNGKey(0), x)["params"]
     assert p["wi"]["kernel"].value.shape == (8, 32)  # F = 4D
-    p = jax.eval_shape(SwiGLU(multiple_of=16).init, jax.random.PRNGKey(0), x)["params"]
+    p = jax.eval_shape(GatedMLP(multiple_of=16).init, jax.random.PRNGKey(0), x)["params"]
     assert p["wg"]["kernel"].value.shape == (8, 32)  # 8·8/3 = 21.3 -> 32
     with pytest.raises(ValueError, match="valid"):
         jax.eval_shape(MLP(activation="swish2").init, jax.random.PRNGKey(0), x)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from attention_jax.tools.bench import ring as bench_ring
+from attention_jax.tools.bench import ring_speed as bench_ring
 
 
 @pytest.mark.slow

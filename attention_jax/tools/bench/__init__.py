@@ -7,6 +7,8 @@
     python -m attention_jax.tools.bench checkpoint           # digest cost at save/restore
     python -m attention_jax.tools.bench profile              # where a GPT-2 step's time goes
 
-timing.py holds what they measure with; the others one benchmark each (train_speed.py
-and train_speed_gpu.py the two modes of `train`, around bare_step.py's step).
+One module per command, named `<command>_speed.py` (or profile.py) so none shadows a
+package module; `*_speed_gpu.py` are the GPU modes of `attention` and `train`, both
+around shared parts: timing.py (what they measure with) and bare_step.py (the bare
+training step both modes of `train` time).
 """

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 import attention_jax.tools.bench as bench
-from attention_jax.tools.bench import attention, checkpoint, profile, ring, train_speed
+from attention_jax.tools.bench import (attention_speed, checkpoint_speed, profile,
+                                       ring_speed, train_speed)
 
-BENCHMARKS = {"attention": attention, "train": train_speed, "ring": ring,
-              "checkpoint": checkpoint, "profile": profile}
+BENCHMARKS = {"attention": attention_speed, "train": train_speed, "ring": ring_speed,
+              "checkpoint": checkpoint_speed, "profile": profile}
 
 
 def main(argv=None):

@@ -2,7 +2,7 @@
 `python -m attention_jax.tools.bench.torch_attention --rows '[[H, T, mask], ...]' --out F`.
 
 SDPA with the FlashAttention-2 backend and with the cuDNN backend, bfloat16, the same
-shapes and FLOP count as attention_gpu.py (which starts this). Writes rows in its format.
+shapes and FLOP count as attention_speed_gpu.py (which starts this). Writes rows in its format.
 """
 
 from __future__ import annotations

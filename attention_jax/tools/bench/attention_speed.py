@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.attention import dot_product_attention
-from attention_jax.tools.bench import attention_gpu
+from attention_jax.tools.bench import attention_speed_gpu
 from attention_jax.tools.bench.timing import (available_memory_bytes, cpu_vector_isa,
                                               installed, matmul_rate, median_time)
 
@@ -176,7 +176,7 @@ def _progress(row):
 def run(args):
     """`bench attention`: the table on stdout, the rows as JSON in --out."""
     if jax.default_backend() == "gpu":  # bf16, TFLOP/s, the GPU peers
-        return attention_gpu.run(args)
+        return attention_speed_gpu.run(args)
     sizes = args.sizes or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
     repeats = args.repeats or (3 if args.quick else 5)
     budget = args.memory_fraction * available_memory_bytes()
