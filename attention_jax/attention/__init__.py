@@ -69,14 +69,12 @@ def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] =
     k, v and output blocks. On CPU the tile should fit in cache (2 MiB of L2 per core
     here), so its size depends on how many heads share it. `heads` (B·N), `head_dim` and
     the lengths, when given, pick the largest tile whose working set stays under 8 MiB;
-    without them, the tile for one sequence of 8 heads. Measured (2-core CPU,
-    `python -m attention_jax.tools.bench attention` and the train benchmark's shapes):
-    8 heads at N=4096 run fastest at 256×512 (working set 7.3 MiB); 96 heads (batch 16 ×
-    6) at N=256 causal at 64×64, 28% faster forward+backward than one 256×256 tile; at
-    N ≤ 128 one tile of the whole problem beats any loop.
+    without them, the tile for one sequence of 8 heads; a problem small enough for one
+    tile is one tile (no loop beats it). The sizes were chosen by `python -m
+    attention_jax.tools.bench attention` on a 2-core CPU and an H100 (README, Measurements behind the code).
     """
     backend = backend or jax.default_backend()
-    if backend != "cpu":  # H100, bf16, H = 128, T = 4096: 1024² ran 1.2-1.3× faster than 512²
+    if backend != "cpu":  # large tiles: the H100's measured best for the scan path
         return 1024, 1024
     if heads is None:
         return 256, 512

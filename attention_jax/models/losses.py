@@ -62,11 +62,10 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
 # row max; then Σ exp and the target's logit, picked by comparing an iota with the
 # target: no gather, so a vocabulary split over devices stays split); the backward reads
 # them once and writes dlogits = (softmax - q)·g directly in the logits' dtype. Autodiff
-# through optax's gather-based loss made five passes and a float32 dlogits: 4.5 ms of a
-# 36.5 ms GPT-2-small step on an H100, against 2.5 ms now (`bench profile`, batch 16).
-# A one-pass forward (online softmax: one variadic reduction carrying the running max and
-# the rescaled sum) measured slower there, 1.5 ms against 1.2: two exponentials per
-# element make that pass compute-bound.
+# through optax's gather-based loss made five passes and a float32 dlogits. A one-pass
+# forward (online softmax: one variadic reduction carrying the running max and the
+# rescaled sum) is slower on a GPU: two exponentials per element make that pass
+# compute-bound. Both measured with `bench profile` on an H100 (README, Measurements behind the code).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cross_entropy_terms(smoothing, logits, targets):
     """(loss, correct) per position, float32 [...]: loss = lse(z) - (1-ε)·z_y - ε·mean(z)."""

@@ -29,8 +29,7 @@ that side needs): a few untimed warm-up steps (ours includes compilation), then
 individually timed steps, each ended by waiting for the loss. The two sides take turns,
 two processes each with a pause before each, and the report gives the median over both.
 Separate processes because the two runtimes' worker threads spin after their work is
-done: measured in one process on the quiet 2-core machine, our gpt-cpu step took a median
-58.7 ms right after PyTorch steps against 33 ms alone.
+done: in one process, each side's step is slower right after the other's (README, Measurements behind the code).
 
 Model FLOPs per token: 6·N + 12·L·T·D (PaLM's convention; models/flops.py, whose
 docstring explains the terms, as the trainer counts them), N counted from our model's
