@@ -13,6 +13,8 @@ and normalisation come from the sentence-transformers files in the dir
 
 CLI: `python -m attention_jax.main --mode=embed --config=... --workdir=DIR
 --config.train.init_from=hf:<dir>` reads one text per line on stdin (main.embed_texts).
+A BERT trained here embeds through its task's `embed` entry (tasks.mlm_task), which builds
+a SentenceEncoder on the run's params and tokenizer.
 """
 
 from __future__ import annotations
@@ -155,8 +157,12 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
     from attention_jax.data.tokenization import WordPieceTokenizer
     path = os.fspath(path) if path is not None else bundled_minilm_dir()
     ckpt = load_hf(path, implementation=implementation)
-    if not isinstance(ckpt.model, bert.Bert):
-        raise ValueError(f"{path} holds a {ckpt.architecture}; sentence embeddings need a BERT")
+    # The dir's own family name (config.json's model_type, the key of hf.FAMILIES), not
+    # the class of the model built from it.
+    model_type = ckpt.hf_config.get("model_type")
+    if model_type != "bert":
+        raise ValueError(f"{path} holds a {ckpt.architecture} (model_type={model_type!r}); "
+                         f"sentence embeddings need a BERT; valid: model_type 'bert'")
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok_file):
         raise FileNotFoundError(f"{path}: no tokenizer.json (the WordPiece vocabulary); files "

@@ -40,8 +40,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attention_jax.runs import read_metrics, run_summary
+from attention_jax import tasks
+from attention_jax import workdir as workdir_lib
+from attention_jax.runs import run_summary
 from attention_jax.tools import fits
+from attention_jax.workdir import read_metrics
 
 # Source-length buckets in BPE tokens (the number-translation sources are 1-30 tokens):
 # (0, 8], (8, 16], (16, 24], (24, 32].
@@ -105,20 +108,6 @@ def restore_run(workdir: str, overrides: dict | None = None):
 
 
 # ============================================================================ translation
-def _greedy_fn(model, max_len: int):
-    """A jitted src [B, S] -> tokens [B, max_len] for either translation model family."""
-    import jax
-
-    from attention_jax.models import encdec, rnn
-    if isinstance(model, rnn.RNNSeq2Seq):
-        return jax.jit(lambda params, src: model.apply(
-            {"params": params}, src, max_len=max_len, method=model.generate)[0])
-    if isinstance(model, encdec.EncoderDecoder):
-        return lambda params, src: encdec.greedy_decode(model, params, src, max_len=max_len)
-    raise TypeError(f"cannot translate with a {type(model).__name__}; valid: RNNSeq2Seq, "
-                    f"EncoderDecoder (config.task rnn_seq2seq or encdec)")
-
-
 def _until_eos(ids, eos_id: int) -> list[int]:
     ids = [int(t) for t in ids]
     return ids[:ids.index(eos_id)] if eos_id in ids else ids
@@ -130,19 +119,19 @@ def translate_split(workdir: str, split: str = "test", max_examples: int = 0,
     source, reference, hypothesis and source_tokens (the BPE length the model read)."""
     from attention_jax import data
     config, task, params = restore_run(workdir)
+    decode = tasks.need(task, "decode", config.task, "translate")
     d = config.data
-    tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
+    tok = data.load_tokenizer(workdir_lib.path(workdir, workdir_lib.TOKENIZER))
     records = data.get_dataset(d.name, split, d.data_dir or None)
     n = min(len(records), max_examples) if max_examples else len(records)
     text = lambda x: x.decode("utf-8") if isinstance(x, bytes) else str(x)
-    greedy = _greedy_fn(task.model, d.target_len)
     out = []
     for start in range(0, n, batch_size):
         rows = [records[i] for i in range(start, min(start + batch_size, n))]
         src = np.stack([task.eval_transform(r, None)["inputs"] for r in rows])
         # Pad the last batch to the full size: one compiled shape for the whole split.
         src_full = np.concatenate([src, np.repeat(src[:1], batch_size - len(src), 0)])
-        tokens = np.asarray(greedy(params, src_full))[:len(src)]
+        tokens = np.asarray(decode(params, src_full, d.target_len))[:len(src)]
         for r, s, t in zip(rows, src, tokens):
             out.append({"source": text(r[d.source]), "reference": text(r[d.target]),
                         "hypothesis": tok.decode(_until_eos(t, tok.eos_id)),
@@ -215,21 +204,25 @@ def plot_translation(results: dict[str, list[dict]], path: str) -> None:
 
 
 # ========================================================================= classification
-def classification_accuracy(workdir: str, split: str = "") -> tuple[float, int]:
-    """(accuracy, n) of the run's checkpoint on every image of `split` (default: the
-    run's eval split). The trainer's eval drops the last partial batch (359 digits test
-    images are 11 batches of 32 and 7 left over); this counts all of them."""
-    import jax
-
+def classification_accuracy(workdir: str, split: str = "", batch_size: int = 512
+                            ) -> tuple[float, int]:
+    """(accuracy, n) of the run's checkpoint on every example of `split` (default: the
+    run's eval split), through its task's `classify`. The trainer's eval drops the last
+    partial batch (359 digits test images are 11 batches of 32 and 7 left over); this
+    counts all of them."""
     from attention_jax import data
     config, task, params = restore_run(workdir)
+    classify = tasks.need(task, "classify", config.task, "classify")
     records = data.get_dataset(config.data.name, split or config.data.eval_split,
                                config.data.data_dir or None)
-    examples = [task.eval_transform(records[i], None) for i in range(len(records))]
-    images = np.stack([e["image"] for e in examples])
-    labels = np.array([e["label"] for e in examples])
-    logits, _ = jax.jit(lambda p, x: task.model.apply({"params": p}, x))(params, images)
-    return float(np.mean(np.asarray(logits).argmax(-1) == labels)), len(labels)
+    right = 0
+    for start in range(0, len(records), batch_size):
+        examples = [task.eval_transform(records[i], None)
+                    for i in range(start, min(start + batch_size, len(records)))]
+        batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+        predicted, labels = classify(params, batch)
+        right += int(np.sum(predicted == labels))
+    return right / len(records), len(records)
 
 
 def eval_batches(task, batches: int, batch_size: int):
@@ -416,14 +409,24 @@ def plot_curves(runs: dict[str, str], path: str, metric: str = "loss") -> None:
 # =================================================================================== runs
 def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accuracy") -> dict:
     """A table (out.md, out.json) of the named runs and, with `x` (a model field such as
-    `patch_size`, or `tokens` for ViT's patch count), a plot (out.png) of the eval
-    metric and the wall time against it."""
+    `patch_size`, or `tokens`: the positions per example its task reports, a ViT's patches
+    + [CLS]), a plot (out.png) of the eval metric and the wall time against it. What a
+    run's task offers is added: tokens, model FLOPs per unit (out.json), and for a
+    classifier the accuracy over the whole eval split."""
+    import jax
+
+    from attention_jax.runs import load_config
     rows = {name: run_summary(w) for name, w in runs.items()}
     for r in rows.values():
-        m = r["model"]
-        if r["task"] == "vit":
-            side = m.get("image_size", 8) // m["patch_size"]
-            r["tokens"] = side * side + (1 if m.get("pool", "cls") == "cls" else 0)
+        config = load_config(r["workdir"])
+        task = tasks.TASKS[config.task](config, r["workdir"])  # its entries, no checkpoint
+        if task.tokens_per_example:
+            r["tokens"] = task.tokens_per_example
+        if task.flops_per_unit is not None:  # shapes suffice: nothing is computed
+            shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))
+            r["flops_per_unit"] = task.flops_per_unit(shapes)
+            r["unit"] = task.unit
+        if task.classify is not None:
             # The whole test split, not the trainer's full batches only.
             r["eval"]["accuracy_batches"] = r["eval"].get("accuracy")
             r["eval"]["accuracy"], r["eval"]["n"] = classification_accuracy(r["workdir"])

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attention_jax.runs import count_params, read_metrics
+from attention_jax.runs import count_params
+from attention_jax.workdir import read_metrics, wall_seconds
 
 
 # ================================================================================== fits
@@ -128,10 +129,23 @@ def compute_envelope(curves: dict[str, tuple], points: int = 40) -> tuple[np.nda
     return grid[keep], best[keep]
 
 
+def units_per_step(task, config) -> int:
+    """Units of `task.unit` in a training step: the batch's examples, or its tokens
+    (batch × the task's fixed seq_len)."""
+    if task.unit == "tokens":
+        if not task.seq_len:
+            raise ValueError(f"task {config.task!r} counts tokens but has no fixed seq_len: "
+                             f"its compute per step is not known from the config")
+        return config.train.batch_size * task.seq_len
+    return config.train.batch_size
+
+
 def scaling_report(workdirs: Sequence[str], out: str) -> dict:
-    """L(N) at the end of each run, fitted (fit_power_law), and the training loss against
-    compute C = 6·N·tokens for each run with the envelope; writes out.json, out.md and
-    out.png (loss vs N with the fit and its residuals; loss vs C)."""
+    """L(N) at the end of each run, fitted (fit_power_law) on Kaplan's non-embedding N,
+    and the training loss against compute C for each run with the envelope: C = the
+    task's model FLOPs per unit (Task.flops_per_unit: 6·N + 12·L·T·D per token, the PaLM
+    convention of models/flops.py, N with the output head) × units trained. Writes out.json,
+    out.md and out.png (loss vs N with the fit and its residuals; loss vs C)."""
     import flax.linen as nn
     import jax
     import matplotlib
@@ -139,20 +153,15 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from attention_jax import data, tasks
-    from attention_jax.models import gpt
+    from attention_jax import tasks
     from attention_jax.runs import load_config
     runs = []
     for w in workdirs:
         config = load_config(w)
-        if config.task != "gpt":
-            raise ValueError(f"{w}: task {config.task!r}; the scaling report reads GPT runs "
-                             f"(config.task 'gpt')")
-        # The model from its config and saved tokenizer: no corpus to load for a count.
-        vocab = tasks.padded_vocab(data.load_tokenizer(os.path.join(w, "tokenizer")).vocab_size)
-        model = gpt.GPT(tasks.model_config(gpt.GPTConfig, config, vocab_size=vocab))
-        shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0),
-                                              jax.numpy.ones((1, 8), "int32"))["params"])
+        task = tasks.TASKS[config.task](config, w)
+        per_unit = tasks.need(task, "flops_per_unit", config.task, "count its FLOPs")
+        # Shapes only: counting needs no parameters computed and no checkpoint.
+        shapes = nn.meta.unbox(jax.eval_shape(task.init, jax.random.PRNGKey(0)))
         n = non_embedding_params(shapes)
         records = read_metrics(w)
         evals = [r for r in records if r["split"] == "eval"]
@@ -160,21 +169,22 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
         if not evals or not trains:
             raise ValueError(f"{w}: no eval or train records in metrics.jsonl; is the run "
                              f"finished?")
-        tokens_per_step = config.train.batch_size * config.data.seq_len
+        units = units_per_step(task, config)
         steps = np.array([r["step"] for r in trains])
-        runs.append({"workdir": w, "layers": config.model.num_layers,
-                     "d_model": config.model.d_model, "non_embedding_params": n,
+        runs.append({"workdir": w, "layers": config.model.get("num_layers"),
+                     "d_model": config.model.get("d_model"), "non_embedding_params": n,
                      "params": count_params(shapes), "steps": int(evals[-1]["step"]),
-                     "tokens": int(evals[-1]["step"] * tokens_per_step),
+                     "unit": task.unit, "units": int(evals[-1]["step"] * units),
+                     "flops_per_unit": float(per_unit(shapes)),
                      "eval_loss": float(evals[-1]["loss"]), "lr": config.optim.lr,
-                     "flops": (6.0 * n * tokens_per_step * steps).tolist(),
+                     "flops": (per_unit(shapes) * units * steps).tolist(),
                      "train_loss": _smooth([r["loss"] for r in trains]).tolist(),
-                     "wall_s": run_summary_wall(w)})
+                     "wall_s": wall_seconds(w)})
     runs.sort(key=lambda r: r["non_embedding_params"])
     n = np.array([r["non_embedding_params"] for r in runs], np.float64)
     loss = np.array([r["eval_loss"] for r in runs])
     fit = fit_power_law(n, loss)
-    curves = {f"L{r['layers']}": (r["flops"], r["train_loss"]) for r in runs}
+    curves = {r["workdir"]: (r["flops"], r["train_loss"]) for r in runs}
     env_c, env_loss = compute_envelope(curves)
     # The frontier's power law in C, over its second half (the first is warm-up).
     half = len(env_c) // 2
@@ -200,7 +210,7 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
               label=f"(N_c/N)^α_N: α_N = {fit['pure_alpha']:.3f} ± "
                     f"{fit['pure_alpha_stderr']:.3f}")
     ax.set_xlabel("non-embedding parameters N")
-    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_ylabel(f"validation loss (nats per {runs[0]['unit'][:-1]})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax = axes[1]
@@ -219,7 +229,7 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
                   label=f"L={r['layers']}, N={r['non_embedding_params'] / 1e6:.2g}M")
     ax.loglog(env_c, env_loss, "k--", linewidth=2,
               label=f"envelope (upper half: α_C = {-env_fit['slope']:.3f})")
-    ax.set_xlabel("training compute C = 6·N·tokens (FLOPs)")
+    ax.set_xlabel("training compute C (model FLOPs: 6·N + 12·L·T·D per token)")
     ax.set_ylabel("training loss (5-record moving average)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
@@ -229,20 +239,16 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
     return result
 
 
-def run_summary_wall(workdir: str) -> float:
-    """Seconds from config.json to the last metric record (as run_summary measures it)."""
-    return round(os.path.getmtime(os.path.join(workdir, "metrics.jsonl"))
-                 - os.path.getmtime(os.path.join(workdir, "config.json")), 1)
-
-
 def scaling_table(result: dict) -> str:
     fit = result["fit"]
-    lines = ["| layers | width | non-embedding N | tokens | peak lr | validation loss | "
-             "residual (E + A·N^-α) | wall time |", "|---|---|---|---|---|---|---|---|"]
+    unit = result["runs"][0]["unit"]
+    lines = [f"| layers | width | non-embedding N | {unit} | FLOPs per {unit[:-1]} | peak lr | "
+             "validation loss | residual (E + A·N^-α) | wall time |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r, res in zip(result["runs"], fit["residuals"]):
         lines.append(f"| {r['layers']} | {r['d_model']} | {r['non_embedding_params']:,} | "
-                     f"{r['tokens']:,} | {r['lr']:.2e} | {r['eval_loss']:.4f} | {res:+.4f} | "
-                     f"{r['wall_s']:.0f} s |")
+                     f"{r['units']:,} | {r['flops_per_unit']:.3g} | {r['lr']:.2e} | "
+                     f"{r['eval_loss']:.4f} | {res:+.4f} | {r['wall_s']:.0f} s |")
     lines.append("")
     lines.append(f"Fit L(N) = E + A·N^-α: α = {fit['alpha']:.3f} ± {fit['alpha_stderr']:.3f}, "
                  f"E = {fit['E']:.3f} ± {fit['E_stderr']:.3f}, A = {fit['A']:.3g} "
@@ -316,7 +322,7 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
         key = (str(_point_value(w, by)), _number(_point_value(w, x)) if x else None)
         groups.setdefault(key, []).append({"workdir": w, "value": float(evals[-1][metric]),
                                            "seed": int(_point_value(w, "train.seed")),
-                                           "wall_s": run_summary_wall(w)})
+                                           "wall_s": wall_seconds(w)})
     rows = []
     for (name, xv), runs in groups.items():
         v = np.array([r["value"] for r in runs])

@@ -12,7 +12,9 @@ From a notebook, on arrays (no workdir needed):
     fig = viz.plot_alignment(alpha, source_labels, target_labels)  # alpha [T, S]
     viz.save(fig, "attn.png")
 
-or on a run: `maps = viz.attention_maps(workdir, text)` returns the figures by name.
+or on a run: `maps = viz.attention_maps(workdir, text)` returns the figures by name. What
+a run's input is (a text, an eval image, a source sentence and its translation) and how its
+positions are labelled is its task's `attention_input` (tasks.py); this module only draws.
 
 The weights come from the reference attention path (the only one that materialises the
 [B, N, T, S] matrix): models switch to it whenever `return_weights=True`. The RNN's
@@ -42,6 +44,8 @@ if "ipykernel" not in sys.modules:
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from attention_jax import tasks  # noqa: E402
+
 __all__ = ["MAX_TOKENS", "MAX_PANELS", "InputTooLongError", "plot_attention_grid",
            "plot_alignment", "save", "model_attention", "token_labels",
            "attention_maps", "main"]
@@ -55,8 +59,10 @@ PANEL_INCHES = 2.0
 DPI = 100
 
 
-class InputTooLongError(ValueError):
-    """The input has more tokens than can be drawn (or than the model was built for)."""
+# The same error whether an input is too long to draw (here) or for the model (the task's
+# attention_input, before any compute); the tasks label tokens, so the function lives there.
+InputTooLongError = tasks.InputTooLongError
+token_labels = tasks.token_labels
 
 
 def check_length(n: int, limit: int = MAX_TOKENS, what: str = "input",
@@ -202,34 +208,9 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
     return {kind: np.asarray(w, np.float32)[:, 0] for kind, w in aux["attention_weights"].items()}
 
 
-def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
-    """One readable label per token id: its own text, or <bos>/<eos>/... for specials."""
-    names = {getattr(tokenizer, f"{n}_id", None): f"<{n}>"
-             for n in ("pad", "bos", "eos", "mask", "cls", "sep")}  # cls/sep: WordPiece's
-    out = []
-    for i in map(int, ids):
-        if i in names:
-            out.append(names[i])
-            continue
-        # A leading space marks a word start in byte-level BPE; show it as the middle dot.
-        text = tokenizer.decode([i]).replace("\n", "⏎").replace(" ", "·")
-        if not text.isprintable():  # control bytes and partial UTF-8: escapes, not boxes
-            text = text.encode("unicode_escape").decode("ascii")
-        out.append(text or f"#{i}")
-    return out
-
-
 # ======================================================================================== runs
 # A run is drawn from batches of one example.
 ONE_EXAMPLE = {"train.batch_size": 1, "eval.batch_size": 1, "optim.grad_accum": 1}
-
-
-def _context(model) -> int | None:
-    """Longest input the model's position table allows (None: no limit)."""
-    cfg = model.config  # GPT's max_len limits only its learned table; BERT's always.
-    if getattr(cfg, "position", "learned") == "learned":
-        return getattr(cfg, "max_len", None)
-    return None
 
 
 def attention_maps(workdir: str, text: str | None = None, *, target: str | None = None,
@@ -251,27 +232,41 @@ def attention_maps(workdir: str, text: str | None = None, *, target: str | None 
 def maps_for_run(run, text: str | None, *, target: str | None = None,
                  image_index: int = 0, layers: Sequence[int] | None = None,
                  max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """attention_maps on an already opened runs.Run (several inputs, one restore)."""
-    from attention_jax.models import encdec, rnn, vit
-    model, tok = run.task.model, run.tokenizer
+    """attention_maps on an already opened runs.Run (several inputs, one restore).
+
+    The run's task says what its input is and how to label it (Task.attention_input);
+    this draws whatever kinds of attention the model returns."""
+    name = run.config.task
+    make = tasks.need(run.task, "attention_input", name, "draw attention maps")
     with run.mesh_context():
-        if isinstance(model, vit.ViT):
-            return _vit_maps(run, image_index, layers)
-        if text is None:
-            raise ValueError(f"--text is required for a {run.config.task!r} run")
-        src = tok.encode(text)
-        if isinstance(model, (encdec.EncoderDecoder, rnn.RNNSeq2Seq)):
-            return _translation_maps(run, src, target, layers, max_tokens)
-        check_length(len(src), max_tokens, "--text", _context(model))
-        if not src:
-            raise ValueError("--text encodes to no tokens; give some text")
-        weights = model_attention(model, run.params, np.array([src], np.int32))["self"]
-    labels = token_labels(tok, src)
-    weights, names = _select(weights, layers)
-    title = f"{run.config.task} self-attention, step {run.step}"
-    return {"self": plot_attention_grid(weights, labels, title=title, layer_names=names,
-                                        max_tokens=max_tokens),
-            "info": {"tokens": labels, "step": run.step}}
+        example = make(run.params, text, target=target, index=image_index)
+        for kind, (queries, keys) in example.labels.items():  # before the forward pass
+            check_length(max(len(queries), len(keys)), max_tokens, f"the {kind}-attention input")
+        weights = model_attention(run.task.model, run.params, *example.inputs)
+    head = f"{name} {example.title}".strip() + f", step {run.step}"
+    maps = {}
+    for kind, w in weights.items():
+        if kind not in example.labels:
+            raise ValueError(f"task {name!r} labels {sorted(example.labels)} but the model "
+                             f"returned {kind!r} attention too")
+        queries, keys = example.labels[kind]
+        w, names = _select(w, layers)
+        if kind == example.alignment:
+            # Source–target alignment: the mean over heads, one panel per decoder layer.
+            many = w.shape[1] > 1
+            maps["alignment"] = plot_alignment(
+                w.mean(axis=1), keys, queries, max_tokens=max_tokens,
+                panel_titles=[f"decoder {n}" for n in names],
+                title=f"{kind}-attention {'(mean over heads)' if many else 'alignment'}, {head}")
+            if not many:  # one head (the RNN's α): a per-head grid would repeat it
+                continue
+            title = f"{kind}-attention per head"
+        else:  # "self", or an encoder-decoder's "encoder" / "decoder" self-attention
+            title = "self-attention" if kind == "self" else f"{kind} self-attention"
+        maps[kind] = plot_attention_grid(w, queries, keys, layer_names=names,
+                                         max_tokens=max_tokens, title=f"{title}, {head}")
+    maps["info"] = {**example.info, "step": run.step}
+    return maps
 
 
 def _select(weights, layers):
@@ -281,74 +276,6 @@ def _select(weights, layers):
     if bad:
         raise ValueError(f"layers {bad} do not exist; valid: 0..{weights.shape[0] - 1}")
     return weights[layers], [f"layer {i}" for i in layers]
-
-
-def _vit_maps(run, index, layers):
-    source = run.task.eval_source
-    if not 0 <= index < len(source):
-        raise ValueError(f"--image-index={index}; valid: 0..{len(source) - 1} (the eval split)")
-    example = run.task.eval_transform(source[index], np.random.default_rng(0))
-    image = np.asarray(example["image"], np.float32)[None]
-    weights = model_attention(run.task.model, run.params, image)["self"]
-    cfg = run.task.model.config
-    side = cfg.image_size // cfg.patch_size
-    labels = [f"{r},{c}" for r in range(side) for c in range(side)]  # patch row, column
-    if weights.shape[-1] == len(labels) + 1:
-        labels = ["[CLS]"] + labels
-    weights, names = _select(weights, layers)
-    title = f"ViT self-attention, eval image {index} (label {int(example['label'])}), step {run.step}"
-    return {"self": plot_attention_grid(weights, labels, title=title, layer_names=names),
-            "info": {"tokens": labels, "step": run.step}}
-
-
-def _translation_maps(run, src, target, layers, max_tokens):
-    from attention_jax.models import encdec, rnn
-    model, tok, cfg = run.task.model, run.tokenizer, run.config
-    source_len, target_len = cfg.data.source_len, cfg.data.target_len
-    check_length(len(src), max_tokens, "--text (source)", source_len)
-    if not src:
-        raise ValueError("--text encodes to no tokens; give a source sentence")
-    src_arr = np.array([src], np.int32)
-    if target is not None:
-        tgt = tok.encode(target) + [tok.eos_id]  # Targets end with EOS, as in training.
-    else:
-        # The model's own translation: greedy, cut after its EOS.
-        if isinstance(model, rnn.RNNSeq2Seq):
-            out, aux = model.apply({"params": run.params}, src_arr, method=model.generate,
-                                   max_len=target_len)
-            tgt = np.asarray(out)[0, :int(aux["lengths"][0])].tolist()
-        else:
-            out = np.asarray(encdec.greedy_decode(model, run.params, src_arr, max_len=target_len))[0]
-            ends = np.flatnonzero(out == tok.eos_id)
-            tgt = out[:ends[0] + 1 if len(ends) else len(out)].tolist()
-    check_length(len(tgt), max_tokens, "target", target_len)
-    # Teacher-forced on the target: row i is the attention while predicting target token i.
-    tgt_in = [tok.bos_id] + tgt[:-1]
-    weights = model_attention(model, run.params, src_arr, np.array([tgt_in], np.int32))
-    src_labels, tgt_labels = token_labels(tok, src), token_labels(tok, tgt)
-    translation = tok.decode(tgt)
-    head = f"{cfg.task} {cfg.data.source}→{cfg.data.target}, step {run.step}"
-    info = {"source": src_labels, "target": tgt_labels, "translation": translation,
-            "step": run.step}
-    if isinstance(model, rnn.RNNSeq2Seq):
-        return {"alignment": plot_alignment(weights["cross"][0, 0], src_labels, tgt_labels,
-                                            title=f"Bahdanau alignment α, {head}",
-                                            max_tokens=max_tokens),
-                "info": info}
-    cross, names = _select(weights["cross"], layers)
-    maps = {"alignment": plot_alignment(cross.mean(axis=1), src_labels, tgt_labels,
-                                        title=f"cross-attention (mean over heads), {head}",
-                                        panel_titles=[f"decoder {n}" for n in names],
-                                        max_tokens=max_tokens),
-            "cross": plot_attention_grid(cross, tgt_labels, src_labels, layer_names=names,
-                                         title=f"cross-attention per head, {head}",
-                                         max_tokens=max_tokens)}
-    for part, labels in (("encoder", src_labels), ("decoder", tgt_labels)):
-        w, names = _select(weights[part], layers)
-        maps[part] = plot_attention_grid(w, labels, layer_names=names, max_tokens=max_tokens,
-                                         title=f"{part} self-attention, {head}")
-    maps["info"] = info
-    return maps
 
 
 # ================================================================================ command line
@@ -377,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = maps.pop("info")
     out = args.out or os.path.join(args.workdir, "attention.png")
     stem, _ = os.path.splitext(out)
-    main_name = "alignment" if "alignment" in maps else "self"
+    main_name = "alignment" if "alignment" in maps else next(iter(maps))
     for name, fig in maps.items():
         path = save(fig, out if name == main_name else f"{stem}_{name}.png")
         print(f"wrote {path}")

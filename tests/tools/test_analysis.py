@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
+from attention_jax import config as config_lib
 from attention_jax import train
 from attention_jax.tools import analysis
-from helpers import load, shrink
+from helpers import shrink
 
 
 def test_bucket_index_is_right_closed():
@@ -55,7 +56,7 @@ def test_translation_table_has_one_row_per_bucket():
 
 
 def _tiny_run(name, arg, data_dir, workdir, **model):
-    config = shrink(load(name).get_config(arg), data_dir)
+    config = shrink(config_lib.load(f"{name}:{arg}"), data_dir)
     config.train.steps = 2
     config.optim.warmup_steps = 1
     for k, v in model.items():
@@ -95,6 +96,11 @@ def test_runs_report_counts_every_test_image(tmp_path):
     assert rows["p2"]["tokens"] == 17 and rows["p4"]["tokens"] == 5  # patches + [CLS]
     assert rows["p2"]["eval"]["n"] == 359 and 0.0 <= rows["p2"]["eval"]["accuracy"] <= 1.0
     assert rows["p2"]["params"] > 0 and rows["p2"]["step"] == 2
+    # Per image, 17 tokens of 6·N + 12·L·T·D each (Task.flops_per_unit, models/flops.py);
+    # N: every parameter but the position table [17, D = 8].
+    n = rows["p2"]["params"] - 17 * 8
+    assert rows["p2"]["unit"] == "examples"
+    assert rows["p2"]["flops_per_unit"] == 17 * (6 * n + 12 * 1 * 17 * 8)
     assert os.path.getsize(out + ".png") > 0
     assert "| p4 | 5 |" in open(out + ".md").read()
 

@@ -1,5 +1,6 @@
 """The lecture-claim analyses (#17): power-law and slope fits on synthetic data with a
-known exponent, the compute envelope, seed grouping and crossings, the attention-cost
+known exponent, the compute envelope, the FLOP count (models/flops.py) and the scaling
+report on stub runs of a registered task, seed grouping and crossings, the attention-cost
 report on a benchmark JSON, and tools/sweep's grid handling."""
 
 import json
@@ -73,6 +74,90 @@ def test_non_embedding_params_leave_out_the_tables():
               "decoder": {"layer_0": {"mlp": {"wi": {"kernel": np.zeros((8, 32))}}}},
               "final_norm": {"scale": np.zeros(8)}}
     assert fits.non_embedding_params(params) == 8 * 32 + 8
+
+
+# ------------------------------------------------------------------- FLOPs, scaling report
+def test_flops_per_token_is_palms_formula_with_gpt2s_parameter_count():
+    """models/flops.py: N counted from a GPT's parameter shapes is GPT-2's closed form
+    V·D + L·(12·D² + 13·D) + 2·D (the position table left out), and GPT-2 small at T = 1024
+    costs 6·N + 12·L·T·D = 0.86 GFLOP per token (configs/gpt2_gpu.py)."""
+    import jax
+
+    from attention_jax.models import flops, gpt
+    cfg = gpt.GPTConfig(vocab_size=50304)  # GPT-2 small: L 12, D 768, T 1024
+    shapes = jax.eval_shape(gpt.GPT(cfg).init, jax.random.PRNGKey(0),
+                            jax.numpy.zeros((1, 8), "int32"))["params"]
+    v, d, layers = 50304, 768, 12
+    n = flops.matmul_params(shapes)
+    assert n == v * d + layers * (12 * d * d + 13 * d) + 2 * d
+    per_token = flops.flops_per_token(n, layers, 1024, d)
+    assert per_token == 6 * n + 12 * layers * 1024 * d
+    assert per_token == pytest.approx(0.855e9, rel=1e-3)
+
+
+def _scaling_task(config, workdir):
+    """A registered stand-in for a model-size sweep: params [L, D, D] and a FLOP count."""
+    import jax.numpy as jnp
+
+    from attention_jax import tasks
+    from attention_jax.models import flops
+    layers, width = config.model.num_layers, config.model.d_model
+    return tasks.Task(model=None, init=lambda rng: {"w": jnp.zeros((layers, width, width))},
+                      loss=None, train_source=None, eval_source=None, unit="tokens", seq_len=16,
+                      flops_per_unit=lambda p: flops.flops_per_token(
+                          flops.matmul_params(p), layers, 16, width))
+
+
+def test_scaling_report_counts_compute_with_the_tasks_flops(tmp_path):
+    import ml_collections
+
+    from attention_jax import config as config_lib
+    from attention_jax import tasks
+    tasks.TASKS["scaling_stub"] = _scaling_task
+    try:
+        dirs = []
+        for layers in (1, 2, 4, 8):
+            c = config_lib.base_config()
+            c.task = "scaling_stub"
+            c.model = ml_collections.ConfigDict({"num_layers": layers, "d_model": 16})
+            c.train.batch_size = 4
+            n = layers * 16 * 16
+            w = tmp_path / f"l{layers}"
+            os.makedirs(w)
+            (w / "config.json").write_text(c.to_json_best_effort())
+            with open(w / "metrics.jsonl", "w") as f:
+                for step in (10, 20):
+                    loss = 1.0 + 40.0 * n ** -0.5 + 1.0 / step
+                    f.write(json.dumps({"step": step, "split": "train", "loss": loss}) + "\n")
+                f.write(json.dumps({"step": 20, "split": "eval", "loss": loss}) + "\n")
+            dirs.append(str(w))
+        result = fits.scaling_report(dirs, str(tmp_path / "report" / "scaling"))
+    finally:
+        del tasks.TASKS["scaling_stub"]
+    first = result["runs"][0]
+    per_token = 6 * 256 + 12 * 1 * 16 * 16  # 6·N + 12·L·T·D
+    assert first["flops_per_unit"] == per_token and first["units"] == 20 * 4 * 16
+    assert first["flops"] == [per_token * 4 * 16 * step for step in (10, 20)]
+    assert result["fit"]["alpha"] == pytest.approx(0.5, abs=0.05)
+    assert "| 1 | 16 | 256 | 1,280 | 4.61e+03 |" in open(tmp_path / "report" / "scaling.md").read()
+
+
+def test_scaling_report_names_the_tasks_that_count_flops(tmp_path):
+    from attention_jax import config as config_lib
+    from attention_jax import tasks
+    tasks.TASKS["no_flops"] = lambda config, workdir: tasks.Task(
+        model=None, init=lambda rng: {"w": np.zeros(3)}, loss=None, train_source=None,
+        eval_source=None)
+    try:
+        c = config_lib.base_config()
+        c.task = "no_flops"
+        os.makedirs(tmp_path / "run")
+        (tmp_path / "run" / "config.json").write_text(c.to_json_best_effort())
+        with pytest.raises(ValueError, match=r"task 'no_flops' cannot count its FLOPs .*valid: "
+                                             r"\['bert_mlm', 'cnn', 'encdec', 'gpt', 'vit'\]"):
+            fits.scaling_report([str(tmp_path / "run")], str(tmp_path / "out"))
+    finally:
+        del tasks.TASKS["no_flops"]
 
 
 # ----------------------------------------------------------------------- seeds, crossings

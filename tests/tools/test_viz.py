@@ -4,20 +4,22 @@ the length limit, and the command line on a workdir trained for two steps.
 Checked: the PNG exists and has the figure's pixel size and panel count (never pixels).
 """
 
-import importlib.util
+import contextlib
 import os
+import types
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import matplotlib.image
 import numpy as np
 import pytest
 
-from attention_jax import train
+from attention_jax import config as config_lib
+from attention_jax import tasks, train
 from attention_jax.models import encdec, gpt, rnn
 from attention_jax.tools import viz
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import shrink
 
 
 def png_shape(path):
@@ -99,10 +101,7 @@ def test_too_long_input_is_refused_naming_length_and_limit():
 
 
 def _gpt_config(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpt_exp", os.path.join(REPO, "experiments", "gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = config_lib.load("gpt")
     c.data.max_files = 4
     c.data.seq_len = 32
     c.model.num_layers = 2
@@ -182,3 +181,55 @@ def test_wordpiece_specials_are_labelled():
     tok = WordPieceTokenizer(os.path.join(bundled_minilm_dir(), "tokenizer.json"))
     ids = tok.encode("the cat", add_special_tokens=True)
     assert viz.token_labels(tok, ids) == ["<cls>", "the", "cat", "<sep>"]
+
+
+def _untrained_run(spec, data_dir, workdir, **model):
+    """What viz.maps_for_run reads of a runs.Run (config, task, params, step, mesh
+    context), from a task built for `spec` with random parameters: no training."""
+    config = shrink(config_lib.load(spec), data_dir)
+    for k, v in model.items():
+        config.model[k] = v
+    task = tasks.TASKS[config.task](config, workdir)
+    # Random numbers of the params' shapes: compiling the real initialisers takes seconds.
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.1, x.shape).astype(x.dtype),
+                          nn.meta.unbox(jax.eval_shape(task.init, jax.random.PRNGKey(0))))
+    return types.SimpleNamespace(config=config, task=task, params=params, step=0,
+                                 mesh_context=contextlib.nullcontext)
+
+
+@pytest.mark.slow
+def test_each_family_is_drawn_through_its_task(data_dir, tmp_path):
+    """The task says what the input is and how to label it; viz draws what comes back:
+    the encoder-decoder's alignment, per-head cross grid and both self-attentions, the
+    RNN's single alignment, the ViT's patches, and a one-line refusal for the CNN."""
+    run = _untrained_run("bottleneck:model=transformer", data_dir, str(tmp_path / "t"),
+                         d_model=16, mlp_dim=32)
+    maps = viz.maps_for_run(run, "twenty one", target="vingt et un")
+    assert set(maps) == {"alignment", "cross", "encoder", "decoder", "info"}
+    assert maps["info"]["target"][-1] == "<eos>" and maps["info"]["translation"]
+    assert len(maps["alignment"].axes) == 2  # one panel per decoder layer
+    one = viz.maps_for_run(run, "twenty one", target="vingt et un", layers=[1])
+    assert len(one["alignment"].axes) == 1
+    context = run.config.data.source_len
+    with pytest.raises(viz.InputTooLongError, match=rf"the source text is \d+ tokens long; "
+                                                     rf"the model's context is {context} "):
+        viz.maps_for_run(run, "q" * context + " one")  # letters the vocabulary never merged
+
+    run = _untrained_run("bottleneck:model=rnn-attention", data_dir, str(tmp_path / "r"),
+                         hidden_dim=16, embed_dim=8)
+    maps = viz.maps_for_run(run, "twenty one")  # aligned with its own greedy output
+    assert set(maps) == {"alignment", "info"}  # one additive "head": no per-head grid
+    assert maps["info"]["target"] and len(maps["info"]["target"]) <= run.config.data.target_len
+
+    run = _untrained_run("vit_digits:patch=4", data_dir, str(tmp_path / "v"),
+                         d_model=8, num_layers=1, num_heads=2, mlp_dim=8)
+    maps = viz.maps_for_run(run, None, image_index=3)
+    assert maps["info"]["tokens"] == ["[CLS]", "0,0", "0,1", "1,0", "1,1"]
+    with pytest.raises(ValueError, match=r"index=9999; valid: 0\.\.358"):
+        viz.maps_for_run(run, None, image_index=9999)
+
+    run = _untrained_run("inductive_bias:model=cnn", data_dir, str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"task 'cnn' cannot draw attention maps .*valid: "
+                                         r"\['bert_mlm', 'encdec', 'gpt', 'rnn_seq2seq', 'vit'\]"):
+        viz.maps_for_run(run, None)
