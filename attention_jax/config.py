@@ -38,7 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
     `validate` checks (an unknown key is an error, not silently ignored).
     """
     c = ml_collections.ConfigDict()
-    c.task = ""  # which family builds model + data + loss: a name registered in tasks.py.
+    c.task = ""  # which family builds model + data + loss: a name registered in tasks/.
     c.model = ml_collections.ConfigDict()  # fields of the model's own config dataclass.
     c.data = ml_collections.ConfigDict()  # dataset name, lengths, tokenizer: per task.
 

@@ -34,7 +34,7 @@ from typing import Sequence
 from absl import app, flags, logging
 
 from attention_jax import config as config_lib
-from attention_jax.errors import ConfigError, UserError
+from attention_jax.errors import UserError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "A shipped config NAME or a FILE.py, then :ARG (its "
@@ -74,13 +74,11 @@ def sample_checkpoint(config, workdir: str) -> list[str]:
     """Continuations of config.eval.sample_prompts from the latest checkpoint."""
     import jax
 
-    from attention_jax import runs
+    from attention_jax import runs, tasks
     run = runs.open_run(workdir, config=config)
-    if run.task.sample is None:
-        raise ConfigError(f"--mode=sample: task {config.task!r} cannot sample (its Task "
-                          f"sets no `sample`); language models can, e.g. --config=gpt")
+    sample = tasks.need(run.task, "sample", config.task, "sample (--mode=sample)")
     with run.mesh_context():
-        return run.task.sample(run.params, jax.random.PRNGKey(config.train.seed))
+        return sample(run.params, jax.random.PRNGKey(config.train.seed))
 
 
 def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dict:
@@ -91,7 +89,7 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     import jax
     import numpy as np
 
-    from attention_jax import convert, runs
+    from attention_jax import convert, runs, tasks
     if texts is None:
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
@@ -101,11 +99,9 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
         emb = convert.load_sentence_encoder(src[len("hf:"):]).embed(list(texts))
     else:  # A model trained here that embeds text: the workdir's latest checkpoint.
         run = runs.open_run(workdir, config=config)
-        if run.task.embed is None:
-            raise ConfigError(f"--mode=embed: task {config.task!r} cannot embed text (its Task "
-                              f"sets no `embed`); a BERT can (--config=bert_mlm), or pass "
-                              f"--config.train.init_from=hf:<bert dir>")
-        emb = run.task.embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
+        embed = tasks.need(run.task, "embed", config.task,
+                           "embed text (--mode=embed; or --config.train.init_from=hf:<bert dir>)")
+        emb = embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
     os.makedirs(workdir, exist_ok=True)
     file = os.path.join(workdir, "embeddings.npy")
     np.save(file, emb)

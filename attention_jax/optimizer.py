@@ -9,19 +9,19 @@ import optax
 from attention_jax.checkpoint import key_name
 
 
-def learning_rate_schedule(o, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to o.lr over o.warmup_steps, then o.schedule down to
-    o.lr * o.end_lr_ratio at total_steps."""
-    warmup = optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1))
-    decay_steps = max(total_steps - o.warmup_steps, 1)
-    end = o.lr * o.end_lr_ratio
-    if o.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(o.lr, decay_steps, alpha=o.end_lr_ratio)
-    elif o.schedule == "linear":
-        decay = optax.linear_schedule(o.lr, end, decay_steps)
+def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to optim.lr over optim.warmup_steps, then optim.schedule down to
+    optim.lr * optim.end_lr_ratio at total_steps."""
+    warmup = optax.linear_schedule(0.0, optim.lr, max(optim.warmup_steps, 1))
+    decay_steps = max(total_steps - optim.warmup_steps, 1)
+    end = optim.lr * optim.end_lr_ratio
+    if optim.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(optim.lr, decay_steps, alpha=optim.end_lr_ratio)
+    elif optim.schedule == "linear":
+        decay = optax.linear_schedule(optim.lr, end, decay_steps)
     else:
-        decay = optax.constant_schedule(o.lr)
-    return optax.join_schedules([warmup, decay], [o.warmup_steps])
+        decay = optax.constant_schedule(optim.lr)
+    return optax.join_schedules([warmup, decay], [optim.warmup_steps])
 
 
 # Parameters that weight decay leaves alone, by the role their name gives them: lookup
@@ -40,10 +40,10 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(the optax transformation, its learning-rate schedule) of config.optim `o`."""
-    schedule = learning_rate_schedule(o, total_steps)
-    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
-    parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=decay_mask))
+def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(the optax transformation, its learning-rate schedule) of config.optim."""
+    schedule = learning_rate_schedule(optim, total_steps)
+    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                             weight_decay=optim.weight_decay, mask=decay_mask))
     return optax.chain(*parts), schedule

@@ -74,21 +74,21 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
     elif overrides:
         raise ValueError(f"overrides={overrides!r} apply to the workdir's config.json; "
                          f"with config= given, set the fields on it instead")
-    s = train.setup(config, workdir, read_only=True)
+    prepared = train.setup(config, workdir, read_only=True)
     try:
-        if s.ckpt.latest_step() is None:
-            raise RunNotFoundError(f"no checkpoint in {s.ckpt.directory}: train first "
+        if prepared.ckpt.latest_step() is None:
+            raise RunNotFoundError(f"no checkpoint in {prepared.ckpt.directory}: train first "
                                    f"(--mode=train with this --workdir)")
-        with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+        with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
             # The newest step that restores and verifies (a damaged one is reported and
             # skipped, not moved: a reader changes nothing in the workdir).
-            state, _, _ = s.ckpt.restore_intact(s.abstract, say=lambda m: print(f"WARNING: {m}"))
+            state, _, _ = prepared.ckpt.restore_intact(prepared.abstract, say=lambda m: print(f"WARNING: {m}"))
     finally:
-        s.ckpt.close()
+        prepared.ckpt.close()
     tok_dir = workdir_lib.path(workdir, workdir_lib.TOKENIZER)
     tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
-    return Run(config, s.task, state["params"], int(jax.device_get(state["step"])), tokenizer,
-               s.mesh, s.rules, s.shardings)
+    return Run(config, prepared.task, state["params"], int(jax.device_get(state["step"])), tokenizer,
+               prepared.mesh, prepared.rules, prepared.shardings)
 
 
 # ============================================================== a finished run's records

@@ -1,6 +1,6 @@
 """The step functions: the train state created already sharded, the jitted training and
 evaluation steps, and the evaluation over the eval split. What a step computes for a
-model family comes from its `Task` (tasks.py): `task.init` and `task.loss`.
+model family comes from its `Task` (tasks/): `task.init` and `task.loss`.
 """
 
 from __future__ import annotations
@@ -160,12 +160,12 @@ def jit_eval_step(task: Task, config, mesh, param_shardings):
                    out_shardings=sharding.replicated(mesh))
 
 
-def jit_steps(s, config):
+def jit_steps(prepared, config):
     """(train_step, eval_step) of a train.Setup `s` (its task, tx, schedule, mesh and
     shardings), jitted on its mesh: train_step(state, batch) -> (state, metrics) donates
     the old state; eval_step(params, batch) -> metrics."""
-    batch_sh, repl = sharding.batch_sharding(s.mesh), sharding.replicated(s.mesh)
-    train_step = jax.jit(make_train_step(s.task, s.tx, s.schedule, config, s.mesh),
-                         in_shardings=(s.shardings, batch_sh), out_shardings=(s.shardings, repl),
+    batch_sh, repl = sharding.batch_sharding(prepared.mesh), sharding.replicated(prepared.mesh)
+    train_step = jax.jit(make_train_step(prepared.task, prepared.tx, prepared.schedule, config, prepared.mesh),
+                         in_shardings=(prepared.shardings, batch_sh), out_shardings=(prepared.shardings, repl),
                          donate_argnums=0)  # The old state's buffers hold the new one.
-    return train_step, jit_eval_step(s.task, config, s.mesh, s.shardings["params"])
+    return train_step, jit_eval_step(prepared.task, config, prepared.mesh, prepared.shardings["params"])

@@ -5,7 +5,7 @@ checkpointer) → resume (checkpoint, warm start or scratch) → data (a loader 
 position lives in the checkpoint, batches sent to the devices ahead) → the loop, a
 list of events between sync points. What a step computes is in steps.py; the run
 directory's files in workdir.py; what differs between model families is the
-family's registered `Task` (tasks.py): the trainer knows nothing about GPT or ViT.
+family's registered `Task` (tasks/): the trainer knows nothing about GPT or ViT.
 """
 
 from __future__ import annotations
@@ -99,20 +99,20 @@ def check_eval_split(task: Task, batch_size: int) -> None:
 
 
 # =================================================================================== resume
-def restore_or_init(s, config):
+def restore_or_init(prepared, config):
     """(state, data_state). Resume order: this workdir's latest checkpoint → the params
     of `train.init_from` (fresh optimizer and data position) → scratch."""
     # The newest checkpoint that restores and matches its digests (damaged newer ones are
     # reported, and moved aside unless train.checkpoint_on_damage='stop').
-    restored = s.ckpt.restore_intact(s.abstract, on_damage=config.train.checkpoint_on_damage,
+    restored = prepared.ckpt.restore_intact(prepared.abstract, on_damage=config.train.checkpoint_on_damage,
                                      say=lambda m: _say(f"WARNING: {m}"))
     if restored is not None:
         state, data_state, step = restored
-        _say(f"resumed from {s.ckpt.directory} at step {step}")
+        _say(f"resumed from {prepared.ckpt.directory} at step {step}")
         return state, data_state
-    state = s.init_state()
+    state = prepared.init_state()
     if config.train.init_from:
-        state["params"] = warm_start_params(config.train.init_from, s.abstract["params"])
+        state["params"] = warm_start_params(config.train.init_from, prepared.abstract["params"])
     return state, None
 
 
@@ -185,26 +185,26 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     Resuming with training-relevant keys changed from the workdir's config.json is a
     ConfigError listing them, unless `resume_changed` (see workdir.check_config_change)."""
     os.makedirs(workdir, exist_ok=True)
-    s = setup(config, workdir, task)
+    prepared = setup(config, workdir, task)
     for warning in config_lib.warnings(config):
         _say(f"warning: {warning}")
-    note = workdir_lib.check_config_change(config, workdir, s.ckpt.latest_step(), resume_changed)
+    note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(), resume_changed)
     if note:
         _say(note)
     if jax.process_index() == 0:
         workdir_lib.write_config(workdir, config)
-        if s.task.save_assets:
-            s.task.save_assets(workdir)
-    _say(f"workdir {os.path.abspath(workdir)}: " + ", ".join(_outputs(config, s.task)))
+        if prepared.task.save_assets:
+            prepared.task.save_assets(workdir)
+    _say(f"workdir {os.path.abspath(workdir)}: " + ", ".join(_outputs(config, prepared.task)))
 
-    with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-        state, data_state = restore_or_init(s, config)
-        train_step, eval_step = steps.jit_steps(s, config)
-        loader = make_train_loader(s.task, config, data_state)
-        summary = _loop(config, workdir, s, state, loader, train_step, eval_step)
+    with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
+        state, data_state = restore_or_init(prepared, config)
+        train_step, eval_step = steps.jit_steps(prepared, config)
+        loader = make_train_loader(prepared.task, config, data_state)
+        summary = _loop(config, workdir, prepared, state, loader, train_step, eval_step)
     for split, record in workdir_lib.last_records(workdir).items():
         summary[split] = summary[split] or record  # e.g. a resumed run with nothing to do
-    summary["task"] = s.task
+    summary["task"] = prepared.task
     _say(f"workdir {os.path.abspath(workdir)}: checkpoints/ up to step {summary['step']}, "
          f"metrics.jsonl, tensorboard/, config.json")
     return summary
@@ -226,7 +226,7 @@ def due(step: int, every: int, total: int) -> bool:
     return every >= 0 and (step == total or (every > 0 and step % every == 0))
 
 
-def _loop(config, workdir, s: Setup, state, loader, train_step, eval_step) -> dict[str, Any]:
+def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step) -> dict[str, Any]:
     """The steps. The host never waits for a step to finish except at a *sync point*:
     a step that logs, evaluates or checkpoints (or the last, or one after a stop
     signal). Between them it only queues work, so the device runs step after step while
@@ -238,9 +238,9 @@ def _loop(config, workdir, s: Setup, state, loader, train_step, eval_step) -> di
     total = config.train.steps
     step = int(jax.device_get(state["step"]))
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
-    progress, meter = Progress(config, workdir, s.task.unit, step), Throughput()
+    progress, meter = Progress(config, workdir, prepared.task.unit, step), Throughput()
     pending, window = [], []  # steps since the last sync point (on the device); since the last log
-    batches = prefetch_to_device(loader, s.mesh, config.train.prefetch, s.task.count)
+    batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
     first = step + 1
     try:
         with StopRequest() as stop:
@@ -263,21 +263,21 @@ def _loop(config, workdir, s: Setup, state, loader, train_step, eval_step) -> di
                         meter.restart()
                     continue
                 # ---- sync point: the one wait for the device since the last one.
-                window += _finite_steps(pending, config, s.ckpt, summary["losses"])
+                window += _finite_steps(pending, config, prepared.ckpt, summary["losses"])
                 pending = []
                 if log_now and window:
                     summary["train"] = {**_means(window, config.train.log_every),
-                                        **meter.report(s.task.unit)}
+                                        **meter.report(prepared.task.unit)}
                     progress.train(step, summary["train"])
                     window = []
                     meter.restart()
                 if eval_now:
-                    summary["eval"] = steps.evaluate(eval_step, state["params"], s.task, config,
-                                                     s.mesh)
+                    summary["eval"] = steps.evaluate(eval_step, state["params"], prepared.task, config,
+                                                     prepared.mesh)
                     progress.eval(step, summary["eval"])
                     meter.restart()  # evaluation is not training time
                 if save_now:
-                    s.ckpt.save(step, state, data_state, force=stopping or step == total)
+                    prepared.ckpt.save(step, state, data_state, force=stopping or step == total)
                 if stopping:
                     summary["stopped_by"] = signal.Signals(stop.signal).name
                     progress.note(f"{summary['stopped_by']}: saved checkpoint at step {step}; "
@@ -285,8 +285,8 @@ def _loop(config, workdir, s: Setup, state, loader, train_step, eval_step) -> di
                     break
     finally:
         batches.close()  # stops the loader's reading thread
-        s.ckpt.wait()  # A pending async save commits before we return or raise.
-        s.ckpt.close()
+        prepared.ckpt.wait()  # A pending async save commits before we return or raise.
+        prepared.ckpt.close()
         progress.close()
     summary["step"], summary["state"] = step, state
     return summary
@@ -321,13 +321,13 @@ class StopRequest(contextlib.AbstractContextManager):
         # Signal handlers can only be installed from the main thread (tests call the
         # trainer from worker threads sometimes): then there is simply no handler.
         if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handler)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handler)
         return self
 
     def __exit__(self, *exc):
-        for s, h in self._previous.items():
-            signal.signal(s, h)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
         self._previous.clear()
         return False
 

@@ -53,11 +53,8 @@ def kaplan_lr(n: int) -> float:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = config_lib.parse_arg(arg, layers=2, steps=200)
+    args = config_lib.parse_arg(arg, {"layers": LAYERS}, layers=2, steps=200)
     layers = args.layers
-    if layers not in LAYERS:
-        raise ValueError(f"configs/scaling.py: layers={layers} is outside the sweep; "
-                         f"valid: {LAYERS}")
     c = config_lib.base_config()
     c.task = "gpt"
     c.model.implementation = "auto"

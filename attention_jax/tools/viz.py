@@ -14,7 +14,7 @@ From a notebook, on arrays (no workdir needed):
 
 or on a run: `maps = viz.attention_maps(workdir, text)` returns the figures by name. What
 a run's input is (a text, an eval image, a source sentence and its translation) and how its
-positions are labelled is its task's `attention_input` (tasks.py); this module only draws.
+positions are labelled is its task's `attention_input` (tasks/); this module only draws.
 
 The weights come from the reference attention path (the only one that materialises the
 [B, N, T, S] matrix): models switch to it whenever `return_weights=True`. The RNN's

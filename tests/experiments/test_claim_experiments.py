@@ -57,7 +57,7 @@ def test_scaling_sizes_follow_one_rule_and_kaplans_count(layers):
 
 
 def test_scaling_rejects_a_size_outside_the_sweep():
-    with pytest.raises(ValueError, match=r"layers=9 is outside the sweep; valid: \(1, 2"):
+    with pytest.raises(ConfigError, match=r":layers=9 is unknown; valid: \[1, 2"):
         load("scaling").get_config("layers=9")
 
 
@@ -83,7 +83,7 @@ def test_inductive_bias_models_share_data_steps_and_optimiser():
     for group in ("data", "optim", "train", "eval"):
         assert cnn[group].to_dict() == vit[group].to_dict(), group
     assert vit.model.patch_size == 4 and cnn.model.variant == "resnet-tiny"
-    with pytest.raises(ValueError, match=r"model='mlp' is unknown; valid: \('cnn', 'vit'\)"):
+    with pytest.raises(ConfigError, match=r":model='mlp' is unknown; valid: \['cnn', 'vit'\]"):
         module.get_config("model=mlp")
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from attention_jax import checkpoint, tasks, train
+from attention_jax.errors import ConfigError
 from attention_jax.models import bert
 from helpers import load, shrink
 from attention_jax import config as config_lib
@@ -53,13 +54,16 @@ def test_configs_match_the_recipes_they_cite():
 
 
 def test_unknown_arguments_name_the_valid_ones():
-    with pytest.raises(ValueError, match=r"model='lstm' is unknown; valid: \('rnn-bottleneck'"):
+    with pytest.raises(ConfigError, match=r":model='lstm' is unknown; valid: \['rnn-bottleneck'"):
         load("bottleneck").get_config("model=lstm")
-    with pytest.raises(ValueError, match=r"size='huge' is unknown; valid: \['baby', 'cpu'\]"):
+    with pytest.raises(ConfigError, match=r":size='huge' is unknown; valid: \['cpu', 'baby'\]"):
         load("char_gpt").get_config("size=huge")
-    with pytest.raises(ValueError, match=r"variant='rope' is unknown for study=moe; "
-                                         r"valid: \('dense', 'moe'\)"):
+    with pytest.raises(ConfigError, match=r":variant \(study=moe\)='rope' is unknown; "
+                                          r"valid: \['dense', 'moe'\]"):
         load("ablation_lm").get_config("study=moe,variant=rope")
+    with pytest.raises(ConfigError, match=r"'stdy' is not an argument of this config \(did you "
+                                          r"mean 'study'\?\)"):
+        load("ablation_lm").get_config("stdy=moe")
 
 
 def test_ablation_pairs_differ_in_one_field():

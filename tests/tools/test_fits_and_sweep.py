@@ -243,7 +243,7 @@ def test_sweep_grid_points_names_and_typed_overrides():
     assert pts == [{"mlp": "relu", "train.seed": "0"}, {"mlp": "relu", "train.seed": "1"},
                    {"mlp": "gelu", "train.seed": "0"}, {"mlp": "gelu", "train.seed": "1"}]
     assert sweep.point_name(pts[1]) == "mlprelu-seed1"  # the grid order: first key first
-    c = sweep.point_config("experiments/inductive_bias.py",
+    c = sweep.point_config("inductive_bias",
                            {"model": "vit", "data.train_fraction": "0.25", "train.seed": "2"})
     assert c.task == "vit" and c.data.train_fraction == 0.25 and c.train.seed == 2
     assert isinstance(c.train.seed, int)
@@ -255,8 +255,11 @@ def test_sweep_rejects_bad_grids_naming_what_is_valid():
     with pytest.raises(ValueError, match="given twice"):
         sweep.parse_grid(["a=1", "a=2"])
     with pytest.raises(ValueError, match=r"config.train has no key 'sed'; valid: \[.*'seed'"):
-        sweep.point_config("experiments/gated_mlp.py", {"train.sed": "1"})
-    with pytest.raises(ValueError, match="train.seed='x' must be int"):
-        sweep.point_config("experiments/gated_mlp.py", {"train.seed": "x"})
-    with pytest.raises(ValueError, match=r"mlp='tanh' is unknown; valid: \('relu'"):
-        sweep.point_config("experiments/gated_mlp.py", {"mlp": "tanh"})
+        sweep.point_config("gated_mlp", {"train.sed": "1"})
+    with pytest.raises(ValueError, match="train.seed='x' must be an int"):
+        sweep.point_config("gated_mlp", {"train.seed": "x"})
+    with pytest.raises(ValueError, match=r"--config=gated_mlp:mlp=tanh: :mlp='tanh' is unknown; "
+                                         r"valid: \['relu'"):
+        sweep.point_config("gated_mlp", {"mlp": "tanh"})
+    with pytest.raises(ValueError, match=r"'mlpp' is not an argument of this config"):
+        sweep.point_config("gated_mlp", {"mlpp": "relu"})

@@ -118,12 +118,12 @@ def compiled_step(row: dict, implementation: str, *, dtype: str = "bfloat16", st
     import jax
     config = experiment_config(row, implementation, dtype, steps, extra)
     with tempfile.TemporaryDirectory() as workdir:
-        s = train.setup(config, workdir)
-        with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-            state, _ = train.restore_or_init(s, config)
-            train_step, _ = steps_lib.jit_steps(s, config)
-            batches = train.prefetch_to_device(train.make_train_loader(s.task, config), s.mesh,
-                                               0, s.task.count)
+        prepared = train.setup(config, workdir)
+        with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
+            state, _ = train.restore_or_init(prepared, config)
+            train_step, _ = steps_lib.jit_steps(prepared, config)
+            loader = train.make_train_loader(prepared.task, config)
+            batches = train.prefetch_to_device(loader, prepared.mesh, 0, prepared.task.count)
             batch = next(batches)[0]
             batches.close()
             return train_step.lower(state, batch).compile(), state, batch

@@ -1,0 +1,332 @@
+"""The Task every model family gives the trainer and the tools, the registry of
+families, and the helpers the families' adapters share (model and data options, splits,
+tokenizers, vocabulary sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from attention_jax import checkpoint as ckpt_lib
+from attention_jax import workdir as workdir_lib
+from attention_jax.errors import (ConfigError, UserError, check_choice, check_range,
+                                  did_you_mean)
+
+
+# ===================================================================================== task
+@dataclasses.dataclass
+class Task:
+    """What the trainer and the tools need from a model family (built by the adapters in
+    TASKS).
+
+    Required:
+      model: the linen module; init(rng) -> the params tree (with flax logical-axis boxes);
+      loss(params, batch, rng, train) -> (scalar loss, {name: scalar metric});
+      train_source, eval_source: random-access (`len`, `[i]`); the transforms map
+        (record, np rng) -> example.
+    Optional (None: the family cannot; `need` names the registered tasks that can):
+      sample(params, rng) -> list[str]: continuations of config.eval.sample_prompts (gpt).
+      decode(params, src [B, S] int32, max_len: int) -> tokens [B, max_len] int32: greedy
+        translation, EOS kept and pad after it (rnn_seq2seq: RNNSeq2Seq.generate; encdec:
+        encdec.greedy_decode).
+      embed(params, texts: list[str]) -> np.ndarray [B, D] float32: sentence embeddings,
+        mean-pooled, unit length (bert_mlm, through convert.SentenceEncoder).
+      attention_input(params, text: str | None = None, *, target: str | None = None,
+        index: int = 0) -> AttentionInput: one example to draw the attention of, with its
+        labels: a text (gpt, bert_mlm); the eval image `index` (vit); a source sentence
+        and its `target`, by default the greedy translation (rnn_seq2seq, encdec). An input
+        longer than the model's context raises InputTooLongError before any compute.
+      classify(params, batch) -> (predicted [B] int32, labels [B] int32): the predicted
+        classes of a batch of eval examples and their labels (vit, cnn).
+      flops_per_unit(params) -> float: model FLOPs of a training step (forward and
+        backward) per `unit`, the PaLM convention of models/flops.py; params may be shapes,
+        jax.eval_shape(init, rng) (gpt, bert_mlm, vit, cnn, encdec).
+      tokens_per_example: positions the model attends over per example when fixed: the
+        data.seq_len of a text, a ViT image's patches (+ 1 for [CLS]) (gpt, bert_mlm, vit).
+    """
+    model: nn.Module
+    init: Callable[[jax.Array], Any]
+    loss: Callable[..., tuple[jax.Array, dict]]
+    train_source: Any
+    eval_source: Any
+    train_transform: Callable | None = None
+    eval_transform: Callable | None = None
+    unit: str = "examples"  # throughput unit in the progress bar: tokens | examples.
+    count: Callable[[dict], int] | None = None  # units in a host batch (default: rows).
+    save_assets: Callable[[str], None] | None = None  # e.g. the tokenizer into the workdir.
+    seq_len: int | None = None  # tokens per example when fixed (checked against mesh.sequence).
+    sample: Callable[[Any, jax.Array], list[str]] | None = None
+    decode: Callable[[Any, Any, int], Any] | None = None
+    embed: Callable[[Any, Sequence[str]], np.ndarray] | None = None
+    attention_input: Callable[..., AttentionInput] | None = None
+    classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None
+    flops_per_unit: Callable[[Any], float] | None = None
+    tokens_per_example: int | None = None
+
+
+# The optional entries a tool may `need`; `register` checks an adapter sets exactly the
+# ones it declares, so the error for a task without one can name the tasks with it
+# without building them (building loads data).
+OPTIONAL = ("sample", "decode", "embed", "attention_input", "classify", "flops_per_unit",
+            "tokens_per_example")
+
+
+@dataclasses.dataclass
+class AttentionInput:
+    """One example to draw a model's attention on (Task.attention_input's answer).
+
+    inputs: the model's positional inputs with a batch of 1, for
+      `model.apply({"params": p}, *inputs, return_weights=True)`: ids [1, T]; an image
+      [1, H, W, C]; source ids [1, S] and the teacher-forced target [1, T].
+    labels: kind of attention, as the model names it in aux["attention_weights"] ("self",
+      "encoder", "decoder", "cross") -> (query labels [T], key labels [S]).
+    alignment: the kind drawn as the source-target alignment of the lectures (Bahdanau et
+      al. 2015, Fig. 3): "cross" for translation, None for self-attention only.
+    title: what the input is, for the figures ("eval image 3 (label 7)", "en→fr").
+    info: what the tools report beside the figures: "tokens" (the input's labels), or
+      "source", "target" and "translation".
+    """
+    inputs: tuple
+    labels: dict[str, tuple[list[str], list[str]]]
+    info: dict[str, Any]
+    title: str = ""
+    alignment: str | None = None
+
+
+class InputTooLongError(UserError, ValueError):
+    """The input has more tokens than the model was built for (or than tools/viz draws)."""
+
+
+def check_context(n: int, context: int | None, what: str = "input") -> None:
+    """InputTooLongError naming the length and the model's context, before any compute."""
+    if context is not None and n > context:
+        raise InputTooLongError(f"{what} is {n} tokens long; the model's context is {context} "
+                                f"tokens. Give a shorter text (at most {context} tokens).")
+
+
+def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
+    """One readable label per token id: its own text, or <bos>/<eos>/... for specials."""
+    names = {getattr(tokenizer, f"{n}_id", None): f"<{n}>"
+             for n in ("pad", "bos", "eos", "mask", "cls", "sep")}  # cls/sep: WordPiece's
+    out = []
+    for i in map(int, ids):
+        if i in names:
+            out.append(names[i])
+            continue
+        # A leading space marks a word start in byte-level BPE; show it as the middle dot.
+        text = tokenizer.decode([i]).replace("\n", "⏎").replace(" ", "·")
+        if not text.isprintable():  # control bytes and partial UTF-8: escapes, not boxes
+            text = text.encode("unicode_escape").decode("ascii")
+        out.append(text or f"#{i}")
+    return out
+
+
+def moe_metrics(aux) -> dict[str, jax.Array]:
+    """Router statistics found anywhere in a model's aux dict, averaged over layers.
+
+    Mixture-of-experts layers report `load_balance_loss` (Switch Transformer, Fedus et
+    al. 2021), `router_entropy`, `dropped_fraction` and `expert_load` [E] (one metric
+    per expert), so every task logs MoE models the same way. (The weighted balance loss
+    itself is added to the objective by the model, as aux["moe_loss"].)
+    """
+    found: dict[str, list] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        name = ckpt_lib.key_name(path[-1]) if path else ""
+        if name in MOE_KEYS:
+            found.setdefault(name, []).append(jnp.asarray(leaf, jnp.float32))
+    metrics = {}
+    for name, values in found.items():
+        value = jnp.mean(jnp.stack([v.reshape(-1, v.shape[-1]).mean(0) if name == "expert_load"
+                                    else v.mean() for v in values]), axis=0)
+        if value.ndim:
+            metrics.update({f"moe/{name}_{i}": value[i] for i in range(value.shape[0])})
+        else:
+            metrics[f"moe/{name}"] = value
+    return metrics
+
+
+MOE_KEYS = ("load_balance_loss", "router_entropy", "dropped_fraction", "expert_load")
+
+
+# ================================================================================ adapters
+# config.task -> function(config, workdir) -> Task. The model families register below; a
+# notebook or a test can add its own (`TASKS["mine"] = make_my_task`).
+TASKS: dict[str, Callable[[Any, str], Task]] = {}
+
+
+def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str] = ()) -> None:
+    """TASKS[name] = make, declaring the optional Task entries it sets (OPTIONAL), so that
+    `need` can name the tasks with an entry without building any. A build that sets other
+    entries than it declares is a bug here and raises."""
+    unknown = sorted(set(provides) - set(OPTIONAL))
+    if unknown:
+        raise ValueError(f"provides={unknown} are not optional Task entries; valid: {OPTIONAL}")
+    declared = frozenset(provides)
+
+    @functools.wraps(make)
+    def build(config, workdir: str) -> Task:
+        task = make(config, workdir)
+        found = {f for f in OPTIONAL if getattr(task, f) is not None}
+        if found != declared:
+            raise AssertionError(f"task {name!r} sets {sorted(found)} but declares "
+                                 f"{sorted(declared)}: fix its register(..., provides=)")
+        return task
+
+    build.provides = declared
+    TASKS[name] = build
+
+
+def tasks_with(entry: str) -> list[str]:
+    """The registered tasks that declare the optional Task `entry` (see register)."""
+    return sorted(n for n, make in TASKS.items() if entry in getattr(make, "provides", ()))
+
+
+def need(task: Task, entry: str, name: str, doing: str):
+    """task.<entry>, or a ConfigError naming task `name` (config.task) and the registered
+    tasks that have it: "task 'vit' cannot translate; valid: ['encdec', 'rnn_seq2seq']"."""
+    check_choice("entry", entry, OPTIONAL)
+    value = getattr(task, entry)
+    if value is None:
+        raise ConfigError(f"task {name!r} cannot {doing} (its Task has no {entry}); "
+                          f"valid: {tasks_with(entry)}")
+    return value
+
+
+def model_config(cls, config, **forced):
+    """The model's frozen config from `config.model`: an optional `variant` name (the
+    model file's table) plus overrides of its fields. Unknown keys name the valid ones."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    given = config.model.to_dict()
+    variant = given.pop("variant", None)
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise ConfigError(f"config.model.{unknown[0]} is not a field of {cls.__name__}; "
+                          f"valid: {sorted(fields | {'variant'})}")
+    kwargs = {**given, **forced}
+    try:
+        cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.model: {e}") from None
+    # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
+    # checked on the resolved config so a variant's own values are covered too.
+    for f in dataclasses.fields(cfg):
+        if f.name.endswith("dropout_rate") and isinstance(getattr(cfg, f.name), (int, float)):
+            check_range(f"model.{f.name}", getattr(cfg, f.name), "[0, 1)")
+    return cfg
+
+
+# Valid ranges of the `config.data` keys the adapters share (a key a task lacks is skipped).
+DATA_RANGES = {"mask_rate": "(0, 1)", "seq_len": "[1, inf)", "source_len": "[1, inf)",
+               "target_len": "[1, inf)", "vocab_size": "[1, inf)", "max_files": "[0, inf)",
+               "max_documents": "[0, inf)", "padding": "[0, inf)"}
+
+
+def data_options(config, **defaults) -> ml_collections.ConfigDict:
+    """`config.data` checked against the task's keys (with their defaults and types)."""
+    given = config.data.to_dict()
+    for key, value in given.items():
+        if key not in defaults:
+            raise ConfigError(f"config.data.{key} is not a key of task {config.task!r}; "
+                              f"valid: {sorted(defaults)}")
+        want = type(defaults[key])
+        if not isinstance(value, want) and not (want is float and isinstance(value, int)):
+            raise ConfigError(f"config.data.{key}={value!r} must be {want.__name__}")
+    merged = {**defaults, **given}
+    for key, interval in DATA_RANGES.items():
+        if key in merged:
+            check_range(f"data.{key}", merged[key], interval)
+    # Keys with a fixed set of values, checked before any data is built.
+    from attention_jax.data.objectives import PACKINGS
+    from attention_jax.data.tokenization import KINDS
+    for key, valid in (("tokenizer", KINDS), ("packing", PACKINGS)):
+        if key in merged:
+            check_choice(f"config.data.{key}", merged[key], valid)
+    return ml_collections.ConfigDict(merged)
+
+
+def as_text(x) -> str:
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]]):
+    """The run's tokenizer: the one saved in the workdir (so a resumed run, eval and
+    sampling decode with exactly the training vocabulary), else a new one."""
+    from attention_jax import data
+    saved = workdir_lib.path(workdir, workdir_lib.TOKENIZER)
+    if os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
+        tok = data.load_tokenizer(saved)
+        if tok.kind != data_opts.tokenizer:
+            raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r} but {saved} holds a "
+                              f"{tok.kind!r} tokenizer; use a new workdir to change it")
+        return tok
+    if data_opts.tokenizer in ("byte", "wordpiece"):
+        return data.get_tokenizer(data_opts.tokenizer)
+    return data.get_tokenizer(data_opts.tokenizer, texts=texts(), vocab_size=data_opts.vocab_size)
+
+
+def padded_vocab(n: int, multiple: int = 64) -> int:
+    """Vocabulary rounded up so the vocab axis splits over any tensor size up to 64 and
+    the matmuls get hardware-friendly shapes (nanoGPT pads 50257 to 50304 likewise);
+    the extra rows are never targets, so they only learn to be unlikely."""
+    return -(-n // multiple) * multiple
+
+
+def lm_vocab_size(config, tokens: int) -> int:
+    """The LM's vocabulary: the tokenizer's `tokens` padded to a multiple of 64, or
+    config.model.vocab_size when given (at least `tokens`): e.g. 50304, GPT-2's padded
+    size, so a byte-level run has GPT-2's LM head and FLOPs; the extra rows are never
+    targets."""
+    asked = config.model.get("vocab_size")
+    if not asked:
+        return padded_vocab(tokens)
+    if asked < tokens:
+        raise ConfigError(f"config.model.vocab_size={asked} is smaller than the tokenizer's "
+                          f"{tokens} tokens; valid: at least {tokens}, or unset (the "
+                          f"tokenizer's size padded to a multiple of 64: {padded_vocab(tokens)})")
+    return asked
+
+
+def splits(data_opts, **options):
+    """The train and eval splits; a dataset that is unknown or not prepared here is a
+    ConfigError naming config.data.name (the message says how to prepare it)."""
+    from attention_jax import data
+    from attention_jax.data import sources
+
+    offline = data_opts.name.split("/")[0] in sources.OFFLINE
+
+    def get(key):
+        try:
+            src = data.get_dataset(data_opts.name, data_opts[key], data_opts.data_dir or None,
+                                   **(options if offline else {}))
+        except data.DatasetNotFoundError as e:
+            known = [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES]
+            hint = "" if data_opts.name in known else did_you_mean(data_opts.name, known)
+            raise ConfigError(f"config.data.name={data_opts.name!r}{hint}: {e}") from None
+        if options and not offline:  # e.g. max_files, which only the offline corpora have
+            key, value = next(iter(options.items()))
+            raise ConfigError(f"config.data.{key}={value!r} applies only to the offline "
+                              f"datasets {sorted(sources.OFFLINE)}; set it to 0 for "
+                              f"{data_opts.name!r}")
+        return src
+    return get("train_split"), get("eval_split")
+
+
+def corpus_options(data_opts) -> dict:
+    return {"max_files": data_opts.max_files} if data_opts.max_files else {}
+
+
+def data_parallel_size() -> int:
+    """Devices the batch is split over in the current mesh (jax.set_mesh), 1 without one."""
+    from attention_jax import sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)

@@ -1,0 +1,170 @@
+"""Text families: GPT next-token prediction (`gpt`) and BERT masked-language modelling
+(`bert_mlm`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax import workdir as workdir_lib
+from attention_jax.errors import ConfigError
+from attention_jax.models import flops
+from attention_jax.models.losses import cross_entropy
+from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
+                                      corpus_options, data_options, data_parallel_size,
+                                      lm_vocab_size, model_config, moe_metrics,
+                                      padded_vocab, register, run_tokenizer, splits,
+                                      tasks_with, token_labels)
+
+
+def _text_attention_input(tok, context: int | None, name: str):
+    """Task.attention_input of a text model (gpt, bert_mlm): the text's ids [1, T]."""
+    def attention_input(params, text: str | None = None, *, target: str | None = None,
+                        index: int = 0) -> AttentionInput:
+        del params, index  # a text's ids are all the model reads
+        if text is None:
+            raise ValueError(f"text=None: task {name!r} draws its attention on a text; give one")
+        if target is not None:
+            raise ValueError(f"target={target!r}: task {name!r} reads one text; a target is "
+                             f"for the translation tasks {tasks_with('decode')}")
+        ids = tok.encode(text)
+        check_context(len(ids), context, "text")
+        if not ids:
+            raise ValueError(f"text={text!r} encodes to no tokens; give some text")
+        labels = token_labels(tok, ids)
+        return AttentionInput(inputs=(np.array([ids], np.int32),),
+                              labels={"self": (labels, labels)}, info={"tokens": labels})
+    return attention_input
+
+
+def lm_task(config, workdir: str) -> Task:
+    """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
+    from attention_jax import data
+    from attention_jax.models import gpt
+    # packing: "documents" keeps each packed document to itself (segment ids, positions
+    # restarting per document); "stream" reads a row as a window of one token stream, as
+    # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
+    data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
+                     tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
+                     eval_split="validation", packing="documents")
+    train_docs, eval_docs = splits(data_opts, **corpus_options(data_opts))
+    tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
+                                          for i in range(min(len(train_docs), 300))])
+    cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
+                       dtype=config.train.compute_dtype)
+    if cfg.position == "learned" and data_opts.seq_len > cfg.max_len:
+        raise ConfigError(f"config.data.seq_len={data_opts.seq_len} exceeds config.model.max_len="
+                          f"{cfg.max_len}; valid: seq_len <= {cfg.max_len}")
+    model = gpt.GPT(cfg)
+    pack = lambda docs: data.packed_lm_source(docs, tok, data_opts.seq_len,
+                                              max_documents=data_opts.max_documents or None)
+
+    # train.loss_chunk_size > 0: the head and the loss a chunk of positions at a time (the
+    # [B, T, V] logits never exist at once); .get: a run's config.json from before the key.
+    chunk_size = config.train.get("loss_chunk_size", 0)
+
+    def loss(params, batch, rng, train):
+        (nll, m), aux = gpt.head_loss(
+            model, params, batch["inputs"], batch["targets"], batch["weights"],
+            chunk_size=chunk_size, label_smoothing=config.optim.label_smoothing if train else 0.0,
+            positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+            deterministic=not train, rngs={"dropout": rng})
+        return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
+
+    def sample(params, rng):
+        prompts = [tok.encode(p) or [tok.bos_id] for p in config.eval.sample_prompts]
+        width = max(map(len, prompts))
+        new = config.eval.sample_tokens
+        if cfg.position == "learned":
+            new = min(new, cfg.max_len - width)
+        # As many rows as the batch axes split evenly (extra one-token rows, dropped
+        # after): otherwise XLA must replicate the activations at every layer.
+        rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()
+        prompts = prompts + [[tok.bos_id]] * (rows - len(prompts))
+        padded = np.array([p + [tok.pad_id] * (width - len(p)) for p in prompts], np.int32)
+        out, lengths = gpt.generate(
+            model, params, padded, np.array([len(p) for p in prompts], np.int32),
+            max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
+            top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
+        out, lengths = np.asarray(out), np.asarray(lengths)
+        return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]
+
+    # An untied head's input table is only looked up; a tied one is the output matmul.
+    lookups = flops.LOOKUP_TABLES + (() if cfg.tie_embeddings else ("token_embedding",))
+    return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, data_opts.seq_len), jnp.int32))["params"],
+                loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
+                train_transform=data.CausalLM(data_opts.packing), eval_transform=data.CausalLM(data_opts.packing),
+                unit="tokens",
+                count=lambda b: int(np.sum(b["weights"])), sample=sample,
+                save_assets=lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)), seq_len=data_opts.seq_len,
+                # The position table bounds the input only when it is learned.
+                attention_input=_text_attention_input(
+                    tok, cfg.max_len if cfg.position == "learned" else None, config.task),
+                flops_per_unit=lambda params: flops.flops_per_token(
+                    flops.matmul_params(params, lookups), cfg.num_layers, data_opts.seq_len, cfg.d_model),
+                tokens_per_example=data_opts.seq_len)
+
+
+def mlm_task(config, workdir: str) -> Task:
+    """BERT masked-language modelling (Devlin et al. 2019) on packed documents."""
+    from attention_jax import data
+    from attention_jax.models import bert
+    data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
+                     tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
+                     train_split="train", eval_split="validation")
+    if data_opts.tokenizer not in ("bpe", "wordpiece"):
+        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: MLM needs a [MASK] token; "
+                          f"valid: ['bpe', 'wordpiece']")
+    train_docs, eval_docs = splits(data_opts, **corpus_options(data_opts))
+    tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
+                                          for i in range(min(len(train_docs), 300))])
+    cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
+                       dtype=config.train.compute_dtype)
+    model = bert.Bert(cfg)
+    pack = lambda docs: data.packed_lm_source(docs, tok, data_opts.seq_len,
+                                              max_documents=data_opts.max_documents or None)
+    transform = data.MaskedLM.for_tokenizer(tok, data_opts.mask_rate)
+    # The MLM head runs on the M predicted positions only (as BERT's own code does): a
+    # [B, T, V] logit array would dominate memory for a 30k vocabulary.
+    m_slots = math.ceil(data_opts.mask_rate * data_opts.seq_len) + 1
+
+    def loss(params, batch, rng, train):
+        _, slots = jax.lax.top_k(batch["weights"], m_slots)  # [B, M] predicted positions
+        take = lambda x: jnp.take_along_axis(x, slots, axis=1)
+        out, aux = model.apply({"params": params}, batch["inputs"],
+                               attention_mask=batch["segment_ids"] != 0,
+                               positions=batch["positions"], segment_ids=batch["segment_ids"],
+                               masked_positions=slots, deterministic=not train, rngs={"dropout": rng})
+        return cross_entropy(out["mlm_logits"], take(batch["targets"]), take(batch["weights"]),
+                             config.optim.label_smoothing if train else 0.0)
+
+    encoder = {}  # the last SentenceEncoder, by params: one compilation per restored run
+
+    def embed(params, texts):
+        # Imported here: convert is tasks' neighbour layer and train imports both.
+        from attention_jax import convert
+        if encoder.get("params") is not params:
+            host = jax.tree.map(np.asarray, jax.device_get(params))
+            encoder.update(params=params, encoder=convert.SentenceEncoder(
+                model, host, tok, max_length=cfg.max_len))
+        return encoder["encoder"].embed(list(texts))
+
+    # The FLOP count is the full model's (every position through the vocabulary), as the
+    # benchmarks count BERT; this loss projects only the ~15% predicted positions.
+    return Task(model=model, init=lambda rng: model.init(rng, jnp.ones((1, data_opts.seq_len), jnp.int32))["params"],
+                loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
+                train_transform=transform, eval_transform=transform, unit="tokens",
+                count=lambda b: int(np.sum(b["segment_ids"] != 0)),
+                save_assets=lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)), seq_len=data_opts.seq_len,
+                embed=embed, attention_input=_text_attention_input(tok, cfg.max_len, config.task),
+                flops_per_unit=lambda params: flops.flops_per_token(
+                    flops.matmul_params(params), cfg.num_layers, data_opts.seq_len, cfg.d_model),
+                tokens_per_example=data_opts.seq_len)
+
+
+TEXT = ("attention_input", "flops_per_unit", "tokens_per_example")
+register("gpt", lm_task, provides=("sample", *TEXT))
+register("bert_mlm", mlm_task, provides=("embed", *TEXT))

@@ -1,0 +1,116 @@
+"""Sequence-to-sequence families: the RNN with Bahdanau attention (`rnn_seq2seq`) and
+the Transformer encoder-decoder (`encdec`)."""
+
+from __future__ import annotations
+
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax import workdir as workdir_lib
+from attention_jax.models import flops
+from attention_jax.models.losses import cross_entropy
+from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
+                                      data_options, model_config, padded_vocab, register,
+                                      run_tokenizer, splits, token_labels)
+
+
+def translation_task(config, workdir: str) -> Task:
+    """Sequence to sequence, teacher-forced (default: English -> French number words).
+
+    config.task 'rnn_seq2seq' uses models/rnn.py; 'encdec' the Transformer of encdec.py.
+    One BPE vocabulary is shared by both languages (Vaswani et al. 2017 §5.1 share one).
+    """
+    from attention_jax import data
+    data_opts = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
+                     tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
+                     train_split="train", eval_split="validation")
+    train_src, eval_src = splits(data_opts)
+    tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
+                                          for k in (data_opts.source, data_opts.target)])
+    ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
+    vocab = padded_vocab(tok.vocab_size)
+    if config.task == "rnn_seq2seq":
+        from attention_jax.models import rnn
+        cfg = model_config(rnn.RNNConfig, config, vocab_size=vocab,
+                           dtype=jnp.dtype(config.train.compute_dtype), **ids)
+        model = rnn.RNNSeq2Seq(cfg)
+        generate = jax.jit(lambda params, src, max_len: model.apply(
+            {"params": params}, src, max_len=max_len, method=model.generate)[0],
+            static_argnums=2)
+        decode = lambda params, src, max_len: generate(params, src, int(max_len))
+        # Recurrent: no PaLM count (its additive attention is no Transformer's 12·L·T·D).
+        entries = {}
+    else:
+        from attention_jax.models import encdec
+        cfg = model_config(encdec.EncDecConfig, config, vocab_size=vocab,
+                           dtype=config.train.compute_dtype, **ids)
+        model = encdec.EncoderDecoder(cfg)
+        decode = lambda params, src, max_len: encdec.greedy_decode(model, params, src,
+                                                                   max_len=int(max_len))
+        entries = dict(flops_per_unit=lambda params: _encdec_flops(cfg, data_opts, params))
+
+    def loss(params, batch, rng, train):
+        logits, aux = model.apply({"params": params}, batch["inputs"], batch["decoder_inputs"],
+                                  deterministic=not train, rngs={"dropout": rng})
+        return cross_entropy(logits, batch["targets"], batch["target_weights"],
+                             config.optim.label_smoothing if train else 0.0)
+
+    def attention_input(params, text: str | None = None, *, target: str | None = None,
+                        index: int = 0) -> AttentionInput:
+        del index  # a translation is drawn on a source text
+        if text is None:
+            raise ValueError(f"text=None: task {config.task!r} draws its attention on a source "
+                             f"sentence; give one")
+        src = tok.encode(text)
+        check_context(len(src), data_opts.source_len, "the source text")
+        if not src:
+            raise ValueError(f"text={text!r} encodes to no tokens; give a source sentence")
+        src_arr = np.array([src], np.int32)
+        if target is not None:
+            tgt = tok.encode(target) + [tok.eos_id]  # Targets end with EOS, as in training.
+        else:  # The model's own translation: greedy, cut after its EOS.
+            out = np.asarray(decode(params, src_arr, data_opts.target_len))[0]
+            ends = np.flatnonzero(out == tok.eos_id)
+            tgt = out[:ends[0] + 1 if len(ends) else len(out)].tolist()
+        check_context(len(tgt), data_opts.target_len, "the target")
+        # Teacher-forced on the target: row i is the attention while predicting token i.
+        tgt_in = np.array([[tok.bos_id] + tgt[:-1]], np.int32)
+        s, t = token_labels(tok, src), token_labels(tok, tgt)
+        return AttentionInput(inputs=(src_arr, tgt_in),
+                              labels={"cross": (t, s), "encoder": (s, s), "decoder": (t, t)},
+                              info={"source": s, "target": t, "translation": tok.decode(tgt)},
+                              title=f"{data_opts.source}→{data_opts.target}", alignment="cross")
+
+    transform = data.Translation(tok, tok, data_opts.source, data_opts.target, data_opts.source_len, data_opts.target_len)
+    zeros = lambda n: jnp.zeros((1, n), jnp.int32)
+    return Task(model=model, init=lambda rng: model.init(rng, zeros(data_opts.source_len) + 3,
+                                                         zeros(data_opts.target_len) + 3)["params"],
+                loss=loss, train_source=train_src, eval_source=eval_src,
+                train_transform=transform, eval_transform=transform, unit="tokens",
+                count=lambda b: int(np.sum(b["target_weights"])),
+                save_assets=lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)),
+                decode=decode, attention_input=attention_input, **entries)
+
+
+def _encdec_flops(cfg, data_opts, params) -> float:
+    """Model FLOPs per target position of an encoder-decoder step on padded rows of S =
+    source_len and T = target_len: the encoder's S tokens and the decoder's T tokens each by
+    flops_per_token, and the decoder's cross-attention to S keys."""
+    # The embedding is looked up on both sides; shared, it is the output projection too
+    # (counted once with the decoder); unshared, the output is a matmul of its own.
+    lookups = flops.LOOKUP_TABLES + (() if cfg.share_embeddings else ("embedding",))
+    p = nn.meta.unbox(params)
+    n_encoder = flops.matmul_params(p["encoder"], lookups)
+    n_decoder = flops.matmul_params(p, lookups) - n_encoder
+    s, t, width = data_opts.source_len, data_opts.target_len, cfg.d_model
+    total = (s * flops.flops_per_token(n_encoder, cfg.num_encoder_layers, s, width)
+             + t * flops.flops_per_token(n_decoder, cfg.num_decoder_layers, t, width)
+             + t * flops.attention_flops_per_token(cfg.num_decoder_layers, s, width))
+    return total / t
+
+
+register("rnn_seq2seq", translation_task, provides=("decode", "attention_input"))
+register("encdec", translation_task, provides=("decode", "attention_input", "flops_per_unit"))
