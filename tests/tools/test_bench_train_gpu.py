@@ -9,7 +9,7 @@ import math
 import pytest
 
 from attention_jax.models import flops
-from attention_jax.tools.bench import train_speed, train_speed_gpu
+from attention_jax.tools.bench import train_speed, train_speed_gpu, train_speed_gpu_child
 
 
 def test_flops_and_mfu_by_hand():
@@ -117,12 +117,12 @@ def test_torch_peer_cli_on_cpu(tmp_path):
 
 def test_our_child_step_on_cpu():
     row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
-    r = train_speed_gpu.measure_ours(row, "blockwise", warmup=1, repeats=2, steps=2,
+    r = train_speed_gpu_child.measure_ours(row, "blockwise", warmup=1, repeats=2, steps=2,
                                      dtype="float32")
     assert "error" not in r, r.get("error")
     assert len(r["times"]) == 2 and r["step_s"] > 0 and math.isfinite(r["loss"])
     assert r["params"] == train_speed_gpu.matmul_params(row) + row["seq_len"] * row["width"]
-    bad = train_speed_gpu.measure_ours(row, "no-such-attention", warmup=1, repeats=1, steps=1,
+    bad = train_speed_gpu_child.measure_ours(row, "no-such-attention", warmup=1, repeats=1, steps=1,
                                        dtype="float32")
     assert "error" in bad and "step_s" not in bad  # recorded, not raised
 
@@ -189,12 +189,12 @@ def test_largest_batch_is_the_last_that_fits():
     """The search's answer b fits and b + 1 does not, by compiled memory; a limit below
     batch 1 gives 0. (Compile only: nothing runs.)"""
     row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(1)
-    at = lambda b: train_speed_gpu.compiled_bytes({**row, "batch": b}, "xla", "float32")
+    at = lambda b: train_speed_gpu_child.compiled_bytes({**row, "batch": b}, "xla", "float32")
     limit = (at(6) + at(7)) // 2
-    fit = train_speed_gpu.largest_batch(row, "xla", limit, "float32")
+    fit = train_speed_gpu_child.largest_batch(row, "xla", limit, "float32")
     b = fit["largest_batch"]
     assert at(b) == fit["bytes"] <= limit < at(b + 1)
-    assert train_speed_gpu.largest_batch(row, "xla", at(1) - 1, "float32")["largest_batch"] == 0
+    assert train_speed_gpu_child.largest_batch(row, "xla", at(1) - 1, "float32")["largest_batch"] == 0
 
 
 def test_cpu_mode_is_chosen_without_a_gpu_plugin(monkeypatch):
@@ -213,7 +213,7 @@ def test_loss_chunk_option(tmp_path):
     results = []
     for chunk in ("0", "4"):
         out = tmp_path / f"chunk{chunk}.json"
-        train_speed_gpu.child_main(["jax", "--out", str(out), "--row", json.dumps(row),
+        train_speed_gpu_child.child_main(["jax", "--out", str(out), "--row", json.dumps(row),
                                     "--implementation", "xla", "--dtype", "float32",
                                     "--warmup", "1", "--repeats", "1", "--steps", "1",
                                     "--loss-chunk", chunk])
@@ -229,7 +229,7 @@ def test_a_failing_trainer_step_row_is_recorded_not_raised(tmp_path):
     error as its row, as the other children do."""
     row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
     out = tmp_path / "row.json"
-    train_speed_gpu.child_main(["trainer-step", "--row", json.dumps(row), "--implementation",
+    train_speed_gpu_child.child_main(["trainer-step", "--row", json.dumps(row), "--implementation",
                                 "no-such-attention", "--dtype", "float32", "--out", str(out),
                                 "--extra", json.dumps(["--config.mesh.num_devices=1"])])
     got = json.loads(out.read_text())

@@ -221,7 +221,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench import train_speed_gpu, trainer
+    from attention_jax.tools.bench import train_speed_gpu, train_speed_gpu_child, trainer
     shape = {**train_speed_gpu.SHAPES, **train_speed_gpu.SHAPES_TINY}[args.shape]
     if args.batch is not None and args.batch < 1:
         raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
@@ -239,7 +239,7 @@ def run(args) -> dict:
         summary = profile_step(compiled, state, (batch,), args.steps, out_dir=args.out)
         loss = summary.pop("last")["loss"]
     else:
-        compiled, state, batch = train_speed_gpu.compiled_ours(
+        compiled, state, batch = train_speed_gpu_child.compiled_ours(
             row, args.implementation, args.dtype, loss_chunk_size=args.loss_chunk)
         summary = profile_step(compiled, state, batch, args.steps, out_dir=args.out)
         loss = summary.pop("last")

@@ -133,9 +133,9 @@ def measure_step(row: dict, implementation: str, *, dtype: str = "bfloat16", war
                  repeats: int = 5, steps: int = 10, extra: tuple[str, ...] = ()) -> dict:
     """The trainer's jitted step alone (no loop, no logging): median seconds per step
     over `repeats` timings of `steps` steps queued back to back on one real batch, after
-    `warmup` steps; as train_speed_gpu.measure_ours times the bare step. extra: main.py
+    `warmup` steps; as train_speed_gpu_child.measure_ours times the bare step. extra: main.py
     arguments, as for `measure` (its --config.* ones apply). Runs in this process: the
-    benchmark calls it in a child (train_speed_gpu.py's `trainer-step`), which records an
+    benchmark calls it in a child (train_speed_gpu_child.py's `trainer-step`), which records an
     exception as the row's error."""
     import jax
 
