@@ -15,10 +15,14 @@ config.json the run stops and lists them (--resume_changed resumes anyway; a cha
 train.steps, to extend a run, and the keys in workdir.RESUME_SAFE_KEYS need no flag).
 Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
-  eval    evaluate the latest checkpoint on the eval split, print and log the metrics.
+  eval    evaluate the latest checkpoint on the eval split; print the metrics and append
+          them to the workdir's evals.jsonl (never to the training's metrics.jsonl).
   sample  language models: print continuations of config.eval.sample_prompts.
   embed   BERT sentence embeddings of the lines on stdin, from
           --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
+Reading modes (eval, sample, embed) use the run's own config.json: --config may be left
+out, and an override may change only what reading uses (eval.*, mesh.*, batch sizes,
+train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
 Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
 message, no traceback), 130/143 stopped by SIGINT/SIGTERM after saving a checkpoint
 (run again to resume).
@@ -34,7 +38,7 @@ from typing import Sequence
 from absl import app, flags, logging
 
 from attention_jax import config as config_lib
-from attention_jax.errors import UserError
+from attention_jax.errors import ConfigError, UserError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "A shipped config NAME or a FILE.py, then :ARG (its "
@@ -46,7 +50,7 @@ flags.DEFINE_bool("resume_changed", False,
                   "Resume the workdir's checkpoint even though training-relevant config keys "
                   "differ from its config.json (the old one is kept as "
                   "config_until_step_N.json).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["workdir"])  # --config: needed to train (mode_config)
 USAGE = ("python -m attention_jax.main --config=NAME|FILE.py[:ARG] --workdir=DIR "
          f"[--config.group.key=value ...] [--mode={'|'.join(MODES)}] [--resume_changed]")
 
@@ -57,17 +61,20 @@ class InputError(UserError, ValueError):
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
     """Metrics of the workdir's latest checkpoint (mode=eval), with the trainer's own
-    jitted eval step."""
+    jitted eval step. The record goes to workdir/evals.jsonl (nowhere if the workdir is
+    read-only), never into the training history, metrics.jsonl."""
     from attention_jax import runs, steps
     from attention_jax import workdir as workdir_lib
     run = runs.open_run(workdir, config=config)
     with run.mesh_context():
         eval_step = steps.jit_eval_step(run.task, config, run.mesh, run.shardings["params"])
         metrics = steps.evaluate(eval_step, run.params, run.task, config, run.mesh)
-    writer = workdir_lib.MetricWriter(workdir)
-    writer.write(run.step, "eval", metrics)
-    writer.close()
-    return {"step": run.step, **metrics}
+    record = {"step": run.step, **metrics}
+    file = workdir_lib.append_eval_record(workdir, record)
+    if file is None:
+        print(f"--mode=eval: {workdir} is read-only; the record is printed only",
+              file=sys.stderr)
+    return record
 
 
 def sample_checkpoint(config, workdir: str) -> list[str]:
@@ -116,14 +123,43 @@ def main(argv) -> int:
     del argv  # parse_flags has refused stray arguments.
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
-    from attention_jax import runs
-    config, workdir = _loaded["config"], FLAGS.workdir
+    from attention_jax import workdir as workdir_lib
     try:
-        return _run_mode(config, workdir)
+        config = mode_config(FLAGS.mode, FLAGS.config, _overrides, FLAGS.workdir)
+        return _run_mode(config, FLAGS.workdir)
     except UserError as e:  # a mistake in the request: one line; a bug keeps its traceback
-        where = f"--mode={FLAGS.mode}: " if isinstance(e, runs.RunNotFoundError) else ""
+        where = f"--mode={FLAGS.mode}: " if isinstance(e, workdir_lib.RunNotFoundError) else ""
         print(f"error: {where}{e}", file=sys.stderr)
         return 1
+
+
+def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: str):
+    """The config `mode` runs with. Training: `spec` with `overrides`. Reading a trained
+    run (eval, sample, embed): the run's own config.json, so an evaluation is of the model
+    and data the run trained on whatever --config says; `overrides` may change only what
+    reading uses (eval.*, mesh.*, dtype, ...: workdir.READ_SAFE_KEYS), and those that differ
+    from the run's are named on stderr. (embed of a Hugging Face model, with no run in the
+    workdir, takes `spec`.)"""
+    from attention_jax import workdir as workdir_lib
+    if mode != "train":
+        workdir_lib.check_readable(workdir)
+    if mode != "train" and os.path.exists(workdir_lib.path(workdir, workdir_lib.CONFIG)):
+        config = workdir_lib.read_config(workdir)
+        config_lib.apply_overrides(config, overrides)
+        changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
+        if changed:
+            print(f"--mode={mode}: the run's config.json with " + ", ".join(
+                f"{k}={json.dumps(new)} (trained with {json.dumps(old)})"
+                for k, (old, new) in changed.items()), file=sys.stderr)
+        return config
+    if spec is None:
+        if mode == "train":
+            raise ConfigError("--config is required to train: a shipped config NAME or a "
+                              "FILE.py (--help lists them)")
+        raise workdir_lib.RunNotFoundError(
+            f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} does not exist: {workdir!r} holds "
+            f"no trained run (train first, or give --config)")
+    return config_lib.load(spec, overrides)
 
 
 def _run_mode(config, workdir) -> int:
@@ -139,13 +175,25 @@ def _run_mode(config, workdir) -> int:
             print(f"--- prompt {prompt!r}\n{text}\n")
         return 0
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
-    print(json.dumps({k: summary[k] for k in ("step", "train", "eval", "stopped_by")}, indent=1))
+    print(_summary_line(summary, workdir))
     if summary["stopped_by"]:
         return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
     if summary["task"].sample is not None:  # a language model: show what it learnt
         for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
             print(f"--- sample from {prompt!r}:\n{text}\n")
     return 0
+
+
+def _summary_line(summary: dict, workdir: str) -> str:
+    """The end of a run in one line: its step, how it stopped, its last eval, and where
+    every record is (the file holds them all; the terminal needs no copy)."""
+    how = f"stopped by {summary['stopped_by']} at" if summary["stopped_by"] else "done:"
+    last = summary["eval"] or summary["train"]
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in last.items()
+                      if k in ("loss", "accuracy", "perplexity"))
+    split = "eval" if summary["eval"] else "train"
+    return (f"{how} step {summary['step']}" + (f"; {split} {shown}" if shown else "")
+            + f"; every record in {os.path.join(workdir, 'metrics.jsonl')}")
 
 
 def _config_spec(argv) -> str | None:
@@ -204,19 +252,20 @@ def _fail(message: str):
     sys.exit(1)
 
 
-# The config parse_flags loaded, for main (absl hands main only the leftover argv).
-_loaded: dict = {}
+# The --config.KEY=VALUE overrides parse_flags took out of argv, for main (absl hands main
+# only the leftover argv).
+_overrides: list[str] = []
 
 
 def parse_flags(argv):
-    """absl flag parsing with every mistake reported as one line: an unknown config,
-    a misspelt experiment argument, a stray argument, an unknown flag, an override
-    naming a key the config lacks or of the wrong type. --help prints help_text and
-    exits 0. The config is loaded here (attention_jax.config.load), once."""
+    """absl flag parsing with every mistake reported as one line: a stray argument, an
+    unknown flag, a malformed override. --help prints help_text and exits 0. The config
+    itself is loaded in main (mode_config), whose errors are one line too."""
     if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
         print(help_text(argv))
         sys.exit(0)
     argv, overrides = _split_overrides(argv)
+    _overrides[:] = overrides
     try:
         rest = FLAGS(argv)
     except flags.Error as e:
@@ -225,10 +274,6 @@ def parse_flags(argv):
         _fail(f"unexpected argument{'s' if len(rest) > 2 else ''} {' '.join(rest[1:])}: "
               f"flags are --name=value and config overrides --config.group.key=value "
               f"(--help lists them)")
-    try:
-        _loaded["config"] = config_lib.load(FLAGS.config, overrides)
-    except UserError as e:
-        _fail(str(e))
     return rest
 
 

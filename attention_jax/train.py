@@ -184,13 +184,33 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
 
     Resuming with training-relevant keys changed from the workdir's config.json is a
     ConfigError listing them, unless `resume_changed` (see workdir.check_config_change)."""
-    os.makedirs(workdir, exist_ok=True)
+    sharding.maybe_initialize_distributed(config.mesh)  # process_index() is known from here
+    created = workdir_lib.prepare_for_writing(workdir)
+    # One writer per workdir, taken before the checkpoint manager opens the directory (a
+    # writable one cleans up the temporary folder of a save another run has in progress).
+    lock = workdir_lib.WriterLock(workdir).acquire() if jax.process_index() == 0 else None
+    try:
+        return _train_locked(config, workdir, task, resume_changed)
+    except UserError:
+        if lock:
+            lock.release()
+            lock = None
+            if created and os.listdir(workdir) == [workdir_lib.LOCK]:
+                # A mistake found before anything ran leaves no empty workdir behind.
+                os.remove(workdir_lib.path(workdir, workdir_lib.LOCK))
+                os.rmdir(workdir)
+        raise
+    finally:
+        if lock:
+            lock.release()
+
+
+def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool) -> dict:
     prepared = setup(config, workdir, task)
     for warning in config_lib.warnings(config):
         _say(f"warning: {warning}")
-    note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(), resume_changed)
-    if note:
-        _say(note)
+    note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(),
+                                           resume_changed)
     if jax.process_index() == 0:
         workdir_lib.write_config(workdir, config)
         if prepared.task.save_assets:
@@ -199,6 +219,8 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
 
     with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
         state, data_state = restore_or_init(prepared, config)
+        if note:  # the step actually resumed: a damaged newer one may have been passed over
+            _say(f"resuming step {int(jax.device_get(state['step']))} {note}")
         train_step, eval_step = steps.jit_steps(prepared, config)
         loader = make_train_loader(prepared.task, config, data_state)
         summary = _loop(config, workdir, prepared, state, loader, train_step, eval_step)
@@ -254,7 +276,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                 pending.append((step, metrics))
                 progress.advance()
                 stopping = stop.requested()
-                log_now = due(step, config.train.log_every, total)
+                log_now = stopping or due(step, config.train.log_every, total)
                 eval_now = due(step, config.eval.every, total)
                 save_now = stopping or due(step, config.train.checkpoint_every, total)
                 if not (log_now or eval_now or save_now):

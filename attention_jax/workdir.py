@@ -2,6 +2,8 @@
 
     workdir/config.json      the resolved config (write_config / read_config)
     workdir/metrics.jsonl    one record per (step, split) (MetricWriter / read_metrics)
+    workdir/evals.jsonl      evaluations of the trained run (--mode=eval), one per call
+    workdir/lock.json        who writes the workdir now (WriterLock)
     workdir/tensorboard/     the same metrics as TensorBoard event files
     workdir/checkpoints/     orbax steps (checkpoint.py)
     workdir/tokenizer/       the run's tokenizer, for eval, sampling and resume
@@ -25,6 +27,7 @@ from attention_jax.errors import ConfigError, UserError
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
+EVALS = "evals.jsonl"  # --mode=eval of a trained run: its records, apart from the training's
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 TOKENIZER = "tokenizer"
@@ -163,11 +166,24 @@ def drop_records_after(file: str, step: int) -> None:
     os.replace(tmp, file)
 
 
+def append_eval_record(workdir: str, record: dict) -> str | None:
+    """Appends `record` (with the time) to workdir/evals.jsonl; its path, or None when
+    the workdir is read-only (a reader writes nothing it was not asked to)."""
+    import datetime
+    if not writable(workdir):
+        return None
+    file = path(workdir, EVALS)
+    stamped = {**record, "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    with open(file, "a") as f:
+        f.write(json.dumps(stamped) + "\n")
+    return file
+
+
 def read_metrics(workdir: str) -> list[dict]:
     """The records of metrics.jsonl, one per (step, split). The trainer rewrites the file
-    on resume (drop_records_after); a file written before that, or a repeated
-    --mode=eval, can hold a step twice: the later record supersedes the earlier, in the
-    earlier one's place."""
+    on resume (drop_records_after); a file written before that (or an evaluation by an
+    older --mode=eval, which appended here) can hold a step twice: the later record
+    supersedes the earlier, in the earlier one's place."""
     file = path(workdir, METRICS)
     if not os.path.exists(file):
         raise RunNotFoundError(f"{file}: no metrics (is {workdir} a training run's workdir?)")
@@ -237,29 +253,30 @@ def config_changes(config, workdir: str) -> dict[str, tuple[Any, Any]]:
     return changes
 
 
+def _safe(key: str, keys) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys)
+
+
 def check_config_change(config, workdir: str, step: int | None, resume_changed: bool) -> str:
     """Before resuming the checkpoint at `step`: compares `config` with the run's
     config.json. Changes only of RESUME_SAFE_KEYS (e.g. train.steps, to extend a run)
-    give a note (returned, for the caller to print; "" when nothing changed); others
-    raise a ConfigError listing `key: old -> new` and the ways through, unless
-    `resume_changed` (then the old file is kept as config_until_step_<step>.json)."""
+    give a note (returned, "with config changes: ...", for the caller to print once it
+    knows the step it resumed; "" when nothing changed); others raise a ConfigError
+    listing `key: old -> new` and the ways through, unless `resume_changed` (then the old
+    file is kept as config_until_step_<step>.json)."""
     if step is None:
         return ""  # Nothing to resume: the workdir's config.json is simply replaced.
     changes = config_changes(config, workdir)
     if not changes:
         return ""
-    safe = lambda key: any(key == k or (k.endswith(".") and key.startswith(k))
-                           for k in RESUME_SAFE_KEYS)
-    show = lambda keys: ", ".join(f"{k}: {json.dumps(changes[k][0])} -> "
-                                  f"{json.dumps(changes[k][1])}" for k in keys)
-    relevant = [k for k in changes if not safe(k)]
+    relevant = [k for k in changes if not _safe(k, RESUME_SAFE_KEYS)]
     if relevant and not resume_changed:
         raise ConfigError(
             f"{workdir} holds a run at step {step} trained with another config: "
-            f"{show(relevant)}. To resume it with the new values anyway pass "
+            f"{_show(changes, relevant)}. To resume it with the new values anyway pass "
             f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
             f"from scratch use a new --workdir.")
-    note = f"resuming step {step} with config changes: {show(list(changes))}"
+    note = f"with config changes: {_show(changes, list(changes))}"
     if "train.steps" in changes and not config.optim.decay_steps:
         note += (f" (the learning-rate schedule now spans {changes['train.steps'][1]} steps; "
                  f"--config.optim.decay_steps={changes['train.steps'][0]} keeps the old one)")
@@ -268,3 +285,154 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
         os.replace(path(workdir, CONFIG), old)
         note += f"; the previous config is kept as {old}"
     return note
+
+
+def _show(changes: dict, keys) -> str:
+    return ", ".join(f"{k}: {json.dumps(changes[k][0])} -> {json.dumps(changes[k][1])}"
+                     for k in keys)
+
+
+# ================================================================================= readers
+# Keys a reader of a run (--mode=eval|sample|embed, runs.open_run, the tools) may set
+# differently from the run's config.json: what a resume may change, and what only the
+# reading itself uses (precision, sampling seed, batch sizes). A model, data or optimizer
+# key that differs would evaluate another model or another split than the run's.
+READ_SAFE_KEYS = RESUME_SAFE_KEYS + ("train.compute_dtype", "train.seed", "train.batch_size",
+                                     "optim.grad_accum")
+
+
+def check_reader_config(config, workdir: str, who: str = "a reader of a run") -> dict:
+    """{key: (run's value, given value)} of the READ_SAFE_KEYS where `config` differs from
+    the run's config.json; a ConfigError naming the others (and the run's values)."""
+    changes = config_changes(config, workdir)
+    unsafe = [k for k in changes if not _safe(k, READ_SAFE_KEYS)]
+    if unsafe:
+        raise ConfigError(
+            f"{who} uses the run's own config ({path(workdir, CONFIG)}), and the keys given "
+            f"differ from it: {_show(changes, unsafe)}; these cannot change after training "
+            f"(valid overrides: eval.*, mesh.*, train.compute_dtype, train.seed, batch "
+            f"sizes, model.implementation, data.data_dir)")
+    return changes
+
+
+# ==================================================================================== lock
+LOCK = "lock.json"
+
+
+class WorkdirLockedError(UserError, RuntimeError):
+    """Another live run writes into this workdir."""
+
+
+class WriterLock:
+    """One writer per workdir: the training run holds an OS lock (fcntl.lockf, which
+    works on local and NFS paths) on workdir/lock.json, whose text names the holder (host,
+    pid, start). The lock dies with its process, however it ends (kill -9 included), so a
+    crashed run's lock is stale by construction and the next run simply takes it. Only
+    process 0 of a multi-host run holds it; readers (eval, sample, the tools) never take
+    it."""
+
+    def __init__(self, workdir: str):
+        self.file = path(workdir, LOCK)
+        self._fd = None
+
+    def acquire(self) -> "WriterLock":
+        import datetime
+        import fcntl
+        import socket
+        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise WorkdirLockedError(
+                f"{os.path.dirname(self.file) or '.'} is being written by another run "
+                f"({holder}); wait for it to finish or stop it (Ctrl-C saves a checkpoint), "
+                f"or use another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {holder['host']}, pid {holder['pid']}, started {holder['started']}"
+    except (ValueError, KeyError, OSError):
+        return "its lock file names no holder"
+
+
+# ============================================================================ path checks
+def prepare_for_writing(workdir: str) -> bool:
+    """Creates `workdir` for a training run (True if it had to), or raises one line: it is
+    a file, or it (or a file in it) cannot be written."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise RunPathError(f"--workdir={workdir} is a file; valid: a directory (new, or a run "
+                           f"to resume)")
+    created = not os.path.exists(workdir)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise RunPathError(f"--workdir={workdir} cannot be created: {e.strerror}") from None
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        raise RunPathError(f"--workdir={workdir} is not writable; valid: a directory this user "
+                           f"may write (training writes config.json, metrics and checkpoints)")
+    for name in (CONFIG, METRICS, LOCK):
+        file = path(workdir, name)
+        if os.path.exists(file) and not os.access(file, os.W_OK):
+            raise RunPathError(f"{file} is not writable; training rewrites it")
+    return created
+
+
+def check_readable(workdir: str) -> None:
+    """A readable run directory, or one line saying what is wrong (readers)."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise RunPathError(f"--workdir={workdir} is a file; valid: a run directory")
+    if os.path.isdir(workdir) and not os.access(workdir, os.R_OK | os.X_OK):
+        raise RunPathError(f"--workdir={workdir} is not readable by this user")
+    file = path(workdir, CONFIG)
+    if os.path.exists(file) and not os.access(file, os.R_OK):
+        raise RunPathError(f"{file} is not readable by this user")
+
+
+def writable(workdir: str) -> bool:
+    return os.path.isdir(workdir) and os.access(workdir, os.W_OK | os.X_OK)
+
+
+def check_output_path(out: str, flag: str = "--out") -> None:
+    """A tool's output path (a file, or a prefix of files) whose folder exists or can be
+    made, and can be written; else one line naming the flag."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise RunPathError(f"{flag}={out}: {folder} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise RunPathError(f"{flag}={out}: its folder cannot be created ({e.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RunPathError(f"{flag}={out}: {folder} is not writable")
+    if os.path.isdir(out):
+        raise RunPathError(f"{flag}={out} is a folder; valid: a file path (or a prefix of the "
+                           f"files written)")
+
+
+class RunPathError(UserError, OSError):
+    """A workdir (or a file in it) that is not what it must be: a file, unwritable..."""

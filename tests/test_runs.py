@@ -40,8 +40,10 @@ def test_main_eval_and_sample_modes(gpt_run):
     config, workdir, _ = gpt_run
     metrics = main.evaluate_checkpoint(config, workdir)
     assert metrics["step"] == 1 and np.isfinite(metrics["loss"])
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        assert json.loads(f.readlines()[-1])["split"] == "eval"
+    # Its own file, not a second record in the training history.
+    with open(os.path.join(workdir, "evals.jsonl")) as f:
+        assert json.loads(f.readlines()[-1])["loss"] == metrics["loss"]
+    assert all(r["split"] == "train" for r in workdir_lib.read_metrics(workdir))
     texts = main.sample_checkpoint(config, workdir)
     assert len(texts) == 1 and isinstance(texts[0], str)
 

@@ -303,6 +303,7 @@ def splits(data_opts, **options):
     from attention_jax.data import sources
 
     offline = data_opts.name.split("/")[0] in sources.OFFLINE
+    check_dataset_name(data_opts.name, [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES])
 
     def get(key):
         try:
@@ -319,6 +320,21 @@ def splits(data_opts, **options):
                               f"{data_opts.name!r}")
         return src
     return get("train_split"), get("eval_split")
+
+
+def check_dataset_name(name: str, known) -> None:
+    """A path given where a dataset name is expected is one line, not the tfds name
+    parser's traceback: `name` names a dataset (a tfds name such as 'lm1b' or
+    'python_stdlib/small'), never a file or folder."""
+    looks_like_path = (name.startswith(("/", "./", "../", "~")) or os.sep * 2 in name
+                       or (os.sep in name and os.path.exists(name))
+                       or os.path.splitext(name)[1] in (".txt", ".json", ".jsonl", ".gz",
+                                                        ".parquet", ".csv", ".png", ".jpg"))
+    if looks_like_path:
+        raise ConfigError(
+            f"config.data.name={name!r} is a path, but config.data.name names a dataset; "
+            f"valid: {list(known)} or any prepared tensorflow-datasets name (this version "
+            f"reads datasets by name only: a folder of your own files is not a source yet)")
 
 
 def corpus_options(data_opts) -> dict:

@@ -42,6 +42,7 @@ import numpy as np
 
 from attention_jax import tasks
 from attention_jax import workdir as workdir_lib
+from attention_jax.errors import UserError
 from attention_jax.runs import run_summary
 from attention_jax.tools import fits
 from attention_jax.workdir import read_metrics
@@ -544,6 +545,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--min_n", type=int, default=0, help="fit lengths N >= this only")
     c.add_argument("bench_json", help="bench_results/attention.json")
     args = parser.parse_args(argv)
+    try:
+        workdir_lib.check_output_path(args.out)
+        _run(args)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _run(args) -> None:
     if args.command in ("scaling", "seeds", "attention_cost"):
         if args.command == "scaling":
             fits.scaling_report(args.workdirs, args.out)

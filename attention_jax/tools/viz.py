@@ -45,6 +45,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attention_jax import tasks  # noqa: E402
+from attention_jax import workdir as workdir_lib  # noqa: E402
+from attention_jax.errors import UserError  # noqa: E402
 
 __all__ = ["MAX_TOKENS", "MAX_PANELS", "InputTooLongError", "plot_attention_grid",
            "plot_alignment", "save", "model_attention", "token_labels",
@@ -295,10 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     try:
+        if args.out:
+            workdir_lib.check_output_path(args.out)
         maps = attention_maps(args.workdir, args.text, target=args.target,
                               image_index=args.image_index, layers=layers,
                               max_tokens=args.max_tokens)
-    except (InputTooLongError, ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     info = maps.pop("info")

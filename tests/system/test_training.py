@@ -5,6 +5,7 @@ run must reproduce its losses (within float tolerance across meshes, exactly whe
 mesh and program are the same).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -154,7 +155,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
 def test_sigterm_saves_a_final_checkpoint(tmp_path, read_json):
     workdir, out = str(tmp_path / "w"), str(tmp_path / "out.json")
     proc = start_worker({"train.steps": 100000, "train.checkpoint_every": 100000,
-                         "train.log_every": 1}, workdir, out)
+                         "train.log_every": 3}, workdir, out)
     metrics = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 120
     while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
@@ -166,6 +167,9 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path, read_json):
     assert result["stopped_by"] == "SIGTERM" and 0 < result["step"] < 100000
     ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
     assert ck.latest_step() == result["step"]
+    # The steps since the last logged window, up to the one the signal stopped, are logged.
+    with open(metrics) as f:
+        assert json.loads(f.readlines()[-1])["step"] == result["step"]
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
