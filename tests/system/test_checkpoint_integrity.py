@@ -159,6 +159,8 @@ def test_resume_falls_back_to_the_newest_intact_step(runs, tmp_path, capsys, dam
     assert any(r in said[0] for r in reason), said[0]
     assert len(said[0].replace(workdir, "W")) < 420, said[0]  # the cause, shortened
     assert "falling back to step 10" in out and "resumed from" in out
+    # The note about the changed config names the step resumed, not the damaged newest.
+    assert "resuming step 10 with config changes: train.steps: 15 -> 20" in out
     # Moved aside, not deleted; training wrote a new step 15 and 20 in its place.
     ckdir = os.path.join(workdir, "checkpoints")
     assert os.path.isdir(os.path.join(ckdir, "15.corrupt", "state"))
