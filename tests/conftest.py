@@ -13,6 +13,16 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `tpu` run only where JAX's default backend is a TPU (set JAX_PLATFORMS=tpu:
+    this file defaults it to cpu); elsewhere they are skipped, saying why."""
+    tpu_tests = [item for item in items if item.get_closest_marker("tpu")]
+    if tpu_tests and jax.default_backend() != "tpu":
+        skip = pytest.mark.skip(reason=f"needs a TPU; JAX's backend is {jax.default_backend()!r}")
+        for item in tpu_tests:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def x64():
     """Run a test with float64 enabled (numerics against the float64 reference)."""

@@ -18,6 +18,10 @@ Implementations:
   "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores; jax_nn.py).
   "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16),
                driven by its own causal / key-length / left-window arguments (jax_nn.py).
+  "splash"     JAX's splash attention, the block-sparse TPU kernel maxtext uses (splash.py):
+               compiled on TPUs, interpret mode elsewhere (slow; for tests). Causal,
+               windows and a static q_offset as its static mask; segment ids, kv_mask and
+               kv_lengths as its segment ids; GQA natively. T, S multiples of 128.
   "ring"       the sequence split over the ambient mesh's `sequence` axis (run under
                `jax.set_mesh(mesh)`), keys/values passed around the devices, blockwise on
                each (ring.py): memory O(T / devices). T and S divisible by 2 × devices.
@@ -32,7 +36,9 @@ Implementations:
                                             -> cudnn
                  NVIDIA GPU, anything else (segment ids, kv_mask, two-sided windows,
                    query offsets, float32, a dense mask)   -> pallas
-                 CPU, TPU, float64          -> blockwise
+                 TPU, what splash can express (float32/bfloat16, T and S multiples of
+                   128, a static q_offset, no dense mask)  -> splash
+                 CPU, TPU otherwise, float64               -> blockwise
                so no path builds an N×N mask unless the caller passed one.
 
 Adding a backend: write a module that exports its run function `(q, k, v, call) -> y`
@@ -50,7 +56,7 @@ from typing import Callable, Optional, Union
 import jax
 import numpy as np
 
-from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring
+from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring, splash
 from attention_jax.attention.blockwise import blockwise_attention
 from attention_jax.attention.call import AttentionCall, Platform, make_call
 from attention_jax.attention.masks import MaskSpec
@@ -140,6 +146,7 @@ BACKENDS = (
     Backend("cudnn", jax_nn.cudnn, refusal=jax_nn.cudnn_refusal,
             auto_reason=jax_nn.cudnn_auto_reason, auto_refusal=jax_nn.cudnn_auto_refusal),
     Backend("pallas", pallas.run, refusal=pallas.refusal, auto_reason=pallas.auto_reason),
+    Backend("splash", splash.run, refusal=splash.refusal, auto_reason=splash.auto_reason),
     Backend("blockwise", _blockwise, auto_reason=blockwise.auto_reason),
     Backend("xla", jax_nn.xla),
 )
@@ -188,8 +195,9 @@ def dot_product_attention(
       scale: multiplies the scores; default 1/sqrt(H) (keeps score variance near 1).
       implementation: one of IMPLEMENTATIONS.
       block_q, block_k: tile sizes for "blockwise" and "ring" (defaults:
-        `default_block_sizes()`) and for "pallas"'s forward and dQ kernels (powers of two
-        >= 16; defaults: `pallas.kernel_block_sizes()`).
+        `default_block_sizes()`), for "pallas"'s forward and dQ kernels (powers of two
+        >= 16; defaults: `pallas.kernel_block_sizes()`) and for "splash"'s kernels
+        (multiples of 128 dividing T / S; defaults: `splash.block_sizes()`).
       return_weights: also return the attention weights [B, N, T, S] (reference only).
 
     Returns:

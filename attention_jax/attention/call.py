@@ -37,6 +37,9 @@ class AttentionCall:
     return_weights: bool
     block_q: Optional[int] = None  # the tiles asked for (None: the backend's default)
     block_k: Optional[int] = None
+    # q_offset when it was a Python or NumPy int (None: traced, or one per batch row), for
+    # kernels whose mask is fixed when they are built (splash).
+    static_offset: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,8 @@ def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=
         dtype=q.dtype, spec=spec, scale=_check_scale(scale, h),
         offset_is_zero=isinstance(q_offset, (int, np.integer)) and q_offset == 0,
         return_weights=bool(return_weights),
-        block_q=_check_block("block_q", block_q), block_k=_check_block("block_k", block_k))
+        block_q=_check_block("block_q", block_q), block_k=_check_block("block_k", block_k),
+        static_offset=int(q_offset) if _is_int(q_offset) else None)
 
 
 # ----------------------------------------------------------------------------- checks

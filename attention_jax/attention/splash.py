@@ -1,0 +1,183 @@
+"""Splash attention: JAX's block-sparse TPU kernel behind this package's masks.
+
+Why JAX's kernel and not one of our own: `jax.experimental.pallas.ops.tpu.splash_attention`
+is the TPU attention kernel maxtext trains with; it is kept up to date with Mosaic and
+each TPU generation by the people who write the compiler, and it already has what a
+hand-written TPU port of pallas.py would need to earn (a forward, a dQ and a dK/dV
+kernel under one custom VJP; a per-tile table of which key blocks each query block
+visits, so hidden tiles are never loaded). A well-kept kernel beats a hand-written one.
+
+How our masks (masks.py) become splash's:
+  causal, window, static q_offset
+      -> one static splash mask per head: FullMask, CausalMask(offset) or
+         LocalMask((left, right), offset), evaluated by numpy when the kernel is built,
+         which is how splash learns which tiles to skip. Query i sits at position
+         offset + i, as everywhere here; T != S is fine.
+  segment ids, kv_mask (make_call already turned it into kv segment ids of -1 - max),
+  kv_lengths
+      -> splash's SegmentIds, one pair per batch row (vmapped): keys at positions
+         >= kv_lengths[b] get a kv id no query has. Data-dependent, so per element, not
+         per tile: padding does not skip tiles here as it does in pallas.py.
+  rows with no visible key
+      -> an attention sink of -1e30 per head: splash starts each row's running max at
+         the sink and its sum at 1, so a row that sees nothing (or whose every tile is
+         skipped) gives 0 / 1 = 0 with zero gradients, while exp(-1e30 - score) = 0
+         leaves every other row exactly as it was.
+  GQA / MQA
+      -> splash's multi-head form takes k, v as [K, S, H] and lets query head n read
+         K/V head n // G (our convention), so K/V are never repeated per head.
+Layout: our [B, T, N, H] becomes splash's [N, T, H] per batch row (a transpose, then
+vmap over B). Splash does not scale the scores, so q is multiplied by `scale` first.
+
+What it refuses (one sentence each, in `refusal`): a dense mask; a traced or per-row
+q_offset (the mask is fixed when the kernel is built); dtypes other than float32 and
+bfloat16; T or S not a multiple of 128 (a kernel tile spans 128 lanes, and its grid is
+lengths // blocks); block_q / block_k that are not multiples of 128 dividing T / S. The
+attention weights are refused by the dispatcher, as for every kernel.
+
+Tiles: 512 on a TPU (maxtext's default), or the largest of 256 / 128 that divides the
+length; 128 everywhere else, where it runs with `interpret=True` (slow, for tests), so
+a 256-long test walks 2 × 2 tiles. The same sizes for the forward, dQ and dK/dV kernels.
+
+On a TPU this has not been run here (no TPU in the sessions that wrote it); the numbers
+in the tests come from interpret mode on CPU, and tests/attention/test_splash.py holds
+one test, marked `tpu`, for the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
+from attention_jax.attention.call import AttentionCall, Platform
+
+LANES = 128  # splash's tiles are multiples of the TPU's 128 lanes
+_SINK = -1e30  # above splash's masked score (-0.7 × float32 max), far below any real one
+_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def block_sizes(q_len: int, kv_len: int, backend: str, block_q: Optional[int] = None,
+                block_k: Optional[int] = None) -> tuple[int, int]:
+    """(block_q, block_kv) for splash: the ones asked for, else 512 on a TPU (or the
+    largest of 256, 128 that divides the length), 128 elsewhere (interpret mode)."""
+    def pick(length, asked):
+        if asked is not None:
+            return asked
+        preferred = (512, 256, 128) if backend == "tpu" else (128,)
+        return next(b for b in preferred if length % b == 0)
+
+    return pick(q_len, block_q), pick(kv_len, block_k)
+
+
+def run(q, k, v, call: AttentionCall):
+    """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv] through splash."""
+    spec = call.spec
+    if _sees_nothing(call):  # splash cannot build a kernel for an empty mask; every row is 0
+        return jnp.zeros((call.batch, call.q_len, call.heads, call.value_dim), q.dtype)
+    backend = jax.default_backend()
+    bq, bk = block_sizes(call.q_len, call.kv_len, backend, call.block_q, call.block_k)
+    kernel = _kernel(call.heads, call.q_len, call.kv_len, spec.left, spec.right,
+                     call.static_offset, bq, bk, interpret=backend != "tpu")
+    q = (q.astype(jnp.float32) * call.scale).astype(q.dtype)  # splash leaves scores unscaled
+    qx = jnp.transpose(q, (0, 2, 1, 3))  # [B, N, T, H]
+    kx = jnp.transpose(k, (0, 2, 1, 3))  # [B, K, S, H]
+    vx = jnp.transpose(v, (0, 2, 1, 3))  # [B, K, S, Hv]
+    sinks = jnp.full((call.heads,), _SINK, jnp.float32)
+    q_ids, kv_ids = _segment_ids(call)
+    if q_ids is None:
+        y = jax.vmap(lambda a, b, c: kernel(a, b, c, sinks=sinks))(qx, kx, vx)
+    else:
+        y = jax.vmap(lambda a, b, c, qi, ki: kernel(
+            a, b, c, segment_ids=kernel_lib.SegmentIds(qi, ki), sinks=sinks))(
+                qx, kx, vx, q_ids, kv_ids)
+    return jnp.transpose(y, (0, 2, 1, 3))  # [B, T, N, Hv]
+
+
+def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why splash cannot run this call (None: it can, on any backend; interpreted off TPU)."""
+    spec = call.spec
+    fallback = "use 'blockwise'"
+    if call.dtype not in _DTYPES:
+        return (f"implementation='splash' takes float32 or bfloat16 q, k, v (its kernel "
+                f"accumulates in float32); got {jnp.dtype(call.dtype).name}: {fallback}")
+    if spec.mask is not None:
+        return ("implementation='splash' cannot take a dense mask= (its masks are static per "
+                "head): pass the structure as causal, window, segment_ids, kv_mask or "
+                f"kv_lengths, or {fallback}")
+    if call.static_offset is None:
+        return ("implementation='splash' needs q_offset as a Python int (its mask is fixed "
+                "when the kernel is built); got a traced or per-row [B] offset: "
+                f"{fallback}")
+    for name, length in (("T", call.q_len), ("S", call.kv_len)):
+        if length % LANES:
+            return (f"implementation='splash' needs T and S to be multiples of {LANES} (its "
+                    f"tiles span {LANES} lanes); got {name}={length}: {fallback}")
+    for name, block, length, letter in (("block_q", call.block_q, call.q_len, "T"),
+                                        ("block_k", call.block_k, call.kv_len, "S")):
+        if block is not None and (block % LANES or length % block):
+            return (f"{name}={block} must be a multiple of {LANES} that divides "
+                    f"{letter}={length} for implementation='splash'")
+    return None
+
+
+def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Where "auto" looks at splash, its reason for taking it: TPUs only (elsewhere it runs
+    interpreted, for tests)."""
+    if platform.backend != "tpu":
+        return None
+    return "splash attention, JAX's block-sparse TPU kernel, takes this mask"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _segment_ids(call: AttentionCall):
+    """(q ids [B, T], kv ids [B, S]) for splash, with key padding folded in; (None, None)
+    when nothing but the static mask restricts attention."""
+    spec = call.spec
+    q_ids, kv_ids = spec.q_segment_ids, spec.kv_segment_ids
+    if spec.kv_lengths is None:
+        return q_ids, kv_ids
+    if q_ids is None:
+        q_ids = jnp.zeros((call.batch, call.q_len), jnp.int32)
+        kv_ids = jnp.zeros((call.batch, call.kv_len), jnp.int32)
+    real = jnp.arange(call.kv_len)[None, :] < spec.kv_lengths[:, None]  # [B, S]
+    return q_ids, jnp.where(real, kv_ids, -1 - jnp.max(jnp.abs(q_ids)))  # matches no query
+
+
+def _sees_nothing(call: AttentionCall) -> bool:
+    """Whether the static mask (causal, window, offset) hides every key from every query."""
+    spec = call.spec
+    position = call.static_offset + np.arange(call.q_len)  # query i's position
+    first = position - spec.left if spec.left is not None else np.zeros_like(position)
+    last = position + spec.right if spec.right is not None else position * 0 + call.kv_len - 1
+    return not np.any(np.maximum(first, 0) <= np.minimum(last, call.kv_len - 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(heads: int, q_len: int, kv_len: int, left: Optional[int], right: Optional[int],
+            offset: int, bq: int, bk: int, interpret: bool):
+    """The splash kernel for one static mask and tiling, built once (building evaluates
+    the mask tile by tile in numpy)."""
+    shape = (q_len, kv_len)
+    if left is None and right is None:
+        mask = mask_lib.FullMask(shape)
+    elif left is None and right == 0:
+        mask = mask_lib.CausalMask(shape, offset=offset)
+    else:
+        mask = mask_lib.LocalMask(shape, window_size=(left, right), offset=offset)
+    blocks = kernel_lib.BlockSizes(
+        block_q=bq, block_kv=bk, block_kv_compute=bk,
+        block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
+        block_q_dq=bq, block_kv_dq=bk)
+    # Eagerly: the kernel holds its tile tables as arrays, which must not be tracers of
+    # the jit that first asked for it, since the cache hands it to later ones.
+    with jax.ensure_compile_time_eval():
+        return kernel_lib.make_splash_mha_single_device(
+            mask_lib.MultiHeadMask([mask] * heads), block_sizes=blocks, interpret=interpret)
