@@ -15,6 +15,7 @@ import optax
 from attention_jax import sharding
 from attention_jax.data import loaders
 from attention_jax.errors import ConfigError
+from attention_jax.models import losses
 from attention_jax.tasks import Task
 
 
@@ -123,33 +124,78 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
 
 
 def make_eval_step(task: Task, config):
+    """eval_step(params, batch) -> {metric: batch mean, "loss", ...}. An eval batch from
+    `evaluate` carries per-example weights (loaders.EXAMPLE_WEIGHT, 0 on the copies that
+    pad its last batch): the task's loss weights by them and reports the total weight its
+    means are over (losses.WEIGHT); the step adds the examples the batch holds (EXAMPLES)."""
     dtype = jnp.dtype(config.train.compute_dtype)
 
     def eval_step(params, batch):
         loss, metrics = task.loss(cast_params(params, dtype), batch, jax.random.PRNGKey(0), False)
-        return {**metrics, "loss": loss}
+        metrics = {**metrics, "loss": loss}
+        if loaders.EXAMPLE_WEIGHT in batch:
+            metrics[EXAMPLES] = jnp.sum(batch[loaders.EXAMPLE_WEIGHT])
+        return metrics
 
     return eval_step
 
 
+EXAMPLES = "examples"  # in evaluate's record: the eval examples its metrics are over
+
+
 def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
-    """Mean of the eval metrics over `eval.steps` batches (0: the whole split)."""
-    loader = loaders.Loader(task.eval_source, global_batch_size=config.eval.batch_size,
+    """The eval metrics over exactly the eval split (eval.steps=0), or over its first
+    eval.steps batches (all of it if it has fewer).
+
+    The last, partial batch is padded to the full eval.batch_size with copies of real
+    examples weighted 0 (loaders.Loader(pad_remainder=True)), not dropped: it still
+    splits over the data-parallel devices, and the step compiles once. The task's loss
+    weights every example by the batch's EXAMPLE_WEIGHT and reports the total weight of
+    its means (losses.WEIGHT: images, or tokens), so each metric is Σ(batch mean × batch
+    weight) / Σ batch weight: the mean over exactly the examples (tokens) evaluated, as
+    if they were one batch. The record also holds `examples` (how many were evaluated)
+    and, for token tasks, `tokens` (the weighted tokens the means are over) and
+    `perplexity`. A loss that does not report its weight (a family of one's own) is
+    averaged per batch, all batches being full; with a partial batch to evaluate it is a
+    ConfigError at the first batch."""
+    size, batch_size = len(task.eval_source), config.eval.batch_size
+    if size == 0:
+        raise ConfigError(f"the eval split (config.data.eval_split) is empty; give an eval "
+                          f"split with examples, or config.eval.every=-1 for no evaluation")
+    loader = loaders.Loader(task.eval_source, global_batch_size=batch_size,
                             seed=config.train.seed, shuffle=False, num_epochs=1,
-                            transform=task.eval_transform)
-    sums, n = {}, 0
-    for batch in loader:
-        metrics = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
-        sums = {k: sums.get(k, 0.0) + float(v) for k, v in metrics.items()}
-        n += 1
-        if config.eval.steps and n >= config.eval.steps:
+                            transform=task.eval_transform, pad_remainder=True)
+    batches = min(config.eval.steps or len(loader), len(loader))
+    partial = batches * batch_size > size  # the last batch evaluated is padded
+    sums, weight, examples, weighted = {}, 0.0, 0, False
+    for i, batch in enumerate(loader):
+        if i == batches:
             break
-    if n == 0:
-        raise ConfigError(f"the eval split has fewer than eval.batch_size="
-                         f"{config.eval.batch_size} examples; lower config.eval.batch_size")
-    means = {k: v / n for k, v in sums.items()}
+        metrics = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
+        examples += round(float(metrics.pop(EXAMPLES)))
+        weighted = losses.WEIGHT in metrics
+        if weighted:
+            w = float(metrics.pop(losses.WEIGHT))
+        elif partial:
+            raise ConfigError(
+                f"task {config.task!r}: its loss ignores batch[{loaders.EXAMPLE_WEIGHT!r}] (0 "
+                f"on the rows that pad the last eval batch: {size % batch_size} examples "
+                f"padded to config.eval.batch_size={batch_size}), so that batch cannot be "
+                f"evaluated exactly; valid: a loss that weights by it and returns "
+                f"metrics[{losses.WEIGHT!r}] (see tasks/images.py), config.eval.batch_size "
+                f"dividing the eval split's {size} examples, or config.eval.steps <= "
+                f"{size // batch_size}")
+        else:
+            w = 1.0  # full batches of a loss without weights: the mean of batch means
+        sums = {k: sums.get(k, 0.0) + float(v) * w for k, v in metrics.items()}
+        weight += w
+    # No weighted position at all (a split of empty targets): no mean exists; NaN says so.
+    means = {k: v / weight if weight else math.nan for k, v in sums.items()}
+    means[EXAMPLES] = examples
     if task.unit == "tokens":
         means["perplexity"] = math.exp(min(means["loss"], 50.0))
+        if weighted:
+            means["tokens"] = round(weight)
     return means
 
 

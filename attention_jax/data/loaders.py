@@ -14,6 +14,14 @@ single integer, the number of stream examples consumed (`next_index`). Saving it
 checkpoint and restoring it continues exactly, on the same or on a different number of
 hosts, and with any number of grain worker processes (workers prefetch ahead, but the
 state counts batches the caller has actually received).
+
+A finite stream whose length is not a multiple of G ends in a partial global batch. For
+training it is dropped (every process must take the same number of steps). Evaluation
+must see every example exactly once, so `pad_remainder=True` pads it instead: the final
+batch is filled up to G with copies of real examples, and every example carries
+`example_weight` (EXAMPLE_WEIGHT: 1.0, or 0.0 on a padding copy) for the loss to mask
+with. Padding to the full G keeps the batch splittable over the data-parallel devices
+and keeps one compiled eval step.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Batch = Any  # A pytree (usually a dict) of numpy arrays with a leading batch axis.
 Transform = Callable[[Any, np.random.Generator], Any]
+
+# The per-example field of a `pad_remainder` loader's batches: 1.0 on the stream's own
+# examples, 0.0 on the copies that pad the final global batch (float32 [B]).
+EXAMPLE_WEIGHT = 'example_weight'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +80,12 @@ class Loader:
       seed: shuffle and transform seed.
       shuffle: global shuffle, different every epoch.
       num_epochs: None repeats forever; otherwise the final partial global batch is
-        dropped so that all processes stop after the same number of steps.
+        dropped (or padded: `pad_remainder`) so that all processes stop after the same
+        number of steps.
+      pad_remainder: with a finite `num_epochs`, pad the final partial global batch to G
+        with copies of real examples instead of dropping it, and give every example
+        (a dict) the field EXAMPLE_WEIGHT, 1.0 or 0.0 on a padding copy: for evaluation
+        over exactly the split.
       transform: `fn(record, rng) -> record` applied per example before batching;
         `rng` is a numpy Generator seeded by (seed, global index): deterministic and
         different in every epoch.
@@ -80,7 +97,7 @@ class Loader:
     def __init__(self, source, *, global_batch_size: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None, transform: Transform | None = None,
                  process_index: int | None = None, process_count: int | None = None,
-                 worker_count: int = 0, state=None):
+                 worker_count: int = 0, state=None, pad_remainder: bool = False):
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= self.process_index < self.process_count:
@@ -93,6 +110,9 @@ class Loader:
             raise ValueError('Loader got an empty source')
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f'num_epochs={num_epochs} must be positive or None')
+        if pad_remainder and num_epochs is None:
+            raise ValueError('pad_remainder=True needs a finite num_epochs (an infinite stream '
+                             'has no final batch to pad); valid: num_epochs >= 1')
         if not 0 <= seed < 2**32:
             raise ValueError(f'seed={seed} must be in [0, 2**32)')
         self.source = source
@@ -103,6 +123,7 @@ class Loader:
         self.num_epochs = num_epochs
         self.transform = transform
         self.worker_count = worker_count
+        self.pad_remainder = pad_remainder
         self._next_index = 0
         if state is not None:
             self.set_state(state)
@@ -121,7 +142,14 @@ class Loader:
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.source) // self.global_batch_size
+        return self._whole_batches(len(self.source))
+
+    def _whole_batches(self, examples: int) -> int:
+        """Global batches made of `examples` stream examples: the partial one counts when
+        it is padded."""
+        if self.pad_remainder:
+            return -(-examples // self.global_batch_size)
+        return examples // self.global_batch_size
 
     @property
     def epoch(self) -> float:
@@ -133,7 +161,7 @@ class Loader:
         if self.num_epochs is None:
             raise TypeError('an infinite Loader (num_epochs=None) has no length')
         left = len(self.source) * self.num_epochs - self._next_index
-        return max(0, left) // self.global_batch_size
+        return self._whole_batches(max(0, left))
 
     # --- Pipeline ----------------------------------------------------------------------
     def _stream(self) -> grain.MapDataset:
@@ -149,9 +177,15 @@ class Loader:
         """This process's batches from `next_index` on."""
         stream = self._stream()
         G, B = self.global_batch_size, self.batch_size
-        remaining = len(stream) - self._next_index
-        # Whole global batches only: all processes must agree on the number of steps.
-        stream = stream[self._next_index:self._next_index + (remaining // G) * G]
+        start = min(self._next_index, len(stream))
+        remaining = len(stream) - start
+        if self.pad_remainder:
+            # Padded to whole global batches: every example once, plus copies weighted 0.
+            stream = grain.MapDataset.range(-(-remaining // G) * G).map(
+                _WithExampleWeight(stream[start:]))
+        else:
+            # Whole global batches only: all processes must agree on the number of steps.
+            stream = stream[start:start + (remaining // G) * G]
         # Batch k of this stream is examples [k*B, (k+1)*B); global step s is batches
         # s*P .. s*P+P-1, and this process takes batch s*P + p.
         return stream.batch(B, drop_remainder=True)[self.process_index::self.process_count]
@@ -166,9 +200,32 @@ class Loader:
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
         for batch in ds:
             # Advance before yielding: a checkpoint taken after receiving this batch must
-            # resume with the next one.
+            # resume with the next one. (A padded final batch ends at the stream's end.)
             self._next_index += self.global_batch_size
+            if self.pad_remainder:
+                self._next_index = min(self._next_index, len(self.source) * self.num_epochs)
             yield batch
+
+
+class _WithExampleWeight:
+    """Index i of a stream padded to any length: {**stream[i], EXAMPLE_WEIGHT: 1.0} while
+    i is in the stream, then copies of its examples (from its start) with weight 0.0.
+    Copies rather than zeros: a padding row is a valid input (no all-masked attention
+    row, no out-of-range id) whose finite values the weight then removes."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __call__(self, i: int):
+        n = len(self.stream)
+        example = self.stream[i % n]
+        if not isinstance(example, Mapping):
+            raise TypeError(f'pad_remainder=True needs dict examples (it adds the field '
+                            f'{EXAMPLE_WEIGHT!r}); got {type(example).__name__}')
+        if EXAMPLE_WEIGHT in example:
+            raise ValueError(f'the examples already have a field {EXAMPLE_WEIGHT!r}; '
+                             f'pad_remainder=True adds it')
+        return {**example, EXAMPLE_WEIGHT: np.float32(i < n)}
 
 
 def to_global_batch(batch: Batch, mesh: Mesh,

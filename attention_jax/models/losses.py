@@ -25,7 +25,14 @@ from attention_jax import axes
 from attention_jax.data.objectives import shift_right
 from attention_jax.layers.linear import matmul
 
-__all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy", "shift_right"]
+__all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy", "shift_right",
+           "example_weighted", "WEIGHT"]
+
+# The metric a loss adds when its batch carries per-example weights (an eval batch padded
+# to the full batch size: data.loaders.EXAMPLE_WEIGHT): the total weight its means are
+# over (examples, or weighted tokens). steps.evaluate sums mean × weight over batches and
+# divides once by the summed weight, so a partial last batch counts for what it holds.
+WEIGHT = "weight"
 
 
 def _check_label_smoothing(label_smoothing: float) -> None:
@@ -54,6 +61,19 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
     weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
     total = jnp.maximum(weights.sum(), 1.0)
     return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+def example_weighted(weights, example_weight):
+    """Position weights [B, ...] (None: one per example) times a per-example weight [B]
+    (None: unchanged), so that an eval batch's padding rows (example weight 0) count in
+    neither the loss nor the accuracy."""
+    if example_weight is None:
+        return weights
+    example_weight = jnp.asarray(example_weight, jnp.float32)
+    if weights is None:
+        return example_weight
+    weights = jnp.asarray(weights).astype(jnp.float32)
+    return weights * example_weight.reshape(example_weight.shape + (1,) * (weights.ndim - 1))
 
 
 # Why a custom VJP for a textbook formula: the logits are the largest tensor of a

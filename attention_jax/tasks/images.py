@@ -9,7 +9,7 @@ import numpy as np
 
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
-from attention_jax.models.losses import cross_entropy
+from attention_jax.models.losses import WEIGHT, cross_entropy
 from attention_jax.tasks.base import (AttentionInput, Task, data_options, model_config,
                                       register, splits)
 
@@ -19,6 +19,7 @@ def image_task(config, workdir: str) -> Task:
     models/vit.py, 'cnn' the residual CNN of models/cnn.py. data.train_fraction < 1
     trains on that share of the training split (data.subset_fraction)."""
     from attention_jax import data
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import cnn, vit
     data_opts = data_options(config, name="digits", data_dir="", augment=True, padding=1, flip=False,
                      train_split="train", eval_split="test", train_fraction=1.0)
@@ -36,8 +37,14 @@ def image_task(config, workdir: str) -> Task:
     def loss(params, batch, rng, train):
         logits, _ = model.apply({"params": params}, batch["image"], deterministic=not train,
                                 rngs={"dropout": rng})
-        return cross_entropy(logits, batch["label"], None,
-                             config.optim.label_smoothing if train else 0.0)
+        # Eval batches weigh each image (0: a row padding the last batch; steps.evaluate);
+        # training batches have no weights: every image counts.
+        example_weight = batch.get(EXAMPLE_WEIGHT)
+        nll, metrics = cross_entropy(logits, batch["label"], example_weight,
+                                     config.optim.label_smoothing if train else 0.0)
+        if example_weight is not None:
+            metrics[WEIGHT] = jnp.sum(example_weight)  # the images the means are over
+        return nll, metrics
 
     predict = jax.jit(lambda params, images: jnp.argmax(
         model.apply({"params": params}, images)[0], axis=-1).astype(jnp.int32))

@@ -12,7 +12,7 @@ import numpy as np
 from attention_jax import workdir as workdir_lib
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
-from attention_jax.models.losses import cross_entropy
+from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
                                       corpus_options, data_options, data_parallel_size,
                                       lm_vocab_size, model_config, moe_metrics,
@@ -43,6 +43,7 @@ def _text_attention_input(tok, context: int | None, name: str):
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import gpt
     # packing: "documents" keeps each packed document to itself (segment ids, positions
     # restarting per document); "stream" reads a row as a window of one token stream, as
@@ -67,12 +68,19 @@ def lm_task(config, workdir: str) -> Task:
     chunk_size = config.train.get("loss_chunk_size", 0)
 
     def loss(params, batch, rng, train):
+        # Eval batches carry example weights (0 on the rows padding the last batch; see
+        # steps.evaluate); training batches do not, and train exactly as without them.
+        example_weight = batch.get(EXAMPLE_WEIGHT)
+        weights = example_weighted(batch["weights"], example_weight)
         (nll, m), aux = gpt.head_loss(
-            model, params, batch["inputs"], batch["targets"], batch["weights"],
+            model, params, batch["inputs"], batch["targets"], weights,
             chunk_size=chunk_size, label_smoothing=config.optim.label_smoothing if train else 0.0,
             positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
             deterministic=not train, rngs={"dropout": rng})
-        return nll + aux.get("moe_loss", 0.0), {"accuracy": m["accuracy"], **moe_metrics(aux)}
+        metrics = {"accuracy": m["accuracy"], **moe_metrics(aux)}
+        if example_weight is not None:
+            metrics[WEIGHT] = jnp.sum(weights)  # the tokens the means are over
+        return nll + aux.get("moe_loss", 0.0), metrics
 
     def sample(params, rng):
         prompts = [tok.encode(p) or [tok.bos_id] for p in config.eval.sample_prompts]
@@ -111,6 +119,7 @@ def lm_task(config, workdir: str) -> Task:
 def mlm_task(config, workdir: str) -> Task:
     """BERT masked-language modelling (Devlin et al. 2019) on packed documents."""
     from attention_jax import data
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import bert
     data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
@@ -138,8 +147,14 @@ def mlm_task(config, workdir: str) -> Task:
                                attention_mask=batch["segment_ids"] != 0,
                                positions=batch["positions"], segment_ids=batch["segment_ids"],
                                masked_positions=slots, deterministic=not train, rngs={"dropout": rng})
-        return cross_entropy(out["mlm_logits"], take(batch["targets"]), take(batch["weights"]),
-                             config.optim.label_smoothing if train else 0.0)
+        # Eval batches: padding rows weigh 0 (steps.evaluate); training: unchanged.
+        example_weight = batch.get(EXAMPLE_WEIGHT)
+        weights = example_weighted(take(batch["weights"]), example_weight)
+        nll, metrics = cross_entropy(out["mlm_logits"], take(batch["targets"]), weights,
+                                     config.optim.label_smoothing if train else 0.0)
+        if example_weight is not None:
+            metrics[WEIGHT] = jnp.sum(weights)  # the predicted tokens the means are over
+        return nll, metrics
 
     encoder = {}  # the last SentenceEncoder, by params: one compilation per restored run
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.models import flops
-from attention_jax.models.losses import cross_entropy
+from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
                                       data_options, model_config, padded_vocab, register,
                                       run_tokenizer, splits, token_labels)
@@ -24,6 +24,7 @@ def translation_task(config, workdir: str) -> Task:
     One BPE vocabulary is shared by both languages (Vaswani et al. 2017 §5.1 share one).
     """
     from attention_jax import data
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
     data_opts = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
                      tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
                      train_split="train", eval_split="validation")
@@ -55,8 +56,14 @@ def translation_task(config, workdir: str) -> Task:
     def loss(params, batch, rng, train):
         logits, aux = model.apply({"params": params}, batch["inputs"], batch["decoder_inputs"],
                                   deterministic=not train, rngs={"dropout": rng})
-        return cross_entropy(logits, batch["targets"], batch["target_weights"],
-                             config.optim.label_smoothing if train else 0.0)
+        # Eval batches: padding rows weigh 0 (steps.evaluate); training: unchanged.
+        example_weight = batch.get(EXAMPLE_WEIGHT)
+        weights = example_weighted(batch["target_weights"], example_weight)
+        nll, metrics = cross_entropy(logits, batch["targets"], weights,
+                                     config.optim.label_smoothing if train else 0.0)
+        if example_weight is not None:
+            metrics[WEIGHT] = jnp.sum(weights)  # the target tokens the means are over
+        return nll, metrics
 
     def attention_input(params, text: str | None = None, *, target: str | None = None,
                         index: int = 0) -> AttentionInput:
