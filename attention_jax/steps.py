@@ -10,6 +10,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from attention_jax import sharding
@@ -160,8 +161,8 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
     ConfigError at the first batch."""
     size, batch_size = len(task.eval_source), config.eval.batch_size
     if size == 0:
-        raise ConfigError(f"the eval split (config.data.eval_split) is empty; give an eval "
-                          f"split with examples, or config.eval.every=-1 for no evaluation")
+        raise ConfigError("the eval split (config.data.eval_split) is empty; give an eval "
+                          "split with examples, or config.eval.every=-1 for no evaluation")
     loader = loaders.Loader(task.eval_source, global_batch_size=batch_size,
                             seed=config.train.seed, shuffle=False, num_epochs=1,
                             transform=task.eval_transform, pad_remainder=True)
@@ -177,14 +178,7 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
         if weighted:
             w = float(metrics.pop(losses.WEIGHT))
         elif partial:
-            raise ConfigError(
-                f"task {config.task!r}: its loss ignores batch[{loaders.EXAMPLE_WEIGHT!r}] (0 "
-                f"on the rows that pad the last eval batch: {size % batch_size} examples "
-                f"padded to config.eval.batch_size={batch_size}), so that batch cannot be "
-                f"evaluated exactly; valid: a loss that weights by it and returns "
-                f"metrics[{losses.WEIGHT!r}] (see tasks/images.py), config.eval.batch_size "
-                f"dividing the eval split's {size} examples, or config.eval.steps <= "
-                f"{size // batch_size}")
+            raise _unweighted_error(config, size)
         else:
             w = 1.0  # full batches of a loss without weights: the mean of batch means
         sums = {k: sums.get(k, 0.0) + float(v) * w for k, v in metrics.items()}
@@ -197,6 +191,39 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
         if weighted:
             means["tokens"] = round(weight)
     return means
+
+
+def _unweighted_error(config, size: int) -> ConfigError:
+    batch_size = config.eval.batch_size
+    return ConfigError(
+        f"task {config.task!r}: its loss ignores batch[{loaders.EXAMPLE_WEIGHT!r}] (0 on the "
+        f"rows that pad the last eval batch: {size % batch_size} examples padded to "
+        f"config.eval.batch_size={batch_size}), so that batch cannot be evaluated exactly; "
+        f"valid: a loss that weights by it and returns metrics[{losses.WEIGHT!r}] (see "
+        f"tasks/images.py), config.eval.batch_size dividing the eval split's {size} "
+        f"examples, or config.eval.steps <= {size // batch_size}")
+
+
+def check_eval_split(task: Task, config) -> None:
+    """Before any step, what `evaluate` would find only at the first evaluation, after
+    the training before it: an empty eval split, or a partial last batch (padded) that
+    the task's loss cannot weight. The loss is traced abstractly (jax.eval_shape) on one
+    example, nothing computed."""
+    size, batch_size = len(task.eval_source), config.eval.batch_size
+    if size == 0:
+        raise ConfigError("the eval split (config.data.eval_split) is empty; give an eval "
+                          "split with examples, or config.eval.every=-1 for no evaluation")
+    batches = -(-size // batch_size)
+    if min(config.eval.steps or batches, batches) * batch_size <= size:
+        return  # only full batches are evaluated
+    example = task.eval_source[0]
+    if task.eval_transform is not None:
+        example = task.eval_transform(example, np.random.default_rng(0))
+    batch = {k: np.asarray(v)[None] for k, v in example.items()}
+    batch[loaders.EXAMPLE_WEIGHT] = np.ones((1,), np.float32)
+    params = nn.meta.unbox(jax.eval_shape(task.init, jax.random.PRNGKey(0)))
+    if losses.WEIGHT not in jax.eval_shape(make_eval_step(task, config), params, batch):
+        raise _unweighted_error(config, size)
 
 
 def jit_eval_step(task: Task, config, mesh, param_shardings):

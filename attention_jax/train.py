@@ -30,7 +30,7 @@ from attention_jax import config as config_lib
 from attention_jax import convert, sharding, steps
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
-from attention_jax.errors import ConfigError, UserError
+from attention_jax.errors import UserError
 from attention_jax.optimizer import make_optimizer
 from attention_jax.tasks import TASKS, Task
 
@@ -74,7 +74,7 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     config_lib.check_model_fits_mesh(getattr(task.model, "config", task.model), mesh.shape,
                                      task.seq_len)
     if config.eval.every >= 0:
-        check_eval_split(task, config.eval.batch_size)
+        steps.check_eval_split(task, config)
     tx, schedule = make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
     # Shapes and shardings are worked out outside the mesh context: flax's partitioned
     # initialisers would otherwise try to constrain abstract values eagerly.
@@ -86,16 +86,6 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
         save_every=config.train.checkpoint_every, keep=config.train.keep_checkpoints,
         async_save=config.train.async_checkpoint, read_only=read_only)
     return Setup(mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
-
-
-def check_eval_split(task: Task, batch_size: int) -> None:
-    """Before any step: an eval split smaller than one eval batch would end the run
-    at its first evaluation, after the training it did."""
-    n = len(task.eval_source)
-    if n < batch_size:
-        raise ConfigError(f"config.eval.batch_size={batch_size} is larger than the eval split "
-                          f"({n} examples); valid: 1 to {n} (a multiple of the data-parallel "
-                          f"size), or more eval data (e.g. config.data.max_files)")
 
 
 # =================================================================================== resume

@@ -51,8 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.steps = args.steps
     c.train.checkpoint_every = c.train.steps
     c.eval.every = 0  # once, at the end.
-    # Every test image in one batch (none dropped), on one device; 359 is prime, so on a
-    # mesh of D > 1 data-parallel devices pass --config.eval.batch_size=40 (or any
-    # multiple of D; the last partial batch is then dropped, as in vit_digits.py).
+    # Every test image in one batch on one device; on a mesh of D > 1 data-parallel
+    # devices pass a multiple of D (e.g. --config.eval.batch_size=40): the last batch is
+    # padded, its padding weighted 0, so every image still counts once.
     c.eval.batch_size = 359
     return c

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import tiny
-from attention_jax import tasks, train
+from attention_jax import steps, tasks, train
 from attention_jax import config as config_lib
 from attention_jax import workdir as workdir_lib
 from attention_jax.errors import ConfigError
@@ -131,15 +131,20 @@ def test_no_checkpoint_means_nothing_to_compare(tmp_path):
     assert workdir_lib.config_changes(tiny.tiny_config(), str(tmp_path)) == {"optim.lr": (0.5, 0.01)}
 
 
-def test_an_eval_batch_larger_than_the_eval_split_stops_before_training(tmp_path):
-    # The tiny task's eval split holds 256 sequences; this was found only at the first
-    # evaluation, after the training steps before it.
+def test_an_eval_the_task_cannot_weight_stops_before_training(tmp_path):
+    # The tiny task's eval split holds 256 sequences and its loss ignores the weights that
+    # mask the padding of a partial batch: found by tracing the loss before any step, not
+    # at the first evaluation after the training before it.
     config = tiny.tiny_config(**{"eval.every": 0, "eval.batch_size": 512})
     with pytest.raises(ConfigError) as e:
         train.train_and_evaluate(config, str(tmp_path))
-    assert str(e.value).startswith("config.eval.batch_size=512 is larger than the eval split "
-                                   "(256 examples); valid: 1 to 256")
+    assert str(e.value).startswith("task 'tiny': its loss ignores batch['example_weight'] (0 on "
+                                   "the rows that pad the last eval batch: 256 examples padded "
+                                   "to config.eval.batch_size=512)")
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+    # Full batches only (eval.steps within the split): nothing to weight, nothing refused.
+    full = tiny.tiny_config(**{"eval.batch_size": 100, "eval.steps": 2})
+    steps.check_eval_split(tiny.make_tiny_task(full), full)
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_old_value(tmp_path):
