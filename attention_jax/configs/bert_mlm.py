@@ -54,12 +54,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: all files.
     c.data.max_documents = 0  # 0: pack every document.
-    c.data.tokenizer = "wordpiece"  # BERT's uncased vocabulary (needs no training); or bpe.
+    c.data.tokenizer = "wordpiece"  # BERT uncased (no training); bpe; a tokenizer.json path.
     c.data.vocab_size = 1024  # BPE only: size of the vocabulary trained on the corpus.
     c.data.seq_len = 64  # tokens per packed row (viz draws at most 64 tokens, too).
     c.data.mask_rate = 0.15  # fraction of tokens predicted (Devlin et al. §3.1).
     c.data.train_split = "train"
     c.data.eval_split = "validation"
+    # data.name="files": your own text. files: comma-separated globs of .txt .md .py
+    # (a document each), .jsonl[.gz|.zst] and .parquet (the document in text_key); the
+    # held-out split is eval_files, else eval_fraction of the documents (by a hash of file
+    # and line or row); bad jsonl lines are skipped with a warning, up to max_bad_records.
+    c.data.files = ""
+    c.data.eval_files = ""
+    c.data.text_key = "text"
+    c.data.eval_fraction = 0.05
+    c.data.max_bad_records = 100
 
     c.optim.lr = 1e-3  # peak lr (post-norm needs the warmup).
     c.optim.warmup_steps = 200

@@ -34,7 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: all files; a small number for smoke runs.
     c.data.max_documents = 0  # 0: pack every document of the split.
-    c.data.tokenizer = "byte"  # byte-level: no vocabulary to train, any text encodes.
+    c.data.tokenizer = "byte"  # byte-level: nothing to train; or a path to a tokenizer.json.
     c.data.vocab_size = 1024  # only for tokenizer="bpe" (trained on the train split).
     c.data.seq_len = 128  # tokens per packed row.
     # "documents": a packed document attends only to itself, positions restart;
@@ -42,6 +42,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.packing = "documents"
     c.data.train_split = "train"
     c.data.eval_split = "validation"
+    # data.name="files": your own text. files: comma-separated globs of .txt .md .py
+    # (a document each), .jsonl[.gz|.zst] and .parquet (the document in text_key); the
+    # held-out split is eval_files, else eval_fraction of the documents (by a hash of file
+    # and line or row); bad jsonl lines are skipped with a warning, up to max_bad_records.
+    c.data.files = ""
+    c.data.eval_files = ""
+    c.data.text_key = "text"
+    c.data.eval_fraction = 0.05
+    c.data.max_bad_records = 100
 
     c.optim.lr = 3e-3  # peak lr: a 0.4M-parameter model tolerates a large step.
     c.optim.warmup_steps = 50

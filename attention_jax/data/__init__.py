@@ -9,8 +9,14 @@ TensorFlow):
   name                        splits                    record
   python_stdlib               train, validation         {'id', 'text'}: one stdlib .py file
                               (options: max_files=N for the first N files)
-  text_corpus                 train, validation         {'id', 'text'} from your files
-                              (options: globs=[...], root=..., max_files=...,
+  files                       train, validation         {'id', 'text'}: your own files, read
+                              where they are, not built (data/files.py): .txt/.md/.py (one
+                              document each), .jsonl[.gz|.zst], .parquet (the document in
+                              text_key); options files='GLOBS,...', eval_files=, text_key=,
+                              eval_fraction= (held out by a hash of file + line/row),
+                              max_bad_records=, max_files=
+  text_corpus                 train, validation         {'id', 'text'} from your files, built
+                              (options: globs=[...] (required), root=..., max_files=...,
                                validation_percent=...)
   digits                      train (1,438), test (359) {'image' uint8 [8, 8, 1], 'label', 'index'}
   number_translation          train (20k), validation,  {'number', 'en', 'fr', 'de'}
@@ -49,6 +55,7 @@ Language modelling packs documents into rows with segment ids and positions:
   (CausalLM('stream'): the rows as one causal token stream, no segment ids, as GPT-2)
 
 Tokenizers: `get_tokenizer('char' | 'byte' | 'wordpiece' | 'bpe', ...)`,
+`get_tokenizer('file', path=...)` (any tokenizer.json, its own ids and special tokens),
 `tokenizer.save(workdir_subdir)`, `load_tokenizer(workdir_subdir)`.
 Objectives: `mlm_mask`, `nsp_pairs`, `next_token_targets`, `shift_right`,
 `seq2seq_example`, `normalize_image`, `random_crop_flip`.
@@ -68,8 +75,10 @@ _WHERE = {
                   'packed_lm_source'),
     'sources': ('CATALOGUE_EXAMPLES', 'OFFLINE', 'DatasetNotFoundError', 'default_data_dir',
                 'Subset', 'get_builder', 'get_dataset', 'subset_fraction'),
-    'tokenization': ('BPETokenizer', 'ByteTokenizer', 'CharTokenizer', 'Tokenizer',
-                     'WordPieceTokenizer', 'get_tokenizer', 'load_tokenizer'),
+    'tokenization': ('BPETokenizer', 'ByteTokenizer', 'CharTokenizer', 'FileTokenizer',
+                     'Tokenizer', 'TokenizerFileError', 'WordPieceTokenizer', 'get_tokenizer',
+                     'load_tokenizer'),
+    'files': ('FileDocuments', 'FilesError', 'file_splits'),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 
@@ -88,9 +97,11 @@ def __dir__():
 
 __all__ = [
     'BPETokenizer', 'ByteTokenizer', 'CATALOGUE_EXAMPLES', 'CausalLM', 'CharTokenizer',
-    'DatasetNotFoundError', 'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM',
-    'OFFLINE', 'PACKINGS', 'PackedSource', 'Tokenizer', 'Translation', 'WordPieceTokenizer',
-    'default_data_dir', 'get_builder', 'get_dataset', 'get_tokenizer', 'load_tokenizer',
+    'DatasetNotFoundError', 'FileDocuments', 'FileTokenizer', 'FilesError',
+    'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM', 'OFFLINE', 'PACKINGS',
+    'PackedSource', 'Tokenizer', 'TokenizerFileError', 'Translation', 'WordPieceTokenizer',
+    'default_data_dir', 'file_splits', 'get_builder', 'get_dataset', 'get_tokenizer',
+    'load_tokenizer',
     'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
     'pack_documents', 'packed_lm_source', 'random_crop_flip', 'seq2seq_example',
     'shift_right', 'to_global_batch', 'unpack_row',

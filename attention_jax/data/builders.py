@@ -65,7 +65,8 @@ def _stable_bucket(key: str, buckets: int = 100) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# Text corpus: any local text files; the default is the Python standard library.
+# Text corpus: local text files. Its registered config is the Python standard library
+# ('python_stdlib'); 'text_corpus' needs globs (sources._text_corpus refuses none).
 # --------------------------------------------------------------------------------------
 
 # Directories of the standard library that are not ordinary library source: tests

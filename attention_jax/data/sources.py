@@ -18,7 +18,7 @@ import tensorflow_datasets as tfds
 
 from attention_jax import quiet
 from attention_jax.data import builders
-from attention_jax.errors import UserError
+from attention_jax.errors import ConfigError, UserError
 
 
 class DatasetNotFoundError(UserError, FileNotFoundError):
@@ -26,9 +26,12 @@ class DatasetNotFoundError(UserError, FileNotFoundError):
 
 
 def _text_corpus(options) -> tuple[type, tfds.core.BuilderConfig]:
-    if 'globs' in options:
-        return builders.TextCorpus, builders.text_corpus_config(**options)
-    return builders.TextCorpus, builders.stdlib_corpus_config(**options)
+    if not options.get('globs'):
+        # It once fell back to the standard library: a run on the wrong corpus, silently.
+        raise ConfigError("text_corpus needs globs=[...] of your files; from the command line "
+                          "use --config.data.name=files --config.data.files=GLOBS "
+                          "(python_stdlib is the standard library's source)")
+    return builders.TextCorpus, builders.text_corpus_config(**options)
 
 
 def _number_translation(options) -> tuple[type, tfds.core.BuilderConfig | str | None]:
@@ -51,6 +54,17 @@ OFFLINE: dict[str, Callable[[dict], tuple[type, tfds.core.BuilderConfig | str | 
 }
 
 
+def _files(split: str, data_dir: str | None, **options):
+    from attention_jax.data import files  # no tfds builder: read where the files are
+    del data_dir  # nothing is prepared (yet: the token cache of issue #26)
+    return files.get_split(split, **options)
+
+
+# Sources read straight from the user's files, not built by tfds:
+# name -> function(split, data_dir, **options) -> random-access source (data/files.py).
+DIRECT: dict[str, Callable] = {'files': _files}
+
+
 # Catalogue datasets the experiments name; any other tfds name works the same way.
 CATALOGUE_EXAMPLES = ('tiny_shakespeare', 'lm1b', 'mnist', 'cifar10', 'imagenette',
                       'wmt14_translate/de-en', 'wmt_t2t_translate/de-en', 'glue/cola')
@@ -66,9 +80,13 @@ def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
     """The prepared builder for `name`.
 
     Offline builders are built (once) in `data_dir`; `options` configure them
-    (e.g. `max_files=8` for 'python_stdlib', `globs=[...]` for 'text_corpus').
+    (e.g. `max_files=8` for 'python_stdlib', `globs=[...]` for 'text_corpus'; without
+    globs, text_corpus is an error: it never trains on the standard library silently).
     Catalogue datasets must already be prepared in array_record format.
     """
+    if name in DIRECT:
+        raise ValueError(f'{name!r} is read where its files are, with no tfds builder; '
+                         f'use get_dataset({name!r}, split, ...)')
     data_dir = os.fspath(data_dir or default_data_dir())
     base, _, config_name = name.partition('/')
     if base in OFFLINE:
@@ -104,7 +122,7 @@ def _catalogue_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
         except tfds.core.registered.DatasetNotFoundError as e:
             raise DatasetNotFoundError(
                 f'Unknown dataset {name!r}: not an offline dataset '
-                f'({", ".join(sorted(OFFLINE))}) and not in the tfds catalogue '
+                f'({", ".join(sorted([*OFFLINE, *DIRECT]))}) and not in the tfds catalogue '
                 f'({e.__class__.__name__}).') from None
         prepared = builder.is_prepared()
     if not prepared:
@@ -128,7 +146,11 @@ def get_dataset(name: str, split: str, data_dir: str | None = None, **options):
     Text features come back as UTF-8 `bytes`. Example:
       src = get_dataset('digits', 'train', '/tmp/data')
       src[0]['image'].shape  # (8, 8, 1)
+    'files' reads your own files where they are (data/files.py; options files=GLOBS,
+    eval_files=, text_key=, eval_fraction=, max_bad_records=, max_files=).
     """
+    if name in DIRECT:
+        return DIRECT[name](split, data_dir, **options)
     builder = get_builder(name, data_dir, **options)
     splits = list(builder.info.splits.keys())
     if split.split('[')[0] not in splits:

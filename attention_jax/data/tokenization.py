@@ -1,9 +1,11 @@
-"""Tokenizers: character, byte, WordPiece (BERT) and byte-level BPE.
+"""Tokenizers: character, byte, WordPiece (BERT), byte-level BPE, and any tokenizer.json.
 
 All share one small interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
-`vocab_size`, `pad_id` (always 0, so that padding, segment id 0 and token id 0 agree),
-`special_ids`, and `save(directory)`; `load_tokenizer(directory)` restores any of them.
-A trainer saves its tokenizer into the workdir so a checkpoint can always be decoded.
+`vocab_size`, `pad_id`, `bos_id`, `eos_id`, `special_ids`, and `save(directory)`;
+`load_tokenizer(directory)` restores any of them. A trainer saves its tokenizer into the
+workdir so a checkpoint can always be decoded. Ours put padding at id 0 (so padding,
+segment id 0 and token id 0 agree); a tokenizer file keeps its own ids (GPT-2 pads with
+its end-of-text token): code tells padding by segment ids or weights, never by id 0.
 
 WordPiece is implemented here from the `tokenizer.json` vocabulary and normaliser
 settings (Devlin et al. 2019 / Wu et al. 2016 greedy longest-match-first), and tested
@@ -23,6 +25,8 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from attention_jax.errors import UserError
 
 META_FILE = 'tokenizer_meta.json'
 
@@ -320,10 +324,132 @@ class BPETokenizer(Tokenizer):
 
 
 # --------------------------------------------------------------------------------------
+# Any tokenizer.json: GPT-2's, BERT's, one's own (what save_pretrained writes).
+# --------------------------------------------------------------------------------------
+
+class TokenizerFileError(UserError, ValueError):
+    """A tokenizer file that is missing, does not parse, or lacks a token a task needs."""
+
+
+# Special-token roles by the names tokenizers give them (the first one present wins),
+# where the directory has no tokenizer_config.json / special_tokens_map.json saying them.
+ROLE_NAMES = {
+    'eos': ('<|endoftext|>', '</s>', '<eos>', '<|end_of_text|>', '<|eot_id|>', '[SEP]'),
+    'bos': ('<s>', '<bos>', '<|begin_of_text|>', '<|startoftext|>', '[CLS]', '<|endoftext|>'),
+    'pad': ('<pad>', '[PAD]', '<|pad|>', '<|padding|>'),
+    'mask': ('[MASK]', '<mask>', '<|mask|>'),
+    'unk': ('<unk>', '[UNK]', '<|unk|>'),
+    'cls': ('[CLS]',),
+    'sep': ('[SEP]',),
+}
+_CONFIG_FILES = ('special_tokens_map.json', 'tokenizer_config.json')  # later ones win
+
+
+def tokenizer_file(path: str) -> str:
+    """`path` if it is a file, else the tokenizer.json in the directory `path`."""
+    full = os.path.expanduser(path)
+    if os.path.isdir(full):
+        inside = os.path.join(full, 'tokenizer.json')
+        if not os.path.isfile(inside):
+            raise TokenizerFileError(
+                f'{path}: a directory without tokenizer.json (it holds '
+                f'{sorted(os.listdir(full))[:8]}); valid: a tokenizer.json or a directory '
+                f'holding one, as save_pretrained writes')
+        return inside
+    if not os.path.isfile(full):
+        raise TokenizerFileError(f'{path}: no such file; valid: a tokenizer.json or a '
+                                 f'directory holding one')
+    return full
+
+
+def is_tokenizer_path(value: str) -> bool:
+    """Whether a config's tokenizer value names a file or directory rather than a kind."""
+    return value not in KINDS and bool(value) and (
+        os.sep in value or value.startswith('~') or value.endswith('.json')
+        or os.path.isdir(value))
+
+
+def _configured_roles(file: str) -> dict[str, str]:
+    """Role -> token text from the files save_pretrained writes beside tokenizer.json."""
+    roles = {}
+    for name in _CONFIG_FILES:
+        path = os.path.join(os.path.dirname(file), name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                spec = json.load(f)
+        except (OSError, ValueError):
+            continue  # only a hint: the names in ROLE_NAMES still apply
+        for role in ROLE_NAMES:
+            value = spec.get(f'{role}_token') if isinstance(spec, dict) else None
+            value = value.get('content') if isinstance(value, dict) else value
+            if isinstance(value, str):
+                roles[role] = value
+    return roles
+
+
+class FileTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` as it is: its vocabulary, its ids, its special
+    tokens. Padding is its pad token, else its end-of-text token (GPT-2 has no pad:
+    padded positions carry weight 0, so which id fills them does not matter to the LM)."""
+
+    kind = 'file'
+
+    def __init__(self, path: str, roles: dict[str, int | None] | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+        self.path = tokenizer_file(path)
+        try:
+            self.hf = HFTokenizer.from_file(self.path)
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerFileError(f'{self.path}: not a tokenizer.json the tokenizers '
+                                     f'library can read ({reason})') from None
+        # Documents are packed whole: a truncation or padding setting in the file (BERT's
+        # files truncate at 512) would cut them silently.
+        self.hf.no_truncation()
+        self.hf.no_padding()
+        self.vocab_size = max(self.hf.get_vocab(with_added_tokens=True).values()) + 1
+        if roles is None:
+            named = _configured_roles(self.path)
+            roles = {}
+            for role, names in ROLE_NAMES.items():
+                found = [self.hf.token_to_id(t) for t in ((named[role],) if role in named
+                                                          else names)]
+                roles[role] = next((i for i in found if i is not None), None)
+        self.roles = {r: (None if i is None else int(i)) for r, i in roles.items()}
+        # Padding: its own token, else end-of-text, else beginning-of-text, else id 0.
+        own = [self.roles.get(r) for r in ('pad', 'eos', 'bos')]
+        self.has_pad_token = self.roles.get('pad') is not None
+        self.pad_id = next((i for i in own if i is not None), 0)
+        self.eos_id = self.roles.get('eos')
+        self.bos_id = next((i for i in (self.roles.get('bos'), self.eos_id) if i is not None),
+                           self.pad_id)
+        self.mask_id = self.roles.get('mask')
+        for role in ('unk', 'cls', 'sep'):  # only where the file has them (embed asks)
+            if self.roles.get(role) is not None:
+                setattr(self, f'{role}_id', self.roles[role])
+        added = {i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = frozenset(added | {i for i in self.roles.values() if i is not None})
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
+
+    def _save_files(self, directory):
+        target = os.path.join(directory, 'tokenizer.json')
+        if os.path.abspath(target) != os.path.abspath(self.path):
+            shutil.copyfile(self.path, target)
+        return {'file': 'tokenizer.json', 'source': self.path, 'roles': self.roles}
+
+
+# --------------------------------------------------------------------------------------
 # Factory and persistence.
 # --------------------------------------------------------------------------------------
 
-KINDS = ('char', 'byte', 'wordpiece', 'bpe')
+KINDS = ('char', 'byte', 'wordpiece', 'bpe')  # by name; a path is a FileTokenizer
 
 
 def get_tokenizer(kind: str, *, texts: Iterable[str] | None = None, path: str | None = None,
@@ -334,6 +460,7 @@ def get_tokenizer(kind: str, *, texts: Iterable[str] | None = None, path: str | 
     byte: no arguments.
     wordpiece: `path` to a tokenizer.json (default: the bundled BERT uncased vocab).
     bpe: trained on `texts` to `vocab_size`, or loaded from `path` (a tokenizer.json).
+    file: `path` (a tokenizer.json, or a directory holding one), used as it is.
     """
     if kind == 'char':
         if chars is None and texts is None:
@@ -349,7 +476,11 @@ def get_tokenizer(kind: str, *, texts: Iterable[str] | None = None, path: str | 
         if texts is None:
             raise ValueError("get_tokenizer('bpe') needs texts=... to train, or path=...")
         return BPETokenizer.train(texts, vocab_size=vocab_size)
-    raise ValueError(f'unknown tokenizer kind {kind!r}; valid: {KINDS}')
+    if kind == 'file':
+        if path is None:
+            raise ValueError("get_tokenizer('file') needs path=... (a tokenizer.json)")
+        return FileTokenizer(path)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; valid: {KINDS} or 'file'")
 
 
 def load_tokenizer(directory: str) -> Tokenizer:
@@ -368,4 +499,6 @@ def load_tokenizer(directory: str) -> Tokenizer:
         return WordPieceTokenizer(os.path.join(directory, meta['file']))
     if kind == 'bpe':
         return BPETokenizer.from_file(os.path.join(directory, meta['file']))
-    raise ValueError(f'{meta_path}: unknown tokenizer kind {kind!r}; valid: {KINDS}')
+    if kind == 'file':
+        return FileTokenizer(os.path.join(directory, meta['file']), roles=meta.get('roles'))
+    raise ValueError(f"{meta_path}: unknown tokenizer kind {kind!r}; valid: {KINDS} or 'file'")

@@ -247,9 +247,11 @@ def data_options(config, **defaults) -> ml_collections.ConfigDict:
             check_range(f"data.{key}", merged[key], interval)
     # Keys with a fixed set of values, checked before any data is built.
     from attention_jax.data.objectives import PACKINGS
-    from attention_jax.data.tokenization import KINDS
+    from attention_jax.data.tokenization import KINDS, is_tokenizer_path
     for key, valid in (("tokenizer", KINDS), ("packing", PACKINGS)):
-        if key in merged:
+        # A tokenizer may also be a path (a tokenizer.json or a directory holding one),
+        # read by run_tokenizer, where a saved copy in the workdir takes precedence.
+        if key in merged and not (key == "tokenizer" and is_tokenizer_path(merged[key])):
             check_choice(f"config.data.{key}", merged[key], valid)
     return ml_collections.ConfigDict(merged)
 
@@ -258,16 +260,36 @@ def as_text(x) -> str:
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 
-def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]]):
+def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
+                  pad_may_be_eos: bool = False):
     """The run's tokenizer: the one saved in the workdir (so a resumed run, eval and
-    sampling decode with exactly the training vocabulary), else a new one."""
+    sampling decode with exactly the training vocabulary), else a new one.
+
+    config.data.tokenizer is a kind (KINDS) or a path to a tokenizer.json (or a directory
+    holding one), used as it is. Such a file without a pad token pads with its
+    end-of-text token; only a task whose loss tells padding by position, not by id
+    (`pad_may_be_eos`: the LM's weights come from segment ids), accepts that."""
     from attention_jax import data
+    from attention_jax.data import tokenization
+    from_file = tokenization.is_tokenizer_path(data_opts.tokenizer)
+    kind = "file" if from_file else data_opts.tokenizer
     saved = workdir_lib.path(workdir, workdir_lib.TOKENIZER)
     if os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
         tok = data.load_tokenizer(saved)
-        if tok.kind != data_opts.tokenizer:
+        if tok.kind != kind:
             raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r} but {saved} holds a "
                               f"{tok.kind!r} tokenizer; use a new workdir to change it")
+        return tok
+    if from_file:
+        try:
+            tok = data.get_tokenizer("file", path=data_opts.tokenizer)
+        except tokenization.TokenizerFileError as e:
+            reason = str(e).removeprefix(f"{data_opts.tokenizer}: ")  # named once is enough
+            raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {reason}") from None
+        if not (tok.has_pad_token or pad_may_be_eos):
+            raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {tok.path} has no "
+                              f"pad token, and this task tells padding by its id; valid: a "
+                              f"tokenizer with one ({', '.join(tokenization.ROLE_NAMES['pad'])})")
         return tok
     if data_opts.tokenizer in ("byte", "wordpiece"):
         return data.get_tokenizer(data_opts.tokenizer)

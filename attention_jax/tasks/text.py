@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import workdir as workdir_lib
-from attention_jax.errors import ConfigError
+from attention_jax.data.tokenization import ROLE_NAMES, is_tokenizer_path
+from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
@@ -40,6 +41,37 @@ def _text_attention_input(tok, context: int | None, name: str):
     return attention_input
 
 
+# The data keys of the user's own files (data.name="files"; data/files.py).
+FILE_KEYS = dict(files="", eval_files="", text_key="text", eval_fraction=0.05,
+                 max_bad_records=100)
+
+
+def _documents(data_opts):
+    """The train and eval documents: the user's files (data.name="files") or a dataset."""
+    from attention_jax.data import files
+    if data_opts.name != "files":
+        for key in ("files", "eval_files"):
+            if data_opts[key]:
+                raise ConfigError(f"config.data.{key}={data_opts[key]!r} is read only with "
+                                  f"config.data.name='files' (now {data_opts.name!r}); set "
+                                  f"--config.data.name=files")
+        return splits(data_opts, **corpus_options(data_opts))
+    if not data_opts.files:
+        raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
+                          f"(comma-separated globs of {', '.join(files.SUFFIXES)} files)")
+    check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
+    check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
+    by_split = files.file_splits(
+        data_opts.files, data_opts.eval_files, text_key=data_opts.text_key,
+        eval_fraction=data_opts.eval_fraction, max_bad_records=data_opts.max_bad_records,
+        max_files=data_opts.max_files, arg="config.data.")
+    for key in ("train_split", "eval_split"):
+        if data_opts[key] not in by_split:
+            raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has the "
+                              f"splits {list(by_split)}")
+    return by_split[data_opts.train_split], by_split[data_opts.eval_split]
+
+
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
@@ -50,10 +82,13 @@ def lm_task(config, workdir: str) -> Task:
     # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
     data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
-                     eval_split="validation", packing="documents")
-    train_docs, eval_docs = splits(data_opts, **corpus_options(data_opts))
+                     eval_split="validation", packing="documents", **FILE_KEYS)
+    train_docs, eval_docs = _documents(data_opts)
+    # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
+    # (GPT-2's) pads with its end-of-text token.
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
-                                          for i in range(min(len(train_docs), 300))])
+                                          for i in range(min(len(train_docs), 300))],
+                        pad_may_be_eos=True)
     cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
     if cfg.position == "learned" and data_opts.seq_len > cfg.max_len:
@@ -123,13 +158,20 @@ def mlm_task(config, workdir: str) -> Task:
     from attention_jax.models import bert
     data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
-                     train_split="train", eval_split="validation")
-    if data_opts.tokenizer not in ("bpe", "wordpiece"):
+                     train_split="train", eval_split="validation", **FILE_KEYS)
+    if not is_tokenizer_path(data_opts.tokenizer) and data_opts.tokenizer not in ("bpe", "wordpiece"):
         raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: MLM needs a [MASK] token; "
-                          f"valid: ['bpe', 'wordpiece']")
-    train_docs, eval_docs = splits(data_opts, **corpus_options(data_opts))
+                          f"valid: ['bpe', 'wordpiece'] or a tokenizer.json with one")
+    train_docs, eval_docs = _documents(data_opts)
+    # Padding is never masked (a special id) nor attended to (segment ids): a pad that is
+    # the end-of-text token is harmless here too.
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
-                                          for i in range(min(len(train_docs), 300))])
+                                          for i in range(min(len(train_docs), 300))],
+                        pad_may_be_eos=True)
+    if getattr(tok, "mask_id", None) is None:
+        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {tok.path} has no mask "
+                          f"token, which MLM needs; valid: a tokenizer with one "
+                          f"({', '.join(ROLE_NAMES['mask'])}), or 'bpe' / 'wordpiece'")
     cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
                        dtype=config.train.compute_dtype)
     model = bert.Bert(cfg)

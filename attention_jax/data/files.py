@@ -1,0 +1,489 @@
+"""Your own text, read from files: a random-access source of documents.
+
+  splits = file_splits('~/corpus/**/*.txt,data/*.jsonl.zst')   # {'train': src, 'validation': src}
+  src = get_dataset('files', 'train', files='data/*.parquet', text_key='content')
+  len(src), src[0]                  # {'id': b'shard-00.parquet:0', 'text': b'...'} (UTF-8)
+
+From the command line: `--config.data.name=files --config.data.files=GLOBS`.
+
+Formats (by the file name's ending):
+  .txt .md .py                one document per file (undecodable bytes become U+FFFD)
+  .jsonl .jsonl.gz .jsonl.zst one JSON object per line, the document in `text_key`;
+                              blank lines are skipped
+  .parquet                    one document per row, in the column `text_key`
+`files` is a comma-separated list of globs (`**` recurses, `~` expands; a directory
+stands for every file of these formats under it).
+
+Splits: 'train' and 'validation'. With `eval_files`, train is every document of `files`
+and validation every document of `eval_files` (a file in both is an error). Without,
+a document goes to validation when a stable hash of its identity (file, plus line or
+row number) falls below `eval_fraction`: the same document always lands in the same
+split, whatever else the corpus holds or the order the globs were given in. A file's
+identity is its path relative to the fixed part of the glob that found it
+(`~/corpus/**/*.txt` -> `sub/a.txt`), so moving the corpus keeps its splits.
+
+Laziness: start-up lists the files and indexes them (byte offsets of the lines of a
+plain .jsonl, the line offsets of a compressed one after decompressing it once, the
+row-group sizes of a .parquet: no parquet data is read). `src[i]` then reads one line
+(plain .jsonl), one row group (.parquet, the last one kept), or the whole decompressed
+file (.jsonl.gz/.zst, the last one kept: fine in file order, slow under a global
+shuffle; the prepared token cache of issue #26 is the fast path for big compressed
+corpora).
+
+Bad input is one line naming the file (FilesError): a glob that matches nothing, an
+unsupported file type, a jsonl or parquet whose records lack `text_key` (with the keys
+they have), an unreadable, truncated or corrupt file. A bad record inside a good file
+(a line that is not JSON, a value that is not a string) is skipped (it reads as an
+empty document) with a counted warning on stderr; past `max_bad_records` it is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob as glob_lib
+import gzip
+import hashlib
+import json
+import os
+import sys
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from attention_jax.errors import UserError
+
+TEXT_SUFFIXES = ('.txt', '.md', '.py')
+JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
+SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, '.parquet')
+SPLITS = ('train', 'validation')
+_CHUNK = 1 << 24  # bytes read at a time while indexing
+
+
+class FilesError(UserError, ValueError):
+    """A corpus file that cannot be used as asked; the message names the file."""
+
+
+class NoFilesError(FilesError, FileNotFoundError):
+    """A glob of `files` or `eval_files` that matches no file."""
+
+
+def _format(path: str) -> str | None:
+    name = path.lower()
+    return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+
+
+# ============================================================================ listing files
+def _glob_base(pattern: str) -> str:
+    """The fixed leading directories of a glob: ids are paths relative to it."""
+    parts = pattern.split(os.sep)
+    fixed = []
+    for part in parts[:-1]:
+        if glob_lib.has_magic(part):
+            break
+        fixed.append(part)
+    return os.sep.join(fixed) or ('' if not pattern.startswith(os.sep) else os.sep)
+
+
+def list_files(spec: str | Sequence[str], arg: str = 'files',
+               max_files: int = 0) -> list[tuple[str, str]]:
+    """(identity, absolute path) of every file the globs of `spec` match, sorted by path.
+
+    NoFilesError names a glob that matches nothing; FilesError a matched file of a type
+    this source does not read."""
+    globs = [g.strip() for g in (spec.split(',') if isinstance(spec, str) else spec)]
+    globs = [g for g in globs if g]
+    if not globs:
+        raise NoFilesError(f'{arg}={spec!r}: no glob given; valid: comma-separated globs of '
+                           f'{", ".join(SUFFIXES)} files, e.g. {arg}=~/corpus/**/*.txt')
+    found: dict[str, str] = {}
+    for pattern in globs:
+        full = os.path.expanduser(pattern)
+        if os.path.isdir(full):  # a directory: every file of a known format under it
+            base, paths = full, [p for p in glob_lib.glob(os.path.join(full, '**', '*'),
+                                                          recursive=True) if _format(p)]
+        else:
+            base, paths = _glob_base(full), glob_lib.glob(full, recursive=True)
+        paths = [p for p in paths if os.path.isfile(p)]
+        if not paths:
+            raise NoFilesError(f'{arg}={spec!r}: the glob {pattern!r} matches no file '
+                               f'(relative globs start in {os.getcwd()})')
+        for p in paths:
+            if _format(p) is None:
+                raise FilesError(f'{arg}: {p} (matched by {pattern!r}) is not a file type this '
+                                 f'source reads; valid: {", ".join(SUFFIXES)}')
+            rel = os.path.relpath(p, base) if base else os.path.normpath(p)
+            found.setdefault(os.path.abspath(p), rel.replace(os.sep, '/'))
+    files = [(ident, path) for path, ident in sorted(found.items())]
+    return files[:max_files] if max_files else files
+
+
+# ================================================================================= indexing
+@dataclasses.dataclass
+class _File:
+    """One indexed file: `count` documents; where each starts (jsonl) or the row groups."""
+    path: str
+    ident: str
+    format: str
+    count: int = 1
+    starts: np.ndarray | None = None  # jsonl: byte offset of each document's line
+    ends: np.ndarray | None = None
+    lines: np.ndarray | None = None  # jsonl: its 1-based line number (identity, messages)
+    groups: np.ndarray | None = None  # parquet: first row of each row group, then the count
+
+
+def _gzip_chunks(path: str) -> Iterator[bytes]:
+    with gzip.open(path, 'rb') as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+def _zstd_chunks(path: str) -> Iterator[bytes]:
+    import zstandard
+    # decompressobj, not stream_reader: a reader returns a truncated frame's data silently;
+    # `eof` tells a frame that ended from one that was cut off.
+    dctx = zstandard.ZstdDecompressor()
+    obj, fed = dctx.decompressobj(), False
+    with open(path, 'rb') as f:
+        while chunk := f.read(_CHUNK):
+            while chunk:  # concatenated frames (pzstd, appended files): one object each
+                fed = True
+                out = obj.decompress(chunk)
+                if out:
+                    yield out
+                if obj.eof:
+                    chunk, obj, fed = obj.unused_data, dctx.decompressobj(), False
+                else:
+                    chunk = b''
+    if fed and not obj.eof:
+        raise EOFError('the file ends inside a zstd frame')
+
+
+def _plain_chunks(path: str) -> Iterator[bytes]:
+    with open(path, 'rb') as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+_CHUNKS = {'.jsonl': _plain_chunks, '.jsonl.gz': _gzip_chunks, '.jsonl.zst': _zstd_chunks}
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    import zstandard
+    return (EOFError, OSError, zlib.error, zstandard.ZstdError)
+
+
+def _index_lines(chunks: Iterator[bytes]):
+    """(starts, ends, line numbers, the first line) of the non-blank lines of a stream."""
+    starts, ends, lines, first = [], [], [], []
+    base, line, carry = 0, 1, b''  # offset of buf[0]; the line number it starts
+
+    def keep(buf, s, e, first_line):
+        blank = np.zeros(len(s), bool)
+        for k in np.flatnonzero(e - s <= 8):  # a JSON object is rarely this short
+            blank[k] = not buf[s[k]:e[k]].strip()
+        if not first and (~blank).any():
+            k = int(np.argmax(~blank))
+            first.append(buf[s[k]:e[k]])
+        starts.append(s[~blank] + base)
+        ends.append(e[~blank] + base)
+        lines.append((np.arange(len(s)) + first_line)[~blank])
+
+    for chunk in chunks:
+        buf = carry + chunk if carry else chunk
+        nl = np.flatnonzero(np.frombuffer(buf, np.uint8) == 10)
+        if len(nl):
+            keep(buf, np.concatenate([[0], nl[:-1] + 1]), nl, line)
+            cut = int(nl[-1]) + 1
+            carry, base, line = buf[cut:], base + cut, line + len(nl)
+        else:
+            carry = buf
+    if carry.strip():  # a last line without a newline
+        keep(carry, np.array([0]), np.array([len(carry)]), line)
+    cat = lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)
+    return (cat(starts, np.int64), cat(ends, np.int64), cat(lines, np.int64),
+            first[0] if first else None)
+
+
+def _first_keys(line: bytes) -> list[str] | None:
+    """The keys of a JSON-object line, or None if it is not one (a bad record later)."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return sorted(obj) if isinstance(obj, dict) else None
+
+
+def _missing_key(path: str, text_key: str, keys: list[str], arg: str) -> FilesError:
+    return FilesError(f'{path} has no {text_key!r} in its records (their keys: {keys}); '
+                      f'set {arg}text_key to the one that holds the text')
+
+
+def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
+    fmt = _format(path)
+    f = _File(path=path, ident=ident, format=fmt)
+    if fmt in TEXT_SUFFIXES:
+        if not os.access(path, os.R_OK):
+            raise FilesError(f'{path}: cannot be read (permissions)')
+        return f
+    if fmt == '.parquet':
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        try:
+            meta = pq.ParquetFile(path)
+            names = meta.schema_arrow.names
+            rows = [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        except (pa.ArrowException, OSError) as e:
+            raise FilesError(f'{path}: not a readable parquet file (truncated or corrupt?): '
+                             f'{e}') from None
+        if text_key not in names:
+            raise _missing_key(path, text_key, names, arg)
+        f.groups = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        f.count = int(f.groups[-1])
+        return f
+    try:
+        f.starts, f.ends, f.lines, first = _index_lines(_CHUNKS[fmt](path))
+    except PermissionError:
+        raise FilesError(f'{path}: cannot be read (permissions)') from None
+    except _decompression_errors() as e:
+        what = {'.jsonl.gz': 'gzip file', '.jsonl.zst': 'zstd file'}.get(fmt, 'file')
+        raise FilesError(f'{path}: truncated or corrupt {what} ({e})') from None
+    f.count = len(f.starts)
+    # The first record tells a file whose records hold the text under another key.
+    keys = None if first is None else _first_keys(first)
+    if keys is not None and text_key not in keys:
+        raise _missing_key(path, text_key, keys, arg)
+    return f
+
+
+# ================================================================================== reading
+class _Reader:
+    """Reads documents of indexed files, keeping the last decompressed file or row group."""
+
+    def __init__(self):
+        self._cache = (None, None)  # ((path, row group), what was read)
+        self._open = (None, None)  # (path, open file) of the last plain .jsonl
+
+    def _cached(self, key, load):
+        # One read of the tuple: a thread never gets another thread's file.
+        cached_key, value = self._cache
+        if cached_key != key:
+            self._cache = (None, None)  # free the old one before reading the next
+            value = load()
+            self._cache = (key, value)
+        return value
+
+    def line(self, f: _File, k: int) -> bytes:
+        start, end = int(f.starts[k]), int(f.ends[k])
+        try:
+            if f.format == '.jsonl':
+                path, handle = self._open
+                if path != f.path:
+                    handle = open(f.path, 'rb')  # closed when the next one replaces it
+                    self._open = (f.path, handle)
+                return os.pread(handle.fileno(), end - start, start)  # no shared position
+            data = self._cached((f.path, None), lambda: b''.join(_CHUNKS[f.format](f.path)))
+            return data[start:end]
+        except (*_decompression_errors(),) as e:
+            raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
+
+    def row(self, f: _File, k: int, text_key: str):
+        g = int(np.searchsorted(f.groups, k, side='right')) - 1
+
+        def load():
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            try:
+                return pq.ParquetFile(f.path).read_row_group(g, columns=[text_key]).column(0)
+            except (pa.ArrowException, OSError) as e:
+                raise FilesError(f'{f.path}: row group {g} cannot be read (corrupt?): '
+                                 f'{e}') from None
+        return self._cached((f.path, g), load)[k - int(f.groups[g])].as_py()
+
+    def text_file(self, f: _File) -> bytes:
+        try:
+            with open(f.path, 'rb') as fh:
+                raw = fh.read()
+        except OSError as e:
+            raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
+        return raw.decode('utf-8', errors='replace').encode('utf-8')
+
+
+class _BadRecords:
+    """Counts skipped records across a corpus's splits; too many is an error."""
+
+    def __init__(self, limit: int, arg: str):
+        self.limit, self.arg, self.count = limit, arg, 0
+
+    def skip(self, where: str, why: str) -> None:
+        self.count += 1
+        if self.count > self.limit:
+            raise FilesError(f'{where}: {why}; that is {self.count} bad records, more than '
+                             f'{self.arg}max_bad_records={self.limit}: fix the files or raise it')
+        print(f'warning: {where}: {why}; skipped (bad record {self.count}, at most '
+              f'{self.limit})', file=sys.stderr, flush=True)
+
+
+class Corpus:
+    """The indexed files of one `files` spec, documents numbered in file order."""
+
+    def __init__(self, files: list[_File], text_key: str, bad: _BadRecords):
+        self.files, self.text_key, self.bad = files, text_key, bad
+        self.first = np.concatenate([[0], np.cumsum([f.count for f in files])]).astype(np.int64)
+        self._reader = _Reader()
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def __getstate__(self):  # workers get the index, not the cached file
+        return {**self.__dict__, '_reader': None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _reader=_Reader())
+
+    def document(self, n: int) -> dict[str, bytes]:
+        i = int(np.searchsorted(self.first, n, side='right')) - 1
+        f, k = self.files[i], n - int(self.first[i])
+        if f.format in TEXT_SUFFIXES:
+            return {'id': f.ident.encode(), 'text': self._reader.text_file(f)}
+        if f.format == '.parquet':
+            where = f'{f.path}: row {k}'
+            value = self._reader.row(f, k, self.text_key)
+            ident = f'{f.ident}:{k}'
+        else:
+            where = f'{f.path}:{int(f.lines[k])}'
+            value = self._json_text(self._reader.line(f, k), where)
+            ident = f'{f.ident}:{int(f.lines[k])}'
+        if isinstance(value, bytes):
+            value = value.decode('utf-8', errors='replace')
+        if not isinstance(value, str):
+            if value is not _BAD:
+                self.bad.skip(where, f'{self.text_key!r} is {type(value).__name__}, not text')
+            value = ''
+        return {'id': ident.encode(), 'text': value.encode('utf-8', errors='replace')}
+
+    def _json_text(self, line: bytes, where: str):
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as e:
+            self.bad.skip(where, f'not a JSON line ({e})')
+            return _BAD
+        if not isinstance(obj, dict):
+            self.bad.skip(where, f'a JSON {type(obj).__name__}, not an object')
+            return _BAD
+        if self.text_key not in obj:
+            self.bad.skip(where, f'no {self.text_key!r} (keys: {sorted(obj)})')
+            return _BAD
+        return obj[self.text_key]
+
+    def keys(self) -> np.ndarray:
+        """A stable 64-bit hash of every document's identity (file, line or row number)."""
+        out = []
+        for f in self.files:
+            file_key = np.uint64(int.from_bytes(hashlib.md5(f.ident.encode()).digest()[:8],
+                                                'little'))
+            if f.format in TEXT_SUFFIXES:
+                numbers = np.zeros(1, np.uint64)
+            elif f.format == '.parquet':
+                numbers = np.arange(f.count, dtype=np.uint64)
+            else:
+                numbers = f.lines.astype(np.uint64)
+            out.append(_mix(file_key ^ _mix(numbers + np.uint64(1))))
+        return np.concatenate(out) if out else np.zeros(0, np.uint64)
+
+
+_BAD = object()  # a record already counted as bad
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (Steele et al. 2014): integer arithmetic, so the same on
+    every machine, and vectorised, so a million documents hash in milliseconds."""
+    with np.errstate(over='ignore'):
+        x = np.asarray(x, np.uint64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+class FileDocuments:
+    """The documents of one split: `len`, `[i]` -> {'id': bytes, 'text': UTF-8 bytes}."""
+
+    def __init__(self, corpus: Corpus, indices: np.ndarray | None = None):
+        self.corpus = corpus
+        self.indices = None if indices is None else np.asarray(indices, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.corpus) if self.indices is None else len(self.indices)
+
+    def __getitem__(self, i) -> dict[str, bytes]:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f'document {i} of a split of {len(self)}')
+        return self.corpus.document(i if self.indices is None else int(self.indices[i]))
+
+
+# =================================================================================== splits
+def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = '', *,
+                text_key: str = 'text', eval_fraction: float = 0.05,
+                max_bad_records: int = 100, max_files: int = 0,
+                arg: str = '') -> dict[str, FileDocuments]:
+    """{'train': ..., 'validation': ...} sources of the documents in `files` (module
+    docstring). `arg` prefixes the argument names in messages (the task passes
+    'config.data.')."""
+    if not 0 < eval_fraction < 1:
+        raise FilesError(f'{arg}eval_fraction={eval_fraction!r} is out of range; valid: '
+                         f'0 < eval_fraction < 1')
+    if max_bad_records < 0:
+        raise FilesError(f'{arg}max_bad_records={max_bad_records!r} is out of range; '
+                         f'valid: >= 0')
+    if not text_key:
+        raise FilesError(f"{arg}text_key='' names no key; valid: the key that holds the text")
+    # Listing is cheap; indexing is cached on what was listed (paths, sizes, mtimes).
+    listed = []
+    for name, spec, limit in (('files', files, max_files), ('eval_files', eval_files, 0)):
+        found = list_files(spec, f'{arg}{name}', limit) if spec or name == 'files' else []
+        listed.append(tuple((ident, path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
+                            for ident, path in found))
+    return _splits(*listed, text_key, eval_fraction, max_bad_records, arg,
+                   files if isinstance(files, str) else ','.join(files))
+
+
+@functools.lru_cache(maxsize=4)
+def _splits(train_files, eval_files, text_key, eval_fraction, max_bad_records, arg,
+            spec) -> dict[str, FileDocuments]:
+    bad = _BadRecords(max_bad_records, arg)
+    corpus = lambda listed: Corpus([_index(ident, path, text_key, arg)
+                                    for ident, path, _, _ in listed], text_key, bad)
+    train = corpus(train_files)
+    if len(train) == 0:
+        raise FilesError(f'{arg}files={spec!r}: the files hold no documents')
+    if eval_files:
+        held_out = corpus(eval_files)
+        both = sorted({f.path for f in train.files} & {f.path for f in held_out.files})
+        if both:
+            raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
+                             f'document must not be both trained and evaluated on')
+        if len(held_out) == 0:
+            raise FilesError(f'{arg}eval_files: the files hold no documents')
+        return {'train': FileDocuments(train), 'validation': FileDocuments(held_out)}
+    if len(train) < 2:
+        raise FilesError(f'{arg}files={spec!r} holds one document; a held-out split needs '
+                         f'two or more, or give {arg}eval_files')
+    u = (train.keys() >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # uniform [0, 1)
+    held = u < eval_fraction
+    # A small corpus may draw no document on one side: move the nearest one across,
+    # still a function of the identities only.
+    if not held.any():
+        held[np.argmin(u)] = True
+    if held.all():
+        held[np.argmax(u)] = False
+    return {'train': FileDocuments(train, np.flatnonzero(~held)),
+            'validation': FileDocuments(train, np.flatnonzero(held))}
+
+
+def get_split(split: str, **options) -> FileDocuments:
+    """One split of `file_splits(**options)`: 'train' or 'validation'."""
+    if split not in SPLITS:
+        raise FilesError(f"the files source has no split {split!r}; valid: {list(SPLITS)}")
+    return file_splits(**options)[split]

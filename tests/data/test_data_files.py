@@ -1,0 +1,255 @@
+"""Your own text (issue #26): files of every format as a random-access source, stable
+held-out splits, any tokenizer.json, bad input in one line each, and one command-line
+run that trains on files with a tokenizer file and samples with it. Every file is made
+here, in tmp_path."""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from attention_jax import data
+from attention_jax.configs import bert_mlm as bert_config
+from attention_jax.data import files
+from attention_jax.errors import ConfigError, UserError
+from attention_jax.tasks import base
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORDS = 'the cat sat on a mat while seven dogs ran over hills and rivers far away'.split()
+
+
+def _sentence(i: int) -> str:
+    rng = np.random.default_rng(i)
+    return ' '.join(rng.choice(WORDS, 8)) + f' {i}.'
+
+
+def _jsonl(docs, key='text') -> str:
+    return ''.join(json.dumps({key: d, 'meta': i}) + '\n' for i, d in enumerate(docs))
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    """Every format: 4 .txt (one nested) and a .md, then 20 documents each in .jsonl
+    (with blank lines), .jsonl.gz, .jsonl.zst and .parquet (3 row groups)."""
+    root = tmp_path_factory.mktemp('corpus')
+    (root / 'notes' / 'deep').mkdir(parents=True)
+    texts = {}
+    for i, name in enumerate(['notes/a.txt', 'notes/b.txt', 'notes/deep/c.txt', 'd.txt',
+                              'readme.md']):
+        texts[name] = f'file {name}: ' + _sentence(1000 + i)
+        (root / name).write_text(texts[name])
+    lines = {fmt: [_sentence(100 * k + i) for i in range(20)]
+             for k, fmt in enumerate(['jsonl', 'gz', 'zst', 'parquet'])}
+    plain = _jsonl(lines['jsonl']).split('\n')
+    (root / 'p.jsonl').write_text('\n'.join(plain[:5] + ['', '   '] + plain[5:]))
+    with gzip.open(root / 'g.jsonl.gz', 'wt') as f:
+        f.write(_jsonl(lines['gz']))
+    (root / 'z.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(
+        _jsonl(lines['zst']).encode()))
+    pq.write_table(pa.table({'text': lines['parquet'], 'n': list(range(20))}),
+                   root / 'r.parquet', row_group_size=7)
+    expected = dict(texts)
+    for k, d in enumerate(lines['jsonl']):  # line numbers: two blank lines after the 5th
+        expected[f'p.jsonl:{k + 1 + 2 * (k >= 5)}'] = d
+    expected.update({f'g.jsonl.gz:{k + 1}': d for k, d in enumerate(lines['gz'])})
+    expected.update({f'z.jsonl.zst:{k + 1}': d for k, d in enumerate(lines['zst'])})
+    expected.update({f'r.parquet:{k}': d for k, d in enumerate(lines['parquet'])})
+    return root, expected
+
+
+ALL = '**/*.txt,*.md,*.jsonl,*.jsonl.gz,*.jsonl.zst,*.parquet'
+
+
+def _globs(root, spec=ALL):
+    return ','.join(str(root / g) for g in spec.split(','))
+
+
+def _read(src) -> dict[str, str]:
+    out = {}
+    for i in range(len(src)):
+        record = src[i]
+        assert set(record) == {'id', 'text'} and isinstance(record['text'], bytes)
+        out[record['id'].decode()] = record['text'].decode()
+    return out
+
+
+def _bpe_file(path, texts, specials=('<|endoftext|>',)) -> str:
+    """A GPT-2-style byte-level BPE tokenizer.json, trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(specials), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return str(path)
+
+
+# ------------------------------------------------------------------ documents and splits
+def test_every_format_reads_its_documents_and_the_split_is_stable(corpus, tmp_path):
+    root, expected = corpus
+    splits = files.file_splits(_globs(root), eval_fraction=0.2)
+    train, held = _read(splits['train']), _read(splits['validation'])
+    assert not set(train) & set(held)
+    assert {**train, **held} == expected  # blank lines skipped, ids relative to the globs
+    assert 0.1 < len(held) / len(expected) < 0.35
+    # Another order of globs, the corpus moved elsewhere: the same documents held out.
+    moved = tmp_path / 'moved'
+    shutil.copytree(root, moved)
+    again = files.file_splits(_globs(moved, ','.join(reversed(ALL.split(',')))),
+                              eval_fraction=0.2)
+    assert _read(again['validation']) == held
+    # A larger fraction holds out a superset; the registry name reads the same source.
+    more = _read(files.file_splits(_globs(root), eval_fraction=0.5)['validation'])
+    assert set(held) <= set(more)
+    src = data.get_dataset('files', 'validation', files=_globs(root), eval_fraction=0.2)
+    assert _read(src) == held
+    # eval_files: train is all of files, validation all of eval_files.
+    split = files.file_splits(_globs(root, '**/*.txt'), _globs(root, '*.parquet'))
+    assert set(_read(split['train'])) == {n for n in expected if n.endswith('.txt')}
+    assert len(split['validation']) == 20
+    with pytest.raises(files.FilesError, match=r'd\.txt is in both'):
+        files.file_splits(_globs(root, '*.txt'), _globs(root, 'd.txt'))
+
+
+# ------------------------------------------------------------------- bad input, one line
+def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
+    root, _ = corpus
+    cases = []
+    with pytest.raises(files.NoFilesError) as e:
+        files.file_splits(f'{root}/*.txt,{tmp_path}/nothing/*.jsonl')
+    cases.append((e, f"the glob '{tmp_path}/nothing/*.jsonl' matches no file"))
+    (tmp_path / 'k.jsonl').write_text(_jsonl(['one', 'two'], key='content'))
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(str(tmp_path / 'k.jsonl'))
+    cases.append((e, f"{tmp_path / 'k.jsonl'} has no 'text' in its records (their keys: "
+                     f"['content', 'meta']); set text_key"))
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(str(root / 'r.parquet'), text_key='body')
+    cases.append((e, "r.parquet has no 'body' in its records (their keys: ['text', 'n'])"))
+    for name, cut in (('g.jsonl.gz', 'gzip'), ('z.jsonl.zst', 'zstd'), ('r.parquet', 'parquet')):
+        whole = (root / name).read_bytes()
+        (tmp_path / name).write_bytes(whole[:len(whole) // 2])
+        with pytest.raises(files.FilesError) as e:
+            files.file_splits(str(tmp_path / name))
+        cases.append((e, f'{tmp_path / name}: '))
+        assert cut in str(e.value) and ('truncated' in str(e.value))
+    (tmp_path / 'data.csv').write_text('a,b\n')
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(f'{tmp_path}/*.csv')
+    cases.append((e, 'is not a file type this source reads; valid: .txt, .md, .py'))
+    for info, part in cases:
+        message = str(info.value)
+        assert isinstance(info.value, UserError) and '\n' not in message
+        assert part in message, message
+    # The built text_corpus never falls back to the standard library any more.
+    with pytest.raises(ConfigError, match=r'--config.data.name=files --config.data.files=GLOBS'):
+        data.get_dataset('text_corpus', 'train', tmp_path / 'tfds')
+
+
+def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):
+    good = _jsonl([f'doc {i}' for i in range(6)]).splitlines()
+    bad = ['{"text": "cut in the mid', '[1, 2]', '{"text": 7}']
+    (tmp_path / 'm.jsonl').write_text('\n'.join(good[:2] + bad + good[2:]) + '\n')
+    src = files.file_splits(str(tmp_path / 'm.jsonl'), max_bad_records=3, eval_fraction=0.5)
+    texts = [t for s in src.values() for t in _read(s).values()]
+    assert sorted(t for t in texts if t) == [f'doc {i}' for i in range(6)]
+    assert texts.count('') == 3  # a bad record reads as an empty document
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 3 and all(w.startswith('warning: ') for w in warned)
+    where = tmp_path / 'm.jsonl'
+    assert any(w.startswith(f'warning: {where}:3: not a JSON line') for w in warned)
+    assert any(w.startswith(f"warning: {where}:5: 'text' is int, not text; skipped (bad "
+                            f"record 3, at most 3)") for w in warned)
+    strict = files.file_splits(str(tmp_path / 'm.jsonl'), max_bad_records=1, eval_fraction=0.5)
+    with pytest.raises(files.FilesError, match='more than max_bad_records=1'):
+        [s[i] for s in strict.values() for i in range(len(s))]
+
+
+# ---------------------------------------------------------------------- tokenizer files
+def test_a_tokenizer_file_keeps_its_ids_and_special_tokens(tmp_path):
+    texts = [_sentence(i) for i in range(200)]
+    (tmp_path / 'gpt').mkdir()
+    path = _bpe_file(tmp_path / 'gpt' / 'tokenizer.json', texts)
+    for given in (path, str(tmp_path / 'gpt')):  # the file, or its directory
+        tok = data.get_tokenizer('file', path=given)
+        end = tok.hf.token_to_id('<|endoftext|>')
+        assert (tok.eos_id, tok.bos_id, tok.pad_id, tok.mask_id) == (end, end, end, None)
+        assert not tok.has_pad_token and tok.vocab_size == 300
+        ids = tok.encode(texts[0])
+        assert tok.decode(ids + [end]) == texts[0]
+    loaded = data.load_tokenizer(tok.save(str(tmp_path / 'saved')))
+    assert loaded.kind == 'file' and loaded.roles == tok.roles
+    assert loaded.encode(texts[1]) == tok.encode(texts[1])
+    # A BERT-style file: [PAD] [CLS] [SEP] [MASK] by name; its truncation is switched off.
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]', *WORDS])}
+    bert = Tokenizer(models.WordPiece(vocab, unk_token='[UNK]'))
+    bert.normalizer = normalizers.BertNormalizer()
+    bert.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    bert.decoder = decoders.WordPiece()
+    bert.add_special_tokens(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'])
+    bert.enable_truncation(4)
+    bert.save(str(tmp_path / 'bert.json'))
+    tok = data.get_tokenizer('file', path=str(tmp_path / 'bert.json'))
+    assert (tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id, tok.eos_id) == (0, 2, 3, 4, 3)
+    assert tok.has_pad_token and len(tok.encode(' '.join(WORDS))) == len(WORDS)
+    # A tokenizer value that is a path passes the config check; a misspelt kind does not.
+    config = ml_collections.ConfigDict({'task': 'gpt', 'data': {'tokenizer': path}})
+    assert base.data_options(config, tokenizer='byte').tokenizer == path
+    config.data.tokenizer = 'bytes'
+    with pytest.raises(ConfigError, match="'bytes' is unknown"):
+        base.data_options(config, tokenizer='byte')
+    # Bad files, one line each; MLM without a mask token.
+    (tmp_path / 'broken.json').write_text('{"model": {"type": "BPE", "vocab": ')
+    with pytest.raises(data.TokenizerFileError, match=r'broken\.json: not a tokenizer\.json'):
+        data.get_tokenizer('file', path=str(tmp_path / 'broken.json'))
+    with pytest.raises(data.TokenizerFileError, match='no such file'):
+        data.get_tokenizer('file', path=str(tmp_path / 'absent.json'))
+    (tmp_path / 'docs').mkdir()
+    (tmp_path / 'docs' / 'a.txt').write_text(' '.join(texts[:50]))
+    (tmp_path / 'docs' / 'b.txt').write_text(' '.join(texts[50:]))
+    config = bert_config.get_config()
+    config.data.name, config.data.files = 'files', str(tmp_path / 'docs' / '*.txt')
+    config.data.tokenizer = path
+    with pytest.raises(ConfigError, match=r'tokenizer\.json has no mask token, which MLM needs'):
+        base.TASKS['bert_mlm'](config, str(tmp_path / 'run'))
+
+
+# ------------------------------------------------------------------- the command line
+def test_train_on_files_with_a_tokenizer_file_then_sample(corpus, tmp_path):
+    root, expected = corpus
+    tokenizer = _bpe_file(tmp_path / 'tokenizer.json', list(expected.values()))
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+               JAX_PLATFORMS='cpu', PYTHONPATH=REPO)
+    work = tmp_path / 'run'
+    args = ['--config=gpt', f'--workdir={work}', '--config.data.name=files',
+            f'--config.data.files={root}/**/*.txt,{root}/*.jsonl.gz,{root}/*.parquet',
+            f'--config.data.tokenizer={tokenizer}', '--config.data.eval_fraction=0.2',
+            '--config.data.seq_len=32', '--config.model.num_layers=1',
+            '--config.model.d_model=16', '--config.model.num_heads=2',
+            '--config.train.steps=2', '--config.optim.warmup_steps=1',
+            '--config.train.batch_size=8', '--config.train.log_every=2',
+            '--config.eval.every=-1', '--config.eval.steps=1', '--config.eval.batch_size=8',
+            '--config.eval.sample_tokens=4']
+    run = lambda *extra: subprocess.run([sys.executable, '-m', 'attention_jax.main', *args,
+                                         *extra], env=env, cwd=REPO, capture_output=True,
+                                        text=True, timeout=300)
+    out = run()
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = data.load_tokenizer(str(work / 'tokenizer'))
+    assert saved.kind == 'file' and saved.vocab_size == 300
+    assert json.load(open(work / 'config.json'))['data']['tokenizer'] == tokenizer
+    out = run('--mode=sample')
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count('--- prompt ') == 3
