@@ -34,6 +34,11 @@ class Task:
       loss(params, batch, rng, train) -> (scalar loss, {name: scalar metric});
       train_source, eval_source: random-access (`len`, `[i]`); the transforms map
         (record, np rng) -> example.
+    Evaluation: an eval batch carries batch["example_weight"] [B] (0 on the copies that
+      pad the last, partial batch); a loss that weights its means by it and returns their
+      total weight as metrics["weight"] is evaluated over exactly the split (every family
+      here does, through models/losses.py); one that does not is refused before training
+      when a partial batch would be evaluated (steps.check_eval_split).
     Optional (None: the family cannot; `need` names the registered tasks that can):
       sample(params, rng) -> list[str]: continuations of config.eval.sample_prompts (gpt).
       decode(params, src [B, S] int32, max_len: int) -> tokens [B, max_len] int32: greedy
@@ -61,8 +66,12 @@ class Task:
     eval_source: Any
     train_transform: Callable | None = None
     eval_transform: Callable | None = None
-    unit: str = "examples"  # throughput unit in the progress bar: tokens | examples.
-    count: Callable[[dict], int] | None = None  # units in a host batch (default: rows).
+    # What throughput (units/s in the log), flops_per_unit and the eval record count in:
+    # "tokens" (positions that carry a target) or "examples" (rows).
+    unit: str = "examples"
+    # host batch -> how many units it holds: e.g. the target tokens (weights > 0) of a
+    # packed text batch, which padding does not inflate; default: its rows.
+    count: Callable[[dict], int] | None = None
     save_assets: Callable[[str], None] | None = None  # e.g. the tokenizer into the workdir.
     seq_len: int | None = None  # tokens per example when fixed (checked against mesh.sequence).
     sample: Callable[[Any, jax.Array], list[str]] | None = None
@@ -355,8 +364,8 @@ def check_dataset_name(name: str, known) -> None:
     if looks_like_path:
         raise ConfigError(
             f"config.data.name={name!r} is a path, but config.data.name names a dataset; "
-            f"valid: {list(known)} or any prepared tensorflow-datasets name (this version "
-            f"reads datasets by name only: a folder of your own files is not a source yet)")
+            f"valid: {list(known)} or any prepared tensorflow-datasets name; for your own "
+            f"text files: --config.data.name=files --config.data.files={name}")
 
 
 def corpus_options(data_opts) -> dict:
