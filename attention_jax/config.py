@@ -152,6 +152,22 @@ def flat(tree, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# The data keys of text from the user's own files, shared by every text experiment (GPT,
+# BERT): data.name="files"; files: comma-separated globs of .txt .md .py (a document each),
+# .jsonl[.gz|.zst] and .parquet (the document in text_key); the held-out split is
+# eval_files, else eval_fraction of the documents (by a hash of file and line or row);
+# bad jsonl lines are skipped with a warning, up to max_bad_records (data/files.py).
+TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fraction": 0.05,
+                  "max_bad_records": 100}
+
+
+def add_text_file_keys(data: ml_collections.ConfigDict) -> None:
+    """Gives an experiment's `config.data` the TEXT_FILE_KEYS with their defaults, so the
+    command line can set them (--config.data.files=...)."""
+    for key, value in TEXT_FILE_KEYS.items():
+        data[key] = value
+
+
 # =============================================================================== validation
 def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None = None) -> None:
     """Checks keys, types, choices and ranges before anything is compiled.

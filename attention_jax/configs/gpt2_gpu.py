@@ -59,15 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.seq_len = 1024
     c.data.train_split = "train"
     c.data.eval_split = "validation"
-    # data.name="files": your own text. files: comma-separated globs of .txt .md .py
-    # (a document each), .jsonl[.gz|.zst] and .parquet (the document in text_key); the
-    # held-out split is eval_files, else eval_fraction of the documents (by a hash of file
-    # and line or row); bad jsonl lines are skipped with a warning, up to max_bad_records.
-    c.data.files = ""
-    c.data.eval_files = ""
-    c.data.text_key = "text"
-    c.data.eval_fraction = 0.05
-    c.data.max_bad_records = 100
+    config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
     # "documents": each packed document sees only itself (segment ids: Pallas attention on
     # a GPU). "stream": one causal stream across documents, as GPT-2 and nanoGPT train
     # (cuDNN attention, the bare step's inputs).

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import workdir as workdir_lib
+from attention_jax.config import TEXT_FILE_KEYS
 from attention_jax.data.tokenization import ROLE_NAMES, is_tokenizer_path
 from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
@@ -41,9 +42,6 @@ def _text_attention_input(tok, context: int | None, name: str):
     return attention_input
 
 
-# The data keys of the user's own files (data.name="files"; data/files.py).
-FILE_KEYS = dict(files="", eval_files="", text_key="text", eval_fraction=0.05,
-                 max_bad_records=100)
 
 
 def _documents(data_opts):
@@ -82,7 +80,7 @@ def lm_task(config, workdir: str) -> Task:
     # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
     data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
-                     eval_split="validation", packing="documents", **FILE_KEYS)
+                     eval_split="validation", packing="documents", **TEXT_FILE_KEYS)
     train_docs, eval_docs = _documents(data_opts)
     # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
     # (GPT-2's) pads with its end-of-text token.
@@ -158,7 +156,7 @@ def mlm_task(config, workdir: str) -> Task:
     from attention_jax.models import bert
     data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                      tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
-                     train_split="train", eval_split="validation", **FILE_KEYS)
+                     train_split="train", eval_split="validation", **TEXT_FILE_KEYS)
     if not is_tokenizer_path(data_opts.tokenizer) and data_opts.tokenizer not in ("bpe", "wordpiece"):
         raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: MLM needs a [MASK] token; "
                           f"valid: ['bpe', 'wordpiece'] or a tokenizer.json with one")
