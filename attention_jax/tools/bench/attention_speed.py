@@ -5,7 +5,8 @@ sequence lengths N, causal and not: forward and forward+backward (median of repe
 runs after a warm-up) and XLA's compiled temp memory, for our reference and blockwise
 paths, jax.nn.dot_product_attention (XLA), and PyTorch's CPU
 `scaled_dot_product_attention` (a fused flash-style kernel) when torch is installed,
-all on the same thread count. It also measures this machine's float32 matmul rate, so
+all on the same thread count (on a GPU or TPU: `attention_speed_gpu.py`, bf16, the fused
+kernels side by side). It also measures this machine's float32 matmul rate, so
 the blockwise forward's FLOP rate can be read as a fraction of what the hardware does.
 """
 
@@ -175,7 +176,7 @@ def _progress(row):
 
 def run(args):
     """`bench attention`: the table on stdout, the rows as JSON in --out."""
-    if jax.default_backend() == "gpu":  # bf16, TFLOP/s, the GPU peers
+    if jax.default_backend() in attention_speed_gpu.IMPLS:  # GPU/TPU: bf16, TFLOP/s, fused kernels
         return attention_speed_gpu.run(args)
     sizes = args.sizes or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
     repeats = args.repeats or (3 if args.quick else 5)

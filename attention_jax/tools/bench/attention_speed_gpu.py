@@ -1,4 +1,4 @@
-"""The attention benchmark on a GPU: `python -m attention_jax.tools.bench attention` there.
+"""The attention benchmark on a GPU or TPU: `python -m attention_jax.tools.bench attention` there.
 
 FlashAttention-2's setup (Dao 2023, §4.1): bfloat16, model width N·H = 2048, B·T = 16k
 tokens, head dims 64 and 128, T from 1k to 16k, causal and not, plus *packed* causal
@@ -8,6 +8,9 @@ what auto chose and why) it prints forward and forward+backward TFLOP/s and the 
 temp memory; with a CUDA PyTorch, SDPA's FlashAttention-2 and cuDNN backends are timed
 in a process of their own (`torch_attention.py`). FLOPs: 4·B·N·T·S·H per forward, half
 of it when causal (packed rows are counted as causal), ×3.5 for forward+backward.
+
+On a TPU the same shapes and tables time splash, blockwise, xla and auto (`plan`
+picks the implementations per platform); there is no PyTorch peer there.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from attention_jax.attention import dot_product_attention, explain
 from attention_jax.tools.bench.timing import installed
 
 WIDTH, TOKENS = 2048, 16384  # N·H and B·T
-JAX_IMPLS = ("blockwise", "pallas", "cudnn", "xla", "auto")
+IMPLS = {"gpu": ("blockwise", "pallas", "cudnn", "xla", "auto"),
+         "tpu": ("splash", "blockwise", "xla", "auto")}
+# The two fused kernels whose time ratio gets a column of its own, per platform.
+RATIO = {"gpu": ("pallas", "cudnn"), "tpu": ("splash", "xla")}
 MASKS = ("full", "causal", "packed")
 
 
@@ -35,6 +41,11 @@ def shapes(quick: bool):
     """(H, T, mask) rows: the FlashAttention-2 grid, smaller with --quick."""
     lengths = (1024, 4096) if quick else (1024, 4096, 16384)
     return [(h, t, mask) for h in (64, 128) for t in lengths for mask in MASKS]
+
+
+def plan(platform: str, quick: bool):
+    """(implementations, shapes) timed on `platform` ("gpu" or "tpu"): the same shapes."""
+    return IMPLS[platform], shapes(quick)
 
 
 def flops(h: int, t: int, mask: str) -> float:
@@ -72,8 +83,6 @@ def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
 def bench_jax(impl, h, t, mask, memory_budget):
     q, k, v, kwargs = _inputs(h, t, mask)
     row = {"impl": impl, "H": h, "T": t, "mask": mask}
-    if impl == "auto":
-        row["auto"] = " — ".join(explain(q, k, v, **kwargs))
     if impl == "cudnn" and mask == "packed":
         row["skipped"] = "cuDNN has no segment ids (only a dense N×N mask)"
         return row
@@ -86,6 +95,8 @@ def bench_jax(impl, h, t, mask, memory_budget):
 
     fns = {"fwd": jax.jit(forward), "fwd_bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
     try:
+        if impl == "auto":
+            row["auto"] = " — ".join(explain(q, k, v, **kwargs))
         for name, fn in fns.items():
             exe = fn.lower(q, k, v).compile()
             row[f"{name}_temp_bytes"] = exe.memory_analysis().temp_size_in_bytes
@@ -119,22 +130,23 @@ def _rate(row, key):
     return f"{flops(row['H'], row['T'], row['mask']) * (3.5 if key == 'fwd_bwd_s' else 1) / row[key] / 1e12:.0f}"
 
 
-def table(rows):
-    impls = [i for i in ("blockwise", "pallas", "cudnn", "xla", "auto", "torch_flash", "torch_cudnn")
-             if any(r["impl"] == i for r in rows)]
+def table(rows, platform="gpu"):
+    impls = [i for i in ("splash", "blockwise", "pallas", "cudnn", "xla", "auto", "torch_flash",
+                         "torch_cudnn") if any(r["impl"] == i for r in rows)]
+    fast, slow = RATIO[platform]
     by = {(r["impl"], r["H"], r["T"], r["mask"]): r for r in rows}
     keys = sorted({(r["H"], r["T"], r["mask"]) for r in rows},
                   key=lambda x: (x[0], x[1], MASKS.index(x[2])))
-    lines = ["| H | T | mask | " + " | ".join(impls) + " | pallas ÷ cudnn | auto chose |",
+    lines = ["| H | T | mask | " + " | ".join(impls) + f" | {fast} ÷ {slow} | auto chose |",
              "|---|---|---|" + "---|" * (len(impls) + 2)]
     for h, t, mask in keys:
         cells = []
         for impl in impls:
             r = by.get((impl, h, t, mask))
             cells.append("–" if r is None else f"{_rate(r, 'fwd_s')} / {_rate(r, 'fwd_bwd_s')}")
-        p, c = by.get(("pallas", h, t, mask)), by.get(("cudnn", h, t, mask))
+        p, c = by.get((fast, h, t, mask)), by.get((slow, h, t, mask))
         ratio = "–"
-        if p and c and "fwd_s" in p and "fwd_s" in c:
+        if p and c and "fwd_bwd_s" in p and "fwd_bwd_s" in c:
             ratio = f"{c['fwd_s'] / p['fwd_s']:.2f} / {c['fwd_bwd_s'] / p['fwd_bwd_s']:.2f}"
         auto = by.get(("auto", h, t, mask), {}).get("auto", "–").split(" — ")[0]
         lines.append(f"| {h} | {t} | {mask} | " + " | ".join(cells) + f" | {ratio} | {auto} |")
@@ -158,24 +170,28 @@ def run(args):
     device = jax.devices()[0]
     total = device.memory_stats().get("bytes_limit", 80 << 30) if device.memory_stats() else 80 << 30
     budget = args.memory_fraction * total
-    specs = [(h, t, m) for h, t, m in shapes(args.quick)
-             if not args.sizes or t in args.sizes]
-    print(f"GPU: {device.device_kind}, bf16, N·H={WIDTH}, B·T={TOKENS}", file=sys.stderr)
+    platform = jax.default_backend()
+    impls, all_shapes = plan(platform, args.quick)
+    specs = [(h, t, m) for h, t, m in all_shapes if not args.sizes or t in args.sizes]
+    print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={WIDTH}, B·T={TOKENS}", file=sys.stderr)
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if installed("torch") and not args.no_torch:
+    if platform == "gpu" and installed("torch") and not args.no_torch:
         rows += bench_torch([[h, t, m] for h, t, m in specs if m != "packed"],
                             out.with_name(out.stem + "_torch.json"))
     for h, t, mask in specs:
-        for impl in JAX_IMPLS:
+        for impl in impls:
             row = bench_jax(impl, h, t, mask, budget)
             rows.append(row)
             print(f"  H={h} T={t} {mask} {impl}: fwd {_rate(row, 'fwd_s')} / fwd+bwd "
                   f"{_rate(row, 'fwd_bwd_s')} TFLOP/s {row.get('skipped', '')}", file=sys.stderr)
             out.write_text(json.dumps({"device": device.device_kind, "rows": rows}, indent=1))
-    print(table(rows))
+    print(table(rows, platform))
     for r in rows:
-        if r["impl"] == "auto":
+        if r["impl"] == "auto" and "auto" in r:
             print(f"explain H={r['H']} T={r['T']} {r['mask']}: auto -> {r['auto']}")
+    for r in rows:  # refusals are results: the reason, not a crash
+        if "skipped" in r:
+            print(f"skipped H={r['H']} T={r['T']} {r['mask']} {r['impl']}: {r['skipped']}")
     print(f"\nwrote {out}")
