@@ -279,6 +279,8 @@ def _module(name: str):
     base = os.path.basename(name)
     if (not os.path.exists(name) and os.path.dirname(name) == "experiments"
             and base.endswith(".py") and base[:-3] in shipped()):
+        print(f"note: --config={name} is the shipped config {base[:-3]!r} now "
+              f"(--config={base[:-3]}; attention_jax/configs/{base})", file=sys.stderr)
         name = base[:-3]
     if name.endswith(".py"):
         if not os.path.isfile(name):

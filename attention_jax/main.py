@@ -147,6 +147,10 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
+        if spec is not None:
+            print(f"--mode={mode}: the run's own config "
+                  f"({workdir_lib.path(workdir, workdir_lib.CONFIG)}) is read; --config={spec} "
+                  f"is not", file=sys.stderr)
         if changed:
             print(f"--mode={mode}: the run's config.json with " + ", ".join(
                 f"{k}={json.dumps(new)} (trained with {json.dumps(old)})"

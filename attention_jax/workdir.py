@@ -15,8 +15,10 @@ place. Also here: the guard that stops a resume with a changed config.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 from typing import Any
 
 import jax
@@ -343,7 +345,13 @@ class WriterLock:
         fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):  # not held: locks unsupported
+                os.close(fd)
+                print(f"warning: {self.file} cannot be locked on this filesystem "
+                      f"({e.strerror}): a second run writing this workdir would not be "
+                      f"detected", file=sys.stderr)
+                return self
             holder = _read_holder(fd)
             os.close(fd)
             raise WorkdirLockedError(
