@@ -182,13 +182,10 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     try:
         return _train_locked(config, workdir, task, resume_changed)
     except UserError:
-        if lock:
-            lock.release()
-            lock = None
-            if created and os.listdir(workdir) == [workdir_lib.LOCK]:
-                # A mistake found before anything ran leaves no empty workdir behind.
-                os.remove(workdir_lib.path(workdir, workdir_lib.LOCK))
-                os.rmdir(workdir)
+        if lock and created and os.listdir(workdir) == [workdir_lib.LOCK]:
+            # A mistake found before anything ran leaves no empty workdir behind.
+            os.remove(workdir_lib.path(workdir, workdir_lib.LOCK))
+            os.rmdir(workdir)
         raise
     finally:
         if lock:

@@ -23,6 +23,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath  # tfds' own path library.
 
+from attention_jax.data.files import stable_hash64
+
 # Builders read their own arguments from a config; the tfds file format that allows
 # random access (and therefore grain's global shuffle) is array_record.
 FILE_FORMAT = 'array_record'
@@ -61,7 +63,7 @@ HARMLESS_TFDS_WARNINGS = ('Using custom data configuration: %s', 'Variant folder
 
 def _stable_bucket(key: str, buckets: int = 100) -> int:
     """A bucket in [0, buckets) that depends only on `key` (not on Python's hash seed)."""
-    return int.from_bytes(hashlib.md5(key.encode('utf-8')).digest()[:8], 'little') % buckets
+    return stable_hash64(key) % buckets
 
 
 # --------------------------------------------------------------------------------------

@@ -311,13 +311,21 @@ class _Reader:
 
 
 class _BadRecords:
-    """Counts skipped records across a corpus's splits; too many is an error."""
+    """Counts the distinct skipped records across a corpus's splits (a bad line read again,
+    in the next epoch or by another split's pass, is neither counted nor reported twice);
+    too many is an error."""
 
     def __init__(self, limit: int, arg: str):
-        self.limit, self.arg, self.count = limit, arg, 0
+        self.limit, self.arg, self.seen = limit, arg, set()
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
 
     def skip(self, where: str, why: str) -> None:
-        self.count += 1
+        if where in self.seen:
+            return
+        self.seen.add(where)
         if self.count > self.limit:
             raise FilesError(f'{where}: {why}; that is {self.count} bad records, more than '
                              f'{self.arg}max_bad_records={self.limit}: fix the files or raise it')
@@ -381,8 +389,7 @@ class Corpus:
         """A stable 64-bit hash of every document's identity (file, line or row number)."""
         out = []
         for f in self.files:
-            file_key = np.uint64(int.from_bytes(hashlib.md5(f.ident.encode()).digest()[:8],
-                                                'little'))
+            file_key = np.uint64(stable_hash64(f.ident))
             if f.format in TEXT_SUFFIXES:
                 numbers = np.zeros(1, np.uint64)
             elif f.format == '.parquet':
@@ -394,6 +401,11 @@ class Corpus:
 
 
 _BAD = object()  # a record already counted as bad
+
+
+def stable_hash64(key: str) -> int:
+    """A 64-bit hash of `key` that depends only on it (not on Python's hash seed)."""
+    return int.from_bytes(hashlib.md5(key.encode('utf-8')).digest()[:8], 'little')
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -474,10 +486,15 @@ def _splits(train_files, eval_files, text_key, eval_fraction, max_bad_records, a
     held = u < eval_fraction
     # A small corpus may draw no document on one side: move the nearest one across,
     # still a function of the identities only.
+    moved = 'validation' if not held.any() else 'train' if held.all() else None
     if not held.any():
         held[np.argmin(u)] = True
     if held.all():
         held[np.argmax(u)] = False
+    if moved:
+        print(f'note: {arg}eval_fraction={eval_fraction} of {len(train)} documents left the '
+              f'{moved} split empty: it gets the one document nearest the threshold '
+              f'(or give {arg}eval_files)', file=sys.stderr)
     return {'train': FileDocuments(train, np.flatnonzero(~held)),
             'validation': FileDocuments(train, np.flatnonzero(held))}
 

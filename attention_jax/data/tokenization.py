@@ -278,7 +278,19 @@ class WordPieceTokenizer(Tokenizer):
 # Byte-level BPE trained with the `tokenizers` library.
 # --------------------------------------------------------------------------------------
 
-class BPETokenizer(Tokenizer):
+class _TokenizersLibrary(Tokenizer):
+    """A tokenizer held by the `tokenizers` library (`self.hf`): encode and decode as it
+    does, with no special tokens added, ours stripped."""
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
+
+
+
+class BPETokenizer(_TokenizersLibrary):
     """Byte-level BPE (GPT-2 style, Sennrich et al. 2016): every text encodes, decoding
     is exact."""
 
@@ -311,12 +323,6 @@ class BPETokenizer(Tokenizer):
     def from_file(cls, path: str) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         return cls(HFTokenizer.from_file(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
 
     def _save_files(self, directory):
         self.hf.save(os.path.join(directory, 'tokenizer.json'))
@@ -389,7 +395,7 @@ def _configured_roles(file: str) -> dict[str, str]:
     return roles
 
 
-class FileTokenizer(Tokenizer):
+class FileTokenizer(_TokenizersLibrary):
     """A Hugging Face `tokenizer.json` as it is: its vocabulary, its ids, its special
     tokens. Padding is its pad token, else its end-of-text token (GPT-2 has no pad:
     padded positions carry weight 0, so which id fills them does not matter to the LM)."""
@@ -431,12 +437,6 @@ class FileTokenizer(Tokenizer):
                 setattr(self, f'{role}_id', self.roles[role])
         added = {i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
         self.special_ids = frozenset(added | {i for i in self.roles.values() if i is not None})
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
 
     def _save_files(self, directory):
         target = os.path.join(directory, 'tokenizer.json')

@@ -171,6 +171,9 @@ def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):
     assert any(w.startswith(f'warning: {where}:3: not a JSON line') for w in warned)
     assert any(w.startswith(f"warning: {where}:5: 'text' is int, not text; skipped (bad "
                             f"record 3, at most 3)") for w in warned)
+    # Read again (the next epoch): the same bad lines are neither counted nor said again.
+    [_read(s) for s in src.values()]
+    assert capsys.readouterr().err == ''
     strict = files.file_splits(str(tmp_path / 'm.jsonl'), max_bad_records=1, eval_fraction=0.5)
     with pytest.raises(files.FilesError, match='more than max_bad_records=1'):
         [s[i] for s in strict.values() for i in range(len(s))]
