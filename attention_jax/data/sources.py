@@ -17,7 +17,7 @@ from collections.abc import Callable
 import tensorflow_datasets as tfds
 
 from attention_jax import quiet
-from attention_jax.data import builders
+from attention_jax.data import builders, images
 from attention_jax.errors import ConfigError, UserError
 
 
@@ -62,7 +62,7 @@ def _files(split: str, data_dir: str | None, **options):
 
 # Sources read straight from the user's files, not built by tfds:
 # name -> function(split, data_dir, **options) -> random-access source (data/files.py).
-DIRECT: dict[str, Callable] = {'files': _files}
+DIRECT: dict[str, Callable] = {'files': _files, 'image_folder': images.direct_source}
 
 
 # Catalogue datasets the experiments name; any other tfds name works the same way.

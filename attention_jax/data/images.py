@@ -1,0 +1,330 @@
+"""Your own images: a folder of class subfolders as a random-access source, and the
+standard preprocessing for it and for any prepared tfds image set.
+
+  splits, classes = folder_splits('~/pets', eval_fraction=0.1)   # ImageNet layout
+  splits['train'][0]          # {'image': uint8 [H, W, 3] of the file's own size, 'label': 2}
+  prep = Preprocess(image_size=224, train=True, crop='random_resized', flip=True)
+  prep(splits['train'][0], np.random.default_rng(0))['image'].shape   # (224, 224, 3)
+
+From the command line: `--config.data.name=image_folder --config.data.root=DIR`.
+
+Layout: root/<class>/**/<image>; class names are the sorted subfolder names, label i
+the i-th. Files ending .jpg .jpeg .png (any case) are images, other files are ignored.
+Any size and mode: grey, grey+alpha, RGBA, palette and 16-bit grey are converted to RGB
+(or to grey with channels=1); alpha is dropped (not composited).
+
+Splits 'train' and 'validation'. With `eval_root` (the same class folders), train is
+root and validation eval_root. Without, an image goes to validation when a stable hash
+of its path relative to root falls below `eval_fraction`: the same image always lands on
+the same side, whatever else the folder holds, and moving the folder keeps the splits.
+
+Laziness: start-up lists the file names and nothing else; `src[i]` opens and decodes one
+file. A file that cannot be decoded (corrupt, truncated, not an image) is skipped with a
+counted warning on stderr and the next image of the split stands in for it (a function of
+the index only, so resumption stays exact); past `max_bad_records` distinct bad files
+it is an error. The count is kept in each reading process (grain workers each count
+theirs). Every other bad input (a root that does not exist, no class folders, a class
+with no images, eval_root with other classes) is an ImagesError, one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from attention_jax.data.files import stable_hash64
+from attention_jax.errors import UserError
+
+SUFFIXES = ('.jpg', '.jpeg', '.png')
+SPLITS = ('train', 'validation')
+CROPS = ('none', 'random', 'random_resized')
+
+
+class ImagesError(UserError, ValueError):
+    """A bad image folder, a bad preprocessing option, or too many undecodable files."""
+
+
+# ================================================================================= listing
+def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str]]]:
+    """(sorted class names, per class the sorted image paths relative to root)."""
+    root = os.path.expanduser(os.fspath(root))
+    if not os.path.isdir(root):
+        what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
+        raise ImagesError(f'{arg}={root!r} {what}; valid: a folder with one subfolder of '
+                          f'images per class (root/<class>/<image>.jpg)')
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith('.'))
+    if not classes:
+        raise ImagesError(f'{arg}={root!r} has no class subfolders; valid: one subfolder of '
+                          f'images per class (root/<class>/<image>.jpg)')
+    files = []
+    for name in classes:
+        found = []
+        for top, dirs, names in os.walk(os.path.join(root, name), followlinks=True):
+            dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+            found += [os.path.relpath(os.path.join(top, n), root) for n in names
+                      if n.lower().endswith(SUFFIXES) and not n.startswith('.')]
+        if not found:
+            raise ImagesError(f'{arg}={root!r}: class folder {name!r} has no images '
+                              f'({", ".join(SUFFIXES)}); remove it or add images')
+        files.append(sorted(found))
+    return classes, files
+
+
+# ================================================================================ decoding
+def decode(path: str, channels: int = 3) -> np.ndarray:
+    """The image file at `path` as uint8 [H, W, channels] (channels 1 or 3). Raises
+    OSError/ValueError (PIL's) for a file that is not a readable image."""
+    from PIL import Image
+    with Image.open(path) as img:
+        img.load()  # decode now: a truncated file fails here, not later
+        if img.mode in ('I', 'I;16', 'I;16B', 'I;16L', 'F'):
+            # 16-bit or float grey: scale to 8 bits by the mode's range.
+            x = np.asarray(img, np.float32)
+            top = 65535.0 if img.mode.startswith('I;16') or x.max() > 255 else 255.0
+            img = Image.fromarray(np.clip(x / top * 255.0 + 0.5, 0, 255).astype(np.uint8))
+        if img.mode == 'P':  # palette (maybe with transparency): through RGBA
+            img = img.convert('RGBA')
+        img = img.convert('L' if channels == 1 else 'RGB')
+        x = np.asarray(img, np.uint8)
+    return x[..., None] if x.ndim == 2 else x
+
+
+class _BadImages:
+    """Distinct undecodable files seen by this process; over `limit` is an error."""
+
+    def __init__(self, limit: int, arg: str):
+        self.limit, self.arg, self.seen = limit, arg, set()
+
+    def skip(self, path: str, why: str) -> None:
+        if path in self.seen:
+            return
+        self.seen.add(path)
+        if len(self.seen) > self.limit:
+            raise ImagesError(f'{path}: {why}; that is {len(self.seen)} bad images, more than '
+                              f'{self.arg}max_bad_records={self.limit}: fix or remove them, or '
+                              f'raise it')
+        print(f'warning: {path}: cannot be decoded ({why}); skipped, the next image stands in '
+              f'(bad image {len(self.seen)}, at most {self.limit})', file=sys.stderr, flush=True)
+
+
+class ImageFiles:
+    """The images of one split: `len`, `[i]` -> {'image': uint8 [H, W, C], 'label': int32}."""
+
+    def __init__(self, root: str, paths: Sequence[str], labels: Sequence[int], classes: Sequence[str],
+                 *, channels: int = 3, max_bad_records: int = 100, arg: str = ''):
+        self.root, self.classes, self.channels = root, list(classes), channels
+        self.paths = np.asarray(paths, dtype=object)
+        self.labels = np.asarray(labels, np.int32)
+        self.max_bad_records, self.arg = max_bad_records, arg
+        self._bad = _BadImages(max_bad_records, arg)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i) -> dict[str, np.ndarray]:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f'image {i} of a split of {len(self)}')
+        for k in range(len(self)):  # the first good image from i on, cyclically
+            j = (i + k) % len(self)
+            path = os.path.join(self.root, self.paths[j])
+            try:
+                image = decode(path, self.channels)
+            except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for bad files
+                self._bad.skip(path, f'{type(e).__name__}: {e}')
+                continue
+            return {'image': image, 'label': self.labels[j]}
+        raise ImagesError(f'{self.root}: none of the {len(self)} images of this split can be decoded')
+
+
+# ================================================================================== splits
+def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05,
+                  channels: int = 3, max_bad_records: int = 100,
+                  arg: str = '') -> tuple[dict[str, ImageFiles], list[str]]:
+    """({'train': ..., 'validation': ...}, class names) of an image folder (module
+    docstring). `arg` prefixes the argument names in messages ('config.data.')."""
+    if not 0 < eval_fraction < 1:
+        raise ImagesError(f'{arg}eval_fraction={eval_fraction!r} is out of range; valid: '
+                          f'0 < eval_fraction < 1')
+    if max_bad_records < 0:
+        raise ImagesError(f'{arg}max_bad_records={max_bad_records!r} is out of range; valid: >= 0')
+    if channels not in (1, 3):
+        raise ImagesError(f'{arg}channels={channels!r} is unknown; valid: 1 (grey) or 3 (RGB)')
+    root = os.path.expanduser(os.fspath(root))
+    classes, files = list_classes(root, f'{arg}root')
+    paths = [p for group in files for p in group]
+    labels = [c for c, group in enumerate(files) for _ in group]
+    make = lambda top, p, l: ImageFiles(top, p, l, classes, channels=channels,
+                                        max_bad_records=max_bad_records, arg=arg)
+    if eval_root:
+        eval_root = os.path.expanduser(os.fspath(eval_root))
+        if os.path.realpath(eval_root) == os.path.realpath(root):
+            raise ImagesError(f'{arg}eval_root={eval_root!r} is {arg}root itself: an image must '
+                              f'not be both trained and evaluated on')
+        eval_classes, eval_files = list_classes(eval_root, f'{arg}eval_root')
+        if eval_classes != classes:
+            diff = sorted(set(classes) ^ set(eval_classes))
+            raise ImagesError(f'{arg}eval_root={eval_root!r} has other classes than {arg}root '
+                              f'(differing: {diff[:5]}); valid: the same class folders')
+        return ({'train': make(root, paths, labels),
+                 'validation': make(eval_root, [p for g in eval_files for p in g],
+                                    [c for c, g in enumerate(eval_files) for _ in g])}, classes)
+    if len(paths) < 2:
+        raise ImagesError(f'{arg}root={root!r} holds one image; a held-out split needs two or '
+                          f'more, or give {arg}eval_root')
+    # Uniform [0, 1) from the top 53 bits of a hash of the relative path (as files.py).
+    u = np.array([(stable_hash64(p.replace(os.sep, '/')) >> 11) * 2.0 ** -53 for p in paths])
+    held = u < eval_fraction
+    if not held.any():  # a tiny folder: the image nearest the threshold, still by hash
+        held[np.argmin(u)] = True
+    if held.all():
+        held[np.argmax(u)] = False
+    pick = lambda mask: ([paths[i] for i in np.flatnonzero(mask)],
+                         [labels[i] for i in np.flatnonzero(mask)])
+    return {'train': make(root, *pick(~held)), 'validation': make(root, *pick(held))}, classes
+
+
+def get_split(split: str, **options) -> ImageFiles:
+    """One split of `folder_splits(**options)`: 'train' or 'validation'."""
+    if split not in SPLITS:
+        raise ImagesError(f'the image_folder source has no split {split!r}; valid: {list(SPLITS)}')
+    return folder_splits(**options)[0][split]
+
+
+# =========================================================================== preprocessing
+def parse_floats(value, name: str, channels: int) -> tuple[float, ...]:
+    """'0.5' or 0.5 -> (0.5,) * channels; '0.485,0.456,0.406' -> per channel."""
+    try:
+        values = tuple(float(v) for v in str(value).split(',') if v.strip())
+    except ValueError:
+        values = ()
+    if len(values) == 1:
+        values = values * channels
+    if len(values) != channels:
+        raise ImagesError(f'{name}={value!r} must be one number or {channels} comma-separated '
+                          f'numbers (one per channel), e.g. 0.5 or 0.485,0.456,0.406')
+    return values
+
+
+def _pil(image: np.ndarray):
+    from PIL import Image
+    image = np.asarray(image)
+    if image.dtype != np.uint8:
+        raise ImagesError(f'images must be uint8 [H, W, C]; got {image.dtype} {image.shape}')
+    return Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+
+
+def _to_channels(image: np.ndarray, channels: int) -> np.ndarray:
+    if image.ndim == 2:
+        image = image[..., None]
+    have = image.shape[-1]
+    if have == channels:
+        return image
+    if have == 1:
+        return np.repeat(image, channels, axis=-1)
+    if have == 4:
+        image = image[..., :3]
+    if channels == 1:
+        return np.asarray(_pil(np.ascontiguousarray(image)).convert('L'))[..., None]
+    return image
+
+
+def resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: int) -> np.ndarray:
+    """The region box=(left, top, right, bottom) of image (pixels) resized to size×size,
+    bilinear (PIL's, which widens the filter when shrinking, i.e. antialiased)."""
+    from PIL import Image
+    c = image.shape[-1]
+    h, w = image.shape[:2]
+    if box == (0, 0, w, h) and (h, w) == (size, size):
+        return image
+    out = np.asarray(_pil(image).resize((size, size), Image.BILINEAR, box=box))
+    return out[..., None] if c == 1 else out
+
+
+def centre_box(h: int, w: int) -> tuple[float, float, float, float]:
+    """The largest centred square: eval's crop after resizing the shorter side."""
+    s = min(h, w)
+    top, left = (h - s) / 2, (w - s) / 2
+    return (left, top, left + s, top + s)
+
+
+def random_resized_box(h: int, w: int, rng: np.random.Generator, scale=(0.08, 1.0),
+                       ratio=(3 / 4, 4 / 3), attempts: int = 10) -> tuple[float, float, float, float]:
+    """An Inception-style crop box (Szegedy et al. 2015, §6): area a fraction in `scale`
+    of the image's, aspect ratio log-uniform in `ratio`; drawn until it fits, else the
+    centre crop of the ratio range's nearest end."""
+    area = h * w
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(attempts):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        cw, ch = math.sqrt(target * aspect), math.sqrt(target / aspect)
+        if 0 < cw <= w and 0 < ch <= h:
+            left, top = rng.uniform(0, w - cw), rng.uniform(0, h - ch)
+            return (left, top, left + cw, top + ch)
+    aspect = min(max(w / h, ratio[0]), ratio[1])  # fallback: clamp the image's own ratio
+    cw, ch = (w, w / aspect) if w / h <= aspect else (h * aspect, h)
+    left, top = (w - cw) / 2, (h - ch) / 2
+    return (left, top, left + cw, top + ch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocess:
+    """Image record -> {'image': float32 [S, S, C] normalised, 'label': int32}.
+
+    Eval (train=False) and crop='none': the shorter side resized to S and the centre
+    square cut (an image already S×S is untouched). Training crops: 'random' pads by
+    `padding` and crops back at a random offset after the eval resize (the CIFAR recipe);
+    'random_resized' draws an Inception crop of the original (area fraction in
+    [crop_scale, 1], ratio in [3/4, 4/3]) and resizes it to S×S. flip: mirror left-right
+    with probability 1/2 (training only). Then (x/255 - mean) / std per channel.
+    A frozen dataclass of plain values: it pickles into grain's worker processes.
+    """
+    image_size: int
+    channels: int = 3
+    train: bool = False
+    crop: str = 'none'
+    padding: int = 0
+    crop_scale: float = 0.08
+    flip: bool = False
+    mean: tuple[float, ...] = (0.5,)
+    std: tuple[float, ...] = (0.5,)
+    image_key: str = 'image'
+    label_key: str = 'label'
+
+    def __post_init__(self):
+        if self.crop not in CROPS:
+            raise ImagesError(f'train_crop={self.crop!r} is unknown; valid: {list(CROPS)}')
+        if not 0 < self.crop_scale <= 1:
+            raise ImagesError(f'crop_scale={self.crop_scale!r} is out of range; valid: '
+                              f'0 < crop_scale <= 1 (the smallest area fraction of a crop)')
+        if self.image_size <= 0 or self.channels not in (1, 3):
+            raise ImagesError(f'image_size={self.image_size} channels={self.channels}; valid: '
+                              f'image_size >= 1, channels 1 or 3')
+
+    def __call__(self, record, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        from attention_jax.data import objectives
+        image = _to_channels(np.asarray(record[self.image_key]), self.channels)
+        h, w = image.shape[:2]
+        s = self.image_size
+        if self.train and self.crop == 'random_resized':
+            image = resize_box(image, random_resized_box(h, w, rng, (self.crop_scale, 1.0)), s)
+        else:
+            image = resize_box(image, centre_box(h, w), s)
+            if self.train and self.crop == 'random':
+                image = objectives.random_crop_flip(image, rng, padding=self.padding)
+        if self.train and self.flip and rng.random() < 0.5:
+            image = image[:, ::-1]
+        return {'image': objectives.normalize_image(image, self.mean, self.std),
+                'label': np.int32(record[self.label_key])}
+
+
+def direct_source(split: str, data_dir: str | None = None, **options) -> ImageFiles:
+    """sources.DIRECT's entry: get_dataset('image_folder', split, root=DIR, ...)."""
+    del data_dir  # read where the images are; nothing is prepared
+    return get_split(split, **options)
