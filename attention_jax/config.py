@@ -168,6 +168,25 @@ def add_text_file_keys(data: ml_collections.ConfigDict) -> None:
         data[key] = value
 
 
+# The data keys of the image tasks (vit, cnn) beyond the dataset's name and splits:
+# data.name="image_folder" reads root/<class>/<image> (eval_root, else eval_fraction by a
+# hash of the path; undecodable files skipped up to max_bad_records: data/images.py).
+# image_size/channels 0: the dataset's own (a folder: the model's image_size, RGB);
+# train_crop 'none' | 'random' (pad by data.padding, crop back) | 'random_resized'
+# (Inception crop, area fraction >= crop_scale); mean/std: one number or one per channel
+# ("0.485,0.456,0.406"); mixup/cutmix: Beta(alpha) of the batch mixing, 0 = off.
+IMAGE_KEYS = {"root": "", "eval_root": "", "eval_fraction": 0.05, "max_bad_records": 100,
+              "image_size": 0, "channels": 0, "train_crop": "random", "crop_scale": 0.08,
+              "mean": "0.5", "std": "0.5", "mixup": 0.0, "cutmix": 0.0}
+
+
+def add_image_keys(data: ml_collections.ConfigDict) -> None:
+    """Gives an image experiment's `config.data` the IMAGE_KEYS with their defaults, so the
+    command line can set them (--config.data.root=DIR --config.data.image_size=32)."""
+    for key, value in IMAGE_KEYS.items():
+        data[key] = value
+
+
 # =============================================================================== validation
 def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None = None) -> None:
     """Checks keys, types, choices and ranges before anything is compiled.
