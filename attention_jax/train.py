@@ -82,7 +82,7 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
         abstract, shardings, init_state = steps.create_state(task, tx, mesh, rules,
                                                              config.train.seed)
     ckpt = ckpt_lib.Checkpointer(
-        os.path.join(os.path.abspath(workdir), workdir_lib.CHECKPOINTS),
+        workdir_lib.path(workdir_lib.resolve(workdir), workdir_lib.CHECKPOINTS),
         save_every=config.train.checkpoint_every, keep=config.train.keep_checkpoints,
         async_save=config.train.async_checkpoint, read_only=read_only)
     return Setup(mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
@@ -115,8 +115,8 @@ def warm_start_params(init_from: str, abstract_params):
         src = init_from
     else:
         src = init_from
-        if os.path.isdir(os.path.join(src, "checkpoints")):
-            src = os.path.join(src, "checkpoints")
+        if workdir_lib.epath_of(src, "checkpoints").is_dir():
+            src = workdir_lib.path(src, "checkpoints")
         params, step = ckpt_lib.restore_params(src, abstract_params)
     _say(f"warm start: params from {src} step {step}")
     return params
@@ -182,7 +182,7 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     try:
         return _train_locked(config, workdir, task, resume_changed)
     except UserError:
-        if lock and created and os.listdir(workdir) == [workdir_lib.LOCK]:
+        if lock and created and os.listdir(workdir) == [workdir_lib.LOCK]:  # local only
             # A mistake found before anything ran leaves no empty workdir behind.
             os.remove(workdir_lib.path(workdir, workdir_lib.LOCK))
             os.rmdir(workdir)
@@ -201,8 +201,8 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
     if jax.process_index() == 0:
         workdir_lib.write_config(workdir, config)
         if prepared.task.save_assets:
-            prepared.task.save_assets(workdir)
-    _say(f"workdir {os.path.abspath(workdir)}: " + ", ".join(_outputs(config, prepared.task)))
+            workdir_lib.save_assets(prepared.task.save_assets, workdir)
+    _say(f"workdir {workdir_lib.resolve(workdir)}: " + ", ".join(_outputs(config, prepared.task)))
 
     with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
         state, data_state = restore_or_init(prepared, config)
@@ -214,7 +214,7 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
     for split, record in workdir_lib.last_records(workdir).items():
         summary[split] = summary[split] or record  # e.g. a resumed run with nothing to do
     summary["task"] = prepared.task
-    _say(f"workdir {os.path.abspath(workdir)}: checkpoints/ up to step {summary['step']}, "
+    _say(f"workdir {workdir_lib.resolve(workdir)}: checkpoints/ up to step {summary['step']}, "
          f"metrics.jsonl, tensorboard/, config.json")
     return summary
 

@@ -11,6 +11,12 @@
 The trainer, `runs`, the tools and the sweep all go through here, so the file names,
 the handling of a line torn by a kill, and the mapping of old config names live in one
 place. Also here: the guard that stops a resume with a changed config.
+
+A workdir is a local path or an object-store URL (gs://bucket/run, s3://bucket/run): files
+are read and written through `etils.epath` (fsspec's gcsfs/s3fs for URLs, as orbax does),
+and only a local path is made absolute. Object stores have no append, rename or lock: the
+JSONL files are rewritten whole (MetricWriter says why that is cheap enough), and the
+writer lock is a warning there (WriterLock).
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import sys
-from typing import Any
+import tempfile
+from typing import Any, Callable
 
 import jax
 import ml_collections
+from etils import epath
 
 from attention_jax import config as config_lib
 from attention_jax.errors import ConfigError, UserError
@@ -39,9 +48,80 @@ class RunNotFoundError(UserError, FileNotFoundError):
     """The workdir holds no run, or no checkpoint yet (train first)."""
 
 
-def path(workdir: str, name: str) -> str:
-    """workdir/name, for one of the names above."""
-    return os.path.join(workdir, name)
+# URL schemes epath reaches through fsspec (gcsfs, s3fs): paths that are never made absolute.
+REMOTE_SCHEMES = ("gs://", "s3://")
+
+
+def is_remote(workdir) -> bool:
+    """Whether `workdir` is an object-store URL (gs://, s3://) rather than a local path."""
+    return str(workdir).startswith(REMOTE_SCHEMES)
+
+
+def resolve(workdir) -> str:
+    """`workdir` as the trainer names it: a local path made absolute (orbax needs that),
+    an object-store URL as it is (os.path.abspath would turn gs://b/r into ./gs:/b/r)."""
+    workdir = str(workdir)
+    return workdir if is_remote(workdir) else os.path.abspath(os.path.expanduser(workdir))
+
+
+def path(workdir, name: str) -> str:
+    """workdir/name, for one of the names above (a URL stays a URL)."""
+    return os.path.join(str(workdir), name)
+
+
+def epath_of(workdir, name: str | None = None) -> epath.Path:
+    """workdir (or workdir/name) as an epath.Path: local or gs:// / s3:// alike."""
+    return epath.Path(path(workdir, name) if name else str(workdir))
+
+
+def exists(workdir, name: str | None = None) -> bool:
+    return epath_of(workdir, name).exists()
+
+
+def _write_text(file, text: str) -> None:
+    """The whole object/file at once: a put to an object store replaces it atomically."""
+    epath.Path(file).write_text(text)
+
+
+def save_assets(save: Callable[[str], None], workdir) -> None:
+    """Runs a task's `save(workdir)` (e.g. the tokenizer into workdir/tokenizer). The
+    savers write local files (os.makedirs, open), so a remote workdir gets them written
+    into a local temporary folder first and copied up file by file."""
+    if not is_remote(workdir):
+        save(str(workdir))
+        return
+    with tempfile.TemporaryDirectory(prefix="attention_jax_assets_") as tmp:
+        save(tmp)
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                local = os.path.join(root, f)
+                target = epath_of(workdir, os.path.relpath(local, tmp))
+                target.write_bytes(open(local, "rb").read())
+
+
+_LOCAL_COPIES: dict[str, str] = {}
+
+
+def local_dir(workdir, name: str) -> str | None:
+    """A local folder holding workdir/name (e.g. the tokenizer) for code that reads it
+    with `open` (data.load_tokenizer): the folder itself for a local workdir, else a
+    copy downloaded once per process into a temporary folder; None when it is absent."""
+    folder = epath_of(workdir, name)
+    if not is_remote(workdir):
+        return str(folder) if folder.is_dir() else None
+    key = str(folder)
+    if key not in _LOCAL_COPIES:
+        if not folder.is_dir():
+            return None
+        tmp = tempfile.mkdtemp(prefix="attention_jax_copy_")
+        for f in folder.glob("**/*"):
+            if f.is_file():
+                local = os.path.join(tmp, os.path.relpath(str(f), key))
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                with open(local, "wb") as out:
+                    out.write(f.read_bytes())
+        _LOCAL_COPIES[key] = tmp
+    return _LOCAL_COPIES[key]
 
 
 # =================================================================================== config
@@ -75,17 +155,15 @@ def rename_old_model_fields(task: str, model: dict) -> dict:
 
 
 def write_config(workdir: str, config) -> None:
-    with open(path(workdir, CONFIG), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    _write_text(path(workdir, CONFIG), config.to_json_best_effort(indent=2))
 
 
 def read_config_json(workdir: str) -> dict | None:
     """The run's config.json as a dict with today's model field names (None without it)."""
-    file = path(workdir, CONFIG)
-    if not os.path.exists(file):
+    file = epath_of(workdir, CONFIG)
+    if not file.exists():
         return None
-    with open(file) as f:
-        stored = json.load(f)
+    stored = json.loads(file.read_text())
     stored["model"] = rename_old_model_fields(stored.get("task", ""), stored.get("model", {}))
     return stored
 
@@ -103,7 +181,15 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 # ================================================================================== metrics
 class MetricWriter:
     """Metrics as JSONL (`metrics.jsonl`, one object per record) and TensorBoard event
-    files (`tensorboard/`), written by process 0 only."""
+    files (`tensorboard/`), written by process 0 only.
+
+    In an object store (no append) metrics.jsonl is rewritten whole at each record, from
+    the lines this writer holds: a reader always sees a complete file, as with a local
+    append, and the cost is one upload of the file per logged record (writes happen only
+    at log and eval steps; 1000 records of ~200 bytes is a 200 KB object). Numbered part
+    files would upload less but make every reader list and merge them. tensorboardX
+    writes gs:// (google-cloud-storage) and s3:// (boto3, endpoint S3_ENDPOINT) itself,
+    re-uploading its event file at each flush in the same way."""
 
     def __init__(self, workdir: str, resume_step: int | None = None):
         """resume_step: training (re)starts after this step, so records of later steps
@@ -115,7 +201,12 @@ class MetricWriter:
             file = path(workdir, METRICS)
             if resume_step is not None:
                 drop_records_after(file, resume_step)
-            self._jsonl = open(file, "a")
+            self._remote = is_remote(workdir)
+            if self._remote:
+                self._file = file
+                self._lines = [json.dumps(r) + "\n" for r in read_records(file)]
+            else:
+                self._jsonl = open(file, "a")
             self._tb = SummaryWriter(path(workdir, TENSORBOARD),
                                      purge_step=None if resume_step is None else resume_step + 1)
 
@@ -123,44 +214,51 @@ class MetricWriter:
         if not self.enabled:
             return
         record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        if self._remote:
+            self._lines.append(json.dumps(record) + "\n")
+            _write_text(self._file, "".join(self._lines))
+        else:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         for k, v in metrics.items():
             self._tb.add_scalar(f"{split}/{k}", float(v), step)
         self._tb.flush()
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
+            if not self._remote:
+                self._jsonl.close()
             self._tb.close()
 
 
 def read_records(file: str) -> list[dict]:
     """The records of a JSONL file, in order ([] without the file). A line cut short by
     a kill is skipped."""
-    if not os.path.exists(file):
+    file = epath.Path(str(file))
+    if not file.exists():
         return []
     records = []
-    with open(file) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn or blank line
+    for line in file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn or blank line
     return records
 
 
 def drop_records_after(file: str, step: int) -> None:
     """Rewrites the JSONL `file` without the records of steps after `step` (and without
     torn lines): written to a temporary file and renamed over the old one, so a crash
-    leaves one or the other, never half of each."""
-    if not os.path.exists(file):
+    leaves one or the other, never half of each (an object store's put is atomic)."""
+    if not exists(file):
         return
     records = read_records(file)
     keep = [r for r in records if r.get("step", 0) <= step]
-    with open(file) as f:
-        unchanged = len(keep) == sum(1 for line in f if line.strip())
-    if unchanged:
+    text = epath.Path(str(file)).read_text()
+    if len(keep) == sum(1 for line in text.splitlines() if line.strip()):
+        return
+    if is_remote(file):
+        _write_text(file, "".join(json.dumps(r) + "\n" for r in keep))
         return
     tmp = f"{file}.tmp"
     with open(tmp, "w") as f:
@@ -178,8 +276,12 @@ def append_eval_record(workdir: str, record: dict) -> str | None:
         return None
     file = path(workdir, EVALS)
     stamped = {**record, "time": datetime.datetime.now().isoformat(timespec="seconds")}
-    with open(file, "a") as f:
-        f.write(json.dumps(stamped) + "\n")
+    if is_remote(workdir):  # no append: the object rewritten with one more line
+        old = epath.Path(file).read_text() if exists(file) else ""
+        _write_text(file, old + json.dumps(stamped) + "\n")
+    else:
+        with open(file, "a") as f:
+            f.write(json.dumps(stamped) + "\n")
     return file
 
 
@@ -189,7 +291,7 @@ def read_metrics(workdir: str) -> list[dict]:
     older --mode=eval, which appended here) can hold a step twice: the later record
     supersedes the earlier, in the earlier one's place."""
     file = path(workdir, METRICS)
-    if not os.path.exists(file):
+    if not exists(file):
         raise RunNotFoundError(f"{file}: no metrics (is {workdir} a training run's workdir?)")
     records: dict[tuple, dict] = {}
     for r in read_records(file):
@@ -220,6 +322,9 @@ def wall_seconds(workdir: str) -> float:
     """From config.json (written before compiling) to the last metric record (the final
     eval): compilation, training and evaluation included, as a user waits for it. A
     resumed run's span includes the pause."""
+    if is_remote(workdir):  # the objects' times (whole seconds through epath)
+        return round(float(epath_of(workdir, METRICS).stat().mtime
+                           - epath_of(workdir, CONFIG).stat().mtime), 1)
     return round(os.path.getmtime(path(workdir, METRICS))
                  - os.path.getmtime(path(workdir, CONFIG)), 1)
 
@@ -286,7 +391,7 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
                  f"--config.optim.decay_steps={changes['train.steps'][0]} keeps the old one)")
     if relevant and jax.process_index() == 0:
         old = path(workdir, f"config_until_step_{step}.json")
-        os.replace(path(workdir, CONFIG), old)
+        epath_of(workdir, CONFIG).replace(old)
         note += f"; the previous config is kept as {old}"
     return note
 
@@ -333,16 +438,24 @@ class WriterLock:
     pid, start). The lock dies with its process, however it ends (kill -9 included), so a
     crashed run's lock is stale by construction and the next run simply takes it. Only
     process 0 of a multi-host run holds it; readers (eval, sample, the tools) never take
-    it."""
+    it. An object store (gs://, s3://) has no such lock, and one that dies with its
+    process would need a conditional create plus a heartbeat: there the run says that a
+    second writer would not be detected, as on a local filesystem without locks."""
 
     def __init__(self, workdir: str):
         self.file = path(workdir, LOCK)
+        self._remote = is_remote(workdir)
         self._fd = None
 
     def acquire(self) -> "WriterLock":
         import datetime
         import fcntl
         import socket
+        if self._remote:
+            print(f"warning: {workdir_of(self.file)} is in an object store, which has no "
+                  f"locks: a second run writing this workdir would not be detected",
+                  file=sys.stderr)
+            return self
         fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -382,6 +495,10 @@ class WriterLock:
         return False
 
 
+def workdir_of(file: str) -> str:
+    return os.path.dirname(str(file)) or "."
+
+
 def _read_holder(fd: int) -> str:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -393,7 +510,11 @@ def _read_holder(fd: int) -> str:
 # ============================================================================ path checks
 def prepare_for_writing(workdir: str) -> bool:
     """Creates `workdir` for a training run (True if it had to), or raises one line: it is
-    a file, or it (or a file in it) cannot be written."""
+    a file, or it (or a file in it) cannot be written. An object-store URL needs its
+    bucket to exist (nothing is created: folders there are only name prefixes)."""
+    if is_remote(workdir):
+        _check_remote(workdir, "a directory (new, or a run to resume)")
+        return False
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise RunPathError(f"--workdir={workdir} is a file; valid: a directory (new, or a run "
                            f"to resume)")
@@ -414,6 +535,9 @@ def prepare_for_writing(workdir: str) -> bool:
 
 def check_readable(workdir: str) -> None:
     """A readable run directory, or one line saying what is wrong (readers)."""
+    if is_remote(workdir):
+        _check_remote(workdir, "a run directory")
+        return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise RunPathError(f"--workdir={workdir} is a file; valid: a run directory")
     if os.path.isdir(workdir) and not os.access(workdir, os.R_OK | os.X_OK):
@@ -423,7 +547,33 @@ def check_readable(workdir: str) -> None:
         raise RunPathError(f"{file} is not readable by this user")
 
 
+def _check_remote(workdir: str, valid: str) -> None:
+    """The bucket of an object-store workdir exists and `workdir` is not an object; one
+    line otherwise (a missing bucket, credentials, an unreachable endpoint)."""
+    scheme, rest = str(workdir).split("://", 1)
+    bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")
+    try:
+        if not bucket.exists():
+            raise RunPathError(f"--workdir={workdir}: bucket {bucket} does not exist (or this "
+                               f"account may not see it); create it first")
+        if epath.Path(workdir).is_file():
+            raise RunPathError(f"--workdir={workdir} is an object, not a folder; valid: {valid}")
+    except RunPathError:
+        raise
+    except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+        raise RunPathError(f"--workdir={workdir} cannot be reached: {_first_line(e)} (the "
+                           f"endpoint and credentials come from the environment: README, "
+                           f"'Workdirs in object storage')") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
 def writable(workdir: str) -> bool:
+    if is_remote(workdir):
+        return True  # no cheap check: a write that is refused raises
     return os.path.isdir(workdir) and os.access(workdir, os.W_OK | os.X_OK)
 
 
