@@ -282,11 +282,13 @@ def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
     from attention_jax.data import tokenization
     from_file = tokenization.is_tokenizer_path(data_opts.tokenizer)
     kind = "file" if from_file else data_opts.tokenizer
-    saved = workdir_lib.path(workdir, workdir_lib.TOKENIZER)
-    if os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
+    # A remote workdir's tokenizer (gs://, s3://) is read from a local copy.
+    saved = workdir_lib.local_dir(workdir, workdir_lib.TOKENIZER)
+    if saved and os.path.exists(os.path.join(saved, "tokenizer_meta.json")):
         tok = data.load_tokenizer(saved)
         if tok.kind != kind:
-            raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r} but {saved} holds a "
+            raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r} but "
+                              f"{workdir_lib.path(workdir, workdir_lib.TOKENIZER)} holds a "
                               f"{tok.kind!r} tokenizer; use a new workdir to change it")
         return tok
     if from_file:
