@@ -109,11 +109,13 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
         embed = tasks.need(run.task, "embed", config.task,
                            "embed text (--mode=embed; or --config.train.init_from=hf:<bert dir>)")
         emb = embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
-    os.makedirs(workdir, exist_ok=True)
-    file = os.path.join(workdir, "embeddings.npy")
-    np.save(file, emb)
-    with open(os.path.join(workdir, "embeddings_texts.json"), "w") as f:
-        json.dump(list(texts), f, indent=1)
+    from attention_jax import workdir as workdir_lib  # local or gs:// / s3:// alike
+    workdir_lib.epath_of(workdir).mkdir(parents=True, exist_ok=True)
+    file = workdir_lib.path(workdir, "embeddings.npy")
+    with workdir_lib.epath_of(file).open("wb") as f:
+        np.save(f, emb)
+    workdir_lib.epath_of(workdir, "embeddings_texts.json").write_text(
+        json.dumps(list(texts), indent=1))
     unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
     return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
             "similarity": np.round((unit @ unit.T).astype(np.float64), 4).tolist()}
@@ -143,7 +145,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
     from attention_jax import workdir as workdir_lib
     if mode != "train":
         workdir_lib.check_readable(workdir)
-    if mode != "train" and os.path.exists(workdir_lib.path(workdir, workdir_lib.CONFIG)):
+    if mode != "train" and workdir_lib.exists(workdir, workdir_lib.CONFIG):
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
