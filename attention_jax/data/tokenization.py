@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -481,6 +482,25 @@ def get_tokenizer(kind: str, *, texts: Iterable[str] | None = None, path: str | 
             raise ValueError("get_tokenizer('file') needs path=... (a tokenizer.json)")
         return FileTokenizer(path)
     raise ValueError(f"unknown tokenizer kind {kind!r}; valid: {KINDS} or 'file'")
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+    """A hash of everything that decides a tokenizer's ids: its kind, its vocabulary
+    files as `save` writes them, its special ids (not where it was read from, so the copy
+    a run saves in its workdir has the fingerprint of the file it came from)."""
+    import tempfile
+    h = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as directory:
+        meta = {'kind': tokenizer.kind, **tokenizer._save_files(directory)}
+        meta.pop('source', None)
+        for name in ('pad_id', 'bos_id', 'eos_id', 'mask_id'):
+            meta[name] = getattr(tokenizer, name, None)
+        h.update(json.dumps(meta, sort_keys=True).encode())
+        for name in sorted(os.listdir(directory)):
+            h.update(name.encode())
+            with open(os.path.join(directory, name), 'rb') as f:
+                h.update(f.read())
+    return h.hexdigest()[:20]
 
 
 def load_tokenizer(directory: str) -> Tokenizer:
