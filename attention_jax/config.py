@@ -157,8 +157,10 @@ def flat(tree, prefix: str = "") -> dict[str, Any]:
 # .jsonl[.gz|.zst] and .parquet (the document in text_key); the held-out split is
 # eval_files, else eval_fraction of the documents (by a hash of file and line or row);
 # bad jsonl lines are skipped with a warning, up to max_bad_records (data/files.py).
+# cache_dir: where the files' tokens are prepared once (data/token_cache.py); "" is
+# DATA_DIR/token_cache (data_dir, else $TFDS_DATA_DIR or ~/tensorflow_datasets).
 TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fraction": 0.05,
-                  "max_bad_records": 100}
+                  "max_bad_records": 100, "cache_dir": ""}
 
 
 def add_text_file_keys(data: ml_collections.ConfigDict) -> None:
