@@ -22,7 +22,6 @@ the newest step that restores and verifies, moving damaged steps aside (`30.corr
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from typing import Any, Callable
@@ -105,7 +104,7 @@ def _move_aside(path: epath.Path, suffix: str) -> epath.Path:
         n += 1
         target = path.parent / f"{path.name}.{suffix}.{n}"
     if jax.process_index() == 0:
-        os.rename(os.fspath(path), os.fspath(target))
+        path.rename(target)  # in an object store: a copy of every object, then a delete
     _sync(f"attention_jax_move_aside_{path.name}")
     return target
 
@@ -175,6 +174,26 @@ def _all_agree(ok: bool) -> bool:
     return bool(np.all(np.asarray(multihost_utils.process_allgather(np.int32(ok)))))
 
 
+# Where orbax's array writer (tensorstore) can reach: its kvstore is built for gs://
+# (tensorstore's gcs driver) or an absolute local path, nothing else (orbax 0.12).
+SUPPORTED_URLS = ("gs://",)
+
+
+class CheckpointLocationError(UserError, ValueError):
+    """Checkpoints asked for in a place orbax cannot write arrays to."""
+
+
+def check_supported(directory) -> None:
+    """One line when `directory` is an object-store URL orbax cannot write arrays to
+    (s3://: orbax hands tensorstore only gs:// and local paths)."""
+    text = str(directory)
+    if "://" in text and not text.startswith(SUPPORTED_URLS):
+        raise CheckpointLocationError(
+            f"checkpoints in {text}: orbax writes arrays only to gs:// buckets and local "
+            f"(or mounted) paths, not {text.split('://')[0]}://; valid: a gs:// workdir, a "
+            f"local path, or the bucket mounted as a folder (e.g. mountpoint-s3)")
+
+
 class Checkpointer:
     """Saves and restores (state, data_state) in `directory` (usually workdir/checkpoints).
 
@@ -190,6 +209,7 @@ class Checkpointer:
 
     def __init__(self, directory, *, save_every: int = 1000, keep: int = 3,
                  async_save: bool = True, read_only: bool = False):
+        check_supported(directory)
         self.directory = epath.Path(directory)
         self.save_every = save_every
         self.read_only = read_only

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from typing import Any
 
 import flax.linen as nn
@@ -89,8 +88,8 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
             state, _, _ = prepared.ckpt.restore_intact(prepared.abstract, say=lambda m: print(f"WARNING: {m}"))
     finally:
         prepared.ckpt.close()
-    tok_dir = workdir_lib.path(workdir, workdir_lib.TOKENIZER)
-    tokenizer = data.load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
+    tok_dir = workdir_lib.local_dir(workdir, workdir_lib.TOKENIZER)  # gs://, s3://: a copy
+    tokenizer = data.load_tokenizer(tok_dir) if tok_dir else None
     return Run(config, prepared.task, state["params"], int(jax.device_get(state["step"])), tokenizer,
                prepared.mesh, prepared.rules, prepared.shardings)
 

@@ -1,6 +1,7 @@
 """Checks every checkpoint of a workdir against the digests saved with it:
 
-    python -m attention_jax.verify WORKDIR        (a run's workdir or its checkpoints folder)
+    python -m attention_jax.verify WORKDIR        (a run's workdir or its checkpoints folder,
+                                                   a local path or gs://bucket/run)
 
 restores each committed step onto one device, in its saved shapes, and prints a table
 (step, save time, size, mesh, status: 'ok' or what is damaged), newest first, followed by
@@ -23,10 +24,13 @@ import jax
 from absl import logging
 from etils import epath
 
-from attention_jax.checkpoint import CheckpointDamagedError, Checkpointer, one_line_error
+from attention_jax.checkpoint import (CheckpointDamagedError, CheckpointLocationError, Checkpointer,
+                                     one_line_error)
 
 
 def _size(path: epath.Path) -> int:
+    if "://" in str(path):  # an object store: one listing, a stat per object
+        return sum(p.stat().length for p in path.glob("**/*") if p.is_file())
     return sum(os.path.getsize(os.path.join(root, f))
                for root, _, files in os.walk(os.fspath(path)) for f in files)
 
@@ -99,10 +103,10 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows of `verify_step` for every committed step of a workdir (or of its
     checkpoints folder), newest first, and the names of folders that are not committed
     steps (half-written, moved aside)."""
-    directory = workdir
-    if os.path.isdir(os.path.join(workdir, "checkpoints")):
-        directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
+    directory = epath.Path(workdir)  # a local path or a gs:// URL
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    if not directory.is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints folder")
     ckpt = Checkpointer(directory, read_only=True)
     try:
@@ -110,9 +114,8 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
         rows = [verify_step(ckpt, step) for step in reversed(committed)]
     finally:
         ckpt.close()
-    others = sorted(n for n in os.listdir(directory)
-                    if os.path.isdir(os.path.join(directory, n))
-                    and not (n.isdigit() and int(n) in committed))
+    others = sorted(p.name for p in directory.iterdir()
+                    if p.is_dir() and not (p.name.isdigit() and int(p.name) in committed))
     return rows, others
 
 
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
     logging.set_verbosity(logging.ERROR)
     try:
         rows, others = verify_directory(args.workdir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointLocationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(rows, others))

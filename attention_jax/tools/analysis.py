@@ -122,7 +122,8 @@ def translate_split(workdir: str, split: str = "test", max_examples: int = 0,
     config, task, params = restore_run(workdir)
     decode = tasks.need(task, "decode", config.task, "translate")
     d = config.data
-    tok = data.load_tokenizer(workdir_lib.path(workdir, workdir_lib.TOKENIZER))
+    tok = data.load_tokenizer(workdir_lib.local_dir(workdir, workdir_lib.TOKENIZER)
+                              or workdir_lib.path(workdir, workdir_lib.TOKENIZER))
     records = data.get_dataset(d.name, split, d.data_dir or None)
     n = min(len(records), max_examples) if max_examples else len(records)
     text = lambda x: x.decode("utf-8") if isinstance(x, bytes) else str(x)

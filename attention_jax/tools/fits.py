@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from attention_jax.runs import count_params
+from attention_jax import workdir as workdir_lib
 from attention_jax.workdir import read_metrics, wall_seconds
 
 
@@ -265,10 +266,9 @@ def scaling_table(result: dict) -> str:
 def _point_value(workdir: str, key: str):
     """A run's value of `key`: its sweep point (tools/sweep.py's sweep.json; `key` may be
     the last part of a dotted grid key) or else the dotted field of its config.json."""
-    path = os.path.join(workdir, "sweep.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            point = json.load(f)["point"]
+    path = workdir_lib.epath_of(workdir, "sweep.json")  # a local path or gs:// / s3://
+    if path.exists():
+        point = json.loads(path.read_text())["point"]
         for k, v in point.items():
             if k == key or k.rsplit(".", 1)[-1] == key:
                 return v

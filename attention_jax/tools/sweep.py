@@ -94,8 +94,7 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
         start = time.time()
         summary = train.train_and_evaluate(config, run_dir)
         record.update(wall_s=round(time.time() - start, 1), eval=summary["eval"])
-        with open(os.path.join(run_dir, "sweep.json"), "w") as f:
-            json.dump(record, f, indent=1)
+        workdir_lib.epath_of(run_dir, "sweep.json").write_text(json.dumps(record, indent=1))
         print(f"[sweep] {run_dir}: {record['wall_s']} s, eval {summary['eval']}", file=sys.stderr)
         records.append(record)
     return records

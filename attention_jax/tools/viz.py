@@ -292,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", help="comma-separated layer indices (default: all)")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                         help=f"refuse longer inputs (default {MAX_TOKENS})")
-    parser.add_argument("--out", help="PNG path (default: WORKDIR/attention.png); other "
+    parser.add_argument("--out", help="PNG path (default: WORKDIR/attention.png, or "
+                                      "./attention.png for a gs:// or s3:// WORKDIR); other "
                                       "pictures go next to it as OUT_<name>.png")
     args = parser.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
@@ -306,7 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     info = maps.pop("info")
-    out = args.out or os.path.join(args.workdir, "attention.png")
+    # A run in an object store: the pictures go to the current folder unless --out says.
+    out = args.out or ("attention.png" if workdir_lib.is_remote(args.workdir)
+                       else os.path.join(args.workdir, "attention.png"))
     stem, _ = os.path.splitext(out)
     main_name = "alignment" if "alignment" in maps else next(iter(maps))
     for name, fig in maps.items():
