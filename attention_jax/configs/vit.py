@@ -31,6 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.flip = False  # mirroring changes what a digit is.
     c.data.train_split = "train"
     c.data.eval_split = "test"
+    # Your own images and the preprocessing (config.IMAGE_KEYS): e.g. --config.data.name=
+    # image_folder --config.data.root=DIR --config.data.image_size=32 (README, "Your own images").
+    config_lib.add_image_keys(c.data)
 
     c.optim.lr = 2e-3
     c.optim.warmup_steps = 50

@@ -183,3 +183,46 @@ def random_crop_flip(image: np.ndarray, rng: np.random.Generator, *, padding: in
     if flip and rng.random() < 0.5:
         image = image[:, ::-1]
     return np.ascontiguousarray(image)
+
+
+def mix_batch(images, labels, rng, *, num_classes: int, mixup: float = 0.0,
+              cutmix: float = 0.0):
+    """Mixup (Zhang et al. 2018) or CutMix (Yun et al. 2019) of a batch with its reverse.
+
+    images [B, H, W, C] float, labels [B] int -> (images, soft targets [B, num_classes]).
+    Each image i is mixed with image B-1-i by λ ~ Beta(α, α): mixup blends the pixels,
+    x = λ x_i + (1-λ) x_{B-1-i}; cutmix pastes a box of area fraction ≈ 1-λ from
+    x_{B-1-i} (λ then recomputed from the box actually pasted, clipped at the border).
+    The targets are λ onehot(y_i) + (1-λ) onehot(y_{B-1-i}): each row sums to 1. With both
+    α > 0, each batch is mixed one way or the other with probability 1/2 (as timm's
+    default). A jax function: it runs inside the jitted training step.
+    """
+    if mixup < 0 or cutmix < 0 or not (mixup or cutmix):
+        raise ValueError(f'mixup={mixup}, cutmix={cutmix}: each >= 0 and at least one > 0')
+    images = jnp.asarray(images)
+    b, h, w = images.shape[:3]
+    r_choice, r_mix, r_cut, r_y, r_x = jax.random.split(rng, 5)
+    other = images[::-1]
+    onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    outs = []
+    if mixup:
+        lam = jax.random.beta(r_mix, mixup, mixup)
+        outs.append((lam * images + (1 - lam) * other, lam))
+    if cutmix:
+        lam = jax.random.beta(r_cut, cutmix, cutmix)
+        cut = jnp.sqrt(1.0 - lam)  # box sides: area fraction 1-λ before clipping
+        cy, cx = jax.random.uniform(r_y) * h, jax.random.uniform(r_x) * w
+        y0, y1 = jnp.clip(cy - cut * h / 2, 0, h).astype(jnp.int32), jnp.clip(cy + cut * h / 2, 0, h).astype(jnp.int32)
+        x0, x1 = jnp.clip(cx - cut * w / 2, 0, w).astype(jnp.int32), jnp.clip(cx + cut * w / 2, 0, w).astype(jnp.int32)
+        rows, cols = jnp.arange(h)[:, None], jnp.arange(w)[None, :]
+        box = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)  # [H, W]
+        pasted = jnp.where(box[None, :, :, None], other, images)
+        outs.append((pasted, 1.0 - box.sum() / (h * w)))
+    if len(outs) == 2:
+        use_cut = jax.random.bernoulli(r_choice)
+        mixed = jnp.where(use_cut, outs[1][0], outs[0][0])
+        lam = jnp.where(use_cut, outs[1][1], outs[0][1])
+    else:
+        mixed, lam = outs[0]
+    lam = jnp.asarray(lam, jnp.float32)
+    return mixed.astype(images.dtype), lam * onehot + (1 - lam) * onehot[::-1]

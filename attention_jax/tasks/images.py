@@ -2,41 +2,65 @@
 
 from __future__ import annotations
 
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.errors import ConfigError
+from attention_jax import workdir as workdir_lib
+from attention_jax.config import IMAGE_KEYS
+from attention_jax.errors import ConfigError, check_choice, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
 from attention_jax.tasks.base import (AttentionInput, Task, data_options, model_config,
                                       register, splits)
 
 
+CLASSES_FILE = "classes.json"  # the run's class names, in label order (image folders, tfds)
+
+
 def image_task(config, workdir: str) -> Task:
     """Image classification (default: scikit-learn's 8×8 digits): config.task 'vit' uses
-    models/vit.py, 'cnn' the residual CNN of models/cnn.py. data.train_fraction < 1
-    trains on that share of the training split (data.subset_fraction)."""
+    models/vit.py, 'cnn' the residual CNN of models/cnn.py. The data: a prepared tfds
+    image set by name, or data.name='image_folder' with data.root (data/images.py); the
+    keys of config.IMAGE_KEYS set the preprocessing (data.image_size, channels, crops,
+    mean/std, mixup/cutmix), and the image size, channels and number of classes reach the
+    model. data.train_fraction < 1 trains on that share of the training split."""
     from attention_jax import data
+    from attention_jax.data import images as images_lib
+    from attention_jax.data import objectives
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import cnn, vit
     data_opts = data_options(config, name="digits", data_dir="", augment=True, padding=1, flip=False,
-                     train_split="train", eval_split="test", train_fraction=1.0)
-    train_src, eval_src = splits(data_opts)
+                             train_split="train", eval_split="test", train_fraction=1.0,
+                             **IMAGE_KEYS)
+    _check_image_options(data_opts)
+    train_src, eval_src, classes = _image_sources(data_opts)
     try:
         train_src = data.subset_fraction(train_src, data_opts.train_fraction)
     except ValueError as e:
         raise ConfigError(f"config.data.train_fraction: {e}") from None
-    family = {"vit": (vit.ViTConfig, vit.ViT, _vit_entries),
-              "cnn": (cnn.CNNConfig, cnn.CNN, _cnn_entries)}
-    config_cls, model_cls, entries = family[config.task]
-    cfg = model_config(config_cls, config, dtype=config.train.compute_dtype)
+    family = {"vit": (vit.ViTConfig, vit.ViT, vit.VARIANTS, _vit_entries),
+              "cnn": (cnn.CNNConfig, cnn.CNN, cnn.VARIANTS, _cnn_entries)}
+    config_cls, model_cls, variants, entries = family[config.task]
+    forced = _model_fields(config, data_opts, config_cls, variants, train_src, classes)
+    cfg = model_config(config_cls, config, dtype=config.train.compute_dtype, **forced)
     model = model_cls(cfg)
+    _check_classes(workdir, classes)
+    mixing = data_opts.mixup > 0 or data_opts.cutmix > 0
 
     def loss(params, batch, rng, train):
-        logits, _ = model.apply({"params": params}, batch["image"], deterministic=not train,
+        images = batch["image"]
+        if train and mixing:  # batch-level mixup/cutmix: soft targets (data/objectives.py)
+            rng, mix_rng = jax.random.split(rng)
+            images, targets = objectives.mix_batch(
+                images, batch["label"], mix_rng, num_classes=cfg.num_classes,
+                mixup=data_opts.mixup, cutmix=data_opts.cutmix)
+        logits, _ = model.apply({"params": params}, images, deterministic=not train,
                                 rngs={"dropout": rng})
+        if train and mixing:
+            return soft_cross_entropy(logits, targets, config.optim.label_smoothing)
         # Eval batches weigh each image (0: a row padding the last batch; steps.evaluate);
         # training batches have no weights: every image counts.
         example_weight = batch.get(EXAMPLE_WEIGHT)
@@ -52,32 +76,147 @@ def image_task(config, workdir: str) -> Task:
     def classify(params, batch):
         return np.asarray(predict(params, batch["image"])), np.asarray(batch["label"], np.int32)
 
+    def preprocess(train: bool):
+        return images_lib.Preprocess(
+            image_size=cfg.image_size, channels=cfg.num_channels, train=train,
+            crop=data_opts.train_crop, padding=data_opts.padding,
+            crop_scale=data_opts.crop_scale, flip=data_opts.flip,
+            mean=images_lib.parse_floats(data_opts.mean, "config.data.mean", cfg.num_channels),
+            std=images_lib.parse_floats(data_opts.std, "config.data.std", cfg.num_channels))
+
     shape = (1, cfg.image_size, cfg.image_size, cfg.num_channels)
-    eval_transform = data.ImageClassification()
+    eval_transform = preprocess(train=False)
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros(shape))["params"],
                 loss=loss, train_source=train_src, eval_source=eval_src,
-                train_transform=data.ImageClassification(augment=data_opts.augment, padding=data_opts.padding,
-                                                         flip=data_opts.flip),
+                train_transform=preprocess(train=data_opts.augment),
                 eval_transform=eval_transform, classify=classify,
-                **entries(cfg, eval_src, eval_transform))
+                save_assets=(lambda w: _save_classes(w, classes)) if classes else None,
+                **entries(cfg, eval_src, eval_transform, classes))
 
 
-def _vit_entries(cfg, eval_src, eval_transform) -> dict:
+def soft_cross_entropy(logits, targets, label_smoothing: float = 0.0):
+    """Mean cross-entropy against soft targets [B, C] (mixup/cutmix), smoothed toward the
+    uniform distribution by ε as the hard-label loss is: q = (1-ε) targets + ε/C. Accuracy
+    counts the argmax of the targets (the larger share of each mixed image)."""
+    logits = logits.astype(jnp.float32)
+    c = logits.shape[-1]
+    q = (1.0 - label_smoothing) * targets + label_smoothing / c
+    nll = -jnp.sum(q * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    correct = jnp.argmax(logits, -1) == jnp.argmax(targets, -1)
+    return jnp.mean(nll), {"accuracy": jnp.mean(correct.astype(jnp.float32))}
+
+
+def _check_image_options(o) -> None:
+    from attention_jax.data import images as images_lib
+    check_choice("config.data.train_crop", o.train_crop, images_lib.CROPS)
+    check_choice("config.data.channels", o.channels, (0, 1, 3))
+    for key, interval in (("image_size", "[0, inf)"), ("crop_scale", "(0, 1]"),
+                          ("mixup", "[0, inf)"), ("cutmix", "[0, inf)"),
+                          ("eval_fraction", "(0, 1)"), ("max_bad_records", "[0, inf)")):
+        check_range(f"data.{key}", o[key], interval)
+    if o.name != "image_folder":
+        for key in ("root", "eval_root"):
+            if o[key]:
+                raise ConfigError(f"config.data.{key}={o[key]!r} is read only with "
+                                  f"config.data.name='image_folder' (now {o.name!r}); set "
+                                  f"--config.data.name=image_folder")
+    elif not o.root:
+        raise ConfigError("config.data.name='image_folder' needs --config.data.root=DIR (one "
+                          "subfolder of images per class)")
+
+
+def _image_sources(o):
+    """(train source, eval source, class names or None) of config.data."""
+    from attention_jax.data import images as images_lib
+    if o.name == "image_folder":
+        for key, valid in (("train_split", ("train",)), ("eval_split", ("validation", "test"))):
+            check_choice(f"config.data.{key}", o[key], valid)  # 'test' names the held-out split too
+        try:
+            by_split, classes = images_lib.folder_splits(
+                o.root, o.eval_root, eval_fraction=o.eval_fraction, channels=o.channels or 3,
+                max_bad_records=o.max_bad_records, arg="config.data.")
+        except images_lib.ImagesError as e:
+            raise ConfigError(str(e)) from None
+        return by_split["train"], by_split["validation"], classes
+    train_src, eval_src = splits(o)
+    try:  # a tfds ClassLabel's names, kept with the run like a folder's
+        names = list(train_src.dataset_info.features["label"].names) or None
+    except (AttributeError, KeyError, TypeError):
+        names = None
+    return train_src, eval_src, names
+
+
+def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
+    """The model fields the data sets: image_size, num_channels, num_classes. A field
+    also given in config.model must agree (else ConfigError naming both)."""
+    given = config.model.to_dict()
+    # The model's own values (class defaults, its variant, config.model), unvalidated:
+    # a value the data replaces may be invalid on its own (8 px at patch 16).
+    import dataclasses
+    own = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    own.update(variants.get(given.get("variant"), {}))
+    own.update({k: v for k, v in given.items() if k != "variant"})
+    native = None
+    if o.name != "image_folder" and (not o.image_size or not o.channels):
+        native = np.asarray(train_src[0]["image"]).shape  # a tfds set: its stored size
+    channels = o.channels or (3 if native is None else (native[-1] if len(native) == 3 else 1))
+    size = o.image_size or given.get("image_size") or (own["image_size"] if native is None
+                                                        else native[0])
+    forced = {"image_size": int(size), "num_channels": int(channels)}
+    if classes:
+        forced["num_classes"] = len(classes)
+    where = {"image_size": "config.data.image_size", "num_channels": "config.data.channels",
+             "num_classes": f"the {len(classes or [])} classes of config.data.name={o.name!r}"}
+    for field, value in forced.items():
+        if field in given and given[field] != value:
+            raise ConfigError(f"config.model.{field}={given[field]} but {where[field]} gives "
+                              f"{value}; set one of them (the data sets the model's {field})")
+    patch = own.get("patch_size")
+    if patch and forced["image_size"] % patch:
+        s = forced["image_size"]
+        raise ConfigError(f"config.data.image_size={s} is not a multiple of the ViT's "
+                          f"patch_size={patch}; valid: {[patch * k for k in range(max(1, s // patch - 1), s // patch + 3)]}"
+                          f", or a config.model.patch_size dividing {s}")
+    return forced
+
+
+def _save_classes(workdir: str, classes) -> None:
+    from etils import epath
+    epath.Path(workdir_lib.path(workdir, CLASSES_FILE)).write_text(json.dumps(list(classes)))
+
+
+def _check_classes(workdir: str, classes) -> None:
+    """A run continued (or evaluated) on other classes than it trained on is an error,
+    never a silently different dataset."""
+    from etils import epath
+    if not workdir or not classes:
+        return
+    saved = epath.Path(workdir_lib.path(workdir, CLASSES_FILE))
+    if saved.exists():
+        before = json.loads(saved.read_text())
+        if before != list(classes):
+            changed = sorted(set(before) ^ set(classes))[:5] or "their order"
+            raise ConfigError(f"{saved} holds the {len(before)} classes this run trained on; the "
+                              f"data now has {len(classes)} (differing: {changed}); valid: the "
+                              f"same class folders, or a new workdir")
+
+
+def _vit_entries(cfg, eval_src, eval_transform, classes=None) -> dict:
     # Patches (+ [CLS]): the tokens an image is to the Transformer.
     tokens = cfg.grid_size ** 2 + (1 if cfg.pool == "cls" else 0)
     return dict(tokens_per_example=tokens,
-                attention_input=_image_attention_input(cfg, eval_src, eval_transform),
+                attention_input=_image_attention_input(cfg, eval_src, eval_transform, classes),
                 flops_per_unit=lambda params: tokens * flops.flops_per_token(
                     flops.matmul_params(params), cfg.num_layers, tokens, cfg.d_model))
 
 
-def _cnn_entries(cfg, eval_src, eval_transform) -> dict:
+def _cnn_entries(cfg, eval_src, eval_transform, classes=None) -> dict:
     # The CNN's stride-1 convolutions run at every pixel of the image.
     return dict(flops_per_unit=lambda params: flops.conv_flops_per_example(
         params, cfg.image_size ** 2))
 
 
-def _image_attention_input(cfg, source, transform):
+def _image_attention_input(cfg, source, transform, classes=None):
     """Task.attention_input of the ViT: eval image `index`, labelled by patch row,column."""
     def attention_input(params, text: str | None = None, *, target: str | None = None,
                         index: int = 0) -> AttentionInput:
@@ -94,8 +233,12 @@ def _image_attention_input(cfg, source, transform):
             labels = ["[CLS]"] + labels
         return AttentionInput(inputs=(np.asarray(example["image"], np.float32)[None],),
                               labels={"self": (labels, labels)}, info={"tokens": labels},
-                              title=f"eval image {index} (label {int(example['label'])})")
+                              title=f"eval image {index} (label {_label_name(example['label'], classes)})")
     return attention_input
+
+
+def _label_name(label, classes) -> str:
+    return f"{int(label)}: {classes[int(label)]}" if classes else str(int(label))
 
 
 register("vit", image_task, provides=("classify", "attention_input", "flops_per_unit",
