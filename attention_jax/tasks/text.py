@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,97 @@ def _text_attention_input(tok, context: int | None, name: str):
 
 
 
+# The data keys of each text task, with their defaults.
+GPT_DATA = dict(name="python_stdlib", data_dir="", max_files=0, max_documents=0,
+                tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
+                eval_split="validation", packing="documents", **TEXT_FILE_KEYS)
+MLM_DATA = dict(name="python_stdlib", data_dir="", max_files=0, max_documents=0,
+                tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
+                train_split="train", eval_split="validation", **TEXT_FILE_KEYS)
+
+
+def _check_mlm_tokenizer(data_opts) -> None:
+    if not is_tokenizer_path(data_opts.tokenizer) and data_opts.tokenizer not in ("bpe", "wordpiece"):
+        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: MLM needs a [MASK] token; "
+                          f"valid: ['bpe', 'wordpiece'] or a tokenizer.json with one")
+
+
+def _check_mask(data_opts, tok) -> None:
+    if getattr(tok, "mask_id", None) is None:
+        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {tok.path} has no mask "
+                          f"token, which MLM needs; valid: a tokenizer with one "
+                          f"({', '.join(ROLE_NAMES['mask'])}), or 'bpe' / 'wordpiece'")
+
+
+def _tokenizer(data_opts, workdir: str, train_docs):
+    """The run's tokenizer (run_tokenizer); a trained one learns from the first 300
+    training documents. Padding tells itself by segment ids here, so a pad that is the
+    end-of-text token is accepted."""
+    return run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
+                                                      for i in range(min(len(train_docs), 300))],
+                         pad_may_be_eos=True)
+
+
+def cache_root(data_opts) -> str:
+    """Where the files' tokens are prepared: data.cache_dir, else DATA_DIR/token_cache."""
+    from attention_jax.data.sources import default_data_dir
+    return data_opts.cache_dir or os.path.join(data_opts.data_dir or default_data_dir(),
+                                               "token_cache")
+
+
+def prepare_files(data_opts, tok, train_docs, eval_docs, *, process_index: int | None = None,
+                  process_count: int | None = None, workers: int | None = None,
+                  progress: bool = True) -> dict[str, str]:
+    """Tokenizes the train and eval documents of data.name="files" into the token cache
+    (data/token_cache.py) unless they are there: {'train': dir, 'eval': dir}. Every
+    process of a job calls it; they share the shards of a shared cache directory."""
+    from attention_jax.data import token_cache
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    return {label: token_cache.prepare(
+        docs, tok, cache_root(data_opts), text_key=data_opts.text_key,
+        max_documents=data_opts.max_documents, workers=workers, process_index=process_index,
+        process_count=process_count, progress=progress, label=data_opts[key])
+        for label, key, docs in (("train", "train_split", train_docs),
+                                 ("eval", "eval_split", eval_docs))}
+
+
+def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) -> dict[str, str]:
+    """What `python -m attention_jax.data.prepare` does: the token cache of a text task's
+    files, with the tokenizer the run would use (the one saved in `workdir` when given)."""
+    import tempfile
+    defaults = {"gpt": GPT_DATA, "bert_mlm": MLM_DATA}
+    if config.get("task") not in defaults:
+        raise ConfigError(f"config.task={config.get('task')!r}: prepare tokenizes text for the "
+                          f"tasks {sorted(defaults)}")
+    data_opts = data_options(config, **defaults[config.task])
+    if data_opts.name != "files":
+        raise ConfigError(f"config.data.name={data_opts.name!r}: prepare reads your files; set "
+                          f"--config.data.name=files --config.data.files=GLOBS")
+    if config.task == "bert_mlm":
+        _check_mlm_tokenizer(data_opts)
+    train_docs, eval_docs = _documents(data_opts)
+    with tempfile.TemporaryDirectory() as scratch:  # no workdir: nothing saved is read
+        tok = _tokenizer(data_opts, workdir or scratch, train_docs)
+    if config.task == "bert_mlm":
+        _check_mask(data_opts, tok)
+    return prepare_files(data_opts, tok, train_docs, eval_docs, **prepare_kwargs)
+
+
+def _rows(data_opts, tok, train_docs, eval_docs, packing: str):
+    """(train, eval) rows of data.seq_len: the user's files through the token cache,
+    prepared on first use and memory-mapped; a dataset packed in memory (PackedSource)."""
+    from attention_jax import data
+    from attention_jax.data import token_cache
+    if data_opts.name == "files":
+        dirs = prepare_files(data_opts, tok, train_docs, eval_docs)
+        return tuple(token_cache.TokenRows(dirs[label], data_opts.seq_len, pad_id=tok.pad_id,
+                                           packing=packing) for label in ("train", "eval"))
+    return tuple(data.packed_lm_source(docs, tok, data_opts.seq_len,
+                                       max_documents=data_opts.max_documents or None)
+                 for docs in (train_docs, eval_docs))
+
+
 def _documents(data_opts):
     """The train and eval documents: the user's files (data.name="files") or a dataset."""
     from attention_jax.data import files
@@ -78,23 +170,18 @@ def lm_task(config, workdir: str) -> Task:
     # packing: "documents" keeps each packed document to itself (segment ids, positions
     # restarting per document); "stream" reads a row as a window of one token stream, as
     # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
-    data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
-                     tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
-                     eval_split="validation", packing="documents", **TEXT_FILE_KEYS)
+    data_opts = data_options(config, **GPT_DATA)
     train_docs, eval_docs = _documents(data_opts)
     # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
     # (GPT-2's) pads with its end-of-text token.
-    tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
-                                          for i in range(min(len(train_docs), 300))],
-                        pad_may_be_eos=True)
+    tok = _tokenizer(data_opts, workdir, train_docs)
     cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
     if cfg.position == "learned" and data_opts.seq_len > cfg.max_len:
         raise ConfigError(f"config.data.seq_len={data_opts.seq_len} exceeds config.model.max_len="
                           f"{cfg.max_len}; valid: seq_len <= {cfg.max_len}")
     model = gpt.GPT(cfg)
-    pack = lambda docs: data.packed_lm_source(docs, tok, data_opts.seq_len,
-                                              max_documents=data_opts.max_documents or None)
+    train_rows, eval_rows = _rows(data_opts, tok, train_docs, eval_docs, data_opts.packing)
 
     # train.loss_chunk_size > 0: the head and the loss a chunk of positions at a time (the
     # [B, T, V] logits never exist at once); .get: a run's config.json from before the key.
@@ -136,7 +223,7 @@ def lm_task(config, workdir: str) -> Task:
     # An untied head's input table is only looked up; a tied one is the output matmul.
     lookups = flops.LOOKUP_TABLES + (() if cfg.tie_embeddings else ("token_embedding",))
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, data_opts.seq_len), jnp.int32))["params"],
-                loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
+                loss=loss, train_source=train_rows, eval_source=eval_rows,
                 train_transform=data.CausalLM(data_opts.packing), eval_transform=data.CausalLM(data_opts.packing),
                 unit="tokens",
                 count=lambda b: int(np.sum(b["weights"])), sample=sample,
@@ -154,27 +241,17 @@ def mlm_task(config, workdir: str) -> Task:
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import bert
-    data_opts = data_options(config, name="python_stdlib", data_dir="", max_files=0, max_documents=0,
-                     tokenizer="bpe", vocab_size=2048, seq_len=128, mask_rate=0.15,
-                     train_split="train", eval_split="validation", **TEXT_FILE_KEYS)
-    if not is_tokenizer_path(data_opts.tokenizer) and data_opts.tokenizer not in ("bpe", "wordpiece"):
-        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: MLM needs a [MASK] token; "
-                          f"valid: ['bpe', 'wordpiece'] or a tokenizer.json with one")
+    data_opts = data_options(config, **MLM_DATA)
+    _check_mlm_tokenizer(data_opts)
     train_docs, eval_docs = _documents(data_opts)
     # Padding is never masked (a special id) nor attended to (segment ids): a pad that is
     # the end-of-text token is harmless here too.
-    tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
-                                          for i in range(min(len(train_docs), 300))],
-                        pad_may_be_eos=True)
-    if getattr(tok, "mask_id", None) is None:
-        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {tok.path} has no mask "
-                          f"token, which MLM needs; valid: a tokenizer with one "
-                          f"({', '.join(ROLE_NAMES['mask'])}), or 'bpe' / 'wordpiece'")
+    tok = _tokenizer(data_opts, workdir, train_docs)
+    _check_mask(data_opts, tok)
     cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
                        dtype=config.train.compute_dtype)
     model = bert.Bert(cfg)
-    pack = lambda docs: data.packed_lm_source(docs, tok, data_opts.seq_len,
-                                              max_documents=data_opts.max_documents or None)
+    train_rows, eval_rows = _rows(data_opts, tok, train_docs, eval_docs, "documents")
     transform = data.MaskedLM.for_tokenizer(tok, data_opts.mask_rate)
     # The MLM head runs on the M predicted positions only (as BERT's own code does): a
     # [B, T, V] logit array would dominate memory for a 30k vocabulary.
@@ -210,7 +287,7 @@ def mlm_task(config, workdir: str) -> Task:
     # The FLOP count is the full model's (every position through the vocabulary), as the
     # benchmarks count BERT; this loss projects only the ~15% predicted positions.
     return Task(model=model, init=lambda rng: model.init(rng, jnp.ones((1, data_opts.seq_len), jnp.int32))["params"],
-                loss=loss, train_source=pack(train_docs), eval_source=pack(eval_docs),
+                loss=loss, train_source=train_rows, eval_source=eval_rows,
                 train_transform=transform, eval_transform=transform, unit="tokens",
                 count=lambda b: int(np.sum(b["segment_ids"] != 0)),
                 save_assets=lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)), seq_len=data_opts.seq_len,

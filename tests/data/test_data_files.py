@@ -230,7 +230,7 @@ def test_a_tokenizer_file_keeps_its_ids_and_special_tokens(tmp_path):
 
 
 # ------------------------------------------------------------------- the command line
-def test_train_on_files_with_a_tokenizer_file_then_sample(corpus, tmp_path):
+def test_prepare_then_train_on_files_with_a_tokenizer_file_then_sample(corpus, tmp_path):
     root, expected = corpus
     tokenizer = _bpe_file(tmp_path / 'tokenizer.json', list(expected.values()))
     env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
@@ -239,6 +239,7 @@ def test_train_on_files_with_a_tokenizer_file_then_sample(corpus, tmp_path):
     args = ['--config=gpt', f'--workdir={work}', '--config.data.name=files',
             f'--config.data.files={root}/**/*.txt,{root}/*.jsonl.gz,{root}/*.parquet',
             f'--config.data.tokenizer={tokenizer}', '--config.data.eval_fraction=0.2',
+            f'--config.data.cache_dir={tmp_path / "cache"}',
             '--config.data.seq_len=32', '--config.model.num_layers=1',
             '--config.model.d_model=16', '--config.model.num_heads=2',
             '--config.train.steps=2', '--config.optim.warmup_steps=1',
@@ -248,8 +249,15 @@ def test_train_on_files_with_a_tokenizer_file_then_sample(corpus, tmp_path):
     run = lambda *extra: subprocess.run([sys.executable, '-m', 'attention_jax.main', *args,
                                          *extra], env=env, cwd=REPO, capture_output=True,
                                         text=True, timeout=300)
+    # Tokenized once by the prepare command; the run then opens the cache, preparing nothing.
+    prepare = subprocess.run([sys.executable, '-m', 'attention_jax.data.prepare', *args[:1],
+                              *args[2:]], env=env, cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    assert prepare.stdout.startswith('train: ') and 'tokens (uint16)' in prepare.stdout
     out = run()
     assert out.returncode == 0, out.stderr[-3000:]
+    assert 'prepare ' not in out.stderr and len(os.listdir(tmp_path / 'cache')) == 2
     saved = data.load_tokenizer(str(work / 'tokenizer'))
     assert saved.kind == 'file' and saved.vocab_size == 300
     assert json.load(open(work / 'config.json'))['data']['tokenizer'] == tokenizer
