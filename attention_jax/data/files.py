@@ -452,13 +452,24 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
     if not text_key:
         raise FilesError(f"{arg}text_key='' names no key; valid: the key that holds the text")
     # Listing is cheap; indexing is cached on what was listed (paths, sizes, mtimes).
-    listed = []
+    listed = corpus_listing(files, eval_files, max_files=max_files, arg=arg)
+    return _splits(*(tuple(map(tuple, listed[k])) for k in ('files', 'eval_files')), text_key,
+                   eval_fraction, max_bad_records, arg,
+                   files if isinstance(files, str) else ','.join(files))
+
+
+def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] = '', *,
+                   max_files: int = 0, arg: str = '') -> dict[str, list]:
+    """{'files': [[identity, path, size, mtime_ns], ...], 'eval_files': [...]}: what the
+    globs match, from a listing and a stat per file (no file is read). The splits are a
+    function of it (and eval_fraction), so it keys what is derived from them: the
+    indexing here, the token cache (data/token_cache.py)."""
+    listed = {}
     for name, spec, limit in (('files', files, max_files), ('eval_files', eval_files, 0)):
         found = list_files(spec, f'{arg}{name}', limit) if spec or name == 'files' else []
-        listed.append(tuple((ident, path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
-                            for ident, path in found))
-    return _splits(*listed, text_key, eval_fraction, max_bad_records, arg,
-                   files if isinstance(files, str) else ','.join(files))
+        listed[name] = [[ident, path, os.stat(path).st_size, os.stat(path).st_mtime_ns]
+                        for ident, path in found]
+    return listed
 
 
 @functools.lru_cache(maxsize=4)

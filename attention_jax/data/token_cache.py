@@ -83,16 +83,22 @@ def _membership(docs) -> str:
 
 
 def cache_inputs(docs, tokenizer, *, text_key: str = 'text', max_documents: int = 0,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, source: str = '') -> dict:
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, source=None) -> dict:
     """Everything the tokens of a prepared split depend on (the key hashes this).
-    `source` names a source that is not a FileDocuments (e.g. a dataset and its options)."""
+
+    source: a JSON-able description of the documents that changes whenever they may
+      (the task gives files.corpus_listing plus the split and how it is drawn, so a
+      prepared cache is found without indexing any file); None: derived from `docs`, a
+      FileDocuments (its files' stats and which of their documents it holds)."""
     from attention_jax.data.tokenization import fingerprint
-    files = _file_stats(docs)
-    if not files and not source:
-        raise ValueError('cache_inputs: documents that are not files need source=... naming '
-                         'them (what would change their contents)')
-    return {'version': VERSION, 'files': files, 'source': source,
-            'documents': _membership(docs), 'text_key': text_key,
+    if source is None:
+        docs = docs() if callable(docs) else docs
+        files = _file_stats(docs)
+        if not files:
+            raise ValueError('cache_inputs: documents that are not files need source=... '
+                             'describing them (what would change their contents)')
+        source = {'files': files, 'documents': _membership(docs)}
+    return {'version': VERSION, 'source': source, 'text_key': text_key,
             'max_documents': int(max_documents or 0), 'tokenizer': fingerprint(tokenizer),
             'eos_id': getattr(tokenizer, 'eos_id', None), 'shard_bytes': int(shard_bytes)}
 
@@ -241,9 +247,11 @@ def _plan(docs, shard_bytes: int, max_documents: int) -> list[tuple[int, int]]:
 def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents: int = 0,
             shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int | None = None,
             process_index: int = 0, process_count: int = 1, progress: bool = True,
-            label: str = 'split', source: str = '', stall_s: float = 300.0) -> str:
+            label: str = 'split', source=None, stall_s: float = 300.0) -> str:
     """Tokenizes `docs` into the cache under `root` unless it is there; returns its
-    directory (module docstring). Safe to call from every process of a job."""
+    directory (module docstring). Safe to call from every process of a job. `docs` may
+    be a function returning them, called only when there is something to tokenize;
+    `source`: see cache_inputs."""
     inputs = cache_inputs(docs, tokenizer, text_key=text_key, max_documents=max_documents,
                           shard_bytes=shard_bytes, source=source)
     directory = os.path.join(os.path.expanduser(root), cache_key(inputs))
@@ -260,6 +268,7 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
         _check_inputs(directory, _read_json(recorded), inputs)
     else:
         _write_json(recorded, inputs)
+    docs = docs() if callable(docs) else docs
     plan = _plan(docs, shard_bytes, max_documents)
     if not plan:
         raise CacheError(f'{label}: no documents to prepare')

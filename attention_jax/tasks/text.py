@@ -67,13 +67,14 @@ def _check_mask(data_opts, tok) -> None:
                           f"({', '.join(ROLE_NAMES['mask'])}), or 'bpe' / 'wordpiece'")
 
 
-def _tokenizer(data_opts, workdir: str, train_docs):
+def _tokenizer(data_opts, workdir: str, documents):
     """The run's tokenizer (run_tokenizer); a trained one learns from the first 300
     training documents. Padding tells itself by segment ids here, so a pad that is the
     end-of-text token is accepted."""
-    return run_tokenizer(data_opts, workdir, lambda: [as_text(train_docs[i]["text"])
-                                                      for i in range(min(len(train_docs), 300))],
-                         pad_may_be_eos=True)
+    def texts():
+        train = documents.docs("train")
+        return [as_text(train[i]["text"]) for i in range(min(len(train), 300))]
+    return run_tokenizer(data_opts, workdir, texts, pad_may_be_eos=True)
 
 
 def cache_root(data_opts) -> str:
@@ -83,21 +84,22 @@ def cache_root(data_opts) -> str:
                                                "token_cache")
 
 
-def prepare_files(data_opts, tok, train_docs, eval_docs, *, process_index: int | None = None,
+def prepare_files(data_opts, tok, documents, *, process_index: int | None = None,
                   process_count: int | None = None, workers: int | None = None,
                   progress: bool = True) -> dict[str, str]:
     """Tokenizes the train and eval documents of data.name="files" into the token cache
     (data/token_cache.py) unless they are there: {'train': dir, 'eval': dir}. Every
-    process of a job calls it; they share the shards of a shared cache directory."""
+    process of a job calls it; they share the shards of a shared cache directory. A
+    prepared cache is found from the files' listing alone: no file is read or indexed."""
     from attention_jax.data import token_cache
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     return {label: token_cache.prepare(
-        docs, tok, cache_root(data_opts), text_key=data_opts.text_key,
+        lambda label=label: documents.docs(label), tok, cache_root(data_opts),
+        source=documents.source(label), text_key=data_opts.text_key,
         max_documents=data_opts.max_documents, workers=workers, process_index=process_index,
-        process_count=process_count, progress=progress, label=data_opts[key])
-        for label, key, docs in (("train", "train_split", train_docs),
-                                 ("eval", "eval_split", eval_docs))}
+        process_count=process_count, progress=progress, label=documents.split(label))
+        for label in ("train", "eval")}
 
 
 def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) -> dict[str, str]:
@@ -114,52 +116,76 @@ def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) ->
                           f"--config.data.name=files --config.data.files=GLOBS")
     if config.task == "bert_mlm":
         _check_mlm_tokenizer(data_opts)
-    train_docs, eval_docs = _documents(data_opts)
+    documents = _Documents(data_opts)
     with tempfile.TemporaryDirectory() as scratch:  # no workdir: nothing saved is read
-        tok = _tokenizer(data_opts, workdir or scratch, train_docs)
+        tok = _tokenizer(data_opts, workdir or scratch, documents)
     if config.task == "bert_mlm":
         _check_mask(data_opts, tok)
-    return prepare_files(data_opts, tok, train_docs, eval_docs, **prepare_kwargs)
+    return prepare_files(data_opts, tok, documents, **prepare_kwargs)
 
 
-def _rows(data_opts, tok, train_docs, eval_docs, packing: str):
+def _rows(data_opts, tok, documents, packing: str):
     """(train, eval) rows of data.seq_len: the user's files through the token cache,
     prepared on first use and memory-mapped; a dataset packed in memory (PackedSource)."""
     from attention_jax import data
     from attention_jax.data import token_cache
     if data_opts.name == "files":
-        dirs = prepare_files(data_opts, tok, train_docs, eval_docs)
+        dirs = prepare_files(data_opts, tok, documents)
         return tuple(token_cache.TokenRows(dirs[label], data_opts.seq_len, pad_id=tok.pad_id,
                                            packing=packing) for label in ("train", "eval"))
-    return tuple(data.packed_lm_source(docs, tok, data_opts.seq_len,
+    return tuple(data.packed_lm_source(documents.docs(label), tok, data_opts.seq_len,
                                        max_documents=data_opts.max_documents or None)
-                 for docs in (train_docs, eval_docs))
+                 for label in ("train", "eval"))
 
 
-def _documents(data_opts):
-    """The train and eval documents: the user's files (data.name="files") or a dataset."""
-    from attention_jax.data import files
-    if data_opts.name != "files":
-        for key in ("files", "eval_files"):
-            if data_opts[key]:
-                raise ConfigError(f"config.data.{key}={data_opts[key]!r} is read only with "
-                                  f"config.data.name='files' (now {data_opts.name!r}); set "
-                                  f"--config.data.name=files")
-        return splits(data_opts, **corpus_options(data_opts))
-    if not data_opts.files:
-        raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
-                          f"(comma-separated globs of {', '.join(files.SUFFIXES)} files)")
-    check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
-    check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
-    by_split = files.file_splits(
-        data_opts.files, data_opts.eval_files, text_key=data_opts.text_key,
-        eval_fraction=data_opts.eval_fraction, max_bad_records=data_opts.max_bad_records,
-        max_files=data_opts.max_files, arg="config.data.")
-    for key in ("train_split", "eval_split"):
-        if data_opts[key] not in by_split:
-            raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has the "
-                              f"splits {list(by_split)}")
-    return by_split[data_opts.train_split], by_split[data_opts.eval_split]
+class _Documents:
+    """The train and eval documents: a dataset's splits, or the user's files
+    (data.name="files"), which are listed at once (a glob that matches nothing fails
+    now) and indexed only when documents are read: a prepared token cache never is."""
+
+    def __init__(self, data_opts):
+        from attention_jax.data import files
+        self.opts = data_opts
+        if data_opts.name != "files":
+            for key in ("files", "eval_files"):
+                if data_opts[key]:
+                    raise ConfigError(f"config.data.{key}={data_opts[key]!r} is read only with "
+                                      f"config.data.name='files' (now {data_opts.name!r}); set "
+                                      f"--config.data.name=files")
+            self._docs = dict(zip(("train", "eval"), splits(data_opts, **corpus_options(data_opts))))
+            return
+        if not data_opts.files:
+            raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
+                              f"(comma-separated globs of {', '.join(files.SUFFIXES)} files)")
+        check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
+        check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
+        for key in ("train_split", "eval_split"):
+            if data_opts[key] not in files.SPLITS:
+                raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has "
+                                  f"the splits {list(files.SPLITS)}")
+        self.listing = files.corpus_listing(data_opts.files, data_opts.eval_files,
+                                            max_files=data_opts.max_files, arg="config.data.")
+        self._docs = None
+
+    def split(self, label: str) -> str:
+        return self.opts["train_split" if label == "train" else "eval_split"]
+
+    def docs(self, label: str):
+        """The documents of 'train' or 'eval' (indexing the files on first use)."""
+        if self._docs is None:
+            from attention_jax.data import files
+            by_split = files.file_splits(
+                self.opts.files, self.opts.eval_files, text_key=self.opts.text_key,
+                eval_fraction=self.opts.eval_fraction, max_bad_records=self.opts.max_bad_records,
+                max_files=self.opts.max_files, arg="config.data.")
+            self._docs = {"train": by_split[self.split("train")],
+                          "eval": by_split[self.split("eval")]}
+        return self._docs[label]
+
+    def source(self, label: str) -> dict:
+        """What the files' split `label` is a function of (the token cache's key)."""
+        drawn = None if self.listing["eval_files"] else self.opts.eval_fraction
+        return {**self.listing, "split": self.split(label), "eval_fraction": drawn}
 
 
 def lm_task(config, workdir: str) -> Task:
@@ -171,17 +197,17 @@ def lm_task(config, workdir: str) -> Task:
     # restarting per document); "stream" reads a row as a window of one token stream, as
     # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
     data_opts = data_options(config, **GPT_DATA)
-    train_docs, eval_docs = _documents(data_opts)
+    documents = _Documents(data_opts)
     # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
     # (GPT-2's) pads with its end-of-text token.
-    tok = _tokenizer(data_opts, workdir, train_docs)
+    tok = _tokenizer(data_opts, workdir, documents)
     cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
     if cfg.position == "learned" and data_opts.seq_len > cfg.max_len:
         raise ConfigError(f"config.data.seq_len={data_opts.seq_len} exceeds config.model.max_len="
                           f"{cfg.max_len}; valid: seq_len <= {cfg.max_len}")
     model = gpt.GPT(cfg)
-    train_rows, eval_rows = _rows(data_opts, tok, train_docs, eval_docs, data_opts.packing)
+    train_rows, eval_rows = _rows(data_opts, tok, documents, data_opts.packing)
 
     # train.loss_chunk_size > 0: the head and the loss a chunk of positions at a time (the
     # [B, T, V] logits never exist at once); .get: a run's config.json from before the key.
@@ -243,15 +269,15 @@ def mlm_task(config, workdir: str) -> Task:
     from attention_jax.models import bert
     data_opts = data_options(config, **MLM_DATA)
     _check_mlm_tokenizer(data_opts)
-    train_docs, eval_docs = _documents(data_opts)
+    documents = _Documents(data_opts)
     # Padding is never masked (a special id) nor attended to (segment ids): a pad that is
     # the end-of-text token is harmless here too.
-    tok = _tokenizer(data_opts, workdir, train_docs)
+    tok = _tokenizer(data_opts, workdir, documents)
     _check_mask(data_opts, tok)
     cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
                        dtype=config.train.compute_dtype)
     model = bert.Bert(cfg)
-    train_rows, eval_rows = _rows(data_opts, tok, train_docs, eval_docs, "documents")
+    train_rows, eval_rows = _rows(data_opts, tok, documents, "documents")
     transform = data.MaskedLM.for_tokenizer(tok, data_opts.mask_rate)
     # The MLM head runs on the M predicted positions only (as BERT's own code does): a
     # [B, T, V] logit array would dominate memory for a 30k vocabulary.
