@@ -77,6 +77,12 @@ def image_task(config, workdir: str) -> Task:
         return np.asarray(predict(params, batch["image"])), np.asarray(batch["label"], np.int32)
 
     def preprocess(train: bool):
+        try:
+            return _preprocess(train)
+        except images_lib.ImagesError as e:  # a mean/std that does not fit the channels
+            raise ConfigError(str(e)) from None
+
+    def _preprocess(train: bool):
         return images_lib.Preprocess(
             image_size=cfg.image_size, channels=cfg.num_channels, train=train,
             crop=data_opts.train_crop, padding=data_opts.padding,

@@ -1,0 +1,242 @@
+"""Your own images (data/images.py): the folder source (modes, splits, bad input), the
+preprocessing ops against hand-computed results, mixup/cutmix targets, and the image
+task's checks of what the data sets in the model (tasks/images.py)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from attention_jax import config as config_lib
+from attention_jax.data import images as images_lib
+from attention_jax.data import objectives
+from attention_jax.data.images import ImagesError, Preprocess, folder_splits
+from attention_jax.errors import ConfigError
+from attention_jax.models.losses import cross_entropy
+from attention_jax.tasks import TASKS
+from attention_jax.tasks.images import soft_cross_entropy
+
+
+def _folder(root, per_class=3, classes=("bee", "ant", "cat"), size=(12, 10)):
+    """PNG images of constant grey value 50*(creation index)+k (k < 50) in each class folder."""
+    for c, name in enumerate(classes):
+        os.makedirs(root / name, exist_ok=True)
+        for k in range(per_class):
+            Image.fromarray(np.full(size, 50 * c + k, np.uint8)).save(root / name / f"{k}.png")
+    return root
+
+
+# ===================================================================== source and modes
+def test_every_mode_decodes_to_rgb_or_grey(tmp_path):
+    (tmp_path / "a").mkdir()
+    rgb = np.zeros((5, 7, 3), np.uint8)
+    rgb[..., 0], rgb[..., 1], rgb[..., 2] = 200, 100, 50
+    Image.fromarray(np.full((5, 7), 77, np.uint8)).save(tmp_path / "a" / "grey.png")
+    Image.fromarray(np.dstack([rgb, np.full((5, 7), 9, np.uint8)])).save(tmp_path / "a" / "rgba.png")
+    Image.fromarray(rgb).convert("P", palette=Image.Palette.ADAPTIVE).save(tmp_path / "a" / "palette.png")
+    Image.fromarray(np.full((5, 7), 65535, np.uint16)).save(tmp_path / "a" / "sixteen.png")
+    Image.fromarray(rgb).save(tmp_path / "a" / "photo.JPG", quality=100)
+    (tmp_path / "a" / "notes.txt").write_text("not an image, not listed")
+    want = {"grey.png": (77, 77, 77), "rgba.png": (200, 100, 50), "palette.png": (200, 100, 50),
+            "sixteen.png": (255, 255, 255), "photo.JPG": (200, 100, 50)}
+    for name, rgb_value in want.items():
+        x = images_lib.decode(str(tmp_path / "a" / name))
+        assert x.shape == (5, 7, 3) and x.dtype == np.uint8, name
+        np.testing.assert_allclose(x.reshape(-1, 3).mean(0), rgb_value, atol=2, err_msg=name)
+        grey = images_lib.decode(str(tmp_path / "a" / name), channels=1)
+        assert grey.shape == (5, 7, 1)
+    classes, files = images_lib.list_classes(str(tmp_path))
+    assert classes == ["a"] and len(files[0]) == 5  # the .txt is not an image
+
+
+def test_classes_labels_and_a_split_that_depends_only_on_the_path(tmp_path):
+    root = _folder(tmp_path / "f", per_class=20)
+    splits, classes = folder_splits(str(root), eval_fraction=0.25)
+    assert classes == ["ant", "bee", "cat"]  # sorted folder names; label i is classes[i]
+    train, val = splits["train"], splits["validation"]
+    assert len(train) + len(val) == 60 and 5 <= len(val) <= 25
+    for src in (train, val):
+        for i in range(len(src)):
+            r = src[i]
+            # The pixel value tells the folder it came from: 50*(the creation order) + k.
+            assert ["bee", "ant", "cat"][int(r["image"][0, 0, 0]) // 50] == classes[r["label"]]
+    held = set(val.paths)
+    # A new image elsewhere moves no existing image across the split.
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(root / "ant" / "new.png")
+    again = folder_splits(str(root), eval_fraction=0.25)[0]["validation"]
+    assert held <= set(again.paths) and set(again.paths) - held <= {os.path.join("ant", "new.png")}
+
+
+def test_eval_root_must_hold_the_same_classes(tmp_path):
+    root, other = _folder(tmp_path / "train"), _folder(tmp_path / "val", per_class=2)
+    splits, _ = folder_splits(str(root), str(other))
+    assert (len(splits["train"]), len(splits["validation"])) == (9, 6)
+    odd = _folder(tmp_path / "odd", classes=("ant", "bee", "dog"))
+    with pytest.raises(ImagesError, match=r"eval_root=.* has other classes than root "
+                                          r"\(differing: \['cat', 'dog'\]\)"):
+        folder_splits(str(root), str(odd))
+    with pytest.raises(ImagesError, match="is root itself"):
+        folder_splits(str(root), str(root))
+
+
+def test_bad_folders_one_line_each(tmp_path):
+    with pytest.raises(ImagesError, match=r"root='.*nowhere' does not exist; valid: a folder"):
+        folder_splits(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImagesError, match=r"has no class subfolders"):
+        folder_splits(str(tmp_path / "empty"))
+    root = _folder(tmp_path / "f")
+    (root / "dog").mkdir()
+    (root / "dog" / "readme.txt").write_text("no images here")
+    with pytest.raises(ImagesError, match=r"class folder 'dog' has no images \(.jpg, .jpeg, .png\)"):
+        folder_splits(str(root))
+
+
+def test_corrupt_and_truncated_images_are_skipped_counted_then_refused(tmp_path, capsys):
+    root = _folder(tmp_path / "f", per_class=2, classes=("a",))
+    good = (root / "a" / "0.png").read_bytes()
+    (root / "a" / "1.png").write_bytes(good[: len(good) // 2])  # truncated
+    (root / "a" / "2.png").write_bytes(b"not a png at all")  # corrupt
+    src = images_lib.ImageFiles(str(root), ["a/1.png", "a/2.png", "a/0.png"], [0, 0, 0], ["a"],
+                                max_bad_records=2)
+    first = src[0]  # both bad ones skipped: the next good image (a/0.png) stands in
+    np.testing.assert_array_equal(first["image"], src[2]["image"])
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 2 and "(bad image 2, at most 2)" in err
+    src[1]
+    assert capsys.readouterr().err == ""  # a bad file is reported once
+    strict = images_lib.ImageFiles(str(root), ["a/1.png", "a/2.png", "a/0.png"], [0, 0, 0], ["a"],
+                                   max_bad_records=1, arg="config.data.")
+    with pytest.raises(ImagesError, match=r"2 bad images, more than config.data.max_bad_records=1"):
+        strict[0]
+
+
+# ============================================================================= preprocess
+def test_eval_resizes_the_shorter_side_and_cuts_the_centre():
+    image = np.zeros((4, 8, 1), np.uint8)
+    image[:, 2:6, 0] = np.arange(16, dtype=np.uint8).reshape(4, 4) * 10 + 50
+    out = Preprocess(4, channels=1, mean=(0.0,), std=(1.0,))({"image": image, "label": 3},
+                                                              np.random.default_rng(0))
+    # No resize (shorter side already 4): exactly the centre 4×4, divided by 255.
+    np.testing.assert_allclose(out["image"], image[:, 2:6] / 255.0, atol=1e-6)
+    assert out["label"] == 3 and out["label"].dtype == np.int32
+    # Downscaling a ramp 8 -> 4 wide: PIL's bilinear widens its triangle filter to 2 input
+    # pixels when shrinking 2x (antialiased), which keeps a linear ramp linear away from the
+    # borders: output column j samples x = 2j + 0.5 (pixel centres), 10x = 25, 45.
+    ramp = np.tile(np.arange(8, dtype=np.uint8) * 10, (8, 1))[..., None]
+    small = images_lib.resize_box(ramp, images_lib.centre_box(8, 8), 4)[..., 0]
+    np.testing.assert_allclose(small[:, 1:3], [[25, 45]] * 4, atol=1)
+    flat = images_lib.resize_box(np.full((37, 50, 3), 99, np.uint8), (3.5, 1.2, 40.1, 30.0), 9)
+    assert flat.shape == (9, 9, 3) and (flat == 99).all()
+
+
+def test_mean_std_per_channel_and_channel_conversion():
+    image = np.full((2, 2, 1), 255, np.uint8)  # grey to RGB: repeated
+    prep = Preprocess(2, channels=3, mean=images_lib.parse_floats("0.5,0.25,0", "mean", 3),
+                      std=images_lib.parse_floats(0.5, "std", 3))
+    out = prep({"image": image, "label": 0}, np.random.default_rng(0))["image"]
+    np.testing.assert_allclose(out[0, 0], [(1 - 0.5) / 0.5, (1 - 0.25) / 0.5, 2.0])
+    with pytest.raises(ImagesError, match=r"mean='0.1,0.2' must be one number or 3 comma-separated"):
+        images_lib.parse_floats("0.1,0.2", "mean", 3)
+
+
+def test_flip_mirrors_half_the_draws_and_random_crop_keeps_the_size():
+    image = np.arange(16, dtype=np.uint8).reshape(4, 4, 1)
+    prep = Preprocess(4, channels=1, train=True, crop="none", flip=True, mean=(0.0,), std=(1.0 / 255,))
+    outs = [np.round(prep({"image": image, "label": 0}, np.random.default_rng(s))["image"][..., 0])
+            for s in range(40)]
+    flipped = sum(np.array_equal(o, image[:, ::-1, 0]) for o in outs)
+    assert flipped + sum(np.array_equal(o, image[..., 0]) for o in outs) == 40
+    assert 8 <= flipped <= 32
+    crop = Preprocess(4, channels=1, train=True, crop="random", padding=1)
+    assert crop({"image": image, "label": 0}, np.random.default_rng(0))["image"].shape == (4, 4, 1)
+
+
+def test_random_resized_box_bounds():
+    rng = np.random.default_rng(0)
+    for h, w in ((375, 500), (64, 64), (10, 300)):
+        for _ in range(200):
+            left, top, right, bottom = images_lib.random_resized_box(h, w, rng, (0.2, 1.0))
+            assert 0 <= left < right <= w + 1e-9 and 0 <= top < bottom <= h + 1e-9
+            cw, ch = right - left, bottom - top
+            assert 3 / 4 - 1e-9 <= cw / ch <= 4 / 3 + 1e-9
+            if (h, w) != (10, 300):  # a long strip falls back to the clamped centre crop
+                assert 0.2 - 1e-9 <= cw * ch / (h * w) <= 1 + 1e-9
+    out = Preprocess(6, train=True, crop="random_resized")(
+        {"image": np.zeros((37, 50, 3), np.uint8), "label": 1}, np.random.default_rng(1))
+    assert out["image"].shape == (6, 6, 3) and out["image"].dtype == np.float32
+
+
+def test_mixup_and_cutmix_targets_sum_to_one_and_match_the_pixels():
+    images = jnp.stack([jnp.full((4, 4, 1), 1.0), jnp.full((4, 4, 1), 0.0)])  # [2, 4, 4, 1]
+    labels = jnp.array([0, 2])
+    mix = jax.jit(objectives.mix_batch, static_argnames=("num_classes", "mixup", "cutmix"))
+    for seed in range(2):
+        for kw in (dict(mixup=0.4), dict(cutmix=1.0), dict(mixup=0.4, cutmix=1.0)):
+            mixed, targets = mix(images, labels, jax.random.PRNGKey(seed), num_classes=3, **kw)
+            np.testing.assert_allclose(targets.sum(-1), 1.0, atol=1e-6)
+            # Image 0 is ones mixed with image 1 (zeros): its mean is its own share λ.
+            np.testing.assert_allclose(mixed[0].mean(), targets[0, 0], atol=1e-6)
+            np.testing.assert_allclose(targets[0, 2], 1 - targets[0, 0], atol=1e-6)
+    with pytest.raises(ValueError, match="at least one > 0"):
+        objectives.mix_batch(images, labels, jax.random.PRNGKey(0), num_classes=3)
+
+
+def test_soft_cross_entropy_of_one_hot_targets_is_the_hard_loss():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (5, 4))
+    labels = jnp.array([0, 3, 1, 1, 2])
+    for eps in (0.0, 0.1):
+        soft, m = soft_cross_entropy(logits, jax.nn.one_hot(labels, 4), eps)
+        hard, mh = cross_entropy(logits, labels, None, eps)
+        np.testing.assert_allclose(soft, hard, rtol=1e-5)
+        np.testing.assert_allclose(m["accuracy"], mh["accuracy"])
+
+
+# ============================================================ the task: data -> the model
+def _config(root, spec="vit", **overrides):
+    return config_lib.load(spec, {"data.name": "image_folder", "data.root": str(root),
+                                  "data.eval_fraction": 0.3, **overrides})
+
+
+def test_the_folder_sets_image_size_channels_and_classes(tmp_path):
+    root = _folder(tmp_path / "f")
+    task = TASKS["vit"](_config(root, **{"data.image_size": 12, "data.channels": 1}), "")
+    cfg = task.model.config
+    assert (cfg.image_size, cfg.num_channels, cfg.num_classes, cfg.grid_size) == (12, 1, 3, 6)
+    assert task.tokens_per_example == 37  # 6×6 patches + [CLS]
+    example = task.eval_transform(task.eval_source[0], np.random.default_rng(0))
+    assert example["image"].shape == (12, 12, 1)
+    task.save_assets(str(tmp_path))
+    assert json.loads((tmp_path / "classes.json").read_text()) == ["ant", "bee", "cat"]
+    cnn = TASKS["cnn"](_config(root, "inductive_bias:model=cnn", **{"data.image_size": 20}), "")
+    assert (cnn.model.config.image_size, cnn.model.config.num_channels) == (20, 3)
+
+
+def test_bad_image_options_one_line_each(tmp_path):
+    root = _folder(tmp_path / "f")
+    bad = [({"data.image_size": 15},
+            r"config.data.image_size=15 is not a multiple of the ViT's patch_size=2; valid: "),
+           ({"data.root": str(tmp_path / "no")}, r"config.data.root='.*no' does not exist"),
+           ({"data.root": ""}, r"needs --config.data.root=DIR"),
+           ({"data.train_crop": "inception"}, r"config.data.train_crop='inception' is unknown"),
+           ({"data.mean": "1,2"}, r"config.data.mean='1,2' must be one number or 3"),
+           ({"data.max_bad_records": -1}, r"config.data.max_bad_records=-1 is out of range")]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            TASKS["vit"](_config(root, **overrides), "")
+    # The number of classes comes from the folder; a different one asked is named.
+    config = _config(root, "inductive_bias:model=cnn")
+    config.model.num_classes = 10
+    with pytest.raises(ConfigError, match=r"config.model.num_classes=10 but the 3 classes of "
+                                          r"config.data.name='image_folder' gives 3"):
+        TASKS["cnn"](config, "")
+    # A run continued on other class folders is refused, never trained silently.
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "classes.json").write_text(json.dumps(["ant", "bee", "dog"]))
+    with pytest.raises(ConfigError, match=r"classes.json holds the 3 classes this run trained "
+                                          r"on; the data now has 3 \(differing: \['cat', 'dog'\]\)"):
+        TASKS["vit"](_config(root), str(tmp_path / "w"))
