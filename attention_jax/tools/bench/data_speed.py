@@ -1,0 +1,346 @@
+r"""Text data speed: `python -m attention_jax.tools.bench data [--sizes 100,1000]`.
+
+On generated corpora of --sizes MB of JSONL text (the Python standard library's sources,
+repeated, one document per .py file) and a byte-level BPE tokenizer.json of 8192 tokens
+trained here with `tokenizers`, every row in its own fresh process:
+
+  prepare          `token_cache.prepare` from the files (indexing them included), every
+                   core: MB of text/s and tokens/s; and, on the same documents already
+                   in memory, the tokenizers library's own `encode_batch` (all cores, the
+                   Rust thread pool) as the yardstick: prepare / encode_batch.
+  loader           tokens/s of one process's `Loader` over the prepared cache (rows of
+                   --seq_len, global shuffle, the CausalLM transform), stream and documents
+                   packing; against nanoGPT's reader (random windows of one `train.bin`
+                   memmap, x and y as int64), the same tokens per batch.
+  first batch      a run's data start over the prepared cache, as the GPT task does it:
+                   config, file listing, cache lookup, rows, loader, first batch; seconds
+                   (from the process start, imports included, and the data part alone)
+                   and peak RSS (ru_maxrss), for each corpus size: flat when nothing grows
+                   with the corpus.
+
+Corpora, tokenizer, caches and train.bin stay in --dir (default a folder under the
+system's temp dir) for the next run; --fresh prepares the caches again. Medians over
+--repeats where a row is repeated (the prepare rows run once per size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+_T0 = time.perf_counter()  # a child's start: what time-to-first-batch counts from
+
+FILE_MB = 100  # JSONL files of at most this many MB
+
+
+# ============================================================================ corpus setup
+def _stdlib_documents() -> list[str]:
+    root = sysconfig.get_paths()['stdlib']
+    docs = []
+    for dirpath, _, names in sorted(os.walk(root)):
+        if 'site-packages' in dirpath:
+            continue
+        for name in sorted(names):
+            if name.endswith('.py'):
+                try:
+                    with open(os.path.join(dirpath, name), encoding='utf-8') as f:
+                        docs.append(f.read())
+                except (OSError, UnicodeDecodeError):
+                    pass
+    return [d for d in docs if d.strip()]
+
+
+def make_corpus(directory: str, megabytes: int) -> str:
+    """`megabytes` MB of JSONL in `directory` (reused when there); returns its glob."""
+    done = os.path.join(directory, 'done')
+    if not os.path.exists(done):
+        os.makedirs(directory, exist_ok=True)
+        docs, target, written, k, i = _stdlib_documents(), megabytes * 10**6, 0, 0, 0
+        while written < target:
+            with open(os.path.join(directory, f'part-{k:03d}.jsonl'), 'w') as f:
+                part = 0
+                while part < FILE_MB * 10**6 and written < target:
+                    line = json.dumps({'text': docs[i % len(docs)],
+                                       'copy': i // len(docs)}) + '\n'
+                    f.write(line)
+                    part += len(line)
+                    written += len(line)
+                    i += 1
+            k += 1
+        open(done, 'w').close()
+    return os.path.join(directory, '*.jsonl')
+
+
+def make_tokenizer(path: str) -> str:
+    if not os.path.exists(path):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        docs = _stdlib_documents()[:1500]
+        tok.train_from_iterator(docs, trainers.BpeTrainer(
+            vocab_size=8192, special_tokens=['<|endoftext|>'], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.save(path)
+    return path
+
+
+# ============================================================================= children
+def _splits(glob: str):
+    from attention_jax.data import files
+    return files.file_splits(glob, eval_fraction=0.01)
+
+
+def _run_data(a: dict):
+    """(data options, tokenizer, documents) of a GPT run on the corpus, as the task
+    builds them."""
+    from attention_jax import config as config_lib
+    from attention_jax.data import get_tokenizer
+    from attention_jax.tasks import base, text
+    config = config_lib.load('gpt', [f'data.files={a["glob"]}', 'data.name=files',
+                                     'data.eval_fraction=0.01', f'data.cache_dir={a["cache"]}',
+                                     f'data.seq_len={a.get("seq_len", 1024)}'])
+    data_opts = base.data_options(config, **text.GPT_DATA)
+    return data_opts, get_tokenizer('file', path=a['tokenizer']), text._Documents(data_opts)
+
+
+def child_prepare(a: dict) -> dict:
+    from attention_jax.tasks import text
+    data_opts, tok, documents = _run_data(a)
+    start = time.perf_counter()
+    dirs = text.prepare_files(data_opts, tok, documents, process_index=0, process_count=1,
+                              workers=a['workers'] or None, progress=False)
+    seconds = time.perf_counter() - start
+    manifests = [json.load(open(os.path.join(d, 'manifest.json'))) for d in dirs.values()]
+    return {'seconds': seconds, 'bytes': sum(m['source_bytes'] for m in manifests),
+            'tokens': sum(sum(m['tokens']) for m in manifests), 'directory': dirs['train'],
+            'shards': sum(len(m['tokens']) for m in manifests)}
+
+
+def child_encode_batch(a: dict) -> dict:
+    from attention_jax.data import get_tokenizer
+    hf = get_tokenizer('file', path=a['tokenizer']).hf
+    docs = _splits(a['glob'])['train']
+    texts = [docs[i]['text'].decode() for i in range(len(docs))]
+    nbytes = sum(len(t.encode()) for t in texts)
+    # In batches of about a prepare shard's text, as prepare hands them over.
+    batches, batch, size = [], [], 0
+    for t in texts:
+        batch.append(t)
+        size += len(t)
+        if size >= 16 << 20:
+            batches.append(batch)
+            batch, size = [], 0
+    batches.append(batch)
+    start, tokens = time.perf_counter(), 0
+    for batch in batches:
+        tokens += sum(len(e.ids) for e in hf.encode_batch_fast(batch, add_special_tokens=False))
+    return {'seconds': time.perf_counter() - start, 'bytes': nbytes, 'tokens': tokens}
+
+
+def child_loader(a: dict) -> dict:
+    from attention_jax import data
+    from attention_jax.data import token_cache
+    rows = token_cache.TokenRows(a['directory'], a['seq_len'], packing=a['packing'])
+    loader = data.Loader(rows, global_batch_size=a['batch'], seed=0,
+                         transform=data.CausalLM(a['packing']), process_index=0,
+                         process_count=1)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    start = time.perf_counter()
+    for _ in range(a['batches']):
+        next(it)
+    seconds = time.perf_counter() - start
+    return {'seconds': seconds, 'tokens': a['batches'] * a['batch'] * a['seq_len']}
+
+
+def child_memmap(a: dict) -> dict:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    L, B = a['seq_len'], a['batch']
+
+    def get_batch():  # nanoGPT's train.py get_batch, without the copy to a device
+        m = np.memmap(a['bin'], dtype=np.uint16, mode='r')
+        ix = rng.integers(len(m) - L - 1, size=B)
+        x = np.stack([m[i:i + L].astype(np.int64) for i in ix])
+        y = np.stack([m[i + 1:i + 1 + L].astype(np.int64) for i in ix])
+        return x, y
+    for _ in range(5):
+        get_batch()
+    start = time.perf_counter()
+    for _ in range(a['batches']):
+        get_batch()
+    return {'seconds': time.perf_counter() - start, 'tokens': a['batches'] * B * L}
+
+
+def child_first_batch(a: dict) -> dict:
+    import resource
+    before = time.perf_counter()
+    import jax  # noqa: F401 (what a run has imported before its data)
+
+    from attention_jax import data
+    from attention_jax.data import token_cache
+    from attention_jax.tasks import text
+    imported = time.perf_counter()
+    data_opts, tok, documents = _run_data(a)
+    dirs = text.prepare_files(data_opts, tok, documents, process_index=0, process_count=1,
+                              progress=False)
+    rows = token_cache.TokenRows(dirs['train'], a['seq_len'], pad_id=tok.pad_id)
+    batch = next(iter(data.Loader(rows, global_batch_size=a['batch'], seed=0,
+                                  transform=data.CausalLM('documents'), process_index=0,
+                                  process_count=1)))
+    assert batch['inputs'].shape == (a['batch'], a['seq_len'])
+    end = time.perf_counter()
+    return {'total_s': end - _T0, 'data_s': end - imported, 'import_s': imported - before,
+            'rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            'tokens': rows.num_tokens}
+
+
+CHILDREN = {'prepare': child_prepare, 'encode_batch': child_encode_batch,
+            'loader': child_loader, 'memmap': child_memmap, 'first_batch': child_first_batch}
+
+
+def _child(kind: str, **args) -> dict:
+    done = subprocess.run([sys.executable, '-m', 'attention_jax.tools.bench.data_speed', kind,
+                           json.dumps(args)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f'bench data {kind} failed:\n{done.stderr[-3000:]}')
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ================================================================================ report
+def _write_bin(directory: str, path: str) -> None:
+    """The prepared tokens as one flat uint16 file, nanoGPT's train.bin."""
+    if os.path.exists(path):
+        return
+    import numpy as np
+    with open(path + '.tmp', 'wb') as out:
+        k = 0
+        while os.path.exists(shard := os.path.join(directory, f'{k:05d}.tokens.npy')):
+            np.load(shard, mmap_mode='r').astype(np.uint16).tofile(out)
+            k += 1
+    os.replace(path + '.tmp', path)
+
+
+def run(args) -> dict:
+    root = args.dir or os.path.join(tempfile.gettempdir(), 'attention_jax_bench_data')
+    os.makedirs(root, exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(',')]
+    tokenizer = make_tokenizer(os.path.join(root, 'tokenizer.json'))
+    out = {'machine': _machine(), 'cores': os.cpu_count(), 'sizes_mb': sizes, 'prepare': {},
+           'first_batch': {}, 'seq_len': args.seq_len, 'batch': args.batch}
+    for mb in sizes:
+        glob = make_corpus(os.path.join(root, f'corpus-{mb}MB'), mb)
+        cache = os.path.join(root, f'cache-{mb}MB')
+        if args.fresh:
+            shutil.rmtree(cache, ignore_errors=True)
+        fresh = not os.path.exists(cache)
+        p = _child('prepare', glob=glob, tokenizer=tokenizer, cache=cache, workers=args.workers)
+        if fresh:  # timed only when it tokenized (a kept cache is a lookup)
+            out['prepare'][mb] = p
+            print(f'prepare {mb} MB: {p["bytes"] / 1e6 / p["seconds"]:.2f} MB/s, '
+                  f'{p["tokens"] / p["seconds"] / 1e6:.2f}M tokens/s ({p["shards"]} shards)',
+                  flush=True)
+        out.setdefault('directory', {})[mb] = p['directory']
+    small = sizes[0]
+    glob_small = os.path.join(root, f'corpus-{small}MB', '*.jsonl')
+    e = _child('encode_batch', glob=glob_small, tokenizer=tokenizer)
+    out['encode_batch'] = e
+    print(f'encode_batch {small} MB: {e["bytes"] / 1e6 / e["seconds"]:.2f} MB/s', flush=True)
+    # Loader rows over the smallest corpus; nanoGPT's reader over the same tokens.
+    directory = out['directory'][small]
+    bin_path = os.path.join(root, f'train-{small}MB.bin')
+    _write_bin(directory, bin_path)
+    common = dict(seq_len=args.seq_len, batch=args.batch, batches=args.batches)
+    out['loader'] = {}
+    for name, kind, extra in (('stream', 'loader', {'packing': 'stream'}),
+                              ('documents', 'loader', {'packing': 'documents'}),
+                              ('memmap', 'memmap', {'bin': bin_path})):
+        rates = [(r := _child(kind, directory=directory, **common, **extra))['tokens']
+                 / r['seconds'] for _ in range(args.repeats)]
+        out['loader'][name] = statistics.median(rates)
+        print(f'loader {name}: {out["loader"][name] / 1e6:.2f}M tokens/s', flush=True)
+    for mb in sizes:
+        runs = [_child('first_batch', glob=os.path.join(root, f'corpus-{mb}MB', '*.jsonl'),
+                       cache=os.path.join(root, f'cache-{mb}MB'), tokenizer=tokenizer,
+                       seq_len=args.seq_len, batch=args.batch) for _ in range(args.repeats)]
+        out['first_batch'][mb] = {k: statistics.median(r[k] for r in runs)
+                                  for k in ('total_s', 'data_s', 'import_s', 'rss_mib')}
+        out['first_batch'][mb]['tokens'] = runs[0]['tokens']
+        fb = out['first_batch'][mb]
+        print(f'first batch {mb} MB: {fb["total_s"]:.2f} s ({fb["data_s"]:.3f} s data), '
+              f'{fb["rss_mib"]:.0f} MiB', flush=True)
+    print()
+    print(table(out))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def _machine() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            model = next(line.split(':', 1)[1].strip() for line in f if 'model name' in line)
+    except (OSError, StopIteration):
+        model = 'unknown CPU'
+    return f'{os.cpu_count()}-core "{model}"'
+
+
+def table(out: dict) -> str:
+    lines = [f'Machine: {out["machine"]}; loader rows of {out["seq_len"]} tokens, batches of '
+             f'{out["batch"]}', '', '| measure | value | target |', '|---|---|---|']
+    e = out['encode_batch']
+    e_rate = e['bytes'] / e['seconds']
+    for mb, p in out['prepare'].items():
+        rate = p['bytes'] / p['seconds']
+        lines.append(f'| prepare {mb} MB (all cores) | {rate / 1e6:.2f} MB/s, '
+                     f'{p["tokens"] / p["seconds"] / 1e6:.2f}M tokens/s; '
+                     f'{rate / e_rate:.2f}x encode_batch | >= 0.8x |')
+    lines.append(f'| tokenizers encode_batch (all cores, text in memory) | '
+                 f'{e_rate / 1e6:.2f} MB/s, {e["tokens"] / e["seconds"] / 1e6:.2f}M tokens/s | |')
+    m = out['loader']['memmap']
+    for name in ('stream', 'documents'):
+        r = out['loader'][name]
+        lines.append(f'| loader, {name} packing (1 process) | {r / 1e6:.2f}M tokens/s; '
+                     f'{r / m:.2f}x memmap | >= 1M/s, >= 0.5x |')
+    lines.append(f'| nanoGPT memmap reader | {m / 1e6:.2f}M tokens/s | |')
+    sizes = list(out['first_batch'])
+    for mb in sizes:
+        fb = out['first_batch'][mb]
+        lines.append(f'| first batch, {mb} MB corpus ({fb["tokens"] / 1e6:.0f}M tokens) | '
+                     f'{fb["total_s"]:.2f} s ({fb["data_s"]:.3f} s after imports), '
+                     f'{fb["rss_mib"]:.0f} MiB peak RSS | |')
+    if len(sizes) > 1:
+        a, b = out['first_batch'][sizes[0]], out['first_batch'][sizes[-1]]
+        lines.append(f'| {sizes[-1]} MB vs {sizes[0]} MB | {b["total_s"] / a["total_s"]:.2f}x '
+                     f'time, {b["rss_mib"] - a["rss_mib"]:+.0f} MiB RSS | <= 1.2x, '
+                     f'<= +100 MiB |')
+    return '\n'.join(lines)
+
+
+def add_parser(sub) -> None:
+    """Registers `data` on the bench command's subcommand parser."""
+    p = sub.add_parser('data', help='text data: prepare, loader and first-batch speed')
+    p.add_argument('--sizes', default='10,100',
+                   help='corpus sizes in MB, comma-separated, smallest first (README: 100,1000)')
+    p.add_argument('--seq_len', type=int, default=1024)
+    p.add_argument('--batch', type=int, default=32, help='rows per loader batch')
+    p.add_argument('--batches', type=int, default=100, help='timed loader batches')
+    p.add_argument('--repeats', type=int, default=3, help='runs of each loader/first-batch row')
+    p.add_argument('--workers', type=int, default=0, help='prepare processes (0: every core)')
+    p.add_argument('--dir', default='', help='where corpora and caches are kept')
+    p.add_argument('--fresh', action='store_true', help='prepare the caches again')
+    p.add_argument('--json', default='', help='also write the numbers to this file')
+
+
+if __name__ == '__main__':  # one measurement, run by _child in its own process
+    print(json.dumps(CHILDREN[sys.argv[1]](json.loads(sys.argv[2]))))
