@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -90,6 +91,15 @@ def base_config() -> ml_collections.ConfigDict:
     m.num_processes = -1  # -1: detect.
     m.process_id = -1  # -1: detect.
     m.cpu_collectives = ""  # e.g. gloo: collectives between CPU processes.
+    # Hybrid mesh: data (fsdp) parallelism across slices or hosts, over the slow network;
+    # the mesh's data axis is dcn_data × data (data, fsdp, ... then count one slice's or
+    # one process's devices). Their product must equal the number of slices (TPU
+    # multislice) or else of processes.
+    m.dcn_data = 1
+    m.dcn_fsdp = 1
+    # Seconds without a heartbeat after which another process counts as lost: this one
+    # then exits in one line (hosts.py; JAX's own heartbeat timeout is set past it).
+    m.lost_host_timeout = 120.0
 
     c.eval = e = ml_collections.ConfigDict()
     e.every = 500  # steps between evaluations (and at the end); 0: only at the end; -1: never.
@@ -132,6 +142,9 @@ RANGES = {
     "train.data_workers": "[0, inf)",
     "train.prefetch": "[0, inf)",
     "mesh.num_devices": "[0, inf)",
+    "mesh.dcn_data": "[1, inf)",
+    "mesh.dcn_fsdp": "[1, inf)",
+    "mesh.lost_host_timeout": "(0, inf)",
     "eval.every": "[-1, inf)",
     "eval.steps": "[0, inf)",
     "eval.batch_size": "[1, inf)",
@@ -190,11 +203,13 @@ def add_image_keys(data: ml_collections.ConfigDict) -> None:
 
 
 # =============================================================================== validation
-def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None = None) -> None:
+def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None = None,
+             granules: int = 1) -> None:
     """Checks keys, types, choices and ranges before anything is compiled.
 
     tasks: the registered task names config.task must be one of (None: not checked).
     num_devices: also the mesh and what must divide it (batch sizes).
+    granules: the slices or processes the mesh's dcn_* axes span (sharding.granules).
     """
     base = flat(base_config())
     got = flat(config)
@@ -221,11 +236,27 @@ def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None
     sharding.rules_from_config(config.mesh.rules)
     if num_devices is None:
         return
+    dcn = sharding.dcn_shape(config.mesh)
+    parts = math.prod(dcn.values())  # slices or processes the dcn axes span
+    if parts > 1:
+        given = " × ".join(f"mesh.dcn_{a}={s}" for a, s in dcn.items())
+        if parts != granules:
+            raise ConfigError(f"config.{given} = {parts} must equal the number of slices "
+                              f"(TPU multislice) or else processes, {granules}; valid: dcn "
+                              f"sizes multiplying to {granules}")
+        if config.mesh.num_devices:
+            raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices} cannot be "
+                              f"combined with {given}: a hybrid mesh takes every device; "
+                              f"valid: 0")
     try:
         mesh = sharding.resolve_mesh_shape(
-            {a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, num_devices)
+            {a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, num_devices // parts)
     except ValueError as e:
-        raise ConfigError(f"config.mesh: {e}") from None
+        raise ConfigError(f"config.mesh: {e}" + (
+            f" (the devices of one of the {parts} slices or processes)" if parts > 1 else "")
+        ) from None
+    for axis, size in dcn.items():
+        mesh[axis] *= size
     dp = mesh["data"] * mesh["fsdp"]
     batch, accum = config.train.batch_size, config.optim.grad_accum
     if batch % (accum * dp):

@@ -28,6 +28,12 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+# Axes that may also span slices (TPU multislice) or hosts over the slow data-centre
+# network: `mesh.dcn_data=2` puts 2 slices' worth of data parallelism on it, and the
+# mesh's data axis is dcn_data × data. Only the batch-splitting axes: their traffic is
+# one gradient reduction per step, while fsdp's gathers and tensor's per-layer
+# collectives inside a slice would stall on the slow network.
+DCN_AXES = ("data", "fsdp")
 # Mesh axes the batch dimension is split over (fsdp also splits the batch: each fsdp
 # shard computes on its own examples with gathered parameters).
 BATCH_AXES = ("data", "fsdp")
@@ -57,7 +63,10 @@ def maybe_initialize_distributed(cfg) -> None:
     """`jax.distributed.initialize` when `mesh.distributed` is set (multi-host runs).
 
     Must run before anything touches the devices. Empty coordinator/num_processes/
-    process_id mean "let JAX detect them" (SLURM, TPU pods, Kubernetes set them).
+    process_id mean "let JAX detect them" (SLURM, TPU pods and Open MPI set them; see
+    launch/). JAX's own heartbeat timeout is set past `mesh.lost_host_timeout`, so that a
+    lost host is reported by our watchdog (hosts.py) in one line before the coordination
+    service aborts the survivors.
     """
     if not cfg.distributed:
         return
@@ -73,10 +82,17 @@ def maybe_initialize_distributed(cfg) -> None:
         kwargs["num_processes"] = cfg.num_processes
     if cfg.process_id >= 0:
         kwargs["process_id"] = cfg.process_id
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**kwargs,
+                               heartbeat_timeout_seconds=service_heartbeat_timeout(cfg.lost_host_timeout))
     logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count())
+
+
+def service_heartbeat_timeout(lost_host_timeout: float) -> int:
+    """JAX's coordination-service heartbeat timeout: long enough after ours that our
+    watchdog speaks first (it aborts every survivor with a C++ check failure)."""
+    return int(math.ceil(lost_host_timeout * 1.5 + 10))
 
 
 # ------------------------------------------------------------------------------- mesh
@@ -110,17 +126,54 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
     return sizes
 
 
-def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """The (data, fsdp, sequence, tensor) mesh over all devices (of all processes)."""
+def dcn_shape(cfg) -> dict[str, int]:
+    """{'data': cfg.dcn_data, 'fsdp': cfg.dcn_fsdp} of a mesh config (1 when absent)."""
+    return {a: int(cfg.get(f"dcn_{a}", 1)) for a in DCN_AXES}
+
+
+def granules(devices: Sequence[Any]) -> tuple[list[int], bool]:
+    """The groups joined by the slow network, as (one id per device, whether they are
+    processes): TPU slices where devices carry several `slice_index` values, else
+    processes (a GPU node, a CPU process)."""
+    slices = [getattr(d, "slice_index", None) for d in devices]
+    if None not in slices and len(set(slices)) > 1:
+        return slices, False
+    return [d.process_index for d in devices], True
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None,
+              dcn: dict[str, int] | None = None) -> Mesh:
+    """The (data, fsdp, sequence, tensor) mesh over all devices (of all processes).
+
+    dcn: sizes of the axes across slices/hosts (`dcn_shape`); with any above 1 the mesh
+    is hybrid: `shape` is resolved against one granule's devices (a slice or a process)
+    and each axis of the result is dcn size × in-granule size, with the dcn part
+    outermost, so a granule's devices hold neighbouring coordinates and fsdp, sequence
+    and tensor collectives never leave it."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh_shape(shape, len(devices))
-    # jax.make_mesh orders devices so that the fastest-changing axis (tensor) stays on
-    # the best-connected devices (same host / same ICI ring).
-    # Auto axes: XLA propagates shardings from the annotated inputs/params (the
-    # explicit sharding-in-types mode would make every op state its sharding).
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    dcn = {a: int(s) for a, s in (dcn or {}).items()}
+    if all(s == 1 for s in dcn.values()):
+        sizes = resolve_mesh_shape(shape, len(devices))
+        # jax.make_mesh orders devices so that the fastest-changing axis (tensor) stays on
+        # the best-connected devices (same host / same ICI ring).
+        # Auto axes: XLA propagates shardings from the annotated inputs/params (the
+        # explicit sharding-in-types mode would make every op state its sharding).
+        return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                             devices=devices)
+    ids, by_process = granules(devices)
+    count, what = len(set(ids)), "processes" if by_process else "slices"
+    wanted = math.prod(dcn.values())
+    if wanted != count:
+        given = " × ".join(f"mesh.dcn_{a}={s}" for a, s in dcn.items())
+        raise ValueError(f"{given} = {wanted} must equal the number of {what}, {count}; "
+                         f"valid: dcn sizes multiplying to {count}")
+    sizes = resolve_mesh_shape(shape, len(devices) // count)
+    from jax.experimental import mesh_utils
+    array = mesh_utils.create_hybrid_device_mesh(
+        [sizes[a] for a in MESH_AXES], [dcn.get(a, 1) for a in MESH_AXES], devices,
+        process_is_granule=by_process)
+    return Mesh(array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
