@@ -27,7 +27,7 @@ from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
-from attention_jax import convert, sharding, steps
+from attention_jax import convert, hosts, sharding, steps
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
 from attention_jax.errors import UserError
@@ -67,8 +67,10 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     the run is still training in the same workdir."""
     sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
     devices = jax.devices()[:config.mesh.num_devices or None]
-    config_lib.validate(config, len(devices), tasks=None if task else TASKS)
-    mesh = sharding.make_mesh({a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, devices)
+    config_lib.validate(config, len(devices), tasks=None if task else TASKS,
+                        granules=len(set(sharding.granules(devices)[0])))
+    mesh = sharding.make_mesh({a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, devices,
+                              dcn=sharding.dcn_shape(config.mesh))
     rules = sharding.rules_from_config(config.mesh.rules)
     task = task or TASKS[config.task](config, workdir)
     config_lib.check_model_fits_mesh(getattr(task.model, "config", task.model), mesh.shape,
@@ -175,6 +177,11 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     Resuming with training-relevant keys changed from the workdir's config.json is a
     ConfigError listing them, unless `resume_changed` (see workdir.check_config_change)."""
     sharding.maybe_initialize_distributed(config.mesh)  # process_index() is known from here
+    with hosts.LostHostWatchdog(config.mesh.lost_host_timeout):
+        return _train_writer(config, workdir, task, resume_changed)
+
+
+def _train_writer(config, workdir: str, task: Task | None, resume_changed: bool) -> dict:
     created = workdir_lib.prepare_for_writing(workdir)
     # One writer per workdir, taken before the checkpoint manager opens the directory (a
     # writable one cleans up the temporary folder of a save another run has in progress).
@@ -262,7 +269,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                 step += 1
                 pending.append((step, metrics))
                 progress.advance()
-                stopping = stop.requested()
+                stopping = stop.requested(step)
                 log_now = stopping or due(step, config.train.log_every, total)
                 eval_now = due(step, config.eval.every, total)
                 save_now = stopping or due(step, config.train.checkpoint_every, total)
@@ -302,20 +309,28 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
 
 
 class StopRequest(contextlib.AbstractContextManager):
-    """Turns SIGTERM/SIGINT into a flag the training loop polls between steps.
+    """Turns SIGTERM/SIGINT into a stop the training loop polls between steps.
 
     Saving inside a signal handler would race with the step in flight; instead the
     loop finishes the current step, saves a final checkpoint and exits. A second
     signal while stopping restores the default behaviour (a user pressing Ctrl-C twice
-    wants out now). With several processes, `requested()` is true on all of them as
-    soon as any one received a signal, so they agree on the step they stop at.
-    """
+    wants out now).
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    With several processes they must stop at the same step, with no collective per
+    step to agree on it: SIGTERM (a preempted VM, a scheduler stopping the job) is JAX's
+    preemption notice. jax.distributed installs its own SIGTERM handler, which tells the
+    coordination service; every process learns of it in the background, and
+    `requested(step)` asks JAX's preemption sync manager whether `step` is the one all
+    processes agreed to stop at (a local check; the one exchange of step numbers happens
+    once, after a notice). SIGINT here is handed to that handler as a SIGTERM. It needs
+    every process to call `requested` at every step from the same first step.
+    """
 
     def __init__(self):
         self.signal: int | None = None
         self._previous = {}
+        self._preemption = jax.process_count() > 1
+        self._signals = (signal.SIGINT,) if self._preemption else (signal.SIGTERM, signal.SIGINT)
 
     def _handler(self, signum, frame):
         if self.signal is not None:
@@ -325,12 +340,14 @@ class StopRequest(contextlib.AbstractContextManager):
         self.signal = signum
         logging.warning("received %s: stopping after this step with a final checkpoint",
                         signal.Signals(signum).name)
+        if self._preemption:
+            signal.raise_signal(signal.SIGTERM)  # JAX's handler: every process stops
 
     def __enter__(self):
         # Signal handlers can only be installed from the main thread (tests call the
         # trainer from worker threads sometimes): then there is simply no handler.
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
+            for signum in self._signals:
                 self._previous[signum] = signal.signal(signum, self._handler)
         return self
 
@@ -340,17 +357,14 @@ class StopRequest(contextlib.AbstractContextManager):
         self._previous.clear()
         return False
 
-    def requested(self) -> bool:
-        local = self.signal is not None
-        if jax.process_count() == 1:
-            return local
+    def requested(self, step: int) -> bool:
+        if not self._preemption:
+            return self.signal is not None
         from jax.experimental import multihost_utils
-        flags = multihost_utils.process_allgather(np.int32(self.signal or 0))
-        nonzero = np.asarray(flags).ravel()
-        nonzero = nonzero[nonzero != 0]
-        if nonzero.size and self.signal is None:
-            self.signal = int(nonzero[0])
-        return bool(nonzero.size)
+        if multihost_utils.reached_preemption_sync_point(step):
+            self.signal = self.signal or signal.SIGTERM
+            return True
+        return False
 
 
 def _finite_steps(pending, config, ckpt, losses: list) -> list[dict]:

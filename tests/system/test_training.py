@@ -89,7 +89,9 @@ def test_exact_resume_in_a_new_process(reference, tmp_path, read_json):
 
 def test_two_processes_match_one(reference, tmp_path, read_json):
     """jax.distributed with 2 local processes × 4 CPU devices (gloo collectives) trains
-    like 1 process × 8 devices, and both processes save and then restore one checkpoint."""
+    like 1 process × 8 devices, and both processes save and then restore one checkpoint.
+    The mesh is hybrid: data parallelism across the processes (mesh.dcn_data=2, the
+    processes as granules) × 4 devices each."""
     workdir = str(tmp_path / "w")
 
     def run_pair(steps):
@@ -97,7 +99,7 @@ def test_two_processes_match_one(reference, tmp_path, read_json):
         procs = [start_worker({"train.steps": steps, "mesh.distributed": True,
                                "mesh.coordinator_address": f"127.0.0.1:{port}",
                                "mesh.num_processes": 2, "mesh.process_id": i,
-                               "mesh.cpu_collectives": "gloo"},
+                               "mesh.cpu_collectives": "gloo", "mesh.dcn_data": 2},
                               workdir, str(tmp_path / f"out{i}.json"), devices=4)
                  for i in range(2)]
         for p in procs:
