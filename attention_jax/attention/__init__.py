@@ -23,8 +23,10 @@ Implementations:
                windows and a static q_offset as its static mask; segment ids, kv_mask and
                kv_lengths as its segment ids; GQA natively. T, S multiples of 128.
   "ring"       the sequence split over the ambient mesh's `sequence` axis (run under
-               `jax.set_mesh(mesh)`), keys/values passed around the devices, blockwise on
-               each (ring.py): memory O(T / devices). T and S divisible by 2 × devices.
+               `jax.set_mesh(mesh)`), keys/values passed around the devices (ring.py):
+               memory O(T / devices). T and S divisible by 2 × devices. Each chunk pair
+               runs `ring_inner` (ring_inner.py): "auto" takes pallas on an NVIDIA GPU,
+               splash on a TPU, blockwise elsewhere.
   "auto"       the first row of the table `BACKENDS` (below) that looks at this call on
                this platform and does not refuse it; `explain(...)` says which and why
                without running anything:
@@ -117,6 +119,8 @@ class Backend:
     # handed a dense mask).
     auto_refusal: Rule = _never
     weights: bool = False  # can return the attention weights
+    # What else explain() says once this row is chosen (ring: its chunk-pair kernel).
+    detail: Optional[Rule] = None
 
 
 def _blockwise(q, k, v, call: AttentionCall):
@@ -130,11 +134,13 @@ def _blockwise(q, k, v, call: AttentionCall):
 def _ring(q, k, v, call: AttentionCall):
     """Ring attention with the blockwise tiles, sized for one device's chunk of the ring."""
     sequence = sequence_axis_size()
+    inner, _ = ring.inner_kernel(call, _platform())
     default_q, default_k = default_block_sizes(
         heads=call.batch * call.heads, head_dim=call.head_dim,
         q_len=call.q_len // (2 * sequence), kv_len=call.kv_len // (2 * sequence))
     return ring_attention(q, k, v, call.spec, call.scale, call.block_q or default_q,
-                          call.block_k or default_k)
+                          call.block_k or default_k, inner=inner,
+                          static_offset=call.static_offset)
 
 
 # In auto's order: the first row whose auto_reason speaks and whose rules do not refuse.
@@ -142,7 +148,8 @@ def _ring(q, k, v, call: AttentionCall):
 # functions are here.)
 BACKENDS = (
     Backend("reference", reference.run, auto_reason=reference.auto_reason, weights=True),
-    Backend("ring", _ring, refusal=ring.refusal, auto_reason=ring.auto_reason),
+    Backend("ring", _ring, refusal=ring.refusal, auto_reason=ring.auto_reason,
+            detail=ring.inner_reason),
     Backend("cudnn", jax_nn.cudnn, refusal=jax_nn.cudnn_refusal,
             auto_reason=jax_nn.cudnn_auto_reason, auto_refusal=jax_nn.cudnn_auto_refusal),
     Backend("pallas", pallas.run, refusal=pallas.refusal, auto_reason=pallas.auto_reason),
@@ -173,6 +180,7 @@ def dot_product_attention(
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
     return_weights: bool = False,
+    ring_inner: str = "auto",
 ):
     """softmax(q kᵀ · scale) v over heads, with structural masks.
 
@@ -199,6 +207,9 @@ def dot_product_attention(
         >= 16; defaults: `pallas.kernel_block_sizes()`) and for "splash"'s kernels
         (multiples of 128 dividing T / S; defaults: `splash.block_sizes()`).
       return_weights: also return the attention weights [B, N, T, S] (reference only).
+      ring_inner: the kernel "ring" runs on each pair of sequence chunks: "auto" (pallas
+        on an NVIDIA GPU, splash on a TPU, blockwise elsewhere or where those refuse),
+        "pallas", "splash" or "blockwise" (ring_inner.py). Ignored by the other backends.
 
     Returns:
       [B, T, N, Hv] in q's dtype (and the weights if asked). Rows with no visible key
@@ -208,7 +219,7 @@ def dot_product_attention(
                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      kv_mask=kv_mask, kv_lengths=kv_lengths, mask=mask, window=window,
                      q_offset=q_offset, scale=scale, block_q=block_q, block_k=block_k,
-                     return_weights=return_weights)
+                     return_weights=return_weights, ring_inner=ring_inner)
     impl, _ = _choose(implementation, call, _platform())
     return _BY_NAME[impl].run(q, k, v, call)
 
@@ -279,6 +290,10 @@ def _refusal(row: Backend, call: AttentionCall, platform: Platform) -> Optional[
     return reason
 
 
+def _with_detail(row: Backend, reason: str, call: AttentionCall, platform: Platform) -> str:
+    return reason if row.detail is None else f"{reason}; {row.detail(call, platform)}"
+
+
 def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tuple[str, str]:
     """(implementation, reason) for this call on this platform; raises, naming the reason,
     when an explicit implementation cannot run it."""
@@ -289,7 +304,8 @@ def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tup
         reason = _refusal(_BY_NAME[implementation], call, platform)
         if reason is not None:
             raise ValueError(reason)
-        return implementation, "asked for"
+        return implementation, _with_detail(_BY_NAME[implementation], "asked for", call,
+                                            platform)
     passed_over = []
     for row in BACKENDS:
         taken_because = row.auto_reason(call, platform)
@@ -297,7 +313,8 @@ def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tup
             continue
         refusal = _refusal(row, call, platform) or row.auto_refusal(call, platform)
         if refusal is None:
-            return row.name, "; ".join([taken_because] + passed_over)
+            return row.name, _with_detail(row, "; ".join([taken_because] + passed_over),
+                                          call, platform)
         passed_over.append(f"not {row.name}: {refusal}")
     raise AssertionError(f"no row of BACKENDS takes this call ({passed_over}); the last row "
                          f"auto looks at must take every call")

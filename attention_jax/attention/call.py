@@ -16,6 +16,9 @@ import numpy as np
 
 from attention_jax.attention.masks import MaskSpec
 
+# The kernel ring attention runs on each pair of sequence chunks (ring_inner.py).
+RING_INNER = ("auto", "pallas", "splash", "blockwise")
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
@@ -40,6 +43,7 @@ class AttentionCall:
     # q_offset when it was a Python or NumPy int (None: traced, or one per batch row), for
     # kernels whose mask is fixed when they are built (splash).
     static_offset: Optional[int] = None
+    ring_inner: str = "auto"  # the kernel on each chunk pair when the ring runs (RING_INNER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +62,8 @@ class Platform:
 def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=None,
               kv_segment_ids=None, kv_mask=None, kv_lengths=None, mask=None, window=None,
               q_offset=0, scale: Optional[float] = None, block_q: Optional[int] = None,
-              block_k: Optional[int] = None, return_weights: bool = False) -> AttentionCall:
+              block_k: Optional[int] = None, return_weights: bool = False,
+              ring_inner: str = "auto") -> AttentionCall:
     """Validate `dot_product_attention`'s arguments (all but `implementation`, which the
     dispatcher's table checks) and record them; see its docstring for their meaning."""
     _check_shapes(q, k, v)
@@ -78,7 +83,8 @@ def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=
         offset_is_zero=isinstance(q_offset, (int, np.integer)) and q_offset == 0,
         return_weights=bool(return_weights),
         block_q=_check_block("block_q", block_q), block_k=_check_block("block_k", block_k),
-        static_offset=int(q_offset) if _is_int(q_offset) else None)
+        static_offset=int(q_offset) if _is_int(q_offset) else None,
+        ring_inner=_check_ring_inner(ring_inner))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -157,6 +163,12 @@ def _check_block(name, value):
     if not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     return int(value)
+
+
+def _check_ring_inner(value):
+    if value not in RING_INNER:
+        raise ValueError(f"ring_inner must be one of {RING_INNER}; got {value!r}")
+    return value
 
 
 def _check_lengths(kv_lengths, batch):

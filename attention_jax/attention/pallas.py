@@ -132,14 +132,49 @@ class _Static:
 def pallas_attention(q, k, v, spec: MaskSpec, scale: float,
                      blocks: Optional[BlockSizes] = None, interpret: Optional[bool] = None):
     """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv], fused kernels."""
+    st, (qp, kp, vp), arrays = _prepare(q, k, v, spec, scale, blocks, interpret)
+    y = _flash(st, qp, kp, vp, arrays)
+    return y[:, :q.shape[1], :, :v.shape[3]]
+
+
+def forward_with_lse(q, k, v, spec: MaskSpec, scale: float, blocks: Optional[BlockSizes] = None,
+                     interpret: Optional[bool] = None, out_dtype=None):
+    """The forward kernel alone, for callers that merge partial softmaxes (ring.py):
+    (out [B, T, N, Hv] in out_dtype (default q's), lse [B, N, T]: each row's log-sum-exp
+    of its scaled scores, natural log, +inf on rows that see no key). No gradient."""
+    st, (qp, kp, vp), arrays = _prepare(q, k, v, spec, scale, blocks, interpret)
+    out, lse2 = _forward(st, qp, kp, vp, arrays, out_dtype=out_dtype)
+    t = q.shape[1]
+    return out[:, :t, :, :v.shape[3]], lse2[:, :, :t] / LOG2_E  # base 2 -> natural
+
+
+def backward_given_lse(q, k, v, spec: MaskSpec, scale: float, out, lse, d_out,
+                       blocks: Optional[BlockSizes] = None, interpret: Optional[bool] = None,
+                       grad_dtype=None):
+    """The backward kernels given the output `out` [B, T, N, Hv] and log-sum-exp `lse`
+    [B, N, T] (natural log, +inf on empty rows) of a softmax that may span more keys than
+    k holds: P = exp(S - lse) and D = rowsum(d_out ∘ out) are then the whole softmax's,
+    and (dq, dk, dv) are this block of keys' share of the gradient (ring.py sums them).
+    Returned in grad_dtype (default: the inputs' dtypes)."""
+    st, (qp, kp, vp), arrays = _prepare(q, k, v, spec, scale, blocks, interpret)
+    tp, hvp = qp.shape[1], vp.shape[3]
+    outp, dop = (_pad(_pad(x, 1, tp), 3, hvp) for x in (out, d_out))
+    lse2 = _pad(lse.astype(_acc(q.dtype)) * LOG2_E, 2, tp, value=jnp.inf)  # padded rows: P = 0
+    dq, dk, dv = _backward(st, qp, kp, vp, arrays, outp, lse2, dop, grad_dtype=grad_dtype)
+    t, s, h = q.shape[1], k.shape[1], q.shape[3]
+    return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :v.shape[3]]
+
+
+def _prepare(q, k, v, spec: MaskSpec, scale: float, blocks: Optional[BlockSizes],
+             interpret: Optional[bool]):
+    """The kernels' static description and their padded inputs."""
     b, t, n, h = q.shape
     s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     blocks = blocks or kernel_block_sizes(h, q.dtype)
-    right = spec.right
     st = _Static(
-        causal=spec.causal, left=spec.left, right=right, scale=float(scale), q_len=t,
+        causal=spec.causal, left=spec.left, right=spec.right, scale=float(scale), q_len=t,
         kv_len=s, heads=n, groups=n // kh, has_lengths=spec.kv_lengths is not None,
         has_segments=spec.q_segment_ids is not None,
         mask_shape=None if spec.mask is None else tuple(spec.mask.shape[:2]),
@@ -153,9 +188,7 @@ def pallas_attention(q, k, v, spec: MaskSpec, scale: float,
     qp = _pad(_pad(q, 1, tp), 3, hp)
     kp = _pad(_pad(k, 1, sp), 3, hp)
     vp = _pad(_pad(v, 1, sp), 3, hvp)
-    arrays = _pad_arrays(arrays, tp, sp)
-    y = _flash(st, qp, kp, vp, arrays)
-    return y[:, :t, :, :hv]
+    return st, (qp, kp, vp), _pad_arrays(arrays, tp, sp)
 
 
 def run(q, k, v, call: AttentionCall):
@@ -522,7 +555,7 @@ def _params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(st: _Static, q, k, v, arrays):
+def _forward(st: _Static, q, k, v, arrays, out_dtype=None):
     bsz, tp, n, hp = q.shape
     sp, hvp, g = k.shape[1], v.shape[3], st.groups
     bq = st.blocks.fwd_q
@@ -540,7 +573,7 @@ def _forward(st: _Static, q, k, v, arrays):
         out_specs=[
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, tp, n, hvp), q.dtype),
+        out_shape=[jax.ShapeDtypeStruct((bsz, tp, n, hvp), out_dtype or q.dtype),
                    jax.ShapeDtypeStruct((bsz, n, tp), _acc(q.dtype))],
         compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
         interpret=st.interpret, name="flash_forward",
@@ -548,7 +581,8 @@ def _forward(st: _Static, q, k, v, arrays):
     return out, lse
 
 
-def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
+def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None):
+    """dq, dk, dv in grad_dtype (default: the inputs' dtypes)."""
     bsz, tp, n, hp = q.shape
     sp, kh, hvp, g = k.shape[1], k.shape[2], v.shape[3], st.groups
     # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij, the softmax Jacobian's correction term.
@@ -564,7 +598,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
         kv_spec=pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
         mask_spec=pl.BlockSpec((None, None, tp, bk),
                                lambda j, b, h: (*_mask_index(st, b, h), 0, j)))
-    grad_dtype = k.dtype if g == 1 else _acc(k.dtype)
+    kv_dtype = grad_dtype or k.dtype
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, nq=nq),
         grid=(nk, bsz, n),
@@ -579,14 +613,14 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
         out_specs=[
             pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
             pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, sp, n, hp), grad_dtype),
-                   jax.ShapeDtypeStruct((bsz, sp, n, hvp), grad_dtype)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, sp, n, hp), kv_dtype if g == 1 else _acc(kv_dtype)),
+                   jax.ShapeDtypeStruct((bsz, sp, n, hvp), kv_dtype if g == 1 else _acc(kv_dtype))],
         compiler_params=_params(st.blocks.bwd_num_warps, st.blocks.bwd_num_stages),
         interpret=st.interpret, name="flash_backward_dkdv",
     )(q, k, v, d_out, lse, delta, *inputs)
     if g > 1:
-        dk = dk.reshape(bsz, sp, kh, g, hp).sum(axis=3).astype(k.dtype)
-        dv = dv.reshape(bsz, sp, kh, g, hvp).sum(axis=3).astype(v.dtype)
+        dk = dk.reshape(bsz, sp, kh, g, hp).sum(axis=3).astype(grad_dtype or k.dtype)
+        dv = dv.reshape(bsz, sp, kh, g, hvp).sum(axis=3).astype(grad_dtype or v.dtype)
 
     # dQ: one program per query block and head, the forward's loop again.
     bq = st.blocks.fwd_q
@@ -605,7 +639,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out):
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
             *specs],
         out_specs=pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype),
         compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
         interpret=st.interpret, name="flash_backward_dq",
     )(q, k, v, d_out, lse, delta, *inputs)

@@ -10,18 +10,19 @@ statistics: the output so far and its log-sum-exp (the max and the sum of the bl
 kernel folded into one number per row). Its keys and values go round the ring: at step
 r, device d holds the block that started on device d - r, hands it on with
 `lax.ppermute` (issued before the compute on it, so the transfer can overlap the
-compute) and folds it into its statistics with the blockwise kernel (blockwise.py),
-whose (out, lse) result is merged exactly as the online softmax merges tiles. After P
+compute) and folds it into its statistics with the pair kernel (below), whose
+(out, lse) result is merged exactly as the online softmax merges tiles. After P
 steps every query has seen every key. (The loop is one lax.scan of P identical steps,
 so it also sends on the last one, returning each block home: one transfer in P spent
 to compile the step once.) Nothing larger than a device's own share of the
-sequence exists on any device: memory O(T / P) for activations, plus the blockwise
+sequence exists on any device: memory O(T / P) for activations, plus the pair
 kernel's tile.
 
-The backward (custom_vjp) goes round the ring again: each device recomputes the
-probabilities of its queries against the visiting block from the saved log-sum-exp
-(as the blockwise backward does), adds to its own dQ, and adds to the visiting block's
-dK/dV accumulators, which travel with the block and arrive home after P steps.
+The backward (custom_vjp) goes round the ring again: each device runs the pair
+kernel's backward with the whole softmax's output and log-sum-exp (so it recomputes
+the probabilities of its queries against the visiting block exactly), adds to its own
+dQ, and adds to the visiting block's dK/dV accumulators, which travel with the block
+and arrive home after P steps.
 
 Layout. Each device holds two chunks of T / (2P) tokens. Under a causal mask, device d
 gets chunks d and 2P-1-d (zig-zag): with contiguous shards, device 0's queries would
@@ -35,11 +36,15 @@ moves its chunks to the zig-zag owners with two ppermutes in and two out. Positi
 follow the tokens wherever they are. Without a positional mask nothing is unbalanced
 and the chunks stay where they are.
 
-Within a device, each (query chunk, key chunk) pair is an ordinary blockwise call with
-q_offset shifted by the chunks' distance, so segment ids, padding (kv_mask as segment
-ids, kv_lengths shifted to the chunk), windows and grouped-query heads are handled by
-the very code the one-device path runs. Batch and heads stay split over the mesh's
-(data, fsdp) and tensor axes when they divide them.
+Within a device, each (query chunk, key chunk) pair is an ordinary one-device
+attention call with q_offset shifted by the chunks' distance, so segment ids, padding
+(kv_mask as segment ids, kv_lengths shifted to the chunk), windows and grouped-query
+heads are handled by the very code the one-device path runs: the pair kernel of
+ring_inner.py, the fused Pallas kernels on an NVIDIA GPU, JAX's splash kernel on a
+TPU, the blockwise lax.scan kernel elsewhere (dot_product_attention's `ring_inner`
+picks another; ring_inner.py says how each is driven and why the backward calls the
+kernels' own backward with the merged statistics). Batch and heads stay split over
+the mesh's (data, fsdp) and tensor axes when they divide them.
 """
 
 from __future__ import annotations
@@ -55,10 +60,11 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from attention_jax import axes
-from attention_jax.attention.blockwise import (_acc_dtype, _backward, _forward, _pad_to,
-                                               _Static, from_groups, to_groups)
+from attention_jax.attention import ring_inner
+from attention_jax.attention.blockwise import _acc_dtype
 from attention_jax.attention.call import AttentionCall, Platform
 from attention_jax.attention.masks import MaskSpec
+from attention_jax.attention.ring_inner import Pair
 
 
 def sequence_axis_size(mesh=None) -> Optional[int]:
@@ -75,8 +81,23 @@ def sequence_axis_size(mesh=None) -> Optional[int]:
 
 def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
     """Why ring attention cannot run this call under this mesh (a sentence naming the
-    argument and the valid values), or None if it can."""
-    return _refusal(call.spec, call.q_len, call.kv_len, platform.sequence)
+    argument and the valid values), or None if it can: the ring's own conditions, then
+    those of a pair kernel asked for by ring_inner."""
+    reason = _refusal(call.spec, call.q_len, call.kv_len, platform.sequence)
+    if reason is None and call.ring_inner != "auto":
+        reason = ring_inner.refusal(call.ring_inner, call, platform)
+    return reason
+
+
+def inner_kernel(call: AttentionCall, platform: Platform) -> tuple[str, str]:
+    """(kernel, reason): what the ring runs on each chunk pair here (ring_inner.py)."""
+    return ring_inner.choose(call, platform)
+
+
+def inner_reason(call: AttentionCall, platform: Platform) -> str:
+    """The dispatcher's note on a ring call: its pair kernel and why."""
+    kernel, reason = inner_kernel(call, platform)
+    return f"chunk pairs on {kernel} ({reason})"
 
 
 def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
@@ -112,7 +133,9 @@ class _Ring:
     chunk: int  # C = T / (2P) queries (and S / (2P) keys) per chunk
     kv_chunk: int
     zigzag: bool  # chunks (d, 2P-1-d) on device d; else (2d, 2d+1)
-    pair: _Static  # the blockwise call for one (query chunk, key chunk) pair
+    causal: bool
+    window: Optional[tuple[int, int]]
+    inner: object  # the kernel for one (query chunk, key chunk) pair (ring_inner.py)
 
     def chunk_ids(self, device):
         """Global indices [2] of the two chunks device `device` (traced) holds."""
@@ -122,15 +145,20 @@ class _Ring:
 
 
 def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k: int,
-                   mesh=None):
+                   mesh=None, inner: str = "blockwise", static_offset: Optional[int] = None):
     """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv], under a mesh
     with a `sequence` axis (`mesh` or the ambient one); see `refusal` for what it
-    needs. block_q / block_k: the blockwise tiles within a chunk."""
+    needs. inner: the kernel on each chunk pair, "blockwise", "pallas" or "splash"
+    (ring_inner.py; splash needs `static_offset`, q_offset as a Python int). block_q /
+    block_k: the blockwise tiles within a chunk."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     p = sequence_axis_size(mesh)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    reason = _refusal(spec, t, s, p)
+    if inner not in ring_inner.RING_INNER[1:]:
+        raise ValueError(f"inner must be one of {ring_inner.RING_INNER[1:]}; got {inner!r}")
+    reason = _refusal(spec, t, s, p) or ring_inner.check(
+        inner, q.dtype, static_offset, t, s, p, jax.default_backend())
     if reason:
         raise ValueError(reason)
     # Batch over the data axes and heads over tensor, where they divide; anything that
@@ -143,9 +171,12 @@ def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k:
     local_b = b // math.prod(mesh.shape[a] for a in batch_axes)
     local_kh = kh // (mesh.shape[head_axis] if head_axis else 1)
     c, ck = t // (2 * p), s // (2 * p)
+    pair_kernel = ring_inner.make(
+        inner, causal=spec.causal, window=spec.window, scale=scale, devices=p, chunk=c,
+        kv_chunk=ck, batch=local_b, heads=local_kh * (n // kh), kv_heads=local_kh,
+        block_q=block_q, block_k=block_k, static_offset=static_offset)
     ring = _Ring(p, c, ck, zigzag=spec.right is not None or spec.left is not None,
-                 pair=_Static(spec.causal, spec.window, float(scale), min(block_q, c),
-                              min(block_k, ck), c, ck, local_b, local_kh))
+                 causal=spec.causal, window=spec.window, inner=pair_kernel)
 
     bspec = batch_axes or None
     seq = PartitionSpec(bspec, axes.SEQUENCE)
@@ -200,7 +231,8 @@ def _local(ring: _Ring, q, k, v, arrays):
                      functools.partial(_from_zigzag, p=ring.devices)) if ring.zigzag
                     else (lambda x: x, lambda x: x))
     q, k, v = move(q), move(k), move(v)
-    qx, kx, vx = to_groups(q, k, v)  # [X, G, 2C, H], [X, 2S/2P, H]
+    inner = ring.inner
+    qx, kx, vx = inner.layout(q, k, v)  # the pair kernel's layout
 
     def chunks(x, dim):  # the two chunks on a new leading axis
         return jnp.stack(jnp.split(x, 2, axis=dim))
@@ -210,9 +242,10 @@ def _local(ring: _Ring, q, k, v, arrays):
                    None if q_seg is None else chunks(move(q_seg), 1),  # [2, b, C]
                    None if kv_seg is None else chunks(move(kv_seg), 1),
                    arrays.get("kv_lengths"))
-    y = _ring_vjp(ring, chunks(qx, 2), chunks(kx, 1), chunks(vx, 1), pair_arrays)
-    y = jnp.concatenate([y[0], y[1]], axis=2)  # [X, G, 2C, Hv]
-    return unmove(from_groups(y, b, kh))
+    y = _ring_vjp(ring, chunks(qx, inner.q_axis), chunks(kx, inner.kv_axis),
+                  chunks(vx, inner.kv_axis), pair_arrays)
+    y = jnp.concatenate([y[0], y[1]], axis=inner.q_axis)
+    return unmove(inner.unlayout(y, b, kh))
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -227,8 +260,7 @@ def _pair_visible(ring: _Ring, offset, kv_chunk_id, kv_lengths):
     """False when no query of the pair can see any key of it: the key chunk lies
     entirely beyond the causal/right window or before the left window, or in every
     row's padding. Queries sit at offset + [0, C), keys at [0, Ck) (offset: [B])."""
-    st = ring.pair
-    spec = MaskSpec(st.causal, st.window)
+    spec = MaskSpec(ring.causal, ring.window)
     visible = jnp.bool_(True)
     if spec.right is not None:  # the first key must be within the last query's reach
         visible &= jnp.max(offset) + ring.chunk - 1 + spec.right >= 0
@@ -249,10 +281,12 @@ def _pairs(ring: _Ring, arrays, kv_seg, q_ids, kv_ids, body, carry):
         i, j = index // 2, index % 2
         qc, kc = q_ids[i], kv_ids[j]
         # Query positions relative to this key chunk's first key.
-        pair_offset = offset + qc * ring.chunk - kc * ring.kv_chunk
-        pair_lengths = None if lengths is None else lengths - kc * ring.kv_chunk
-        pair = (pair_offset, None if q_seg is None else q_seg[i],
-                None if kv_seg is None else kv_seg[j], None, pair_lengths)
+        # (int32 as the kernels' own offsets, also when x64 makes the loop indices int64)
+        pair_offset = (offset + qc * ring.chunk - kc * ring.kv_chunk).astype(jnp.int32)
+        pair_lengths = (None if lengths is None
+                        else (lengths - kc * ring.kv_chunk).astype(jnp.int32))
+        pair = Pair(pair_offset, None if q_seg is None else q_seg[i],
+                    None if kv_seg is None else kv_seg[j], pair_lengths, qc, kc)
         run = functools.partial(body, i=i, j=j, pair=pair)
         return lax.cond(_pair_visible(ring, pair_offset, kc, lengths), run,
                         lambda c: c, carry), None
@@ -277,10 +311,11 @@ def _merge(out, lse, out_new, lse_new):
 
 
 def _ring_forward(ring: _Ring, q, k, v, arrays):
-    """q [2, X, G, C, H], k/v [2, X, Ck, H] -> out [2, X, G, C, Hv] (q's dtype) and
-    lse [2, X, G, C] (+inf on rows that see no key, as blockwise's)."""
+    """q [2, ...q chunk, H], k/v [2, ...kv chunk, H] (the pair kernel's layout) -> out
+    [2, ...q chunk, Hv] (q's dtype) and lse [2, ...q chunk] (+inf on rows that see no
+    key, as blockwise's)."""
     acc_t = _acc_dtype(q.dtype)
-    p, c = ring.devices, ring.chunk
+    p = ring.devices
     me = lax.axis_index(axes.SEQUENCE)
     q_ids = ring.chunk_ids(me)
     kv_seg = arrays[2]
@@ -293,16 +328,15 @@ def _ring_forward(ring: _Ring, q, k, v, arrays):
 
         def body(carry, i, j, pair):
             out, lse = carry
-            o, l = _forward(ring.pair, q[i], k[j], v[j], pair, out_dtype=acc_t)
-            l = jnp.where(jnp.isposinf(l[..., :c]), -jnp.inf, l[..., :c])
+            o, l = ring.inner.forward(q[i], k[j], v[j], pair)
             o, l = _merge(out[i], lse[i], o, l)
             return out.at[i].set(o), lse.at[i].set(l)
 
         out, lse = _pairs(ring, arrays, kv_seg, q_ids, kv_ids, body, (out, lse))
         return (out, lse, k_next, v_next, seg_next), None
 
-    x, g = q.shape[1], q.shape[2]
-    init = (jnp.zeros((2, x, g, c, v.shape[-1]), acc_t), jnp.full((2, x, g, c), -jnp.inf, acc_t),
+    rows = q.shape[:-1]  # [2, ...q chunk]
+    init = (jnp.zeros((*rows, v.shape[-1]), acc_t), jnp.full(rows, -jnp.inf, acc_t),
             k, v, kv_seg)
     (out, lse, *_), _ = lax.scan(step, init, jnp.arange(p))
     return out.astype(q.dtype), jnp.where(jnp.isneginf(lse), jnp.inf, lse)
@@ -314,10 +348,6 @@ def _ring_backward(ring: _Ring, q, k, v, arrays, out, lse, d_out):
     me = lax.axis_index(axes.SEQUENCE)
     q_ids = ring.chunk_ids(me)
     kv_seg = arrays[2]
-    # The blockwise backward reads the log-sum-exp padded to its query tiles (padded
-    # rows: +inf, probability 0), and D = rowsum(dO ∘ O) of the whole sequence.
-    lse = _pad_to(lse, 3, ring.pair.bq, value=jnp.inf)
-    delta = jnp.einsum("CXGTH,CXGTH->CXGT", d_out.astype(acc_t), out.astype(acc_t))
 
     def step(carry, r):
         dq, k, v, kv_seg, dk, dv = carry
@@ -326,8 +356,9 @@ def _ring_backward(ring: _Ring, q, k, v, arrays, out, lse, d_out):
 
         def body(carry, i, j, pair):
             dq, dk, dv = carry
-            dq_p, dk_p, dv_p = _backward(ring.pair, q[i], k[j], v[j], pair, out[i], lse[i],
-                                         d_out[i], delta=delta[i], grad_dtype=acc_t)
+            # The whole softmax's O and L: this pair's exact share of the gradient.
+            dq_p, dk_p, dv_p = ring.inner.backward(q[i], k[j], v[j], pair, out[i], lse[i],
+                                                   d_out[i])
             return dq.at[i].add(dq_p), dk.at[j].add(dk_p), dv.at[j].add(dv_p)
 
         dq, dk, dv = _pairs(ring, arrays, kv_seg, q_ids, kv_ids, body, (dq, dk, dv))

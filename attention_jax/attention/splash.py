@@ -162,9 +162,11 @@ def _sees_nothing(call: AttentionCall) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(heads: int, q_len: int, kv_len: int, left: Optional[int], right: Optional[int],
-            offset: int, bq: int, bk: int, interpret: bool):
+            offset: int, bq: int, bk: int, interpret: bool, save_residuals: bool = False):
     """The splash kernel for one static mask and tiling, built once (building evaluates
-    the mask tile by tile in numpy)."""
+    the mask tile by tile in numpy). With save_residuals it also returns each row's
+    log-sum-exp and cannot be differentiated (ring.py's own VJP calls
+    `backward_given_lse` instead)."""
     shape = (q_len, kv_len)
     if left is None and right is None:
         mask = mask_lib.FullMask(shape)
@@ -180,4 +182,51 @@ def _kernel(heads: int, q_len: int, kv_len: int, left: Optional[int], right: Opt
     # the jit that first asked for it, since the cache hands it to later ones.
     with jax.ensure_compile_time_eval():
         return kernel_lib.make_splash_mha_single_device(
-            mask_lib.MultiHeadMask([mask] * heads), block_sizes=blocks, interpret=interpret)
+            mask_lib.MultiHeadMask([mask] * heads), block_sizes=blocks, interpret=interpret,
+            save_residuals=save_residuals)
+
+
+# ----------------------------------------------------------------------------- for the ring
+
+
+def ring_pair_kernel(heads: int, q_len: int, kv_len: int, left: Optional[int],
+                     right: Optional[int], offset: int, backend: str):
+    """The kernel of one (query chunk, key chunk) pair of ring attention (ring.py): the
+    static mask at this pair's offset, saving its log-sum-exp. left = right = None: the
+    pair is fully visible (FullMask)."""
+    bq, bk = block_sizes(q_len, kv_len, backend)
+    return _kernel(heads, q_len, kv_len, left, right, offset, bq, bk,
+                   interpret=backend != "tpu", save_residuals=True)
+
+
+def forward_with_lse(kernel, q, k, v, segment_ids=None):
+    """One example through a `ring_pair_kernel`: q [N, T, H] (already scaled), k [K, S, H],
+    v [K, S, Hv] -> (out [N, T, Hv] in q's dtype, lse [N, T] natural log, -inf on rows
+    that see no key). The sink makes such rows 0 instead of 0/0 (see the module doc)."""
+    sinks = jnp.full((q.shape[0],), _SINK, jnp.float32)
+    out, (lse,) = kernel(q, k, v, segment_ids=segment_ids, sinks=sinks)
+    return out, jnp.where(lse <= _SINK / 2, -jnp.inf, lse)  # only the sink: nothing seen
+
+
+def backward_given_lse(kernel, q, k, v, segment_ids, out, lse, d_out):
+    """(dq, dk, dv) of one example through `kernel`'s keys, given the output `out` [N, T, Hv]
+    and log-sum-exp `lse` [N, T] (+inf on empty rows) of a softmax over more keys than k
+    holds (ring.py): splash's own dQ and dK/dV kernels, so P = exp(S - lse) and
+    D = rowsum(d_out ∘ out) are the whole softmax's. dq is with respect to the q the
+    kernel was given (scaled). In q's, k's and v's dtypes.
+
+    Splash's public VJP closes over its own residuals (this block's out and lse) and
+    refuses to differentiate a kernel that returns its log-sum-exp, so this calls its
+    backward, `_splash_attention_bwd`, with the residuals replaced: a private function
+    of jax.experimental. tests/attention/test_ring.py runs it against the float64
+    reference, so a change of its signature in a new jax fails there, not silently."""
+    kw = kernel.kwargs
+    collapse = lambda info: info if info is None or info.partial_mask_blocks is None else (  # noqa: E731
+        info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
+            -1, *info.partial_mask_blocks.shape[-2:])))
+    residuals = (q, k, v, segment_ids, None, out, lse.astype(jnp.float32),
+                 collapse(kernel.dq_mask_info), collapse(kernel.dkv_mask_info))
+    grads = kernel_lib._splash_attention_bwd(
+        False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
+        kw["attn_logits_soft_cap"], kw["interpret"], residuals, d_out)
+    return grads[3], grads[4], grads[5]  # (.., q, k, v, segment_ids, sinks)

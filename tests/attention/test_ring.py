@@ -167,3 +167,131 @@ def test_per_device_memory_falls_as_one_over_the_sequence_size():
     # is the fixed blockwise tile. Halving the share must nearly halve the memory.
     assert temp[4] <= 0.6 * temp[2] and temp[8] <= 0.6 * temp[4], temp
     assert temp[8] <= 0.3 * temp[2], temp
+
+
+# ----------------------------------------------------------------------------- fused pair kernels
+# The ring with the fused kernels on its chunk pairs (ring_inner), interpreted on CPU: the
+# Pallas kernels in float64 (exact against the reference), splash in float32 and bfloat16
+# (splash tiles are 128 wide, so 2 sequence devices × 2 chunks × 128 = T 512, one head pair).
+
+
+def _fused_value_and_grads(inner, q, k, v, kw):
+    acc = jnp.promote_types(q.dtype, jnp.float32)  # the loss in float32, or float64
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape[-1]), acc)
+
+    def loss(q, k, v):
+        y = dot_product_attention(q, k, v, implementation="ring", ring_inner=inner, **kw)
+        return jnp.sum(jnp.sin(y.astype(acc)) * w), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+
+def _reference_float64(q, k, v, kw):
+    """The float64 reference's y and grads, as numpy (x64 only here: splash's index maps
+    do not trace with x64 on)."""
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in (q, k, v)]
+        w = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape[-1]), jnp.float32)
+
+        def loss(q, k, v):
+            y = dot_product_attention(q, k, v, implementation="reference", **kw)
+            return jnp.sum(jnp.sin(y) * w.astype(jnp.float64)), y
+
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*f64)
+        return [np.asarray(x) for x in (y, *g)]
+
+
+def _relative_errors(got, want):
+    got = [np.asarray(x.astype(jnp.float32), np.float64) for x in got]
+    return {name: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+            for name, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
+
+
+@pytest.mark.parametrize("name", ["causal", "non-causal"])
+def test_ring_with_pallas_pairs_equals_reference_float64(name, x64):
+    """The fused Pallas kernels (interpret mode) on every chunk pair of a 4-device ring,
+    backward through their dK/dV and dQ kernels given the merged statistics."""
+    q, k, v, rng = _inputs()
+    kw = _kwargs(name, rng)
+    if name == "causal":  # documents crossing chunks too: segment ids through the kernel
+        kw = _kwargs("packed", rng)
+    y_ref, g_ref = _value_and_grads("reference", q, k, v, kw)
+    with jax.set_mesh(_mesh(4)):
+        assert explain(q, k, v, implementation="ring", ring_inner="pallas", **kw)[1] == (
+            "asked for; chunk pairs on pallas (ring_inner='pallas' asked for)")
+        (_, y), g = _fused_value_and_grads("pallas", q, k, v, kw)
+    for letter, a, b in zip(("y", "dq", "dk", "dv"), (y, *g), (y_ref, *g_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=letter)
+
+
+def _splash_inputs(dtype, t=512):
+    rng = np.random.default_rng(0)
+    shapes = ((1, t, 2, 16), (1, t, 1, 16), (1, t, 1, 16))  # MQA: 2 query heads, 1 K/V head
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype) for s in shapes]
+
+
+SPLASH_CASES = {
+    # causal with packed documents that cross the chunk and device boundaries
+    "causal-packed": lambda t: dict(causal=True, segment_ids=jnp.asarray(
+        np.sort(np.random.default_rng(2).integers(0, 3, (1, t)), axis=1), jnp.int32)),
+    # every pair full (one FullMask kernel), right padding: keys past 300 skipped or masked
+    "full-lengths": lambda t: dict(kv_lengths=jnp.asarray([300], jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLASH_CASES))
+def test_ring_with_splash_pairs_matches_reference_float32(name):
+    """JAX's splash kernel (interpret mode) on every chunk pair, its backward kernels given
+    the merged statistics; float32 against the float64 reference."""
+    q, k, v = _splash_inputs(jnp.float32)
+    kw = SPLASH_CASES[name](q.shape[1])
+    with jax.set_mesh(_mesh(2)):
+        (_, y), g = _fused_value_and_grads("splash", q, k, v, kw)
+    assert y.dtype == jnp.float32
+    errors = _relative_errors((y, *g), _reference_float64(q, k, v, kw))
+    assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("inner", ["splash", "pallas"])
+def test_ring_bfloat16_with_fused_pairs_close_to_reference(inner):
+    """bfloat16 through the ring: each pair's output and gradients rounded to bfloat16 by
+    the kernel, merged in float32; relative error at bfloat16's resolution (2^-8)."""
+    t, sequence = (512, 2) if inner == "splash" else (64, 4)
+    q, k, v = _splash_inputs(jnp.bfloat16, t)
+    kw = SPLASH_CASES["causal-packed"](t)
+    with jax.set_mesh(_mesh(sequence)):
+        (_, y), g = _fused_value_and_grads(inner, q, k, v, kw)
+    assert y.dtype == jnp.bfloat16 and all(x.dtype == jnp.bfloat16 for x in g)
+    errors = _relative_errors((y, *g), _reference_float64(q, k, v, kw))
+    assert max(errors.values()) < 1.5e-2, errors
+
+
+def test_explain_names_the_ring_pair_kernel_per_platform():
+    x = jax.ShapeDtypeStruct((1, 1024, 2, 16), jnp.bfloat16)
+    short = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.bfloat16)
+    with jax.set_mesh(_mesh(4)):
+        impl, reason = explain(x, x, x, causal=True, backend="gpu")
+        assert impl == "ring" and reason.endswith(
+            "chunk pairs on pallas (the fused Pallas kernels on an NVIDIA GPU)")
+        assert explain(x, x, x, causal=True, backend="tpu")[1].endswith(
+            "chunk pairs on splash (JAX's splash kernel on a TPU)")
+        # Chunks of 64 / 8 = 8 tokens: splash refuses, auto takes blockwise and says why.
+        assert "chunk pairs on blockwise (not splash: ring_inner='splash' needs chunks of " \
+               "T / (2 × mesh.sequence) = 8 tokens to be a multiple of 128" in explain(
+                   short, short, short, causal=True, backend="tpu")[1]
+        assert explain(x, x, x, causal=True, backend="cpu")[1].endswith(
+            "chunk pairs on blockwise (backend 'cpu' has no fused kernel (pallas and splash "
+            "run interpreted here, for tests: ring_inner=...))")
+        # An explicit pair kernel that cannot run: one sentence, naming what is valid.
+        with pytest.raises(ValueError, match=r"^ring_inner='splash' needs chunks of T / \(2 × "
+                                             r"mesh.sequence\) = 8 tokens to be a multiple of "
+                                             r"128 .*T a multiple of 1024, or use 'blockwise'"):
+            explain(short, short, short, implementation="ring", ring_inner="splash")
+        with pytest.raises(ValueError, match=r"^ring_inner='splash' needs q_offset as a Python"):
+            explain(x, x, x, implementation="ring", ring_inner="splash",
+                    q_offset=jnp.zeros((1,), jnp.int32))
+        with pytest.raises(ValueError, match=r"^ring_inner='pallas' runs on NVIDIA GPUs"):
+            explain(x, x, x, implementation="ring", ring_inner="pallas", backend="tpu")
+    with pytest.raises(ValueError, match=r"^ring_inner must be one of \('auto', 'pallas', "
+                                         r"'splash', 'blockwise'\); got 'flash'"):
+        explain(x, x, x, ring_inner="flash")

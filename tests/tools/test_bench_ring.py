@@ -21,6 +21,7 @@ def test_run_ring_writes_tables_and_json(tmp_path, capsys):
     assert json.loads(out.read_text()) == results
     att, gpt = results["attention"], results["gpt"]
     assert [r["implementation"] for r in att] == ["blockwise", "ring"]
+    assert [r["pairs"] for r in att] == ["-", "blockwise"]  # auto on CPU: no fused kernel
     assert all(r["seconds"] > 0 for r in att + gpt)
     assert gpt[1]["bytes"] < gpt[0]["bytes"]  # 4 devices share the sequence
     one, gspmd, ring = results["context"]

@@ -4,7 +4,10 @@ Three tables, on a mesh whose `sequence` axis has P devices (P = 1: one device, 
 blockwise kernel; P > 1: ring attention, attention/ring.py):
 
   attention  causal attention forward + backward at a fixed length T: per-device temp
-             memory (XLA's compiled memory analysis) and the wall time of one call.
+             memory (XLA's compiled memory analysis) and the wall time of one call;
+             for P > 1 one row per `--inner` (the ring's chunk-pair kernel, ring_inner:
+             "auto" is pallas on an NVIDIA GPU, splash on a TPU, blockwise on CPU), the
+             kernel it ran in the "pairs" column.
   gpt        one training step (forward, backward, AdamW) of a fixed small GPT at a fixed
              T: per-device memory (arguments + outputs + temp, less what is aliased)
              and step time.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-length", type=int, default=1 << 17,
                    help="stop the context search here")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median)")
+    p.add_argument("--inner", nargs="+", default=["auto"],
+                   choices=["auto", "pallas", "splash", "blockwise"],
+                   help="the ring's chunk-pair kernels to time in the attention table "
+                        "(ring_inner; e.g. 'blockwise auto' on a GPU or TPU host)")
     p.add_argument("--out", default="bench_results/ring.json", help="JSON output path")
 
 
@@ -61,7 +69,7 @@ def run(args) -> dict:
                 "--sizes", *map(str, args.sizes), "--length", str(args.length),
                 "--gpt-length", str(args.gpt_length), "--budget-mib", str(args.budget_mib),
                 "--max-length", str(args.max_length), "--repeats", str(args.repeats),
-                "--out", args.out]
+                "--inner", *args.inner, "--out", args.out]
         subprocess.run(argv, env=env, check=True)
         return json.loads(Path(args.out).read_text())
     results = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(),
@@ -99,31 +107,44 @@ def _mib(n: float) -> str:
 def attention_table(args) -> list[dict]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
-    from attention_jax.attention import dot_product_attention
+    from attention_jax.attention import dot_product_attention, explain
     from attention_jax.tools.bench.timing import median_time
 
     t, heads, head_dim = args.length, 4, 32
     print(f"\ncausal attention fwd+bwd, B=1 T={t} N={heads} H={head_dim} float32 "
-          f"(per device)\n   P  impl       temp MiB   time ms")
+          f"(per device)\n   P  impl       pairs      temp MiB   time ms")
     rows = []
     for p in args.sizes:
         mesh = _mesh(p)
         impl = "ring" if p > 1 else "blockwise"
         sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
         x = jax.device_put(jax.random.normal(jax.random.key(0), (1, t, heads, head_dim)), sharded)
+        for inner in (args.inner if p > 1 else ["-"]):
+            kw = {"ring_inner": inner} if p > 1 else {}
 
-        def loss(q, k, v):
-            return dot_product_attention(q, k, v, causal=True, implementation=impl).sum()
+            def loss(q, k, v):
+                return dot_product_attention(q, k, v, causal=True, implementation=impl,
+                                             **kw).sum()
 
-        with jax.set_mesh(mesh):
-            fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            compiled = fn.lower(x, x, x).compile()
-            seconds = median_time(lambda: jax.block_until_ready(compiled(x, x, x)), args.repeats)
-        temp = compiled.memory_analysis().temp_size_in_bytes
-        rows.append({"P": p, "implementation": impl, "T": t, "temp_bytes": temp,
-                     "seconds": seconds})
-        print(f"{p:4d}  {impl:9s} {_mib(temp)}  {seconds * 1e3:8.1f}", flush=True)
+            with jax.set_mesh(mesh):
+                pairs = _pair_kernel(explain(x, x, x, causal=True, implementation=impl,
+                                             **kw)[1])
+                fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                compiled = fn.lower(x, x, x).compile()
+                seconds = median_time(lambda: jax.block_until_ready(compiled(x, x, x)),
+                                      args.repeats)
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            rows.append({"P": p, "implementation": impl, "pairs": pairs, "T": t,
+                         "temp_bytes": temp, "seconds": seconds})
+            print(f"{p:4d}  {impl:9s}  {pairs:9s} {_mib(temp)}  {seconds * 1e3:8.1f}",
+                  flush=True)
     return rows
+
+
+def _pair_kernel(reason: str) -> str:
+    """The ring's chunk-pair kernel as explain() names it ("-": not a ring call)."""
+    match = re.search(r"chunk pairs on (\w+)", reason)
+    return match.group(1) if match else "-"
 
 
 def _gpt_step(t: int, p: int, implementation: str):
