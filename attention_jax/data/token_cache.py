@@ -55,7 +55,7 @@ from attention_jax.data.packing import PAD_SEGMENT
 VERSION = 1
 MANIFEST = 'manifest.json'
 INPUTS = 'inputs.json'
-DEFAULT_SHARD_BYTES = 16 << 20  # of source text; small enough to spread over the cores
+DEFAULT_SHARD_BYTES = 4 << 20  # of source text: small enough to keep every core busy to the end
 
 
 class CacheError(FilesError):
@@ -407,6 +407,8 @@ class TokenRows:
                     raise CacheError(f'{path}: truncated or damaged token cache shard '
                                      f'({found} bytes, {size} written); delete {directory} '
                                      f'to prepare it again')
+        self.eos_id = manifest['inputs'].get('eos_id')
+        self._columns = np.arange(seq_len)
         self._shards: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __getstate__(self):  # grain workers open their own maps
@@ -433,37 +435,56 @@ class TokenRows:
         if not 0 <= r < len(self):
             raise IndexError(f'row {r} of {len(self)}')
         L = self.seq_len
-        a, b = r * L, min((r + 1) * L, self.num_tokens)
-        tokens = np.full(L, self.pad_id, np.int32)
-        documents = self.packing == 'documents'
-        cuts = [] if documents else None  # document starts inside the row (row columns)
+        a, b = r * L, (r + 1) * L
         k = int(np.searchsorted(self.starts, a, side='right')) - 1
-        col = 0
+        if b > self.starts[k + 1]:  # the row crosses a shard or is the padded last one
+            return self._general_row(a, min(b, self.num_tokens), k)
+        shard_tokens, shard_ends = self._shard(k)
+        lo = a - int(self.starts[k])
+        tokens = shard_tokens[lo:lo + L].astype(np.int32)
+        if self.packing == 'stream':
+            return {'tokens': tokens, 'segment_ids': np.ones(L, np.int32)}
+        # Ends strictly inside the row start the row's next pieces.
+        i, j = shard_ends.searchsorted([lo, lo + L], side='right')
+        cuts = np.asarray(shard_ends[i:j]) - lo
+        return {'tokens': tokens, **self._segments(cuts[cuts < L], L)}
+
+    def _segments(self, cuts: np.ndarray, col: int) -> dict[str, np.ndarray]:
+        """segment_ids and positions of a row whose pieces start at 0 and at `cuts`
+        (sorted, in (0, col)); columns from `col` on are padding."""
+        if self.eos_id is None:  # empty documents end where the one before did
+            cuts = np.unique(cuts)
+        L = self.seq_len
+        piece = np.searchsorted(cuts, self._columns, side='right')  # 0-based piece of a column
+        positions = (self._columns - np.concatenate([[0], cuts])[piece]).astype(np.int32)
+        segment_ids = (piece + 1).astype(np.int32)
+        if col < L:
+            segment_ids[col:] = PAD_SEGMENT
+            positions[col:] = 0
+        return {'segment_ids': segment_ids, 'positions': positions}
+
+    def _general_row(self, a: int, b: int, k: int) -> dict[str, np.ndarray]:
+        """A row across shards (each starts a new document) or the last, padded one."""
+        L = self.seq_len
+        tokens = np.full(L, self.pad_id, np.int32)
+        cuts, col = [], 0
         while a < b:
             shard_tokens, shard_ends = self._shard(k)
             lo, hi = a - int(self.starts[k]), min(b, int(self.starts[k + 1])) - int(self.starts[k])
             tokens[col:col + hi - lo] = shard_tokens[lo:hi]
-            if documents:
-                if col:
-                    cuts.append(col)  # a shard starts with a new document
-                i, j = np.searchsorted(shard_ends, [lo, hi], side='right')
-                cuts.extend((shard_ends[i:j] - lo + col).tolist())
+            if col:
+                cuts.append(col)
+            i, j = shard_ends.searchsorted([lo, hi], side='right')
+            cuts.extend((np.asarray(shard_ends[i:j]) - lo + col).tolist())
             col += hi - lo
             a += hi - lo
             k += 1
-        segment_ids = np.zeros(L, np.int32)
-        segment_ids[:col] = 1
-        if not documents:
+        if self.packing == 'stream':
+            segment_ids = np.zeros(L, np.int32)
+            segment_ids[:col] = 1
             return {'tokens': tokens, 'segment_ids': segment_ids}
-        starts = np.unique([c for c in cuts if 0 < c < col]).astype(np.int64)
-        marks = np.zeros(L, np.int32)
-        marks[starts] = 1
-        segment_ids[:col] += np.cumsum(marks)[:col]
-        piece_start = np.zeros(L, np.int64)
-        piece_start[starts] = starts
-        positions = (np.arange(L) - np.maximum.accumulate(piece_start)).astype(np.int32)
-        positions[col:] = 0
-        return {'tokens': tokens, 'segment_ids': segment_ids, 'positions': positions}
+        cuts = np.array(sorted(c for c in set(cuts) if 0 < c < col), np.int64)
+        return {'tokens': tokens, **self._segments(cuts, col)}
 
 
 def open_rows(directory: str, seq_len: int, **kwargs) -> TokenRows:
