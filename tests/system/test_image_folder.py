@@ -1,0 +1,121 @@
+"""Your own images from the command line: a folder of PNGs and JPEGs of mixed sizes and
+modes in 3 classes trains the ViT and the CNN, and a converted Hugging Face ViT
+fine-tunes at a new resolution (its position table resized): the ViT at two resolutions.
+
+The runs go through main.py's own flag parsing and main() in this process (a subprocess
+per run would spend most of the test's time importing jax), with tiny models and 2 steps.
+"""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from attention_jax import convert, main, workdir as workdir_lib
+from attention_jax.models import vit
+from attention_jax.tasks import TASKS
+
+CLASSES = ("ant", "bee", "cat")
+SIZES = ((20, 30), (33, 17), (24, 24), (40, 28))
+MODES = ("RGB", "L", "RGBA", "P", "LA")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pets")
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(CLASSES):
+        os.makedirs(root / name)
+        for k in range(8):
+            h, w = SIZES[k % len(SIZES)]
+            pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            pixels[..., c] = 255  # a class colour to learn from
+            image = Image.fromarray(pixels)
+            if k % 3 == 0:
+                image.save(root / name / f"{k}.jpg", quality=90)
+            else:
+                image.convert(MODES[k % len(MODES)]).save(root / name / f"{k}.png")
+    return str(root)
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """python -m attention_jax.main ARGS, in this process: (exit code, stdout, stderr)."""
+    main.parse_flags(["main", "--mode=train", *args])
+    code = main.main([])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+TINY = ["--config.train.steps=2", "--config.train.batch_size=8", "--config.eval.batch_size=8",
+        "--config.eval.every=0", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
+        "--config.optim.warmup_steps=1", "--config.data.eval_fraction=0.25",
+        "--config.mesh.num_devices=1"]  # one device: an 8-way compile costs seconds more here
+
+
+def _train(capsys, folder, workdir, spec, *extra):
+    code, out, err = cli(capsys, f"--config={spec}", f"--workdir={workdir}",
+                         "--config.data.name=image_folder", f"--config.data.root={folder}",
+                         *TINY, *extra)
+    assert code == 0, err[-3000:]
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    evals = [r for r in records if r.get("split") == "eval"]
+    assert evals and np.isfinite(evals[-1]["loss"]), records
+    with open(os.path.join(workdir, "classes.json")) as f:
+        assert json.load(f) == list(CLASSES)
+    config = workdir_lib.read_config(workdir)
+    return TASKS[config.task](config, workdir), out, evals[-1]
+
+
+# Two resolutions of each family within the time budget: the ViT from scratch at 16 and
+# fine-tuned from Hugging Face at 24; the CNN at 20 (tests/data/test_data_images.py
+# builds it at another size). Each run here compiles for seconds.
+def test_vit_trains_on_a_folder(folder, tmp_path, capsys, size=16):
+    task, _, last = _train(capsys, folder, str(tmp_path / "vit"), "vit:variant=vit-tiny/4",
+                           f"--config.data.image_size={size}",
+                           "--config.data.train_crop=random_resized", "--config.data.flip=true",
+                           "--config.data.mean=0.485,0.456,0.406", "--config.data.mixup=0.2")
+    cfg = task.model.config
+    assert (cfg.image_size, cfg.num_channels, cfg.num_classes) == (size, 3, 3)
+    assert task.tokens_per_example == (size // 4) ** 2 + 1
+    assert last["examples"] == len(task.eval_source)  # every held-out image, once
+
+
+def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
+    task, _, _ = _train(capsys, folder, str(tmp_path / "cnn"), "inductive_bias:model=cnn",
+                        f"--config.data.image_size={size}", "--config.data.cutmix=1.0")
+    assert (task.model.config.image_size, task.model.config.num_classes) == (size, 3)
+    assert task.train_transform(task.train_source[0], np.random.default_rng(0))["image"].shape \
+        == (size, size, 3)
+
+
+def test_hugging_face_vit_fine_tunes_at_a_new_resolution(folder, tmp_path, capsys):
+    # A Hugging Face model dir (config.json + model.safetensors, transformers' layout) of a
+    # ViT trained at 16×16 with 5 classes, written without torch by export_hf (whose
+    # output transformers loads: tests/convert/test_hf.py).
+    cfg = vit.ViTConfig(image_size=16, patch_size=4, num_channels=3, d_model=32, num_layers=1,
+                        num_heads=4, mlp_dim=48, num_classes=5, norm_epsilon=1e-12)
+    shapes = jax.eval_shape(lambda: vit.ViT(cfg).init(jax.random.PRNGKey(0),
+                                                       jnp.zeros((1, 16, 16, 3))))["params"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.normal(0, 0.3, s.shape).astype(np.float32),
+                          nn.meta.unbox(shapes))
+    convert.export_hf(vit.ViT(cfg), params, tmp_path / "hf")
+    task, out, _ = _train(capsys, folder, str(tmp_path / "ft"), f"vit:hf={tmp_path / 'hf'}",
+                          "--config.data.image_size=24")
+    assert (task.model.config.image_size, task.model.config.grid_size) == (24, 6)
+    # The checkpoint's 4×4 grid went into a 6×6 model; its 5-class head became a 3-class one.
+    assert f"warm start from {tmp_path / 'hf'} (ViTForImageClassification)" in out
+    assert "head/kernel (checkpoint (32, 5), model (32, 3))" in out
+
+
+def test_a_size_the_patch_does_not_divide_is_one_line(folder, tmp_path, capsys):
+    code, _, err = cli(capsys, "--config=vit", f"--workdir={tmp_path}",
+                       "--config.data.name=image_folder", f"--config.data.root={folder}",
+                       "--config.data.image_size=15")
+    assert code == 1 and err.count("\n") == 1 and err.startswith(
+        "error: config.data.image_size=15 is not a multiple of the ViT's patch_size=2; valid: ")
