@@ -22,6 +22,26 @@ TensorFlow):
   number_translation          train (20k), validation,  {'number', 'en', 'fr', 'de'}
                               test (1k each)            ('number_translation/small': 2k/200/200)
 
+Your own text
+-------------
+  plain text, Markdown, Python   --config.data.name=files --config.data.files='~/notes/**/*.md'
+                                 (a document per file; a directory means every file in it)
+  JSON lines (.jsonl, .gz, .zst) --config.data.files='data/*.jsonl.zst' --config.data.text_key=text
+  Parquet (a Hugging Face        --config.data.files='~/hf/dataset/data/train-*.parquet'
+    dataset's shards)              (the column text_key)
+  a held-out split               --config.data.eval_files=GLOBS, else eval_fraction (0.05) of
+                                 the documents by a stable hash of file and line/row
+  a tokenizer                    --config.data.tokenizer=PATH (a tokenizer.json or the
+                                 directory save_pretrained wrote: GPT-2's, Llama's, BERT's)
+The files' tokens are prepared once into a cache (token_cache.py; data.cache_dir, default
+DATA_DIR/token_cache) keyed by the files' paths, sizes and mtimes and the tokenizer:
+beforehand with every core,
+  python -m attention_jax.data.prepare --config=gpt --config.data.name=files --config.data.files=...
+or by the first run itself. Runs then memory-map it: rows of seq_len are windows of the
+token stream (packing 'documents' adds segment ids and positions, 'stream' is the window),
+nothing proportional to the corpus is read at start-up, and the loader state stays three
+integers. A catalogue dataset (tfds) or the built-in corpora below need none of this.
+
 Text comes back as UTF-8 bytes. Corpus documents are split by a hash of their path, so
 a file is always in the same split; digits are split 80/20 per class with a fixed seed;
 number-translation integers are distinct across splits.
@@ -79,6 +99,7 @@ _WHERE = {
                      'Tokenizer', 'TokenizerFileError', 'WordPieceTokenizer', 'get_tokenizer',
                      'load_tokenizer'),
     'files': ('FileDocuments', 'FilesError', 'file_splits'),
+    'token_cache': ('CacheError', 'TokenRows'),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 
@@ -97,12 +118,12 @@ def __dir__():
 
 __all__ = [
     'BPETokenizer', 'ByteTokenizer', 'CATALOGUE_EXAMPLES', 'CausalLM', 'CharTokenizer',
-    'DatasetNotFoundError', 'FileDocuments', 'FileTokenizer', 'FilesError',
+    'CacheError', 'DatasetNotFoundError', 'FileDocuments', 'FileTokenizer', 'FilesError',
     'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM', 'OFFLINE', 'PACKINGS',
     'PackedSource', 'Tokenizer', 'TokenizerFileError', 'Translation', 'WordPieceTokenizer',
     'default_data_dir', 'file_splits', 'get_builder', 'get_dataset', 'get_tokenizer',
     'load_tokenizer',
     'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
     'pack_documents', 'packed_lm_source', 'random_crop_flip', 'seq2seq_example',
-    'shift_right', 'to_global_batch', 'unpack_row',
+    'shift_right', 'to_global_batch', 'TokenRows', 'unpack_row',
 ]

@@ -11,7 +11,9 @@ row (Krell et al. 2021, "Efficient sequence packing without cross-contamination"
 
 Packing is a deterministic function of the document order, done once over a source,
 so that the packed rows form a random-access source the grain loader can shuffle,
-shard and resume like any other.
+shard and resume like any other. `PackedSource` does it in memory at start-up (the
+built-in and catalogue datasets); for your own files, `token_cache.TokenRows` computes
+the same rows (split_documents=True) lazily from a prepared token cache.
 """
 
 from __future__ import annotations

@@ -108,6 +108,15 @@ def cache_key(inputs: dict) -> str:
 
 
 # ================================================================================ writing
+def _local(path) -> str:
+    """`path` (a str or an etils.epath.Path) as a local path: memory maps need one."""
+    if '://' in str(path):
+        raise CacheError(f'cache_dir={str(path)!r}: the token cache must be on a local or '
+                         f'mounted filesystem (its shards are memory-mapped); valid: a local '
+                         f'directory, e.g. a bucket mounted with gcsfuse')
+    return os.path.expanduser(os.fspath(path))
+
+
 def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     tmp = f'{path}.tmp-{socket.gethostname()}-{os.getpid()}'
     write(tmp)
@@ -254,7 +263,7 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
     `source`: see cache_inputs."""
     inputs = cache_inputs(docs, tokenizer, text_key=text_key, max_documents=max_documents,
                           shard_bytes=shard_bytes, source=source)
-    directory = os.path.join(os.path.expanduser(root), cache_key(inputs))
+    directory = os.path.join(_local(root), cache_key(inputs))
     if os.path.exists(os.path.join(directory, MANIFEST)):
         check_manifest(directory, inputs)
         return directory
@@ -380,6 +389,7 @@ class TokenRows:
             raise ValueError(f'seq_len={seq_len} must be positive')
         if packing not in ('documents', 'stream'):
             raise ValueError(f"packing={packing!r}; valid: ['documents', 'stream']")
+        directory = _local(directory)
         manifest_path = os.path.join(directory, MANIFEST)
         if not os.path.exists(manifest_path):
             raise CacheError(f'{directory}: no {MANIFEST}: not a prepared token cache (or '

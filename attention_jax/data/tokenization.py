@@ -53,13 +53,27 @@ class Tokenizer(abc.ABC):
     def _save_files(self, directory: str) -> dict:
         """Writes the vocabulary into `directory`; returns extra metadata to record."""
 
-    def save(self, directory: str) -> str:
-        """Writes the vocabulary files and a small JSON naming the kind; returns the dir."""
-        os.makedirs(directory, exist_ok=True)
-        meta = {'kind': self.kind, **self._save_files(directory)}
-        with open(os.path.join(directory, META_FILE), 'w') as f:
-            json.dump(meta, f, indent=1)
-        return directory
+    def save(self, directory) -> str:
+        """Writes the vocabulary files and a small JSON naming the kind; returns the dir.
+        `directory` may be a str or an etils.epath.Path, local or not (gs://, s3://)."""
+        if _is_local(directory):
+            directory = os.fspath(directory)
+            os.makedirs(directory, exist_ok=True)
+            meta = {'kind': self.kind, **self._save_files(directory)}
+            with open(os.path.join(directory, META_FILE), 'w') as f:
+                json.dump(meta, f, indent=1)
+            return directory
+        # The libraries write local files: write them here, then copy them over.
+        import tempfile
+        from etils import epath
+        target = epath.Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as local:
+            self.save(local)
+            for name in os.listdir(local):
+                with open(os.path.join(local, name), 'rb') as f:
+                    (target / name).write_bytes(f.read())
+        return str(directory)
 
     def _strip(self, ids: Iterable[int]) -> list[int]:
         return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in self.special_ids]
@@ -503,8 +517,27 @@ def fingerprint(tokenizer: Tokenizer) -> str:
     return h.hexdigest()[:20]
 
 
-def load_tokenizer(directory: str) -> Tokenizer:
-    """Restores a tokenizer written by `Tokenizer.save(directory)`."""
+def _is_local(path) -> bool:
+    """Whether `path` (str or etils.epath.Path) is on the local filesystem, not gs:// etc."""
+    return '://' not in str(path)
+
+
+def load_tokenizer(directory) -> Tokenizer:
+    """Restores a tokenizer written by `Tokenizer.save(directory)` (a str or an
+    etils.epath.Path; a non-local one is copied to a local temporary directory first)."""
+    if not _is_local(directory):
+        import tempfile
+        from etils import epath
+        source = epath.Path(directory)
+        if not (source / META_FILE).exists():
+            raise FileNotFoundError(f'no saved tokenizer in {str(directory)!r} (missing '
+                                    f'{META_FILE})')
+        local = tempfile.mkdtemp(prefix='tokenizer-')  # kept: a FileTokenizer names its file
+        for item in source.iterdir():
+            with open(os.path.join(local, item.name), 'wb') as f:
+                f.write(item.read_bytes())
+        directory = local
+    directory = os.fspath(directory)
     meta_path = os.path.join(directory, META_FILE)
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f'no saved tokenizer in {directory!r} (missing {META_FILE})')

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from etils import epath
 
 from attention_jax import data
 from attention_jax.configs import bert_mlm as bert_config
@@ -121,8 +122,10 @@ def test_the_key_follows_files_and_tokenizer_and_damage_is_one_line(corpus, tmp_
     changed = prep(tok)
     assert len({first, byte, changed}) == 3
     # A run's saved copy of the tokenizer is the same tokenizer (the same key).
-    saved = data.load_tokenizer(tok.save(str(tmp_path / 'run' / 'tokenizer')))
+    saved = data.load_tokenizer(tok.save(epath.Path(tmp_path) / 'run' / 'tokenizer'))
     assert prep(saved) == changed
+    with pytest.raises(token_cache.CacheError, match='must be on a local or mounted'):
+        token_cache.TokenRows('gs://bucket/cache/abc', 16)
     errors = []
     # A cache whose recorded inputs disagree with its name (copied over, edited).
     manifest_path = os.path.join(changed, 'manifest.json')
