@@ -29,8 +29,10 @@ from attention_jax.checkpoint import (CheckpointDamagedError, CheckpointLocation
 
 
 def _size(path: epath.Path) -> int:
-    if "://" in str(path):  # an object store: one listing, a stat per object
-        return sum(p.stat().length for p in path.glob("**/*") if p.is_file())
+    if "://" in str(path):  # an object store: fsspec sums one recursive listing
+        import fsspec
+        fs, inside = fsspec.core.url_to_fs(str(path))
+        return int(fs.du(inside))
     return sum(os.path.getsize(os.path.join(root, f))
                for root, _, files in os.walk(os.fspath(path)) for f in files)
 

@@ -113,13 +113,13 @@ def local_dir(workdir, name: str) -> str | None:
     if key not in _LOCAL_COPIES:
         if not folder.is_dir():
             return None
+        import fsspec  # epath refuses recursive globs on GCS; fsspec's find is one listing
+        fs, inside = fsspec.core.url_to_fs(key)
         tmp = tempfile.mkdtemp(prefix="attention_jax_copy_")
-        for f in folder.glob("**/*"):
-            if f.is_file():
-                local = os.path.join(tmp, os.path.relpath(str(f), key))
-                os.makedirs(os.path.dirname(local), exist_ok=True)
-                with open(local, "wb") as out:
-                    out.write(f.read_bytes())
+        for f in fs.find(inside):
+            local = os.path.join(tmp, os.path.relpath(f, inside))
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            fs.get_file(f, local)
         _LOCAL_COPIES[key] = tmp
     return _LOCAL_COPIES[key]
 
@@ -187,9 +187,10 @@ class MetricWriter:
     the lines this writer holds: a reader always sees a complete file, as with a local
     append, and the cost is one upload of the file per logged record (writes happen only
     at log and eval steps; 1000 records of ~200 bytes is a 200 KB object). Numbered part
-    files would upload less but make every reader list and merge them. tensorboardX
-    writes gs:// (google-cloud-storage) and s3:// (boto3, endpoint S3_ENDPOINT) itself,
-    re-uploading its event file at each flush in the same way."""
+    files would upload less but make every reader list and merge them. TensorBoard's
+    event file is written into a local temporary folder and copied up at each record
+    in the same way. (tensorboardX's own gs:// writer uploads again when it is garbage
+    collected, after close, and retries for two minutes if the bucket is gone by then.)"""
 
     def __init__(self, workdir: str, resume_step: int | None = None):
         """resume_step: training (re)starts after this step, so records of later steps
@@ -202,12 +203,16 @@ class MetricWriter:
             if resume_step is not None:
                 drop_records_after(file, resume_step)
             self._remote = is_remote(workdir)
+            tb_dir = path(workdir, TENSORBOARD)
             if self._remote:
                 self._file = file
                 self._lines = [json.dumps(r) + "\n" for r in read_records(file)]
+                self._tb_remote, self._tb_local = tb_dir, tempfile.mkdtemp(prefix="attention_jax_tb_")
+                self._tb_sizes: dict[str, int] = {}
+                tb_dir = self._tb_local
             else:
                 self._jsonl = open(file, "a")
-            self._tb = SummaryWriter(path(workdir, TENSORBOARD),
+            self._tb = SummaryWriter(tb_dir,
                                      purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
@@ -223,12 +228,26 @@ class MetricWriter:
         for k, v in metrics.items():
             self._tb.add_scalar(f"{split}/{k}", float(v), step)
         self._tb.flush()
+        if self._remote:
+            self._copy_tensorboard()
+
+    def _copy_tensorboard(self) -> None:
+        """The local event files that grew since the last copy, uploaded whole."""
+        for name in os.listdir(self._tb_local):
+            local = os.path.join(self._tb_local, name)
+            size = os.path.getsize(local)
+            if self._tb_sizes.get(name) != size:
+                epath_of(self._tb_remote, name).write_bytes(open(local, "rb").read())
+                self._tb_sizes[name] = size
 
     def close(self) -> None:
         if self.enabled:
-            if not self._remote:
-                self._jsonl.close()
             self._tb.close()
+            if self._remote:
+                self._copy_tensorboard()
+                shutil.rmtree(self._tb_local, ignore_errors=True)
+            else:
+                self._jsonl.close()
 
 
 def read_records(file: str) -> list[dict]:

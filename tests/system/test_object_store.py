@@ -1,0 +1,158 @@
+"""Workdirs in object storage: a training run with --workdir=gs://bucket/run against a GCS
+emulator served on localhost (gcp-storage-emulator from PyPI, started and stopped here;
+gcs_emulator.py says the one header it adds),
+reached the way a real bucket is: epath/gcsfs for config.json, metrics and the tokenizer,
+tensorboardX's google-cloud-storage writer for TensorBoard, and orbax's tensorstore gcs
+driver for the checkpoints. The environment variables are the ones the README names.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from etils import epath
+
+import tiny  # noqa: F401 - registers the tiny task
+from conftest import REPO, free_port
+from attention_jax import checkpoint, main, runs, train, verify
+from attention_jax import workdir as workdir_lib
+from attention_jax.errors import UserError
+
+BUCKET = "attention-jax-test"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """A GCS emulator on a free localhost port (in memory, one bucket), and this
+    process's environment pointed at it; both undone afterwards."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("gcs") / "emulator.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tests", "system", "gcs_emulator.py"), str(port),
+         BUCKET], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}", timeout=1)
+            break
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail(f"the GCS emulator did not start: {open(log.name).read()[-2000:]}")
+            time.sleep(0.1)
+    env = emulator_env(url)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.terminate()
+        server.wait(timeout=10)
+        log.close()
+
+
+def emulator_env(url: str) -> dict:
+    """What points gcsfs, google-cloud-storage and tensorstore at an emulator (README)."""
+    return {"STORAGE_EMULATOR_HOST": url,           # gcsfs (epath), google-cloud-storage
+            "TENSORSTORE_GCS_HTTP_URL": url,         # tensorstore's gcs driver (orbax)
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",  # tensorstore: no credential lookup
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # gcsfs: no bucket-type probe
+
+
+def _losses(workdir) -> list[float]:
+    return [r["loss"] for r in workdir_lib.read_metrics(workdir) if r["split"] == "train"]
+
+
+def test_training_in_a_bucket_resumes_and_reads_back(gcs, tmp_path, monkeypatch, capsys):
+    """A run in gs:// writes config, metrics, TensorBoard and checkpoints there (nothing
+    under ./gs:), resumes from the bucket's checkpoint with the losses of an
+    uninterrupted local run, and --mode=eval, runs.open_run and verify read it."""
+    monkeypatch.chdir(tmp_path)
+    cfg = {"train.log_every": 1, "train.checkpoint_every": 4}
+    local = train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 8, **cfg}),
+                                     str(tmp_path / "local"))
+    run = f"gs://{BUCKET}/run"
+    first = train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 4, **cfg}), run)
+    assert first["losses"] == local["losses"][:4]
+    second = train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 8, **cfg}), run)
+    assert second["step"] == 8 and second["losses"] == local["losses"][4:]
+    assert f"resumed from {run}/checkpoints at step 4" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "gs:")  # never made into a local path
+    assert _losses(run) == _losses(tmp_path / "local")
+
+    bucket = epath.Path(run)
+    assert {p.name for p in bucket.iterdir()} >= {"config.json", "metrics.jsonl",
+                                                  "tensorboard", "checkpoints"}
+    assert json.loads((bucket / "config.json").read_text())["train"]["steps"] == 8
+    assert [p.name for p in (bucket / "tensorboard").iterdir()
+            if p.name.startswith("events.out.tfevents")], "no TensorBoard events in the bucket"
+    ckpt = checkpoint.Checkpointer(f"{run}/checkpoints", read_only=True)
+    assert ckpt.committed_steps() == [4, 8]
+    ckpt.close()
+
+    # --mode=eval's code path: the run's own config read from the bucket, the record
+    # appended (rewritten) to evals.jsonl there.
+    config = main.mode_config("eval", None, [], run)
+    record = main.evaluate_checkpoint(config, run)
+    assert record["step"] == 8
+    assert workdir_lib.read_records(f"{run}/evals.jsonl")[-1]["step"] == 8
+    assert runs.open_run(run).step == 8
+
+    assert verify.main([run]) == 0
+    table = capsys.readouterr().out
+    assert [line.split()[0] for line in table.splitlines()[1:3]] == ["8", "4"], table
+
+
+def test_tokenizer_goes_to_the_bucket_and_back(gcs, tmp_path):
+    """A task's assets (a real trained BPE tokenizer) are saved into the bucket and read
+    back from a local copy that encodes the same."""
+    from attention_jax import data
+    texts = ["the cat sat on the mat", "a dog and a cat", "the mat is red"] * 20
+    tok = data.get_tokenizer("bpe", texts=texts, vocab_size=300)
+    run = f"gs://{BUCKET}/tok"
+    workdir_lib.save_assets(lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)), run)
+    assert (epath.Path(run) / "tokenizer" / "tokenizer_meta.json").exists()
+    back = data.load_tokenizer(workdir_lib.local_dir(run, workdir_lib.TOKENIZER))
+    assert back.encode("the red cat") == tok.encode("the red cat")
+    assert workdir_lib.local_dir(f"gs://{BUCKET}/none", workdir_lib.TOKENIZER) is None
+
+
+def test_missing_remote_runs_are_one_line(gcs):
+    with pytest.raises(workdir_lib.RunNotFoundError) as e:
+        main.mode_config("eval", None, [], f"gs://{BUCKET}/never")
+    assert f"gs://{BUCKET}/never/config.json does not exist" in str(e.value)
+    with pytest.raises(workdir_lib.RunPathError) as e:
+        workdir_lib.check_readable("gs://no-such-bucket/run")
+    assert "bucket gs://no-such-bucket does not exist" in str(e.value)
+    for err in (e.value,):
+        assert "\n" not in str(err)
+    assert verify.main([f"gs://{BUCKET}/never"]) == 2
+
+
+def test_remote_paths_are_never_made_absolute():
+    assert workdir_lib.resolve("gs://bucket/run1") == "gs://bucket/run1"
+    assert workdir_lib.resolve("s3://bucket/run1") == "s3://bucket/run1"
+    assert workdir_lib.path("gs://bucket/run1", "config.json") == "gs://bucket/run1/config.json"
+    assert workdir_lib.resolve("run1") == os.path.join(os.getcwd(), "run1")
+    assert not workdir_lib.is_remote("/tmp/gs://x")
+
+
+def test_s3_checkpoints_are_one_line():
+    """orbax hands tensorstore only gs:// and local paths: an s3:// checkpoints folder is
+    refused before anything is written."""
+    with pytest.raises(checkpoint.CheckpointLocationError) as e:
+        checkpoint.Checkpointer("s3://bucket/run/checkpoints")
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)
+    assert "not s3://" in str(e.value)
