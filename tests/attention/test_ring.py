@@ -224,9 +224,10 @@ def test_ring_with_pallas_pairs_equals_reference_float64(name, x64):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=letter)
 
 
-def _splash_inputs(dtype, t=512):
+def _splash_inputs(dtype, t=512, s=None):
     rng = np.random.default_rng(0)
-    shapes = ((1, t, 2, 16), (1, t, 1, 16), (1, t, 1, 16))  # MQA: 2 query heads, 1 K/V head
+    s = s or t
+    shapes = ((1, t, 2, 16), (1, s, 1, 16), (1, s, 1, 16))  # MQA: 2 query heads, 1 K/V head
     return [jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype) for s in shapes]
 
 
@@ -236,6 +237,9 @@ SPLASH_CASES = {
         np.sort(np.random.default_rng(2).integers(0, 3, (1, t)), axis=1), jnp.int32)),
     # every pair full (one FullMask kernel), right padding: keys past 300 skipped or masked
     "full-lengths": lambda t: dict(kv_lengths=jnp.asarray([300], jnp.int32)),
+    # T = 512 queries after 448 cached keys of S = 1024 (chunks of 128 and 256), a causal
+    # left window of 300: pair offsets off the chunk grid, several partial masks
+    "cross-offset-window": lambda t: dict(causal=True, q_offset=448, window=(300, 0)),
 }
 
 
@@ -243,7 +247,7 @@ SPLASH_CASES = {
 def test_ring_with_splash_pairs_matches_reference_float32(name):
     """JAX's splash kernel (interpret mode) on every chunk pair, its backward kernels given
     the merged statistics; float32 against the float64 reference."""
-    q, k, v = _splash_inputs(jnp.float32)
+    q, k, v = _splash_inputs(jnp.float32, s=1024 if name.startswith("cross") else None)
     kw = SPLASH_CASES[name](q.shape[1])
     with jax.set_mesh(_mesh(2)):
         (_, y), g = _fused_value_and_grads("splash", q, k, v, kw)

@@ -127,8 +127,14 @@ def attention_table(args) -> list[dict]:
                                              **kw).sum()
 
             with jax.set_mesh(mesh):
-                pairs = _pair_kernel(explain(x, x, x, causal=True, implementation=impl,
-                                             **kw)[1])
+                try:
+                    pairs = _pair_kernel(explain(x, x, x, causal=True, implementation=impl,
+                                                 **kw)[1])
+                except ValueError as refused:  # e.g. splash with chunks not a multiple of 128
+                    rows.append({"P": p, "implementation": impl, "pairs": inner, "T": t,
+                                 "refused": str(refused).split("\n")[0]})
+                    print(f"{p:4d}  {impl:9s}  {inner:9s} refused: {rows[-1]['refused']}")
+                    continue
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                 compiled = fn.lower(x, x, x).compile()
                 seconds = median_time(lambda: jax.block_until_ready(compiled(x, x, x)),
