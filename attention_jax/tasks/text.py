@@ -67,13 +67,25 @@ def _check_mask(data_opts, tok) -> None:
                           f"({', '.join(ROLE_NAMES['mask'])}), or 'bpe' / 'wordpiece'")
 
 
+# A trained tokenizer (bpe, char) learns from the training documents in order, up to
+# this much text: a fixed number of documents would be a few kilobytes of short JSONL
+# records or gigabytes of whole books.
+TOKENIZER_TRAIN_BYTES = 8 << 20
+
+
 def _tokenizer(data_opts, workdir: str, documents):
-    """The run's tokenizer (run_tokenizer); a trained one learns from the first 300
-    training documents. Padding tells itself by segment ids here, so a pad that is the
-    end-of-text token is accepted."""
+    """The run's tokenizer (run_tokenizer); a trained one learns from the first
+    TOKENIZER_TRAIN_BYTES of training text, streamed to the tokenizers library's trainer.
+    Padding tells itself by segment ids here, so a pad that is the end-of-text token is
+    accepted."""
     def texts():
-        train = documents.docs("train")
-        return [as_text(train[i]["text"]) for i in range(min(len(train), 300))]
+        train, seen = documents.docs("train"), 0
+        for i in range(len(train)):
+            if seen >= TOKENIZER_TRAIN_BYTES:
+                return
+            raw = train[i]["text"]
+            seen += len(raw)
+            yield as_text(raw)
     return run_tokenizer(data_opts, workdir, texts, pad_may_be_eos=True)
 
 

@@ -226,3 +226,12 @@ def test_bert_reads_files_through_the_cache(corpus, tmp_path):
     assert masked.any() and (example['segment_ids'] == row['segment_ids']).all()
     assert (example['targets'][masked] == row['tokens'][masked]).all()
     assert not np.isin(row['tokens'], [1]).any()  # no [UNK]: the vocabulary covers the text
+    # GPT with a BPE trained on the files (streamed to the trainer) reads them the same way.
+    from attention_jax.configs import gpt as gpt_config
+    config = gpt_config.get_config()
+    config.data.name, config.data.files, config.data.cache_dir = 'files', _globs(root), str(tmp_path)
+    config.data.tokenizer, config.data.vocab_size, config.data.seq_len = 'bpe', 300, 32
+    task = base.TASKS['gpt'](config, str(tmp_path / 'gpt'))
+    assert isinstance(task.eval_source, token_cache.TokenRows)
+    ids = np.concatenate([task.train_source[r]['tokens'] for r in range(4)])
+    assert ids.max() < 300 and (ids >= 260).mean() > 0.3  # merges learnt (4 specials + 256)
