@@ -28,6 +28,11 @@ arithmetic) and which need the per-element mask (causal diagonal, window edges, 
 partial last block, segment ids, a dense mask tile). Rows with no visible key give zero
 output and zero gradients.
 
+Ring attention (ring.py) runs the forward on each pair of sequence chunks and merges
+the pairs itself: `forward_with_lse` returns the log-sum-exp too, and
+`backward_given_lse` runs the two backward kernels with the merged output and
+log-sum-exp in place of the pair's own (ring_inner.py says why that is exact).
+
 Backends: Pallas lowers these kernels through Triton on NVIDIA GPUs (run and measured
 on an H100: see the README). On CPU they run with `interpret=True`, which is how the
 test suite checks every mask against the float64 reference. The kernel bodies use only

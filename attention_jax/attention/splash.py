@@ -39,6 +39,11 @@ Tiles: 512 on a TPU (maxtext's default), or the largest of 256 / 128 that divide
 length; 128 everywhere else, where it runs with `interpret=True` (slow, for tests), so
 a 256-long test walks 2 × 2 tiles. The same sizes for the forward, dQ and dK/dV kernels.
 
+Ring attention (ring.py, ring_inner.py) runs splash on each pair of sequence chunks:
+`ring_pair_kernel` builds the pair's kernel saving its log-sum-exp, `forward_with_lse`
+and `backward_given_lse` run it and splash's backward kernels with the ring's merged
+statistics (the latter through a private function of splash; its docstring says why).
+
 On a TPU this has not been run here (no TPU in the sessions that wrote it); the numbers
 in the tests come from interpret mode on CPU, and tests/attention/test_splash.py holds
 one test, marked `tpu`, for the compiled kernel.
@@ -221,12 +226,18 @@ def backward_given_lse(kernel, q, k, v, segment_ids, out, lse, d_out):
     of jax.experimental. tests/attention/test_ring.py runs it against the float64
     reference, so a change of its signature in a new jax fails there, not silently."""
     kw = kernel.kwargs
-    collapse = lambda info: info if info is None or info.partial_mask_blocks is None else (  # noqa: E731
-        info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
-            -1, *info.partial_mask_blocks.shape[-2:])))
     residuals = (q, k, v, segment_ids, None, out, lse.astype(jnp.float32),
-                 collapse(kernel.dq_mask_info), collapse(kernel.dkv_mask_info))
+                 _collapse(kernel.dq_mask_info), _collapse(kernel.dkv_mask_info))
     grads = kernel_lib._splash_attention_bwd(
         False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
         kw["attn_logits_soft_cap"], kw["interpret"], residuals, d_out)
     return grads[3], grads[4], grads[5]  # (.., q, k, v, segment_ids, sinks)
+
+
+def _collapse(info):
+    """A mask table as splash's entry point hands it to its kernels: partial-mask blocks
+    with their leading (head, q block, kv block) axes in one (a no-op for static masks)."""
+    if info is None or info.partial_mask_blocks is None:
+        return info
+    blocks = info.partial_mask_blocks
+    return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
