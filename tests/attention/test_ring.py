@@ -299,3 +299,37 @@ def test_explain_names_the_ring_pair_kernel_per_platform():
     with pytest.raises(ValueError, match=r"^ring_inner must be one of \('auto', 'pallas', "
                                          r"'splash', 'blockwise'\); got 'flash'"):
         explain(x, x, x, ring_inner="flash")
+
+
+# ----------------------------------------------------------------------------- GPU / TPU
+# The compiled kernels inside the ring, on whatever devices the machine has (one device: a
+# ring of one, which still runs every chunk pair through the pair kernel). Never run in
+# the sessions that wrote them (no GPU or TPU there).
+
+
+def _compiled_ring_check(backend_kernel, t_per_chunk):
+    p = max(d for d in (1, 2, 4, 8) if d <= jax.device_count())
+    t = 2 * p * t_per_chunk
+    q, k, v = (jnp.asarray(x) for x in _splash_inputs(jnp.float32, t))
+    kw = SPLASH_CASES["causal-packed"](t)
+    with jax.set_mesh(_mesh(p)):
+        reason = explain(q, k, v, implementation="ring", **kw)[1]
+        assert f"chunk pairs on {backend_kernel}" in reason, reason
+        with jax.default_matmul_precision("highest"):
+            y_ref, g_ref = _value_and_grads("reference", q, k, v, kw)
+        for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+            (_, y), g = _fused_value_and_grads("auto", *(x.astype(dtype) for x in (q, k, v)), kw)
+            for a, b in zip((y, *g), (y_ref, *g_ref)):
+                err = jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)
+                assert float(err) < tol, (dtype, float(err))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_ring_with_compiled_pallas_pairs_on_a_gpu():
+    _compiled_ring_check("pallas", 512)
+
+
+@pytest.mark.tpu
+def test_ring_with_compiled_splash_pairs_on_a_tpu():
+    _compiled_ring_check("splash", 512)
