@@ -29,7 +29,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.0  # measured: dropout only slows this tiny model down.
     c.model.remat_policy = "none"  # activation checkpointing per block.
     if args.hf:  # fine-tune a Hugging Face ViT: its architecture, its weights (train.init_from)
+        import os
+
         from attention_jax import convert
+        args.hf = os.path.expanduser(args.hf)
         try:
             implied = convert.hf_model_overrides(args.hf)
         except (OSError, ValueError) as e:
