@@ -7,9 +7,8 @@ workdir so a checkpoint can always be decoded. Ours put padding at id 0 (so padd
 segment id 0 and token id 0 agree); a tokenizer file keeps its own ids (GPT-2 pads with
 its end-of-text token): code tells padding by segment ids or weights, never by id 0.
 
-WordPiece is implemented here from the `tokenizer.json` vocabulary and normaliser
-settings (Devlin et al. 2019 / Wu et al. 2016 greedy longest-match-first), and tested
-against the `tokenizers` library's ids; BPE is trained with the `tokenizers` library.
+WordPiece (from a `tokenizer.json`, BERT uncased by default) and BPE (trained here) are
+run by the `tokenizers` library, whose Rust encoders are what `prepare` parallelises.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
-import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -135,7 +132,7 @@ class ByteTokenizer(Tokenizer):
 
 
 # --------------------------------------------------------------------------------------
-# WordPiece (BERT), from a Hugging Face tokenizer.json.
+# The tokenizers library: WordPiece (BERT) from a tokenizer.json; byte-level BPE.
 # --------------------------------------------------------------------------------------
 
 def default_wordpiece_file() -> str:
@@ -151,127 +148,54 @@ def default_wordpiece_file() -> str:
     return path
 
 
-def _is_punctuation(ch: str) -> bool:
-    # BERT treats all non-alphanumeric ASCII as punctuation ('$', '+', '^' are Unicode
-    # symbols, not punctuation), plus every Unicode P* category.
-    cp = ord(ch)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(ch).startswith('P')
-
-
-def _is_cjk(cp: int) -> bool:
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
-            or 0x2A700 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
-
-
 _DECODE_CLEANUP = ((' .', '.'), (' ?', '?'), (' !', '!'), (' ,', ','), (" ' ", "'"),
                    (" n't", "n't"), (" 'm", "'m"), (' do not', " don't"), (" 's", "'s"),
                    (" 've", "'ve"), (" 're", "'re"))
 
 
-class WordPieceTokenizer(Tokenizer):
-    """BERT tokenisation: normalise, split on spaces and punctuation, then split each
-    word greedily into the longest vocabulary pieces ('##' marks continuations)."""
+class _TokenizersLibrary(Tokenizer):
+    """A tokenizer held by the `tokenizers` library (`self.hf`): encode and decode as it
+    does, with no special tokens added, ours stripped."""
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
+
+
+class WordPieceTokenizer(_TokenizersLibrary):
+    """BERT tokenisation (Devlin et al. 2019; Wu et al. 2016): normalise, split on spaces
+    and punctuation, then split each word greedily into the longest vocabulary pieces
+    ('##' marks continuations), by the `tokenizers` library from a tokenizer.json."""
 
     kind = 'wordpiece'
 
     def __init__(self, path: str | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
         self.path = path or default_wordpiece_file()
         with open(self.path) as f:
             spec = json.load(f)
         model = spec['model']
         if model.get('type') != 'WordPiece':
             raise ValueError(f'{self.path}: model type {model.get("type")!r}, expected WordPiece')
+        self.hf = HFTokenizer.from_file(self.path)
+        # Documents are packed whole: the file's truncation (BERT's: 512) would cut them.
+        self.hf.no_truncation()
+        self.hf.no_padding()
         self.vocab: dict[str, int] = model['vocab']
         self.itos = {i: t for t, i in self.vocab.items()}
-        self.unk = model.get('unk_token', '[UNK]')
         self.prefix = model.get('continuing_subword_prefix', '##')
-        self.max_chars = model.get('max_input_chars_per_word', 100)
-        norm = spec.get('normalizer') or {}
-        self.lowercase = norm.get('lowercase', True)
-        self.clean_text = norm.get('clean_text', True)
-        self.chinese_chars = norm.get('handle_chinese_chars', True)
-        # BERT's convention: accents are stripped whenever lowercasing, unless explicit.
-        strip = norm.get('strip_accents')
-        self.strip_accents = self.lowercase if strip is None else strip
         self.added = {t['content']: t['id'] for t in spec.get('added_tokens', [])}
-        self._added_re = (re.compile('|'.join(map(re.escape, sorted(self.added, key=len,
-                                                                     reverse=True))))
-                          if self.added else None)
         self.vocab_size = max(self.itos) + 1
-        self.unk_id = self.vocab[self.unk]
+        self.unk_id = self.vocab[model.get('unk_token', '[UNK]')]
         self.cls_id, self.sep_id = self.vocab['[CLS]'], self.vocab['[SEP]']
         self.mask_id, self.pad_id = self.vocab['[MASK]'], self.vocab['[PAD]']
         self.special_ids = frozenset(self.added.values())
 
-    def _normalize(self, text: str) -> str:
-        out = []
-        for ch in text:
-            cp = ord(ch)
-            if self.clean_text:
-                if cp == 0 or cp == 0xFFFD or (ch not in '\t\n\r'
-                                               and unicodedata.category(ch).startswith('C')):
-                    continue
-                if ch.isspace():
-                    ch = ' '
-            if self.chinese_chars and _is_cjk(cp):
-                ch = f' {ch} '
-            out.append(ch)
-        text = ''.join(out)
-        if self.strip_accents:
-            text = ''.join(c for c in unicodedata.normalize('NFD', text)
-                           if unicodedata.category(c) != 'Mn')
-        return text.lower() if self.lowercase else text
-
-    @staticmethod
-    def _pre_tokenize(text: str) -> list[str]:
-        words = []
-        for chunk in text.split():
-            word = ''
-            for ch in chunk:
-                if _is_punctuation(ch):
-                    if word:
-                        words.append(word)
-                    words.append(ch)
-                    word = ''
-                else:
-                    word += ch
-            if word:
-                words.append(word)
-        return words
-
-    @functools.lru_cache(maxsize=65536)  # Words repeat: caching makes corpora cheap.
-    def _word_ids(self, word: str) -> tuple[int, ...]:
-        if len(word) > self.max_chars:
-            return (self.unk_id,)
-        ids, start = [], 0
-        while start < len(word):
-            end = len(word)
-            while end > start:
-                piece = word[start:end] if start == 0 else self.prefix + word[start:end]
-                if piece in self.vocab:
-                    ids.append(self.vocab[piece])
-                    break
-                end -= 1
-            if end == start:  # No piece matches here: the whole word is unknown.
-                return (self.unk_id,)
-            start = end
-        return tuple(ids)
-
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        # Added tokens ([CLS], [MASK], ...) are matched verbatim before normalisation.
-        pos = 0
-        for m in (self._added_re.finditer(text) if self._added_re else ()):
-            ids += self._encode_plain(text[pos:m.start()])
-            ids.append(self.added[m.group()])
-            pos = m.end()
-        ids += self._encode_plain(text[pos:])
+        ids = self.hf.encode(text, add_special_tokens=False).ids
         return [self.cls_id, *ids, self.sep_id] if add_special_tokens else ids
-
-    def _encode_plain(self, text: str) -> list[int]:
-        return [i for w in self._pre_tokenize(self._normalize(text)) for i in self._word_ids(w)]
 
     def decode(self, ids: Iterable[int]) -> str:
         text = ' '.join(self.itos[i] for i in self._strip(ids))
@@ -292,18 +216,6 @@ class WordPieceTokenizer(Tokenizer):
 # --------------------------------------------------------------------------------------
 # Byte-level BPE trained with the `tokenizers` library.
 # --------------------------------------------------------------------------------------
-
-class _TokenizersLibrary(Tokenizer):
-    """A tokenizer held by the `tokenizers` library (`self.hf`): encode and decode as it
-    does, with no special tokens added, ours stripped."""
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.hf.decode(self._strip(ids), skip_special_tokens=False)
-
-
 
 class BPETokenizer(_TokenizersLibrary):
     """Byte-level BPE (GPT-2 style, Sennrich et al. 2016): every text encodes, decoding
