@@ -165,7 +165,8 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
     native = None
     if o.name != "image_folder" and (not o.image_size or not o.channels):
         native = np.asarray(train_src[0]["image"]).shape  # a tfds set: its stored size
-    channels = o.channels or (3 if native is None else (native[-1] if len(native) == 3 else 1))
+    channels = o.channels or given.get("num_channels") or (
+        3 if native is None else (native[-1] if len(native) == 3 else 1))
     size = o.image_size or given.get("image_size") or (own["image_size"] if native is None
                                                         else native[0])
     forced = {"image_size": int(size), "num_channels": int(channels)}
