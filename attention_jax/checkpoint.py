@@ -187,6 +187,9 @@ def check_supported(directory) -> None:
     """One line when `directory` is an object-store URL orbax cannot write arrays to
     (s3://: orbax hands tensorstore only gs:// and local paths)."""
     text = str(directory)
+    if "://" in text:
+        from attention_jax import workdir  # its listings must not be cached (see there)
+        workdir.fresh_listings()
     if "://" in text and not text.startswith(SUPPORTED_URLS):
         raise CheckpointLocationError(
             f"checkpoints in {text}: orbax writes arrays only to gs:// buckets and local "

@@ -69,8 +69,22 @@ def path(workdir, name: str) -> str:
     return os.path.join(str(workdir), name)
 
 
+def fresh_listings() -> None:
+    """gcsfs and s3fs cache directory listings for the life of the process, and only
+    their own writes refresh them: a checkpoint step written by tensorstore, or by
+    another process, would stay invisible to a reader that listed the folder before (a
+    notebook's second open_run, seen here against the emulator). Listings are asked
+    for afresh instead: a request per listing, a few per checkpoint or log step. Set
+    before the first remote path is touched (filesystems are cached with their options)."""
+    import fsspec
+    for protocol in ("gcs", "gs", "s3"):
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
+
+
 def epath_of(workdir, name: str | None = None) -> epath.Path:
     """workdir (or workdir/name) as an epath.Path: local or gs:// / s3:// alike."""
+    if is_remote(workdir):
+        fresh_listings()
     return epath.Path(path(workdir, name) if name else str(workdir))
 
 
@@ -80,7 +94,7 @@ def exists(workdir, name: str | None = None) -> bool:
 
 def _write_text(file, text: str) -> None:
     """The whole object/file at once: a put to an object store replaces it atomically."""
-    epath.Path(file).write_text(text)
+    epath_of(file).write_text(text)
 
 
 def save_assets(save: Callable[[str], None], workdir) -> None:
@@ -253,7 +267,7 @@ class MetricWriter:
 def read_records(file: str) -> list[dict]:
     """The records of a JSONL file, in order ([] without the file). A line cut short by
     a kill is skipped."""
-    file = epath.Path(str(file))
+    file = epath_of(file)
     if not file.exists():
         return []
     records = []
@@ -273,7 +287,7 @@ def drop_records_after(file: str, step: int) -> None:
         return
     records = read_records(file)
     keep = [r for r in records if r.get("step", 0) <= step]
-    text = epath.Path(str(file)).read_text()
+    text = epath_of(file).read_text()
     if len(keep) == sum(1 for line in text.splitlines() if line.strip()):
         return
     if is_remote(file):
@@ -296,7 +310,7 @@ def append_eval_record(workdir: str, record: dict) -> str | None:
     file = path(workdir, EVALS)
     stamped = {**record, "time": datetime.datetime.now().isoformat(timespec="seconds")}
     if is_remote(workdir):  # no append: the object rewritten with one more line
-        old = epath.Path(file).read_text() if exists(file) else ""
+        old = epath_of(file).read_text() if exists(file) else ""
         _write_text(file, old + json.dumps(stamped) + "\n")
     else:
         with open(file, "a") as f:
@@ -569,6 +583,7 @@ def check_readable(workdir: str) -> None:
 def _check_remote(workdir: str, valid: str) -> None:
     """The bucket of an object-store workdir exists and `workdir` is not an object; one
     line otherwise (a missing bucket, credentials, an unreachable endpoint)."""
+    fresh_listings()
     scheme, rest = str(workdir).split("://", 1)
     bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")
     try:

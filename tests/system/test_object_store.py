@@ -156,3 +156,15 @@ def test_s3_checkpoints_are_one_line():
         checkpoint.Checkpointer("s3://bucket/run/checkpoints")
     assert isinstance(e.value, UserError) and "\n" not in str(e.value)
     assert "not s3://" in str(e.value)
+
+
+def test_listings_see_what_another_writer_added(gcs):
+    """gcsfs's listing cache would hide a step folder written by tensorstore (or another
+    process) after a first listing: workdir.fresh_listings turns it off."""
+    import tensorstore as ts
+    folder = workdir_lib.epath_of(f"gs://{BUCKET}/listing")
+    (folder / "1" / "a").write_text("a")
+    assert [p.name for p in folder.iterdir()] == ["1"]
+    store = ts.KvStore.open({"driver": "gcs", "bucket": BUCKET, "path": "listing/"}).result()
+    store.write("2/b", b"b").result()
+    assert sorted(p.name for p in folder.iterdir()) == ["1", "2"]
