@@ -19,7 +19,7 @@ import pytest
 from etils import epath
 
 import tiny  # noqa: F401 - registers the tiny task
-from conftest import REPO, free_port
+from conftest import REPO, free_port, subprocess_env
 from attention_jax import checkpoint, main, runs, train, verify
 from attention_jax import workdir as workdir_lib
 from attention_jax.errors import UserError
@@ -110,9 +110,12 @@ def test_training_in_a_bucket_resumes_and_reads_back(gcs, tmp_path, monkeypatch,
     assert workdir_lib.read_records(f"{run}/evals.jsonl")[-1]["step"] == 8
     assert runs.open_run(run).step == 8
 
-    assert verify.main([run]) == 0
-    table = capsys.readouterr().out
-    assert [line.split()[0] for line in table.splitlines()[1:3]] == ["8", "4"], table
+    # The verifier's command line, in a fresh process: every step intact, newest first.
+    out = subprocess.run([sys.executable, "-m", "attention_jax.verify", run], cwd=REPO,
+                         env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    rows = out.stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["8", "4"] and all(" ok" in r for r in rows), out.stdout
 
 
 def test_tokenizer_goes_to_the_bucket_and_back(gcs, tmp_path):
@@ -130,14 +133,19 @@ def test_tokenizer_goes_to_the_bucket_and_back(gcs, tmp_path):
 
 
 def test_missing_remote_runs_are_one_line(gcs):
-    with pytest.raises(workdir_lib.RunNotFoundError) as e:
-        main.mode_config("eval", None, [], f"gs://{BUCKET}/never")
-    assert f"gs://{BUCKET}/never/config.json does not exist" in str(e.value)
+    """--mode=eval of a run that is not in the bucket: one line from the command line
+    (no traceback); a missing bucket and verify of a missing run likewise."""
+    out = subprocess.run([sys.executable, "-m", "attention_jax.main", "--mode=eval",
+                          f"--workdir=gs://{BUCKET}/never"], cwd=REPO, env=subprocess_env(1),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"gs://{BUCKET}/never/config.json does not exist" in lines[0], \
+        out.stderr[-2000:]
     with pytest.raises(workdir_lib.RunPathError) as e:
         workdir_lib.check_readable("gs://no-such-bucket/run")
     assert "bucket gs://no-such-bucket does not exist" in str(e.value)
-    for err in (e.value,):
-        assert "\n" not in str(err)
+    assert "\n" not in str(e.value)
     assert verify.main([f"gs://{BUCKET}/never"]) == 2
 
 
