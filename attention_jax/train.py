@@ -231,8 +231,8 @@ def _outputs(config, task: Task) -> list[str]:
     out = [workdir_lib.CONFIG,
            f"checkpoints/ (every {config.train.checkpoint_every} steps and at the end)",
            f"metrics.jsonl and tensorboard/ (every {config.train.log_every} steps)"]
-    if task.save_assets:
-        out.append("tokenizer/")
+    if task.save_assets:  # a classifier's are its class names (tasks/images.py)
+        out.append("classes.json" if task.classify else "tokenizer/")
     return out
 
 
