@@ -45,7 +45,7 @@ import pickle
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -495,23 +495,3 @@ class TokenRows:
             return {'tokens': tokens, 'segment_ids': segment_ids}
         cuts = np.array(sorted(c for c in set(cuts) if 0 < c < col), np.int64)
         return {'tokens': tokens, **self._segments(cuts, col)}
-
-
-def open_rows(directory: str, seq_len: int, **kwargs) -> TokenRows:
-    return TokenRows(directory, seq_len, **kwargs)
-
-
-def prepared_rows(docs, tokenizer, root: str, seq_len: int, *, packing: str = 'documents',
-                  **prepare_kwargs) -> TokenRows:
-    """`prepare` (if needed) then the rows of the prepared split."""
-    directory = prepare(docs, tokenizer, root, **prepare_kwargs)
-    return TokenRows(directory, seq_len, pad_id=tokenizer.pad_id, packing=packing)
-
-
-def documents_of(rows: TokenRows) -> Sequence[np.ndarray]:
-    """The prepared documents' tokens (eos included), in order: for tests and tools."""
-    out = []
-    for k in range(len(rows.shard_tokens)):
-        tokens, ends = rows._shard(k)
-        out += np.split(np.asarray(tokens, np.int32), np.asarray(ends[:-1]))
-    return out

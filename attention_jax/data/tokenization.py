@@ -14,7 +14,6 @@ run by the `tokenizers` library, whose Rust encoders are what `prepare` parallel
 from __future__ import annotations
 
 import abc
-import functools
 import hashlib
 import importlib.util
 import json
