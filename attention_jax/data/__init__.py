@@ -36,7 +36,7 @@ Your own text
 The files' tokens are prepared once into a cache (token_cache.py; data.cache_dir, default
 DATA_DIR/token_cache) keyed by the files' paths, sizes and mtimes and the tokenizer:
 beforehand with every core,
-  python -m attention_jax.data.prepare --config=gpt --config.data.name=files --config.data.files=...
+  python -m attention_jax.tools.prepare --config=gpt --config.data.name=files --config.data.files=...
 or by the first run itself. Runs then memory-map it: rows of seq_len are windows of the
 token stream (packing 'documents' adds segment ids and positions, 'stream' is the window),
 nothing proportional to the corpus is read at start-up, and the loader state stays three

@@ -115,7 +115,7 @@ def prepare_files(data_opts, tok, documents, *, process_index: int | None = None
 
 
 def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) -> dict[str, str]:
-    """What `python -m attention_jax.data.prepare` does: the token cache of a text task's
+    """What `python -m attention_jax.tools.prepare` does: the token cache of a text task's
     files, with the tokenizer the run would use (the one saved in `workdir` when given)."""
     import tempfile
     defaults = {"gpt": GPT_DATA, "bert_mlm": MLM_DATA}

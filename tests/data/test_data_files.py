@@ -250,7 +250,7 @@ def test_prepare_then_train_on_files_with_a_tokenizer_file_then_sample(corpus, t
                                          *extra], env=env, cwd=REPO, capture_output=True,
                                         text=True, timeout=300)
     # Tokenized once by the prepare command; the run then opens the cache, preparing nothing.
-    prepare = subprocess.run([sys.executable, '-m', 'attention_jax.data.prepare', *args[:1],
+    prepare = subprocess.run([sys.executable, '-m', 'attention_jax.tools.prepare', *args[:1],
                               *args[2:]], env=env, cwd=REPO, capture_output=True, text=True,
                              timeout=300)
     assert prepare.returncode == 0, prepare.stderr[-3000:]

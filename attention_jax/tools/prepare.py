@@ -1,6 +1,6 @@
-"""Tokenize your files once: `python -m attention_jax.data.prepare --config=... [overrides]`.
+"""Tokenize your files once: `python -m attention_jax.tools.prepare --config=... [overrides]`.
 
-    python -m attention_jax.data.prepare --config=gpt --config.data.name=files \\
+    python -m attention_jax.tools.prepare --config=gpt --config.data.name=files \\
         --config.data.files='~/corpus/**/*.jsonl.zst' --config.data.tokenizer=~/gpt2/
 
 reads the config exactly as `python -m attention_jax.main` does (a shipped NAME or a
@@ -17,8 +17,9 @@ finished. Flags:
                          on several hosts sharing the cache directory: each prepares
                          shards p, p+P, ... and then waits for the others' commits
 
-This module is a command-line entry point, like main.py: it reads the run config and
-asks the text task (tasks/text.py) what to tokenize and with which tokenizer.
+A command-line entry point beside main.py's layer: it reads the run config and asks the
+text task (tasks/text.py) what to tokenize and with which tokenizer, so it stands above
+both (among the tools); the cache itself is data/token_cache.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     overrides = [a[len('--config.'):] for a in argv if a.startswith('--config.')]
     overrides = [o if '=' in o else f'{o}=true' for o in overrides]
-    parser = argparse.ArgumentParser(prog='python -m attention_jax.data.prepare',
+    parser = argparse.ArgumentParser(prog='python -m attention_jax.tools.prepare',
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--config', required=True, help='a shipped config NAME or a FILE.py')
