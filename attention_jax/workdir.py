@@ -50,6 +50,8 @@ class RunNotFoundError(UserError, FileNotFoundError):
 
 # URL schemes epath reaches through fsspec (gcsfs, s3fs): paths that are never made absolute.
 REMOTE_SCHEMES = ("gs://", "s3://")
+# Those a run may use as its workdir: where orbax can write checkpoints (checkpoint.py).
+CHECKPOINT_URLS = ("gs://",)
 
 
 def is_remote(workdir) -> bool:
@@ -582,7 +584,12 @@ def check_readable(workdir: str) -> None:
 
 def _check_remote(workdir: str, valid: str) -> None:
     """The bucket of an object-store workdir exists and `workdir` is not an object; one
-    line otherwise (a missing bucket, credentials, an unreachable endpoint)."""
+    line otherwise (a missing bucket, credentials, an unreachable endpoint). An s3://
+    workdir stops here: its checkpoints could not be written (checkpoint.check_supported)."""
+    if not str(workdir).startswith(CHECKPOINT_URLS):
+        raise RunPathError(f"--workdir={workdir}: orbax writes checkpoints only to gs:// "
+                           f"buckets and local (or mounted) paths; valid: gs://bucket/path, a "
+                           f"local path, or the bucket mounted as a folder (e.g. mountpoint-s3)")
     fresh_listings()
     scheme, rest = str(workdir).split("://", 1)
     bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")

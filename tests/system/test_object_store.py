@@ -164,6 +164,9 @@ def test_s3_checkpoints_are_one_line():
         checkpoint.Checkpointer("s3://bucket/run/checkpoints")
     assert isinstance(e.value, UserError) and "\n" not in str(e.value)
     assert "not s3://" in str(e.value)
+    with pytest.raises(workdir_lib.RunPathError) as e:  # a run stops before writing
+        workdir_lib.prepare_for_writing("s3://bucket/run")
+    assert "--workdir=s3://bucket/run: orbax writes checkpoints only to gs://" in str(e.value)
 
 
 def test_listings_see_what_another_writer_added(gcs):
