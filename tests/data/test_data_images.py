@@ -71,6 +71,15 @@ def test_classes_labels_and_a_split_that_depends_only_on_the_path(tmp_path):
     assert held <= set(again.paths) and set(again.paths) - held <= {os.path.join("ant", "new.png")}
 
 
+def test_source_and_transform_pickle_into_worker_processes(tmp_path):
+    import pickle
+    splits, _ = folder_splits(str(_folder(tmp_path / "f")), eval_fraction=0.3)
+    prep = Preprocess(8, train=True, crop="random_resized", flip=True)
+    src, prep2 = pickle.loads(pickle.dumps((splits["train"], prep)))  # grain's workers
+    rng = lambda: np.random.default_rng(5)
+    np.testing.assert_array_equal(prep2(src[1], rng())["image"], prep(splits["train"][1], rng())["image"])
+
+
 def test_eval_root_must_hold_the_same_classes(tmp_path):
     root, other = _folder(tmp_path / "train"), _folder(tmp_path / "val", per_class=2)
     splits, _ = folder_splits(str(root), str(other))
