@@ -41,7 +41,10 @@ class LostHostWatchdog:
     """While it is entered, exits this process within about `timeout` seconds of another
     process going silent, with one line on stderr naming it. Does nothing with one
     process. Leaving it normally marks this process done, so the others stop
-    counting its silence; leaving by an exception does not (a crashed host is lost)."""
+    counting its silence; leaving by an exception does not (a crashed host is lost).
+    Leaving by a JAX runtime error (a failed collective) first waits up to `timeout` for
+    the verdict, so a peer's death is reported as such rather than as the traceback of
+    the collective it broke."""
 
     def __init__(self, timeout: float):
         self.timeout = float(timeout)
@@ -61,6 +64,12 @@ class LostHostWatchdog:
     def __exit__(self, exc_type, *exc):
         if self._thread is None:
             return False
+        if exc_type is not None and issubclass(exc_type, jax.errors.JaxRuntimeError):
+            # A collective may fail rather than hang when a peer dies (gloo: "connection
+            # reset by peer"): give the watchdog its verdict before the traceback.
+            deadline = time.monotonic() + self.timeout + 3 * self.interval
+            while time.monotonic() < deadline:
+                time.sleep(self.interval)
         self._stop.set()
         self._thread.join()
         if exc_type is None:

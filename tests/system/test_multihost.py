@@ -1,0 +1,177 @@
+"""Past one machine, on 2 local processes × 4 CPU devices (gloo collectives).
+
+The launch recipes of launch/ run unchanged, each under a stand-in for its scheduler
+that fakes only what the scheduler provides (fake_schedulers.py: srun's SLURM_*
+variables, an Indexed Job's JOB_COMPLETION_INDEX and pod DNS name, gcloud's
+--worker=all and what a TPU VM's metadata tells JAX). The three launches are one run:
+
+  Kubernetes   SIGTERM to process 1 only: both stop at the same step with one checkpoint.
+  TPU VM       resumes it; SIGKILL of process 1: process 0 says so in one line and exits
+               75 within mesh.lost_host_timeout (+ slack), leaving only intact steps.
+  SLURM        resumes from the newest intact step and finishes: the losses of every
+               step equal an uninterrupted one-process run's.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tiny
+from attention_jax import checkpoint, config as config_lib, train, verify
+from attention_jax.errors import ConfigError
+from conftest import HERE, REPO, free_port, subprocess_env
+
+LOST_HOST_TIMEOUT = 4
+TINY = ["--config.train.log_every=1", "--config.train.checkpoint_every=4",
+        "--config.mesh.cpu_collectives=gloo", f"--config.mesh.lost_host_timeout={LOST_HOST_TIMEOUT}"]
+FOREVER = "--config.train.steps=100000"
+
+
+def _scheduler(tmp_path, name: str, **env):
+    """(environment, folder of the tasks' outputs) for one launch under a fake scheduler."""
+    out, bin_dir = tmp_path / name, tmp_path / "bin"
+    out.mkdir()
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        for tool in ("srun", "gcloud"):
+            (bin_dir / tool).write_text(f'#!/bin/sh\nexec "{sys.executable}" '
+                                        f'"{HERE}/fake_schedulers.py" {tool} "$@"\n')
+            (bin_dir / tool).chmod(0o755)
+    full = subprocess_env(4)
+    full.update(PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable),
+                                      full["PATH"]]),
+                FAKE_SCHEDULER_DIR=str(out), CONFIG=os.path.join(HERE, "multihost_config.py"),
+                **env)
+    return full, out
+
+
+def _task(out, i: int, what: str) -> str:
+    return (out / f"task{i}.{what}").read_text()
+
+
+def _exits(out, n: int = 2) -> list[tuple[int, float]]:
+    return [tuple(map(float, _task(out, i, "rc").split())) for i in range(n)]
+
+
+def _wait_for_step(launcher, workdir, out, step: int, timeout: float = 150) -> None:
+    """Until process 0 has logged `step` (metrics.jsonl, one record per step)."""
+    metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + timeout
+    while True:
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                steps = [json.loads(line)["step"] for line in f if line.strip()]
+            if steps and steps[-1] >= step:
+                return
+        if launcher.poll() is not None or time.time() > deadline:
+            launcher.kill()
+            pytest.fail(f"no step {step} yet: " + "\n".join(
+                _task(out, i, w)[-2000:] for i in range(2) for w in ("out", "err")
+                if (out / f"task{i}.{w}").exists()))
+        time.sleep(0.1)
+
+
+def _finish(launcher, out, timeout: float = 150) -> None:
+    try:
+        launcher.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        pytest.fail("launch did not end:\n" + "\n".join(
+            _task(out, i, w)[-2000:] for i in range(2) for w in ("out", "err")))
+
+
+def _free_port_from(low: int) -> int:
+    for port in random.sample(range(low, 65536), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port from {low}")
+
+
+def test_recipes_stop_lose_a_host_and_resume(tmp_path):
+    workdir = str(tmp_path / "run")
+    ckpts = os.path.join(workdir, "checkpoints")
+
+    # --- Kubernetes: SIGTERM to process 1 only; both stop at one step, one checkpoint.
+    env, out = _scheduler(tmp_path, "k8s", FAKE_COORDINATOR=f"127.0.0.1:{free_port()}",
+                          FAKE_POD_ENV=json.dumps({"WORKDIR": workdir,
+                                                   "CONFIG": os.path.join(HERE, "multihost_config.py")}),
+                          FAKE_EXTRA_ARGS=json.dumps([FOREVER, *TINY]))
+    launcher = subprocess.Popen([sys.executable, os.path.join(HERE, "fake_schedulers.py"), "k8s",
+                                 os.path.join(REPO, "launch", "k8s_indexed_job.yaml")], env=env)
+    _wait_for_step(launcher, workdir, out, 6)
+    os.kill(int(_task(out, 1, "pid")), signal.SIGTERM)
+    _finish(launcher, out)
+    assert [rc for rc, _ in _exits(out)] == [143, 143], [_task(out, i, "err")[-3000:] for i in range(2)]
+    stopped = {int(re.search(r"stopped by SIGTERM at step (\d+)", _task(out, i, "out")).group(1))
+               for i in range(2)}
+    assert len(stopped) == 1, stopped
+    first_stop = stopped.pop()
+    assert checkpoint.Checkpointer(ckpts, read_only=True).latest_step() == first_stop
+
+    # --- TPU VM: the command gcloud runs on every worker; SIGKILL process 1 mid-run.
+    env, out = _scheduler(tmp_path, "tpu", TPU="test-v5e", ZONE="test-zone", WORKDIR=workdir,
+                          FAKE_WORKERS="2", FAKE_COORDINATOR=f"127.0.0.1:{free_port()}")
+    launcher = subprocess.Popen(["bash", os.path.join(REPO, "launch", "tpu_vm.sh"), FOREVER, *TINY],
+                                env=env)
+    _wait_for_step(launcher, workdir, out, first_stop + 6)
+    killed = time.time()
+    os.kill(int(_task(out, 1, "pid")), signal.SIGKILL)
+    _finish(launcher, out)
+    args = json.loads((out / "gcloud_args.json").read_text())
+    assert args[:7] == ["compute", "tpus", "tpu-vm", "ssh", "test-v5e", "--zone=test-zone",
+                        "--worker=all"], args
+    assert f"resumed from {ckpts} at step {first_stop}" in _task(out, 0, "out")
+    (rc, ended), _ = _exits(out)
+    err = _task(out, 0, "err")
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert rc == 75 and len(errors) == 1, err[-3000:]
+    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
+    assert errors[0].startswith("error: process 0: process 1 of 2 sent no heartbeat"), errors
+    assert f"mesh.lost_host_timeout={LOST_HOST_TIMEOUT}" in errors[0]
+    assert ended - killed < LOST_HOST_TIMEOUT + 6, f"lost host noticed after {ended - killed:.1f} s"
+    rows, others = verify.verify_directory(workdir)  # every committed step is whole
+    assert rows and all(r["status"] == "ok" for r in rows), (rows, others)
+    newest = rows[0]["step"]
+    assert newest > first_stop
+
+    # --- SLURM: resume from the newest intact step and finish; losses of an unbroken run.
+    total = newest + 3
+    port = _free_port_from(61440)  # JAX's SLURM coordinator port: 61440 + job id % 4096
+    env, out = _scheduler(tmp_path, "slurm", WORKDIR=workdir, SLURM_NNODES="2",
+                          SLURM_JOB_ID=str(port - 61440 + 4096 * 7))
+    launcher = subprocess.Popen(["bash", os.path.join(REPO, "launch", "slurm.sbatch"),
+                                 f"--config.train.steps={total}", *TINY], env=env)
+    _finish(launcher, out)
+    assert [rc for rc, _ in _exits(out)] == [0, 0], [_task(out, i, "err")[-3000:] for i in range(2)]
+    assert f"resumed from {ckpts} at step {newest}" in _task(out, 0, "out")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train_records = [r for r in records if r.get("split", "train") == "train"]
+    assert [r["step"] for r in train_records] == list(range(1, total + 1))
+    reference = train.train_and_evaluate(
+        tiny.tiny_config(**{"train.steps": total, "train.log_every": 1}), str(tmp_path / "ref"))
+    np.testing.assert_allclose([r["loss"] for r in train_records], reference["losses"], rtol=1e-5)
+
+
+def test_dcn_sizes_must_match_the_processes():
+    config = tiny.tiny_config(**{"mesh.dcn_data": 3})
+    with pytest.raises(ConfigError, match=r"^config.mesh.dcn_data=3 × mesh.dcn_fsdp=1 = 3 must "
+                                          r"equal the number of slices .* processes, 2; valid"):
+        config_lib.validate(config, 8, granules=2)
+    config.mesh.dcn_data, config.mesh.data, config.mesh.fsdp = 2, 2, -1
+    config_lib.validate(config, 8, granules=2)  # 2 processes × (data=2, fsdp=2)
+    config.mesh.num_devices = 4
+    with pytest.raises(ConfigError, match="mesh.num_devices=4 cannot be combined"):
+        config_lib.validate(config, 8, granules=2)
