@@ -164,7 +164,14 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
     own.update({k: v for k, v in given.items() if k != "variant"})
     native = None
     if o.name != "image_folder" and (not o.image_size or not o.channels):
-        native = np.asarray(train_src[0]["image"]).shape  # a tfds set: its stored size
+        try:  # a tfds set: its declared image shape (None where sizes vary)
+            native = tuple(train_src.dataset_info.features["image"].shape)
+        except (AttributeError, KeyError, TypeError):
+            native = np.asarray(train_src[0]["image"]).shape
+        if not o.image_size and not given.get("image_size") and (
+                None in native[:2] or native[0] != native[1]):
+            raise ConfigError(f"config.data.name={o.name!r} has images of shape {native} (not "
+                              f"one square size); give --config.data.image_size=N")
     channels = o.channels or given.get("num_channels") or (
         3 if native is None else (native[-1] if len(native) == 3 else 1))
     size = o.image_size or given.get("image_size") or (own["image_size"] if native is None
