@@ -1,4 +1,4 @@
-"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint|data|profile|images [options]`."""
+"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint|data|profile|images|multihost [options]`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import argparse
 
 import attention_jax.tools.bench as bench
 from attention_jax.tools.bench import (attention_speed, checkpoint_speed, data_speed,
-                                       image_speed, profile, ring_speed, train_speed)
+                                       image_speed, multihost_speed, profile, ring_speed,
+                                       train_speed)
 
 BENCHMARKS = {"attention": attention_speed, "train": train_speed, "ring": ring_speed,
               "checkpoint": checkpoint_speed, "data": data_speed, "profile": profile,
-              "images": image_speed}
+              "images": image_speed, "multihost": multihost_speed}
 
 
 def main(argv=None):

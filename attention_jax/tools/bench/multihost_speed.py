@@ -1,0 +1,122 @@
+r"""What running as several processes costs a step: `python -m attention_jax.tools.bench multihost`.
+
+The trainer (`python -m attention_jax.main`, configs/gpt2_gpu.py at a small shape: the
+byte-level stdlib corpus, float32 on CPU) on the same 8 CPU devices of this machine,
+the same mesh size and global batch, launched two ways:
+
+  1 process × 8     one process with 8 fake CPU devices: collectives stay in-process.
+  2 processes × 4   two local processes joined by jax.distributed (gloo collectives
+                    over TCP), the hybrid mesh (mesh.dcn_data=2 × data=4): each
+                    process reads its half of the batch and assembles global arrays,
+                    checks JAX's preemption sync point each step, and runs the
+                    lost-host heartbeat thread.
+
+Seconds per step: the trainer's logged tokens/s (median of the windows after the
+first, trainer.measure's reading of metrics.jsonl), then the median over --repeats
+launches made in turns. The difference is the multi-process machinery's cost per step
+on one machine; across real hosts the network adds its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import attention_jax
+from attention_jax import workdir as workdir_lib
+from attention_jax.tools.bench import trainer
+
+ROW = {"layers": 2, "heads": 4, "width": 128, "seq_len": 128, "vocab": 512, "batch": 32}
+SETUPS = {"1 process × 8": (1, 8), "2 processes × 4": (2, 4)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(processes: int, devices: int, steps: int, log_every: int,
+           timeout: float = 900) -> dict:
+    """{"step_s", "windows"} of one launch of the trainer as `processes` local processes
+    of `devices` CPU devices each, or {"error": ...}."""
+    package_root = str(Path(attention_jax.__file__).resolve().parents[1])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
+                                         if p)}
+    with tempfile.TemporaryDirectory() as workdir:
+        port, procs = _free_port(), []
+        for i in range(processes):
+            extra = ("--config.train.progress=False", "--config.optim.warmup_steps=2")
+            if processes > 1:
+                extra += ("--config.mesh.distributed=True",
+                          f"--config.mesh.coordinator_address=127.0.0.1:{port}",
+                          f"--config.mesh.num_processes={processes}",
+                          f"--config.mesh.process_id={i}",
+                          "--config.mesh.cpu_collectives=gloo",
+                          f"--config.mesh.dcn_data={processes}")
+            cmd = trainer.command(ROW, workdir, steps=steps, log_every=log_every,
+                                  implementation="blockwise", dtype="float32", extra=extra)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                return {"error": f"timed out after {timeout:.0f} s"}
+        records = [r for r in workdir_lib.read_records(
+            workdir_lib.path(workdir, workdir_lib.METRICS)) if r.get("split") == "train"]
+    rates = [r["tokens_per_sec"] for r in records]
+    if any(p.returncode for p in procs) or len(rates) < 2:
+        tail = next((o for o, p in zip(outputs, procs) if p.returncode), outputs[0]).strip()
+        return {"error": tail.splitlines()[-1][:200] if tail else "no windows logged"}
+    return {"step_s": ROW["batch"] * ROW["seq_len"] / statistics.median(rates[1:]),
+            "windows": len(rates) - 1}
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = ["| launch | ms / step (median) | launches | × 1 process |", "|---|---|---|---|"]
+    base = None
+    for name, runs in results.items():
+        times = [r["step_s"] for r in runs if "step_s" in r]
+        if not times:
+            lines.append(f"| {name} | error: {runs[0].get('error')} | {len(runs)} | |")
+            continue
+        ms = 1e3 * statistics.median(times)
+        base = base or ms
+        lines.append(f"| {name} | {ms:.1f} | {len(times)} | {ms / base:.2f} |")
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    results = {name: [] for name in SETUPS}
+    for _ in range(args.repeats):  # in turns, so a busy spell of the machine hits both
+        for name, (processes, devices) in SETUPS.items():
+            results[name].append(launch(processes, devices, args.steps, args.log_every))
+    shape = ", ".join(f"{k} {v}" for k, v in ROW.items())
+    print(f"GPT ({shape}; float32), 8 CPU devices, {os.cpu_count()} cores")
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"row": ROW, "results": results}, f, indent=1)
+    return results
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("multihost", help="per-step cost of 2 local processes × 4 devices "
+                       "against 1 process × 8 (the trainer, same mesh and batch)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--log_every", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default="", help="also write the results to this file")
