@@ -25,7 +25,8 @@ out, and an override may change only what reading uses (eval.*, mesh.*, batch si
 train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
 Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
 message, no traceback), 130/143 stopped by SIGINT/SIGTERM after saving a checkpoint
-(run again to resume).
+(run again to resume), 75 another process of a multi-process run was lost (one `error:`
+line naming it; run all processes again to resume).
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ def _run_mode(config, workdir) -> int:
     print(_summary_line(summary, workdir))
     if summary["stopped_by"]:
         return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
-    if summary["task"].sample is not None:  # a language model: show what it learnt
+    import jax
+    # A language model: show what it learnt (one process: the task's sample reads the
+    # generated tokens as one host array, which no process of several holds).
+    if summary["task"].sample is not None and jax.process_count() == 1:
         for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
             print(f"--- sample from {prompt!r}:\n{text}\n")
     return 0
