@@ -234,6 +234,7 @@ def run(args) -> dict:
     root = args.dir or os.path.join(tempfile.gettempdir(), 'attention_jax_bench_data')
     os.makedirs(root, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(',')]
+    start_load = os.getloadavg()[0]  # a shared machine: the table says how busy it was
     tokenizer = make_tokenizer(os.path.join(root, 'tokenizer.json'))
     out = {'machine': _machine(), 'cores': os.cpu_count(), 'sizes_mb': sizes, 'prepare': {},
            'first_batch': {}, 'seq_len': args.seq_len, 'batch': args.batch}
@@ -289,6 +290,7 @@ def run(args) -> dict:
         fb = out['first_batch'][mb]
         print(f'first batch {mb} MB: {fb["total_s"]:.2f} s ({fb["data_s"]:.3f} s data), '
               f'{fb["rss_mib"]:.0f} MiB', flush=True)
+    out['load'] = [start_load, os.getloadavg()[0]]
     print()
     print(table(out))
     if args.json:
@@ -308,10 +310,12 @@ def _machine() -> str:
 
 def table(out: dict) -> str:
     lines = [f'Machine: {out["machine"]}; loader rows of {out["seq_len"]} tokens, batches of '
-             f'{out["batch"]}', '', '| measure | value | target |', '|---|---|---|']
+             f'{out["batch"]}; load average {out["load"][0]:.1f} at the start, '
+             f'{out["load"][1]:.1f} at the end', '', '| measure | value | target |',
+             '|---|---|---|']
     e = out['encode_batch']
     e_rate = e['bytes'] / e['seconds']
-    for mb, p in out['prepare'].items():
+    for mb, p in sorted(out['prepare'].items(), key=lambda item: int(item[0])):
         rate = p['bytes'] / p['seconds']
         lines.append(f'| prepare {mb} MB (all cores) | {rate / 1e6:.2f} MB/s, '
                      f'{p["tokens"] / p["seconds"] / 1e6:.2f}M tokens/s; '
