@@ -43,8 +43,6 @@ def _text_attention_input(tok, context: int | None, name: str):
     return attention_input
 
 
-
-
 # The data keys of each text task, with their defaults.
 GPT_DATA = dict(name="python_stdlib", data_dir="", max_files=0, max_documents=0,
                 tokenizer="byte", vocab_size=1024, seq_len=128, train_split="train",
