@@ -62,18 +62,38 @@ def _exits(out, n: int = 2) -> list[tuple[int, float]]:
     return [tuple(map(float, _task(out, i, "rc").split())) for i in range(n)]
 
 
-def _wait_for_step(launcher, workdir, out, step: int, timeout: float = 150) -> None:
-    """Until process 0 has logged `step` (metrics.jsonl, one record per step)."""
-    metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + timeout
+def _logged(workdir) -> int:
+    """The last step process 0 logged (metrics.jsonl, one record per step), or 0."""
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        return 0
+    with open(metrics) as f:
+        lines = f.read().split("\n")[:-1]  # whole lines only: the writer may be mid-line
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return steps[-1] if steps else 0
+
+
+def _committed(workdir) -> int:
+    """The newest committed checkpoint step (orbax renames a step's folder to its number
+    once every process wrote it), or 0."""
+    folder = os.path.join(workdir, "checkpoints")
+    return max((int(n) for n in os.listdir(folder) if n.isdigit()), default=0) \
+        if os.path.isdir(folder) else 0
+
+
+def _wait_until(ready, launcher, out, what: str, timeout: float = 150) -> None:
+    deadline = time.time() + timeout
     while True:
-        if os.path.exists(metrics):
-            with open(metrics) as f:
-                steps = [json.loads(line)["step"] for line in f if line.strip()]
-            if steps and steps[-1] >= step:
-                return
+        if ready():
+            return
         if launcher.poll() is not None or time.time() > deadline:
             launcher.kill()
-            pytest.fail(f"no step {step} yet: " + "\n".join(
+            pytest.fail(f"no {what} yet: " + "\n".join(
                 _task(out, i, w)[-2000:] for i in range(2) for w in ("out", "err")
                 if (out / f"task{i}.{w}").exists()))
         time.sleep(0.1)
@@ -110,7 +130,7 @@ def test_recipes_stop_lose_a_host_and_resume(tmp_path):
                           FAKE_EXTRA_ARGS=json.dumps([FOREVER, *TINY]))
     launcher = subprocess.Popen([sys.executable, os.path.join(HERE, "fake_schedulers.py"), "k8s",
                                  os.path.join(REPO, "launch", "k8s_indexed_job.yaml")], env=env)
-    _wait_for_step(launcher, workdir, out, 6)
+    _wait_until(lambda: _logged(workdir) >= 6, launcher, out, "step 6")
     os.kill(int(_task(out, 1, "pid")), signal.SIGTERM)
     _finish(launcher, out)
     assert [rc for rc, _ in _exits(out)] == [143, 143], [_task(out, i, "err")[-3000:] for i in range(2)]
@@ -125,7 +145,8 @@ def test_recipes_stop_lose_a_host_and_resume(tmp_path):
                           FAKE_WORKERS="2", FAKE_COORDINATOR=f"127.0.0.1:{free_port()}")
     launcher = subprocess.Popen(["bash", os.path.join(REPO, "launch", "tpu_vm.sh"), FOREVER, *TINY],
                                 env=env)
-    _wait_for_step(launcher, workdir, out, first_stop + 6)
+    _wait_until(lambda: _committed(workdir) > first_stop and _logged(workdir) > first_stop + 4,
+                launcher, out, "checkpoint after the resumed step")
     killed = time.time()
     os.kill(int(_task(out, 1, "pid")), signal.SIGKILL)
     _finish(launcher, out)
