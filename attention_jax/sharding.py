@@ -12,7 +12,9 @@ config's `mesh.rules` maps those names onto the four mesh axes:
   tensor  Megatron-style model parallelism: heads and MLP hidden units are split.
 
 The same program runs on 1 CPU, 8 fake CPU devices, a GPU, or many hosts: jit with
-NamedShardings (what pjit became) lets XLA insert the collectives.
+NamedShardings (what pjit became) lets XLA insert the collectives. Across TPU slices or
+hosts joined by the slow data-centre network the mesh is hybrid (`make_mesh`'s `dcn`,
+config `mesh.dcn_data` / `mesh.dcn_fsdp`): only the batch axes span the slow network.
 """
 
 from __future__ import annotations

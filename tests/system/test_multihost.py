@@ -7,7 +7,7 @@ variables, an Indexed Job's JOB_COMPLETION_INDEX and pod DNS name, gcloud's
 
   Kubernetes   SIGTERM to process 1 only: both stop at the same step with one checkpoint.
   TPU VM       resumes it; SIGKILL of process 1: process 0 says so in one line and exits
-               75 within mesh.lost_host_timeout (+ slack), leaving only intact steps.
+               75 within mesh.lost_host_timeout (+ 10 s), leaving only intact steps.
   SLURM        resumes from the newest intact step and finishes: the losses of every
                step equal an uninterrupted one-process run's.
 """
@@ -161,7 +161,7 @@ def test_recipes_stop_lose_a_host_and_resume(tmp_path):
     assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
     assert errors[0].startswith("error: process 0: process 1 of 2 sent no heartbeat"), errors
     assert f"mesh.lost_host_timeout={LOST_HOST_TIMEOUT}" in errors[0]
-    assert ended - killed < LOST_HOST_TIMEOUT + 6, f"lost host noticed after {ended - killed:.1f} s"
+    assert ended - killed < LOST_HOST_TIMEOUT + 10, f"lost host noticed after {ended - killed:.1f} s"
     rows, others = verify.verify_directory(workdir)  # every committed step is whole
     assert rows and all(r["status"] == "ok" for r in rows), (rows, others)
     newest = rows[0]["step"]
