@@ -98,7 +98,8 @@ def base_config() -> ml_collections.ConfigDict:
     m.dcn_data = 1
     m.dcn_fsdp = 1
     # Seconds without a heartbeat after which another process counts as lost: this one
-    # then exits in one line (hosts.py; JAX's own heartbeat timeout is set past it).
+    # then exits in one line (sharding.LostHostWatchdog; JAX's own heartbeat timeout is
+    # set past it).
     m.lost_host_timeout = 120.0
 
     c.eval = e = ml_collections.ConfigDict()

@@ -27,7 +27,7 @@ from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
-from attention_jax import convert, hosts, sharding, steps
+from attention_jax import convert, sharding, steps
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
 from attention_jax.errors import UserError
@@ -177,7 +177,7 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     Resuming with training-relevant keys changed from the workdir's config.json is a
     ConfigError listing them, unless `resume_changed` (see workdir.check_config_change)."""
     sharding.maybe_initialize_distributed(config.mesh)  # process_index() is known from here
-    with hosts.LostHostWatchdog(config.mesh.lost_host_timeout):
+    with sharding.LostHostWatchdog(config.mesh.lost_host_timeout):
         return _train_writer(config, workdir, task, resume_changed)
 
 
