@@ -179,6 +179,18 @@ def _all_agree(ok: bool) -> bool:
 SUPPORTED_URLS = ("gs://",)
 
 
+def fresh_listings() -> None:
+    """gcsfs and s3fs cache directory listings for the life of the process, and only
+    their own writes refresh them: a checkpoint step written by tensorstore, or by
+    another process, would stay invisible to a reader that listed the folder before (a
+    notebook's second open_run, seen here against the emulator). Listings are asked
+    for afresh instead: a request per listing, a few per checkpoint or log step. Set
+    before the first remote path is touched (filesystems are cached with their options)."""
+    import fsspec
+    for protocol in ("gcs", "gs", "s3"):
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
+
+
 class CheckpointLocationError(UserError, ValueError):
     """Checkpoints asked for in a place orbax cannot write arrays to."""
 
@@ -188,8 +200,7 @@ def check_supported(directory) -> None:
     (s3://: orbax hands tensorstore only gs:// and local paths)."""
     text = str(directory)
     if "://" in text:
-        from attention_jax import workdir  # its listings must not be cached (see there)
-        workdir.fresh_listings()
+        fresh_listings()
     if "://" in text and not text.startswith(SUPPORTED_URLS):
         raise CheckpointLocationError(
             f"checkpoints in {text}: orbax writes arrays only to gs:// buckets and local "

@@ -34,6 +34,7 @@ import ml_collections
 from etils import epath
 
 from attention_jax import config as config_lib
+from attention_jax.checkpoint import fresh_listings
 from attention_jax.errors import ConfigError, UserError
 
 CONFIG = "config.json"
@@ -69,18 +70,6 @@ def resolve(workdir) -> str:
 def path(workdir, name: str) -> str:
     """workdir/name, for one of the names above (a URL stays a URL)."""
     return os.path.join(str(workdir), name)
-
-
-def fresh_listings() -> None:
-    """gcsfs and s3fs cache directory listings for the life of the process, and only
-    their own writes refresh them: a checkpoint step written by tensorstore, or by
-    another process, would stay invisible to a reader that listed the folder before (a
-    notebook's second open_run, seen here against the emulator). Listings are asked
-    for afresh instead: a request per listing, a few per checkpoint or log step. Set
-    before the first remote path is touched (filesystems are cached with their options)."""
-    import fsspec
-    for protocol in ("gcs", "gs", "s3"):
-        fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
 
 
 def epath_of(workdir, name: str | None = None) -> epath.Path:
