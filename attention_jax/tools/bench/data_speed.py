@@ -16,8 +16,12 @@ trained here with `tokenizers`, every row in its own fresh process:
   first batch      a run's data start over the prepared cache, as the GPT task does it:
                    config, file listing, cache lookup, rows, loader, first batch; seconds
                    (from the process start, imports included, and the data part alone)
-                   and peak RSS (ru_maxrss), for each corpus size: flat when nothing grows
-                   with the corpus.
+                   and peak RSS (ru_maxrss) at that batch, split into private memory
+                   (RssAnon) and mapped file pages (RssFile: the shards' pages mapped by
+                   the reads of the first batch and of grain's threads, which prefetch
+                   batches meanwhile; they grow with the spread of the rows over the
+                   corpus, and are page cache the kernel takes back under pressure), for
+                   each corpus size.
 
 Corpora, tokenizer, caches and train.bin stay in --dir (default a folder under the
 system's temp dir) for the next run; --fresh prepares the caches again. Medians over
@@ -199,8 +203,12 @@ def child_first_batch(a: dict) -> dict:
                                   process_count=1)))
     assert batch['inputs'].shape == (a['batch'], a['seq_len'])
     end = time.perf_counter()
+    with open('/proc/self/status') as f:
+        status = dict(line.split(':', 1) for line in f if ':' in line)
+    kib = lambda key: int(status.get(key, '0 kB').split()[0])  # noqa: E731
     return {'total_s': end - _T0, 'data_s': end - imported, 'import_s': imported - before,
             'rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            'anon_mib': kib('RssAnon') / 1024, 'file_mib': kib('RssFile') / 1024,
             'tokens': rows.num_tokens}
 
 
@@ -285,7 +293,8 @@ def run(args) -> dict:
                        cache=os.path.join(root, f'cache-{mb}MB'), tokenizer=tokenizer,
                        seq_len=args.seq_len, batch=args.batch) for _ in range(args.repeats)]
         out['first_batch'][mb] = {k: statistics.median(r[k] for r in runs)
-                                  for k in ('total_s', 'data_s', 'import_s', 'rss_mib')}
+                                  for k in ('total_s', 'data_s', 'import_s', 'rss_mib',
+                                            'anon_mib', 'file_mib')}
         out['first_batch'][mb]['tokens'] = runs[0]['tokens']
         fb = out['first_batch'][mb]
         print(f'first batch {mb} MB: {fb["total_s"]:.2f} s ({fb["data_s"]:.3f} s data), '
@@ -332,12 +341,14 @@ def table(out: dict) -> str:
     for mb in sizes:
         fb = out['first_batch'][mb]
         lines.append(f'| first batch, {mb} MB corpus ({fb["tokens"] / 1e6:.0f}M tokens) | '
-                     f'{fb["total_s"]:.2f} s ({fb["data_s"]:.3f} s after imports), '
-                     f'{fb["rss_mib"]:.0f} MiB peak RSS | |')
+                     f'{fb["total_s"]:.2f} s ({fb["data_s"]:.3f} s after imports); peak RSS '
+                     f'{fb["rss_mib"]:.0f} MiB: {fb["anon_mib"]:.0f} private, '
+                     f'{fb["file_mib"]:.0f} mapped files | |')
     if len(sizes) > 1:
         a, b = out['first_batch'][sizes[0]], out['first_batch'][sizes[-1]]
         lines.append(f'| {sizes[-1]} MB vs {sizes[0]} MB | {b["total_s"] / a["total_s"]:.2f}x '
-                     f'time, {b["rss_mib"] - a["rss_mib"]:+.0f} MiB RSS | <= 1.2x, '
+                     f'time; {b["anon_mib"] - a["anon_mib"]:+.0f} MiB private, '
+                     f'{b["rss_mib"] - a["rss_mib"]:+.0f} MiB RSS | <= 1.2x, '
                      f'<= +100 MiB |')
     return '\n'.join(lines)
 
