@@ -143,7 +143,7 @@ RENAMED_MODEL_FIELDS = {
 
 # Keys the experiment configs gained after runs were saved without them, with the value
 # those runs trained with: resuming such a run with the key at that value is no change.
-ADDED_KEYS = {"data.packing": "documents",
+ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto",
               **{f"data.{k}": v for k, v in config_lib.TEXT_FILE_KEYS.items()},
               **{f"data.{k}": v for k, v in config_lib.IMAGE_KEYS.items()}}
 
@@ -363,7 +363,7 @@ RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.c
                     "train.prefetch",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
                     "train.checkpoint_on_damage", "train.loss_chunk_size",
-                    "data.data_dir", "model.implementation", "model.remat_policy",
+                    "data.data_dir", "model.implementation", "model.ring_inner", "model.remat_policy",
                     "mesh.", "eval.")
 
 

@@ -60,11 +60,11 @@ import numpy as np
 
 from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring, splash
 from attention_jax.attention.blockwise import blockwise_attention
-from attention_jax.attention.call import AttentionCall, Platform, make_call
+from attention_jax.attention.call import RING_INNER, AttentionCall, Platform, make_call
 from attention_jax.attention.masks import MaskSpec
 from attention_jax.attention.ring import ring_attention, sequence_axis_size
 
-__all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "BACKENDS", "MaskSpec",
+__all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER",
            "default_block_sizes"]
 
 
@@ -121,6 +121,10 @@ class Backend:
     weights: bool = False  # can return the attention weights
     # What else explain() says once this row is chosen (ring: its chunk-pair kernel).
     detail: Optional[Rule] = None
+    # Where this row is the only one that runs what the call asks for (ring: a ring_inner
+    # kernel by name), "auto" raises the row's refusal instead of passing it over: the
+    # asked-for kernel must not be dropped silently for one that ignores the request.
+    insisted: Callable[[AttentionCall], bool] = lambda call: False
 
 
 def _blockwise(q, k, v, call: AttentionCall):
@@ -149,7 +153,7 @@ def _ring(q, k, v, call: AttentionCall):
 BACKENDS = (
     Backend("reference", reference.run, auto_reason=reference.auto_reason, weights=True),
     Backend("ring", _ring, refusal=ring.refusal, auto_reason=ring.auto_reason,
-            detail=ring.inner_reason),
+            detail=ring.inner_reason, insisted=lambda call: call.ring_inner != "auto"),
     Backend("cudnn", jax_nn.cudnn, refusal=jax_nn.cudnn_refusal,
             auto_reason=jax_nn.cudnn_auto_reason, auto_refusal=jax_nn.cudnn_auto_refusal),
     Backend("pallas", pallas.run, refusal=pallas.refusal, auto_reason=pallas.auto_reason),
@@ -311,7 +315,10 @@ def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tup
         taken_because = row.auto_reason(call, platform)
         if taken_because is None:
             continue
-        refusal = _refusal(row, call, platform) or row.auto_refusal(call, platform)
+        refusal = _refusal(row, call, platform)
+        if refusal is not None and row.insisted(call):
+            raise ValueError(refusal)
+        refusal = refusal or row.auto_refusal(call, platform)
         if refusal is None:
             return row.name, _with_detail(row, "; ".join([taken_because] + passed_over),
                                           call, platform)

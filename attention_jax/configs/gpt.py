@@ -21,6 +21,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
+    # With mesh.sequence > 1 (ring attention): the kernel on each chunk pair, "auto" or
+    # one of attention.RING_INNER ("pallas", "splash", "blockwise").
+    c.model.ring_inner = "auto"
 
     c.model.variant = args.variant  # a row of models/gpt.py VARIANTS.
     c.model.num_layers = 2

@@ -84,6 +84,9 @@ class MultiHeadAttention(nn.Module):
       dropout_rate: on per-head outputs before the output projection (see module doc).
       implementation: the attention backend ("auto" default: cuDNN or the Pallas kernels on a
         GPU, blockwise on CPU; "reference" to get weights).
+      ring_inner: the kernel on each chunk pair when the ring runs (a `sequence` mesh axis):
+        "auto" (Pallas on an NVIDIA GPU, splash on a TPU, blockwise elsewhere) or one of
+        attention.RING_INNER to force it (tests force the fused kernels on CPU).
       rope_base: if set, rotary embeddings with this base on q and k (self-attention only).
       scale: the logits' multiplier (default 1/sqrt(H); 1.0 turns the scaling off, for the
         ablation that shows why it is there).
@@ -100,6 +103,7 @@ class MultiHeadAttention(nn.Module):
     use_bias: bool = True
     dropout_rate: float = 0.0
     implementation: str = "auto"
+    ring_inner: str = "auto"
     rope_base: Optional[float] = None
     scale: Optional[float] = None
     fuse_qkv: bool = True
@@ -195,7 +199,7 @@ class MultiHeadAttention(nn.Module):
             segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask, mask=mask,
             q_offset=q_offset, scale=self.scale,
             implementation="reference" if return_weights else self.implementation,
-            return_weights=return_weights)
+            ring_inner=self.ring_inner, return_weights=return_weights)
         aux = {}
         if return_weights:
             out, aux["attention_weights"] = out  # [B, N, T, S]

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.attention import IMPLEMENTATIONS
+from attention_jax.attention import IMPLEMENTATIONS, RING_INNER
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP
 from attention_jax.layers.moe import MoE
@@ -56,7 +56,8 @@ class BlockConfig:
       sublayer over a context (encoder-decoder decoders).
     dropout_rate: residual dropout on each sublayer's output (Vaswani §5.4) and in the MLP.
     attention_dropout_rate: on per-head attention outputs (layers/attention.py).
-    implementation: attention backend; rope_base: rotary embeddings in self-attention.
+    implementation: attention backend; ring_inner: its chunk-pair kernel when the ring runs;
+    rope_base: rotary embeddings in self-attention.
     attention_scale: multiplier of the attention logits (default 1/sqrt(H)).
     """
 
@@ -76,6 +77,7 @@ class BlockConfig:
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     implementation: str = "auto"
+    ring_inner: str = "auto"
     rope_base: Optional[float] = None
     attention_scale: Optional[float] = None
     window: Union[int, tuple[int, int], None] = None
@@ -87,7 +89,8 @@ class BlockConfig:
 
     def __post_init__(self):
         choices = {"mlp": MLPS, "norm": NORMS, "norm_position": NORM_POSITIONS,
-                   "activation": tuple(ACTIVATIONS), "implementation": IMPLEMENTATIONS}
+                   "activation": tuple(ACTIVATIONS), "implementation": IMPLEMENTATIONS,
+                   "ring_inner": RING_INNER}
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise ValueError(f"{field}={getattr(self, field)!r} is unknown; valid: {valid}")
@@ -124,6 +127,7 @@ class TransformerBlock(nn.Module):
         common = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, use_bias=cfg.use_bias,
                       dropout_rate=cfg.attention_dropout_rate, implementation=cfg.implementation,
+                      ring_inner=cfg.ring_inner,
                       scale=cfg.attention_scale,
                       dtype=dtype, param_dtype=param_dtype)
         calls = dict(deterministic=deterministic, return_weights=return_weights)

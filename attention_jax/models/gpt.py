@@ -67,6 +67,7 @@ class GPTConfig:
     use_bias: bool = True
     dropout_rate: float = 0.0
     implementation: str = "auto"
+    ring_inner: str = "auto"  # chunk-pair kernel of ring attention (mesh.sequence > 1)
     scan_layers: bool = False
     remat_policy: str = "none"
     num_experts: int = 8  # for mlp="moe"
@@ -97,7 +98,7 @@ class GPTConfig:
             mlp_dim=self.mlp_dim, activation=self.activation, norm=self.norm,
             norm_epsilon=self.norm_epsilon, norm_position=self.norm_position, causal=True,
             use_bias=self.use_bias, dropout_rate=self.dropout_rate,
-            implementation=self.implementation,
+            implementation=self.implementation, ring_inner=self.ring_inner,
             rope_base=self.rope_base if self.position == "rope" else None,
             attention_scale=self.attention_scale,
             num_experts=self.num_experts, top_k=self.top_k,

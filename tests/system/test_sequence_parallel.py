@@ -39,6 +39,19 @@ def test_gpt_on_sequence_4_trains_like_one_device(one_device, data_dir, tmp_path
     np.testing.assert_allclose(summary["losses"], one_device, rtol=1e-5)
 
 
+def test_fused_pair_kernel_in_the_ring_trains_like_one_device(one_device, data_dir, tmp_path):
+    """model.ring_inner="pallas": every chunk pair through the Pallas kernels (interpret
+    mode here, as on a GPU compiled), forward and backward; 2 steps as one device's."""
+    config = _config(data_dir, **{"mesh.sequence": 4, "model.ring_inner": "pallas",
+                                  "train.steps": 2})
+    summary = train.train_and_evaluate(config, str(tmp_path / "pallas"))
+    np.testing.assert_allclose(summary["losses"], one_device[:2], rtol=1e-5)
+    # The key reaches the ring: splash, forced, refuses chunks of 4 tokens (it tiles by 128).
+    config.model.ring_inner = "splash"
+    with pytest.raises(ValueError, match="ring_inner='splash' needs chunks"):
+        train.train_and_evaluate(config, str(tmp_path / "splash"))
+
+
 def test_checkpoint_restores_across_sequence_sizes(one_device, data_dir, tmp_path):
     """Saved at step 2 on (data=2, sequence=4); resumed on (data=4, sequence=2) and on one
     device: steps 3-4 give the uninterrupted run's losses."""
