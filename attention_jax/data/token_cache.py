@@ -45,6 +45,7 @@ import pickle
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -118,7 +119,9 @@ def _local(path) -> str:
 
 
 def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    tmp = f'{path}.tmp-{socket.gethostname()}-{os.getpid()}'
+    # A temp name of its own per writer (host, process, call): two writers of one file,
+    # threads of a process included, each rename complete bytes.
+    tmp = f'{path}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}'
     write(tmp)
     os.replace(tmp, path)
 
