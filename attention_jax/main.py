@@ -170,6 +170,8 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
 
 
 def _run_mode(config, workdir) -> int:
+    import jax
+
     from attention_jax import train
     if FLAGS.mode == "eval":
         print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
@@ -178,19 +180,22 @@ def _run_mode(config, workdir) -> int:
         print(json.dumps(embed_texts(config, workdir), indent=1))
         return 0
     if FLAGS.mode == "sample":
-        for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
-            print(f"--- prompt {prompt!r}\n{text}\n")
+        texts = sample_checkpoint(config, workdir)  # every process generates (collectives)
+        for prompt, text in zip(config.eval.sample_prompts, texts):
+            if jax.process_index() == 0:
+                print(f"--- prompt {prompt!r}\n{text}\n")
         return 0
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
     print(_summary_line(summary, workdir))
     if summary["stopped_by"]:
         return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
-    import jax
-    # A language model: show what it learnt (one process: the task's sample reads the
-    # generated tokens as one host array, which no process of several holds).
-    if summary["task"].sample is not None and jax.process_count() == 1:
-        for prompt, text in zip(config.eval.sample_prompts, sample_checkpoint(config, workdir)):
-            print(f"--- sample from {prompt!r}:\n{text}\n")
+    # A language model: show what it learnt (every process generates: the step's
+    # collectives span them; process 0 prints).
+    if summary["task"].sample is not None:
+        texts = sample_checkpoint(config, workdir)
+        for prompt, text in zip(config.eval.sample_prompts, texts):
+            if jax.process_index() == 0:
+                print(f"--- sample from {prompt!r}:\n{text}\n")
     return 0
 
 

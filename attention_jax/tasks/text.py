@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import TEXT_FILE_KEYS
@@ -253,7 +254,10 @@ def lm_task(config, workdir: str) -> Task:
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
             top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
-        out, lengths = np.asarray(out), np.asarray(lengths)
+        # Every process gets the whole generated batch (with several, each holds only its
+        # rows of the global arrays); all processes must call this, as they call generate.
+        out, lengths = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                        for x in (out, lengths))
         return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]
 
     # An untied head's input table is only looked up; a tied one is the output matmul.
