@@ -166,7 +166,8 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
                           "split with examples, or config.eval.every=-1 for no evaluation")
     loader = loaders.Loader(task.eval_source, global_batch_size=batch_size,
                             seed=config.train.seed, shuffle=False, num_epochs=1,
-                            transform=task.eval_transform, pad_remainder=True)
+                            transform=task.eval_transform, pad_remainder=True,
+                            read_threads=task.read_threads)
     batches = min(config.eval.steps or len(loader), len(loader))
     partial = batches * batch_size > size  # the last batch evaluated is padded
     sums, weight, examples, weighted = {}, 0.0, 0, False

@@ -162,7 +162,8 @@ def make_train_loader(task: Task, config, state=None) -> loaders.Loader:
     """
     return loaders.Loader(task.train_source, global_batch_size=config.train.batch_size,
                           seed=config.train.seed, transform=task.train_transform,
-                          worker_count=config.train.data_workers, state=state)
+                          worker_count=config.train.data_workers, state=state,
+                          read_threads=task.read_threads)
 
 
 # ==================================================================================== train

@@ -201,9 +201,11 @@ class Loader:
         return stream.batch(B, drop_remainder=True)[self.process_index::self.process_count]
 
     def __iter__(self) -> Iterator[Batch]:
-        # A few batches read ahead: enough to hide reading behind a step.
+        # A few batches read ahead (one per thread, at least 4): enough to hide reading
+        # behind a step. (grain's default buffer is 500 batches: gigabytes of images.)
         ds = self._process_batches().to_iter_dataset(read_options=grain.ReadOptions(
-            num_threads=self.read_threads, prefetch_buffer_size=4 if self.read_threads else 0))
+            num_threads=self.read_threads,
+            prefetch_buffer_size=max(4, self.read_threads) if self.read_threads else 0))
         if self.worker_count > 0:
             # grain's workers read absl flags; outside an absl app (notebooks, pytest)
             # nobody parsed them, so accept the defaults rather than crash.

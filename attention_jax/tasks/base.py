@@ -81,6 +81,13 @@ class Task:
     classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None
     flops_per_unit: Callable[[Any], float] | None = None
     tokens_per_example: int | None = None
+    # A classifier's class names in label order (an image folder's subfolders, a tfds
+    # ClassLabel's names), for reports by name (tools/analysis.class_accuracies).
+    class_names: tuple[str, ...] | None = None
+    # Threads reading batches ahead in each reading process (loaders.Loader): 1 where a
+    # read is Python holding the GIL (token rows: more threads only take turns), more
+    # where decoding releases it (images).
+    read_threads: int = 1
 
 
 # The optional entries a tool may `need`; `register` checks an adapter sets exactly the

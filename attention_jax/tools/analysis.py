@@ -206,25 +206,46 @@ def plot_translation(results: dict[str, list[dict]], path: str) -> None:
 
 
 # ========================================================================= classification
+def _predictions(workdir: str, split: str, batch_size: int):
+    """(task, predicted [n], labels [n]) of the run's checkpoint on every example of
+    `split` (default: the run's eval split, as its task reads it: an image folder's
+    held-out files too), through its task's `classify`."""
+    from attention_jax import data
+    config, task, params = restore_run(workdir)
+    classify = tasks.need(task, "classify", config.task, "classify")
+    records = (data.get_dataset(config.data.name, split, config.data.data_dir or None)
+               if split else task.eval_source)
+    predicted, labels = [], []
+    for start in range(0, len(records), batch_size):
+        examples = [task.eval_transform(records[i], None)
+                    for i in range(start, min(start + batch_size, len(records)))]
+        batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+        p, y = classify(params, batch)
+        predicted.append(p)
+        labels.append(y)
+    return task, np.concatenate(predicted), np.concatenate(labels)
+
+
 def classification_accuracy(workdir: str, split: str = "", batch_size: int = 512
                             ) -> tuple[float, int]:
     """(accuracy, n) of the run's checkpoint on every example of `split` (default: the
     run's eval split), through its task's `classify`. The trainer's eval drops the last
     partial batch (359 digits test images are 11 batches of 32 and 7 left over); this
     counts all of them."""
-    from attention_jax import data
-    config, task, params = restore_run(workdir)
-    classify = tasks.need(task, "classify", config.task, "classify")
-    records = data.get_dataset(config.data.name, split or config.data.eval_split,
-                               config.data.data_dir or None)
-    right = 0
-    for start in range(0, len(records), batch_size):
-        examples = [task.eval_transform(records[i], None)
-                    for i in range(start, min(start + batch_size, len(records)))]
-        batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-        predicted, labels = classify(params, batch)
-        right += int(np.sum(predicted == labels))
-    return right / len(records), len(records)
+    _, predicted, labels = _predictions(workdir, split, batch_size)
+    return float(np.mean(predicted == labels)), len(labels)
+
+
+def class_accuracies(workdir: str, split: str = "", batch_size: int = 512
+                     ) -> dict[str, tuple[float, int]]:
+    """{class name: (accuracy, n)} of the run's checkpoint over every example of `split`
+    (default: its eval split), by the names the run was trained with (an image folder's
+    subfolders; label numbers where the data has no names). Classes absent from the
+    split are left out."""
+    task, predicted, labels = _predictions(workdir, split, batch_size)
+    names = task.class_names or tuple(str(c) for c in range(int(labels.max()) + 1))
+    return {names[c]: (float(np.mean(predicted[labels == c] == c)), int(np.sum(labels == c)))
+            for c in np.unique(labels)}
 
 
 def eval_batches(task, batches: int, batch_size: int):

@@ -91,6 +91,14 @@ def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
     assert (task.model.config.image_size, task.model.config.num_classes) == (size, 3)
     assert task.train_transform(task.train_source[0], np.random.default_rng(0))["image"].shape \
         == (size, size, 3)
+    # The tools report the run's classes by their folder names, over its held-out images.
+    from attention_jax.tools import analysis
+    by_class = analysis.class_accuracies(str(tmp_path / "cnn"))
+    assert set(by_class) <= set(CLASSES) and task.class_names == tuple(CLASSES)
+    assert sum(n for _, n in by_class.values()) == len(task.eval_source)
+    accuracy, n = analysis.classification_accuracy(str(tmp_path / "cnn"))
+    assert n == len(task.eval_source) and accuracy == pytest.approx(
+        sum(a * n for a, n in by_class.values()) / n)
 
 
 def test_hugging_face_vit_fine_tunes_at_a_new_resolution(folder, tmp_path, capsys):

@@ -63,7 +63,8 @@ def write_jpegs(root: str, count: int, width: int, height: int, classes: int = 1
 def _rate(source, transform, batch: int, workers: int, warmup: int, batches: int) -> float:
     from attention_jax.data.loaders import Loader
     loader = Loader(source, global_batch_size=batch, seed=0, transform=transform,
-                    process_index=0, process_count=1, worker_count=workers)
+                    process_index=0, process_count=1, worker_count=workers,
+                    read_threads=16 if workers == 0 else 1)  # as the image tasks read
     it = iter(loader)
     for _ in range(warmup):  # worker start-up and the first reads
         next(it)
@@ -108,7 +109,7 @@ def run(args) -> dict:
         print(f"| {r['workers']} | {r['images_per_s']:,.0f} | {r['images_per_s'] / need:.2f} |")
     print(f"ViT-B/16 training at 224²: {out['vit_b16_gflop_per_image']:.0f} GFLOP per image; an "
           f"H100 at {args.mfu:.0%} MFU of 989 TFLOP/s takes {need:,.0f} images/s (computed, "
-          f"not measured). One worker process here adds {_per_worker(rows):,.0f} images/s, "
+          f"not measured). One core here decodes {_per_worker(rows):,.0f} images/s, "
           f"so one H100 needs about {math.ceil(need / max(1.0, _per_worker(rows)))} decoding "
           f"workers (cores) of this kind.")
     if args.json:
@@ -118,9 +119,11 @@ def run(args) -> dict:
 
 
 def _per_worker(rows) -> float:
-    """Images/s one worker process adds: the best rate with workers over their number (the
-    0-worker row reads in the calling process: one core too)."""
-    return max(r["images_per_s"] / max(1, r["workers"]) for r in rows)
+    """Images/s one core decodes: the best rate over the cores it could use (a worker
+    row: one per worker; the 0-worker row reads with 16 threads in the calling process,
+    which PIL's decoding, free of the GIL, spreads over every core)."""
+    cores = os.cpu_count() or 1
+    return max(r["images_per_s"] / (min(r["workers"], cores) or cores) for r in rows)
 
 
 def _cpu_name() -> str:
