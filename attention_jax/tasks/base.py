@@ -247,6 +247,18 @@ DATA_RANGES = {"mask_rate": "(0, 1)", "seq_len": "[1, inf)", "source_len": "[1, 
                "max_documents": "[0, inf)", "padding": "[0, inf)"}
 
 
+def check_source_keys(data_opts, source: str, keys) -> None:
+    """A ConfigError when one of `keys` (e.g. files, root) is set while config.data.name
+    is not `source`, the only source that reads them: it would be ignored silently."""
+    if data_opts.name == source:
+        return
+    for key in keys:
+        if data_opts[key]:
+            raise ConfigError(f"config.data.{key}={data_opts[key]!r} is read only with "
+                              f"config.data.name={source!r} (now {data_opts.name!r}); set "
+                              f"--config.data.name={source}")
+
+
 def data_options(config, **defaults) -> ml_collections.ConfigDict:
     """`config.data` checked against the task's keys (with their defaults and types)."""
     given = config.data.to_dict()

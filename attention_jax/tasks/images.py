@@ -13,8 +13,8 @@ from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
-from attention_jax.tasks.base import (AttentionInput, Task, data_options, model_config,
-                                      register, splits)
+from attention_jax.tasks.base import (AttentionInput, Task, check_source_keys,
+                                      data_options, model_config, register, splits)
 
 
 CLASSES_FILE = "classes.json"  # the run's class names, in label order (image folders, tfds)
@@ -125,13 +125,8 @@ def _check_image_options(o) -> None:
                           ("mixup", "[0, inf)"), ("cutmix", "[0, inf)"),
                           ("eval_fraction", "(0, 1)"), ("max_bad_records", "[0, inf)")):
         check_range(f"data.{key}", o[key], interval)
-    if o.name != "image_folder":
-        for key in ("root", "eval_root"):
-            if o[key]:
-                raise ConfigError(f"config.data.{key}={o[key]!r} is read only with "
-                                  f"config.data.name='image_folder' (now {o.name!r}); set "
-                                  f"--config.data.name=image_folder")
-    elif not o.root:
+    check_source_keys(o, "image_folder", ("root", "eval_root"))
+    if o.name == "image_folder" and not o.root:
         raise ConfigError("config.data.name='image_folder' needs --config.data.root=DIR (one "
                           "subfolder of images per class)")
 

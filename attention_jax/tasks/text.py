@@ -18,7 +18,8 @@ from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      corpus_options, data_options, data_parallel_size,
+                                      check_source_keys, corpus_options, data_options,
+                                      data_parallel_size,
                                       lm_vocab_size, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
                                       tasks_with, token_labels)
@@ -157,12 +158,8 @@ class _Documents:
     def __init__(self, data_opts):
         from attention_jax.data import files
         self.opts = data_opts
+        check_source_keys(data_opts, "files", ("files", "eval_files"))
         if data_opts.name != "files":
-            for key in ("files", "eval_files"):
-                if data_opts[key]:
-                    raise ConfigError(f"config.data.{key}={data_opts[key]!r} is read only with "
-                                      f"config.data.name='files' (now {data_opts.name!r}); set "
-                                      f"--config.data.name=files")
             self._docs = dict(zip(("train", "eval"), splits(data_opts, **corpus_options(data_opts))))
             return
         if not data_opts.files:

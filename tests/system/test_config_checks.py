@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -160,3 +161,17 @@ def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_old_value(tmp_p
     assert workdir_lib.config_changes(config, str(tmp_path)) == {}
     config.data.packing = "stream"
     assert workdir_lib.config_changes(config, str(tmp_path)) == {"data.packing": ("documents", "stream")}
+
+
+@pytest.mark.parametrize("spec,key,value,source", [
+    ("gpt", "data.files", "notes/*.md", "files"),
+    ("vit", "data.root", "pets/", "image_folder"),
+])
+def test_a_sources_key_under_another_source_is_refused(spec, key, value, source, tmp_path):
+    """--config.data.files (or .root) without data.name set to the source that reads it
+    would train on the default dataset silently: refused, naming the key and the fix."""
+    config = config_lib.load(spec, [f"{key}={value}"])
+    with pytest.raises(ConfigError, match=rf"config.{key}='{re.escape(value)}' is read only with "
+                                          rf"config.data.name='{source}'.*--config.data.name="
+                                          rf"{source}"):
+        tasks.TASKS[config.task](config, str(tmp_path))
