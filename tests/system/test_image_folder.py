@@ -71,9 +71,8 @@ def _train(capsys, folder, workdir, spec, *extra):
     return TASKS[config.task](config, workdir), out, evals[-1]
 
 
-# Two resolutions of each family within the time budget: the ViT from scratch at 16 and
-# fine-tuned from Hugging Face at 24; the CNN at 20 (tests/data/test_data_images.py
-# builds it at another size). Each run here compiles for seconds.
+# Two resolutions of each family: the ViT from scratch at 16 and fine-tuned from Hugging
+# Face at 24; the CNN at 20 and 12. Each run here compiles for seconds.
 def test_vit_trains_on_a_folder(folder, tmp_path, capsys, size=16):
     task, _, last = _train(capsys, folder, str(tmp_path / "vit"), "vit:variant=vit-tiny/4",
                            f"--config.data.image_size={size}",
@@ -99,6 +98,10 @@ def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
     accuracy, n = analysis.classification_accuracy(str(tmp_path / "cnn"))
     assert n == len(task.eval_source) and accuracy == pytest.approx(
         sum(a * n for a, n in by_class.values()) / n)
+    # A second resolution from the same folder: only the flag changes.
+    small, _, _ = _train(capsys, folder, str(tmp_path / "cnn12"), "inductive_bias:model=cnn",
+                         "--config.data.image_size=12")
+    assert small.model.config.image_size == 12
 
 
 def test_hugging_face_vit_fine_tunes_at_a_new_resolution(folder, tmp_path, capsys):
