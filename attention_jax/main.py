@@ -32,7 +32,6 @@ line naming it; run all processes again to resume).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Sequence
 
@@ -170,8 +169,6 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
 
 
 def _run_mode(config, workdir) -> int:
-    import jax
-
     from attention_jax import train
     if FLAGS.mode == "eval":
         print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
@@ -180,23 +177,24 @@ def _run_mode(config, workdir) -> int:
         print(json.dumps(embed_texts(config, workdir), indent=1))
         return 0
     if FLAGS.mode == "sample":
-        texts = sample_checkpoint(config, workdir)  # every process generates (collectives)
-        for prompt, text in zip(config.eval.sample_prompts, texts):
-            if jax.process_index() == 0:
-                print(f"--- prompt {prompt!r}\n{text}\n")
+        _print_samples(config, workdir, "--- prompt {prompt!r}\n{text}\n")
         return 0
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
     print(_summary_line(summary, workdir))
     if summary["stopped_by"]:
         return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
-    # A language model: show what it learnt (every process generates: the step's
-    # collectives span them; process 0 prints).
-    if summary["task"].sample is not None:
-        texts = sample_checkpoint(config, workdir)
-        for prompt, text in zip(config.eval.sample_prompts, texts):
-            if jax.process_index() == 0:
-                print(f"--- sample from {prompt!r}:\n{text}\n")
+    if summary["task"].sample is not None:  # a language model: show what it learnt
+        _print_samples(config, workdir, "--- sample from {prompt!r}:\n{text}\n")
     return 0
+
+
+def _print_samples(config, workdir: str, form: str) -> None:
+    """Every process generates (the step's collectives span them); process 0 prints."""
+    import jax
+    texts = sample_checkpoint(config, workdir)
+    if jax.process_index() == 0:
+        for prompt, text in zip(config.eval.sample_prompts, texts):
+            print(form.format(prompt=prompt, text=text))
 
 
 def _summary_line(summary: dict, workdir: str) -> str:
@@ -207,8 +205,9 @@ def _summary_line(summary: dict, workdir: str) -> str:
     shown = ", ".join(f"{k} {v:.4g}" for k, v in last.items()
                       if k in ("loss", "accuracy", "perplexity"))
     split = "eval" if summary["eval"] else "train"
+    from attention_jax import workdir as workdir_lib
     return (f"{how} step {summary['step']}" + (f"; {split} {shown}" if shown else "")
-            + f"; every record in {os.path.join(workdir, 'metrics.jsonl')}")
+            + f"; every record in {workdir_lib.path(workdir, workdir_lib.METRICS)}")
 
 
 def _config_spec(argv) -> str | None:

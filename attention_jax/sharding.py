@@ -158,7 +158,11 @@ class LostHostWatchdog:
         if exc_type is not None and issubclass(exc_type, jax.errors.JaxRuntimeError):
             # A collective may fail rather than hang when a peer dies (gloo: "connection
             # reset by peer"): give the watchdog its verdict before the traceback.
-            deadline = time.monotonic() + self.timeout + 3 * self.interval
+            wait = self.timeout + 3 * self.interval
+            print(f"process {self._me}: a collective failed; waiting up to {wait:.0f} s "
+                  f"(mesh.lost_host_timeout) to see whether a peer was lost",
+                  file=sys.stderr, flush=True)
+            deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 time.sleep(self.interval)
         self._stop.set()

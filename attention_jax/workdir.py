@@ -34,7 +34,6 @@ import ml_collections
 from etils import epath
 
 from attention_jax import config as config_lib
-from attention_jax.checkpoint import fresh_listings
 from attention_jax.errors import ConfigError, UserError
 
 CONFIG = "config.json"
@@ -70,6 +69,13 @@ def resolve(workdir) -> str:
 def path(workdir, name: str) -> str:
     """workdir/name, for one of the names above (a URL stays a URL)."""
     return os.path.join(str(workdir), name)
+
+
+def fresh_listings() -> None:
+    """checkpoint.fresh_listings, imported only for a remote path: a local workdir (most
+    runs, every tool that reads one) does not load orbax for it."""
+    from attention_jax import checkpoint
+    checkpoint.fresh_listings()
 
 
 def epath_of(workdir, name: str | None = None) -> epath.Path:

@@ -63,6 +63,7 @@ from attention_jax.attention.blockwise import blockwise_attention
 from attention_jax.attention.call import RING_INNER, AttentionCall, Platform, make_call
 from attention_jax.attention.masks import MaskSpec
 from attention_jax.attention.ring import ring_attention, sequence_axis_size
+from attention_jax.attention.ring_inner import choose as choose_ring_inner
 
 __all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER",
            "default_block_sizes"]
@@ -138,7 +139,7 @@ def _blockwise(q, k, v, call: AttentionCall):
 def _ring(q, k, v, call: AttentionCall):
     """Ring attention with the blockwise tiles, sized for one device's chunk of the ring."""
     sequence = sequence_axis_size()
-    inner, _ = ring.inner_kernel(call, _platform())
+    inner, _ = choose_ring_inner(call, _platform())
     default_q, default_k = default_block_sizes(
         heads=call.batch * call.heads, head_dim=call.head_dim,
         q_len=call.q_len // (2 * sequence), kv_len=call.kv_len // (2 * sequence))

@@ -89,14 +89,9 @@ def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
     return reason
 
 
-def inner_kernel(call: AttentionCall, platform: Platform) -> tuple[str, str]:
-    """(kernel, reason): what the ring runs on each chunk pair here (ring_inner.py)."""
-    return ring_inner.choose(call, platform)
-
-
 def inner_reason(call: AttentionCall, platform: Platform) -> str:
     """The dispatcher's note on a ring call: its pair kernel and why."""
-    kernel, reason = inner_kernel(call, platform)
+    kernel, reason = ring_inner.choose(call, platform)
     return f"chunk pairs on {kernel} ({reason})"
 
 

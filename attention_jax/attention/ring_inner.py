@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 
 from attention_jax.attention import blockwise, pallas, splash
+from attention_jax.attention.blockwise import _acc_dtype
 from attention_jax.attention.call import RING_INNER, AttentionCall, Platform
 from attention_jax.attention.masks import MaskSpec
 
@@ -139,10 +140,6 @@ def make(kernel: str, *, causal: bool, window, scale: float, devices: int, chunk
                                      static_offset or 0))
 
 
-def _acc(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockwiseInner:
     """blockwise.py's kernel on head-major groups: q [X, G, C, H], k/v [X, Ck, H]."""
@@ -162,12 +159,12 @@ class BlockwiseInner:
 
     def forward(self, q, k, v, pair: Pair):
         out, lse = blockwise._forward(self.st, q, k, v, self._arrays(pair),
-                                      out_dtype=_acc(q.dtype))
+                                      out_dtype=_acc_dtype(q.dtype))
         lse = lse[..., :self.st.q_len]
         return out, jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
 
     def backward(self, q, k, v, pair: Pair, out, lse, d_out):
-        acc_t = _acc(q.dtype)
+        acc_t = _acc_dtype(q.dtype)
         # The blockwise backward reads L padded to its query tiles (padded rows: +inf,
         # probability 0) and D = rowsum(dO ∘ O) of the whole softmax.
         lse = blockwise._pad_to(lse, 2, self.st.bq, value=jnp.inf)
@@ -198,14 +195,14 @@ class PallasInner:
 
     def forward(self, q, k, v, pair: Pair):
         out, lse = pallas.forward_with_lse(q, k, v, self._spec(pair), self.scale,
-                                           out_dtype=_acc(q.dtype))
+                                           out_dtype=_acc_dtype(q.dtype))
         lse = jnp.swapaxes(lse, 1, 2)  # [b, n, C] -> [b, C, n], out's rows
         return out, jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
 
     def backward(self, q, k, v, pair: Pair, out, lse, d_out):
         return pallas.backward_given_lse(q, k, v, self._spec(pair), self.scale, out,
                                          jnp.swapaxes(lse, 1, 2), d_out.astype(q.dtype),
-                                         grad_dtype=_acc(q.dtype))
+                                         grad_dtype=_acc_dtype(q.dtype))
 
 
 # Kinds of chunk pair for splash's static masks.
@@ -285,7 +282,7 @@ class SplashInner:
     def forward(self, q, k, v, pair: Pair):
         kernels, table = self._branches()
         q_ids, kv_ids = self._segment_ids(pair)
-        acc_t = _acc(q.dtype)
+        acc_t = _acc_dtype(q.dtype)
 
         def run(kernel, q, k, v, q_ids, kv_ids):
             def one(q, k, v, qi, ki):
@@ -305,7 +302,7 @@ class SplashInner:
     def backward(self, q, k, v, pair: Pair, out, lse, d_out):
         kernels, table = self._branches()
         q_ids, kv_ids = self._segment_ids(pair)
-        acc_t = _acc(q.dtype)
+        acc_t = _acc_dtype(q.dtype)
 
         def run(kernel, q, k, v, q_ids, kv_ids, out, lse, d_out):
             def one(q, k, v, qi, ki, out, lse, d_out):

@@ -467,8 +467,8 @@ def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] =
     listed = {}
     for name, spec, limit in (('files', files, max_files), ('eval_files', eval_files, 0)):
         found = list_files(spec, f'{arg}{name}', limit) if spec or name == 'files' else []
-        listed[name] = [[ident, path, os.stat(path).st_size, os.stat(path).st_mtime_ns]
-                        for ident, path in found]
+        stats = [(ident, path, os.stat(path)) for ident, path in found]
+        listed[name] = [[ident, path, st.st_size, st.st_mtime_ns] for ident, path, st in stats]
     return listed
 
 

@@ -120,7 +120,6 @@ class ImageFiles:
         self.root, self.classes, self.channels = root, list(classes), channels
         self.paths = np.asarray(paths, dtype=object)
         self.labels = np.asarray(labels, np.int32)
-        self.max_bad_records, self.arg = max_bad_records, arg
         self._bad = _BadImages(max_bad_records, arg)
 
     def __len__(self) -> int:

@@ -56,7 +56,7 @@ OFFLINE: dict[str, Callable[[dict], tuple[type, tfds.core.BuilderConfig | str | 
 
 def _files(split: str, data_dir: str | None, **options):
     from attention_jax.data import files  # no tfds builder: read where the files are
-    del data_dir  # nothing is prepared (yet: the token cache of issue #26)
+    del data_dir  # the token cache (data/token_cache.py) lives under data.cache_dir
     return files.get_split(split, **options)
 
 

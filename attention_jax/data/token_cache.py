@@ -266,7 +266,8 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
     `source`: see cache_inputs."""
     inputs = cache_inputs(docs, tokenizer, text_key=text_key, max_documents=max_documents,
                           shard_bytes=shard_bytes, source=source)
-    directory = os.path.join(_local(root), cache_key(inputs))
+    key = cache_key(inputs)
+    directory = os.path.join(_local(root), key)
     if os.path.exists(os.path.join(directory, MANIFEST)):
         check_manifest(directory, inputs)
         return directory
@@ -285,7 +286,7 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
     if not plan:
         raise CacheError(f'{label}: no documents to prepare')
     done = lambda k: os.path.exists(_shard_name(directory, k, 'json'))  # noqa: E731
-    writer = _ShardWriter(docs, tokenizer, directory, cache_key(inputs))
+    writer = _ShardWriter(docs, tokenizer, directory, key)
     show = progress and process_index == 0
     mine = [k for k in range(len(plan)) if k % process_count == process_index and not done(k)]
     _run(writer, [(k, *plan[k]) for k in mine], workers, _Progress(len(mine), label, show))
@@ -323,6 +324,10 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
 def _run(writer: _ShardWriter, tasks: list, workers: int | None, bar: _Progress) -> None:
     workers = min(workers or os.cpu_count() or 1, len(tasks))
     try:
+        if workers > 1 and not _can_spawn():
+            print(f'prepare: one process instead of {workers} (__main__ is a script run by '
+                  f'path, which spawned workers would import again); each shard is still '
+                  f'tokenized on every core by encode_batch', file=sys.stderr)
         if workers <= 1 or not _can_spawn():
             for task in tasks:
                 bar.update(writer(*task))

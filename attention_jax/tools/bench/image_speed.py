@@ -28,15 +28,14 @@ import time
 
 # ViT-B/16 at 224²: 196 patches + [CLS]; D 768, 12 layers, MLP 3072 (Dosovitskiy et al. 2020).
 _TOKENS, _D, _LAYERS, _MLP = 197, 768, 12, 3072
-H100_BF16_FLOPS = 989e12  # dense bf16, H100 SXM datasheet (as the README's MFU uses)
 
 
 def vit_b16_train_flops_per_image() -> float:
-    """Training FLOPs of one 224² image through ViT-B/16: 6 per matmul parameter per token
-    plus the attention scores and mixing (6 × 2·T·D per layer, forward and backward)."""
+    """Training FLOPs of one 224² image through ViT-B/16, the PaLM count of models/flops.py
+    over its matmul weights (attention's four D×D, the MLP's two D×F per layer)."""
+    from attention_jax.models import flops
     matmul_params = _LAYERS * (4 * _D * _D + 2 * _D * _MLP)
-    per_token = 6 * matmul_params + 6 * 2 * _TOKENS * _D * _LAYERS
-    return per_token * _TOKENS
+    return flops.flops_per_token(matmul_params, _LAYERS, _TOKENS, _D) * _TOKENS
 
 
 def write_jpegs(root: str, count: int, width: int, height: int, classes: int = 10,
@@ -93,9 +92,10 @@ def run(args) -> dict:
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    need = args.mfu * H100_BF16_FLOPS / vit_b16_train_flops_per_image()
-    cpu = _cpu_name()
-    out = {"machine": f"{os.cpu_count()}-core {cpu} ({platform.machine()})",
+    from attention_jax.tools.bench.data_speed import _machine
+    from attention_jax.tools.bench.train_speed_gpu import H100_BF16_PEAK
+    need = args.mfu * H100_BF16_PEAK / vit_b16_train_flops_per_image()
+    out = {"machine": f"{_machine()} ({platform.machine()})",
            "images": args.images, "size": list(args.size), "mean_jpeg_kb": nbytes / args.images / 1e3,
            "image_size": args.image_size, "batch": args.batch, "rows": rows,
            "vit_b16_gflop_per_image": vit_b16_train_flops_per_image() / 1e9,
@@ -124,18 +124,6 @@ def _per_worker(rows) -> float:
     which PIL's decoding, free of the GIL, spreads over every core)."""
     cores = os.cpu_count() or 1
     return max(r["images_per_s"] / (min(r["workers"], cores) or cores) for r in rows)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "CPU"
 
 
 def add_parser(sub) -> None:
