@@ -403,6 +403,24 @@ class Corpus:
 _BAD = object()  # a record already counted as bad
 
 
+def held_out(keys, eval_fraction: float, noun: str, arg: str, alternative: str) -> np.ndarray:
+    """Which of the items with these 64-bit hash `keys` are held out: those whose hash,
+    as a uniform draw in [0, 1) (its top 53 bits), falls below `eval_fraction`. A small
+    set may draw nothing on one side: the item nearest the threshold moves across (still
+    a function of the hashes only), and a note says so, naming `arg` and `alternative`."""
+    u = (np.asarray(keys, np.uint64) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    held = u < eval_fraction
+    moved = 'validation' if not held.any() else 'train' if held.all() else None
+    if not held.any():
+        held[np.argmin(u)] = True
+    if held.all():
+        held[np.argmax(u)] = False
+    if moved:
+        print(f'note: {arg}={eval_fraction} of {len(u)} {noun} left the {moved} split empty: '
+              f'it gets the one nearest the threshold (or give {alternative})', file=sys.stderr)
+    return held
+
+
 def stable_hash64(key: str) -> int:
     """A 64-bit hash of `key` that depends only on it (not on Python's hash seed)."""
     return int.from_bytes(hashlib.md5(key.encode('utf-8')).digest()[:8], 'little')
@@ -482,30 +500,19 @@ def _splits(train_files, eval_files, text_key, eval_fraction, max_bad_records, a
     if len(train) == 0:
         raise FilesError(f'{arg}files={spec!r}: the files hold no documents')
     if eval_files:
-        held_out = corpus(eval_files)
-        both = sorted({f.path for f in train.files} & {f.path for f in held_out.files})
+        evaluated = corpus(eval_files)
+        both = sorted({f.path for f in train.files} & {f.path for f in evaluated.files})
         if both:
             raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
                              f'document must not be both trained and evaluated on')
-        if len(held_out) == 0:
+        if len(evaluated) == 0:
             raise FilesError(f'{arg}eval_files: the files hold no documents')
-        return {'train': FileDocuments(train), 'validation': FileDocuments(held_out)}
+        return {'train': FileDocuments(train), 'validation': FileDocuments(evaluated)}
     if len(train) < 2:
         raise FilesError(f'{arg}files={spec!r} holds one document; a held-out split needs '
                          f'two or more, or give {arg}eval_files')
-    u = (train.keys() >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # uniform [0, 1)
-    held = u < eval_fraction
-    # A small corpus may draw no document on one side: move the nearest one across,
-    # still a function of the identities only.
-    moved = 'validation' if not held.any() else 'train' if held.all() else None
-    if not held.any():
-        held[np.argmin(u)] = True
-    if held.all():
-        held[np.argmax(u)] = False
-    if moved:
-        print(f'note: {arg}eval_fraction={eval_fraction} of {len(train)} documents left the '
-              f'{moved} split empty: it gets the one document nearest the threshold '
-              f'(or give {arg}eval_files)', file=sys.stderr)
+    held = held_out(train.keys(), eval_fraction, 'documents', f'{arg}eval_fraction',
+                    f'{arg}eval_files')
     return {'train': FileDocuments(train, np.flatnonzero(~held)),
             'validation': FileDocuments(train, np.flatnonzero(held))}
 

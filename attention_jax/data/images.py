@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attention_jax.data.files import stable_hash64
+from attention_jax.data.files import held_out, stable_hash64
 from attention_jax.errors import UserError
 
 SUFFIXES = ('.jpg', '.jpeg', '.png')
@@ -176,13 +176,9 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
     if len(paths) < 2:
         raise ImagesError(f'{arg}root={root!r} holds one image; a held-out split needs two or '
                           f'more, or give {arg}eval_root')
-    # Uniform [0, 1) from the top 53 bits of a hash of the relative path (as files.py).
-    u = np.array([(stable_hash64(p.replace(os.sep, '/')) >> 11) * 2.0 ** -53 for p in paths])
-    held = u < eval_fraction
-    if not held.any():  # a tiny folder: the image nearest the threshold, still by hash
-        held[np.argmin(u)] = True
-    if held.all():
-        held[np.argmax(u)] = False
+    # By a hash of the relative path, as the files source splits documents.
+    held = held_out([stable_hash64(p.replace(os.sep, '/')) for p in paths], eval_fraction,
+                    'images', f'{arg}eval_fraction', f'{arg}eval_root')
     pick = lambda mask: ([paths[i] for i in np.flatnonzero(mask)],
                          [labels[i] for i in np.flatnonzero(mask)])
     return {'train': make(root, *pick(~held)), 'validation': make(root, *pick(held))}, classes
