@@ -57,8 +57,8 @@ def test_scaling_sizes_follow_one_rule_and_kaplans_count(layers):
 
 
 def test_scaling_rejects_a_size_outside_the_sweep():
-    with pytest.raises(ConfigError, match=r":layers=9 is unknown; valid: \[1, 2"):
-        load("scaling").get_config("layers=9")
+    with pytest.raises(ConfigError, match=r":layers=13 is unknown; valid: \[1, 2"):
+        load("scaling").get_config("layers=13")
 
 
 def test_gated_and_plain_mlps_have_equal_parameters_and_settings():
@@ -67,6 +67,13 @@ def test_gated_and_plain_mlps_have_equal_parameters_and_settings():
     counts = {m: runs.count_params(_gpt_params(c)) for m, c in configs.items()}
     assert len(set(counts.values())) == 1, counts
     assert configs["swiglu"].model.mlp_dim == 128 and configs["relu"].model.mlp_dim == 192
+    # The GPU run's size: still equal, at F = 1024 against 1536.
+    size = "layers=4,d_model=384,heads=6"
+    big = {m: module.get_config(f"mlp={m},{size}") for m in ("relu", "swiglu")}
+    assert big["swiglu"].model.mlp_dim == 1024 and big["relu"].model.mlp_dim == 1536
+    assert len({runs.count_params(_gpt_params(c)) for c in big.values()}) == 1
+    with pytest.raises(ConfigError, match=r":d_model=100 must be a multiple of 3"):
+        module.get_config("d_model=100")
     assert (configs["relu"].model.mlp, configs["relu"].model.activation) == ("mlp", "relu")
     assert configs["geglu"].model.mlp == "geglu"
     strip = lambda c: {**c.to_dict(), "model": {k: v for k, v in c.model.to_dict().items()
