@@ -137,14 +137,17 @@ def _blockwise(q, k, v, call: AttentionCall):
 
 
 def _ring(q, k, v, call: AttentionCall):
-    """Ring attention with the blockwise tiles, sized for one device's chunk of the ring."""
+    """Ring attention; the tiles asked for go to the pair kernel, and a blockwise pair
+    kernel without them gets default_block_sizes for one device's chunk."""
     sequence = sequence_axis_size()
     inner, _ = choose_ring_inner(call, _platform())
-    default_q, default_k = default_block_sizes(
-        heads=call.batch * call.heads, head_dim=call.head_dim,
-        q_len=call.q_len // (2 * sequence), kv_len=call.kv_len // (2 * sequence))
-    return ring_attention(q, k, v, call.spec, call.scale, call.block_q or default_q,
-                          call.block_k or default_k, inner=inner,
+    block_q, block_k = call.block_q, call.block_k
+    if inner == "blockwise":
+        default_q, default_k = default_block_sizes(
+            heads=call.batch * call.heads, head_dim=call.head_dim,
+            q_len=call.q_len // (2 * sequence), kv_len=call.kv_len // (2 * sequence))
+        block_q, block_k = block_q or default_q, block_k or default_k
+    return ring_attention(q, k, v, call.spec, call.scale, block_q, block_k, inner=inner,
                           static_offset=call.static_offset)
 
 
@@ -207,10 +210,11 @@ def dot_product_attention(
         against a cache of earlier keys: T new queries after q_offset cached ones).
       scale: multiplies the scores; default 1/sqrt(H) (keeps score variance near 1).
       implementation: one of IMPLEMENTATIONS.
-      block_q, block_k: tile sizes for "blockwise" and "ring" (defaults:
-        `default_block_sizes()`), for "pallas"'s forward and dQ kernels (powers of two
-        >= 16; defaults: `pallas.kernel_block_sizes()`) and for "splash"'s kernels
-        (multiples of 128 dividing T / S; defaults: `splash.block_sizes()`).
+      block_q, block_k: tile sizes for "blockwise" (defaults: `default_block_sizes()`),
+        for "pallas"'s forward and dQ kernels (powers of two >= 16; defaults:
+        `pallas.kernel_block_sizes()`) and for "splash"'s kernels (multiples of 128
+        dividing T / S; defaults: `splash.block_sizes()`); for "ring", its chunk-pair
+        kernel's tiles within a chunk, by the same rules (splash: dividing the chunk).
       return_weights: also return the attention weights [B, N, T, S] (reference only).
       ring_inner: the kernel "ring" runs on each pair of sequence chunks: "auto" (pallas
         on an NVIDIA GPU, splash on a TPU, blockwise elsewhere or where those refuse),

@@ -139,13 +139,15 @@ class _Ring:
         return jnp.stack([2 * device, 2 * device + 1])
 
 
-def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k: int,
-                   mesh=None, inner: str = "blockwise", static_offset: Optional[int] = None):
+def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: Optional[int] = None,
+                   block_k: Optional[int] = None, mesh=None, inner: str = "blockwise",
+                   static_offset: Optional[int] = None):
     """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv], under a mesh
     with a `sequence` axis (`mesh` or the ambient one); see `refusal` for what it
     needs. inner: the kernel on each chunk pair, "blockwise", "pallas" or "splash"
     (ring_inner.py; splash needs `static_offset`, q_offset as a Python int). block_q /
-    block_k: the blockwise tiles within a chunk."""
+    block_k: that kernel's tiles within a chunk (ring_inner.check says which it takes;
+    None: its own, for blockwise one tile per chunk)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     p = sequence_axis_size(mesh)
     b, t, n, h = q.shape
@@ -153,7 +155,7 @@ def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: int, block_k:
     if inner not in ring_inner.RING_INNER[1:]:
         raise ValueError(f"inner must be one of {ring_inner.RING_INNER[1:]}; got {inner!r}")
     reason = _refusal(spec, t, s, p) or ring_inner.check(
-        inner, q.dtype, static_offset, t, s, p, jax.default_backend())
+        inner, q.dtype, static_offset, t, s, p, jax.default_backend(), block_q, block_k)
     if reason:
         raise ValueError(reason)
     # Batch over the data axes and heads over tensor, where they divide; anything that

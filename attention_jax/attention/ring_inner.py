@@ -36,8 +36,12 @@ Three kernels, in three layouts (each keeps what it reads without copying):
 `choose` is ring_inner="auto": pallas on an NVIDIA GPU, splash on a TPU, blockwise
 elsewhere, and blockwise where the platform's kernel refuses the call (the reason goes
 into explain()). An explicit ring_inner that cannot run is a one-sentence ValueError
-(`refusal`). block_q / block_k are the blockwise kernel's tiles; the fused kernels use
-their own (pallas.kernel_block_sizes, splash.block_sizes of the chunk).
+(`refusal`). block_q / block_k, when given, are the pair kernel's tiles within a chunk,
+with the one-device kernel's rules: blockwise any size; pallas the forward and dQ
+tiles, powers of two >= 16; splash multiples of 128 that divide the chunk. A size the
+asked-for kernel cannot take is refused (under "auto", that kernel is passed over,
+saying why). Not given: blockwise gets the dispatcher's default_block_sizes, the fused
+kernels their own (pallas.kernel_block_sizes, splash.block_sizes of the chunk).
 """
 
 from __future__ import annotations
@@ -91,12 +95,14 @@ def choose(call: AttentionCall, platform: Platform) -> tuple[str, str]:
 def refusal(kernel: str, call: AttentionCall, platform: Platform) -> Optional[str]:
     """Why `kernel` cannot run this ring call's chunk pairs (a sentence), or None."""
     return check(kernel, call.dtype, call.static_offset, call.q_len, call.kv_len,
-                 platform.sequence or 1, platform.backend)
+                 platform.sequence or 1, platform.backend, call.block_q, call.block_k)
 
 
 def check(kernel: str, dtype, static_offset: Optional[int], q_len: int, kv_len: int,
-          devices: int, backend: str) -> Optional[str]:
+          devices: int, backend: str, block_q: Optional[int] = None,
+          block_k: Optional[int] = None) -> Optional[str]:
     """`refusal` from the values themselves (ring_attention's own check)."""
+    blocks = (("block_q", block_q, q_len), ("block_k", block_k, kv_len))
     if kernel == "pallas":
         if backend == "tpu":
             return ("ring_inner='pallas' runs on NVIDIA GPUs (and interpreted on CPU); the "
@@ -104,6 +110,10 @@ def check(kernel: str, dtype, static_offset: Optional[int], q_len: int, kv_len: 
         if backend != "cpu" and dtype == jnp.float64:
             return ("ring_inner='pallas' takes float16, bfloat16 or float32 on a GPU; got "
                     "float64 (use 'blockwise')")
+        for name, block, _ in blocks:
+            if block is not None and (block < 16 or block & (block - 1)):
+                return (f"{name}={block} must be a power of two >= 16 for "
+                        f"ring_inner='pallas' (its forward and dQ tiles), or None for its own")
     if kernel == "splash":
         if dtype not in (jnp.float32, jnp.bfloat16):
             return (f"ring_inner='splash' takes float32 or bfloat16; got "
@@ -118,6 +128,12 @@ def check(kernel: str, dtype, static_offset: Optional[int], q_len: int, kv_len: 
                         f"{chunk} tokens to be a multiple of {splash.LANES} (its tiles span "
                         f"{splash.LANES} lanes): {name} a multiple of "
                         f"{2 * devices * splash.LANES}, or use 'blockwise'")
+        for name, block, length in blocks:
+            chunk = length // (2 * devices)
+            if block is not None and (block % splash.LANES or chunk % block):
+                return (f"{name}={block} must be a multiple of {splash.LANES} that divides "
+                        f"the chunk of {chunk} tokens for ring_inner='splash', or None for "
+                        f"its own")
     return None
 
 
@@ -125,19 +141,22 @@ def check(kernel: str, dtype, static_offset: Optional[int], q_len: int, kv_len: 
 
 
 def make(kernel: str, *, causal: bool, window, scale: float, devices: int, chunk: int,
-         kv_chunk: int, batch: int, heads: int, kv_heads: int, block_q: int, block_k: int,
-         static_offset: Optional[int]):
-    """The pair kernel `kernel` for one ring call (local batch and heads: this device's)."""
+         kv_chunk: int, batch: int, heads: int, kv_heads: int, block_q: Optional[int],
+         block_k: Optional[int], static_offset: Optional[int]):
+    """The pair kernel `kernel` for one ring call (local batch and heads: this device's).
+    block_q / block_k: its tiles, checked by `check` (None: the kernel's own; blockwise:
+    one tile per chunk)."""
     if kernel == "blockwise":
         return BlockwiseInner(blockwise._Static(causal, window, float(scale),
-                                                min(block_q, chunk), min(block_k, kv_chunk),
+                                                min(block_q or chunk, chunk),
+                                                min(block_k or kv_chunk, kv_chunk),
                                                 chunk, kv_chunk, batch, kv_heads))
     if kernel == "pallas":
-        return PallasInner(causal, window, float(scale))
+        return PallasInner(causal, window, float(scale), block_q, block_k)
     spec = MaskSpec(causal, window)
     return SplashInner(float(scale), heads, chunk, kv_chunk, jax.default_backend(), 2 * devices,
                        _splash_masks(spec.left, spec.right, devices, chunk, kv_chunk,
-                                     static_offset or 0))
+                                     static_offset or 0), block_q, block_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +199,8 @@ class PallasInner:
     causal: bool
     window: Optional[tuple[int, int]]
     scale: float
+    block_q: Optional[int] = None  # the forward and dQ tiles asked for (None: the kernels')
+    block_k: Optional[int] = None
     q_axis = 1
     kv_axis = 1
 
@@ -189,20 +210,26 @@ class PallasInner:
     def unlayout(self, y, batch: int, kv_heads: int):
         return y
 
+    def _blocks(self, q) -> pallas.BlockSizes:
+        """The kernels' tiles for q, with the asked-for forward and dQ tiles in."""
+        blocks = pallas.kernel_block_sizes(q.shape[-1], q.dtype)
+        return dataclasses.replace(blocks, fwd_q=self.block_q or blocks.fwd_q,
+                                   fwd_k=self.block_k or blocks.fwd_k)
+
     def _spec(self, pair: Pair) -> MaskSpec:
         return MaskSpec(self.causal, self.window, pair.offset, pair.q_seg, pair.kv_seg,
                         None, pair.lengths)
 
     def forward(self, q, k, v, pair: Pair):
         out, lse = pallas.forward_with_lse(q, k, v, self._spec(pair), self.scale,
-                                           out_dtype=_acc_dtype(q.dtype))
+                                           self._blocks(q), out_dtype=_acc_dtype(q.dtype))
         lse = jnp.swapaxes(lse, 1, 2)  # [b, n, C] -> [b, C, n], out's rows
         return out, jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
 
     def backward(self, q, k, v, pair: Pair, out, lse, d_out):
         return pallas.backward_given_lse(q, k, v, self._spec(pair), self.scale, out,
                                          jnp.swapaxes(lse, 1, 2), d_out.astype(q.dtype),
-                                         grad_dtype=_acc_dtype(q.dtype))
+                                         self._blocks(q), grad_dtype=_acc_dtype(q.dtype))
 
 
 # Kinds of chunk pair for splash's static masks.
@@ -241,6 +268,8 @@ class SplashInner:
     backend: str
     chunks: int  # 2P, the chunk indices' range
     kinds: tuple  # `_splash_masks`
+    block_q: Optional[int] = None  # the tiles asked for (None: splash.block_sizes')
+    block_k: Optional[int] = None
     q_axis = 2
     kv_axis = 2
 
@@ -258,7 +287,8 @@ class SplashInner:
         table = [0 if k == _HIDDEN else 1 + masks.index(k) for k in self.kinds]
         kernels = [splash.ring_pair_kernel(self.heads, self.chunk, self.kv_chunk,
                                            *(m if m is not _FULL else (None, None, 0)),
-                                           backend=self.backend) for m in masks]
+                                           backend=self.backend, block_q=self.block_q,
+                                           block_k=self.block_k) for m in masks]
         return kernels, jnp.asarray(np.array(table, np.int32))
 
     def _branch(self, table, pair: Pair):

@@ -195,11 +195,12 @@ def _kernel(heads: int, q_len: int, kv_len: int, left: Optional[int], right: Opt
 
 
 def ring_pair_kernel(heads: int, q_len: int, kv_len: int, left: Optional[int],
-                     right: Optional[int], offset: int, backend: str):
+                     right: Optional[int], offset: int, backend: str,
+                     block_q: Optional[int] = None, block_k: Optional[int] = None):
     """The kernel of one (query chunk, key chunk) pair of ring attention (ring.py): the
     static mask at this pair's offset, saving its log-sum-exp. left = right = None: the
-    pair is fully visible (FullMask)."""
-    bq, bk = block_sizes(q_len, kv_len, backend)
+    pair is fully visible (FullMask). block_q / block_k as `block_sizes` takes them."""
+    bq, bk = block_sizes(q_len, kv_len, backend, block_q, block_k)
     return _kernel(heads, q_len, kv_len, left, right, offset, bq, bk,
                    interpret=backend != "tpu", save_residuals=True)
 

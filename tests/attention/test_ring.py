@@ -2,6 +2,8 @@
 forward and gradients against the float64 reference, the "auto" choice, errors, and
 per-device memory from XLA's memory analysis."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -333,3 +335,36 @@ def test_ring_with_compiled_pallas_pairs_on_a_gpu():
 @pytest.mark.tpu
 def test_ring_with_compiled_splash_pairs_on_a_tpu():
     _compiled_ring_check("splash", 512)
+
+
+def _pair_kernel_grids(inner, t, **kw):
+    """The grids of the Pallas calls a 2-device ring's forward traces (no compile)."""
+    x = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+    with jax.set_mesh(_mesh(2)):
+        jaxpr = jax.make_jaxpr(lambda q: dot_product_attention(
+            q, q, q, implementation="ring", ring_inner=inner, **kw))(x)
+    return set(re.findall(r"grid=\(([^)]*)\)", str(jaxpr)))
+
+
+def test_ring_pair_kernels_take_the_tiles_asked_for():
+    """block_q / block_k reach the fused pair kernels (fewer, larger tiles per chunk), and
+    a size the pair kernel cannot take is one sentence naming the argument."""
+    # pallas: chunks of 128 / 4 = 32 queries, 16-row tiles on CPU by default.
+    assert _pair_kernel_grids("pallas", 128) == {"2, 1, 2"}
+    assert _pair_kernel_grids("pallas", 128, block_q=32) == {"1, 1, 2"}
+    # splash: chunks of 1024 / 4 = 256, 128-wide tiles on CPU by default.
+    assert _pair_kernel_grids("splash", 1024) == {"2, 2, 2"}
+    assert _pair_kernel_grids("splash", 1024, block_q=256, block_k=256) == {"2, 1, 1"}
+    x = jax.ShapeDtypeStruct((1, 1024, 2, 16), jnp.float32)
+    with jax.set_mesh(_mesh(2)):
+        with pytest.raises(ValueError, match=r"^block_q=24 must be a power of two >= 16 for "
+                                             r"ring_inner='pallas'"):
+            explain(x, x, x, implementation="ring", ring_inner="pallas", block_q=24)
+        with pytest.raises(ValueError, match=r"^block_k=512 must be a multiple of 128 that "
+                                             r"divides the chunk of 256 tokens for "
+                                             r"ring_inner='splash'"):
+            explain(x, x, x, implementation="ring", ring_inner="splash", block_k=512)
+        # "auto" on a TPU passes splash over for a tile it cannot take, and says so.
+        assert "chunk pairs on blockwise (not splash: block_q=64 must be a multiple" in explain(
+            x, x, x, block_q=64, backend="tpu")[1]
+
