@@ -218,7 +218,8 @@ def dot_product_attention(
       return_weights: also return the attention weights [B, N, T, S] (reference only).
       ring_inner: the kernel "ring" runs on each pair of sequence chunks: "auto" (pallas
         on an NVIDIA GPU, splash on a TPU, blockwise elsewhere or where those refuse),
-        "pallas", "splash" or "blockwise" (ring_inner.py). Ignored by the other backends.
+        "pallas", "splash" or "blockwise" (ring_inner.py). Ignored by the other backends
+        (explain() says so).
 
     Returns:
       [B, T, N, Hv] in q's dtype (and the weights if asked). Rows with no visible key
@@ -300,7 +301,13 @@ def _refusal(row: Backend, call: AttentionCall, platform: Platform) -> Optional[
 
 
 def _with_detail(row: Backend, reason: str, call: AttentionCall, platform: Platform) -> str:
-    return reason if row.detail is None else f"{reason}; {row.detail(call, platform)}"
+    if row.detail is not None:
+        reason = f"{reason}; {row.detail(call, platform)}"
+    if call.ring_inner != "auto" and row.name != "ring":
+        # Not refused: models hand their ring_inner to every call, also to those that
+        # switch to another backend (the reference, for the weights).
+        reason = f"{reason}; ring_inner={call.ring_inner!r} unused (only 'ring' reads it)"
+    return reason
 
 
 def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tuple[str, str]:

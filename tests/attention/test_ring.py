@@ -368,3 +368,16 @@ def test_ring_pair_kernels_take_the_tiles_asked_for():
         assert "chunk pairs on blockwise (not splash: block_q=64 must be a multiple" in explain(
             x, x, x, block_q=64, backend="tpu")[1]
 
+
+def test_explain_says_ring_inner_is_unused_off_the_ring():
+    """ring_inner is not refused where the ring does not run (models pass theirs to every
+    call, the reference's for the weights too), but explain() says it goes unused."""
+    x = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    assert explain(x, x, x, implementation="blockwise", ring_inner="pallas") == (
+        "blockwise", "asked for; ring_inner='pallas' unused (only 'ring' reads it)")
+    impl, reason = explain(x, x, x, causal=True, ring_inner="splash", backend="cpu")
+    assert impl == "blockwise" and reason.endswith("; ring_inner='splash' unused (only 'ring' "
+                                                   "reads it)"), reason
+    assert "unused" not in explain(x, x, x, implementation="blockwise")[1]
+    with jax.set_mesh(_mesh(2)):
+        assert "unused" not in explain(x, x, x, ring_inner="blockwise")[1]
