@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -323,8 +324,15 @@ def _configured_roles(file: str) -> dict[str, str]:
 
 class FileTokenizer(_TokenizersLibrary):
     """A Hugging Face `tokenizer.json` as it is: its vocabulary, its ids, its special
-    tokens. Padding is its pad token, else its end-of-text token (GPT-2 has no pad:
-    padded positions carry weight 0, so which id fills them does not matter to the LM)."""
+    tokens. No id is reserved by us: each role (pad, bos, eos, mask, ...) is the token
+    special_tokens_map.json / tokenizer_config.json beside the file name for it, else the
+    file's own special token with a name of that role (ROLE_NAMES), else absent.
+
+    Padding is its pad token, else its end-of-text token, else its beginning-of-text
+    token (GPT-2 has no pad: padded positions carry weight 0, so which id fills them does
+    not matter to the LM); bos is its own, else end-of-text, else the pad. Such a stand-in
+    is said in one line on stderr when the file is first read (the workdir's copy keeps
+    the choice); a file with none of the three is refused, naming what it lacks."""
 
     kind = 'file'
 
@@ -342,27 +350,51 @@ class FileTokenizer(_TokenizersLibrary):
         self.hf.no_truncation()
         self.hf.no_padding()
         self.vocab_size = max(self.hf.get_vocab(with_added_tokens=True).values()) + 1
-        if roles is None:
-            named = _configured_roles(self.path)
-            roles = {}
-            for role, names in ROLE_NAMES.items():
-                found = [self.hf.token_to_id(t) for t in ((named[role],) if role in named
-                                                          else names)]
-                roles[role] = next((i for i in found if i is not None), None)
+        added = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()
+                 if t.special}
+        fresh = roles is None  # the roles are chosen now, not restored from a saved copy
+        if fresh:
+            roles = self._find_roles(set(added.values()))
         self.roles = {r: (None if i is None else int(i)) for r, i in roles.items()}
-        # Padding: its own token, else end-of-text, else beginning-of-text, else id 0.
-        own = [self.roles.get(r) for r in ('pad', 'eos', 'bos')]
         self.has_pad_token = self.roles.get('pad') is not None
-        self.pad_id = next((i for i in own if i is not None), 0)
         self.eos_id = self.roles.get('eos')
-        self.bos_id = next((i for i in (self.roles.get('bos'), self.eos_id) if i is not None),
-                           self.pad_id)
+        self.pad_id = self._stand_in('pad', ('pad', 'eos', 'bos'), fresh)
+        self.bos_id = self._stand_in('bos', ('bos', 'eos', 'pad'), fresh)
         self.mask_id = self.roles.get('mask')
         for role in ('unk', 'cls', 'sep'):  # only where the file has them (embed asks)
             if self.roles.get(role) is not None:
                 setattr(self, f'{role}_id', self.roles[role])
-        added = {i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
-        self.special_ids = frozenset(added | {i for i in self.roles.values() if i is not None})
+        self.special_ids = frozenset(set(added) | {i for i in self.roles.values()
+                                                   if i is not None})
+
+    def _find_roles(self, specials: set[str]) -> dict[str, int | None]:
+        """Role -> id: the token the config files beside it name, else the first of the
+        role's usual names among the file's special tokens."""
+        named = _configured_roles(self.path)
+        roles = {}
+        for role, names in ROLE_NAMES.items():
+            candidates = (named[role],) if role in named else [t for t in names if t in specials]
+            found = [self.hf.token_to_id(t) for t in candidates]
+            roles[role] = next((i for i in found if i is not None), None)
+        return roles
+
+    def _stand_in(self, role: str, order: tuple[str, ...], say: bool) -> int:
+        """The id for `role`: the first role in `order` the file has; a stand-in for a
+        missing one is said (when `say`); none at all is a TokenizerFileError."""
+        present = [r for r in order if self.roles.get(r) is not None]
+        if not present:
+            tokens = sorted({t for r in order for t in ROLE_NAMES[r]})
+            raise TokenizerFileError(
+                f'{self.path}: no pad, end-of-text or beginning-of-text token, so nothing can '
+                f'pad a sequence; valid: a file with one of {tokens} among its special tokens, '
+                f'or a special_tokens_map.json beside it naming pad_token')
+        used = present[0]
+        i = self.roles[used]
+        if used != role and say:
+            print(f'note: {self.path} has no {role} token; using its {used} token '
+                  f'{self.hf.id_to_token(i)!r} (id {i}) as {role} (to choose another, name '
+                  f'{role}_token in a special_tokens_map.json beside it)', file=sys.stderr)
+        return i
 
     def _save_files(self, directory):
         target = os.path.join(directory, 'tokenizer.json')

@@ -1,6 +1,7 @@
 """Tokenizers: round trips, save/load from a workdir, WordPiece equal to the
 `tokenizers` library's ids."""
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -92,3 +93,48 @@ def test_bad_kind_and_missing_dir_are_named(tmp_path):
         data.load_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match='texts='):
         data.get_tokenizer('bpe')
+
+
+def _word_file(path, words, specials=()):
+    """A tiny word-level tokenizer.json: `words` in the vocabulary, `specials` added as
+    the file's special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {w: i for i, w in enumerate(['[UNK]', *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(specials))
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_tokenizer_file_roles_come_from_the_file_never_a_reserved_id(tmp_path, capsys):
+    from attention_jax.errors import ConfigError
+    from attention_jax.tasks import base
+    words = ['the', 'cat', '<pad>', 'sat']
+    # GPT-2's case: only an end-of-text token. It pads, and the choice is said once.
+    (tmp_path / 'gpt').mkdir()
+    path = _word_file(tmp_path / 'gpt' / 'tokenizer.json', words, ['<|endoftext|>'])
+    tok = data.get_tokenizer('file', path=path)
+    end = tok.hf.token_to_id('<|endoftext|>')
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (end, end, end) and end != 0
+    note = capsys.readouterr().err.splitlines()
+    assert note == [f"note: {path} has no pad token; using its eos token '<|endoftext|>' "
+                    f"(id {end}) as pad (to choose another, name pad_token in a "
+                    f"special_tokens_map.json beside it)"]
+    loaded = data.load_tokenizer(tok.save(str(tmp_path / 'saved')))  # the choice kept, unsaid
+    assert loaded.pad_id == end and capsys.readouterr().err == ''
+    # '<pad>' as a plain word of the vocabulary is not taken for padding; named as the pad
+    # token by the config file beside it, it is.
+    (tmp_path / 'gpt' / 'special_tokens_map.json').write_text('{"pad_token": "<pad>"}')
+    tok = data.get_tokenizer('file', path=path)
+    assert (tok.pad_id, tok.eos_id) == (3, end) and tok.has_pad_token
+    # No pad, end-of-text or beginning-of-text token: one line naming the file (and, from
+    # a config, the config key), never id 0.
+    bare = _word_file(tmp_path / 'bare.json', words)
+    with pytest.raises(data.TokenizerFileError, match=r'bare\.json: no pad, end-of-text or '
+                                                      r'beginning-of-text token'):
+        data.get_tokenizer('file', path=bare)
+    options = ml_collections.ConfigDict({'tokenizer': bare})
+    with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer='.*bare\.json': no pad"):
+        base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [], pad_may_be_eos=True)
+
