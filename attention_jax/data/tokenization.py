@@ -51,26 +51,16 @@ class Tokenizer(abc.ABC):
         """Writes the vocabulary into `directory`; returns extra metadata to record."""
 
     def save(self, directory) -> str:
-        """Writes the vocabulary files and a small JSON naming the kind; returns the dir.
-        `directory` may be a str or an etils.epath.Path, local or not (gs://, s3://)."""
-        if _is_local(directory):
-            directory = os.fspath(directory)
-            os.makedirs(directory, exist_ok=True)
-            meta = {'kind': self.kind, **self._save_files(directory)}
-            with open(os.path.join(directory, META_FILE), 'w') as f:
-                json.dump(meta, f, indent=1)
-            return directory
-        # The libraries write local files: write them here, then copy them over.
-        import tempfile
-        from etils import epath
-        target = epath.Path(directory)
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as local:
-            self.save(local)
-            for name in os.listdir(local):
-                with open(os.path.join(local, name), 'rb') as f:
-                    (target / name).write_bytes(f.read())
-        return str(directory)
+        """Writes the vocabulary files and a small JSON naming the kind into the local
+        folder `directory`; returns it. (Into a remote workdir, gs:// or s3://, through
+        workdir.save_assets, which copies what this writes.)"""
+        _check_local(directory, 'save')
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        meta = {'kind': self.kind, **self._save_files(directory)}
+        with open(os.path.join(directory, META_FILE), 'w') as f:
+            json.dump(meta, f, indent=1)
+        return directory
 
     def _strip(self, ids: Iterable[int]) -> list[int]:
         return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in self.special_ids]
@@ -460,26 +450,22 @@ def fingerprint(tokenizer: Tokenizer) -> str:
     return h.hexdigest()[:20]
 
 
-def _is_local(path) -> bool:
-    """Whether `path` (str or etils.epath.Path) is on the local filesystem, not gs:// etc."""
-    return '://' not in str(path)
+def _check_local(directory, verb: str) -> None:
+    """One way to a remote workdir (gs://, s3://): workdir.save_assets copies up what
+    `save` wrote locally, workdir.local_dir downloads what `load_tokenizer` reads."""
+    if '://' not in str(directory):
+        return
+    if verb == 'save':
+        raise ValueError(f'Tokenizer.save writes a local folder; got {str(directory)!r}: '
+                         f'for a remote workdir use attention_jax.workdir.save_assets')
+    raise FileNotFoundError(f'no saved tokenizer in {str(directory)!r} here: a remote '
+                            f"workdir's is read from attention_jax.workdir.local_dir's copy")
 
 
 def load_tokenizer(directory) -> Tokenizer:
-    """Restores a tokenizer written by `Tokenizer.save(directory)` (a str or an
-    etils.epath.Path; a non-local one is copied to a local temporary directory first)."""
-    if not _is_local(directory):
-        import tempfile
-        from etils import epath
-        source = epath.Path(directory)
-        if not (source / META_FILE).exists():
-            raise FileNotFoundError(f'no saved tokenizer in {str(directory)!r} (missing '
-                                    f'{META_FILE})')
-        local = tempfile.mkdtemp(prefix='tokenizer-')  # kept: a FileTokenizer names its file
-        for item in source.iterdir():
-            with open(os.path.join(local, item.name), 'wb') as f:
-                f.write(item.read_bytes())
-        directory = local
+    """Restores a tokenizer written by `Tokenizer.save(directory)` from that local folder
+    (a remote workdir's: through workdir.local_dir, which downloads it)."""
+    _check_local(directory, 'load')
     directory = os.fspath(directory)
     meta_path = os.path.join(directory, META_FILE)
     if not os.path.exists(meta_path):

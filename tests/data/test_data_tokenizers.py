@@ -138,3 +138,15 @@ def test_a_tokenizer_file_roles_come_from_the_file_never_a_reserved_id(tmp_path,
     with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer='.*bare\.json': no pad"):
         base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [], pad_may_be_eos=True)
 
+
+def test_remote_folders_go_through_the_workdir(tmp_path):
+    """One way to gs:// and s3://: workdir.save_assets and workdir.local_dir (tested
+    against a bucket emulator in tests/system/test_object_store.py), never a local
+    folder named 'gs:'."""
+    tok = data.get_tokenizer('byte')
+    with pytest.raises(ValueError, match=r"^Tokenizer\.save writes a local folder; got "
+                                         r"'gs://b/run/tokenizer': .*workdir\.save_assets"):
+        tok.save('gs://b/run/tokenizer')
+    with pytest.raises(FileNotFoundError, match=r"no saved tokenizer in 's3://b/t' here: "
+                                                r".*workdir\.local_dir"):
+        data.load_tokenizer('s3://b/t')
