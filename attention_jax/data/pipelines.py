@@ -2,7 +2,8 @@
 
 They are small frozen dataclasses rather than closures so that grain can pickle them
 into worker processes. Each is `fn(record, rng) -> dict of numpy arrays`, the
-`transform` a `Loader` takes.
+`transform` a `Loader` takes; one may add `apply_batch(rows, rngs)`, the same on a
+whole batch at once, which the Loader's batched path calls instead.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class CausalLM:
     def __call__(self, row, rng) -> dict[str, np.ndarray]:
         del rng
         return objectives.next_token_targets(row, self.packing)
+
+    def apply_batch(self, rows, rngs) -> dict[str, np.ndarray]:
+        """The same on rows [B, L] at once (the Loader's batched path)."""
+        del rngs
+        return objectives.next_token_targets(rows, self.packing)
 
 
 @dataclasses.dataclass(frozen=True)

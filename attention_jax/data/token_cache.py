@@ -439,7 +439,10 @@ class TokenRows:
         got = self._shards.get(k)
         if got is None:
             try:
-                got = tuple(np.load(_shard_name(self.directory, k, w), mmap_mode='r')
+                # Plain arrays over the maps: a slice of an np.memmap costs a Python
+                # subclass' bookkeeping, 2x the copy of a row.
+                got = tuple(np.asarray(np.load(_shard_name(self.directory, k, w),
+                                               mmap_mode='r'))
                             for w in ('tokens.npy', 'ends.npy'))
             except (OSError, ValueError) as e:
                 raise CacheError(f'{_shard_name(self.directory, k, "*.npy")}: unreadable token '
@@ -466,6 +469,56 @@ class TokenRows:
         i, j = shard_ends.searchsorted([lo, lo + L], side='right')
         cuts = np.asarray(shard_ends[i:j]) - lo
         return {'tokens': tokens, **self._segments(cuts[cuts < L], L)}
+
+    def read_rows(self, indices) -> dict[str, np.ndarray]:
+        """Rows `indices` at once, as dicts of [len(indices), L] int32: what stacking
+        self[i] for each would give, read with a slice copy per row and the segment ids
+        of all rows computed together (the Loader's batched path)."""
+        rows = np.asarray(indices, np.int64).reshape(-1)
+        if len(rows) and not (0 <= rows.min() and rows.max() < len(self)):
+            raise IndexError(f'rows {rows.min()}..{rows.max()} of {len(self)}')
+        L, n = self.seq_len, len(rows)
+        a = rows * L
+        k = np.searchsorted(self.starts, a, side='right') - 1
+        simple = a + L <= self.starts[k + 1]  # inside one shard, not the padded last row
+        tokens = np.empty((n, L), np.int32)
+        out = {'tokens': tokens, 'segment_ids': np.ones((n, L), np.int32)}
+        documents = self.packing == 'documents'
+        if documents:
+            # A row's pieces start at column 0 and after every document end inside it.
+            # Marked in the batch's flat [n*L] columns, the marks are where the batch's
+            # pieces begin, in order; each column repeats its piece's number and start.
+            marks = np.zeros(n * L, bool)
+            marks[::L] = True
+        lo = a - self.starts[k]
+        for shard in np.unique(k[simple]):
+            chosen = np.flatnonzero(simple & (k == shard))
+            shard_tokens, shard_ends = self._shard(int(shard))
+            for i in chosen:
+                tokens[i] = shard_tokens[lo[i]:lo[i] + L]
+            if not documents:
+                continue
+            first, last = shard_ends.searchsorted(
+                np.stack([lo[chosen], lo[chosen] + L]), side='right')
+            counts = last - first
+            row_of = np.repeat(chosen, counts)
+            at = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            cuts = np.asarray(shard_ends[np.repeat(first, counts) + at]) - lo[row_of]
+            inside = cuts < L
+            marks[row_of[inside] * L + cuts[inside]] = True  # twice (no eos): one piece
+        if documents:
+            begins = np.flatnonzero(marks).astype(np.int32)
+            lengths = np.diff(begins, append=np.int32(n * L))
+            first_of_row = np.searchsorted(begins, np.arange(n) * L)
+            number = (np.arange(len(begins)) - first_of_row[begins // L] + 1).astype(np.int32)
+            out['segment_ids'] = np.repeat(number, lengths).reshape(n, L)
+            out['positions'] = (np.arange(n * L, dtype=np.int32)
+                                - np.repeat(begins, lengths)).reshape(n, L)
+        for i in np.flatnonzero(~simple):  # across shards, or the last row: one by one
+            row = self[int(rows[i])]
+            for key, value in row.items():
+                out[key][i] = value
+        return out
 
     def _segments(self, cuts: np.ndarray, col: int) -> dict[str, np.ndarray]:
         """segment_ids and positions of a row whose pieces start at 0 and at `cuts`

@@ -17,6 +17,7 @@ from etils import epath
 from attention_jax import data
 from attention_jax.configs import bert_mlm as bert_config
 from attention_jax.data import files, packing, token_cache
+from attention_jax.data.loaders import EXAMPLE_WEIGHT
 from attention_jax.errors import UserError
 from attention_jax.tasks import base
 
@@ -235,3 +236,54 @@ def test_bert_reads_files_through_the_cache(corpus, tmp_path):
     assert isinstance(task.eval_source, token_cache.TokenRows)
     ids = np.concatenate([task.train_source[r]['tokens'] for r in range(4)])
     assert ids.max() < 300 and (ids >= 260).mean() > 0.3  # merges learnt (4 specials + 256)
+
+
+def test_batched_reads_give_the_per_example_batches_and_resume(corpus, tmp_path):
+    """The Loader's batched path over the cache (read_rows: a batch per call) yields what
+    the per-example grain path does, bit for bit: rows across shards and the padded last
+    row, both packings, two epochs, process 1 of 2, the padded eval stream, MaskedLM's
+    per-example random streams; and a batched loader resumed mid-epoch continues it."""
+    root, tok = corpus
+    docs = files.file_splits(_globs(root), eval_fraction=0.2)['train']
+    directory = token_cache.prepare(docs, tok, str(tmp_path), shard_bytes=600, workers=1,
+                                    progress=False)
+    for packing_kind in ('documents', 'stream'):
+        rows = token_cache.TokenRows(directory, 16, pad_id=tok.pad_id, packing=packing_kind)
+        assert len(rows.shard_tokens) > 3 and rows.num_tokens % 16  # crossings, a padded row
+        order = np.random.default_rng(0).permutation(np.r_[np.arange(len(rows)), 0, 5])
+        got, want = rows.read_rows(order), {k: np.stack([rows[int(r)][k] for r in order])
+                                            for k in rows[0]}
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key].dtype == want[key].dtype == np.int32
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        cases = [dict(transform=data.CausalLM(packing_kind), num_epochs=2, process_index=1,
+                      process_count=2),
+                 dict(transform=data.CausalLM(packing_kind), num_epochs=1, pad_remainder=True,
+                      process_index=0, process_count=1)]
+        if packing_kind == 'documents':  # a transform that draws: the rngs must agree
+            cases.append(dict(transform=data.MaskedLM(mask_id=1, vocab_size=320,
+                                                      special_ids=(0,), mask_rate=0.3),
+                              num_epochs=2, process_index=0, process_count=1))
+        for kw in cases:
+            make = lambda **more: data.Loader(rows, global_batch_size=6, seed=7,  # noqa: E731
+                                              **kw, **more)
+            per_example = list(make(batched=False))
+            assert make().batched and len(per_example) > 4
+            batched = list(make())
+            assert len(batched) == len(per_example)
+            for a, b in zip(batched, per_example):
+                assert a.keys() == b.keys()
+                for key in b:
+                    assert a[key].dtype == b[key].dtype
+                    np.testing.assert_array_equal(a[key], b[key], err_msg=f'{kw} {key}')
+            cut = make()
+            it = iter(cut)
+            [next(it) for _ in range(len(per_example) // 2 + 1)]  # mid-epoch (into the 2nd)
+            for a, b in zip(make(state=cut.get_state()),
+                            per_example[len(per_example) // 2 + 1:], strict=True):
+                # Padding copies (weight 0) are drawn from where the run resumed.
+                real = b.get(EXAMPLE_WEIGHT, np.ones(len(b['inputs']))) > 0
+                for key in b:
+                    np.testing.assert_array_equal(a[key][real], b[key][real],
+                                                  err_msg=f'resumed {kw} {key}')
