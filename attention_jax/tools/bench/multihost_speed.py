@@ -24,12 +24,7 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import tempfile
-from pathlib import Path
 
-import attention_jax
-from attention_jax import workdir as workdir_lib
 from attention_jax.tools.bench import trainer
 
 ROW = {"layers": 2, "heads": 4, "width": 128, "seq_len": 128, "vocab": 512, "batch": 32}
@@ -44,15 +39,14 @@ def _free_port() -> int:
 
 def launch(processes: int, devices: int, steps: int, log_every: int,
            timeout: float = 900) -> dict:
-    """{"step_s", "windows"} of one launch of the trainer as `processes` local processes
-    of `devices` CPU devices each, or {"error": ...}."""
-    package_root = str(Path(attention_jax.__file__).resolve().parents[1])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
-                                         if p)}
-    with tempfile.TemporaryDirectory() as workdir:
-        port, procs = _free_port(), []
+    """trainer.measure's reading ("step_s", "windows", ...) of one launch of the trainer
+    as `processes` local processes of `devices` CPU devices each, or {"error": ...}."""
+    env = trainer.child_env(JAX_PLATFORMS="cpu",
+                            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    port = _free_port()
+
+    def commands(workdir):
+        cmds = []
         for i in range(processes):
             extra = ("--config.train.progress=False", "--config.optim.warmup_steps=2")
             if processes > 1:
@@ -62,26 +56,12 @@ def launch(processes: int, devices: int, steps: int, log_every: int,
                           f"--config.mesh.process_id={i}",
                           "--config.mesh.cpu_collectives=gloo",
                           f"--config.mesh.dcn_data={processes}")
-            cmd = trainer.command(ROW, workdir, steps=steps, log_every=log_every,
-                                  implementation="blockwise", dtype="float32", extra=extra)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        outputs = []
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                return {"error": f"timed out after {timeout:.0f} s"}
-        records = [r for r in workdir_lib.read_records(
-            workdir_lib.path(workdir, workdir_lib.METRICS)) if r.get("split") == "train"]
-    rates = [r["tokens_per_sec"] for r in records]
-    if any(p.returncode for p in procs) or len(rates) < 2:
-        tail = next((o for o, p in zip(outputs, procs) if p.returncode), outputs[0]).strip()
-        return {"error": tail.splitlines()[-1][:200] if tail else "no windows logged"}
-    return {"step_s": ROW["batch"] * ROW["seq_len"] / statistics.median(rates[1:]),
-            "windows": len(rates) - 1}
+            cmds.append(trainer.command(ROW, workdir, steps=steps, log_every=log_every,
+                                        implementation="blockwise", dtype="float32",
+                                        extra=extra))
+        return cmds
+
+    return trainer.run_commands(ROW, commands, env=env, timeout=timeout)
 
 
 def table(results: dict[str, list[dict]]) -> str:

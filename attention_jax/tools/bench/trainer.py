@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import attention_jax
 from attention_jax import config as config_lib
@@ -58,6 +59,14 @@ def command(row: dict, workdir: str, *, steps: int, log_every: int, implementati
             *extra]
 
 
+def child_env(**extra: str) -> dict:
+    """This process's environment with `extra` set, for a child that runs this copy of
+    the package, wherever the parent found it."""
+    package_root = str(Path(attention_jax.__file__).resolve().parents[1])
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+
+
 def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: int = 60,
             log_every: int = 10, timeout: float = 600, extra: tuple[str, ...] = ()) -> dict:
     """{"step_s", "tokens_per_s_logged", "windows", "windows_tokens_per_s",
@@ -68,23 +77,35 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
     if steps < 2 * log_every:
         raise ValueError(f"steps={steps} must be at least 2 × log_every={log_every}: the first "
                          f"window is left out")
+    return run_commands(row, lambda workdir: [command(
+        row, workdir, steps=steps, log_every=log_every, implementation=implementation,
+        dtype=dtype, extra=extra)], env=child_env(), timeout=timeout)
+
+
+def run_commands(row: dict, commands: Callable[[str], list[list[str]]], *, env: dict,
+                 timeout: float) -> dict:
+    """`measure`'s reading of one run of the trainer whose processes are the command
+    lines `commands(workdir)` (one per process, started together, sharing a temporary
+    workdir) run in `env`; `timeout` is each process's."""
     with tempfile.TemporaryDirectory() as workdir:
-        cmd = command(row, workdir, steps=steps, log_every=log_every,
-                      implementation=implementation, dtype=dtype, extra=extra)
-        # The child runs this copy of the package, wherever the parent found it.
-        package_root = str(Path(attention_jax.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for cmd in commands(workdir)]
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                    q.communicate()
+                return {"error": f"timed out after {timeout:.0f} s"}
         records = [r for r in workdir_lib.read_records(
             workdir_lib.path(workdir, workdir_lib.METRICS)) if r.get("split") == "train"]
-        rates = [r["tokens_per_sec"] for r in records]
-        if done.returncode or len(rates) < 2:
-            tail = (done.stderr or done.stdout).strip().splitlines()
-            return {"error": tail[-1][:200] if tail else f"exit code {done.returncode}"}
+    rates = [r["tokens_per_sec"] for r in records]
+    if any(p.returncode for p in procs) or len(rates) < 2:
+        failed = next((p for p in procs if p.returncode), procs[0])
+        tail = outputs[procs.index(failed)].strip().splitlines()
+        return {"error": tail[-1][:200] if tail else f"exit code {failed.returncode}"}
     tokens_per_s = statistics.median(rates[1:])
     # The host's shares of each window (train.Throughput): getting batches, calling the step.
     host = {k: statistics.median(r[k] for r in records[1:])
