@@ -73,9 +73,10 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
     elif overrides:
         raise ValueError(f"overrides={overrides!r} apply to the workdir's config.json; "
                          f"with config= given, set the fields on it instead")
-    elif workdir_lib.read_config_json(workdir) is not None:
+    else:
         # A reader's config may differ from the run's only where reading allows it:
-        # otherwise it would evaluate another model or split than the run trained.
+        # otherwise it would evaluate another model or split than the run trained. (No
+        # config.json, e.g. a checkpoint written by a script: nothing to compare.)
         workdir_lib.check_reader_config(config, workdir)
     prepared = train.setup(config, workdir, read_only=True)
     try:
