@@ -482,28 +482,30 @@ class TokenRows:
         k = np.searchsorted(self.starts, a, side='right') - 1
         simple = a + L <= self.starts[k + 1]  # inside one shard, not the padded last row
         tokens = np.empty((n, L), np.int32)
-        out = {'tokens': tokens, 'segment_ids': np.ones((n, L), np.int32)}
         documents = self.packing == 'documents'
-        if documents:
+        out = {'tokens': tokens}
+        if not documents:
+            out['segment_ids'] = np.ones((n, L), np.int32)
+        else:
             # A row's pieces start at column 0 and after every document end inside it.
             # Marked in the batch's flat [n*L] columns, the marks are where the batch's
             # pieces begin, in order; each column repeats its piece's number and start.
             marks = np.zeros(n * L, bool)
             marks[::L] = True
-        lo = a - self.starts[k]
-        for shard in np.unique(k[simple]):
-            chosen = np.flatnonzero(simple & (k == shard))
-            shard_tokens, shard_ends = self._shard(int(shard))
-            for i in chosen:
-                tokens[i] = shard_tokens[lo[i]:lo[i] + L]
-            if not documents:
-                continue
-            first, last = shard_ends.searchsorted(
-                np.stack([lo[chosen], lo[chosen] + L]), side='right')
-            counts = last - first
-            row_of = np.repeat(chosen, counts)
-            at = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            cuts = np.asarray(shard_ends[np.repeat(first, counts) + at]) - lo[row_of]
+        lo = (a - self.starts[k]).tolist()
+        shards, cut_rows, cut_cols = k.tolist(), [], []
+        # Row by row: the rows of a batch are spread over the shards (a loop per shard
+        # was 3x slower over 26 shards), and a row is a slice copy and one binary search.
+        for i in np.flatnonzero(simple).tolist():
+            shard_tokens, shard_ends = self._shard(shards[i])
+            tokens[i] = shard_tokens[lo[i]:lo[i] + L]
+            if documents:
+                first, last = shard_ends.searchsorted((lo[i], lo[i] + L), side='right')
+                if last > first:
+                    cut_cols.append(shard_ends[first:last] - lo[i])
+                    cut_rows.append(np.full(last - first, i))
+        if cut_cols:
+            cuts, row_of = np.concatenate(cut_cols), np.concatenate(cut_rows)
             inside = cuts < L
             marks[row_of[inside] * L + cuts[inside]] = True  # twice (no eos): one piece
         if documents:

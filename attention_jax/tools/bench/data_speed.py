@@ -10,7 +10,9 @@ trained here with `tokenizers`, every row in its own fresh process:
                    Rust thread pool) as the yardstick: prepare / encode_batch.
   loader           tokens/s of one process's `Loader` over the prepared cache (rows of
                    --seq_len, global shuffle, the CausalLM transform), stream and documents
-                   packing, --batches from the iterator's creation on; against nanoGPT's
+                   packing, --batches from the iterator's creation on (the batched path,
+                   and documents through the per-example one: batched=False for the same
+                   batches); against nanoGPT's
                    reader (random windows of one `train.bin` memmap, x and y as int64),
                    the same tokens per batch.
   first batch      a run's data start over the prepared cache, as the GPT task does it:
@@ -24,7 +26,8 @@ trained here with `tokenizers`, every row in its own fresh process:
                    each corpus size.
 
 Corpora, tokenizer, caches and train.bin stay in --dir (default a folder under the
-system's temp dir) for the next run; --fresh prepares the caches again. Medians over
+system's temp dir) for the next run; --fresh prepares the caches again; --only picks
+the measures (a corpus missing from --dir is still made and prepared first). Medians over
 --repeats (prepare and encode_batch alternate on the smallest corpus; a larger one is
 prepared once, and timed, when its cache is not kept).
 """
@@ -157,7 +160,7 @@ def child_loader(a: dict) -> dict:
     rows = token_cache.TokenRows(a['directory'], a['seq_len'], packing=a['packing'])
     loader = data.Loader(rows, global_batch_size=a['batch'], seed=0,
                          transform=data.CausalLM(a['packing']), process_index=0,
-                         process_count=1)
+                         process_count=1, batched=a.get('batched', True))
     # From the iterator's creation: grain's threads prefetch hundreds of batches ahead,
     # so a count of batches after a warm-up would time the buffer, not the reading.
     start = time.perf_counter()
@@ -212,6 +215,9 @@ def child_first_batch(a: dict) -> dict:
             'tokens': rows.num_tokens}
 
 
+PARTS = ('prepare', 'loader', 'first_batch')
+PER_EXAMPLE = 'documents, per example'
+
 CHILDREN = {'prepare': child_prepare, 'encode_batch': child_encode_batch,
             'loader': child_loader, 'memmap': child_memmap, 'first_batch': child_first_batch}
 
@@ -242,6 +248,9 @@ def run(args) -> dict:
     root = args.dir or os.path.join(tempfile.gettempdir(), 'attention_jax_bench_data')
     os.makedirs(root, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(',')]
+    only = set(args.only.split(','))
+    if only - set(PARTS):
+        raise SystemExit(f'--only {args.only}: valid parts are {",".join(PARTS)}')
     start_load = os.getloadavg()[0]  # a shared machine: the table says how busy it was
     tokenizer = make_tokenizer(os.path.join(root, 'tokenizer.json'))
     out = {'machine': _machine(), 'cores': os.cpu_count(), 'sizes_mb': sizes, 'prepare': {},
@@ -253,7 +262,7 @@ def run(args) -> dict:
             shutil.rmtree(cache, ignore_errors=True)
         fresh = not os.path.exists(cache)
         p = _child('prepare', glob=glob, tokenizer=tokenizer, cache=cache, workers=args.workers)
-        if fresh and mb != sizes[0]:  # timed only when it tokenized (else a lookup)
+        if fresh and mb != sizes[0] and 'prepare' in only:  # timed only when it tokenized
             out['prepare'][mb] = p
             print(f'prepare {mb} MB: {p["bytes"] / 1e6 / p["seconds"]:.2f} MB/s', flush=True)
         out.setdefault('directory', {})[mb] = p['directory']
@@ -262,7 +271,7 @@ def run(args) -> dict:
     small = sizes[0]
     glob_small = os.path.join(root, f'corpus-{small}MB', '*.jsonl')
     prepares, encodes = [], []
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if 'prepare' in only else 0):
         scratch = tempfile.mkdtemp(dir=root, prefix='prepare-')
         try:
             prepares.append(_child('prepare', glob=glob_small, tokenizer=tokenizer,
@@ -271,10 +280,11 @@ def run(args) -> dict:
             shutil.rmtree(scratch, ignore_errors=True)
         encodes.append(_child('encode_batch', glob=glob_small, tokenizer=tokenizer))
     rate = lambda r: r['bytes'] / r['seconds']  # noqa: E731
-    out['prepare'][small] = sorted(prepares, key=rate)[len(prepares) // 2]
-    out['encode_batch'] = sorted(encodes, key=rate)[len(encodes) // 2]
-    print(f'prepare {small} MB: {rate(out["prepare"][small]) / 1e6:.2f} MB/s; encode_batch '
-          f'{rate(out["encode_batch"]) / 1e6:.2f} MB/s', flush=True)
+    if prepares:
+        out['prepare'][small] = sorted(prepares, key=rate)[len(prepares) // 2]
+        out['encode_batch'] = sorted(encodes, key=rate)[len(encodes) // 2]
+        print(f'prepare {small} MB: {rate(out["prepare"][small]) / 1e6:.2f} MB/s; '
+              f'encode_batch {rate(out["encode_batch"]) / 1e6:.2f} MB/s', flush=True)
     # Loader rows over the smallest corpus; nanoGPT's reader over the same tokens.
     directory = out['directory'][small]
     bin_path = os.path.join(root, f'train-{small}MB.bin')
@@ -283,12 +293,16 @@ def run(args) -> dict:
     out['loader'] = {}
     for name, kind, extra in (('stream', 'loader', {'packing': 'stream'}),
                               ('documents', 'loader', {'packing': 'documents'}),
+                              (PER_EXAMPLE, 'loader', {'packing': 'documents',
+                                                       'batched': False}),
                               ('memmap', 'memmap', {'bin': bin_path})):
+        if 'loader' not in only:
+            break
         rates = [(r := _child(kind, directory=directory, **common, **extra))['tokens']
                  / r['seconds'] for _ in range(args.repeats)]
         out['loader'][name] = statistics.median(rates)
         print(f'loader {name}: {out["loader"][name] / 1e6:.2f}M tokens/s', flush=True)
-    for mb in sizes:
+    for mb in sizes if 'first_batch' in only else ():
         runs = [_child('first_batch', glob=os.path.join(root, f'corpus-{mb}MB', '*.jsonl'),
                        cache=os.path.join(root, f'cache-{mb}MB'), tokenizer=tokenizer,
                        seq_len=args.seq_len, batch=args.batch) for _ in range(args.repeats)]
@@ -322,21 +336,26 @@ def table(out: dict) -> str:
              f'{out["batch"]}; load average {out["load"][0]:.1f} at the start, '
              f'{out["load"][1]:.1f} at the end', '', '| measure | value | target |',
              '|---|---|---|']
-    e = out['encode_batch']
+    e = out.get('encode_batch', {'bytes': 0, 'seconds': 1})
     e_rate = e['bytes'] / e['seconds']
     for mb, p in sorted(out['prepare'].items(), key=lambda item: int(item[0])):
         rate = p['bytes'] / p['seconds']
         lines.append(f'| prepare {mb} MB (all cores) | {rate / 1e6:.2f} MB/s, '
                      f'{p["tokens"] / p["seconds"] / 1e6:.2f}M tokens/s; '
                      f'{rate / e_rate:.2f}x encode_batch | >= 0.8x |')
-    lines.append(f'| tokenizers encode_batch (all cores, text in memory) | '
-                 f'{e_rate / 1e6:.2f} MB/s, {e["tokens"] / e["seconds"] / 1e6:.2f}M tokens/s | |')
-    m = out['loader']['memmap']
-    for name in ('stream', 'documents'):
-        r = out['loader'][name]
-        lines.append(f'| loader, {name} packing (1 process) | {r / 1e6:.2f}M tokens/s; '
-                     f'{r / m:.2f}x memmap | >= 1M/s, >= 0.5x |')
-    lines.append(f'| nanoGPT memmap reader | {m / 1e6:.2f}M tokens/s | |')
+    if 'encode_batch' in out:
+        lines.append(f'| tokenizers encode_batch (all cores, text in memory) | '
+                     f'{e_rate / 1e6:.2f} MB/s, {e["tokens"] / e["seconds"] / 1e6:.2f}M '
+                     f'tokens/s | |')
+    if out['loader']:
+        m = out['loader']['memmap']
+        for name in ('stream', 'documents', PER_EXAMPLE):
+            r = out['loader'][name]
+            what = ('documents packing, per-example path (batched=False)' if name == PER_EXAMPLE
+                    else f'{name} packing')
+            lines.append(f'| loader, {what} (1 process) | {r / 1e6:.2f}M tokens/s; '
+                         f'{r / m:.2f}x memmap | >= 1M/s, >= 0.5x |')
+        lines.append(f'| nanoGPT memmap reader | {m / 1e6:.2f}M tokens/s | |')
     sizes = list(out['first_batch'])
     for mb in sizes:
         fb = out['first_batch'][mb]
@@ -366,6 +385,8 @@ def add_parser(sub) -> None:
     p.add_argument('--workers', type=int, default=0, help='prepare processes (0: every core)')
     p.add_argument('--dir', default='', help='where corpora and caches are kept')
     p.add_argument('--fresh', action='store_true', help='prepare the caches again')
+    p.add_argument('--only', default=','.join(PARTS),
+                   help=f'measures to run, comma-separated among {",".join(PARTS)}')
     p.add_argument('--json', default='', help='also write the numbers to this file')
 
 
