@@ -19,6 +19,7 @@ config `mesh.dcn_data` / `mesh.dcn_fsdp`): only the batch axes span the slow net
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -99,6 +100,19 @@ def service_heartbeat_timeout(lost_host_timeout: float) -> int:
     """JAX's coordination-service heartbeat timeout: long enough after ours that our
     watchdog speaks first (it aborts every survivor with a C++ check failure)."""
     return int(math.ceil(lost_host_timeout * 1.5 + 10))
+
+
+_barriers = itertools.count()  # every process calls sync_processes in the same order
+
+
+def sync_processes(name: str, timeout: float = 3600) -> None:
+    """Returns once every process has called it (the coordination service's barrier: no
+    devices, no compile, the GIL released while waiting). Nothing with one process.
+    A peer that dies before arriving is reported by LostHostWatchdog, not by this
+    `timeout` (seconds), which only bounds a run without a watchdog."""
+    if jax.process_count() == 1 or _client() is None:
+        return
+    _client().wait_at_barrier(f"attention_jax/{name}/{next(_barriers)}", int(timeout * 1000))
 
 
 # ------------------------------------------------------------------------ lost hosts

@@ -206,6 +206,10 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
         _say(f"warning: {warning}")
     note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(),
                                            resume_changed)
+    # Every process has read config.json (and the task its assets) before process 0
+    # rewrites them: one still reading saw a truncated file (JSONDecodeError), died, and
+    # the others waited for it until the lost-host watchdog stopped them (issue #30).
+    sharding.sync_processes("config_read")
     if jax.process_index() == 0:
         workdir_lib.write_config(workdir, config)
         if prepared.task.save_assets:
