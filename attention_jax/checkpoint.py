@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from attention_jax import digests, quiet
+from attention_jax import digests, quiet, sharding
 from attention_jax.errors import UserError
 
 
@@ -270,11 +270,16 @@ class Checkpointer:
         """A step folder without a commit marker is a save that never finished (or a
         stray copy): orbax would list it and fail on it, and a new save of that step
         would collide with it."""
-        for step, path in sorted(_step_folders(self.directory).items()):
-            if not _is_committed(path):
-                target = _move_aside(path, "uncommitted")
-                logging.warning("checkpoint folder %s has no commit marker (a save that did "
-                                "not finish): ignored, moved aside to %s", path, target)
+        uncommitted = [p for _, p in sorted(_step_folders(self.directory).items())
+                       if not _is_committed(p)]
+        # Every process lists before process 0 renames: one listing after the rename would
+        # skip _move_aside's sync and leave process 0 waiting in it (a save killed in a
+        # gs:// workdir leaves such a folder: orbax writes a step in place there).
+        sharding.sync_processes("checkpoint_listing")
+        for path in uncommitted:
+            target = _move_aside(path, "uncommitted")
+            logging.warning("checkpoint folder %s has no commit marker (a save that did "
+                            "not finish): ignored, moved aside to %s", path, target)
 
     # -------------------------------------------------------------------------- save
     def due(self, step: int) -> bool:
