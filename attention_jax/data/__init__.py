@@ -40,7 +40,11 @@ beforehand with every core,
 or by the first run itself. Runs then memory-map it: rows of seq_len are windows of the
 token stream (packing 'documents' adds segment ids and positions, 'stream' is the window),
 nothing proportional to the corpus is read at start-up, and the loader state stays three
-integers. A catalogue dataset (tfds) or the built-in corpora below need none of this.
+integers. The Loader reads such rows a whole batch per call (Loader(batched=...); the same
+batches as example by example): 130M tokens/s per process with 'stream' packing and 82M
+with 'documents' (rows of 1024, batches of 32), 1.85x and 1.15x nanoGPT's memmap reader
+(71M), against 15M example by example (2-core Xeon, shared; README, bench data).
+A catalogue dataset (tfds) or the built-in corpora below need none of this.
 
 Text comes back as UTF-8 bytes. Corpus documents are split by a hash of their path, so
 a file is always in the same split; digits are split 80/20 per class with a fixed seed;
