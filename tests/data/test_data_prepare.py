@@ -241,7 +241,7 @@ def test_bert_reads_files_through_the_cache(corpus, tmp_path):
 def test_batched_reads_give_the_per_example_batches_and_resume(corpus, tmp_path):
     """The Loader's batched path over the cache (read_rows: a batch per call) yields what
     the per-example grain path does, bit for bit: rows across shards and the padded last
-    row, both packings, two epochs, process 1 of 2, the padded eval stream, MaskedLM's
+    row, both packings, two epochs, process 1 of 2, the padded unshuffled eval stream, MaskedLM's
     per-example random streams; and a batched loader resumed mid-epoch continues it."""
     root, tok = corpus
     docs = files.file_splits(_globs(root), eval_fraction=0.2)['train']
@@ -260,7 +260,7 @@ def test_batched_reads_give_the_per_example_batches_and_resume(corpus, tmp_path)
         cases = [dict(transform=data.CausalLM(packing_kind), num_epochs=2, process_index=1,
                       process_count=2),
                  dict(transform=data.CausalLM(packing_kind), num_epochs=1, pad_remainder=True,
-                      process_index=0, process_count=1)]
+                      shuffle=False, process_index=0, process_count=1)]  # as eval reads
         if packing_kind == 'documents':  # a transform that draws: the rngs must agree
             cases.append(dict(transform=data.MaskedLM(mask_id=1, vocab_size=320,
                                                       special_ids=(0,), mask_rate=0.3),
