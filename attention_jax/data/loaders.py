@@ -21,8 +21,9 @@ then moves integers only, the global stream indices of each batch, and the recor
 gathered in one call and transformed together (`transform.apply_batch(batch, rngs)`
 when the transform has it, else example by example). The order, the per-example random
 streams and the state are those of the per-example path, exactly (tests compare them):
-record perm_e(g mod N) is looked up in the same grain shuffle, and example g's rng is
-grain's random_map rng for index g (Philox keyed by the seed, counter [0, 0, 0, g]).
+record perm_e(g mod N) is computed as grain's shuffle computes it (its index_shuffle,
+seeded by seed + epoch), and example g's rng is grain's random_map rng for index g
+(Philox keyed by the seed, counter [0, 0, 0, g]).
 
 A finite stream whose length is not a multiple of G ends in a partial global batch. For
 training it is dropped (every process must take the same number of steps). Evaluation
