@@ -241,10 +241,10 @@ def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None
     parts = math.prod(dcn.values())  # slices or processes the dcn axes span
     if parts > 1:
         given = " × ".join(f"mesh.dcn_{a}={s}" for a, s in dcn.items())
-        if parts != granules:
-            raise ConfigError(f"config.{given} = {parts} must equal the number of slices "
-                              f"(TPU multislice) or else processes, {granules}; valid: dcn "
-                              f"sizes multiplying to {granules}")
+        try:
+            sharding.check_dcn(dcn, granules, "slices (TPU multislice) or else processes")
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from None
         if config.mesh.num_devices:
             raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices} cannot be "
                               f"combined with {given}: a hybrid mesh takes every device; "

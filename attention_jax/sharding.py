@@ -272,6 +272,16 @@ def granules(devices: Sequence[Any]) -> tuple[list[int], bool]:
     return [d.process_index for d in devices], True
 
 
+def check_dcn(dcn: dict[str, int], count: int, what: str) -> None:
+    """ValueError unless the dcn sizes multiply to `count`, the slices or processes (`what`)
+    the hybrid mesh spans: one granule per coordinate of the slow-network axes."""
+    wanted = math.prod(dcn.values())
+    if wanted != count:
+        given = " × ".join(f"mesh.dcn_{a}={s}" for a, s in dcn.items())
+        raise ValueError(f"{given} = {wanted} must equal the number of {what}, {count}; "
+                         f"valid: dcn sizes multiplying to {count}")
+
+
 def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None,
               dcn: dict[str, int] | None = None) -> Mesh:
     """The (data, fsdp, sequence, tensor) mesh over all devices (of all processes).
@@ -293,12 +303,8 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                              devices=devices)
     ids, by_process = granules(devices)
-    count, what = len(set(ids)), "processes" if by_process else "slices"
-    wanted = math.prod(dcn.values())
-    if wanted != count:
-        given = " × ".join(f"mesh.dcn_{a}={s}" for a, s in dcn.items())
-        raise ValueError(f"{given} = {wanted} must equal the number of {what}, {count}; "
-                         f"valid: dcn sizes multiplying to {count}")
+    count = len(set(ids))
+    check_dcn(dcn, count, "processes" if by_process else "slices")
     sizes = resolve_mesh_shape(shape, len(devices) // count)
     from jax.experimental import mesh_utils
     array = mesh_utils.create_hybrid_device_mesh(

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 import tiny
-from attention_jax import checkpoint, config as config_lib, train, verify
+from attention_jax import checkpoint, config as config_lib, sharding, train, verify
 from attention_jax.errors import ConfigError
 from conftest import HERE, REPO, free_port, subprocess_env
 
@@ -217,6 +217,10 @@ def test_dcn_sizes_must_match_the_processes():
     config.mesh.num_devices = 4
     with pytest.raises(ConfigError, match="mesh.num_devices=4 cannot be combined"):
         config_lib.validate(config, 8, granules=2)
+    # The same rule where the mesh is built from the devices: one process here.
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data=3 = 3 must equal the number of "
+                                         r"processes, 1; valid"):
+        sharding.make_mesh({"data": -1}, dcn={"data": 3})
 
 
 _BARRIER_SCRIPT = """
