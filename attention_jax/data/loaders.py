@@ -254,6 +254,17 @@ class Loader:
             yield batch
 
 
+def _check_weightable(example) -> None:
+    """pad_remainder=True adds EXAMPLE_WEIGHT to each example (or batch): it must be a dict
+    without one."""
+    if not isinstance(example, Mapping):
+        raise TypeError(f'pad_remainder=True needs dict examples (it adds the field '
+                        f'{EXAMPLE_WEIGHT!r}); got {type(example).__name__}')
+    if EXAMPLE_WEIGHT in example:
+        raise ValueError(f'the examples already have a field {EXAMPLE_WEIGHT!r}; '
+                         f'pad_remainder=True adds it')
+
+
 class _WithExampleWeight:
     """Index i of a stream padded to any length: {**stream[i], EXAMPLE_WEIGHT: 1.0} while
     i is in the stream, then copies of its examples (from its start) with weight 0.0.
@@ -266,12 +277,7 @@ class _WithExampleWeight:
     def __call__(self, i: int):
         n = len(self.stream)
         example = self.stream[i % n]
-        if not isinstance(example, Mapping):
-            raise TypeError(f'pad_remainder=True needs dict examples (it adds the field '
-                            f'{EXAMPLE_WEIGHT!r}); got {type(example).__name__}')
-        if EXAMPLE_WEIGHT in example:
-            raise ValueError(f'the examples already have a field {EXAMPLE_WEIGHT!r}; '
-                             f'pad_remainder=True adds it')
+        _check_weightable(example)
         return {**example, EXAMPLE_WEIGHT: np.float32(i < n)}
 
 
@@ -323,12 +329,7 @@ class _BatchReader:
                             for i, rng in enumerate(rngs)]
                 batch = jax.tree.map(lambda *xs: np.stack(xs), *examples)
         if self.pad_remainder:
-            if not isinstance(batch, Mapping):
-                raise TypeError(f'pad_remainder=True needs dict examples (it adds the field '
-                                f'{EXAMPLE_WEIGHT!r}); got {type(batch).__name__}')
-            if EXAMPLE_WEIGHT in batch:
-                raise ValueError(f'the examples already have a field {EXAMPLE_WEIGHT!r}; '
-                                 f'pad_remainder=True adds it')
+            _check_weightable(batch)
             batch = {**batch, EXAMPLE_WEIGHT: (offsets < self.remaining).astype(np.float32)}
         return batch
 
