@@ -20,8 +20,8 @@ Command (the sweep, then the fit, table and plots):
   done
   python -m attention_jax.tools.analysis scaling --out=docs/results/scaling /tmp/scaling/l*
 
-Measured (one NVIDIA H200, 2026-11-24, three runs at a time on the GPU): the ten sizes
-took 23-63 s each, 4.5 minutes in all. Validation loss falls from 1.974 (L = 1) to 1.253
+Measured (one NVIDIA H200, 2026-11-24, three runs at a time on the GPU): 23-63 s a size,
+4.5 minutes for all ten. Validation loss falls from 1.974 (L = 1) to 1.253
 nats/byte (L = 7, 9.5M), then rises to 1.292 at 47.8M: on a fixed 2M tokens the larger
 models are far from converged. Over L = 1..7, L = (N_c/N)^α_N with α_N = 0.079 ± 0.007
 (Kaplan: 0.076). The table, both fits and the compute envelope: the README's Results
