@@ -207,8 +207,9 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
     note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(),
                                            resume_changed)
     # Every process has read config.json (and the task its assets) before process 0
-    # rewrites them: one still reading saw a truncated file (JSONDecodeError), died, and
-    # the others waited for it until the lost-host watchdog stopped them (issue #30).
+    # rewrites them. config.json is now replaced atomically, but the assets (a tokenizer's
+    # files) are written in place: a process still reading once saw a truncated file,
+    # died, and the others waited for it until the lost-host watchdog stopped them (#30).
     sharding.sync_processes("config_read")
     if jax.process_index() == 0:
         workdir_lib.write_config(workdir, config)

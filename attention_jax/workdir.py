@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from typing import Any, Callable
 
 import jax
@@ -90,8 +91,24 @@ def exists(workdir, name: str | None = None) -> bool:
 
 
 def _write_text(file, text: str) -> None:
-    """The whole object/file at once: a put to an object store replaces it atomically."""
-    epath_of(file).write_text(text)
+    """The whole object/file replaced at once: a reader (another process, a notebook) and
+    a crash see the old text or the new, never a truncated file. An object store's put
+    is atomic; a local file is written beside and renamed over the old one."""
+    if is_remote(file):
+        epath_of(file).write_text(text)
+        return
+    # A name of this writer's own (open's usual permissions, unlike mkstemp's 0600).
+    tmp = f"{os.fspath(file)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def save_assets(save: Callable[[str], None], workdir) -> None:
@@ -279,7 +296,7 @@ def read_records(file: str) -> list[dict]:
 def drop_records_after(file: str, step: int) -> None:
     """Rewrites the JSONL `file` without the records of steps after `step` (and without
     torn lines): written to a temporary file and renamed over the old one, so a crash
-    leaves one or the other, never half of each (an object store's put is atomic)."""
+    leaves one or the other, never half of each (`_write_text`)."""
     if not exists(file):
         return
     records = read_records(file)
@@ -287,15 +304,7 @@ def drop_records_after(file: str, step: int) -> None:
     text = epath_of(file).read_text()
     if len(keep) == sum(1 for line in text.splitlines() if line.strip()):
         return
-    if is_remote(file):
-        _write_text(file, "".join(json.dumps(r) + "\n" for r in keep))
-        return
-    tmp = f"{file}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
+    _write_text(file, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def append_eval_record(workdir: str, record: dict) -> str | None:
