@@ -384,8 +384,70 @@ def shard_batch(batch, mesh: Mesh):
     """Process-local numpy batch -> global jax.Arrays split over (data, fsdp).
 
     Each process passes its own rows (the loader gives process p the p-th block of the
-    global batch); no process ever holds the whole batch.
+    global batch); no process ever holds the whole batch. A PackedBatch (pack_batch)
+    goes as its one array.
     """
     sharding = batch_sharding(mesh)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
                         batch)
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedBatch:
+    """A batch's arrays as one uint8 array [B, bytes]: row b holds row b of every array,
+    byte for byte, one after the other. `pack_batch` builds it on the host; `shard_batch`
+    sends its one array to the devices; `unpack()`, inside the jitted step, gives the
+    batch back (slices and bitcasts, which XLA fuses into their first use).
+
+    Why: a step's batch is several arrays (inputs, targets, weights, and for packed
+    documents positions and segment ids), and each is its own host-to-device copy per
+    device, each with its fixed cost on the host and on the copy engine. Packed, a step
+    sends one (tests/system/test_step_structure.py counts them). The layout (the tree of
+    arrays, their dtypes and row shapes) is static: part of the jitted step's signature,
+    as the arrays' shapes would be."""
+
+    def __init__(self, data, layout):
+        self.data = data  # [B, bytes] uint8: numpy on the host, a jax.Array on the devices
+        self.layout = layout  # (treedef, ((dtype name, row shape), ...)) of the arrays
+
+    def tree_flatten(self):
+        return (self.data,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
+
+    def unpack(self):
+        """The batch, as the tree of arrays `pack_batch` was given (traceable)."""
+        import jax.numpy as jnp
+        treedef, fields = self.layout
+        rows, start, arrays = self.data.shape[0], 0, []
+        for dtype, shape in fields:
+            dtype = np.dtype(dtype)
+            size = math.prod(shape) * dtype.itemsize
+            raw = self.data[:, start:start + size]
+            start += size
+            if dtype == np.bool_:
+                x = raw != 0
+            elif dtype.itemsize == 1:
+                x = jax.lax.bitcast_convert_type(raw, dtype)
+            else:  # [B, n·itemsize] -> [B, n, itemsize] -> [B, n]
+                x = jax.lax.bitcast_convert_type(raw.reshape(rows, -1, dtype.itemsize), dtype)
+            arrays.append(jnp.reshape(x, (rows, *shape)))
+        return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def pack_batch(batch) -> PackedBatch:
+    """A process-local batch (a tree of numpy arrays with a common leading batch axis) as
+    one PackedBatch. dtypes are made what JAX would make them (int64 -> int32 unless
+    x64 is enabled), as a transfer of each array would."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    arrays = [np.ascontiguousarray(x, dtype=jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))
+              for x in leaves]
+    rows = {len(x) for x in arrays}
+    if len(rows) != 1:
+        raise ValueError(f"pack_batch: the arrays' leading (batch) sizes differ: "
+                         f"{[x.shape for x in arrays]}; valid: one batch size for all")
+    (b,) = rows
+    data = np.concatenate([x.reshape(b, -1).view(np.uint8) for x in arrays], axis=1)
+    return PackedBatch(data, (treedef, tuple((x.dtype.name, x.shape[1:]) for x in arrays)))

@@ -55,20 +55,13 @@ def create_state(task: Task, tx, mesh, rules, seed: int):
 
 
 # =========================================================================== step functions
-def cast_params(params, dtype):
-    """Mixed precision: float32 master params, low-precision copy for the forward pass."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        params)
-
-
 def make_train_step(task: Task, tx, schedule, config, mesh):
-    dtype = jnp.dtype(config.train.compute_dtype)
     accum = config.optim.grad_accum
     nan_at = config.train.inject_nan_at
     batch_sh = sharding.batch_sharding(mesh)
 
     def loss_fn(params, batch, rng, step):
-        loss, metrics = task.loss(cast_params(params, dtype), batch, rng, True)
+        loss, metrics = task.loss(params, batch, rng, True)
         if nan_at >= 0:  # Fault injection for testing the non-finite path.
             loss = loss * jnp.where(step + 1 == nan_at, jnp.nan, 1.0)
         return loss, metrics
@@ -76,6 +69,8 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state, batch):
+        if isinstance(batch, sharding.PackedBatch):  # as train.prefetch_to_device sends it
+            batch = batch.unpack()
         step, params = state["step"], state["params"]
         rng = jax.random.fold_in(state["rng"], step)  # A function of step: resume-exact.
         if accum == 1:
@@ -130,10 +125,8 @@ def make_eval_step(task: Task, config):
     `evaluate` carries per-example weights (loaders.EXAMPLE_WEIGHT, 0 on the copies that
     pad its last batch): the task's loss weights by them and reports the total weight its
     means are over (losses.WEIGHT); the step adds the examples the batch holds (EXAMPLES)."""
-    dtype = jnp.dtype(config.train.compute_dtype)
-
     def eval_step(params, batch):
-        loss, metrics = task.loss(cast_params(params, dtype), batch, jax.random.PRNGKey(0), False)
+        loss, metrics = task.loss(params, batch, jax.random.PRNGKey(0), False)
         metrics = {**metrics, "loss": loss}
         if loaders.EXAMPLE_WEIGHT in batch:
             metrics[EXAMPLES] = jnp.sum(batch[loaders.EXAMPLE_WEIGHT])

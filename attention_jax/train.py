@@ -126,7 +126,8 @@ def warm_start_params(init_from: str, abstract_params):
 
 # ===================================================================================== data
 def prefetch_to_device(loader: loaders.Loader, mesh, size: int, count=None):
-    """Yields (batch on the devices, units in it, the loader's state after it), with
+    """Yields (batch on the devices, as one sharding.PackedBatch; units in it; the
+    loader's state after it), with
     `size` more batches already sent to the devices: their host-to-device copies run
     while the step before them computes (jax transfers asynchronously). The loader's
     state travels with each batch, so a checkpoint records the position of the batches
@@ -138,7 +139,8 @@ def prefetch_to_device(loader: loaders.Loader, mesh, size: int, count=None):
     README, Measurements behind the code)."""
     def put(host):
         n = count(host) if count else len(jax.tree.leaves(host)[0])
-        return (sharding.shard_batch(host, mesh), n * jax.process_count(),
+        # One array per batch (sharding.PackedBatch): one host-to-device copy a step.
+        return (sharding.shard_batch(sharding.pack_batch(host), mesh), n * jax.process_count(),
                 loader.get_state().to_dict())
 
     ahead = collections.deque()

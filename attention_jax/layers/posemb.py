@@ -1,4 +1,5 @@
-"""Position information: sinusoidal, learned absolute, and rotary (RoPE).
+"""Position information: sinusoidal, learned absolute, and rotary (RoPE); and the lookup
+tables every model embeds its tokens with (`Embed`, `lookup`).
 
 Attention by itself is permutation equivariant; these are the three ways the lectures
 give it word order. The first two are added to the token embeddings; RoPE instead
@@ -7,6 +8,7 @@ rotates queries and keys inside attention so that q·k depends on the offset i -
     x = tok + sinusoidal(positions, D)                    # [B, T, D]
     x = tok + LearnedPositionEmbedding(max_len, D)(positions)
     q = apply_rope(q, positions)                          # [B, T, N, H], inside attention
+    embed = Embed(V, D, dtype=jnp.bfloat16); x = embed(tokens); logits = embed.attend(h)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.layers.linear import matmul
 
 POSITIONS = ("learned", "sinusoidal", "rope", "none")  # what models accept by name
 
@@ -60,8 +63,8 @@ class LearnedPositionEmbedding(nn.Module):
         return lookup(table, positions, axes.POSITION).astype(self.dtype)  # [B, T, D]
 
 
-def lookup(table, ids, rows_axis: str = axes.VOCAB):
-    """Rows `ids` [B, T] of an embedding table [R, D] -> [B, T, D].
+def lookup(table, ids, rows_axis: str | None = axes.VOCAB):
+    """Rows `ids` [B, T] of an embedding table [R, D] -> [B, T, D], in the table's dtype.
 
     Under FSDP the table's D is split over `fsdp` (rule embed -> fsdp). A gather from the
     split table yields [B, T, D/fsdp] pieces, which no collective turns into activations
@@ -72,6 +75,39 @@ def lookup(table, ids, rows_axis: str = axes.VOCAB):
     """
     table = nn.with_logical_constraint(table, (rows_axis, None))
     return jnp.take(table, ids, axis=0)
+
+
+class Embed(nn.Module):
+    """A lookup table [R, D] (tokens, token types): ids [...] -> rows [..., D] in `dtype`,
+    and `attend(x)` = x · tableᵀ, the output head tied to it. The parameter is flax's
+    nn.Embed's ("embedding", [R, D]), so checkpoints and converted weights load either way.
+
+    What differs is where mixed precision happens. nn.Embed casts the whole table to
+    `dtype` and then gathers; the gradient of a gather is a scatter-add of every
+    occurrence of a row, which then accumulates in bfloat16: a frequent token's thousands
+    of contributions lose their low bits, and on a GPU a bfloat16 scatter-add has no
+    native atomic (a compare-and-swap loop; 2.5 ms a step into GPT-2's [50304, 768] table
+    on an H100, issue #35). Here the rows are gathered from the table in `param_dtype`
+    (float32) and cast after: the scatter-add accumulates in float32, as in a model
+    trained on float32 parameters. The trainer passes the float32 parameters (steps.py)."""
+
+    num_embeddings: int
+    features: int
+    embedding_init: Callable = nn.initializers.normal(stddev=1.0)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    rows_axis: Any = axes.VOCAB  # the logical axis of the table's rows (lookup)
+
+    def setup(self):
+        self.embedding = self.param("embedding", self.embedding_init,
+                                    (self.num_embeddings, self.features), self.param_dtype)
+
+    def __call__(self, ids):
+        return lookup(self.embedding, ids, self.rows_axis).astype(self.dtype)  # [..., D]
+
+    def attend(self, x):
+        """x [..., D] -> [..., R]: x · Eᵀ in `dtype` (a tied output head)."""
+        return matmul(x.astype(self.dtype), self.embedding.astype(self.dtype).T)
 
 
 def rope_angles(positions, head_dim: int, base: float = 10000.0):

@@ -39,7 +39,7 @@ from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
 from attention_jax.layers.mlp import ACTIVATIONS, activation as get_activation
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import LearnedPositionEmbedding
+from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding
 
 __all__ = ["BertConfig", "Bert", "HEADS", "VARIANTS"]
 
@@ -121,8 +121,8 @@ def _dense(cfg: BertConfig, features, in_axis, out_axis, name):
 
 
 def _embed(cfg: BertConfig, rows, row_axis, name):
-    return nn.Embed(rows, cfg.d_model, dtype=jnp.dtype(cfg.dtype), name=name,
-                    embedding_init=nn.with_logical_partitioning(_init(cfg), (row_axis, axes.EMBED)))
+    return Embed(rows, cfg.d_model, dtype=jnp.dtype(cfg.dtype), name=name, rows_axis=row_axis,
+                 embedding_init=nn.with_logical_partitioning(_init(cfg), (row_axis, axes.EMBED)))
 
 
 # ----------------------------------------------------------------------------- model

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import sinusoidal
+from attention_jax.layers.posemb import Embed, sinusoidal
 
 __all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "init_cache", "greedy_decode", "beam_search"]
 
@@ -118,8 +118,8 @@ class EncoderDecoder(nn.Module):
                                             (axes.VOCAB, axes.EMBED))
 
         def embed(name):
-            return nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype,
-                            param_dtype=param_dtype, name=name)
+            return Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype,
+                         param_dtype=param_dtype, name=name)
 
         self.src_embed = embed("embedding")
         self.tgt_embed = self.src_embed if cfg.share_embeddings else embed("target_embedding")

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
-from attention_jax.layers.linear import dot_general_2d, matmul
+from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import LearnedPositionEmbedding, lookup, sinusoidal
+from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding, sinusoidal
 from attention_jax.models.losses import chunked_head_cross_entropy, cross_entropy
 
 __all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "lm_head_weights", "head_loss",
@@ -162,12 +162,12 @@ class GPT(nn.Module):
         # D^-1/2, multiplied by sqrt(D) on the way in (unit-variance tokens).
         sinusoidal_input = cfg.position == "sinusoidal"
         init_std = cfg.d_model ** -0.5 if sinusoidal_input else 0.02
-        embed = nn.Embed(
+        embed = Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std),
                                                         (axes.VOCAB, axes.EMBED)),
             name="token_embedding")
-        x = lookup(embed.embedding, tokens).astype(dtype)  # [B, T, D] (see posemb.lookup)
+        x = embed(tokens)  # [B, T, D], gathered in float32 (posemb.Embed says why)
         if sinusoidal_input:
             x = x * jnp.sqrt(jnp.float32(cfg.d_model)).astype(x.dtype)
         if cfg.position == "learned":
@@ -194,7 +194,7 @@ class GPT(nn.Module):
         if return_hidden and not self.is_initializing():  # init still creates the head
             return x, aux
         if cfg.tie_embeddings:
-            logits = matmul(x, embed.embedding.astype(dtype).T)  # [B, T, V]: x · Eᵀ
+            logits = embed.attend(x)  # [B, T, V]: x · Eᵀ
         else:
             logits = nn.Dense(
                 cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),

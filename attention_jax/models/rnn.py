@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.layers.posemb import Embed
 
 __all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
 
@@ -140,7 +141,7 @@ class DecoderStep(nn.Module):
         """carry: cell state; y_prev: [B] token ids; memory: dict of encoder arrays
         (annotations [B, S, C], keys [B, S, A] = W_h h_j, mask [B, S], summary [B, C])."""
         cfg = self.config
-        emb = nn.Embed(cfg.target_vocab_size, cfg.embed_dim, dtype=cfg.dtype, name="embed",
+        emb = Embed(cfg.target_vocab_size, cfg.embed_dim, dtype=cfg.dtype, name="embed",
                        embedding_init=nn.with_logical_partitioning(
                            nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))(y_prev)  # [B, m]
         emb = nn.Dropout(cfg.dropout_rate)(emb, deterministic=deterministic)
@@ -209,7 +210,7 @@ class RNNSeq2Seq(nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.src_embed = nn.Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.dtype,
+        self.src_embed = Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.dtype,
                                   embedding_init=nn.with_logical_partitioning(
                                       nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))
         # parent=None: the cells are adopted by their nn.RNN rather than by this module.

@@ -31,7 +31,10 @@ class Task:
 
     Required:
       model: the linen module; init(rng) -> the params tree (with flax logical-axis boxes);
-      loss(params, batch, rng, train) -> (scalar loss, {name: scalar metric});
+      loss(params, batch, rng, train) -> (scalar loss, {name: scalar metric}); params
+        arrive as stored (float32): the model computes in train.compute_dtype by casting
+        each weight where it uses it (flax's `dtype`; every family's modules do), so a
+        lookup table's gradient accumulates in float32 (layers/posemb.py Embed);
       train_source, eval_source: random-access (`len`, `[i]`); the transforms map
         (record, np rng) -> example.
     Evaluation: an eval batch carries batch["example_weight"] [B] (0 on the copies that

@@ -61,13 +61,14 @@ class TinyLM(nn.Module):
     num_heads: int = 2  # spelled as the model configs spell it (config_lib.check_model_fits_mesh)
     hidden: int = 32
     dropout: float = 0.0
+    dtype: str = "float32"  # the compute dtype: weights are cast where they are used
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
         d, n = self.width, self.num_heads
         embed = self.param("embed", _part(nn.initializers.normal(0.5), ("vocab", "embed")),
                            (VOCAB, d))
-        x = embed[tokens]  # [B, T, D]
+        x = embed[tokens].astype(self.dtype)  # [B, T, D]
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         qkv = self.param("qkv", _part(nn.initializers.lecun_normal(), ("embed", None, "heads", "head_dim")),
                          (d, 3, n, d // n))
@@ -87,7 +88,7 @@ class TinyLM(nn.Module):
 
 
 def make_tiny_task(config, workdir=None) -> tasks.Task:
-    model = TinyLM(**config.model.to_dict())
+    model = TinyLM(**config.model.to_dict(), dtype=config.train.compute_dtype)
 
     def loss(params, batch, rng, is_train):
         logits, aux = model.apply({"params": params}, batch["inputs"], train=is_train,
