@@ -25,8 +25,11 @@ Masks are structural, as everywhere in the package (masks.py): a program works o
 its block index, the batch row's query offset and key length which key blocks are
 hidden entirely (never visited), which are visible entirely (visited without any mask
 arithmetic) and which need the per-element mask (causal diagonal, window edges, a
-partial last block, segment ids, a dense mask tile). Rows with no visible key give zero
-output and zero gradients.
+partial last block, segment ids, a dense mask tile). With segment ids (packed documents)
+a tile is looked at once more: one whose queries and keys all lie in one document is
+visited as the structure alone says (unmasked when the structure shows it whole), one
+whose documents differ is skipped. Rows with no visible key give zero output and zero
+gradients.
 
 Ring attention (ring.py) runs the forward on each pair of sequence chunks and merges
 the pairs itself: `forward_with_lse` returns the log-sum-exp too, and
@@ -130,7 +133,7 @@ class _Static:
 
     @property
     def data_dependent(self) -> bool:
-        """Masks read from arrays: no tile can be assumed fully visible without looking."""
+        """Masks read from arrays: a tile's visibility needs a look at them."""
         return self.has_segments or self.mask_shape is not None
 
 
@@ -280,7 +283,7 @@ def _kv_blocks(st: _Static, bk: int, q_first, q_last, length):
     if length is not None:
         hi = jnp.minimum(hi, _div(length + bk - 1, bk))
         full_hi = jnp.minimum(full_hi, _div(length, bk))
-    return _split(lo, hi, full_lo, full_hi, st.data_dependent)
+    return _split(lo, hi, full_lo, full_hi, st.mask_shape is not None)
 
 
 def _q_blocks(st: _Static, bq: int, nq: int, k_first, k_last, offset, length):
@@ -302,11 +305,13 @@ def _q_blocks(st: _Static, bq: int, nq: int, k_first, k_last, offset, length):
         hi = jnp.where(k_first >= length, lo, hi)  # every key of the block is padding
         partial = partial | (k_last >= length)
     full_hi = jnp.where(partial, full_lo, full_hi)
-    return _split(lo, hi, full_lo, full_hi, st.data_dependent)
+    return _split(lo, hi, full_lo, full_hi, st.mask_shape is not None)
 
 
-def _split(lo, hi, full_lo, full_hi, data_dependent: bool):
-    if data_dependent:
+def _split(lo, hi, full_lo, full_hi, dense: bool):
+    """(lo, a, b, hi): [a, b) the tiles the structure shows whole, none under a dense
+    mask (only its values can say). Segment ids are looked at per tile (_by_segments)."""
+    if dense:
         return lo, hi, hi, hi
     a = jnp.clip(full_lo, lo, hi)
     b = jnp.clip(full_hi, a, hi)
@@ -359,15 +364,25 @@ def _loop(st: _Static, ranges, body, carry):
     return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
 
 
-def _if_segments_meet(q_seg, k_seg, tile, carry):
-    """tile(carry) if some query and key of this tile can share a segment, else carry.
+def _by_segments(q_seg, k_seg, tile, carry, masked: bool):
+    """A tile of packed documents: tile(carry, masked=False) where the structure shows
+    it whole (not `masked`) and its queries and keys all lie in one segment; else
+    tile(carry, masked=True) if some query and key can share a segment; else carry.
 
-    Packed documents make most off-diagonal tiles belong to two different documents;
+    Packed documents make most off-diagonal tiles belong to two different documents:
     their id ranges do not overlap, and the tile is skipped instead of computed and
-    masked to nothing (ids need not be sorted for this test to be exact).
+    masked to nothing. Most of the others lie inside one document (a row of long
+    documents holds one or two): they need no per-element mask at all, which is what
+    makes a packed row cost what a plain causal one does. Both tests are exact for any
+    ids, sorted or not.
     """
-    meet = (jnp.min(k_seg) <= jnp.max(q_seg)) & (jnp.max(k_seg) >= jnp.min(q_seg))
-    return lax.cond(meet, tile, lambda c: c, carry)
+    q_lo, q_hi, k_lo, k_hi = jnp.min(q_seg), jnp.max(q_seg), jnp.min(k_seg), jnp.max(k_seg)
+    meet = (k_lo <= q_hi) & (k_hi >= q_lo)
+    masked_tile = lambda c: lax.cond(meet, functools.partial(tile, masked=True), lambda c: c, c)  # noqa: E731
+    if masked:
+        return masked_tile(carry)
+    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    return lax.cond(one, functools.partial(tile, masked=False), masked_tile, carry)
 
 
 class _Refs:
@@ -411,10 +426,9 @@ class _QueryBlock:
     def walk(self, tile, carry):
         """carry = tile(j, carry, masked) over the key blocks j these queries can see."""
         def step(j, carry, masked):
-            if masked and self.q_seg is not None:
-                k_seg = self.r.kv_seg[pl.ds(j * self.bk, self.bk)]
-                return _if_segments_meet(self.q_seg, k_seg,
-                                         functools.partial(tile, j, masked=True), carry)
+            if self.q_seg is not None:
+                return _by_segments(self.q_seg, self.r.kv_seg[pl.ds(j * self.bk, self.bk)],
+                                    functools.partial(tile, j), carry, masked)
             return tile(j, carry, masked)
 
         ranges = _kv_blocks(self.st, self.bk, self.q_first, self.q_last, self.length)
@@ -466,9 +480,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     k_seg = None if r.kv_seg is None else r.kv_seg[...]
 
     def step(i, carry, masked):
-        if masked and k_seg is not None:
-            return _if_segments_meet(r.q_seg[pl.ds(i * bq, bq)], k_seg,
-                                     functools.partial(tile, i, masked=True), carry)
+        if k_seg is not None:
+            return _by_segments(r.q_seg[pl.ds(i * bq, bq)], k_seg, functools.partial(tile, i),
+                                carry, masked)
         return tile(i, carry, masked)
 
     def tile(i, carry, masked):

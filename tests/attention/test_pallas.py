@@ -18,6 +18,10 @@ PALLAS_CASES = [dataclasses.replace(c, block_q=None, block_k=None) for c in CASE
     Case("aligned", t=32, s=48, block_q=None, block_k=None),
     Case("aligned-causal-gqa", t=48, s=48, n=4, k=2, causal=True, block_q=None, block_k=None),
     Case("aligned-tiles-32", t=64, s=64, causal=True, block_q=32, block_k=16),
+    # Long documents: most 16 × 16 tiles lie inside one document (visited unmasked), some
+    # straddle two, and id 0 recurs after id 1 (a tile of id 0 only is whole again).
+    Case("long-documents", t=64, s=64, causal=True, segments=(36, 12, 16), block_q=None,
+         block_k=None),
 ]
 
 

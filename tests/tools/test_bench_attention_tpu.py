@@ -13,7 +13,7 @@ def test_tpu_plan_times_splash_beside_the_others_in_the_gpu_shapes():
     full = gpu.shapes(False)
     assert {h for h, _, _ in full} == {64, 128}
     assert {t for _, t, _ in full} == {1024, 4096, 16384}
-    assert {m for _, _, m in full} == {"full", "causal", "packed"}
+    assert {m for _, _, m in full} == {"full", "causal", "packed", "docs"}
 
 
 def test_tpu_table_reports_refusals_and_the_splash_ratio():

@@ -1,13 +1,16 @@
 """The attention benchmark on a GPU or TPU: `python -m attention_jax.tools.bench attention` there.
 
 FlashAttention-2's setup (Dao 2023, §4.1): bfloat16, model width N·H = 2048, B·T = 16k
-tokens, head dims 64 and 128, T from 1k to 16k, causal and not, plus *packed* causal
-rows (segment ids, four documents per row), which cuDNN cannot express. For each JAX
+tokens, head dims 64 and 128, T from 1k to 16k, causal and not, plus causal rows of
+packed documents given as segment ids, which cuDNN cannot express: *packed*, four
+documents of T/4 tokens per row (most tiles skipped), and *docs*, two documents of 3T/4
+and T/4 (long documents, as a corpus of real files packs them: most tiles lie inside one
+document and have nothing to skip; the trainer's rows look like this). For each JAX
 path (blockwise lax.scan, the Pallas kernels, jax.nn's cuDNN and XLA, and "auto", with
 what auto chose and why) it prints forward and forward+backward TFLOP/s and the compiled
 temp memory; with a CUDA PyTorch, SDPA's FlashAttention-2 and cuDNN backends are timed
 in a process of their own (`torch_attention.py`). FLOPs: 4·B·N·T·S·H per forward, half
-of it when causal (packed rows are counted as causal), ×3.5 for forward+backward.
+of it when causal (packed and docs rows are counted as causal), ×3.5 for forward+backward.
 
 On a TPU the same shapes and tables time splash, blockwise, xla and auto (`plan`
 picks the implementations per platform); there is no PyTorch peer there.
@@ -34,7 +37,7 @@ IMPLS = {"gpu": ("blockwise", "pallas", "cudnn", "xla", "auto"),
          "tpu": ("splash", "blockwise", "xla", "auto")}
 # The two fused kernels whose time ratio gets a column of its own, per platform.
 RATIO = {"gpu": ("pallas", "cudnn"), "tpu": ("splash", "xla")}
-MASKS = ("full", "causal", "packed")
+MASKS = ("full", "causal", "packed", "docs")
 
 
 def shapes(quick: bool):
@@ -60,6 +63,9 @@ def _inputs(h, t, mask):
     kwargs = {"causal": mask != "full"}
     if mask == "packed":  # four documents of T/4 tokens per row
         kwargs["segment_ids"] = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None].repeat(b, 0)
+    if mask == "docs":  # two documents per row, of 3T/4 and T/4 tokens
+        ids = (jnp.arange(t) >= 3 * t // 4).astype(jnp.int32)
+        kwargs["segment_ids"] = ids[None].repeat(b, 0)
     return q, k, v, kwargs
 
 
@@ -83,7 +89,7 @@ def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
 def bench_jax(impl, h, t, mask, memory_budget):
     q, k, v, kwargs = _inputs(h, t, mask)
     row = {"impl": impl, "H": h, "T": t, "mask": mask}
-    if impl == "cudnn" and mask == "packed":
+    if impl == "cudnn" and mask in ("packed", "docs"):
         row["skipped"] = "cuDNN has no segment ids (only a dense N×N mask)"
         return row
 
@@ -178,7 +184,7 @@ def run(args):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if platform == "gpu" and installed("torch") and not args.no_torch:
-        rows += bench_torch([[h, t, m] for h, t, m in specs if m != "packed"],
+        rows += bench_torch([[h, t, m] for h, t, m in specs if m not in ("packed", "docs")],
                             out.with_name(out.stem + "_torch.json"))
     for h, t, mask in specs:
         for impl in impls:
