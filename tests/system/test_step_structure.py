@@ -4,6 +4,7 @@ host-to-device copy a step, and every family's step runs its matmuls in the comp
 dtype while the gradients of its lookup tables accumulate in float32."""
 
 import collections
+import tempfile
 
 import flax.linen as nn
 import jax
@@ -62,6 +63,27 @@ def test_a_training_step_is_one_executable_and_one_transfer(tmp_path, capfd):
     assert dict(more) == {"train_step": 8}, (short[0], long[0])
     # The transfer guard logs each device's shard: one array a step is a copy per device.
     assert long[1] - short[1] == 8 * jax.local_device_count(), (short[1], long[1])
+
+
+def _compiled_reductions(**overrides) -> int:
+    """Reduce instructions in the tiny LM's compiled train step (one device)."""
+    cfg = tiny.tiny_config(**{"mesh.num_devices": 1, **overrides})
+    prepared = train.setup(cfg, tempfile.mkdtemp())
+    train_step, _ = steps.jit_steps(prepared, cfg)
+    with jax.set_mesh(prepared.mesh):
+        batch = {k: jax.ShapeDtypeStruct((16, tiny.SEQ), np.int32) for k in ("inputs", "targets")}
+        text = train_step.lower(prepared.abstract, batch).compile().as_text()
+    return text.count(" reduce(")
+
+
+def test_clipping_reuses_the_norm_the_metrics_report():
+    """The step reports the gradient's global norm (metrics["grad_norm"]) and clips by
+    it (optax.clip_by_global_norm): one pass of reductions over the gradients serves
+    both (XLA merges the two identical sums), so clipping adds no reduction to the
+    compiled step. A second pass would be one reduction kernel more per parameter on a
+    GPU, each with its launch."""
+    assert _compiled_reductions(**{"optim.clip_norm": 1.0}) == \
+        _compiled_reductions(**{"optim.clip_norm": 0.0})
 
 
 def test_packed_batch_round_trips_every_dtype():
