@@ -169,11 +169,14 @@ def test_pallas_refuses_float64_on_a_gpu(x64):
 
 
 # ----------------------------------------------------------------------------- GPU
+# The long-documents case at the GPU's tiles (128 × 64): whole tiles inside a document.
+LONG_DOCUMENTS_GPU = dataclasses.replace(PALLAS_CASES[-1], name="long-documents-512", t=512,
+                                         s=512, segments=(288, 96, 128))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("case", PALLAS_CASES[::4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", PALLAS_CASES[::4] + [LONG_DOCUMENTS_GPU], ids=lambda c: c.name)
 def test_pallas_on_gpu_equals_reference(case):
     """The Triton-compiled kernels, bf16 and f32, against the float32 reference."""
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
