@@ -25,11 +25,13 @@ median of its windows after the first): 363k tokens/s at batch 16 (45.1 ms a ste
 of the bare step), 402k at batch 32. The 5000-step run has not been made: a 120-step run
 of this command (`--config.train.steps=120 --config.optim.warmup_steps=10`) logged a
 mean training loss of 2.48 nats per byte over steps 101-120, 98 s for the whole command
-(the corpus built, compiled, trained, checkpointed). Why the trainer's step is slower
-than the bare one is open (its batches are packed documents, so attention takes the
-Pallas kernels with segment ids instead of cuDNN; it clips gradients and computes the
-accuracy); `bench train --packing documents,stream` has a "trainer step" row per packing
-to split that gap, not yet run on a GPU. Config keys to try there:
+(the corpus built, compiled, trained, checkpointed). On an H200 (2026-11-24,
+`bench train --packing documents,stream`) the host cost nothing (main.py at 0.99-1.00 of
+the trainer's own step) and the trainer step ran at 0.79 (documents) / 0.85 (stream) of
+the bare step. Since then, unmeasured on a GPU: the loss gets float32 parameters (the
+embedding's gradient a float32 scatter-add, as in the bare step), the batch is one
+transfer a step, and the Pallas kernels run a tile inside one document unmasked (README,
+Training speed). Config keys to try there:
 `train.batch_size=32`, `train.loss_chunk_size`, `train.data_workers`,
 `model.remat_policy`.
 """
