@@ -8,6 +8,16 @@ A checkpoint step directory holds three items:
   digest  a checksum of every array of the state and of the data state, the mesh the
           state was saved on and the time (JSON, see digests.py).
 
+Saving without stalling training (issue 35): with `async_save`, `save` returns without
+waiting for the devices and copies nothing to the host on the calling thread. It launches
+a copy of the state on its devices (the next train step donates the state's buffers) and,
+on accelerators, the digest sums; a background thread (background_save.py) fetches the
+sums or computes them with numpy, and hands the copy to orbax, which copies it to the host
+and writes it; the device copy is freed as soon as orbax has its host copy. Cost: one more
+copy of the state in device memory while a save is in flight; where the devices' memory
+statistics say it would not fit, saves are synchronous, as they were before (said once).
+A failed background save raises at the next `save`, `wait` or `close`.
+
 Crash safety comes from orbax's commit protocol: a step is written into a temporary
 directory and renamed (plus a commit marker) only once every process has finished, so
 `latest_step()` never sees a half-written checkpoint; leftovers of a killed save are
@@ -21,6 +31,7 @@ the newest step that restores and verifies, moving damaged steps aside (`30.corr
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -32,7 +43,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from attention_jax import digests, quiet, sharding
+from attention_jax import background_save, digests, quiet, sharding
 from attention_jax.errors import UserError
 
 
@@ -56,6 +67,11 @@ class CheckpointDamagedError(RuntimeError):
 
 class NoIntactCheckpointError(UserError, RuntimeError):
     """Every committed checkpoint of a directory is damaged (or resume was told to stop)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save in the background failed (raised on the calling thread, at the next `save`,
+    `wait` or `close`); the message names the step, the folder and the cause."""
 
 
 # ====================================================================== tree structure
@@ -215,8 +231,14 @@ class Checkpointer:
       directory: where step directories live.
       save_every: a regular save every this many steps (others are skipped unless forced).
       keep: keep the last `keep` checkpoints (older ones are deleted after a save commits).
-      async_save: write in a background thread; training continues after the device ->
-        host copy. `wait()` blocks until the write has committed.
+      async_save: `save` launches a device copy of the state (and the digest sums on an
+        accelerator) and returns; a background thread does the rest in order: digests,
+        orbax's device -> host copy (the device copy is freed then) and the write. Costs
+        one more copy of the state in device memory while a save is in flight; if that
+        would not fit (judged at the first save from the devices' peak memory use), saves
+        are synchronous: training waits for the digests and the host copy. `wait()`
+        blocks until every save has committed; a failed one raises there or at the next
+        `save`.
       read_only: for readers of a run that may still be training: nothing is cleaned up,
         moved or written.
     """
@@ -227,8 +249,22 @@ class Checkpointer:
         self.directory = epath.Path(directory)
         self.save_every = save_every
         self.read_only = read_only
+        self._saves = None if read_only or not async_save else background_save.SaveThread()
+        self._snapshots = background_save.Snapshots(agree=_all_agree)
+        self._writing: int | None = None  # the step orbax may still be writing
+        self._reported = None  # orbax's error of that write, once raised (see _wait_for_orbax)
+        processes = None
+        if self._saves is not None and jax.process_count() > 1:
+            # orbax's save waits at barriers that are device collectives by default
+            # (multihost_utils.sync_global_devices), which must not run on the saving
+            # thread beside the train steps; naming the processes makes them barriers of
+            # the coordination service (orbax's multihost.get_barrier_sync_fn). orbax
+            # then leaves creating the folder to us.
+            processes = set(range(jax.process_count()))
+            if jax.process_index() == 0:
+                self.directory.mkdir(parents=True, exist_ok=True)
         if not read_only:
-            self._move_aside_uncommitted()
+            self._move_aside_uncommitted()  # (its barrier: the folder exists for all)
         options = ocp.CheckpointManagerOptions(
             # A read-only manager saves and deletes nothing; saying so up front spares
             # orbax's warnings that it overrides these two.
@@ -238,7 +274,8 @@ class Checkpointer:
             # Temporary directories left by a killed save are garbage: remove on open.
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
-            create=not read_only,
+            create=not read_only and processes is None,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(active_processes=processes),
         )
         # Handlers named up front so that a fresh manager can read metadata (structure
         # checks) before the first restore.
@@ -261,7 +298,10 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        """Steps saved, being written or queued to be (committed ones: committed_steps)."""
+        # The thread's first: its step is in orbax's list before the thread ends.
+        running = self._saves.step() if self._saves is not None else None
+        return sorted(set(self.manager.all_steps()) | ({running} - {None}))
 
     def step_path(self, step: int) -> epath.Path:
         return self.directory / str(step)
@@ -291,30 +331,88 @@ class Checkpointer:
 
         Not forced: only when `step` is a multiple of `save_every`. Every process must
         call this with the same step (the write is a collective). The digests are
-        computed here, before the state's buffers can be donated to the next step, and
-        committed with the arrays as the step's `digest` item.
+        committed with the arrays as the step's `digest` item. With `async_save` this
+        only launches device work (see the class docstring): `state` may be donated to
+        the next step as soon as it returns. A background save that failed raises here.
         """
         # The interval is decided here (orbax's own policy would also save the first
         # step of every run); `force` tells orbax to save whatever its policy says.
         if not force and not self.due(step):
             return False
+        if self._saves is not None:
+            # One save on the thread at a time, so one copy of the state: the previous
+            # one is done unless saves come faster than orbax writes them (orbax would
+            # wait for the previous write here too).
+            self._saves.wait()
+            self._raise_failure()
         if int(step) in self.all_steps():
-            return False  # Already saved (e.g. a forced final save on a regular step).
+            return False  # Already saved or queued (e.g. a forced final save on a regular step).
         data_state = json.loads(json.dumps(dict(data_state)))  # as it will read back
-        return self.manager.save(
+        copy = self._snapshots.take(state) if self._saves is not None else None
+        if copy is None:
+            return self._write(step, state, data_state,
+                               digests.start_record(step, state, data_state))
+        # The sums are launched here too, in program order on every process (they may
+        # hold collectives); the thread only waits for them.
+        digest = digests.start_record(step, copy, data_state, gather=(
+            background_save.gather_through_coordination(f"{self.directory}/{int(step)}")))
+        self._saves.start(step, functools.partial(self._write, step, copy, data_state, digest))
+        return True
+
+    def _write(self, step: int, state, data_state, digest: Callable[[], dict]) -> bool:
+        """orbax's save: waits for the previous write to commit (first, so that its
+        failure names its step) and for the device -> host copy of `state`, then writes
+        on orbax's thread (async) or here."""
+        self._wait_for_orbax()
+        saved = self.manager.save(
             int(step),
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(data_state),
-                digest=ocp.args.JsonSave(digests.record(step, state, data_state))),
+                digest=ocp.args.JsonSave(digest())),
             force=True)
+        self._writing = int(step)
+        return saved
+
+    def _wait_for_orbax(self) -> None:
+        """Waits for orbax's write in flight; its failure raises as CheckpointSaveError."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise anything
+            if e is self._reported:
+                return  # orbax raises it once on each thread that waits: said once here
+            self._reported = e
+            raise CheckpointSaveError(f"saving checkpoint step {self._writing} in "
+                                      f"{self.directory} failed: "
+                                      f"{one_line_error(e, self.directory)}") from e
+
+    def _raise_failure(self) -> None:
+        """Raises the failure of the background save, once (after `_saves.wait()`)."""
+        failure = self._saves.failure() if self._saves is not None else None
+        if not failure:
+            return
+        step, error = failure
+        if isinstance(error, CheckpointSaveError):  # it found the previous write failed
+            raise CheckpointSaveError(f"{error}; not saved either: step {step}") from error.__cause__
+        raise CheckpointSaveError(f"saving checkpoint step {step} in {self.directory} failed: "
+                                  f"{one_line_error(error, self.directory)}") from error
 
     def wait(self) -> None:
-        """Blocks until pending async saves have committed."""
-        self.manager.wait_until_finished()
+        """Blocks until every save started has committed; a failed one raises here
+        (once) if it has not at a `save` already."""
+        if self._saves is not None:
+            self._saves.wait()
+        try:
+            self._wait_for_orbax()
+        finally:
+            self._raise_failure()
 
     def close(self) -> None:
-        self.manager.close()
+        """Waits for the saves in flight (raising a failed one's error), then closes."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
     # ----------------------------------------------------------------------- restore
     def data_state(self, step: int) -> dict[str, Any]:
@@ -493,6 +591,3 @@ def restore_params(directory, abstract_params, step: int | None = None):
         item={"params": abstract_params}, restore_args=restore_args, partial_restore=True)))
     reader.close()
     return restored["state"]["params"], step
-
-
-# ------------------------------------------------------------------------- preemption

@@ -16,6 +16,11 @@ Computed with numpy on host views of the shards: on CPU this is ~4x faster than 
 sums under jit, where XLA materialises the bitcast and reduces integers without
 vectorising (measured: tools/bench checkpoint). On an accelerator the sums run where the
 state lives (`_device_sums`).
+
+A save computes them in two halves (`start_record`): on the training thread only what
+launches device programs (the device sums, in program order on every process), and the
+rest -- fetching the sums, or the numpy pass and adding up the processes' shares --
+wherever the caller likes, e.g. checkpoint.py's background saver.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -121,28 +126,55 @@ def _device_sums(arrays):
 
 
 # ====================================================================== a whole state
-def state_digests(state, on_device: bool | None = None) -> dict[str, dict[str, Any]]:
-    """{path: {'shape', 'dtype', 'digest'}} for every array of `state`.
+Gather = Callable[[np.ndarray], np.ndarray]  # this process's [n, 2] -> every process's [P, n, 2]
+
+
+def _allgather(sums: np.ndarray) -> np.ndarray:
+    """The processes' partial sums through a device collective: main thread only."""
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(sums))
+
+
+def start_state_digests(state, on_device: bool | None = None,
+                        gather: Gather = _allgather) -> Callable[[], dict[str, dict[str, Any]]]:
+    """Launches what `state_digests(state)` runs on the devices and returns the function
+    that finishes it (it waits for the devices; call it from any thread).
 
     On an accelerator (`on_device` None: any array lives on one) the sums run there in
-    one jitted program and only the 2 words per array come back, instead of copying the
-    whole state to the host for numpy (orbax copies it for the write anyway, but in its
-    own format). On CPU numpy over the shards is faster (see above); with several
-    processes each adds up its own shards and the partial sums are all-gathered."""
+    one jitted program, launched here, and only the 2 words per array come back, instead
+    of copying the whole state to the host for numpy (orbax copies it for the write
+    anyway, but in its own format). On CPU numpy over the shards is faster (see above),
+    done by the returned function; with several processes each adds up its own shards and
+    `gather` collects the partial sums (the default is a device collective: pass another,
+    e.g. through the coordination service, to finish off the main thread)."""
     leaves = tree_paths(state)
     if on_device is None:
         on_device = any(_on_accelerator(x) for _, x in leaves)
+    described = [(path, list(np.shape(x)), _dtype_name(x)) for path, x in leaves]
     if on_device and all(isinstance(x, jax.Array) for _, x in leaves):
-        sums = np.asarray(_device_sums([x for _, x in leaves]).addressable_data(0), np.uint64)
+        device_sums = _device_sums([x for _, x in leaves])  # dispatched, not waited for
+        leaves = None  # the returned function needs only the sums
+
+        def sums() -> np.ndarray:
+            return np.asarray(device_sums.addressable_data(0), np.uint64)
     else:
-        sums = np.array([array_digest_partial(x) for _, x in leaves], np.uint64).reshape(-1, 2)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            gathered = np.asarray(multihost_utils.process_allgather(sums.astype(np.uint32)))
-            sums = gathered.astype(np.uint64).sum(axis=0) % _MOD
-    return {path: {"shape": list(np.shape(x)), "dtype": _dtype_name(x),
-                   "digest": f"{int(a):08x}{int(b):08x}"}
-            for (path, x), (a, b) in zip(leaves, sums)}
+        def sums() -> np.ndarray:
+            mine = np.array([array_digest_partial(x) for _, x in leaves], np.uint64).reshape(-1, 2)
+            if jax.process_count() == 1:
+                return mine
+            gathered = gather(mine.astype(np.uint32))
+            return gathered.astype(np.uint64).sum(axis=0) % _MOD
+
+    def finish() -> dict[str, dict[str, Any]]:
+        return {path: {"shape": shape, "dtype": dtype, "digest": f"{int(a):08x}{int(b):08x}"}
+                for (path, shape, dtype), (a, b) in zip(described, sums())}
+    return finish
+
+
+def state_digests(state, on_device: bool | None = None) -> dict[str, dict[str, Any]]:
+    """{path: {'shape', 'dtype', 'digest'}} for every array of `state` (on the devices
+    or with numpy: see `start_state_digests`)."""
+    return start_state_digests(state, on_device)()
 
 
 def _dtype_name(x) -> str:
@@ -170,19 +202,27 @@ def _mesh_of(state) -> dict[str, int]:
 
 
 # ========================================================== the checkpoint's digest item
-def record(step: int, state, data_state) -> dict[str, Any]:
-    """The `digest` item saved with a checkpoint (JSON): the digests of the state and of
-    the data state, and, for a person reading the verifier's table, the mesh the state
-    was saved on and the time. `data_state` as it will read back (JSON round trip)."""
-    return {
+def start_record(step: int, state, data_state, gather: Gather = _allgather
+                 ) -> Callable[[], dict[str, Any]]:
+    """Launches the device half of `record` (see `start_state_digests`) and returns the
+    function that completes the digest item."""
+    item = {
         "format": 1,
         "step": int(step),
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mesh": _mesh_of(state),
         "process_count": jax.process_count(),
-        "arrays": state_digests(state),
-        "data": data_digest(data_state),
     }
+    arrays = start_state_digests(state, gather=gather)
+    data = data_digest(data_state)
+    return lambda: {**item, "arrays": arrays(), "data": data}
+
+
+def record(step: int, state, data_state) -> dict[str, Any]:
+    """The `digest` item saved with a checkpoint (JSON): the digests of the state and of
+    the data state, and, for a person reading the verifier's table, the mesh the state
+    was saved on and the time. `data_state` as it will read back (JSON round trip)."""
+    return start_record(step, state, data_state)()
 
 
 def verify_against(recorded: dict[str, Any], found: dict[str, dict], data_state) -> str:

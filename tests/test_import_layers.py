@@ -6,8 +6,9 @@ no import circles, and every import points to the module's own layer or a lower 
 
 axes.py, quiet.py, errors.py, sharding.py and digests.py import nothing of the package but
 axes, quiet and errors and so stand on the ground floor with attention/ and data/, where
-anything may use them. checkpoint.py stands on digests (never the other way round), and the
-checkpoint verifier (verify.py) is a command like main.
+anything may use them. checkpoint.py stands on digests (never the other way round), beside
+its background saver (background_save.py), and the checkpoint verifier (verify.py) is a
+command like main.
 """
 
 import ast
@@ -18,7 +19,8 @@ import pytest
 from helpers import REPO
 
 PACKAGE = "attention_jax"
-LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors"}, {"checkpoint"},
+LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors"},
+          {"checkpoint", "background_save"},
           {"layers"}, {"models"}, {"tasks", "convert", "config", "workdir"},
           {"optimizer", "steps"}, {"train"}, {"runs", "main", "verify", "configs"}, {"tools"}]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -1,0 +1,169 @@
+"""Checkpoints off the critical path (issue 35): with async_save, `Checkpointer.save` only
+launches device work and returns; a background thread waits for the devices, copies to
+the host and writes. Real orbax, real files. Speed is never asserted as time: causal
+order is (a state that is not computed yet stays not computed across `save`).
+"""
+
+import gc
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax import background_save, checkpoint, digests
+
+
+@jax.jit
+def _slow(a):
+    """About a second of matmuls on CPU: its result is not ready for a while."""
+    return jax.lax.fori_loop(0, 800, lambda i, v: jnp.tanh(v @ a), a)
+
+
+@pytest.fixture(scope="module")
+def seed_matrix():
+    a = jnp.full((512, 512), 1e-3) + jnp.eye(512) * 0.5
+    _slow(a).block_until_ready()  # compiled once for the module
+    return a
+
+
+def _unfinished_state(a):
+    """A train-state-like tree whose arrays are outputs of a computation still running."""
+    w = _slow(a)
+    return {"params": {"w": w, "b": w[0] * 2}, "step": jnp.int32(7) + w[0, 0].astype(jnp.int32)}
+
+
+def _abstract(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+
+
+def test_save_does_not_wait_for_the_devices(tmp_path, seed_matrix):
+    """`save` returns while the state it saves is still being computed; `wait` then
+    commits it, and it restores, verifies and equals the values."""
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1)
+    state = _unfinished_state(seed_matrix)
+    assert ck.save(5, state, {"next_index": 5})
+    assert not state["params"]["w"].is_ready()  # save did not wait for the device
+    # The step counts as saved while queued: a forced save of the same step is skipped.
+    assert ck.all_steps() == [5] and not ck.save(5, state, {"next_index": 5}, force=True)
+    ck.wait()
+    assert ck.latest_step() == 5 and ck.all_steps() == [5]
+    restored, data_state = ck.restore(_abstract(state))  # verifies the digests
+    assert data_state == {"next_index": 5}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+    assert ck.recorded_digest(5)["arrays"] == digests.state_digests(state)
+    ck.close()
+
+
+def test_the_saved_state_survives_its_donation(tmp_path, seed_matrix):
+    """The next train step donates the state's buffers as soon as `save` returns; the
+    checkpoint holds the values at save time, not the updated ones, and the device copy
+    it was written from is freed once the save is done."""
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1)
+    state = _unfinished_state(seed_matrix)
+    gc.collect()
+    live_before = len(jax.live_arrays())
+    assert ck.save(1, state, {"next_index": 1})
+    update = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
+    new_state = update(state)  # launched before the save's thread has read anything
+    assert state["params"]["w"].is_deleted()  # donated
+    ck.wait()
+    # The state's copy the save was written from is gone: the updated state took the
+    # place of the donated one, and that is all.
+    gc.collect()
+    assert len(jax.live_arrays()) <= live_before
+    restored, _ = ck.restore(_abstract(new_state))
+    expected = jax.tree.map(lambda x: (np.asarray(x) - 1) // 3 if x.dtype == np.int32
+                            else (np.asarray(x, np.float64) - 1) / 3, jax.device_get(new_state))
+    for got, want in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    ck.close()
+
+
+@pytest.mark.parametrize("copy", ["snapshot", "_copy_program"])
+def test_snapshot_is_new_buffers_with_the_same_shardings(copy):
+    """Both ways of copying (buffer copies on CPU, the jitted program an accelerator
+    runs, here on the CPU devices): new buffers, same shardings and values, which outlive
+    the donation of the originals."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    P = jax.sharding.PartitionSpec
+    state = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8),
+                                 jax.sharding.NamedSharding(mesh, P("a", "b"))),
+             "rng": jax.random.key(3)}
+    want = digests.state_digests(state)
+    if copy == "snapshot":
+        copied = background_save.snapshot({**state, "host": np.int32(4)})
+        assert copied.pop("host") == 4
+    else:
+        copied = dict(zip(state, background_save._copy_program(list(state.values()))))
+    assert copied["w"].sharding == state["w"].sharding
+    assert ({s.data.unsafe_buffer_pointer() for s in copied["w"].addressable_shards}.isdisjoint(
+        s.data.unsafe_buffer_pointer() for s in state["w"].addressable_shards))
+    jax.jit(lambda s: jax.tree.map(lambda x: x, s), donate_argnums=0)(state)
+    assert state["w"].is_deleted() and digests.state_digests(copied) == want
+    # On CPU the devices report no memory statistics: the copy is always made.
+    assert background_save.snapshot_fits(copied) == (True, "")
+
+
+FAILING_WRITES = r"""
+import os, resource, signal, sys
+import jax, jax.numpy as jnp
+from attention_jax import checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+ck = checkpoint.Checkpointer(sys.argv[1], save_every=1)
+small = {"w": jnp.ones((16, 16))}
+big = {"w": jax.random.normal(jax.random.key(0), (1 << 20,))}  # 4 MB, incompressible
+ck.save(1, big, {}); ck.wait()  # compiles the copies before the limit
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+ck.save(2, big, {})  # orbax's thread fails to write it
+try:
+    ck.wait()
+except checkpoint.CheckpointSaveError as e:
+    print("AT WAIT:", e)
+ck.wait()  # said once
+ck.save(3, big, {})  # fails on orbax's thread ...
+ck.save(4, small, {})  # ... which the save of step 4 finds first on its thread
+ck._saves.wait()
+try:
+    ck.save(5, small, {})
+except checkpoint.CheckpointSaveError as e:
+    print("AT SAVE:", e)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+ck.save(6, small, {})
+ck.close()
+print("COMMITTED", ck.committed_steps())
+"""
+
+
+def test_a_failed_background_save_raises_on_the_calling_thread(tmp_path):
+    """Writes the file system refuses (a file size limit: a full disk's stand-in, and
+    real even for root, whom permissions do not stop): the failure raises at `wait`,
+    or at the next `save` when the saving thread found it, naming the step and the
+    cause, once; the saves after it work again."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+    directory = str(tmp_path / "ck")
+    proc = subprocess.run([sys.executable, "-c", FAILING_WRITES, directory], cwd=REPO,
+                          env=subprocess_env(1), capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, (out + proc.stderr)[-3000:]
+    assert re.search(rf"^AT WAIT: saving checkpoint step 2 in {re.escape(directory)} failed: "
+                     r"\w+Error: .*Error writing", out, re.M), out
+    assert re.search(r"^AT SAVE: saving checkpoint step 3 in .* failed: \w+Error: .*; "
+                     r"not saved either: step 4$", out, re.M), out
+    assert "COMMITTED [1, 6]" in out, out
+
+
+def test_synchronous_saves_still_work(tmp_path):
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1, async_save=False)
+    state = {"w": jnp.arange(12.0), "step": jnp.int32(2)}
+    assert ck.save(2, state, {"next_index": 2}) and ck.latest_step() == 2
+    restored, _ = ck.restore(_abstract(state))
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    ck.close()
