@@ -419,7 +419,6 @@ class PackedBatch:
 
     def unpack(self):
         """The batch, as the tree of arrays `pack_batch` was given (traceable)."""
-        import jax.numpy as jnp
         treedef, fields = self.layout
         rows, start, arrays = self.data.shape[0], 0, []
         for dtype, shape in fields:
@@ -433,7 +432,7 @@ class PackedBatch:
                 x = jax.lax.bitcast_convert_type(raw, dtype)
             else:  # [B, n·itemsize] -> [B, n, itemsize] -> [B, n]
                 x = jax.lax.bitcast_convert_type(raw.reshape(rows, -1, dtype.itemsize), dtype)
-            arrays.append(jnp.reshape(x, (rows, *shape)))
+            arrays.append(x.reshape(rows, *shape))
         return jax.tree_util.tree_unflatten(treedef, arrays)
 
 

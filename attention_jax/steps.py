@@ -61,6 +61,9 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
     batch_sh = sharding.batch_sharding(mesh)
 
     def loss_fn(params, batch, rng, step):
+        # The float32 parameters, as a bare step takes them: each module casts its weights
+        # to train.compute_dtype where it uses them, so a lookup table's gradient
+        # accumulates in float32 (layers/posemb.py Embed; tests/system/test_step_structure.py).
         loss, metrics = task.loss(params, batch, rng, True)
         if nan_at >= 0:  # Fault injection for testing the non-finite path.
             loss = loss * jnp.where(step + 1 == nan_at, jnp.nan, 1.0)

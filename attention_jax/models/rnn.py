@@ -142,8 +142,8 @@ class DecoderStep(nn.Module):
         (annotations [B, S, C], keys [B, S, A] = W_h h_j, mask [B, S], summary [B, C])."""
         cfg = self.config
         emb = Embed(cfg.target_vocab_size, cfg.embed_dim, dtype=cfg.dtype, name="embed",
-                       embedding_init=nn.with_logical_partitioning(
-                           nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))(y_prev)  # [B, m]
+                    embedding_init=nn.with_logical_partitioning(
+                        nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))(y_prev)  # [B, m]
         emb = nn.Dropout(cfg.dropout_rate)(emb, deterministic=deterministic)
         s_prev = _hidden(cfg, carry)  # [B, n]
 
@@ -211,8 +211,8 @@ class RNNSeq2Seq(nn.Module):
     def setup(self):
         cfg = self.config
         self.src_embed = Embed(cfg.vocab_size, cfg.embed_dim, dtype=cfg.dtype,
-                                  embedding_init=nn.with_logical_partitioning(
-                                      nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))
+                               embedding_init=nn.with_logical_partitioning(
+                                   nn.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)))
         # parent=None: the cells are adopted by their nn.RNN rather than by this module.
         forward = nn.RNN(_cell(cfg, parent=None), parent=None)
         if cfg.bidirectional:
