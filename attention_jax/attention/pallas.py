@@ -25,11 +25,13 @@ Masks are structural, as everywhere in the package (masks.py): a program works o
 its block index, the batch row's query offset and key length which key blocks are
 hidden entirely (never visited), which are visible entirely (visited without any mask
 arithmetic) and which need the per-element mask (causal diagonal, window edges, a
-partial last block, segment ids, a dense mask tile). With segment ids (packed documents)
-a tile is looked at once more: one whose queries and keys all lie in one document is
-visited as the structure alone says (unmasked when the structure shows it whole), one
-whose documents differ is skipped. Rows with no visible key give zero output and zero
-gradients.
+partial last block, segment ids, a dense mask tile). Segment ids (packed documents) are
+read the same way, before the kernels run (`_segment_ranges`, on the grid of tiles): a
+query block walks only the key blocks whose ids can meet its own, and those inside its
+one document (as packing makes them) unmasked; the kernels intersect that with the
+structure's ranges. A packed row then costs what a plain causal one does, and the loops
+hold no branch (a branch around a tile stops Triton pipelining the loads of K and V).
+Rows with no visible key give zero output and zero gradients.
 
 Ring attention (ring.py) runs the forward on each pair of sequence chunks and merges
 the pairs itself: `forward_with_lse` returns the log-sum-exp too, and
@@ -187,11 +189,16 @@ def _prepare(q, k, v, spec: MaskSpec, scale: float, blocks: Optional[BlockSizes]
         has_segments=spec.q_segment_ids is not None,
         mask_shape=None if spec.mask is None else tuple(spec.mask.shape[:2]),
         blocks=blocks, interpret=bool(interpret))
-    arrays = (spec.q_offset, spec.kv_lengths, spec.q_segment_ids, spec.kv_segment_ids,
-              None if spec.mask is None else spec.mask.astype(jnp.int8))
     # Pad lengths to whole blocks and head dims to a power of two (zeros change no
     # product); the kernels mask the padded keys, and the padded rows are cut off.
     tp, sp = _round_up(t, max(blocks.fwd_q, blocks.bwd_q)), _round_up(s, max(blocks.fwd_k, blocks.bwd_k))
+    ranges = (None, None)
+    if st.has_segments:
+        q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
+        ranges = (_segment_ranges(q_seg, kv_seg, tp, sp, blocks.fwd_q, blocks.fwd_k),
+                  _segment_ranges(kv_seg, q_seg, sp, tp, blocks.bwd_k, blocks.bwd_q))
+    arrays = (spec.q_offset, spec.kv_lengths, spec.q_segment_ids, spec.kv_segment_ids,
+              None if spec.mask is None else spec.mask.astype(jnp.int8), *ranges)
     hp, hvp = _pow2_at_least_16(h), _pow2_at_least_16(hv)
     qp = _pad(_pad(q, 1, tp), 3, hp)
     kp = _pad(_pad(k, 1, sp), 3, hp)
@@ -252,12 +259,66 @@ def _pad(x, axis: int, size: int, value=0):
 
 
 def _pad_arrays(arrays, tp, sp):
-    offset, lengths, q_seg, kv_seg, mask = arrays
+    offset, lengths, q_seg, kv_seg, mask, *ranges = arrays
     if q_seg is not None:
         q_seg, kv_seg = _pad(q_seg, 1, tp), _pad(kv_seg, 1, sp)
     if mask is not None:
         mask = _pad(_pad(mask, 2, tp), 3, sp)
-    return offset, lengths, q_seg, kv_seg, mask
+    return offset, lengths, q_seg, kv_seg, mask, *ranges
+
+
+def _segment_ranges(ids, other_ids, tp: int, sp: int, bq: int, bk: int):
+    """[B, tp // bq, 4] int32: for each block of bq rows of `ids` [B, T] (T <= tp), the
+    blocks of bk columns of `other_ids` [B, S] (S <= sp) that segment ids let it see, as
+    (lo, a, b, hi): blocks outside [lo, hi) share no id with it, and [a, b) are whole
+    (every row and column of the tile has one and the same id).
+
+    Queries against keys (the forward and dQ walks) or keys against queries (dK/dV).
+    Each block is summed up by its smallest and largest id: two blocks whose id ranges
+    do not overlap share no id, and a block pair of one id each, the same, is whole. So
+    the answer is exact for any ids (a tile inside [lo, hi) may still see nothing; the
+    per-element mask says so), and for packed documents, whose ids form runs, it is
+    tight: each query block walks the documents it holds, the tiles inside its own
+    document unmasked. Computed on the tile grid, [B, T / bq, S / bk]: no sort, a few
+    small fused kernels before the attention ones."""
+    int32 = jnp.iinfo(jnp.int32)
+
+    def block_bounds(x, padded: int, block: int):  # [B, padded // block] smallest, largest id
+        real = jnp.arange(padded) < x.shape[1]  # rows past T (padding) have no id
+        x = _pad(x, 1, padded)
+        def blocked(y):
+            return y.reshape(y.shape[0], padded // block, block)
+        return (blocked(jnp.where(real, x, int32.max)).min(-1),
+                blocked(jnp.where(real, x, int32.min)).max(-1))
+
+    q_min, q_max = (y[:, :, None] for y in block_bounds(ids, tp, bq))
+    k_min, k_max = (y[:, None, :] for y in block_bounds(other_ids, sp, bk))
+    meet = (k_min <= q_max) & (k_max >= q_min)  # [B, nq, nk]
+    whole = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+    nk = sp // bk
+    j = jnp.arange(nk)
+    lo = jnp.min(jnp.where(meet, j, nk), -1)
+    hi = jnp.maximum(jnp.max(jnp.where(meet, j + 1, 0), -1), lo)
+    a = jnp.min(jnp.where(whole, j, nk), -1)
+    b = jnp.max(jnp.where(whole, j + 1, 0), -1)
+    # Whole tiles are walked as one range: only where they are one (an id that recurs
+    # after another may leave gaps; then every tile is masked).
+    one_range = (b > a) & (jnp.sum(whole, -1) == b - a)
+    a, b = jnp.where(one_range, a, lo), jnp.where(one_range, b, lo)
+    return jnp.stack([lo, a, b, hi], -1).astype(jnp.int32)
+
+
+def _intersect(ranges, seg_ref):
+    """The structure's (lo, a, b, hi) narrowed by segment ids' (`_segment_ranges`, one
+    program's four numbers in `seg_ref`); the structure's alone without segment ids."""
+    if seg_ref is None:
+        return ranges
+    lo, a, b, hi = ranges
+    lo = jnp.maximum(lo, seg_ref[0])
+    hi = jnp.maximum(jnp.minimum(hi, seg_ref[3]), lo)
+    a = jnp.clip(jnp.maximum(a, seg_ref[1]), lo, hi)
+    b = jnp.clip(jnp.minimum(b, seg_ref[2]), a, hi)
+    return lo, a, b, hi
 
 
 def _div(a, b: int):
@@ -310,7 +371,7 @@ def _q_blocks(st: _Static, bq: int, nq: int, k_first, k_last, offset, length):
 
 def _split(lo, hi, full_lo, full_hi, dense: bool):
     """(lo, a, b, hi): [a, b) the tiles the structure shows whole, none under a dense
-    mask (only its values can say). Segment ids are looked at per tile (_by_segments)."""
+    mask (only its values can say). Segment ids narrow them further (`_intersect`)."""
     if dense:
         return lo, hi, hi, hi
     a = jnp.clip(full_lo, lo, hi)
@@ -364,27 +425,6 @@ def _loop(st: _Static, ranges, body, carry):
     return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
 
 
-def _by_segments(q_seg, k_seg, tile, carry, masked: bool):
-    """A tile of packed documents: tile(carry, masked=False) where the structure shows
-    it whole (not `masked`) and its queries and keys all lie in one segment; else
-    tile(carry, masked=True) if some query and key can share a segment; else carry.
-
-    Packed documents make most off-diagonal tiles belong to two different documents:
-    their id ranges do not overlap, and the tile is skipped instead of computed and
-    masked to nothing. Most of the others lie inside one document (a row of long
-    documents holds one or two): they need no per-element mask at all, which is what
-    makes a packed row cost what a plain causal one does. Both tests are exact for any
-    ids, sorted or not.
-    """
-    q_lo, q_hi, k_lo, k_hi = jnp.min(q_seg), jnp.max(q_seg), jnp.min(k_seg), jnp.max(k_seg)
-    meet = (k_lo <= q_hi) & (k_hi >= q_lo)
-    masked_tile = lambda c: lax.cond(meet, functools.partial(tile, masked=True), lambda c: c, c)  # noqa: E731
-    if masked:
-        return masked_tile(carry)
-    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
-    return lax.cond(one, functools.partial(tile, masked=False), masked_tile, carry)
-
-
 class _Refs:
     """The optional inputs of a kernel, unpacked by what the call has."""
 
@@ -395,6 +435,7 @@ class _Refs:
         self.q_seg = refs.pop(0) if st.has_segments else None
         self.kv_seg = refs.pop(0) if st.has_segments else None
         self.mask = refs.pop(0) if st.mask_shape is not None else None
+        self.seg_ranges = refs.pop(0) if st.has_segments else None  # this program's 4
         self.rest = refs
 
 
@@ -425,15 +466,8 @@ class _QueryBlock:
 
     def walk(self, tile, carry):
         """carry = tile(j, carry, masked) over the key blocks j these queries can see."""
-        def step(j, carry, masked):
-            if self.q_seg is not None:
-                return _by_segments(self.q_seg, self.r.kv_seg[pl.ds(j * self.bk, self.bk)],
-                                    functools.partial(tile, j), carry, masked)
-            return tile(j, carry, masked)
-
         ranges = _kv_blocks(self.st, self.bk, self.q_first, self.q_last, self.length)
-        return _loop(self.st, ranges, step, carry)
-
+        return _loop(self.st, _intersect(ranges, self.r.seg_ranges), tile, carry)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
@@ -479,12 +513,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     k, v = k_ref[...], v_ref[...]  # [bk, H], [bk, Hv]: stay in registers
     k_seg = None if r.kv_seg is None else r.kv_seg[...]
 
-    def step(i, carry, masked):
-        if k_seg is not None:
-            return _by_segments(r.q_seg[pl.ds(i * bq, bq)], k_seg, functools.partial(tile, i),
-                                carry, masked)
-        return tile(i, carry, masked)
-
     def tile(i, carry, masked):
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
@@ -505,7 +533,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
     init = (jnp.zeros(k.shape, _acc(k.dtype)), jnp.zeros(v.shape, _acc(k.dtype)))
     k_last = j * bk + bk - 1
-    dk, dv = _loop(st, _q_blocks(st, bq, nq, j * bk, k_last, offset, length), step, init)
+    ranges = _q_blocks(st, bq, nq, j * bk, k_last, offset, length)
+    dk, dv = _loop(st, _intersect(ranges, r.seg_ranges), tile, init)
     dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)  # S = scale · Q Kᵀ
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -536,9 +565,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 # ----------------------------------------------------------------------------- launches
 
 
-def _mask_inputs(st: _Static, arrays, q_spec, kv_spec, mask_spec):
-    """The optional inputs and their BlockSpecs, in the order `_Refs` unpacks them."""
-    offset, lengths, q_seg, kv_seg, mask = arrays
+def _mask_inputs(st: _Static, arrays, q_spec, kv_spec, mask_spec, ranges_spec, backward: bool):
+    """The optional inputs and their BlockSpecs, in the order `_Refs` unpacks them;
+    `backward`: the dK/dV grid's segment ranges instead of the query blocks'."""
+    offset, lengths, q_seg, kv_seg, mask, fwd_ranges, bwd_ranges = arrays
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     inputs, specs = [offset], [whole(offset)]
     if st.has_lengths:
@@ -550,6 +580,9 @@ def _mask_inputs(st: _Static, arrays, q_spec, kv_spec, mask_spec):
     if st.mask_shape is not None:
         inputs.append(mask)
         specs.append(mask_spec)
+    if st.has_segments:
+        inputs.append(bwd_ranges if backward else fwd_ranges)
+        specs.append(ranges_spec)
     return inputs, specs
 
 
@@ -566,7 +599,9 @@ def _query_grid_masks(st: _Static, arrays, bq: int, sp: int, rev):
         q_spec=pl.BlockSpec((None, bq), lambda i, b, h: (b, rev(i))),
         kv_spec=pl.BlockSpec((None, sp), lambda i, b, h: (b, 0)),
         mask_spec=pl.BlockSpec((None, None, bq, sp),
-                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)))
+                               lambda i, b, h: (*_mask_index(st, b, h), rev(i), 0)),
+        ranges_spec=pl.BlockSpec((None, None, 4), lambda i, b, h: (b, rev(i), 0)),
+        backward=False)
 
 
 def _params(num_warps, num_stages):
@@ -616,7 +651,9 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None):
         q_spec=pl.BlockSpec((None, tp), lambda j, b, h: (b, 0)),
         kv_spec=pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
         mask_spec=pl.BlockSpec((None, None, tp, bk),
-                               lambda j, b, h: (*_mask_index(st, b, h), 0, j)))
+                               lambda j, b, h: (*_mask_index(st, b, h), 0, j)),
+        ranges_spec=pl.BlockSpec((None, None, 4), lambda j, b, h: (b, j, 0)),
+        backward=True)
     kv_dtype = grad_dtype or k.dtype
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, nq=nq),

@@ -30,6 +30,7 @@ class Case:
     offset: object = 0  # int, or "per-row" for a [B] array
     padding: bool = False  # kv_mask with a different number of real keys per row
     segments: object = False  # packed sequences: True (short, random) or runs' lengths
+    segment_order: tuple = (0, 1, 0, 2, 3)  # the ids of those runs (an id may recur)
     dense: bool = False  # an unstructured [B, 1, T, S] mask
     scale: object = None  # None: the default 1/sqrt(H)
     block_q: int = 8
@@ -44,8 +45,8 @@ class Case:
         if self.padding:
             lengths = rng.integers(1, self.s + 1, self.b)
             kw["kv_mask"] = jnp.asarray(np.arange(self.s)[None, :] < lengths[:, None])
-        if isinstance(self.segments, tuple):  # runs of ids 0, 1, 0, 2, ... (an id may recur)
-            runs = np.repeat(np.array([0, 1, 0, 2, 3])[:len(self.segments)], self.segments)
+        if isinstance(self.segments, tuple):  # runs of ids segment_order, row 2 reversed
+            runs = np.repeat(np.array(self.segment_order)[:len(self.segments)], self.segments)
             kw["segment_ids"] = jnp.asarray(np.stack([runs, runs[::-1]]), jnp.int32)
         elif self.segments:
             ids = np.sort(rng.integers(0, 3, (self.b, self.t)), axis=1)

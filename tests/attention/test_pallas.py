@@ -18,10 +18,13 @@ PALLAS_CASES = [dataclasses.replace(c, block_q=None, block_k=None) for c in CASE
     Case("aligned", t=32, s=48, block_q=None, block_k=None),
     Case("aligned-causal-gqa", t=48, s=48, n=4, k=2, causal=True, block_q=None, block_k=None),
     Case("aligned-tiles-32", t=64, s=64, causal=True, block_q=32, block_k=16),
-    # Long documents: most 16 × 16 tiles lie inside one document (visited unmasked), some
-    # straddle two, and id 0 recurs after id 1 (a tile of id 0 only is whole again).
-    Case("long-documents", t=64, s=64, causal=True, segments=(36, 12, 16), block_q=None,
+    # Id 0 recurs after id 1: not runs the kernels can narrow to, every tile is masked.
+    Case("recurring-ids", t=64, s=64, causal=True, segments=(36, 12, 16), block_q=None,
          block_k=None),
+    # Packed long documents (ids 1, 2, then 0 as padding; reversed in row 2): most 16 × 16
+    # tiles lie inside one document (visited unmasked), some straddle two.
+    Case("long-documents", t=64, s=64, causal=True, segments=(37, 16, 11),
+         segment_order=(1, 2, 0), block_q=None, block_k=None),
 ]
 
 
@@ -172,11 +175,14 @@ def test_pallas_refuses_float64_on_a_gpu(x64):
 # The long-documents case at the GPU's tiles (128 × 64): whole tiles inside a document.
 LONG_DOCUMENTS_GPU = dataclasses.replace(PALLAS_CASES[-1], name="long-documents-512", t=512,
                                          s=512, segments=(288, 96, 128))
+RECURRING_IDS_GPU = dataclasses.replace(PALLAS_CASES[-2], name="recurring-ids-512", t=512,
+                                        s=512, segments=(288, 96, 128))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("case", PALLAS_CASES[::4] + [LONG_DOCUMENTS_GPU], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", PALLAS_CASES[::4] + [LONG_DOCUMENTS_GPU, RECURRING_IDS_GPU],
+                         ids=lambda c: c.name)
 def test_pallas_on_gpu_equals_reference(case):
     """The Triton-compiled kernels, bf16 and f32, against the float32 reference."""
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
@@ -187,3 +193,32 @@ def test_pallas_on_gpu_equals_reference(case):
         for a, b in zip((y, *g), (y_ref, *g_ref)):
             err = jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.maximum(jnp.linalg.norm(b), 1e-6)
             assert float(err) < tol
+
+
+def test_segment_ranges_narrow_each_block_to_its_documents():
+    """The key blocks each 16-row query block walks, from packed documents' ids: never
+    one holding a key the block can see outside [lo, hi), only tiles of one shared id
+    in [a, b), and for packed documents the tiles inside one document found whole; a
+    row whose ids recur falls back to masked tiles, still covering every visible key."""
+    from attention_jax.attention.pallas import _segment_ranges
+    packed = np.repeat([1, 2, 0], [40, 20, 4])  # two documents, then padding
+    recurring = np.repeat([1, 2, 1], [40, 20, 4])
+    for t in (64, 40):  # 40: rows past T (padding to whole blocks) widen nothing
+        ids = np.stack([packed, recurring])
+        got = np.asarray(_segment_ranges(jnp.asarray(ids[:, :t], jnp.int32),
+                                         jnp.asarray(ids, jnp.int32), 64, 64, 16, 16))
+        for row in range(2):
+            for i, (lo, a, b, hi) in enumerate(got[row]):
+                assert lo <= a <= b <= hi
+                q_ids = ids[row, i * 16:min(i * 16 + 16, t)]
+                seen = np.flatnonzero(np.isin(ids[row], q_ids)) // 16
+                assert seen.size == 0 or (lo <= seen.min() and seen.max() < hi), (row, i)
+                for j in range(a, b):
+                    assert set(q_ids) == set(ids[row, j * 16:j * 16 + 16]) and len(set(q_ids)) == 1
+        # Packed: query blocks 0 and 1 (document 1) walk key blocks 0-1 whole.
+        np.testing.assert_array_equal(got[0][:2, 1:3], [[0, 2], [0, 2]])
+        if t == 64:  # block 2 holds two documents (masked), as does block 3 (document 2
+            # and padding, whose id 0 spans the range of document 1's: walked, masked)
+            np.testing.assert_array_equal(got[0][2:], [[0, 0, 0, 4], [0, 0, 0, 4]])
+        else:  # rows 32-39 are document 1's (whole again); block 3 is padding only
+            np.testing.assert_array_equal(got[0][2:], [[0, 0, 2, 4], [4, 4, 4, 4]])
