@@ -301,7 +301,9 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                     progress.eval(step, summary["eval"])
                     meter.restart()  # evaluation is not training time
                 if save_now:
+                    t_save = time.perf_counter()
                     prepared.ckpt.save(step, state, data_state, force=stopping or step == total)
+                    meter.checkpoint_s += time.perf_counter() - t_save
                 if stopping:
                     summary["stopped_by"] = signal.Signals(stop.signal).name
                     progress.note(f"{summary['stopped_by']}: saved checkpoint at step {step}; "
@@ -401,15 +403,16 @@ def _means(window: list[dict], log_every: int) -> dict[str, float]:
 class Throughput:
     """A window of training steps: the units (tokens, examples) trained, its start, and
     where the host's time went in it: waiting for the next batch (reading and sending
-    it) and inside the step call (tracing once, then only queueing work unless the
-    device makes it wait). Reported as shares of the window's time: the rest is the
-    wait for the device at the sync point."""
+    it), inside the step call (tracing once, then only queueing work unless the
+    device makes it wait) and in checkpoint saves (a save made at a log step falls in
+    the next window). Reported as shares of the window's time: the rest is the wait
+    for the device at the sync point."""
 
     def __init__(self):
         self.restart()
 
     def restart(self) -> None:
-        self.units, self.data_s, self.dispatch_s = 0, 0.0, 0.0
+        self.units, self.data_s, self.dispatch_s, self.checkpoint_s = 0, 0.0, 0.0, 0.0
         self.start = time.perf_counter()
 
     def add(self, units: int, data_s: float, dispatch_s: float) -> None:
@@ -420,7 +423,8 @@ class Throughput:
     def report(self, unit: str) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return {f"{unit}_per_sec": self.units / elapsed, "host_data_frac": self.data_s / elapsed,
-                "host_dispatch_frac": self.dispatch_s / elapsed}
+                "host_dispatch_frac": self.dispatch_s / elapsed,
+                "host_checkpoint_frac": self.checkpoint_s / elapsed}
 
 
 class Progress:

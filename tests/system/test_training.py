@@ -244,3 +244,21 @@ def test_the_default_step_copies_no_optimizer_state(tmp_path, nonfinite, most_co
         assert moments, "skip mode's guard no longer copies: the comment in train.py is stale"
     else:
         assert not moments and len(copied) <= most_copies, copied
+
+
+def test_each_window_reports_the_share_of_its_checkpoint_saves(tmp_path):
+    """metrics.jsonl says where each window's host time went: a save made at a logged
+    step falls in the next window (host_checkpoint_frac > 0 there, 0 where none ran), and
+    the host's shares never add up to more than the window."""
+    from attention_jax import workdir as workdir_lib
+    cfg = tiny.tiny_config(**{"train.steps": 12, "train.log_every": 3,
+                              "train.checkpoint_every": 6, "eval.every": -1})
+    workdir = str(tmp_path / "w")
+    train.train_and_evaluate(cfg, workdir)
+    windows = {r["step"]: r for r in workdir_lib.read_records(workdir_lib.path(workdir, workdir_lib.METRICS))
+               if r.get("split") == "train"}
+    assert sorted(windows) == [3, 6, 9, 12]
+    shares = {s: windows[s]["host_checkpoint_frac"] for s in windows}
+    assert shares[3] == shares[6] == shares[12] == 0.0 and shares[9] > 0, shares
+    for r in windows.values():
+        assert r["host_data_frac"] + r["host_dispatch_frac"] + r["host_checkpoint_frac"] <= 1.0

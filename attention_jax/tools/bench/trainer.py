@@ -107,9 +107,11 @@ def run_commands(row: dict, commands: Callable[[str], list[list[str]]], *, env: 
         tail = outputs[procs.index(failed)].strip().splitlines()
         return {"error": tail[-1][:200] if tail else f"exit code {failed.returncode}"}
     tokens_per_s = statistics.median(rates[1:])
-    # The host's shares of each window (train.Throughput): getting batches, calling the step.
+    # The host's shares of each window (train.Throughput): getting batches, calling the
+    # step, saving checkpoints.
     host = {k: statistics.median(r[k] for r in records[1:])
-            for k in ("host_data_frac", "host_dispatch_frac") if k in records[-1]}
+            for k in ("host_data_frac", "host_dispatch_frac", "host_checkpoint_frac")
+            if k in records[-1]}
     return {"step_s": row["batch"] * row["seq_len"] / tokens_per_s,
             "tokens_per_s_logged": tokens_per_s, "windows": len(rates) - 1,
             "windows_tokens_per_s": rates, **host}
