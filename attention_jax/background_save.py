@@ -50,18 +50,73 @@ def _copy_buffers(arrays):
         x.shape, x.sharding, [next(copies) for _ in x.addressable_shards]) for x in arrays]
 
 
-def snapshot(state):
+def snapshot(state, program=None):
     """A copy of `state` that the next train step's donation leaves alone: its arrays
     copied on their devices, launched and not waited for (one jitted program on an
-    accelerator, over arrays on one set of devices as a train state's are; buffer copies
-    on CPU). Leaves that are not jax.Arrays (host values) are kept as they are."""
+    accelerator, over arrays on one set of devices as a train state's are, or `program`,
+    that program compiled ahead by `SavePrograms`; buffer copies on CPU). Leaves that are
+    not jax.Arrays (host values) are kept as they are."""
     leaves, treedef = jax.tree.flatten(state)
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     arrays = [leaves[i] for i in at]
-    on_cpu = all(d.platform == "cpu" for x in arrays for d in x.sharding.device_set)
-    for i, copy in zip(at, _copy_buffers(arrays) if on_cpu else _copy_program(arrays)):
+    if program is None:
+        on_cpu = all(d.platform == "cpu" for x in arrays for d in x.sharding.device_set)
+        program = _copy_buffers if on_cpu else _copy_program
+    for i, copy in zip(at, program(arrays)):
         leaves[i] = copy
     return jax.tree.unflatten(treedef, leaves)
+
+
+class SavePrograms:
+    """The device programs of an async save, compiled ahead on a thread of their own
+    for one layout of the state (the shapes, dtypes and shardings of its arrays): the
+    state's copy (`snapshot`) and its digest sums (`digests.start_state_digests`).
+
+    Compiled by the first save, they held the training thread for seconds: GPT-2
+    small's 446 arrays took 6-7 s in the first `save` on an H100 (the sums alone compile
+    in 2 s on the CPU host). Compiling them while the train step compiles and the first
+    steps run leaves that save only their launch. `get` hands them out once compiled, or
+    None for a state of another layout (the jitted programs then compile as before)."""
+
+    def __init__(self, state, name: str = "checkpoint-compile"):
+        from attention_jax import digests  # digests imports nothing of this module
+        arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+        self._layout = _layout(state)
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in arrays]
+        self.copy = self.sums = None
+        self._error: BaseException | None = None
+
+        def compile_both():
+            try:
+                self.copy = _copy_program.lower(abstract).compile()
+                # The sums run on the copy: its arrays as the copy program lays them out.
+                copies = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in
+                          zip(abstract, self.copy.output_shardings)]
+                self.sums = digests.device_sums.lower(copies).compile()
+            except BaseException as e:  # noqa: BLE001 - the save compiles them itself then
+                self._error = e
+        self._thread = threading.Thread(target=compile_both, name=name, daemon=True)
+        self._thread.start()
+
+    def get(self, state) -> "SavePrograms | None":
+        """Self once both programs are compiled for `state`'s layout (waits for the
+        compilation if it is still running); None if they cannot serve it."""
+        self._thread.join()
+        if self._error is not None:
+            logging.warning("checkpoints: compiling the save's programs ahead failed (%s); "
+                            "the save compiles them", str(self._error)[:200])
+            self._error, self._layout = None, None  # said once; never used
+        if self._layout is None or _layout(state) != self._layout:
+            return None
+        return self
+
+
+def _layout(state):
+    """What a compiled save program is specific to: the tree and each array's shape,
+    dtype and sharding (host values: their type)."""
+    leaves, treedef = jax.tree.flatten(state)
+    return treedef, [(x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else type(x)
+                     for x in leaves]
 
 
 # Fragmentation and the allocator's own rounding: a copy that fits only to the byte
@@ -103,7 +158,8 @@ class Snapshots:
         self._agree = agree
         self.enabled: bool | None = None
 
-    def take(self, state):
+    def take(self, state, program=None):
+        """program: the copy compiled ahead (`SavePrograms.copy`), or None."""
         if self.enabled is None:
             fits, why = snapshot_fits(state)
             self.enabled = self._agree(fits)
@@ -112,7 +168,7 @@ class Snapshots:
         if not self.enabled:
             return None
         try:
-            return snapshot(state)
+            return snapshot(state, program)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise

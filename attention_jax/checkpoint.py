@@ -251,6 +251,7 @@ class Checkpointer:
         self.read_only = read_only
         self._saves = None if read_only or not async_save else background_save.SaveThread()
         self._snapshots = background_save.Snapshots(agree=_all_agree)
+        self._programs: background_save.SavePrograms | None = None  # see prepare
         self._writing: int | None = None  # the step orbax may still be writing
         self._reported = None  # orbax's error of that write, once raised (see _wait_for_orbax)
         processes = None
@@ -322,6 +323,21 @@ class Checkpointer:
                             "not finish): ignored, moved aside to %s", path, target)
 
     # -------------------------------------------------------------------------- save
+    def prepare(self, state, *, device_programs: bool | None = None) -> None:
+        """Compiles the device programs of an async save of `state` (its copy and digest
+        sums) on a thread of their own, so that the first `save` only launches them:
+        call it once the state exists (after restoring or initialising it), beside the
+        train step's compilation. device_programs: save through them; None: where the
+        state lives on an accelerator (on CPU buffer copies and numpy digests are faster
+        and compile nothing); True: on CPU too."""
+        if self._saves is None:
+            return
+        if device_programs is None:
+            device_programs = any(d.platform != "cpu" for x in jax.tree.leaves(state)
+                                  if isinstance(x, jax.Array) for d in x.sharding.device_set)
+        if device_programs:
+            self._programs = background_save.SavePrograms(state)
+
     def due(self, step: int) -> bool:
         """Whether `step` is one of the regular saves (a multiple of save_every)."""
         return int(step) % self.save_every == 0
@@ -348,14 +364,17 @@ class Checkpointer:
         if int(step) in self.all_steps():
             return False  # Already saved or queued (e.g. a forced final save on a regular step).
         data_state = json.loads(json.dumps(dict(data_state)))  # as it will read back
-        copy = self._snapshots.take(state) if self._saves is not None else None
+        programs = self._programs.get(state) if self._programs is not None else None
+        copy = (self._snapshots.take(state, programs and programs.copy)
+                if self._saves is not None else None)
         if copy is None:
             return self._write(step, state, data_state,
                                digests.start_record(step, state, data_state))
         # The sums are launched here too, in program order on every process (they may
         # hold collectives); the thread only waits for them.
         digest = digests.start_record(step, copy, data_state, gather=(
-            background_save.gather_through_coordination(f"{self.directory}/{int(step)}")))
+            background_save.gather_through_coordination(f"{self.directory}/{int(step)}")),
+            program=programs and programs.sums)
         self._saves.start(step, functools.partial(self._write, step, copy, data_state, digest))
         return True
 

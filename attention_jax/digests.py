@@ -15,7 +15,7 @@ elements that moved. So a checkpoint saved on one mesh verifies on any other.
 Computed with numpy on host views of the shards: on CPU this is ~4x faster than the same
 sums under jit, where XLA materialises the bitcast and reduces integers without
 vectorising (measured: tools/bench checkpoint). On an accelerator the sums run where the
-state lives (`_device_sums`).
+state lives (`device_sums`).
 
 A save computes them in two halves (`start_record`): on the training thread only what
 launches device programs (the device sums, in program order on every process), and the
@@ -102,7 +102,7 @@ def _on_accelerator(x) -> bool:
 
 
 @jax.jit
-def _device_sums(arrays):
+def device_sums(arrays):
     """[len(arrays), 2] uint32: (A, B) of every array, computed where it lives (uint32
     arithmetic wraps modulo 2**32 as the numpy sums do, so the digests are the same)."""
     out = []
@@ -135,8 +135,8 @@ def _allgather(sums: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(sums))
 
 
-def start_state_digests(state, on_device: bool | None = None,
-                        gather: Gather = _allgather) -> Callable[[], dict[str, dict[str, Any]]]:
+def start_state_digests(state, on_device: bool | None = None, gather: Gather = _allgather,
+                        program=None) -> Callable[[], dict[str, dict[str, Any]]]:
     """Launches what `state_digests(state)` runs on the devices and returns the function
     that finishes it (it waits for the devices; call it from any thread).
 
@@ -146,17 +146,19 @@ def start_state_digests(state, on_device: bool | None = None,
     anyway, but in its own format). On CPU numpy over the shards is faster (see above),
     done by the returned function; with several processes each adds up its own shards and
     `gather` collects the partial sums (the default is a device collective: pass another,
-    e.g. through the coordination service, to finish off the main thread)."""
+    e.g. through the coordination service, to finish off the main thread). `program`:
+    the sums' program compiled ahead for this state's arrays (then they run on the
+    devices, on CPU too)."""
     leaves = tree_paths(state)
     if on_device is None:
-        on_device = any(_on_accelerator(x) for _, x in leaves)
+        on_device = program is not None or any(_on_accelerator(x) for _, x in leaves)
     described = [(path, list(np.shape(x)), _dtype_name(x)) for path, x in leaves]
     if on_device and all(isinstance(x, jax.Array) for _, x in leaves):
-        device_sums = _device_sums([x for _, x in leaves])  # dispatched, not waited for
+        launched = (program or device_sums)([x for _, x in leaves])  # not waited for
         leaves = None  # the returned function needs only the sums
 
         def sums() -> np.ndarray:
-            return np.asarray(device_sums.addressable_data(0), np.uint64)
+            return np.asarray(launched.addressable_data(0), np.uint64)
     else:
         def sums() -> np.ndarray:
             mine = np.array([array_digest_partial(x) for _, x in leaves], np.uint64).reshape(-1, 2)
@@ -202,10 +204,10 @@ def _mesh_of(state) -> dict[str, int]:
 
 
 # ========================================================== the checkpoint's digest item
-def start_record(step: int, state, data_state, gather: Gather = _allgather
+def start_record(step: int, state, data_state, gather: Gather = _allgather, program=None
                  ) -> Callable[[], dict[str, Any]]:
-    """Launches the device half of `record` (see `start_state_digests`) and returns the
-    function that completes the digest item."""
+    """Launches the device half of `record` (see `start_state_digests`, whose `gather`
+    and `program` these are) and returns the function that completes the digest item."""
     item = {
         "format": 1,
         "step": int(step),
@@ -213,7 +215,7 @@ def start_record(step: int, state, data_state, gather: Gather = _allgather
         "mesh": _mesh_of(state),
         "process_count": jax.process_count(),
     }
-    arrays = start_state_digests(state, gather=gather)
+    arrays = start_state_digests(state, gather=gather, program=program)
     data = data_digest(data_state)
     return lambda: {**item, "arrays": arrays(), "data": data}
 

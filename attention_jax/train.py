@@ -264,6 +264,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
     progress, meter = Progress(config, workdir, prepared.task.unit, step), Throughput()
     pending, window = [], []  # steps since the last sync point (on the device); since the last log
+    prepared.ckpt.prepare(state)  # its save programs compile beside the first step's
     batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
     first = step + 1
     try:

@@ -8,6 +8,7 @@ import gc
 import os
 import re
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -166,4 +167,46 @@ def test_synchronous_saves_still_work(tmp_path):
     assert ck.save(2, state, {"next_index": 2}) and ck.latest_step() == 2
     restored, _ = ck.restore(_abstract(state))
     np.testing.assert_array_equal(restored["w"], state["w"])
+    ck.close()
+
+
+def test_prepared_programs_leave_the_first_save_nothing_to_compile(tmp_path, monkeypatch):
+    """`prepare` compiles the save's device programs (the state's copy and its digest
+    sums) on a thread of its own; the first `save` then compiles nothing on the calling
+    thread, and its copy and digests come from those programs (the CPU paths they
+    replace are made to fail here), on a state sharded over 8 devices. A state of
+    another layout gets none of them."""
+    from jax import monitoring
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((8,), ("data",))
+    state = {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("data"))),
+             "b": jax.device_put(jnp.arange(4, dtype=jnp.bfloat16), NamedSharding(mesh, P())),
+             "step": jax.device_put(jnp.int32(3), NamedSharding(mesh, P()))}
+    compiles = []  # (thread) of every XLA compilation while recording
+    recording = [True]
+
+    def listen(event, duration, **kwargs):
+        if recording[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(threading.current_thread().name)
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1)
+        ck.prepare(state, device_programs=True)
+        assert ck._programs.get(state) is ck._programs
+        compiled_ahead = list(compiles)
+        assert compiled_ahead == ["checkpoint-compile"] * 2, compiled_ahead
+        # The CPU paths of the copy and of the digests would fail: the programs serve.
+        monkeypatch.setattr(background_save, "_copy_buffers", None)
+        monkeypatch.setattr(digests, "array_digest_partial", None)
+        assert ck.save(3, state, {"next_index": 3})
+        assert compiles == compiled_ahead, compiles  # nothing compiled by the save
+        ck.wait()
+    finally:
+        recording[0] = False
+    monkeypatch.undo()
+    restored, _ = ck.restore(_abstract(state))  # verifies the digests the programs made
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+    assert ck.recorded_digest(3)["arrays"] == digests.state_digests(state, on_device=False)
+    other = {**state, "w": jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("data")))}
+    assert ck._programs.get(other) is None
     ck.close()
