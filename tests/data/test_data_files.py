@@ -15,7 +15,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import zstandard
 
 from attention_jax import data
 from attention_jax.configs import bert_mlm as bert_config
@@ -53,6 +52,7 @@ def corpus(tmp_path_factory):
     (root / 'p.jsonl').write_text('\n'.join(plain[:5] + ['', '   '] + plain[5:]))
     with gzip.open(root / 'g.jsonl.gz', 'wt') as f:
         f.write(_jsonl(lines['gz']))
+    import zstandard  # here, not at the top: a machine without it (the GPU one) still collects
     (root / 'z.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(
         _jsonl(lines['zst']).encode()))
     pq.write_table(pa.table({'text': lines['parquet'], 'n': list(range(20))}),
