@@ -236,4 +236,7 @@ def add_parser(sub) -> None:
     att.add_argument("--time-budget", type=float, default=6.0,
                      help="skip timing a peer (not blockwise) whose fwd+bwd would exceed this "
                           "many seconds per call (extrapolated from the previous N)")
+    att.add_argument("--width", type=int, default=attention_speed_gpu.WIDTH,
+                     help="GPU/TPU: model width N·H of the rows (default 2048, FlashAttention-2's; "
+                          "768 with --sizes 1024 is GPT-2 small's attention, 12 heads of 64)")
     att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")

@@ -32,7 +32,7 @@ import numpy as np
 from attention_jax.attention import dot_product_attention, explain
 from attention_jax.tools.bench.timing import installed
 
-WIDTH, TOKENS = 2048, 16384  # N·H and B·T
+WIDTH, TOKENS = 2048, 16384  # N·H and B·T (--width 768: GPT-2 small's attention, N = 12 at H = 64)
 IMPLS = {"gpu": ("blockwise", "pallas", "cudnn", "xla", "auto"),
          "tpu": ("splash", "blockwise", "xla", "auto")}
 # The two fused kernels whose time ratio gets a column of its own, per platform.
@@ -51,13 +51,13 @@ def plan(platform: str, quick: bool):
     return IMPLS[platform], shapes(quick)
 
 
-def flops(h: int, t: int, mask: str) -> float:
-    b, n = TOKENS // t, WIDTH // h
+def flops(h: int, t: int, mask: str, width: int = WIDTH) -> float:
+    b, n = TOKENS // t, width // h
     return 4 * b * n * t * t * h * (1.0 if mask == "full" else 0.5)
 
 
-def _inputs(h, t, mask):
-    b, n = TOKENS // t, WIDTH // h
+def _inputs(h, t, mask, width=WIDTH):
+    b, n = TOKENS // t, width // h
     keys = jax.random.split(jax.random.key(t + h), 3)
     q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
     kwargs = {"causal": mask != "full"}
@@ -86,9 +86,9 @@ def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
     return float(np.median(times))
 
 
-def bench_jax(impl, h, t, mask, memory_budget):
-    q, k, v, kwargs = _inputs(h, t, mask)
-    row = {"impl": impl, "H": h, "T": t, "mask": mask}
+def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH):
+    q, k, v, kwargs = _inputs(h, t, mask, width)
+    row = {"impl": impl, "H": h, "T": t, "mask": mask, "width": width}
     if impl == "cudnn" and mask in ("packed", "docs"):
         row["skipped"] = "cuDNN has no segment ids (only a dense N×N mask)"
         return row
@@ -118,11 +118,11 @@ def bench_jax(impl, h, t, mask, memory_budget):
     return row
 
 
-def bench_torch(rows_spec, out_path: Path):
+def bench_torch(rows_spec, out_path: Path, width: int = WIDTH):
     """SDPA's flash and cuDNN backends, in a process of its own (JAX holds the GPU's memory
     pool here; the other runtime must not share our process)."""
     cmd = [sys.executable, "-m", "attention_jax.tools.bench.torch_attention", "--out", str(out_path),
-           "--rows", json.dumps(rows_spec)]
+           "--rows", json.dumps(rows_spec), "--width", str(width)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
     if done.returncode != 0 or not out_path.exists():
         print(f"torch peer failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -133,7 +133,8 @@ def bench_torch(rows_spec, out_path: Path):
 def _rate(row, key):
     if "skipped" in row or key not in row:
         return "–"
-    return f"{flops(row['H'], row['T'], row['mask']) * (3.5 if key == 'fwd_bwd_s' else 1) / row[key] / 1e12:.0f}"
+    rate = flops(row['H'], row['T'], row['mask'], row.get('width', WIDTH)) / row[key]
+    return f"{rate * (3.5 if key == 'fwd_bwd_s' else 1) / 1e12:.0f}"
 
 
 def table(rows, platform="gpu"):
@@ -179,21 +180,23 @@ def run(args):
     platform = jax.default_backend()
     impls, all_shapes = plan(platform, args.quick)
     specs = [(h, t, m) for h, t, m in all_shapes if not args.sizes or t in args.sizes]
-    print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={WIDTH}, B·T={TOKENS}", file=sys.stderr)
+    width = getattr(args, "width", WIDTH)
+    print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={width}, B·T={TOKENS}", file=sys.stderr)
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if platform == "gpu" and installed("torch") and not args.no_torch:
         rows += bench_torch([[h, t, m] for h, t, m in specs if m not in ("packed", "docs")],
-                            out.with_name(out.stem + "_torch.json"))
+                            out.with_name(out.stem + "_torch.json"), width)
     for h, t, mask in specs:
         for impl in impls:
-            row = bench_jax(impl, h, t, mask, budget)
+            row = bench_jax(impl, h, t, mask, budget, width)
             rows.append(row)
             print(f"  H={h} T={t} {mask} {impl}: fwd {_rate(row, 'fwd_s')} / fwd+bwd "
                   f"{_rate(row, 'fwd_bwd_s')} TFLOP/s {row.get('skipped', '')}", file=sys.stderr)
             out.write_text(json.dumps({"device": device.device_kind, "rows": rows}, indent=1))
     print(table(rows, platform))
+    print(f"N·H = {width}, B·T = {TOKENS}.")
     for r in rows:
         if r["impl"] == "auto" and "auto" in r:
             print(f"explain H={r['H']} T={r['T']} {r['mask']}: auto -> {r['auto']}")

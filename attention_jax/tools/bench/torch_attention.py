@@ -36,6 +36,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", required=True, help="JSON list of [H, T, mask]")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, default=WIDTH, help="N·H")
     args = parser.parse_args(argv)
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -45,13 +46,13 @@ def main(argv=None):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
     for h, t, mask in json.loads(args.rows):
-        b, n = TOKENS // t, WIDTH // h
+        b, n = TOKENS // t, args.width // h
         q, k, v = (torch.randn(b, n, t, h, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         causal = mask != "full"
         for name, backend in (("torch_flash", SDPBackend.FLASH_ATTENTION),
                               ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
-            row = {"impl": name, "H": h, "T": t, "mask": mask}
+            row = {"impl": name, "H": h, "T": t, "mask": mask, "width": args.width}
             try:
                 with sdpa_kernel(backend):
                     with torch.no_grad():
