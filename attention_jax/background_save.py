@@ -72,10 +72,10 @@ class SavePrograms:
     for one layout of the state (the shapes, dtypes and shardings of its arrays): the
     state's copy (`snapshot`) and its digest sums (`digests.start_state_digests`).
 
-    Compiled by the first save, they held the training thread for seconds: GPT-2
-    small's 446 arrays took 6-7 s in the first `save` on an H100 (the sums alone compile
-    in 2 s on the CPU host). Compiling them while the train step compiles and the first
-    steps run leaves that save only their launch. `get` hands them out once compiled, or
+    Compiled by the first save, they cost the training thread seconds: the first `save`
+    of GPT-2 small's 446 arrays held it 6-7 s on an H100, where they compiled (the sums
+    alone compile in 2 s on the CPU host). Compiling them while the train step compiles
+    and the first steps run leaves that save only their launch. `get` hands them out once compiled, or
     None for a state of another layout (the jitted programs then compile as before)."""
 
     def __init__(self, state, name: str = "checkpoint-compile"):
