@@ -33,7 +33,8 @@ parameters, one batch transfer a step and the Pallas kernels' packed-document ra
 bare step 34.3 ms; the trainer's step 36.4 ms with packed documents (0.94 of bare),
 34.9 ms with stream rows (0.98); main.py 36.5 / 35.5 ms (0.98-1.00 of its step). A
 checkpoint save's first call held training 6-7 s there (where its device programs
-compiled; they now compile ahead, `Checkpointer.prepare`, unmeasured on a GPU); later ones 27-35 ms, their window still losing 0.4-0.5 s (README, Training speed).
+compiled; they now compile ahead, `Checkpointer.prepare`, unmeasured on a GPU); later
+ones 27-35 ms, their window still losing 0.4-0.5 s (README, Training speed).
 Config keys to try there:
 `train.batch_size=32`, `train.loss_chunk_size`, `train.data_workers`,
 `model.remat_policy`.
