@@ -135,7 +135,7 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     train_speed.add_parser(parser.add_subparsers(dest="which"))
     trainer_args = (f"--config.data.max_files=6 --config.data.data_dir={tmp_path / 'tfds'} "
-                    "--config.mesh.num_devices=1")
+                    "--config.mesh.num_devices=1 --config.train.checkpoint_every=2")
     # A flag the CPU knows, whose effect the child reports: its device count.
     flags = "--xla_force_host_platform_device_count=1"
     args = parser.parse_args(["train", "--device", "gpu", "--no-torch", "--warmup", "1",
@@ -161,6 +161,10 @@ def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
     # the host's shares of a window (getting batches, calling the step) are logged
     assert 0 < trained["host_data_frac"] < 1 and 0 < trained["host_dispatch_frac"] < 1
     assert trained["host_data_frac"] + trained["host_dispatch_frac"] <= 1.01
+    # Saves at steps 2 and 4 (and 6, the last) fall in the windows to steps 3 and 5: what
+    # each held the training thread, and what the window took beyond the median rate.
+    assert [c["step"] for c in trained["saves"]] == [3, 5]
+    assert all(c["held_s"] > 0 and math.isfinite(c["extra_s"]) for c in trained["saves"])
     printed = capsys.readouterr().out
     assert "| gpt-tiny-gpu | 2 | jax / blockwise |" in printed and "cpu (test)" in printed
     assert "| gpt-tiny-gpu | 2 | trainer / blockwise, stream packing |" in printed

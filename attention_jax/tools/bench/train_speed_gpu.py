@@ -47,7 +47,9 @@ would measure in what is left. Order: device query, the PyTorch peer (skipped wi
 when torch has no CUDA), the matmul rate, our rows, then the trainer's rows (trainer.py:
 the trainer's own jitted step timed alone on a real batch, "trainer step", then main.py
 on the same shape with real data, its own logged tokens/s; `--trainer-steps 0` leaves
-them out); one process per row, so an out-of-memory row is recorded in the table
+them out; with saves inside the run, e.g. `--trainer-steps 300
+--trainer-args='--config.train.checkpoint_every=100'`, each save's cost is printed and
+kept in the row: what it held the training thread and what its window lost); one process per row, so an out-of-memory row is recorded in the table
 and the next starts on an empty GPU.
 
 Model FLOPs per token (PaLM, Chowdhery et al. 2022, App. B; models/flops.py's
@@ -374,6 +376,11 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                     print(f"    host: {100 * result['host_data_frac']:.0f}% getting batches, "
                           f"{100 * result['host_dispatch_frac']:.0f}% in the step call",
                           file=sys.stderr, flush=True)
+                for k, cost in enumerate(result.get("saves", [])):
+                    print(f"    {'first save' if k == 0 else 'save'} (window to step "
+                          f"{cost['step']}): held {cost['held_s']:.3f} s, window "
+                          f"+{cost['extra_s']:.3f} s = {cost['extra_s'] / result['step_s']:.1f} "
+                          f"steps", file=sys.stderr, flush=True)
                 save()
     # 5. --fit: the largest batch of each shape that fits, from compiled memory.
     if getattr(args, "fit", False):
@@ -437,7 +444,8 @@ def add_arguments(p) -> None:
                    help="GPU: steps of the trainer row (main.py on each shape; 0: no such row)")
     g.add_argument("--trainer-args", default="",
                    help="GPU: more main.py arguments for the trainer row, one string, e.g. "
-                        "--trainer-args='--config.data.max_files=50'")
+                        "--trainer-args='--config.data.max_files=50' (or "
+                        "'--config.train.checkpoint_every=100': each save's cost)")
     g.add_argument("--packing", default="documents",
                    help="GPU: the trainer rows' data.packing, e.g. documents,stream (documents: "
                         "segment ids, Pallas attention; stream: plain causal rows, cuDNN)")

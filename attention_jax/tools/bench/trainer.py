@@ -114,7 +114,27 @@ def run_commands(row: dict, commands: Callable[[str], list[list[str]]], *, env: 
             if k in records[-1]}
     return {"step_s": row["batch"] * row["seq_len"] / tokens_per_s,
             "tokens_per_s_logged": tokens_per_s, "windows": len(rates) - 1,
-            "windows_tokens_per_s": rates, **host}
+            "windows_tokens_per_s": rates, **host,
+            "saves": save_costs(records, row["batch"] * row["seq_len"], tokens_per_s)}
+
+
+def save_costs(records: list[dict], tokens_per_step: int, tokens_per_s: float) -> list[dict]:
+    """[{"step", "held_s", "extra_s"}] for each logged window that holds a checkpoint
+    save (one made at the step that closed the window before: host_checkpoint_frac > 0):
+    how long `save` held the training thread, and how much longer the window took than
+    the same steps at the run's median rate (the save's whole cost to training, what it
+    held and what it slowed beside it). Issue 35's target: at most one step's time for
+    every save after the first."""
+    costs, previous = [], None
+    for r in records:
+        steps = r["step"] - previous if previous is not None else None
+        previous = r["step"]
+        if not steps or not r.get("host_checkpoint_frac"):
+            continue
+        window_s = steps * tokens_per_step / r["tokens_per_sec"]
+        costs.append({"step": r["step"], "held_s": r["host_checkpoint_frac"] * window_s,
+                      "extra_s": window_s - steps * tokens_per_step / tokens_per_s})
+    return costs
 
 
 def experiment_config(row: dict, implementation: str, dtype: str, steps: int,
