@@ -85,6 +85,7 @@ class SavePrograms:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in arrays]
         self.copy = self.sums = None
         self._error: BaseException | None = None
+        self._said_layout = False  # a state of another layout was said once
 
         def compile_both():
             try:
@@ -103,12 +104,21 @@ class SavePrograms:
         compilation if it is still running); None if they cannot serve it."""
         self._thread.join()
         if self._error is not None:
-            logging.warning("checkpoints: compiling the save's programs ahead failed (%s); "
-                            "the save compiles them", str(self._error)[:200])
+            _say_compiled_on_save(f"compiling them ahead failed ({str(self._error)[:200]})")
             self._error, self._layout = None, None  # said once; never used
-        if self._layout is None or _layout(state) != self._layout:
+        if self._layout is None:
+            return None
+        if _layout(state) != self._layout:
+            if not self._said_layout:
+                _say_compiled_on_save("a state laid out unlike the one they were compiled for")
+                self._said_layout = True
             return None
         return self
+
+
+def _say_compiled_on_save(why: str) -> None:
+    logging.warning("checkpoints: the save's device programs: %s; the save compiles them on "
+                    "the training thread", why)
 
 
 def _layout(state):
