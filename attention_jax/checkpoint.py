@@ -32,6 +32,7 @@ the newest step that restores and verifies, moving damaged steps aside (`30.corr
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 import sys
@@ -123,6 +124,53 @@ def _move_aside(path: epath.Path, suffix: str) -> epath.Path:
         path.rename(target)  # in an object store: a copy of every object, then a delete
     _sync(f"attention_jax_move_aside_{path.name}")
     return target
+
+
+def _handlers(state) -> dict:
+    """CheckpointManager's keyword naming the items' handlers, `state` that of the
+    state. orbax finds the handler of an item's arguments (StandardSave, JsonSave, ...)
+    by the handler's exact class, so a handler of another class (_StateHandler) goes
+    into a registry with the arguments it takes."""
+    items = {"state": state, "data": ocp.JsonCheckpointHandler(),
+             "digest": ocp.JsonCheckpointHandler()}
+    if type(state) is ocp.StandardCheckpointHandler:
+        return {"item_handlers": items}
+    takes = {"state": (ocp.args.StandardSave, ocp.args.StandardRestore),
+             "data": (ocp.args.JsonSave, ocp.args.JsonRestore),
+             "digest": (ocp.args.JsonSave, ocp.args.JsonRestore)}
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for name, handler in items.items():
+        for args in takes[name]:
+            registry.add(name, args, handler)
+    return {"handler_registry": registry}
+
+
+def state_handler(pinned_host: bool | None = None, compression: bool = True):
+    """orbax's handler of the state item: its StandardCheckpointHandler, or where an
+    option differs from orbax's defaults, one whose inner PyTree handler (orbax's own,
+    which writes the files) has them set; it keeps the standard handler's name in the
+    checkpoint's metadata, so the files and their description are the same."""
+    if pinned_host is None and compression:
+        return ocp.StandardCheckpointHandler()
+    return _StateHandler(enable_pinned_host_transfer=pinned_host, use_compression=compression)
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+    def __init__(self, **options):
+        super().__init__()
+        if not isinstance(getattr(self, "_impl", None), ocp.PyTreeCheckpointHandler):
+            raise RuntimeError(f"orbax-checkpoint {ocp.__version__}: StandardCheckpointHandler "
+                               f"no longer delegates to a PyTreeCheckpointHandler; the save "
+                               f"options {options} cannot be set")
+        # The standard handler's limits on bytes in flight, as it sets them.
+        defaults = inspect.signature(ocp.StandardCheckpointHandler.__init__).parameters
+        limits = {k: defaults[k].default for k in ("save_concurrent_gb", "restore_concurrent_gb")
+                  if k in defaults}
+        self._impl = ocp.PyTreeCheckpointHandler(**limits, **options)
+
+    @classmethod
+    def typestr(cls) -> str:
+        return ocp.StandardCheckpointHandler.typestr()
 
 
 def _saved_items(step_path: epath.Path) -> list[str]:
@@ -241,10 +289,16 @@ class Checkpointer:
         `save`.
       read_only: for readers of a run that may still be training: nothing is cleaned up,
         moved or written.
+      pinned_host: orbax's device -> host copy of the arrays through pinned host memory
+        (None: orbax's default, on for a GPU); compression: orbax's zstd compression of
+        the arrays (tensorstore compresses on every core of the host). Both exist for
+        `bench profile --save`'s A/B of what slows training during a save (issue 35);
+        the files read back either way.
     """
 
     def __init__(self, directory, *, save_every: int = 1000, keep: int = 3,
-                 async_save: bool = True, read_only: bool = False):
+                 async_save: bool = True, read_only: bool = False,
+                 pinned_host: bool | None = None, compression: bool = True):
         check_supported(directory)
         self.directory = epath.Path(directory)
         self.save_every = save_every
@@ -283,9 +337,7 @@ class Checkpointer:
         with quiet.drop_log_messages(READ_ONLY_WARNING):  # read-only is what we asked for
             self.manager = ocp.CheckpointManager(
                 self.directory, options=options,
-                item_handlers={"state": ocp.StandardCheckpointHandler(),
-                               "data": ocp.JsonCheckpointHandler(),
-                               "digest": ocp.JsonCheckpointHandler()})
+                **_handlers(state_handler(pinned_host, compression)))
 
 
     # ------------------------------------------------------------------------- query
@@ -425,6 +477,12 @@ class Checkpointer:
             self._wait_for_orbax()
         finally:
             self._raise_failure()
+
+    def saving(self) -> bool:
+        """Whether a save is still in flight (on the background thread or in orbax's
+        write); never waits."""
+        return ((self._saves is not None and self._saves.step() is not None)
+                or self.manager.is_saving_in_progress())
 
     def close(self) -> None:
         """Waits for the saves in flight (raising a failed one's error), then closes."""

@@ -5,6 +5,7 @@ order is (a state that is not computed yet stays not computed across `save`).
 """
 
 import gc
+import logging
 import os
 import re
 import shutil
@@ -210,3 +211,48 @@ def test_prepared_programs_leave_the_first_save_nothing_to_compile(tmp_path, mon
     other = {**state, "w": jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("data")))}
     assert ck._programs.get(other) is None
     ck.close()
+
+
+def test_saving_says_a_save_is_in_flight_until_it_has_committed(tmp_path, seed_matrix):
+    """`saving()` (what bench profile --save polls between windows) is True from `save`
+    until the checkpoint has committed, and never waits for it."""
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1)
+    assert not ck.saving()
+    state = _unfinished_state(seed_matrix)
+    ck.save(3, state, {"next_index": 3})
+    assert ck.saving() and not state["params"]["w"].is_ready()  # it did not wait
+    ck.wait()
+    assert not ck.saving() and ck.latest_step() == 3
+    ck.close()
+
+
+@pytest.mark.parametrize("pinned_host", [True, False])
+def test_orbax_copy_options_write_checkpoints_any_checkpointer_reads(tmp_path, pinned_host,
+                                                                     caplog):
+    """The save options behind bench profile --save's A/B: orbax's copy through pinned
+    host memory (the CPU client has that memory too, so the path runs here) and without
+    compression. The files are the standard handler's: a default Checkpointer restores
+    and verifies them, the step's metadata names the standard handler, and without
+    compression a state of zeros takes far more room on disk than with it."""
+    state = {"params": {"w": jnp.zeros((256, 1024)), "b": jnp.arange(8.0)}, "step": jnp.int32(4)}
+    sizes = {}
+    for compression in (True, False):
+        where = tmp_path / f"compression_{compression}"
+        ck = checkpoint.Checkpointer(str(where), save_every=1, pinned_host=pinned_host,
+                                     compression=compression)
+        with caplog.at_level(logging.INFO, logger="absl"):
+            assert ck.save(4, state, {"next_index": 4})
+            ck.close()
+        # orbax says how it moves the arrays to the host
+        assert f"enable_pinned_host_transfer={pinned_host}" in caplog.text
+        caplog.clear()
+        reader = checkpoint.Checkpointer(str(where), read_only=True)
+        restored, _ = reader.restore(_abstract(state))  # verifies the digests
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored),
+                     jax.device_get(state))
+        reader.close()
+        meta = (where / "4" / "_CHECKPOINT_METADATA").read_text()
+        assert "StandardCheckpointHandler" in meta and "_StateHandler" not in meta
+        sizes[compression] = sum(f.stat().st_size for f in (where / "4" / "state").rglob("*")
+                                 if f.is_file())
+    assert sizes[False] > 20 * sizes[True]  # 1 MiB of zeros: stored, not compressed away

@@ -5,6 +5,7 @@ are checked on kernel names an H100 trace of GPT-2 small gave (2026-11-23)."""
 import argparse
 import json
 import math
+import statistics
 
 import pytest
 
@@ -67,3 +68,50 @@ def test_bad_arguments_name_the_valid_values(tmp_path):
         profile.run(_args(tmp_path, "--batch", "0"))
     with pytest.raises(SystemExit, match=r"--loss-chunk -1; valid: an integer >= 0"):
         profile.run(_args(tmp_path, "--loss-chunk", "-1"))
+
+
+def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys):
+    """bench profile --save on the trainer's step: every save spans whole windows until
+    it has committed, its cost is what those windows took beyond as many plain steps,
+    and the traced plain window and save give each thread's time side by side. The
+    options reach orbax (pinned-host copy on: the CPU client has that memory too)."""
+    out = tmp_path / "save"
+    trainer_args = (f"--config.data.max_files=6 --config.data.data_dir={tmp_path / 'tfds'} "
+                    "--config.mesh.num_devices=1")
+    result = profile.run(_args(tmp_path, "--save", "--save-window", "2", "--saves", "2",
+                               "--pinned-host", "on", "--compression", "off", "--out", str(out),
+                               f"--trainer-args={trainer_args}"))
+    assert result["pinned_host"] is True and result["compression"] is False
+    assert result["step_s"] > 0 and len(result["saves"]) == 2
+    for cost in (result["first"], *result["saves"]):
+        assert cost["steps"] >= 2 and cost["steps"] % 2 == 0 and 0 < cost["held_s"] < cost["window_s"]
+        assert cost["extra_s"] == pytest.approx(cost["window_s"] - cost["steps"] * result["step_s"])
+    assert result["extra_s"] == pytest.approx(statistics.median(c["extra_s"]
+                                                                for c in result["saves"]))
+    threads = result["threads"]
+    assert any(r["thread"] == "python" for r in threads)  # the training thread
+    # threads that only the save's trace has: the save's and orbax's
+    assert any(r["plain_ms_per_step"] == 0 < r["save_ms_per_step"] for r in threads)
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["saves"] == result["saves"] and list((out / "traces").rglob("*.json.gz"))
+    printed = capsys.readouterr().out
+    assert "| later 2 |" in printed and "| process | thread | plain ms/step |" in printed
+
+
+def test_thread_busy_counts_nested_and_overlapping_events_once():
+    from attention_jax.tools.bench import save_window
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}}]
+    span = lambda ts, dur, name, tid=7: {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur,
+                                         "name": name}
+    events = meta + [span(0, 100, "outer"), span(10, 30, "inner"), span(50, 20, "inner"),
+                     span(90, 30, "overlap"), span(200, 5, "alone"), span(0, 4, "other", tid=8)]
+    busy = save_window.thread_busy(events)
+    stream = busy[("/device:GPU:0", "Stream #7")]
+    assert stream["busy_us"] == 125  # [0, 120) and [200, 205)
+    # self time: inner 30 + 20; outer 100 less the 30 + 20 of inner and the 10 of overlap
+    # that fall inside it; overlap 30
+    assert stream["top"] == ["inner", "outer", "overlap"]
+    assert busy[("/device:GPU:0", "8")]["busy_us"] == 4  # an unnamed thread: its id
+    rows = save_window.compare_threads({"plain": busy, "save": busy}, {"plain": 1, "save": 5})
+    assert rows[0]["save_ms_per_step"] == pytest.approx(0.125 / 5)

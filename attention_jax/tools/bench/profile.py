@@ -4,6 +4,7 @@ r"""Where a training step's time goes: `python -m attention_jax.tools.bench prof
     python -m attention_jax.tools.bench profile --shape gpt2-124m --batch 32 --loss-chunk 256
     python -m attention_jax.tools.bench profile --out bench_results/profile   # + trace, HLO
     python -m attention_jax.tools.bench profile --trainer   # the trainer's step, a real batch
+    python -m attention_jax.tools.bench profile --save      # what a checkpoint save costs it
 
 Builds the GPU benchmark's bare step (train_speed_gpu.py: GPT-2 shapes, AdamW, bfloat16
 compute), runs it until compiled, then records `--steps` steps with `jax.profiler.trace`
@@ -17,7 +18,8 @@ directory `--out` keeps the Perfetto trace (open it at ui.perfetto.dev), the com
 HLO (a kernel's `hlo_op` names an instruction there) and the table as JSON.
 `--trainer` profiles the trainer's own jitted step instead (bench/trainer.py: main.py's
 step at this shape, on one real batch of the packed corpus): the two tables side by side
-say what the trainer's step adds to the bare one.
+say what the trainer's step adds to the bare one. `--save` times checkpoint saves
+between the trainer's steps instead and traces a save's windows (bench/save_window.py).
 
 Where the ops come from: on a GPU the trace has one process per device ("/device:GPU:0")
 whose threads are its CUDA streams; each kernel is one event there. On a CPU, XLA runs
@@ -215,6 +217,18 @@ def add_parser(sub) -> None:
     p.add_argument("--trainer", action="store_true",
                    help="profile the trainer's own step (main.py's, configs/gpt2_gpu.py at "
                         "this shape: packed documents, clipping, metrics) on a real batch")
+    p.add_argument("--save", action="store_true",
+                   help="what a checkpoint save costs the trainer's steps around it, and "
+                        "where (save_window.py; implies --trainer)")
+    p.add_argument("--save-window", type=int, default=10,
+                   help="with --save: steps per window (main.py's log_every)")
+    p.add_argument("--saves", type=int, default=3, help="with --save: later saves timed")
+    p.add_argument("--pinned-host", default="default", choices=("default", "on", "off"),
+                   help="with --save: orbax's device-to-host copy through pinned host "
+                        "memory (default: orbax's choice, on for a GPU)")
+    p.add_argument("--compression", default="on", choices=("on", "off"),
+                   help="with --save: orbax's zstd compression of the arrays (tensorstore "
+                        "compresses on every core of the host)")
     p.add_argument("--trainer-args", default="",
                    help="with --trainer: main.py --config.* arguments, one string, e.g. "
                         "--trainer-args='--config.data.max_files=50'")
@@ -227,7 +241,12 @@ def run(args) -> dict:
         raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
     if args.loss_chunk < 0:
         raise SystemExit(f"error: --loss-chunk {args.loss_chunk}; valid: an integer >= 0")
+    for flag in ("save_window", "saves"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}; "
+                             f"valid: an integer >= 1")
     row = shape.row(args.batch or shape.batches[0])
+    args.trainer = args.trainer or args.save
     which = "the trainer's step" if args.trainer else "the bare step"
     print(f"profiling {which}: {args.shape} batch {row['batch']} attention {args.implementation} "
           f"loss-chunk {args.loss_chunk} ...", file=sys.stderr, flush=True)
@@ -236,6 +255,15 @@ def run(args) -> dict:
                  *shlex.split(args.trainer_args))
         compiled, state, batch = trainer.compiled_step(row, args.implementation, dtype=args.dtype,
                                                        extra=extra)
+        if args.save:
+            from attention_jax.tools.bench import save_window
+            out = save_window.run(args, compiled, state, batch)
+            out.update(row=row, step="checkpoint saves between the trainer's steps",
+                       implementation=args.implementation, dtype=args.dtype)
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "summary.json").write_text(json.dumps(out, indent=1))
+            return out
         summary = profile_step(compiled, state, (batch,), args.steps, out_dir=args.out)
         loss = summary.pop("last")["loss"]
     else:

@@ -1,0 +1,236 @@
+r"""What a checkpoint save costs the training steps around it:
+`python -m attention_jax.tools.bench profile --save`.
+
+    python -m attention_jax.tools.bench profile --save                # gpt2-124m, batch 16
+    python -m attention_jax.tools.bench profile --save --pinned-host off   # orbax's copy A/B
+    python -m attention_jax.tools.bench profile --save --compression off   # orbax's zstd A/B
+    python -m attention_jax.tools.bench profile --save --out bench_results/save  # + traces
+
+Issue 35 asks that a save after the first cost training at most one step. In main.py on
+an H100 (2026-11-24) a later save held the training thread about one step, and still its
+window took 0.4-0.5 s longer than the others: something slowed the steps while the save's
+device-to-host copy and write went on beside them. This benchmark isolates that, on the
+trainer's own step (bench/trainer.py: main.py's step at the shape, one real batch), saved
+by the trainer's Checkpointer into a temporary folder, the step run in windows of
+`--save-window` steps, each ended by one wait for the device (as main.py's log sync):
+
+  plain window   no save in flight (the previous one has committed before it starts)
+  a save         `save` at the start of a window, then whole windows until it has
+                 committed: held_s, what `save` held the calling thread; extra_s, how much
+                 longer those windows took than as many plain steps (the save's whole
+                 cost to training, what it held and what it slowed); steps, how many
+                 steps it spanned. The first save of the run is reported apart: its device
+                 programs compile ahead (Checkpointer.prepare, as main.py calls it)
+
+Then one plain window and one later save's windows are traced (jax.profiler) and each
+thread's busy time per step is read back, plain against save: on a GPU the device's
+streams (compute, the copies to and from the host) and the host's threads (the training
+thread, the save's, orbax's); on a CPU the host's threads.
+
+The two options are the suspects one can switch without a profile: orbax's device-to-host
+copy through pinned host memory (`--pinned-host`; on by default for a GPU, where each of
+the state's arrays, 446 for GPT-2 small with AdamW, moves by a `device_put` of its own;
+off, each is copied to pageable memory) and its zstd compression, which
+tensorstore runs on a pool as wide as the host's cores, beside the thread that launches
+the steps (`--compression`). Run each setting as its own command: one process each.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+DATA_STATE = {"bench": "save window"}  # the checkpoint's data item: any JSON
+
+
+def _windows(step, state, size: int, count: int = 1):
+    """`count` windows of `size` steps, each ended by a wait for the device."""
+    import jax
+    for _ in range(count):
+        for _ in range(size):
+            state, metrics = step(state)
+        jax.block_until_ready(metrics)
+    return state
+
+
+def plain_window(step, state, ckpt, size: int):
+    """(state, seconds) of one window of `size` steps with no save in flight."""
+    ckpt.wait()
+    start = time.perf_counter()
+    state = _windows(step, state, size)
+    return state, time.perf_counter() - start
+
+
+def saved_windows(step, state, ckpt, at: int, size: int):
+    """(state, {"held_s", "window_s", "steps"}): a save of `state` as checkpoint step `at`
+    at the start of a window, then windows of `size` steps until it has committed."""
+    ckpt.wait()
+    start = time.perf_counter()
+    ckpt.save(at, state, DATA_STATE, force=True)
+    held = time.perf_counter() - start
+    steps = 0
+    while True:
+        state = _windows(step, state, size)
+        steps += size
+        if not ckpt.saving():
+            break
+    return state, {"held_s": held, "window_s": time.perf_counter() - start, "steps": steps}
+
+
+def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3,
+            warmup: int = 2, pinned_host: bool | None = None, compression: bool = True,
+            trace_dir: str | None = None) -> dict:
+    """The save costs of `compiled(state, batch) -> (state, metrics)`'s training, saved
+    into `directory` (see the module doc). pinned_host, compression: the Checkpointer's
+    options of those names (pinned_host None: orbax's default). trace_dir: also trace one plain window and one
+    save and return each thread's busy time (`threads`; the traces stay there)."""
+    import jax
+
+    from attention_jax import checkpoint
+    from attention_jax.tools.bench import profile
+    step = lambda s: compiled(s, batch)
+    ckpt = checkpoint.Checkpointer(directory, save_every=1, keep=2, pinned_host=pinned_host,
+                                   compression=compression)
+    ckpt.prepare(state)  # as main.py's loop does, before its first steps
+    try:
+        state = _windows(step, state, size, warmup)
+        plain = []
+        state, first = saved_windows(step, state, ckpt, 1, size)
+        later = []
+        for at in range(2, 2 + saves):
+            state, seconds = plain_window(step, state, ckpt, size)
+            plain.append(seconds / size)
+            state, cost = saved_windows(step, state, ckpt, at, size)
+            later.append(cost)
+        state, seconds = plain_window(step, state, ckpt, size)
+        plain.append(seconds / size)
+        step_s = statistics.median(plain)
+        for cost in (first, *later):
+            cost["extra_s"] = cost["window_s"] - cost["steps"] * step_s
+            cost["extra_steps"] = cost["extra_s"] / step_s
+        out = {"step_s": step_s, "window": size, "first": first, "saves": later,
+               "held_s": statistics.median(c["held_s"] for c in later),
+               "extra_s": statistics.median(c["extra_s"] for c in later),
+               "pinned_host": pinned_host, "compression": compression,
+               "device": jax.devices()[0].device_kind,
+               "state_arrays": sum(isinstance(x, jax.Array) for x in jax.tree.leaves(state)),
+               "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)
+                                  if isinstance(x, jax.Array))}
+        out["extra_steps"] = out["extra_s"] / step_s
+        if trace_dir is not None:
+            traced = {}
+            with jax.profiler.trace(f"{trace_dir}/plain", create_perfetto_trace=True):
+                state, _ = plain_window(step, state, ckpt, size)
+            traced["plain"] = (profile.read_trace(f"{trace_dir}/plain"), size)
+            with jax.profiler.trace(f"{trace_dir}/save", create_perfetto_trace=True):
+                state, cost = saved_windows(step, state, ckpt, 2 + saves, size)
+            traced["save"] = (profile.read_trace(f"{trace_dir}/save"), cost["steps"])
+            out["threads"] = compare_threads(
+                {k: thread_busy(events) for k, (events, _) in traced.items()},
+                {k: steps for k, (_, steps) in traced.items()})
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    return out
+
+
+def thread_busy(events: list[dict]) -> dict[tuple[str, str], dict]:
+    """{(process name, thread name): {"busy_us", "top"}} of a trace: the time each
+    thread had an event open (nested and overlapping events counted once; threads of
+    one name, a pool, summed) and the three event names of most self time (their time
+    less that of the events nested in them: what the thread was doing, not the frames
+    around it)."""
+    import collections
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("dur") is not None:
+            spans[(e["pid"], e["tid"])].append((float(e["ts"]), float(e["dur"]), e["name"]))
+    busy = {}
+    for key, evs in spans.items():
+        evs.sort(key=lambda e: (e[0], -e[1]))  # an enclosing event before those inside it
+        total, end = 0.0, float("-inf")
+        self_us = collections.Counter()
+        stack = []  # open events: [end, name, its own time so far]
+        for ts, dur, name in evs:
+            if ts + dur > end:  # the union of the intervals
+                total += ts + dur - max(ts, end)
+                end = ts + dur
+            while stack and stack[-1][0] <= ts:
+                closed = stack.pop()
+                self_us[closed[1]] += closed[2]
+            if stack:
+                stack[-1][2] -= min(dur, stack[-1][0] - ts)  # nested: not its parent's own
+            stack.append([ts + dur, name, dur])
+        for closed in stack:
+            self_us[closed[1]] += closed[2]
+        label = (procs.get(key[0], str(key[0])), names.get(key, str(key[1])))
+        entry = busy.setdefault(label, {"busy_us": 0.0, "self": collections.Counter()})
+        entry["busy_us"] += total
+        entry["self"].update(self_us)
+    for entry in busy.values():
+        entry["top"] = [name for name, _ in entry.pop("self").most_common(3)]
+    return busy
+
+
+def compare_threads(busy: dict[str, dict], steps: dict[str, int]) -> list[dict]:
+    """Rows {"process", "thread", "<name>_ms_per_step"..., "top"} of thread_busy's dicts
+    per trace name, each thread's busy time divided by that trace's steps; busiest in the
+    save trace first."""
+    labels = sorted({label for b in busy.values() for label in b})
+    rows = []
+    for process, thread in labels:
+        row = {"process": process, "thread": thread}
+        top = []
+        for name, threads in busy.items():
+            entry = threads.get((process, thread))
+            row[f"{name}_ms_per_step"] = (entry["busy_us"] * 1e-3 / steps[name]) if entry else 0.0
+            top += [t for t in (entry["top"] if entry else []) if t not in top]
+        row["top"] = top[:3]
+        rows.append(row)
+    last = list(busy)[-1]
+    return sorted(rows, key=lambda r: -r[f"{last}_ms_per_step"])
+
+
+def report(out: dict, top: int = 12) -> str:
+    """Markdown: the costs, then the busiest threads plain against save."""
+    ms = lambda s: f"{1e3 * s:.1f}"
+    lines = [f"{out['device']}: a state of {out['state_arrays']} arrays, "
+             f"{out['state_bytes'] / 2**30:.2f} GiB; step {ms(out['step_s'])} ms in plain "
+             f"windows of {out['window']}; orbax's pinned-host copy "
+             f"{ {None: 'default', True: 'on', False: 'off'}[out['pinned_host']]}, "
+             f"compression {'on' if out['compression'] else 'off'}", "",
+             "| save | held the training thread, ms | whole cost to training, ms | "
+             "in steps | steps spanned |", "|---|---|---|---|---|"]
+    for name, cost in [("first", out["first"]),
+                       *((f"later {i + 1}", c) for i, c in enumerate(out["saves"]))]:
+        lines.append(f"| {name} | {ms(cost['held_s'])} | {ms(cost['extra_s'])} | "
+                     f"{cost['extra_steps']:.1f} | {cost['steps']} |")
+    verdict = "met" if out["extra_s"] <= out["step_s"] else "not met"
+    lines += ["", f"Later saves, median: {ms(out['extra_s'])} ms, {out['extra_steps']:.1f} "
+                  f"steps (issue 35: at most one step; {verdict})."]
+    if "threads" in out:
+        lines += ["", "| process | thread | plain ms/step | save ms/step | its largest events |",
+                  "|---|---|---|---|---|"]
+        for r in out["threads"][:top]:
+            lines.append(f"| {r['process'][:40]} | {r['thread'][:40]} | "
+                         f"{r['plain_ms_per_step']:.2f} | {r['save_ms_per_step']:.2f} | "
+                         f"{', '.join(t[:40] for t in r['top'])} |")
+    return "\n".join(lines)
+
+
+def run(args, compiled, state, batch) -> dict:
+    """`bench profile --save`'s measurement on the trainer's compiled step."""
+    pinned = {"default": None, "on": True, "off": False}[args.pinned_host]
+    with tempfile.TemporaryDirectory(prefix="bench_save_") as directory:
+        trace_dir = str(Path(args.out) / "traces") if args.out else None
+        out = measure(compiled, state, batch, directory, size=args.save_window,
+                      saves=args.saves, pinned_host=pinned,
+                      compression=args.compression == "on", trace_dir=trace_dir)
+    print(report(out))
+    return out
