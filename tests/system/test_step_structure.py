@@ -14,7 +14,7 @@ import pytest
 
 import tiny
 from attention_jax import sharding, steps, train
-from attention_jax.tools.bench.profile import read_trace
+from attention_jax.tools.bench.traces import read_trace
 from helpers import load, shrink
 
 

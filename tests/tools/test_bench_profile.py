@@ -79,7 +79,8 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
     trainer_args = (f"--config.data.max_files=6 --config.data.data_dir={tmp_path / 'tfds'} "
                     "--config.mesh.num_devices=1")
     result = profile.run(_args(tmp_path, "--save", "--save-window", "2", "--saves", "2",
-                               "--pinned-host", "on", "--compression", "off", "--out", str(out),
+                               "--pinned-host", "on", "--compression", "off", "--python-trace",
+                               "--out", str(out),
                                f"--trainer-args={trainer_args}"))
     assert result["pinned_host"] is True and result["compression"] is False
     assert result["step_s"] > 0 and len(result["saves"]) == 2
@@ -99,14 +100,14 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
 
 
 def test_thread_busy_counts_nested_and_overlapping_events_once():
-    from attention_jax.tools.bench import save_window
+    from attention_jax.tools.bench import save_window, traces
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}}]
     span = lambda ts, dur, name, tid=7: {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur,
                                          "name": name}
     events = meta + [span(0, 100, "outer"), span(10, 30, "inner"), span(50, 20, "inner"),
                      span(90, 30, "overlap"), span(200, 5, "alone"), span(0, 4, "other", tid=8)]
-    busy = save_window.thread_busy(events)
+    busy = traces.thread_busy(events)
     stream = busy[("/device:GPU:0", "Stream #7")]
     assert stream["busy_us"] == 125  # [0, 120) and [200, 205)
     # self time: inner 30 + 20; outer 100 less the 30 + 20 of inner and the 10 of overlap

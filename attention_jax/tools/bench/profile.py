@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import gzip
 import json
-import os
 import re
 import shlex
 import sys
 from pathlib import Path
+
+from attention_jax.tools.bench.traces import read_trace
 
 # Kinds, tried in order against the lower-cased kernel name (and its HLO op's name).
 KINDS = (
@@ -58,17 +58,6 @@ def kind_of(name: str, hlo_op: str = "") -> str:
         if any(w in text for w in words):
             return kind
     return "other"
-
-
-def read_trace(log_dir: str) -> list[dict]:
-    """The trace events of the newest `perfetto_trace.json.gz` under log_dir."""
-    found = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"),
-                             recursive=True), key=os.path.getmtime)
-    if not found:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}")
-    with gzip.open(found[-1], "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
 
 
 def device_ops(events: list[dict]) -> tuple[list[dict], str]:
@@ -226,6 +215,9 @@ def add_parser(sub) -> None:
     p.add_argument("--pinned-host", default="default", choices=("default", "on", "off"),
                    help="with --save: orbax's device-to-host copy through pinned host "
                         "memory (default: orbax's choice, on for a GPU)")
+    p.add_argument("--python-trace", action="store_true",
+                   help="with --save --out: trace every Python call of every thread too "
+                        "(what orbax's threads do; large traces)")
     p.add_argument("--compression", default="on", choices=("on", "off"),
                    help="with --save: orbax's zstd compression of the arrays (tensorstore "
                         "compresses on every core of the host)")

@@ -23,10 +23,10 @@ by the trainer's Checkpointer into a temporary folder, the step run in windows o
                  programs compile ahead (Checkpointer.prepare, as main.py calls it) during
                  the warm-up windows, 5 s of them at least
 
-Then one plain window and one later save's windows are traced (jax.profiler) and each
-thread's busy time per step is read back, plain against save: on a GPU the device's
-streams (compute, the copies to and from the host) and the host's threads (the training
-thread, the save's, orbax's); on a CPU the host's threads.
+Then one plain window and the first windows of a later save are traced (jax.profiler)
+and each thread's busy time per step is read back, plain against save: on a GPU the
+device's streams (compute, the copies to and from the host) and the host's threads (the
+training thread, the save's, orbax's); on a CPU the host's threads.
 
 The two options are the suspects one can switch without a profile: orbax's device-to-host
 copy through pinned host memory (`--pinned-host`; on by default for a GPU, where each of
@@ -48,6 +48,10 @@ DATA_STATE = {"bench": "save window"}  # the checkpoint's data item: any JSON
 # save comes after checkpoint_every steps, 100 at least in bench train's save rows (3.5 s
 # of GPT-2 small on an H100), while the save's programs compile on their thread.
 FIRST_SAVE_AFTER_S = 5.0
+# A save's trace covers its first windows only (its launch, the copies to the host, the
+# start of the write): every kernel of every step is an event, and a trace of the whole
+# save of GPT-2 small would take longer to read back than to record.
+TRACED_WINDOWS = 5
 
 
 def _windows(step, state, size: int, count: int = 1):
@@ -68,9 +72,10 @@ def plain_window(step, state, ckpt, size: int):
     return state, time.perf_counter() - start
 
 
-def saved_windows(step, state, ckpt, at: int, size: int):
+def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None):
     """(state, {"held_s", "window_s", "steps"}): a save of `state` as checkpoint step `at`
-    at the start of a window, then windows of `size` steps until it has committed."""
+    at the start of a window, then windows of `size` steps until it has committed (or
+    `most` windows have run)."""
     ckpt.wait()
     start = time.perf_counter()
     ckpt.save(at, state, DATA_STATE, force=True)
@@ -79,22 +84,24 @@ def saved_windows(step, state, ckpt, at: int, size: int):
     while True:
         state = _windows(step, state, size)
         steps += size
-        if not ckpt.saving():
+        if not ckpt.saving() or (most is not None and steps >= most * size):
             break
     return state, {"held_s": held, "window_s": time.perf_counter() - start, "steps": steps}
 
 
 def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3,
             warmup: int = 2, pinned_host: bool | None = None, compression: bool = True,
-            trace_dir: str | None = None) -> dict:
+            trace_dir: str | None = None, python_trace: bool = False) -> dict:
     """The save costs of `compiled(state, batch) -> (state, metrics)`'s training, saved
     into `directory` (see the module doc). pinned_host, compression: the Checkpointer's
-    options of those names (pinned_host None: orbax's default). trace_dir: also trace one plain window and one
-    save and return each thread's busy time (`threads`; the traces stay there)."""
+    options of those names (pinned_host None: orbax's default). trace_dir: also trace one
+    plain window and the first TRACED_WINDOWS windows of a save, and return each thread's
+    busy time (`threads`; the traces stay there); python_trace: with every Python call
+    of every thread in them (jax.profiler's Python tracer; large traces)."""
     import jax
 
     from attention_jax import checkpoint
-    from attention_jax.tools.bench import profile
+    from attention_jax.tools.bench import traces
     step = lambda s: compiled(s, batch)
     ckpt = checkpoint.Checkpointer(directory, save_every=1, keep=2, pinned_host=pinned_host,
                                    compression=compression)
@@ -128,66 +135,30 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                                   if isinstance(x, jax.Array))}
         out["extra_steps"] = out["extra_s"] / step_s
         if trace_dir is not None:
-            traced = {}
-            with jax.profiler.trace(f"{trace_dir}/plain", create_perfetto_trace=True):
-                state, _ = plain_window(step, state, ckpt, size)
-            traced["plain"] = (profile.read_trace(f"{trace_dir}/plain"), size)
-            with jax.profiler.trace(f"{trace_dir}/save", create_perfetto_trace=True):
-                state, cost = saved_windows(step, state, ckpt, 2 + saves, size)
-            traced["save"] = (profile.read_trace(f"{trace_dir}/save"), cost["steps"])
-            out["threads"] = compare_threads(
-                {k: thread_busy(events) for k, (events, _) in traced.items()},
-                {k: steps for k, (_, steps) in traced.items()})
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = int(python_trace)
+            busy, steps = {}, {}
+            for name in ("plain", "save"):
+                where = f"{trace_dir}/{name}"
+                with jax.profiler.trace(where, create_perfetto_trace=True,
+                                        profiler_options=options):
+                    if name == "plain":
+                        state, _ = plain_window(step, state, ckpt, size)
+                        steps[name] = size
+                    else:
+                        state, cost = saved_windows(step, state, ckpt, 2 + saves, size,
+                                                    most=TRACED_WINDOWS)
+                        steps[name] = cost["steps"]
+                busy[name] = traces.thread_busy(traces.read_trace(where))
+            out["threads"] = compare_threads(busy, steps)
         ckpt.wait()
     finally:
         ckpt.close()
     return out
 
 
-def thread_busy(events: list[dict]) -> dict[tuple[str, str], dict]:
-    """{(process name, thread name): {"busy_us", "top"}} of a trace: the time each
-    thread had an event open (nested and overlapping events counted once; threads of
-    one name, a pool, summed) and the three event names of most self time (their time
-    less that of the events nested in them: what the thread was doing, not the frames
-    around it)."""
-    import collections
-    procs = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    spans = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("dur") is not None:
-            spans[(e["pid"], e["tid"])].append((float(e["ts"]), float(e["dur"]), e["name"]))
-    busy = {}
-    for key, evs in spans.items():
-        evs.sort(key=lambda e: (e[0], -e[1]))  # an enclosing event before those inside it
-        total, end = 0.0, float("-inf")
-        self_us = collections.Counter()
-        stack = []  # open events: [end, name, its own time so far]
-        for ts, dur, name in evs:
-            if ts + dur > end:  # the union of the intervals
-                total += ts + dur - max(ts, end)
-                end = ts + dur
-            while stack and stack[-1][0] <= ts:
-                closed = stack.pop()
-                self_us[closed[1]] += closed[2]
-            if stack:
-                stack[-1][2] -= min(dur, stack[-1][0] - ts)  # nested: not its parent's own
-            stack.append([ts + dur, name, dur])
-        for closed in stack:
-            self_us[closed[1]] += closed[2]
-        label = (procs.get(key[0], str(key[0])), names.get(key, str(key[1])))
-        entry = busy.setdefault(label, {"busy_us": 0.0, "self": collections.Counter()})
-        entry["busy_us"] += total
-        entry["self"].update(self_us)
-    for entry in busy.values():
-        entry["top"] = [name for name, _ in entry.pop("self").most_common(3)]
-    return busy
-
-
 def compare_threads(busy: dict[str, dict], steps: dict[str, int]) -> list[dict]:
-    """Rows {"process", "thread", "<name>_ms_per_step"..., "top"} of thread_busy's dicts
+    """Rows {"process", "thread", "<name>_ms_per_step"..., "top"} of traces.thread_busy's dicts
     per trace name, each thread's busy time divided by that trace's steps; busiest in the
     save trace first."""
     labels = sorted({label for b in busy.values() for label in b})
@@ -239,6 +210,7 @@ def run(args, compiled, state, batch) -> dict:
         trace_dir = str(Path(args.out) / "traces") if args.out else None
         out = measure(compiled, state, batch, directory, size=args.save_window,
                       saves=args.saves, pinned_host=pinned,
-                      compression=args.compression == "on", trace_dir=trace_dir)
+                      compression=args.compression == "on", trace_dir=trace_dir,
+                      python_trace=args.python_trace)
     print(report(out))
     return out
