@@ -35,14 +35,14 @@ import tempfile
 import time
 
 
-def _state(layers: int, seed: int = 0):
+def _state(layers: int, seed: int = 0, **overrides):
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import optax
 
     from attention_jax.models import gpt
-    model = gpt.GPT(gpt.GPTConfig.from_variant("gpt2", num_layers=layers))
+    model = gpt.GPT(gpt.GPTConfig.from_variant("gpt2", num_layers=layers, **overrides))
     params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed),
                                                jnp.zeros((1, 8), jnp.int32))["params"])
     opt_state = optax.adamw(1e-3).init(params)
@@ -69,7 +69,11 @@ def run(args) -> dict:
     import orbax.checkpoint as ocp
 
     from attention_jax import background_save, checkpoint, digests
-    state = jax.block_until_ready(_state(args.layers))
+    if args.width < 12 or args.width % 12 or args.vocab < 1:
+        raise SystemExit(f"error: --width {args.width} --vocab {args.vocab}; valid: a width "
+                         f"that is a multiple of GPT-2's 12 heads, a vocabulary >= 1")
+    state = jax.block_until_ready(_state(args.layers, d_model=args.width,
+                                         vocab_size=args.vocab))
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_values = sum(np.size(x) for x in jax.tree.leaves(state))
     root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -153,6 +157,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("checkpoint", help="cost of the checkpoint digests at save and restore")
     p.add_argument("--layers", type=int, default=9,
                    help="GPT-2 small's shape with this many layers (9: 103M parameters)")
+    p.add_argument("--width", type=int, default=768, help="d_model (GPT-2 small's: 768)")
+    p.add_argument("--vocab", type=int, default=50257, help="vocabulary (GPT-2's: 50257)")
     p.add_argument("--repeats", type=int, default=3, help="timed saves/restores (median)")
     p.add_argument("--compression", default="on", choices=("on", "off"),
                    help="orbax's zstd compression of the arrays in our saves")
