@@ -60,13 +60,14 @@ import numpy as np
 
 from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring, splash
 from attention_jax.attention.blockwise import blockwise_attention
-from attention_jax.attention.call import RING_INNER, AttentionCall, Platform, make_call
+from attention_jax.attention.call import (RING_INNER, AttentionCall, Platform, compiling_for,
+                                         compiling_for_gpu, make_call, target_backend)
 from attention_jax.attention.masks import MaskSpec
 from attention_jax.attention.ring import ring_attention, sequence_axis_size
 from attention_jax.attention.ring_inner import choose as choose_ring_inner
 
 __all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER",
-           "default_block_sizes"]
+           "default_block_sizes", "compiling_for"]
 
 
 def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] = None,
@@ -82,7 +83,7 @@ def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] =
     tile is one tile (no loop beats it). The sizes were chosen by `python -m
     attention_jax.tools.bench attention` on a 2-core CPU and an H100 (README, Measurements behind the code).
     """
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     if backend != "cpu":  # large tiles: the H100's measured best for the scan path
         return 1024, 1024
     if heads is None:
@@ -281,9 +282,10 @@ def _platform(backend: Optional[str] = None) -> Platform:
     """This process's platform, or `backend` as explain's "what if" (a GPU then counts as
     an NVIDIA one)."""
     if backend is None:
-        backend = jax.default_backend()
-        nvidia = any(d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
-                     for d in jax.devices())
+        backend = target_backend()
+        nvidia = compiling_for_gpu() or any(
+            d.platform == "gpu" and "NVIDIA" in getattr(d, "device_kind", "NVIDIA")
+            for d in jax.devices())
     else:
         nvidia = backend == "gpu"
     return Platform(backend, nvidia, sequence_axis_size())

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attention_jax.attention.call import AttentionCall, Platform
+from attention_jax.attention.call import AttentionCall, Platform, target_backend
 from attention_jax.attention.masks import MaskSpec, group_heads, visible
 
 
@@ -105,7 +105,7 @@ def _cpu_dot_inputs(*operands):
     kernel (it fails at run time: "Unsupported element type for DotThunk"). There the
     operands are widened to float32 (the same result: the products are exact in f32);
     other backends keep them narrow."""
-    if jax.default_backend() != "cpu" or all(x.dtype != jnp.bfloat16 for x in operands):
+    if target_backend() != "cpu" or all(x.dtype != jnp.bfloat16 for x in operands):
         return operands
     return tuple(x.astype(jnp.float32) for x in operands)
 

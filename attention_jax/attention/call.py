@@ -8,9 +8,11 @@ None`, about the resulting `AttentionCall`. Shape letters as in `__init__.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,6 +20,37 @@ from attention_jax.attention.masks import MaskSpec
 
 # The kernel ring attention runs on each pair of sequence chunks (ring_inner.py).
 RING_INNER = ("auto", "pallas", "splash", "blockwise")
+
+# Backends `compiling_for` takes; "gpu" is an NVIDIA one (JAX's CUDA plugin).
+TARGETS = ("cpu", "gpu", "tpu")
+_targets: list[str] = []  # compiling_for's, innermost last
+
+
+def target_backend() -> str:
+    """The backend attention lowers for: this process's (jax.default_backend()), or the
+    one `compiling_for` names while it is open."""
+    return _targets[-1] if _targets else jax.default_backend()
+
+
+def compiling_for_gpu() -> bool:
+    return bool(_targets) and _targets[-1] == "gpu"
+
+
+@contextlib.contextmanager
+def compiling_for(backend: str):
+    """Lower attention for `backend` whatever this process runs on, to compile ahead of
+    time for a machine of another kind (jax.experimental.topologies: an H100's step
+    compiled on a CPU host, tools/bench/gpu_hlo.py). `auto` then chooses as it would
+    there, and the Pallas kernels lower for Triton rather than run interpreted. Lowering
+    happens inside; compiled programs keep what they were lowered for. Not thread-safe:
+    one lowering at a time."""
+    if backend not in TARGETS:
+        raise ValueError(f"compiling_for({backend!r}); valid: {TARGETS}")
+    _targets.append(backend)
+    try:
+        yield
+    finally:
+        _targets.pop()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from attention_jax.attention.call import AttentionCall, Platform
+from attention_jax.attention.call import AttentionCall, Platform, target_backend
 from attention_jax.attention.masks import MaskSpec
 
 LOG2_E = math.log2(math.e)
@@ -91,7 +91,7 @@ def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> B
     tiles make the tests walk several blocks per row, so that loop bounds and partial
     masks are exercised.
     """
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     if backend == "cpu":
         return BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
     if jnp.dtype(dtype).itemsize > 2 or head_dim > 128:
@@ -181,7 +181,7 @@ def _prepare(q, k, v, spec: MaskSpec, scale: float, blocks: Optional[BlockSizes]
     b, t, n, h = q.shape
     s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = target_backend() == "cpu"
     blocks = blocks or kernel_block_sizes(h, q.dtype)
     st = _Static(
         causal=spec.causal, left=spec.left, right=spec.right, scale=float(scale), q_len=t,

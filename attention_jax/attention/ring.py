@@ -62,7 +62,7 @@ from jax.sharding import PartitionSpec
 from attention_jax import axes
 from attention_jax.attention import ring_inner
 from attention_jax.attention.blockwise import _acc_dtype
-from attention_jax.attention.call import AttentionCall, Platform
+from attention_jax.attention.call import AttentionCall, Platform, target_backend
 from attention_jax.attention.masks import MaskSpec
 from attention_jax.attention.ring_inner import Pair
 
@@ -155,7 +155,7 @@ def ring_attention(q, k, v, spec: MaskSpec, scale: float, block_q: Optional[int]
     if inner not in ring_inner.RING_INNER[1:]:
         raise ValueError(f"inner must be one of {ring_inner.RING_INNER[1:]}; got {inner!r}")
     reason = _refusal(spec, t, s, p) or ring_inner.check(
-        inner, q.dtype, static_offset, t, s, p, jax.default_backend(), block_q, block_k)
+        inner, q.dtype, static_offset, t, s, p, target_backend(), block_q, block_k)
     if reason:
         raise ValueError(reason)
     # Batch over the data axes and heads over tensor, where they divide; anything that

@@ -56,7 +56,7 @@ from jax import lax
 
 from attention_jax.attention import blockwise, pallas, splash
 from attention_jax.attention.blockwise import _acc_dtype
-from attention_jax.attention.call import RING_INNER, AttentionCall, Platform
+from attention_jax.attention.call import RING_INNER, AttentionCall, Platform, target_backend
 from attention_jax.attention.masks import MaskSpec
 
 __all__ = ["RING_INNER", "Pair", "choose", "refusal", "make"]
@@ -154,7 +154,7 @@ def make(kernel: str, *, causal: bool, window, scale: float, devices: int, chunk
     if kernel == "pallas":
         return PallasInner(causal, window, float(scale), block_q, block_k)
     spec = MaskSpec(causal, window)
-    return SplashInner(float(scale), heads, chunk, kv_chunk, jax.default_backend(), 2 * devices,
+    return SplashInner(float(scale), heads, chunk, kv_chunk, target_backend(), 2 * devices,
                        _splash_masks(spec.left, spec.right, devices, chunk, kv_chunk,
                                      static_offset or 0), block_q, block_k)
 

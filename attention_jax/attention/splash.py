@@ -60,7 +60,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-from attention_jax.attention.call import AttentionCall, Platform
+from attention_jax.attention.call import AttentionCall, Platform, target_backend
 
 LANES = 128  # splash's tiles are multiples of the TPU's 128 lanes
 _SINK = -1e30  # above splash's masked score (-0.7 × float32 max), far below any real one
@@ -85,7 +85,7 @@ def run(q, k, v, call: AttentionCall):
     spec = call.spec
     if _sees_nothing(call):  # splash cannot build a kernel for an empty mask; every row is 0
         return jnp.zeros((call.batch, call.q_len, call.heads, call.value_dim), q.dtype)
-    backend = jax.default_backend()
+    backend = target_backend()
     bq, bk = block_sizes(call.q_len, call.kv_len, backend, call.block_q, call.block_k)
     kernel = _kernel(call.heads, call.q_len, call.kv_len, spec.left, spec.right,
                      call.static_offset, bq, bk, interpret=backend != "tpu")

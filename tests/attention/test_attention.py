@@ -276,6 +276,35 @@ def _ok():
     return jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 10, 2, 16)), jnp.zeros((2, 10, 2, 16))
 
 
+def test_compiling_for_a_gpu_lowers_attention_as_on_one():
+    """Inside compiling_for("gpu") (an H100's step compiled on a CPU host, bench gpu-hlo)
+    attention chooses and lowers as on an NVIDIA GPU: auto picks cuDNN for plain causal
+    bfloat16 and the Pallas kernels with segment ids, and those kernels lower for Triton,
+    not interpreted; outside, and after an error inside, this process's CPU again."""
+    from attention_jax.attention import compiling_for, default_block_sizes, pallas
+    from attention_jax.attention.masks import MaskSpec
+    q, k, v = (jnp.zeros((2, 128, 4, 64), jnp.bfloat16) for _ in range(3))
+    ids = jnp.ones((2, 128), jnp.int32)
+    spec = MaskSpec(causal=True)
+    assert explain(q, k, v, causal=True)[0] == "blockwise"
+    assert pallas._prepare(q, k, v, spec, 0.125, None, None)[0].interpret
+    with compiling_for("gpu"):
+        assert explain(q, k, v, causal=True)[0] == "cudnn"
+        assert explain(q, k, v, causal=True, segment_ids=ids)[0] == "pallas"
+        assert not pallas._prepare(q, k, v, spec, 0.125, None, None)[0].interpret
+        assert default_block_sizes() == (1024, 1024)
+        with compiling_for("cpu"):  # nested: the innermost holds
+            assert explain(q, k, v, causal=True)[0] == "blockwise"
+        assert explain(q, k, v, causal=True)[0] == "cudnn"
+    with pytest.raises(RuntimeError), compiling_for("gpu"):
+        raise RuntimeError("a lowering failed")
+    assert explain(q, k, v, causal=True)[0] == "blockwise"
+    assert pallas._prepare(q, k, v, spec, 0.125, None, None)[0].interpret
+    with pytest.raises(ValueError, match=r"compiling_for\('cuda'\); valid: \('cpu', 'gpu', 'tpu'\)"):
+        with compiling_for("cuda"):
+            pass
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda q, k, v: (q[0], k, v), r"q must have rank 4 \(\[B, T, N, H\]\); got shape \(8, 4, 16\)"),
     (lambda q, k, v: (q, k[:1], v), r"batch sizes differ"),
