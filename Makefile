@@ -15,6 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev,torch]'
+	# JAX's CUDA plugin, of the installed JAX's version, beside the environment rather
+	# than in it (this process's JAX stays on the CPU): `bench gpu-hlo` compiles a step
+	# for an H100 with it, no GPU needed. Optional: a JAX without such a plugin skips it.
+	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
+	  $(BIN)/pip install -q --no-deps --target $(VENV)/gpu-aot "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" \
+	  || echo "no CUDA plugin for jax $$v: bench gpu-hlo and its test are skipped"
 	touch $@
 
 test: install

@@ -6,6 +6,8 @@
     python -m attention_jax.tools.bench ring                 # ring attention vs sequence size
     python -m attention_jax.tools.bench checkpoint           # digest cost at save/restore
     python -m attention_jax.tools.bench profile              # where a GPT-2 step's time goes
+    python -m attention_jax.tools.bench profile --save       # what a checkpoint save costs it
+    python -m attention_jax.tools.bench gpu-hlo              # the step compiled for an H100, here
 
 One module per command, named `<command>_speed.py` (or profile.py) so none shadows a
 package module; `*_speed_gpu.py` are the GPU modes of `attention` and `train`, both

@@ -1,0 +1,355 @@
+r"""The bare step as XLA compiles it for an H100, on a machine without a GPU:
+`python -m attention_jax.tools.bench gpu-hlo`.
+
+    python -m attention_jax.tools.bench gpu-hlo                          # gpt2-124m, batch 16
+    python -m attention_jax.tools.bench gpu-hlo --shape gpt2-medium --batch 16 --out /tmp/hlo
+
+A GPU is lent to few sessions; the structure of the step it runs need not wait for one.
+JAX's CUDA plugin compiles without a device for a device it is told about
+(`jax.experimental.topologies` with a target description: an H100 SXM below), and
+`attention.compiling_for("gpu")` makes attention choose and lower as on the GPU (the
+Pallas kernels for Triton). What comes back is the optimized module XLA:GPU would run,
+read here into:
+
+  kernels       each launch of the entry computation by kind: matmuls (cuBLAS calls and
+                XLA's Triton GEMM fusions), attention (the Pallas kernels' Triton calls,
+                cuDNN's), memory-bound (every other fusion, copy, scatter, reduction)
+  bytes         what each memory-bound kernel reads and writes: its operands and results,
+                an operand that the kernel only slices counted as its slices; the sum at
+                the GPU's bandwidth is the time those kernels need at the least (on the
+                H100 on 2026-11-24 the profile's memory-bound kernels took 12.5 ms of
+                GPT-2 small's step)
+  sources       those bytes grouped by where in the model they come from (the JAX
+                operation XLA recorded, layer numbers folded: the 12 layers' LayerNorms
+                are one row), largest first
+  memory        XLA's memory analysis: what the step needs in the GPU's memory
+
+So a change to the model's structure (a fused kernel, a different layout) shows its
+effect on the memory-bound bytes on a CPU host; its speed still needs the GPU. Matmul
+tiles are XLA's defaults here (no autotuning without a device), which changes no fusion.
+cuDNN's attention needs cuDNN present to lower, so `--implementation pallas` is the
+default. The plugin runs in a child process, so this process's JAX stays on its CPU:
+`make install` puts it in .venv/gpu-aot (jax-cuda12-plugin and jax-cuda12-pjrt of the
+installed JAX's version; about 180 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# An H100 SXM5 80GB as XLA:GPU's compiler reads a device (its GpuTargetConfig): 132 SMs
+# at 1.98 GHz, 3.35 TB/s of HBM3, 50 MiB of L2, compute capability 9.0, and the memory
+# the device reports (84,929,347,584 bytes). cuDNN 9 and CUDA 12 are what the compiler
+# may assume of the runtime.
+H100 = {"name": "NVIDIA H100 80GB HBM3", "sms": 132, "clock_ghz": 1.98,
+        "bandwidth": 3.35e12, "l2_bytes": 50 * 2**20, "memory_bytes": 84_929_347_584}
+
+
+def target_config(gpu: dict = H100) -> str:
+    """The GpuTargetConfig text proto that describes `gpu` to the CUDA plugin."""
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {gpu['sms']}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(gpu['bandwidth'])}
+  l2_cache_size: {gpu['l2_bytes']}
+  clock_rate_ghz: {gpu['clock_ghz']}
+  device_memory_size: {gpu['memory_bytes']}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 1 }}
+runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "{gpu['name']}"
+"""
+
+
+# ------------------------------------------------------------------ reading the module
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+# Instructions that launch nothing: views, tuples, constants.
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+                "partition-id", "replica-id", "opt-barrier"}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape string (a tuple's elements summed)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines}; the entry computation as "ENTRY"."""
+    found, name = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+        if head:
+            name = "ENTRY" if head.group(1) else head.group(2)
+            found[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def _sliced_reads(body: list[str]) -> dict[int, int]:
+    """{parameter index: bytes read} for the parameters of a fused computation that its
+    instructions only slice: a kernel reads the slices, not the whole operand."""
+    params, users = {}, collections.defaultdict(list)
+    for line in body:
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        if op == "parameter":
+            params[name] = int(re.match(r"(\d+)\)", rest).group(1))
+        for operand in re.findall(r"%([\w.\-]+)", rest.split("), ")[0]):
+            users[operand].append((op, shape))
+    return {index: sum(shape_bytes(s) for _, s in users[name]) for name, index in params.items()
+            if users[name] and all(op in ("slice", "dynamic-slice") for op, _ in users[name])}
+
+
+def kernel_kind(op: str, line: str) -> str:
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        target = target.group(1).lower() if target else ""
+        if "fmha" in target or "cudnn" in target or "triton" in target:
+            return "attention"  # cuDNN's fused attention, the Pallas kernels (Triton calls)
+        if "gemm" in target or "matmul" in target:
+            return "matmul"
+        return "other"
+    # XLA's Triton GEMMs: custom fusions whose backend config says so (the line names its
+    # operands too, so a fusion that reads a GEMM's result mentions one as well).
+    if op == "fusion" and re.search(r'"kind":"__triton\w*gemm\w*"|"kind":"__cu\w*gemm', line):
+        return "matmul"
+    if op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+              "send", "recv", "while", "conditional", "call"):
+        return "other"
+    return "memory"
+
+
+def kernel_traffic(hlo_text: str) -> list[dict]:
+    """One row per kernel the compiled module's entry computation launches: {"name",
+    "op", "kind", "bytes" (operands + results; slices of a sliced operand), "source"
+    (the JAX operation, `jit(...)/` left off)}."""
+    comps = _computations(hlo_text)
+    shapes, rows = {}, []
+    for line in comps.get("ENTRY", []):
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op in _NOT_KERNELS:
+            continue
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0].split(")")[0])
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        sliced = _sliced_reads(comps.get(called.group(1), [])) if called else {}
+        read = sum(sliced.get(i, shape_bytes(shapes.get(o, ""))) for i, o in enumerate(operands))
+        source = re.search(r'op_name="([^"]*)"', line)
+        rows.append({"name": name, "op": op, "kind": kernel_kind(op, line),
+                     "bytes": read + shape_bytes(shape),
+                     "source": re.sub(r"^jit\([^)]*\)/", "", source.group(1)) if source else ""})
+    return rows
+
+
+def by_source(rows: list[dict], kind: str = "memory") -> list[dict]:
+    """`kind`'s rows summed by source, layer numbers folded (layer_0 ... layer_11 ->
+    layer_N, its scope's repeat too), largest first: {"source", "kernels", "bytes"}."""
+    groups: dict[str, dict] = {}
+    for r in rows:
+        if r["kind"] != kind:
+            continue
+        source = re.sub(r"layer_\d+", "layer_N", r["source"]).replace("layer_N/layer_N", "layer_N")
+        g = groups.setdefault(source, {"source": source, "kernels": 0, "bytes": 0})
+        g["kernels"] += 1
+        g["bytes"] += r["bytes"]
+    return sorted(groups.values(), key=lambda g: -g["bytes"])
+
+
+def summarize(rows: list[dict], bandwidth: float) -> dict:
+    kinds = {}
+    for r in rows:
+        k = kinds.setdefault(r["kind"], {"kernels": 0, "bytes": 0})
+        k["kernels"] += 1
+        k["bytes"] += r["bytes"]
+    memory = kinds.get("memory", {"bytes": 0})
+    return {"kinds": kinds, "memory_bound_ms": 1e3 * memory["bytes"] / bandwidth,
+            "sources": by_source(rows)}
+
+
+# ------------------------------------------------------------------------ the child
+def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
+    """(the compiled module's text, its memory analysis as a dict): the bare step of
+    `row` (train_speed_gpu_child's) compiled for the described GPU. Needs the CUDA
+    plugin importable; runs in the child process."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from attention_jax.attention import compiling_for
+    from attention_jax.tools.bench import train_speed_gpu_child
+    topology = topologies.get_topology_desc(platform="cuda", target_config=config_text,
+                                            topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("devices",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    model, tx, step = train_speed_gpu_child._step_parts(row, implementation, dtype)
+    params = jax.eval_shape(lambda: nn.meta.unbox(model.init(
+        jax.random.key(0), jnp.zeros((1, row["seq_len"]), jnp.int32))["params"]))
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                         (params, jax.eval_shape(tx.init, params)))
+    tokens = jax.ShapeDtypeStruct((row["batch"], row["seq_len"]), jnp.int32, sharding=whole)
+    with compiling_for("gpu"):
+        compiled = step.lower(state, tokens, tokens).compile()
+    m = compiled.memory_analysis()
+    memory = {k: int(getattr(m, k)) for k in (
+        "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+        "alias_size_in_bytes", "generated_code_size_in_bytes") if m is not None and hasattr(m, k)}
+    return compiled.as_text(), memory
+
+
+def _child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    text, memory = compile_step(spec["row"], spec["implementation"], spec["dtype"],
+                                target_config(H100))
+    Path(spec["hlo"]).write_text(text)
+    Path(spec["result"]).write_text(json.dumps({"memory": memory}))
+
+
+# ----------------------------------------------------------------------- the parent
+def plugin_path() -> str | None:
+    """Where JAX's CUDA plugin is: "" when this environment imports it, the directory
+    `make install` put it in (.venv/gpu-aot), or None."""
+    if importlib.util.find_spec("jax_plugins") is not None:
+        import jax_plugins
+        if any((Path(p) / "xla_cuda12").is_dir() for p in jax_plugins.__path__):
+            return ""
+    beside = Path(sys.prefix) / "gpu-aot"
+    return str(beside) if (beside / "jax_plugins" / "xla_cuda12").is_dir() else None
+
+
+def install_hint() -> str:
+    import jax
+    return (f"pip install --no-deps --target {Path(sys.prefix) / 'gpu-aot'} "
+            f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}")
+
+
+def add_parser(sub) -> None:
+    from attention_jax.tools.bench import train_speed_gpu
+    p = sub.add_parser("gpu-hlo", help="the bare step compiled for an H100 on this machine: "
+                                       "its kernels and the memory-bound bytes",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shapes = {**train_speed_gpu.SHAPES, **train_speed_gpu.SHAPES_TINY}
+    p.add_argument("--shape", default="gpt2-124m", choices=sorted(shapes))
+    p.add_argument("--batch", type=int, default=None, help="default: the shape's first batch")
+    p.add_argument("--implementation", default="pallas", choices=("pallas", "xla", "blockwise"),
+                   help="attention (cuDNN's needs cuDNN present to lower)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--top", type=int, default=25, help="sources listed")
+    p.add_argument("--out", default=None, help="directory for the compiled module and summary.json")
+    p.add_argument("--xla-flags", default="",
+                   help="added to XLA_FLAGS for the compile (an XLA:GPU option's effect on "
+                        "the kernels, e.g. --xla-flags='--xla_gpu_enable_cublaslt=true')")
+    p.add_argument("--timeout", type=float, default=900, help="the compiling child's, seconds")
+
+
+def run(args) -> dict:
+    from attention_jax.tools.bench import train_speed_gpu
+    shape = {**train_speed_gpu.SHAPES, **train_speed_gpu.SHAPES_TINY}[args.shape]
+    if args.batch is not None and args.batch < 1:
+        raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
+    where = plugin_path()
+    if where is None:
+        raise SystemExit(f"error: gpu-hlo needs JAX's CUDA plugin (no GPU needed); install it "
+                         f"with: {install_hint()}")
+    row = shape.row(args.batch or shape.batches[0])
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
+            "hlo": str(out / "step.hlo.txt"), "result": str(out / "child.json")}
+    (out / "spec.json").write_text(json.dumps(spec))
+    from attention_jax.tools.bench import trainer  # child_env: this copy of the package
+    env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+                            CUDA_VISIBLE_DEVICES="-1")
+    if where:
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], where])
+    if args.xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    print(f"compiling the bare step of {args.shape} batch {row['batch']} for an "
+          f"{H100['name']} (attention {args.implementation}) ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-m", "attention_jax.tools.bench.gpu_hlo",
+                           str(out / "spec.json")], env=env, capture_output=True, text=True,
+                          timeout=args.timeout)
+    if done.returncode:
+        tail = [l for l in done.stderr.strip().splitlines() if l.strip()][-3:]
+        raise SystemExit("error: compiling for the GPU failed: " + " | ".join(tail))
+    rows = kernel_traffic(Path(spec["hlo"]).read_text())
+    summary = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
+               "xla_flags": args.xla_flags, "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
+               **json.loads(Path(spec["result"]).read_text())}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(report(summary, args.top))
+    if not args.out:
+        import shutil
+        shutil.rmtree(out, ignore_errors=True)
+    return summary
+
+
+def report(summary: dict, top: int = 25) -> str:
+    gb = lambda b: f"{b / 1e9:.2f}"
+    row = summary["row"]
+    lines = [f"The bare step of {row['shape']}, batch {row['batch']} x {row['seq_len']}, "
+             f"{summary['dtype']}, attention {summary['implementation']}, as XLA compiles "
+             f"it for an {summary['gpu']} (no GPU used)"
+             + (f", XLA_FLAGS += {summary['xla_flags']}" if summary.get("xla_flags") else "")
+             + ".", "",
+             "| kernels | launches | GB read + written |", "|---|---|---|"]
+    for kind, k in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["bytes"]):
+        lines.append(f"| {kind} | {k['kernels']} | {gb(k['bytes'])} |")
+    lines += ["", f"The memory-bound kernels need {summary['memory_bound_ms']:.2f} ms at the "
+                  f"GPU's {H100['bandwidth'] / 1e12:.2f} TB/s at the least.", "",
+              "| memory-bound, from | launches | GB |", "|---|---|---|"]
+    for g in summary["sources"][:top]:
+        lines.append(f"| `{g['source'][:90] or '(no source recorded)'}` | {g['kernels']} | "
+                     f"{gb(g['bytes'])} |")
+    memory = summary.get("memory") or {}
+    if memory:
+        need = (memory.get("argument_size_in_bytes", 0) + memory.get("output_size_in_bytes", 0)
+                + memory.get("temp_size_in_bytes", 0) - memory.get("alias_size_in_bytes", 0))
+        lines += ["", f"Device memory (XLA's memory analysis): {need / 2**30:.1f} GiB of the "
+                      f"{H100['memory_bytes'] / 2**30:.1f} GiB (temporaries "
+                      f"{memory.get('temp_size_in_bytes', 0) / 2**30:.1f} GiB)."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -1,0 +1,103 @@
+"""bench gpu-hlo: the bare step compiled for an H100 on this CPU host (JAX's CUDA plugin,
+deviceless), its kernels read back. The reading is checked on a module written by hand;
+the whole command runs where `make install` put the plugin (.venv/gpu-aot)."""
+
+import argparse
+import json
+
+import pytest
+
+from attention_jax.tools.bench import gpu_hlo
+
+# A compiled module as XLA:GPU writes one (trimmed): a Triton GEMM, a fusion that reads
+# only slices of the GEMM's result, a Pallas kernel (a Triton custom call), views.
+MODULE = """HloModule jit_train_step, entry_computation_layout={(bf16[64,32]{1,0})->bf16[64,8]{1,0}}
+
+%gemm_fusion_dot.1_computation (p0: bf16[64,32], p1: bf16[32,24]) -> bf16[64,24] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,24]{1,0} parameter(1)
+  ROOT %d = bf16[64,24]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_add.2 (param_0.1: bf16[64,24], param_1.2: bf16[8]) -> bf16[64,8] {
+  %param_0.1 = bf16[64,24]{1,0} parameter(0)
+  %slice.3 = bf16[64,8]{1,0} slice(%param_0.1), slice={[0:64], [8:16]}
+  %param_1.2 = bf16[8]{0} parameter(1)
+  %broadcast.4 = bf16[64,8]{1,0} broadcast(%param_1.2), dimensions={1}
+  ROOT %add.5 = bf16[64,8]{1,0} add(%slice.3, %broadcast.4)
+}
+
+ENTRY %main.9 (x: bf16[64,32], w: bf16[32,24], b: bf16[8]) -> bf16[64,8] {
+  %x = bf16[64,32]{1,0} parameter(0), metadata={op_name="x"}
+  %w = bf16[32,24]{1,0} parameter(1)
+  %b = bf16[8]{0} parameter(2)
+  %gemm_fusion_dot.1 = bf16[64,24]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(train_step)/jvp(GPT)/decoder/layer_0/layer_0/self_attention/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %loop_add_fusion.6 = bf16[64,8]{1,0} fusion(%gemm_fusion_dot.1, %b), kind=kLoop, calls=%fused_add.2, metadata={op_name="jit(train_step)/jvp(GPT)/decoder/layer_0/layer_0/self_attention/add"}
+  %loop_add_fusion.7 = bf16[64,8]{1,0} fusion(%gemm_fusion_dot.1, %b), kind=kLoop, calls=%fused_add.2, metadata={op_name="jit(train_step)/jvp(GPT)/decoder/layer_1/layer_1/self_attention/add"}
+  %pallas_call.8 = (bf16[64,8]{1,0}, f32[64]{0}) custom-call(%loop_add_fusion.6, %loop_add_fusion.7), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(GPT)/decoder/layer_0/layer_0/self_attention/flash_forward"}
+  %get-tuple-element.9 = bf16[64,8]{1,0} get-tuple-element(%pallas_call.8), index=0
+  ROOT %copy.10 = bf16[64,8]{1,0} copy(%get-tuple-element.9)
+}
+"""
+
+
+def test_kernels_their_kinds_and_bytes_from_a_compiled_module():
+    rows = {r["name"]: r for r in gpu_hlo.kernel_traffic(MODULE)}
+    # parameters and views launch nothing
+    assert set(rows) == {"gemm_fusion_dot.1", "loop_add_fusion.6", "loop_add_fusion.7",
+                         "pallas_call.8", "copy.10"}
+    assert rows["gemm_fusion_dot.1"]["kind"] == "matmul"
+    # the bias add reads only its slice of the GEMM's result (not a GEMM because its
+    # line names one): 64x8 read + 8 bias + 64x8 written, bf16
+    add = rows["loop_add_fusion.6"]
+    assert add["kind"] == "memory" and add["bytes"] == 2 * (64 * 8 + 8 + 64 * 8)
+    assert add["source"] == "jvp(GPT)/decoder/layer_0/layer_0/self_attention/add"
+    assert rows["pallas_call.8"]["kind"] == "attention"
+    assert rows["pallas_call.8"]["bytes"] == 2 * 2 * 64 * 8 + 2 * 64 * 8 + 4 * 64  # tuple result
+    assert rows["copy.10"]["kind"] == "memory" and rows["copy.10"]["bytes"] == 2 * 2 * 64 * 8
+    summary = gpu_hlo.summarize(list(rows.values()), bandwidth=1e9)
+    assert summary["kinds"]["memory"]["kernels"] == 3
+    assert summary["memory_bound_ms"] == pytest.approx(
+        1e3 * summary["kinds"]["memory"]["bytes"] / 1e9)
+    # the two layers' bias adds are one source, layer numbers folded
+    top = summary["sources"][0]
+    assert top == {"source": "jvp(GPT)/decoder/layer_N/self_attention/add", "kernels": 2,
+                   "bytes": 2 * add["bytes"]}
+
+
+def test_shape_bytes_of_arrays_and_tuples():
+    assert gpu_hlo.shape_bytes("bf16[16,1024,768]{2,1,0}") == 2 * 16 * 1024 * 768
+    assert gpu_hlo.shape_bytes("(f32[3]{0}, s32[], pred[2,2]{1,0})") == 12 + 4 + 4
+
+
+def _args(*extra):
+    parser = argparse.ArgumentParser()
+    gpu_hlo.add_parser(parser.add_subparsers(dest="which"))
+    return parser.parse_args(["gpu-hlo", "--shape", "gpt-tiny-gpu", *extra])
+
+
+def test_bad_batch_names_the_valid_values():
+    with pytest.raises(SystemExit, match=r"--batch 0; valid: an integer >= 1"):
+        gpu_hlo.run(_args("--batch", "0"))
+
+
+@pytest.mark.skipif(gpu_hlo.plugin_path() is None,
+                    reason="JAX's CUDA plugin is not installed (make install puts it in "
+                           ".venv/gpu-aot)")
+def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
+    """The tiny GPT's step compiled for an H100 with no GPU here: XLA:GPU's kernels (its
+    Triton GEMMs; the three Pallas kernels of the one layer's attention, lowered for
+    Triton), its memory-bound bytes, and its memory analysis."""
+    out = tmp_path / "hlo"
+    summary = gpu_hlo.run(_args("--out", str(out), "--top", "5"))
+    kinds = summary["kinds"]
+    assert kinds["attention"]["kernels"] == 3  # forward, dK/dV, dQ
+    assert kinds["matmul"]["kernels"] >= 6 and kinds["memory"]["kernels"] > 0
+    assert summary["memory_bound_ms"] > 0
+    assert summary["memory"]["temp_size_in_bytes"] > 0
+    text = (out / "step.hlo.txt").read_text()
+    assert "__gpu$xla.gpu.triton" in text and "__triton" in text  # GPU kernels, not CPU's
+    assert json.loads((out / "summary.json").read_text())["kinds"] == kinds
+    printed = capsys.readouterr().out
+    assert "as XLA compiles it for an NVIDIA H100 80GB HBM3 (no GPU used)" in printed
+    assert printed.count("\n| `") == 5
