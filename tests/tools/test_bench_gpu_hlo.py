@@ -101,3 +101,10 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "as XLA compiles it for an NVIDIA H100 80GB HBM3 (no GPU used)" in printed
     assert printed.count("\n| `") == 5
+
+
+@pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")
+def test_a_failed_compile_says_xla_s_reason_not_the_plugin_s_noise():
+    with pytest.raises(SystemExit, match=r"compiling for the GPU failed: .*Unknown flag in "
+                                         r"XLA_FLAGS: --xla_gpu_no_such_option=true"):
+        gpu_hlo.run(_args("--xla-flags=--xla_gpu_no_such_option=true"))

@@ -310,7 +310,9 @@ def run(args) -> dict:
                            str(out / "spec.json")], env=env, capture_output=True, text=True,
                           timeout=args.timeout)
     if done.returncode:
-        tail = [l for l in done.stderr.strip().splitlines() if l.strip()][-3:]
+        noise = ("cudart_stub", "absl::InitializeLog")  # the plugin, finding no driver
+        tail = [l for l in done.stderr.strip().splitlines()
+                if l.strip() and not any(n in l for n in noise)][-3:]
         raise SystemExit("error: compiling for the GPU failed: " + " | ".join(tail))
     rows = kernel_traffic(Path(spec["hlo"]).read_text())
     summary = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
