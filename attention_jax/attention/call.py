@@ -41,9 +41,10 @@ def compiling_for(backend: str):
     """Lower attention for `backend` whatever this process runs on, to compile ahead of
     time for a machine of another kind (jax.experimental.topologies: an H100's step
     compiled on a CPU host, tools/bench/gpu_hlo.py). `auto` then chooses as it would
-    there, and the Pallas kernels lower for Triton rather than run interpreted. Lowering
-    happens inside; compiled programs keep what they were lowered for. Not thread-safe:
-    one lowering at a time."""
+    there, and the Pallas kernels lower for Triton rather than run interpreted. Lower
+    inside, a jitted function made for that target: JAX's trace cache does not know
+    about the target, so a function traced here should not run on this machine after.
+    Not thread-safe: one lowering at a time."""
     if backend not in TARGETS:
         raise ValueError(f"compiling_for({backend!r}); valid: {TARGETS}")
     _targets.append(backend)
