@@ -23,6 +23,9 @@ read here into:
                 operation XLA recorded, layer numbers folded: the 12 layers' LayerNorms
                 are one row), largest first
   memory        XLA's memory analysis: what the step needs in the GPU's memory
+  save compile  the seconds the checkpoint's save programs (background_save.SavePrograms:
+                the state's copy, the digest sums) take to compile for the GPU here: what
+                a first save waits for when they are not compiled ahead
 
 So a change to the model's structure (a fused kernel, a different layout) shows its
 effect on the memory-bound bytes on a CPU host; its speed still needs the GPU. Matmul
@@ -207,9 +210,12 @@ def summarize(rows: list[dict], bandwidth: float) -> dict:
 
 # ------------------------------------------------------------------------ the child
 def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
-    """(the compiled module's text, its memory analysis as a dict): the bare step of
-    `row` (train_speed_gpu_child's) compiled for the described GPU. Needs the CUDA
-    plugin importable; runs in the child process."""
+    """(the compiled module's text, its memory analysis as a dict, the save programs'
+    compile seconds {"copy_s", "sums_s"}): the bare step of `row` (train_speed_gpu_child's)
+    compiled for the described GPU, and the checkpoint's save programs for its state.
+    Needs the CUDA plugin importable; runs in the child process."""
+    import time
+
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -234,15 +240,25 @@ def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
     memory = {k: int(getattr(m, k)) for k in (
         "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
         "alias_size_in_bytes", "generated_code_size_in_bytes") if m is not None and hasattr(m, k)}
-    return compiled.as_text(), memory
+    from attention_jax import background_save, digests
+    arrays = jax.tree.leaves(state)
+    start = time.perf_counter()
+    copy = background_save._copy_program.lower(arrays).compile()
+    save = {"copy_s": time.perf_counter() - start, "arrays": len(arrays)}
+    copies = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+              for x, s in zip(arrays, copy.output_shardings)]
+    start = time.perf_counter()
+    digests.device_sums.lower(copies).compile()
+    save["sums_s"] = time.perf_counter() - start
+    return compiled.as_text(), memory, save
 
 
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    text, memory = compile_step(spec["row"], spec["implementation"], spec["dtype"],
-                                target_config(H100))
+    text, memory, save = compile_step(spec["row"], spec["implementation"], spec["dtype"],
+                                      target_config(H100))
     Path(spec["hlo"]).write_text(text)
-    Path(spec["result"]).write_text(json.dumps({"memory": memory}))
+    Path(spec["result"]).write_text(json.dumps({"memory": memory, "save_compile": save}))
 
 
 # ----------------------------------------------------------------------- the parent
@@ -350,6 +366,11 @@ def report(summary: dict, top: int = 25) -> str:
         lines += ["", f"Device memory (XLA's memory analysis): {need / 2**30:.1f} GiB of the "
                       f"{H100['memory_bytes'] / 2**30:.1f} GiB (temporaries "
                       f"{memory.get('temp_size_in_bytes', 0) / 2**30:.1f} GiB)."]
+    save = summary.get("save_compile")
+    if save:
+        lines += ["", f"The checkpoint's save programs for its {save['arrays']} arrays compile "
+                      f"here in {save['copy_s']:.1f} s (the copy) and {save['sums_s']:.1f} s "
+                      f"(the digest sums)."]
     return "\n".join(lines)
 
 
