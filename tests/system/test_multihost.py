@@ -117,13 +117,24 @@ def _logs(out) -> str:
     return "\n".join(parts)
 
 
+def _kill_all(launcher, out) -> None:
+    """The launcher and the tasks it started: a failed launch leaves no trainer running
+    (two once held the CPU for 20 minutes after a failure, slowing every later test)."""
+    launcher.kill()
+    for pid_file in out.glob("task*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # gone already
+
+
 def _wait_until(ready, launcher, out, what: str, timeout: float = 150) -> None:
     deadline = time.time() + timeout
     while True:
         if ready():
             return
         if launcher.poll() is not None or time.time() > deadline:
-            launcher.kill()
+            _kill_all(launcher, out)
             pytest.fail(f"no {what} yet:\n{_logs(out)}")
         time.sleep(0.1)
 
@@ -132,7 +143,7 @@ def _finish(launcher, out, timeout: float = 150) -> None:
     try:
         launcher.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        launcher.kill()
+        _kill_all(launcher, out)
         pytest.fail(f"launch did not end:\n{_logs(out)}")
 
 
