@@ -152,6 +152,11 @@ def state_handler(pinned_host: bool | None = None, compression: bool = True):
     checkpoint's metadata, so the files and their description are the same."""
     if pinned_host is None and compression:
         return ocp.StandardCheckpointHandler()
+    if pinned_host and not all(any(m.kind == "pinned_host" for m in d.addressable_memories())
+                               for d in jax.local_devices()):
+        # orbax would copy through pageable memory without a word
+        logging.warning("checkpoints: pinned_host=True, but these devices have no pinned "
+                        "host memory: orbax copies the arrays through pageable memory")
     return _StateHandler(enable_pinned_host_transfer=pinned_host, use_compression=compression)
 
 

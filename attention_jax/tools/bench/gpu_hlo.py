@@ -360,7 +360,9 @@ def report(summary: dict, top: int = 25) -> str:
         lines.append(f"| `{g['source'][:90] or '(no source recorded)'}` | {g['kernels']} | "
                      f"{gb(g['bytes'])} |")
     memory = summary.get("memory") or {}
-    if memory:
+    if not memory:
+        lines += ["", "Device memory: XLA gave no memory analysis for this module."]
+    else:
         need = (memory.get("argument_size_in_bytes", 0) + memory.get("output_size_in_bytes", 0)
                 + memory.get("temp_size_in_bytes", 0) - memory.get("alias_size_in_bytes", 0))
         lines += ["", f"Device memory (XLA's memory analysis): {need / 2**30:.1f} GiB of the "
