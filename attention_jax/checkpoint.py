@@ -277,6 +277,22 @@ def check_supported(directory) -> None:
             f"local path, or the bucket mounted as a folder (e.g. mountpoint-s3)")
 
 
+class _Manager(ocp.CheckpointManager):
+    """orbax's CheckpointManager, minus its reading of JAX's preemption sync point.
+
+    JAX's preemption sync manager remembers the last step passed to
+    `reached_preemption_sync_point`, and after a SIGTERM agrees on (largest such step of
+    any process) + 1 as the step to stop at. The training loop calls it once per step
+    (train.StopRequest). orbax calls it too, with a checkpoint's step, when a save starts
+    and when it commits, from its own threads, long after the loop has moved on: a save
+    of step 4 committing while the loop was at step 7 made the agreed step 5, which every
+    process had passed, and a preempted multi-process run trained on until killed. Our
+    saves at a stop are forced, so orbax's check only fed its logs and metrics."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpointer:
     """Saves and restores (state, data_state) in `directory` (usually workdir/checkpoints).
 
@@ -340,7 +356,7 @@ class Checkpointer:
         # Handlers named up front so that a fresh manager can read metadata (structure
         # checks) before the first restore.
         with quiet.drop_log_messages(READ_ONLY_WARNING):  # read-only is what we asked for
-            self.manager = ocp.CheckpointManager(
+            self.manager = _Manager(
                 self.directory, options=options,
                 **_handlers(state_handler(pinned_host, compression)))
 
