@@ -27,7 +27,7 @@ from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
-from attention_jax import convert, sharding, steps
+from attention_jax import convert, heap, sharding, steps
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
 from attention_jax.errors import UserError
@@ -268,7 +268,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
     first = step + 1
     try:
-        with StopRequest() as stop:
+        with StopRequest() as stop, heap.FrozenHeap() as frozen:
             while step < total:
                 t_data = time.perf_counter()
                 batch, units, data_state = next(batches)
@@ -278,6 +278,8 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                 step += 1
                 pending.append((step, metrics))
                 progress.advance()
+                if step == first:  # its compilation made objects that live as long as the loop
+                    frozen.settle()
                 stopping = stop.requested(step)
                 log_now = stopping or due(step, config.train.log_every, total)
                 eval_now = due(step, config.eval.every, total)

@@ -83,10 +83,13 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
                                "--out", str(out),
                                f"--trainer-args={trainer_args}"))
     assert result["pinned_host"] is True and result["compression"] is False
+    assert result["gc_freeze"] is True  # as main.py's loop
     assert result["step_s"] > 0 and len(result["saves"]) == 2
     for cost in (result["first"], *result["saves"]):
         assert cost["steps"] >= 2 and cost["steps"] % 2 == 0 and 0 < cost["held_s"] < cost["window_s"]
         assert cost["extra_s"] == pytest.approx(cost["window_s"] - cost["steps"] * result["step_s"])
+        # the garbage collections meanwhile, by generation (heap.Pauses)
+        assert all(g["count"] >= 1 and g["max_s"] <= g["total_s"] for g in cost["gc"].values())
     assert result["extra_s"] == pytest.approx(statistics.median(c["extra_s"]
                                                                 for c in result["saves"]))
     threads = result["threads"]
@@ -97,6 +100,7 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
     assert saved["saves"] == result["saves"] and list((out / "traces").rglob("*.json.gz"))
     printed = capsys.readouterr().out
     assert "| later 2 |" in printed and "| process | thread | plain ms/step |" in printed
+    assert "heap frozen on" in printed and "| full ones: count, longest ms |" in printed
 
 
 def test_thread_busy_counts_nested_and_overlapping_events_once():

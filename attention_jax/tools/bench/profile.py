@@ -221,6 +221,10 @@ def add_parser(sub) -> None:
     p.add_argument("--compression", default="on", choices=("on", "off"),
                    help="with --save: orbax's zstd compression of the arrays (tensorstore "
                         "compresses on every core of the host)")
+    p.add_argument("--gc-freeze", default="on", choices=("on", "off"),
+                   help="with --save: Python's long-lived objects kept out of the garbage "
+                        "collector's walks, as main.py's loop does (heap.FrozenHeap); off: "
+                        "each full collection walks the whole heap")
     p.add_argument("--trainer-args", default="",
                    help="with --trainer: main.py --config.* arguments, one string, e.g. "
                         "--trainer-args='--config.data.max_files=50'")

@@ -4,6 +4,7 @@ r"""What a checkpoint save costs the training steps around it:
     python -m attention_jax.tools.bench profile --save                # gpt2-124m, batch 16
     python -m attention_jax.tools.bench profile --save --pinned-host off   # orbax's copy A/B
     python -m attention_jax.tools.bench profile --save --compression off   # orbax's zstd A/B
+    python -m attention_jax.tools.bench profile --save --gc-freeze off     # the trainer's heap A/B
     python -m attention_jax.tools.bench profile --save --out bench_results/save  # + traces
 
 Issue 35 asks that a save after the first cost training at most one step. In main.py on
@@ -26,18 +27,23 @@ by the trainer's Checkpointer into a temporary folder, the step run in windows o
 Then one plain window and the first windows of a later save are traced (jax.profiler)
 and each thread's busy time per step is read back, plain against save: on a GPU the
 device's streams (compute, the copies to and from the host) and the host's threads (the
-training thread, the save's, orbax's); on a CPU the host's threads.
+training thread, the save's, orbax's); on a CPU the host's threads. Python's garbage
+collections during each save are counted too (heap.Pauses): a full one pauses every
+thread, the one launching the steps included.
 
 The two options are the suspects one can switch without a profile: orbax's device-to-host
 copy through pinned host memory (`--pinned-host`; on by default for a GPU, where each of
 the state's arrays, 446 for GPT-2 small with AdamW, moves by a `device_put` of its own;
 off, each is copied to pageable memory) and its zstd compression, which
 tensorstore runs on a pool as wide as the host's cores, beside the thread that launches
-the steps (`--compression`). Run each setting as its own command: one process each.
+the steps (`--compression`), and the trainer's frozen heap (`--gc-freeze`, heap.py: on,
+as main.py's loop; off, each full collection walks the whole heap, 360-470 ms in main.py
+on the 2-core CPU host). Run each setting as its own command: one process each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -72,11 +78,15 @@ def plain_window(step, state, ckpt, size: int):
     return state, time.perf_counter() - start
 
 
-def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None):
-    """(state, {"held_s", "window_s", "steps"}): a save of `state` as checkpoint step `at`
-    at the start of a window, then windows of `size` steps until it has committed (or
-    `most` windows have run)."""
+def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None,
+                  pauses=None):
+    """(state, {"held_s", "window_s", "steps", "gc"}): a save of `state` as checkpoint
+    step `at` at the start of a window, then windows of `size` steps until it has
+    committed (or `most` windows have run); gc: the garbage collections meanwhile by
+    generation, if `pauses` (a heap.Pauses) records them."""
     ckpt.wait()
+    if pauses is not None:
+        pauses.clear()
     start = time.perf_counter()
     ckpt.save(at, state, DATA_STATE, force=True)
     held = time.perf_counter() - start
@@ -86,38 +96,46 @@ def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None
         steps += size
         if not ckpt.saving() or (most is not None and steps >= most * size):
             break
-    return state, {"held_s": held, "window_s": time.perf_counter() - start, "steps": steps}
+    return state, {"held_s": held, "window_s": time.perf_counter() - start, "steps": steps,
+                   "gc": pauses.summary() if pauses is not None else {}}
 
 
 def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3,
             warmup: int = 2, pinned_host: bool | None = None, compression: bool = True,
-            trace_dir: str | None = None, python_trace: bool = False) -> dict:
+            gc_freeze: bool = True, trace_dir: str | None = None,
+            python_trace: bool = False) -> dict:
     """The save costs of `compiled(state, batch) -> (state, metrics)`'s training, saved
     into `directory` (see the module doc). pinned_host, compression: the Checkpointer's
-    options of those names (pinned_host None: orbax's default). trace_dir: also trace one
+    options of those names (pinned_host None: orbax's default). gc_freeze: the heap frozen
+    as main.py's loop freezes it (heap.FrozenHeap). trace_dir: also trace one
     plain window and the first TRACED_WINDOWS windows of a save, and return each thread's
     busy time (`threads`; the traces stay there); python_trace: with every Python call
     of every thread in them (jax.profiler's Python tracer; large traces)."""
     import jax
 
-    from attention_jax import checkpoint
+    from attention_jax import checkpoint, heap
     from attention_jax.tools.bench import traces
     step = lambda s: compiled(s, batch)
     ckpt = checkpoint.Checkpointer(directory, save_every=1, keep=2, pinned_host=pinned_host,
                                    compression=compression)
     ckpt.prepare(state)  # as main.py's loop does, before its first steps
     started = time.perf_counter()
-    try:
+    with contextlib.ExitStack() as stack:
+        frozen = stack.enter_context(heap.FrozenHeap()) if gc_freeze else None
+        stack.callback(ckpt.close)
         state = _windows(step, state, size, warmup)
+        if frozen is not None:
+            frozen.settle()  # as main.py's loop after its first step
+        pauses = stack.enter_context(heap.Pauses())
         while time.perf_counter() - started < FIRST_SAVE_AFTER_S:
             state = _windows(step, state, size)
         plain = []
-        state, first = saved_windows(step, state, ckpt, 1, size)
+        state, first = saved_windows(step, state, ckpt, 1, size, pauses=pauses)
         later = []
         for at in range(2, 2 + saves):
             state, seconds = plain_window(step, state, ckpt, size)
             plain.append(seconds / size)
-            state, cost = saved_windows(step, state, ckpt, at, size)
+            state, cost = saved_windows(step, state, ckpt, at, size, pauses=pauses)
             later.append(cost)
         state, seconds = plain_window(step, state, ckpt, size)
         plain.append(seconds / size)
@@ -128,7 +146,7 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
         out = {"step_s": step_s, "window": size, "first": first, "saves": later,
                "held_s": statistics.median(c["held_s"] for c in later),
                "extra_s": statistics.median(c["extra_s"] for c in later),
-               "pinned_host": pinned_host, "compression": compression,
+               "pinned_host": pinned_host, "compression": compression, "gc_freeze": gc_freeze,
                "device": jax.devices()[0].device_kind,
                "state_arrays": sum(isinstance(x, jax.Array) for x in jax.tree.leaves(state)),
                "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)
@@ -152,8 +170,6 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                 busy[name] = traces.thread_busy(traces.read_trace(where))
             out["threads"] = compare_threads(busy, steps)
         ckpt.wait()
-    finally:
-        ckpt.close()
     return out
 
 
@@ -183,13 +199,18 @@ def report(out: dict, top: int = 12) -> str:
              f"{out['state_bytes'] / 2**30:.2f} GiB; step {ms(out['step_s'])} ms in plain "
              f"windows of {out['window']}; orbax's pinned-host copy "
              f"{ {None: 'default', True: 'on', False: 'off'}[out['pinned_host']]}, "
-             f"compression {'on' if out['compression'] else 'off'}", "",
+             f"compression {'on' if out['compression'] else 'off'}, heap frozen "
+             f"{'on' if out['gc_freeze'] else 'off'}", "",
              "| save | held the training thread, ms | whole cost to training, ms | "
-             "in steps | steps spanned |", "|---|---|---|---|---|"]
+             "in steps | steps spanned | garbage collections meanwhile, ms | full ones: "
+             "count, longest ms |", "|---|---|---|---|---|---|---|"]
     for name, cost in [("first", out["first"]),
                        *((f"later {i + 1}", c) for i, c in enumerate(out["saves"]))]:
+        full = cost["gc"].get("gen2", {"count": 0, "max_s": 0.0})
         lines.append(f"| {name} | {ms(cost['held_s'])} | {ms(cost['extra_s'])} | "
-                     f"{cost['extra_steps']:.1f} | {cost['steps']} |")
+                     f"{cost['extra_steps']:.1f} | {cost['steps']} | "
+                     f"{ms(sum(g['total_s'] for g in cost['gc'].values()))} | "
+                     f"{full['count']}, {ms(full['max_s'])} |")
     verdict = "met" if out["extra_s"] <= out["step_s"] else "not met"
     lines += ["", f"Later saves, median: {ms(out['extra_s'])} ms, {out['extra_steps']:.1f} "
                   f"steps (issue 35: at most one step; {verdict})."]
@@ -210,7 +231,8 @@ def run(args, compiled, state, batch) -> dict:
         trace_dir = str(Path(args.out) / "traces") if args.out else None
         out = measure(compiled, state, batch, directory, size=args.save_window,
                       saves=args.saves, pinned_host=pinned,
-                      compression=args.compression == "on", trace_dir=trace_dir,
+                      compression=args.compression == "on", gc_freeze=args.gc_freeze == "on",
+                      trace_dir=trace_dir,
                       python_trace=args.python_trace)
     print(report(out))
     return out

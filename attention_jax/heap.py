@@ -1,0 +1,90 @@
+"""Python's garbage collector, kept from pausing the training loop.
+
+CPython's cyclic collector holds the interpreter while it runs, and a full (generation 2)
+collection walks every object the process holds: JAX, Flax, orbax, the data pipeline,
+the compiled step's caches. In main.py (char_gpt with 12 layers, a checkpoint every 50
+steps, the 2-core CPU host) one took 360-470 ms, and once the loop had settled they came
+about once a minute, on orbax's saving threads in the middle of a save: every Python
+thread waits meanwhile, the one that launches the train steps too, so an accelerator
+runs out of queued steps. (Issue 35: a later save cost its window 0.4-0.5 s on an H100,
+unexplained; whether this is that is for `bench profile --save --gc-freeze off` on a GPU.)
+
+`FrozenHeap` moves what exists when training starts into CPython's permanent generation
+(`gc.freeze`), again once the first step has compiled, and back out when training ends
+(`gc.unfreeze`): a full collection then walks only what the loop itself created.
+Reference counting still frees frozen objects; only a reference cycle that becomes
+garbage while frozen waits until the end of the loop. A process that froze its heap
+itself, or turned the collector off, is left as it is.
+
+`Pauses` records the collections (gc.callbacks): how many, and how long they held the
+interpreter, by generation (`bench profile --save`).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+
+class FrozenHeap:
+    """While entered, collections skip the objects that existed at entry and at the last
+    `settle()` (the process's long-lived ones)."""
+
+    def __init__(self):
+        self._ours = False
+
+    def __enter__(self):
+        self._ours = gc.isenabled() and gc.get_freeze_count() == 0
+        self.settle()
+        return self
+
+    def settle(self) -> None:
+        """Collects what is garbage now (once, so that no cycle is frozen dead) and
+        freezes the rest: call it after a phase that created long-lived objects (the
+        first step's compilation)."""
+        if self._ours:
+            gc.collect()
+            gc.freeze()
+
+    def __exit__(self, *exc):
+        if self._ours:
+            gc.unfreeze()
+            self._ours = False
+        return False
+
+
+class Pauses:
+    """While entered, records each garbage collection's generation and duration in any
+    thread; `summary()` per generation, "gen0" to "gen2" (gen2: the full collections):
+    {"count", "total_s", "max_s"} (string keys: it goes into JSON as it is)."""
+
+    def __init__(self):
+        self._started: dict[int, float] = {}
+        self.collections: list[tuple[int, float]] = []  # (generation, seconds)
+
+    def _callback(self, phase, info):
+        me = threading.get_ident()
+        if phase == "start":
+            self._started[me] = time.perf_counter()
+        elif me in self._started:
+            self.collections.append((info["generation"], time.perf_counter() - self._started.pop(me)))
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+        return False
+
+    def clear(self) -> None:
+        self.collections = []
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        out = {}
+        for generation in sorted({g for g, _ in self.collections}):
+            seconds = [s for g, s in self.collections if g == generation]
+            out[f"gen{generation}"] = {"count": len(seconds), "total_s": sum(seconds),
+                               "max_s": max(seconds)}
+        return out

@@ -1,0 +1,96 @@
+"""heap.py: the trainer's loop keeps Python's garbage collector off its long-lived objects
+(a full collection walked them all, 360-470 ms in main.py, pausing every thread), and
+gives them back to it when training ends."""
+
+import gc
+import threading
+import weakref
+
+import tiny
+from attention_jax import heap, train
+
+
+class Node:
+    """A collectable object that can sit in a reference cycle."""
+
+    def __init__(self):
+        self.other = None
+
+
+def _tracked(obj) -> bool:
+    return any(o is obj for o in gc.get_objects())  # frozen objects are not listed
+
+
+def _cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+def test_the_frozen_heap_hides_what_existed_and_collects_dead_cycles_first():
+    assert gc.get_freeze_count() == 0
+    kept, dead = Node(), _cycle()
+    with heap.FrozenHeap() as frozen:
+        assert dead() is None  # a cycle already garbage is collected, not frozen dead
+        assert gc.get_freeze_count() > 0 and not _tracked(kept)
+        later, dead_later = Node(), _cycle()
+        assert _tracked(later)
+        frozen.settle()  # collects what died since, freezes what lives
+        assert dead_later() is None and not _tracked(later)
+        # Reference counting still frees a frozen object.
+        gone = weakref.ref(later)
+        del later
+        assert gone() is None
+    assert gc.get_freeze_count() == 0 and _tracked(kept)
+
+
+def test_a_heap_frozen_by_the_process_or_a_disabled_collector_is_left_alone():
+    gc.collect()
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        with heap.FrozenHeap() as frozen:
+            dead = _cycle()
+            frozen.settle()
+            assert dead() is not None  # ours would have collected it: nothing done
+        assert gc.get_freeze_count() == count  # not unfrozen either
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with heap.FrozenHeap():
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+
+
+def test_pauses_records_each_collection_by_generation():
+    with heap.Pauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    gc.collect(2)  # after leaving: not recorded
+    summary = pauses.summary()
+    assert summary["gen2"]["count"] == 2 and summary["gen0"]["count"] >= 1
+    assert 0 < summary["gen2"]["max_s"] <= summary["gen2"]["total_s"]
+    pauses.clear()
+    assert pauses.summary() == {}
+
+
+def test_the_training_loop_freezes_the_heap_and_unfreezes_it_after(tmp_path):
+    assert gc.get_freeze_count() == 0
+    frozen, done = [0], threading.Event()
+
+    def watch():
+        while not done.wait(0.01):
+            frozen[0] = max(frozen[0], gc.get_freeze_count())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 30}), str(tmp_path))
+    finally:
+        done.set()
+        watcher.join()
+    assert frozen[0] > 10_000  # JAX, Flax, orbax and the model: the long-lived heap
+    assert gc.get_freeze_count() == 0
