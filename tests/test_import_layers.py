@@ -4,7 +4,7 @@ no import circles, and every import points to the module's own layer or a lower 
     attention, data < checkpoint < layers < models < tasks, convert, config, workdir
         < optimizer, steps < train < runs, main, verify, configs < tools
 
-axes.py, quiet.py, errors.py, sharding.py and digests.py import nothing of the package but
+axes.py, quiet.py, errors.py, heap.py, sharding.py and digests.py import nothing of the package but
 axes, quiet and errors and so stand on the ground floor with attention/ and data/, where
 anything may use them. checkpoint.py stands on digests (never the other way round), beside
 its background saver (background_save.py), and the checkpoint verifier (verify.py) is a
@@ -19,7 +19,7 @@ import pytest
 from helpers import REPO
 
 PACKAGE = "attention_jax"
-LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors"},
+LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors", "heap"},
           {"checkpoint", "background_save"},
           {"layers"}, {"models"}, {"tasks", "convert", "config", "workdir"},
           {"optimizer", "steps"}, {"train"}, {"runs", "main", "verify", "configs"}, {"tools"}]
