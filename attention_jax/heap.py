@@ -16,8 +16,8 @@ Reference counting still frees frozen objects; only a reference cycle that becom
 garbage while frozen waits until the end of the loop. A process that froze its heap
 itself, or turned the collector off, is left as it is.
 
-`Pauses` records the collections (gc.callbacks): how many, and how long they held the
-interpreter, by generation (`bench profile --save`).
+`Pauses` adds up the collections (gc.callbacks): how many, and how long they held the
+interpreter, by generation (`bench profile --save`; the loop's `host_gc_frac`).
 """
 
 from __future__ import annotations
@@ -55,20 +55,25 @@ class FrozenHeap:
 
 
 class Pauses:
-    """While entered, records each garbage collection's generation and duration in any
-    thread; `summary()` per generation, "gen0" to "gen2" (gen2: the full collections):
-    {"count", "total_s", "max_s"} (string keys: it goes into JSON as it is)."""
+    """While entered, adds up the garbage collections of every thread: `total_s`, the
+    seconds they held the interpreter; `summary()`, per generation ("gen0" to "gen2",
+    gen2 the full collections): {"count", "total_s", "max_s"} (string keys: it goes into
+    JSON as it is). Counters only, so a run of days holds no more than a short one."""
 
     def __init__(self):
         self._started: dict[int, float] = {}
-        self.collections: list[tuple[int, float]] = []  # (generation, seconds)
+        self.clear()
 
     def _callback(self, phase, info):
         me = threading.get_ident()
         if phase == "start":
             self._started[me] = time.perf_counter()
         elif me in self._started:
-            self.collections.append((info["generation"], time.perf_counter() - self._started.pop(me)))
+            seconds = time.perf_counter() - self._started.pop(me)
+            self.total_s += seconds
+            count, total, longest = self._by_generation.get(info["generation"], (0, 0.0, 0.0))
+            self._by_generation[info["generation"]] = (count + 1, total + seconds,
+                                                       max(longest, seconds))
 
     def __enter__(self):
         gc.callbacks.append(self._callback)
@@ -79,12 +84,9 @@ class Pauses:
         return False
 
     def clear(self) -> None:
-        self.collections = []
+        self.total_s = 0.0
+        self._by_generation: dict[int, tuple[int, float, float]] = {}
 
-    def summary(self) -> dict[int, dict[str, float]]:
-        out = {}
-        for generation in sorted({g for g, _ in self.collections}):
-            seconds = [s for g, s in self.collections if g == generation]
-            out[f"gen{generation}"] = {"count": len(seconds), "total_s": sum(seconds),
-                               "max_s": max(seconds)}
-        return out
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {f"gen{g}": {"count": c, "total_s": t, "max_s": m}
+                for g, (c, t, m) in sorted(self._by_generation.items())}

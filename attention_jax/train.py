@@ -262,13 +262,14 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     total = config.train.steps
     step = int(jax.device_get(state["step"]))
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
-    progress, meter = Progress(config, workdir, prepared.task.unit, step), Throughput()
+    pauses = heap.Pauses()
+    progress, meter = Progress(config, workdir, prepared.task.unit, step), Throughput(pauses)
     pending, window = [], []  # steps since the last sync point (on the device); since the last log
     prepared.ckpt.prepare(state)  # its save programs compile beside the first step's
     batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
     first = step + 1
     try:
-        with StopRequest() as stop, heap.FrozenHeap() as frozen:
+        with StopRequest() as stop, heap.FrozenHeap() as frozen, pauses:
             while step < total:
                 t_data = time.perf_counter()
                 batch, units, data_state = next(batches)
@@ -409,14 +410,20 @@ class Throughput:
     it), inside the step call (tracing once, then only queueing work unless the
     device makes it wait) and in checkpoint saves (a save made at a log step falls in
     the next window). Reported as shares of the window's time: the rest is the wait
-    for the device at the sync point."""
+    for the device at the sync point. Apart: host_gc_frac, the share in which Python's
+    garbage collector held the interpreter, in any thread (it stops them all; it
+    overlaps the others)."""
 
-    def __init__(self):
+    def __init__(self, pauses: heap.Pauses | None = None):
+        self.pauses = pauses
         self.restart()
+
+    def _gc_s(self) -> float:
+        return self.pauses.total_s if self.pauses is not None else 0.0
 
     def restart(self) -> None:
         self.units, self.data_s, self.dispatch_s, self.checkpoint_s = 0, 0.0, 0.0, 0.0
-        self.start = time.perf_counter()
+        self.start, self.gc_start = time.perf_counter(), self._gc_s()
 
     def add(self, units: int, data_s: float, dispatch_s: float) -> None:
         self.units += units
@@ -427,7 +434,8 @@ class Throughput:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return {f"{unit}_per_sec": self.units / elapsed, "host_data_frac": self.data_s / elapsed,
                 "host_dispatch_frac": self.dispatch_s / elapsed,
-                "host_checkpoint_frac": self.checkpoint_s / elapsed}
+                "host_checkpoint_frac": self.checkpoint_s / elapsed,
+                "host_gc_frac": (self._gc_s() - self.gc_start) / elapsed}
 
 
 class Progress:

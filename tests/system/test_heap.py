@@ -6,6 +6,8 @@ import gc
 import threading
 import weakref
 
+import pytest
+
 import tiny
 from attention_jax import heap, train
 
@@ -73,8 +75,9 @@ def test_pauses_records_each_collection_by_generation():
     summary = pauses.summary()
     assert summary["gen2"]["count"] == 2 and summary["gen0"]["count"] >= 1
     assert 0 < summary["gen2"]["max_s"] <= summary["gen2"]["total_s"]
+    assert pauses.total_s == pytest.approx(sum(g["total_s"] for g in summary.values()))
     pauses.clear()
-    assert pauses.summary() == {}
+    assert pauses.summary() == {} and pauses.total_s == 0
 
 
 def test_the_training_loop_freezes_the_heap_and_unfreezes_it_after(tmp_path):

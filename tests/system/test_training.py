@@ -262,3 +262,6 @@ def test_each_window_reports_the_share_of_its_checkpoint_saves(tmp_path):
     assert shares[3] == shares[6] == shares[12] == 0.0 and shares[9] > 0, shares
     for r in windows.values():
         assert r["host_data_frac"] + r["host_dispatch_frac"] + r["host_checkpoint_frac"] <= 1.0
+        assert 0.0 <= r["host_gc_frac"] <= 1.0  # apart: it overlaps the others
+    # Python collects young objects many times a second: some window holds some.
+    assert any(r["host_gc_frac"] > 0 for r in windows.values())

@@ -380,7 +380,8 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                     print(f"    {'first save' if k == 0 else 'save'} (window to step "
                           f"{cost['step']}): held {cost['held_s']:.3f} s, window "
                           f"+{cost['extra_s']:.3f} s = {cost['extra_s'] / result['step_s']:.1f} "
-                          f"steps", file=sys.stderr, flush=True)
+                          f"steps; garbage collections {cost['gc_s']:.3f} s", file=sys.stderr,
+                          flush=True)
                 save()
     # 5. --fit: the largest batch of each shape that fits, from compiled memory.
     if getattr(args, "fit", False):

@@ -108,9 +108,10 @@ def run_commands(row: dict, commands: Callable[[str], list[list[str]]], *, env: 
         return {"error": tail[-1][:200] if tail else f"exit code {failed.returncode}"}
     tokens_per_s = statistics.median(rates[1:])
     # The host's shares of each window (train.Throughput): getting batches, calling the
-    # step, saving checkpoints.
+    # step, saving checkpoints; Python's garbage collections.
     host = {k: statistics.median(r[k] for r in records[1:])
-            for k in ("host_data_frac", "host_dispatch_frac", "host_checkpoint_frac")
+            for k in ("host_data_frac", "host_dispatch_frac", "host_checkpoint_frac",
+                      "host_gc_frac")
             if k in records[-1]}
     return {"step_s": row["batch"] * row["seq_len"] / tokens_per_s,
             "tokens_per_s_logged": tokens_per_s, "windows": len(rates) - 1,
@@ -119,12 +120,13 @@ def run_commands(row: dict, commands: Callable[[str], list[list[str]]], *, env: 
 
 
 def save_costs(records: list[dict], tokens_per_step: int, tokens_per_s: float) -> list[dict]:
-    """[{"step", "held_s", "extra_s"}] for each logged window that holds a checkpoint
-    save (one made at the step that closed the window before: host_checkpoint_frac > 0):
-    how long `save` held the training thread, and how much longer the window took than
-    the same steps at the run's median rate (the save's whole cost to training, what it
-    held and what it slowed beside it). Issue 35's target: at most one step's time for
-    every save after the first."""
+    """[{"step", "held_s", "extra_s", "gc_s"}] for each logged window that holds a
+    checkpoint save (one made at the step that closed the window before:
+    host_checkpoint_frac > 0): how long `save` held the training thread, how much longer
+    the window took than the same steps at the run's median rate (the save's whole cost
+    to training, what it held and what it slowed beside it), and how long Python's
+    garbage collections held the interpreter in it. Issue 35's target: at most one
+    step's time for every save after the first."""
     costs, previous = [], None
     for r in records:
         steps = r["step"] - previous if previous is not None else None
@@ -133,7 +135,8 @@ def save_costs(records: list[dict], tokens_per_step: int, tokens_per_s: float) -
             continue
         window_s = steps * tokens_per_step / r["tokens_per_sec"]
         costs.append({"step": r["step"], "held_s": r["host_checkpoint_frac"] * window_s,
-                      "extra_s": window_s - steps * tokens_per_step / tokens_per_s})
+                      "extra_s": window_s - steps * tokens_per_step / tokens_per_s,
+                      "gc_s": r.get("host_gc_frac", 0.0) * window_s})
     return costs
 
 
