@@ -414,16 +414,13 @@ class Throughput:
     garbage collector held the interpreter, in any thread (it stops them all; it
     overlaps the others)."""
 
-    def __init__(self, pauses: heap.Pauses | None = None):
-        self.pauses = pauses
+    def __init__(self, pauses: heap.Pauses):
+        self.pauses = pauses  # entered by the loop: adds up the collections
         self.restart()
-
-    def _gc_s(self) -> float:
-        return self.pauses.total_s if self.pauses is not None else 0.0
 
     def restart(self) -> None:
         self.units, self.data_s, self.dispatch_s, self.checkpoint_s = 0, 0.0, 0.0, 0.0
-        self.start, self.gc_start = time.perf_counter(), self._gc_s()
+        self.start, self.gc_start = time.perf_counter(), self.pauses.total_s
 
     def add(self, units: int, data_s: float, dispatch_s: float) -> None:
         self.units += units
@@ -435,7 +432,7 @@ class Throughput:
         return {f"{unit}_per_sec": self.units / elapsed, "host_data_frac": self.data_s / elapsed,
                 "host_dispatch_frac": self.dispatch_s / elapsed,
                 "host_checkpoint_frac": self.checkpoint_s / elapsed,
-                "host_gc_frac": (self._gc_s() - self.gc_start) / elapsed}
+                "host_gc_frac": (self.pauses.total_s - self.gc_start) / elapsed}
 
 
 class Progress:
