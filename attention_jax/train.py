@@ -267,7 +267,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     pending, window = [], []  # steps since the last sync point (on the device); since the last log
     prepared.ckpt.prepare(state)  # its save programs compile beside the first step's
     batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
-    first = step + 1
+    first, evaluated = step + 1, False
     try:
         with StopRequest() as stop, heap.FrozenHeap() as frozen, pauses:
             while step < total:
@@ -303,6 +303,9 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                     summary["eval"] = steps.evaluate(eval_step, state["params"], prepared.task, config,
                                                      prepared.mesh)
                     progress.eval(step, summary["eval"])
+                    if not evaluated:  # as the first step's: the eval step's compilation
+                        frozen.settle()
+                        evaluated = True
                     meter.restart()  # evaluation is not training time
                 if save_now:
                     t_save = time.perf_counter()
