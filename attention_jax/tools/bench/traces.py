@@ -11,6 +11,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 
 def read_trace(log_dir: str) -> list[dict]:
@@ -22,6 +23,12 @@ def read_trace(log_dir: str) -> list[dict]:
     with gzip.open(found[-1], "rt") as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _stable(thread: str) -> str:
+    """A GPU stream's name without the kinds of work the trace saw on it ("Stream
+    #14(Memset,Compute)" -> "Stream #14"), which differ between traces of one stream."""
+    return re.sub(r"^(Stream #\d+)\(.*\)$", r"\1", thread)
 
 
 def thread_busy(events: list[dict]) -> dict[tuple[str, str], dict]:
@@ -56,7 +63,7 @@ def thread_busy(events: list[dict]) -> dict[tuple[str, str], dict]:
             stack.append([ts + dur, name, dur])
         for closed in stack:
             self_us[closed[1]] += closed[2]
-        label = (procs.get(key[0], str(key[0])), names.get(key, str(key[1])))
+        label = (procs.get(key[0], str(key[0])), _stable(names.get(key, str(key[1]))))
         entry = busy.setdefault(label, {"busy_us": 0.0, "self": collections.Counter()})
         entry["busy_us"] += total
         entry["self"].update(self_us)
