@@ -396,20 +396,23 @@ class Checkpointer:
                             "not finish): ignored, moved aside to %s", path, target)
 
     # -------------------------------------------------------------------------- save
-    def prepare(self, state, *, device_programs: bool | None = None) -> None:
+    def prepare(self, state, *, device_programs: bool | None = None,
+                on_compiled: Callable[[], object] | None = None) -> None:
         """Compiles the device programs of an async save of `state` (its copy and digest
         sums) on a thread of their own, so that the first `save` only launches them:
         call it once the state exists (after restoring or initialising it), beside the
         train step's compilation. device_programs: save through them; None: where the
         state lives on an accelerator (on CPU buffer copies and numpy digests are faster
-        and compile nothing); True: on CPU too."""
+        and compile nothing); True: on CPU too. on_compiled: called on their thread once
+        they are compiled (the loop's heap.FrozenHeap.settle: what compiling them made
+        lives as long as the loop)."""
         if self._saves is None:
             return
         if device_programs is None:
             device_programs = any(d.platform != "cpu" for x in jax.tree.leaves(state)
                                   if isinstance(x, jax.Array) for d in x.sharding.device_set)
         if device_programs:
-            self._programs = background_save.SavePrograms(state)
+            self._programs = background_save.SavePrograms(state, on_compiled=on_compiled)
 
     def due(self, step: int) -> bool:
         """Whether `step` is one of the regular saves (a multiple of save_every)."""

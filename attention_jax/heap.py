@@ -10,8 +10,8 @@ runs out of queued steps. (Issue 35: a later save cost its window 0.4-0.5 s on a
 unexplained; whether this is that is for `bench profile --save --gc-freeze off` on a GPU.)
 
 `FrozenHeap` moves what exists when training starts into CPython's permanent generation
-(`gc.freeze`), again once the first step and the first evaluation have compiled, and
-back out when training ends
+(`gc.freeze`), again once the first step, the first evaluation and the checkpoint's save
+programs have compiled, and back out when training ends
 (`gc.unfreeze`): a full collection then walks only what the loop itself created.
 (Left out, what the eval step's compilation made kept the full collections of the same
 run with an evaluation every 100 steps at up to 42-53 ms; settled, up to 9-16 ms.)
@@ -36,6 +36,7 @@ class FrozenHeap:
 
     def __init__(self):
         self._ours = False
+        self._lock = threading.Lock()  # settle may come from another thread (checkpoint.prepare)
 
     def __enter__(self):
         self._ours = gc.isenabled() and gc.get_freeze_count() == 0
@@ -45,15 +46,18 @@ class FrozenHeap:
     def settle(self) -> None:
         """Collects what is garbage now (once, so that no cycle is frozen dead) and
         freezes the rest: call it after a phase that created long-lived objects (the
-        first step's compilation)."""
-        if self._ours:
-            gc.collect()
-            gc.freeze()
+        first step's compilation), from any thread; after the context has exited it
+        does nothing."""
+        with self._lock:
+            if self._ours:
+                gc.collect()
+                gc.freeze()
 
     def __exit__(self, *exc):
-        if self._ours:
-            gc.unfreeze()
-            self._ours = False
+        with self._lock:
+            if self._ours:
+                gc.unfreeze()
+                self._ours = False
         return False
 
 

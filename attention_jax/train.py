@@ -265,11 +265,13 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     pauses = heap.Pauses()
     progress, meter = Progress(config, workdir, prepared.task.unit, step), Throughput(pauses)
     pending, window = [], []  # steps since the last sync point (on the device); since the last log
-    prepared.ckpt.prepare(state)  # its save programs compile beside the first step's
     batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
     first, evaluated = step + 1, False
     try:
         with StopRequest() as stop, heap.FrozenHeap() as frozen, pauses:
+            # Its save programs compile beside the first step's, on a thread that freezes
+            # what they made once they are done (it may finish after the first step).
+            prepared.ckpt.prepare(state, on_compiled=frozen.settle)
             while step < total:
                 t_data = time.perf_counter()
                 batch, units, data_state = next(batches)

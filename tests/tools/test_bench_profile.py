@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 
 import pytest
 
@@ -68,6 +69,8 @@ def test_bad_arguments_name_the_valid_values(tmp_path):
         profile.run(_args(tmp_path, "--batch", "0"))
     with pytest.raises(SystemExit, match=r"--loss-chunk -1; valid: an integer >= 0"):
         profile.run(_args(tmp_path, "--loss-chunk", "-1"))
+    with pytest.raises(SystemExit, match=r"--switch-interval 0.0; valid: seconds > 0"):
+        profile.run(_args(tmp_path, "--save", "--switch-interval", "0"))
 
 
 def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys):
@@ -80,10 +83,13 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
                     "--config.mesh.num_devices=1")
     result = profile.run(_args(tmp_path, "--save", "--save-window", "2", "--saves", "2",
                                "--pinned-host", "on", "--compression", "off", "--python-trace",
+                               "--switch-interval", "0.0005",
                                "--out", str(out),
                                f"--trainer-args={trainer_args}"))
     assert result["pinned_host"] is True and result["compression"] is False
     assert result["gc_freeze"] is True  # as main.py's loop
+    assert result["switch_interval_s"] == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # given back
     assert result["step_s"] > 0 and len(result["saves"]) == 2
     for cost in (result["first"], *result["saves"]):
         assert cost["steps"] >= 2 and cost["steps"] % 2 == 0 and 0 < cost["held_s"] < cost["window_s"]
@@ -96,11 +102,20 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
     assert any(r["thread"] == "python" for r in threads)  # the training thread
     # threads that only the save's trace has: the save's and orbax's
     assert any(r["plain_ms_per_step"] == 0 < r["save_ms_per_step"] for r in threads)
+    # the windows' own time per step, against which a thread's busy time shows idle
+    python = next(r for r in threads if r["thread"] == "python")
+    wall = result["traced_wall_ms_per_step"]
+    assert 0 < wall["plain"] < wall["save"]  # the save's windows: its launch and writes too
+    assert python["save_ms_per_step"] > 0
+    # what a full collection would walk at each save: a heap frozen as main.py's loop
+    # leaves a few thousand objects outside it at most
+    assert all(0 <= c["unfrozen_objects"] < 20_000 for c in (result["first"], *result["saves"]))
     saved = json.loads((out / "summary.json").read_text())
     assert saved["saves"] == result["saves"] and list((out / "traces").rglob("*.json.gz"))
     printed = capsys.readouterr().out
     assert "| later 2 |" in printed and "| process | thread | plain ms/step |" in printed
     assert "heap frozen on" in printed and "| full ones: count, longest ms |" in printed
+    assert "thread switch interval 0.5 ms" in printed and "| (wall clock) |" in printed
 
 
 def test_thread_busy_counts_nested_and_overlapping_events_once():
@@ -120,3 +135,18 @@ def test_thread_busy_counts_nested_and_overlapping_events_once():
     assert busy[("/device:GPU:0", "8")]["busy_us"] == 4  # an unnamed thread: its id
     rows = save_window.compare_threads({"plain": busy, "save": busy}, {"plain": 1, "save": 5})
     assert rows[0]["save_ms_per_step"] == pytest.approx(0.125 / 5)
+
+
+def test_a_gpu_stream_is_one_thread_whatever_work_a_trace_saw_on_it():
+    """A trace names a GPU stream by the kinds of work it saw ("Stream #14(Memset,Compute)"
+    in one, "Stream #14(Compute)" in another): plain and save traces compare one row."""
+    from attention_jax.tools.bench import save_window, traces
+    def trace(stream_name):
+        return [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+                {"ph": "M", "name": "thread_name", "pid": 1, "tid": 14, "args": {"name": stream_name}},
+                {"ph": "X", "pid": 1, "tid": 14, "ts": 0, "dur": 30, "name": "gemm"}]
+    busy = {"plain": traces.thread_busy(trace("Stream #14(Compute)")),
+            "save": traces.thread_busy(trace("Stream #14(Memset,Compute)"))}
+    rows = save_window.compare_threads(busy, {"plain": 1, "save": 1})
+    assert [(r["thread"], r["plain_ms_per_step"], r["save_ms_per_step"]) for r in rows] == \
+        [("Stream #14", 0.03, 0.03)]

@@ -225,6 +225,11 @@ def add_parser(sub) -> None:
                    help="with --save: Python's long-lived objects kept out of the garbage "
                         "collector's walks, as main.py's loop does (heap.FrozenHeap); off: "
                         "each full collection walks the whole heap")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="with --save: Python's thread switch interval in seconds during the "
+                        "measurement (sys.setswitchinterval; default: as it is, 0.005), the "
+                        "longest the training thread waits for the interpreter while a saving "
+                        "thread holds it")
     p.add_argument("--trainer-args", default="",
                    help="with --trainer: main.py --config.* arguments, one string, e.g. "
                         "--trainer-args='--config.data.max_files=50'")
@@ -237,6 +242,8 @@ def run(args) -> dict:
         raise SystemExit(f"error: --batch {args.batch}; valid: an integer >= 1")
     if args.loss_chunk < 0:
         raise SystemExit(f"error: --loss-chunk {args.loss_chunk}; valid: an integer >= 0")
+    if args.switch_interval is not None and not args.switch_interval > 0:
+        raise SystemExit(f"error: --switch-interval {args.switch_interval}; valid: seconds > 0")
     for flag in ("save_window", "saves"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}; "

@@ -27,9 +27,12 @@ by the trainer's Checkpointer into a temporary folder, the step run in windows o
 Then one plain window and the first windows of a later save are traced (jax.profiler)
 and each thread's busy time per step is read back, plain against save: on a GPU the
 device's streams (compute, the copies to and from the host) and the host's threads (the
-training thread, the save's, orbax's); on a CPU the host's threads. Python's garbage
-collections during each save are counted too (heap.Pauses): a full one pauses every
-thread, the one launching the steps included.
+training thread, the save's, orbax's); on a CPU the host's threads. Beside them, the
+traced windows' own wall-clock time per step: a compute stream busy for less than that
+idled, waiting for steps the host had not launched yet. Python's garbage collections
+during each save are counted too (heap.Pauses): a full one pauses every thread, the one
+launching the steps included; and the objects outside the frozen heap at each save's
+start, what a full collection walks.
 
 The two options are the suspects one can switch without a profile: orbax's device-to-host
 copy through pinned host memory (`--pinned-host`; on by default for a GPU, where each of
@@ -38,7 +41,10 @@ off, each is copied to pageable memory) and its zstd compression, which
 tensorstore runs on a pool as wide as the host's cores, beside the thread that launches
 the steps (`--compression`), and the trainer's frozen heap (`--gc-freeze`, heap.py: on,
 as main.py's loop; off, each full collection walks the whole heap, 360-470 ms in main.py
-on the 2-core CPU host). Run each setting as its own command: one process each.
+on the 2-core CPU host). `--switch-interval` sets Python's thread switch interval (5 ms
+by default: how long the training thread may wait for the interpreter that a saving
+thread holds, each time it needs it back). Run each setting as its own command: one
+process each.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,12 +113,15 @@ def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None
 
 def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3,
             warmup: int = 2, pinned_host: bool | None = None, compression: bool = True,
-            gc_freeze: bool = True, trace_dir: str | None = None,
-            python_trace: bool = False) -> dict:
+            gc_freeze: bool = True, switch_interval: float | None = None,
+            trace_dir: str | None = None, python_trace: bool = False) -> dict:
     """The save costs of `compiled(state, batch) -> (state, metrics)`'s training, saved
     into `directory` (see the module doc). pinned_host, compression: the Checkpointer's
     options of those names (pinned_host None: orbax's default). gc_freeze: the heap frozen
-    as main.py's loop freezes it (heap.FrozenHeap). trace_dir: also trace one
+    as main.py's loop freezes it (heap.FrozenHeap). switch_interval: Python's thread
+    switch interval meanwhile (sys.setswitchinterval; None: as it is, 5 ms by default),
+    the longest a thread waiting for the interpreter waits while another holds it.
+    trace_dir: also trace one
     plain window and the first TRACED_WINDOWS windows of a save, and return each thread's
     busy time (`threads`; the traces stay there); python_trace: with every Python call
     of every thread in them (jax.profiler's Python tracer; large traces)."""
@@ -122,11 +132,15 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
     step = lambda s: compiled(s, batch)
     ckpt = checkpoint.Checkpointer(directory, save_every=1, keep=2, pinned_host=pinned_host,
                                    compression=compression)
-    ckpt.prepare(state)  # as main.py's loop does, before its first steps
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         frozen = stack.enter_context(heap.FrozenHeap()) if gc_freeze else None
         stack.callback(ckpt.close)
+        if switch_interval is not None:
+            stack.callback(sys.setswitchinterval, sys.getswitchinterval())
+            sys.setswitchinterval(switch_interval)
+        # as main.py's loop does, before its first steps
+        ckpt.prepare(state, on_compiled=frozen.settle if frozen is not None else None)
         state = _windows(step, state, size, warmup)
         if frozen is not None:
             frozen.settle()  # as main.py's loop after its first step
@@ -151,6 +165,7 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                "held_s": statistics.median(c["held_s"] for c in later),
                "extra_s": statistics.median(c["extra_s"] for c in later),
                "pinned_host": pinned_host, "compression": compression, "gc_freeze": gc_freeze,
+               "switch_interval_s": sys.getswitchinterval(),
                "device": jax.devices()[0].device_kind,
                "state_arrays": sum(isinstance(x, jax.Array) for x in jax.tree.leaves(state)),
                "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)
@@ -208,7 +223,8 @@ def report(out: dict, top: int = 12) -> str:
              f"windows of {out['window']}; orbax's pinned-host copy "
              f"{ {None: 'default', True: 'on', False: 'off'}[out['pinned_host']]}, "
              f"compression {'on' if out['compression'] else 'off'}, heap frozen "
-             f"{'on' if out['gc_freeze'] else 'off'}", "",
+             f"{'on' if out['gc_freeze'] else 'off'}, thread switch interval "
+             f"{1e3 * out['switch_interval_s']:g} ms", "",
              "| save | held the training thread, ms | whole cost to training, ms | "
              "in steps | steps spanned | garbage collections meanwhile, ms | full ones: "
              "count, longest ms | objects outside the frozen heap |",
@@ -244,6 +260,7 @@ def run(args, compiled, state, batch) -> dict:
         out = measure(compiled, state, batch, directory, size=args.save_window,
                       saves=args.saves, pinned_host=pinned,
                       compression=args.compression == "on", gc_freeze=args.gc_freeze == "on",
+                      switch_interval=args.switch_interval,
                       trace_dir=trace_dir,
                       python_trace=args.python_trace)
     print(report(out))
