@@ -50,6 +50,7 @@ process each.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
 import sys
@@ -86,19 +87,41 @@ def plain_window(step, state, ckpt, size: int):
     return state, time.perf_counter() - start
 
 
+def _pack(arrays):
+    import jax.numpy as jnp
+    groups: dict[str, list] = {}
+    for x in arrays:
+        groups.setdefault(str(x.dtype), []).append(jnp.ravel(x))
+    return {name: jnp.concatenate(parts) for name, parts in groups.items()}
+
+
+@functools.cache
+def _pack_program():
+    import jax
+    return jax.jit(_pack)
+
+
+def pack_by_dtype(state):
+    """The state's arrays as one flat array per dtype (one jitted program, launched and
+    not waited for): the same bytes for orbax to write, in a few arrays, not hundreds."""
+    import jax
+    return _pack_program()([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
+
+
 def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None,
-                  pauses=None):
+                  pauses=None, pack=None):
     """(state, {"held_s", "window_s", "steps", "gc"}): a save of `state` as checkpoint
     step `at` at the start of a window, then windows of `size` steps until it has
     committed (or `most` windows have run); gc: the garbage collections meanwhile by
-    generation, if `pauses` (a heap.Pauses) records them."""
+    generation, if `pauses` (a heap.Pauses) records them. pack: saves `pack(state)`
+    instead (its launch is part of what `save` held)."""
     ckpt.wait()
     if pauses is not None:
         pauses.clear()
     # What a full collection would walk now: the objects outside the frozen heap.
     unfrozen = len(gc.get_objects())
     start = time.perf_counter()
-    ckpt.save(at, state, DATA_STATE, force=True)
+    ckpt.save(at, pack(state) if pack is not None else state, DATA_STATE, force=True)
     held = time.perf_counter() - start
     steps = 0
     while True:
@@ -114,14 +137,16 @@ def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None
 def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3,
             warmup: int = 2, pinned_host: bool | None = None, compression: bool = True,
             gc_freeze: bool = True, switch_interval: float | None = None,
-            trace_dir: str | None = None, python_trace: bool = False) -> dict:
+            packed: bool = False, trace_dir: str | None = None,
+            python_trace: bool = False) -> dict:
     """The save costs of `compiled(state, batch) -> (state, metrics)`'s training, saved
     into `directory` (see the module doc). pinned_host, compression: the Checkpointer's
     options of those names (pinned_host None: orbax's default). gc_freeze: the heap frozen
     as main.py's loop freezes it (heap.FrozenHeap). switch_interval: Python's thread
     switch interval meanwhile (sys.setswitchinterval; None: as it is, 5 ms by default),
     the longest a thread waiting for the interpreter waits while another holds it.
-    trace_dir: also trace one
+    packed: each save writes the state's arrays as one array per dtype (pack_by_dtype):
+    what orbax's work per array costs the steps. trace_dir: also trace one
     plain window and the first TRACED_WINDOWS windows of a save, and return each thread's
     busy time (`threads`; the traces stay there); python_trace: with every Python call
     of every thread in them (jax.profiler's Python tracer; large traces)."""
@@ -140,7 +165,9 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
             stack.callback(sys.setswitchinterval, sys.getswitchinterval())
             sys.setswitchinterval(switch_interval)
         # as main.py's loop does, before its first steps
-        ckpt.prepare(state, on_compiled=frozen.settle if frozen is not None else None)
+        pack = pack_by_dtype if packed else None
+        ckpt.prepare(pack(state) if pack is not None else state,
+                     on_compiled=frozen.settle if frozen is not None else None)
         state = _windows(step, state, size, warmup)
         if frozen is not None:
             frozen.settle()  # as main.py's loop after its first step
@@ -148,12 +175,12 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
         while time.perf_counter() - started < FIRST_SAVE_AFTER_S:
             state = _windows(step, state, size)
         plain = []
-        state, first = saved_windows(step, state, ckpt, 1, size, pauses=pauses)
+        state, first = saved_windows(step, state, ckpt, 1, size, pauses=pauses, pack=pack)
         later = []
         for at in range(2, 2 + saves):
             state, seconds = plain_window(step, state, ckpt, size)
             plain.append(seconds / size)
-            state, cost = saved_windows(step, state, ckpt, at, size, pauses=pauses)
+            state, cost = saved_windows(step, state, ckpt, at, size, pauses=pauses, pack=pack)
             later.append(cost)
         state, seconds = plain_window(step, state, ckpt, size)
         plain.append(seconds / size)
@@ -165,7 +192,7 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                "held_s": statistics.median(c["held_s"] for c in later),
                "extra_s": statistics.median(c["extra_s"] for c in later),
                "pinned_host": pinned_host, "compression": compression, "gc_freeze": gc_freeze,
-               "switch_interval_s": sys.getswitchinterval(),
+               "switch_interval_s": sys.getswitchinterval(), "packed": packed,
                "device": jax.devices()[0].device_kind,
                "state_arrays": sum(isinstance(x, jax.Array) for x in jax.tree.leaves(state)),
                "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)
@@ -184,7 +211,7 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                         steps[name] = size
                     else:
                         state, cost = saved_windows(step, state, ckpt, 2 + saves, size,
-                                                    most=TRACED_WINDOWS)
+                                                    most=TRACED_WINDOWS, pack=pack)
                         steps[name], wall[name] = cost["steps"], cost["window_s"]
                 busy[name] = traces.thread_busy(traces.read_trace(where))
             out["threads"] = compare_threads(busy, steps)
@@ -218,7 +245,8 @@ def compare_threads(busy: dict[str, dict], steps: dict[str, int]) -> list[dict]:
 def report(out: dict, top: int = 12) -> str:
     """Markdown: the costs, then the busiest threads plain against save."""
     ms = lambda s: f"{1e3 * s:.1f}"
-    lines = [f"{out['device']}: a state of {out['state_arrays']} arrays, "
+    lines = [f"{out['device']}: a state of {out['state_arrays']} arrays"
+             f"{' (saved as one array per dtype)' if out['packed'] else ''}, "
              f"{out['state_bytes'] / 2**30:.2f} GiB; step {ms(out['step_s'])} ms in plain "
              f"windows of {out['window']}; orbax's pinned-host copy "
              f"{ {None: 'default', True: 'on', False: 'off'}[out['pinned_host']]}, "
@@ -260,7 +288,7 @@ def run(args, compiled, state, batch) -> dict:
         out = measure(compiled, state, batch, directory, size=args.save_window,
                       saves=args.saves, pinned_host=pinned,
                       compression=args.compression == "on", gc_freeze=args.gc_freeze == "on",
-                      switch_interval=args.switch_interval,
+                      switch_interval=args.switch_interval, packed=args.packed,
                       trace_dir=trace_dir,
                       python_trace=args.python_trace)
     print(report(out))
