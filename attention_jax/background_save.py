@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from attention_jax import packed_state
+
 
 # ------------------------------------------------------------------ the state's copy
 @jax.jit
@@ -50,18 +52,36 @@ def _copy_buffers(arrays):
         x.shape, x.sharding, [next(copies) for _ in x.addressable_shards]) for x in arrays]
 
 
-def snapshot(state, program=None):
+def on_cpu(state) -> bool:
+    """Whether every array of `state` lives on CPU devices."""
+    return all(d.platform == "cpu" for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
+               for d in x.sharding.device_set)
+
+
+def packs_on_device(state, program=None) -> bool:
+    """Whether a packed save's copy is packed by a device program (on an accelerator, or
+    wherever its programs were compiled ahead) rather than on the host by the saving
+    thread (numpy, on CPU devices: XLA:CPU would run the program on the calling thread)."""
+    return program is not None or not on_cpu(state)
+
+
+def snapshot(state, program=None, packed: bool = False):
     """A copy of `state` that the next train step's donation leaves alone: its arrays
     copied on their devices, launched and not waited for (one jitted program on an
     accelerator, over arrays on one set of devices as a train state's are, or `program`,
     that program compiled ahead by `SavePrograms`; buffer copies on CPU). Leaves that are
-    not jax.Arrays (host values) are kept as they are."""
+    not jax.Arrays (host values) are kept as they are. packed: where `packs_on_device`,
+    the copy is the state's flat arrays (packed_state.pack_on_device), which `program`
+    then makes; elsewhere it is the same copy as unpacked, for the saving thread to pack
+    on the host."""
     leaves, treedef = jax.tree.flatten(state)
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     arrays = [leaves[i] for i in at]
+    cpu = on_cpu(state)
+    if packed and packs_on_device(state, program):
+        return packed_state.pack_on_device(state, program)
     if program is None:
-        on_cpu = all(d.platform == "cpu" for x in arrays for d in x.sharding.device_set)
-        program = _copy_buffers if on_cpu else _copy_program
+        program = _copy_buffers if cpu else _copy_program
     for i, copy in zip(at, program(arrays)):
         leaves[i] = copy
     return jax.tree.unflatten(treedef, leaves)
@@ -85,10 +105,10 @@ class SavePrograms:
     100-170 ms in every other save)."""
 
     def __init__(self, state, name: str = "checkpoint-compile",
-                 on_compiled: Callable[[], object] | None = None):
+                 on_compiled: Callable[[], object] | None = None, packed: bool = False):
         from attention_jax import digests  # digests imports nothing of this module
         arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-        self._layout = _layout(state)
+        self._layout = _layout(state), packed
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in arrays]
         self.copy = self.sums = None
         self._error: BaseException | None = None
@@ -96,11 +116,15 @@ class SavePrograms:
 
         def compile_both():
             try:
-                self.copy = _copy_program.lower(abstract).compile()
-                # The sums run on the copy: its arrays as the copy program lays them out.
-                copies = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in
-                          zip(abstract, self.copy.output_shardings)]
-                self.sums = digests.device_sums.lower(copies).compile()
+                if packed:  # the copy is the flat arrays; the sums run on the state itself
+                    self.copy = packed_state.device_program(state).lower(abstract).compile()
+                    self.sums = digests.device_sums.lower(abstract).compile()
+                else:
+                    self.copy = _copy_program.lower(abstract).compile()
+                    # The sums run on the copy: its arrays as the copy program lays them out.
+                    copies = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in
+                              zip(abstract, self.copy.output_shardings)]
+                    self.sums = digests.device_sums.lower(copies).compile()
             except BaseException as e:  # noqa: BLE001 - the save compiles them itself then
                 self._error = e
                 return
@@ -109,16 +133,16 @@ class SavePrograms:
         self._thread = threading.Thread(target=compile_both, name=name, daemon=True)
         self._thread.start()
 
-    def get(self, state) -> "SavePrograms | None":
-        """Self once both programs are compiled for `state`'s layout (waits for the
-        compilation if it is still running); None if they cannot serve it."""
+    def get(self, state, packed: bool = False) -> "SavePrograms | None":
+        """Self once both programs are compiled for `state`'s layout, packed or not
+        (waits for the compilation if it is still running); None if they cannot serve it."""
         self._thread.join()
         if self._error is not None:
             _say_compiled_on_save(f"compiling them ahead failed ({str(self._error)[:200]})")
             self._error, self._layout = None, None  # said once; never used
         if self._layout is None:
             return None
-        if _layout(state) != self._layout:
+        if (_layout(state), packed) != self._layout:
             if not self._said_layout:
                 _say_compiled_on_save("a state laid out unlike the one they were compiled for")
                 self._said_layout = True
@@ -178,8 +202,9 @@ class Snapshots:
         self._agree = agree
         self.enabled: bool | None = None
 
-    def take(self, state, program=None):
-        """program: the copy compiled ahead (`SavePrograms.copy`), or None."""
+    def take(self, state, program=None, packed: bool = False):
+        """program: the copy compiled ahead (`SavePrograms.copy`), or None; packed: see
+        `snapshot`."""
         if self.enabled is None:
             fits, why = snapshot_fits(state)
             self.enabled = self._agree(fits)
@@ -188,7 +213,7 @@ class Snapshots:
         if not self.enabled:
             return None
         try:
-            return snapshot(state, program)
+            return snapshot(state, program, packed)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise

@@ -1,8 +1,13 @@
 """Checkpoints: orbax's CheckpointManager behind a small interface.
 
-A checkpoint step directory holds three items:
+A checkpoint step directory holds three or four items:
   state   the train state pytree (params, optimizer state, step, RNG), written by every
-          process for the shards it owns (tensorstore/OCDBT), restorable on any mesh.
+          process for the shards it owns (tensorstore/OCDBT), restorable on any mesh;
+          packed (packed_state.py) where every array is whole on each of its devices
+          (one device, or replicated; one process): one flat array per top-level entry
+          and dtype, 5 for GPT-2 instead of 448, since orbax's Python work per array on
+          its saving threads held up the thread launching the train steps (issue 35).
+  layout  with a packed state: where each array lies in the flat arrays (JSON).
   data    the data loader's state as JSON (a stream position, independent of the number
           of devices or processes, see data/loaders.py).
   digest  a checksum of every array of the state and of the data state, the mesh the
@@ -16,7 +21,10 @@ sums or computes them with numpy, and hands the copy to orbax, which copies it t
 and writes it; the device copy is freed as soon as orbax has its host copy. Cost: one more
 copy of the state in device memory while a save is in flight; where the devices' memory
 statistics say it would not fit, saves are synchronous, as they were before (said once).
-A failed background save raises at the next `save`, `wait` or `close`.
+A failed background save raises at the next `save`, `wait` or `close`. A packed state's
+copy is its flat arrays, packed by one device program on an accelerator (the digest sums
+then run on the state itself, launched before the next step donates it); on CPU the
+saving thread packs the copy into host buffers it keeps from save to save.
 
 Crash safety comes from orbax's commit protocol: a step is written into a temporary
 directory and renamed (plus a commit marker) only once every process has finished, so
@@ -44,7 +52,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from attention_jax import background_save, digests, quiet, sharding
+from attention_jax import background_save, digests, packed_state, quiet, sharding
 from attention_jax.errors import UserError
 
 
@@ -132,12 +140,12 @@ def _handlers(state) -> dict:
     by the handler's exact class, so a handler of another class (_StateHandler) goes
     into a registry with the arguments it takes."""
     items = {"state": state, "data": ocp.JsonCheckpointHandler(),
-             "digest": ocp.JsonCheckpointHandler()}
+             "digest": ocp.JsonCheckpointHandler(), "layout": ocp.JsonCheckpointHandler()}
     if type(state) is ocp.StandardCheckpointHandler:
         return {"item_handlers": items}
+    json_args = (ocp.args.JsonSave, ocp.args.JsonRestore)
     takes = {"state": (ocp.args.StandardSave, ocp.args.StandardRestore),
-             "data": (ocp.args.JsonSave, ocp.args.JsonRestore),
-             "digest": (ocp.args.JsonSave, ocp.args.JsonRestore)}
+             "data": json_args, "digest": json_args, "layout": json_args}
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for name, handler in items.items():
         for args in takes[name]:
@@ -315,18 +323,27 @@ class Checkpointer:
         the arrays (tensorstore compresses on every core of the host). Both exist for
         `bench profile --save`'s A/B of what slows training during a save (issue 35);
         the files read back either way.
+      packed: write a state whose arrays are each whole on every device they are on (one
+        device, or replicated; one process) as a few flat arrays with their layout
+        (packed_state.py: orbax's work per array, in Python on its saving threads, took
+        the interpreter from the thread launching the train steps); False: one array in
+        the files per array of the state, as a sharded state is always written. Both
+        formats restore, onto any mesh.
     """
 
     def __init__(self, directory, *, save_every: int = 1000, keep: int = 3,
                  async_save: bool = True, read_only: bool = False,
-                 pinned_host: bool | None = None, compression: bool = True):
+                 pinned_host: bool | None = None, compression: bool = True,
+                 packed: bool = True):
         check_supported(directory)
         self.directory = epath.Path(directory)
+        self.packed = packed
         self.save_every = save_every
         self.read_only = read_only
         self._saves = None if read_only or not async_save else background_save.SaveThread()
         self._snapshots = background_save.Snapshots(agree=_all_agree)
         self._programs: background_save.SavePrograms | None = None  # see prepare
+        self._host_flat = None  # (layout entries, flat host arrays): see _pack_and_write
         self._writing: int | None = None  # the step orbax may still be writing
         self._reported = None  # orbax's error of that write, once raised (see _wait_for_orbax)
         processes = None
@@ -412,7 +429,8 @@ class Checkpointer:
             device_programs = any(d.platform != "cpu" for x in jax.tree.leaves(state)
                                   if isinstance(x, jax.Array) for d in x.sharding.device_set)
         if device_programs:
-            self._programs = background_save.SavePrograms(state, on_compiled=on_compiled)
+            self._programs = background_save.SavePrograms(state, on_compiled=on_compiled,
+                                                          packed=self._packs(state))
 
     def due(self, step: int) -> bool:
         """Whether `step` is one of the regular saves (a multiple of save_every)."""
@@ -440,32 +458,63 @@ class Checkpointer:
         if int(step) in self.all_steps():
             return False  # Already saved or queued (e.g. a forced final save on a regular step).
         data_state = json.loads(json.dumps(dict(data_state)))  # as it will read back
-        programs = self._programs.get(state) if self._programs is not None else None
-        copy = (self._snapshots.take(state, programs and programs.copy)
+        layout = packed_state.layout_of(state) if self._packs(state) else None
+        packed = layout is not None
+        programs = self._programs.get(state, packed) if self._programs is not None else None
+        copy = (self._snapshots.take(state, programs and programs.copy, packed)
                 if self._saves is not None else None)
-        if copy is None:
-            return self._write(step, state, data_state,
-                               digests.start_record(step, state, data_state))
+        if copy is None:  # synchronous: packed on the host (a device copy did not fit)
+            digest = digests.start_record(step, state, data_state)
+            if packed:
+                state = packed_state.pack_on_host(state)
+            return self._write(step, state, data_state, digest, layout)
         # The sums are launched here too, in program order on every process (they may
-        # hold collectives); the thread only waits for them.
-        digest = digests.start_record(step, copy, data_state, gather=(
-            background_save.gather_through_coordination(f"{self.directory}/{int(step)}")),
-            program=programs and programs.sums)
-        self._saves.start(step, functools.partial(self._write, step, copy, data_state, digest))
+        # hold collectives); the thread only waits for them. A copy packed on the devices
+        # is no longer the state's arrays: then the sums run on the state, launched before
+        # the next step can donate it.
+        packed_on_device = packed and background_save.packs_on_device(
+            state, programs and programs.copy)
+        digest = digests.start_record(step, state if packed_on_device else copy, data_state,
+                                      gather=background_save.gather_through_coordination(
+                                          f"{self.directory}/{int(step)}"),
+                                      program=programs and programs.sums)
+        write = self._write
+        if packed and not packed_on_device:  # a copy on CPU: the saving thread packs it
+            write = self._pack_and_write
+        self._saves.start(step, functools.partial(write, step, copy, data_state, digest,
+                                                  layout))
         return True
 
-    def _write(self, step: int, state, data_state, digest: Callable[[], dict]) -> bool:
+    def _packs(self, state) -> bool:
+        return self.packed and packed_state.packable(state)
+
+    def _pack_and_write(self, step: int, copy, data_state, digest, layout) -> bool:
+        """On the saving thread, a copy of a state on CPU: its digests (numpy over the
+        copy), then its flat arrays, copied into host buffers kept from save to save
+        (once orbax has written the previous save from them), then orbax's write."""
+        digest = digest()
+        self._wait_for_orbax()
+        if self._host_flat is None or self._host_flat[0] != layout.entries:
+            self._host_flat = layout.entries, packed_state.host_buffers(layout)
+        flat = packed_state.pack_on_host(copy, out=self._host_flat[1])
+        del copy  # the flat arrays hold the same bytes: the copy goes before the write
+        return self._write(step, flat, data_state, lambda: digest, layout)
+
+    def _write(self, step: int, state, data_state, digest: Callable[[], dict],
+               layout: packed_state.Layout | None = None) -> bool:
         """orbax's save: waits for the previous write to commit (first, so that its
         failure names its step) and for the device -> host copy of `state`, then writes
-        on orbax's thread (async) or here."""
+        on orbax's thread (async) or here. layout: `state` is that layout's flat arrays,
+        written in chunks, with the layout as the step's `layout` item."""
         self._wait_for_orbax()
-        saved = self.manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state),
-                digest=ocp.args.JsonSave(digest())),
-            force=True)
+        items = {"data": ocp.args.JsonSave(data_state), "digest": ocp.args.JsonSave(digest())}
+        if layout is None:
+            items["state"] = ocp.args.StandardSave(state)
+        else:
+            items["state"] = ocp.args.StandardSave(state, save_args=packed_state.save_args(
+                layout, lambda chunk: ocp.SaveArgs(chunk_byte_size=chunk)))
+            items["layout"] = ocp.args.JsonSave(layout.to_json())
+        saved = self.manager.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._writing = int(step)
         return saved
 
@@ -539,9 +588,29 @@ class Checkpointer:
             raise ValueError(f"digest file has no arrays: {str(digest)[:80]!r}")
         return digest
 
+    def layout(self, step: int) -> packed_state.Layout | None:
+        """The layout of a step saved packed (its `layout` item), None for one saved an
+        array per array. Raises CheckpointDamagedError where the item was saved and is
+        missing or unreadable."""
+        path = self.step_path(step)
+        if not (path / "layout").exists():
+            if "layout" in _saved_items(path):
+                raise CheckpointDamagedError(step, path, "packed-state layout deleted")
+            return None
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                layout=ocp.args.JsonRestore()))["layout"]
+            return packed_state.Layout.from_json(restored)
+        except Exception as e:  # noqa: BLE001 - orbax raises anything from here
+            raise CheckpointDamagedError(step, path, f"packed-state layout unreadable "
+                                                     f"({one_line_error(e, path)})") from None
+
     def state_tree(self, step: int):
         """The saved tree's metadata (shapes, dtypes): read from state/_METADATA and the
-        arrays' headers inside the OCDBT database, so damage to either shows here."""
+        arrays' headers inside the OCDBT database, so damage to either shows here. For a
+        step saved packed: {path: ShapeDtypeStruct} of the state's arrays, from its
+        layout, once orbax's metadata agrees that the flat arrays are the layout's."""
+        layout = self.layout(step)
         try:
             tree = self.manager.item_metadata(step)["state"].tree
         except Exception as e:  # noqa: BLE001 - orbax raises anything from here
@@ -551,7 +620,12 @@ class Checkpointer:
                                          f"({one_line_error(e, self.step_path(step))})") from None
         if not tree:
             raise CheckpointDamagedError(step, self.step_path(step), "state metadata is empty")
-        return tree
+        if layout is None:
+            return tree
+        if flat_shapes(tree) != flat_shapes(layout.packed_abstract()):
+            raise CheckpointDamagedError(step, self.step_path(step),
+                                         "state metadata does not match its packed layout")
+        return layout.abstract()
 
     def check_structure(self, abstract_state, step: int) -> None:
         """Raises CheckpointMismatchError naming the keys that differ from the model."""
@@ -569,6 +643,16 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory / str(step)} does not match the model "
                 f"(was it written with another model config or optimizer?):\n{diff}")
+
+    def _restore_arrays(self, step: int, abstract_state):
+        layout = self.layout(step)
+        if layout is None:
+            return self._restore_item(step, "state", ocp.args.StandardRestore(abstract_state))
+        # The flat arrays come to the host whole (every process: all of them), then each
+        # array goes onto its sharding in the abstract state.
+        flat = self._restore_item(step, "state", ocp.args.StandardRestore(
+            packed_state.host_templates(layout)))
+        return packed_state.unpack(flat, layout, abstract_state)
 
     def restore(self, abstract_state, step: int | None = None):
         """Restores (state, data_state) of `step` (default: the newest committed one)
@@ -590,8 +674,7 @@ class Checkpointer:
         # the processes agree after each (orbax's reads have barriers).
         stages = (("digest file", lambda: self.recorded_digest(step)),
                   ("data-loader state", lambda: self._restore_item(step, "data", ocp.args.JsonRestore())),
-                  ("arrays", lambda: self._restore_item(
-                      step, "state", ocp.args.StandardRestore(abstract_state))))
+                  ("arrays", lambda: self._restore_arrays(step, abstract_state)))
         read = {}
         for what, fn in stages:
             error = None
@@ -671,24 +754,35 @@ def restore_params(directory, abstract_params, step: int | None = None):
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"init_from={str(directory)!r}: no committed checkpoint there")
-    meta = ckpt.manager.item_metadata(step)["state"].tree
-    diff = describe_mismatch(flat_shapes({"params": abstract_params}),
-                             flat_shapes({"params": meta["params"]}))
+    layout = ckpt.layout(step)
+    if layout is None:
+        found = flat_shapes({"params": ckpt.manager.item_metadata(step)["state"].tree["params"]})
+    else:
+        found = {path: shape for path, shape in layout.shapes().items()
+                 if path.startswith("params/")}
+    diff = describe_mismatch(flat_shapes({"params": abstract_params}), found)
     if diff:
         raise CheckpointMismatchError(
             f"init_from checkpoint {ckpt.directory / str(step)} does not match the model:\n{diff}")
     ckpt.close()
-    # A partial restore: the tree we ask for names only `params`; the optimizer state is
-    # never read. Only the PyTree handler (same files as the standard one) restores a
-    # subtree, so this read-only manager registers it for "state".
+    # A partial restore: the tree we ask for names only `params` (packed: its flat
+    # arrays); the optimizer state is never read. Only the PyTree handler (same files as
+    # the standard one) restores a subtree, so this read-only manager registers it for
+    # "state".
     with quiet.drop_log_messages(READ_ONLY_WARNING):
         reader = ocp.CheckpointManager(
             ckpt.directory, options=ocp.CheckpointManagerOptions(
                 read_only=True, create=False, save_interval_steps=0),
             item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
-                                {"params": abstract_params})
+    if layout is None:
+        item = {"params": abstract_params}
+        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), item)
+    else:
+        item = packed_state.host_templates(layout, tops=("params",))
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
     restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={"params": abstract_params}, restore_args=restore_args, partial_restore=True)))
+        item=item, restore_args=restore_args, partial_restore=True)))["state"]
     reader.close()
-    return restored["state"]["params"], step
+    if layout is not None:
+        restored = packed_state.unpack(restored, layout, {"params": abstract_params})
+    return restored["params"], step

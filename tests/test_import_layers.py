@@ -7,7 +7,7 @@ no import circles, and every import points to the module's own layer or a lower 
 axes.py, quiet.py, errors.py, heap.py, sharding.py and digests.py import nothing of the package but
 axes, quiet and errors and so stand on the ground floor with attention/ and data/, where
 anything may use them. checkpoint.py stands on digests (never the other way round), beside
-its background saver (background_save.py), and the checkpoint verifier (verify.py) is a
+its background saver (background_save.py) and its packed format (packed_state.py), and the checkpoint verifier (verify.py) is a
 command like main.
 """
 
@@ -20,7 +20,7 @@ from helpers import REPO
 
 PACKAGE = "attention_jax"
 LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors", "heap"},
-          {"checkpoint", "background_save"},
+          {"checkpoint", "background_save", "packed_state"},
           {"layers"}, {"models"}, {"tasks", "convert", "config", "workdir"},
           {"optimizer", "steps"}, {"train"}, {"runs", "main", "verify", "configs"}, {"tools"}]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -16,15 +16,17 @@ def _args(tmp_path, *extra):
                               "--repeats", "1", "--dir", str(tmp_path / "ck"), *extra])
 
 
-@pytest.mark.parametrize("compression", ["on", "off"])
-def test_the_checkpoint_bench_saves_restores_and_reports(tmp_path, compression):
-    out = checkpoint_speed.run(_args(tmp_path, "--compression", compression,
+@pytest.mark.parametrize("compression,packed", [("on", "on"), ("off", "off")])
+def test_the_checkpoint_bench_saves_restores_and_reports(tmp_path, compression, packed):
+    out = checkpoint_speed.run(_args(tmp_path, "--compression", compression, "--packed", packed,
                                      "--json", str(tmp_path / "out.json")))
     # the state: parameters, and AdamW's two moments beside them, float32
     assert out["state_values"] > 3 * out["params"] and out["state_bytes"] >= 4 * out["state_values"]
     for key in ("save_s", "save_blocking_s", "save_cpu_s", "restore_s", "snapshot_s"):
         assert out[key] > 0, key
-    assert out["compression"] == compression
+    assert out["compression"] == compression and out["packed"] == packed
+    # packed: the step holds the layout of the state's flat arrays
+    assert (tmp_path / "ck" / "with" / "2" / "layout").is_dir() == (packed == "on")
     assert json.loads((tmp_path / "out.json").read_text())["params"] == out["params"]
     # every repeat saved a new step; two are kept
     assert sorted(int(p.name) for p in (tmp_path / "ck" / "with").iterdir()

@@ -97,6 +97,7 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     assert summary["memory"]["temp_size_in_bytes"] > 0
     save = summary["save_compile"]  # the checkpoint's programs, for the same GPU
     assert save["arrays"] > 10 and save["copy_s"] > 0 and save["sums_s"] > 0
+    assert 1 < save["flat_arrays"] < save["arrays"]  # packed: a flat array per entry and dtype
     text = (out / "step.hlo.txt").read_text()
     assert "__gpu$xla.gpu.triton" in text and "__triton" in text  # GPU kernels, not CPU's
     assert json.loads((out / "summary.json").read_text())["kinds"] == kinds

@@ -87,7 +87,7 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
                                "--out", str(out),
                                f"--trainer-args={trainer_args}"))
     assert result["pinned_host"] is True and result["compression"] is False
-    assert result["gc_freeze"] is True  # as main.py's loop
+    assert result["gc_freeze"] is True and result["packed"] is True  # as main.py's loop
     assert result["switch_interval_s"] == pytest.approx(0.0005)
     assert sys.getswitchinterval() == pytest.approx(0.005)  # given back
     assert result["step_s"] > 0 and len(result["saves"]) == 2
@@ -116,6 +116,7 @@ def test_the_save_profile_costs_each_save_and_compares_threads(tmp_path, capsys)
     assert "| later 2 |" in printed and "| process | thread | plain ms/step |" in printed
     assert "heap frozen on" in printed and "| full ones: count, longest ms |" in printed
     assert "thread switch interval 0.5 ms" in printed and "| (wall clock) |" in printed
+    assert "arrays (saved packed)" in printed
 
 
 def test_thread_busy_counts_nested_and_overlapping_events_once():
@@ -151,16 +152,3 @@ def test_a_gpu_stream_is_one_thread_whatever_work_a_trace_saw_on_it():
     assert [(r["thread"], r["plain_ms_per_step"], r["save_ms_per_step"]) for r in rows] == \
         [("Stream #14", 0.03, 0.03)]
 
-
-def test_the_packed_save_writes_the_same_bytes_in_one_array_per_dtype():
-    """--packed: what a save costs when orbax writes a few arrays instead of hundreds;
-    the bytes are the state's, in tree order, one array per dtype."""
-    import jax.numpy as jnp
-    import numpy as np
-    from attention_jax.tools.bench import save_window
-    state = {"a": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.arange(4, dtype=jnp.int32),
-             "d": jnp.ones((2,), jnp.float32)}, "host": 3}
-    packed = save_window.pack_by_dtype(state)
-    assert sorted(packed) == ["float32", "int32"]
-    np.testing.assert_array_equal(packed["float32"], [0, 1, 2, 3, 4, 5, 1, 1])
-    np.testing.assert_array_equal(packed["int32"], [0, 1, 2, 3])

@@ -9,7 +9,7 @@ restored with `checkpoint.Checkpointer`, and each time the digest's share is mea
   save                Checkpointer.save + wait until committed, digests included (and
                       the host CPU time it took, all threads: what it takes from a
                       training loop beside it; `--compression off` without orbax's
-                      zstd); and
+                      zstd; `--packed off` one array in the files per array); and
                       the part of it that blocks the caller: the whole `save` call, so
                       everything on the calling thread (launching the device copy of the
                       state and the digest sums, queueing the rest); training resumes
@@ -86,7 +86,8 @@ def run(args) -> dict:
         out["digest_at_save_s"] = _median_time(state_digests, args.repeats)
 
         ck = checkpoint.Checkpointer(os.path.join(root, "with"), save_every=1, keep=2,
-                                     compression=args.compression == "on")
+                                     compression=args.compression == "on",
+                                     packed=args.packed == "on")
         step, blocking = iter(range(1, 10_000)), []
         t = time.perf_counter()
         ck.save(next(step), state, data_state)  # the first: compiles the device copy
@@ -137,10 +138,12 @@ def run(args) -> dict:
             shutil.rmtree(root, ignore_errors=True)
     out["digest_share_of_save"] = out["digest_at_save_s"] / out["save_s"]
     out["verify_share_of_restore"] = out["verify_at_restore_s"] / out["restore_s"]
-    out["compression"] = args.compression
+    out["compression"], out["packed"] = args.compression, args.packed
+    out["arrays"] = len(jax.tree.leaves(state))
     print(f"state: {n_params / 1e6:.1f}M parameters, {n_values / 1e6:.1f}M values "
           f"({out['state_bytes'] / 2**30:.2f} GiB) on {jax.devices()[0].platform}, "
-          f"{os.cpu_count()} cores, compression {args.compression}, median of {args.repeats}")
+          f"{os.cpu_count()} cores, {out['arrays']} arrays, packed {args.packed}, compression "
+          f"{args.compression}, median of {args.repeats}")
     for key in ("digest_at_save_s", "save_blocking_first_s", "save_blocking_s", "snapshot_s",
                 "save_s", "save_cpu_s", "plain_save_s", "verify_at_restore_s", "restore_s"):
         print(f"  {key:22s} {out[key]:8.3f}")
@@ -162,5 +165,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed saves/restores (median)")
     p.add_argument("--compression", default="on", choices=("on", "off"),
                    help="orbax's zstd compression of the arrays in our saves")
+    p.add_argument("--packed", default="on", choices=("on", "off"),
+                   help="the Checkpointer's packed format in our saves (off: one array in the "
+                        "files per array of the state)")
     p.add_argument("--dir", default="", help="where to write (default: a temporary folder)")
     p.add_argument("--json", default="", help="also write the numbers to this file")

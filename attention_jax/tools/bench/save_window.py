@@ -5,6 +5,7 @@ r"""What a checkpoint save costs the training steps around it:
     python -m attention_jax.tools.bench profile --save --pinned-host off   # orbax's copy A/B
     python -m attention_jax.tools.bench profile --save --compression off   # orbax's zstd A/B
     python -m attention_jax.tools.bench profile --save --gc-freeze off     # the trainer's heap A/B
+    python -m attention_jax.tools.bench profile --save --packed off        # an array per array
     python -m attention_jax.tools.bench profile --save --out bench_results/save  # + traces
 
 Issue 35 asks that a save after the first cost training at most one step. In main.py on
@@ -41,7 +42,10 @@ off, each is copied to pageable memory) and its zstd compression, which
 tensorstore runs on a pool as wide as the host's cores, beside the thread that launches
 the steps (`--compression`), and the trainer's frozen heap (`--gc-freeze`, heap.py: on,
 as main.py's loop; off, each full collection walks the whole heap, 360-470 ms in main.py
-on the 2-core CPU host). `--switch-interval` sets Python's thread switch interval (5 ms
+on the 2-core CPU host). `--packed off` writes the state one array per array, as the
+Checkpointer did before its packed format (448 arrays for GPT-2 small, each with orbax's
+Python work on its saving threads, where packed it writes 5). `--switch-interval` sets
+Python's thread switch interval (5 ms
 by default: how long the training thread may wait for the interpreter that a saving
 thread holds, each time it needs it back). Run each setting as its own command: one
 process each.
@@ -50,7 +54,6 @@ process each.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import statistics
 import sys
@@ -87,41 +90,19 @@ def plain_window(step, state, ckpt, size: int):
     return state, time.perf_counter() - start
 
 
-def _pack(arrays):
-    import jax.numpy as jnp
-    groups: dict[str, list] = {}
-    for x in arrays:
-        groups.setdefault(str(x.dtype), []).append(jnp.ravel(x))
-    return {name: jnp.concatenate(parts) for name, parts in groups.items()}
-
-
-@functools.cache
-def _pack_program():
-    import jax
-    return jax.jit(_pack)
-
-
-def pack_by_dtype(state):
-    """The state's arrays as one flat array per dtype (one jitted program, launched and
-    not waited for): the same bytes for orbax to write, in a few arrays, not hundreds."""
-    import jax
-    return _pack_program()([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
-
-
 def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None,
-                  pauses=None, pack=None):
+                  pauses=None):
     """(state, {"held_s", "window_s", "steps", "gc"}): a save of `state` as checkpoint
     step `at` at the start of a window, then windows of `size` steps until it has
     committed (or `most` windows have run); gc: the garbage collections meanwhile by
-    generation, if `pauses` (a heap.Pauses) records them. pack: saves `pack(state)`
-    instead (its launch is part of what `save` held)."""
+    generation, if `pauses` (a heap.Pauses) records them."""
     ckpt.wait()
     if pauses is not None:
         pauses.clear()
     # What a full collection would walk now: the objects outside the frozen heap.
     unfrozen = len(gc.get_objects())
     start = time.perf_counter()
-    ckpt.save(at, pack(state) if pack is not None else state, DATA_STATE, force=True)
+    ckpt.save(at, state, DATA_STATE, force=True)
     held = time.perf_counter() - start
     steps = 0
     while True:
@@ -137,7 +118,7 @@ def saved_windows(step, state, ckpt, at: int, size: int, most: int | None = None
 def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3,
             warmup: int = 2, pinned_host: bool | None = None, compression: bool = True,
             gc_freeze: bool = True, switch_interval: float | None = None,
-            packed: bool = False, trace_dir: str | None = None,
+            packed: bool = True, trace_dir: str | None = None,
             python_trace: bool = False) -> dict:
     """The save costs of `compiled(state, batch) -> (state, metrics)`'s training, saved
     into `directory` (see the module doc). pinned_host, compression: the Checkpointer's
@@ -145,18 +126,18 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
     as main.py's loop freezes it (heap.FrozenHeap). switch_interval: Python's thread
     switch interval meanwhile (sys.setswitchinterval; None: as it is, 5 ms by default),
     the longest a thread waiting for the interpreter waits while another holds it.
-    packed: each save writes the state's arrays as one array per dtype (pack_by_dtype):
-    what orbax's work per array costs the steps. trace_dir: also trace one
+    packed: the Checkpointer's option of that name (the state written as a few flat
+    arrays, or one array in the files per array). trace_dir: also trace one
     plain window and the first TRACED_WINDOWS windows of a save, and return each thread's
     busy time (`threads`; the traces stay there); python_trace: with every Python call
     of every thread in them (jax.profiler's Python tracer; large traces)."""
     import jax
 
-    from attention_jax import checkpoint, heap
+    from attention_jax import checkpoint, heap, packed_state
     from attention_jax.tools.bench import traces
     step = lambda s: compiled(s, batch)
     ckpt = checkpoint.Checkpointer(directory, save_every=1, keep=2, pinned_host=pinned_host,
-                                   compression=compression)
+                                   compression=compression, packed=packed)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         frozen = stack.enter_context(heap.FrozenHeap()) if gc_freeze else None
@@ -165,9 +146,7 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
             stack.callback(sys.setswitchinterval, sys.getswitchinterval())
             sys.setswitchinterval(switch_interval)
         # as main.py's loop does, before its first steps
-        pack = pack_by_dtype if packed else None
-        ckpt.prepare(pack(state) if pack is not None else state,
-                     on_compiled=frozen.settle if frozen is not None else None)
+        ckpt.prepare(state, on_compiled=frozen.settle if frozen is not None else None)
         state = _windows(step, state, size, warmup)
         if frozen is not None:
             frozen.settle()  # as main.py's loop after its first step
@@ -175,12 +154,12 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
         while time.perf_counter() - started < FIRST_SAVE_AFTER_S:
             state = _windows(step, state, size)
         plain = []
-        state, first = saved_windows(step, state, ckpt, 1, size, pauses=pauses, pack=pack)
+        state, first = saved_windows(step, state, ckpt, 1, size, pauses=pauses)
         later = []
         for at in range(2, 2 + saves):
             state, seconds = plain_window(step, state, ckpt, size)
             plain.append(seconds / size)
-            state, cost = saved_windows(step, state, ckpt, at, size, pauses=pauses, pack=pack)
+            state, cost = saved_windows(step, state, ckpt, at, size, pauses=pauses)
             later.append(cost)
         state, seconds = plain_window(step, state, ckpt, size)
         plain.append(seconds / size)
@@ -192,7 +171,8 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                "held_s": statistics.median(c["held_s"] for c in later),
                "extra_s": statistics.median(c["extra_s"] for c in later),
                "pinned_host": pinned_host, "compression": compression, "gc_freeze": gc_freeze,
-               "switch_interval_s": sys.getswitchinterval(), "packed": packed,
+               "switch_interval_s": sys.getswitchinterval(),
+               "packed": packed and packed_state.packable(state),
                "device": jax.devices()[0].device_kind,
                "state_arrays": sum(isinstance(x, jax.Array) for x in jax.tree.leaves(state)),
                "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)
@@ -211,7 +191,7 @@ def measure(compiled, state, batch, directory, *, size: int = 10, saves: int = 3
                         steps[name] = size
                     else:
                         state, cost = saved_windows(step, state, ckpt, 2 + saves, size,
-                                                    most=TRACED_WINDOWS, pack=pack)
+                                                    most=TRACED_WINDOWS)
                         steps[name], wall[name] = cost["steps"], cost["window_s"]
                 busy[name] = traces.thread_busy(traces.read_trace(where))
             out["threads"] = compare_threads(busy, steps)
@@ -246,7 +226,7 @@ def report(out: dict, top: int = 12) -> str:
     """Markdown: the costs, then the busiest threads plain against save."""
     ms = lambda s: f"{1e3 * s:.1f}"
     lines = [f"{out['device']}: a state of {out['state_arrays']} arrays"
-             f"{' (saved as one array per dtype)' if out['packed'] else ''}, "
+             f"{' (saved packed)' if out['packed'] else ' (saved an array per array)'}, "
              f"{out['state_bytes'] / 2**30:.2f} GiB; step {ms(out['step_s'])} ms in plain "
              f"windows of {out['window']}; orbax's pinned-host copy "
              f"{ {None: 'default', True: 'on', False: 'off'}[out['pinned_host']]}, "
@@ -288,7 +268,7 @@ def run(args, compiled, state, batch) -> dict:
         out = measure(compiled, state, batch, directory, size=args.save_window,
                       saves=args.saves, pinned_host=pinned,
                       compression=args.compression == "on", gc_freeze=args.gc_freeze == "on",
-                      switch_interval=args.switch_interval, packed=args.packed,
+                      switch_interval=args.switch_interval, packed=args.packed == "on",
                       trace_dir=trace_dir,
                       python_trace=args.python_trace)
     print(report(out))
