@@ -181,3 +181,16 @@ def test_saves_in_a_row_each_keep_their_own_values(tmp_path):
         _equal(restored, state)
         assert data == {"step": step}
     ck.close()
+
+
+def test_another_optimizer_of_as_many_arrays_is_a_mismatch_not_damage(tmp_path):
+    ck = checkpoint.Checkpointer(str(tmp_path), save_every=1)
+    state = _state()
+    ck.save(1, state, {})
+    ck.wait()
+    other = dict(state, opt_state=({"count": state["opt_state"][0]["count"]},
+                                   {"nu": state["opt_state"][1]["mu"]}))
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=r"missing from checkpoint: opt_state/1/nu/b"):
+        ck.restore(_abstract(other))
+    ck.close()
