@@ -65,23 +65,21 @@ def packs_on_device(state, program=None) -> bool:
     return program is not None or not on_cpu(state)
 
 
-def snapshot(state, program=None, packed: bool = False):
+def snapshot(state, program=None, packed_on_device: bool = False):
     """A copy of `state` that the next train step's donation leaves alone: its arrays
     copied on their devices, launched and not waited for (one jitted program on an
     accelerator, over arrays on one set of devices as a train state's are, or `program`,
     that program compiled ahead by `SavePrograms`; buffer copies on CPU). Leaves that are
-    not jax.Arrays (host values) are kept as they are. packed: where `packs_on_device`,
-    the copy is the state's flat arrays (packed_state.pack_on_device), which `program`
-    then makes; elsewhere it is the same copy as unpacked, for the saving thread to pack
-    on the host."""
+    not jax.Arrays (host values) are kept as they are. packed_on_device (a packed save
+    where `packs_on_device`): the copy is the state's flat arrays
+    (packed_state.pack_on_device), which `program` then makes."""
+    if packed_on_device:
+        return packed_state.pack_on_device(state, program)
     leaves, treedef = jax.tree.flatten(state)
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     arrays = [leaves[i] for i in at]
-    cpu = on_cpu(state)
-    if packed and packs_on_device(state, program):
-        return packed_state.pack_on_device(state, program)
     if program is None:
-        program = _copy_buffers if cpu else _copy_program
+        program = _copy_buffers if on_cpu(state) else _copy_program
     for i, copy in zip(at, program(arrays)):
         leaves[i] = copy
     return jax.tree.unflatten(treedef, leaves)
@@ -108,7 +106,7 @@ class SavePrograms:
                  on_compiled: Callable[[], object] | None = None, packed: bool = False):
         from attention_jax import digests  # digests imports nothing of this module
         arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-        self._layout = _layout(state), packed
+        self._serves = _layout(state), packed  # what `get` hands them out for
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in arrays]
         self.copy = self.sums = None
         self._error: BaseException | None = None
@@ -139,10 +137,10 @@ class SavePrograms:
         self._thread.join()
         if self._error is not None:
             _say_compiled_on_save(f"compiling them ahead failed ({str(self._error)[:200]})")
-            self._error, self._layout = None, None  # said once; never used
-        if self._layout is None:
+            self._error, self._serves = None, None  # said once; never used
+        if self._serves is None:
             return None
-        if (_layout(state), packed) != self._layout:
+        if (_layout(state), packed) != self._serves:
             if not self._said_layout:
                 _say_compiled_on_save("a state laid out unlike the one they were compiled for")
                 self._said_layout = True
@@ -202,9 +200,9 @@ class Snapshots:
         self._agree = agree
         self.enabled: bool | None = None
 
-    def take(self, state, program=None, packed: bool = False):
-        """program: the copy compiled ahead (`SavePrograms.copy`), or None; packed: see
-        `snapshot`."""
+    def take(self, state, program=None, packed_on_device: bool = False):
+        """program: the copy compiled ahead (`SavePrograms.copy`), or None;
+        packed_on_device: see `snapshot`."""
         if self.enabled is None:
             fits, why = snapshot_fits(state)
             self.enabled = self._agree(fits)
@@ -213,7 +211,7 @@ class Snapshots:
         if not self.enabled:
             return None
         try:
-            return snapshot(state, program, packed)
+            return snapshot(state, program, packed_on_device)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise

@@ -461,7 +461,11 @@ class Checkpointer:
         layout = packed_state.layout_of(state) if self._packs(state) else None
         packed = layout is not None
         programs = self._programs.get(state, packed) if self._programs is not None else None
-        copy = (self._snapshots.take(state, programs and programs.copy, packed)
+        # Where a packed state's copy is packed: by a device program, or on the host by
+        # the saving thread (CPU devices without programs compiled ahead).
+        packed_on_device = packed and background_save.packs_on_device(
+            state, programs and programs.copy)
+        copy = (self._snapshots.take(state, programs and programs.copy, packed_on_device)
                 if self._saves is not None else None)
         if copy is None:  # synchronous: packed on the host (a device copy did not fit)
             digest = digests.start_record(step, state, data_state)
@@ -472,8 +476,6 @@ class Checkpointer:
         # hold collectives); the thread only waits for them. A copy packed on the devices
         # is no longer the state's arrays: then the sums run on the state, launched before
         # the next step can donate it.
-        packed_on_device = packed and background_save.packs_on_device(
-            state, programs and programs.copy)
         digest = digests.start_record(step, state if packed_on_device else copy, data_state,
                                       gather=background_save.gather_through_coordination(
                                           f"{self.directory}/{int(step)}"),
@@ -610,6 +612,10 @@ class Checkpointer:
         arrays' headers inside the OCDBT database, so damage to either shows here. For a
         step saved packed: {path: ShapeDtypeStruct} of the state's arrays, from its
         layout, once orbax's metadata agrees that the flat arrays are the layout's."""
+        return self._saved_tree(step)[0]
+
+    def _saved_tree(self, step: int):
+        """(state_tree, the step's layout or None)."""
         layout = self.layout(step)
         try:
             tree = self.manager.item_metadata(step)["state"].tree
@@ -621,33 +627,36 @@ class Checkpointer:
         if not tree:
             raise CheckpointDamagedError(step, self.step_path(step), "state metadata is empty")
         if layout is None:
-            return tree
+            return tree, None
         if flat_shapes(tree) != flat_shapes(layout.packed_abstract()):
             raise CheckpointDamagedError(step, self.step_path(step),
                                          "state metadata does not match its packed layout")
-        return layout.abstract()
+        return layout.abstract(), layout
 
-    def check_structure(self, abstract_state, step: int) -> None:
-        """Raises CheckpointMismatchError naming the keys that differ from the model."""
-        found = flat_shapes(self.state_tree(step))
+    def check_structure(self, abstract_state, step: int) -> packed_state.Layout | None:
+        """Raises CheckpointMismatchError naming the keys that differ from the model;
+        returns the step's layout (None: saved an array per array)."""
+        tree, layout = self._saved_tree(step)
+        found = flat_shapes(tree)
         expected = flat_shapes(abstract_state)
         # Compare the parameters key by key (what users change: depth, width, heads);
-        # the optimizer state mirrors them, so the rest is compared as a leaf count.
+        # the optimizer state mirrors them, so the rest is compared as a leaf count, or
+        # where the step is packed, whose layout names every array as the state does,
+        # name by name.
         exp_p = {k: v for k, v in expected.items() if k.startswith("params/")}
         found_p = {k: v for k, v in found.items() if k.startswith("params/")}
         diff = describe_mismatch(exp_p, found_p)
-        # A packed step names every array as the state does (its layout): all compared.
-        every = self.layout(step) is not None
-        if not diff and (len(expected) != len(found) or every and expected.keys() != found.keys()):
+        names_differ = layout is not None and expected.keys() != found.keys()
+        if not diff and (len(expected) != len(found) or names_differ):
             diff = describe_mismatch(expected, found)
             diff = diff or f"  {len(expected)} arrays in the model, {len(found)} in the checkpoint"
         if diff:
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory / str(step)} does not match the model "
                 f"(was it written with another model config or optimizer?):\n{diff}")
+        return layout
 
-    def _restore_arrays(self, step: int, abstract_state):
-        layout = self.layout(step)
+    def _restore_arrays(self, step: int, abstract_state, layout: packed_state.Layout | None):
         if layout is None:
             return self._restore_item(step, "state", ocp.args.StandardRestore(abstract_state))
         # The flat arrays come to the host whole (every process: all of them), then each
@@ -671,12 +680,12 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
         path = self.step_path(step)
-        self.check_structure(abstract_state, step)
+        layout = self.check_structure(abstract_state, step)
         # Each item is read on its own so that the message names the one that failed;
         # the processes agree after each (orbax's reads have barriers).
         stages = (("digest file", lambda: self.recorded_digest(step)),
                   ("data-loader state", lambda: self._restore_item(step, "data", ocp.args.JsonRestore())),
-                  ("arrays", lambda: self._restore_arrays(step, abstract_state)))
+                  ("arrays", lambda: self._restore_arrays(step, abstract_state, layout)))
         read = {}
         for what, fn in stages:
             error = None

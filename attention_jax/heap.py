@@ -6,8 +6,10 @@ the compiled step's caches. In main.py (char_gpt with 12 layers, a checkpoint ev
 steps, the 2-core CPU host) one took 360-470 ms, and once the loop had settled they came
 about once a minute, on orbax's saving threads in the middle of a save: every Python
 thread waits meanwhile, the one that launches the train steps too, so an accelerator
-runs out of queued steps. (Issue 35: a later save cost its window 0.4-0.5 s on an H100,
-unexplained; whether this is that is for `bench profile --save --gc-freeze off` on a GPU.)
+runs out of queued steps. (Issue 35: on an H200, 2026-11-26, full collections of 100-170
+ms came in about every other later save, frozen heap or not, while about 290,000 objects
+made by the save programs' compilation were outside it: the reason that compilation's
+thread settles the heap when it is done, see checkpoint.Checkpointer.prepare.)
 
 `FrozenHeap` moves what exists when training starts into CPython's permanent generation
 (`gc.freeze`), again once the first step, the first evaluation and the checkpoint's save

@@ -87,21 +87,24 @@ class Layout:
         """{path: shape}, as checkpoint.flat_shapes gives for a state."""
         return {e.path: e.shape for e in self.entries}
 
-    def dtype(self, entry: Entry) -> np.dtype:
-        return np.dtype(entry.group.rsplit("/", 1)[1])
-
     def abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
         """{path: ShapeDtypeStruct}: a flat tree whose paths are the state's."""
-        return {e.path: jax.ShapeDtypeStruct(e.shape, self.dtype(e)) for e in self.entries}
+        return {e.path: jax.ShapeDtypeStruct(e.shape, _split(e.group)[1]) for e in self.entries}
 
     def packed_abstract(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
         """The flat arrays' tree as orbax holds it: {top: {dtype: ShapeDtypeStruct}}."""
-        return _nest({group: jax.ShapeDtypeStruct((length,), np.dtype(group.rsplit("/", 1)[1]))
+        return _nest({group: jax.ShapeDtypeStruct((length,), _split(group)[1])
                       for group, length in self.groups.items()})
 
 
 def _group(path: str, dtype) -> str:
     return f"{path.split('/', 1)[0]}/{np.dtype(dtype).name}"
+
+
+def _split(group: str) -> tuple[str, str]:
+    """(top-level entry, dtype name) of a group."""
+    top, dtype = group.rsplit("/", 1)
+    return top, dtype
 
 
 def layout_of(state) -> Layout:
@@ -130,27 +133,25 @@ def packable(state) -> bool:
 def _nest(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for group, x in flat.items():
-        top, dtype = group.rsplit("/", 1)
+        top, dtype = _split(group)
         out.setdefault(top, {})[dtype] = x
     return out
 
 
-def _pack(arrays, layout: Layout):
-    """{top: {dtype: flat array}} of `arrays` (in tree order), in jnp or np."""
+def _parts(arrays, entries: tuple[Entry, ...]) -> dict[str, list]:
+    """{group: its arrays raveled, in tree order} (jnp or np arrays)."""
     parts: dict[str, list] = {}
-    for e, x in zip(layout.entries, arrays):
+    for e, x in zip(entries, arrays):
         parts.setdefault(e.group, []).append(x.reshape(-1))
     return parts
 
 
 @functools.cache
 def _device_program(entries: tuple[Entry, ...]):
-    layout = Layout(entries, {})
-
     def pack(arrays):
         # A copy where a group has one array: a new buffer, never the input forwarded.
         return _nest({g: jnp.concatenate(p) if len(p) > 1 else jnp.copy(p[0])
-                      for g, p in _pack(arrays, layout).items()})
+                      for g, p in _parts(arrays, entries).items()})
     return jax.jit(pack)
 
 
@@ -158,8 +159,7 @@ def pack_on_device(state, program=None):
     """The flat arrays on the state's devices: one jitted program, launched and not
     waited for (new buffers: the next step's donation leaves them alone). program: that
     program compiled ahead (`device_program(state).lower(...).compile()`)."""
-    arrays = jax.tree.leaves(state)
-    return (program or _device_program(layout_of(state).entries))(arrays)
+    return (program or device_program(state))(jax.tree.leaves(state))
 
 
 def device_program(state):
@@ -178,13 +178,12 @@ def pack_on_host(state, out=None):
     accelerator): for the saving thread. out: flat arrays to copy into (`host_buffers`),
     reused from save to save: the first touch of 1.4 GB of fresh memory took 1.5-3 s of
     page faults on the 2-core CPU host, the copy into touched memory 0.14 s."""
-    layout = layout_of(state)
     arrays = [np.asarray(x) for x in jax.tree.leaves(state)]
-    parts = _pack(arrays, layout)
+    parts = _parts(arrays, layout_of(state).entries)
     if out is None:
         return _nest({g: np.concatenate(p) for g, p in parts.items()})
     for group, p in parts.items():
-        top, dtype = group.rsplit("/", 1)
+        top, dtype = _split(group)
         np.concatenate(p, out=out[top][dtype])
     return out
 
@@ -210,7 +209,7 @@ def unpack(packed, layout: Layout, abstract_state):
     out = []
     for (path, _), leaf in zip(digests.tree_paths(abstract_state), flat):
         e = by_path[path]
-        top, dtype = e.group.rsplit("/", 1)
+        top, dtype = _split(e.group)
         host = np.asarray(packed[top][dtype][e.offset:e.offset + e.size]).reshape(e.shape)
         if host.dtype != leaf.dtype:
             host = host.astype(leaf.dtype)

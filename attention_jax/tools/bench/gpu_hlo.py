@@ -373,7 +373,7 @@ def report(summary: dict, top: int = 25) -> str:
     if save:
         lines += ["", f"The checkpoint's save programs for its {save['arrays']} arrays compile "
                       f"here in {save['copy_s']:.1f} s (the copy into "
-                      f"{save.get('flat_arrays', '?')} flat arrays) and {save['sums_s']:.1f} s "
+                      f"{save['flat_arrays']} flat arrays) and {save['sums_s']:.1f} s "
                       f"(the digest sums)."]
     return "\n".join(lines)
 
