@@ -63,6 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     t.seed = 0  # parameters, dropout and data order all derive from it.
     t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
     t.loss_chunk_size = 0  # GPT: positions per chunk of the fused LM head + loss; 0: whole logits.
+    # GPT, whole logits: the loss by XLA's reductions (xla) or Pallas kernels that read the
+    # logits fewer times (pallas; models/loss_kernel.py); auto: pallas on one NVIDIA GPU.
+    t.loss_kernel = "auto"
     t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
     t.progress = True  # show a progress bar on process 0.
     t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
@@ -116,6 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
 CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.compute_dtype": ("float32", "bfloat16"),
+    "train.loss_kernel": ("auto", "xla", "pallas"),
     "train.nonfinite": ("stop", "skip"),
     "train.checkpoint_on_damage": ("fall_back", "stop"),
 }

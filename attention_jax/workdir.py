@@ -377,7 +377,7 @@ RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.c
                     "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
                     "train.prefetch",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
-                    "train.checkpoint_on_damage", "train.loss_chunk_size",
+                    "train.checkpoint_on_damage", "train.loss_chunk_size", "train.loss_kernel",
                     "data.data_dir", "model.implementation", "model.ring_inner", "model.remat_policy",
                     "mesh.", "eval.")
 

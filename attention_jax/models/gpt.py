@@ -36,7 +36,8 @@ from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding, sinusoidal
-from attention_jax.models.losses import chunked_head_cross_entropy, cross_entropy
+from attention_jax.models.losses import (choose_loss_kernel, chunked_head_cross_entropy,
+                                         cross_entropy, head_cross_entropy)
 
 __all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "lm_head_weights", "head_loss",
            "init_cache", "generate", "sample_logits"]
@@ -229,17 +230,25 @@ def lm_loss(logits, tokens, weights=None):
 
 
 def head_loss(model: GPT, params, inputs, targets, weights=None, *, chunk_size: int = 0,
-              label_smoothing: float = 0.0, **apply_kwargs):
+              label_smoothing: float = 0.0, loss_kernel: str = "auto", **apply_kwargs):
     """((loss, {"accuracy"}), aux) of predicting `targets` [B, T] from `inputs` [B, T]:
     the model's logits through cross_entropy, or, with chunk_size > 0, its final hidden
     states through the head `chunk_size` positions at a time (chunked_head_cross_entropy:
-    the [B, T, V] logits never exist). apply_kwargs go to model.apply (positions,
-    segment_ids, deterministic, rngs)."""
-    out, aux = model.apply({"params": params}, inputs, return_hidden=chunk_size > 0,
-                           **apply_kwargs)
-    if not chunk_size:
+    the [B, T, V] logits never exist). With whole logits, loss_kernel (losses.LOSS_KERNELS)
+    picks how the loss is computed: "pallas" (auto's choice on one NVIDIA GPU) applies
+    the head to the final hidden states itself and computes the loss with the kernels of
+    loss_kernel.py (losses.head_cross_entropy). apply_kwargs go to model.apply
+    (positions, segment_ids, deterministic, rngs)."""
+    kernel_loss = not chunk_size and choose_loss_kernel(
+        loss_kernel, model.config.dtype) == "pallas"
+    out, aux = model.apply({"params": params}, inputs,
+                           return_hidden=bool(chunk_size) or kernel_loss, **apply_kwargs)
+    if not chunk_size and not kernel_loss:
         return cross_entropy(out, targets, weights, label_smoothing), aux
     kernel, bias = lm_head_weights(params, model.config)
+    if kernel_loss:
+        return head_cross_entropy(out, kernel, targets, weights, bias=bias,
+                                  label_smoothing=label_smoothing, implementation="pallas"), aux
     return chunked_head_cross_entropy(out, kernel, targets, weights, bias=bias,
                                       chunk_size=chunk_size, label_smoothing=label_smoothing), aux
 

@@ -3,6 +3,8 @@
     loss, metrics = cross_entropy(logits, targets, weights, label_smoothing=0.1)
     loss, metrics = chunked_head_cross_entropy(hidden, kernel, targets, weights,
                                                chunk_size=128)   # = cross_entropy(hidden @ kernel, ...)
+    loss, metrics = head_cross_entropy(hidden, kernel, targets, weights,
+                                       implementation="pallas")  # the same, the loss as a kernel
     tgt_in = shift_right(targets, bos_id)   # teacher forcing (data/objectives.py)
 
 One cross-entropy for next-token, masked-LM, classification and translation targets:
@@ -22,10 +24,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from attention_jax import axes
+from attention_jax.attention.call import compiling_for_gpu, target_backend
 from attention_jax.data.objectives import shift_right
 from attention_jax.layers.linear import matmul
+from attention_jax.models import loss_kernel
 
-__all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy", "shift_right",
+__all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy",
+           "head_cross_entropy", "choose_loss_kernel", "LOSS_KERNELS", "shift_right",
            "example_weighted", "WEIGHT"]
 
 # The metric a loss adds when its batch carries per-example weights (an eval batch padded
@@ -289,3 +294,106 @@ def _fused_head_loss_bwd(smoothing, residuals, cotangents):
 
 
 _fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
+
+
+# ======================================================================== the loss as a kernel
+# How head_cross_entropy computes the loss: "xla" as cross_entropy does (XLA's fused
+# reductions); "pallas" the kernels of loss_kernel.py (a row's statistics in one pass,
+# its gradient written over the logits in the forward pass); "auto" pallas where they
+# compile (an NVIDIA GPU) on one device, xla elsewhere.
+LOSS_KERNELS = ("auto", "xla", "pallas")
+
+
+def choose_loss_kernel(implementation: str, dtype=jnp.bfloat16) -> str:
+    """"xla" or "pallas" for `implementation` on this platform (see LOSS_KERNELS).
+
+    auto takes pallas on one NVIDIA GPU (or compiling for one) for logits other than
+    float64: the kernels are Pallas calls, which XLA's partitioner cannot split, so a
+    step sharded over several devices keeps XLA's loss."""
+    if implementation not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel {implementation!r} is unknown; valid: {LOSS_KERNELS}")
+    if implementation != "auto":
+        return implementation
+    mesh = jax.sharding.get_abstract_mesh()
+    one_device = (mesh.empty or mesh.size == 1) and (compiling_for_gpu() or jax.device_count() == 1)
+    gpu = target_backend() == "gpu"
+    return "pallas" if gpu and one_device and jnp.dtype(dtype) != jnp.float64 else "xla"
+
+
+def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
+                       label_smoothing: float = 0.0, implementation: str = "auto"):
+    """`cross_entropy(hidden @ kernel + bias, targets, weights, label_smoothing)` with the
+    logits [..., V] in the matmul's dtype (bfloat16 under mixed precision, as a model's
+    head computes them), and the loss by `implementation` (LOSS_KERNELS).
+
+    hidden [..., D], kernel [D, V], bias [V] or None, targets [...] ints, weights [...]
+    (default all 1). Returns (loss, {"accuracy"}) as cross_entropy.
+
+    With "pallas", under differentiation the forward pass computes the gradient too, as
+    chunked_head_cross_entropy does: the gradient kernel writes dz = (softmax - q)·w/Σw
+    over the logits, then dhidden = dz·kernelᵀ and dkernel = hiddenᵀ·dz (and dbias =
+    Σ dz) are computed at once, and the backward pass only scales them by the loss's
+    cotangent. The logits are read twice and written once in all, their buffer reused
+    for dz and freed before the model's backward pass (XLA's loss keeps the logits for
+    it). Weights are constants (no gradient), as for the chunked head."""
+    _check_label_smoothing(label_smoothing)
+    if kernel.ndim != 2 or kernel.shape[0] != hidden.shape[-1]:
+        raise ValueError(f"kernel has shape {kernel.shape}; valid: [D, V] with D = "
+                         f"{hidden.shape[-1]} (hidden's last axis, hidden {hidden.shape})")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets has shape {targets.shape}; valid: {hidden.shape[:-1]} "
+                         f"(hidden's leading axes)")
+    dtype = jnp.result_type(hidden.dtype, kernel.dtype)
+    if choose_loss_kernel(implementation, dtype) == "xla":
+        logits = matmul(hidden, kernel)
+        if bias is not None:
+            logits = logits + bias.astype(logits.dtype)
+        return cross_entropy(logits, targets, weights, label_smoothing)
+    d, v = kernel.shape
+    weights = (jnp.ones(targets.shape, jnp.float32) if weights is None
+               else jnp.asarray(weights).astype(jnp.float32))
+    scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw
+    loss, accuracy = _kernel_head_loss(float(label_smoothing), hidden.reshape(-1, d), kernel,
+                                       bias, targets.reshape(-1).astype(jnp.int32),
+                                       scale.reshape(-1))
+    return loss, {"accuracy": accuracy}
+
+
+def _head_logits(h, kernel, bias):
+    """h [M, D] · kernel [D, V] (+ bias) -> logits [M, V] in the matmul's dtype."""
+    z = matmul(h, kernel)
+    return z if bias is None else z + bias.astype(z.dtype)
+
+
+def _kernel_terms(smoothing, stats, y, v):
+    """(loss, correct) per row, float32 [M], from the kernels' row statistics."""
+    lse, target_z, sum_z, first_max = stats
+    loss = lse - target_z
+    if smoothing:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_z / v)
+    return loss, (first_max == y).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_head_loss(smoothing, h, kernel, bias, y, scale):
+    """(Σ scale·loss, Σ scale·correct) over rows h [M, D], y and scale [M]."""
+    stats = loss_kernel.row_statistics(_head_logits(h, kernel, bias), y)
+    loss, correct = _kernel_terms(smoothing, stats, y, kernel.shape[1])
+    return jnp.sum(scale * loss), jnp.sum(scale * correct)
+
+
+def _kernel_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
+    dtype = jnp.result_type(h.dtype, kernel.dtype)
+    stats, dz = loss_kernel.row_statistics_and_gradient(_head_logits(h, kernel, bias), y,
+                                                        scale, smoothing)
+    loss, correct = _kernel_terms(smoothing, stats, y, kernel.shape[1])
+    dz = dz.astype(dtype)
+    dh = matmul(dz, kernel.T, preferred_element_type=jnp.float32).astype(h.dtype)
+    dkernel = lax.dot_general(h.astype(dtype), dz, (((0,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)  # [D, V]
+    dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
+    # The backward pass is the chunked head's: scale what the forward computed.
+    return (jnp.sum(scale * loss), jnp.sum(scale * correct)), (dh, dkernel, dbias, kernel, bias)
+
+
+_kernel_head_loss.defvjp(_kernel_head_loss_fwd, _fused_head_loss_bwd)

@@ -220,6 +220,7 @@ def lm_task(config, workdir: str) -> Task:
     # train.loss_chunk_size > 0: the head and the loss a chunk of positions at a time (the
     # [B, T, V] logits never exist at once); .get: a run's config.json from before the key.
     chunk_size = config.train.get("loss_chunk_size", 0)
+    loss_kernel = config.train.get("loss_kernel", "auto")
 
     def loss(params, batch, rng, train):
         # Eval batches carry example weights (0 on the rows padding the last batch; see
@@ -228,7 +229,8 @@ def lm_task(config, workdir: str) -> Task:
         weights = example_weighted(batch["weights"], example_weight)
         (nll, m), aux = gpt.head_loss(
             model, params, batch["inputs"], batch["targets"], weights,
-            chunk_size=chunk_size, label_smoothing=config.optim.label_smoothing if train else 0.0,
+            chunk_size=chunk_size, loss_kernel=loss_kernel,
+            label_smoothing=config.optim.label_smoothing if train else 0.0,
             positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
             deterministic=not train, rngs={"dropout": rng})
         metrics = {"accuracy": m["accuracy"], **moe_metrics(aux)}

@@ -79,6 +79,8 @@ def _args(*extra):
 def test_bad_batch_names_the_valid_values():
     with pytest.raises(SystemExit, match=r"--batch 0; valid: an integer >= 1"):
         gpu_hlo.run(_args("--batch", "0"))
+    with pytest.raises(SystemExit, match=r"--loss-kernel 'cuda'; valid: \['auto', 'xla', 'pallas'\]"):
+        gpu_hlo.run(_args("--loss-kernel", "cuda"))
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None,
@@ -92,6 +94,15 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     summary = gpu_hlo.run(_args("--out", str(out), "--top", "5"))
     kinds = summary["kinds"]
     assert kinds["attention"]["kernels"] == 3  # forward, dK/dV, dQ
+    # The loss is auto's on one GPU: the gradient kernel over the logits, and no XLA
+    # reduction of them (their row max, their Σ exp) left: the loss's XLA reductions
+    # are over per-row values only.
+    sources = {g["source"]: g for g in summary["sources"]}
+    assert "jvp(cross_entropy_gradient)/pallas_call" in sources
+    row = summary["row"]
+    logits_bytes = 2 * row["batch"] * row["seq_len"] * row["vocab"]
+    loss_reductions = [g for s, g in sources.items() if s.startswith("jvp()/reduce")]
+    assert loss_reductions and all(g["bytes"] < logits_bytes / 10 for g in loss_reductions)
     assert kinds["matmul"]["kernels"] >= 6 and kinds["memory"]["kernels"] > 0
     assert summary["memory_bound_ms"] > 0
     assert summary["memory"]["temp_size_in_bytes"] > 0

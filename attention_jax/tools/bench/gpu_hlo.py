@@ -13,7 +13,8 @@ read here into:
 
   kernels       each launch of the entry computation by kind: matmuls (cuBLAS calls and
                 XLA's Triton GEMM fusions), attention (the Pallas kernels' Triton calls,
-                cuDNN's), memory-bound (every other fusion, copy, scatter, reduction)
+                cuDNN's), memory-bound (every other fusion, copy, scatter, reduction, and
+                the loss's Pallas kernels, models/loss_kernel.py: `--loss-kernel`)
   bytes         what each memory-bound kernel reads and writes: its operands and results,
                 an operand that the kernel only slices counted as its slices; the sum at
                 the GPU's bandwidth is the time those kernels need at the least (on the
@@ -143,6 +144,8 @@ def kernel_kind(op: str, line: str) -> str:
     if op == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', line)
         target = target.group(1).lower() if target else ""
+        if "cross_entropy" in line:  # the loss's Pallas kernels (loss_kernel.py): a pass
+            return "memory"          # through the logits, as XLA's reductions are
         if "fmha" in target or "cudnn" in target or "triton" in target:
             return "attention"  # cuDNN's fused attention, the Pallas kernels (Triton calls)
         if "gemm" in target or "matmul" in target:
@@ -291,6 +294,9 @@ def add_parser(sub) -> None:
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla", "blockwise"),
                    help="attention (cuDNN's needs cuDNN present to lower)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--loss-kernel", default="auto",
+                   help="the loss: xla (XLA's reductions) or pallas (models/loss_kernel.py); "
+                        "auto: pallas, as on one GPU")
     p.add_argument("--top", type=int, default=25, help="sources listed")
     p.add_argument("--out", default=None, help="directory for the compiled module and summary.json")
     p.add_argument("--xla-flags", default="",
@@ -308,7 +314,9 @@ def run(args) -> dict:
     if where is None:
         raise SystemExit(f"error: gpu-hlo needs JAX's CUDA plugin (no GPU needed); install it "
                          f"with: {install_hint()}")
-    row = shape.row(args.batch or shape.batches[0])
+    from attention_jax.tools.bench.train_speed_gpu import parse_loss_kernels
+    (loss_kernel,) = parse_loss_kernels(args.loss_kernel)[:1]
+    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel}
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)
     spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
@@ -347,7 +355,8 @@ def report(summary: dict, top: int = 25) -> str:
     gb = lambda b: f"{b / 1e9:.2f}"
     row = summary["row"]
     lines = [f"The bare step of {row['shape']}, batch {row['batch']} x {row['seq_len']}, "
-             f"{summary['dtype']}, attention {summary['implementation']}, as XLA compiles "
+             f"{summary['dtype']}, attention {summary['implementation']}, loss "
+             f"{row.get('loss_kernel', 'auto')}, as XLA compiles "
              f"it for an {summary['gpu']} (no GPU used)"
              + (f", XLA_FLAGS += {summary['xla_flags']}" if summary.get("xla_flags") else "")
              + ".", "",

@@ -34,7 +34,10 @@ GPTConfig(dtype="bfloat16"), attention from `--implementation` (default "auto"; 
 comma-separated list times several); `--loss-chunk N` applies the LM head and the loss N
 positions at a time (losses.chunked_head_cross_entropy: the [B, T, V] float32 logits,
 3.3 GB at gpt2-124m batch 16, never exist at once; 0, the default, builds them whole; a
-comma-separated list times several).
+comma-separated list times several); `--loss-kernel xla,pallas` how the whole logits'
+loss is computed (losses.head_cross_entropy: XLA's reductions, or the Pallas kernels of
+loss_kernel.py, which read the logits twice and write them once for the forward and
+backward passes, against XLA's three reads; "auto", the default, is pallas on one GPU).
 The peer (torch_gpt.py): a GPT-2 written here in nanoGPT's manner, `torch.compile`,
 bfloat16 autocast, SDPA causal attention, fused AdamW. Both sides: a few warm-up steps
 (compilation), then `--repeats` timings of `--steps` steps queued back to back and ended by
@@ -204,9 +207,20 @@ def _attention_label(impl: str, packing: str | None) -> str:
     return f"{impl}, stream packing" if packing == "stream" else impl
 
 
-def _impl_label(implementation: str, loss_chunk_size: int) -> str:
-    """The table's attention column, with the loss chunk when there is one."""
-    return f"{implementation} loss-chunk {loss_chunk_size}" if loss_chunk_size else implementation
+def _impl_label(implementation: str, loss_chunk_size: int, loss_kernel: str = "auto") -> str:
+    """The table's attention column, with the loss chunk or kernel when not the default."""
+    label = f"{implementation} loss-chunk {loss_chunk_size}" if loss_chunk_size else implementation
+    return label if loss_kernel == "auto" or loss_chunk_size else f"{label}, loss {loss_kernel}"
+
+
+def parse_loss_kernels(text) -> list[str]:
+    """--loss-kernel "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
+    from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
+    kernels = [k.strip() for k in str(text).split(",") if k.strip()]
+    if not kernels or set(kernels) - set(LOSS_KERNELS):
+        raise SystemExit(f"error: --loss-kernel {text!r}; valid: {list(LOSS_KERNELS)}, "
+                         "comma-separated")
+    return kernels
 
 
 # --fit only compiles (three or more times per shape) and reads the memory analysis, so
@@ -281,6 +295,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     if bad:
         raise SystemExit(f"error: --implementation {bad} unknown; valid: {list(IMPLEMENTATIONS)}")
     chunks = parse_loss_chunks(getattr(args, "loss_chunk", "0"))
+    loss_kernels = parse_loss_kernels(getattr(args, "loss_kernel", "auto"))
     packing_arg = getattr(args, "packing", "documents")
     packings = [p.strip() for p in packing_arg.split(",") if p.strip()]
     if not packings or set(packings) - set(PACKINGS):
@@ -332,10 +347,10 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     flag_sets = list(dict.fromkeys(["", *(getattr(args, "xla_flags", None) or [])]))
     record["xla_flags"] = {f"xla{k}": f for k, f in enumerate(flag_sets) if f}
     for name, batch in pairs:
-        for impl, chunk, k in [(i, c, k) for i in impls for c in chunks
-                               for k in range(len(flag_sets))]:
-            row = table_[name].row(batch)
-            label = _impl_label(impl, chunk) + (f" xla{k}" if flag_sets[k] else "")
+        for impl, chunk, lk, k in [(i, c, lk, k) for i in impls for c in chunks
+                                   for lk in loss_kernels for k in range(len(flag_sets))]:
+            row = {**table_[name].row(batch), "loss_kernel": lk}
+            label = _impl_label(impl, chunk, lk) + (f" xla{k}" if flag_sets[k] else "")
             print(f"  jax {name} batch {batch} attention {label} ...", file=sys.stderr, flush=True)
             result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
                              "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing],
@@ -435,6 +450,9 @@ def add_arguments(p) -> None:
     g.add_argument("--loss-chunk", default="0",
                    help="GPU: positions per chunk of the fused LM head + loss, e.g. 256 or "
                         "0,256 (0: whole logits)")
+    g.add_argument("--loss-kernel", default="auto",
+                   help="GPU: the whole logits' loss, xla or pallas (auto: pallas on one GPU), "
+                        "e.g. xla,pallas")
     g.add_argument("--matmul-size", type=int, default=MATMUL_SIZE, help="GPU: the yardstick matmul")
     g.add_argument("--child-timeout", type=float, default=420,
                    help="GPU: seconds before a child process (one row) is given up")

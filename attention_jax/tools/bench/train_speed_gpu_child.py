@@ -18,7 +18,8 @@ from attention_jax.tools.bench.train_speed_gpu import MATMUL_SIZE, _impl_label
 
 def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int = 0):
     """(model, optimizer, train_step(state, inputs, targets) -> (state, loss)) of `row`:
-    bare_step's jitted, donating step of the next-token loss; state = (params, opt_state)."""
+    bare_step's jitted, donating step of the next-token loss; state = (params, opt_state).
+    The row's "loss_kernel" (default "auto") picks the whole-logits loss (losses.LOSS_KERNELS)."""
     from attention_jax.models import gpt  # in the child only: it starts JAX
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
@@ -28,7 +29,8 @@ def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int
     tx = bare_step.adamw(decay_matrices_only=True)  # as the peer's (torch_gpt.py)
 
     def loss_fn(params, inputs, targets):
-        return gpt.head_loss(model, params, inputs, targets, chunk_size=loss_chunk_size)[0][0]
+        return gpt.head_loss(model, params, inputs, targets, chunk_size=loss_chunk_size,
+                             loss_kernel=row.get("loss_kernel", "auto"))[0][0]
 
     return model, tx, bare_step.make_train_step(loss_fn, tx)
 
@@ -106,7 +108,8 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
     import jax
 
     from attention_jax.tools.bench import timing  # it imports JAX: children only
-    result = {**row, "side": "jax", "impl": _impl_label(implementation, loss_chunk_size),
+    result = {**row, "side": "jax",
+              "impl": _impl_label(implementation, loss_chunk_size, row.get("loss_kernel", "auto")),
               "dtype": dtype, "loss_chunk": loss_chunk_size}
     try:
         start = time.perf_counter()

@@ -1,0 +1,209 @@
+"""models/loss_kernel.py and losses.head_cross_entropy: the loss as Pallas kernels (run
+here in interpret mode, as on the GPU they run compiled by Triton). The row statistics
+and the gradient written over the logits against float64, rows that split into chunks
+and pieces of every size, ties, rows of -inf; the head's loss, accuracy and gradients
+against XLA's loss and a float64 reference; GPT's loss through it; auto's choice; the
+errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import load
+
+from attention_jax import config as config_lib
+from attention_jax.attention import compiling_for
+from attention_jax.errors import ConfigError
+from attention_jax.models import gpt, loss_kernel
+from attention_jax.models.losses import choose_loss_kernel, cross_entropy, head_cross_entropy
+
+from test_chunked_loss import _inputs, _reference
+
+
+def _row_reference(z, t):
+    z = np.asarray(z, np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    return lse, z[np.arange(len(t)), t], z.sum(axis=1), z.argmax(axis=1)
+
+
+@pytest.mark.parametrize("v", [1, 3, 16, 37, 64])
+def test_pieces_cover_a_row_in_powers_of_two(v):
+    n, pieces = loss_kernel._pieces(v, 16)
+    starts = [16 * j for j in range(n)] + [s for s, _ in pieces]
+    sizes = [16] * n + [size for _, size in pieces]
+    assert starts == list(np.cumsum([0] + sizes[:-1]))  # contiguous, in order
+    assert sum(sizes) == v and all(s & (s - 1) == 0 for s in sizes)  # powers of two
+    assert loss_kernel._pieces(50304, 4096) == (12, [(49152, 1024), (50176, 128)])
+
+
+def test_row_statistics_against_float64():
+    """V = 37 in chunks of 16: two chunks through the loop, then pieces of 4 and 1. Ties
+    go to the first index (also across chunks), and -inf logits (a masked vocabulary)
+    add nothing, even a whole chunk of them ahead of the row's finite ones."""
+    rng = np.random.default_rng(0)
+    m, v = 6, 37
+    z = (3 * rng.normal(size=(m, v))).astype(np.float32)
+    t = rng.integers(0, v, m).astype(np.int32)
+    z[0, 3] = z[0, 30] = z[0].max() + 1  # a tie across chunks: index 3
+    z[1, 36] = z[1].max() + 2  # the max in the last piece of one
+    t[1] = 36
+    z[2, :16] = -np.inf  # the first chunk masked whole
+    z[3, 5:9] = -np.inf
+    lse, tz, sz, first = loss_kernel.row_statistics(jnp.asarray(z), jnp.asarray(t), chunk=16)
+    ref_lse, ref_tz, _, ref_first = _row_reference(z, t)
+    ok = np.isfinite(z).all(axis=1)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+    np.testing.assert_allclose(np.where(np.isfinite(ref_tz), tz, 0), np.where(np.isfinite(ref_tz), ref_tz, 0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sz)[ok], _row_reference(z[ok], t[ok])[2], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(first, ref_first)
+    assert first[0] == 3 and first[1] == 36
+
+
+def test_row_statistics_of_bfloat16_logits_in_float32():
+    rng = np.random.default_rng(1)
+    z = jnp.asarray(rng.normal(size=(4, 64)) * 4, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, 64, 4), jnp.int32)
+    lse, tz, sz, first = loss_kernel.row_statistics(z, t, chunk=16)
+    assert lse.dtype == jnp.float32 and first.dtype == jnp.int32
+    ref = _row_reference(np.asarray(z.astype(jnp.float32)), np.asarray(t))  # the same bf16 values
+    np.testing.assert_allclose(lse, ref[0], rtol=1e-6)
+    np.testing.assert_allclose(tz, ref[1], rtol=1e-6)
+    np.testing.assert_array_equal(first, ref[3])
+
+
+def test_gradient_kernel_writes_softmax_minus_target_over_the_logits():
+    rng = np.random.default_rng(2)
+    m, v, smoothing = 5, 37, 0.1
+    z = (2 * rng.normal(size=(m, v))).astype(np.float32)
+    t = rng.integers(0, v, m).astype(np.int32)
+    scale = rng.uniform(size=m).astype(np.float32)
+    scale[2] = 0.0  # a padding row: no gradient
+    stats, dz = jax.jit(lambda z, t, s: loss_kernel.row_statistics_and_gradient(
+        z, t, s, smoothing, chunk=16))(jnp.asarray(z), jnp.asarray(t), jnp.asarray(scale))
+    lse, *_ = _row_reference(z, t)
+    p = np.exp(z.astype(np.float64) - lse[:, None])
+    q = (1 - smoothing) * np.eye(v)[t] + smoothing / v
+    np.testing.assert_allclose(dz, (p - q) * scale[:, None], atol=2e-7)
+    assert not np.asarray(dz[2]).any()
+    np.testing.assert_allclose(stats[0], lse, rtol=1e-6)  # the statistics come along
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_head_cross_entropy_kernels_equal_xla_and_float64(smoothing):
+    """Loss, accuracy and the gradients of hidden, kernel and bias: the kernels' path
+    (the gradient computed in the forward pass, scaled in the backward) against XLA's
+    loss and the float64 reference, with padding weights."""
+    h, k, bias, tg, w = _inputs(t=6, v=37)
+
+    def run(implementation):
+        def f(h, k, b):
+            return head_cross_entropy(h, k, tg, w, bias=b, label_smoothing=smoothing,
+                                      implementation=implementation)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(h, k, bias)
+
+    (loss, metrics), grads = run("pallas")
+    (xla_loss, xla_metrics), xla_grads = run("xla")
+    ref_loss, ref_accuracy, ref_grads = _reference(h, k, bias, tg, w, smoothing)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    assert float(loss) == pytest.approx(float(xla_loss), rel=1e-6)
+    assert float(metrics["accuracy"]) == pytest.approx(ref_accuracy, abs=1e-6)
+    assert float(metrics["accuracy"]) == pytest.approx(float(xla_metrics["accuracy"]), abs=1e-6)
+    for g, xg, rg in zip(grads, xla_grads, ref_grads):
+        np.testing.assert_allclose(g, rg, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(g, xg, rtol=1e-4, atol=1e-6)
+    # Without differentiation only the statistics kernel runs: the same loss.
+    value, _ = jax.jit(lambda: head_cross_entropy(h, k, tg, w, bias=bias, label_smoothing=smoothing,
+                                                  implementation="pallas"))()
+    assert float(value) == pytest.approx(float(loss), rel=1e-6)
+
+
+def test_gpt_head_loss_through_the_kernels_equals_xla():
+    """A tiny GPT (tied embeddings): head_loss with loss_kernel="pallas" applies the head
+    to the final hidden states itself; its loss, accuracy and every gradient are XLA's."""
+    cfg = gpt.GPTConfig(vocab_size=40, max_len=8, num_layers=1, d_model=16, num_heads=2,
+                        dropout_rate=0.0)
+    model = gpt.GPT(cfg)
+    rng = np.random.default_rng(3)
+    inputs = jnp.asarray(rng.integers(0, 40, (2, 8)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, 40, (2, 8)), jnp.int32)
+    params = jax.tree.map(lambda x: x, jax.jit(model.init)(jax.random.key(0), inputs)["params"])
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params,
+                          is_leaf=lambda x: hasattr(x, "value"))
+
+    def f(p, kernel):
+        (loss, m), _ = gpt.head_loss(model, p, inputs, targets, loss_kernel=kernel)
+        return loss, m
+
+    def run(kernel):
+        return jax.jit(jax.value_and_grad(lambda p: f(p, kernel), has_aux=True))(params)
+
+    assert "pallas_call" in str(jax.make_jaxpr(lambda p: f(p, "pallas"))(params))
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda p: f(p, "xla"))(params))
+
+    (loss, m), grads = run("pallas")
+    (xla_loss, xla_m), xla_grads = run("xla")
+    assert float(loss) == pytest.approx(float(xla_loss), rel=1e-6)
+    assert float(m["accuracy"]) == float(xla_m["accuracy"])
+    for g, xg in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
+        np.testing.assert_allclose(g, xg, rtol=1e-4, atol=1e-7)
+
+
+def test_auto_takes_the_kernels_on_one_gpu_only():
+    assert choose_loss_kernel("xla") == "xla" and choose_loss_kernel("pallas") == "pallas"
+    assert choose_loss_kernel("auto") == "xla"  # this CPU host
+    with compiling_for("gpu"):
+        assert choose_loss_kernel("auto") == "pallas"
+        assert choose_loss_kernel("auto", jnp.float64) == "xla"  # Triton has no float64
+        mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+        with jax.set_mesh(mesh):  # a step sharded over devices: XLA's loss
+            assert choose_loss_kernel("auto") == "xla"
+
+
+def test_bad_loss_kernel_names_the_valid_values():
+    with pytest.raises(ValueError, match=r"loss kernel 'triton' is unknown; valid: "
+                                         r"\('auto', 'xla', 'pallas'\)"):
+        choose_loss_kernel("triton")
+    h, k, _, tg, _ = _inputs(t=2, v=5)
+    with pytest.raises(ValueError, match=r"kernel has shape \(5, 8\); valid: \[D, V\] with D = 8"):
+        head_cross_entropy(h, k.T, tg, implementation="pallas")
+    with pytest.raises(ValueError, match=r"targets has shape \(2, 3\); valid: \(2, 2\)"):
+        head_cross_entropy(h, k, tg[:, :1].repeat(3, 1), implementation="pallas")
+    with pytest.raises(ValueError, match=r"logits has shape \(4,\); valid: \[M, V\]"):
+        loss_kernel.row_statistics(jnp.zeros(4), jnp.zeros(4, jnp.int32))
+    c = load("gpt").get_config()
+    assert c.train.loss_kernel == "auto"
+    c.train.loss_kernel = "fused"
+    with pytest.raises(ConfigError, match=r"config.train.loss_kernel='fused'.*auto.*xla.*pallas"):
+        config_lib.validate(c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_kernels_equal_xla_in_bfloat16_on_a_gpu():
+    """Triton-compiled: GPT-2's head (V = 50304: twelve chunks and two pieces) in bf16,
+    loss and gradients against XLA's loss on the same bf16 logits."""
+    rng = np.random.default_rng(0)
+    b, t, d, v = 2, 256, 128, 50304
+    hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.normal(size=(d, v)) / np.sqrt(d), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+
+    def run(implementation):
+        f = lambda h, k: head_cross_entropy(h, k, targets, implementation=implementation)[0]
+        return jax.jit(jax.value_and_grad(f, (0, 1)))(hidden, kernel)
+
+    (lk, gk), (lx, gx) = run("pallas"), run("xla")
+    assert float(lk) == pytest.approx(float(lx), rel=1e-4)
+    for a, c in zip(gx, gk):
+        a, c = a.astype(jnp.float32), c.astype(jnp.float32)
+        assert float(jnp.linalg.norm(a - c) / jnp.linalg.norm(a)) < 1e-2
+    z = jnp.asarray(rng.normal(size=(64, v)) * 3, jnp.bfloat16)
+    tg = jnp.asarray(rng.integers(0, v, 64), jnp.int32)
+    lse, tz, _, first = loss_kernel.row_statistics(z, tg)
+    ref = _row_reference(np.asarray(z.astype(jnp.float32)), np.asarray(tg))
+    np.testing.assert_allclose(lse, ref[0], rtol=1e-5)
+    np.testing.assert_array_equal(first, ref[3])
+    loss, _ = cross_entropy(z.astype(jnp.float32), tg)
+    assert float(jnp.mean(lse - tz)) == pytest.approx(float(loss), rel=1e-5)
