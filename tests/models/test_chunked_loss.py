@@ -1,8 +1,8 @@
 """models/losses.py chunked_head_cross_entropy: the LM head and the cross-entropy a chunk
 of positions at a time. Loss, accuracy and gradients against a float64 reference
 (autodiff of the written-out formula), bfloat16 against float32, the compiled memory
-against the whole-logits path, the GPT task with train.loss_chunk_size against the
-whole-logits loss, a mesh that splits the vocabulary (and the length) against one
+against the whole-logits path, the GPT task with train.loss_chunk_size (and with
+train.loss_kernel="pallas") against the whole-logits loss, a mesh that splits the vocabulary (and the length) against one
 device, and the errors."""
 
 import dataclasses
@@ -209,21 +209,22 @@ def test_gpt_hidden_times_the_head_weights_are_its_logits(variant):
 @pytest.mark.parametrize("model", [{}, {"tie_embeddings": False, "mlp": "moe", "num_experts": 4,
                                         "top_k": 2}])
 def test_gpt_task_chunked_loss_equals_the_whole_logits_loss(model, data_dir, tmp_path):
-    """tasks.lm_task with train.loss_chunk_size = 8 (seq_len 32: four chunks) against 0:
+    """tasks.lm_task with train.loss_chunk_size = 8 (seq_len 32: four chunks), and with
+    train.loss_kernel = "pallas" (the loss kernels, interpreted), against the whole logits:
     the same loss (with the MoE balance loss added), metrics and parameter gradients, for
     a tied head, and an untied one in an MoE model; with label smoothing; and the
     evaluation path."""
-    def task_and_loss(chunk):
+    def task_and_loss(chunk, kernel="auto"):
         c = shrink(load("gpt").get_config(), data_dir)
         c.model.update(model)
         c.optim.label_smoothing = 0.1
         c.train.loss_chunk_size = chunk
+        c.train.loss_kernel = kernel
         task = tasks.TASKS[c.task](c, str(tmp_path))
         return task, jax.jit(jax.value_and_grad(lambda p, b: task.loss(p, b, jax.random.key(0), True),
                                                 has_aux=True))
 
     task, whole = task_and_loss(0)
-    _, chunked = task_and_loss(8)
     params = nn.meta.unbox(jax.jit(task.init)(jax.random.key(1)))
     assert ("lm_head" in params) == (model.get("tie_embeddings") is False)
     rng = np.random.default_rng(0)
@@ -231,7 +232,17 @@ def test_gpt_task_chunked_loss_equals_the_whole_logits_loss(model, data_dir, tmp
     batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
     assert batch["weights"].shape[1] == 32
     (want, want_m), want_g = whole(params, batch)
-    (got, got_m), got_g = chunked(params, batch)
+    for changed in (task_and_loss(8), task_and_loss(0, "pallas")):  # chunked; the loss kernels
+        _check_same_loss(changed, params, batch, (want, want_m), want_g, model)
+    eval_loss = lambda t: float(jax.jit(t.loss, static_argnums=3)(params, batch, jax.random.key(0),
+                                                                  False)[0])
+    np.testing.assert_allclose(eval_loss(task_and_loss(8)[0]), eval_loss(task), rtol=1e-5)
+    np.testing.assert_allclose(eval_loss(task_and_loss(0, "pallas")[0]), eval_loss(task), rtol=1e-5)
+
+
+def _check_same_loss(task_and_step, params, batch, want_loss, want_g, model):
+    (want, want_m) = want_loss
+    (got, got_m), got_g = task_and_step[1](params, batch)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     assert set(got_m) == set(want_m)
     for k in want_m:
@@ -242,9 +253,6 @@ def test_gpt_task_chunked_loss_equals_the_whole_logits_loss(model, data_dir, tmp
     for (path, a), b in zip(flat_want, jax.tree.leaves(got_g), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
-    eval_loss = lambda t: float(jax.jit(t.loss, static_argnums=3)(params, batch, jax.random.key(0),
-                                                                  False)[0])
-    np.testing.assert_allclose(eval_loss(task_and_loss(8)[0]), eval_loss(task), rtol=1e-5)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -69,6 +69,8 @@ def test_bad_arguments_name_the_valid_values(tmp_path):
         profile.run(_args(tmp_path, "--batch", "0"))
     with pytest.raises(SystemExit, match=r"--loss-chunk -1; valid: an integer >= 0"):
         profile.run(_args(tmp_path, "--loss-chunk", "-1"))
+    with pytest.raises(SystemExit, match=r"--loss-kernel 'fused'; valid: \['auto', 'xla', 'pallas'\]"):
+        profile.run(_args(tmp_path, "--loss-kernel", "fused"))
     with pytest.raises(SystemExit, match=r"--switch-interval 0.0; valid: seconds > 0"):
         profile.run(_args(tmp_path, "--save", "--switch-interval", "0"))
 

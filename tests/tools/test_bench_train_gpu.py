@@ -229,6 +229,23 @@ def test_loss_chunk_option(tmp_path):
     assert chunked["first_loss"] == pytest.approx(whole["first_loss"], rel=1e-5)
 
 
+def test_loss_kernel_option(tmp_path):
+    """--loss-kernel: the values the parent takes, and a child's step whose row asks for
+    the Pallas loss (interpreted here), starting from XLA's loss and labelled so."""
+    assert train_speed_gpu.parse_loss_kernels("xla, pallas") == ["xla", "pallas"]
+    for bad in ("fused", "", "xla,cuda"):
+        with pytest.raises(SystemExit, match=r"--loss-kernel .* valid: \['auto', 'xla', 'pallas'\]"):
+            train_speed_gpu.parse_loss_kernels(bad)
+    row = train_speed_gpu.SHAPES_TINY["gpt-tiny-gpu"].row(2)
+    results = {}
+    for kernel in ("xla", "pallas"):
+        results[kernel] = train_speed_gpu_child.measure_ours(
+            {**row, "loss_kernel": kernel}, "xla", warmup=1, repeats=1, steps=1, dtype="float32")
+    assert "error" not in results["pallas"], results["pallas"].get("error")
+    assert results["pallas"]["impl"] == "xla, loss pallas" and results["xla"]["impl"] == "xla, loss xla"
+    assert results["pallas"]["first_loss"] == pytest.approx(results["xla"]["first_loss"], rel=1e-5)
+
+
 def test_a_failing_trainer_step_row_is_recorded_not_raised(tmp_path):
     """The trainer-step child (the trainer's own step alone) writes a bad configuration's
     error as its row, as the other children do."""

@@ -199,6 +199,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16",
                    help="compute dtype (float32 on a CPU, whose dots refuse bf16 x bf16 -> f32)")
     p.add_argument("--loss-chunk", type=int, default=0, help="positions per LM-head chunk (0: whole)")
+    p.add_argument("--loss-kernel", default="auto",
+                   help="the whole logits' loss: xla or pallas (models/loss_kernel.py); auto: "
+                        "pallas on one GPU (train.loss_kernel with --trainer)")
     p.add_argument("--steps", type=int, default=3, help="steps timed, then steps traced")
     p.add_argument("--top", type=int, default=30, help="ops listed")
     p.add_argument("--out", default=None,
@@ -253,14 +256,15 @@ def run(args) -> dict:
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}; "
                              f"valid: an integer >= 1")
-    row = shape.row(args.batch or shape.batches[0])
+    (loss_kernel,) = train_speed_gpu.parse_loss_kernels(args.loss_kernel)[:1]
+    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel}
     args.trainer = args.trainer or args.save
     which = "the trainer's step" if args.trainer else "the bare step"
     print(f"profiling {which}: {args.shape} batch {row['batch']} attention {args.implementation} "
-          f"loss-chunk {args.loss_chunk} ...", file=sys.stderr, flush=True)
+          f"loss-chunk {args.loss_chunk} loss {loss_kernel} ...", file=sys.stderr, flush=True)
     if args.trainer:
         extra = (f"--config.train.loss_chunk_size={args.loss_chunk}",
-                 *shlex.split(args.trainer_args))
+                 f"--config.train.loss_kernel={loss_kernel}", *shlex.split(args.trainer_args))
         compiled, state, batch = trainer.compiled_step(row, args.implementation, dtype=args.dtype,
                                                        extra=extra)
         if args.save:
@@ -284,6 +288,7 @@ def run(args) -> dict:
     if args.out:
         (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{summary['device']}: {which}, {args.shape} batch {row['batch']}, attention "
-          f"{args.implementation}, loss-chunk {args.loss_chunk}, loss {summary['loss']:.3f}")
+          f"{args.implementation}, loss-chunk {args.loss_chunk}, loss kernel {loss_kernel}, "
+          f"loss {summary['loss']:.3f}")
     print(table(summary, args.top))
     return summary
