@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 35's next device call, as one command (docs/gpu_next.md §1): run it from the
+# Issue 35's next device call, as one command (docs/gpu_next.md §1-2): run it from the
 # repository root with `.whl` carried (../shared/device/prepare_wheels.sh fills it):
-#   device run: command "bash docs/gpu_next.sh", carry [".whl"], timeout_s 420
-# Each setting of `bench profile --save` is its own process (one JAX each, ~60 s on an
-# H200 for GPT-2 small); every output lands in $OUT. DEADLINE: seconds for all of it.
-SHAPE=${SHAPE:-gpt2-124m}; PY=${PY:-python3}; DEADLINE=${DEADLINE:-400}
+#   device run: command "bash docs/gpu_next.sh", carry [".whl"], timeout_s 580
+# Each measurement is its own process (one JAX each); every output lands in $OUT.
+# DEADLINE: seconds for all of it; the parts come in order of what they decide.
+SHAPE=${SHAPE:-gpt2-124m}; PY=${PY:-python3}; DEADLINE=${DEADLINE:-550}
 start=$SECONDS
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -16,9 +16,15 @@ run() {  # name, seconds at most, command...: its output in $OUT/name.txt with i
   echo "== $name at $((SECONDS - start)) s"
   timeout "$(left "$limit")" "$@" > "$OUT/$name.txt" 2>&1; echo "rc $?" >> "$OUT/$name.txt"
 }
+# 1. The loss kernels (models/loss_kernel.py), auto's choice on one GPU since 2026-11-26,
+# never run on a GPU before: Triton-compiled against XLA's loss, then the bare step with
+# each (its step time decides auto: losses.choose_loss_kernel).
+run loss_kernel_tests 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/models/test_loss_kernel.py
+if [ "$SHAPE" = gpt2-124m ]; then SHAPES=gpt2-124m:16; else SHAPES=$SHAPE; fi
+run loss_kernel_step 200 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPES \
+  --no-torch --trainer-steps 0 --repeats 5 --loss-kernel xla,pallas --out $OUT/loss_kernel.json
+# 2. The save window: the packed format (448 arrays written as 5) against one array per array.
 SAVE="$PY -m attention_jax.tools.bench profile --save --saves 4 --shape $SHAPE"
-run save_packed 95 $SAVE --out /tmp/save_packed   # the default: 448 arrays written as 5
+run save_packed 95 $SAVE --out /tmp/save_packed
 run save_per_array 95 $SAVE --packed off   # as on 2026-11-26, the save programs' objects frozen
-run save_switch 95 $SAVE --packed off --switch-interval 0.0005   # the interpreter back 10x sooner
-run save_packed_again 95 $SAVE
 echo "== done at $((SECONDS - start)) s"

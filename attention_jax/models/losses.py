@@ -387,10 +387,11 @@ def _kernel_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
     stats, dz = loss_kernel.row_statistics_and_gradient(_head_logits(h, kernel, bias), y,
                                                         scale, smoothing)
     loss, correct = _kernel_terms(smoothing, stats, y, kernel.shape[1])
-    dz = dz.astype(dtype)
-    dh = matmul(dz, kernel.T, preferred_element_type=jnp.float32).astype(h.dtype)
-    dkernel = lax.dot_general(h.astype(dtype), dz, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)  # [D, V]
+    # Both matmuls accumulate in float32 and round once to the operands' dtype, the
+    # dtype autodiff gives them; held to the end of the backward pass, dkernel [D, V]
+    # is then half the bytes of a float32 one.
+    dh = matmul(dz, kernel.T).astype(h.dtype)
+    dkernel = lax.dot_general(h.astype(dtype), dz, (((0,), (0,)), ((), ())))  # [D, V]
     dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
     # The backward pass is the chunked head's: scale what the forward computed.
     return (jnp.sum(scale * loss), jnp.sum(scale * correct)), (dh, dkernel, dbias, kernel, bias)
