@@ -333,9 +333,9 @@ def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
     chunked_head_cross_entropy does: the gradient kernel writes dz = (softmax - q)·w/Σw
     over the logits, then dhidden = dz·kernelᵀ and dkernel = hiddenᵀ·dz (and dbias =
     Σ dz) are computed at once, and the backward pass only scales them by the loss's
-    cotangent. The logits are read twice and written once in all, their buffer reused
-    for dz and freed before the model's backward pass (XLA's loss keeps the logits for
-    it). Weights are constants (no gradient), as for the chunked head."""
+    cotangent. The logits are read twice and written once in all (XLA's loss reads them
+    three times), dz written over their buffer. Weights are constants (no gradient), as
+    for the chunked head."""
     _check_label_smoothing(label_smoothing)
     if kernel.ndim != 2 or kernel.shape[0] != hidden.shape[-1]:
         raise ValueError(f"kernel has shape {kernel.shape}; valid: [D, V] with D = "
