@@ -64,7 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.compute_dtype = "float32"  # float32 | bfloat16: activations/matmuls; params stay float32.
     t.loss_chunk_size = 0  # GPT: positions per chunk of the fused LM head + loss; 0: whole logits.
     # GPT, whole logits: the loss by XLA's reductions (xla) or Pallas kernels that read the
-    # logits fewer times (pallas; models/loss_kernel.py); auto: pallas on one NVIDIA GPU.
+    # logits fewer times (pallas; models/loss_kernel.py); auto: pallas on NVIDIA GPUs for
+    # vocabularies of 4096 or more not split over the mesh (losses.choose_loss_kernel).
     t.loss_kernel = "auto"
     t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
     t.progress = True  # show a progress bar on process 0.

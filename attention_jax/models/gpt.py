@@ -235,12 +235,12 @@ def head_loss(model: GPT, params, inputs, targets, weights=None, *, chunk_size: 
     the model's logits through cross_entropy, or, with chunk_size > 0, its final hidden
     states through the head `chunk_size` positions at a time (chunked_head_cross_entropy:
     the [B, T, V] logits never exist). With whole logits, loss_kernel (losses.LOSS_KERNELS)
-    picks how the loss is computed: "pallas" (auto's choice on one NVIDIA GPU) applies
+    picks how the loss is computed: "pallas" (auto's choice on NVIDIA GPUs) applies
     the head to the final hidden states itself and computes the loss with the kernels of
     loss_kernel.py (losses.head_cross_entropy). apply_kwargs go to model.apply
     (positions, segment_ids, deterministic, rngs)."""
     kernel_loss = not chunk_size and choose_loss_kernel(
-        loss_kernel, model.config.dtype) == "pallas"
+        loss_kernel, model.config.dtype, model.config.vocab_size) == "pallas"
     out, aux = model.apply({"params": params}, inputs,
                            return_hidden=bool(chunk_size) or kernel_loss, **apply_kwargs)
     if not chunk_size and not kernel_loss:

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from attention_jax import axes
 from attention_jax.attention.call import compiling_for_gpu, target_backend
@@ -300,24 +301,46 @@ _fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
 # How head_cross_entropy computes the loss: "xla" as cross_entropy does (XLA's fused
 # reductions); "pallas" the kernels of loss_kernel.py (a row's statistics in one pass,
 # its gradient written over the logits in the forward pass); "auto" pallas where they
-# compile (an NVIDIA GPU) on one device, xla elsewhere.
+# compile (NVIDIA GPUs) and pay (see choose_loss_kernel), xla elsewhere.
 LOSS_KERNELS = ("auto", "xla", "pallas")
 
 
-def choose_loss_kernel(implementation: str, dtype=jnp.bfloat16) -> str:
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    """The ambient mesh's axes of size > 1 that `logical` maps to under the current logical
+    rules (() without a mesh or rules)."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return ()
+    names = nn.logical_to_mesh_axes((logical,), rules)[0]
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+
+
+def choose_loss_kernel(implementation: str, dtype=jnp.bfloat16, vocab: int | None = None) -> str:
     """"xla" or "pallas" for `implementation` on this platform (see LOSS_KERNELS).
 
-    auto takes pallas on one NVIDIA GPU (or compiling for one) for logits other than
-    float64: the kernels are Pallas calls, which XLA's partitioner cannot split, so a
-    step sharded over several devices keeps XLA's loss."""
+    auto takes pallas for logits other than float64 on NVIDIA GPUs (or compiling for
+    them), where the kernels compile, unless:
+      - the vocabulary is under loss_kernel.CHUNK (4096) wide: its logits cost little
+        and a row is too short to fill a kernel's program;
+      - the mesh splits the vocabulary (its logical axis onto a mesh axis of size > 1): a
+        row's statistics would need every device's part of it;
+      - several devices and no ambient mesh (`jax.set_mesh`) to split the rows over: the
+        kernels are Pallas calls, which XLA's partitioner cannot split, and the trainer
+        always sets one.
+    Under a mesh the kernels run on each device's rows (shard_map over the batch and
+    length axes' mesh axes)."""
     if implementation not in LOSS_KERNELS:
         raise ValueError(f"loss kernel {implementation!r} is unknown; valid: {LOSS_KERNELS}")
     if implementation != "auto":
         return implementation
+    if target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64:
+        return "xla"
+    if vocab is not None and vocab < loss_kernel.CHUNK:
+        return "xla"
     mesh = jax.sharding.get_abstract_mesh()
-    one_device = (mesh.empty or mesh.size == 1) and (compiling_for_gpu() or jax.device_count() == 1)
-    gpu = target_backend() == "gpu"
-    return "pallas" if gpu and one_device and jnp.dtype(dtype) != jnp.float64 else "xla"
+    unsplittable = mesh.empty and not compiling_for_gpu() and jax.device_count() > 1
+    return "xla" if unsplittable or _mesh_axes(axes.VOCAB) else "pallas"
 
 
 def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
@@ -335,7 +358,8 @@ def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
     Σ dz) are computed at once, and the backward pass only scales them by the loss's
     cotangent. The logits are read twice and written once in all (XLA's loss reads them
     three times), dz written over their buffer. Weights are constants (no gradient), as
-    for the chunked head."""
+    for the chunked head. Under a mesh each device runs the kernels on its own rows
+    (hidden [B, T, D]: B and T split as the logical rules split batch and length)."""
     _check_label_smoothing(label_smoothing)
     if kernel.ndim != 2 or kernel.shape[0] != hidden.shape[-1]:
         raise ValueError(f"kernel has shape {kernel.shape}; valid: [D, V] with D = "
@@ -344,29 +368,53 @@ def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
         raise ValueError(f"targets has shape {targets.shape}; valid: {hidden.shape[:-1]} "
                          f"(hidden's leading axes)")
     dtype = jnp.result_type(hidden.dtype, kernel.dtype)
-    if choose_loss_kernel(implementation, dtype) == "xla":
+    if choose_loss_kernel(implementation, dtype, kernel.shape[1]) == "xla":
         logits = matmul(hidden, kernel)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)
         return cross_entropy(logits, targets, weights, label_smoothing)
-    d, v = kernel.shape
     weights = (jnp.ones(targets.shape, jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
     scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw
-    loss, accuracy = _kernel_head_loss(float(label_smoothing), hidden.reshape(-1, d), kernel,
-                                       bias, targets.reshape(-1).astype(jnp.int32),
-                                       scale.reshape(-1))
+    loss, accuracy = _kernel_head_loss(float(label_smoothing), hidden, kernel, bias,
+                                       targets.astype(jnp.int32), scale)
     return loss, {"accuracy": accuracy}
 
 
 def _head_logits(h, kernel, bias):
-    """h [M, D] · kernel [D, V] (+ bias) -> logits [M, V] in the matmul's dtype."""
+    """h [..., D] · kernel [D, V] (+ bias) -> logits [..., V] in the matmul's dtype."""
     z = matmul(h, kernel)
     return z if bias is None else z + bias.astype(z.dtype)
 
 
+def _on_rows(fn, logits, *rows):
+    """fn(logits [M, V], *rows [M]) of loss_kernel.py on logits [..., V] and rows [...],
+    its outputs shaped back to [...] (and [..., V]). Under a mesh of several devices each
+    runs it on its own rows: a shard_map over the leading axes, split as the logical rules
+    split batch (axis 0) and length (axis 1) where they divide, else whole."""
+    lead = logits.shape[:-1]
+
+    def local(z, *r):
+        out = fn(z.reshape(-1, z.shape[-1]), *(x.reshape(-1) for x in r))
+        return jax.tree.map(lambda a: a.reshape(z.shape[:-1] + a.shape[1:]), out)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(logits, *rows)
+    split = []
+    for size, logical in zip(lead, (axes.BATCH, axes.LENGTH) + (None,) * len(lead)):
+        names = _mesh_axes(logical) if logical else ()
+        split.append(names if names and size % math.prod(mesh.shape[a] for a in names) == 0
+                     else None)
+    row_spec = P(*split)
+    spec_of = lambda a: row_spec if a.ndim == len(lead) else P(*split, None)  # noqa: E731
+    out = jax.eval_shape(local, logits, *rows)  # the outputs' structure
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec_of(logits), *map(spec_of, rows)),
+                         out_specs=jax.tree.map(spec_of, out), check_vma=False)(logits, *rows)
+
+
 def _kernel_terms(smoothing, stats, y, v):
-    """(loss, correct) per row, float32 [M], from the kernels' row statistics."""
+    """(loss, correct) per row, float32 [...], from the kernels' row statistics."""
     lse, target_z, sum_z, first_max = stats
     loss = lse - target_z
     if smoothing:
@@ -376,23 +424,25 @@ def _kernel_terms(smoothing, stats, y, v):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kernel_head_loss(smoothing, h, kernel, bias, y, scale):
-    """(Σ scale·loss, Σ scale·correct) over rows h [M, D], y and scale [M]."""
-    stats = loss_kernel.row_statistics(_head_logits(h, kernel, bias), y)
+    """(Σ scale·loss, Σ scale·correct) over rows h [..., D], y and scale [...]."""
+    stats = _on_rows(loss_kernel.row_statistics, _head_logits(h, kernel, bias), y)
     loss, correct = _kernel_terms(smoothing, stats, y, kernel.shape[1])
     return jnp.sum(scale * loss), jnp.sum(scale * correct)
 
 
 def _kernel_head_loss_fwd(smoothing, h, kernel, bias, y, scale):
+    d, v = kernel.shape
     dtype = jnp.result_type(h.dtype, kernel.dtype)
-    stats, dz = loss_kernel.row_statistics_and_gradient(_head_logits(h, kernel, bias), y,
-                                                        scale, smoothing)
-    loss, correct = _kernel_terms(smoothing, stats, y, kernel.shape[1])
+    gradient = functools.partial(loss_kernel.row_statistics_and_gradient, smoothing=smoothing)
+    stats, dz = _on_rows(gradient, _head_logits(h, kernel, bias), y, scale)
+    loss, correct = _kernel_terms(smoothing, stats, y, v)
     # Both matmuls accumulate in float32 and round once to the operands' dtype, the
     # dtype autodiff gives them; held to the end of the backward pass, dkernel [D, V]
     # is then half the bytes of a float32 one.
     dh = matmul(dz, kernel.T).astype(h.dtype)
-    dkernel = lax.dot_general(h.astype(dtype), dz, (((0,), (0,)), ((), ())))  # [D, V]
-    dbias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
+    dkernel = lax.dot_general(h.reshape(-1, d).astype(dtype), dz.reshape(-1, v),
+                              (((0,), (0,)), ((), ())))  # [D, V]
+    dbias = None if bias is None else jnp.sum(dz.reshape(-1, v).astype(jnp.float32), axis=0)
     # The backward pass is the chunked head's: scale what the forward computed.
     return (jnp.sum(scale * loss), jnp.sum(scale * correct)), (dh, dkernel, dbias, kernel, bias)
 

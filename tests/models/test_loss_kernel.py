@@ -3,19 +3,23 @@ here in interpret mode, as on the GPU they run compiled by Triton). The row stat
 and the gradient written over the logits against float64, rows that split into chunks
 and pieces of every size, ties, rows of -inf; the head's loss, accuracy and gradients
 against XLA's loss and a float64 reference; GPT's loss through it; auto's choice; the
-errors."""
+errors; under a mesh, each device's rows."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import load
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from attention_jax import config as config_lib
 from attention_jax.attention import compiling_for
 from attention_jax.errors import ConfigError
 from attention_jax.models import gpt, loss_kernel
 from attention_jax.models.losses import choose_loss_kernel, cross_entropy, head_cross_entropy
+from attention_jax.sharding import DEFAULT_RULES
 
 from test_chunked_loss import _inputs, _reference
 
@@ -150,15 +154,51 @@ def test_gpt_head_loss_through_the_kernels_equals_xla():
         np.testing.assert_allclose(g, xg, rtol=1e-4, atol=1e-7)
 
 
-def test_auto_takes_the_kernels_on_one_gpu_only():
+def test_auto_takes_the_kernels_on_gpus_where_they_pay():
     assert choose_loss_kernel("xla") == "xla" and choose_loss_kernel("pallas") == "pallas"
     assert choose_loss_kernel("auto") == "xla"  # this CPU host
     with compiling_for("gpu"):
         assert choose_loss_kernel("auto") == "pallas"
+        assert choose_loss_kernel("auto", vocab=50304) == "pallas"
+        assert choose_loss_kernel("auto", vocab=65) == "xla"  # characters: cheap logits
         assert choose_loss_kernel("auto", jnp.float64) == "xla"  # Triton has no float64
-        mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-        with jax.set_mesh(mesh):  # a step sharded over devices: XLA's loss
+        # Rows split over the devices: each runs the kernels on its own; a vocabulary
+        # split over them: XLA's loss.
+        with jax.set_mesh(jax.make_mesh((8,), ("data",))), nn.logical_axis_rules(DEFAULT_RULES):
+            assert choose_loss_kernel("auto") == "pallas"
+        with jax.set_mesh(jax.make_mesh((4, 2), ("data", "tensor"))), \
+                nn.logical_axis_rules(DEFAULT_RULES):
             assert choose_loss_kernel("auto") == "xla"
+
+
+@pytest.mark.parametrize("mesh_shape, names", [((8,), ("data",)),
+                                               ((2, 2, 2), ("data", "fsdp", "sequence"))])
+def test_kernels_on_each_device_s_rows_under_a_mesh(mesh_shape, names):
+    """8 devices, as the trainer's mesh (sharding.make_mesh: Auto axes): the batch split
+    over data (and fsdp), the length over sequence; each device runs the kernels on its
+    rows (a shard_map), and loss, accuracy and gradients are one device's."""
+    h, k, bias, tg, w = _inputs(b=8, t=4, v=37)
+    mesh = jax.make_mesh(mesh_shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+    def run(implementation, sharded):
+        def f(h, k, b):
+            return head_cross_entropy(h, k, tg, w, bias=b, implementation=implementation)
+        step = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+        if not sharded:
+            return step(h, k, bias)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+            rows = NamedSharding(mesh, P(tuple(a for a in names if a != "sequence"),
+                                         "sequence" if "sequence" in names else None))
+            hs = jax.device_put(h, rows)
+            assert "shard_map" in str(jax.make_jaxpr(f)(hs, k, bias))
+            return step(hs, k, bias)
+
+    (loss, m), grads = run("pallas", True)
+    (want, want_m), want_grads = run("xla", False)
+    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert float(m["accuracy"]) == pytest.approx(float(want_m["accuracy"]), abs=1e-7)
+    for g, wg in zip(grads, want_grads):
+        np.testing.assert_allclose(g, wg, rtol=1e-4, atol=1e-6)
 
 
 def test_bad_loss_kernel_names_the_valid_values():

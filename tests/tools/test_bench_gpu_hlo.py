@@ -89,14 +89,14 @@ def test_bad_batch_names_the_valid_values():
 def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     """The tiny GPT's step compiled for an H100 with no GPU here: XLA:GPU's kernels (its
     Triton GEMMs; the three Pallas kernels of the one layer's attention, lowered for
-    Triton), its memory-bound bytes, and its memory analysis."""
+    Triton; the loss's gradient kernel), its memory-bound bytes, and its memory analysis."""
     out = tmp_path / "hlo"
-    summary = gpu_hlo.run(_args("--out", str(out), "--top", "5"))
+    summary = gpu_hlo.run(_args("--out", str(out), "--top", "5", "--loss-kernel", "pallas"))
     kinds = summary["kinds"]
     assert kinds["attention"]["kernels"] == 3  # forward, dK/dV, dQ
-    # The loss is auto's on one GPU: the gradient kernel over the logits, and no XLA
-    # reduction of them (their row max, their Σ exp) left: the loss's XLA reductions
-    # are over per-row values only.
+    # The loss by its kernels (auto's for GPT-2's vocabulary; the tiny one's is XLA's):
+    # the gradient kernel over the logits, and no XLA reduction of them (their row max,
+    # their Σ exp) left: the loss's XLA reductions are over per-row values only.
     sources = {g["source"]: g for g in summary["sources"]}
     assert "jvp(cross_entropy_gradient)/pallas_call" in sources
     row = summary["row"]

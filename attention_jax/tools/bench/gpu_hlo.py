@@ -296,7 +296,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--loss-kernel", default="auto",
                    help="the loss: xla (XLA's reductions) or pallas (models/loss_kernel.py); "
-                        "auto: pallas, as on one GPU")
+                        "auto: as on a GPU (pallas from a vocabulary of 4096)")
     p.add_argument("--top", type=int, default=25, help="sources listed")
     p.add_argument("--out", default=None, help="directory for the compiled module and summary.json")
     p.add_argument("--xla-flags", default="",

@@ -201,7 +201,7 @@ def add_parser(sub) -> None:
     p.add_argument("--loss-chunk", type=int, default=0, help="positions per LM-head chunk (0: whole)")
     p.add_argument("--loss-kernel", default="auto",
                    help="the whole logits' loss: xla or pallas (models/loss_kernel.py); auto: "
-                        "pallas on one GPU (train.loss_kernel with --trainer)")
+                        "pallas on a GPU (train.loss_kernel with --trainer)")
     p.add_argument("--steps", type=int, default=3, help="steps timed, then steps traced")
     p.add_argument("--top", type=int, default=30, help="ops listed")
     p.add_argument("--out", default=None,

@@ -37,7 +37,7 @@ positions at a time (losses.chunked_head_cross_entropy: the [B, T, V] float32 lo
 comma-separated list times several); `--loss-kernel xla,pallas` how the whole logits'
 loss is computed (losses.head_cross_entropy: XLA's reductions, or the Pallas kernels of
 loss_kernel.py, which read the logits twice and write them once for the forward and
-backward passes, against XLA's three reads; "auto", the default, is pallas on one GPU).
+backward passes, against XLA's three reads; "auto", the default, is pallas on a GPU at these vocabularies).
 The peer (torch_gpt.py): a GPT-2 written here in nanoGPT's manner, `torch.compile`,
 bfloat16 autocast, SDPA causal attention, fused AdamW. Both sides: a few warm-up steps
 (compilation), then `--repeats` timings of `--steps` steps queued back to back and ended by
@@ -451,7 +451,7 @@ def add_arguments(p) -> None:
                    help="GPU: positions per chunk of the fused LM head + loss, e.g. 256 or "
                         "0,256 (0: whole logits)")
     g.add_argument("--loss-kernel", default="auto",
-                   help="GPU: the whole logits' loss, xla or pallas (auto: pallas on one GPU), "
+                   help="GPU: the whole logits' loss, xla or pallas (auto: pallas on a GPU), "
                         "e.g. xla,pallas")
     g.add_argument("--matmul-size", type=int, default=MATMUL_SIZE, help="GPU: the yardstick matmul")
     g.add_argument("--child-timeout", type=float, default=420,
