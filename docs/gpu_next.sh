@@ -17,9 +17,10 @@ run() {  # name, seconds at most, command...: its output in $OUT/name.txt with i
   timeout "$(left "$limit")" "$@" > "$OUT/$name.txt" 2>&1; echo "rc $?" >> "$OUT/$name.txt"
 }
 # 1. The loss kernels (models/loss_kernel.py), auto's choice on one GPU since 2026-11-26,
-# never run on a GPU before: Triton-compiled against XLA's loss, then the bare step with
-# each (its step time decides auto: losses.choose_loss_kernel).
+# never run on a GPU before: Triton-compiled against XLA's loss, the head's loss alone with
+# each, then the bare step with each (its step time decides auto: losses.choose_loss_kernel).
 run loss_kernel_tests 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/models/test_loss_kernel.py
+run loss_alone 60 $PY -m attention_jax.tools.bench loss --out $OUT/loss_alone.json   # the head's loss by itself
 if [ "$SHAPE" = gpt2-124m ]; then SHAPES=gpt2-124m:16; else SHAPES=$SHAPE; fi
 run loss_kernel_step 200 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPES \
   --no-torch --trainer-steps 0 --repeats 5 --loss-kernel xla,pallas --out $OUT/loss_kernel.json
