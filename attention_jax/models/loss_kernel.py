@@ -10,8 +10,8 @@ through them cost. XLA needs two passes for the statistics (the row max, then Σ
 max)): a reduction's result cannot feed another reduction over the same data in one
 kernel, and its one-pass alternative (a variadic reduction carrying the running max)
 takes two exponentials per element and is compute-bound (losses.py). Here one program
-walks one row a chunk at a time with the online softmax of FlashAttention (Milakov &
-Gimelshein 2018): per chunk one exponential per element and one rescale of the running
+walks one row a chunk at a time with the online softmax (Milakov & Gimelshein 2018, as
+in FlashAttention): per chunk one exponential per element and one rescale of the running
 sum, so the statistics read the row once. `row_statistics_and_gradient` then walks the
 row a second time, while the program's own row may still sit in the L2 cache, and writes
 dz = (softmax(z) - q)·scale over the logits in place (q the target distribution after
@@ -37,7 +37,10 @@ from attention_jax.attention.call import target_backend
 
 CHUNK = 4096  # logits a program loads at a time: 8 KiB of bfloat16, 16 per thread of 8 warps
 NUM_WARPS = 8
-NUM_STAGES = 3  # loads of the next chunks in flight while one is reduced
+# Triton's pipelining depth for the loop. Loads that feed no matmul are not staged
+# through shared memory (the PTX compiled for an H100 on the CPU host has no cp.async,
+# its loads are 16-byte vectors): the programs resident on an SM keep its memory busy.
+NUM_STAGES = 3
 
 
 def _pieces(v: int, chunk: int) -> tuple[int, list[tuple[int, int]]]:
