@@ -27,5 +27,10 @@ run loss_kernel_step 200 $PY -m attention_jax.tools.bench train --device gpu --s
 # 2. The save window: the packed format (448 arrays written as 5) against one array per array.
 SAVE="$PY -m attention_jax.tools.bench profile --save --saves 4 --shape $SHAPE"
 run save_packed 95 $SAVE --out /tmp/save_packed
+# 3. The host's launch of a step without updating XLA's CUDA graphs (command_buffer::update
+# held the launching thread 19.6 of each 34.8 ms on 2026-11-26): addresses kept by
+# remapping (XLA's VMM allocator), so a save's pauses of the interpreter find more steps
+# queued ahead of the device. The same save profile with it.
+run save_never_update 95 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=NEVER_UPDATE $SAVE
 run save_per_array 95 $SAVE --packed off   # as on 2026-11-26, the save programs' objects frozen
 echo "== done at $((SECONDS - start)) s"
