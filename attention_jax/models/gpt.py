@@ -239,6 +239,10 @@ def head_loss(model: GPT, params, inputs, targets, weights=None, *, chunk_size: 
     the head to the final hidden states itself and computes the loss with the kernels of
     loss_kernel.py (losses.head_cross_entropy). apply_kwargs go to model.apply
     (positions, segment_ids, deterministic, rngs)."""
+    if chunk_size and loss_kernel == "pallas":
+        raise ValueError(f"loss_kernel='pallas' computes the loss over the whole logits; "
+                         f"chunk_size={chunk_size} asks for them a chunk at a time; valid: "
+                         "loss_kernel 'auto' or 'xla' with a chunk size, or chunk_size=0")
     kernel_loss = not chunk_size and choose_loss_kernel(
         loss_kernel, model.config.dtype, model.config.vocab_size) == "pallas"
     out, aux = model.apply({"params": params}, inputs,

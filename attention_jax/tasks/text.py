@@ -221,6 +221,11 @@ def lm_task(config, workdir: str) -> Task:
     # [B, T, V] logits never exist at once); .get: a run's config.json from before the key.
     chunk_size = config.train.get("loss_chunk_size", 0)
     loss_kernel = config.train.get("loss_kernel", "auto")
+    if chunk_size and loss_kernel == "pallas":
+        raise ConfigError(f"config.train.loss_kernel='pallas' computes the loss over the whole "
+                          f"logits, and config.train.loss_chunk_size={chunk_size} asks for them a "
+                          "chunk at a time; valid: loss_kernel='auto' or 'xla' with a chunk "
+                          "size, or loss_chunk_size=0")
 
     def loss(params, batch, rng, train):
         # Eval batches carry example weights (0 on the rows padding the last batch; see

@@ -276,6 +276,15 @@ def test_bad_input_is_a_value_error_naming_the_argument(change, match):
         chunked_head_cross_entropy(**args)
 
 
+def test_chunks_and_the_loss_kernels_are_one_or_the_other(data_dir, tmp_path):
+    c = shrink(load("gpt").get_config(), data_dir)
+    c.train.loss_chunk_size, c.train.loss_kernel = 8, "pallas"
+    with pytest.raises(ConfigError, match=r"config.train.loss_kernel='pallas' computes the loss "
+                                          r"over the whole logits.*loss_chunk_size=8.*valid"):
+        tasks.TASKS[c.task](c, str(tmp_path))
+    assert "train.loss_kernel" in workdir_lib.RESUME_SAFE_KEYS
+
+
 def test_config_key_is_checked_and_resume_safe():
     from attention_jax import train
     c = load("gpt").get_config()

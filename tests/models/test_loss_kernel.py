@@ -212,6 +212,11 @@ def test_bad_loss_kernel_names_the_valid_values():
         head_cross_entropy(h, k, tg[:, :1].repeat(3, 1), implementation="pallas")
     with pytest.raises(ValueError, match=r"logits has shape \(4,\); valid: \[M, V\]"):
         loss_kernel.row_statistics(jnp.zeros(4), jnp.zeros(4, jnp.int32))
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=40, max_len=8, num_layers=1, d_model=16, num_heads=2))
+    with pytest.raises(ValueError, match=r"loss_kernel='pallas' computes the loss over the whole "
+                                         r"logits; chunk_size=4 .* valid"):
+        gpt.head_loss(model, {}, jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32),
+                      chunk_size=4, loss_kernel="pallas")
     c = load("gpt").get_config()
     assert c.train.loss_kernel == "auto"
     c.train.loss_kernel = "fused"
