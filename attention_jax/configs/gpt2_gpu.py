@@ -36,7 +36,8 @@ checkpoint save's first call held training 6-7 s there (where its device program
 compiled; they now compile ahead, `Checkpointer.prepare`, unmeasured on a GPU); later
 ones 27-35 ms, their window still losing 0.4-0.5 s (README, Training speed).
 Config keys to try there:
-`train.batch_size=32`, `train.loss_chunk_size`, `train.data_workers`,
+`train.batch_size=32`, `train.loss_chunk_size`, `train.loss_kernel=xla` (auto takes the
+Pallas loss kernels on a GPU since 2026-11-26, unmeasured there), `train.data_workers`,
 `model.remat_policy`.
 """
 
