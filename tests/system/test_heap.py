@@ -52,10 +52,13 @@ def test_a_heap_frozen_by_the_process_or_a_disabled_collector_is_left_alone():
     try:
         count = gc.get_freeze_count()
         with heap.FrozenHeap() as frozen:
-            dead = _cycle()
+            dead, made = _cycle(), Node()
             frozen.settle()
             assert dead() is not None  # ours would have collected it: nothing done
-        assert gc.get_freeze_count() == count  # not unfrozen either
+            assert _tracked(made)  # nor frozen what came since
+        # Not unfrozen either (that empties the permanent generation). Not an exact count:
+        # reference counting frees frozen objects too, on any thread (pytest's among them).
+        assert gc.get_freeze_count() > count // 2 and _tracked(made)
     finally:
         gc.unfreeze()
     gc.disable()
