@@ -62,6 +62,7 @@ def test_kernel_names_from_an_h100_trace_fall_into_their_kinds():
     assert profile.kind_of("input_add_reduce_fusion_18") == "reduction"
     assert profile.kind_of("loop_convert_multiply_fusion_11") == "elementwise"
     assert profile.kind_of("Memset 0") == "copy"
+    assert profile.kind_of("cross_entropy_gradient") == "loss"  # the Pallas loss kernels
 
 
 def test_bad_arguments_name_the_valid_values(tmp_path):

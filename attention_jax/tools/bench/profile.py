@@ -42,6 +42,7 @@ from attention_jax.tools.bench.traces import read_trace
 
 # Kinds, tried in order against the lower-cased kernel name (and its HLO op's name).
 KINDS = (
+    ("loss", ("cross_entropy",)),  # the Pallas loss kernels (models/loss_kernel.py)
     ("attention", ("fmha", "flash", "cudnn", "sdpa", "attention", "mha")),
     ("matmul", ("gemm", "cublas", "xmma", "cutlass", "nvjet", "matmul", "dot", "wgmma")),
     ("copy", ("memcpy", "memset", "copy", "transpose")),
