@@ -244,6 +244,10 @@ def test_loss_kernel_option(tmp_path):
     assert "error" not in results["pallas"], results["pallas"].get("error")
     assert results["pallas"]["impl"] == "xla, loss pallas" and results["xla"]["impl"] == "xla, loss xla"
     assert results["pallas"]["first_loss"] == pytest.approx(results["xla"]["first_loss"], rel=1e-5)
+    assert results["pallas"]["loss_kernel_used"] == "pallas"
+    auto = train_speed_gpu_child.measure_ours(row, "xla", warmup=1, repeats=1, steps=1,
+                                              dtype="float32")
+    assert auto["loss_kernel_used"] == "xla"  # auto on this CPU host
 
 
 def test_a_failing_trainer_step_row_is_recorded_not_raised(tmp_path):

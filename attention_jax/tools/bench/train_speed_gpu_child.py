@@ -116,6 +116,9 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
         step, state, info = prepare_ours(row, implementation, dtype,
                                          loss_chunk_size=loss_chunk_size)
         result.update(info)
+        from attention_jax.models.losses import choose_loss_kernel  # what auto chose here
+        result["loss_kernel_used"] = ("chunked" if loss_chunk_size else choose_loss_kernel(
+            row.get("loss_kernel", "auto"), dtype, row["vocab"]))
         loss = None
         for _ in range(max(1, warmup)):
             state, loss = step(state)
