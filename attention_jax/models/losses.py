@@ -104,9 +104,7 @@ def _cross_entropy_forward(smoothing, logits, targets):
     z_max = jnp.max(z, axis=-1)
     target_z = jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
     lse = z_max + jnp.log(jnp.sum(jnp.exp(z - z_max[..., None]), axis=-1))
-    loss = lse - target_z
-    if smoothing:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - jnp.mean(z, axis=-1))
+    loss = _smoothed_loss(smoothing, lse, target_z, lambda: jnp.mean(z, axis=-1))
     # argmax == target without a third pass: the target holds the max and no earlier
     # entry equals it (a sibling of the Σexp reduction over the same logits).
     iota = lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
@@ -114,6 +112,16 @@ def _cross_entropy_forward(smoothing, logits, targets):
                                     1.0, 0.0), axis=-1)
     correct = ((target_z >= z_max) & (ties_before == 0)).astype(jnp.float32)
     return (loss, correct), (logits, targets, lse)
+
+
+def _smoothed_loss(smoothing, lse, target_z, mean_z):
+    """-Σ q·log softmax(z) per position from its statistics: lse - z_y, and with label
+    smoothing ε, (1-ε)·(lse - z_y) + ε·(lse - mean(z)). mean_z: a function giving mean(z),
+    called only when ε > 0."""
+    loss = lse - target_z
+    if smoothing:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - mean_z())
+    return loss
 
 
 def _softmax_minus_target(smoothing, z, targets, lse):
@@ -234,15 +242,22 @@ def _fused_head_loss(smoothing, h, kernel, bias, y, scale):
     return lax.scan(body, (zero, zero), (h, y, scale))[0]
 
 
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    """The ambient mesh's axes of size > 1 that `logical` maps to under the current logical
+    rules (() without a mesh or rules)."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return ()
+    names = nn.logical_to_mesh_axes((logical,), rules)[0]
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+
+
 def _batch_shards(b: int) -> int:
     """Devices the batch axis is split over under the current mesh and logical rules (1
     without them, or when they do not divide b)."""
-    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return 1
-    names = nn.logical_to_mesh_axes((axes.BATCH,), rules)[0]
-    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
-    p = math.prod(mesh.shape.get(a, 1) for a in names)
+    mesh = jax.sharding.get_abstract_mesh()
+    p = math.prod(mesh.shape[a] for a in _mesh_axes(axes.BATCH))
     return p if b % p == 0 else 1
 
 
@@ -303,17 +318,6 @@ _fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
 # its gradient written over the logits in the forward pass); "auto" pallas where they
 # compile (NVIDIA GPUs) and pay (see choose_loss_kernel), xla elsewhere.
 LOSS_KERNELS = ("auto", "xla", "pallas")
-
-
-def _mesh_axes(logical: str) -> tuple[str, ...]:
-    """The ambient mesh's axes of size > 1 that `logical` maps to under the current logical
-    rules (() without a mesh or rules)."""
-    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return ()
-    names = nn.logical_to_mesh_axes((logical,), rules)[0]
-    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
-    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
 
 
 def choose_loss_kernel(implementation: str, dtype=jnp.bfloat16, vocab: int | None = None) -> str:
@@ -416,10 +420,8 @@ def _on_rows(fn, logits, *rows):
 def _kernel_terms(smoothing, stats, y, v):
     """(loss, correct) per row, float32 [...], from the kernels' row statistics."""
     lse, target_z, sum_z, first_max = stats
-    loss = lse - target_z
-    if smoothing:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_z / v)
-    return loss, (first_max == y).astype(jnp.float32)
+    return (_smoothed_loss(smoothing, lse, target_z, lambda: sum_z / v),
+            (first_max == y).astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

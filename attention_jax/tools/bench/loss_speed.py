@@ -22,23 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 
 def _queued(fn, args, repeats: int, steps: int) -> float:
     """Median seconds per call of fn(*args) over `repeats` timings of `steps` queued calls."""
     import jax
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = [fn(*args) for _ in range(steps)]
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / steps)
-    return statistics.median(times)
+
+    from attention_jax.tools.bench import timing  # it imports JAX
+    queue = lambda: jax.block_until_ready([fn(*args) for _ in range(steps)])  # noqa: E731
+    return timing.median_time(queue, repeats) / steps
 
 
 def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], repeats: int,
