@@ -21,6 +21,7 @@ import numbers
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -408,8 +409,16 @@ def _on_rows(fn, logits, *rows):
     split = []
     for size, logical in zip(lead, (axes.BATCH, axes.LENGTH) + (None,) * len(lead)):
         names = _mesh_axes(logical) if logical else ()
-        split.append(names if names and size % math.prod(mesh.shape[a] for a in names) == 0
-                     else None)
+        divides = size % math.prod(mesh.shape[a] for a in names) == 0
+        if names and not divides:  # correct, but every device computes those rows
+            logging.warning("loss kernels: %s %d does not divide over mesh axes %s: each "
+                            "device computes the loss of every row along it", logical, size,
+                            names)
+        split.append(names if names and divides else None)
+    if _mesh_axes(axes.VOCAB):  # loss_kernel='pallas' asked for where auto says xla
+        logging.warning("loss kernels: the mesh splits the vocabulary over %s; each device "
+                        "gathers its rows' logits whole (loss_kernel='xla' keeps them split)",
+                        _mesh_axes(axes.VOCAB))
     row_spec = P(*split)
     spec_of = lambda a: row_spec if a.ndim == len(lead) else P(*split, None)  # noqa: E731
     out = jax.eval_shape(local, logits, *rows)  # the outputs' structure

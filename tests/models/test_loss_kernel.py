@@ -5,6 +5,8 @@ and pieces of every size, ties, rows of -inf; the head's loss, accuracy and grad
 against XLA's loss and a float64 reference; GPT's loss through it; auto's choice; the
 errors; under a mesh, each device's rows."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -199,6 +201,25 @@ def test_kernels_on_each_device_s_rows_under_a_mesh(mesh_shape, names):
     assert float(m["accuracy"]) == pytest.approx(float(want_m["accuracy"]), abs=1e-7)
     for g, wg in zip(grads, want_grads):
         np.testing.assert_allclose(g, wg, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_shape, names, says", [
+    ((8,), ("data",), r"batch 4 does not divide over mesh axes \('data',\): each device "
+                      r"computes the loss of every row"),
+    ((4, 2), ("data", "tensor"), r"the mesh splits the vocabulary over \('tensor',\); each "
+                                 r"device gathers its rows' logits whole")])
+def test_kernels_asked_for_where_rows_cannot_split_say_so(mesh_shape, names, says, caplog):
+    """loss_kernel='pallas' on a batch the data axis does not divide, or on a mesh that
+    splits the vocabulary (where auto takes xla): still the one-device loss, and one line
+    saying what it costs."""
+    h, k, _, tg, w = _inputs(b=4, t=4, v=37)
+    mesh = jax.make_mesh(mesh_shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    f = lambda h, k: head_cross_entropy(h, k, tg, w, implementation="pallas")[0]  # noqa: E731
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+        loss = jax.jit(f)(h, k)
+    want = head_cross_entropy(h, k, tg, w, implementation="xla")[0]  # one device
+    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert any(re.search(says, r.getMessage()) for r in caplog.records), caplog.text
 
 
 def test_bad_loss_kernel_names_the_valid_values():

@@ -81,6 +81,9 @@ def test_bad_batch_names_the_valid_values():
         gpu_hlo.run(_args("--batch", "0"))
     with pytest.raises(SystemExit, match=r"--loss-kernel 'cuda'; valid: \['auto', 'xla', 'pallas'\]"):
         gpu_hlo.run(_args("--loss-kernel", "cuda"))
+    with pytest.raises(SystemExit, match=r"--loss-kernel 'xla,pallas'; valid: one of "
+                                         r"\['auto', 'xla', 'pallas'\] \(this command compiles one step\)"):
+        gpu_hlo.run(_args("--loss-kernel", "xla,pallas"))  # not the first of them, silently
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None,

@@ -314,8 +314,8 @@ def run(args) -> dict:
     if where is None:
         raise SystemExit(f"error: gpu-hlo needs JAX's CUDA plugin (no GPU needed); install it "
                          f"with: {install_hint()}")
-    from attention_jax.tools.bench.train_speed_gpu import parse_loss_kernels
-    (loss_kernel,) = parse_loss_kernels(args.loss_kernel)[:1]
+    from attention_jax.tools.bench.train_speed_gpu import one_loss_kernel
+    loss_kernel = one_loss_kernel(args.loss_kernel)
     row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel}
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)

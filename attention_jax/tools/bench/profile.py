@@ -257,7 +257,7 @@ def run(args) -> dict:
         if getattr(args, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}; "
                              f"valid: an integer >= 1")
-    (loss_kernel,) = train_speed_gpu.parse_loss_kernels(args.loss_kernel)[:1]
+    loss_kernel = train_speed_gpu.one_loss_kernel(args.loss_kernel)
     row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel}
     args.trainer = args.trainer or args.save
     which = "the trainer's step" if args.trainer else "the bare step"

@@ -439,6 +439,16 @@ def parse_loss_chunks(text) -> list[int]:
     return chunks
 
 
+def one_loss_kernel(text) -> str:
+    """--loss-kernel of a command that compiles one step: exactly one of LOSS_KERNELS."""
+    from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
+    kernels = parse_loss_kernels(text)
+    if len(kernels) != 1:
+        raise SystemExit(f"error: --loss-kernel {text!r}; valid: one of "
+                         f"{list(LOSS_KERNELS)} (this command compiles one step)")
+    return kernels[0]
+
+
 def add_arguments(p) -> None:
     """The GPU mode's own options on `bench train`'s parser."""
     g = p.add_argument_group("GPU mode (when JAX's backend is a GPU)")
