@@ -7,6 +7,8 @@ Shape letters, used in every docstring, comment and einsum of the project:
   P patches          E experts             L layers               A experts per token
 
     y = dot_product_attention(q, k, v, causal=True)   # q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H]
+    y = packed_self_attention(qkv, bias, causal=True) # one projection's [B,T,3,N,H] and its
+                                                      # bias [3,N,H]: the kernels read it in place
 
 Implementations:
   "reference"  the lectures' formula with the whole [B, N, T, S] score matrix; the test
@@ -56,6 +58,7 @@ import inspect
 from typing import Callable, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring, splash
@@ -66,8 +69,9 @@ from attention_jax.attention.masks import MaskSpec
 from attention_jax.attention.ring import ring_attention, sequence_axis_size
 from attention_jax.attention.ring_inner import choose as choose_ring_inner
 
-__all__ = ["dot_product_attention", "explain", "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER",
-           "default_block_sizes", "compiling_for"]
+__all__ = ["dot_product_attention", "packed_self_attention", "reads_packed", "explain",
+           "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER", "default_block_sizes",
+           "compiling_for"]
 
 
 def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] = None,
@@ -233,6 +237,55 @@ def dot_product_attention(
                      return_weights=return_weights, ring_inner=ring_inner)
     impl, _ = _choose(implementation, call, _platform())
     return _BY_NAME[impl].run(q, k, v, call)
+
+
+# Backends that read q, k and v where one projection wrote them, [B, T, 3, N, H] (their
+# run function for it: (qkv, bias, call) -> y). The others are handed q, k, v sliced out.
+_PACKED_RUN = {"pallas": pallas.run_packed}
+
+
+def packed_self_attention(qkv, bias=None, *, implementation: str = "auto", **kwargs):
+    """Self-attention of one fused projection's output: qkv [B, T, 3, N, H] (q, k and v in
+    slots 0, 1, 2) and its bias [3, N, H] or None -> [B, T, N, H].
+
+    The same as `dot_product_attention(q + bias[0], k + bias[1], v + bias[2], ...)`, chosen
+    the same way (keyword arguments as there; no q_offset or weights: a cached decode
+    and the reference's weights take q, k, v apart). Where the choice reads packed
+    inputs (`reads_packed`: the Pallas kernels), nothing is copied between the projection
+    and the kernels, forward or backward (pallas.pallas_packed_attention); elsewhere q, k
+    and v are sliced out and biased first, copies that three separate projections avoid.
+    """
+    if getattr(qkv, "ndim", None) != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be [B, T, 3, N, H] (q, k, v in slots 0, 1, 2); got shape "
+                         f"{getattr(qkv, 'shape', type(qkv).__name__)}")
+    impl, call = _packed_choice(qkv, implementation, kwargs)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (3, *qkv.shape[3:]):
+            raise ValueError(f"bias must be [3, N, H]={[3, *qkv.shape[3:]]} or None; got "
+                             f"{bias.shape}")
+        bias = bias.astype(qkv.dtype)
+    if impl in _PACKED_RUN:
+        return _PACKED_RUN[impl](qkv, bias, call)
+    q, k, v = (qkv[:, :, c] if bias is None else qkv[:, :, c] + bias[c] for c in range(3))
+    return _BY_NAME[impl].run(q, k, v, call)
+
+
+def reads_packed(qkv, *, implementation: str = "auto", **kwargs) -> bool:
+    """Whether `packed_self_attention(qkv, ...)` with these arguments runs a backend that
+    reads the packed array in place; qkv may be a `jax.ShapeDtypeStruct` [B, T, 3, N, H].
+    A layer asks before projecting: three projections suit the other backends better."""
+    return _packed_choice(qkv, implementation, kwargs)[0] in _PACKED_RUN
+
+
+def _packed_choice(qkv, implementation: str, kwargs) -> tuple[str, AttentionCall]:
+    for name in ("q_offset", "return_weights"):
+        if name in kwargs:
+            raise TypeError(f"packed_self_attention() takes no {name} (use dot_product_attention)")
+    b, t, _, n, h = qkv.shape
+    slot = jax.ShapeDtypeStruct((b, t, n, h), qkv.dtype)
+    call = make_call(slot, slot, slot, **kwargs)
+    return _choose(implementation, call, _platform())[0], call
 
 
 _CALL_ARGUMENTS = tuple(inspect.signature(make_call).parameters)[3:]  # after q, k, v

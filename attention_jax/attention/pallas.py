@@ -33,6 +33,14 @@ structure's ranges. A packed row then costs what a plain causal one does, and th
 hold no branch (a branch around a tile stops Triton pipelining the loads of K and V).
 Rows with no visible key give zero output and zero gradients.
 
+Packed q, k, v (`pallas_packed_attention`, for self-attention whose q, k and v come from
+one projection): the kernels read each head's tiles from the projection's [B, T, 3, N, H]
+output, a slot being a strided view as a [B, T, N, H] array is, and add the projection's
+bias to a tile as they load it. The dK/dV kernel stores its tiles into slots 1 and 2 of
+one gradient array and the dQ kernel writes slot 0 of the same array (aliased), so the
+projection's backward gets one [B, T, 3, N, H] gradient: one matmul for dx, not three
+whose products are summed, and no q, k, v materialised with their biases in between.
+
 Ring attention (ring.py) runs the forward on each pair of sequence chunks and merges
 the pairs itself: `forward_with_lse` returns the log-sum-exp too, and
 `backward_given_lse` runs the two backward kernels with the merged output and
@@ -121,6 +129,10 @@ class _Static:
     mask_shape: Optional[tuple[int, int]]  # (B|1, N|1) of the dense mask, or None
     blocks: BlockSizes
     interpret: bool
+    # q, k, v read from one [B, T, 3, N, H] array (slots 0, 1, 2), the gradient written
+    # into one such array (`pallas_packed_attention`).
+    packed: bool = False
+    biased: bool = False  # a [3, N, H] bias added to q, k, v as they are loaded
 
     @property
     def kv_padded(self) -> bool:
@@ -192,27 +204,77 @@ def _prepare(q, k, v, spec: MaskSpec, scale: float, blocks: Optional[BlockSizes]
     # Pad lengths to whole blocks and head dims to a power of two (zeros change no
     # product); the kernels mask the padded keys, and the padded rows are cut off.
     tp, sp = _round_up(t, max(blocks.fwd_q, blocks.bwd_q)), _round_up(s, max(blocks.fwd_k, blocks.bwd_k))
-    ranges = (None, None)
-    if st.has_segments:
-        q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
-        ranges = (_segment_ranges(q_seg, kv_seg, tp, sp, blocks.fwd_q, blocks.fwd_k),
-                  _segment_ranges(kv_seg, q_seg, sp, tp, blocks.bwd_k, blocks.bwd_q))
-    arrays = (spec.q_offset, spec.kv_lengths, spec.q_segment_ids, spec.kv_segment_ids,
-              None if spec.mask is None else spec.mask.astype(jnp.int8), *ranges)
     hp, hvp = _pow2_at_least_16(h), _pow2_at_least_16(hv)
     qp = _pad(_pad(q, 1, tp), 3, hp)
     kp = _pad(_pad(k, 1, sp), 3, hp)
     vp = _pad(_pad(v, 1, sp), 3, hvp)
-    return st, (qp, kp, vp), _pad_arrays(arrays, tp, sp)
+    return st, (qp, kp, vp), _mask_arrays(st, spec, tp, sp)
+
+
+def _mask_arrays(st: _Static, spec: MaskSpec, tp: int, sp: int):
+    """The mask's arrays as the kernels read them, padded to tp queries and sp keys."""
+    ranges = (None, None)
+    if st.has_segments:
+        q_seg, kv_seg, blocks = spec.q_segment_ids, spec.kv_segment_ids, st.blocks
+        ranges = (_segment_ranges(q_seg, kv_seg, tp, sp, blocks.fwd_q, blocks.fwd_k),
+                  _segment_ranges(kv_seg, q_seg, sp, tp, blocks.bwd_k, blocks.bwd_q))
+    arrays = (spec.q_offset, spec.kv_lengths, spec.q_segment_ids, spec.kv_segment_ids,
+              None if spec.mask is None else spec.mask.astype(jnp.int8), *ranges)
+    return _pad_arrays(arrays, tp, sp)
+
+
+def pallas_packed_attention(qkv, bias, spec: MaskSpec, scale: float,
+                            blocks: Optional[BlockSizes] = None,
+                            interpret: Optional[bool] = None):
+    """Self-attention of one projection's output: qkv [B, T, 3, N, H] (q, k, v in slots
+    0, 1, 2) and its bias [3, N, H] (or None) -> [B, T, N, H].
+
+    The same kernels as `pallas_attention`, reading each head's q, k and v tiles where
+    the projection wrote them (strided, as they read [B, T, N, H]) and adding the bias
+    as a tile is loaded; the backward writes dq, dk and dv into one [B, T, 3, N, H]
+    array. So nothing is copied between the projection and the kernels, either way: no
+    q, k, v with their biases materialised in the forward, and in the backward one
+    matmul x·Wᵀ over the three (K = 3·N·H) instead of three whose products are summed.
+    """
+    b, t, three, n, h = qkv.shape
+    if three != 3:
+        raise ValueError(f"qkv must be [B, T, 3, N, H] (q, k, v in slots 0, 1, 2); got {qkv.shape}")
+    if bias is not None and bias.shape != (3, n, h):
+        raise ValueError(f"bias must be [3, N, H]=[3, {n}, {h}] or None; got {bias.shape}")
+    if interpret is None:
+        interpret = target_backend() == "cpu"
+    blocks = blocks or kernel_block_sizes(h, qkv.dtype)
+    st = _Static(
+        causal=spec.causal, left=spec.left, right=spec.right, scale=float(scale), q_len=t,
+        kv_len=t, heads=n, groups=1, has_lengths=spec.kv_lengths is not None,
+        has_segments=spec.q_segment_ids is not None,
+        mask_shape=None if spec.mask is None else tuple(spec.mask.shape[:2]),
+        blocks=blocks, interpret=bool(interpret), packed=True, biased=bias is not None)
+    # One array holds queries and keys, so one padded length serves both walks.
+    length = _round_up(t, max(blocks.fwd_q, blocks.bwd_q, blocks.fwd_k, blocks.bwd_k))
+    hp = _pow2_at_least_16(h)
+    qkvp = _pad(_pad(qkv, 1, length), 4, hp)
+    biasp = None if bias is None else _pad(bias.astype(qkv.dtype), 2, hp)
+    y = _flash_packed(st, qkvp, biasp, _mask_arrays(st, spec, length, length))
+    return y[:, :t, :, :h]
 
 
 def run(q, k, v, call: AttentionCall):
     """The dispatcher's entry: `pallas_attention` with `kernel_block_sizes`, whose forward
     and dQ tiles `call.block_q` / `call.block_k` replace when given."""
+    return pallas_attention(q, k, v, call.spec, call.scale, _call_blocks(call))
+
+
+def run_packed(qkv, bias, call: AttentionCall):
+    """`run` for self-attention handed one projection's output qkv [B, T, 3, N, H] and
+    its bias [3, N, H] (or None): `pallas_packed_attention` with run's tiles."""
+    return pallas_packed_attention(qkv, bias, call.spec, call.scale, _call_blocks(call))
+
+
+def _call_blocks(call: AttentionCall) -> BlockSizes:
     blocks = kernel_block_sizes(call.head_dim, call.dtype)
-    blocks = dataclasses.replace(blocks, fwd_q=_pow2_block("block_q", call.block_q, blocks.fwd_q),
-                                 fwd_k=_pow2_block("block_k", call.block_k, blocks.fwd_k))
-    return pallas_attention(q, k, v, call.spec, call.scale, blocks)
+    return dataclasses.replace(blocks, fwd_q=_pow2_block("block_q", call.block_q, blocks.fwd_q),
+                               fwd_k=_pow2_block("block_k", call.block_k, blocks.fwd_k))
 
 
 def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
@@ -436,7 +498,15 @@ class _Refs:
         self.kv_seg = refs.pop(0) if st.has_segments else None
         self.mask = refs.pop(0) if st.mask_shape is not None else None
         self.seg_ranges = refs.pop(0) if st.has_segments else None  # this program's 4
+        # The [H] biases of this program's q, k and v heads (a packed call with a bias).
+        self.q_bias, self.k_bias, self.v_bias = (
+            (refs.pop(0), refs.pop(0), refs.pop(0)) if st.biased else (None, None, None))
         self.rest = refs
+
+
+def _biased(tile, bias_ref):
+    """A loaded [rows, H] tile of q, k or v, with its head's bias added (if any)."""
+    return tile if bias_ref is None else tile + bias_ref[...][None, :]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -475,12 +545,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     r = _Refs(st, refs)
     o_ref, lse_ref = r.rest
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
-    q = q_ref[...]  # [bq, H]
+    q = _biased(q_ref[...], r.q_bias)  # [bq, H]
 
     def tile(j, carry, masked):
         m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
         keys = pl.ds(j * bk, bk)
-        s = _dot(q, k_ref[keys, :], trans_b=True) * (st.scale * LOG2_E)  # [bq, bk]
+        s = _dot(q, _biased(k_ref[keys, :], r.k_bias), trans_b=True) * (st.scale * LOG2_E)  # [bq, bk]
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -489,7 +559,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
         p = jnp.exp2(s - m_new[:, None])
         rescale = jnp.exp2(m - m_new)
         l = l * rescale + jnp.sum(p, axis=1)
-        acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), _biased(v_ref[keys, :], r.v_bias))
         return m_new, l, acc
 
     rows, acc_t = q.shape[0], _acc(q.dtype)
@@ -506,17 +576,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     bq, bk = st.blocks.bwd_q, st.blocks.bwd_k
     j, b = pl.program_id(0), pl.program_id(1)
     r = _Refs(st, refs)
-    dk_ref, dv_ref = r.rest
     offset = r.offset[b]
     length = None if r.lengths is None else r.lengths[b]
     k_pos = j * bk + lax.iota(jnp.int32, bk)
-    k, v = k_ref[...], v_ref[...]  # [bk, H], [bk, Hv]: stay in registers
+    k, v = _biased(k_ref[...], r.k_bias), _biased(v_ref[...], r.v_bias)  # [bk, H], [bk, Hv]: stay in registers
     k_seg = None if r.kv_seg is None else r.kv_seg[...]
 
     def tile(i, carry, masked):
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
-        q, do = q_ref[rows, :], do_ref[rows, :]
+        q, do = _biased(q_ref[rows, :], r.q_bias), do_ref[rows, :]
         # Transposed tiles [bk, bq], so that both accumulations are plain products.
         s_t = _dot(k, q, trans_b=True) * (st.scale * LOG2_E)
         if masked:
@@ -535,26 +604,34 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     k_last = j * bk + bk - 1
     ranges = _q_blocks(st, bq, nq, j * bk, k_last, offset, length)
     dk, dv = _loop(st, _intersect(ranges, r.seg_ranges), tile, init)
-    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)  # S = scale · Q Kᵀ
+    dk = dk * st.scale  # S = scale · Q Kᵀ
+    if st.packed:  # the whole [B, T, 3, N, H] gradient: this program's tiles of slots 1, 2
+        (grad_ref,) = r.rest
+        keys, h = pl.ds(j * bk, bk), pl.program_id(2)
+        grad_ref[b, keys, 1, h, :] = dk.astype(grad_ref.dtype)
+        grad_ref[b, keys, 2, h, :] = dv.astype(grad_ref.dtype)
+        return
+    dk_ref, dv_ref = r.rest
+    dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
     bk = st.blocks.fwd_k
     r = _Refs(st, refs)
-    (dq_ref,) = r.rest
+    dq_ref = r.rest[-1]  # packed: after the dK/dV kernel's gradient, which it aliases
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
-    q, do = q_ref[...], do_ref[...]
+    q, do = _biased(q_ref[...], r.q_bias), do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
 
     def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
-        k = k_ref[keys, :]
+        k = _biased(k_ref[keys, :], r.k_bias)
         s = _dot(q, k, trans_b=True) * (st.scale * LOG2_E)
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
-        dp = _dot(do, v_ref[keys, :], trans_b=True)
+        dp = _dot(do, _biased(v_ref[keys, :], r.v_bias), trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -604,26 +681,59 @@ def _query_grid_masks(st: _Static, arrays, bq: int, sp: int, rev):
         backward=False)
 
 
+def _head_tile(st: _Static, slot: int, rows: int, width: int, index_map):
+    """BlockSpec of one head's [rows, width] tile, index_map(*grid) -> (batch, row block,
+    head): of a [B, L, heads, H] array, or in a packed call of slot `slot` (q 0, k 1,
+    v 2) of the one [B, L, 3, N, H] array."""
+    if not st.packed:
+        return pl.BlockSpec((None, rows, None, width), lambda *grid: (*index_map(*grid), 0))
+
+    def packed_map(*grid):
+        b, r, h = index_map(*grid)
+        return b, r, slot, h, 0
+    return pl.BlockSpec((None, rows, None, None, width), packed_map)
+
+
+def _bias_inputs(st: _Static, bias):
+    """The bias [3, N, H] three times, each program reading its head's row of q's, k's
+    and v's (a packed call has one K/V head per query head); nothing without a bias."""
+    if not st.biased:
+        return [], []
+    hp = bias.shape[-1]
+    specs = [pl.BlockSpec((None, None, hp), lambda *grid, slot=slot: (slot, grid[2], 0))
+             for slot in range(3)]
+    return [bias] * 3, specs
+
+
+def _shapes(st: _Static, q, k, v):
+    """(B, padded T, N, padded H, padded S, padded Hv) of the kernels' inputs."""
+    if st.packed:
+        bsz, length, _, n, hp = q.shape
+        return bsz, length, n, hp, length, hp
+    return (*q.shape, k.shape[1], v.shape[3])
+
+
 def _params(num_warps, num_stages):
     from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(st: _Static, q, k, v, arrays, out_dtype=None):
-    bsz, tp, n, hp = q.shape
-    sp, hvp, g = k.shape[1], v.shape[3], st.groups
-    bq = st.blocks.fwd_q
+def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None):
+    """(out, lse); a packed call passes its [B, T, 3, N, H] array as q, k and v."""
+    bsz, tp, n, hp, sp, hvp = _shapes(st, q, k, v)
+    g, bq = st.groups, st.blocks.fwd_q
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731  (program 0 takes the last, heaviest causal block)
     inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
+    bias_inputs, bias_specs = _bias_inputs(st, bias)
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
         in_specs=[
-            pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
-            pl.BlockSpec((None, sp, None, hp), lambda i, b, h: (b, 0, h // g, 0)),
-            pl.BlockSpec((None, sp, None, hvp), lambda i, b, h: (b, 0, h // g, 0)),
-            *specs],
+            _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
+            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
+            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g)),
+            *specs, *bias_specs],
         out_specs=[
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))],
@@ -631,14 +741,16 @@ def _forward(st: _Static, q, k, v, arrays, out_dtype=None):
                    jax.ShapeDtypeStruct((bsz, n, tp), _acc(q.dtype))],
         compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
         interpret=st.interpret, name="flash_forward",
-    )(q, k, v, *inputs)
+    )(q, k, v, *inputs, *bias_inputs)
     return out, lse
 
 
-def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None):
-    """dq, dk, dv in grad_dtype (default: the inputs' dtypes)."""
-    bsz, tp, n, hp = q.shape
-    sp, kh, hvp, g = k.shape[1], k.shape[2], v.shape[3], st.groups
+def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bias=None):
+    """dq, dk, dv in grad_dtype (default: the inputs' dtypes); a packed call's (q, k and v
+    its one array) gets its gradient as one array of that shape."""
+    bsz, tp, n, hp, sp, hvp = _shapes(st, q, k, v)
+    kh, g = n // st.groups, st.groups
+    bias_inputs, bias_specs = _bias_inputs(st, bias)
     # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij, the softmax Jacobian's correction term.
     delta = jnp.einsum("BTNH,BTNH->BNT", d_out.astype(lse.dtype), out.astype(lse.dtype))
 
@@ -655,25 +767,33 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None):
         ranges_spec=pl.BlockSpec((None, None, 4), lambda j, b, h: (b, j, 0)),
         backward=True)
     kv_dtype = grad_dtype or k.dtype
-    dk, dv = pl.pallas_call(
+    if st.packed:  # each program stores its tiles of dk and dv into the whole gradient
+        out_specs = pl.BlockSpec(q.shape, lambda *_: (0,) * q.ndim)
+        out_shape = jax.ShapeDtypeStruct(q.shape, kv_dtype)
+    else:
+        out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
+                     pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))]
+        out_shape = [jax.ShapeDtypeStruct((bsz, sp, n, width), kv_dtype if g == 1 else _acc(kv_dtype))
+                     for width in (hp, hvp)]
+    grads = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, nq=nq),
         grid=(nk, bsz, n),
         in_specs=[
-            pl.BlockSpec((None, tp, None, hp), lambda j, b, h: (b, 0, h, 0)),
-            pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h // g, 0)),
-            pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h // g, 0)),
+            _head_tile(st, 0, tp, hp, lambda j, b, h: (b, 0, h)),
+            _head_tile(st, 1, bk, hp, lambda j, b, h: (b, j, h // g)),
+            _head_tile(st, 2, bk, hvp, lambda j, b, h: (b, j, h // g)),
             pl.BlockSpec((None, tp, None, hvp), lambda j, b, h: (b, 0, h, 0)),
             pl.BlockSpec((None, None, tp), lambda j, b, h: (b, h, 0)),
             pl.BlockSpec((None, None, tp), lambda j, b, h: (b, h, 0)),
-            *specs],
-        out_specs=[
-            pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
-            pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, sp, n, hp), kv_dtype if g == 1 else _acc(kv_dtype)),
-                   jax.ShapeDtypeStruct((bsz, sp, n, hvp), kv_dtype if g == 1 else _acc(kv_dtype))],
+            *specs, *bias_specs],
+        out_specs=out_specs, out_shape=out_shape,
         compiler_params=_params(st.blocks.bwd_num_warps, st.blocks.bwd_num_stages),
         interpret=st.interpret, name="flash_backward_dkdv",
-    )(q, k, v, d_out, lse, delta, *inputs)
+    )(q, k, v, d_out, lse, delta, *inputs, *bias_inputs)
+    if st.packed:  # the dQ kernel writes slot 0 of the same array
+        grad_inputs = [grads]
+    else:
+        (dk, dv), grad_inputs = grads, []
     if g > 1:
         dk = dk.reshape(bsz, sp, kh, g, hp).sum(axis=3).astype(grad_dtype or k.dtype)
         dv = dv.reshape(bsz, sp, kh, g, hvp).sum(axis=3).astype(grad_dtype or v.dtype)
@@ -683,22 +803,27 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None):
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731
     inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
+    inputs = [q, k, v, d_out, lse, delta, *inputs, *bias_inputs, *grad_inputs]
+    dq_spec = _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
         in_specs=[
-            pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
-            pl.BlockSpec((None, sp, None, hp), lambda i, b, h: (b, 0, h // g, 0)),
-            pl.BlockSpec((None, sp, None, hvp), lambda i, b, h: (b, 0, h // g, 0)),
+            _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
+            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
+            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g)),
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
-            *specs],
-        out_specs=pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, rev(i), h, 0)),
+            *specs, *bias_specs, *([dq_spec] if st.packed else [])],
+        out_specs=dq_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype),
+        input_output_aliases={len(inputs) - 1: 0} if st.packed else {},
         compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
         interpret=st.interpret, name="flash_backward_dq",
-    )(q, k, v, d_out, lse, delta, *inputs)
+    )(*inputs)
+    if st.packed:
+        return dq  # [B, T, 3, N, H]: dq, dk, dv in their slots
     return dq, dk, dv
 
 
@@ -723,3 +848,26 @@ def _flash_bwd(st, residuals, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_packed(st, qkv, bias, arrays):
+    return _forward(st, qkv, qkv, qkv, arrays, bias=bias)[0]
+
+
+def _flash_packed_fwd(st, qkv, bias, arrays):
+    out, lse = _forward(st, qkv, qkv, qkv, arrays, bias=bias)
+    return out, (qkv, bias, arrays, out, lse)
+
+
+def _flash_packed_bwd(st, residuals, d_out):
+    qkv, bias, arrays, out, lse = residuals
+    grad = _backward(st, qkv, qkv, qkv, arrays, out, lse, d_out, bias=bias)
+    # The bias was added to every row of q, k and v: its gradient sums theirs, over the
+    # real rows only (a padded key's tiles are computed, then cut off).
+    d_bias = None if bias is None else (
+        grad[:, :st.q_len].sum((0, 1), dtype=_acc(bias.dtype)).astype(bias.dtype))
+    return grad, d_bias, jax.tree.map(lambda _: None, arrays)
+
+
+_flash_packed.defvjp(_flash_packed_fwd, _flash_packed_bwd)

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from attention_jax import axes
-from attention_jax.attention import IMPLEMENTATIONS, dot_product_attention
+from attention_jax.attention import (IMPLEMENTATIONS, dot_product_attention,
+                                     packed_self_attention, reads_packed)
 from attention_jax.layers.linear import matmul
 from attention_jax.layers.posemb import apply_rope
 
@@ -145,14 +146,36 @@ class MultiHeadAttention(nn.Module):
                              f"valid: {IMPLEMENTATIONS}")
         x = x.astype(self.dtype)
         # q, k and v are separate 2-D matmuls even from the fused [D, 3, N, H] kernel:
-        # slicing one [B, T, 3, N, H] product apart copies it (layers/linear.py).
+        # slicing one [B, T, 3, N, H] product apart copies it (layers/linear.py). Only a
+        # backend that reads the one product in place (attention.reads_packed: the Pallas
+        # kernels, which also add the bias as they load) gets it whole.
         def project(src, w, bias, c):  # src · w[:, c] + bias[c]: [B, T, D] -> [B, T, heads, H]
             return matmul(src, w[:, c]) + (bias[c] if self.use_bias else 0.0)
 
+        def output(out):  # dropout on the heads' outputs [B, T, N, H], the output projection
+            out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)
+            d_out = self.out_features or d
+            wo = self._param("out", (n, h, d_out), (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
+                             (0, 1), 2)
+            y = matmul(out, wo.astype(self.dtype), in_dims=2)  # [B, T, D]
+            y = y + self._bias("out_bias", (d_out,), (axes.EMBED,))
+            return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED))
+
+        masks = dict(causal=self.causal and self_attention, window=self.window,
+                     segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask,
+                     mask=mask, scale=self.scale, ring_inner=self.ring_inner)
         if self_attention and k_heads == n and self.fuse_qkv:
             w = self._param("qkv", (d, 3, n, h), (axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
                             0, (1, 2, 3)).astype(self.dtype)
             bias = self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
+            if (self.rope_base is None and not decode and not return_weights and reads_packed(
+                    jax.ShapeDtypeStruct((b, t, 3, n, h), self.dtype),
+                    implementation=self.implementation, **masks)):
+                qkv = nn.with_logical_constraint(
+                    matmul(x, w), (axes.BATCH, axes.LENGTH, None, axes.HEADS, axes.HEAD_DIM))
+                out = packed_self_attention(qkv, bias if self.use_bias else None,
+                                            implementation=self.implementation, **masks)
+                return output(out), {}
             q, k, v = (project(x, w, bias, c) for c in range(3))  # each [B, T, N, H]
         else:
             src = x if self_attention else context.astype(self.dtype)
@@ -195,17 +218,10 @@ class MultiHeadAttention(nn.Module):
             k, v, q_offset = cached_k.value, cached_v.value, start  # [B, S_max, K, H]
 
         out = dot_product_attention(
-            q, k, v, causal=self.causal and self_attention, window=self.window,
-            segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask, mask=mask,
-            q_offset=q_offset, scale=self.scale,
+            q, k, v, q_offset=q_offset,
             implementation="reference" if return_weights else self.implementation,
-            ring_inner=self.ring_inner, return_weights=return_weights)
+            return_weights=return_weights, **masks)
         aux = {}
         if return_weights:
             out, aux["attention_weights"] = out  # [B, N, T, S]
-        out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)  # [B, T, N, H]
-        d_out = self.out_features or d
-        wo = self._param("out", (n, h, d_out), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), (0, 1), 2)
-        y = matmul(out, wo.astype(self.dtype), in_dims=2)  # [B, T, D]
-        y = y + self._bias("out_bias", (d_out,), (axes.EMBED,))
-        return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux
+        return output(out), aux

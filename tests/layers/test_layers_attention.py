@@ -64,6 +64,39 @@ def test_reference_and_blockwise_agree_in_value_and_gradient(cross, monkeypatch)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _matmuls(module, params, x):
+    """The layer's matmuls (the attention kernels' own tile products are inside their calls)."""
+    jaxpr = jax.make_jaxpr(lambda p: module.apply({"params": p}, x)[0])(params).jaxpr
+    return sum(eqn.primitive.name == "dot_general" for eqn in jaxpr.eqns)
+
+
+def test_pallas_reads_one_projection_of_q_k_v_in_place():
+    """With the Pallas kernels, self-attention projects q, k and v in one matmul and hands
+    its [B, T, 3, N, H] product to the kernels (the bias added as they load): values and
+    gradients as blockwise's three projections, with the same parameters. RoPE rotates q
+    and k before the kernels see them, so it keeps three projections."""
+    x = _x((2, 40, 32), 0)
+    ids = jnp.asarray(np.repeat([[0] * 17 + [1] * 23], 2, 0), jnp.int32)
+    layers = {impl: MultiHeadAttention(num_heads=2, causal=True, implementation=impl)
+              for impl in ("pallas", "blockwise")}
+    params = layers["blockwise"].init(jax.random.PRNGKey(1), x)["params"]
+    params = jax.tree.map(lambda p: p + 0.1 * _x(p.shape, 3), params)  # non-zero biases
+    assert set(params) == {"qkv", "qkv_bias", "out", "out_bias"}
+
+    def loss(module):
+        return lambda p, x: jnp.sum(jnp.sin(module.apply({"params": p}, x, segment_ids=ids)[0]))
+
+    (lp, gp), (lb, gb) = (jax.value_and_grad(loss(layers[i]), argnums=(0, 1))(params, x)
+                          for i in ("pallas", "blockwise"))
+    np.testing.assert_allclose(lp, lb, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert _matmuls(layers["pallas"], params, x) == 2  # q, k, v as one; the output
+    assert _matmuls(layers["blockwise"], params, x) == 4
+    rope = MultiHeadAttention(num_heads=2, causal=True, implementation="pallas", rope_base=1e4)
+    assert _matmuls(rope, params, x) == 4
+
+
 def test_attention_weights_are_returned_causal_and_normalised():
     x = _x((2, 6, 16))
     mha = MultiHeadAttention(num_heads=2, causal=True)

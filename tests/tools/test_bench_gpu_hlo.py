@@ -65,6 +65,17 @@ def test_kernels_their_kinds_and_bytes_from_a_compiled_module():
                    "bytes": 2 * add["bytes"]}
 
 
+def test_an_array_handed_to_a_kernel_twice_is_read_once():
+    """The packed attention kernels take one [B, T, 3, N, H] array as q, k and v."""
+    module = """ENTRY %main.3 (x: bf16[4,16,3,2,8]) -> bf16[4,16,2,8] {
+  %x = bf16[4,16,3,2,8]{4,3,2,1,0} parameter(0)
+  ROOT %pallas_call.2 = bf16[4,16,2,8]{3,2,1,0} custom-call(%x, %x, %x), custom_call_target="__gpu$xla.gpu.triton"
+}
+"""
+    (row,) = gpu_hlo.kernel_traffic(module)
+    assert row["kind"] == "attention" and row["bytes"] == 2 * (4 * 16 * 3 * 2 * 8 + 4 * 16 * 2 * 8)
+
+
 def test_shape_bytes_of_arrays_and_tuples():
     assert gpu_hlo.shape_bytes("bf16[16,1024,768]{2,1,0}") == 2 * 16 * 1024 * 768
     assert gpu_hlo.shape_bytes("(f32[3]{0}, s32[], pred[2,2]{1,0})") == 12 + 4 + 4
@@ -106,6 +117,9 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     logits_bytes = 2 * row["batch"] * row["seq_len"] * row["vocab"]
     loss_reductions = [g for s, g in sources.items() if s.startswith("jvp()/reduce")]
     assert loss_reductions and all(g["bytes"] < logits_bytes / 10 for g in loss_reductions)
+    # The kernels read the one q, k, v projection in place, adding its bias as they load:
+    # no bias add left to XLA.
+    assert not [s for s in sources if s.endswith("self_attention/add")]
     assert kinds["matmul"]["kernels"] >= 6 and kinds["memory"]["kernels"] > 0
     assert summary["memory_bound_ms"] > 0
     assert summary["memory"]["temp_size_in_bytes"] > 0

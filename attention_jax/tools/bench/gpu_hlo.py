@@ -16,7 +16,8 @@ read here into:
                 cuDNN's), memory-bound (every other fusion, copy, scatter, reduction, and
                 the loss's Pallas kernels, models/loss_kernel.py: `--loss-kernel`)
   bytes         what each memory-bound kernel reads and writes: its operands and results,
-                an operand that the kernel only slices counted as its slices; the sum at
+                an operand that the kernel only slices counted as its slices, one handed
+                to it twice counted once; the sum at
                 the GPU's bandwidth is the time those kernels need at the least (on the
                 H100 on 2026-11-24 the profile's memory-bound kernels took 12.5 ms of
                 GPT-2 small's step)
@@ -178,7 +179,10 @@ def kernel_traffic(hlo_text: str) -> list[dict]:
         operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0].split(")")[0])
         called = re.search(r"calls=%([\w.\-]+)", line)
         sliced = _sliced_reads(comps.get(called.group(1), [])) if called else {}
-        read = sum(sliced.get(i, shape_bytes(shapes.get(o, ""))) for i, o in enumerate(operands))
+        # An array handed to a kernel twice is read once (the packed q, k, v that the
+        # attention kernels take as three tiled inputs, pallas.pallas_packed_attention).
+        first = {o: i for i, o in reversed(list(enumerate(operands)))}
+        read = sum(sliced.get(i, shape_bytes(shapes.get(o, ""))) for o, i in first.items())
         source = re.search(r'op_name="([^"]*)"', line)
         rows.append({"name": name, "op": op, "kind": kernel_kind(op, line),
                      "bytes": read + shape_bytes(shape),

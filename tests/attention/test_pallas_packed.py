@@ -1,0 +1,155 @@
+"""Self-attention from one projection's [B, T, 3, N, H] output (`packed_self_attention`):
+the Pallas kernels reading q, k, v in place with the bias added on load, and writing the
+gradient as one array, against the float64 reference on q + bias[0], k + bias[1], v + bias[2]."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.attention import (compiling_for, dot_product_attention,
+                                     packed_self_attention, reads_packed)
+from tests.attention.test_attention import Case
+
+# Self-attention cases (T == S, K == N, Hv == H): lengths and head dims the kernels pad
+# (19, 37, H = 8 -> 16), every kind of mask, and whole tiles (64, long documents).
+CASES = [
+    Case("causal-padded", t=19, s=19, causal=True, block_q=None, block_k=None),
+    Case("full-odd", t=37, s=37, block_q=None, block_k=None),
+    Case("window", t=33, s=33, window=(5, 3), block_q=None, block_k=None),
+    Case("padding-causal", t=23, s=23, padding=True, causal=True, block_q=None, block_k=None),
+    Case("dense-mask", t=14, s=14, dense=True, block_q=None, block_k=None),
+    Case("long-documents", t=64, s=64, causal=True, segments=(37, 16, 11),
+         segment_order=(1, 2, 0), block_q=None, block_k=None),
+    Case("tiles-32x16", t=64, s=64, causal=True, segments=True, block_q=32, block_k=16),
+]
+
+
+def _inputs(case, dtype, bias=True, seed=0):
+    rng = np.random.default_rng(seed)
+    qkv = jnp.asarray(rng.standard_normal((case.b, case.t, 3, case.n, case.h)), dtype)
+    b = jnp.asarray(rng.standard_normal((3, case.n, case.h)), dtype) if bias else None
+    kw = case.kwargs(rng)
+    kw.pop("q_offset")  # self-attention from one projection starts at position 0
+    return qkv, b, kw
+
+
+def _value_and_grads(attend, qkv, bias, case):
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(case.h), qkv.dtype)
+
+    def loss(qkv, bias):
+        y = attend(qkv, bias)
+        return jnp.sum(jnp.sin(y) * w), y
+
+    argnums = (0, 1) if bias is not None else 0
+    (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(qkv, bias)
+    return y, jax.tree.leaves(grads)
+
+
+def _packed(kw, case, implementation="pallas"):
+    return lambda qkv, bias: packed_self_attention(
+        qkv, bias, implementation=implementation, block_q=case.block_q, block_k=case.block_k,
+        **kw)
+
+
+def _unpacked(kw, implementation="reference"):
+    def attend(qkv, bias):
+        x = qkv if bias is None else qkv + bias
+        return dot_product_attention(x[:, :, 0], x[:, :, 1], x[:, :, 2],
+                                     implementation=implementation, **kw)
+    return attend
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_packed_kernels_equal_the_reference_float64(case, x64):
+    qkv, bias, kw = _inputs(case, jnp.float64)
+    y_ref, g_ref = _value_and_grads(_unpacked(kw), qkv, bias, case)
+    y, g = _value_and_grads(_packed(kw, case), qkv, bias, case)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-10)
+    for name, a, b in zip(("dqkv", "dbias"), g, g_ref):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=name)
+
+
+def test_without_a_bias_and_in_bfloat16_as_the_unpacked_kernels(x64):
+    """No bias: the gradient is qkv's alone. bfloat16: the bias is added in bfloat16 as
+    the layer's XLA add does, so the kernels see the same q, k, v as unpacked."""
+    case = CASES[0]
+    qkv, _, kw = _inputs(case, jnp.float64, bias=False)
+    y_ref, g_ref = _value_and_grads(_unpacked(kw), qkv, None, case)
+    y, g = _value_and_grads(_packed(kw, case), qkv, None, case)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-10)
+    assert len(g) == 1
+    np.testing.assert_allclose(g[0], g_ref[0], rtol=0, atol=1e-10)
+
+    case = CASES[5]
+    qkv, bias, kw = _inputs(case, jnp.bfloat16)
+    y_ref, g_ref = _value_and_grads(_unpacked(kw, "pallas"), qkv, bias, case)
+    y, g = _value_and_grads(_packed(kw, case), qkv, bias, case)
+    assert y.dtype == g[0].dtype == g[1].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(y, y_ref)  # the same arithmetic, tile by tile
+    np.testing.assert_array_equal(g[0], g_ref[0])
+    # The bias's gradient sums dqkv's rows in float32 (autodiff's sum here is in
+    # bfloat16, whose error grows with the rows summed): within a rounding of the sum.
+    exact = np.asarray(g[0], np.float64).sum((0, 1))
+    np.testing.assert_allclose(np.asarray(g[1], np.float64), exact, rtol=2 ** -8, atol=1e-6)
+    assert (np.abs(np.asarray(g[1], np.float64) - exact).max()
+            <= np.abs(np.asarray(g_ref[1], np.float64) - exact).max())
+
+
+def test_other_backends_are_handed_q_k_v_sliced_out(x64):
+    case = CASES[3]
+    qkv, bias, kw = _inputs(case, jnp.float64)
+    y_ref, g_ref = _value_and_grads(_unpacked(kw), qkv, bias, case)
+    y, g = _value_and_grads(_packed(kw, case, "blockwise"), qkv, bias, case)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-10)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10)
+
+
+def test_which_backends_read_packed():
+    qkv = jax.ShapeDtypeStruct((2, 256, 3, 4, 64), jnp.bfloat16)
+    ids = jnp.zeros((2, 256), jnp.int32)
+    assert not reads_packed(qkv, causal=True)  # CPU: blockwise
+    assert reads_packed(qkv, causal=True, implementation="pallas")
+    assert not reads_packed(qkv, causal=True, implementation="xla")
+    with compiling_for("gpu"):
+        # packed documents on a GPU: the kernels; plain causal rows: cuDNN, unpacked
+        assert reads_packed(qkv, causal=True, segment_ids=ids)
+        assert not reads_packed(qkv, causal=True)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((jnp.zeros((2, 8, 4, 16)),), {}, r"qkv must be \[B, T, 3, N, H\].*got shape \(2, 8, 4, 16\)"),
+    ((jnp.zeros((2, 8, 2, 4, 16)),), {}, r"qkv must be \[B, T, 3, N, H\]"),
+    ((jnp.zeros((2, 8, 3, 4, 16)), jnp.zeros((3, 16))), {}, r"bias must be \[3, N, H\]=\[3, 4, 16\]"),
+    ((jnp.zeros((2, 8, 3, 4, 16)),), {"q_offset": 3}, r"takes no q_offset"),
+    ((jnp.zeros((2, 8, 3, 4, 16)),), {"implementation": "fused"}, r"implementation='fused' is unknown"),
+])
+def test_bad_packed_arguments_say_what_is_valid(args, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        packed_self_attention(*args, **kwargs)
+
+
+# The GPU's tiles (128 × 64) on GPT-2's head size, a packed row of three documents.
+GPU_CASES = [dataclasses.replace(CASES[0], name="causal-512", t=512, s=512, h=64),
+             dataclasses.replace(CASES[5], name="long-documents-512", t=512, s=512, h=64,
+                                 segments=(288, 96, 128))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_packed_kernels_on_gpu_equal_the_reference(case):
+    """Triton-compiled (strided slot tiles, bias on load, the gradient stored by two
+    kernels into one array), bf16 and f32, against the float32 reference."""
+    qkv, bias, kw = _inputs(case, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        y_ref, g_ref = _value_and_grads(_unpacked(kw), qkv, bias, case)
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+        y, g = _value_and_grads(_packed(kw, case), qkv.astype(dtype), bias.astype(dtype), case)
+        for a, b in zip((y, *g), (y_ref, *g_ref)):
+            err = jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.maximum(jnp.linalg.norm(b), 1e-6)
+            assert float(err) < tol
