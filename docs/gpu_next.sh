@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's next device call, as one command (docs/gpu_next.md §1-2): run it from the
+# Issue 35's next device call, as one command (docs/gpu_next.md §1): run it from the
 # repository root with `.whl` carried (../shared/device/prepare_wheels.sh fills it):
 #   device run: command "bash docs/gpu_next.sh", carry [".whl"], timeout_s 580
 # Each measurement is its own process (one JAX each); every output lands in $OUT.

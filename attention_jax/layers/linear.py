@@ -11,6 +11,8 @@ again where an activation's gradient is fused into the dot. Folding the leading 
 into one first (free: they are contiguous) turns every forward and backward dot into a
 plain 2-D matmul; and q, k and v are three matmuls rather than one [D, 3, N, H] einsum
 whose output is then sliced (slices copy). Both measured faster on the CPU (README, Measurements behind the code).
+(Where the Pallas kernels run, the one product is not sliced: they read it in place,
+layers/attention.py.)
 
 Sharding: the folded axis is (batch, length, ...) with batch outermost, so a batch
 sharded over the data axes stays sharded; folded weight axes keep their outermost
