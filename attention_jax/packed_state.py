@@ -108,9 +108,21 @@ def _split(group: str) -> tuple[str, str]:
 
 
 def layout_of(state) -> Layout:
-    """The layout of `state`'s arrays (or abstract arrays)."""
+    """The layout of `state`'s arrays (or abstract arrays).
+
+    Computed once per tree structure, shapes and dtypes: a save asks on the thread that
+    launches the training steps, and naming each array's path is Python work per array
+    (1.5 ms for 360 arrays on the CPU host), where the key takes a tenth of that."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return _layout(treedef, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves))
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(treedef, shapes: tuple) -> Layout:
+    abstract = jax.tree_util.tree_unflatten(
+        treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes])
     entries, groups = [], {}
-    for path, x in digests.tree_paths(state):
+    for path, x in digests.tree_paths(abstract):
         group = _group(path, x.dtype)
         entries.append(Entry(path, group, groups.get(group, 0), tuple(x.shape)))
         groups[group] = groups.get(group, 0) + entries[-1].size

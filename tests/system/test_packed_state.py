@@ -50,6 +50,22 @@ def test_the_layout_packs_each_top_level_entry_and_dtype_in_tree_order():
     _equal(packed_state.unpack(on_host, layout, _abstract(state)), state)
 
 
+def test_the_layout_is_worked_out_once_per_structure_shapes_and_dtypes():
+    """A save asks for the layout on the training thread: the same state's (or its next
+    step's) is the one already made; other shapes, dtypes or names get their own."""
+    state = _state()
+    layout = packed_state.layout_of(state)
+    assert packed_state.layout_of(_abstract(state)) is layout  # arrays or their shapes
+    assert packed_state.layout_of(jax.tree.map(lambda x: x + 1, state)) is layout
+    wider = {**state, "params": {**state["params"], "b": jnp.zeros(7)}}
+    assert packed_state.layout_of(wider).groups["params/float32"] == 63
+    halved = {**state, "params": {**state["params"], "b": jnp.zeros(6, jnp.bfloat16)}}
+    assert packed_state.layout_of(halved).groups["params/bfloat16"] == 6
+    renamed = {**state, "params": {"v" if k == "b" else k: x for k, x in state["params"].items()}}
+    paths = [e.path for e in packed_state.layout_of(renamed).entries]
+    assert "params/v" in paths and "params/b" not in paths
+
+
 def test_a_bad_layout_says_what_is_wrong():
     good = packed_state.layout_of(_state()).to_json()
     with pytest.raises(ValueError, match="not a packed-state layout"):
