@@ -48,20 +48,22 @@ Implementations:
 Adding a backend: write a module that exports its run function `(q, k, v, call) -> y`
 and its rules `(call, platform) -> reason or None` (call.py has the record; pallas.py
 is an example), then add one `Backend` row for it to `BACKENDS`, where its place is its
-place in auto's order.
+place in auto's order. A kernel XLA cannot partition (a Pallas call) says so in its row
+(`xla_partitions=False`): under a mesh it then runs on each device's rows and heads, as
+the caller's `batch_axes` / `head_axes` split them (per_device.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.attention import blockwise, jax_nn, pallas, reference, ring, splash
+from attention_jax.attention import blockwise, jax_nn, pallas, per_device, reference, ring, splash
 from attention_jax.attention.blockwise import blockwise_attention
 from attention_jax.attention.call import (RING_INNER, AttentionCall, Platform, compiling_for,
                                          compiling_for_gpu, make_call, target_backend)
@@ -131,6 +133,10 @@ class Backend:
     # kernel by name), "auto" raises the row's refusal instead of passing it over: the
     # asked-for kernel must not be dropped silently for one that ignores the request.
     insisted: Callable[[AttentionCall], bool] = lambda call: False
+    # Whether XLA's partitioner can split the backend's computation over a mesh. A Pallas
+    # kernel is an opaque call XLA would gather whole onto each device: such a row runs
+    # under shard_map on each device's rows and heads (per_device.py).
+    xla_partitions: bool = True
 
 
 def _blockwise(q, k, v, call: AttentionCall):
@@ -165,8 +171,10 @@ BACKENDS = (
             detail=ring.inner_reason, insisted=lambda call: call.ring_inner != "auto"),
     Backend("cudnn", jax_nn.cudnn, refusal=jax_nn.cudnn_refusal,
             auto_reason=jax_nn.cudnn_auto_reason, auto_refusal=jax_nn.cudnn_auto_refusal),
-    Backend("pallas", pallas.run, refusal=pallas.refusal, auto_reason=pallas.auto_reason),
-    Backend("splash", splash.run, refusal=splash.refusal, auto_reason=splash.auto_reason),
+    Backend("pallas", pallas.run, refusal=pallas.refusal, auto_reason=pallas.auto_reason,
+            xla_partitions=False),
+    Backend("splash", splash.run, refusal=splash.refusal, auto_reason=splash.auto_reason,
+            xla_partitions=False),
     Backend("blockwise", _blockwise, auto_reason=blockwise.auto_reason),
     Backend("xla", jax_nn.xla),
 )
@@ -194,6 +202,8 @@ def dot_product_attention(
     block_k: Optional[int] = None,
     return_weights: bool = False,
     ring_inner: str = "auto",
+    batch_axes: Sequence[str] = (),
+    head_axes: Sequence[str] = (),
 ):
     """softmax(q kᵀ · scale) v over heads, with structural masks.
 
@@ -225,6 +235,10 @@ def dot_product_attention(
         on an NVIDIA GPU, splash on a TPU, blockwise elsewhere or where those refuse),
         "pallas", "splash" or "blockwise" (ring_inner.py). Ignored by the other backends
         (explain() says so).
+      batch_axes, head_axes: the ambient mesh's axes that split q's batch and heads (the
+        layers pass what the logical rules map "batch" and "heads" to). A backend XLA
+        cannot partition (pallas) then runs on each device's share (per_device.py);
+        without them it is gathered whole onto every device. The others ignore them.
 
     Returns:
       [B, T, N, Hv] in q's dtype (and the weights if asked). Rows with no visible key
@@ -236,7 +250,18 @@ def dot_product_attention(
                      q_offset=q_offset, scale=scale, block_q=block_q, block_k=block_k,
                      return_weights=return_weights, ring_inner=ring_inner)
     impl, _ = _choose(implementation, call, _platform())
-    return _BY_NAME[impl].run(q, k, v, call)
+    heads = ("B", None, "N", None)  # q, k, v [B, T|S, N|K, H]
+    return _run(impl, _BY_NAME[impl].run, call, (q, k, v), (heads,) * 3, batch_axes, head_axes)
+
+
+def _run(impl: str, fn: Callable, call: AttentionCall, inputs: tuple, roles: tuple,
+         batch_axes: Sequence[str], head_axes: Sequence[str]):
+    """fn(*inputs, call), on each device's share where XLA cannot partition `impl`."""
+    if not _BY_NAME[impl].xla_partitions:
+        split = per_device.split_of(call, batch_axes, head_axes, impl)
+        if split is not None:
+            return per_device.run(fn, call, split, inputs, roles)
+    return fn(*inputs, call)
 
 
 # Backends that read q, k and v where one projection wrote them, [B, T, 3, N, H] (their
@@ -244,7 +269,9 @@ def dot_product_attention(
 _PACKED_RUN = {"pallas": pallas.run_packed}
 
 
-def packed_self_attention(qkv, bias=None, *, implementation: str = "auto", **kwargs):
+def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
+                          batch_axes: Sequence[str] = (), head_axes: Sequence[str] = (),
+                          **kwargs):
     """Self-attention of one fused projection's output: qkv [B, T, 3, N, H] (q, k and v in
     slots 0, 1, 2) and its bias [3, N, H] or None -> [B, T, N, H].
 
@@ -266,9 +293,14 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto", **kwa
                              f"{bias.shape}")
         bias = bias.astype(qkv.dtype)
     if impl in _PACKED_RUN:
-        return _PACKED_RUN[impl](qkv, bias, call)
+        packed = (("B", None, None, "N", None), (None, "N", None))  # qkv, bias [3, N, H]
+        if bias is None:
+            return _run(impl, lambda qkv, call: _PACKED_RUN[impl](qkv, None, call), call,
+                        (qkv,), packed[:1], batch_axes, head_axes)
+        return _run(impl, _PACKED_RUN[impl], call, (qkv, bias), packed, batch_axes, head_axes)
     q, k, v = (qkv[:, :, c] if bias is None else qkv[:, :, c] + bias[c] for c in range(3))
-    return _BY_NAME[impl].run(q, k, v, call)
+    heads = ("B", None, "N", None)
+    return _run(impl, _BY_NAME[impl].run, call, (q, k, v), (heads,) * 3, batch_axes, head_axes)
 
 
 def reads_packed(qkv, *, implementation: str = "auto", **kwargs) -> bool:
@@ -309,6 +341,8 @@ def explain(q, k, v, *, implementation: str = "auto", backend: Optional[str] = N
     if backend not in (None, "cpu", "gpu", "tpu"):
         raise ValueError(f"backend={backend!r} is unknown; valid: 'cpu', 'gpu', 'tpu', or None "
                          f"for this process's ({jax.default_backend()!r})")
+    for name in ("batch_axes", "head_axes"):  # how it runs under a mesh, not what runs
+        kwargs.pop(name, None)
     unknown = sorted(set(kwargs) - set(_CALL_ARGUMENTS))
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {unknown}; valid: "

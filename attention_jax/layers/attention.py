@@ -41,6 +41,7 @@ from attention_jax import axes
 from attention_jax.attention import (IMPLEMENTATIONS, dot_product_attention,
                                      packed_self_attention, reads_packed)
 from attention_jax.layers.linear import matmul
+from attention_jax.layers.logical import mesh_axes
 from attention_jax.layers.posemb import apply_rope
 
 
@@ -161,6 +162,8 @@ class MultiHeadAttention(nn.Module):
             y = y + self._bias("out_bias", (d_out,), (axes.EMBED,))
             return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED))
 
+        # Where the kernels are ones XLA cannot partition, they run split as these say.
+        split = dict(batch_axes=mesh_axes(axes.BATCH), head_axes=mesh_axes(axes.HEADS))
         masks = dict(causal=self.causal and self_attention, window=self.window,
                      segment_ids=segment_ids if self_attention else None, kv_mask=kv_mask,
                      mask=mask, scale=self.scale, ring_inner=self.ring_inner)
@@ -174,7 +177,8 @@ class MultiHeadAttention(nn.Module):
                 qkv = nn.with_logical_constraint(
                     matmul(x, w), (axes.BATCH, axes.LENGTH, None, axes.HEADS, axes.HEAD_DIM))
                 out = packed_self_attention(qkv, bias if self.use_bias else None,
-                                            implementation=self.implementation, **masks)
+                                            implementation=self.implementation,
+                                            **split, **masks)
                 return output(out), {}
             q, k, v = (project(x, w, bias, c) for c in range(3))  # each [B, T, N, H]
         else:
@@ -220,7 +224,7 @@ class MultiHeadAttention(nn.Module):
         out = dot_product_attention(
             q, k, v, q_offset=q_offset,
             implementation="reference" if return_weights else self.implementation,
-            return_weights=return_weights, **masks)
+            return_weights=return_weights, **split, **masks)
         aux = {}
         if return_weights:
             out, aux["attention_weights"] = out  # [B, N, T, S]

@@ -29,6 +29,7 @@ from attention_jax import axes
 from attention_jax.attention.call import compiling_for_gpu, target_backend
 from attention_jax.data.objectives import shift_right
 from attention_jax.layers.linear import matmul
+from attention_jax.layers.logical import mesh_axes
 from attention_jax.models import loss_kernel
 
 __all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy",
@@ -243,22 +244,11 @@ def _fused_head_loss(smoothing, h, kernel, bias, y, scale):
     return lax.scan(body, (zero, zero), (h, y, scale))[0]
 
 
-def _mesh_axes(logical: str) -> tuple[str, ...]:
-    """The ambient mesh's axes of size > 1 that `logical` maps to under the current logical
-    rules (() without a mesh or rules)."""
-    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return ()
-    names = nn.logical_to_mesh_axes((logical,), rules)[0]
-    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
-    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
-
-
 def _batch_shards(b: int) -> int:
     """Devices the batch axis is split over under the current mesh and logical rules (1
     without them, or when they do not divide b)."""
     mesh = jax.sharding.get_abstract_mesh()
-    p = math.prod(mesh.shape[a] for a in _mesh_axes(axes.BATCH))
+    p = math.prod(mesh.shape[a] for a in mesh_axes(axes.BATCH))
     return p if b % p == 0 else 1
 
 
@@ -345,7 +335,7 @@ def choose_loss_kernel(implementation: str, dtype=jnp.bfloat16, vocab: int | Non
         return "xla"
     mesh = jax.sharding.get_abstract_mesh()
     unsplittable = mesh.empty and not compiling_for_gpu() and jax.device_count() > 1
-    return "xla" if unsplittable or _mesh_axes(axes.VOCAB) else "pallas"
+    return "xla" if unsplittable or mesh_axes(axes.VOCAB) else "pallas"
 
 
 def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
@@ -408,17 +398,17 @@ def _on_rows(fn, logits, *rows):
         return local(logits, *rows)
     split = []
     for size, logical in zip(lead, (axes.BATCH, axes.LENGTH) + (None,) * len(lead)):
-        names = _mesh_axes(logical) if logical else ()
+        names = mesh_axes(logical) if logical else ()
         divides = size % math.prod(mesh.shape[a] for a in names) == 0
         if names and not divides:  # correct, but every device computes those rows
             logging.warning("loss kernels: %s %d does not divide over mesh axes %s: each "
                             "device computes the loss of every row along it", logical, size,
                             names)
         split.append(names if names and divides else None)
-    if _mesh_axes(axes.VOCAB):  # loss_kernel='pallas' asked for where auto says xla
+    if mesh_axes(axes.VOCAB):  # loss_kernel='pallas' asked for where auto says xla
         logging.warning("loss kernels: the mesh splits the vocabulary over %s; each device "
                         "gathers its rows' logits whole (loss_kernel='xla' keeps them split)",
-                        _mesh_axes(axes.VOCAB))
+                        mesh_axes(axes.VOCAB))
     row_spec = P(*split)
     spec_of = lambda a: row_spec if a.ndim == len(lead) else P(*split, None)  # noqa: E731
     out = jax.eval_shape(local, logits, *rows)  # the outputs' structure

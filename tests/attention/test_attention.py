@@ -372,10 +372,14 @@ def test_explain_takes_the_arguments_of_dot_product_attention():
         return {name: p.default for name, p in inspect.signature(fn).parameters.items()
                 if p.kind == p.KEYWORD_ONLY}
 
-    assert keywords(dot_product_attention) == {**keywords(make_call), "implementation": "auto"}
+    # batch_axes / head_axes say how a call runs under a mesh, not what runs: explain
+    # takes them and passes over them.
+    assert keywords(dot_product_attention) == {**keywords(make_call), "implementation": "auto",
+                                               "batch_axes": (), "head_axes": ()}
     q, k, v = _ok()
     cpu = ("blockwise", "backend 'cpu': the portable lax.scan kernel")
     assert explain(q, k, v, scale=0.5, block_q=16, window=2, q_offset=np.int64(3)) == cpu
+    assert explain(q, k, v, causal=True, batch_axes=("data",)) == explain(q, k, v, causal=True)
     assert explain(q, k, v, causal=True, backend="tpu")[0] == "blockwise"
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['causel'\]; valid: "
                                         r"dot_product_attention's \('causal'"):

@@ -1,0 +1,99 @@
+"""Kernels XLA cannot partition, run on each device's share of a call.
+
+XLA's SPMD partitioner splits its own operations over a mesh, and cuDNN's attention comes
+with a partitioning rule, but a Pallas kernel is an opaque custom call: handed q, k, v
+split over the batch, XLA gathers them whole onto every device and each device computes
+the attention of the whole batch (found compiling a data-parallel step for two H100s on
+a CPU host, 2026-11-26). Attention is independent across batch rows and heads, so such a
+backend runs here under `jax.shard_map` instead: each device on its own rows and heads,
+with a call record of those local sizes, and nothing crosses devices.
+
+Which mesh axes split the batch and the heads is the caller's to say (`batch_axes`,
+`head_axes` of `dot_product_attention`; the layers pass what the logical rules map
+"batch" and "heads" to). An axis of size 1, one already manual (inside a shard_map of the
+caller's) or a split that does not divide what it splits is left out: those rows or heads
+are then whole on each device, as XLA would have them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable, Optional, Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+from attention_jax.attention.call import AttentionCall
+
+_warned: set = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The ambient mesh's axes that split the batch and the heads of one call."""
+
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    def spec(self, roles: Sequence[Optional[str]]) -> PartitionSpec:
+        """The PartitionSpec of an array whose dimensions are `roles` ("B" batch, "N"
+        heads, None neither)."""
+        by_role = {"B": self.batch or None, "N": self.heads or None}
+        return PartitionSpec(*(by_role.get(r) if r else None for r in roles))
+
+
+def split_of(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence[str],
+             backend: str) -> Optional[Split]:
+    """How to split `call` over the ambient mesh (None: run it whole, as it is)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    free = {a: mesh.shape[a] for a in mesh.axis_names
+            if a not in getattr(mesh, "manual_axes", ()) and mesh.shape[a] > 1}
+    unknown = sorted((set(batch_axes) | set(head_axes)) - set(mesh.axis_names))
+    if unknown:
+        raise ValueError(f"batch_axes={tuple(batch_axes)}, head_axes={tuple(head_axes)} name "
+                         f"{unknown}, which the mesh does not have; its axes: {mesh.axis_names}")
+
+    def usable(names, *sizes):
+        names = tuple(a for a in names if a in free)
+        devices = math.prod(free[a] for a in names)
+        return names if names and all(s % devices == 0 for s in sizes) else ()
+
+    split = Split(usable(batch_axes, call.batch), usable(head_axes, call.heads, call.kv_heads))
+    if not split.batch and not split.heads and backend not in _warned:
+        _warned.add(backend)
+        logging.getLogger(__name__).warning(
+            "attention %r under a mesh of %d devices with nothing to split it by (batch_axes="
+            "%s, head_axes=%s): XLA gathers q, k, v whole onto every device, and each computes "
+            "the whole call", backend, mesh.size, tuple(batch_axes), tuple(head_axes))
+    return split if split.batch or split.heads else None
+
+
+def run(fn: Callable, call: AttentionCall, split: Split, inputs: tuple,
+        roles: tuple[tuple[Optional[str], ...], ...]):
+    """fn(*inputs, call) on each device's share: `inputs` split by their dimensions'
+    `roles`, the mask's arrays by theirs, the output [B, T, N, Hv] by batch and heads."""
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = lambda names: math.prod(mesh.shape[a] for a in names)  # noqa: E731
+    spec = call.spec
+    dense = None if spec.mask is None else (
+        "B" if spec.mask.shape[0] > 1 else None, "N" if spec.mask.shape[1] > 1 else None,
+        None, None)
+    masks = {"q_offset": ("B",), "q_segment_ids": ("B", None), "kv_segment_ids": ("B", None),
+             "kv_lengths": ("B",), "mask": dense}
+    masks = {name: r for name, r in masks.items() if getattr(spec, name) is not None}
+    local = dataclasses.replace(call, batch=call.batch // devices(split.batch),
+                                heads=call.heads // devices(split.heads),
+                                kv_heads=call.kv_heads // devices(split.heads))
+
+    def body(inputs, mask_arrays):
+        return fn(*inputs, dataclasses.replace(local, spec=dataclasses.replace(spec, **mask_arrays)))
+
+    in_specs = (tuple(split.spec(r) for r in roles),
+                {name: split.spec(r) for name, r in masks.items()})
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                         out_specs=split.spec(("B", None, "N", None)), check_vma=False)(
+        inputs, {name: getattr(spec, name) for name in masks})
