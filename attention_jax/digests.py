@@ -26,6 +26,7 @@ wherever the caller likes, e.g. checkpoint.py's background saver.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 from typing import Any, Callable
@@ -149,26 +150,26 @@ def start_state_digests(state, on_device: bool | None = None, gather: Gather = _
     e.g. through the coordination service, to finish off the main thread). `program`:
     the sums' program compiled ahead for this state's arrays (then they run on the
     devices, on CPU too)."""
-    leaves = tree_paths(state)
+    arrays, treedef = jax.tree_util.tree_flatten(state)
+    described = _described(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in arrays))
     if on_device is None:
-        on_device = program is not None or any(_on_accelerator(x) for _, x in leaves)
-    described = [(path, list(np.shape(x)), _dtype_name(x)) for path, x in leaves]
-    if on_device and all(isinstance(x, jax.Array) for _, x in leaves):
-        launched = (program or device_sums)([x for _, x in leaves])  # not waited for
-        leaves = None  # the returned function needs only the sums
+        on_device = program is not None or any(_on_accelerator(x) for x in arrays)
+    if on_device and all(isinstance(x, jax.Array) for x in arrays):
+        launched = (program or device_sums)(arrays)  # not waited for
+        arrays = None  # the returned function needs only the sums
 
         def sums() -> np.ndarray:
             return np.asarray(launched.addressable_data(0), np.uint64)
     else:
         def sums() -> np.ndarray:
-            mine = np.array([array_digest_partial(x) for _, x in leaves], np.uint64).reshape(-1, 2)
+            mine = np.array([array_digest_partial(x) for x in arrays], np.uint64).reshape(-1, 2)
             if jax.process_count() == 1:
                 return mine
             gathered = gather(mine.astype(np.uint32))
             return gathered.astype(np.uint64).sum(axis=0) % _MOD
 
     def finish() -> dict[str, dict[str, Any]]:
-        return {path: {"shape": shape, "dtype": dtype, "digest": f"{int(a):08x}{int(b):08x}"}
+        return {path: {"shape": list(shape), "dtype": dtype, "digest": f"{int(a):08x}{int(b):08x}"}
                 for (path, shape, dtype), (a, b) in zip(described, sums())}
     return finish
 
@@ -179,10 +180,28 @@ def state_digests(state, on_device: bool | None = None) -> dict[str, dict[str, A
     return start_state_digests(state, on_device)()
 
 
-def _dtype_name(x) -> str:
+def _dtype_of(x):
     dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return str(np.asarray(x).dtype)
+    return np.asarray(x).dtype if dtype is None else dtype
+
+
+@functools.lru_cache(maxsize=16)
+def _described(treedef, shapes: tuple) -> tuple[tuple[str, tuple, str], ...]:
+    """(path, shape, dtype name) of each array of a state of this structure, shapes and
+    dtypes: worked out once, since a save asks on the thread that launches the training
+    steps, and naming paths and dtypes is Python work per array."""
+    described = jax.tree_util.tree_unflatten(treedef, [_Leaf(*x) for x in shapes])
+    return tuple((path, x.shape, _dtype_name(x.dtype)) for path, x in tree_paths(described))
+
+
+class _Leaf:
+    """An array's shape and dtype, where the array was in the tree (not a pytree node)."""
+
+    def __init__(self, shape: tuple, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def _dtype_name(dtype) -> str:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return str(dtype)  # e.g. key<fry>: a typed PRNG key
     return str(np.dtype(dtype))

@@ -368,6 +368,22 @@ def test_digest_is_the_same_for_every_sharding():
         assert digests.state_digests({"x": y}) == want, spec
 
 
+def test_the_arrays_names_and_dtypes_are_worked_out_once_per_structure():
+    """A save describes the state on the thread that launches the steps: the same
+    structure, shapes and dtypes reuse the description (a Python int, numpy scalars and a
+    typed PRNG key named as before); another dtype gets its own."""
+    state = {"w": jnp.ones((3, 2)), "n": 5, "s": np.float32(2.5), "key": jax.random.key(1)}
+    first = digests.state_digests(state)
+    assert {k: (v["shape"], v["dtype"]) for k, v in first.items()} == {
+        "w": ([3, 2], "float32"), "n": ([], "int64"), "s": ([], "float32"),
+        "key": ([], "key<fry>")}
+    hits = digests._described.cache_info().hits
+    again = digests.state_digests({**state, "w": jnp.zeros((3, 2))})
+    assert digests._described.cache_info().hits == hits + 1
+    assert again["w"]["digest"] != first["w"]["digest"] and again["n"] == first["n"]
+    assert digests.state_digests({**state, "w": jnp.ones((3, 2), jnp.bfloat16)})["w"]["dtype"] == "bfloat16"
+
+
 def test_digest_computed_on_the_devices_equals_the_host_one():
     """The accelerator path (one jitted program over the sharded arrays) gives the numpy
     digests, for every dtype a train state holds and several layouts; forced here, on
