@@ -152,3 +152,22 @@ def test_splash_splits_the_same_way():
         split = lambda *a: loss(*a, batch_axes=("data",), head_axes=("tensor",))  # noqa: E731
         assert "shard_map" in str(jax.make_jaxpr(split)(q, k, v))
         _close(jax.jit(lambda *a: _grads(split, a))(q, k, v), whole)
+
+
+def test_the_layer_splits_as_the_logical_rules_say():
+    """MultiHeadAttention under a mesh and the trainer's logical rules hands the kernels
+    the batch's and the heads' mesh axes: they run per device, packed q, k, v included."""
+    import flax.linen as nn
+
+    from attention_jax import sharding
+    from attention_jax.layers import MultiHeadAttention
+    x = jnp.ones((8, 16, 32))
+    layer = MultiHeadAttention(num_heads=4, causal=True, implementation="pallas")
+    params = layer.init(jax.random.PRNGKey(0), x)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        jaxpr = str(jax.make_jaxpr(lambda p: layer.apply(p, x)[0])(params))
+    # qkv [B, T, 3, N, H] and its bias [3, N, H]: the batch over data × fsdp, heads over tensor
+    # (and q_offset [B] with the batch)
+    assert ("in_specs=(P(('data', 'fsdp'), None, None, 'tensor', None), "
+            "P(None, 'tensor', None), P(('data', 'fsdp'),))") in jaxpr
