@@ -150,8 +150,8 @@ def start_state_digests(state, on_device: bool | None = None, gather: Gather = _
     e.g. through the coordination service, to finish off the main thread). `program`:
     the sums' program compiled ahead for this state's arrays (then they run on the
     devices, on CPU too)."""
-    arrays, treedef = jax.tree_util.tree_flatten(state)
-    described = _described(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in arrays))
+    arrays = jax.tree_util.tree_leaves(state)
+    described = describe(state)
     if on_device is None:
         on_device = program is not None or any(_on_accelerator(x) for x in arrays)
     if on_device and all(isinstance(x, jax.Array) for x in arrays):
@@ -185,11 +185,17 @@ def _dtype_of(x):
     return np.asarray(x).dtype if dtype is None else dtype
 
 
+def describe(state) -> tuple[tuple[str, tuple, str], ...]:
+    """(path, shape, dtype name) of each array of `state` (or abstract array), in tree
+    order: the digests' names, and packed_state's layout. Worked out once per tree
+    structure, shapes and dtypes, since a save asks on the thread that launches the
+    training steps, and naming paths and dtypes is Python work per array."""
+    arrays, treedef = jax.tree_util.tree_flatten(state)
+    return _described(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in arrays))
+
+
 @functools.lru_cache(maxsize=16)
 def _described(treedef, shapes: tuple) -> tuple[tuple[str, tuple, str], ...]:
-    """(path, shape, dtype name) of each array of a state of this structure, shapes and
-    dtypes: worked out once, since a save asks on the thread that launches the training
-    steps, and naming paths and dtypes is Python work per array."""
     described = jax.tree_util.tree_unflatten(treedef, [_Leaf(*x) for x in shapes])
     return tuple((path, x.shape, _dtype_name(x.dtype)) for path, x in tree_paths(described))
 

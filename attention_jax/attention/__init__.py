@@ -250,8 +250,11 @@ def dot_product_attention(
                      q_offset=q_offset, scale=scale, block_q=block_q, block_k=block_k,
                      return_weights=return_weights, ring_inner=ring_inner)
     impl, _ = _choose(implementation, call, _platform())
-    heads = ("B", None, "N", None)  # q, k, v [B, T|S, N|K, H]
-    return _run(impl, _BY_NAME[impl].run, call, (q, k, v), (heads,) * 3, batch_axes, head_axes)
+    return _run(impl, _BY_NAME[impl].run, call, (q, k, v), _QKV_ROLES, batch_axes, head_axes)
+
+
+# q, k, v [B, T|S, N|K, H]: which dimensions are the batch and the heads (per_device.py)
+_QKV_ROLES = (("B", None, "N", None),) * 3
 
 
 def _run(impl: str, fn: Callable, call: AttentionCall, inputs: tuple, roles: tuple,
@@ -299,8 +302,7 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
                         (qkv,), packed[:1], batch_axes, head_axes)
         return _run(impl, _PACKED_RUN[impl], call, (qkv, bias), packed, batch_axes, head_axes)
     q, k, v = (qkv[:, :, c] if bias is None else qkv[:, :, c] + bias[c] for c in range(3))
-    heads = ("B", None, "N", None)
-    return _run(impl, _BY_NAME[impl].run, call, (q, k, v), (heads,) * 3, batch_axes, head_axes)
+    return _run(impl, _BY_NAME[impl].run, call, (q, k, v), _QKV_ROLES, batch_axes, head_axes)
 
 
 def reads_packed(qkv, *, implementation: str = "auto", **kwargs) -> bool:
