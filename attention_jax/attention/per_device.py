@@ -11,8 +11,8 @@ with a call record of those local sizes, and nothing crosses devices.
 Which mesh axes split the batch and the heads is the caller's to say (`batch_axes`,
 `head_axes` of `dot_product_attention`; the layers pass what the logical rules map
 "batch" and "heads" to). An axis of size 1, one already manual (inside a shard_map of the
-caller's) or a split that does not divide what it splits is left out: those rows or heads
-are then whole on each device, as XLA would have them.
+caller's) or a split that does not divide what it splits is left out, and said once: those
+rows or heads are then whole on each device, as XLA would have them.
 """
 
 from __future__ import annotations
@@ -57,19 +57,31 @@ def split_of(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence
         raise ValueError(f"batch_axes={tuple(batch_axes)}, head_axes={tuple(head_axes)} name "
                          f"{unknown}, which the mesh does not have; its axes: {mesh.axis_names}")
 
-    def usable(names, *sizes):
+    def usable(what, names, *sizes):
         names = tuple(a for a in names if a in free)
         devices = math.prod(free[a] for a in names)
-        return names if names and all(s % devices == 0 for s in sizes) else ()
+        if names and any(s % devices for s in sizes):
+            _warn_once((backend, what, sizes, names),
+                       "attention %r: %s %s do not divide over mesh axes %s (%d devices): "
+                       "each device computes all of them", backend, what, sizes, names, devices)
+            return ()
+        return names
 
-    split = Split(usable(batch_axes, call.batch), usable(head_axes, call.heads, call.kv_heads))
-    if not split.batch and not split.heads and backend not in _warned:
-        _warned.add(backend)
-        logging.getLogger(__name__).warning(
-            "attention %r under a mesh of %d devices with nothing to split it by (batch_axes="
-            "%s, head_axes=%s): XLA gathers q, k, v whole onto every device, and each computes "
-            "the whole call", backend, mesh.size, tuple(batch_axes), tuple(head_axes))
-    return split if split.batch or split.heads else None
+    split = Split(usable("batch", batch_axes, call.batch),
+                  usable("heads", head_axes, call.heads, call.kv_heads))
+    if not split.batch and not split.heads:
+        _warn_once(backend, "attention %r under a mesh of %d devices with nothing to split it "
+                   "by (batch_axes=%s, head_axes=%s): XLA gathers q, k, v whole onto every "
+                   "device, and each computes the whole call", backend, mesh.size,
+                   tuple(batch_axes), tuple(head_axes))
+        return None
+    return split
+
+
+def _warn_once(key, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger(__name__).warning(message, *args)
 
 
 def run(fn: Callable, call: AttentionCall, split: Split, inputs: tuple,

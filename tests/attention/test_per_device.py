@@ -86,6 +86,21 @@ def test_what_does_not_divide_runs_whole_and_says_so(caplog):
         assert "shard_map" not in str(jax.make_jaxpr(f)(q, k, v))
         np.testing.assert_allclose(jax.jit(f)(q, k, v), whole, rtol=1e-6, atol=1e-6)
         assert "each computes the whole call" in caplog.text
+        assert "batch (6,) do not divide over mesh axes ('data',) (4 devices)" in caplog.text
+        # Heads that divide still split where the batch does not, and it says which.
+        q4, k4, v4 = (jnp.asarray(rng.standard_normal((5, 16, 4, 16)), jnp.float32)
+                      for _ in range(3))
+        caplog.clear()
+        g = lambda q, k, v: dot_product_attention(  # noqa: E731
+            q, k, v, causal=True, implementation="pallas", batch_axes=("data",),
+            head_axes=("tensor",))
+        assert "shard_map" in str(jax.make_jaxpr(g)(q4, k4, v4))
+        np.testing.assert_allclose(
+            jax.jit(g)(q4, k4, v4),
+            dot_product_attention(q4, k4, v4, causal=True, implementation="pallas"),
+            rtol=1e-6, atol=1e-6)
+        assert "batch (5,) do not divide over mesh axes ('data',)" in caplog.text
+        assert "heads" not in caplog.text and "whole call" not in caplog.text
         with pytest.raises(ValueError, match=r"name \['fsdp'\], which the mesh does not have; "
                                              r"its axes: \('data', 'tensor'\)"):
             dot_product_attention(q, k, v, implementation="pallas", batch_axes=("fsdp",))
