@@ -24,6 +24,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # With mesh.sequence > 1 (ring attention): the kernel on each chunk pair, "auto" or
     # one of attention.RING_INNER ("pallas", "splash", "blockwise").
     c.model.ring_inner = "auto"
+    # A block's residual add and the norm after it: "auto" (one Pallas kernel each way on
+    # NVIDIA GPUs, layers/norm_kernel.py), "xla" or "pallas" (layers/norms.py NORM_KERNELS).
+    c.model.norm_kernel = "auto"
 
     c.model.variant = args.variant  # a row of models/gpt.py VARIANTS.
     c.model.num_layers = 2

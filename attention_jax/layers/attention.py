@@ -93,6 +93,9 @@ class MultiHeadAttention(nn.Module):
       scale: the logits' multiplier (default 1/sqrt(H); 1.0 turns the scaling off, for the
         ablation that shows why it is there).
       fuse_qkv: one [D, 3, N, H] projection for self-attention when K == N.
+      defer_output_bias: return y without the output projection's bias and the bias in
+        aux["output_bias"], for the caller to add (a pre-norm block's next norm adds it in
+        its kernel as it reads y, layers/norms.py add_normalize).
       kernel_init: overrides the per-kernel fan-in initialiser (any shape-agnostic init).
     """
 
@@ -109,6 +112,7 @@ class MultiHeadAttention(nn.Module):
     rope_base: Optional[float] = None
     scale: Optional[float] = None
     fuse_qkv: bool = True
+    defer_output_bias: bool = False
     kernel_init: Optional[Callable] = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -137,7 +141,7 @@ class MultiHeadAttention(nn.Module):
         decode: use and update the "cache" collection (call with mutable=["cache"]).
         return_weights: also return weights [B, N, T, S] in aux (reference path).
         Returns (y [B, T, out_features or D], aux) with aux {"attention_weights": ...}
-        when asked, else {}.
+        when asked, and {"output_bias": [D]} with defer_output_bias and use_bias.
         """
         b, t, d = x.shape
         self_attention = context is None
@@ -159,9 +163,14 @@ class MultiHeadAttention(nn.Module):
             wo = self._param("out", (n, h, d_out), (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
                              (0, 1), 2)
             y = matmul(out, wo.astype(self.dtype), in_dims=2)  # [B, T, D]
-            y = y + self._bias("out_bias", (d_out,), (axes.EMBED,))
+            bias = self._bias("out_bias", (d_out,), (axes.EMBED,))
+            if self.defer_output_bias and self.use_bias:
+                aux["output_bias"] = bias
+            else:
+                y = y + bias
             return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED))
 
+        aux = {}
         # Where the kernels are ones XLA cannot partition, they run split as these say.
         split = dict(batch_axes=mesh_axes(axes.BATCH), head_axes=mesh_axes(axes.HEADS))
         masks = dict(causal=self.causal and self_attention, window=self.window,
@@ -179,7 +188,7 @@ class MultiHeadAttention(nn.Module):
                 out = packed_self_attention(qkv, bias if self.use_bias else None,
                                             implementation=self.implementation,
                                             **split, **masks)
-                return output(out), {}
+                return output(out), aux
             q, k, v = (project(x, w, bias, c) for c in range(3))  # each [B, T, N, H]
         else:
             src = x if self_attention else context.astype(self.dtype)
@@ -225,7 +234,6 @@ class MultiHeadAttention(nn.Module):
             q, k, v, q_offset=q_offset,
             implementation="reference" if return_weights else self.implementation,
             return_weights=return_weights, **split, **masks)
-        aux = {}
         if return_weights:
             out, aux["attention_weights"] = out  # [B, N, T, S]
         return output(out), aux

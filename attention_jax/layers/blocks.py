@@ -32,7 +32,7 @@ from attention_jax.attention import IMPLEMENTATIONS, RING_INNER
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP
 from attention_jax.layers.moe import MoE
-from attention_jax.layers.norms import NORMS, make_norm
+from attention_jax.layers.norms import NORM_KERNELS, NORMS, make_norm
 
 NORM_POSITIONS = ("pre", "post")
 REMAT_POLICIES = {
@@ -51,7 +51,9 @@ class BlockConfig:
     mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu" or "geglu" (gated; hidden
       mlp_dim, default ≈ 8D/3 rounded to swiglu_multiple) or "moe" (num_experts, top_k,
       capacity_factor; hidden mlp_dim).
-    norm: "layernorm" | "rmsnorm"; norm_position: "pre" | "post".
+    norm: "layernorm" | "rmsnorm"; norm_position: "pre" | "post"; norm_kernel: how a
+      pre-norm block adds a sublayer's output and normalises the sum (norms.NORM_KERNELS:
+      "auto" takes the one-kernel add and norm of layers/norm_kernel.py on NVIDIA GPUs).
     causal: causal self-attention (decoders). cross_attention: add a cross-attention
       sublayer over a context (encoder-decoder decoders).
     dropout_rate: residual dropout on each sublayer's output (Vaswani §5.4) and in the MLP.
@@ -71,6 +73,7 @@ class BlockConfig:
     norm: str = "layernorm"
     norm_position: str = "pre"
     norm_epsilon: float = 1e-6
+    norm_kernel: str = "auto"
     causal: bool = False
     cross_attention: bool = False
     use_bias: bool = True
@@ -89,6 +92,7 @@ class BlockConfig:
 
     def __post_init__(self):
         choices = {"mlp": MLPS, "norm": NORMS, "norm_position": NORM_POSITIONS,
+                   "norm_kernel": NORM_KERNELS,
                    "activation": tuple(ACTIVATIONS), "implementation": IMPLEMENTATIONS,
                    "ring_inner": RING_INNER}
         for field, valid in choices.items():
@@ -134,28 +138,43 @@ class TransformerBlock(nn.Module):
 
         def norm(name):
             return make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
-                             dtype=dtype, param_dtype=param_dtype, name=name)
+                             dtype=dtype, param_dtype=param_dtype, kernel=cfg.norm_kernel,
+                             name=name)
+
+        dropping = cfg.dropout_rate > 0 and not deterministic
+        # Pre-norm: a sublayer's output y is added to the residual stream by the next
+        # sublayer's norm (one kernel on a GPU: norms.add_normalize), with the bias of the
+        # projection that made y when the sublayer left it apart (`defer_output_bias`); the last
+        # one is added at the end. Post-norm: x = norm(x + f(x)).
+        pending = (None, None)
 
         def residual(x, name, sublayer):
-            """Pre-norm: x + f(norm(x)); post-norm: norm(x + f(x))."""
-            inp = norm(f"{name}_norm")(x) if cfg.norm_position == "pre" else x
-            y, sub_aux = sublayer(inp)
-            y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
-            x = x + y
+            nonlocal pending
             if cfg.norm_position == "post":
-                x = norm(f"{name}_norm")(x)
+                y, sub_aux = sublayer(x)
+                y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+                x = norm(f"{name}_norm")(x + y)
+            else:
+                x, inp = norm(f"{name}_norm")(x, *pending, residual=True)
+                y, sub_aux = sublayer(inp)
+                y_bias = sub_aux.pop("output_bias", None) if isinstance(sub_aux, dict) else None
+                pending = (nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic), y_bias)
             return nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED)), sub_aux
+
+        # Attention's output bias is left apart where nothing comes between it and the next
+        # norm (no residual dropout): that norm's kernel adds it as it reads the output.
+        defer = dict(defer_output_bias=cfg.norm_position == "pre" and cfg.use_bias and not dropping)
 
         aux = {}
         self_attn = MultiHeadAttention(causal=causal, window=cfg.window, rope_base=cfg.rope_base,
-                                       name="self_attention", **common)
+                                       name="self_attention", **common, **defer)
         x, a = residual(x, "self_attention", lambda h: self_attn(
             h, positions=positions, segment_ids=segment_ids, kv_mask=kv_mask, decode=decode,
             **calls))
         if return_weights:
             aux["self_attention_weights"] = a["attention_weights"]
         if cross:
-            cross_attn = MultiHeadAttention(name="cross_attention", **common)
+            cross_attn = MultiHeadAttention(name="cross_attention", **common, **defer)
             x, a = residual(x, "cross_attention", lambda h: cross_attn(
                 h, context, kv_mask=context_mask, decode=decode, **calls))
             if return_weights:
@@ -180,7 +199,10 @@ class TransformerBlock(nn.Module):
                           use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
                           param_dtype=param_dtype, name="mlp")
             x, _ = residual(x, "mlp", lambda h: (ffn(h, deterministic=deterministic), None))
-        return x, aux
+        y, y_bias = pending
+        if y is not None:
+            x = x + (y if y_bias is None else y + y_bias.astype(y.dtype))
+        return nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux
 
 
 class EncoderBlock(TransformerBlock):

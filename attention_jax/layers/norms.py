@@ -15,6 +15,11 @@ per-row statistics, and its backward recomputes x̂ from them in float32:
 
 (RMSNorm: μ = 0 and no mean(ĝ) term.) The memory this saves is measured with XLA's
 compiled memory analysis (README, Measurements behind the code; tests/layers/test_norms.py asserts it is less).
+
+A pre-norm block adds a sublayer's output to the residual stream and normalises the sum
+for the next sublayer: `add_normalize` (and the modules called with y) does both, as
+XLA's ops or, on NVIDIA GPUs, as the kernels of layers/norm_kernel.py (the add, the
+projection's bias and the norm in one kernel each way; NORM_KERNELS).
 """
 
 from __future__ import annotations
@@ -27,8 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.attention.call import target_backend
+from attention_jax.layers import norm_kernel
+from attention_jax.layers.logical import mesh_axes
 
 NORMS = ("layernorm", "rmsnorm")
+# How add_normalize computes: "xla" as XLA's ops (normalize); "pallas" the kernels of
+# norm_kernel.py; "auto" pallas on NVIDIA GPUs (or compiling for them) where the rows
+# divide into its programs and the mesh leaves the features whole, xla elsewhere.
+NORM_KERNELS = ("auto", "xla", "pallas")
 
 
 def normalize(x, scale, bias=None, *, centered: bool = True, epsilon: float = 1e-6,
@@ -84,6 +96,41 @@ def _normalize_backward(centered, epsilon, dtype, residuals, g):
 _normalize.defvjp(_normalize_forward, _normalize_backward)
 
 
+def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
+    """"xla" or "pallas" for `kernel` (NORM_KERNELS) and an x of this shape and dtype."""
+    if kernel not in NORM_KERNELS:
+        raise ValueError(f"norm kernel {kernel!r} is unknown; valid: {NORM_KERNELS}")
+    why = norm_kernel.unsupported(tuple(x_shape), d_split=bool(mesh_axes(axes.EMBED)))
+    if kernel == "pallas" and why:
+        raise ValueError(f"norm_kernel='pallas' cannot take x {tuple(x_shape)} here: {why}; "
+                         f"valid: norm_kernel 'auto' or 'xla'")
+    if kernel != "auto":
+        return kernel
+    unsuited = target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64 or len(x_shape) < 2
+    return "xla" if unsuited or why else "pallas"
+
+
+def add_normalize(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = True,
+                  epsilon: float = 1e-6, dtype: Any = None, kernel: str = "auto"):
+    """(r, normalize(r, scale, bias)) with r = x + y + y_bias: a residual add and the norm
+    after it (y None: r = x). y_bias [D] is the bias of the projection that made y, kept
+    apart so the kernel adds it as it loads y. kernel: NORM_KERNELS."""
+    choice = choose_norm_kernel(kernel, x.shape, x.dtype)
+    if choice == "pallas" and (kernel == "pallas" or y is None or y.dtype == x.dtype):
+        return norm_kernel.add_norm(x, y, y_bias, scale, bias, centered=centered,
+                                    epsilon=epsilon, dtype=dtype)
+    r = x
+    if y is not None:
+        r = x + (y if y_bias is None else y + y_bias.astype(y.dtype))
+    return r, normalize(r, scale, bias, centered=centered, epsilon=epsilon, dtype=dtype)
+
+
+def _no_addend(y, y_bias):
+    if y is not None or y_bias is not None:
+        raise ValueError("a norm called with y or y_bias adds them to x: call it with "
+                         "residual=True, which returns (x + y + y_bias, its norm)")
+
+
 def _norm_param(module: nn.Module, name: str, init, d: int):
     return module.param(name, nn.with_logical_partitioning(init, (axes.NORM,)), (d,),
                         module.param_dtype)
@@ -96,13 +143,19 @@ class LayerNorm(nn.Module):
     use_bias: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    kernel: str = "auto"  # NORM_KERNELS, for a call with residual=True
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, y=None, y_bias=None, *, residual: bool = False):
+        """norm(x); with residual=True (r, norm(r)), r = x + y + y_bias (add_normalize)."""
         d = x.shape[-1]
         scale = _norm_param(self, "scale", nn.initializers.ones, d)
         bias = _norm_param(self, "bias", nn.initializers.zeros, d) if self.use_bias else None
-        return normalize(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+        if not residual:
+            _no_addend(y, y_bias)
+            return normalize(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+        return add_normalize(x, y, y_bias, scale, bias, epsilon=self.epsilon, dtype=self.dtype,
+                             kernel=self.kernel)
 
 
 class RMSNorm(nn.Module):
@@ -111,26 +164,34 @@ class RMSNorm(nn.Module):
     epsilon: float = 1e-6
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    kernel: str = "auto"  # NORM_KERNELS, for a call with residual=True
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, y=None, y_bias=None, *, residual: bool = False):
+        """norm(x); with residual=True (r, norm(r)), r = x + y + y_bias (add_normalize)."""
         scale = _norm_param(self, "scale", nn.initializers.ones, x.shape[-1])
-        return normalize(x, scale, centered=False, epsilon=self.epsilon, dtype=self.dtype)
+        if not residual:
+            _no_addend(y, y_bias)
+            return normalize(x, scale, centered=False, epsilon=self.epsilon, dtype=self.dtype)
+        return add_normalize(x, y, y_bias, scale, centered=False, epsilon=self.epsilon,
+                             dtype=self.dtype, kernel=self.kernel)
 
 
 def make_norm(kind: str, *, epsilon: float = 1e-6, use_bias: bool = True,
               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-              name: str | None = None) -> nn.Module:
+              kernel: str = "auto", name: str | None = None) -> nn.Module:
     """A LayerNorm or RMSNorm over the last axis, its scale (and bias) on the NORM axis.
 
     kind: "layernorm" (centre and scale, learned scale and bias) or "rmsnorm" (scale by
       the root mean square only: no mean, no bias; cheaper, used by LLaMA-style models).
     use_bias: LayerNorm only; RMSNorm has no bias by definition.
     Statistics are computed in float32 even when `dtype` is lower precision.
+    kernel: NORM_KERNELS, how a call with residual=True computes (add_normalize).
     """
     if kind not in NORMS:
         raise ValueError(f"norm={kind!r} is unknown; valid: {NORMS}")
     if kind == "layernorm":
         return LayerNorm(epsilon=epsilon, use_bias=use_bias, dtype=dtype,
-                         param_dtype=param_dtype, name=name)
-    return RMSNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)
+                         param_dtype=param_dtype, kernel=kernel, name=name)
+    return RMSNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, kernel=kernel,
+                   name=name)

@@ -61,6 +61,7 @@ class GPTConfig:
     norm: str = "layernorm"
     norm_epsilon: float = 1e-5
     norm_position: str = "pre"  # "pre" (GPT-2) | "post" (GPT-1, Vaswani et al.)
+    norm_kernel: str = "auto"  # residual add + norm: layers/norms.py NORM_KERNELS
     attention_scale: Optional[float] = None  # logits multiplier; None = 1/sqrt(head dim)
     position: str = "learned"  # "learned" | "sinusoidal" | "rope"
     rope_base: float = 10000.0
@@ -97,7 +98,8 @@ class GPTConfig:
         return BlockConfig(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp=self.mlp,
             mlp_dim=self.mlp_dim, activation=self.activation, norm=self.norm,
-            norm_epsilon=self.norm_epsilon, norm_position=self.norm_position, causal=True,
+            norm_epsilon=self.norm_epsilon, norm_position=self.norm_position,
+            norm_kernel=self.norm_kernel, causal=True,
             use_bias=self.use_bias, dropout_rate=self.dropout_rate,
             implementation=self.implementation, ring_inner=self.ring_inner,
             rope_base=self.rope_base if self.position == "rope" else None,

@@ -14,7 +14,8 @@ read here into:
   kernels       each launch of the entry computation by kind: matmuls (cuBLAS calls and
                 XLA's Triton GEMM fusions), attention (the Pallas kernels' Triton calls,
                 cuDNN's), memory-bound (every other fusion, copy, scatter, reduction, and
-                the loss's Pallas kernels, models/loss_kernel.py: `--loss-kernel`)
+                the Pallas kernels of the loss, models/loss_kernel.py: `--loss-kernel`,
+                and of the residual add and norm, layers/norm_kernel.py)
   bytes         what each memory-bound kernel reads and writes: its operands and results,
                 an operand that the kernel only slices counted as its slices, one handed
                 to it twice counted once; the sum at
@@ -145,8 +146,10 @@ def kernel_kind(op: str, line: str) -> str:
     if op == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', line)
         target = target.group(1).lower() if target else ""
-        if "cross_entropy" in line:  # the loss's Pallas kernels (loss_kernel.py): a pass
-            return "memory"          # through the logits, as XLA's reductions are
+        # The loss's Pallas kernels (loss_kernel.py: a pass through the logits) and the
+        # residual add and norm's (layers/norm_kernel.py): what XLA's fusions did there.
+        if "cross_entropy" in line or "add_norm" in line:
+            return "memory"
         if "fmha" in target or "cudnn" in target or "triton" in target:
             return "attention"  # cuDNN's fused attention, the Pallas kernels (Triton calls)
         if "gemm" in target or "matmul" in target:

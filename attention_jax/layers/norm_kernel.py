@@ -1,0 +1,341 @@
+"""A residual add and the LayerNorm (or RMSNorm) after it as one Pallas kernel each way
+(Triton on NVIDIA GPUs; interpret mode elsewhere, slow, for tests).
+
+    r, n = add_norm(x, y, y_bias, scale, bias)     # r = x + y + y_bias, n = norm(r)
+
+Why: in a pre-norm block the residual stream goes r = x + attention(...) and then
+straight into the MLP's norm, and XLA spends three kernels on it (the add with the row
+statistics, their rsqrt, the normalisation: r written and read back) and four or five on
+its backward (row sums, the scale's and bias's partial sums, the residual gradient's add).
+Compiled for an H100 (`bench gpu-hlo`), GPT-2 small's 24 norms moved about 7 GB a step
+that way: 126 MB for each forward at batch 16, 178 for each backward. Here:
+  forward   reads x, y (and the bias of the projection that made y: it is added here,
+            not in a kernel of its own), writes r, n and two floats a row;
+  backward  reads dn, r, the gradient that reached r along the residual path (dr) and the
+            row statistics, writes dr + d(norm)/dr once (x's and y's gradient alike) and
+            per program partial column sums for the scale's, the bias's and y_bias's
+            gradients, summed by XLA after (a few MB).
+The row statistics are taken from r as stored (rounded to x's dtype), so the backward
+recomputes x̂ from what it reads; the variance is centred, Σ(r - μ)²/D, computed from the
+row held in registers. Rows go through a program R at a time, D in pieces of powers of
+two (Triton's loads have power-of-two sizes): 768 = 512 + 256.
+
+`add_norm` is for XLA-compiled callers: on several devices it runs under a shard_map over
+the rows (the logical rules' batch and length axes); the features D must be whole on
+each device. layers/norms.py `add_normalize` chooses between it and XLA's ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+from attention_jax import axes
+from attention_jax.attention.call import target_backend
+from attention_jax.layers.logical import mesh_axes
+
+ROWS = 8          # rows a program holds in registers at a time
+PROGRAM_ROWS = 64  # rows a backward program walks (its partial column sums cover them)
+NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    d: int
+    centered: bool
+    epsilon: float
+    out_dtype: str
+    has_y: bool
+    has_y_bias: bool
+    has_bias: bool
+    rows: int          # R: rows per step of a program
+    program_rows: int  # backward: rows per program
+    interpret: bool
+
+    @property
+    def pieces(self) -> tuple[tuple[int, int], ...]:
+        """[(start, size)] of D in descending powers of two."""
+        out, start, size = [], 0, 1 << (self.d.bit_length() - 1)
+        while start < self.d:
+            if start + size <= self.d:
+                out.append((start, size))
+                start += size
+            size //= 2
+        return tuple(out)
+
+
+def _pow2_divisor(m: int, most: int) -> int:
+    """The largest power of two <= most that divides m."""
+    size = most
+    while m % size:
+        size //= 2
+    return size
+
+
+# ------------------------------------------------------------------------------ kernels
+def _row_stats(st: _Static, pieces):
+    """(mean, rstd) [R] of a block's rows held as pieces [R, w] float32."""
+    f32 = jnp.float32
+    if st.centered:
+        mean = sum(jnp.sum(p, axis=1) for p in pieces) / st.d
+        var = sum(jnp.sum(jnp.square(p - mean[:, None]), axis=1) for p in pieces) / st.d
+    else:
+        mean = jnp.zeros((pieces[0].shape[0],), f32)
+        var = sum(jnp.sum(jnp.square(p), axis=1) for p in pieces) / st.d
+    return mean, lax.rsqrt(var + st.epsilon)
+
+
+def _forward_kernel(*refs, st: _Static):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    y_ref = refs.pop(0) if st.has_y else None
+    yb_ref = refs.pop(0) if st.has_y_bias else None
+    scale_ref = refs.pop(0)
+    bias_ref = refs.pop(0) if st.has_bias else None
+    r_ref = refs.pop(0) if st.has_y else None
+    n_ref, mean_ref, rstd_ref = refs
+    f32 = jnp.float32
+
+    rs = []
+    for start, size in st.pieces:
+        cols = pl.ds(start, size)
+        r = x_ref[:, cols].astype(f32)
+        if y_ref is not None:
+            r = r + y_ref[:, cols].astype(f32)
+            if yb_ref is not None:
+                r = r + yb_ref[cols].astype(f32)[None, :]
+            r = r.astype(r_ref.dtype)
+            r_ref[:, cols] = r
+        rs.append(r.astype(f32))
+    mean, rstd = _row_stats(st, rs)
+    for (start, size), r in zip(st.pieces, rs):
+        cols = pl.ds(start, size)
+        n = (r - mean[:, None]) * rstd[:, None] * scale_ref[cols].astype(f32)[None, :]
+        if bias_ref is not None:
+            n = n + bias_ref[cols].astype(f32)[None, :]
+        n_ref[:, cols] = n.astype(n_ref.dtype)
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
+
+
+def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, scale_ref, dr_ref, dx_ref,
+                     dscale_ref, dbias_ref, dyb_ref, *, st: _Static):
+    f32 = jnp.float32
+    widths = [size for _, size in st.pieces]
+
+    def step(j, sums):
+        rows = pl.ds(pl.multiple_of(j * st.rows, st.rows), st.rows)
+        mean, rstd = mean_ref[rows], rstd_ref[rows]
+        dns, xhats, c1, c2 = [], [], 0.0, 0.0
+        for start, size in st.pieces:
+            cols = pl.ds(start, size)
+            dn = dn_ref[rows, cols].astype(f32)
+            xhat = (r_ref[rows, cols].astype(f32) - mean[:, None]) * rstd[:, None]
+            g = dn * scale_ref[cols].astype(f32)[None, :]
+            c1 = c1 + jnp.sum(g * xhat, axis=1)
+            c2 = c2 + jnp.sum(g, axis=1)
+            dns.append(dn)
+            xhats.append(xhat)
+        c1, c2 = c1 / st.d, c2 / st.d
+        ds, db, dyb = sums
+        ds, db, dyb = list(ds), list(db), list(dyb)
+        for p, (start, size) in enumerate(st.pieces):
+            cols = pl.ds(start, size)
+            g = dns[p] * scale_ref[cols].astype(f32)[None, :]
+            dx = g - xhats[p] * c1[:, None]
+            if st.centered:
+                dx = dx - c2[:, None]
+            dx = dx * rstd[:, None] + dr_ref[rows, cols].astype(f32)
+            dx_ref[rows, cols] = dx.astype(dx_ref.dtype)
+            ds[p] = ds[p] + jnp.sum(dns[p] * xhats[p], axis=0)
+            db[p] = db[p] + jnp.sum(dns[p], axis=0)
+            dyb[p] = dyb[p] + jnp.sum(dx, axis=0)
+        return tuple(ds), tuple(db), tuple(dyb)
+
+    zeros = tuple(jnp.zeros((w,), f32) for w in widths)
+    ds, db, dyb = lax.fori_loop(0, st.program_rows // st.rows, step, (zeros, zeros, zeros))
+    for p, (start, size) in enumerate(st.pieces):
+        cols = pl.ds(start, size)
+        dscale_ref[cols] = ds[p]
+        dbias_ref[cols] = db[p]
+        dyb_ref[cols] = dyb[p]
+
+
+def _compiler_params(st: _Static):
+    if st.interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
+    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+
+
+def _forward(st: _Static, x, y, y_bias, scale, bias):
+    """(r, n, mean, rstd) of x [M, D] and y [M, D] (and y_bias [D]); without y (n, mean,
+    rstd)."""
+    m = x.shape[0]
+    block = pl.BlockSpec((st.rows, st.d), lambda i: (i, 0))
+    vector = pl.BlockSpec((st.d,), lambda i: (0,))
+    stat = pl.BlockSpec((st.rows,), lambda i: (i,))
+    inputs = [a for a in (x, y, y_bias, scale, bias) if a is not None]
+    in_specs = [block] + [block] * st.has_y + [vector] * st.has_y_bias + [vector] + [vector] * st.has_bias
+    f32 = jax.ShapeDtypeStruct((m,), jnp.float32)
+    out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] * st.has_y
+                 + [jax.ShapeDtypeStruct(x.shape, jnp.dtype(st.out_dtype)), f32, f32])
+    out_specs = [block] * st.has_y + [block, stat, stat]
+    out = pl.pallas_call(
+        functools.partial(_forward_kernel, st=st), grid=(m // st.rows,),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_compiler_params(st), interpret=st.interpret, name="add_norm_forward",
+    )(*inputs)
+    return tuple(out)
+
+
+def _backward(st: _Static, dn, r, mean, rstd, scale, dr):
+    """(dr + d norm/dr [M, D] in r's dtype, partial sums [G, D] float32 of dn·x̂, dn and
+    the former): G = M / program_rows programs, each its rows' column sums."""
+    m = r.shape[0]
+    g = m // st.program_rows
+    block = pl.BlockSpec((st.program_rows, st.d), lambda i: (i, 0))
+    stat = pl.BlockSpec((st.program_rows,), lambda i: (i,))
+    vector = pl.BlockSpec((st.d,), lambda i: (0,))
+    partial = pl.BlockSpec((None, st.d), lambda i: (i, 0))
+    parts = jax.ShapeDtypeStruct((g, st.d), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, st=st), grid=(g,),
+        in_specs=[block, block, stat, stat, vector, block],
+        out_specs=[block, partial, partial, partial],
+        out_shape=[jax.ShapeDtypeStruct(r.shape, r.dtype), parts, parts, parts],
+        compiler_params=_compiler_params(st), interpret=st.interpret, name="add_norm_backward",
+    )(dn, r, mean, rstd, scale, dr.astype(r.dtype))
+
+
+# ----------------------------------------------------------------- the differentiable op
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _add_norm(st, x, y, y_bias, scale, bias):
+    return _add_norm_fwd(st, x, y, y_bias, scale, bias)[0]
+
+
+def _add_norm_fwd(st, x, y, y_bias, scale, bias):
+    out = _on_rows(functools.partial(_forward, st), (x, y), (y_bias, scale, bias))
+    r, n, mean, rstd = out if st.has_y else (x, *out)
+    return (r, n), (r, mean, rstd, scale, bias, y, y_bias)
+
+
+def _add_norm_bwd(st, residuals, cotangents):
+    r, mean, rstd, scale, bias, y, y_bias = residuals
+    dr, dn = cotangents
+    dx, dscale, dbias, dyb = _on_rows(functools.partial(_backward, st), (dn, r, mean, rstd, dr),
+                                      (scale,), order=(0, 1, 2, 3, 5, 4))
+    total = lambda p, like: None if like is None else p.sum(0).astype(like.dtype)  # noqa: E731
+    return (dx, None if y is None else dx.astype(y.dtype), total(dyb, y_bias),
+            total(dscale, scale), total(dbias, bias))
+
+
+_add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)
+
+
+def _on_rows(fn, rows, vectors, order=None):
+    """fn of loose rows: `rows` ([..., D] or the statistics [...]; None allowed) flattened
+    to [M, ...] and `vectors` ([D] or None) in the order `order` gives (rows then vectors
+    by default); its outputs ([M, ...] or partial sums [G, D]) have the rows' leading axes
+    given back. Under a mesh each device runs it on its own rows: a shard_map splitting
+    the leading axes as the logical rules split batch (axis 0) and length (axis 1); the
+    partial sums' G axis is then the devices' G's one after another."""
+    lead = rows[0].shape[:-1]
+
+    def local(rows, vectors):
+        m = math.prod(rows[0].shape[:-1])
+        flat = [None if a is None else a.reshape(m, *a.shape[len(lead):]) for a in rows]
+        args = [*flat, *vectors]
+        out = fn(*(args[i] for i in order) if order else args)
+        return tuple(a.reshape(*rows[0].shape[:-1], *a.shape[1:]) if a.shape[0] == m else a
+                     for a in out)
+
+    split = _split(lead)
+    if split is None:
+        return local(rows, vectors)
+    mesh = jax.sharding.get_abstract_mesh()
+    row_spec = lambda a: None if a is None else P(*split[:a.ndim])  # noqa: E731
+    out = jax.eval_shape(local, rows, vectors)
+    out_specs = tuple(P(*split[:a.ndim]) if a.shape[:len(lead)] == lead else P(tuple(
+        n for names in split if names for n in names)) for a in out)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tuple(map(row_spec, rows)), tuple(
+        None if v is None else P() for v in vectors)), out_specs=out_specs,
+        check_vma=False)(rows, vectors)
+
+
+def _split(lead) -> tuple | None:
+    """The mesh axes that split each leading axis (batch, length, then none), or None when
+    nothing splits (no mesh, one device, no rules)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    logical = (axes.BATCH, axes.LENGTH) + (None,) * len(lead)
+    split = tuple(mesh_axes(name) if name else () for name in logical[:len(lead)])
+    return None if not any(split) else tuple(s or None for s in split) + (None,)
+
+
+def rows_per_device(lead) -> int:
+    """The rows ([..., D]'s leading axes' product) each device holds under the mesh."""
+    split = _split(lead) or ()
+    mesh = jax.sharding.get_abstract_mesh()
+    m = math.prod(lead)
+    for names in split:
+        if names:
+            m //= math.prod(mesh.shape[a] for a in names)
+    return m
+
+
+def unsupported(x_shape, d_split: bool = False) -> str | None:
+    """Why add_norm cannot take an x of this shape here (None: it can)."""
+    lead = x_shape[:-1]
+    split = _split(lead) or ()
+    mesh = jax.sharding.get_abstract_mesh()
+    for size, names in zip(lead, split):
+        if names and size % math.prod(mesh.shape[a] for a in names):
+            return f"a leading axis of {size} does not divide over mesh axes {names}"
+    if rows_per_device(lead) % ROWS:
+        return f"{rows_per_device(lead)} rows per device, not a multiple of {ROWS}"
+    if d_split:
+        return "the mesh splits the features D"
+    return None
+
+
+def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = True,
+             epsilon: float = 1e-6, dtype=None, interpret=None):
+    """(r, n): r = x + y + y_bias (x itself without y), n = LayerNorm (centered) or RMSNorm
+    of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
+
+    x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
+    product) a multiple of 8 on each device. Differentiable in every array argument; the
+    backward takes the gradients reaching r (along the residual path) and n in one kernel.
+    interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
+    if scale is None or scale.shape != x.shape[-1:]:
+        raise ValueError(f"scale has shape {None if scale is None else scale.shape}; "
+                         f"valid: [D] = {x.shape[-1:]}")
+    for name, v in (("bias", bias), ("y_bias", y_bias)):
+        if v is not None and v.shape != x.shape[-1:]:
+            raise ValueError(f"{name} has shape {v.shape}; valid: [D] = {x.shape[-1:]} or None")
+    if y is not None and (y.shape != x.shape or y.dtype != x.dtype):
+        raise ValueError(f"y is {y.dtype}{list(y.shape)}; valid: x's shape and dtype, "
+                         f"{x.dtype}{list(x.shape)}")
+    if y is None and y_bias is not None:
+        raise ValueError("y_bias without y: valid only with y (the bias of y's projection)")
+    if x.ndim < 2:
+        raise ValueError(f"x has shape {x.shape}; valid: [..., D] with leading axes")
+    why = unsupported(x.shape)
+    if why:
+        raise ValueError(f"add_norm cannot take x {x.shape} here: {why}")
+    m = rows_per_device(x.shape[:-1])
+    interpret = target_backend() != "gpu" if interpret is None else bool(interpret)
+    st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
+                 out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
+                 has_y_bias=y_bias is not None, has_bias=bias is not None, rows=ROWS,
+                 program_rows=_pow2_divisor(m, PROGRAM_ROWS), interpret=interpret)
+    return _add_norm(st, x, y, y_bias, scale, bias)
