@@ -606,10 +606,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     dk, dv = _loop(st, _intersect(ranges, r.seg_ranges), tile, init)
     dk = dk * st.scale  # S = scale · Q Kᵀ
     if st.packed:  # the whole [B, T, 3, N, H] gradient: this program's tiles of slots 1, 2
-        (grad_ref,) = r.rest
+        grad_ref, *bias_refs = r.rest
         keys, h = pl.ds(j * bk, bk), pl.program_id(2)
         grad_ref[b, keys, 1, h, :] = dk.astype(grad_ref.dtype)
         grad_ref[b, keys, 2, h, :] = dv.astype(grad_ref.dtype)
+        if st.biased:  # the k and v biases' gradients: this block's sums over its real keys
+            _store_row_sums(bias_refs, (dk, dv), k_pos < st.kv_len)
         return
     dk_ref, dv_ref = r.rest
     dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -619,7 +621,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
     bk = st.blocks.fwd_k
     r = _Refs(st, refs)
-    dq_ref = r.rest[-1]  # packed: after the dK/dV kernel's gradient, which it aliases
+    # Packed: the outputs come after the dK/dV kernel's gradient, which dq_ref aliases,
+    # and with a bias the q bias's partial sums after dq.
+    dq_ref, *bias_refs = r.rest[-2:] if st.packed and st.biased else r.rest[-1:]
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
     q, do = _biased(q_ref[...], r.q_bias), do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -635,8 +639,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = block.walk(tile, jnp.zeros(q.shape, _acc(q.dtype)))
-    dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+    dq = block.walk(tile, jnp.zeros(q.shape, _acc(q.dtype))) * st.scale
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    if bias_refs:  # the q bias's gradient: this block's sum over its real queries
+        rows = (nq - 1 - pl.program_id(0)) * q.shape[0] + lax.iota(jnp.int32, q.shape[0])
+        _store_row_sums(bias_refs, (dq,), rows < st.q_len)
+
+
+def _store_row_sums(refs, tiles, real):
+    """Each [rows, H] accumulator tile's sum over its `real` rows into its ref [H]: a
+    program's share of the bias gradient, which the tile's rows all had added."""
+    for ref, tile in zip(refs, tiles):
+        ref[...] = jnp.sum(jnp.where(real[:, None], tile, 0.0), axis=0).astype(ref.dtype)
 
 
 # ----------------------------------------------------------------------------- launches
@@ -768,8 +782,11 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
         backward=True)
     kv_dtype = grad_dtype or k.dtype
     if st.packed:  # each program stores its tiles of dk and dv into the whole gradient
-        out_specs = pl.BlockSpec(q.shape, lambda *_: (0,) * q.ndim)
-        out_shape = jax.ShapeDtypeStruct(q.shape, kv_dtype)
+        out_specs = [pl.BlockSpec(q.shape, lambda *_: (0,) * q.ndim)]
+        out_shape = [jax.ShapeDtypeStruct(q.shape, kv_dtype)]
+        if st.biased:  # and its sums of them for the k and v biases: [B, key blocks, N, H]
+            out_specs += [pl.BlockSpec((None, None, None, hp), lambda j, b, h: (b, j, h, 0))] * 2
+            out_shape += [jax.ShapeDtypeStruct((bsz, nk, n, hp), _acc(q.dtype))] * 2
     else:
         out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
                      pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))]
@@ -791,6 +808,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
         interpret=st.interpret, name="flash_backward_dkdv",
     )(q, k, v, d_out, lse, delta, *inputs, *bias_inputs)
     if st.packed:  # the dQ kernel writes slot 0 of the same array
+        grads, *kv_bias_sums = grads
         grad_inputs = [grads]
     else:
         (dk, dv), grad_inputs = grads, []
@@ -805,7 +823,11 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
     inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
     inputs = [q, k, v, d_out, lse, delta, *inputs, *bias_inputs, *grad_inputs]
     dq_spec = _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h))
-    dq = pl.pallas_call(
+    out_specs, out_shape = [dq_spec], [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
+    if st.packed and st.biased:  # the q bias's sums: [B, query blocks, N, H]
+        out_specs.append(pl.BlockSpec((None, None, None, hp), lambda i, b, h: (b, rev(i), h, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((bsz, nq, n, hp), _acc(q.dtype)))
+    dq, *q_bias_sums = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
         in_specs=[
@@ -816,14 +838,17 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
             *specs, *bias_specs, *([dq_spec] if st.packed else [])],
-        out_specs=dq_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype),
+        out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={len(inputs) - 1: 0} if st.packed else {},
         compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
         interpret=st.interpret, name="flash_backward_dq",
     )(*inputs)
     if st.packed:
-        return dq  # [B, T, 3, N, H]: dq, dk, dv in their slots
+        # [B, T, 3, N, H]: dq, dk, dv in their slots; with a bias, its gradient [3, N, H]
+        # from the programs' sums (in the accumulators' precision, before rounding).
+        d_bias = None if not st.biased else jnp.stack(
+            [part.sum((0, 1)) for part in (*q_bias_sums, *kv_bias_sums)])
+        return dq, d_bias
     return dq, dk, dv
 
 
@@ -862,12 +887,11 @@ def _flash_packed_fwd(st, qkv, bias, arrays):
 
 def _flash_packed_bwd(st, residuals, d_out):
     qkv, bias, arrays, out, lse = residuals
-    grad = _backward(st, qkv, qkv, qkv, arrays, out, lse, d_out, bias=bias)
-    # The bias was added to every row of q, k and v: its gradient sums theirs, over the
-    # real rows only (a padded key's tiles are computed, then cut off).
-    d_bias = None if bias is None else (
-        grad[:, :st.q_len].sum((0, 1), dtype=_acc(bias.dtype)).astype(bias.dtype))
-    return grad, d_bias, jax.tree.map(lambda _: None, arrays)
+    # The bias was added to every row of q, k and v: its gradient sums theirs over the
+    # real rows, which the kernels do as they write them (no second pass through them).
+    grad, d_bias = _backward(st, qkv, qkv, qkv, arrays, out, lse, d_out, bias=bias)
+    return grad, None if bias is None else d_bias.astype(bias.dtype), jax.tree.map(
+        lambda _: None, arrays)
 
 
 _flash_packed.defvjp(_flash_packed_fwd, _flash_packed_bwd)
