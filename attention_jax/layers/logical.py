@@ -12,9 +12,19 @@ import jax
 def mesh_axes(logical: str) -> tuple[str, ...]:
     """The ambient mesh's axes of size > 1 that `logical` maps to under the current logical
     rules (() without a mesh or rules)."""
+    return array_mesh_axes((logical,))[0]
+
+
+def array_mesh_axes(logical: tuple) -> tuple[tuple[str, ...], ...]:
+    """mesh_axes of each dimension of an array whose dimensions are `logical` (None: no
+    logical axis), as the rules map them for that array: a mesh axis one dimension takes
+    is not given to another (activations [batch, length, embed] keep embed whole where
+    batch takes the fsdp axis that embed maps to in parameters)."""
     rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
-        return ()
-    names = nn.logical_to_mesh_axes((logical,), rules)[0]
-    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
-    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+        return ((),) * len(logical)
+    out = []
+    for names in nn.logical_to_mesh_axes(tuple(logical), rules):
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        out.append(tuple(a for a in names if mesh.shape.get(a, 1) > 1))
+    return tuple(out)

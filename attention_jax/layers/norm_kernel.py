@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from attention_jax import axes
 from attention_jax.attention.call import target_backend
-from attention_jax.layers.logical import mesh_axes
+from attention_jax.layers.logical import array_mesh_axes
 
 ROWS = 8          # rows a program holds in registers at a time
 PROGRAM_ROWS = 64  # rows a backward program walks (its partial column sums cover them)
@@ -270,15 +270,26 @@ def _on_rows(fn, rows, vectors, order=None):
         check_vma=False)(rows, vectors)
 
 
+def _logical(ndim: int) -> tuple:
+    """The logical axes of an activation [..., D]: batch, length, the rest none, embed."""
+    lead = ((axes.BATCH, axes.LENGTH) + (None,) * ndim)[:ndim - 1]
+    return lead + (axes.EMBED,)
+
+
 def _split(lead) -> tuple | None:
-    """The mesh axes that split each leading axis (batch, length, then none), or None when
-    nothing splits (no mesh, one device, no rules)."""
+    """The mesh axes that split each leading axis (batch, length, then none) of an
+    activation [*lead, D], and None for D; None when nothing splits (no mesh, one device,
+    no rules)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return None
-    logical = (axes.BATCH, axes.LENGTH) + (None,) * len(lead)
-    split = tuple(mesh_axes(name) if name else () for name in logical[:len(lead)])
+    split = array_mesh_axes(_logical(len(lead) + 1))[:-1]
     return None if not any(split) else tuple(s or None for s in split) + (None,)
+
+
+def features_split(ndim: int) -> tuple[str, ...]:
+    """The mesh axes the rules split an activation's features D over (() when whole)."""
+    return array_mesh_axes(_logical(ndim))[-1]
 
 
 def rows_per_device(lead) -> int:
@@ -292,8 +303,8 @@ def rows_per_device(lead) -> int:
     return m
 
 
-def unsupported(x_shape, d_split: bool = False) -> str | None:
-    """Why add_norm cannot take an x of this shape here (None: it can)."""
+def unsupported(x_shape) -> str | None:
+    """Why add_norm cannot take an x [..., D] of this shape here (None: it can)."""
     lead = x_shape[:-1]
     split = _split(lead) or ()
     mesh = jax.sharding.get_abstract_mesh()
@@ -302,8 +313,8 @@ def unsupported(x_shape, d_split: bool = False) -> str | None:
             return f"a leading axis of {size} does not divide over mesh axes {names}"
     if rows_per_device(lead) % ROWS:
         return f"{rows_per_device(lead)} rows per device, not a multiple of {ROWS}"
-    if d_split:
-        return "the mesh splits the features D"
+    if features_split(len(x_shape)):
+        return f"the mesh splits the features D over {features_split(len(x_shape))}"
     return None
 
 

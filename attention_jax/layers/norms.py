@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.attention.call import target_backend
 from attention_jax.layers import norm_kernel
-from attention_jax.layers.logical import mesh_axes
 
 NORMS = ("layernorm", "rmsnorm")
 # How add_normalize computes: "xla" as XLA's ops (normalize); "pallas" the kernels of
@@ -100,7 +99,7 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
     """"xla" or "pallas" for `kernel` (NORM_KERNELS) and an x of this shape and dtype."""
     if kernel not in NORM_KERNELS:
         raise ValueError(f"norm kernel {kernel!r} is unknown; valid: {NORM_KERNELS}")
-    why = norm_kernel.unsupported(tuple(x_shape), d_split=bool(mesh_axes(axes.EMBED)))
+    why = norm_kernel.unsupported(tuple(x_shape))
     if kernel == "pallas" and why:
         raise ValueError(f"norm_kernel='pallas' cannot take x {tuple(x_shape)} here: {why}; "
                          f"valid: norm_kernel 'auto' or 'xla'")

@@ -151,6 +151,23 @@ def test_under_a_mesh_each_device_takes_its_rows():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_auto_under_a_mesh_needs_the_features_whole():
+    """The trainer's rules map embed to fsdp for parameters, but an activation's batch
+    takes fsdp first, so its features stay whole and the kernels run per device; rules
+    that split the features leave auto to XLA, and 'pallas' says why it cannot."""
+    from attention_jax import sharding
+    shape = (8, 16, 64)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with jax.set_mesh(mesh), compiling_for("gpu"):
+        with nn.logical_axis_rules(sharding.DEFAULT_RULES):
+            assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "pallas"
+        with nn.logical_axis_rules((("batch", "data"), ("embed", "tensor"))):
+            assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "xla"
+            with pytest.raises(ValueError, match=r"the mesh splits the features D over "
+                                                 r"\('tensor',\)"):
+                choose_norm_kernel("pallas", shape, jnp.bfloat16)
+
+
 GPT2_NORMS = r"""
 import json
 import jax, jax.numpy as jnp
