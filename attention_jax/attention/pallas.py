@@ -611,7 +611,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         grad_ref[b, keys, 1, h, :] = dk.astype(grad_ref.dtype)
         grad_ref[b, keys, 2, h, :] = dv.astype(grad_ref.dtype)
         if st.biased:  # the k and v biases' gradients: this block's sums over its real keys
-            _store_row_sums(bias_refs, (dk, dv), k_pos < st.kv_len)
+            _store_bias_sums(bias_refs[0], {1: dk, 2: dv}, k_pos < st.kv_len)
         return
     dk_ref, dv_ref = r.rest
     dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -621,8 +621,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
     bk = st.blocks.fwd_k
     r = _Refs(st, refs)
-    # Packed: the outputs come after the dK/dV kernel's gradient, which dq_ref aliases,
-    # and with a bias the q bias's partial sums after dq.
+    # Packed: the outputs come after the dK/dV kernel's gradient (and bias sums), which
+    # they alias; with a bias, the bias sums' rows after dq.
     dq_ref, *bias_refs = r.rest[-2:] if st.packed and st.biased else r.rest[-1:]
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
     q, do = _biased(q_ref[...], r.q_bias), do_ref[...]
@@ -643,14 +643,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     dq_ref[...] = dq.astype(dq_ref.dtype)
     if bias_refs:  # the q bias's gradient: this block's sum over its real queries
         rows = (nq - 1 - pl.program_id(0)) * q.shape[0] + lax.iota(jnp.int32, q.shape[0])
-        _store_row_sums(bias_refs, (dq,), rows < st.q_len)
+        _store_bias_sums(bias_refs[0], {0: dq}, rows < st.q_len)
 
 
-def _store_row_sums(refs, tiles, real):
-    """Each [rows, H] accumulator tile's sum over its `real` rows into its ref [H]: a
-    program's share of the bias gradient, which the tile's rows all had added."""
-    for ref, tile in zip(refs, tiles):
-        ref[...] = jnp.sum(jnp.where(real[:, None], tile, 0.0), axis=0).astype(ref.dtype)
+def _store_bias_sums(ref, tiles, real):
+    """A program's row [3, H] of the bias gradient's partial sums: for each slot (q 0, k 1,
+    v 2) in `tiles` its [rows, H] accumulator tile summed over the `real` rows (each had
+    the bias added), zeros in the others."""
+    for slot in range(3):
+        tile = tiles.get(slot)
+        total = (jnp.zeros(ref.shape[-1:], ref.dtype) if tile is None else
+                 jnp.sum(jnp.where(real[:, None], tile, 0.0), axis=0).astype(ref.dtype))
+        ref[slot, :] = total
 
 
 # ----------------------------------------------------------------------------- launches
@@ -784,9 +788,14 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
     if st.packed:  # each program stores its tiles of dk and dv into the whole gradient
         out_specs = [pl.BlockSpec(q.shape, lambda *_: (0,) * q.ndim)]
         out_shape = [jax.ShapeDtypeStruct(q.shape, kv_dtype)]
-        if st.biased:  # and its sums of them for the k and v biases: [B, key blocks, N, H]
-            out_specs += [pl.BlockSpec((None, None, None, hp), lambda j, b, h: (b, j, h, 0))] * 2
-            out_shape += [jax.ShapeDtypeStruct((bsz, nk, n, hp), _acc(q.dtype))] * 2
+        if st.biased:
+            # and the bias gradient's partial sums, a row [3, H] a program: [B, nk + nq, 3,
+            # N, H], the dK/dV programs' k and v sums in rows [0, nk), the dQ programs' q
+            # sums after, so that one reduction sums them all.
+            out_specs.append(pl.BlockSpec((None, None, 3, None, hp),
+                                          lambda j, b, h: (b, j, 0, h, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((bsz, nk + tp // st.blocks.fwd_q, 3, n, hp),
+                                                  _acc(q.dtype)))
     else:
         out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
                      pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))]
@@ -807,9 +816,8 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
         compiler_params=_params(st.blocks.bwd_num_warps, st.blocks.bwd_num_stages),
         interpret=st.interpret, name="flash_backward_dkdv",
     )(q, k, v, d_out, lse, delta, *inputs, *bias_inputs)
-    if st.packed:  # the dQ kernel writes slot 0 of the same array
-        grads, *kv_bias_sums = grads
-        grad_inputs = [grads]
+    if st.packed:  # the dQ kernel writes slot 0 of the same array (and the q sums' rows)
+        grad_inputs = grads
     else:
         (dk, dv), grad_inputs = grads, []
     if g > 1:
@@ -824,10 +832,13 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
     inputs = [q, k, v, d_out, lse, delta, *inputs, *bias_inputs, *grad_inputs]
     dq_spec = _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h))
     out_specs, out_shape = [dq_spec], [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
-    if st.packed and st.biased:  # the q bias's sums: [B, query blocks, N, H]
-        out_specs.append(pl.BlockSpec((None, None, None, hp), lambda i, b, h: (b, rev(i), h, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((bsz, nq, n, hp), _acc(q.dtype)))
-    dq, *q_bias_sums = pl.pallas_call(
+    if st.packed and st.biased:  # the q sums' rows [3, H], after the dK/dV programs' nk
+        sums_spec = pl.BlockSpec((None, None, 3, None, hp),
+                                 lambda i, b, h: (b, nk + rev(i), 0, h, 0))
+        out_specs.append(sums_spec)
+        out_shape.append(jax.ShapeDtypeStruct(grad_inputs[1].shape, grad_inputs[1].dtype))
+    aliases = {len(inputs) - len(grad_inputs) + k: k for k in range(len(grad_inputs))}
+    dq, *bias_sums = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
         in_specs=[
@@ -837,18 +848,16 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
-            *specs, *bias_specs, *([dq_spec] if st.packed else [])],
+            *specs, *bias_specs, *out_specs[:len(grad_inputs)]],
         out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={len(inputs) - 1: 0} if st.packed else {},
+        input_output_aliases=aliases,
         compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
         interpret=st.interpret, name="flash_backward_dq",
     )(*inputs)
     if st.packed:
         # [B, T, 3, N, H]: dq, dk, dv in their slots; with a bias, its gradient [3, N, H]
         # from the programs' sums (in the accumulators' precision, before rounding).
-        d_bias = None if not st.biased else jnp.stack(
-            [part.sum((0, 1)) for part in (*q_bias_sums, *kv_bias_sums)])
-        return dq, d_bias
+        return dq, (bias_sums[0].sum((0, 1)) if st.biased else None)
     return dq, dk, dv
 
 

@@ -53,6 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.0  # nanoGPT's CPU recipe; too few steps to overfit.
     c.model.use_bias = False  # nanoGPT's shakespeare_char default (bias=False).
     c.model.remat_policy = "none"
+    c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 
     c.data.name = "python_stdlib"  # offline corpus: the standard library's own source.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.

@@ -58,6 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.0  # a short run on a large corpus: no regularisation.
     c.model.implementation = "auto"  # cuDNN, or Pallas for packed rows (attention/__init__.py).
     c.model.remat_policy = "none"  # 124M at batch 16 fits in 80 GB without recomputation.
+    c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 
     c.data.name = "python_stdlib"
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.

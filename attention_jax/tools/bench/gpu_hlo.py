@@ -304,6 +304,9 @@ def add_parser(sub) -> None:
     p.add_argument("--loss-kernel", default="auto",
                    help="the loss: xla (XLA's reductions) or pallas (models/loss_kernel.py); "
                         "auto: as on a GPU (pallas from a vocabulary of 4096)")
+    p.add_argument("--norm-kernel", default="auto",
+                   help="a block's residual add and norm: xla or pallas (layers/norm_kernel.py); "
+                        "auto: as on a GPU (pallas)")
     p.add_argument("--top", type=int, default=25, help="sources listed")
     p.add_argument("--out", default=None, help="directory for the compiled module and summary.json")
     p.add_argument("--xla-flags", default="",
@@ -321,9 +324,9 @@ def run(args) -> dict:
     if where is None:
         raise SystemExit(f"error: gpu-hlo needs JAX's CUDA plugin (no GPU needed); install it "
                          f"with: {install_hint()}")
-    from attention_jax.tools.bench.train_speed_gpu import one_loss_kernel
-    loss_kernel = one_loss_kernel(args.loss_kernel)
-    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel}
+    from attention_jax.tools.bench.train_speed_gpu import one_loss_kernel, one_norm_kernel
+    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": one_loss_kernel(
+        args.loss_kernel), "norm_kernel": one_norm_kernel(args.norm_kernel)}
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)
     spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
@@ -363,7 +366,7 @@ def report(summary: dict, top: int = 25) -> str:
     row = summary["row"]
     lines = [f"The bare step of {row['shape']}, batch {row['batch']} x {row['seq_len']}, "
              f"{summary['dtype']}, attention {summary['implementation']}, loss "
-             f"{row.get('loss_kernel', 'auto')}, as XLA compiles "
+             f"{row.get('loss_kernel', 'auto')}, norms {row.get('norm_kernel', 'auto')}, as XLA compiles "
              f"it for an {summary['gpu']} (no GPU used)"
              + (f", XLA_FLAGS += {summary['xla_flags']}" if summary.get("xla_flags") else "")
              + ".", "",

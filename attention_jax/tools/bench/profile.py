@@ -43,6 +43,7 @@ from attention_jax.tools.bench.traces import read_trace
 # Kinds, tried in order against the lower-cased kernel name (and its HLO op's name).
 KINDS = (
     ("loss", ("cross_entropy",)),  # the Pallas loss kernels (models/loss_kernel.py)
+    ("norm", ("add_norm",)),  # the residual add and norm's Pallas kernels (layers/norm_kernel.py)
     ("attention", ("fmha", "flash", "cudnn", "sdpa", "attention", "mha")),
     ("matmul", ("gemm", "cublas", "xmma", "cutlass", "nvjet", "matmul", "dot", "wgmma")),
     ("copy", ("memcpy", "memset", "copy", "transpose")),
@@ -203,6 +204,9 @@ def add_parser(sub) -> None:
     p.add_argument("--loss-kernel", default="auto",
                    help="the whole logits' loss: xla or pallas (models/loss_kernel.py); auto: "
                         "pallas on a GPU (train.loss_kernel with --trainer)")
+    p.add_argument("--norm-kernel", default="auto",
+                   help="a block's residual add and norm: xla or pallas (layers/norm_kernel.py); "
+                        "auto: pallas on a GPU (model.norm_kernel with --trainer)")
     p.add_argument("--steps", type=int, default=3, help="steps timed, then steps traced")
     p.add_argument("--top", type=int, default=30, help="ops listed")
     p.add_argument("--out", default=None,
@@ -258,14 +262,17 @@ def run(args) -> dict:
             raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}; "
                              f"valid: an integer >= 1")
     loss_kernel = train_speed_gpu.one_loss_kernel(args.loss_kernel)
-    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel}
+    norm_kernel = train_speed_gpu.one_norm_kernel(args.norm_kernel)
+    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel,
+           "norm_kernel": norm_kernel}
     args.trainer = args.trainer or args.save
     which = "the trainer's step" if args.trainer else "the bare step"
     print(f"profiling {which}: {args.shape} batch {row['batch']} attention {args.implementation} "
           f"loss-chunk {args.loss_chunk} loss {loss_kernel} ...", file=sys.stderr, flush=True)
     if args.trainer:
         extra = (f"--config.train.loss_chunk_size={args.loss_chunk}",
-                 f"--config.train.loss_kernel={loss_kernel}", *shlex.split(args.trainer_args))
+                 f"--config.train.loss_kernel={loss_kernel}",
+                 f"--config.model.norm_kernel={norm_kernel}", *shlex.split(args.trainer_args))
         compiled, state, batch = trainer.compiled_step(row, args.implementation, dtype=args.dtype,
                                                        extra=extra)
         if args.save:

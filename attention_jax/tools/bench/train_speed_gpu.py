@@ -207,20 +207,34 @@ def _attention_label(impl: str, packing: str | None) -> str:
     return f"{impl}, stream packing" if packing == "stream" else impl
 
 
-def _impl_label(implementation: str, loss_chunk_size: int, loss_kernel: str = "auto") -> str:
-    """The table's attention column, with the loss chunk or kernel when not the default."""
+def _impl_label(implementation: str, loss_chunk_size: int, loss_kernel: str = "auto",
+                norm_kernel: str = "auto") -> str:
+    """The table's attention column, with the loss chunk, the loss's kernel and the norms'
+    when not the default."""
     label = f"{implementation} loss-chunk {loss_chunk_size}" if loss_chunk_size else implementation
-    return label if loss_kernel == "auto" or loss_chunk_size else f"{label}, loss {loss_kernel}"
+    if loss_kernel != "auto" and not loss_chunk_size:
+        label += f", loss {loss_kernel}"
+    return label if norm_kernel == "auto" else f"{label}, norm {norm_kernel}"
+
+
+def _parse_kernels(flag: str, text, valid) -> list[str]:
+    """--<flag> "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
+    kernels = [k.strip() for k in str(text).split(",") if k.strip()]
+    if not kernels or set(kernels) - set(valid):
+        raise SystemExit(f"error: --{flag} {text!r}; valid: {list(valid)}, comma-separated")
+    return kernels
 
 
 def parse_loss_kernels(text) -> list[str]:
     """--loss-kernel "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
     from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
-    kernels = [k.strip() for k in str(text).split(",") if k.strip()]
-    if not kernels or set(kernels) - set(LOSS_KERNELS):
-        raise SystemExit(f"error: --loss-kernel {text!r}; valid: {list(LOSS_KERNELS)}, "
-                         "comma-separated")
-    return kernels
+    return _parse_kernels("loss-kernel", text, LOSS_KERNELS)
+
+
+def parse_norm_kernels(text) -> list[str]:
+    """--norm-kernel "xla,pallas" -> ["xla", "pallas"] (layers/norms.py NORM_KERNELS)."""
+    from attention_jax.layers.norms import NORM_KERNELS  # imports JAX, not the GPU
+    return _parse_kernels("norm-kernel", text, NORM_KERNELS)
 
 
 # --fit only compiles (three or more times per shape) and reads the memory analysis, so
@@ -296,6 +310,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
         raise SystemExit(f"error: --implementation {bad} unknown; valid: {list(IMPLEMENTATIONS)}")
     chunks = parse_loss_chunks(getattr(args, "loss_chunk", "0"))
     loss_kernels = parse_loss_kernels(getattr(args, "loss_kernel", "auto"))
+    norm_kernels = parse_norm_kernels(getattr(args, "norm_kernel", "auto"))
     packing_arg = getattr(args, "packing", "documents")
     packings = [p.strip() for p in packing_arg.split(",") if p.strip()]
     if not packings or set(packings) - set(PACKINGS):
@@ -347,10 +362,11 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     flag_sets = list(dict.fromkeys(["", *(getattr(args, "xla_flags", None) or [])]))
     record["xla_flags"] = {f"xla{k}": f for k, f in enumerate(flag_sets) if f}
     for name, batch in pairs:
-        for impl, chunk, lk, k in [(i, c, lk, k) for i in impls for c in chunks
-                                   for lk in loss_kernels for k in range(len(flag_sets))]:
-            row = {**table_[name].row(batch), "loss_kernel": lk}
-            label = _impl_label(impl, chunk, lk) + (f" xla{k}" if flag_sets[k] else "")
+        for impl, chunk, lk, nk, k in [(i, c, lk, nk, k) for i in impls for c in chunks
+                                       for lk in loss_kernels for nk in norm_kernels
+                                       for k in range(len(flag_sets))]:
+            row = {**table_[name].row(batch), "loss_kernel": lk, "norm_kernel": nk}
+            label = _impl_label(impl, chunk, lk, nk) + (f" xla{k}" if flag_sets[k] else "")
             print(f"  jax {name} batch {batch} attention {label} ...", file=sys.stderr, flush=True)
             result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
                              "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing],
@@ -441,11 +457,18 @@ def parse_loss_chunks(text) -> list[int]:
 
 def one_loss_kernel(text) -> str:
     """--loss-kernel of a command that compiles one step: exactly one of LOSS_KERNELS."""
-    from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
-    kernels = parse_loss_kernels(text)
+    return _one("loss-kernel", text, parse_loss_kernels(text))
+
+
+def one_norm_kernel(text) -> str:
+    """--norm-kernel of a command that compiles one step: exactly one of NORM_KERNELS."""
+    return _one("norm-kernel", text, parse_norm_kernels(text))
+
+
+def _one(flag: str, text, kernels: list[str]) -> str:
     if len(kernels) != 1:
-        raise SystemExit(f"error: --loss-kernel {text!r}; valid: one of "
-                         f"{list(LOSS_KERNELS)} (this command compiles one step)")
+        raise SystemExit(f"error: --{flag} {text!r}; valid: one value (this command "
+                         f"compiles one step)")
     return kernels[0]
 
 
@@ -463,6 +486,9 @@ def add_arguments(p) -> None:
     g.add_argument("--loss-kernel", default="auto",
                    help="GPU: the whole logits' loss, xla or pallas (auto: pallas on a GPU), "
                         "e.g. xla,pallas")
+    g.add_argument("--norm-kernel", default="auto",
+                   help="GPU: a block's residual add and norm, xla or pallas (auto: pallas on "
+                        "a GPU, layers/norm_kernel.py), e.g. xla,pallas")
     g.add_argument("--matmul-size", type=int, default=MATMUL_SIZE, help="GPU: the yardstick matmul")
     g.add_argument("--child-timeout", type=float, default=420,
                    help="GPU: seconds before a child process (one row) is given up")

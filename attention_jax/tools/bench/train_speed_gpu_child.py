@@ -19,12 +19,14 @@ from attention_jax.tools.bench.train_speed_gpu import MATMUL_SIZE, _impl_label
 def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int = 0):
     """(model, optimizer, train_step(state, inputs, targets) -> (state, loss)) of `row`:
     bare_step's jitted, donating step of the next-token loss; state = (params, opt_state).
-    The row's "loss_kernel" (default "auto") picks the whole-logits loss (losses.LOSS_KERNELS)."""
+    The row's "loss_kernel" (default "auto") picks the whole-logits loss (losses.LOSS_KERNELS),
+    its "norm_kernel" the blocks' residual add and norm (norms.NORM_KERNELS)."""
     from attention_jax.models import gpt  # in the child only: it starts JAX
     cfg = gpt.GPTConfig(vocab_size=row["vocab"], max_len=row["seq_len"], num_layers=row["layers"],
                         d_model=row["width"], num_heads=row["heads"], dropout_rate=0.0,
                         implementation=implementation, dtype=dtype, param_dtype="float32",
-                        remat_policy=row.get("remat", "none"))
+                        remat_policy=row.get("remat", "none"),
+                        norm_kernel=row.get("norm_kernel", "auto"))
     model = gpt.GPT(cfg)
     tx = bare_step.adamw(decay_matrices_only=True)  # as the peer's (torch_gpt.py)
 
@@ -109,7 +111,8 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
 
     from attention_jax.tools.bench import timing  # it imports JAX: children only
     result = {**row, "side": "jax",
-              "impl": _impl_label(implementation, loss_chunk_size, row.get("loss_kernel", "auto")),
+              "impl": _impl_label(implementation, loss_chunk_size, row.get("loss_kernel", "auto"),
+                                  row.get("norm_kernel", "auto")),
               "dtype": dtype, "loss_chunk": loss_chunk_size}
     try:
         start = time.perf_counter()
