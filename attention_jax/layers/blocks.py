@@ -90,6 +90,12 @@ class BlockConfig:
     dtype: Any = "float32"
     param_dtype: Any = "float32"
 
+    def defers_output_bias(self, deterministic: bool) -> bool:
+        """Whether a block leaves its attention's and MLP's output biases to the next norm
+        (pre-norm, with biases, no residual dropout in this call); the MoE's is its own."""
+        dropping = self.dropout_rate > 0 and not deterministic
+        return self.norm_position == "pre" and self.use_bias and not dropping
+
     def __post_init__(self):
         choices = {"mlp": MLPS, "norm": NORMS, "norm_position": NORM_POSITIONS,
                    "norm_kernel": NORM_KERNELS,
@@ -121,12 +127,23 @@ class TransformerBlock(nn.Module):
         """x [B, T, D]; context [B, S, Dc] (cross-attention blocks); positions [B, T];
         segment_ids [B, T] / kv_mask [B, T] mask the self-attention keys; context_mask
         [B, S] bool masks the context's padding; decode: use the KV cache (see
-        layers/attention.py). Returns (y [B, T, D], aux)."""
+        layers/attention.py). Returns (y [B, T, D], aux).
+
+        Pre-norm blocks also take and return the residual stream with its last add left
+        to do: x = (x, y, y_bias) stands for x + y + y_bias (y_bias [D] or None), which
+        the first norm adds as it normalises (norms.add_normalize: one kernel on a GPU);
+        the block then returns (x, its MLP's y, that y's bias) for the next block's first
+        norm or the model's final one (TransformerStack's pending_residual)."""
         cfg = self.config
         causal, cross = self._flags()
         if cross and context is None:
             raise ValueError("a cross-attention block needs context [B, S, Dc]")
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        carried = isinstance(x, tuple)
+        if carried and cfg.norm_position != "pre":
+            raise ValueError("x = (x, y, y_bias), the residual stream with its add left to "
+                             "do, is for pre-norm blocks; valid here: x [B, T, D]")
+        x, *pending = x if carried else (x, None, None)
         d = x.shape[-1]
         common = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, use_bias=cfg.use_bias,
@@ -141,42 +158,43 @@ class TransformerBlock(nn.Module):
                              dtype=dtype, param_dtype=param_dtype, kernel=cfg.norm_kernel,
                              name=name)
 
-        dropping = cfg.dropout_rate > 0 and not deterministic
         # Pre-norm: a sublayer's output y is added to the residual stream by the next
         # sublayer's norm (one kernel on a GPU: norms.add_normalize), with the bias of the
-        # projection that made y when the sublayer left it apart (`defer_output_bias`); the last
-        # one is added at the end. Post-norm: x = norm(x + f(x)).
-        pending = (None, None)
-
+        # projection that made y when the sublayer left it apart; the last one is added
+        # at the end, or by the next block. Post-norm: x = norm(x + f(x)). A sublayer
+        # returns (y, aux, y's bias or None).
         def residual(x, name, sublayer):
             nonlocal pending
             if cfg.norm_position == "post":
-                y, sub_aux = sublayer(x)
+                y, sub_aux, _ = sublayer(x)
                 y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
                 x = norm(f"{name}_norm")(x + y)
             else:
                 x, inp = norm(f"{name}_norm")(x, *pending, residual=True)
-                y, sub_aux = sublayer(inp)
-                y_bias = sub_aux.pop("output_bias", None) if isinstance(sub_aux, dict) else None
-                pending = (nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic), y_bias)
+                y, sub_aux, y_bias = sublayer(inp)
+                pending = [nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic), y_bias]
             return nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED)), sub_aux
 
-        # Attention's output bias is left apart where nothing comes between it and the next
-        # norm (no residual dropout): that norm's kernel adds it as it reads the output.
-        defer = dict(defer_output_bias=cfg.norm_position == "pre" and cfg.use_bias and not dropping)
+        def bias_apart(out):  # an attention layer's (y, aux) -> (y, aux, bias)
+            y, sub_aux = out
+            return y, sub_aux, sub_aux.pop("output_bias", None)
+
+        # Output biases are left apart where nothing comes between them and the next norm
+        # (no residual dropout): that norm's kernel adds them as it reads the output.
+        defer = dict(defer_output_bias=cfg.defers_output_bias(deterministic))
 
         aux = {}
         self_attn = MultiHeadAttention(causal=causal, window=cfg.window, rope_base=cfg.rope_base,
                                        name="self_attention", **common, **defer)
-        x, a = residual(x, "self_attention", lambda h: self_attn(
+        x, a = residual(x, "self_attention", lambda h: bias_apart(self_attn(
             h, positions=positions, segment_ids=segment_ids, kv_mask=kv_mask, decode=decode,
-            **calls))
+            **calls)))
         if return_weights:
             aux["self_attention_weights"] = a["attention_weights"]
         if cross:
             cross_attn = MultiHeadAttention(name="cross_attention", **common, **defer)
-            x, a = residual(x, "cross_attention", lambda h: cross_attn(
-                h, context, kv_mask=context_mask, decode=decode, **calls))
+            x, a = residual(x, "cross_attention", lambda h: bias_apart(cross_attn(
+                h, context, kv_mask=context_mask, decode=decode, **calls)))
             if return_weights:
                 aux["cross_attention_weights"] = a["attention_weights"]
 
@@ -187,18 +205,26 @@ class TransformerBlock(nn.Module):
                       activation=cfg.activation, use_bias=cfg.use_bias,
                       dropout_rate=cfg.dropout_rate, dtype=dtype, param_dtype=param_dtype,
                       name="mlp")
-            x, aux["moe"] = residual(x, "mlp", lambda h: ffn(h, deterministic=deterministic))
+            x, aux["moe"] = residual(x, "mlp", lambda h: (*ffn(h, deterministic=deterministic),
+                                                          None))
         else:
             if cfg.mlp in GATED_MLPS:
                 ffn = GatedMLP(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,
                              gate_activation=GATED_MLPS[cfg.mlp],
                              use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
-                             param_dtype=param_dtype, name="mlp")
+                             param_dtype=param_dtype, name="mlp", **defer)
             else:
                 ffn = MLP(hidden=cfg.mlp_dim or 4 * d, activation=cfg.activation,
                           use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
-                          param_dtype=param_dtype, name="mlp")
-            x, _ = residual(x, "mlp", lambda h: (ffn(h, deterministic=deterministic), None))
+                          param_dtype=param_dtype, name="mlp", **defer)
+
+            def mlp(h):
+                out = ffn(h, deterministic=deterministic)
+                y, y_bias = out if defer["defer_output_bias"] else (out, None)
+                return y, None, y_bias
+            x, _ = residual(x, "mlp", mlp)
+        if carried:
+            return (x, *pending), aux
         y, y_bias = pending
         if y is not None:
             x = x + (y if y_bias is None else y + y_bias.astype(y.dtype))
@@ -250,6 +276,10 @@ class TransformerStack(nn.Module):
     scan_layers: nn.scan over layers; params then live under "layers" with a leading
       L axis (logical name LAYERS), else under "layer_0", "layer_1", ...
     remat_policy: one of REMAT_POLICIES.
+    pending_residual: pre-norm only: each block hands the next its residual stream with
+      the last add left to do (x, y, y_bias), which the next block's first norm adds in
+      its kernel, and the stack returns it so to the caller, whose final norm adds it
+      (a norm's __call__(x, y, y_bias, residual=True)).
     """
 
     config: BlockConfig
@@ -257,6 +287,7 @@ class TransformerStack(nn.Module):
     block: str = "transformer"
     scan_layers: bool = False
     remat_policy: str = "none"
+    pending_residual: bool = False
 
     @nn.compact
     def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
@@ -269,6 +300,16 @@ class TransformerStack(nn.Module):
                              f"valid: {tuple(REMAT_POLICIES)}")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1; got {self.num_layers}")
+        if self.pending_residual:
+            if self.config.norm_position != "pre":
+                raise ValueError("pending_residual=True is for pre-norm blocks; "
+                                 f"norm_position={self.config.norm_position!r}")
+            # The carry through the layers, (x, y, y_bias): one structure for every layer
+            # (nn.scan's), so the first block gets zeros to add.
+            bias = (jnp.zeros(x.shape[-1:], x.dtype)
+                    if self.config.defers_output_bias(deterministic) and self.config.mlp != "moe"
+                    else None)
+            x = (x, jnp.zeros_like(x), bias) if self.scan_layers else (x, None, None)
         layer = _positional(BLOCKS[self.block])
         if self.remat_policy != "none":
             # prevent_cse stops XLA from merging the recomputation with the forward pass;

@@ -80,16 +80,47 @@ def dense_init():
     return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
-def _dense(features, in_axis, out_axis, use_bias, dtype, param_dtype, name, kernel_init=None):
+class _DenseBiasApart(nn.Module):
+    """nn.Dense's parameters ("kernel" [K, F], "bias" [F]) and product, the bias returned
+    beside it, not added: (x · kernel, bias), for a caller that adds it in a kernel of its
+    own (a pre-norm block's next norm, layers/norms.py add_normalize)."""
+
+    features: int
+    dtype: Any
+    param_dtype: Any
+    kernel_init: Callable
+    bias_init: Callable
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
+                            self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        y = dot_general_2d(x.astype(self.dtype), kernel.astype(self.dtype),
+                           (((x.ndim - 1,), (0,)), ((), ())))
+        return y, bias.astype(self.dtype)
+
+
+def _dense(features, in_axis, out_axis, use_bias, dtype, param_dtype, name, kernel_init=None,
+           bias_apart: bool = False):
+    """A projection to `features` with logical axes (in_axis, out_axis); bias_apart (with
+    use_bias): called, it returns (product, bias) (_DenseBiasApart)."""
+    inits = dict(
+        kernel_init=nn.with_logical_partitioning(kernel_init or dense_init(), (in_axis, out_axis)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)))
+    if bias_apart and use_bias:
+        return _DenseBiasApart(features, dtype, param_dtype, name=name, **inits)
     return nn.Dense(
         features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name,
         dot_general=dot_general_2d,  # 2-D matmuls, forward and backward (layers/linear.py)
-        kernel_init=nn.with_logical_partitioning(kernel_init or dense_init(), (in_axis, out_axis)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)))
+        **inits)
 
 
 class MLP(nn.Module):
-    """Two-layer MLP [B, T, D] -> [B, T, D] with hidden F (default 4D)."""
+    """Two-layer MLP [B, T, D] -> [B, T, D] with hidden F (default 4D).
+
+    defer_output_bias (with use_bias): return (y without wo's bias, that bias [D]), for
+    the caller to add (a pre-norm block's next norm adds it in its kernel)."""
 
     hidden: Optional[int] = None
     activation: str = "gelu"
@@ -98,6 +129,7 @@ class MLP(nn.Module):
     kernel_init: Optional[Callable] = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    defer_output_bias: bool = False
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
@@ -108,14 +140,16 @@ class MLP(nn.Module):
                    "wi", self.kernel_init)(x)  # [B, T, F]
         h = nn.with_logical_constraint(act(h), (axes.BATCH, axes.LENGTH, axes.MLP))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        return _dense(d, axes.MLP, axes.EMBED, self.use_bias, self.dtype, self.param_dtype,
-                      "wo", self.kernel_init)(h)  # [B, T, D]
+        y = _dense(d, axes.MLP, axes.EMBED, self.use_bias, self.dtype, self.param_dtype,
+                   "wo", self.kernel_init, self.defer_output_bias)(h)  # [B, T, D]
+        return _with_bias_apart(y, self.defer_output_bias, self.use_bias)
 
 
 class GatedMLP(nn.Module):
     """Gated MLP [B, T, D] -> [B, T, D]: act(x Wg) ∘ (x W1), then W2. No biases by default.
 
-    gate_activation "silu" is SwiGLU, "gelu" GeGLU (any name in ACTIVATIONS)."""
+    gate_activation "silu" is SwiGLU, "gelu" GeGLU (any name in ACTIVATIONS);
+    defer_output_bias as MLP's."""
 
     hidden: Optional[int] = None  # default gated_hidden(D, multiple_of)
     gate_activation: str = "silu"
@@ -125,6 +159,7 @@ class GatedMLP(nn.Module):
     kernel_init: Optional[Callable] = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    defer_output_bias: bool = False
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
@@ -135,4 +170,13 @@ class GatedMLP(nn.Module):
         up = _dense(f, axes.EMBED, axes.MLP, *args, "wi", self.kernel_init)(x)  # [B, T, F]
         h = nn.with_logical_constraint(activation(self.gate_activation)(gate) * up, (axes.BATCH, axes.LENGTH, axes.MLP))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        return _dense(d, axes.MLP, axes.EMBED, *args, "wo", self.kernel_init)(h)  # [B, T, D]
+        y = _dense(d, axes.MLP, axes.EMBED, *args, "wo", self.kernel_init,
+                   self.defer_output_bias)(h)  # [B, T, D]
+        return _with_bias_apart(y, self.defer_output_bias, self.use_bias)
+
+
+def _with_bias_apart(y, defer: bool, use_bias: bool):
+    """An MLP's output: y, or with defer_output_bias (y, its bias or None)."""
+    if not defer:
+        return y
+    return y if use_bias else (y, None)

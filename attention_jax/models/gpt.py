@@ -181,14 +181,17 @@ class GPT(nn.Module):
             x = x + sinusoidal(positions, cfg.d_model, dtype=dtype)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
+        pre_norm = cfg.norm_position == "pre"
         x, layer_aux = TransformerStack(
             cfg.block(), cfg.num_layers, scan_layers=cfg.scan_layers,
-            remat_policy=cfg.remat_policy, name="decoder")(
+            remat_policy=cfg.remat_policy, pending_residual=pre_norm, name="decoder")(
                 x, positions=positions, segment_ids=segment_ids, deterministic=deterministic,
                 decode=decode, return_weights=return_weights)
-        if cfg.norm_position == "pre":  # post-norm blocks already end in a norm
+        if pre_norm:  # post-norm blocks already end in a norm
+            # The stack leaves its last residual add to this norm: (x, y, y_bias).
             x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
-                          dtype=dtype, name="final_norm")(x)
+                          dtype=dtype, kernel=cfg.norm_kernel, name="final_norm")(
+                              *x, residual=True)[1]
         aux = {"layers": layer_aux}
         if return_weights:
             aux["attention_weights"] = {"self": layer_aux.pop("self_attention_weights")}  # [L, B, N, T, S]

@@ -101,6 +101,46 @@ def test_a_pre_norm_block_computes_as_with_xla_s_ops(norm):
     assert jaxpr.count("pallas_call[") == 2  # both sublayers' norms (attention: blockwise here)
 
 
+@pytest.mark.parametrize("scan, remat", [(False, "none"), (True, "full")],
+                         ids=["layers", "scan-remat"])
+def test_gpt_hands_each_residual_add_to_the_next_norm(scan, remat):
+    """GPT with the kernels: each block's MLP output (its bias apart) goes to the next
+    block's first norm and the last to the final norm, through nn.scan and nn.remat too.
+    The same parameters as with XLA's ops, and the same loss and gradients."""
+    from attention_jax.models import gpt
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 64)
+    models = {k: gpt.GPT(gpt.GPTConfig(vocab_size=64, max_len=16, num_layers=3, d_model=32,
+                                       num_heads=4, scan_layers=scan, remat_policy=remat,
+                                       norm_kernel=k)) for k in ("xla", "pallas")}
+    params = models["xla"].init(jax.random.key(1), tokens)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape),
+                          params)
+    assert (jax.tree.structure(models["pallas"].init(jax.random.key(1), tokens))
+            == jax.tree.structure(params))
+
+    def loss(p, kind):
+        logits = models[kind].apply(p, tokens)[0]
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    got = jax.value_and_grad(loss)(params, "pallas")
+    want = jax.value_and_grad(loss)(params, "xla")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+    jaxpr = str(jax.make_jaxpr(lambda p: models["pallas"].apply(p, tokens))(params))
+    # Two norms a block and the final one; under nn.scan the one block is traced once.
+    assert jaxpr.count("pallas_call[") == (3 if scan else 7)
+
+
+def test_post_norm_blocks_take_no_pending_add():
+    x = jnp.ones((2, 8, 16))
+    cfg = BlockConfig(num_heads=2, norm_position="post")
+    with pytest.raises(ValueError, match="is for pre-norm blocks"):
+        TransformerBlock(cfg).init(jax.random.key(0), (x, x, None))
+    from attention_jax.layers.blocks import TransformerStack
+    with pytest.raises(ValueError, match="pending_residual=True is for pre-norm blocks"):
+        TransformerStack(cfg, 2, pending_residual=True).init(jax.random.key(0), x)
+
+
 def test_auto_takes_the_kernels_for_a_gpu_only():
     shape = (4, 16, 64)
     assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "xla"  # this host is a CPU
