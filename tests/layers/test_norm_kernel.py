@@ -3,6 +3,7 @@ this host): values and gradients against the float64 reference, the block that u
 against XLA's ops, which kernel `auto` picks, bad input named, under a mesh per device,
 and compiled for an H100 what XLA's fusions did there is gone."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -260,3 +261,28 @@ def test_compiled_for_an_h100_the_norms_move_fewer_bytes():
     assert kernels["norm_bytes"] < 0.8 * xla["norm_bytes"]
     assert kernels["bytes"] < xla["bytes"]
     assert kernels["copies"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_triton_kernels_equal_the_reference_on_a_gpu(dtype):
+    """Triton-compiled at GPT-2 small's width (768 = 512 + 256) and GPT-2 XL's (1600 =
+    1024 + 512 + 64): values and gradients against XLA's ops on the same inputs, within
+    the dtype's rounding (XLA rounds bfloat16 sums twice, the kernel once)."""
+    for d in (768, 1600):
+        x, y, yb, s, b, gr, gn = (jnp.asarray(a, jnp.float32) for a in _inputs((4, 512, d)))
+
+        def loss(kernel, x, y, yb, s, b):
+            r, n = add_normalize(x.astype(dtype), y.astype(dtype), yb.astype(dtype), s, b,
+                                 kernel=kernel)
+            return (jnp.vdot(r.astype(jnp.float32), gr)
+                    + jnp.vdot(jnp.sin(n.astype(jnp.float32)), gn))
+
+        f = lambda k: jax.jit(jax.value_and_grad(  # noqa: E731
+            functools.partial(loss, k), argnums=tuple(range(5))))(x, y, yb, s, b)
+        (lk, gk), (lx, gx) = f("pallas"), f("xla")
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        assert float(lk) == pytest.approx(float(lx), rel=tol)
+        for a, c in zip(gx, gk):
+            assert float(jnp.linalg.norm(a - c) / jnp.linalg.norm(a)) < tol
