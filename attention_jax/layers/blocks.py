@@ -277,8 +277,8 @@ class TransformerStack(nn.Module):
       L axis (logical name LAYERS), else under "layer_0", "layer_1", ...
     remat_policy: one of REMAT_POLICIES.
     pending_residual: pre-norm only: each block hands the next its residual stream with
-      the last add left to do (x, y, y_bias), which the next block's first norm adds in
-      its kernel, and the stack returns it so to the caller, whose final norm adds it
+      the last add left to do, (x, y, y_bias), which the next block's first norm adds in
+      its kernel; the stack returns it in that form, for the caller's final norm to add
       (a norm's __call__(x, y, y_bias, residual=True)).
     """
 

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from attention_jax import axes
-from attention_jax.attention.call import target_backend
+from attention_jax.attention.call import compiling_for_gpu, target_backend
 from attention_jax.layers.logical import array_mesh_axes
 
 ROWS = 8          # rows a program holds in registers at a time
@@ -290,6 +290,16 @@ def _split(lead) -> tuple | None:
 def features_split(ndim: int) -> tuple[str, ...]:
     """The mesh axes the rules split an activation's features D over (() when whole)."""
     return array_mesh_axes(_logical(ndim))[-1]
+
+
+def gathers_rows(x_shape) -> bool:
+    """Whether several devices would each get the whole of an x [..., D] of this shape:
+    a mesh of several devices whose rules split none of its rows, or several devices and
+    no mesh (XLA gathers a Pallas call's operands onto every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return jax.device_count() > 1 and not compiling_for_gpu()
+    return mesh.size > 1 and _split(tuple(x_shape[:-1])) is None
 
 
 def rows_per_device(lead) -> int:

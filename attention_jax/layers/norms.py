@@ -96,7 +96,12 @@ _normalize.defvjp(_normalize_forward, _normalize_backward)
 
 
 def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
-    """"xla" or "pallas" for `kernel` (NORM_KERNELS) and an x of this shape and dtype."""
+    """"xla" or "pallas" for `kernel` (NORM_KERNELS) and an x of this shape and dtype.
+
+    auto takes pallas on NVIDIA GPUs (or compiling for them) for x other than float64
+    whose rows divide into the kernels' programs on each device, unless the mesh splits
+    the features D or would hand every device all the rows (several devices and nothing
+    in the logical rules splitting the batch or length, norm_kernel.gathers_rows)."""
     if kernel not in NORM_KERNELS:
         raise ValueError(f"norm kernel {kernel!r} is unknown; valid: {NORM_KERNELS}")
     why = norm_kernel.unsupported(tuple(x_shape))
@@ -105,7 +110,8 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
                          f"valid: norm_kernel 'auto' or 'xla'")
     if kernel != "auto":
         return kernel
-    unsuited = target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64 or len(x_shape) < 2
+    unsuited = (target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64
+                or len(x_shape) < 2 or norm_kernel.gathers_rows(x_shape))
     return "xla" if unsuited or why else "pallas"
 
 

@@ -204,6 +204,9 @@ def test_auto_under_a_mesh_needs_the_features_whole():
             assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "pallas"
         with nn.logical_axis_rules((("batch", "data"), ("embed", "tensor"))):
             assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "xla"
+        # No rules: nothing splits the rows, every device would compute all of them.
+        assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "xla"
+        with nn.logical_axis_rules((("batch", "data"), ("embed", "tensor"))):
             with pytest.raises(ValueError, match=r"the mesh splits the features D over "
                                                  r"\('tensor',\)"):
                 choose_norm_kernel("pallas", shape, jnp.bfloat16)
