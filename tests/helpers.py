@@ -58,3 +58,22 @@ def assert_loss_goes_down(losses, by: float) -> None:
     """Every loss finite, and the last lower than the first by more than `by`."""
     import numpy as np
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - by, losses
+
+
+def json_from_cuda_plugin_child(script: str, timeout: float = 600):
+    """Run `script` (Python that compiles for GPUs described to JAX's CUDA plugin, no GPU
+    needed: tools/bench/gpu_hlo.py) in a child process on the CPU, where `make install`
+    put the plugin, and parse the JSON of its last line of output."""
+    import json
+    import subprocess
+    import sys
+
+    from attention_jax.tools.bench import gpu_hlo, trainer
+    env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    where = gpu_hlo.plugin_path()
+    if where:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), where]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

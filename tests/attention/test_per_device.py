@@ -3,11 +3,7 @@ caller names, each device runs them on its own rows and heads, with the values a
 gradients of one device; where nothing divides, the call runs whole and says so; and,
 compiled for two H100s on this host, no all-gather of q, k, v is left."""
 
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +12,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from attention_jax.attention import dot_product_attention, packed_self_attention
-from attention_jax.tools.bench import gpu_hlo, trainer
+from attention_jax.tools.bench import gpu_hlo
+from helpers import json_from_cuda_plugin_child
 
 
 def _mesh():
@@ -139,14 +136,7 @@ print(json.dumps(found))
 def test_compiled_for_two_h100s_the_kernels_gather_nothing():
     """Data-parallel over two H100s (deviceless, JAX's CUDA plugin): split, each GPU runs
     the three kernels on its own rows; whole, XLA gathers q, k, v and the ids first."""
-    env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    where = gpu_hlo.plugin_path()
-    if where:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), where]))
-    done = subprocess.run([sys.executable, "-c", TWO_H100], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = json_from_cuda_plugin_child(TWO_H100)
     assert found["split"] == {"all_gathers": 0, "triton_calls": 3}  # forward, dK/dV, dQ
     assert found["whole"]["all_gathers"] >= 1
 

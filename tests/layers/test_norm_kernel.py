@@ -4,9 +4,6 @@ against XLA's ops, which kernel `auto` picks, bad input named, under a mesh per 
 and compiled for an H100 what XLA's fusions did there is gone."""
 
 import functools
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -19,7 +16,8 @@ from attention_jax.attention import compiling_for
 from attention_jax.layers import norm_kernel
 from attention_jax.layers.blocks import BlockConfig, TransformerBlock
 from attention_jax.layers.norms import add_normalize, choose_norm_kernel
-from attention_jax.tools.bench import gpu_hlo, trainer
+from attention_jax.tools.bench import gpu_hlo
+from helpers import json_from_cuda_plugin_child
 
 
 def _reference(x, y, y_bias, scale, bias, centered, eps=1e-6):
@@ -250,15 +248,7 @@ def test_compiled_for_an_h100_the_norms_move_fewer_bytes():
     norms are two launches forward and two backward (plus the partial sums' small
     reductions), they move fewer bytes than XLA's fusions did, and no residual gradient
     is copied for them."""
-    import json
-    env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    where = gpu_hlo.plugin_path()
-    if where:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), where]))
-    done = subprocess.run([sys.executable, "-c", GPT2_NORMS], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = json_from_cuda_plugin_child(GPT2_NORMS)
     xla, kernels = found["xla"], found["auto"]
     assert kernels["norm_launches"] < xla["norm_launches"]
     assert kernels["norm_bytes"] < 0.8 * xla["norm_bytes"]

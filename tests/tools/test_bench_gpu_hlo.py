@@ -95,6 +95,10 @@ def test_bad_batch_names_the_valid_values():
     with pytest.raises(SystemExit, match=r"--loss-kernel 'xla,pallas'; valid: one of "
                                          r"\['auto', 'xla', 'pallas'\] \(this command compiles one step\)"):
         gpu_hlo.run(_args("--loss-kernel", "xla,pallas"))  # not the first of them, silently
+    with pytest.raises(SystemExit, match=r"--norm-kernel 'triton'; valid: \['auto', 'xla', 'pallas'\]"):
+        gpu_hlo.run(_args("--norm-kernel", "triton"))
+    with pytest.raises(SystemExit, match=r"--norm-kernel 'xla,pallas'; valid: one of "):
+        gpu_hlo.run(_args("--norm-kernel", "xla,pallas"))
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None,

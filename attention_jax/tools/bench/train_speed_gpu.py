@@ -457,18 +457,20 @@ def parse_loss_chunks(text) -> list[int]:
 
 def one_loss_kernel(text) -> str:
     """--loss-kernel of a command that compiles one step: exactly one of LOSS_KERNELS."""
-    return _one("loss-kernel", text, parse_loss_kernels(text))
+    from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
+    return _one("loss-kernel", text, parse_loss_kernels(text), LOSS_KERNELS)
 
 
 def one_norm_kernel(text) -> str:
     """--norm-kernel of a command that compiles one step: exactly one of NORM_KERNELS."""
-    return _one("norm-kernel", text, parse_norm_kernels(text))
+    from attention_jax.layers.norms import NORM_KERNELS  # imports JAX, not the GPU
+    return _one("norm-kernel", text, parse_norm_kernels(text), NORM_KERNELS)
 
 
-def _one(flag: str, text, kernels: list[str]) -> str:
+def _one(flag: str, text, kernels: list[str], valid) -> str:
     if len(kernels) != 1:
-        raise SystemExit(f"error: --{flag} {text!r}; valid: one value (this command "
-                         f"compiles one step)")
+        raise SystemExit(f"error: --{flag} {text!r}; valid: one of {list(valid)} (this "
+                         f"command compiles one step)")
     return kernels[0]
 
 
