@@ -20,6 +20,11 @@ recomputes x̂ from what it reads; the variance is centred, Σ(r - μ)²/D, comp
 row held in registers. Rows go through a program R at a time, D in pieces of powers of
 two (Triton's loads have power-of-two sizes): 768 = 512 + 256.
 
+JAX ships a Triton LayerNorm (jax.experimental.pallas.ops.gpu.layer_norm); it normalises
+an x already summed, and its backward reads x and the gradient twice (dx, then the scale's
+and bias's sums). The add, the projection's bias and the residual gradient taken in the
+same pass are what this module is for.
+
 `add_norm` is for XLA-compiled callers: on several devices it runs under a shard_map over
 the rows (the logical rules' batch and length axes); the features D must be whole on
 each device. layers/norms.py `add_normalize` chooses between it and XLA's ops.
