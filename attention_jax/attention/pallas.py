@@ -7,13 +7,15 @@ registers and never reaches memory:
   forward   program (query block i, batch b, head n): walks the key blocks j that the
             mask lets query block i see, keeping the running max m, sum l and output
             acc of the online softmax; writes O and the per-row log-sum-exp L.
-  dK, dV    program (key block j, b, n): walks the query blocks that can see key block
-            j, recomputes P = exp(S - L) from the saved L and accumulates
-            dV += Pᵀ dO and dK += dSᵀ Q with dS = P ∘ (dP - rowsum(dO ∘ O)).
-  dQ        program (query block i, b, n): walks the same key blocks as the forward and
-            accumulates dQ += dS K.
+  dQ        program (query block i, b, n): writes its rows' D = rowsum(dO ∘ O), walks
+            the same key blocks as the forward, recomputing P = exp(S - L) from the
+            saved L, and accumulates dQ += dS K with dS = P ∘ (dP - D).
+  dK, dV    program (key block j, b, n), launched after dQ (it reads D): walks the
+            query blocks that can see key block j and accumulates dV += Pᵀ dO and
+            dK += dSᵀ Q.
   (FlashAttention-2, Dao 2023, algorithms 1 and 2; dQ gets its own kernel instead of
-  atomic adds, so the gradient is deterministic.)
+  atomic adds, so the gradient is deterministic, and computes D, FlashAttention-2's
+  separate preprocessing pass, from the dO tile it loads anyway.)
 
 Tiles are read in place from the [B, T, N, H] / [B, S, K, H] arrays: a program loads a
 [rows, H] slice of one head through a strided pointer, so there is no transpose, and a
@@ -36,10 +38,11 @@ Rows with no visible key give zero output and zero gradients.
 Packed q, k, v (`pallas_packed_attention`, for self-attention whose q, k and v come from
 one projection): the kernels read each head's tiles from the projection's [B, T, 3, N, H]
 output, a slot being a strided view as a [B, T, N, H] array is, and add the projection's
-bias to a tile as they load it. The dK/dV kernel stores its tiles into slots 1 and 2 of
-one gradient array and the dQ kernel writes slot 0 of the same array (aliased), so the
+bias to a tile as they load it. The dQ kernel writes slot 0 of one gradient array and
+the dK/dV kernel stores its tiles into slots 1 and 2 of the same array (aliased), so the
 projection's backward gets one [B, T, 3, N, H] gradient: one matmul for dx, not three
 whose products are summed, and no q, k, v materialised with their biases in between.
+The bias's gradient is summed by the same programs over the float32 tiles they write.
 
 Ring attention (ring.py) runs the forward on each pair of sequence chunks and merges
 the pairs itself: `forward_with_lse` returns the log-sum-exp too, and
@@ -606,7 +609,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     dk, dv = _loop(st, _intersect(ranges, r.seg_ranges), tile, init)
     dk = dk * st.scale  # S = scale · Q Kᵀ
     if st.packed:  # the whole [B, T, 3, N, H] gradient: this program's tiles of slots 1, 2
-        grad_ref, *bias_refs = r.rest
+        # (its outputs come after the dQ kernel's gradient and bias sums, which they alias)
+        grad_ref, *bias_refs = r.rest[-2:] if st.biased else r.rest[-1:]
         keys, h = pl.ds(j * bk, bk), pl.program_id(2)
         grad_ref[b, keys, 1, h, :] = dk.astype(grad_ref.dtype)
         grad_ref[b, keys, 2, h, :] = dv.astype(grad_ref.dtype)
@@ -618,15 +622,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, nq: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs, st: _Static, nq: int):
     bk = st.blocks.fwd_k
     r = _Refs(st, refs)
-    # Packed: the outputs come after the dK/dV kernel's gradient (and bias sums), which
-    # they alias; with a bias, the bias sums' rows after dq.
-    dq_ref, *bias_refs = r.rest[-2:] if st.packed and st.biased else r.rest[-1:]
+    # dq (packed: slot 0 of the whole gradient), D, and with a bias the bias sums' rows.
+    dq_ref, delta_ref, *bias_refs = r.rest
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
     q, do = _biased(q_ref[...], r.q_bias), do_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    lse = lse_ref[...]
+    # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij, the softmax Jacobian's correction term, from
+    # the dO tile this program reads anyway; the dK/dV kernel, launched after, reads it.
+    delta = jnp.sum(do.astype(lse.dtype) * o_ref[...].astype(lse.dtype), axis=1)
+    delta_ref[...] = delta
 
     def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
@@ -765,17 +772,51 @@ def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None):
 
 def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bias=None):
     """dq, dk, dv in grad_dtype (default: the inputs' dtypes); a packed call's (q, k and v
-    its one array) gets its gradient as one array of that shape."""
+    its one array) gets its gradient as one array of that shape, and with a bias that
+    bias's gradient: (grad, d_bias)."""
     bsz, tp, n, hp, sp, hvp = _shapes(st, q, k, v)
     kh, g = n // st.groups, st.groups
     bias_inputs, bias_specs = _bias_inputs(st, bias)
-    # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij, the softmax Jacobian's correction term.
-    delta = jnp.einsum("BTNH,BTNH->BNT", d_out.astype(lse.dtype), out.astype(lse.dtype))
+    nk = sp // st.blocks.bwd_k
+
+    # dQ first: one program per query block and head, the forward's loop again. Each also
+    # writes its rows' D = rowsum(dO ∘ O) for the dK/dV kernel (no pass of its own).
+    bq = st.blocks.fwd_q
+    nq = tp // bq
+    rev = lambda i: nq - 1 - i  # noqa: E731
+    inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
+    dq_spec = _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))
+    out_specs = [dq_spec, row_spec]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype),
+                 jax.ShapeDtypeStruct((bsz, n, tp), lse.dtype)]
+    if st.packed and st.biased:
+        # The bias gradient's partial sums, a row [3, H] a program: [B, nk + nq, 3, N, H],
+        # the dK/dV programs' k and v sums in rows [0, nk), the dQ programs' q sums after,
+        # so that one reduction sums them all.
+        out_specs.append(pl.BlockSpec((None, None, 3, None, hp),
+                                      lambda i, b, h: (b, nk + rev(i), 0, h, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((bsz, nk + nq, 3, n, hp), _acc(q.dtype)))
+    dq, delta, *bias_sums = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st, nq=nq),
+        grid=(nq, bsz, n),
+        in_specs=[
+            _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
+            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
+            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g)),
+            pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
+            row_spec,
+            pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
+            *specs, *bias_specs],
+        out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
+        interpret=st.interpret, name="flash_backward_dq",
+    )(q, k, v, d_out, lse, out, *inputs, *bias_inputs)
 
     # dK, dV: one program per key block and query head. With G > 1 query heads per K/V
     # head, each program writes its head's share in float32 and the G shares are summed.
     bq, bk = st.blocks.bwd_q, st.blocks.bwd_k
-    nq, nk = tp // bq, sp // bk
+    nq = tp // bq
     inputs, specs = _mask_inputs(
         st, arrays,
         q_spec=pl.BlockSpec((None, tp), lambda j, b, h: (b, 0)),
@@ -785,22 +826,20 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
         ranges_spec=pl.BlockSpec((None, None, 4), lambda j, b, h: (b, j, 0)),
         backward=True)
     kv_dtype = grad_dtype or k.dtype
-    if st.packed:  # each program stores its tiles of dk and dv into the whole gradient
+    if st.packed:  # each program stores its tiles of dk and dv into dQ's whole gradient
         out_specs = [pl.BlockSpec(q.shape, lambda *_: (0,) * q.ndim)]
-        out_shape = [jax.ShapeDtypeStruct(q.shape, kv_dtype)]
-        if st.biased:
-            # and the bias gradient's partial sums, a row [3, H] a program: [B, nk + nq, 3,
-            # N, H], the dK/dV programs' k and v sums in rows [0, nk), the dQ programs' q
-            # sums after, so that one reduction sums them all.
+        if st.biased:  # and its row of the bias sums
             out_specs.append(pl.BlockSpec((None, None, 3, None, hp),
                                           lambda j, b, h: (b, j, 0, h, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((bsz, nk + tp // st.blocks.fwd_q, 3, n, hp),
-                                                  _acc(q.dtype)))
+        aliased = [dq, *bias_sums]
+        out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased]
     else:
         out_specs = [pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
                      pl.BlockSpec((None, bk, None, hvp), lambda j, b, h: (b, j, h, 0))]
         out_shape = [jax.ShapeDtypeStruct((bsz, sp, n, width), kv_dtype if g == 1 else _acc(kv_dtype))
                      for width in (hp, hvp)]
+        aliased = []
+    inputs = [q, k, v, d_out, lse, delta, *inputs, *bias_inputs, *aliased]
     grads = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, nq=nq),
         grid=(nk, bsz, n),
@@ -811,53 +850,21 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
             pl.BlockSpec((None, tp, None, hvp), lambda j, b, h: (b, 0, h, 0)),
             pl.BlockSpec((None, None, tp), lambda j, b, h: (b, h, 0)),
             pl.BlockSpec((None, None, tp), lambda j, b, h: (b, h, 0)),
-            *specs, *bias_specs],
+            *specs, *bias_specs, *out_specs[:len(aliased)]],
         out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={len(inputs) - len(aliased) + k: k for k in range(len(aliased))},
         compiler_params=_params(st.blocks.bwd_num_warps, st.blocks.bwd_num_stages),
         interpret=st.interpret, name="flash_backward_dkdv",
-    )(q, k, v, d_out, lse, delta, *inputs, *bias_inputs)
-    if st.packed:  # the dQ kernel writes slot 0 of the same array (and the q sums' rows)
-        grad_inputs = grads
-    else:
-        (dk, dv), grad_inputs = grads, []
-    if g > 1:
-        dk = dk.reshape(bsz, sp, kh, g, hp).sum(axis=3).astype(grad_dtype or k.dtype)
-        dv = dv.reshape(bsz, sp, kh, g, hvp).sum(axis=3).astype(grad_dtype or v.dtype)
-
-    # dQ: one program per query block and head, the forward's loop again.
-    bq = st.blocks.fwd_q
-    nq = tp // bq
-    rev = lambda i: nq - 1 - i  # noqa: E731
-    inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
-    inputs = [q, k, v, d_out, lse, delta, *inputs, *bias_inputs, *grad_inputs]
-    dq_spec = _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h))
-    out_specs, out_shape = [dq_spec], [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
-    if st.packed and st.biased:  # the q sums' rows [3, H], after the dK/dV programs' nk
-        sums_spec = pl.BlockSpec((None, None, 3, None, hp),
-                                 lambda i, b, h: (b, nk + rev(i), 0, h, 0))
-        out_specs.append(sums_spec)
-        out_shape.append(jax.ShapeDtypeStruct(grad_inputs[1].shape, grad_inputs[1].dtype))
-    aliases = {len(inputs) - len(grad_inputs) + k: k for k in range(len(grad_inputs))}
-    dq, *bias_sums = pl.pallas_call(
-        functools.partial(_dq_kernel, st=st, nq=nq),
-        grid=(nq, bsz, n),
-        in_specs=[
-            _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
-            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
-            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g)),
-            pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
-            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
-            *specs, *bias_specs, *out_specs[:len(grad_inputs)]],
-        out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=_params(st.blocks.num_warps, st.blocks.num_stages),
-        interpret=st.interpret, name="flash_backward_dq",
     )(*inputs)
     if st.packed:
         # [B, T, 3, N, H]: dq, dk, dv in their slots; with a bias, its gradient [3, N, H]
         # from the programs' sums (in the accumulators' precision, before rounding).
-        return dq, (bias_sums[0].sum((0, 1)) if st.biased else None)
+        grad, *bias_sums = grads
+        return grad, (bias_sums[0].sum((0, 1)) if st.biased else None)
+    dk, dv = grads
+    if g > 1:
+        dk = dk.reshape(bsz, sp, kh, g, hp).sum(axis=3).astype(grad_dtype or k.dtype)
+        dv = dv.reshape(bsz, sp, kh, g, hvp).sum(axis=3).astype(grad_dtype or v.dtype)
     return dq, dk, dv
 
 
