@@ -125,6 +125,12 @@ def test_our_child_step_on_cpu():
     bad = train_speed_gpu_child.measure_ours(row, "no-such-attention", warmup=1, repeats=1, steps=1,
                                        dtype="float32")
     assert "error" in bad and "step_s" not in bad  # recorded, not raised
+    # The row's norm_kernel reaches the model (--norm-kernel): the kernels, interpreted
+    # here, train the same first step as XLA's ops.
+    kernels = train_speed_gpu_child.measure_ours({**row, "norm_kernel": "pallas"}, "blockwise",
+                                                 warmup=1, repeats=1, steps=1, dtype="float32")
+    assert kernels["impl"] == "blockwise, norm pallas" and "error" not in kernels
+    assert kernels["first_loss"] == pytest.approx(r["first_loss"], rel=1e-5)
 
 
 def test_gpu_mode_flow_with_children_on_cpu(tmp_path, capsys, monkeypatch):
@@ -187,6 +193,11 @@ def test_packing_option_names_the_valid_values(tmp_path):
                               "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match=r"--packing 'documents,rows'; valid: \['documents', "
                                          r"'stream'\]"):
+        train_speed_gpu.run(args, info={"device": "cpu (test)"})
+    args = parser.parse_args(["train", "--device", "gpu", "--norm-kernel", "xla,cudnn",
+                              "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match=r"--norm-kernel 'xla,cudnn'; valid: \['auto', 'xla', "
+                                         r"'pallas'\], comma-separated"):
         train_speed_gpu.run(args, info={"device": "cpu (test)"})
 
 
