@@ -25,6 +25,7 @@ projection's bias and the norm in one kernel each way; NORM_KERNELS).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import flax.linen as nn
@@ -108,11 +109,25 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
     if kernel == "pallas" and why:
         raise ValueError(f"norm_kernel='pallas' cannot take x {tuple(x_shape)} here: {why}; "
                          f"valid: norm_kernel 'auto' or 'xla'")
+    if kernel == "pallas" and norm_kernel.gathers_rows(x_shape):
+        _warn_once(("gathers", tuple(x_shape)), "norm_kernel='pallas' on x %s: nothing splits "
+                   "its rows over the devices (no mesh, or no logical rule for its batch or "
+                   "length), so each device computes all of them; 'auto' would take XLA's ops",
+                   tuple(x_shape))
     if kernel != "auto":
         return kernel
     unsuited = (target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64
                 or len(x_shape) < 2 or norm_kernel.gathers_rows(x_shape))
     return "xla" if unsuited or why else "pallas"
+
+
+_warned: set = set()
+
+
+def _warn_once(key, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger(__name__).warning(message, *args)
 
 
 def add_normalize(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = True,

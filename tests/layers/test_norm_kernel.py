@@ -4,6 +4,7 @@ against XLA's ops, which kernel `auto` picks, bad input named, under a mesh per 
 and compiled for an H100 what XLA's fusions did there is gone."""
 
 import functools
+import logging
 
 import flax.linen as nn
 import jax
@@ -190,7 +191,7 @@ def test_under_a_mesh_each_device_takes_its_rows():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_under_a_mesh_needs_the_features_whole():
+def test_auto_under_a_mesh_needs_the_features_whole(caplog):
     """The trainer's rules map embed to fsdp for parameters, but an activation's batch
     takes fsdp first, so its features stay whole and the kernels run per device; rules
     that split the features leave auto to XLA, and 'pallas' says why it cannot."""
@@ -202,8 +203,12 @@ def test_auto_under_a_mesh_needs_the_features_whole():
             assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "pallas"
         with nn.logical_axis_rules((("batch", "data"), ("embed", "tensor"))):
             assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "xla"
-        # No rules: nothing splits the rows, every device would compute all of them.
+        # No rules: nothing splits the rows, every device would compute all of them;
+        # asked for anyway, the kernels run, and say so.
         assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "xla"
+        with caplog.at_level(logging.WARNING):
+            assert choose_norm_kernel("pallas", shape, jnp.bfloat16) == "pallas"
+        assert "nothing splits its rows over the devices" in caplog.text
         with nn.logical_axis_rules((("batch", "data"), ("embed", "tensor"))):
             with pytest.raises(ValueError, match=r"the mesh splits the features D over "
                                                  r"\('tensor',\)"):
