@@ -166,7 +166,7 @@ RENAMED_MODEL_FIELDS = {
 
 # Keys the experiment configs gained after runs were saved without them, with the value
 # those runs trained with: resuming such a run with the key at that value is no change.
-ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto",
+ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto", "model.norm_kernel": "auto",
               **{f"data.{k}": v for k, v in config_lib.TEXT_FILE_KEYS.items()},
               **{f"data.{k}": v for k, v in config_lib.IMAGE_KEYS.items()}}
 
@@ -371,7 +371,8 @@ def wall_seconds(workdir: str) -> float:
 # ============================================================================ resume guard
 # Keys a resumed run may change without resume_changed=True: how long to train, how often
 # to log, evaluate and checkpoint, where the data lives, on which devices (checkpoints
-# restore onto any mesh), and the attention backend; none changes what a step computes.
+# restore onto any mesh), and the attention, loss and norm kernels; none changes what a
+# step computes beyond the order of its roundings.
 # Keys ending in "." cover their whole group.
 RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.async_checkpoint", "train.data_workers",
@@ -379,6 +380,7 @@ RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.c
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
                     "train.checkpoint_on_damage", "train.loss_chunk_size", "train.loss_kernel",
                     "data.data_dir", "model.implementation", "model.ring_inner", "model.remat_policy",
+                    "model.norm_kernel",
                     "mesh.", "eval.")
 
 

@@ -161,6 +161,16 @@ def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_old_value(tmp_p
     assert workdir_lib.config_changes(config, str(tmp_path)) == {}
     config.data.packing = "stream"
     assert workdir_lib.config_changes(config, str(tmp_path)) == {"data.packing": ("documents", "stream")}
+    # model.norm_kernel came later still: absent, it was "auto"; changing it is resume-safe
+    # (it picks kernels, not what a step computes), so such a run resumes with a note.
+    del saved["model"]["norm_kernel"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    config.data.packing, config.model.norm_kernel = "documents", "auto"
+    assert workdir_lib.config_changes(config, str(tmp_path)) == {}
+    config.model.norm_kernel = "xla"
+    note = workdir_lib.check_config_change(config, str(tmp_path), 10, resume_changed=False)
+    assert "model.norm_kernel" in note
 
 
 @pytest.mark.parametrize("spec,key,value,source", [
