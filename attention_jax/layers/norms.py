@@ -102,13 +102,18 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
     auto takes pallas on NVIDIA GPUs (or compiling for them) for x other than float64
     whose rows divide into the kernels' programs on each device, unless the mesh splits
     the features D or would hand every device all the rows (several devices and nothing
-    in the logical rules splitting the batch or length, norm_kernel.gathers_rows)."""
+    in the logical rules splitting the batch or length, norm_kernel.gathers_rows).
+    pallas where the kernels cannot take x (norm_kernel.unsupported) answers xla and says
+    so once per shape."""
     if kernel not in NORM_KERNELS:
         raise ValueError(f"norm kernel {kernel!r} is unknown; valid: {NORM_KERNELS}")
     why = norm_kernel.unsupported(tuple(x_shape))
     if kernel == "pallas" and why:
-        raise ValueError(f"norm_kernel='pallas' cannot take x {tuple(x_shape)} here: {why}; "
-                         f"valid: norm_kernel 'auto' or 'xla'")
+        # Asked for, but not for this call's shape (a sampler's prompts, an odd batch):
+        # XLA's ops compute it, said once, rather than the run failing at that call.
+        _warn_once(("unsupported", tuple(x_shape)), "norm_kernel='pallas' cannot take x %s "
+                   "here (%s): XLA's ops compute this call", tuple(x_shape), why)
+        return "xla"
     if kernel == "pallas" and norm_kernel.gathers_rows(x_shape):
         _warn_once(("gathers", tuple(x_shape)), "norm_kernel='pallas' on x %s: nothing splits "
                    "its rows over the devices (no mesh, or no logical rule for its batch or "
@@ -137,6 +142,8 @@ def add_normalize(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bo
     apart so the kernel adds it as it loads y. kernel: NORM_KERNELS."""
     choice = choose_norm_kernel(kernel, x.shape, x.dtype)
     if choice == "pallas" and (kernel == "pallas" or y is None or y.dtype == x.dtype):
+        # (auto leaves a y of another dtype to XLA, which promotes; asked for, the kernel
+        # says that it takes x's dtype only)
         return norm_kernel.add_norm(x, y, y_bias, scale, bias, centered=centered,
                                     epsilon=epsilon, dtype=dtype)
     r = x
