@@ -719,6 +719,15 @@ def _head_tile(st: _Static, slot: int, rows: int, width: int, index_map):
     return pl.BlockSpec((None, rows, None, None, width), packed_map)
 
 
+def _query_grid_tiles(st: _Static, bq: int, rev, hp: int, sp: int, hvp: int):
+    """BlockSpecs of q, k, v on the forward's and dQ's grid (query block rev(i), batch b,
+    head h): h's [bq, H] query tile and the whole keys and values of its K/V head."""
+    g = st.groups
+    return [_head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
+            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
+            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g))]
+
+
 def _bias_inputs(st: _Static, bias):
     """The bias [3, N, H] three times, each program reading its head's row of q's, k's
     and v's (a packed call has one K/V head per query head); nothing without a bias."""
@@ -746,7 +755,7 @@ def _params(num_warps, num_stages):
 def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None):
     """(out, lse); a packed call passes its [B, T, 3, N, H] array as q, k and v."""
     bsz, tp, n, hp, sp, hvp = _shapes(st, q, k, v)
-    g, bq = st.groups, st.blocks.fwd_q
+    bq = st.blocks.fwd_q
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731  (program 0 takes the last, heaviest causal block)
     inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
@@ -754,11 +763,7 @@ def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None):
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
-        in_specs=[
-            _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
-            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
-            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g)),
-            *specs, *bias_specs],
+        in_specs=[*_query_grid_tiles(st, bq, rev, hp, sp, hvp), *specs, *bias_specs],
         out_specs=[
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))],
@@ -801,9 +806,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
         functools.partial(_dq_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
         in_specs=[
-            _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h)),
-            _head_tile(st, 1, sp, hp, lambda i, b, h: (b, 0, h // g)),
-            _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g)),
+            *_query_grid_tiles(st, bq, rev, hp, sp, hvp),
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
             row_spec,
             pl.BlockSpec((None, bq, None, hvp), lambda i, b, h: (b, rev(i), h, 0)),
