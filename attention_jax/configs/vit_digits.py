@@ -46,6 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.mlp_dim = 128  # F = 2D: tiny data, a narrower MLP trains as well.
     c.model.dropout_rate = 0.0
     c.model.remat_policy = "none"
+    c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 
     c.data.name = "digits"  # 1,438 training and 359 test images.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.

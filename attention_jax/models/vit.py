@@ -59,6 +59,7 @@ class ViTConfig:
     implementation: str = "auto"
     scan_layers: bool = False
     remat_policy: str = "none"
+    norm_kernel: str = "auto"  # residual add + norm: layers/norms.py NORM_KERNELS
     dtype: Any = "float32"
 
     def __post_init__(self):
@@ -95,7 +96,7 @@ class ViTConfig:
             num_heads=self.num_heads, mlp="mlp", mlp_dim=self.mlp_dim, activation="gelu",
             norm="layernorm", norm_position="pre", norm_epsilon=self.norm_epsilon,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-            implementation=self.implementation, dtype=self.dtype)
+            implementation=self.implementation, norm_kernel=self.norm_kernel, dtype=self.dtype)
 
 
 # Model sizes: Dosovitskiy et al. 2020, Table 1 (Base 86M, Large 307M, Huge 632M);
@@ -198,11 +199,16 @@ class ViT(nn.Module):
             x = x + table.astype(dtype)[None]
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
+        # Pre-norm: the stack leaves its last residual add to the final norm, (x, y, y_bias)
+        # (layers/blocks.py, one kernel on a GPU).
+        pre_norm = cfg.block().norm_position == "pre"
         x, stack_aux = TransformerStack(cfg.block(), cfg.num_layers, block="encoder",
                                         scan_layers=cfg.scan_layers, remat_policy=cfg.remat_policy,
-                                        name="encoder")(
+                                        pending_residual=pre_norm, name="encoder")(
             x, deterministic=deterministic, return_weights=return_weights)
-        x = make_norm("layernorm", epsilon=cfg.norm_epsilon, dtype=dtype, name="encoder_norm")(x)
+        norm = make_norm("layernorm", epsilon=cfg.norm_epsilon, dtype=dtype,
+                         kernel=cfg.norm_kernel, name="encoder_norm")
+        x = norm(*x, residual=True)[1] if pre_norm else norm(x)
         pooled = x[:, 0] if cfg.pool == "cls" else jnp.mean(x, axis=1)  # [B, D]
         aux = {"hidden_states": x, "pooled": pooled}
         if return_weights:

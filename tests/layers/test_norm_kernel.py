@@ -131,6 +131,27 @@ def test_gpt_hands_each_residual_add_to_the_next_norm(scan, remat):
     assert jaxpr.count("pallas_call[") == (3 if scan else 7)
 
 
+def test_vit_hands_its_last_residual_add_to_the_encoder_norm():
+    """ViT (pre-norm, always) likewise: its 8 × 8 digits' 17 tokens at batch 8 make 136
+    rows, a multiple of 8: the kernels against XLA's ops, the same parameters."""
+    from attention_jax.models import vit
+    images = jax.random.normal(jax.random.key(0), (8, 8, 8, 1))
+    models = {k: vit.ViT(vit.ViTConfig(image_size=8, patch_size=2, num_channels=1, d_model=32,
+                                       num_layers=2, num_heads=4, mlp_dim=64, num_classes=10,
+                                       norm_kernel=k)) for k in ("xla", "pallas")}
+    params = models["xla"].init(jax.random.key(1), images)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape),
+                          params)
+    assert (jax.tree.structure(models["pallas"].init(jax.random.key(1), images))
+            == jax.tree.structure(params))
+    loss = lambda p, kind: jnp.sum(jnp.sin(models[kind].apply(p, images)[0]))  # noqa: E731
+    got, want = (jax.value_and_grad(loss)(params, k) for k in ("pallas", "xla"))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+    jaxpr = str(jax.make_jaxpr(lambda p: models["pallas"].apply(p, images))(params))
+    assert jaxpr.count("pallas_call[") == 5  # two norms a block and the final one
+
+
 def test_post_norm_blocks_take_no_pending_add():
     x = jnp.ones((2, 8, 16))
     cfg = BlockConfig(num_heads=2, norm_position="post")
