@@ -7,6 +7,10 @@ one library, and only around the call that provokes it.
 
 Messages are matched on their format string (`record.msg`), not the formatted text,
 so a filter cannot swallow a different message that happens to contain the words.
+
+And our own warnings about a choice made at trace time (a kernel that cannot take a
+shape, a mesh that splits nothing) are said once per process and key, not at every
+trace: `warn_once(logger, key, message, *args)`.
 """
 
 from __future__ import annotations
@@ -35,3 +39,14 @@ def drop_log_messages(*templates: str, logger: str = "absl"):
         yield
     finally:
         target.removeFilter(f)
+
+
+_warned: set = set()
+
+
+def warn_once(logger: str, key, message: str, *args) -> None:
+    """logging.getLogger(logger).warning(message, *args), the first time `key` comes to
+    that logger."""
+    if (logger, key) not in _warned:
+        _warned.add((logger, key))
+        logging.getLogger(logger).warning(message, *args)

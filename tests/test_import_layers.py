@@ -8,7 +8,8 @@ axes.py, quiet.py, errors.py, heap.py, sharding.py and digests.py import nothing
 axes, quiet and errors and so stand on the ground floor with attention/ and data/, where
 anything may use them. checkpoint.py stands on digests (never the other way round), beside
 its background saver (background_save.py) and its packed format (packed_state.py), and the checkpoint verifier (verify.py) is a
-command like main.
+command like main. kernel_tiles.py (what the row-wise Pallas kernels share) stands on
+attention's target backend, below the layers and models that use it.
 """
 
 import ast
@@ -20,7 +21,7 @@ from helpers import REPO
 
 PACKAGE = "attention_jax"
 LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors", "heap"},
-          {"checkpoint", "background_save", "packed_state"},
+          {"checkpoint", "background_save", "packed_state", "kernel_tiles"},
           {"layers"}, {"models"}, {"tasks", "convert", "config", "workdir"},
           {"optimizer", "steps"}, {"train"}, {"runs", "main", "verify", "configs"}, {"tools"}]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

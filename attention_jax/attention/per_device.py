@@ -18,7 +18,6 @@ rows or heads are then whole on each device, as XLA would have them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Callable, Optional, Sequence
 
@@ -26,9 +25,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from attention_jax.attention.call import AttentionCall
-
-_warned: set = set()
-
+from attention_jax.quiet import warn_once
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -61,27 +58,21 @@ def split_of(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence
         names = tuple(a for a in names if a in free)
         devices = math.prod(free[a] for a in names)
         if names and any(s % devices for s in sizes):
-            _warn_once((backend, what, sizes, names),
-                       "attention %r: %s %s do not divide over mesh axes %s (%d devices): "
-                       "each device computes all of them", backend, what, sizes, names, devices)
+            warn_once(__name__, (backend, what, sizes, names),
+                      "attention %r: %s %s do not divide over mesh axes %s (%d devices): "
+                      "each device computes all of them", backend, what, sizes, names, devices)
             return ()
         return names
 
     split = Split(usable("batch", batch_axes, call.batch),
                   usable("heads", head_axes, call.heads, call.kv_heads))
     if not split.batch and not split.heads:
-        _warn_once(backend, "attention %r under a mesh of %d devices with nothing to split it "
-                   "by (batch_axes=%s, head_axes=%s): XLA gathers q, k, v whole onto every "
-                   "device, and each computes the whole call", backend, mesh.size,
-                   tuple(batch_axes), tuple(head_axes))
+        warn_once(__name__, backend, "attention %r under a mesh of %d devices with nothing to "
+                  "split it by (batch_axes=%s, head_axes=%s): XLA gathers q, k, v whole onto "
+                  "every device, and each computes the whole call", backend, mesh.size,
+                  tuple(batch_axes), tuple(head_axes))
         return None
     return split
-
-
-def _warn_once(key, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logging.getLogger(__name__).warning(message, *args)
 
 
 def run(fn: Callable, call: AttentionCall, split: Split, inputs: tuple,

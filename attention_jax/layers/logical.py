@@ -8,6 +8,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from attention_jax import axes
+
 
 def mesh_axes(logical: str) -> tuple[str, ...]:
     """The ambient mesh's axes of size > 1 that `logical` maps to under the current logical
@@ -28,3 +30,14 @@ def array_mesh_axes(logical: tuple) -> tuple[tuple[str, ...], ...]:
         names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
         out.append(tuple(a for a in names if mesh.shape.get(a, 1) > 1))
     return tuple(out)
+
+
+def rows_logical(n: int) -> tuple:
+    """The logical axes of an activation's n leading axes: batch, length, then none."""
+    return ((axes.BATCH, axes.LENGTH) + (None,) * n)[:n]
+
+
+def row_mesh_axes(n: int) -> tuple[tuple[str, ...], ...]:
+    """array_mesh_axes of an activation's n leading axes (rows_logical): what a row-wise
+    kernel XLA cannot partition is split over by hand (the loss's, the norms')."""
+    return array_mesh_axes(rows_logical(n))

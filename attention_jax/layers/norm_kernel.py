@@ -43,8 +43,9 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from attention_jax import axes
-from attention_jax.attention.call import compiling_for_gpu, target_backend
-from attention_jax.layers.logical import array_mesh_axes
+from attention_jax.attention.call import compiling_for_gpu
+from attention_jax.kernel_tiles import interpret_off_gpu, power_of_two_pieces, triton_params
+from attention_jax.layers.logical import array_mesh_axes, row_mesh_axes, rows_logical
 
 ROWS = 8          # rows a program holds in registers at a time
 PROGRAM_ROWS = 64  # rows a backward program walks (its partial column sums cover them)
@@ -65,15 +66,9 @@ class _Static:
     interpret: bool
 
     @property
-    def pieces(self) -> tuple[tuple[int, int], ...]:
+    def pieces(self) -> list[tuple[int, int]]:
         """[(start, size)] of D in descending powers of two."""
-        out, start, size = [], 0, 1 << (self.d.bit_length() - 1)
-        while start < self.d:
-            if start + size <= self.d:
-                out.append((start, size))
-                start += size
-            size //= 2
-        return tuple(out)
+        return power_of_two_pieces(self.d)
 
 
 def _pow2_divisor(m: int, most: int) -> int:
@@ -130,7 +125,7 @@ def _forward_kernel(*refs, st: _Static):
     rstd_ref[...] = rstd
 
 
-def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, scale_ref, dr_ref, dx_ref,
+def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, dr_ref, scale_ref, dx_ref,
                      dscale_ref, dbias_ref, dyb_ref, *, st: _Static):
     f32 = jnp.float32
     widths = [size for _, size in st.pieces]
@@ -173,13 +168,6 @@ def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, scale_ref, dr_ref, dx_re
         dyb_ref[cols] = dyb[p]
 
 
-def _compiler_params(st: _Static):
-    if st.interpret:
-        return None
-    from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
-    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-
-
 def _forward(st: _Static, x, y, y_bias, scale, bias):
     """(r, n, mean, rstd) of x [M, D] and y [M, D] (and y_bias [D]); without y (n, mean,
     rstd)."""
@@ -196,12 +184,12 @@ def _forward(st: _Static, x, y, y_bias, scale, bias):
     out = pl.pallas_call(
         functools.partial(_forward_kernel, st=st), grid=(m // st.rows,),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_compiler_params(st), interpret=st.interpret, name="add_norm_forward",
+        compiler_params=triton_params(NUM_WARPS, 1, st.interpret), interpret=st.interpret, name="add_norm_forward",
     )(*inputs)
     return tuple(out)
 
 
-def _backward(st: _Static, dn, r, mean, rstd, scale, dr):
+def _backward(st: _Static, dn, r, mean, rstd, dr, scale):
     """(dr + d norm/dr [M, D] in r's dtype, partial sums [G, D] float32 of dn·x̂, dn and
     the former): G = M / program_rows programs, each its rows' column sums."""
     m = r.shape[0]
@@ -213,11 +201,11 @@ def _backward(st: _Static, dn, r, mean, rstd, scale, dr):
     parts = jax.ShapeDtypeStruct((g, st.d), jnp.float32)
     return pl.pallas_call(
         functools.partial(_backward_kernel, st=st), grid=(g,),
-        in_specs=[block, block, stat, stat, vector, block],
+        in_specs=[block, block, stat, stat, block, vector],
         out_specs=[block, partial, partial, partial],
         out_shape=[jax.ShapeDtypeStruct(r.shape, r.dtype), parts, parts, parts],
-        compiler_params=_compiler_params(st), interpret=st.interpret, name="add_norm_backward",
-    )(dn, r, mean, rstd, scale, dr.astype(r.dtype))
+        compiler_params=triton_params(NUM_WARPS, 1, st.interpret), interpret=st.interpret, name="add_norm_backward",
+    )(dn, r, mean, rstd, dr.astype(r.dtype), scale)
 
 
 # ----------------------------------------------------------------- the differentiable op
@@ -236,7 +224,7 @@ def _add_norm_bwd(st, residuals, cotangents):
     r, mean, rstd, scale, bias, y, y_bias = residuals
     dr, dn = cotangents
     dx, dscale, dbias, dyb = _on_rows(functools.partial(_backward, st), (dn, r, mean, rstd, dr),
-                                      (scale,), order=(0, 1, 2, 3, 5, 4))
+                                      (scale,))
     total = lambda p, like: None if like is None else p.sum(0).astype(like.dtype)  # noqa: E731
     return (dx, None if y is None else dx.astype(y.dtype), total(dyb, y_bias),
             total(dscale, scale), total(dbias, bias))
@@ -245,10 +233,9 @@ def _add_norm_bwd(st, residuals, cotangents):
 _add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)
 
 
-def _on_rows(fn, rows, vectors, order=None):
-    """fn of loose rows: `rows` ([..., D] or the statistics [...]; None allowed) flattened
-    to [M, ...] and `vectors` ([D] or None) in the order `order` gives (rows then vectors
-    by default); its outputs ([M, ...] or partial sums [G, D]) have the rows' leading axes
+def _on_rows(fn, rows, vectors):
+    """fn(*rows, *vectors) of loose rows: `rows` ([..., D] or the statistics [...]; None
+    allowed) flattened to [M, ...], `vectors` ([D] or None) whole; its outputs ([M, ...] or partial sums [G, D]) have the rows' leading axes
     given back. Under a mesh each device runs it on its own rows: a shard_map splitting
     the leading axes as the logical rules split batch (axis 0) and length (axis 1); the
     partial sums' G axis is then the devices' G's one after another."""
@@ -257,8 +244,7 @@ def _on_rows(fn, rows, vectors, order=None):
     def local(rows, vectors):
         m = math.prod(rows[0].shape[:-1])
         flat = [None if a is None else a.reshape(m, *a.shape[len(lead):]) for a in rows]
-        args = [*flat, *vectors]
-        out = fn(*(args[i] for i in order) if order else args)
+        out = fn(*flat, *vectors)
         return tuple(a.reshape(*rows[0].shape[:-1], *a.shape[1:]) if a.shape[0] == m else a
                      for a in out)
 
@@ -275,12 +261,6 @@ def _on_rows(fn, rows, vectors, order=None):
         check_vma=False)(rows, vectors)
 
 
-def _logical(ndim: int) -> tuple:
-    """The logical axes of an activation [..., D]: batch, length, the rest none, embed."""
-    lead = ((axes.BATCH, axes.LENGTH) + (None,) * ndim)[:ndim - 1]
-    return lead + (axes.EMBED,)
-
-
 def _split(lead) -> tuple | None:
     """The mesh axes that split each leading axis (batch, length, then none) of an
     activation [*lead, D], and None for D; None when nothing splits (no mesh, one device,
@@ -288,13 +268,13 @@ def _split(lead) -> tuple | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return None
-    split = array_mesh_axes(_logical(len(lead) + 1))[:-1]
+    split = row_mesh_axes(len(lead))
     return None if not any(split) else tuple(s or None for s in split) + (None,)
 
 
 def features_split(ndim: int) -> tuple[str, ...]:
     """The mesh axes the rules split an activation's features D over (() when whole)."""
-    return array_mesh_axes(_logical(ndim))[-1]
+    return array_mesh_axes((*rows_logical(ndim - 1), axes.EMBED))[-1]
 
 
 def gathers_rows(x_shape) -> bool:
@@ -359,7 +339,7 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     if why:
         raise ValueError(f"add_norm cannot take x {x.shape} here: {why}")
     m = rows_per_device(x.shape[:-1])
-    interpret = target_backend() != "gpu" if interpret is None else bool(interpret)
+    interpret = interpret_off_gpu(interpret)
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
                  has_y_bias=y_bias is not None, has_bias=bias is not None, rows=ROWS,

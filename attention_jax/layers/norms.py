@@ -25,7 +25,6 @@ projection's bias and the norm in one kernel each way; NORM_KERNELS).
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import flax.linen as nn
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.attention.call import target_backend
 from attention_jax.layers import norm_kernel
+from attention_jax.quiet import warn_once
 
 NORMS = ("layernorm", "rmsnorm")
 # How add_normalize computes: "xla" as XLA's ops (normalize); "pallas" the kernels of
@@ -111,28 +111,19 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
     if kernel == "pallas" and why:
         # Asked for, but not for this call's shape (a sampler's prompts, an odd batch):
         # XLA's ops compute it, said once, rather than the run failing at that call.
-        _warn_once(("unsupported", tuple(x_shape)), "norm_kernel='pallas' cannot take x %s "
-                   "here (%s): XLA's ops compute this call", tuple(x_shape), why)
+        warn_once(__name__, ("unsupported", tuple(x_shape)), "norm_kernel='pallas' cannot "
+                  "take x %s here (%s): XLA's ops compute this call", tuple(x_shape), why)
         return "xla"
     if kernel == "pallas" and norm_kernel.gathers_rows(x_shape):
-        _warn_once(("gathers", tuple(x_shape)), "norm_kernel='pallas' on x %s: nothing splits "
-                   "its rows over the devices (no mesh, or no logical rule for its batch or "
-                   "length), so each device computes all of them; 'auto' would take XLA's ops",
-                   tuple(x_shape))
+        warn_once(__name__, ("gathers", tuple(x_shape)), "norm_kernel='pallas' on x %s: "
+                  "nothing splits its rows over the devices (no mesh, or no logical rule for "
+                  "its batch or length), so each device computes all of them; 'auto' would "
+                  "take XLA's ops", tuple(x_shape))
     if kernel != "auto":
         return kernel
     unsuited = (target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64
                 or len(x_shape) < 2 or norm_kernel.gathers_rows(x_shape))
     return "xla" if unsuited or why else "pallas"
-
-
-_warned: set = set()
-
-
-def _warn_once(key, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logging.getLogger(__name__).warning(message, *args)
 
 
 def add_normalize(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = True,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from attention_jax.attention.call import target_backend
+from attention_jax.kernel_tiles import interpret_off_gpu, power_of_two_pieces, triton_params
 
 CHUNK = 4096  # logits a program loads at a time: 8 KiB of bfloat16, 16 per thread of 8 warps
 NUM_WARPS = 8
@@ -46,14 +46,7 @@ NUM_STAGES = 3
 def _pieces(v: int, chunk: int) -> tuple[int, list[tuple[int, int]]]:
     """(full chunks, [(start, size)] of the remainder in descending powers of two)."""
     n = v // chunk
-    start, rest, pieces = n * chunk, v - n * chunk, []
-    size = chunk // 2
-    while rest:  # the set bits of rest (< chunk), largest first
-        if size <= rest:
-            pieces.append((start, size))
-            start, rest = start + size, rest - size
-        size //= 2
-    return n, pieces
+    return n, power_of_two_pieces(v - n * chunk, start=n * chunk)
 
 
 def _walk(v: int, chunk: int, visit, carry):
@@ -122,13 +115,6 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
     _walk(v, chunk, visit, 0)
 
 
-def _compiler_params(interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
-    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-
-
 def _row_specs(v: int):
     row = pl.BlockSpec((None, v), lambda i: (i, 0))
     one = pl.BlockSpec((1,), lambda i: (i,))
@@ -149,22 +135,18 @@ def _check(logits, targets, scale=None):
         raise ValueError(f"scale has shape {scale.shape}; valid: [M] = {logits.shape[:1]}")
 
 
-def _interpret(interpret):
-    return target_backend() != "gpu" if interpret is None else bool(interpret)
-
-
 def row_statistics(logits, targets, *, chunk: int = CHUNK, interpret=None):
     """(lse, target_z, sum_z [M] float32, first_max [M] int32) of logits [M, V] (any
     float dtype, read once) against targets [M] ints. interpret: None = on a CPU or TPU
     (Triton's kernels compile for NVIDIA GPUs only)."""
     _check(logits, targets)
     m, v = logits.shape
-    interpret = _interpret(interpret)
+    interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
     return pl.pallas_call(
         functools.partial(_statistics_kernel, v=v, chunk=chunk),
         grid=(m,), in_specs=[row, one], out_specs=[one] * 4, out_shape=_stat_shapes(m),
-        compiler_params=_compiler_params(interpret), interpret=interpret,
+        compiler_params=triton_params(NUM_WARPS, NUM_STAGES, interpret), interpret=interpret,
         name="cross_entropy_statistics",
     )(logits, targets.astype(jnp.int32))
 
@@ -177,14 +159,14 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
     padding)."""
     _check(logits, targets, scale)
     m, v = logits.shape
-    interpret = _interpret(interpret)
+    interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
     *stats, dz = pl.pallas_call(
         functools.partial(_gradient_kernel, v=v, chunk=chunk, smoothing=float(smoothing)),
         grid=(m,), in_specs=[row, one, one], out_specs=[one] * 4 + [row],
         out_shape=_stat_shapes(m) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
         input_output_aliases={0: 4},
-        compiler_params=_compiler_params(interpret), interpret=interpret,
+        compiler_params=triton_params(NUM_WARPS, NUM_STAGES, interpret), interpret=interpret,
         name="cross_entropy_gradient",
     )(logits, targets.astype(jnp.int32), scale.astype(jnp.float32))
     return tuple(stats), dz

@@ -29,7 +29,7 @@ from attention_jax import axes
 from attention_jax.attention.call import compiling_for_gpu, target_backend
 from attention_jax.data.objectives import shift_right
 from attention_jax.layers.linear import matmul
-from attention_jax.layers.logical import mesh_axes
+from attention_jax.layers.logical import mesh_axes, row_mesh_axes, rows_logical
 from attention_jax.models import loss_kernel
 
 __all__ = ["cross_entropy", "token_cross_entropy", "chunked_head_cross_entropy",
@@ -397,8 +397,7 @@ def _on_rows(fn, logits, *rows):
     if mesh.empty or mesh.size == 1:
         return local(logits, *rows)
     split = []
-    for size, logical in zip(lead, (axes.BATCH, axes.LENGTH) + (None,) * len(lead)):
-        names = mesh_axes(logical) if logical else ()
+    for size, logical, names in zip(lead, rows_logical(len(lead)), row_mesh_axes(len(lead))):
         divides = size % math.prod(mesh.shape[a] for a in names) == 0
         if names and not divides:  # correct, but every device computes those rows
             logging.warning("loss kernels: %s %d does not divide over mesh axes %s: each "
