@@ -300,6 +300,17 @@ class _Manager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
         return False
 
+    def close(self) -> None:
+        # orbax removes the temporary folders of killed saves on a thread it starts when
+        # it opens, and only its first save waits for that thread. A run that stopped
+        # before one (a config mistake found at resume) exited under it: its asyncio work
+        # then failed to schedule on the executors the interpreter had shut down, and a
+        # traceback followed the run's one-line error. (No such thread: older orbax.)
+        await_cleanup = getattr(self, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
+        super().close()
+
 
 class Checkpointer:
     """Saves and restores (state, data_state) in `directory` (usually workdir/checkpoints).
@@ -346,6 +357,7 @@ class Checkpointer:
         self._host_flat = None  # (layout entries, flat host arrays): see _pack_and_write
         self._writing: int | None = None  # the step orbax may still be writing
         self._reported = None  # orbax's error of that write, once raised (see _wait_for_orbax)
+        self._closed = False
         processes = None
         if self._saves is not None and jax.process_count() > 1:
             # orbax's save waits at barriers that are device collectives by default
@@ -560,7 +572,11 @@ class Checkpointer:
                 or self.manager.is_saving_in_progress())
 
     def close(self) -> None:
-        """Waits for the saves in flight (raising a failed one's error), then closes."""
+        """Waits for the saves in flight (raising a failed one's error), then closes.
+        Once: closing a closed Checkpointer does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:

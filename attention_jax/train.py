@@ -204,6 +204,16 @@ def _train_writer(config, workdir: str, task: Task | None, resume_changed: bool)
 
 def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool) -> dict:
     prepared = setup(config, workdir, task)
+    try:
+        return _train_prepared(config, workdir, prepared, resume_changed)
+    finally:
+        # The loop closes it as it ends; this closes it where a run stopped before the
+        # loop (a changed config found at resume, a checkpoint that does not restore).
+        # Left open, orbax's threads outlived the interpreter's shutdown (checkpoint._Manager).
+        prepared.ckpt.close()
+
+
+def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool) -> dict:
     for warning in config_lib.warnings(config):
         _say(f"warning: {warning}")
     note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(),

@@ -258,3 +258,19 @@ def test_orbax_copy_options_write_checkpoints_any_checkpointer_reads(tmp_path, p
         sizes[compression] = sum(f.stat().st_size for f in (where / "4" / "state").rglob("*")
                                  if f.is_file())
     assert sizes[False] > 20 * sizes[True]  # 1 MiB of zeros: stored, not compressed away
+
+
+def test_closing_before_any_save_waits_for_orbax_s_cleanup_of_killed_saves(tmp_path):
+    """orbax removes the temporary folder of a killed save on a thread it starts when the
+    manager opens, and only its first save waits for it. `close` waits too: a run that
+    stopped before its first save (a changed config found at resume) exited under that
+    thread, whose asyncio work then failed on executors the interpreter had shut down
+    and printed a traceback after the run's one-line error. Closing twice is a no-op."""
+    directory = tmp_path / "ck"
+    killed = directory / "3.orbax-checkpoint-tmp-1700000000000"
+    killed.mkdir(parents=True)
+    (killed / "partial").write_text("half a save")
+    ck = checkpoint.Checkpointer(str(directory), save_every=1)
+    ck.close()
+    assert not killed.exists() and os.listdir(directory) == []
+    ck.close()

@@ -167,6 +167,7 @@ def compiled_step(row: dict, implementation: str, *, dtype: str = "bfloat16", st
         prepared = train.setup(config, workdir)
         with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
             state, _ = train.restore_or_init(prepared, config)
+            prepared.ckpt.close()  # nothing is saved here
             train_step, _ = steps_lib.jit_steps(prepared, config)
             loader = train.make_train_loader(prepared.task, config)
             batches = train.prefetch_to_device(loader, prepared.mesh, 0, prepared.task.count)
