@@ -47,6 +47,8 @@ def test_kernels_their_kinds_and_bytes_from_a_compiled_module():
     assert set(rows) == {"gemm_fusion_dot.1", "loop_add_fusion.6", "loop_add_fusion.7",
                          "pallas_call.8", "copy.10"}
     assert rows["gemm_fusion_dot.1"]["kind"] == "matmul"
+    assert rows["gemm_fusion_dot.1"]["flops"] == 2 * 64 * 24 * 32  # a multiply-add per pair
+    assert rows["loop_add_fusion.6"]["flops"] == 0
     # the bias add reads only its slice of the GEMM's result (not a GEMM because its
     # line names one): 64x8 read + 8 bias + 64x8 written, bf16
     add = rows["loop_add_fusion.6"]
@@ -63,6 +65,20 @@ def test_kernels_their_kinds_and_bytes_from_a_compiled_module():
     top = summary["sources"][0]
     assert top == {"source": "jvp(GPT)/decoder/layer_N/self_attention/add", "kernels": 2,
                    "bytes": 2 * add["bytes"]}
+
+
+def test_a_cublas_call_s_flops_from_its_dimension_numbers():
+    """A cuBLAS GEMM (what the H100's autotuner may pick) names no computation: its FLOPs
+    come from its operands and the contracting dimensions in its backend config."""
+    module = """ENTRY %main.3 (x: bf16[4,128,64], w: bf16[32,64]) -> bf16[512,32] {
+  %x = bf16[4,128,64]{2,1,0} parameter(0)
+  %w = bf16[32,64]{1,0} parameter(1)
+  %b = bf16[512,64]{1,0} bitcast(%x)
+  ROOT %g = (bf16[512,32]{1,0}, s8[1024]{0}) custom-call(%b, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+}
+"""
+    (row,) = gpu_hlo.kernel_traffic(module)
+    assert row["kind"] == "matmul" and row["flops"] == 2 * 512 * 32 * 64
 
 
 def test_an_array_handed_to_a_kernel_twice_is_read_once():
@@ -125,6 +141,8 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     # no bias add left to XLA.
     assert not [s for s in sources if s.endswith("self_attention/add")]
     assert kinds["matmul"]["kernels"] >= 6 and kinds["memory"]["kernels"] > 0
+    # Its matmuls multiply each weight once forward and twice backward, nothing more.
+    assert kinds["matmul"]["flops"] == summary["weight_flops"] == gpu_hlo.weight_flops(row)
     assert summary["memory_bound_ms"] > 0
     assert summary["memory"]["temp_size_in_bytes"] > 0
     save = summary["save_compile"]  # the checkpoint's programs, for the same GPU
@@ -136,6 +154,7 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "as XLA compiles it for an NVIDIA H100 80GB HBM3 (no GPU used)" in printed
     assert printed.count("\n| `") == 5
+    assert "The matmul kernels do 0.00 TFLOP, 1.000x what the model's weights need" in printed
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")

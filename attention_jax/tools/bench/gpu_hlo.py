@@ -142,6 +142,51 @@ def _sliced_reads(body: list[str]) -> dict[int, int]:
             if users[name] and all(op in ("slice", "dynamic-slice") for op, _ in users[name])}
 
 
+def _dims(shape: str) -> list[int]:
+    """The dimensions of an HLO shape string's first array ("bf16[16,8]{1,0}" -> [16, 8])."""
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def _dot_flops(result_shape: str, lhs_shape: str, contracting: str) -> int:
+    """2 × the result's elements × the lhs's contracted size: one multiply-add per pair."""
+    lhs = _dims(lhs_shape)
+    k = 1
+    for d in filter(None, contracting.replace('"', "").split(",")):
+        k *= lhs[int(d)]
+    out = 1
+    for d in _dims(result_shape):
+        out *= d
+    return 2 * out * k
+
+
+def matmul_flops(line: str, comps: dict[str, list[str]], shapes: dict[str, str]) -> int:
+    """FLOPs of a matmul kernel: the `dot`s of a GEMM fusion's computation, or a cuBLAS
+    call's (its first operand the lhs, its dimension numbers in the backend config)."""
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    if called:
+        body = comps.get(called.group(1), [])
+        local = {}
+        total = 0
+        for inner in body:
+            m = _INSTRUCTION.match(inner)
+            if not m:
+                continue
+            name, shape, op, rest = m.groups()
+            local[name] = shape
+            if op == "dot":
+                lhs = re.match(r"%([\w.\-]+)", rest).group(1)
+                dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inner)
+                total += _dot_flops(shape, local.get(lhs, ""), dims.group(1) if dims else "")
+        return total
+    m = _INSTRUCTION.match(line)
+    dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+    if not m or not dims:
+        return 0
+    lhs = re.match(r"%([\w.\-]+)", m.group(4))
+    return _dot_flops(m.group(2), shapes.get(lhs.group(1), "") if lhs else "", dims.group(1))
+
+
 def kernel_kind(op: str, line: str) -> str:
     if op == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', line)
@@ -187,8 +232,9 @@ def kernel_traffic(hlo_text: str) -> list[dict]:
         first = {o: i for i, o in reversed(list(enumerate(operands)))}
         read = sum(sliced.get(i, shape_bytes(shapes.get(o, ""))) for o, i in first.items())
         source = re.search(r'op_name="([^"]*)"', line)
-        rows.append({"name": name, "op": op, "kind": kernel_kind(op, line),
-                     "bytes": read + shape_bytes(shape),
+        kind = kernel_kind(op, line)
+        rows.append({"name": name, "op": op, "kind": kind, "bytes": read + shape_bytes(shape),
+                     "flops": matmul_flops(line, comps, shapes) if kind == "matmul" else 0,
                      "source": re.sub(r"^jit\([^)]*\)/", "", source.group(1)) if source else ""})
     return rows
 
@@ -210,9 +256,10 @@ def by_source(rows: list[dict], kind: str = "memory") -> list[dict]:
 def summarize(rows: list[dict], bandwidth: float) -> dict:
     kinds = {}
     for r in rows:
-        k = kinds.setdefault(r["kind"], {"kernels": 0, "bytes": 0})
+        k = kinds.setdefault(r["kind"], {"kernels": 0, "bytes": 0, "flops": 0})
         k["kernels"] += 1
         k["bytes"] += r["bytes"]
+        k["flops"] += r.get("flops", 0)
     memory = kinds.get("memory", {"bytes": 0})
     return {"kinds": kinds, "memory_bound_ms": 1e3 * memory["bytes"] / bandwidth,
             "sources": by_source(rows)}
@@ -352,6 +399,7 @@ def run(args) -> dict:
     rows = kernel_traffic(Path(spec["hlo"]).read_text())
     summary = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
                "xla_flags": args.xla_flags, "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
+               "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(report(summary, args.top))
@@ -359,6 +407,15 @@ def run(args) -> dict:
         import shutil
         shutil.rmtree(out, ignore_errors=True)
     return summary
+
+
+def weight_flops(row: dict) -> int:
+    """What the model's matmuls with its weights need in a training step: 6 FLOPs per
+    weight and token (models/flops.py), the weights being GPT-2's V·D (the tied head) and
+    L·12·D² (the four projections; biases and norms are no matmul's). A step whose matmul
+    kernels do more recomputes (remat) or multiplies something twice."""
+    d = row["width"]
+    return 6 * row["batch"] * row["seq_len"] * (row["vocab"] * d + row["layers"] * 12 * d * d)
 
 
 def report(summary: dict, top: int = 25) -> str:
@@ -374,7 +431,13 @@ def report(summary: dict, top: int = 25) -> str:
     for kind, k in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["bytes"]):
         lines.append(f"| {kind} | {k['kernels']} | {gb(k['bytes'])} |")
     lines += ["", f"The memory-bound kernels need {summary['memory_bound_ms']:.2f} ms at the "
-                  f"GPU's {H100['bandwidth'] / 1e12:.2f} TB/s at the least.", "",
+                  f"GPU's {H100['bandwidth'] / 1e12:.2f} TB/s at the least."]
+    matmul = summary["kinds"].get("matmul", {}).get("flops", 0)
+    if summary.get("weight_flops"):
+        lines.append(f"The matmul kernels do {matmul / 1e12:.2f} TFLOP, "
+                     f"{matmul / summary['weight_flops']:.3f}x what the model's weights need "
+                     f"(6 per weight and token; above 1: recomputed or repeated matmuls).")
+    lines += ["",
               "| memory-bound, from | launches | GB |", "|---|---|---|"]
     for g in summary["sources"][:top]:
         lines.append(f"| `{g['source'][:90] or '(no source recorded)'}` | {g['kernels']} | "
