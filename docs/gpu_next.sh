@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's next device call, as one command (docs/gpu_next.md §1): run it from the
+# Issue 35's second device call, as one command (docs/gpu_next.md §1): run it from the
 # repository root with `.whl` carried (../shared/device/prepare_wheels.sh fills it):
 #   device run: command "bash docs/gpu_next.sh", carry [".whl"], timeout_s 580
 # Each measurement is its own process (one JAX each); every output lands in $OUT.
@@ -16,21 +16,15 @@ run() {  # name, seconds at most, command...: its output in $OUT/name.txt with i
   echo "== $name at $((SECONDS - start)) s"
   timeout "$(left "$limit")" "$@" > "$OUT/$name.txt" 2>&1; echo "rc $?" >> "$OUT/$name.txt"
 }
-# 1. The loss kernels (models/loss_kernel.py), auto's choice on one GPU since 2026-11-26,
-# never run on a GPU before: Triton-compiled against XLA's loss, the head's loss alone with
-# each, then the bare step with each (its step time decides auto: losses.choose_loss_kernel).
-run loss_kernel_tests 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/models/test_loss_kernel.py
-run loss_alone 60 $PY -m attention_jax.tools.bench loss --out $OUT/loss_alone.json   # the head's loss by itself
-if [ "$SHAPE" = gpt2-124m ]; then SHAPES=gpt2-124m:16; else SHAPES=$SHAPE; fi
-run loss_kernel_step 200 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPES \
-  --no-torch --trainer-steps 0 --repeats 5 --loss-kernel xla,pallas --out $OUT/loss_kernel.json
-# 2. The save window: the packed format (448 arrays written as 5) against one array per array.
+# 1. The save window: the packed format (448 arrays written as 5) against one array per array.
 SAVE="$PY -m attention_jax.tools.bench profile --save --saves 4 --shape $SHAPE"
 run save_packed 95 $SAVE --out /tmp/save_packed
-# 3. The host's launch of a step without updating XLA's CUDA graphs (command_buffer::update
+run save_per_array 95 $SAVE --packed off   # as on 2026-11-26, the save programs' objects frozen
+# 2. The host's launch of a step without updating XLA's CUDA graphs (command_buffer::update
 # held the launching thread 19.6 of each 34.8 ms on 2026-11-26): addresses kept by
 # remapping (XLA's VMM allocator), so a save's pauses of the interpreter find more steps
 # queued ahead of the device. The same save profile with it.
 run save_never_update 95 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=NEVER_UPDATE $SAVE
-run save_per_array 95 $SAVE --packed off   # as on 2026-11-26, the save programs' objects frozen
+# 3. The head's loss by itself, XLA's against the loss kernels (forward, forward + backward).
+run loss_alone 60 $PY -m attention_jax.tools.bench loss --out $OUT/loss_alone.json
 echo "== done at $((SECONDS - start)) s"
