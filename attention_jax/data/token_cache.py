@@ -52,6 +52,7 @@ import numpy as np
 
 from attention_jax.data.files import FilesError
 from attention_jax.data.packing import PAD_SEGMENT
+from attention_jax.data.tokenization import TokenizerEncodeError
 
 VERSION = 1
 MANIFEST = 'manifest.json'
@@ -148,11 +149,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def _encode_batch(tokenizer, texts: list[str]) -> list:
+def _encode_batch(tokenizer, texts: list[str], names: list[str]) -> list:
+    """The ids of each text; a text the tokenizer cannot encode is a TokenizerEncodeError
+    naming its document (`names`: file and line, or row)."""
     hf = getattr(tokenizer, 'hf', None)
     if hf is not None:  # the tokenizers library: Rust, no per-token Python
-        return [e.ids for e in hf.encode_batch_fast(texts, add_special_tokens=False)]
-    return [tokenizer.encode(t) for t in texts]
+        try:
+            return [e.ids for e in hf.encode_batch_fast(texts, add_special_tokens=False)]
+        except Exception:  # noqa: BLE001 - a bare Exception; one at a time says which
+            pass
+    ids = []
+    for text, name in zip(texts, names):
+        try:
+            ids.append(tokenizer.encode(text))
+        except TokenizerEncodeError as e:
+            raise TokenizerEncodeError(f'document {name}: {e}') from None
+    return ids
 
 
 class _ShardWriter:
@@ -167,14 +179,18 @@ class _ShardWriter:
     def __call__(self, k: int, first: int, last: int) -> dict:
         bad = getattr(getattr(self.docs, 'corpus', None), 'bad', None)
         bad_before = bad.count if bad is not None else 0
-        texts, source_bytes = [], 0
+        texts, names, source_bytes = [], [], 0
         for i in range(first, last):
-            raw = self.docs[i]['text']
+            doc = self.docs[i]
+            raw = doc['text']
             source_bytes += len(raw)
             texts.append(raw.decode('utf-8', errors='replace') if isinstance(raw, bytes)
                          else str(raw))
-        ids = _encode_batch(self.tokenizer, texts)
-        del texts
+            name = doc.get('id', i)
+            names.append(name.decode('utf-8', errors='replace') if isinstance(name, bytes)
+                         else str(name))
+        ids = _encode_batch(self.tokenizer, texts, names)
+        del texts, names
         lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
         extra = 0 if self.eos is None else 1
         ends = np.cumsum(lengths + extra)

@@ -143,12 +143,32 @@ _DECODE_CLEANUP = ((' .', '.'), (' ?', '?'), (' !', '!'), (' ,', ','), (" ' ", "
                    (" 've", "'ve"), (" 're", "'re"))
 
 
+class TokenizerEncodeError(UserError, ValueError):
+    """A text the tokenizer cannot encode (a BPE file whose unknown token its vocabulary
+    lacks meets a character it never saw)."""
+
+
 class _TokenizersLibrary(Tokenizer):
     """A tokenizer held by the `tokenizers` library (`self.hf`): encode and decode as it
     does, with no special tokens added, ours stripped."""
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # tokenizers raises a bare Exception
+            raise TokenizerEncodeError(self._cannot_encode(text, e)) from None
+
+    def _cannot_encode(self, text: str, error: Exception) -> str:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        shown = text if len(text) <= 40 else text[:40] + '...'
+        message = f'{getattr(self, "path", "the tokenizer")} cannot encode {shown!r} ({reason})'
+        unk = json.loads(self.hf.to_str()).get('model', {}).get('unk_token')
+        if unk is not None and self.hf.token_to_id(unk) is None:
+            message += (f': its model names the unknown token {unk!r}, which its vocabulary '
+                        f'lacks, so a character it never saw in training has no id (one '
+                        f'trained with {unk!r} among its special tokens, or a byte-level '
+                        f'one, encodes every text)')
+        return message
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(self._strip(ids), skip_special_tokens=False)

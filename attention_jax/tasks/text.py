@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import TEXT_FILE_KEYS
-from attention_jax.data.tokenization import ROLE_NAMES, is_tokenizer_path
+from attention_jax.data.tokenization import ROLE_NAMES, TokenizerEncodeError, is_tokenizer_path
 from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
@@ -196,6 +196,18 @@ class _Documents:
         return {**self.listing, "split": self.split(label), "eval_fraction": drawn}
 
 
+def check_sample_prompts(prompts, tok) -> None:
+    """A ConfigError naming config.eval.sample_prompts if the tokenizer cannot encode one
+    of them: found before training, not when the run samples at its end."""
+    for prompt in prompts:
+        try:
+            tok.encode(prompt)
+        except TokenizerEncodeError as e:
+            raise ConfigError(f"config.eval.sample_prompts: {e}; valid: prompts it encodes "
+                              f"(--config.eval.sample_prompts='(\"...\",)') or none "
+                              f"(--config.eval.sample_prompts='()')") from None
+
+
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
@@ -209,6 +221,7 @@ def lm_task(config, workdir: str) -> Task:
     # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
     # (GPT-2's) pads with its end-of-text token.
     tok = _tokenizer(data_opts, workdir, documents)
+    check_sample_prompts(config.eval.sample_prompts, tok)
     cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
     if cfg.position == "learned" and data_opts.seq_len > cfg.max_len:
@@ -245,6 +258,8 @@ def lm_task(config, workdir: str) -> Task:
 
     def sample(params, rng):
         prompts = [tok.encode(p) or [tok.bos_id] for p in config.eval.sample_prompts]
+        if not prompts:  # --config.eval.sample_prompts='()': nothing to continue
+            return []
         width = max(map(len, prompts))
         new = config.eval.sample_tokens
         if cfg.position == "learned":

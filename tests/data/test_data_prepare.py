@@ -168,6 +168,26 @@ def test_bad_records_are_counted_through_prepare(tmp_path, capsys):
                 prep()
 
 
+def test_a_document_the_tokenizer_cannot_encode_is_named(corpus, tmp_path):
+    """A tokenizer without an id for some character (its unknown token missing from its
+    vocabulary) stops the prepare with one error naming the document's file and line."""
+    from tokenizers import Tokenizer
+    lacking = tmp_path / 'tokenizer.json'
+    spec = json.loads(Tokenizer.from_file(str(corpus[0] / 'tokenizer.json')).to_str())
+    spec['model']['unk_token'] = '<unk>'
+    spec['model']['vocab'] = {t: i for t, i in spec['model']['vocab'].items() if t != 'Ã'}
+    lacking.write_text(json.dumps(spec))
+    tok = data.get_tokenizer('file', path=str(lacking))
+    (tmp_path / 'm.jsonl').write_text(json.dumps({'text': 'the cat'}) + '\n'
+                                      + json.dumps({'text': 'the Ünicorn'}) + '\n')
+    (tmp_path / 'e.jsonl').write_text(json.dumps({'text': 'a mat'}) + '\n')
+    docs = files.file_splits(str(tmp_path / 'm.jsonl'), str(tmp_path / 'e.jsonl'))['train']
+    with pytest.raises(data.TokenizerEncodeError,
+                       match=r"^document m\.jsonl:2: .*tokenizer\.json cannot encode 'the "
+                             r"Ünicorn'.*unknown token '<unk>'"):
+        token_cache.prepare(docs, tok, str(tmp_path / 'cache'), workers=1, progress=False)
+
+
 def test_loader_over_the_cache_resumes_exactly_and_splits_over_processes(corpus, tmp_path):
     root, tok = corpus
     docs = files.file_splits(_globs(root), eval_fraction=0.2)['train']

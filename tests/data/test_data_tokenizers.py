@@ -139,6 +139,42 @@ def test_a_tokenizer_file_roles_come_from_the_file_never_a_reserved_id(tmp_path,
         base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [], pad_may_be_eos=True)
 
 
+def _bpe_file_lacking_its_unk(path, texts):
+    """A BPE tokenizer.json trained on `texts` whose model names '<unk>' as its unknown
+    token but which never got it as a token (a mistake easy to make when training one):
+    only characters of `texts` have ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token='<unk>'))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=['<|endoftext|>'], show_progress=False))
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_text_the_tokenizer_cannot_encode_is_named_and_so_are_the_prompts(tmp_path):
+    """The tokenizers library's bare "Unk token `<unk>` not found in the vocabulary"
+    becomes one error naming the file, the text and why; the GPT task checks its sample
+    prompts with it before training (a run used to train, then crash when it sampled)."""
+    from attention_jax.errors import ConfigError, UserError
+    from attention_jax.tasks import text
+    path = _bpe_file_lacking_its_unk(tmp_path / 'tokenizer.json', ['12 is twelve'] * 50)
+    tok = data.get_tokenizer('file', path=path)
+    assert tok.decode(tok.encode('twelve is 21')) == 'twelve is 21'
+    with pytest.raises(data.TokenizerEncodeError) as raised:
+        tok.encode('Grüße')
+    assert isinstance(raised.value, UserError) and isinstance(raised.value, ValueError)
+    assert str(raised.value).startswith(
+        f"{path} cannot encode 'Grüße' (Unk token `<unk>` not found in the vocabulary): its "
+        f"model names the unknown token '<unk>', which its vocabulary lacks")
+    text.check_sample_prompts(('12 ', 'twelve'), tok)
+    text.check_sample_prompts((), tok)  # no prompts: nothing to sample
+    with pytest.raises(ConfigError, match=r"^config\.eval\.sample_prompts: .* cannot encode "
+                                          r"'def ' .*; valid: prompts it encodes"):
+        text.check_sample_prompts(('12 ', 'def '), tok)
+
+
 def test_remote_folders_go_through_the_workdir(tmp_path):
     """One way to gs:// and s3://: workdir.save_assets and workdir.local_dir (tested
     against a bucket emulator in tests/system/test_object_store.py), never a local
