@@ -4,18 +4,8 @@
 #   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 580
 # (.whl: ../shared/device/prepare_wheels.sh fills it.) Each measurement is its own
 # process; every output lands in $OUT. DEADLINE: seconds for all of it.
-SHAPE=${SHAPE:-gpt2-124m}; PY=${PY:-python3}; DEADLINE=${DEADLINE:-550}
-start=$SECONDS
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-left() { local l=$((DEADLINE - (SECONDS - start))); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-run() {  # name, seconds at most, command...: its output in $OUT/name.txt with its exit status
-  local name=$1 limit=$2; shift 2
-  echo "== $name at $((SECONDS - start)) s"
-  timeout "$(left "$limit")" "$@" > "$OUT/$name.txt" 2>&1; echo "rc $?" >> "$OUT/$name.txt"
-}
+. docs/gpu_common.sh
+export PYTHONPATH=$PWD:/tmp/site
 # 1. Triton-compiled against XLA's ops and the float32 reference: the loss kernels
 # (models/loss_kernel.py), the residual add + norm (layers/norm_kernel.py) and the
 # attention kernels reading the packed q, k, v (attention/pallas.py). A failure here means

@@ -4,18 +4,8 @@
 #   device run: command "bash docs/gpu_next.sh", carry [".whl"], timeout_s 580
 # Each measurement is its own process (one JAX each); every output lands in $OUT.
 # DEADLINE: seconds for all of it; the parts come in order of what they decide.
-SHAPE=${SHAPE:-gpt2-124m}; PY=${PY:-python3}; DEADLINE=${DEADLINE:-550}
-start=$SECONDS
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-left() { local l=$((DEADLINE - (SECONDS - start))); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-run() {  # name, seconds at most, command...: its output in $OUT/name.txt with its exit status
-  local name=$1 limit=$2; shift 2
-  echo "== $name at $((SECONDS - start)) s"
-  timeout "$(left "$limit")" "$@" > "$OUT/$name.txt" 2>&1; echo "rc $?" >> "$OUT/$name.txt"
-}
+. docs/gpu_common.sh
+export PYTHONPATH=$PWD:/tmp/site
 # 1. The save window: the packed format (448 arrays written as 5) against one array per array.
 SAVE="$PY -m attention_jax.tools.bench profile --save --saves 4 --shape $SHAPE"
 run save_packed 95 $SAVE --out /tmp/save_packed

@@ -5,20 +5,9 @@
 # and summing its bias's gradient (attention/pallas.py, pallas_packed_attention) is worth.
 # Built 2026-11-26 on the CPU host, never run on a GPU.
 #   mkdir -p .old && git archive aa279c6 attention_jax | tar -x -C .old   # q, k, v apart
-#   device run: command "bash docs/gpu_next_kernels.sh", carry [".whl", ".old"], timeout_s 580
+#   device run: command "bash docs/gpu_next_kernels.sh", carry [".whl", ".old"], timeout_s 400
 # Each measurement is its own process; every output lands in $OUT.
-SHAPE=${SHAPE:-gpt2-124m}; PY=${PY:-python3}; DEADLINE=${DEADLINE:-550}
-start=$SECONDS
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONUNBUFFERED=1
-left() { local l=$((DEADLINE - (SECONDS - start))); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-run() {  # name, seconds at most, command...: its output in $OUT/name.txt with its exit status
-  local name=$1 limit=$2; shift 2
-  echo "== $name at $((SECONDS - start)) s"
-  timeout "$(left "$limit")" "$@" > "$OUT/$name.txt" 2>&1; echo "rc $?" >> "$OUT/$name.txt"
-}
+. docs/gpu_common.sh
 if [ "$SHAPE" = gpt2-124m ]; then SHAPES=gpt2-124m:16; else SHAPES=$SHAPE; fi
 STEP="-m attention_jax.tools.bench train --device gpu --shapes $SHAPES --no-torch --trainer-steps 0 --repeats 5"
 # 1. The bare step with the Pallas attention reading q, k, v packed, each row its own
