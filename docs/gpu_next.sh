@@ -10,6 +10,10 @@ export PYTHONPATH=$PWD:/tmp/site
 SAVE="$PY -m attention_jax.tools.bench profile --save --saves 4 --shape $SHAPE"
 run save_packed 95 $SAVE --out /tmp/save_packed
 run save_per_array 95 $SAVE --packed off   # as on 2026-11-26, the save programs' objects frozen
+# Python hands the interpreter to a thread that wants it every 5 ms: the launching thread,
+# back from a step's dispatch, may wait that long behind a save's Python work each time.
+# At 0.5 ms (on the CPU host, one array per array: 50.6 against 63.4 ms a later save).
+run save_packed_switch 95 $SAVE --switch-interval 0.0005
 # 2. The host's launch of a step without updating XLA's CUDA graphs (command_buffer::update
 # held the launching thread 19.6 of each 34.8 ms on 2026-11-26): addresses kept by
 # remapping (XLA's VMM allocator), so a save's pauses of the interpreter find more steps
