@@ -104,6 +104,10 @@ class BlockConfig:
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise ValueError(f"{field}={getattr(self, field)!r} is unknown; valid: {valid}")
+        if self.norm_kernel == "pallas" and self.norm_position == "post":
+            raise ValueError("norm_kernel='pallas' takes a pre-norm block's residual add "
+                             "into the next norm's kernel; a post-norm block has no such "
+                             "add to give it: valid with norm_position='post': 'auto' or 'xla'")
         n, k = self.num_heads, self.num_kv_heads
         if n <= 0:
             raise ValueError(f"num_heads must be positive; got {n}")

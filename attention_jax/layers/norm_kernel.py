@@ -224,7 +224,7 @@ def _add_norm_bwd(st, residuals, cotangents):
     r, mean, rstd, scale, bias, y, y_bias = residuals
     dr, dn = cotangents
     dx, dscale, dbias, dyb = _on_rows(functools.partial(_backward, st), (dn, r, mean, rstd, dr),
-                                      (scale,))
+                                      (scale,), partial_sums=3)
     total = lambda p, like: None if like is None else p.sum(0).astype(like.dtype)  # noqa: E731
     return (dx, None if y is None else dx.astype(y.dtype), total(dyb, y_bias),
             total(dscale, scale), total(dbias, bias))
@@ -233,20 +233,23 @@ def _add_norm_bwd(st, residuals, cotangents):
 _add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)
 
 
-def _on_rows(fn, rows, vectors):
+def _on_rows(fn, rows, vectors, partial_sums: int = 0):
     """fn(*rows, *vectors) of loose rows: `rows` ([..., D] or the statistics [...]; None
-    allowed) flattened to [M, ...], `vectors` ([D] or None) whole; its outputs ([M, ...] or partial sums [G, D]) have the rows' leading axes
-    given back. Under a mesh each device runs it on its own rows: a shard_map splitting
-    the leading axes as the logical rules split batch (axis 0) and length (axis 1); the
-    partial sums' G axis is then the devices' G's one after another."""
+    allowed) flattened to [M, ...], `vectors` ([D] or None) whole; its outputs, [M, ...]
+    but for the last `partial_sums` ([G, D]), have the rows' leading axes given back.
+    Under a mesh each device runs it on its own rows: a shard_map splitting the leading
+    axes as the logical rules split batch (axis 0) and length (axis 1); the partial sums'
+    G axis is then the devices' G's one after another. (Told apart by position, not
+    shape: [G, D] is [B, T]'s shape when T == D == a program's rows.)"""
     lead = rows[0].shape[:-1]
+    is_sum = lambda i, out: i >= len(out) - partial_sums  # noqa: E731
 
     def local(rows, vectors):
         m = math.prod(rows[0].shape[:-1])
         flat = [None if a is None else a.reshape(m, *a.shape[len(lead):]) for a in rows]
         out = fn(*flat, *vectors)
-        return tuple(a.reshape(*rows[0].shape[:-1], *a.shape[1:]) if a.shape[0] == m else a
-                     for a in out)
+        return tuple(a if is_sum(i, out) else a.reshape(*rows[0].shape[:-1], *a.shape[1:])
+                     for i, a in enumerate(out))
 
     split = _split(lead)
     if split is None:
@@ -254,8 +257,8 @@ def _on_rows(fn, rows, vectors):
     mesh = jax.sharding.get_abstract_mesh()
     row_spec = lambda a: None if a is None else P(*split[:a.ndim])  # noqa: E731
     out = jax.eval_shape(local, rows, vectors)
-    out_specs = tuple(P(*split[:a.ndim]) if a.shape[:len(lead)] == lead else P(tuple(
-        n for names in split if names for n in names)) for a in out)
+    out_specs = tuple(P(tuple(n for names in split if names for n in names))
+                      if is_sum(i, out) else P(*split[:a.ndim]) for i, a in enumerate(out))
     return jax.shard_map(local, mesh=mesh, in_specs=(tuple(map(row_spec, rows)), tuple(
         None if v is None else P() for v in vectors)), out_specs=out_specs,
         check_vma=False)(rows, vectors)

@@ -114,6 +114,11 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
         warn_once(__name__, ("unsupported", tuple(x_shape)), "norm_kernel='pallas' cannot "
                   "take x %s here (%s): XLA's ops compute this call", tuple(x_shape), why)
         return "xla"
+    if kernel == "pallas" and jnp.dtype(dtype) == jnp.float64:
+        # The kernels compute in float32: a float64 residual stream would lose its digits.
+        warn_once(__name__, ("float64",), "norm_kernel='pallas' computes in float32; float64 "
+                  "activations keep XLA's ops")
+        return "xla"
     if kernel == "pallas" and norm_kernel.gathers_rows(x_shape):
         warn_once(__name__, ("gathers", tuple(x_shape)), "norm_kernel='pallas' on x %s: "
                   "nothing splits its rows over the devices (no mesh, or no logical rule for "
@@ -131,6 +136,8 @@ def add_normalize(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bo
     """(r, normalize(r, scale, bias)) with r = x + y + y_bias: a residual add and the norm
     after it (y None: r = x). y_bias [D] is the bias of the projection that made y, kept
     apart so the kernel adds it as it loads y. kernel: NORM_KERNELS."""
+    if y is None and y_bias is not None:
+        raise ValueError("y_bias without y: valid only with y (the bias of y's projection)")
     choice = choose_norm_kernel(kernel, x.shape, x.dtype)
     if choice == "pallas" and (kernel == "pallas" or y is None or y.dtype == x.dtype):
         # (auto leaves a y of another dtype to XLA, which promotes; asked for, the kernel

@@ -191,8 +191,25 @@ def test_bad_input_is_named(caplog):
         norm_kernel.add_norm(x, x.astype(jnp.bfloat16), scale=s)
     with pytest.raises(ValueError, match="y_bias without y"):
         norm_kernel.add_norm(x, None, s, scale=s)
+    with pytest.raises(ValueError, match="y_bias without y"):  # XLA's path says so too
+        add_normalize(x, None, s, scale=s, kernel="xla")
     with pytest.raises(ValueError, match="norm_kernel='cuda' is unknown"):
         BlockConfig(num_heads=2, norm_kernel="cuda")
+    # Asked for where it has nothing to do: an error, not XLA's ops in silence.
+    with pytest.raises(ValueError, match=r"norm_kernel='pallas' takes a pre-norm block's "
+                                         r".*valid with norm_position='post': 'auto' or 'xla'"):
+        BlockConfig(num_heads=2, norm_kernel="pallas", norm_position="post")
+
+
+def test_pallas_asked_for_float64_keeps_its_digits(x64, caplog):
+    """The kernels compute in float32: float64 activations keep XLA's ops, said once."""
+    x, y, yb, s, b, _, _ = _inputs((2, 8, 16), seed=5)
+    with caplog.at_level(logging.WARNING):
+        r, n = add_normalize(jnp.asarray(x), jnp.asarray(y), jnp.asarray(yb), jnp.asarray(s),
+                             jnp.asarray(b), kernel="pallas")
+    assert r.dtype == jnp.float64 and np.array_equal(r, x + (y + yb))
+    assert "norm_kernel='pallas' computes in float32; float64 activations keep XLA's ops" in \
+        caplog.text
 
 
 def test_under_a_mesh_each_device_takes_its_rows():
@@ -214,6 +231,30 @@ def test_under_a_mesh_each_device_takes_its_rows():
         rows = NamedSharding(mesh, P(("data", "fsdp")))
         split = jax.jit(grads())(*jax.device_put((x, y), rows), yb, s, b)
     for g, w in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_split_over_batch_and_length_when_length_equals_features():
+    """Batch over data, length over sequence, at T == D == a backward program's rows (64):
+    the partial sums [G, D] then have the rows' [B, T] shape, and must still be split as
+    the rows' product (they once took the rows' spec, and the scale's gradient came back
+    twice as long)."""
+    from attention_jax import sharding
+    x, y, yb, s, b, gr, gn = (jnp.asarray(a, jnp.float32) for a in _inputs((4, 64, 64), seed=4))
+
+    def loss(x, y, yb, s, b):
+        r, n = norm_kernel.add_norm(x, y, yb, s, b, interpret=True)
+        return jnp.vdot(r, gr) + jnp.vdot(jnp.sin(n), gn)
+
+    grads = lambda: jax.value_and_grad(loss, argnums=tuple(range(5)))  # noqa: E731
+    whole = grads()(x, y, yb, s, b)
+    mesh = sharding.make_mesh({"data": 2, "sequence": 2}, jax.devices()[:4])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+        assert norm_kernel.unsupported(x.shape) is None
+        rows = NamedSharding(mesh, P("data", "sequence"))
+        split = jax.jit(grads())(*jax.device_put((x, y), rows), yb, s, b)
+    for g, w in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
+        assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
