@@ -196,6 +196,13 @@ class _Documents:
         return {**self.listing, "split": self.split(label), "eval_fraction": drawn}
 
 
+def _check_seq_len(data_opts, max_len: int) -> None:
+    """A model with a learned position table [max_len, D] reads no row longer than it."""
+    if data_opts.seq_len > max_len:
+        raise ConfigError(f"config.data.seq_len={data_opts.seq_len} exceeds config.model.max_len="
+                          f"{max_len}; valid: seq_len <= {max_len}")
+
+
 def check_sample_prompts(prompts, tok) -> None:
     """A ConfigError naming config.eval.sample_prompts if the tokenizer cannot encode one
     of them: found before training, not when the run samples at its end."""
@@ -224,9 +231,8 @@ def lm_task(config, workdir: str) -> Task:
     check_sample_prompts(config.eval.sample_prompts, tok)
     cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
-    if cfg.position == "learned" and data_opts.seq_len > cfg.max_len:
-        raise ConfigError(f"config.data.seq_len={data_opts.seq_len} exceeds config.model.max_len="
-                          f"{cfg.max_len}; valid: seq_len <= {cfg.max_len}")
+    if cfg.position == "learned":
+        _check_seq_len(data_opts, cfg.max_len)
     model = gpt.GPT(cfg)
     train_rows, eval_rows = _rows(data_opts, tok, documents, data_opts.packing)
 
@@ -309,6 +315,8 @@ def mlm_task(config, workdir: str) -> Task:
     _check_mask(data_opts, tok)
     cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
                        dtype=config.train.compute_dtype)
+    if cfg.position_embeddings:
+        _check_seq_len(data_opts, cfg.max_len)
     model = bert.Bert(cfg)
     train_rows, eval_rows = _rows(data_opts, tok, documents, "documents")
     transform = data.MaskedLM.for_tokenizer(tok, data_opts.mask_rate)

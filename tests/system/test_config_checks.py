@@ -185,3 +185,16 @@ def test_a_sources_key_under_another_source_is_refused(spec, key, value, source,
                                           rf"config.data.name='{source}'.*--config.data.name="
                                           rf"{source}"):
         tasks.TASKS[config.task](config, str(tmp_path))
+
+
+@pytest.mark.parametrize("spec", ["gpt", "bert_mlm"])
+def test_rows_longer_than_the_position_table_are_refused(spec, tmp_path):
+    """A learned position table of max_len rows reads no longer row: one error naming both
+    keys, before any data is prepared (BERT's used to be a traceback from its model)."""
+    (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 20)
+    config = config_lib.load(spec, ["data.name=files", f"data.files={tmp_path}/a.txt",
+                                    "data.seq_len=128", "model.max_len=64"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.seq_len=128 exceeds "
+                                          r"config\.model\.max_len=64; valid: seq_len <= 64$"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
