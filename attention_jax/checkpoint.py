@@ -780,7 +780,7 @@ def restore_params(directory, abstract_params, step: int | None = None):
     ckpt = Checkpointer(directory, read_only=True)
     step = ckpt.latest_step() if step is None else step
     if step is None:
-        raise FileNotFoundError(f"init_from={str(directory)!r}: no committed checkpoint there")
+        raise FileNotFoundError(f"no committed checkpoint in {str(directory)!r}")
     layout = ckpt.layout(step)
     if layout is None:
         found = flat_shapes({"params": ckpt.manager.item_metadata(step)["state"].tree["params"]})

@@ -30,7 +30,7 @@ from attention_jax import config as config_lib
 from attention_jax import convert, heap, sharding, steps
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
-from attention_jax.errors import UserError
+from attention_jax.errors import ConfigError, UserError
 from attention_jax.optimizer import make_optimizer
 from attention_jax.tasks import TASKS, Task
 
@@ -112,14 +112,20 @@ def warm_start_params(init_from: str, abstract_params):
     """The params of `train.init_from` on the shardings of `abstract_params`: another
     run's workdir or checkpoint directory, or `hf:<dir>`, a Hugging Face model dir
     (convert/)."""
-    if init_from.startswith("hf:"):
-        params, step = convert.restore_params_from_hf(init_from[len("hf:"):], abstract_params)
-        src = init_from
-    else:
-        src = init_from
-        if workdir_lib.epath_of(src, "checkpoints").is_dir():
-            src = workdir_lib.path(src, "checkpoints")
-        params, step = ckpt_lib.restore_params(src, abstract_params)
+    try:
+        if init_from.startswith("hf:"):
+            params, step = convert.restore_params_from_hf(init_from[len("hf:"):], abstract_params)
+            src = init_from
+        else:
+            src = init_from
+            if workdir_lib.epath_of(src, "checkpoints").is_dir():
+                src = workdir_lib.path(src, "checkpoints")
+            params, step = ckpt_lib.restore_params(src, abstract_params)
+    except (FileNotFoundError, convert.ConversionError) as e:
+        if isinstance(e, UserError):
+            raise
+        # Nothing there, or weights that do not fit the model: the config's mistake.
+        raise ConfigError(f"config.train.init_from={init_from!r}: {e}") from None
     _say(f"warm start: params from {src} step {step}")
     return params
 

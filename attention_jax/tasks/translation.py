@@ -10,11 +10,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import workdir as workdir_lib
+from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
                                       data_options, model_config, padded_vocab, register,
                                       run_tokenizer, splits, token_labels)
+
+
+def _check_languages(data_opts, records) -> None:
+    """config.data.source and .target name text fields of the dataset's records."""
+    first = records[0] if len(records) else {}
+    valid = sorted(k for k, v in first.items() if isinstance(v, (str, bytes)))
+    for key in ("source", "target"):
+        if data_opts[key] not in valid:
+            raise ConfigError(f"config.data.{key}={data_opts[key]!r} is not a language of "
+                              f"{data_opts.name!r}; valid: {valid}")
+
+
+def _check_lengths(data_opts, tok, *splits_) -> None:
+    """Every source fits config.data.source_len and every target, with its end token,
+    target_len: found here, before training, rather than at the batch that holds the
+    first one too long."""
+    for key, length in (("source", data_opts.source_len), ("target", data_opts.target_len)):
+        longest = max((len(tok.encode(as_text(records[i][data_opts[key]])))
+                       for records in splits_ for i in range(len(records))), default=0)
+        longest += key == "target"  # its end-of-sequence token
+        if longest > length:
+            raise ConfigError(f"config.data.{key}_len={length}: the longest {key} "
+                              f"({data_opts[key]!r}) of {data_opts.name!r} has {longest} "
+                              f"tokens{' with its end token' if key == 'target' else ''}; "
+                              f"valid: {key}_len >= {longest}")
 
 
 def translation_task(config, workdir: str) -> Task:
@@ -29,8 +55,10 @@ def translation_task(config, workdir: str) -> Task:
                      tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
                      train_split="train", eval_split="validation")
     train_src, eval_src = splits(data_opts)
+    _check_languages(data_opts, train_src)
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
                                           for k in (data_opts.source, data_opts.target)])
+    _check_lengths(data_opts, tok, train_src, eval_src)
     ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
     vocab = padded_vocab(tok.vocab_size)
     if config.task == "rnn_seq2seq":

@@ -198,3 +198,29 @@ def test_rows_longer_than_the_position_table_are_refused(spec, tmp_path):
                                           r"config\.model\.max_len=64; valid: seq_len <= 64$"):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.target=es"], r"config\.data\.target='es' is not a language of "
+                         r"'number_translation/small'; valid: \['de', 'en', 'fr'\]"),
+    (["data.target_len=18"], r"config\.data\.target_len=18: the longest target \('fr'\) of "
+                             r"'number_translation/small' has 20 tokens with its end token; "
+                             r"valid: target_len >= 20"),
+])
+def test_a_translation_s_languages_and_lengths_are_checked_at_setup(overrides, message, tmp_path):
+    """A language the records lack was a KeyError; an example longer than its length a
+    ValueError at the batch holding it, steps into training, with nothing saved."""
+    config = config_lib.load("encdec", overrides)
+    with pytest.raises(ConfigError, match=rf"^{message}$"):
+        tasks.TASKS[config.task](config, str(tmp_path))
+
+
+@pytest.mark.parametrize("init_from,message", [
+    ("{tmp}/nothing", r"config\.train\.init_from='{tmp}/nothing': no committed checkpoint in "),
+    ("hf:{tmp}/nothing", r"config\.train\.init_from='hf:{tmp}/nothing': '{tmp}/nothing' is not "
+                         r"a directory"),
+])
+def test_a_warm_start_from_nothing_names_the_key(init_from, message, tmp_path):
+    init_from, message = (s.replace("{tmp}", str(tmp_path)) for s in (init_from, message))
+    with pytest.raises(ConfigError, match=rf"^{message}"):
+        train.warm_start_params(init_from, {"w": None})
