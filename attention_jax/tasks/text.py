@@ -143,8 +143,11 @@ def _rows(data_opts, tok, documents, packing: str):
     from attention_jax.data import token_cache
     if data_opts.name == "files":
         dirs = prepare_files(data_opts, tok, documents)
-        return tuple(token_cache.TokenRows(dirs[label], data_opts.seq_len, pad_id=tok.pad_id,
+        rows = tuple(token_cache.TokenRows(dirs[label], data_opts.seq_len, pad_id=tok.pad_id,
                                            packing=packing) for label in ("train", "eval"))
+        for label, split in zip(("train", "eval"), rows):
+            _check_has_text(data_opts, documents.split(label), split)
+        return rows
     return tuple(data.packed_lm_source(documents.docs(label), tok, data_opts.seq_len,
                                        max_documents=data_opts.max_documents or None)
                  for label in ("train", "eval"))
@@ -194,6 +197,23 @@ class _Documents:
         """What the files' split `label` is a function of (the token cache's key)."""
         drawn = None if self.listing["eval_files"] else self.opts.eval_fraction
         return {**self.listing, "split": self.split(label), "eval_fraction": drawn}
+
+
+def _check_has_text(data_opts, split: str, rows) -> None:
+    """A split whose documents hold no token but their end-of-text ones (empty files,
+    every record skipped) trained on nothing, or evaluated to NaN, and said neither."""
+    ends = rows.num_documents if rows.eos_id is not None else 0
+    if rows.num_tokens > ends:
+        return
+    where = ("config.data.eval_files" if split == data_opts.eval_split and data_opts.eval_files
+             else "config.data.files")
+    fix = ("documents with text" if where == "config.data.eval_files" or split == data_opts.train_split
+           else "documents with text: name them with config.data.eval_files=GLOBS, or change "
+                "config.data.eval_fraction to draw others")
+    n = rows.num_documents
+    raise ConfigError(f"{where}: the {split} split holds no text (its {n} document"
+                      f"{' is' if n == 1 else 's are'} empty, or every record was skipped); "
+                      f"valid: {fix}")
 
 
 def _check_seq_len(data_opts, max_len: int) -> None:

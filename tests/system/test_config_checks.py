@@ -224,3 +224,21 @@ def test_a_warm_start_from_nothing_names_the_key(init_from, message, tmp_path):
     init_from, message = (s.replace("{tmp}", str(tmp_path)) for s in (init_from, message))
     with pytest.raises(ConfigError, match=rf"^{message}"):
         train.warm_start_params(init_from, {"w": None})
+
+
+def test_a_split_without_text_is_refused(tmp_path):
+    """Empty files (or records all skipped) gave a split of end-of-text tokens only: the
+    run trained on nothing, or evaluated to NaN, and exited 0."""
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
+    (tmp_path / "empty.txt").write_text("")
+    base = ["data.name=files", "data.seq_len=16", f"data.cache_dir={tmp_path}/cache"]
+    config = config_lib.load("gpt", [*base, f"data.files={tmp_path}/t.txt",
+                                     f"data.eval_files={tmp_path}/empty.txt"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.eval_files: the validation split "
+                                          r"holds no text \(its 1 document is empty, or every "
+                                          r"record was skipped\); valid: documents with text$"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    config = config_lib.load("gpt", [*base, f"data.files={tmp_path}/empty.txt",
+                                     f"data.eval_files={tmp_path}/t.txt"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.files: the train split holds no text"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
