@@ -174,6 +174,32 @@ def make_train_loader(task: Task, config, state=None) -> loaders.Loader:
                           read_threads=task.read_threads)
 
 
+def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loaders.Loader:
+    """The training loader at the checkpoint's position. Data that changed since (files
+    added, removed or edited, another seq_len, another seed) cannot continue the saved
+    order: an error, unless `resume_changed`, which starts the new order at the same
+    point in epochs."""
+    try:
+        return make_train_loader(task, config, data_state)
+    except loaders.DataChangedError:
+        saved = loaders.LoaderState.from_any(data_state)
+        now = len(task.train_source)
+        if not resume_changed:
+            raise loaders.DataChangedError(
+                f"the training data changed since the checkpoint: its loader read {saved.num_records} "
+                f"rows in the order of seed {saved.seed}, the data now makes {now} (seed "
+                f"{config.train.seed}); files added, removed or edited, a relative glob read "
+                f"from another directory, or another seq_len or packing. To go on with the data "
+                f"as it is now pass --resume_changed (train_and_evaluate(..., "
+                f"resume_changed=True)): its order starts anew at the same point in epochs; "
+                f"to train from scratch use a new --workdir") from None
+        moved = saved.moved_to(now, config.train.seed)
+        _say(f"note: the training data changed since the checkpoint ({saved.num_records} rows, "
+             f"seed {saved.seed} -> {now}, seed {config.train.seed}): its new order starts at "
+             f"epoch {moved.next_index / now:.3f}, where the checkpoint was in the old one")
+        return make_train_loader(task, config, moved)
+
+
 # ==================================================================================== train
 def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
                        resume_changed: bool = False) -> dict[str, Any]:
@@ -240,7 +266,7 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool)
         if note:  # the step actually resumed: a damaged newer one may have been passed over
             _say(f"resuming step {int(jax.device_get(state['step']))} {note}")
         train_step, eval_step = steps.jit_steps(prepared, config)
-        loader = make_train_loader(prepared.task, config, data_state)
+        loader = _resumed_loader(prepared.task, config, data_state, resume_changed)
         summary = _loop(config, workdir, prepared, state, loader, train_step, eval_step)
     for split, record in workdir_lib.last_records(workdir).items():
         summary[split] = summary[split] or record  # e.g. a resumed run with nothing to do

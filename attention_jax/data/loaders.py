@@ -48,6 +48,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from attention_jax.errors import UserError
+
 Batch = Any  # A pytree (usually a dict) of numpy arrays with a leading batch axis.
 Transform = Callable[[Any, np.random.Generator], Any]
 
@@ -80,6 +82,16 @@ class LoaderState:
         if isinstance(state, (bytes, str)):
             state = json.loads(state)
         return cls(**{k: int(state[k]) for k in ('next_index', 'seed', 'num_records')})
+
+    def moved_to(self, num_records: int, seed: int) -> LoaderState:
+        """This position in another data order (more or fewer records, another seed): the
+        same point in epochs, in the new order."""
+        return LoaderState(round(self.next_index * num_records / self.num_records), seed,
+                           num_records)
+
+
+class DataChangedError(UserError, ValueError):
+    """A loader state saved for another data order: another seed or number of records."""
 
 
 class Loader:
@@ -163,7 +175,7 @@ class Loader:
     def set_state(self, state) -> None:
         state = LoaderState.from_any(state)
         if (state.seed, state.num_records) != (self.seed, len(self.source)):
-            raise ValueError(
+            raise DataChangedError(
                 f'loader state was saved for seed={state.seed}, num_records={state.num_records}; '
                 f'this loader has seed={self.seed}, num_records={len(self.source)}')
         self._next_index = state.next_index

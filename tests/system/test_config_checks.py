@@ -242,3 +242,30 @@ def test_a_split_without_text_is_refused(tmp_path):
                                      f"data.eval_files={tmp_path}/t.txt"])
     with pytest.raises(ConfigError, match=r"^config\.data\.files: the train split holds no text"):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
+def test_resuming_on_changed_data_stops_unless_asked(tmp_path, capsys):
+    """Data that grew since the checkpoint cannot continue the saved order: one error (it
+    was a ValueError traceback, --resume_changed or not), and with resume_changed the new
+    order starts at the same point in epochs, said in a note."""
+    from attention_jax import checkpoint
+    from attention_jax.data import loaders
+    workdir = str(tmp_path)
+    train.train_and_evaluate(tiny.tiny_config(), workdir)  # 10 steps of 16: row 160 of 4096
+    config = tiny.tiny_config(**{"train.steps": 20})
+    grown = tiny.make_tiny_task(config)
+    grown.train_source = tiny.SyntheticSequences(5000)
+    with pytest.raises(loaders.DataChangedError) as e:
+        train.train_and_evaluate(config, workdir, task=grown)
+    assert str(e.value).startswith("the training data changed since the checkpoint: its loader "
+                                   "read 4096 rows in the order of seed 0, the data now makes "
+                                   "5000 (seed 0);")
+    assert "pass --resume_changed" in str(e.value)
+    summary = train.train_and_evaluate(config, workdir, task=grown, resume_changed=True)
+    assert summary["step"] == 20
+    assert ("note: the training data changed since the checkpoint (4096 rows, seed 0 -> 5000, "
+            "seed 0): its new order starts at epoch 0.039") in capsys.readouterr().out
+    ck = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
+    assert ck.data_state(20) == {"next_index": round(160 * 5000 / 4096) + 160, "seed": 0,
+                                 "num_records": 5000}
+    ck.close()
