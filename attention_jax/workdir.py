@@ -182,8 +182,52 @@ def rename_old_model_fields(task: str, model: dict) -> dict:
     return {renamed.get(k, k): v for k, v in model.items()}
 
 
+# Config keys that may name local files or folders. config.json holds them absolute, so
+# that what reads the run later (--mode=eval or sample, a resume) from another directory
+# finds the data it trained on, or is told that the data differs, never reading other
+# files in silence; comparisons of configs resolve both sides the same way.
+PATH_KEYS = ("data.files", "data.eval_files", "data.tokenizer", "data.cache_dir",
+             "data.data_dir", "data.root", "data.eval_root", "train.init_from")
+
+
+def _absolute_path(path_: str) -> str:
+    path_ = path_.strip()
+    if not path_ or "://" in path_:
+        return path_  # an object store's address is absolute already
+    return os.path.abspath(os.path.expanduser(path_))
+
+
+def absolute_paths(flat_config: dict[str, Any]) -> dict[str, Any]:
+    """A flat config ({"group.key": value}) with PATH_KEYS' local paths made absolute in
+    the current directory: comma-separated globs one by one, a tokenizer only when it is a
+    path (not a kind like "bpe"), init_from's "hf:" kept."""
+    from attention_jax.data.tokenization import is_tokenizer_path
+    out = dict(flat_config)
+    for key in PATH_KEYS:
+        value = out.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        if key in ("data.files", "data.eval_files"):
+            out[key] = ",".join(_absolute_path(g) for g in value.split(",") if g.strip())
+        elif key == "data.tokenizer":
+            out[key] = _absolute_path(value) if is_tokenizer_path(value) else value
+        elif key == "train.init_from" and value.startswith("hf:"):
+            out[key] = "hf:" + _absolute_path(value[len("hf:"):])
+        else:
+            out[key] = _absolute_path(value)
+    return out
+
+
 def write_config(workdir: str, config) -> None:
-    _write_text(path(workdir, CONFIG), config.to_json_best_effort(indent=2))
+    """config.json: `config` with its local paths absolute (PATH_KEYS)."""
+    tree = json.loads(config.to_json_best_effort())
+    for key, value in absolute_paths(config_lib.flat(tree)).items():
+        group, _, name = key.rpartition(".")
+        node = tree
+        for part in filter(None, group.split(".")):
+            node = node[part]
+        node[name] = value
+    _write_text(path(workdir, CONFIG), json.dumps(tree, indent=2))
 
 
 def read_config_json(workdir: str) -> dict | None:
@@ -390,8 +434,8 @@ def config_changes(config, workdir: str) -> dict[str, tuple[Any, Any]]:
     stored = read_config_json(workdir)
     if stored is None:
         return {}
-    old = config_lib.flat(stored)
-    new = config_lib.flat(json.loads(config.to_json_best_effort()))
+    old = absolute_paths(config_lib.flat(stored))
+    new = absolute_paths(config_lib.flat(json.loads(config.to_json_best_effort())))
     base = {**config_lib.flat(json.loads(config_lib.base_config().to_json_best_effort())),
             **ADDED_KEYS}
     missing = "(absent)"

@@ -269,3 +269,30 @@ def test_resuming_on_changed_data_stops_unless_asked(tmp_path, capsys):
     assert ck.data_state(20) == {"next_index": round(160 * 5000 / 4096) + 160, "seed": 0,
                                  "num_records": 5000}
     ck.close()
+
+
+def test_config_json_holds_local_paths_absolute(tmp_path, monkeypatch):
+    """Relative paths were stored as given, so --mode=eval from another directory read
+    other files (or none): config.json holds them absolute, and a config given from
+    another directory compares as the other data it names."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = config_lib.load("gpt", ["data.name=files", "data.files=deep/*.md,~/x/*.txt",
+                                     "data.tokenizer=tok/tokenizer.json",
+                                     "train.init_from=hf:models/gpt2"])
+    run = str(tmp_path / "run")
+    workdir_lib.write_config(run, config)
+    with open(tmp_path / "run" / "config.json") as f:
+        stored = json.load(f)
+    home = os.path.expanduser("~")
+    assert stored["data"]["files"] == f"{tmp_path}/deep/*.md,{home}/x/*.txt"
+    assert stored["data"]["tokenizer"] == f"{tmp_path}/tok/tokenizer.json"
+    assert stored["train"]["init_from"] == f"hf:{tmp_path}/models/gpt2"
+    assert stored["data"]["cache_dir"] == "" and stored["optim"]["lr"] == config.optim.lr
+    assert workdir_lib.config_changes(config, run) == {}  # from the same directory
+    kind = config_lib.load("gpt", ["data.tokenizer=bpe"])
+    assert workdir_lib.absolute_paths(config_lib.flat(kind))["data.tokenizer"] == "bpe"
+    monkeypatch.chdir(tmp_path / "other")
+    assert set(workdir_lib.config_changes(config, run)) == {"data.files", "data.tokenizer",
+                                                            "train.init_from"}
