@@ -44,6 +44,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -216,10 +217,22 @@ class _ShardWriter:
 _WORKER: dict = {}
 
 
-def _init_worker(payload: bytes) -> None:
+def _init_worker(payload: bytes, parent: int) -> None:
     # One shard per process: the tokenizers library's own threads would only contend.
     os.environ['TOKENIZERS_PARALLELISM'] = 'false'
     _WORKER['write'] = pickle.loads(payload)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True,
+                     name='prepare-parent-watch').start()
+
+
+def _exit_with(parent: int, every_s: float = 1.0) -> None:
+    """Ends this worker once `parent` is gone. A parent killed outright (SIGKILL, the OOM
+    killer) closes nothing: its workers, which hold the task queue's write end as well
+    as its read end, went on writing the shards already queued and then waited for more
+    forever."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
 
 
 def _work(task) -> dict:
@@ -348,15 +361,20 @@ def _run(writer: _ShardWriter, tasks: list, workers: int | None, bar: _Progress)
             for task in tasks:
                 bar.update(writer(*task))
             return
-        # spawn, not fork: the caller may hold JAX's threads, which a fork would copy
-        # half-way through whatever they were doing.
-        with concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context('spawn'),
-                initializer=_init_worker, initargs=(pickle.dumps(writer),)) as pool:
+        with _pool(workers, writer) as pool:
             for meta in pool.map(_work, tasks):
                 bar.update(meta)
     finally:
         bar.close()
+
+
+def _pool(workers: int, writer) -> concurrent.futures.ProcessPoolExecutor:
+    """`workers` processes that run `writer` on the tasks given them, each ending with
+    this process (_exit_with). spawn, not fork: the caller may hold JAX's threads, which
+    a fork would copy half-way through whatever they were doing."""
+    return concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context('spawn'),
+        initializer=_init_worker, initargs=(pickle.dumps(writer), os.getpid()))
 
 
 def _can_spawn() -> bool:

@@ -307,3 +307,43 @@ def test_batched_reads_give_the_per_example_batches_and_resume(corpus, tmp_path)
                 for key in b:
                     np.testing.assert_array_equal(a[key][real], b[key][real],
                                                   err_msg=f'resumed {kw} {key}')
+
+
+def test_workers_end_with_a_killed_prepare(tmp_path):
+    """A prepare killed outright (SIGKILL) left its spawned workers running: they hold the
+    task queue's write end too, so they wrote the shards already queued and then waited
+    for more forever. Each now ends once its parent is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = (
+        "import os, sys, time\n"
+        "from attention_jax.data import token_cache\n"
+        "if __name__ == '__main__':\n"
+        "    pool = token_cache._pool(2, print)\n"
+        "    list(pool.map(abs, [-1, -2, -3]))  # the workers are up, now idle\n"
+        "    print(*pool._processes, flush=True)\n"
+        "    time.sleep(120)\n")
+    (tmp_path / 'parent.py').write_text(script)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, str(tmp_path / 'parent.py')], cwd=repo,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, 'PYTHONPATH': repo})
+    workers = [int(p) for p in parent.stdout.readline().split()]
+    assert len(workers) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f'/proc/{pid}/stat') as f:  # a zombie has ended; init reaps it
+            return f.read().split(') ')[1].split()[0] != 'Z'
+
+    deadline = time.time() + 10
+    while any(alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if alive(p)]
