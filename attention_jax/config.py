@@ -350,6 +350,9 @@ def _module(name: str):
         sys.path.insert(0, os.path.dirname(os.path.abspath(name)))  # its own helpers
         try:
             spec.loader.exec_module(module)
+        except SyntaxError as e:  # the file's own mistake: where, not our traceback
+            code = f": {e.text.strip()}" if e.text else ""
+            raise ConfigError(f"--config={name}: line {e.lineno}: {e.msg}{code}") from None
         finally:
             sys.path.pop(0)
         return module

@@ -296,3 +296,11 @@ def test_config_json_holds_local_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "other")
     assert set(workdir_lib.config_changes(config, run)) == {"data.files", "data.tokenizer",
                                                             "train.init_from"}
+
+
+def test_a_config_file_that_does_not_parse_says_where(tmp_path):
+    """A syntax error in one's own --config=mine.py was a traceback through our loader."""
+    mine = tmp_path / "mine.py"
+    mine.write_text("def get_config(arg):\n    return dict(a=1\n")
+    with pytest.raises(ConfigError, match=rf"^--config={re.escape(str(mine))}: line 2: "):
+        config_lib.load(str(mine))
