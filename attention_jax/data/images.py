@@ -9,7 +9,8 @@ standard preprocessing for it and for any prepared tfds image set.
 From the command line: `--config.data.name=image_folder --config.data.root=DIR`.
 
 Layout: root/<class>/**/<image>; class names are the sorted subfolder names, label i
-the i-th. Files ending .jpg .jpeg .png (any case) are images, other files are ignored.
+the i-th. Files ending .jpg .jpeg .png .webp .bmp .gif .tif .tiff (any case) are images;
+others are left out, and a note says how many.
 Any size and mode: grey, grey+alpha, RGBA, palette and 16-bit grey are converted to RGB
 (or to grey with channels=1); alpha is dropped (not composited).
 
@@ -40,7 +41,7 @@ import numpy as np
 from attention_jax.data.files import held_out, stable_hash64
 from attention_jax.errors import UserError
 
-SUFFIXES = ('.jpg', '.jpeg', '.png')
+SUFFIXES = ('.jpg', '.jpeg', '.png', '.webp', '.bmp', '.gif', '.tif', '.tiff')  # PIL reads them
 SPLITS = ('train', 'validation')
 CROPS = ('none', 'random', 'random_resized')
 
@@ -61,17 +62,25 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
     if not classes:
         raise ImagesError(f'{arg}={root!r} has no class subfolders; valid: one subfolder of '
                           f'images per class (root/<class>/<image>.jpg)')
-    files = []
+    files, others = [], []
     for name in classes:
         found = []
         for top, dirs, names in os.walk(os.path.join(root, name), followlinks=True):
             dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
-            found += [os.path.relpath(os.path.join(top, n), root) for n in names
-                      if n.lower().endswith(SUFFIXES) and not n.startswith('.')]
+            for n in names:
+                if n.startswith('.'):
+                    continue
+                (found if n.lower().endswith(SUFFIXES) else others).append(
+                    os.path.relpath(os.path.join(top, n), root))
         if not found:
             raise ImagesError(f'{arg}={root!r}: class folder {name!r} has no images '
                               f'({", ".join(SUFFIXES)}); remove it or add images')
         files.append(sorted(found))
+    if others:  # said, not dropped in silence
+        shown = ', '.join(sorted(others)[:3]) + (', ...' if len(others) > 3 else '')
+        print(f'note: {arg}={root!r}: {len(others)} file{"s" if len(others) > 1 else ""} '
+              f'without an image suffix ({", ".join(SUFFIXES)}) left out: {shown}',
+              file=sys.stderr)
     return classes, files
 
 

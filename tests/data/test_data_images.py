@@ -71,6 +71,22 @@ def test_classes_labels_and_a_split_that_depends_only_on_the_path(tmp_path):
     assert held <= set(again.paths) and set(again.paths) - held <= {os.path.join("ant", "new.png")}
 
 
+def test_every_format_pil_reads_is_an_image_and_other_files_are_said(tmp_path, capsys):
+    """WebP (and BMP, GIF, TIFF) images were left out in silence with the notes beside
+    them; now they are images, and what is left out is counted in a note."""
+    root = _folder(tmp_path / "f", per_class=2, classes=("ant", "bee"))
+    Image.fromarray(np.full((12, 10, 3), 7, np.uint8)).save(root / "ant" / "w.webp")
+    Image.fromarray(np.full((12, 10), 9, np.uint8)).save(root / "bee" / "b.BMP")
+    (root / "bee" / "notes.txt").write_text("taken in May")
+    classes, files = images_lib.list_classes(str(root))
+    assert files == [["ant/0.png", "ant/1.png", "ant/w.webp"],
+                     ["bee/0.png", "bee/1.png", "bee/b.BMP"]] and classes == ["ant", "bee"]
+    assert capsys.readouterr().err == (
+        f"note: root={str(root)!r}: 1 file without an image suffix (.jpg, .jpeg, .png, "
+        f".webp, .bmp, .gif, .tif, .tiff) left out: bee/notes.txt\n")
+    assert images_lib.decode(str(root / "ant" / "w.webp"))[0, 0].tolist() == [7, 7, 7]
+
+
 def test_source_and_transform_pickle_into_worker_processes(tmp_path):
     import pickle
     splits, _ = folder_splits(str(_folder(tmp_path / "f")), eval_fraction=0.3)
@@ -101,7 +117,7 @@ def test_bad_folders_one_line_each(tmp_path):
     root = _folder(tmp_path / "f")
     (root / "dog").mkdir()
     (root / "dog" / "readme.txt").write_text("no images here")
-    with pytest.raises(ImagesError, match=r"class folder 'dog' has no images \(.jpg, .jpeg, .png\)"):
+    with pytest.raises(ImagesError, match=r"class folder 'dog' has no images \(.jpg, .jpeg, .png, .webp"):
         folder_splits(str(root))
 
 
