@@ -326,6 +326,12 @@ def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
         return tok
     if data_opts.tokenizer in ("byte", "wordpiece"):
         return data.get_tokenizer(data_opts.tokenizer)
+    least = 256 + len(tokenization.BPETokenizer.SPECIALS)
+    if data_opts.tokenizer == "bpe" and data_opts.vocab_size < least:
+        # (the library would train one of `least` tokens anyway, unasked)
+        raise ConfigError(f"config.data.vocab_size={data_opts.vocab_size}: a byte-level BPE "
+                          f"holds its 256 bytes and {least - 256} special tokens at least; "
+                          f"valid: vocab_size >= {least}")
     return data.get_tokenizer(data_opts.tokenizer, texts=texts(), vocab_size=data_opts.vocab_size)
 
 

@@ -304,3 +304,14 @@ def test_a_config_file_that_does_not_parse_says_where(tmp_path):
     mine.write_text("def get_config(arg):\n    return dict(a=1\n")
     with pytest.raises(ConfigError, match=rf"^--config={re.escape(str(mine))}: line 2: "):
         config_lib.load(str(mine))
+
+
+def test_a_bpe_smaller_than_its_bytes_is_refused(tmp_path):
+    """data.vocab_size=5 trained a 260-token BPE without a word: the least it can be."""
+    from attention_jax.tasks import base
+    import ml_collections
+    options = ml_collections.ConfigDict({"tokenizer": "bpe", "vocab_size": 5})
+    with pytest.raises(ConfigError, match=r"^config\.data\.vocab_size=5: a byte-level BPE holds "
+                                          r"its 256 bytes and 4 special tokens at least; valid: "
+                                          r"vocab_size >= 260$"):
+        base.run_tokenizer(options, str(tmp_path), lambda: ["the cat"])
