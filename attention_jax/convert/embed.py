@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 from typing import Optional, Sequence
 
 import jax
@@ -106,10 +107,14 @@ class SentenceEncoder:
         # WordPiece has [CLS]/[SEP]; a BPE vocabulary trained here has neither.
         cls = [self.tokenizer.cls_id] if hasattr(self.tokenizer, "cls_id") else []
         sep = [self.tokenizer.sep_id] if hasattr(self.tokenizer, "sep_id") else []
-        rows = []
+        rows, cut, room = [], 0, self.max_length - len(cls) - len(sep)
         for text in texts:
-            ids = self.tokenizer.encode(text)[:self.max_length - len(cls) - len(sep)]
-            rows.append([*cls, *ids, *sep])
+            ids = self.tokenizer.encode(text)
+            cut += len(ids) > room
+            rows.append([*cls, *ids[:room], *sep])
+        if cut:  # as sentence encoders do; said, so that two long texts' likeness is read right
+            print(f"note: {cut} of {len(rows)} texts longer than {room} tokens were cut to "
+                  f"their first {room} (max_length={self.max_length})", file=sys.stderr)
         width = -(-max(map(len, rows)) // 16) * 16
         ids = np.full((len(rows), width), self.tokenizer.pad_id, np.int32)
         mask = np.zeros((len(rows), width), bool)

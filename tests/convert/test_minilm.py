@@ -63,6 +63,20 @@ def test_tokenizer_matches_the_reference_ids(encoder, torch_embeddings):
         assert mask[i].sum() == n
 
 
+def test_a_text_longer_than_max_length_is_cut_and_said(encoder, capsys):
+    """Cut to its first max_length - 2 tokens, as sentence-transformers does, and said:
+    two long texts sharing their start otherwise embed alike with no word why."""
+    long = "the cat sat on the mat " * 100
+    ids, mask = encoder.tokenize([long, "a short one"])
+    assert mask[0].sum() == encoder.max_length and mask[1].sum() < 10
+    room = encoder.max_length - 2
+    assert capsys.readouterr().err == (f"note: 1 of 2 texts longer than {room} tokens were cut "
+                                       f"to their first {room} (max_length="
+                                       f"{encoder.max_length})\n")
+    encoder.tokenize(["a short one"])
+    assert capsys.readouterr().err == ""
+
+
 def test_embeddings_match_pytorch(encoder, torch_embeddings):
     _, ref = torch_embeddings
     ours = encoder.embed(SENTENCES)
