@@ -428,8 +428,9 @@ def parse_value(name: str, old, text: str):
         except (ValueError, SyntaxError):
             if old is None:
                 return text
+            example = tuple(old) if old else ("a", "b")  # () shows no element's form
             raise ConfigError(f"{name}={text!r} must be a Python tuple, e.g. "
-                              f"{tuple(old)!r}") from None
+                              f"\"{example!r}\"") from None
         if isinstance(old, tuple) and isinstance(value, list):
             value = tuple(value)
         return value

@@ -263,7 +263,8 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0):
                               lambda n, s: fresh_numpy(n, s, seed), grid, where=os.fspath(path))
     fields = family.arch_fields(implied)
     unseen = {k: fields[k] for k in fields if k in ("activation", "norm_epsilon")}
-    print(f"warm start from {path} ({arch}): config.model must use {unseen}; "
+    print(f"warm start from {path} ({arch}): its config.json sets {unseen}, which the "
+          f"weights cannot show, so config.model must set the same (check); "
           f"new heads {new or 'none'}; checkpoint heads not used {unused or 'none'}", flush=True)
 
     def place(name):

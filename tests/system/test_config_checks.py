@@ -315,3 +315,12 @@ def test_a_bpe_smaller_than_its_bytes_is_refused(tmp_path):
                                           r"its 256 bytes and 4 special tokens at least; valid: "
                                           r"vocab_size >= 260$"):
         base.run_tokenizer(options, str(tmp_path), lambda: ["the cat"])
+
+
+def test_a_tuple_key_s_example_shows_elements():
+    """After --config.eval.sample_prompts=(), the example was "()", which shows no
+    element's form."""
+    config = config_lib.load("gpt", ["eval.sample_prompts=()"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "config.eval.sample_prompts='the cat' must be a Python tuple, e.g. \"('a', 'b')\"")):
+        config_lib.apply_overrides(config, ["eval.sample_prompts=the cat"])
