@@ -212,11 +212,11 @@ def test_pallas_asked_for_float64_keeps_its_digits(x64, caplog):
         caplog.text
 
 
-def test_under_a_mesh_each_device_takes_its_rows():
-    """Batch over data x fsdp, length whole: a shard_map over the rows, the parameters'
-    gradients summed over every device's partial sums."""
+def _on_a_mesh_as_whole(shape, seed, mesh, rows_spec, check=lambda loss, args: None):
+    """add_norm's value and gradients with x and y split over `mesh` as `rows_spec` equal
+    those on one device (shapes included); `check(loss, args)` runs under the mesh."""
     from attention_jax import sharding
-    x, y, yb, s, b, gr, gn = (jnp.asarray(a, jnp.float32) for a in _inputs((8, 16, 32), seed=3))
+    x, y, yb, s, b, gr, gn = (jnp.asarray(a, jnp.float32) for a in _inputs(shape, seed=seed))
 
     def loss(x, y, yb, s, b):
         r, n = norm_kernel.add_norm(x, y, yb, s, b, interpret=True)
@@ -224,14 +224,26 @@ def test_under_a_mesh_each_device_takes_its_rows():
 
     grads = lambda: jax.value_and_grad(loss, argnums=tuple(range(5)))  # noqa: E731
     whole = grads()(x, y, yb, s, b)
-    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        assert "in_specs=(P(('data', 'fsdp'), None, None), P(('data', 'fsdp'), None, None), P()" in str(
-            jax.make_jaxpr(loss)(x, y, yb, s, b))
-        rows = NamedSharding(mesh, P(("data", "fsdp")))
+        check(loss, (x, y, yb, s, b))
+        rows = NamedSharding(mesh, rows_spec)
         split = jax.jit(grads())(*jax.device_put((x, y), rows), yb, s, b)
     for g, w in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
+        assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_under_a_mesh_each_device_takes_its_rows():
+    """Batch over data x fsdp, length whole: a shard_map over the rows, the parameters'
+    gradients summed over every device's partial sums."""
+    from attention_jax import sharding
+
+    def runs_per_device(loss, args):
+        assert "in_specs=(P(('data', 'fsdp'), None, None), P(('data', 'fsdp'), None, None), P()" \
+            in str(jax.make_jaxpr(loss)(*args))
+
+    _on_a_mesh_as_whole((8, 16, 32), 3, sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}),
+                        P(("data", "fsdp")), runs_per_device)
 
 
 def test_split_over_batch_and_length_when_length_equals_features():
@@ -240,22 +252,13 @@ def test_split_over_batch_and_length_when_length_equals_features():
     the rows' product (they once took the rows' spec, and the scale's gradient came back
     twice as long)."""
     from attention_jax import sharding
-    x, y, yb, s, b, gr, gn = (jnp.asarray(a, jnp.float32) for a in _inputs((4, 64, 64), seed=4))
 
-    def loss(x, y, yb, s, b):
-        r, n = norm_kernel.add_norm(x, y, yb, s, b, interpret=True)
-        return jnp.vdot(r, gr) + jnp.vdot(jnp.sin(n), gn)
+    def kernels_take_it(loss, args):
+        assert norm_kernel.unsupported(args[0].shape) is None
 
-    grads = lambda: jax.value_and_grad(loss, argnums=tuple(range(5)))  # noqa: E731
-    whole = grads()(x, y, yb, s, b)
-    mesh = sharding.make_mesh({"data": 2, "sequence": 2}, jax.devices()[:4])
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-        assert norm_kernel.unsupported(x.shape) is None
-        rows = NamedSharding(mesh, P("data", "sequence"))
-        split = jax.jit(grads())(*jax.device_put((x, y), rows), yb, s, b)
-    for g, w in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
-        assert g.shape == w.shape
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    _on_a_mesh_as_whole((4, 64, 64), 4,
+                        sharding.make_mesh({"data": 2, "sequence": 2}, jax.devices()[:4]),
+                        P("data", "sequence"), kernels_take_it)
 
 
 def test_auto_under_a_mesh_needs_the_features_whole(caplog):
