@@ -66,6 +66,7 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
     from attention_jax import runs, steps
     from attention_jax import workdir as workdir_lib
     run = runs.open_run(workdir, config=config)
+    steps.check_eval_split(run.task, config)  # (a reader's task reads its data only now)
     with run.mesh_context():
         eval_step = steps.jit_eval_step(run.task, config, run.mesh, run.shardings["params"])
         metrics = steps.evaluate(eval_step, run.params, run.task, config, run.mesh)

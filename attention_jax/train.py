@@ -32,6 +32,7 @@ from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
 from attention_jax.errors import ConfigError, UserError
 from attention_jax.optimizer import make_optimizer
+from attention_jax import tasks as tasks_lib
 from attention_jax.tasks import TASKS, Task
 
 
@@ -64,7 +65,9 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
 
     read_only: for tools that only read a run (eval, sample, analysis): a writable
     checkpoint manager would clean up the temporary folder of a save in progress if
-    the run is still training in the same workdir."""
+    the run is still training in the same workdir. Their task reads its data on first
+    use (tasks.data_on_demand): sampling needs no corpus, and evaluation checks its eval
+    split itself (steps.check_eval_split)."""
     sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
     devices = jax.devices()[:config.mesh.num_devices or None]
     config_lib.validate(config, len(devices), tasks=None if task else TASKS,
@@ -72,10 +75,12 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     mesh = sharding.make_mesh({a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, devices,
                               dcn=sharding.dcn_shape(config.mesh))
     rules = sharding.rules_from_config(config.mesh.rules)
-    task = task or TASKS[config.task](config, workdir)
+    if task is None:
+        with tasks_lib.data_on_demand() if read_only else contextlib.nullcontext():
+            task = TASKS[config.task](config, workdir)
     config_lib.check_model_fits_mesh(getattr(task.model, "config", task.model), mesh.shape,
                                      task.seq_len)
-    if config.eval.every >= 0:
+    if config.eval.every >= 0 and not read_only:
         steps.check_eval_split(task, config)
     tx, schedule = make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
     # Shapes and shardings are worked out outside the mesh context: flax's partitioned

@@ -12,7 +12,7 @@ import pytest
 from attention_jax import main, runs, tasks, train
 from helpers import load, shrink
 from attention_jax import workdir as workdir_lib
-from attention_jax.errors import ConfigError
+from attention_jax.errors import ConfigError, UserError
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +83,26 @@ def test_old_model_field_names_map_per_family():
         "dropout_rate": 0.1, "embed_dim": 8}  # the RNN's embed_dim is its own field (m)
     with pytest.raises(ConfigError, match="both 'embed_dim' and its new name 'd_model'"):
         workdir_lib.rename_old_model_fields("gpt", {"embed_dim": 8, "d_model": 8})
+
+
+def test_sampling_needs_the_run_not_its_corpus(tmp_path, data_dir):
+    """A run trained on one's own files samples after they moved and their token cache
+    was deleted (it listed and prepared the whole corpus again, or failed on the glob);
+    evaluating still needs them, and says which glob found nothing."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text("the cat sat on the mat and the dog ran. " * 30)
+    config = shrink(load("gpt").get_config(), data_dir)
+    config.data.name, config.data.files = "files", f"{corpus}/*.txt"
+    config.data.cache_dir = str(tmp_path / "cache")
+    config.eval.sample_prompts, config.eval.sample_tokens = ("the ",), 4
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(config, workdir)
+    corpus.rename(tmp_path / "moved")
+    shutil.rmtree(tmp_path / "cache")
+    (text,) = main.sample_checkpoint(runs.load_config(workdir), workdir)
+    assert text.startswith("the ")
+    assert not (tmp_path / "cache").exists()  # nothing prepared
+    with pytest.raises(UserError, match=rf"the glob '{corpus}/\*\.txt' matches no file"):
+        main.evaluate_checkpoint(runs.load_config(workdir), workdir)

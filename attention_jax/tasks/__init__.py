@@ -21,12 +21,14 @@ A notebook or a test adds a family without editing the package:
 # The families register themselves on import.
 from attention_jax.tasks import images, text, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
-                                      data_options, lm_vocab_size, model_config, need,
+                                      data_on_demand, data_options, lm_vocab_size,
+                                      model_config, need,
                                       padded_vocab, register, tasks_with, token_labels)
 from attention_jax.tasks.images import image_task
 from attention_jax.tasks.text import lm_task, mlm_task
 from attention_jax.tasks.translation import translation_task
 
-__all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "data_options", "image_task",
+__all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "data_on_demand",
+           "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
            "register", "tasks_with", "token_labels", "translation_task"]

@@ -4,6 +4,8 @@ tokenizers, vocabulary sizes)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -355,6 +357,60 @@ def lm_vocab_size(config, tokens: int) -> int:
                           f"{tokens} tokens; valid: at least {tokens}, or unset (the "
                           f"tokenizer's size padded to a multiple of 64: {padded_vocab(tokens)})")
     return asked
+
+
+# ============================================================= data read on first use
+_ON_DEMAND = contextvars.ContextVar("data_on_demand", default=False)
+
+
+@contextlib.contextmanager
+def data_on_demand():
+    """Tasks built inside it read their data on first use, not when built: reading a
+    trained run (sampling, embedding, a text's attention maps) needs its tokenizer and
+    weights, not its corpus, which may have moved since; evaluating reads it then.
+    (train.setup builds a reader's task so: setup(read_only=True).)"""
+    token = _ON_DEMAND.set(True)
+    try:
+        yield
+    finally:
+        _ON_DEMAND.reset(token)
+
+
+def data_is_on_demand() -> bool:
+    return _ON_DEMAND.get()
+
+
+class OnDemand:
+    """Split `index` of what `build()` returns (every split at once, built once between
+    them: `functools.cache` it), built when first used: its length, an example, or any
+    attribute of the split (read_rows, num_tokens, ...). Pickles as the built split (a
+    grain worker gets the data, not the builder)."""
+
+    def __init__(self, build: Callable[[], Sequence], index: int):
+        self._build, self._index, self._split = build, index, None
+
+    def _get(self):
+        if self._split is None:
+            self._split = self._build()[self._index]
+        return self._split
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # ours, before __init__ set them (unpickling)
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+    def __reduce__(self):
+        return _built, (self._get(),)
+
+
+def _built(split):
+    return split
 
 
 def splits(data_opts, **options):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -19,7 +20,7 @@ from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
                                       check_source_keys, corpus_options, data_options,
-                                      data_parallel_size,
+                                      OnDemand, data_is_on_demand, data_parallel_size,
                                       lm_vocab_size, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
                                       tasks_with, token_labels)
@@ -138,7 +139,15 @@ def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) ->
 
 def _rows(data_opts, tok, documents, packing: str):
     """(train, eval) rows of data.seq_len: the user's files through the token cache,
-    prepared on first use and memory-mapped; a dataset packed in memory (PackedSource)."""
+    prepared on first use and memory-mapped; a dataset packed in memory (PackedSource).
+    With data_on_demand, both are built when one is first used (OnDemand)."""
+    if data_is_on_demand():
+        build = functools.cache(lambda: _built_rows(data_opts, tok, documents, packing))
+        return OnDemand(build, 0), OnDemand(build, 1)
+    return _built_rows(data_opts, tok, documents, packing)
+
+
+def _built_rows(data_opts, tok, documents, packing: str):
     from attention_jax import data
     from attention_jax.data import token_cache
     if data_opts.name == "files":
@@ -156,14 +165,17 @@ def _rows(data_opts, tok, documents, packing: str):
 class _Documents:
     """The train and eval documents: a dataset's splits, or the user's files
     (data.name="files"), which are listed at once (a glob that matches nothing fails
-    now) and indexed only when documents are read: a prepared token cache never is."""
+    now; with data_on_demand, when first read) and indexed only when documents are read:
+    a prepared token cache never is."""
 
     def __init__(self, data_opts):
         from attention_jax.data import files
         self.opts = data_opts
         check_source_keys(data_opts, "files", ("files", "eval_files"))
+        self._docs = self._listing = None
         if data_opts.name != "files":
-            self._docs = dict(zip(("train", "eval"), splits(data_opts, **corpus_options(data_opts))))
+            if not data_is_on_demand():
+                self._dataset_splits()
             return
         if not data_opts.files:
             raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
@@ -174,15 +186,29 @@ class _Documents:
             if data_opts[key] not in files.SPLITS:
                 raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has "
                                   f"the splits {list(files.SPLITS)}")
-        self.listing = files.corpus_listing(data_opts.files, data_opts.eval_files,
-                                            max_files=data_opts.max_files, arg="config.data.")
-        self._docs = None
+        if not data_is_on_demand():
+            self.listing  # noqa: B018 - a glob that matches nothing fails now
+
+    @property
+    def listing(self) -> dict:
+        if self._listing is None:
+            from attention_jax.data import files
+            self._listing = files.corpus_listing(self.opts.files, self.opts.eval_files,
+                                                 max_files=self.opts.max_files,
+                                                 arg="config.data.")
+        return self._listing
+
+    def _dataset_splits(self) -> None:
+        self._docs = dict(zip(("train", "eval"),
+                              splits(self.opts, **corpus_options(self.opts))))
 
     def split(self, label: str) -> str:
         return self.opts["train_split" if label == "train" else "eval_split"]
 
     def docs(self, label: str):
         """The documents of 'train' or 'eval' (indexing the files on first use)."""
+        if self._docs is None and self.opts.name != "files":
+            self._dataset_splits()
         if self._docs is None:
             from attention_jax.data import files
             by_split = files.file_splits(
