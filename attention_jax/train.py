@@ -28,11 +28,11 @@ from absl import logging
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
 from attention_jax import convert, heap, sharding, steps
+from attention_jax import tasks as tasks_lib
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
 from attention_jax.errors import ConfigError, UserError
 from attention_jax.optimizer import make_optimizer
-from attention_jax import tasks as tasks_lib
 from attention_jax.tasks import TASKS, Task
 
 
