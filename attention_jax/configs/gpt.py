@@ -33,6 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.d_model = 128  # D.
     c.model.num_heads = 4  # N (head dim 32).
     c.model.max_len = 128  # rows of the learned position table.
+    c.model.mlp_dim = None  # F, the MLP's hidden width; None: the variant's, else 4D.
     c.model.dropout_rate = 0.0  # small model, short run: no regularisation needed.
     c.model.remat_policy = "none"  # activation checkpointing per block (see layers/blocks.py).
 

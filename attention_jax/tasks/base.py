@@ -225,9 +225,10 @@ def need(task: Task, entry: str, name: str, doing: str):
 
 def model_config(cls, config, **forced):
     """The model's frozen config from `config.model`: an optional `variant` name (the
-    model file's table) plus overrides of its fields. Unknown keys name the valid ones."""
+    model file's table) plus overrides of its fields; a key set to None is not set (the
+    variant's value, else the field's default). Unknown keys name the valid ones."""
     fields = {f.name for f in dataclasses.fields(cls)}
-    given = config.model.to_dict()
+    given = {k: v for k, v in config.model.to_dict().items() if v is not None}
     variant = given.pop("variant", None)
     unknown = sorted(set(given) - fields)
     if unknown:

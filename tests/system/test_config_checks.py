@@ -324,3 +324,20 @@ def test_a_tuple_key_s_example_shows_elements():
     with pytest.raises(ConfigError, match=re.escape(
             "config.eval.sample_prompts='the cat' must be a Python tuple, e.g. \"('a', 'b')\"")):
         config_lib.apply_overrides(config, ["eval.sample_prompts=the cat"])
+
+
+def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path):
+    """--config.model.mlp_dim was refused ("no key") though GPTConfig has the field; a key
+    left None is not set, so the MoE variant keeps its own width; a run saved before the
+    key existed resumes without a change listed."""
+    from attention_jax.models import gpt
+    width = lambda spec, *over: tasks.model_config(  # noqa: E731
+        gpt.GPTConfig, config_lib.load(spec, over), vocab_size=256).mlp_dim
+    assert width("gpt") is None  # 4D in the block
+    assert width("gpt", "model.mlp_dim=256") == 256
+    assert width("gpt:variant=gpt-tiny-moe") == width("gpt", "model.variant=gpt-tiny-moe") == 128
+    config = config_lib.load("gpt")
+    old = json.loads(config.to_json_best_effort())
+    del old["model"]["mlp_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert "model.mlp_dim" not in workdir_lib.config_changes(config, str(tmp_path))
