@@ -408,6 +408,9 @@ def _read_json(path: str):
 
 
 def _check_inputs(directory: str, found: dict, inputs: dict) -> None:
+    if not isinstance(found, dict):
+        raise CacheError(f'{directory}: its manifest records no inputs (damaged or edited); '
+                         f'delete it to prepare it again')
     if found != inputs:
         differ = sorted(k for k in {*found, *inputs} if found.get(k) != inputs.get(k))
         raise CacheError(f'{directory} was prepared from other inputs ({", ".join(differ)} '
@@ -439,16 +442,22 @@ class TokenRows:
         manifest = _read_json(manifest_path)
         self.directory, self.seq_len, self.pad_id, self.packing = (directory, seq_len, pad_id,
                                                                    packing)
-        self.dtype = np.dtype(manifest['dtype'])
-        self.shard_tokens = np.asarray(manifest['tokens'], np.int64)
+        try:
+            self.dtype = np.dtype(manifest['dtype'])
+            self.shard_tokens = np.asarray(manifest['tokens'], np.int64)
+            self.num_documents = int(sum(manifest['documents']))
+            sizes = [tuple(map(int, s)) for s in manifest['sizes']]
+            self.eos_id = manifest['inputs'].get('eos_id')
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CacheError(f'{manifest_path}: a damaged manifest ({type(e).__name__}: {e}); '
+                             f'delete {directory} to prepare it again') from None
         self.starts = np.concatenate([[0], np.cumsum(self.shard_tokens)]).astype(np.int64)
         self.num_tokens = int(self.starts[-1])
-        self.num_documents = int(sum(manifest['documents']))
         if self.num_tokens == 0:
             raise CacheError(f'{directory}: the prepared documents hold no tokens')
         # A stat per shard file (no read): a truncated or missing shard is found now.
-        for k, sizes in enumerate(manifest['sizes']):
-            for what, size in zip(('tokens.npy', 'ends.npy'), sizes):
+        for k, shard_sizes in enumerate(sizes):
+            for what, size in zip(('tokens.npy', 'ends.npy'), shard_sizes):
                 path = _shard_name(directory, k, what)
                 try:
                     found = os.path.getsize(path)
@@ -459,7 +468,6 @@ class TokenRows:
                     raise CacheError(f'{path}: truncated or damaged token cache shard '
                                      f'({found} bytes, {size} written); delete {directory} '
                                      f'to prepare it again')
-        self.eos_id = manifest['inputs'].get('eos_id')
         self._columns = np.arange(seq_len)
         self._shards: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -136,6 +136,14 @@ def test_the_key_follows_files_and_tokenizer_and_damage_is_one_line(corpus, tmp_
     with pytest.raises(token_cache.CacheError) as e:
         prep(tok)
     errors.append((e, 'was prepared from other inputs (text_key differ)'))
+    # A manifest edited into something else: its missing parts named, not a TypeError.
+    json.dump({'garbage': 1}, open(manifest_path, 'w'))
+    with pytest.raises(token_cache.CacheError) as e:
+        prep(tok)
+    errors.append((e, f'{changed}: its manifest records no inputs (damaged or edited)'))
+    with pytest.raises(token_cache.CacheError) as e:
+        token_cache.TokenRows(changed, 16)
+    errors.append((e, f"{manifest_path}: a damaged manifest (KeyError: 'dtype')"))
     # A truncated shard, found at open by its size, before any row is read.
     shard = os.path.join(first, '00000.tokens.npy')
     whole = open(shard, 'rb').read()
