@@ -128,8 +128,9 @@ def main(argv) -> int:
         logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
     from attention_jax import workdir as workdir_lib
     try:
-        config = mode_config(FLAGS.mode, FLAGS.config, _overrides, FLAGS.workdir)
-        return _run_mode(config, FLAGS.workdir)
+        workdir = workdir_lib.expand(FLAGS.workdir)
+        config = mode_config(FLAGS.mode, FLAGS.config, _overrides, workdir)
+        return _run_mode(config, workdir)
     except UserError as e:  # a mistake in the request: one line; a bug keeps its traceback
         where = f"--mode={FLAGS.mode}: " if isinstance(e, workdir_lib.RunNotFoundError) else ""
         print(f"error: {where}{e}", file=sys.stderr)

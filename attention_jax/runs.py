@@ -68,6 +68,7 @@ class Run:
 def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run:
     """The workdir's latest checkpoint. config: the run's config as given (main's modes);
     None reads the workdir's config.json with `overrides` (see load_config)."""
+    workdir = workdir_lib.expand(workdir)
     if config is None:
         config = load_config(workdir, overrides)
     elif overrides:

@@ -217,6 +217,7 @@ def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
     Resuming with training-relevant keys changed from the workdir's config.json is a
     ConfigError listing them, unless `resume_changed` (see workdir.check_config_change)."""
     sharding.maybe_initialize_distributed(config.mesh)  # process_index() is known from here
+    workdir = workdir_lib.expand(workdir)
     with sharding.LostHostWatchdog(config.mesh.lost_host_timeout):
         return _train_writer(config, workdir, task, resume_changed)
 

@@ -67,9 +67,17 @@ def resolve(workdir) -> str:
     return workdir if is_remote(workdir) else os.path.abspath(os.path.expanduser(workdir))
 
 
+def expand(workdir) -> str:
+    """`workdir` with a leading ~ expanded (a shell leaves --workdir=~/run as it is); a URL
+    as it is. Every entry point takes its workdir through this: a literal ~ once sent the
+    checkpoints to $HOME/run and everything else to ./~/run."""
+    workdir = str(workdir)
+    return workdir if is_remote(workdir) else os.path.expanduser(workdir)
+
+
 def path(workdir, name: str) -> str:
     """workdir/name, for one of the names above (a URL stays a URL)."""
-    return os.path.join(str(workdir), name)
+    return os.path.join(expand(workdir), name)
 
 
 def fresh_listings() -> None:
@@ -83,7 +91,7 @@ def epath_of(workdir, name: str | None = None) -> epath.Path:
     """workdir (or workdir/name) as an epath.Path: local or gs:// / s3:// alike."""
     if is_remote(workdir):
         fresh_listings()
-    return epath.Path(path(workdir, name) if name else str(workdir))
+    return epath.Path(path(workdir, name) if name else expand(workdir))
 
 
 def exists(workdir, name: str | None = None) -> bool:
@@ -446,6 +454,14 @@ def config_changes(config, workdir: str) -> dict[str, tuple[Any, Any]]:
         if before != after:
             changes[key] = (before, after)
     return changes
+
+
+def training_changes(config, workdir: str) -> str:
+    """The training-relevant keys where `config` differs from the run's config.json, as
+    `key: old -> new, ...` ("" when none: only RESUME_SAFE_KEYS, or nothing, differ)."""
+    changes = config_changes(config, workdir)
+    relevant = [k for k in changes if not _safe(k, RESUME_SAFE_KEYS)]
+    return _show(changes, relevant) if relevant else ""
 
 
 def _safe(key: str, keys) -> bool:

@@ -35,7 +35,7 @@ import ml_collections
 
 from attention_jax import config as config_lib
 from attention_jax import workdir as workdir_lib
-from attention_jax.errors import UserError
+from attention_jax.errors import ConfigError, UserError
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
@@ -78,9 +78,19 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
     import jax
 
     from attention_jax import train
+    workdir = workdir_lib.expand(workdir)
     configs = [(p, point_config(config_path, p)) for p in points(grid)]  # all errors first
-    for _, config in configs:
+    for point, config in configs:
         config_lib.validate(config)
+        # A finished point is skipped only if it is this config's: another's results
+        # would stand in its place (a changed --config argument, say), unsaid.
+        run_dir = os.path.join(workdir, point_name(point))
+        changed = (workdir_lib.finished(run_dir, config.train.steps)
+                   and workdir_lib.training_changes(config, run_dir))
+        if changed:
+            raise ConfigError(f"sweep point {point_name(point)}: {run_dir} holds a finished "
+                              f"run of another config ({changed}); give this sweep another "
+                              f"--workdir")
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     records = []

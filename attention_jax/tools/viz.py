@@ -296,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "./attention.png for a gs:// or s3:// WORKDIR); other "
                                       "pictures go next to it as OUT_<name>.png")
     args = parser.parse_args(argv)
+    args.workdir = workdir_lib.expand(args.workdir)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     try:
         if args.out:

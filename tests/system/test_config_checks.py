@@ -341,3 +341,14 @@ def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path):
     del old["model"]["mlp_dim"]
     (tmp_path / "config.json").write_text(json.dumps(old))
     assert "model.mlp_dim" not in workdir_lib.config_changes(config, str(tmp_path))
+
+
+def test_a_workdir_given_with_a_tilde_is_one_folder(tmp_path, monkeypatch):
+    """--workdir=~/run reaches the program as it is (a shell expands ~ only at a word's
+    start): the checkpoints went to $HOME/run, everything else to ./~/run."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    train.train_and_evaluate(tiny.tiny_config(), "~/run")
+    assert sorted(os.listdir(tmp_path / "home" / "run")) == [
+        "checkpoints", "config.json", "lock.json", "metrics.jsonl", "tensorboard"]
+    assert not os.path.exists(tmp_path / "~")

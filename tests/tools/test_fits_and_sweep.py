@@ -263,3 +263,25 @@ def test_sweep_rejects_bad_grids_naming_what_is_valid():
         sweep.point_config("gated_mlp", {"mlp": "tanh"})
     with pytest.raises(ValueError, match=r"'mlpp' is not an argument of this config"):
         sweep.point_config("gated_mlp", {"mlpp": "relu"})
+
+
+def test_a_sweep_skips_only_its_own_finished_runs(tmp_path):
+    """A finished point was skipped whatever config it was trained with (a changed
+    --config argument left the old results standing in for the new ones): another
+    config's run stops the sweep before anything trains; its own is skipped."""
+    import json
+
+    from attention_jax import workdir as workdir_lib
+    from attention_jax.errors import ConfigError
+    grid = sweep.parse_grid(["train.seed=0"])
+    run = tmp_path / "seed0"
+    run.mkdir()
+    workdir_lib.write_config(str(run), sweep.point_config("vit_digits:steps=30",
+                                                          {"train.seed": "0"}))
+    (run / "metrics.jsonl").write_text(json.dumps({"split": "eval", "step": 30}) + "\n")
+    with pytest.raises(ConfigError, match=r"^sweep point seed0: .*seed0 holds a finished run "
+                                          r"of another config \(model.patch_size: 4 -> 8\); "
+                                          r"give this sweep another --workdir$"):
+        sweep.run_sweep("vit_digits:steps=30,patch=8", str(tmp_path), grid)
+    (record,) = sweep.run_sweep("vit_digits:steps=30", str(tmp_path), grid)
+    assert record["skipped"]
