@@ -47,6 +47,26 @@ def test_pretrained_checkpoints_snippet_runs_as_written(tmp_path):
     assert convert.config_from_hf(str(tmp_path / "minilm_copy"))[1] == "BertModel"
 
 
+@pytest.mark.slow
+def test_models_in_a_notebook_snippet_runs_as_written(tmp_path):
+    """Every family's lines as written, and its losses finite: the RNN's drew its ids from
+    the encoder-decoder's larger vocabulary, embedded them to NaN and said nothing."""
+    code = readme_snippet("## Models in a notebook")
+    check = ("\nimport math\n"
+             "assert math.isfinite(float(loss)), float(loss)\n"
+             "assert math.isfinite(float(gpt.lm_loss(logits, tokens)[0]))\n"
+             "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # as a user runs it: one CPU device
+    script = tmp_path / "snippet.py"
+    script.write_text(code + check)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "ok"
+
+
 def test_make_clean_removes_the_test_xla_cache(tmp_path):
     """tests/system/conftest.py keeps a persistent XLA cache in the temp dir; `make clean`
     removes it with the venv. Run on a copy of the Makefile, in a scratch dir with its own
