@@ -31,6 +31,8 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
@@ -317,6 +319,17 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
                          f"the position table (max_len={cfg.max_len})")
     if temperature and rng is None:
         raise ValueError("sampling (temperature > 0) needs rng")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}; valid: 0 (greedy) or > 0")
+    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"top_k={top_k}; valid: None or 1..{cfg.vocab_size} (the vocabulary)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}; valid: None or in (0, 1]")
+    lengths = np.asarray(jax.device_get(prompt_lengths)) if not isinstance(
+        prompt_lengths, jax.core.Tracer) else None
+    if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t):
+        raise ValueError(f"prompt_lengths={lengths.tolist()}; valid: {b} lengths in 1..{t} "
+                         f"(prompts is [{b}, {t}])")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return _generate(model, sample, max_new_tokens, stop_token, pad_token,

@@ -119,6 +119,25 @@ def test_generate_greedy_follows_the_full_model_and_stops():
     np.testing.assert_array_equal(again[1, :n1], out[1, :n1])
 
 
+def test_generate_names_a_bad_argument():
+    """Prompt lengths past the prompts' width read padding as the prompt (and returned
+    lengths longer than the output); top_p 1.5 or a negative temperature sampled anyway."""
+    model, params = _model("gpt-tiny")
+    prompts = _tokens((2, 8), 2)
+    run = lambda lengths, **kw: gpt.generate(model, params, prompts, lengths,  # noqa: E731
+                                             max_new_tokens=2, rng=jax.random.PRNGKey(0), **kw)
+    for lengths in (jnp.array([9, 5]), [8, 0], [8]):
+        with pytest.raises(ValueError, match=r"prompt_lengths=.*; valid: 2 lengths in 1\.\.8 "
+                                             r"\(prompts is \[2, 8\]\)"):
+            run(lengths)
+    with pytest.raises(ValueError, match=r"top_p=1.5; valid: None or in \(0, 1\]"):
+        run([8, 5], temperature=1.0, top_p=1.5)
+    with pytest.raises(ValueError, match=r"temperature=-1.0; valid: 0 \(greedy\) or > 0"):
+        run([8, 5], temperature=-1.0)
+    with pytest.raises(ValueError, match=r"top_k=0; valid: None or 1\.\.256"):
+        run([8, 5], temperature=1.0, top_k=0)
+
+
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.PRNGKey(0), 400)
