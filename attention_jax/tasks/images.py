@@ -10,7 +10,7 @@ import numpy as np
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import IMAGE_KEYS
-from attention_jax.errors import ConfigError, check_choice, check_range
+from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
 from attention_jax.tasks.base import (AttentionInput, Task, check_source_keys,
@@ -160,7 +160,11 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
     # a value the data replaces may be invalid on its own (8 px at patch 16).
     import dataclasses
     own = {f.name: f.default for f in dataclasses.fields(config_cls)}
-    own.update(variants.get(given.get("variant"), {}))
+    variant = given.get("variant")
+    if variant and variant not in variants:  # before the data's checks read its defaults
+        raise ConfigError(f"config.model.variant={variant!r} is unknown; valid: "
+                          f"{sorted(variants)}{did_you_mean(variant, variants)}")
+    own.update(variants.get(variant, {}))
     own.update({k: v for k, v in given.items() if k != "variant"})
     native = None
     if o.name != "image_folder" and (not o.image_size or not o.channels):

@@ -352,3 +352,12 @@ def test_a_workdir_given_with_a_tilde_is_one_folder(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "home" / "run")) == [
         "checkpoints", "config.json", "lock.json", "metrics.jsonl", "tensorboard"]
     assert not os.path.exists(tmp_path / "~")
+
+
+def test_a_misspelt_vit_variant_is_named(tmp_path, data_dir):
+    """It fell back to the class's own patch size (16), and the error was about 8-pixel
+    images not dividing into it."""
+    config = config_lib.load("vit:variant=vit-tiny/3", [f"data.data_dir={data_dir}"])
+    with pytest.raises(ConfigError, match=r"^config\.model\.variant='vit-tiny/3' is unknown; "
+                                          r"valid: \[.*\] \(did you mean 'vit-tiny/"):
+        tasks.TASKS[config.task](config, str(tmp_path))
