@@ -129,6 +129,12 @@ def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) ->
                           f"--config.data.name=files --config.data.files=GLOBS")
     if config.task == "bert_mlm":
         _check_mlm_tokenizer(data_opts)
+    if workdir and not workdir_lib.exists(workdir, workdir_lib.TOKENIZER):
+        # (it used to go on with the config's own tokenizer, unsaid)
+        raise ConfigError(f"--workdir={workdir}: no tokenizer saved there "
+                          f"({workdir_lib.path(workdir, workdir_lib.TOKENIZER)}); valid: the "
+                          f"workdir of a run that saved one, or no --workdir (the config's "
+                          f"tokenizer)")
     documents = _Documents(data_opts)
     with tempfile.TemporaryDirectory() as scratch:  # no workdir: nothing saved is read
         tok = _tokenizer(data_opts, workdir or scratch, documents)

@@ -264,3 +264,11 @@ def test_prepare_then_train_on_files_with_a_tokenizer_file_then_sample(corpus, t
     out = run('--mode=sample')
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count('--- prompt ') == 3
+    # prepare --workdir=DIR takes the tokenizer a run saved there; a DIR without one is an
+    # error, not the config's own tokenizer in silence.
+    (tmp_path / 'notrun').mkdir()
+    prepare = subprocess.run([sys.executable, '-m', 'attention_jax.tools.prepare', *args[:1],
+                              f'--workdir={tmp_path / "notrun"}', *args[2:]], env=env,
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert prepare.returncode == 1 and prepare.stderr.startswith(
+        f'error: --workdir={tmp_path / "notrun"}: no tokenizer saved there'), prepare.stderr
