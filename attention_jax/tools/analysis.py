@@ -453,6 +453,11 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
             # The whole test split, not the trainer's full batches only.
             r["eval"]["accuracy_batches"] = r["eval"].get("accuracy")
             r["eval"]["accuracy"], r["eval"]["n"] = classification_accuracy(r["workdir"])
+    for name, r in rows.items():  # before anything is written
+        if x and r.get(x, r["model"].get(x)) is None:
+            raise ValueError(f"--x={x!r}: run {name!r} has no such value; valid: 'tokens' "
+                             f"(where the task counts them) or a model field: "
+                             f"{sorted(k for k, v in r['model'].items() if v is not None)}")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(rows, f, indent=1)
@@ -570,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         workdir_lib.check_output_path(args.out)
         _run(args)
-    except UserError as e:
+    except (UserError, ValueError) as e:  # the reports name the argument at fault
         raise SystemExit(f"error: {e}") from None
 
 

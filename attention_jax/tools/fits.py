@@ -315,10 +315,12 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
     import matplotlib.pyplot as plt
     groups: dict[tuple, list] = {}
     for w in workdirs:
-        evals = [r for r in read_metrics(w) if r["split"] == "eval" and metric in r]
+        records = [r for r in read_metrics(w) if r["split"] == "eval"]
+        evals = [r for r in records if metric in r]
         if not evals:
+            named = sorted({k for r in records for k in r} - {"split", "step"})
             raise ValueError(f"{w}: no eval record with {metric!r}; valid: a finished run's "
-                             f"eval metrics")
+                             f"eval metrics{': ' + str(named) if named else ''}")
         key = (str(_point_value(w, by)), _number(_point_value(w, x)) if x else None)
         groups.setdefault(key, []).append({"workdir": w, "value": float(evals[-1][metric]),
                                            "seed": int(_point_value(w, "train.seed")),
@@ -407,8 +409,12 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
-    with open(bench_json) as f:
-        bench = json.load(f)
+    try:
+        with open(bench_json) as f:
+            bench = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{bench_json}: not the attention benchmark's JSON ({e}); valid: "
+                         f"what `bench attention --out FILE` writes") from None
     series: dict[tuple, list] = {}
     for r in bench["rows"]:
         n = r.get("n", r.get("T"))

@@ -103,6 +103,14 @@ def test_runs_report_counts_every_test_image(tmp_path):
     assert rows["p2"]["flops_per_unit"] == 17 * (6 * n + 12 * 1 * 17 * 8)
     assert os.path.getsize(out + ".png") > 0
     assert "| p4 | 5 |" in open(out + ".md").read()
+    # An --x no run has: named with what is valid, before anything is written (it was
+    # matplotlib's TypeError after the table).
+    bogus = str(tmp_path / "report2" / "vit")
+    with pytest.raises(ValueError, match=r"--x='bogus': run 'p2' has no such value; valid: "
+                                         r"'tokens' \(where the task counts them\) or a model "
+                                         r"field: \[.*'patch_size'"):
+        analysis.runs_report(runs, bogus, x="bogus")
+    assert not os.path.exists(bogus + ".md")
 
 
 @pytest.mark.slow

@@ -201,8 +201,12 @@ def test_seeds_report_groups_means_spreads_and_crossing(tmp_path):
 
 def test_seeds_report_names_a_run_without_the_metric(tmp_path):
     run = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 1.0, metric="loss")
-    with pytest.raises(ValueError, match="no eval record with 'accuracy'"):
+    with pytest.raises(ValueError, match=r"no eval record with 'accuracy'; valid: a finished "
+                                         r"run's eval metrics: \['loss'\]"):
         fits.seeds_report([run], str(tmp_path / "out"), by="mlp", metric="accuracy")
+    (tmp_path / "bench.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"bench\.json: not the attention benchmark's JSON"):
+        fits.attention_cost_report(str(tmp_path / "bench.json"), str(tmp_path / "cost"))
 
 
 # ---------------------------------------------------------------------- attention's cost
