@@ -42,3 +42,21 @@ def test_bad_arguments_name_the_valid_values():
         loss_speed.run(_args("--rows", "0"))
     with pytest.raises(SystemExit, match=r"--loss-kernel 'triton'; valid: \['auto', 'xla', 'pallas'\]"):
         loss_speed.run(_args("--loss-kernel", "triton"))
+    with pytest.raises(SystemExit, match=r"--dtype 'float77'; valid: float32, bfloat16 or float16"):
+        loss_speed.run(_args("--dtype", "float77"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["attention", "--sizes", "0"], "argument --sizes: '0'; valid: an integer >= 1"),
+    (["attention", "--repeats", "-1"], "argument --repeats: '-1'; valid: an integer >= 1"),
+    (["attention", "--memory-fraction", "2"],
+     "argument --memory-fraction: '2'; valid: a number in (0, 1]"),
+    (["train", "--implementation", "flash"],
+     "--implementation 'flash' on a CPU; valid: one of ['reference', 'blockwise', 'xla']"),
+])
+def test_the_bench_command_names_a_bad_argument(argv, message, capsys):
+    """They were tracebacks (an empty median, a reshape to -5, a model config's error)."""
+    from attention_jax.tools.bench.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert message in capsys.readouterr().err + str(e.value.code)

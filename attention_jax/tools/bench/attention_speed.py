@@ -12,6 +12,8 @@ the blockwise forward's FLOP rate can be read as a fraction of what the hardware
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import sys
@@ -224,14 +226,37 @@ def run(args):
     print(f"\nwrote {out}")
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for a count or a length: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}; valid: an integer >= 1")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse's type for a share: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}; valid: a number in (0, 1]")
+    return value
+
+
 def add_parser(sub) -> None:
     """Registers `attention` on the bench command's subcommand parser."""
     att = sub.add_parser("attention", help="attention forward/backward time and memory")
     att.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
-    att.add_argument("--sizes", type=int, nargs="+", help="sequence lengths N")
-    att.add_argument("--repeats", type=int, help="timed runs per measurement (median)")
+    att.add_argument("--sizes", type=positive_int, nargs="+", help="sequence lengths N")
+    att.add_argument("--repeats", type=positive_int,
+                     help="timed runs per measurement (median)")
     att.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
-    att.add_argument("--memory-fraction", type=float, default=0.5,
+    att.add_argument("--memory-fraction", type=fraction, default=0.5,
                      help="skip an implementation whose temp memory exceeds this share of free RAM")
     att.add_argument("--time-budget", type=float, default=6.0,
                      help="skip timing a peer (not blockwise) whose fwd+bwd would exceed this "

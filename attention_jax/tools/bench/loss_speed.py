@@ -119,6 +119,8 @@ def run(args) -> dict:
     cpu = jax.default_backend() == "cpu"
     kernels = parse_loss_kernels(args.loss_kernel or ("xla" if cpu else "xla,pallas"))
     dtype = args.dtype or ("float32" if cpu else "bfloat16")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"error: --dtype {dtype!r}; valid: float32, bfloat16 or float16")
     print(f"timing the loss, kernels {kernels} ...", file=sys.stderr, flush=True)
     result = measure(args.rows, args.width, args.vocab, dtype, kernels, args.repeats, args.steps)
     print(table(result))

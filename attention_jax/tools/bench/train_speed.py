@@ -345,6 +345,10 @@ def run(args) -> list[dict]:
             return train_speed_gpu.run(args, info)
     args.repeats = args.repeats or 10
     args.implementation = args.implementation or "blockwise"
+    cpu_kinds = ("reference", "blockwise", "xla")
+    if args.implementation not in cpu_kinds:  # (checked before the children time anything)
+        raise SystemExit(f"error: --implementation {args.implementation!r} on a CPU; valid: "
+                         f"one of {list(cpu_kinds)} (cudnn, pallas and auto with --device gpu)")
     table = {**SHAPES, **SHAPES_TINY}
     names = args.models or list(SHAPES)
     unknown = [n for n in names if n not in table]
