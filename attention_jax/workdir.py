@@ -201,9 +201,7 @@ PATH_KEYS = ("data.files", "data.eval_files", "data.tokenizer", "data.cache_dir"
 
 def _absolute_path(path_: str) -> str:
     path_ = path_.strip()
-    if not path_ or "://" in path_:
-        return path_  # an object store's address is absolute already
-    return os.path.abspath(os.path.expanduser(path_))
+    return path_ if not path_ or "://" in path_ else resolve(path_)  # a URL is absolute
 
 
 def absolute_paths(flat_config: dict[str, Any]) -> dict[str, Any]:
@@ -230,12 +228,11 @@ def absolute_paths(flat_config: dict[str, Any]) -> dict[str, Any]:
 def write_config(workdir: str, config) -> None:
     """config.json: `config` with its local paths absolute (PATH_KEYS)."""
     tree = json.loads(config.to_json_best_effort())
-    for key, value in absolute_paths(config_lib.flat(tree)).items():
-        group, _, name = key.rpartition(".")
-        node = tree
-        for part in filter(None, group.split(".")):
-            node = node[part]
-        node[name] = value
+    given = config_lib.flat(tree)
+    for key, value in absolute_paths(given).items():
+        if key in PATH_KEYS and value != given[key]:
+            group, name = key.split(".")  # PATH_KEYS are group.key
+            tree[group][name] = value
     _write_text(path(workdir, CONFIG), json.dumps(tree, indent=2))
 
 
@@ -460,8 +457,13 @@ def training_changes(config, workdir: str) -> str:
     """The training-relevant keys where `config` differs from the run's config.json, as
     `key: old -> new, ...` ("" when none: only RESUME_SAFE_KEYS, or nothing, differ)."""
     changes = config_changes(config, workdir)
-    relevant = [k for k in changes if not _safe(k, RESUME_SAFE_KEYS)]
+    relevant = _training_keys(changes)
     return _show(changes, relevant) if relevant else ""
+
+
+def _training_keys(changes: dict) -> list[str]:
+    """The keys of `changes` a resume may not change unasked (not RESUME_SAFE_KEYS)."""
+    return [k for k in changes if not _safe(k, RESUME_SAFE_KEYS)]
 
 
 def _safe(key: str, keys) -> bool:
@@ -480,7 +482,7 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     changes = config_changes(config, workdir)
     if not changes:
         return ""
-    relevant = [k for k in changes if not _safe(k, RESUME_SAFE_KEYS)]
+    relevant = _training_keys(changes)
     if relevant and not resume_changed:
         raise ConfigError(
             f"{workdir} holds a run at step {step} trained with another config: "

@@ -162,7 +162,7 @@ class _TokenizersLibrary(Tokenizer):
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         shown = text if len(text) <= 40 else text[:40] + '...'
         message = f'{getattr(self, "path", "the tokenizer")} cannot encode {shown!r} ({reason})'
-        unk = json.loads(self.hf.to_str()).get('model', {}).get('unk_token')
+        unk = getattr(self.hf.model, 'unk_token', None)
         if unk is not None and self.hf.token_to_id(unk) is None:
             message += (f': its model names the unknown token {unk!r}, which its vocabulary '
                         f'lacks, so a character it never saw in training has no id (one '

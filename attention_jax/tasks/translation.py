@@ -14,8 +14,9 @@ from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      data_options, model_config, padded_vocab, register,
-                                      run_tokenizer, splits, token_labels)
+                                      data_is_on_demand, data_options, model_config,
+                                      padded_vocab, register, run_tokenizer, splits,
+                                      token_labels)
 
 
 def _check_languages(data_opts, records) -> None:
@@ -58,7 +59,8 @@ def translation_task(config, workdir: str) -> Task:
     _check_languages(data_opts, train_src)
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
                                           for k in (data_opts.source, data_opts.target)])
-    _check_lengths(data_opts, tok, train_src, eval_src)
+    if not data_is_on_demand():  # a reader's run trained on these lengths already
+        _check_lengths(data_opts, tok, train_src, eval_src)
     ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
     vocab = padded_vocab(tok.vocab_size)
     if config.task == "rnn_seq2seq":

@@ -79,25 +79,26 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
 
     from attention_jax import train
     workdir = workdir_lib.expand(workdir)
-    configs = [(p, point_config(config_path, p)) for p in points(grid)]  # all errors first
-    for point, config in configs:
+    runs = []  # (point, config, its run directory, finished before): all errors first
+    for point in points(grid):
+        config = point_config(config_path, point)
         config_lib.validate(config)
+        run_dir = os.path.join(workdir, point_name(point))
+        done = workdir_lib.finished(run_dir, config.train.steps)
         # A finished point is skipped only if it is this config's: another's results
         # would stand in its place (a changed --config argument, say), unsaid.
-        run_dir = os.path.join(workdir, point_name(point))
-        changed = (workdir_lib.finished(run_dir, config.train.steps)
-                   and workdir_lib.training_changes(config, run_dir))
+        changed = done and workdir_lib.training_changes(config, run_dir)
         if changed:
             raise ConfigError(f"sweep point {point_name(point)}: {run_dir} holds a finished "
                               f"run of another config ({changed}); give this sweep another "
                               f"--workdir")
+        runs.append((point, config, run_dir, done))
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     records = []
-    for point, config in configs:
-        run_dir = os.path.join(workdir, point_name(point))
+    for point, config, run_dir, done in runs:
         record = {"point": point, "workdir": run_dir, "config": config_path}
-        if workdir_lib.finished(run_dir, config.train.steps):
+        if done:
             print(f"[sweep] {run_dir}: finished before, skipped", file=sys.stderr)
             records.append({**record, "skipped": True})
             continue

@@ -45,6 +45,7 @@ import argparse
 import collections
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -151,13 +152,8 @@ def _dims(shape: str) -> list[int]:
 def _dot_flops(result_shape: str, lhs_shape: str, contracting: str) -> int:
     """2 × the result's elements × the lhs's contracted size: one multiply-add per pair."""
     lhs = _dims(lhs_shape)
-    k = 1
-    for d in filter(None, contracting.replace('"', "").split(",")):
-        k *= lhs[int(d)]
-    out = 1
-    for d in _dims(result_shape):
-        out *= d
-    return 2 * out * k
+    k = math.prod(lhs[int(d)] for d in filter(None, contracting.replace('"', "").split(",")))
+    return 2 * math.prod(_dims(result_shape)) * k
 
 
 def matmul_flops(line: str, comps: dict[str, list[str]], shapes: dict[str, str]) -> int:
@@ -414,8 +410,10 @@ def weight_flops(row: dict) -> int:
     weight and token (models/flops.py), the weights being GPT-2's V·D (the tied head) and
     L·12·D² (the four projections; biases and norms are no matmul's). A step whose matmul
     kernels do more recomputes (remat) or multiplies something twice."""
+    from attention_jax.models.flops import PER_PARAM
     d = row["width"]
-    return 6 * row["batch"] * row["seq_len"] * (row["vocab"] * d + row["layers"] * 12 * d * d)
+    return PER_PARAM * row["batch"] * row["seq_len"] * (row["vocab"] * d
+                                                        + row["layers"] * 12 * d * d)
 
 
 def report(summary: dict, top: int = 25) -> str:
