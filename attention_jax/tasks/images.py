@@ -240,10 +240,11 @@ def _image_attention_input(cfg, source, transform, classes=None):
                         index: int = 0) -> AttentionInput:
         del params
         if text is not None or target is not None:
-            raise ValueError("text= and target= are for text tasks; the ViT draws an eval "
-                             "image: give index=")
+            raise ValueError("a text and a target are for text tasks; the ViT draws an eval "
+                             "image: give its index (index=, or viz's --image-index)")
         if not 0 <= index < len(source):
-            raise ValueError(f"index={index}; valid: 0..{len(source) - 1} (the eval split)")
+            raise ValueError(f"image index {index} (index=, or viz's --image-index); valid: "
+                             f"0..{len(source) - 1}, the eval split's images")
         example = transform(source[index], np.random.default_rng(0))
         side = cfg.grid_size
         labels = [f"{r},{c}" for r in range(side) for c in range(side)]  # row-major patches

@@ -470,3 +470,10 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
     fig.savefig(out + ".png", dpi=110)
     plt.close(fig)
     return result
+
+
+if __name__ == "__main__":
+    # The fits have no command line of their own: point whoever ran this at the one they use.
+    import sys
+    sys.exit("attention_jax.tools.fits is a library; its command line is "
+             "`python -m attention_jax.tools.analysis scaling|seeds|attention_cost --help`")

@@ -297,7 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "pictures go next to it as OUT_<name>.png")
     args = parser.parse_args(argv)
     args.workdir = workdir_lib.expand(args.workdir)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    try:
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    except ValueError:
+        parser.error(f"--layers={args.layers!r}: comma-separated layer indices, e.g. 0,2")
     try:
         if args.out:
             workdir_lib.check_output_path(args.out)

@@ -133,6 +133,10 @@ def test_command_line_on_a_two_step_workdir(tmp_path, capsys):
     # A higher drawing limit still stops at the position table (max_len 128).
     assert viz.main(["--workdir", workdir, "--text", "x" * 130, "--max-tokens", "200"]) == 1
     assert "is 130 tokens long; the model's context is 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # argparse's usage error, not int()'s traceback
+        viz.main(["--workdir", workdir, "--text", "def", "--layers", "0,last"])
+    assert stop.value.code == 2
+    assert "--layers='0,last': comma-separated layer indices" in capsys.readouterr().err
 
 
 def test_vit_grid_has_cls_and_patch_positions(tmp_path):
@@ -226,7 +230,7 @@ def test_each_family_is_drawn_through_its_task(data_dir, tmp_path):
                          d_model=8, num_layers=1, num_heads=2, mlp_dim=8)
     maps = viz.maps_for_run(run, None, image_index=3)
     assert maps["info"]["tokens"] == ["[CLS]", "0,0", "0,1", "1,0", "1,1"]
-    with pytest.raises(ValueError, match=r"index=9999; valid: 0\.\.358"):
+    with pytest.raises(ValueError, match=r"image index 9999 \(index=, or viz.s --image-index\); valid: 0\.\.358"):
         viz.maps_for_run(run, None, image_index=9999)
 
     run = _untrained_run("inductive_bias:model=cnn", data_dir, str(tmp_path / "c"))
