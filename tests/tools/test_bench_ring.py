@@ -29,3 +29,18 @@ def test_run_ring_writes_tables_and_json(tmp_path, capsys):
     assert ring["longest_T"] > one["longest_T"] > 0
     assert 0 < ring["bytes"] <= ring["budget_bytes"]
     assert "longest GPT training context within 16 MiB" in capsys.readouterr().out
+
+
+def test_lengths_the_ring_cannot_split_are_one_line_before_any_work():
+    parser = argparse.ArgumentParser()
+    bench_ring.add_parser(parser.add_subparsers(dest="which"))
+    args = parser.parse_args(["ring", "--sizes", "1", "3", "4", "--length", "1000"])
+    with pytest.raises(SystemExit, match=r"--length=1000 does not split over --sizes \[3\]; "
+                                         r"valid: a multiple of 6 \(2P for each P\)"):
+        bench_ring.run(args)  # no child started, nothing compiled
+    args = parser.parse_args(["ring", "--sizes", "2", "--length", "1024", "--gpt-length", "4098"])
+    with pytest.raises(SystemExit, match=r"--gpt-length=4098 does not split over --sizes \[2\]; "
+                                         r"valid: a multiple of 4"):
+        bench_ring.run(args)
+    with pytest.raises(SystemExit):  # argparse: sizes are integers >= 1
+        parser.parse_args(["ring", "--sizes", "0"])

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from attention_jax.tools.bench.attention_speed import positive_int
 
 DEFAULT_SIZES = (1, 2, 4, 8)
 
@@ -39,15 +42,18 @@ DEFAULT_SIZES = (1, 2, 4, 8)
 def add_parser(sub) -> None:
     """Registers `ring` on the bench command's subcommand parser."""
     p = sub.add_parser("ring", help="ring attention: per-device memory and time vs sequence size")
-    p.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=list(DEFAULT_SIZES),
                    help="sequence-parallel sizes P (devices on the sequence axis)")
-    p.add_argument("--length", type=int, default=8192, help="T for the attention table")
-    p.add_argument("--gpt-length", type=int, default=4096, help="T for the GPT step table")
+    p.add_argument("--length", type=positive_int, default=8192,
+                   help="T for the attention table (a multiple of 2P for every P)")
+    p.add_argument("--gpt-length", type=positive_int, default=4096,
+                   help="T for the GPT step table (a multiple of 2P for every P)")
     p.add_argument("--budget-mib", type=float, default=64.0,
                    help="per-device memory budget for the longest-context table (MiB)")
-    p.add_argument("--max-length", type=int, default=1 << 17,
+    p.add_argument("--max-length", type=positive_int, default=1 << 17,
                    help="stop the context search here")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed calls per measurement (median)")
     p.add_argument("--inner", nargs="+", default=["auto"],
                    choices=["auto", "pallas", "splash", "blockwise"],
                    help="the ring's chunk-pair kernels to time in the attention table "
@@ -55,7 +61,20 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="bench_results/ring.json", help="JSON output path")
 
 
+def check_args(args) -> None:
+    """What the ring needs of the lengths, said before any child starts or step compiles:
+    the zig-zag split gives each of P devices two chunks, so a length divides by 2P."""
+    for flag, length in (("--length", args.length), ("--gpt-length", args.gpt_length)):
+        bad = [p for p in args.sizes if length % (2 * p)]
+        if bad:
+            raise SystemExit(f"bench ring: {flag}={length} does not split over --sizes {bad}; "
+                             f"valid: a multiple of {2 * math.lcm(*bad)} (2P for each P)")
+    if not args.budget_mib > 0:
+        raise SystemExit(f"bench ring: --budget-mib={args.budget_mib:g}; valid: a number > 0")
+
+
 def run(args) -> dict:
+    check_args(args)
     devices = max(args.sizes)
     import jax
     if jax.device_count() < devices:  # XLA reads the device count once: run anew
