@@ -378,8 +378,9 @@ def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_col
 
 
 def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> None:
-    """Sets each "group.key" of `overrides` on `config`; a key the config lacks is a
-    ConfigError naming the valid keys, a string is parsed as the field's type."""
+    """Sets each "group.key" of `overrides` on `config` ({"group": {"key": v}} too); a key
+    the config lacks is a ConfigError naming the valid keys, a string is parsed as the
+    field's type."""
     items = (overrides.items() if isinstance(overrides, Mapping)
              else (_split_override(o) for o in overrides))
     for key, value in items:
@@ -393,6 +394,11 @@ def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> Non
             if name != field:
                 node, where = node[name], f"{where}.{name}"
         old = node[field]
+        if isinstance(old, ml_collections.ConfigDict) and isinstance(value, Mapping):
+            # {"model": {"d_model": 64}} sets model.d_model, as "model.d_model" does: a
+            # nested dict merges into its group rather than replacing it.
+            apply_overrides(config, {f"{key}.{k}": v for k, v in value.items()})
+            continue
         if isinstance(value, str):
             value = parse_value(f"config.{key}", old, value)
         try:

@@ -2,7 +2,7 @@
 state restored read-only onto this process's devices.
 
     run = runs.open_run("/tmp/gpt")                          # config.json, one device
-    run = runs.open_run("/tmp/gpt", {"data.seq_len": 256})   # with overrides
+    run = runs.open_run("/tmp/gpt", {"eval.batch_size": 8})  # with read-safe overrides
     run = runs.open_run(workdir, config=config)              # main's modes: the CLI config
     with run.mesh_context():
         logits, aux = run.task.model.apply({"params": run.params}, tokens)
@@ -28,6 +28,7 @@ import ml_collections
 from attention_jax import config as config_lib
 from attention_jax import data, tasks, train
 from attention_jax import workdir as workdir_lib
+from attention_jax.checkpoint import CheckpointMismatchError
 from attention_jax.workdir import RunNotFoundError
 
 
@@ -87,7 +88,17 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
         with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
             # The newest step that restores and verifies (a damaged one is reported and
             # skipped, not moved: a reader changes nothing in the workdir).
-            state, _, _ = prepared.ckpt.restore_intact(prepared.abstract, say=lambda m: print(f"WARNING: {m}"))
+            try:
+                state, _, _ = prepared.ckpt.restore_intact(
+                    prepared.abstract, say=lambda m: print(f"WARNING: {m}"))
+            except CheckpointMismatchError as e:
+                if not overrides:
+                    raise
+                # The tools' overrides may go past the read-safe keys (the positions
+                # analysis reads at another data.seq_len); one that reshapes the
+                # parameters is named in one line, with the first array it reshapes.
+                raise workdir_lib.reader_overrides_error(
+                    config, workdir, " ".join(str(e).splitlines()[1].split())) from None
     finally:
         prepared.ckpt.close()
     tok_dir = workdir_lib.local_dir(workdir, workdir_lib.TOKENIZER)  # gs://, s3://: a copy

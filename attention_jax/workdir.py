@@ -514,6 +514,10 @@ READ_SAFE_KEYS = RESUME_SAFE_KEYS + ("train.compute_dtype", "train.seed", "train
                                      "optim.grad_accum")
 
 
+_READ_SAFE_WORDS = ("eval.*, mesh.*, train.compute_dtype, train.seed, batch sizes, "
+                    "model.implementation, data.data_dir")
+
+
 def check_reader_config(config, workdir: str, who: str = "a reader of a run") -> dict:
     """{key: (run's value, given value)} of the READ_SAFE_KEYS where `config` differs from
     the run's config.json; a ConfigError naming the others (and the run's values)."""
@@ -523,9 +527,21 @@ def check_reader_config(config, workdir: str, who: str = "a reader of a run") ->
         raise ConfigError(
             f"{who} uses the run's own config ({path(workdir, CONFIG)}), and the keys given "
             f"differ from it: {_show(changes, unsafe)}; these cannot change after training "
-            f"(valid overrides: eval.*, mesh.*, train.compute_dtype, train.seed, batch "
-            f"sizes, model.implementation, data.data_dir)")
+            f"(valid overrides: {_READ_SAFE_WORDS})")
     return changes
+
+
+def reader_overrides_error(config, workdir: str, mismatch: str) -> ConfigError:
+    """The error for overrides of a run's config (runs.open_run's) under which its
+    checkpoint no longer restores: the keys past the read-safe ones, and `mismatch`, the
+    first array whose shape they changed."""
+    changes = config_changes(config, workdir)
+    unsafe = [k for k in changes if not _safe(k, READ_SAFE_KEYS)]
+    return ConfigError(
+        f"the overrides {_show(changes, unsafe) or '(none past the read-safe keys)'} change "
+        f"the model the run trained, so its checkpoint does not restore ({mismatch}); "
+        f"valid overrides: {_READ_SAFE_WORDS}, and keys that leave the parameters' "
+        f"shapes as they are")
 
 
 # ==================================================================================== lock

@@ -59,6 +59,18 @@ def test_open_run_names_what_is_missing(tmp_path, gpt_run):
         runs.open_run(str(untrained))
     with pytest.raises(ValueError, match="overrides="):
         runs.open_run(workdir, {"data.seq_len": 8}, config=config)
+    # An override that reshapes the parameters: one line naming it, the first array it
+    # reshapes and the valid overrides (was the checkpoint's multi-line mismatch list).
+    width = config.model.d_model
+    with pytest.raises(ConfigError, match=rf"^the overrides model.d_model: {width} -> "
+                                          rf"{2 * width} change the model the run trained, "
+                                          rf"so its checkpoint does not restore \(shape "
+                                          rf"differs: params/.* valid overrides: eval\.\*"):
+        runs.open_run(workdir, {"model.d_model": 2 * width})
+    # A nested dict merges into its group as the dotted key does (was: it replaced the
+    # whole model config, whose defaults then did not restore).
+    run = runs.open_run(workdir, {"eval": {"batch_size": 2}})
+    assert run.config.eval.batch_size == 2 and run.config.model.d_model == width
 
 
 def test_a_config_json_with_the_old_field_names_still_opens(tmp_path, gpt_run):
