@@ -92,7 +92,8 @@ def sample_checkpoint(config, workdir: str) -> list[str]:
 def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dict:
     """`--mode=embed`: embeds `texts` (default: the non-empty lines of stdin) with the
     BERT of `config.train.init_from=hf:<dir>`, else the workdir's trained BERT. Writes
-    workdir/embeddings.npy ([B, D] float32) and embeddings_texts.json; returns
+    workdir/embeddings.npy ([B, D] float32) and embeddings_texts.json (a later call:
+    embeddings_2.npy and embeddings_2_texts.json, and so on); returns
     {"texts", "dim", "file", "similarity"} (the cosine matrix, for a quick look)."""
     import jax
     import numpy as np
@@ -112,10 +113,16 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
         emb = embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
     from attention_jax import workdir as workdir_lib  # local or gs:// / s3:// alike
     workdir_lib.epath_of(workdir).mkdir(parents=True, exist_ok=True)
-    file = workdir_lib.path(workdir, "embeddings.npy")
+    # Each call its own pair of files: embeddings.npy, then embeddings_2.npy, ... (an
+    # earlier call's embeddings are never overwritten).
+    stem, n = "embeddings", 1
+    while workdir_lib.epath_of(workdir, f"{stem}.npy").exists():
+        n += 1
+        stem = f"embeddings_{n}"
+    file = workdir_lib.path(workdir, f"{stem}.npy")
     with workdir_lib.epath_of(file).open("wb") as f:
         np.save(f, emb)
-    workdir_lib.epath_of(workdir, "embeddings_texts.json").write_text(
+    workdir_lib.epath_of(workdir, f"{stem}_texts.json").write_text(
         json.dumps(list(texts), indent=1))
     unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
     return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,

@@ -133,3 +133,10 @@ def test_embed_mode_on_another_bert_dir(tmp_path):
     ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
     np.testing.assert_allclose(emb, ref, atol=1e-4)
     np.testing.assert_allclose(out["similarity"], ref @ ref.T, atol=1e-3)
+    # A second call writes beside the first, never over it.
+    again = main.embed_texts(config, str(tmp_path / "work"), texts=SENTENCES[3:4])
+    assert again["file"] == str(tmp_path / "work" / "embeddings_2.npy")
+    assert np.load(again["file"]).shape == (1, 32)
+    np.testing.assert_array_equal(np.load(out["file"]), emb)
+    with open(tmp_path / "work" / "embeddings_2_texts.json") as f:
+        assert json.load(f) == SENTENCES[3:4]
