@@ -227,6 +227,12 @@ def _train_writer(config, workdir: str, task: Task | None, resume_changed: bool)
     # One writer per workdir, taken before the checkpoint manager opens the directory (a
     # writable one cleans up the temporary folder of a save another run has in progress).
     lock = workdir_lib.WriterLock(workdir).acquire() if jax.process_index() == 0 else None
+    others = workdir_lib.other_entries(workdir)
+    if others:  # a mistyped --workdir (a home or data folder) is seen before it fills up
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        _say(f"note: --workdir={workdir} is not a run (no {workdir_lib.CONFIG}) and holds "
+             f"{shown}; the run writes config.json, metrics.jsonl, checkpoints/ and "
+             f"tensorboard/ beside them (a new folder keeps a run apart)")
     try:
         return _train_locked(config, workdir, task, resume_changed)
     except UserError:

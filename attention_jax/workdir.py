@@ -653,6 +653,15 @@ def prepare_for_writing(workdir: str) -> bool:
     return created
 
 
+def other_entries(workdir: str) -> list[str]:
+    """What a local folder that is not a run yet (no config.json) holds besides what may
+    precede a first run there (the tokenizer `prepare` writes, the lock): [] for a new or
+    empty folder, a run, or an object-store workdir (not listed: it costs a request)."""
+    if is_remote(workdir) or not os.path.isdir(workdir) or os.path.exists(path(workdir, CONFIG)):
+        return []
+    return sorted(n for n in os.listdir(workdir) if n not in (LOCK, TOKENIZER))
+
+
 def check_readable(workdir: str) -> None:
     """A readable run directory, or one line saying what is wrong (readers)."""
     if is_remote(workdir):

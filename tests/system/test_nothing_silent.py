@@ -133,6 +133,22 @@ def test_a_workdir_that_is_a_file(tmp_path):
     assert line == f"error: --workdir={file} is a file; valid: a run directory"
 
 
+def test_training_into_a_folder_that_is_not_a_run_says_so(tmp_path, capsys):
+    folder = tmp_path / "home"
+    folder.mkdir()
+    for name in ("notes.txt", "thesis.tex", "data", "a", "b", "c"):
+        (folder / name).write_text("x")
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 1}), str(folder))
+    out = capsys.readouterr().out
+    assert (f"note: --workdir={folder} is not a run (no config.json) and holds a, b, c, data, "
+            f"notes.txt and 1 more; the run writes config.json") in out
+    assert (folder / "thesis.tex").read_text() == "x"  # beside them, nothing removed
+    # The run resumed, or a new folder: no note.
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), str(folder))
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 1}), str(tmp_path / "new"))
+    assert "is not a run" not in capsys.readouterr().out
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anything: nothing to refuse")
 def test_a_workdir_that_cannot_be_written(tmp_path):
     locked = tmp_path / "ro"
