@@ -44,7 +44,8 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; special ids (padding, bos, eos, ...) are skipped."""
+        """Text of `ids`; special ids (padding, bos, eos, ...) are skipped, but the unknown
+        token is kept (e.g. '[UNK]'), so a word the vocabulary lacks shows where it was."""
 
     @abc.abstractmethod
     def _save_files(self, directory: str) -> dict:
@@ -63,7 +64,8 @@ class Tokenizer(abc.ABC):
         return directory
 
     def _strip(self, ids: Iterable[int]) -> list[int]:
-        return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in self.special_ids]
+        skipped = self.special_ids - {getattr(self, 'unk_id', None)}
+        return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in skipped]
 
 
 class CharTokenizer(Tokenizer):

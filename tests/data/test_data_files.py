@@ -207,6 +207,7 @@ def test_a_tokenizer_file_keeps_its_ids_and_special_tokens(tmp_path):
     tok = data.get_tokenizer('file', path=str(tmp_path / 'bert.json'))
     assert (tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id, tok.eos_id) == (0, 2, 3, 4, 3)
     assert tok.has_pad_token and len(tok.encode(' '.join(WORDS))) == len(WORDS)
+    assert tok.decode(tok.encode(f'{WORDS[0]} zzzqqq')) == f'{WORDS[0]} [UNK]'  # kept
     # A tokenizer value that is a path passes the config check; a misspelt kind does not.
     config = ml_collections.ConfigDict({'task': 'gpt', 'data': {'tokenizer': path}})
     assert base.data_options(config, tokenizer='byte').tokenizer == path

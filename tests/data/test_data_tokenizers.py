@@ -35,6 +35,7 @@ def test_char_tokenizer_round_trip_and_unknown(tmp_path):
     assert len(ids) == len(TEXT) and tok.decode(ids) == TEXT
     assert tok.pad_id == 0 and 0 not in ids
     assert tok.encode('Q') == [tok.unk_id]  # 'Q' is not in TEXT.
+    assert tok.decode(tok.encode('Q' + TEXT[:3])) == '<unk>' + TEXT[:3]  # shown, not dropped
     loaded = data.load_tokenizer(tok.save(str(tmp_path / 'char')))
     assert loaded.encode(TEXT) == ids and loaded.vocab_size == tok.vocab_size
 
@@ -82,6 +83,8 @@ def test_wordpiece_decodes_and_reloads(tmp_path):
     tok = data.get_tokenizer('wordpiece')
     text = 'the quick brown fox jumps over the lazy dog, unbelievably.'
     assert tok.decode(tok.encode(text, add_special_tokens=True)) == text
+    # A word the vocabulary lacks decodes as [UNK] where it was, not as nothing.
+    assert tok.decode(tok.encode('the ☃ fox', add_special_tokens=True)) == 'the [UNK] fox'
     loaded = data.load_tokenizer(tok.save(str(tmp_path / 'wp')))
     assert loaded.encode(SENTENCES[2]) == tok.encode(SENTENCES[2])
 
