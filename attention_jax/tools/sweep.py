@@ -11,7 +11,9 @@ sweep stopped early then has every variant for its first seeds), in
 WORKDIR/<key><value>-<key><value>... (e.g. /tmp/gated/seed0-mlprelu), exactly as
 `attention_jax.main` would train it, plus a sweep.json there naming the point, which
 `analysis seeds --by=KEY` groups on. A point whose run already finished is skipped, so
-an interrupted sweep resumes where it stopped.
+an interrupted sweep resumes where it stopped. Every point's config and task (its model
+config, its data) are checked before the first point trains: a bad value in the last
+point fails at once.
 
 Why one process: a small run's own training is seconds on a CPU, while starting Python,
 JAX and the data pipeline costs tens of seconds per process; here it is paid once. And
@@ -73,6 +75,27 @@ def point_config(spec: str, point: dict[str, str]) -> ml_collections.ConfigDict:
     return config_lib.load(f"{name}:{args}" if args else name, overrides)
 
 
+def check_tasks(todo) -> None:
+    """Builds the task of every point still to train, before the first trains: what only
+    a task checks (the model config a family builds, e.g. num_heads dividing d_model; the
+    data a point names) fails now, not after the points before it have trained. Points
+    that differ only in the seed share one check; a built task is dropped (training builds
+    its own, from the data and tokenizer this one cached)."""
+    from attention_jax import tasks
+    seen = set()
+    for point, config, run_dir in todo:
+        unseeded = config.copy_and_resolve_references()
+        unseeded.train.seed = 0
+        key = unseeded.to_json_best_effort(sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            tasks.TASKS[config.task](config, run_dir)
+        except UserError as e:
+            raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
+
+
 def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> list[dict]:
     """Trains every point of the grid (skipping finished ones); returns one record each."""
     import jax
@@ -93,6 +116,7 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
                               f"run of another config ({changed}); give this sweep another "
                               f"--workdir")
         runs.append((point, config, run_dir, done))
+    check_tasks([(point, config, run_dir) for point, config, run_dir, done in runs if not done])
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     records = []

@@ -289,3 +289,17 @@ def test_a_sweep_skips_only_its_own_finished_runs(tmp_path):
         sweep.run_sweep("vit_digits:steps=30,patch=8", str(tmp_path), grid)
     (record,) = sweep.run_sweep("vit_digits:steps=30", str(tmp_path), grid)
     assert record["skipped"]
+
+
+def test_a_sweep_checks_every_points_task_before_the_first_trains(tmp_path):
+    """A grid value only a task checks (num_heads must divide the width: the family's
+    model config) stopped the sweep when its point came, after the points before it had
+    trained: now before any point trains, naming the point."""
+    import os
+
+    from attention_jax.errors import ConfigError
+    grid = sweep.parse_grid(["train.seed=0,1", "model.num_heads=2,3"])
+    with pytest.raises(ConfigError, match=r"^sweep point seed0-num_heads3: config.model: "
+                                          r"num_heads=3 does not divide the model width"):
+        sweep.run_sweep("vit_digits:steps=1", str(tmp_path), grid)
+    assert not os.listdir(tmp_path)  # nothing trained, no folder made
