@@ -16,7 +16,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_jax import axes
 from attention_jax.layers.linear import matmul
@@ -73,8 +75,29 @@ def lookup(table, ids, rows_axis: str | None = axes.VOCAB):
     few prompts. So the table is first gathered to whole rows, as FSDP gathers every
     weight before use; the rows stay split over `tensor` (a masked gather and a sum).
     """
+    _check_rows(ids, table.shape[0], rows_axis)
     table = nn.with_logical_constraint(table, (rows_axis, None))
     return jnp.take(table, ids, axis=0)
+
+
+def _check_rows(ids, rows: int, rows_axis) -> None:
+    """Out-of-range ids as an error where they can be seen. A gather under jit cannot
+    raise: JAX fills an out-of-range row with NaN, and the loss turns NaN with nothing
+    said. Concrete ids (a model applied eagerly, as in a notebook) are checked here, as
+    PyTorch's embedding checks them; traced ones are the caller's to check."""
+    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
+        return
+    ids = np.asarray(ids)
+    if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        what = "positions" if rows_axis == axes.POSITION else "ids"
+        bad = low if low < 0 else high
+        raise ValueError(f"{what}: {bad} is outside the table's {rows} rows; valid: "
+                         f"0..{rows - 1}" + (" (the model's max_len)" if what == "positions"
+                                              else " (ids of another tokenizer, or a larger "
+                                                   "vocabulary than the model's?)"))
 
 
 class Embed(nn.Module):

@@ -310,7 +310,15 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
     directly by its continuation, padded on the right.
     """
     cfg = model.config
+    if jnp.ndim(prompts) != 2:
+        raise ValueError(f"prompts: shape {jnp.shape(prompts)}; valid: [B, T] token ids (one "
+                         f"prompt: prompts[None])")
     b, t = prompts.shape
+    if not isinstance(prompts, jax.core.Tracer) and prompts.size:
+        ids = np.asarray(jax.device_get(prompts))  # the jitted loop would embed NaN rows
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"prompts: token id {ids.min() if ids.min() < 0 else ids.max()} "
+                             f"is outside the vocabulary; valid: 0..{cfg.vocab_size - 1}")
     total = t + max_new_tokens
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")

@@ -136,6 +136,27 @@ def test_generate_names_a_bad_argument():
         run([8, 5], temperature=-1.0)
     with pytest.raises(ValueError, match=r"top_k=0; valid: None or 1\.\.256"):
         run([8, 5], temperature=1.0, top_k=0)
+    # Ids past the vocabulary embedded to NaN inside the jitted loop, and a 1-D prompt
+    # was "not enough values to unpack".
+    with pytest.raises(ValueError, match=r"prompts: token id 300 is outside the vocabulary; "
+                                         r"valid: 0\.\.255"):
+        gpt.generate(model, params, prompts.at[1, 2].set(300), [8, 5], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompts: shape \(8,\); valid: \[B, T\]"):
+        gpt.generate(model, params, prompts[0], [8], max_new_tokens=2)
+
+
+def test_ids_outside_a_table_are_an_error_when_applied_eagerly():
+    """JAX's gather fills an out-of-range row with NaN (a loss turned NaN, nothing said);
+    an eager call, as in a notebook, says which id and the valid range."""
+    model, params = _model("gpt-tiny")
+    ids = _tokens((2, 8), 2)
+    with pytest.raises(ValueError, match=r"^ids: 256 is outside the table's 256 rows; valid: "
+                                         r"0\.\.255 \(ids of another tokenizer"):
+        model.apply({"params": params}, ids.at[0, 0].set(256))
+    with pytest.raises(ValueError, match=r"^ids: -1 is outside"):
+        model.apply({"params": params}, ids.at[0, 0].set(-1))
+    logits, _ = model.apply({"params": params}, ids)  # in range: no error
+    assert np.isfinite(np.asarray(logits)).all()
 
 
 def test_sampling_filters():
