@@ -51,6 +51,10 @@ class ImagesError(UserError, ValueError):
 
 
 # ================================================================================= listing
+# Folder names of splits, not classes (case-insensitive).
+SPLIT_NAMES = ('train', 'training', 'val', 'valid', 'validation', 'test', 'eval', 'dev')
+
+
 def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str]]]:
     """(sorted class names, per class the sorted image paths relative to root)."""
     root = os.path.expanduser(os.fspath(root))
@@ -62,6 +66,20 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
     if not classes:
         raise ImagesError(f'{arg}={root!r} has no class subfolders; valid: one subfolder of '
                           f'images per class (root/<class>/<image>.jpg)')
+    # ImageNet's own folder has train/ and val/ at the top: taken as two classes, the
+    # model would learn which split an image is in, with nothing said.
+    splits = [c for c in classes if c.lower() in SPLIT_NAMES and any(
+        e.is_dir() and not e.name.startswith('.') for e in os.scandir(os.path.join(root, c)))]
+    if splits:
+        first = os.path.join(root, splits[0])
+        other = next((os.path.join(root, c) for c in splits[1:]), '')
+        if arg.endswith('eval_root') or not arg.endswith('root'):
+            other = ''  # an eval_root's (or another argument's) split: no pair to name
+        raise ImagesError(
+            f'{arg}={root!r} holds split folders ({", ".join(s + "/" for s in splits)}) with '
+            f'class folders inside, not class folders: point {arg} at {first!r}'
+            + (f' and {arg.replace("root", "eval_root")} at {other!r}' if other else '')
+            + ' (root/<class>/<image>.jpg)')
     files, others = [], []
     for name in classes:
         found = []
@@ -165,6 +183,9 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
         raise ImagesError(f'{arg}channels={channels!r} is unknown; valid: 1 (grey) or 3 (RGB)')
     root = os.path.expanduser(os.fspath(root))
     classes, files = list_classes(root, f'{arg}root')
+    if len(classes) == 1:  # it would train to loss 0 and accuracy 1, learning nothing
+        raise ImagesError(f'{arg}root={root!r} has one class folder ({classes[0]!r}): a '
+                          f'classifier needs at least 2; valid: one subfolder of images per class')
     paths = [p for group in files for p in group]
     labels = [c for c, group in enumerate(files) for _ in group]
     make = lambda top, p, l: ImageFiles(top, p, l, classes, channels=channels,

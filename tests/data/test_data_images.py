@@ -119,6 +119,20 @@ def test_bad_folders_one_line_each(tmp_path):
     (root / "dog" / "readme.txt").write_text("no images here")
     with pytest.raises(ImagesError, match=r"class folder 'dog' has no images \(.jpg, .jpeg, .png, .webp"):
         folder_splits(str(root))
+    # ImageNet's layout from the top: train/ and val/ were taken as two classes (the model
+    # learnt the split), train/ alone as one (loss 0, accuracy 1).
+    top = tmp_path / "imagenet"
+    _folder(top / "train"), _folder(top / "val", per_class=1)
+    with pytest.raises(ImagesError, match=rf"config.data.root='{top}' holds split folders "
+                                          rf"\(train/, val/\) with class folders inside, not "
+                                          rf"class folders: point config.data.root at "
+                                          rf"'{top / 'train'}' and config.data.eval_root at "
+                                          rf"'{top / 'val'}'"):
+        folder_splits(str(top), arg="config.data.")
+    one = _folder(tmp_path / "one", classes=("cat",))
+    with pytest.raises(ImagesError, match=r"has one class folder \('cat'\): a classifier needs "
+                                          r"at least 2"):
+        folder_splits(str(one))
 
 
 def test_corrupt_and_truncated_images_are_skipped_counted_then_refused(tmp_path, capsys):
