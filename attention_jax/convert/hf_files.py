@@ -127,7 +127,22 @@ def read_hf_config(path_or_config) -> dict:
 
 
 def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
-    """config.json + model.safetensors that transformers' from_pretrained reads."""
+    """config.json + model.safetensors that transformers' from_pretrained reads. A folder
+    that is a training run (its own config.json, checkpoints/) is refused: its config.json
+    would be replaced, and the run would no longer open. An earlier export is replaced."""
+    config_file = os.path.join(out_dir, "config.json")
+    ours = os.path.isdir(os.path.join(out_dir, "checkpoints"))
+    if os.path.isfile(config_file) and not ours:
+        try:
+            with open(config_file) as f:
+                ours = "model_type" not in json.load(f)
+        except (ValueError, OSError):
+            ours = True  # not a Hugging Face config either: someone's file, kept
+    if ours:
+        raise ConversionError(f"export_hf: {os.fspath(out_dir)!r} holds a training run (or "
+                              f"another config.json), which the export's config.json would "
+                              f"replace; valid: a folder of its own, e.g. "
+                              f"{os.path.join(os.fspath(out_dir), 'hf')!r}")
     os.makedirs(out_dir, exist_ok=True)
     from safetensors.numpy import save_file
     # transformers checks the "format" metadata to know the layout is PyTorch's.

@@ -118,6 +118,19 @@ def test_gpt2_export_round_trip(tmp_path):
     # And back: the same numbers, bit for bit.
     again = convert.load_hf(out)
     _assert_trees_equal(again.params, params)
+    convert.export_hf(model, params, out)  # an earlier export is replaced
+    # A run's workdir: its config.json was replaced, and the run no longer opened.
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text('{"task": "gpt"}')
+    for folder in (run, tmp_path / "notes"):
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text('{"task": "gpt"}')
+        with pytest.raises(convert.ConversionError, match=rf"export_hf: '{folder}' holds a "
+                                                          rf"training run .* valid: a folder of "
+                                                          rf"its own, e.g. '{folder / 'hf'}'"):
+            convert.export_hf(model, params, folder)
+        assert (folder / "config.json").read_text() == '{"task": "gpt"}'
 
 
 def test_gpt_export_rejects_options_gpt2_lacks(tmp_path):
