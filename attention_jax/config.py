@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -362,6 +363,15 @@ def _module(name: str):
     return importlib.import_module(f"attention_jax.configs.{name}")
 
 
+def _takes_an_argument(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: assume the usual form
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)
+
+
 def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_collections.ConfigDict:
     """The config of `spec` ("NAME[:ARG]" or "path/to/file.py[:ARG]") with `overrides`
     applied: {"train.steps": 50} or ["train.steps=50"] (strings are typed by the field)."""
@@ -369,8 +379,13 @@ def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_col
     module = _module(name)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"--config={spec}: {name} defines no get_config(arg)")
+    takes_arg = _takes_an_argument(module.get_config)
+    if arg and not takes_arg:
+        raise ConfigError(f"--config={spec}: {name}'s get_config() takes no argument; valid: "
+                          f"--config={name}, or a get_config(arg) that reads {arg!r}")
     try:
-        config = module.get_config(arg or None)
+        # get_config() without a parameter is ml_collections' plainest form: called so.
+        config = module.get_config(arg or None) if takes_arg else module.get_config()
     except ConfigError as e:
         raise ConfigError(f"--config={spec}: {e}") from None
     apply_overrides(config, overrides)
@@ -381,6 +396,8 @@ def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> Non
     """Sets each "group.key" of `overrides` on `config` ({"group": {"key": v}} too); a key
     the config lacks is a ConfigError naming the valid keys, a string is parsed as the
     field's type."""
+    if isinstance(overrides, str):  # one "group.key=value", not its characters
+        overrides = [overrides]
     items = (overrides.items() if isinstance(overrides, Mapping)
              else (_split_override(o) for o in overrides))
     for key, value in items:
@@ -414,6 +431,13 @@ def _split_override(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _whole(text: str) -> bool:
+    try:
+        return float(text).is_integer()
+    except (ValueError, OverflowError):
+        return False
+
+
 def parse_value(name: str, old, text: str):
     """`text` as the type of the field's current value `old`."""
     if isinstance(old, bool):
@@ -426,6 +450,8 @@ def parse_value(name: str, old, text: str):
             try:
                 return kind(text)
             except ValueError:
+                if kind is int and _whole(text):  # 1e3, 5e5: steps as one writes them
+                    return int(float(text))
                 raise ConfigError(f"{name}={text!r} must be {'an int' if kind is int else 'a float'}"
                                   f" (now {old!r})") from None
     if isinstance(old, (tuple, list)) or old is None:

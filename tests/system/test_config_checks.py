@@ -306,6 +306,26 @@ def test_a_config_file_that_does_not_parse_says_where(tmp_path):
         config_lib.load(str(mine))
 
 
+def test_a_config_file_s_get_config_may_take_no_argument(tmp_path):
+    """def get_config(): (ml_collections' plainest form) was TypeError's traceback."""
+    mine = tmp_path / "plain.py"
+    mine.write_text("from attention_jax.configs import gpt\n"
+                    "def get_config():\n    return gpt.get_config()\n")
+    assert config_lib.load(str(mine)).task == "gpt"
+    with pytest.raises(ConfigError, match=rf"^--config={re.escape(str(mine))}:small: .*"
+                                          rf"get_config\(\) takes no argument; valid: "):
+        config_lib.load(f"{mine}:small")
+
+
+def test_overrides_as_one_string_and_whole_numbers_in_e_notation():
+    """load("gpt", "train.steps=5") took the string's characters as overrides ('t' must
+    be group.key=value); --config.train.steps=1e3 was "must be an int"."""
+    config = config_lib.load("gpt", "train.steps=1e3")
+    assert config.train.steps == 1000 and isinstance(config.train.steps, int)
+    with pytest.raises(ConfigError, match=r"config.train.steps='1.5e0' must be an int"):
+        config_lib.load("gpt", ["train.steps=1.5e0"])
+
+
 def test_a_bpe_smaller_than_its_bytes_is_refused(tmp_path):
     """data.vocab_size=5 trained a 260-token BPE without a word: the least it can be."""
     from attention_jax.tasks import base
