@@ -100,7 +100,13 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
 
     from attention_jax import convert, runs, tasks
     if texts is None:
-        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        lines = [line.rstrip("\n") for line in sys.stdin]
+        texts = [line for line in lines if line.strip()]
+        if len(texts) < len(lines):  # row i is then not line i: said, not silent
+            blank = len(lines) - len(texts)
+            print(f"note: {blank} blank line{'s' * (blank > 1)} of stdin skipped: "
+                  f"{len(texts)} texts, in order, one row each (the _texts.json written beside "
+                  f"the embeddings lists them)", file=sys.stderr)
     if not texts:
         raise InputError("--mode=embed: no texts (give one text per line on stdin)")
     src = str(config.train.init_from or "")

@@ -106,7 +106,7 @@ def test_blockwise_and_reference_attention_agree(monkeypatch):
     np.testing.assert_allclose(blockwise, reference, atol=1e-5)
 
 
-def test_embed_mode_on_another_bert_dir(tmp_path):
+def test_embed_mode_on_another_bert_dir(tmp_path, monkeypatch, capsys):
     """--mode=embed's function on a small BERT dir with the same tokenizer, and no
     sentence-transformers files (defaults: mean pooling, normalised)."""
     import json
@@ -140,3 +140,9 @@ def test_embed_mode_on_another_bert_dir(tmp_path):
     np.testing.assert_array_equal(np.load(out["file"]), emb)
     with open(tmp_path / "work" / "embeddings_2_texts.json") as f:
         assert json.load(f) == SENTENCES[3:4]
+    # stdin's blank lines are skipped, and said: row i is no longer line i.
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{SENTENCES[0]}\n\n  \n{SENTENCES[1]}\n"))
+    third = main.embed_texts(config, str(tmp_path / "work"))
+    assert third["texts"] == SENTENCES[:2]
+    assert "note: 2 blank lines of stdin skipped: 2 texts, in order" in capsys.readouterr().err
