@@ -258,10 +258,17 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
 
 
 def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool) -> dict:
+    latest = prepared.ckpt.latest_step()
+    if latest is not None and latest > config.train.steps:
+        # Resumed, it trained nothing, yet rewrote config.json with the smaller count
+        # (and warned of a warmup longer than the run): training cannot go back.
+        raise ConfigError(f"config.train.steps={config.train.steps} is below the run's "
+                          f"step {latest} ({workdir_lib.path(workdir, 'checkpoints')}/{latest});"
+                          f" valid: train.steps >= {latest} to resume it (--mode=eval to "
+                          f"evaluate it), or a new --workdir")
     for warning in config_lib.warnings(config):
         _say(f"warning: {warning}")
-    note = workdir_lib.check_config_change(config, workdir, prepared.ckpt.latest_step(),
-                                           resume_changed)
+    note = workdir_lib.check_config_change(config, workdir, latest, resume_changed)
     # Every process has read config.json (and the task its assets) before process 0
     # rewrites them. config.json is now replaced atomically, but the assets (a tokenizer's
     # files) are written in place: a process still reading once saw a truncated file,

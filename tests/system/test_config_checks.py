@@ -115,6 +115,15 @@ def test_resume_refuses_changed_training_keys_and_lists_them(tmp_path, capsys):
     assert [(r["step"], r.get("steps_in_window")) for r in records] == [
         (5, None), (10, None), (12, 2.0), (15, None)]
 
+    # Fewer steps than the run has: it trained nothing yet rewrote config.json (and
+    # warned of a warmup longer than the run). Now one line, config.json left alone.
+    with pytest.raises(ConfigError, match=rf"^config.train.steps=10 is below the run's step 15 "
+                                          rf"\({workdir}/checkpoints/15\); valid: train.steps "
+                                          rf">= 15 to resume it"):
+        train.train_and_evaluate(changed, workdir, resume_changed=True)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["train"]["steps"] == 15
+    changed.train.steps = 15
     summary = train.train_and_evaluate(changed, workdir, resume_changed=True)
     assert summary["step"] == 15  # nothing left to do ...
     assert summary["train"]["step"] == 15 and summary["eval"]["step"] == 15  # ... from the file
