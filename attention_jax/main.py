@@ -163,7 +163,10 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
     if mode != "train" and workdir_lib.exists(workdir, workdir_lib.CONFIG):
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
+        fitted = not any(str(o).startswith("mesh.") for o in overrides) and _fit_mesh(config, mode)
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
+        if fitted:  # said once, by _fit_mesh
+            changed = {k: v for k, v in changed.items() if not k.startswith("mesh.")}
         if spec is not None:
             print(f"--mode={mode}: the run's own config "
                   f"({workdir_lib.path(workdir, workdir_lib.CONFIG)}) is read; --config={spec} "
@@ -181,6 +184,35 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
             f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} does not exist: {workdir!r} holds "
             f"no trained run (train first, or give --config)")
     return config_lib.load(spec, overrides)
+
+
+def _fit_mesh(config, mode: str) -> bool:
+    """A run read on fewer devices than it trained on (8 devices, read on a laptop): the
+    mesh of its config.json cannot be built here, and a reader needs no particular one
+    (checkpoints restore onto any mesh). So it reads on this host's devices, batch split
+    over them, and says so; a --config.mesh.* given keeps its own mesh."""
+    import jax
+
+    from attention_jax import sharding
+    m = config.mesh
+    if m.distributed:  # several processes: their mesh is the user's to give
+        return False
+    shape = {a: m.get(a, 1) for a in sharding.MESH_AXES}
+    here = jax.device_count()
+    try:
+        if m.num_devices > here or sharding.dcn_shape(m) != {a: 1 for a in sharding.DCN_AXES}:
+            raise ValueError("more devices than here")
+        sharding.resolve_mesh_shape(shape, m.num_devices or here)
+        return False
+    except ValueError:
+        pass
+    m.data, m.fsdp, m.sequence, m.tensor, m.num_devices = -1, 1, 1, 1, 0
+    m.dcn_data, m.dcn_fsdp = 1, 1
+    where = "the one device here" if here == 1 else f"the {here} devices here, batch split"
+    print(f"--mode={mode}: the run's mesh {shape} does not fit this host's {here} "
+          f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose)",
+          file=sys.stderr)
+    return True
 
 
 def _run_mode(config, workdir) -> int:

@@ -118,3 +118,25 @@ def test_sampling_needs_the_run_not_its_corpus(tmp_path, data_dir):
     assert not (tmp_path / "cache").exists()  # nothing prepared
     with pytest.raises(UserError, match=rf"the glob '{corpus}/\*\.txt' matches no file"):
         main.evaluate_checkpoint(runs.load_config(workdir), workdir)
+
+
+def test_a_reading_mode_fits_a_mesh_this_host_lacks(tmp_path, capsys):
+    """A run trained on a 16-device mesh, read here (8 devices): eval and sample stopped at
+    "mesh ... has 16 devices but 8 are available" though a reader needs no particular
+    mesh. Now they read on this host's devices and say so; a mesh given is kept."""
+    config = load("gpt").get_config()
+    config.mesh.data, config.mesh.tensor = 8, 2
+    workdir_lib.write_config(str(tmp_path), config)
+    read = main.mode_config("eval", None, [], str(tmp_path))
+    assert (read.mesh.data, read.mesh.tensor, read.mesh.fsdp) == (-1, 1, 1)
+    err = capsys.readouterr().err
+    assert ("--mode=eval: the run's mesh {'data': 8, 'fsdp': 1, 'sequence': 1, 'tensor': 2} "
+            "does not fit this host's 8 devices: reading on the 8 devices here, batch split "
+            "(--config.mesh.* to choose)") in err
+    assert "mesh.data=-1 (trained with 8)" not in err  # said once
+    given = main.mode_config("eval", None, ["mesh.data=4", "mesh.tensor=2"], str(tmp_path))
+    assert (given.mesh.data, given.mesh.tensor) == (4, 2)
+    config.mesh.data, config.mesh.tensor = 4, 2  # fits: as trained, nothing said
+    workdir_lib.write_config(str(tmp_path), config)
+    assert main.mode_config("sample", None, [], str(tmp_path)).mesh.data == 4
+    assert "does not fit" not in capsys.readouterr().err
