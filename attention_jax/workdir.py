@@ -511,11 +511,17 @@ def _show(changes: dict, keys) -> str:
 # reading itself uses (precision, sampling seed, batch sizes). A model, data or optimizer
 # key that differs would evaluate another model or another split than the run's.
 READ_SAFE_KEYS = RESUME_SAFE_KEYS + ("train.compute_dtype", "train.seed", "train.batch_size",
-                                     "optim.grad_accum")
+                                     "optim.grad_accum",
+                                     # Where the data is: a test set of one's own, or the
+                                     # images moved. The run's tokenizer and class list are
+                                     # its own files, checked against the data (tasks/).
+                                     "data.root", "data.eval_root", "data.files",
+                                     "data.eval_files", "data.cache_dir")
 
 
 _READ_SAFE_WORDS = ("eval.*, mesh.*, train.compute_dtype, train.seed, batch sizes, "
-                    "model.implementation, data.data_dir")
+                    "model.implementation, where the data is (data.data_dir, root, eval_root, "
+                    "files, eval_files, cache_dir)")
 
 
 def check_reader_config(config, workdir: str, who: str = "a reader of a run") -> dict:

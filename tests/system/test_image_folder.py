@@ -98,6 +98,19 @@ def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
     accuracy, n = analysis.classification_accuracy(str(tmp_path / "cnn"))
     assert n == len(task.eval_source) and accuracy == pytest.approx(
         sum(a * n for a, n in by_class.values()) / n)
+    # Evaluated on a test folder of one's own, and after the images moved: were "these
+    # cannot change after training" (data.eval_root, data.root).
+    import shutil
+    test_set = shutil.copytree(folder, tmp_path / "test_set")
+    code, out, err = cli(capsys, "--mode=eval", f"--workdir={tmp_path / 'cnn'}",
+                         f"--config.data.eval_root={test_set}")
+    assert code == 0, err
+    assert json.loads(out)["examples"] == 8 * len(CLASSES)  # every image of the test folder
+    moved = shutil.copytree(folder, tmp_path / "moved")  # the run's own root, elsewhere
+    code, out, err = cli(capsys, "--mode=eval", f"--workdir={tmp_path / 'cnn'}",
+                         f"--config.data.root={moved}")
+    assert code == 0, err
+    assert json.loads(out)["examples"] == len(task.eval_source)  # the same held-out images
     # A second resolution from the same folder: only the flag changes.
     small, _, _ = _train(capsys, folder, str(tmp_path / "cnn12"), "inductive_bias:model=cnn",
                          "--config.data.image_size=12")
