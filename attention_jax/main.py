@@ -269,14 +269,20 @@ def _config_spec(argv) -> str | None:
 
 def _split_overrides(argv) -> tuple[list[str], list[str]]:
     """(argv without the overrides, ["group.key=value", ...]) of `--config.group.key=value`
-    arguments; `--config.key` alone sets a boolean key, `--noconfig.key` clears it."""
+    arguments (or `--config.group.key value`, as absl takes its own flags); `--config.key`
+    alone sets a boolean key, `--noconfig.key` clears it."""
     rest, overrides = [], []
-    for a in argv:
+    args = list(argv)
+    while args:
+        a = args.pop(0)
         for prefix, bare in (("--config.", "true"), ("--noconfig.", "false")):
             if a.startswith(prefix):
                 key, sep, value = a[len(prefix):].partition("=")
                 if prefix == "--noconfig." and sep:
                     _fail(f"{a}: --noconfig.KEY takes no value; use --config.{key}={value}")
+                if not sep and prefix == "--config." and args and not args[0].startswith("-"):
+                    # main takes no positional argument: the next word is this key's value
+                    sep, value = "=", args.pop(0)
                 overrides.append(f"{key}={value if sep else bare}")
                 break
         else:

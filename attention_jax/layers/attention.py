@@ -143,6 +143,10 @@ class MultiHeadAttention(nn.Module):
         Returns (y [B, T, out_features or D], aux) with aux {"attention_weights": ...}
         when asked, and {"output_bias": [D]} with defer_output_bias and use_bias.
         """
+        if x.ndim != 3 or (context is not None and context.ndim != 3):
+            raise ValueError(f"x: shape {x.shape}" + (f", context: shape {context.shape}"
+                                                      if context is not None else "")
+                             + "; valid: [B, T, D] (one sequence: x[None])")
         b, t, d = x.shape
         self_attention = context is None
         n, k_heads, h = check_heads(d, self.num_heads, self.num_kv_heads, self.head_dim)

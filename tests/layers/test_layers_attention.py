@@ -131,6 +131,13 @@ def test_bad_attention_configs_raise_with_valid_choices(kwargs, match):
         jax.eval_shape(MultiHeadAttention(**kwargs).init, jax.random.PRNGKey(0), _x((1, 4, 32)))
 
 
+def test_a_sequence_without_its_batch_axis_is_named():
+    """x [T, D] was "not enough values to unpack"."""
+    with pytest.raises(ValueError, match=r"x: shape \(4, 32\); valid: \[B, T, D\] \(one "
+                                         r"sequence: x\[None\]\)"):
+        jax.eval_shape(MultiHeadAttention(num_heads=4).init, jax.random.PRNGKey(0), _x((4, 32)))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(norm_position="middle"), r"valid: \('pre', 'post'\)"),
     (dict(norm="batchnorm"), r"valid: \('layernorm', 'rmsnorm'\)"),

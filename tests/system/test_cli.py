@@ -61,6 +61,18 @@ def test_misspelt_config_argument_and_stray_argument(tmp_path):
     assert not os.path.exists(tmp_path / "config.json")
 
 
+def test_an_override_s_value_may_follow_as_the_next_word():
+    """--config.train.steps 2 (absl's own flags take `--name value`) set train.steps=true
+    and left 2 as a stray argument."""
+    from attention_jax import main
+    rest, overrides = main._split_overrides(
+        ["main", "--config=gpt", "--config.train.steps", "2", "--config.train.progress",
+         "--workdir=/tmp/w", "--config.optim.lr", "1e-3", "--noconfig.eval.every_epoch"])
+    assert rest == ["main", "--config=gpt", "--workdir=/tmp/w"]
+    assert overrides == ["train.steps=2", "train.progress=true", "optim.lr=1e-3",
+                         "eval.every_epoch=false"]
+
+
 def test_old_experiments_paths_and_a_users_own_config_file(tmp_path):
     # The configs lived in experiments/ of the repository: those paths still name them.
     out = cli("--config=experiments/gpt.py", "--help")
