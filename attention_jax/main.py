@@ -17,7 +17,8 @@ Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
   eval    evaluate the latest checkpoint on the eval split; print the metrics and append
           them to the workdir's evals.jsonl (never to the training's metrics.jsonl).
-  sample  language models: print continuations of config.eval.sample_prompts.
+  sample  language models: print continuations of config.eval.sample_prompts;
+          translation (encdec, rnn_seq2seq): their greedy translations.
   embed   BERT sentence embeddings of the lines on stdin, from
           --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
 Reading modes (eval, sample, embed) use the run's own config.json: --config may be left
@@ -79,7 +80,8 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 
 
 def sample_checkpoint(config, workdir: str) -> list[str]:
-    """Continuations of config.eval.sample_prompts from the latest checkpoint."""
+    """Continuations of config.eval.sample_prompts from the latest checkpoint (a
+    translation task: their translations)."""
     import jax
 
     from attention_jax import runs, tasks
@@ -236,8 +238,13 @@ def _run_mode(config, workdir) -> int:
 
 
 def _print_samples(config, workdir: str, form: str) -> None:
-    """Every process generates (the step's collectives span them); process 0 prints."""
+    """Every process generates (the step's collectives span them); process 0 prints. A
+    translation task's samples are translations of its prompts, and say so."""
     import jax
+
+    from attention_jax import tasks
+    if config.task in tasks.tasks_with("decode"):
+        form = "--- translation of {prompt!r}:\n{text}\n"
     texts = sample_checkpoint(config, workdir)
     if jax.process_index() == 0:
         for prompt, text in zip(config.eval.sample_prompts, texts):

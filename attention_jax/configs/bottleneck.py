@@ -89,4 +89,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 500  # teacher-forced token accuracy; the bucketed greedy eval is analysis.py.
     c.eval.steps = 0  # the whole validation split (1k pairs).
     c.eval.batch_size = 40
+    # Source sentences --mode=sample translates (greedy), and the run at its end.
+    c.eval.sample_prompts = ("twenty one", "three hundred and forty-two")
     return c

@@ -54,4 +54,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 200  # token accuracy and perplexity on validation.
     c.eval.steps = 0  # the whole validation split.
     c.eval.batch_size = 32
+    # Source sentences --mode=sample translates (greedy), and the run at its end.
+    c.eval.sample_prompts = ("twenty one", "three hundred and forty-two")
     return c

@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import workdir as workdir_lib
+from attention_jax.data.tokenization import TokenizerEncodeError
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      data_is_on_demand, data_options, model_config,
+                                      data_is_on_demand, data_options, data_parallel_size,
+                                      model_config,
                                       padded_vocab, register, run_tokenizer, splits,
                                       token_labels)
 
@@ -121,6 +123,27 @@ def translation_task(config, workdir: str) -> Task:
                               info={"source": s, "target": t, "translation": tok.decode(tgt)},
                               title=f"{data_opts.source}→{data_opts.target}", alignment="cross")
 
+    prompts = _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)
+
+    def sample(params, rng) -> list[str]:
+        """Greedy translations of config.eval.sample_prompts (source sentences)."""
+        del rng  # greedy: the model's most likely translation
+        if not prompts:
+            return []
+        # As many rows as the batch axes split evenly (extra rows dropped after), each
+        # padded as in training: the pad id masks it out of attention.
+        rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()
+        width = max(map(len, prompts))
+        src = np.full((rows, width), tok.pad_id, np.int32)
+        for i, p in enumerate(prompts):
+            src[i, :len(p)] = p
+        out = np.asarray(decode(params, src, data_opts.target_len))[:len(prompts)]
+        texts = []
+        for row in out:
+            ends = np.flatnonzero(row == tok.eos_id)
+            texts.append(tok.decode(row[:ends[0]] if len(ends) else row))
+        return texts
+
     transform = data.Translation(tok, tok, data_opts.source, data_opts.target, data_opts.source_len, data_opts.target_len)
     zeros = lambda n: jnp.zeros((1, n), jnp.int32)
     return Task(model=model, init=lambda rng: model.init(rng, zeros(data_opts.source_len) + 3,
@@ -129,7 +152,24 @@ def translation_task(config, workdir: str) -> Task:
                 train_transform=transform, eval_transform=transform, unit="tokens",
                 count=lambda b: int(np.sum(b["target_weights"])),
                 save_assets=lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)),
-                decode=decode, attention_input=attention_input, **entries)
+                decode=decode, attention_input=attention_input, sample=sample, **entries)
+
+
+def _encode_prompts(texts, tok, source_len: int) -> list[list[int]]:
+    """Sample prompts (source sentences) as ids, checked before training: each encodes to
+    1..source_len tokens."""
+    prompts = []
+    for text in texts:
+        try:
+            ids = tok.encode(text)
+        except TokenizerEncodeError as e:
+            raise ConfigError(f"config.eval.sample_prompts: {e}") from None
+        prompts.append(ids)
+        if not ids or len(ids) > source_len:
+            raise ConfigError(f"config.eval.sample_prompts: {text!r} is {len(ids)} tokens; "
+                              f"valid: source sentences of 1..{source_len} tokens "
+                              f"(data.source_len), or none (--config.eval.sample_prompts='()')")
+    return prompts
 
 
 def _encdec_flops(cfg, data_opts, params) -> float:
@@ -149,5 +189,5 @@ def _encdec_flops(cfg, data_opts, params) -> float:
     return total / t
 
 
-register("rnn_seq2seq", translation_task, provides=("decode", "attention_input"))
-register("encdec", translation_task, provides=("decode", "attention_input", "flops_per_unit"))
+register("rnn_seq2seq", translation_task, provides=("decode", "attention_input", "sample"))
+register("encdec", translation_task, provides=("decode", "attention_input", "flops_per_unit", "sample"))

@@ -224,6 +224,29 @@ def test_a_translation_s_languages_and_lengths_are_checked_at_setup(overrides, m
         tasks.TASKS[config.task](config, str(tmp_path))
 
 
+def test_a_translation_run_translates_its_sample_prompts(tmp_path):
+    """--mode=sample on a translation run said only "valid: ['gpt']": its samples are now
+    greedy translations of eval.sample_prompts, whose lengths are checked at setup."""
+    import flax.linen as nn
+    import jax
+    config = config_lib.load("encdec", ["model.d_model=16", "model.num_heads=2",
+                                        "model.mlp_dim=16", "eval.sample_prompts=('five', "
+                                        "'twenty one', 'six')"])
+    task = tasks.TASKS[config.task](config, str(tmp_path))
+    params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+    texts = task.sample(params, jax.random.PRNGKey(0))
+    assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+    # The first row alone gives the same translation: the padding rows change nothing.
+    config.eval.sample_prompts = ("five",)
+    alone = tasks.TASKS[config.task](config, str(tmp_path)).sample(params, jax.random.PRNGKey(0))
+    assert alone == texts[:1]
+    config.eval.sample_prompts = ("twenty one " * 20,)
+    with pytest.raises(ConfigError, match=r"^config\.eval\.sample_prompts: 'twenty one twenty "
+                                          r"one .* is \d+ tokens; valid: source sentences of "
+                                          r"1\.\.32 tokens \(data\.source_len\)"):
+        tasks.TASKS[config.task](config, str(tmp_path))
+
+
 @pytest.mark.parametrize("init_from,message", [
     ("{tmp}/nothing", r"config\.train\.init_from='{tmp}/nothing': no committed checkpoint in "),
     ("hf:{tmp}/nothing", r"config\.train\.init_from='hf:{tmp}/nothing': '{tmp}/nothing' is not "

@@ -193,7 +193,7 @@ def test_register_checks_the_entries_a_family_declares():
             tasks.TASKS.pop(name, None)
     task = stub()(None, "")
     with pytest.raises(ConfigError, match=r"^task 'x' cannot sample \(its Task has no sample\); "
-                                          r"valid: \['gpt'\]$"):
+                                          r"valid: \['encdec', 'gpt', 'rnn_seq2seq'\]$"):
         tasks.need(task, "sample", "x", "sample")
 
 
