@@ -109,17 +109,19 @@ def restore_or_init(prepared, config):
         return state, data_state
     state = prepared.init_state()
     if config.train.init_from:
-        state["params"] = warm_start_params(config.train.init_from, prepared.abstract["params"])
+        state["params"] = warm_start_params(config.train.init_from, prepared.abstract["params"],
+                                            getattr(prepared.task.model, "config", None))
     return state, None
 
 
-def warm_start_params(init_from: str, abstract_params):
+def warm_start_params(init_from: str, abstract_params, model_config=None):
     """The params of `train.init_from` on the shardings of `abstract_params`: another
     run's workdir or checkpoint directory, or `hf:<dir>`, a Hugging Face model dir
-    (convert/)."""
+    (convert/), checked against `model_config` where its weights cannot show a field."""
     try:
         if init_from.startswith("hf:"):
-            params, step = convert.restore_params_from_hf(init_from[len("hf:"):], abstract_params)
+            params, step = convert.restore_params_from_hf(
+                init_from[len("hf:"):], abstract_params, model_config=model_config)
             src = init_from
         else:
             src = init_from

@@ -244,13 +244,14 @@ def init_params_from_hf(path, model: nn.Module, *, seed: int = 0, verbose: bool 
     return unflatten(params)
 
 
-def restore_params_from_hf(path, abstract_params, *, seed: int = 0):
+def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config=None):
     """`--config.train.init_from=hf:<dir>`: the checkpoint's params placed on the
     shardings of `abstract_params` (a tree of jax.ShapeDtypeStruct), and step 0.
 
-    Only shapes are known here (no model config), so the architecture check is by shape;
-    the fields shapes cannot show (activation, LayerNorm epsilon) are printed next to
-    the ones the checkpoint implies. New task heads: see `hf_params.fresh_numpy`.
+    The architecture check is by shape; the fields shapes cannot show (activation,
+    LayerNorm epsilon) are compared with `model_config` (the run's model config; a
+    difference is a ConversionError naming them), or printed when it is not given. New
+    task heads: see `hf_params.fresh_numpy`.
     """
     family, implied, arch, converted = _load_converted(path)
     target = flatten(abstract_params)
@@ -263,9 +264,19 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0):
                               lambda n, s: fresh_numpy(n, s, seed), grid, where=os.fspath(path))
     fields = family.arch_fields(implied)
     unseen = {k: fields[k] for k in fields if k in ("activation", "norm_epsilon")}
-    print(f"warm start from {path} ({arch}): its config.json sets {unseen}, which the "
-          f"weights cannot show, so config.model must set the same (check); "
-          f"new heads {new or 'none'}; checkpoint heads not used {unused or 'none'}", flush=True)
+    if model_config is not None:
+        ours = family.arch_fields(model_config)
+        differ = [f"config.model.{k}={ours[k]!r} (its config.json: {v!r})"
+                  for k, v in unseen.items() if ours.get(k) != v]
+        if differ:
+            raise ConversionError(f"{os.fspath(path)}: {', '.join(differ)}, which its weights "
+                                  f"cannot show; valid: the checkpoint's values")
+        settings = f"its {unseen}, which the weights cannot show, match config.model"
+    else:
+        settings = (f"its config.json sets {unseen}, which the weights cannot show: the model "
+                    f"must set the same")
+    print(f"warm start from {path} ({arch}): {settings}; new heads {new or 'none'}; "
+          f"checkpoint heads not used {unused or 'none'}", flush=True)
 
     def place(name):
         leaf = target[name]

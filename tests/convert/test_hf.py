@@ -478,10 +478,18 @@ def test_warm_start_hf_prefix_onto_a_mesh(tmp_path):
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=NamedSharding(mesh, spec(x))),
                             abstract)
-    params = train.warm_start_params(f"hf:{path}", abstract)
+    params = train.warm_start_params(f"hf:{path}", abstract, cfg)
     emb = params["word_embeddings"]["embedding"]
     assert emb.sharding.spec == P("data") and len(emb.addressable_shards) == 8
     np.testing.assert_array_equal(np.asarray(emb)[:97],
                                   theirs.bert.embeddings.word_embeddings.weight.detach().numpy())
     np.testing.assert_array_equal(np.asarray(params["mlm_bias"])[:97],
                                   theirs.cls.predictions.bias.detach().numpy())
+    # What the weights cannot show is compared with the run's model config: the note
+    # said "config.model must set the same (check)", leaving the user to check.
+    from attention_jax.errors import ConfigError
+    other = dataclasses.replace(cfg, norm_epsilon=1e-5)
+    with pytest.raises(ConfigError, match=rf"config.model.norm_epsilon=1e-05 \(its config.json: "
+                                          rf"{cfg.norm_epsilon!r}\), which its weights cannot "
+                                          rf"show; valid: the checkpoint's values"):
+        train.warm_start_params(f"hf:{path}", abstract, other)
