@@ -72,6 +72,12 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
         eval_step = steps.jit_eval_step(run.task, config, run.mesh, run.shardings["params"])
         metrics = steps.evaluate(eval_step, run.params, run.task, config, run.mesh)
     record = {"step": run.step, **metrics}
+    # Evaluated on other data than the run's (a test folder, files moved): the record
+    # says which, so evals.jsonl does not mix them up unsaid.
+    data = {k: new for k, (_, new) in workdir_lib.config_changes(config, workdir).items()
+            if k.startswith("data.")}
+    if data:
+        record["data"] = data
     file = workdir_lib.append_eval_record(workdir, record)
     if file is None:
         print(f"--mode=eval: {workdir} is read-only; the record is printed only",
@@ -120,18 +126,19 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
                            "embed text (--mode=embed; or --config.train.init_from=hf:<bert dir>)")
         emb = embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
     from attention_jax import workdir as workdir_lib  # local or gs:// / s3:// alike
-    workdir_lib.epath_of(workdir).mkdir(parents=True, exist_ok=True)
     # Each call its own pair of files: embeddings.npy, then embeddings_2.npy, ... (an
-    # earlier call's embeddings are never overwritten).
+    # earlier call's embeddings are never overwritten). Process 0 writes them.
     stem, n = "embeddings", 1
     while workdir_lib.epath_of(workdir, f"{stem}.npy").exists():
         n += 1
         stem = f"embeddings_{n}"
     file = workdir_lib.path(workdir, f"{stem}.npy")
-    with workdir_lib.epath_of(file).open("wb") as f:
-        np.save(f, emb)
-    workdir_lib.epath_of(workdir, f"{stem}_texts.json").write_text(
-        json.dumps(list(texts), indent=1))
+    if jax.process_index() == 0:
+        workdir_lib.epath_of(workdir).mkdir(parents=True, exist_ok=True)
+        with workdir_lib.epath_of(file).open("wb") as f:
+            np.save(f, emb)
+        workdir_lib.epath_of(workdir, f"{stem}_texts.json").write_text(
+            json.dumps(list(texts), indent=1))
     unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
     return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
             "similarity": np.round((unit @ unit.T).astype(np.float64), 4).tolist()}
@@ -165,9 +172,11 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
     if mode != "train" and workdir_lib.exists(workdir, workdir_lib.CONFIG):
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
-        fitted = not any(str(o).startswith("mesh.") for o in overrides) and _fit_mesh(config, mode)
+        from attention_jax import runs
+        fitted = (not any(str(o).startswith("mesh.") for o in overrides)
+                  and runs.fit_reader_mesh(config, f"--mode={mode}"))
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
-        if fitted:  # said once, by _fit_mesh
+        if fitted:  # said once, by fit_reader_mesh
             changed = {k: v for k, v in changed.items() if not k.startswith("mesh.")}
         if spec is not None:
             print(f"--mode={mode}: the run's own config "
@@ -186,35 +195,6 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
             f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} does not exist: {workdir!r} holds "
             f"no trained run (train first, or give --config)")
     return config_lib.load(spec, overrides)
-
-
-def _fit_mesh(config, mode: str) -> bool:
-    """A run read on fewer devices than it trained on (8 devices, read on a laptop): the
-    mesh of its config.json cannot be built here, and a reader needs no particular one
-    (checkpoints restore onto any mesh). So it reads on this host's devices, batch split
-    over them, and says so; a --config.mesh.* given keeps its own mesh."""
-    import jax
-
-    from attention_jax import sharding
-    m = config.mesh
-    if m.distributed:  # several processes: their mesh is the user's to give
-        return False
-    shape = {a: m.get(a, 1) for a in sharding.MESH_AXES}
-    here = jax.device_count()
-    try:
-        if m.num_devices > here or sharding.dcn_shape(m) != {a: 1 for a in sharding.DCN_AXES}:
-            raise ValueError("more devices than here")
-        sharding.resolve_mesh_shape(shape, m.num_devices or here)
-        return False
-    except ValueError:
-        pass
-    m.data, m.fsdp, m.sequence, m.tensor, m.num_devices = -1, 1, 1, 1, 0
-    m.dcn_data, m.dcn_fsdp = 1, 1
-    where = "the one device here" if here == 1 else f"the {here} devices here, batch split"
-    print(f"--mode={mode}: the run's mesh {shape} does not fit this host's {here} "
-          f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose)",
-          file=sys.stderr)
-    return True
 
 
 def _run_mode(config, workdir) -> int:
@@ -287,7 +267,7 @@ def _split_overrides(argv) -> tuple[list[str], list[str]]:
                 key, sep, value = a[len(prefix):].partition("=")
                 if prefix == "--noconfig." and sep:
                     _fail(f"{a}: --noconfig.KEY takes no value; use --config.{key}={value}")
-                if not sep and prefix == "--config." and args and not args[0].startswith("-"):
+                if not sep and prefix == "--config." and args and _a_value(args[0]):
                     # main takes no positional argument: the next word is this key's value
                     sep, value = "=", args.pop(0)
                 overrides.append(f"{key}={value if sep else bare}")
@@ -295,6 +275,17 @@ def _split_overrides(argv) -> tuple[list[str], list[str]]:
         else:
             rest.append(a)
     return rest, overrides
+
+
+def _a_value(word: str) -> bool:
+    """Whether the word after a bare --config.KEY is its value: not a flag (-1 is a value)."""
+    if not word.startswith("-"):
+        return True
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
 
 
 def help_text(argv) -> str:

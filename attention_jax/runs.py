@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import flax.linen as nn
@@ -26,7 +27,7 @@ import jax
 import ml_collections
 
 from attention_jax import config as config_lib
-from attention_jax import data, tasks, train
+from attention_jax import data, sharding, tasks, train
 from attention_jax import workdir as workdir_lib
 from attention_jax.checkpoint import CheckpointMismatchError
 from attention_jax.workdir import RunNotFoundError
@@ -43,6 +44,34 @@ def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.C
     config.train.progress = False
     config_lib.apply_overrides(config, overrides or {})
     return config
+
+
+def fit_reader_mesh(config, who: str) -> bool:
+    """A run read on fewer devices than it trained on (8 devices, read on a laptop): the
+    mesh of its config.json cannot be built here, and a reader needs no particular one
+    (checkpoints restore onto any mesh). So it reads on this host's devices, batch split
+    over them, and says so (True; False when the run's mesh fits, or the config is a
+    multi-process one). main's reading modes call it unless a --config.mesh.* is given;
+    load_config (the tools) sets one device instead."""
+    m = config.mesh
+    if m.distributed:  # several processes: their mesh is the user's to give
+        return False
+    shape = {a: m.get(a, 1) for a in sharding.MESH_AXES}
+    here = jax.device_count()
+    try:
+        if m.num_devices > here or sharding.dcn_shape(m) != {a: 1 for a in sharding.DCN_AXES}:
+            raise ValueError("more devices than here")
+        sharding.resolve_mesh_shape(shape, m.num_devices or here)
+        return False
+    except ValueError:
+        pass
+    m.data, m.fsdp, m.sequence, m.tensor, m.num_devices = -1, 1, 1, 1, 0
+    m.dcn_data, m.dcn_fsdp = 1, 1
+    where = "the one device here" if here == 1 else f"the {here} devices here, batch split"
+    print(f"{who}: the run's mesh {shape} does not fit this host's {here} "
+          f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose)",
+          file=sys.stderr)
+    return True
 
 
 @dataclasses.dataclass

@@ -665,7 +665,8 @@ def other_entries(workdir: str) -> list[str]:
     empty folder, a run, or an object-store workdir (not listed: it costs a request)."""
     if is_remote(workdir) or not os.path.isdir(workdir) or os.path.exists(path(workdir, CONFIG)):
         return []
-    return sorted(n for n in os.listdir(workdir) if n not in (LOCK, TOKENIZER))
+    return sorted(n for n in os.listdir(workdir)  # hidden ones (.DS_Store) are no one's run
+                  if n not in (LOCK, TOKENIZER) and not n.startswith("."))
 
 
 def check_readable(workdir: str) -> None:

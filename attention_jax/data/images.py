@@ -67,10 +67,11 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
         raise ImagesError(f'{arg}={root!r} has no class subfolders; valid: one subfolder of '
                           f'images per class (root/<class>/<image>.jpg)')
     # ImageNet's own folder has train/ and val/ at the top: taken as two classes, the
-    # model would learn which split an image is in, with nothing said.
+    # model would learn which split an image is in, with nothing said. (Only when every
+    # folder is a split's, holding folders: a class may be called "train".)
     splits = [c for c in classes if c.lower() in SPLIT_NAMES and any(
         e.is_dir() and not e.name.startswith('.') for e in os.scandir(os.path.join(root, c)))]
-    if splits:
+    if splits and len(splits) == len(classes):
         first = os.path.join(root, splits[0])
         other = next((os.path.join(root, c) for c in splits[1:]), '')
         if arg.endswith('eval_root') or not arg.endswith('root'):

@@ -64,7 +64,10 @@ class Tokenizer(abc.ABC):
         return directory
 
     def _strip(self, ids: Iterable[int]) -> list[int]:
-        skipped = self.special_ids - {getattr(self, 'unk_id', None)}
+        # The unknown token shows, unless it doubles as another role (GPT-2's files name
+        # <|endoftext|> unk, bos and eos at once): then it is that role's, and skipped.
+        roles = {getattr(self, f'{r}_id', None) for r in ('pad', 'bos', 'eos', 'mask')}
+        skipped = self.special_ids - ({getattr(self, 'unk_id', None)} - roles)
         return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in skipped]
 
 

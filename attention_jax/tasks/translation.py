@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.data.tokenization import TokenizerEncodeError
@@ -137,7 +138,10 @@ def translation_task(config, workdir: str) -> Task:
         src = np.full((rows, width), tok.pad_id, np.int32)
         for i, p in enumerate(prompts):
             src[i, :len(p)] = p
-        out = np.asarray(decode(params, src, data_opts.target_len))[:len(prompts)]
+        # Every process gets the whole batch (with several, each holds only its rows of
+        # the global array); all processes call this, as they call decode.
+        out = np.asarray(multihost_utils.process_allgather(
+            decode(params, src, data_opts.target_len), tiled=True))[:len(prompts)]
         texts = []
         for row in out:
             ends = np.flatnonzero(row == tok.eos_id)

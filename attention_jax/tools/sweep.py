@@ -79,8 +79,9 @@ def check_tasks(todo) -> None:
     """Builds the task of every point still to train, before the first trains: what only
     a task checks (the model config a family builds, e.g. num_heads dividing d_model; the
     data a point names) fails now, not after the points before it have trained. Points
-    that differ only in the seed share one check; a built task is dropped (training builds
-    its own, from the data and tokenizer this one cached)."""
+    that differ only in the seed share one check. A built task is dropped and training
+    builds its own: the data's caches (tfds, the token cache) are built once, but a
+    tokenizer trained for the run (BPE) is trained again, a cost paid to fail early."""
     from attention_jax import tasks
     seen = set()
     for point, config, run_dir in todo:

@@ -129,6 +129,9 @@ def test_bad_folders_one_line_each(tmp_path):
                                           rf"'{top / 'train'}' and config.data.eval_root at "
                                           rf"'{top / 'val'}'"):
         folder_splits(str(top), arg="config.data.")
+    vehicles = _folder(tmp_path / "vehicles", classes=("bus", "car", "train"))
+    _folder(vehicles / "train", classes=("side",))  # a class named train, nested images
+    assert folder_splits(str(vehicles))[1] == ["bus", "car", "train"]
     one = _folder(tmp_path / "one", classes=("cat",))
     with pytest.raises(ImagesError, match=r"has one class folder \('cat'\): a classifier needs "
                                           r"at least 2"):

@@ -131,6 +131,18 @@ def test_a_tokenizer_file_roles_come_from_the_file_never_a_reserved_id(tmp_path,
     (tmp_path / 'gpt' / 'special_tokens_map.json').write_text('{"pad_token": "<pad>"}')
     tok = data.get_tokenizer('file', path=path)
     assert (tok.pad_id, tok.eos_id) == (3, end) and tok.has_pad_token
+    # GPT-2's own map names <|endoftext|> unk, bos and eos at once: decoding skips it as
+    # the end token it is, while a file's unknown token of its own shows.
+    (tmp_path / 'gpt' / 'special_tokens_map.json').write_text(
+        '{"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", '
+        '"eos_token": "<|endoftext|>"}')
+    tok = data.get_tokenizer('file', path=path)
+    assert tok.unk_id == tok.eos_id == end
+    assert tok.decode(tok.encode('the cat') + [end, end]) == 'the cat'
+    (tmp_path / 'gpt' / 'special_tokens_map.json').unlink()
+    own = data.get_tokenizer('file', path=_word_file(tmp_path / 'own.json', words,
+                                                     ['[UNK]', '<|endoftext|>']))
+    assert own.unk_id == 0 and own.decode(own.encode('the dog')) == 'the [UNK]'
     # No pad, end-of-text or beginning-of-text token: one line naming the file (and, from
     # a config, the config key), never id 0.
     bare = _word_file(tmp_path / 'bare.json', words)

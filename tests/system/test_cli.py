@@ -67,10 +67,11 @@ def test_an_override_s_value_may_follow_as_the_next_word():
     from attention_jax import main
     rest, overrides = main._split_overrides(
         ["main", "--config=gpt", "--config.train.steps", "2", "--config.train.progress",
-         "--workdir=/tmp/w", "--config.optim.lr", "1e-3", "--noconfig.eval.every_epoch"])
-    assert rest == ["main", "--config=gpt", "--workdir=/tmp/w"]
+         "--workdir=/tmp/w", "--config.optim.lr", "1e-3", "--noconfig.eval.every_epoch",
+         "--config.eval.every", "-1", "--config.train.progress", "--mode=eval"])
+    assert rest == ["main", "--config=gpt", "--workdir=/tmp/w", "--mode=eval"]
     assert overrides == ["train.steps=2", "train.progress=true", "optim.lr=1e-3",
-                         "eval.every_epoch=false"]
+                         "eval.every_epoch=false", "eval.every=-1", "train.progress=true"]
 
 
 def test_old_experiments_paths_and_a_users_own_config_file(tmp_path):

@@ -105,7 +105,9 @@ def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
     code, out, err = cli(capsys, "--mode=eval", f"--workdir={tmp_path / 'cnn'}",
                          f"--config.data.eval_root={test_set}")
     assert code == 0, err
-    assert json.loads(out)["examples"] == 8 * len(CLASSES)  # every image of the test folder
+    record = json.loads(out)
+    assert record["examples"] == 8 * len(CLASSES)  # every image of the test folder
+    assert record["data"] == {"data.eval_root": str(test_set)}  # said in evals.jsonl too
     moved = shutil.copytree(folder, tmp_path / "moved")  # the run's own root, elsewhere
     code, out, err = cli(capsys, "--mode=eval", f"--workdir={tmp_path / 'cnn'}",
                          f"--config.data.root={moved}")

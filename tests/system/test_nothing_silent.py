@@ -136,7 +136,7 @@ def test_a_workdir_that_is_a_file(tmp_path):
 def test_training_into_a_folder_that_is_not_a_run_says_so(tmp_path, capsys):
     folder = tmp_path / "home"
     folder.mkdir()
-    for name in ("notes.txt", "thesis.tex", "data", "a", "b", "c"):
+    for name in ("notes.txt", "thesis.tex", "data", "a", "b", "c", ".DS_Store"):  # hidden: not shown
         (folder / name).write_text("x")
     train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 1}), str(folder))
     out = capsys.readouterr().out

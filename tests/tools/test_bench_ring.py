@@ -36,7 +36,7 @@ def test_lengths_the_ring_cannot_split_are_one_line_before_any_work():
     bench_ring.add_parser(parser.add_subparsers(dest="which"))
     args = parser.parse_args(["ring", "--sizes", "1", "3", "4", "--length", "1000"])
     with pytest.raises(SystemExit, match=r"--length=1000 does not split over --sizes \[3\]; "
-                                         r"valid: a multiple of 6 \(2P for each P\)"):
+                                         r"valid: a multiple of 24 \(2P for every P"):
         bench_ring.run(args)  # no child started, nothing compiled
     args = parser.parse_args(["ring", "--sizes", "2", "--length", "1024", "--gpt-length", "4098"])
     with pytest.raises(SystemExit, match=r"--gpt-length=4098 does not split over --sizes \[2\]; "

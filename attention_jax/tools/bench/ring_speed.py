@@ -68,7 +68,8 @@ def check_args(args) -> None:
         bad = [p for p in args.sizes if length % (2 * p)]
         if bad:
             raise SystemExit(f"bench ring: {flag}={length} does not split over --sizes {bad}; "
-                             f"valid: a multiple of {2 * math.lcm(*bad)} (2P for each P)")
+                             f"valid: a multiple of {2 * math.lcm(*args.sizes)} (2P for "
+                             f"every P of --sizes)")
     if not args.budget_mib > 0:
         raise SystemExit(f"bench ring: --budget-mib={args.budget_mib:g}; valid: a number > 0")
 
