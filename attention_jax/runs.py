@@ -151,7 +151,7 @@ def run_summary(workdir: str) -> dict:
     a user waits for it. A resumed run's span includes the pause; start fresh to time.
     """
     records = workdir_lib.read_metrics(workdir)
-    evals = [r for r in records if r["split"] == "eval"]
+    evals = workdir_lib.eval_records(workdir)  # --mode=eval's too, where training had none
     trains = [r for r in records if r["split"] == "train"]
     config = load_config(workdir)
     task = tasks.TASKS[config.task](config, workdir)

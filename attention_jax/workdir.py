@@ -392,6 +392,18 @@ def read_metrics(workdir: str) -> list[dict]:
     return list(records.values())
 
 
+def eval_records(workdir: str) -> list[dict]:
+    """The run's evaluations, by step: the eval records of metrics.jsonl, or where
+    training evaluated nothing (eval.every=-1), those of evals.jsonl (--mode=eval) on the
+    run's own data (a record of other data, its "data" key, is not the run's)."""
+    found = [r for r in read_metrics(workdir) if r.get("split") == "eval"]
+    if not found and exists(workdir, EVALS):
+        by_step = {r["step"]: {**r, "split": "eval"} for r in read_records(path(workdir, EVALS))
+                   if "data" not in r and "step" in r}  # the latest of a step's records
+        found = [by_step[k] for k in sorted(by_step)]
+    return found
+
+
 def last_records(workdir: str) -> dict[str, dict]:
     """The last 'train' and 'eval' records of metrics.jsonl (with their step)."""
     found = {"train": {}, "eval": {}}
@@ -408,14 +420,23 @@ def finished(workdir: str, steps: int) -> bool:
 
 
 def wall_seconds(workdir: str) -> float:
-    """From config.json (written before compiling) to the last metric record (the final
-    eval): compilation, training and evaluation included, as a user waits for it. A
-    resumed run's span includes the pause."""
+    """From the run's first start to its last metric record (the final eval):
+    compilation, training and evaluation included, as a user waits for it. A resumed
+    run's span includes the pause.
+
+    Every start rewrites config.json, so its time is the latest start's; the first
+    start's is in the name TensorBoard gave the first events file
+    (events.out.tfevents.<unix time>.<host>), which a resume keeps. Never negative (a
+    last start that failed before its first record rewrote config.json after it)."""
     if is_remote(workdir):  # the objects' times (whole seconds through epath)
-        return round(float(epath_of(workdir, METRICS).stat().mtime
-                           - epath_of(workdir, CONFIG).stat().mtime), 1)
-    return round(os.path.getmtime(path(workdir, METRICS))
-                 - os.path.getmtime(path(workdir, CONFIG)), 1)
+        end, start = (float(epath_of(workdir, n).stat().mtime) for n in (METRICS, CONFIG))
+    else:
+        end, start = (os.path.getmtime(path(workdir, n)) for n in (METRICS, CONFIG))
+    for event_file in epath_of(workdir, TENSORBOARD).glob("events.out.tfevents.*"):
+        stamp = event_file.name.split(".")[3]
+        if stamp.isdigit():
+            start = min(start, float(stamp))
+    return round(max(0.0, end - start), 1)
 
 
 # ============================================================================ resume guard

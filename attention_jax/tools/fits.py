@@ -164,12 +164,13 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
         # Shapes only: counting needs no parameters computed and no checkpoint.
         shapes = nn.meta.unbox(jax.eval_shape(task.init, jax.random.PRNGKey(0)))
         n = non_embedding_params(shapes)
-        records = read_metrics(w)
-        evals = [r for r in records if r["split"] == "eval"]
-        trains = [r for r in records if r["split"] == "train" and "loss" in r]
+        evals = workdir_lib.eval_records(w)
+        trains = [r for r in read_metrics(w) if r["split"] == "train" and "loss" in r]
         if not evals or not trains:
-            raise ValueError(f"{w}: no eval or train records in metrics.jsonl; is the run "
-                             f"finished?")
+            missing = "eval" if trains else "train"
+            raise ValueError(f"{w}: no {missing} records (metrics.jsonl" + (
+                ", evals.jsonl); is the run finished, or evaluated (--mode=eval)?"
+                if missing == "eval" else "); is it a run that trained?"))
         units = units_per_step(task, config)
         steps = np.array([r["step"] for r in trains])
         runs.append({"workdir": w, "layers": config.model.get("num_layers"),
@@ -315,7 +316,7 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
     import matplotlib.pyplot as plt
     groups: dict[tuple, list] = {}
     for w in workdirs:
-        records = [r for r in read_metrics(w) if r["split"] == "eval"]
+        records = workdir_lib.eval_records(w)
         evals = [r for r in records if metric in r]
         if not evals:
             named = sorted({k for r in records for k in r} - {"split", "step"})

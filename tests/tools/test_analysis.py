@@ -128,3 +128,20 @@ def test_position_losses_past_the_training_length(tmp_path):
     assert set(results["learned"]) >= {"within_train_len", "beyond_train_len"}
     analysis.plot_curves({"learned": workdir}, out + "_curves.png")
     assert os.path.getsize(out + ".png") > 0 and os.path.getsize(out + "_curves.png") > 0
+
+
+def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path):
+    """Every start rewrites config.json: a resumed run's wall time was its last session's
+    (or negative, when the last start failed before its first record). The first start
+    is in the name of TensorBoard's first events file."""
+    from attention_jax import workdir as workdir_lib
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1000.host").write_text("")
+    (tmp_path / "tensorboard" / "events.out.tfevents.1500.host").write_text("")  # the resume
+    for name, mtime in (("metrics.jsonl", 1600.0), ("config.json", 1700.0)):
+        (tmp_path / name).write_text("{}")
+        os.utime(tmp_path / name, (mtime, mtime))
+    assert workdir_lib.wall_seconds(str(tmp_path)) == 600.0
+    for f in (tmp_path / "tensorboard").iterdir():
+        f.unlink()
+    assert workdir_lib.wall_seconds(str(tmp_path)) == 0.0  # not -100

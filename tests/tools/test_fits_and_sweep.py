@@ -199,6 +199,22 @@ def test_seeds_report_groups_means_spreads_and_crossing(tmp_path):
     assert os.path.getsize(out + ".png") > 0
 
 
+def test_a_run_evaluated_only_by_mode_eval_is_read_from_evals_jsonl(tmp_path):
+    """eval.every=-1 and a --mode=eval after: the reports saw no eval record."""
+    from attention_jax import workdir as workdir_lib
+    run = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 0.5)
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 10, "split": "train", "loss": 2.0}) + "\n")
+    with open(os.path.join(run, "evals.jsonl"), "w") as f:
+        for record in ({"step": 10, "accuracy": 0.5, "time": "t0"},
+                       {"step": 10, "accuracy": 0.6, "time": "t1"},  # the step's latest
+                       {"step": 10, "accuracy": 0.9, "data": {"data.eval_root": "/x"}}):
+            f.write(json.dumps(record) + "\n")
+    assert [r["accuracy"] for r in workdir_lib.eval_records(run)] == [0.6]  # other data: not it
+    result = fits.seeds_report([run], str(tmp_path / "out"), by="mlp", metric="accuracy")
+    assert result["groups"][0]["mean"] == pytest.approx(0.6)
+
+
 def test_seeds_report_names_a_run_without_the_metric(tmp_path):
     run = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 1.0, metric="loss")
     with pytest.raises(ValueError, match=r"no eval record with 'accuracy'; valid: a finished "
