@@ -42,7 +42,7 @@ import numpy as np
 
 from attention_jax import tasks
 from attention_jax import workdir as workdir_lib
-from attention_jax.errors import UserError
+from attention_jax.errors import ConfigError, UserError
 from attention_jax.runs import run_summary
 from attention_jax.tools import fits
 from attention_jax.workdir import read_metrics
@@ -297,13 +297,20 @@ def positions_report(runs: dict[str, str], out: str, eval_len: int, train_len: i
                      batches: int = 8, batch_size: int = 16) -> dict:
     """Loss by position of each run at `eval_len` (out.png, out.json) and a table of the
     mean loss inside and beyond the training length (out.md)."""
+    if not 0 < train_len < eval_len:
+        raise ValueError(f"--eval_len={eval_len} --train_len={train_len}: the report compares "
+                         f"positions inside the training length with those past it; valid: "
+                         f"0 < train_len < eval_len")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     results = {}
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, workdir in runs.items():
-        loss, counts = position_losses(workdir, eval_len, batches, batch_size)
+        try:
+            loss, counts = position_losses(workdir, eval_len, batches, batch_size)
+        except ConfigError as e:  # the rows it reads are --eval_len long: say so
+            raise ValueError(f"--eval_len={eval_len} for run {name!r}: {e}") from None
         inside = float(np.average(loss[:train_len], weights=counts[:train_len]))
         beyond = float(np.average(loss[train_len:], weights=np.maximum(counts[train_len:], 1e-9)))
         results[name] = {"loss_by_position": loss.tolist(), "tokens": counts.tolist(),
@@ -412,8 +419,12 @@ def plot_curves(runs: dict[str, str], path: str, metric: str = "loss") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (name, workdir) in enumerate(runs.items()):
-        records = read_metrics(workdir)
+    named = {name: read_metrics(w) for name, w in runs.items()}
+    found = sorted({k for records in named.values() for r in records for k in r}
+                   - {"step", "split", "time"})
+    if metric not in found:  # an empty plot otherwise, written without a word
+        raise ValueError(f"--curves={metric!r}: no record of these runs has it; valid: {found}")
+    for i, (name, records) in enumerate(named.items()):
         for split, style in (("train", dict(linewidth=1, alpha=0.6)),
                              ("eval", dict(marker="o", linestyle="--"))):
             pts = [(r["step"], r[metric]) for r in records if r["split"] == split and metric in r]
@@ -454,6 +465,9 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
             r["eval"]["accuracy_batches"] = r["eval"].get("accuracy")
             r["eval"]["accuracy"], r["eval"]["n"] = classification_accuracy(r["workdir"])
     for name, r in rows.items():  # before anything is written
+        if r["eval"] and metric not in r["eval"]:
+            raise ValueError(f"--metric={metric!r}: run {name!r}'s eval records have no such "
+                             f"metric; valid: {sorted(r['eval'])}")
         if x and r.get(x, r["model"].get(x)) is None:
             raise ValueError(f"--x={x!r}: run {name!r} has no such value; valid: 'tokens' "
                              f"(where the task counts them) or a model field: "
@@ -602,9 +616,9 @@ def _run(args) -> None:
         print(open(args.out + ".md").read())
     else:
         runs = _named_runs(args.runs)
-        rows = runs_report(runs, args.out, args.x, args.metric)
-        if args.curves:
+        if args.curves:  # first: a misspelt metric stops before anything is written
             plot_curves(runs, args.out + "_curves.png", args.curves)
+        rows = runs_report(runs, args.out, args.x, args.metric)
         print(runs_table(rows, args.metric))
 
 

@@ -111,6 +111,15 @@ def test_runs_report_counts_every_test_image(tmp_path):
                                          r"field: \[.*'patch_size'"):
         analysis.runs_report(runs, bogus, x="bogus")
     assert not os.path.exists(bogus + ".md")
+    # A misspelt --metric or --curves: one line with the valid ones (were a column of –
+    # and an empty plot, written without a word).
+    with pytest.raises(ValueError, match=r"--metric='acc': run 'p2'.s eval records have no "
+                                         r"such metric; valid: \[.*'accuracy'"):
+        analysis.runs_report(runs, bogus, metric="acc")
+    with pytest.raises(ValueError, match=r"--curves='losss': no record of these runs has it; "
+                                         r"valid: \[.*'loss'"):
+        analysis.plot_curves(runs, bogus + "_curves.png", "losss")
+    assert not os.path.exists(bogus + "_curves.png")
 
 
 @pytest.mark.slow
@@ -128,6 +137,14 @@ def test_position_losses_past_the_training_length(tmp_path):
     assert set(results["learned"]) >= {"within_train_len", "beyond_train_len"}
     analysis.plot_curves({"learned": workdir}, out + "_curves.png")
     assert os.path.getsize(out + ".png") > 0 and os.path.getsize(out + "_curves.png") > 0
+    # An eval length inside the training length: numpy's ZeroDivisionError before; one
+    # past the position table names --eval_len (it named config.data.seq_len).
+    with pytest.raises(ValueError, match=r"--eval_len=32 --train_len=64: .* valid: 0 < "
+                                         r"train_len < eval_len"):
+        analysis.positions_report({"learned": workdir}, out, eval_len=32, train_len=64)
+    with pytest.raises(ValueError, match=r"^--eval_len=4096 for run 'learned': "
+                                         r"config.data.seq_len=4096 exceeds"):
+        analysis.positions_report({"learned": workdir}, out, eval_len=4096, train_len=32)
 
 
 def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path):
