@@ -36,7 +36,7 @@ def test_open_run_restores_the_trained_params(gpt_run):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_main_eval_and_sample_modes(gpt_run):
+def test_main_eval_and_sample_modes(gpt_run, capsys):
     config, workdir, _ = gpt_run
     metrics = main.evaluate_checkpoint(config, workdir)
     assert metrics["step"] == 1 and np.isfinite(metrics["loss"])
@@ -46,6 +46,14 @@ def test_main_eval_and_sample_modes(gpt_run):
     assert all(r["split"] == "train" for r in workdir_lib.read_metrics(workdir))
     texts = main.sample_checkpoint(config, workdir)
     assert len(texts) == 1 and isinstance(texts[0], str)
+    # More tokens than the position table holds: as many as it does, and said (it was a
+    # shorter text without a word).
+    long = config.copy_and_resolve_references()
+    long.eval.sample_tokens = 10_000
+    main.sample_checkpoint(long, workdir)
+    assert (f"note: eval.sample_tokens=10000: {config.model.max_len - 4} tokens generated, "
+            f"where the position table ends (model.max_len={config.model.max_len}, the "
+            f"longest prompt 4 tokens)") in capsys.readouterr().err
 
 
 def test_open_run_names_what_is_missing(tmp_path, gpt_run):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -320,8 +321,16 @@ def lm_task(config, workdir: str) -> Task:
             return []
         width = max(map(len, prompts))
         new = config.eval.sample_tokens
-        if cfg.position == "learned":
-            new = min(new, cfg.max_len - width)
+        if cfg.position == "learned" and new > cfg.max_len - width:
+            new = cfg.max_len - width  # the position table ends there: said, not silent
+            if new < 1:
+                raise ConfigError(f"config.eval.sample_prompts: a prompt of {width} tokens "
+                                  f"fills the position table (model.max_len={cfg.max_len}); "
+                                  f"valid: prompts under {cfg.max_len} tokens")
+            if jax.process_index() == 0:
+                print(f"note: eval.sample_tokens={config.eval.sample_tokens}: {new} tokens "
+                      f"generated, where the position table ends (model.max_len="
+                      f"{cfg.max_len}, the longest prompt {width} tokens)", file=sys.stderr)
         # As many rows as the batch axes split evenly (extra one-token rows, dropped
         # after): otherwise XLA must replicate the activations at every layer.
         rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()

@@ -76,7 +76,8 @@ def check_length(n: int, limit: int = MAX_TOKENS, what: str = "input",
     if n > limit:
         raise InputTooLongError(f"{what} is {n} tokens long; at most {limit} tokens can be drawn "
                                 f"(more and the per-head panels are unreadable). Give a shorter "
-                                f"text, or call plot_attention_grid yourself on a slice.")
+                                f"text, raise the limit (--max-tokens, max_tokens=), or call "
+                                f"plot_attention_grid yourself on a slice.")
 
 
 # ==================================================================================== drawing
