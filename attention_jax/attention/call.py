@@ -103,6 +103,10 @@ def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=
     _check_shapes(q, k, v)
     b, t, n, h = q.shape
     s, kv_heads, hv = k.shape[1], k.shape[2], v.shape[3]
+    if isinstance(causal, jax.core.Tracer):
+        raise ValueError("causal must be a Python bool (masks are built when tracing, so not "
+                         "a traced value: under jit, mark it static, e.g. "
+                         "jax.jit(f, static_argnames='causal'))")
     spec = MaskSpec(
         causal=bool(causal),
         window=_check_window(window),

@@ -358,6 +358,13 @@ def test_window_and_scale_of_the_wrong_type(kwargs, message):
         dot_product_attention(*_ok(), **kwargs)
 
 
+def test_a_traced_causal_names_the_argument():
+    """Under jit, a causal passed as an argument was JAX's TracerBoolConversionError."""
+    run = jax.jit(lambda causal: dot_product_attention(*_ok(), causal=causal))
+    with pytest.raises(ValueError, match=r"causal must be a Python bool .* static_argnames"):
+        run(True)
+
+
 def test_window_and_scale_of_numpy_types_are_accepted():
     q, k, v = _ok()
     a = dot_product_attention(q, k, v, window=np.int64(2), scale=np.float32(0.5))
