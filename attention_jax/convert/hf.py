@@ -270,7 +270,9 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
                   for k, v in unseen.items() if ours.get(k) != v]
         if differ:
             raise ConversionError(f"{os.fspath(path)}: {', '.join(differ)}, which its weights "
-                                  f"cannot show; valid: the checkpoint's values")
+                                  f"cannot show; valid: the checkpoint's values (--config."
+                                  f"model.KEY=..., or c.model.KEY = ... in a config file of "
+                                  f"one's own where the shipped config has no such key)")
         settings = f"its {unseen}, which the weights cannot show, match config.model"
     else:
         settings = (f"its config.json sets {unseen}, which the weights cannot show: the model "
