@@ -59,6 +59,11 @@ from attention_jax.errors import UserError
 # orbax logs this (a warning) whenever a manager is opened read-only, as every reader of a
 # run does on purpose (runs.open_run, warm starts).
 READ_ONLY_WARNING = "Given directory is read only=%s"
+# What orbax logs when an item's metadata file is missing: our own CheckpointDamagedError
+# says it for the step, in one line (_saved_tree).
+MISSING_ITEM_WARNING = ('Item "%s" was found in the checkpoint, but could not be restored. '
+                        'Please provide a `CheckpointHandlerRegistry`, or call `restore` with '
+                        'an appropriate `CheckpointArgs` subclass.')
 
 
 class CheckpointMismatchError(UserError, ValueError):
@@ -634,12 +639,17 @@ class Checkpointer:
         """(state_tree, the step's layout or None)."""
         layout = self.layout(step)
         try:
-            tree = self.manager.item_metadata(step)["state"].tree
+            with quiet.drop_log_messages(MISSING_ITEM_WARNING):
+                item = self.manager.item_metadata(step)["state"]
+            tree = None if item is None else item.tree
         except Exception as e:  # noqa: BLE001 - orbax raises anything from here
             _ignore_late_tensorstore_callbacks()
             raise CheckpointDamagedError(step, self.step_path(step),
                                          f"state metadata unreadable "
                                          f"({one_line_error(e, self.step_path(step))})") from None
+        if item is None:  # orbax's answer when the item's metadata file is gone
+            raise CheckpointDamagedError(step, self.step_path(step),
+                                         "state metadata missing (no state/_METADATA)")
         if not tree:
             raise CheckpointDamagedError(step, self.step_path(step), "state metadata is empty")
         if layout is None:
@@ -766,7 +776,7 @@ class Checkpointer:
         raise NoIntactCheckpointError(
             f"no intact checkpoint in {self.directory}; tried " + "; ".join(
                 f"step {e.step}: {e.reason}" for e in damaged)
-            + ". Nothing was moved or deleted: inspect them with `python -m "
+            + ". The damaged steps were left as they are: inspect them with `python -m "
             f"attention_jax.verify {self.directory}`, or move the checkpoints folder away to "
             "start from scratch")
 

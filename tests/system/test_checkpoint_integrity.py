@@ -135,7 +135,7 @@ DAMAGES = {
     "64 garbage bytes in an array file": (_garbage_in_the_middle,
                                           UNREADABLE + ("does not match its digest",)),
     "state of another step": (_state_of_another_step, ("corrupt: arrays ",)),
-    "state/_METADATA deleted": (_delete_metadata, ("state metadata unreadable",)),
+    "state/_METADATA deleted": (_delete_metadata, ("state metadata missing (no state/_METADATA)",)),
     "state/_METADATA garbage": (_garbage_metadata, ("state metadata unreadable",)),
     "ocdbt manifests deleted": (_delete_manifests, UNREADABLE),
     "data-loader state deleted": (_delete_data_state, ("data-loader state could not be read",)),
@@ -196,6 +196,7 @@ def test_no_intact_checkpoint_lists_every_step(runs, tmp_path):
         assert f"step {step}: " in message and why in message.split(f"step {step}: ")[1], message
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "5"]
     assert f"python -m attention_jax.verify {workdir}/checkpoints`" in message, message
+    assert "The damaged steps were left as they are" in message
 
 
 def test_a_step_folder_without_commit_marker_is_ignored(runs, tmp_path):
