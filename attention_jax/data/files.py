@@ -239,6 +239,14 @@ def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
                              f'{e}') from None
         if text_key not in names:
             raise _missing_key(path, text_key, names, arg)
+        # A column of another type would skip every row, one bad record each: its schema
+        # says so now, in one line.
+        kind = meta.schema_arrow.field(text_key).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+                or pa.types.is_string_view(kind) or pa.types.is_binary_view(kind)):
+            raise FilesError(f'{path}: column {text_key!r} holds {kind}, not text; valid: a '
+                             f'string column ({arg}text_key names it)')
         f.groups = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         f.count = int(f.groups[-1])
         return f

@@ -137,6 +137,9 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     with pytest.raises(files.FilesError) as e:
         files.file_splits(str(root / 'r.parquet'), text_key='body')
     cases.append((e, "r.parquet has no 'body' in its records (their keys: ['text', 'n'])"))
+    with pytest.raises(files.FilesError) as e:  # was a skipped record per row, then an error
+        files.file_splits(str(root / 'r.parquet'), text_key='n')
+    cases.append((e, "r.parquet: column 'n' holds int64, not text; valid: a string column"))
     for name, cut in (('g.jsonl.gz', 'gzip'), ('z.jsonl.zst', 'zstd'), ('r.parquet', 'parquet')):
         whole = (root / name).read_bytes()
         (tmp_path / name).write_bytes(whole[:len(whole) // 2])
