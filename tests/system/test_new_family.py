@@ -180,7 +180,7 @@ def test_register_checks_the_entries_a_family_declares():
     try:
         tasks.register("declared", stub(sample=lambda p, r: []), provides=("sample",))
         tasks.register("undeclared", stub(sample=lambda p, r: []))
-        assert tasks.tasks_with("sample") == ["declared", "gpt"]
+        assert tasks.tasks_with("sample") == ["declared", "encdec", "gpt", "rnn_seq2seq"]
         assert tasks.TASKS["declared"](None, "").sample is not None
         with pytest.raises(AssertionError,
                            match=r"'undeclared' sets \['sample'\] but declares \[\]"):
