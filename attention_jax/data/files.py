@@ -362,7 +362,11 @@ class Corpus:
         i = int(np.searchsorted(self.first, n, side='right')) - 1
         f, k = self.files[i], n - int(self.first[i])
         if f.format in TEXT_SUFFIXES:
-            return {'id': f.ident.encode(), 'text': self._reader.text_file(f)}
+            text = self._reader.text_file(f)
+            if b'\x00' in text:  # a binary file under a text suffix: skipped and counted
+                self.bad.skip(f.path, 'holds NUL bytes: a binary file, not text')
+                text = b''
+            return {'id': f.ident.encode(), 'text': text}
         if f.format == '.parquet':
             where = f'{f.path}: row {k}'
             value = self._reader.row(f, k, self.text_key)

@@ -180,6 +180,15 @@ def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):
     strict = files.file_splits(str(tmp_path / 'm.jsonl'), max_bad_records=1, eval_fraction=0.5)
     with pytest.raises(files.FilesError, match='more than max_bad_records=1'):
         [s[i] for s in strict.values() for i in range(len(s))]
+    # Random bytes saved as .txt were decoded with replacement characters and trained on.
+    (tmp_path / 'blob').mkdir()
+    (tmp_path / 'blob' / 'a.txt').write_text('a real document')
+    (tmp_path / 'blob' / 'b.txt').write_bytes(bytes(range(256)) * 4)
+    src = files.file_splits(f"{tmp_path / 'blob'}/*.txt", eval_fraction=0.5)
+    texts = sorted(t for s in src.values() for t in _read(s).values())
+    assert texts == ['', 'a real document']
+    assert (f"warning: {tmp_path / 'blob' / 'b.txt'}: holds NUL bytes: a binary file, not "
+            f"text; skipped") in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- tokenizer files
