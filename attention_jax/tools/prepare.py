@@ -59,12 +59,21 @@ def main(argv=None) -> int:
         return 1
     import json
     import os
+    tokens = {}
     for label, directory in dirs.items():
         with open(os.path.join(directory, 'manifest.json')) as f:
             m = json.load(f)
-        print(f'{label}: {sum(m["documents"]):,} documents, {sum(m["tokens"]):,} tokens '
+        tokens[label] = sum(m["tokens"])
+        print(f'{label}: {sum(m["documents"]):,} documents, {tokens[label]:,} tokens '
               f'({m["dtype"]}) in {len(m["tokens"])} shards, from '
               f'{m["source_bytes"] / 1e6:.1f} MB of text: {directory}')
+    if tokens.get('eval', 0) > tokens.get('train', 0):  # by documents, a long one tips it
+        why = ('the eval files hold more than the train files' if config.data.get('eval_files')
+               else 'documents are split by count (data.eval_fraction), and a few long ones '
+                    'landed in eval; give eval files of your own (--config.data.eval_files='
+                    'GLOBS) or split the long files')
+        print(f'note: the eval split holds more tokens than the train split ({tokens["eval"]:,} '
+              f'against {tokens["train"]:,}): {why}', file=sys.stderr)
     return 0
 
 

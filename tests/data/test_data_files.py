@@ -285,3 +285,24 @@ def test_prepare_then_train_on_files_with_a_tokenizer_file_then_sample(corpus, t
                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert prepare.returncode == 1 and prepare.stderr.startswith(
         f'error: --workdir={tmp_path / "notrun"}: no tokenizer saved there'), prepare.stderr
+
+
+def test_prepare_says_when_the_eval_split_outweighs_train(tmp_path, capsys):
+    """One long document landing in eval made the eval split 140 times the train split,
+    with nothing said."""
+    from attention_jax.tools import prepare
+    (tmp_path / 'small.txt').write_text('a short training document. ' * 4)
+    (tmp_path / 'big.txt').write_text('a long held-out document. ' * 400)
+    argv = ['--config=gpt', '--workers=1', '--config.data.name=files',
+            f'--config.data.files={tmp_path / "small.txt"}',
+            f'--config.data.eval_files={tmp_path / "big.txt"}',
+            f'--config.data.cache_dir={tmp_path / "cache"}']
+    assert prepare.main(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith('train: 1 documents, 109 tokens')  # 108 bytes and the end
+    assert ('note: the eval split holds more tokens than the train split (10,401 against '
+            '109): the eval files hold more than the train files') in out.err
+    argv[3:5] = [f'--config.data.files={tmp_path / "big.txt"}',
+                 f'--config.data.eval_files={tmp_path / "small.txt"}']
+    assert prepare.main(argv) == 0
+    assert 'note: the eval split' not in capsys.readouterr().err
