@@ -392,6 +392,42 @@ def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_col
     return config
 
 
+def split_overrides(argv) -> tuple[list[str], list[str]]:
+    """(argv without the overrides, ["group.key=value", ...]) of `--config.group.key=value`
+    arguments (or `--config.group.key value`, as absl takes its own flags); `--config.key`
+    alone sets a boolean key, `--noconfig.key` clears it. The command lines that take
+    overrides (attention_jax.main, tools.prepare) take no positional argument, so the word
+    after a bare --config.KEY that is not a flag is its value."""
+    rest, overrides = [], []
+    args = list(argv)
+    while args:
+        a = args.pop(0)
+        for prefix, bare in (("--config.", "true"), ("--noconfig.", "false")):
+            if a.startswith(prefix):
+                key, sep, value = a[len(prefix):].partition("=")
+                if prefix == "--noconfig." and sep:
+                    raise ConfigError(f"{a}: --noconfig.KEY takes no value; use "
+                                      f"--config.{key}={value}")
+                if not sep and prefix == "--config." and args and _a_value(args[0]):
+                    sep, value = "=", args.pop(0)
+                overrides.append(f"{key}={value if sep else bare}")
+                break
+        else:
+            rest.append(a)
+    return rest, overrides
+
+
+def _a_value(word: str) -> bool:
+    """Whether the word after a bare --config.KEY is its value: not a flag (-1 is a value)."""
+    if not word.startswith("-"):
+        return True
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
 def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> None:
     """Sets each "group.key" of `overrides` on `config` ({"group": {"key": v}} too); a key
     the config lacks is a ConfigError naming the valid keys, a string is parsed as the

@@ -254,40 +254,6 @@ def _config_spec(argv) -> str | None:
     return None
 
 
-def _split_overrides(argv) -> tuple[list[str], list[str]]:
-    """(argv without the overrides, ["group.key=value", ...]) of `--config.group.key=value`
-    arguments (or `--config.group.key value`, as absl takes its own flags); `--config.key`
-    alone sets a boolean key, `--noconfig.key` clears it."""
-    rest, overrides = [], []
-    args = list(argv)
-    while args:
-        a = args.pop(0)
-        for prefix, bare in (("--config.", "true"), ("--noconfig.", "false")):
-            if a.startswith(prefix):
-                key, sep, value = a[len(prefix):].partition("=")
-                if prefix == "--noconfig." and sep:
-                    _fail(f"{a}: --noconfig.KEY takes no value; use --config.{key}={value}")
-                if not sep and prefix == "--config." and args and _a_value(args[0]):
-                    # main takes no positional argument: the next word is this key's value
-                    sep, value = "=", args.pop(0)
-                overrides.append(f"{key}={value if sep else bare}")
-                break
-        else:
-            rest.append(a)
-    return rest, overrides
-
-
-def _a_value(word: str) -> bool:
-    """Whether the word after a bare --config.KEY is its value: not a flag (-1 is a value)."""
-    if not word.startswith("-"):
-        return True
-    try:
-        float(word)
-        return True
-    except ValueError:
-        return False
-
-
 def help_text(argv) -> str:
     """--help: the module doc, the shipped configs, the flags, and with --config=SPEC the
     keys of that config with their values."""
@@ -329,7 +295,10 @@ def parse_flags(argv):
     if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
         print(help_text(argv))
         sys.exit(0)
-    argv, overrides = _split_overrides(argv)
+    try:
+        argv, overrides = config_lib.split_overrides(argv)
+    except ConfigError as e:
+        _fail(str(e))
     _overrides[:] = overrides
     try:
         rest = FLAGS(argv)

@@ -32,8 +32,11 @@ def main(argv=None) -> int:
     from attention_jax import config as config_lib
     from attention_jax.errors import UserError
     argv = sys.argv[1:] if argv is None else list(argv)
-    overrides = [a[len('--config.'):] for a in argv if a.startswith('--config.')]
-    overrides = [o if '=' in o else f'{o}=true' for o in overrides]
+    try:  # as attention_jax.main takes them: --config.KEY=VALUE, --config.KEY VALUE, ...
+        argv, overrides = config_lib.split_overrides(argv)
+    except UserError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 1
     parser = argparse.ArgumentParser(prog='python -m attention_jax.tools.prepare',
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument('--workers', type=int, default=None)
     parser.add_argument('--process_index', type=int, default=0)
     parser.add_argument('--process_count', type=int, default=1)
-    args = parser.parse_args([a for a in argv if not a.startswith('--config.')])
+    args = parser.parse_args(argv)
     if not 0 <= args.process_index < args.process_count:
         parser.error(f'--process_index={args.process_index} must be in [0, --process_count='
                      f'{args.process_count})')

@@ -296,7 +296,7 @@ def test_prepare_says_when_the_eval_split_outweighs_train(tmp_path, capsys):
     argv = ['--config=gpt', '--workers=1', '--config.data.name=files',
             f'--config.data.files={tmp_path / "small.txt"}',
             f'--config.data.eval_files={tmp_path / "big.txt"}',
-            f'--config.data.cache_dir={tmp_path / "cache"}']
+            '--config.data.cache_dir', str(tmp_path / "cache")]  # two words, as main takes
     assert prepare.main(argv) == 0
     out = capsys.readouterr()
     assert out.out.startswith('train: 1 documents, 109 tokens')  # 108 bytes and the end

@@ -63,9 +63,9 @@ def test_misspelt_config_argument_and_stray_argument(tmp_path):
 
 def test_an_override_s_value_may_follow_as_the_next_word():
     """--config.train.steps 2 (absl's own flags take `--name value`) set train.steps=true
-    and left 2 as a stray argument."""
-    from attention_jax import main
-    rest, overrides = main._split_overrides(
+    and left 2 as a stray argument. tools.prepare takes them the same way."""
+    from attention_jax import config as config_lib
+    rest, overrides = config_lib.split_overrides(
         ["main", "--config=gpt", "--config.train.steps", "2", "--config.train.progress",
          "--workdir=/tmp/w", "--config.optim.lr", "1e-3", "--noconfig.eval.every_epoch",
          "--config.eval.every", "-1", "--config.train.progress", "--mode=eval"])
