@@ -3,7 +3,9 @@ r"""GPT on the offline Python-stdlib corpus (byte-level): next-token prediction.
 Command (2-core CPU, default sizes):
   python -m attention_jax.main --config=gpt --workdir=/tmp/gpt
 Variants: `--config=gpt:variant=gpt-tiny-rope` (any name of models/gpt.py's
-VARIANTS; `gpt-tiny-moe` logs router load, entropy and dropped tokens).
+VARIANTS, in its own shape: `:variant=gpt2` is GPT-2 small's 12 layers of width 768;
+`gpt-tiny-moe` logs router load, entropy and dropped tokens). `--config.model.variant=X`
+instead keeps the fields this config sets (2 layers, width 128, 4 heads).
 Then: `--mode=sample` prints continuations of `eval.sample_prompts` from the checkpoint.
 
 Measured (2-core CPU): 600 steps in 6.9 min wall (with other jobs sharing
@@ -29,9 +31,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.norm_kernel = "auto"
 
     c.model.variant = args.variant  # a row of models/gpt.py VARIANTS.
-    c.model.num_layers = 2
-    c.model.d_model = 128  # D.
-    c.model.num_heads = 4  # N (head dim 32).
+    # Explicit fields override a variant's: this config's own small model (0.4M
+    # parameters, the figures above) only for the default; another variant keeps its
+    # shape (None: the variant's value).
+    own = args.variant == "gpt-tiny"
+    c.model.num_layers = 2 if own else None
+    c.model.d_model = 128 if own else None  # D.
+    c.model.num_heads = 4 if own else None  # N (head dim 32).
     c.model.max_len = 128  # rows of the learned position table.
     c.model.mlp_dim = None  # F, the MLP's hidden width; None: the variant's, else 4D.
     c.model.dropout_rate = 0.0  # small model, short run: no regularisation needed.

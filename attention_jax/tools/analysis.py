@@ -394,8 +394,9 @@ def attention_report(runs: dict[str, str], out: str, batches: int = 4,
                              f"{batch_size} rows; valid: batch_size <= {len(task.eval_source)}")
         results[name] = {when: {k: float(np.mean([s[k] for s in v])) for k in v[0]}
                          for when, v in stats.items()}
-        results[name]["head_dim"] = config.model.d_model // config.model.num_heads
-        results[name]["attention_scale"] = config.model.get("attention_scale")
+        model_cfg = task.model.config  # the resolved one: a variant's fields included
+        results[name]["head_dim"] = model_cfg.d_model // model_cfg.num_heads
+        results[name]["attention_scale"] = getattr(model_cfg, "attention_scale", None)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(results, f, indent=1)

@@ -388,6 +388,13 @@ def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path):
     assert width("gpt") is None  # 4D in the block
     assert width("gpt", "model.mlp_dim=256") == 256
     assert width("gpt:variant=gpt-tiny-moe") == width("gpt", "model.variant=gpt-tiny-moe") == 128
+    # :variant= is the variant's shape (GPT-2 small trained as the 2-layer default, unsaid);
+    # the default keeps this config's own small model.
+    shape = lambda spec: (lambda c: (c.num_layers, c.d_model, c.num_heads))(  # noqa: E731
+        tasks.model_config(gpt.GPTConfig, config_lib.load(spec), vocab_size=256))
+    assert shape("gpt:variant=gpt2") == (12, 768, 12)
+    assert shape("gpt:variant=gpt-tiny-rope") == (2, 64, 4)
+    assert shape("gpt") == shape("gpt:variant=gpt-tiny") == (2, 128, 4)
     config = config_lib.load("gpt")
     old = json.loads(config.to_json_best_effort())
     del old["model"]["mlp_dim"]
