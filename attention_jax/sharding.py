@@ -34,6 +34,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from attention_jax.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 # Axes that may also span slices (TPU multislice) or hosts over the slow data-centre
 # network: `mesh.dcn_data=2` puts 2 slices' worth of data parallelism on it, and the
@@ -79,6 +81,7 @@ def maybe_initialize_distributed(cfg) -> None:
         return
     if jax.distributed.is_initialized():
         return
+    check_distributed(cfg)
     if cfg.cpu_collectives:
         # CPU devices of different processes talk through gloo (tests, CPU clusters).
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
@@ -89,11 +92,42 @@ def maybe_initialize_distributed(cfg) -> None:
         kwargs["num_processes"] = cfg.num_processes
     if cfg.process_id >= 0:
         kwargs["process_id"] = cfg.process_id
-    jax.distributed.initialize(**kwargs,
-                               heartbeat_timeout_seconds=service_heartbeat_timeout(cfg.lost_host_timeout))
+    if kwargs.get("coordinator_address"):  # JAX waits for every process, unsaid: say it
+        who = (f"process {cfg.process_id} of {cfg.num_processes}" if cfg.num_processes > 0
+               and cfg.process_id >= 0 else "this process")
+        print(f"jax.distributed: {who} joining the coordinator at {cfg.coordinator_address}; "
+              f"it waits until every process has joined (a process never started shows as a "
+              f"DEADLINE_EXCEEDED abort after about 5 minutes)", file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(
+            **kwargs, heartbeat_timeout_seconds=service_heartbeat_timeout(cfg.lost_host_timeout))
+    except (ValueError, IndexError, RuntimeError) as e:  # JAX's own, for what it cannot detect
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config.mesh.distributed=True: jax.distributed.initialize failed "
+                          f"({first}); valid: mesh.coordinator_address=host:port, "
+                          f"mesh.num_processes and mesh.process_id, or a cluster JAX detects "
+                          f"them on (SLURM, Open MPI, TPU pods; launch/)") from None
     logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count())
+
+
+def check_distributed(cfg) -> None:
+    """The multi-process keys that can be checked before any process joins (one line
+    each): a coordinator address with its port, a process id below the process count."""
+    address = cfg.coordinator_address
+    if address:
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ConfigError(f"config.mesh.coordinator_address={address!r}; valid: host:port, "
+                              f"e.g. 10.0.0.1:1234 (process 0's host)")
+    if cfg.num_processes == 0 or cfg.num_processes < -1:
+        raise ConfigError(f"config.mesh.num_processes={cfg.num_processes}; valid: >= 1, or -1 "
+                          f"to detect")
+    if cfg.num_processes > 0 and not -1 <= cfg.process_id < cfg.num_processes:
+        raise ConfigError(f"config.mesh.process_id={cfg.process_id}; valid: 0..."
+                          f"{cfg.num_processes - 1} (mesh.num_processes={cfg.num_processes}), "
+                          f"or -1 to detect")
 
 
 def service_heartbeat_timeout(lost_host_timeout: float) -> int:

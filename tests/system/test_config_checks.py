@@ -420,3 +420,22 @@ def test_a_misspelt_vit_variant_is_named(tmp_path, data_dir):
     with pytest.raises(ConfigError, match=r"^config\.model\.variant='vit-tiny/3' is unknown; "
                                           r"valid: \[.*\] \(did you mean 'vit-tiny/"):
         tasks.TASKS[config.task](config, str(tmp_path))
+
+
+def test_multi_process_keys_are_checked_before_joining():
+    """A coordinator without its port was an IndexError from inside JAX, a process id past
+    the count a ValueError's traceback; the keys without mesh.distributed were ignored
+    without a word (the run trained as one process)."""
+    from attention_jax import sharding
+    config = config_lib.load("gpt", ["mesh.distributed=true", "mesh.coordinator_address=127.0.0.1"])
+    with pytest.raises(ConfigError, match=r"^config.mesh.coordinator_address='127.0.0.1'; "
+                                          r"valid: host:port"):
+        sharding.maybe_initialize_distributed(config.mesh)
+    config = config_lib.load("gpt", ["mesh.distributed=true", "mesh.coordinator_address=h:1",
+                                     "mesh.num_processes=2", "mesh.process_id=2"])
+    with pytest.raises(ConfigError, match=r"^config.mesh.process_id=2; valid: 0\.\.\.1 "):
+        sharding.maybe_initialize_distributed(config.mesh)
+    config = config_lib.load("gpt", ["mesh.coordinator_address=h:1", "mesh.num_processes=2"])
+    assert ("config.mesh.coordinator_address, mesh.num_processes set, but mesh.distributed="
+            "False: ignored, this runs as one process") in config_lib.warnings(config)[0]
+    assert config_lib.warnings(config_lib.load("gpt", ["train.steps=600"])) == []
