@@ -175,7 +175,8 @@ RENAMED_MODEL_FIELDS = {
 # Keys the experiment configs gained after runs were saved without them, with the value
 # those runs trained with: resuming such a run with the key at that value is no change.
 ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto", "model.norm_kernel": "auto",
-              "model.mlp_dim": None,
+              "model.mlp_dim": None, "model.num_experts": None, "model.top_k": None,
+              "model.capacity_factor": None,
               **{f"data.{k}": v for k, v in config_lib.TEXT_FILE_KEYS.items()},
               **{f"data.{k}": v for k, v in config_lib.IMAGE_KEYS.items()}}
 

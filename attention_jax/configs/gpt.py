@@ -40,6 +40,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.num_heads = 4 if own else None  # N (head dim 32).
     c.model.max_len = 128  # rows of the learned position table.
     c.model.mlp_dim = None  # F, the MLP's hidden width; None: the variant's, else 4D.
+    # mlp="moe" (gpt-tiny-moe): experts, experts per token, capacity; None: the variant's.
+    c.model.num_experts = None
+    c.model.top_k = None
+    c.model.capacity_factor = None
     c.model.dropout_rate = 0.0  # small model, short run: no regularisation needed.
     c.model.remat_policy = "none"  # activation checkpointing per block (see layers/blocks.py).
 

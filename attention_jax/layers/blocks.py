@@ -108,6 +108,15 @@ class BlockConfig:
             raise ValueError("norm_kernel='pallas' takes a pre-norm block's residual add "
                              "into the next norm's kernel; a post-norm block has no such "
                              "add to give it: valid with norm_position='post': 'auto' or 'xla'")
+        if self.mlp == "moe":  # checked with the config, not when the layer first runs
+            e = self.num_experts
+            if e < 1:
+                raise ValueError(f"num_experts={e}; valid: >= 1 (mlp='moe')")
+            if not 1 <= self.top_k <= e:
+                raise ValueError(f"top_k={self.top_k}; valid: 1..{e} (num_experts={e})")
+            if not self.capacity_factor > 0:
+                raise ValueError(f"capacity_factor={self.capacity_factor}; valid: > 0 (1.0: "
+                                 f"room for every token under an even load)")
         n, k = self.num_heads, self.num_kv_heads
         if n <= 0:
             raise ValueError(f"num_heads must be positive; got {n}")

@@ -395,6 +395,16 @@ def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path):
     assert shape("gpt:variant=gpt2") == (12, 768, 12)
     assert shape("gpt:variant=gpt-tiny-rope") == (2, 64, 4)
     assert shape("gpt") == shape("gpt:variant=gpt-tiny") == (2, 128, 4)
+    # The MoE variant's experts are keys too, checked with the config (were a layer's
+    # ValueError traceback at the first step, and no key to set them by).
+    moe = lambda *over: tasks.model_config(  # noqa: E731
+        gpt.GPTConfig, config_lib.load("gpt:variant=gpt-tiny-moe", over), vocab_size=256)
+    assert (moe().num_experts, moe("model.num_experts=3", "model.top_k=1").top_k) == (4, 1)
+    for over, message in ((["model.top_k=5"], r"top_k=5; valid: 1\.\.4 \(num_experts=4\)"),
+                          (["model.num_experts=0"], r"num_experts=0; valid: >= 1"),
+                          (["model.capacity_factor=0"], r"capacity_factor=0; valid: > 0")):
+        with pytest.raises(ConfigError, match=rf"^config.model: {message}"):
+            moe(*over)
     config = config_lib.load("gpt")
     old = json.loads(config.to_json_best_effort())
     del old["model"]["mlp_dim"]
