@@ -70,10 +70,11 @@ from attention_jax.attention.call import (RING_INNER, AttentionCall, Platform, c
 from attention_jax.attention.masks import MaskSpec
 from attention_jax.attention.ring import ring_attention, sequence_axis_size
 from attention_jax.attention.ring_inner import choose as choose_ring_inner
+from attention_jax.errors import UserError
 
 __all__ = ["dot_product_attention", "packed_self_attention", "reads_packed", "explain",
            "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER", "default_block_sizes",
-           "compiling_for"]
+           "compiling_for", "BackendRefusedError"]
 
 
 def default_block_sizes(backend: Optional[str] = None, *, heads: Optional[int] = None,
@@ -401,6 +402,12 @@ def _with_detail(row: Backend, reason: str, call: AttentionCall, platform: Platf
     return reason
 
 
+class BackendRefusedError(UserError, ValueError):
+    """An implementation asked for (or insisted on, as the ring under a mesh that splits
+    the sequence) cannot run this call: the message says why and what would. A request's
+    mistake, so the command line says it in one line (a ValueError as before)."""
+
+
 def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tuple[str, str]:
     """(implementation, reason) for this call on this platform; raises, naming the reason,
     when an explicit implementation cannot run it."""
@@ -410,7 +417,7 @@ def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tup
                              f"{IMPLEMENTATIONS}")
         reason = _refusal(_BY_NAME[implementation], call, platform)
         if reason is not None:
-            raise ValueError(reason)
+            raise BackendRefusedError(reason)
         return implementation, _with_detail(_BY_NAME[implementation], "asked for", call,
                                             platform)
     passed_over = []
@@ -420,7 +427,7 @@ def _choose(implementation: str, call: AttentionCall, platform: Platform) -> tup
             continue
         refusal = _refusal(row, call, platform)
         if refusal is not None and row.insisted(call):
-            raise ValueError(refusal)
+            raise BackendRefusedError(refusal)
         refusal = refusal or row.auto_refusal(call, platform)
         if refusal is None:
             return row.name, _with_detail(row, "; ".join([taken_because] + passed_over),

@@ -358,6 +358,18 @@ def test_window_and_scale_of_the_wrong_type(kwargs, message):
         dot_product_attention(*_ok(), **kwargs)
 
 
+def test_a_backend_that_cannot_run_the_call_is_a_user_error():
+    """The command line says a request's mistake in one line (UserError) and keeps the
+    traceback for a bug: a ring or splash choice that cannot run was a traceback."""
+    from attention_jax.attention import BackendRefusedError
+    from attention_jax.errors import UserError
+    with pytest.raises(BackendRefusedError, match=r"implementation='cudnn' needs an NVIDIA GPU") as e:
+        dot_product_attention(*_ok(), implementation="cudnn")
+    assert isinstance(e.value, UserError) and isinstance(e.value, ValueError)
+    with pytest.raises(BackendRefusedError, match=r"implementation='ring' needs a mesh"):
+        dot_product_attention(*_ok(), implementation="ring")
+
+
 def test_a_traced_causal_names_the_argument():
     """Under jit, a causal passed as an argument was JAX's TracerBoolConversionError."""
     run = jax.jit(lambda causal: dot_product_attention(*_ok(), causal=causal))
