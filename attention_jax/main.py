@@ -157,6 +157,17 @@ def main(argv) -> int:
         where = f"--mode={FLAGS.mode}: " if isinstance(e, workdir_lib.RunNotFoundError) else ""
         print(f"error: {where}{e}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - only the device running out of memory is caught
+        if "RESOURCE_EXHAUSTED" not in str(e) or type(e).__name__ != "JaxRuntimeError":
+            raise
+        # A config too large for the device (gpt2_gpu on a laptop): XLA's 50-line
+        # traceback said only "Out of memory allocating N bytes".
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        print(f"error: the run does not fit this device's memory ({first[:200]}); valid: a "
+              f"smaller train.batch_size (optim.grad_accum keeps the batch), "
+              f"model.remat_policy (recompute activations), train.loss_chunk_size, a smaller "
+              f"model, or more devices (mesh.fsdp)", file=sys.stderr)
+        return 1
 
 
 def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: str):

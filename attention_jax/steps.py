@@ -22,6 +22,14 @@ from attention_jax.tasks import Task
 
 
 # ==================================================================================== state
+def fetch(tree):
+    """jax.device_get(tree), waiting for it on the device first: a computation that failed
+    there (out of memory) raises here. device_get alone waited forever on an output of a
+    computation with several outputs of which another could not be allocated (jaxlib
+    0.10, CPU: the run hung, idle, where it should have said it ran out of memory)."""
+    return jax.device_get(jax.block_until_ready(tree))
+
+
 def create_state(task: Task, tx, mesh, rules, seed: int):
     """Abstract state (with shardings) and a function that creates it already sharded.
 
@@ -170,7 +178,7 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
     for i, batch in enumerate(loader):
         if i == batches:
             break
-        metrics = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
+        metrics = fetch(eval_step(params, sharding.shard_batch(batch, mesh)))
         examples += round(float(metrics.pop(EXAMPLES)))
         weighted = losses.WEIGHT in metrics
         if weighted:

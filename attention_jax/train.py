@@ -285,7 +285,7 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool)
     with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
         state, data_state = restore_or_init(prepared, config)
         if note:  # the step actually resumed: a damaged newer one may have been passed over
-            _say(f"resuming step {int(jax.device_get(state['step']))} {note}")
+            _say(f"resuming step {int(steps.fetch(state['step']))} {note}")
         train_step, eval_step = steps.jit_steps(prepared, config)
         loader = _resumed_loader(prepared.task, config, data_state, resume_changed)
         summary = _loop(config, workdir, prepared, state, loader, train_step, eval_step)
@@ -323,7 +323,9 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     last good checkpoint intact (the state after that step is dropped), "skip" goes on
     (its step applied no update: steps.make_train_step)."""
     total = config.train.steps
-    step = int(jax.device_get(state["step"]))
+    # The whole state, waited for: an init or restore that failed on the device (out of
+    # memory) raises here rather than leaving device_get waiting forever (steps.fetch).
+    step = int(jax.device_get(jax.block_until_ready(state)["step"]))
     summary = {"step": step, "train": {}, "eval": {}, "losses": [], "stopped_by": None}
     pauses = heap.Pauses()
     progress, meter = Progress(config, workdir, prepared.task.unit, step), Throughput(pauses)
@@ -454,7 +456,7 @@ def _finite_steps(pending, config, ckpt, losses: list) -> list[dict]:
     losses appended to `losses`. A non-finite step stops the run ("stop") or is left
     out ("skip": its update was not applied)."""
     finite = []
-    for at, m in jax.device_get(pending):
+    for at, m in steps.fetch(pending):
         if not m["finite"]:
             _nonfinite(config, at, m, ckpt)  # raises in "stop" mode
             continue
