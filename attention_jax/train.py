@@ -422,8 +422,10 @@ class StopRequest(contextlib.AbstractContextManager):
             signal.raise_signal(signum)
             return
         self.signal = signum
-        logging.warning("received %s: stopping after this step with a final checkpoint",
-                        signal.Signals(signum).name)
+        # The host runs ahead of the device by the steps it has queued (up to a log,
+        # eval or save): those finish, then the checkpoint, then the run stops.
+        logging.warning("received %s: finishing the steps already queued, then saving a "
+                        "final checkpoint and stopping", signal.Signals(signum).name)
         if self._preemption:
             signal.raise_signal(signal.SIGTERM)  # JAX's handler: every process stops
 

@@ -183,6 +183,11 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
                      "train_loss": _smooth([r["loss"] for r in trains]).tolist(),
                      "wall_s": wall_seconds(w)})
     runs.sort(key=lambda r: r["non_embedding_params"])
+    sizes = len({r["non_embedding_params"] for r in runs})
+    if sizes < 4:  # said in the command's terms, not the fit's arguments'
+        raise ValueError(f"scaling fits L(N) = E + A·N^-α (3 parameters) to runs of 4 or more "
+                         f"model sizes; got {len(workdirs)} run(s) of {sizes} size(s) (a "
+                         f"model-size sweep: configs/scaling.py)")
     n = np.array([r["non_embedding_params"] for r in runs], np.float64)
     loss = np.array([r["eval_loss"] for r in runs])
     fit = fit_power_law(n, loss)
