@@ -110,6 +110,16 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
         directory = directory / "checkpoints"
     if not directory.is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints folder")
+    folders = [p for p in directory.iterdir() if p.is_dir()]
+    if folders and not any(p.name.split(".")[0].isdigit() for p in folders):
+        # Not a checkpoints folder (no step folder, committed or moved aside): a folder of
+        # runs, most likely, whose every run read as "not a checkpoint step".
+        runs = sorted(p.name for p in folders if (p / "checkpoints").is_dir())
+        raise FileNotFoundError(
+            f"{workdir} is neither a run's workdir nor its checkpoints folder"
+            + (f"; the runs in it: {', '.join(runs[:8])}{' ...' if len(runs) > 8 else ''} "
+               f"(verify each: python -m attention_jax.verify {workdir}/{runs[0]})"
+               if runs else ""))
     ckpt = Checkpointer(directory, read_only=True)
     try:
         committed = ckpt.committed_steps()

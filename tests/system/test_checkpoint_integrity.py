@@ -319,6 +319,12 @@ def test_verifier_table(runs, tmp_path, capsys):
     # All intact: exit status 0; nothing was moved by the verifier.
     assert verify.main([runs["base"]]) == 0
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "25", "5"]
+    # The folder holding the runs: one line naming them (was an empty table and a "not
+    # a checkpoint step" line per run).
+    assert verify.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {tmp_path} is neither a run's workdir nor its checkpoints folder; the runs "
+        f"in it: {os.path.basename(workdir)} (verify each: python -m attention_jax.verify ")
 
 
 def test_verifier_command_line(tmp_path):
