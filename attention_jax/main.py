@@ -158,15 +158,18 @@ def main(argv) -> int:
         print(f"error: {where}{e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - only the device running out of memory is caught
-        if "RESOURCE_EXHAUSTED" not in str(e) or type(e).__name__ != "JaxRuntimeError":
+        import jax
+        if not (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)):
             raise
         # A config too large for the device (gpt2_gpu on a laptop): XLA's 50-line
         # traceback said only "Out of memory allocating N bytes".
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        print(f"error: the run does not fit this device's memory ({first[:200]}); valid: a "
-              f"smaller train.batch_size (optim.grad_accum keeps the batch), "
-              f"model.remat_policy (recompute activations), train.loss_chunk_size, a smaller "
-              f"model, or more devices (mesh.fsdp)", file=sys.stderr)
+        ways = ("a smaller train.batch_size (optim.grad_accum keeps the batch), "
+                "model.remat_policy (recompute activations), train.loss_chunk_size, a smaller "
+                "model, or more devices (mesh.fsdp)" if FLAGS.mode == "train" else
+                "a smaller eval.batch_size, or more devices (--config.mesh.*)")
+        print(f"error: the run does not fit this device's memory ({first[:200]}); valid: "
+              f"{ways}", file=sys.stderr)
         return 1
 
 

@@ -146,9 +146,10 @@ def count_params(params) -> int:
 def run_summary(workdir: str) -> dict:
     """Final eval metrics, steps, parameter count and wall time of a finished run.
 
-    Wall time is the span from config.json (written before compiling) to the last
-    metric record (the final eval): compilation, training and evaluation included, as
-    a user waits for it. A resumed run's span includes the pause; start fresh to time.
+    Wall time is the span from the run's first start to its last metric record (the
+    final eval; workdir.wall_seconds): compilation, training and evaluation included, as
+    a user waits for it. A resumed run's span includes the pause. "model" is the resolved
+    model config (a variant's fields included), not config.model's given keys.
     """
     records = workdir_lib.read_metrics(workdir)
     evals = workdir_lib.eval_records(workdir)  # --mode=eval's too, where training had none
@@ -160,4 +161,15 @@ def run_summary(workdir: str) -> dict:
             "params": count_params(nn.meta.unbox(shapes)), "wall_s": workdir_lib.wall_seconds(workdir),
             "eval": {k: v for k, v in (evals[-1] if evals else {}).items()
                      if k not in ("step", "split")},
-            "model": config.model.to_dict()}
+            "model": resolved_model_fields(config, task)}
+
+
+def resolved_model_fields(config, task) -> dict:
+    """config.model's keys with the model's resolved values over them (a variant's sizes
+    where config.model leaves them None), the plain ones (numbers, strings, bools)."""
+    fields = config.model.to_dict()
+    model_config = getattr(task.model, "config", None)
+    if dataclasses.is_dataclass(model_config):
+        fields.update({k: v for k, v in dataclasses.asdict(model_config).items()
+                       if v is None or isinstance(v, (bool, int, float, str))})
+    return fields

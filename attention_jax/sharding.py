@@ -101,7 +101,7 @@ def maybe_initialize_distributed(cfg) -> None:
     try:
         jax.distributed.initialize(
             **kwargs, heartbeat_timeout_seconds=service_heartbeat_timeout(cfg.lost_host_timeout))
-    except (ValueError, IndexError, RuntimeError) as e:  # JAX's own, for what it cannot detect
+    except (ValueError, IndexError) as e:  # JAX's own, for what it cannot detect
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"config.mesh.distributed=True: jax.distributed.initialize failed "
                           f"({first}); valid: mesh.coordinator_address=host:port, "

@@ -110,6 +110,8 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
         directory = directory / "checkpoints"
     if not directory.is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints folder")
+    if (directory / "config.json").exists():  # a run that has saved no checkpoint yet
+        raise FileNotFoundError(f"{workdir} has no checkpoints folder")
     folders = [p for p in directory.iterdir() if p.is_dir()]
     if folders and not any(p.name.split(".")[0].isdigit() for p in folders):
         # Not a checkpoints folder (no step folder, committed or moved aside): a folder of

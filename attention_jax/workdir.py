@@ -22,6 +22,7 @@ writer lock is a warning there (WriterLock).
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import shutil
@@ -291,6 +292,8 @@ class MetricWriter:
                 tb_dir = self._tb_local
             else:
                 self._jsonl = open(file, "a")
+                if resume_step == 0:
+                    _set_aside_earlier_events(tb_dir)
             self._tb = SummaryWriter(tb_dir,
                                      purge_step=None if resume_step is None else resume_step + 1)
 
@@ -399,7 +402,8 @@ def eval_records(workdir: str) -> list[dict]:
     run's own data (a record of other data, its "data" key, is not the run's)."""
     found = [r for r in read_metrics(workdir) if r.get("split") == "eval"]
     if not found and exists(workdir, EVALS):
-        by_step = {r["step"]: {**r, "split": "eval"} for r in read_records(path(workdir, EVALS))
+        by_step = {r["step"]: {**{k: v for k, v in r.items() if k != "time"}, "split": "eval"}
+                   for r in read_records(path(workdir, EVALS))
                    if "data" not in r and "step" in r}  # the latest of a step's records
         found = [by_step[k] for k in sorted(by_step)]
     return found
@@ -418,6 +422,20 @@ def finished(workdir: str, steps: int) -> bool:
     """Whether the run trained all `steps` and wrote its final evaluation."""
     return any(r.get("split") == "eval" and r.get("step") == steps
                for r in read_records(path(workdir, METRICS)))
+
+
+def _set_aside_earlier_events(tb_dir: str) -> None:
+    """A run starting from step 0 in a folder that held an earlier one (its checkpoints
+    moved away, or killed before its first save): that run's TensorBoard files go into a
+    folder of their own (TensorBoard shows it as another run), so that the events files
+    left at the top, whose names carry their start times, are this run's (wall_seconds)."""
+    earlier = sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")))
+    if earlier:
+        stamp = os.path.basename(earlier[0]).split(".")[3]
+        aside = os.path.join(tb_dir, f"earlier_run_{stamp}")
+        os.makedirs(aside, exist_ok=True)
+        for f in earlier:
+            os.replace(f, os.path.join(aside, os.path.basename(f)))
 
 
 def wall_seconds(workdir: str) -> float:
@@ -506,9 +524,16 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
         return ""
     relevant = _training_keys(changes)
     if relevant and not resume_changed:
+        # A key the config now leaves None (a variant's value) that the run set: giving
+        # the run's value resumes it (the gpt config's sizes under :variant=, before they
+        # followed the variant).
+        unset = [k for k in relevant if changes[k][1] is None and changes[k][0] is not None]
+        keep = (f" To keep the run's {', '.join(unset)}: " + " ".join(
+            f"--config.{k}={json.dumps(changes[k][0])}" for k in unset) + "."
+                if unset else "")
         raise ConfigError(
             f"{workdir} holds a run at step {step} trained with another config: "
-            f"{_show(changes, relevant)}. To resume it with the new values anyway pass "
+            f"{_show(changes, relevant)}.{keep} To resume it with the new values anyway pass "
             f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
             f"from scratch use a new --workdir.")
     note = f"with config changes: {_show(changes, list(changes))}"

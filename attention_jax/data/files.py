@@ -242,9 +242,11 @@ def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
         # A column of another type would skip every row, one bad record each: its schema
         # says so now, in one line.
         kind = meta.schema_arrow.field(text_key).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-                or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
-                or pa.types.is_string_view(kind) or pa.types.is_binary_view(kind)):
+        if pa.types.is_dictionary(kind):  # a categorical column of strings reads as str
+            kind = kind.value_type
+        textual = ("is_string", "is_large_string", "is_binary", "is_large_binary",
+                   "is_string_view", "is_binary_view")  # the views: pyarrow >= 16
+        if not any(getattr(pa.types, name, lambda _: False)(kind) for name in textual):
             raise FilesError(f'{path}: column {text_key!r} holds {kind}, not text; valid: a '
                              f'string column ({arg}text_key names it)')
         f.groups = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -364,7 +366,8 @@ class Corpus:
         if f.format in TEXT_SUFFIXES:
             text = self._reader.text_file(f)
             if b'\x00' in text:  # a binary file under a text suffix: skipped and counted
-                self.bad.skip(f.path, 'holds NUL bytes: a binary file, not text')
+                self.bad.skip(f.path, 'holds NUL bytes: a binary file, or text not in UTF-8 '
+                                      '(UTF-16/32: convert it to UTF-8)')
                 text = b''
             return {'id': f.ident.encode(), 'text': text}
         if f.format == '.parquet':

@@ -256,16 +256,21 @@ def _check_seq_len(data_opts, max_len: int) -> None:
                           f"{max_len}; valid: seq_len <= {max_len}")
 
 
-def check_sample_prompts(prompts, tok) -> None:
+def check_sample_prompts(prompts, tok, max_len: int | None = None) -> None:
     """A ConfigError naming config.eval.sample_prompts if the tokenizer cannot encode one
-    of them: found before training, not when the run samples at its end."""
+    of them, or one fills a learned position table of `max_len` rows: found before
+    training, not when the run samples at its end."""
     for prompt in prompts:
         try:
-            tok.encode(prompt)
+            ids = tok.encode(prompt)
         except TokenizerEncodeError as e:
             raise ConfigError(f"config.eval.sample_prompts: {e}; valid: prompts it encodes "
                               f"(--config.eval.sample_prompts='(\"...\",)') or none "
                               f"(--config.eval.sample_prompts='()')") from None
+        if max_len is not None and len(ids) >= max_len:
+            raise ConfigError(f"config.eval.sample_prompts: {prompt[:40]!r} is {len(ids)} "
+                              f"tokens, which fill the position table (model.max_len="
+                              f"{max_len}); valid: prompts under {max_len} tokens")
 
 
 def lm_task(config, workdir: str) -> Task:
@@ -281,9 +286,10 @@ def lm_task(config, workdir: str) -> Task:
     # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
     # (GPT-2's) pads with its end-of-text token.
     tok = _tokenizer(data_opts, workdir, documents)
-    check_sample_prompts(config.eval.sample_prompts, tok)
     cfg = model_config(gpt.GPTConfig, config, vocab_size=lm_vocab_size(config, tok.vocab_size),
                        dtype=config.train.compute_dtype)
+    check_sample_prompts(config.eval.sample_prompts, tok,
+                         cfg.max_len if cfg.position == "learned" else None)
     if cfg.position == "learned":
         _check_seq_len(data_opts, cfg.max_len)
     model = gpt.GPT(cfg)
@@ -323,11 +329,7 @@ def lm_task(config, workdir: str) -> Task:
         new = config.eval.sample_tokens
         if cfg.position == "learned" and new > cfg.max_len - width:
             new = cfg.max_len - width  # the position table ends there: said, not silent
-            if new < 1:
-                raise ConfigError(f"config.eval.sample_prompts: a prompt of {width} tokens "
-                                  f"fills the position table (model.max_len={cfg.max_len}); "
-                                  f"valid: prompts under {cfg.max_len} tokens")
-            if jax.process_index() == 0:
+            if jax.process_index() == 0:  # (a prompt filling it is refused at setup)
                 print(f"note: eval.sample_tokens={config.eval.sample_tokens}: {new} tokens "
                       f"generated, where the position table ends (model.max_len="
                       f"{cfg.max_len}, the longest prompt {width} tokens)", file=sys.stderr)

@@ -414,17 +414,24 @@ def attention_report(runs: dict[str, str], out: str, batches: int = 4,
 
 
 # ================================================================================= curves
+def curve_records(runs: dict[str, str], metric: str) -> dict[str, list[dict]]:
+    """Each run's metric records, or a ValueError when none has `metric` (an empty plot
+    otherwise, written without a word)."""
+    named = {name: read_metrics(w) for name, w in runs.items()}
+    found = sorted({k for records in named.values() for r in records for k in r}
+                   - {"step", "split", "time"})
+    if metric not in found:
+        raise ValueError(f"--curves={metric!r}: no record of these runs has it; valid: {found}")
+    return named
+
+
 def plot_curves(runs: dict[str, str], path: str, metric: str = "loss") -> None:
     """Train (thin) and eval (markers) `metric` against step for each run."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    named = {name: read_metrics(w) for name, w in runs.items()}
-    found = sorted({k for records in named.values() for r in records for k in r}
-                   - {"step", "split", "time"})
-    if metric not in found:  # an empty plot otherwise, written without a word
-        raise ValueError(f"--curves={metric!r}: no record of these runs has it; valid: {found}")
+    named = curve_records(runs, metric)
     for i, (name, records) in enumerate(named.items()):
         for split, style in (("train", dict(linewidth=1, alpha=0.6)),
                              ("eval", dict(marker="o", linestyle="--"))):
@@ -617,9 +624,11 @@ def _run(args) -> None:
         print(open(args.out + ".md").read())
     else:
         runs = _named_runs(args.runs)
-        if args.curves:  # first: a misspelt metric stops before anything is written
-            plot_curves(runs, args.out + "_curves.png", args.curves)
+        if args.curves:  # checked first: a misspelt metric stops before anything is written
+            curve_records(runs, args.curves)
         rows = runs_report(runs, args.out, args.x, args.metric)
+        if args.curves:
+            plot_curves(runs, args.out + "_curves.png", args.curves)
         print(runs_table(rows, args.metric))
 
 

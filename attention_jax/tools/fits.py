@@ -173,8 +173,11 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
                 if missing == "eval" else "); is it a run that trained?"))
         units = units_per_step(task, config)
         steps = np.array([r["step"] for r in trains])
-        runs.append({"workdir": w, "layers": config.model.get("num_layers"),
-                     "d_model": config.model.get("d_model"), "non_embedding_params": n,
+        model = getattr(task.model, "config", None)  # resolved: a variant's sizes too
+        runs.append({"workdir": w,
+                     "layers": getattr(model, "num_layers", config.model.get("num_layers")),
+                     "d_model": getattr(model, "d_model", config.model.get("d_model")),
+                     "non_embedding_params": n,
                      "params": count_params(shapes), "steps": int(evals[-1]["step"]),
                      "unit": task.unit, "units": int(evals[-1]["step"] * units),
                      "flops_per_unit": float(per_unit(shapes)),
@@ -183,11 +186,11 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
                      "train_loss": _smooth([r["loss"] for r in trains]).tolist(),
                      "wall_s": wall_seconds(w)})
     runs.sort(key=lambda r: r["non_embedding_params"])
-    sizes = len({r["non_embedding_params"] for r in runs})
-    if sizes < 4:  # said in the command's terms, not the fit's arguments'
-        raise ValueError(f"scaling fits L(N) = E + A·N^-α (3 parameters) to runs of 4 or more "
-                         f"model sizes; got {len(workdirs)} run(s) of {sizes} size(s) (a "
-                         f"model-size sweep: configs/scaling.py)")
+    if len(runs) < 4:  # said in the command's terms, not the fit's arguments'
+        sizes = len({r["non_embedding_params"] for r in runs})
+        raise ValueError(f"scaling fits L(N) = E + A·N^-α (3 parameters) to 4 or more runs of "
+                         f"different model sizes; got {len(runs)} run(s) of {sizes} size(s) "
+                         f"(a model-size sweep: configs/scaling.py)")
     n = np.array([r["non_embedding_params"] for r in runs], np.float64)
     loss = np.array([r["eval_loss"] for r in runs])
     fit = fit_power_law(n, loss)

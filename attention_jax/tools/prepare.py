@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         print(f'{label}: {sum(m["documents"]):,} documents, {tokens[label]:,} tokens '
               f'({m["dtype"]}) in {len(m["tokens"])} shards, from '
               f'{m["source_bytes"] / 1e6:.1f} MB of text: {directory}')
-    if tokens.get('eval', 0) > tokens.get('train', 0):  # by documents, a long one tips it
+    if args.process_index == 0 and tokens.get('eval', 0) > tokens.get('train', 0):
         why = ('the eval files hold more than the train files' if config.data.get('eval_files')
                else 'documents are split by count (data.eval_fraction), and a few long ones '
                     'landed in eval; give eval files of your own (--config.data.eval_files='

@@ -187,8 +187,8 @@ def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):
     src = files.file_splits(f"{tmp_path / 'blob'}/*.txt", eval_fraction=0.5)
     texts = sorted(t for s in src.values() for t in _read(s).values())
     assert texts == ['', 'a real document']
-    assert (f"warning: {tmp_path / 'blob' / 'b.txt'}: holds NUL bytes: a binary file, not "
-            f"text; skipped") in capsys.readouterr().err
+    assert (f"warning: {tmp_path / 'blob' / 'b.txt'}: holds NUL bytes: a binary file, or "
+            f"text not in UTF-8 (UTF-16/32: convert it to UTF-8); skipped") in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- tokenizer files

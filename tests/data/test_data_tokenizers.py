@@ -188,6 +188,14 @@ def test_a_text_the_tokenizer_cannot_encode_is_named_and_so_are_the_prompts(tmp_
     with pytest.raises(ConfigError, match=r"^config\.eval\.sample_prompts: .* cannot encode "
                                           r"'def ' .*; valid: prompts it encodes"):
         text.check_sample_prompts(('12 ', 'def '), tok)
+    # A prompt that fills a learned position table: refused before training, not when the
+    # finished run samples (it exited 1 after training).
+    n = len(tok.encode('12 is twelve'))
+    text.check_sample_prompts(('12 is twelve',), tok, max_len=n + 1)
+    with pytest.raises(ConfigError, match=rf"^config\.eval\.sample_prompts: '12 is twelve' is "
+                                          rf"{n} tokens, which fill the position table "
+                                          rf"\(model\.max_len={n}\)"):
+        text.check_sample_prompts(('12 is twelve',), tok, max_len=n)
 
 
 def test_remote_folders_go_through_the_workdir(tmp_path):

@@ -248,11 +248,11 @@ def test_a_wheel_install_trains_a_shipped_config_from_any_directory(tmp_path, da
 
 
 def test_a_model_too_large_for_the_device_is_one_line_not_a_hang(tmp_path):
-    """An init that could not allocate its parameters (a 128 GiB MLP here) left the run
+    """An init that could not allocate its parameters (a 4 TiB MLP here) left the run
     waiting forever, idle, in device_get of the step counter (an output of the same
     computation); a step too large for memory was XLA's 50-line traceback."""
     line = one_error_line(cli(*TINY_GPT, f"--workdir={tmp_path / 'big'}",
-                              "--config.model.mlp_dim=2147483648", "--config.mesh.num_devices=1",
+                              "--config.model.mlp_dim=68719476736", "--config.mesh.num_devices=1",
                               timeout=120))
     assert line.startswith("error: the run does not fit this device's memory (RESOURCE_EXHAUSTED"
                            ": Out of memory allocating "), line

@@ -399,7 +399,8 @@ def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path):
     # ValueError traceback at the first step, and no key to set them by).
     moe = lambda *over: tasks.model_config(  # noqa: E731
         gpt.GPTConfig, config_lib.load("gpt:variant=gpt-tiny-moe", over), vocab_size=256)
-    assert (moe().num_experts, moe("model.num_experts=3", "model.top_k=1").top_k) == (4, 1)
+    given = moe("model.num_experts=3", "model.top_k=1")
+    assert (moe().num_experts, given.num_experts, given.top_k) == (4, 3, 1)
     for over, message in ((["model.top_k=5"], r"top_k=5; valid: 1\.\.4 \(num_experts=4\)"),
                           (["model.num_experts=0"], r"num_experts=0; valid: >= 1"),
                           (["model.capacity_factor=0"], r"capacity_factor=0; valid: > 0")):
@@ -449,3 +450,18 @@ def test_multi_process_keys_are_checked_before_joining():
     assert ("config.mesh.coordinator_address, mesh.num_processes set, but mesh.distributed="
             "False: ignored, this runs as one process") in config_lib.warnings(config)[0]
     assert config_lib.warnings(config_lib.load("gpt", ["train.steps=600"])) == []
+
+
+def test_a_run_of_a_variant_from_before_its_sizes_followed_it_names_the_way_through(tmp_path):
+    """gpt:variant=X trained the config's own 2-layer sizes until they followed the
+    variant: such a run's config.json holds them, and resuming names the flags that keep
+    them (--resume_changed would build the variant's larger model)."""
+    old = config_lib.load("gpt:variant=gpt-tiny-rope")
+    old.model.num_layers, old.model.d_model, old.model.num_heads = 2, 128, 4
+    workdir_lib.write_config(str(tmp_path), old)
+    with pytest.raises(ConfigError, match=r"To keep the run's model\.d_model, model\.num_heads, "
+                                          r"model\.num_layers: --config\.model\.d_model=128 "
+                                          r"--config\.model\.num_heads=4 "
+                                          r"--config\.model\.num_layers=2\. To resume"):
+        workdir_lib.check_config_change(config_lib.load("gpt:variant=gpt-tiny-rope"),
+                                        str(tmp_path), 10, resume_changed=False)

@@ -162,3 +162,13 @@ def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path):
     for f in (tmp_path / "tensorboard").iterdir():
         f.unlink()
     assert workdir_lib.wall_seconds(str(tmp_path)) == 0.0  # not -100
+    # A run starting over from step 0 (its checkpoints moved away) sets the earlier run's
+    # events aside: its own start is the one timed.
+    (tmp_path / "tensorboard" / "events.out.tfevents.1000.host").write_text("")
+    workdir_lib.MetricWriter(str(tmp_path), resume_step=0).close()
+    assert (tmp_path / "tensorboard" / "earlier_run_1000" / "events.out.tfevents.1000.host").exists()
+    (new,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    stamp = float(new.name.split(".")[3])
+    for name, mtime in (("metrics.jsonl", stamp + 50), ("config.json", stamp + 100)):
+        os.utime(tmp_path / name, (mtime, mtime))
+    assert workdir_lib.wall_seconds(str(tmp_path)) == 50.0  # from this run's start, not 1000

@@ -133,8 +133,8 @@ def test_scaling_report_counts_compute_with_the_tasks_flops(tmp_path):
             dirs.append(str(w))
         result = fits.scaling_report(dirs, str(tmp_path / "report" / "scaling"))
         # Two runs: named in the command's terms (was "n and loss need the same length").
-        with pytest.raises(ValueError, match=r"to runs of 4 or more model sizes; got 2 run\(s\) "
-                                             r"of 2 size\(s\)"):
+        with pytest.raises(ValueError, match=r"to 4 or more runs of different model sizes; got "
+                                             r"2 run\(s\) of 2 size\(s\)"):
             fits.scaling_report(dirs[:2], str(tmp_path / "report" / "two"))
     finally:
         del tasks.TASKS["scaling_stub"]
