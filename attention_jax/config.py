@@ -289,9 +289,9 @@ def warnings(config) -> list[str]:
         peak = schedule / config.optim.warmup_steps
         out.append(f"config.optim.warmup_steps={config.optim.warmup_steps} is longer than "
                    f"{what}: the learning rate stops at {peak:.0%} of optim.lr")
-    m = config.mesh
-    given = [f"mesh.{k}" for k, unset in (("coordinator_address", ""), ("num_processes", -1),
-                                          ("process_id", -1)) if m.get(k, unset) != unset]
+    m, unset = config.mesh, base_config().mesh
+    given = [f"mesh.{k}" for k in ("coordinator_address", "num_processes", "process_id")
+             if m.get(k, unset[k]) != unset[k]]
     if given and not m.distributed:
         out.append(f"config.{', '.join(given)} set, but mesh.distributed=False: ignored, this "
                    f"runs as one process (--config.mesh.distributed=True to join the others)")

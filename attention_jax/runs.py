@@ -58,19 +58,25 @@ def fit_reader_mesh(config, who: str) -> bool:
         return False
     shape = {a: m.get(a, 1) for a in sharding.MESH_AXES}
     here = jax.device_count()
-    try:
-        if m.num_devices > here or sharding.dcn_shape(m) != {a: 1 for a in sharding.DCN_AXES}:
-            raise ValueError("more devices than here")
-        sharding.resolve_mesh_shape(shape, m.num_devices or here)
+    if _mesh_fits(m, shape, here):
         return False
-    except ValueError:
-        pass
     m.data, m.fsdp, m.sequence, m.tensor, m.num_devices = -1, 1, 1, 1, 0
     m.dcn_data, m.dcn_fsdp = 1, 1
     where = "the one device here" if here == 1 else f"the {here} devices here, batch split"
     print(f"{who}: the run's mesh {shape} does not fit this host's {here} "
           f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose)",
           file=sys.stderr)
+    return True
+
+
+def _mesh_fits(m, shape: dict[str, int], here: int) -> bool:
+    """Whether a mesh config can be built on `here` devices of one process."""
+    if m.num_devices > here or any(s != 1 for s in sharding.dcn_shape(m).values()):
+        return False
+    try:
+        sharding.resolve_mesh_shape(shape, m.num_devices or here)
+    except ValueError:
+        return False
     return True
 
 

@@ -108,9 +108,8 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
     directory = epath.Path(workdir)  # a local path or a gs:// URL
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{workdir} has no checkpoints folder")
-    if (directory / "config.json").exists():  # a run that has saved no checkpoint yet
+    # (a folder with a config.json: a run that has saved no checkpoint yet)
+    if not directory.is_dir() or (directory / "config.json").exists():
         raise FileNotFoundError(f"{workdir} has no checkpoints folder")
     folders = [p for p in directory.iterdir() if p.is_dir()]
     if folders and not any(p.name.split(".")[0].isdigit() for p in folders):

@@ -571,11 +571,16 @@ _READ_SAFE_WORDS = ("eval.*, mesh.*, train.compute_dtype, train.seed, batch size
                     "files, eval_files, cache_dir)")
 
 
+def _unsafe_for_readers(changes: dict) -> list[str]:
+    """The keys of `changes` a reader may not change (not READ_SAFE_KEYS)."""
+    return [k for k in changes if not _safe(k, READ_SAFE_KEYS)]
+
+
 def check_reader_config(config, workdir: str, who: str = "a reader of a run") -> dict:
     """{key: (run's value, given value)} of the READ_SAFE_KEYS where `config` differs from
     the run's config.json; a ConfigError naming the others (and the run's values)."""
     changes = config_changes(config, workdir)
-    unsafe = [k for k in changes if not _safe(k, READ_SAFE_KEYS)]
+    unsafe = _unsafe_for_readers(changes)
     if unsafe:
         raise ConfigError(
             f"{who} uses the run's own config ({path(workdir, CONFIG)}), and the keys given "
@@ -589,7 +594,7 @@ def reader_overrides_error(config, workdir: str, mismatch: str) -> ConfigError:
     checkpoint no longer restores: the keys past the read-safe ones, and `mismatch`, the
     first array whose shape they changed."""
     changes = config_changes(config, workdir)
-    unsafe = [k for k in changes if not _safe(k, READ_SAFE_KEYS)]
+    unsafe = _unsafe_for_readers(changes)
     return ConfigError(
         f"the overrides {_show(changes, unsafe) or '(none past the read-safe keys)'} change "
         f"the model the run trained, so its checkpoint does not restore ({mismatch}); "

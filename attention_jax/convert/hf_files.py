@@ -131,14 +131,14 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     that is a training run (its own config.json, checkpoints/) is refused: its config.json
     would be replaced, and the run would no longer open. An earlier export is replaced."""
     config_file = os.path.join(out_dir, "config.json")
-    ours = os.path.isdir(os.path.join(out_dir, "checkpoints"))
-    if os.path.isfile(config_file) and not ours:
+    taken = os.path.isdir(os.path.join(out_dir, "checkpoints"))  # a run's folder
+    if os.path.isfile(config_file) and not taken:
         try:
             with open(config_file) as f:
-                ours = "model_type" not in json.load(f)
+                taken = "model_type" not in json.load(f)  # not an earlier export's
         except (ValueError, OSError):
-            ours = True  # not a Hugging Face config either: someone's file, kept
-    if ours:
+            taken = True  # not a Hugging Face config either: someone's file, kept
+    if taken:
         raise ConversionError(f"export_hf: {os.fspath(out_dir)!r} holds a training run (or "
                               f"another config.json), which the export's config.json would "
                               f"replace; valid: a folder of its own, e.g. "

@@ -23,7 +23,8 @@ from attention_jax.tasks import images, text, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
                                       data_on_demand, data_options, lm_vocab_size,
                                       model_config, need,
-                                      padded_vocab, register, tasks_with, token_labels)
+                                      padded_vocab, register, tasks_with, token_labels,
+                                      until_eos)
 from attention_jax.tasks.images import image_task
 from attention_jax.tasks.text import lm_task, mlm_task
 from attention_jax.tasks.translation import translation_task
@@ -31,4 +32,4 @@ from attention_jax.tasks.translation import translation_task
 __all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "data_on_demand",
            "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
-           "register", "tasks_with", "token_labels", "translation_task"]
+           "register", "tasks_with", "token_labels", "translation_task", "until_eos"]

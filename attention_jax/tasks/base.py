@@ -459,6 +459,19 @@ def corpus_options(data_opts) -> dict:
     return {"max_files": data_opts.max_files} if data_opts.max_files else {}
 
 
+def until_eos(ids, eos_id: int) -> list[int]:
+    """A generated row's ids before its first end token (all of them without one)."""
+    ids = [int(t) for t in ids]
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def gather_rows(x) -> np.ndarray:
+    """A generated batch whole on every process (with several, each holds only its rows of
+    the global array); every process must call it, as they all call the generation."""
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def data_parallel_size() -> int:
     """Devices the batch is split over in the current mesh (jax.set_mesh), 1 without one."""
     from attention_jax import sharding

@@ -11,7 +11,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import TEXT_FILE_KEYS
@@ -22,7 +21,7 @@ from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
                                       check_source_keys, corpus_options, data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
-                                      lm_vocab_size, model_config, moe_metrics,
+                                      gather_rows, lm_vocab_size, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
                                       tasks_with, token_labels)
 
@@ -342,10 +341,7 @@ def lm_task(config, workdir: str) -> Task:
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
             top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
-        # Every process gets the whole generated batch (with several, each holds only its
-        # rows of the global arrays); all processes must call this, as they call generate.
-        out, lengths = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                        for x in (out, lengths))
+        out, lengths = gather_rows(out), gather_rows(lengths)
         return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]
 
     # An untied head's input table is only looked up; a tied one is the output matmul.

@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.data.tokenization import TokenizerEncodeError
@@ -17,9 +16,8 @@ from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
                                       data_is_on_demand, data_options, data_parallel_size,
-                                      model_config,
-                                      padded_vocab, register, run_tokenizer, splits,
-                                      token_labels)
+                                      gather_rows, model_config, padded_vocab, register,
+                                      run_tokenizer, splits, token_labels, until_eos)
 
 
 def _check_languages(data_opts, records) -> None:
@@ -138,15 +136,8 @@ def translation_task(config, workdir: str) -> Task:
         src = np.full((rows, width), tok.pad_id, np.int32)
         for i, p in enumerate(prompts):
             src[i, :len(p)] = p
-        # Every process gets the whole batch (with several, each holds only its rows of
-        # the global array); all processes call this, as they call decode.
-        out = np.asarray(multihost_utils.process_allgather(
-            decode(params, src, data_opts.target_len), tiled=True))[:len(prompts)]
-        texts = []
-        for row in out:
-            ends = np.flatnonzero(row == tok.eos_id)
-            texts.append(tok.decode(row[:ends[0]] if len(ends) else row))
-        return texts
+        out = gather_rows(decode(params, src, data_opts.target_len))[:len(prompts)]
+        return [tok.decode(until_eos(row, tok.eos_id)) for row in out]
 
     transform = data.Translation(tok, tok, data_opts.source, data_opts.target, data_opts.source_len, data_opts.target_len)
     zeros = lambda n: jnp.zeros((1, n), jnp.int32)

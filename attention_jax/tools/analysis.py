@@ -109,11 +109,6 @@ def restore_run(workdir: str, overrides: dict | None = None):
 
 
 # ============================================================================ translation
-def _until_eos(ids, eos_id: int) -> list[int]:
-    ids = [int(t) for t in ids]
-    return ids[:ids.index(eos_id)] if eos_id in ids else ids
-
-
 def translate_split(workdir: str, split: str = "test", max_examples: int = 0,
                     batch_size: int = 100) -> list[dict]:
     """Greedy translations of `split` by the run's checkpoint: one dict per example with
@@ -136,7 +131,7 @@ def translate_split(workdir: str, split: str = "test", max_examples: int = 0,
         tokens = np.asarray(decode(params, src_full, d.target_len))[:len(src)]
         for r, s, t in zip(rows, src, tokens):
             out.append({"source": text(r[d.source]), "reference": text(r[d.target]),
-                        "hypothesis": tok.decode(_until_eos(t, tok.eos_id)),
+                        "hypothesis": tok.decode(tasks.until_eos(t, tok.eos_id)),
                         "source_tokens": int(np.sum(s != tok.pad_id))})
     return out
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attention_jax.runs import count_params
+from attention_jax.runs import count_params, resolved_model_fields
 from attention_jax import workdir as workdir_lib
 from attention_jax.workdir import read_metrics, wall_seconds
 
@@ -173,11 +173,9 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
                 if missing == "eval" else "); is it a run that trained?"))
         units = units_per_step(task, config)
         steps = np.array([r["step"] for r in trains])
-        model = getattr(task.model, "config", None)  # resolved: a variant's sizes too
-        runs.append({"workdir": w,
-                     "layers": getattr(model, "num_layers", config.model.get("num_layers")),
-                     "d_model": getattr(model, "d_model", config.model.get("d_model")),
-                     "non_embedding_params": n,
+        model = resolved_model_fields(config, task)  # a variant's sizes too
+        runs.append({"workdir": w, "layers": model.get("num_layers"),
+                     "d_model": model.get("d_model"), "non_embedding_params": n,
                      "params": count_params(shapes), "steps": int(evals[-1]["step"]),
                      "unit": task.unit, "units": int(evals[-1]["step"] * units),
                      "flops_per_unit": float(per_unit(shapes)),
