@@ -436,6 +436,9 @@ def _set_aside_earlier_events(tb_dir: str) -> None:
         os.makedirs(aside, exist_ok=True)
         for f in earlier:
             os.replace(f, os.path.join(aside, os.path.basename(f)))
+        print(f"note: {tb_dir} held an earlier run's TensorBoard files and this run starts at "
+              f"step 0: they are in {aside} now (TensorBoard shows them as another run)",
+              flush=True)
 
 
 def wall_seconds(workdir: str) -> float:

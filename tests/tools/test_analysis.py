@@ -147,7 +147,7 @@ def test_position_losses_past_the_training_length(tmp_path):
         analysis.positions_report({"learned": workdir}, out, eval_len=4096, train_len=32)
 
 
-def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path):
+def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path, capsys):
     """Every start rewrites config.json: a resumed run's wall time was its last session's
     (or negative, when the last start failed before its first record). The first start
     is in the name of TensorBoard's first events file."""
@@ -166,6 +166,7 @@ def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path):
     # events aside: its own start is the one timed.
     (tmp_path / "tensorboard" / "events.out.tfevents.1000.host").write_text("")
     workdir_lib.MetricWriter(str(tmp_path), resume_step=0).close()
+    assert "earlier run's TensorBoard files" in capsys.readouterr().out  # said, not silent
     assert (tmp_path / "tensorboard" / "earlier_run_1000" / "events.out.tfevents.1000.host").exists()
     (new,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     stamp = float(new.name.split(".")[3])
