@@ -10,7 +10,8 @@ export PYTHONPATH=$PWD:/tmp/site
 # (models/loss_kernel.py), the residual add + norm (layers/norm_kernel.py) and the
 # attention kernels reading the packed q, k, v (attention/pallas.py). A failure here means
 # auto must not take that kernel: its choose_* function answers xla until it is fixed.
-run kernel_tests 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/models/test_loss_kernel.py \
+# tests/conftest.py defaults JAX_PLATFORMS to cpu: without cuda here every GPU test skips.
+run kernel_tests 240 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu -p no:cacheprovider tests/models/test_loss_kernel.py \
   tests/layers/test_norm_kernel.py tests/attention/test_pallas_packed.py
 # 2. The bare step with each of the two kernel families on or off (four rows, each its own
 # process; attention auto: cuDNN for these plain causal rows). Row (xla, xla) is the step
