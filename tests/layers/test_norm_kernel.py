@@ -336,21 +336,25 @@ def test_compiled_for_an_h100_the_norms_move_fewer_bytes():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_triton_kernels_equal_the_reference_on_a_gpu(dtype):
     """Triton-compiled at GPT-2 small's width (768 = 512 + 256) and GPT-2 XL's (1600 =
-    1024 + 512 + 64): values and gradients against XLA's ops on the same inputs, within
-    the dtype's rounding (XLA rounds bfloat16 sums twice, the kernel once)."""
+    1024 + 512 + 64): values and gradients against float32 on the same (rounded) inputs,
+    within the dtype's rounding or no further off than XLA's ops. In bfloat16 XLA rounds
+    the scale's and bias's gradient sums to bfloat16 (1.2% off float32 on the H100), the
+    kernel sums them in float32: XLA is not the yardstick there, float32 is."""
+    def loss(kernel, dtype, x, y, yb, s, b):
+        r, n = add_normalize(x.astype(dtype), y.astype(dtype), yb.astype(dtype), s, b,
+                             kernel=kernel)
+        return (jnp.vdot(r.astype(jnp.float32), gr)
+                + jnp.vdot(jnp.sin(n.astype(jnp.float32)), gn))
+
     for d in (768, 1600):
         x, y, yb, s, b, gr, gn = (jnp.asarray(a, jnp.float32) for a in _inputs((4, 512, d)))
-
-        def loss(kernel, x, y, yb, s, b):
-            r, n = add_normalize(x.astype(dtype), y.astype(dtype), yb.astype(dtype), s, b,
-                                 kernel=kernel)
-            return (jnp.vdot(r.astype(jnp.float32), gr)
-                    + jnp.vdot(jnp.sin(n.astype(jnp.float32)), gn))
-
-        f = lambda k: jax.jit(jax.value_and_grad(  # noqa: E731
-            functools.partial(loss, k), argnums=tuple(range(5))))(x, y, yb, s, b)
-        (lk, gk), (lx, gx) = f("pallas"), f("xla")
+        rounded = [a.astype(dtype).astype(jnp.float32) for a in (x, y, yb)] + [s, b]
+        f = lambda k, dt, args: jax.jit(jax.value_and_grad(  # noqa: E731
+            functools.partial(loss, k, dt), argnums=tuple(range(5))))(*args)
+        (lr, gref) = f("xla", jnp.float32, rounded)
+        (lk, gk), (lx, gx) = f("pallas", dtype, (x, y, yb, s, b)), f("xla", dtype, (x, y, yb, s, b))
         tol = 1e-5 if dtype == jnp.float32 else 1e-2
-        assert float(lk) == pytest.approx(float(lx), rel=tol)
-        for a, c in zip(gx, gk):
-            assert float(jnp.linalg.norm(a - c) / jnp.linalg.norm(a)) < tol
+        assert float(lk) == pytest.approx(float(lr), rel=max(tol, 1.5 * abs(float(lx / lr) - 1)))
+        for r, c, a in zip(gref, gk, gx):
+            error = lambda g: float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))  # noqa: E731
+            assert error(c) < max(tol, 1.5 * error(a)), (error(c), error(a))
