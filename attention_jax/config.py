@@ -295,6 +295,13 @@ def warnings(config) -> list[str]:
     if given and not m.distributed:
         out.append(f"config.{', '.join(given)} set, but mesh.distributed=False: ignored, this "
                    f"runs as one process (--config.mesh.distributed=True to join the others)")
+    factor = config.get("model", {}).get("capacity_factor")
+    if isinstance(factor, (int, float)) and 0 < factor < 1:
+        out.append(f"config.model.capacity_factor={factor} is below 1: each expert takes at "
+                   f"most {factor:.0%} of an even share of the tokens, so at least "
+                   f"{1 - factor:.0%} of the token-to-expert assignments skip the MLP even with "
+                   f"perfect balance (Switch's default is 1.25; the run logs "
+                   f"dropped_fraction)")
     return out
 
 

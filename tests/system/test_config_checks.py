@@ -59,6 +59,19 @@ def test_warmup_longer_than_a_short_run_is_a_warning_not_an_error():
         config_lib.validate(tiny.tiny_config(**{"optim.warmup_steps": -1}))
 
 
+def test_an_moe_capacity_below_one_warns_that_tokens_are_dropped():
+    c = config_lib.load("gpt:variant=gpt-tiny-moe", "model.capacity_factor=0.5")
+    assert [w for w in config_lib.warnings(c) if "capacity_factor" in w] == [
+        "config.model.capacity_factor=0.5 is below 1: each expert takes at most 50% of an "
+        "even share of the tokens, so at least 50% of the token-to-expert assignments skip "
+        "the MLP even with perfect balance (Switch's default is 1.25; the run logs "
+        "dropped_fraction)"]
+    for fine in ("model.capacity_factor=1.0", "model.capacity_factor=1.25"):
+        c = config_lib.load("gpt:variant=gpt-tiny-moe", fine)
+        assert not [w for w in config_lib.warnings(c) if "capacity_factor" in w]
+    assert not config_lib.warnings(config_lib.load("gpt"))  # None: the variant's own
+
+
 def test_model_dropout_and_data_probabilities():
     from attention_jax.models import bert, gpt
     c = tiny.tiny_config()
