@@ -45,7 +45,7 @@ import numpy as np
 
 from attention_jax.convert.hf_bert import BertFamily
 from attention_jax.convert.hf_files import (ConversionError, describe, read_hf_config,
-                                            read_hf_dir, write_hf_dir)
+                                            read_hf_dir, write_hf_dir, write_hf_tokenizer)
 from attention_jax.convert.hf_gpt2 import GPT2Family
 from attention_jax.convert.hf_params import (fit, flatten, fresh_numpy, param_shapes,
                                              stack_layers, strip_boxes, unflatten, unscanned,
@@ -145,8 +145,11 @@ _EXPORT_ARCH = {("gpt2", None): "GPT2LMHeadModel", ("bert", "pretraining"): "Ber
                 ("bert", "encoder"): "BertModel", ("vit", None): "ViTForImageClassification"}
 
 
-def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None) -> str:
-    """Writes config.json + model.safetensors that transformers loads as the same model.
+def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None,
+              tokenizer=None) -> str:
+    """Writes config.json + model.safetensors that transformers loads as the same model,
+    and with `tokenizer` (a run's, `runs.open_run(...).tokenizer`) tokenizer.json +
+    tokenizer_config.json that AutoTokenizer loads as the same tokenizer.
 
     model: a GPT, Bert or ViT module (or its config). Its family and, for BERT, its head
     pick the architecture unless `architecture=` names one: GPT -> GPT2LMHeadModel;
@@ -181,7 +184,17 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
                          f"architecture with that head from {list(family.architectures)}")
     if missing or unexpected or mismatched:
         raise ConversionError(describe(f"params do not fit {arch}", missing, unexpected, mismatched))
-    return write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))
+    if tokenizer is not None and family.model_type == "vit":
+        raise ValueError("export_hf: tokenizer= given for a ViT, which reads images; "
+                         "valid: tokenizer=None")
+    if tokenizer is not None and not hasattr(tokenizer, "hf_roles"):
+        raise ValueError(f"export_hf: tokenizer= a {type(tokenizer).__name__}; valid: one of "
+                         f"attention_jax.data's tokenizers (a run's: "
+                         f"runs.open_run(workdir).tokenizer), or None")
+    out = write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))
+    if tokenizer is not None:
+        write_hf_tokenizer(out, tokenizer, getattr(cfg, "max_len", None))
+    return out
 
 
 # ============================================================================ warm start

@@ -150,3 +150,21 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     return os.fspath(out_dir)
+
+
+def write_hf_tokenizer(out_dir, tokenizer, model_max_length: int | None = None) -> None:
+    """tokenizer.json + tokenizer_config.json beside an export, so that transformers'
+    AutoTokenizer.from_pretrained(out_dir) encodes and decodes as `tokenizer` (one of
+    attention_jax.data's) does: the same ids for a text, its special tokens by role."""
+    form = tokenizer.hf_form()
+    form.no_truncation()
+    form.no_padding()
+    form.save(os.path.join(out_dir, "tokenizer.json"))
+    roles = {f"{role}_token": form.id_to_token(i) for role, i in tokenizer.hf_roles().items()}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
+              # WordPiece's decoding joins pieces with spaces; the others decode exactly.
+              "clean_up_tokenization_spaces": tokenizer.kind == "wordpiece"}
+    if model_max_length:
+        config["model_max_length"] = int(model_max_length)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

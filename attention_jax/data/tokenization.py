@@ -63,6 +63,17 @@ class Tokenizer(abc.ABC):
             json.dump(meta, f, indent=1)
         return directory
 
+    def hf_form(self):
+        """The same tokenizer as a `tokenizers.Tokenizer` (what a Hugging Face
+        tokenizer.json holds): the same ids for every text, the same decoding."""
+        raise TypeError(f'a {type(self).__name__} has no Hugging Face form')
+
+    def hf_roles(self) -> dict[str, int]:
+        """Role -> id of the special tokens this tokenizer has (pad, unk, bos, eos, mask,
+        cls, sep), for a tokenizer_config.json."""
+        ids = {r: getattr(self, f'{r}_id', None) for r in ROLE_NAMES}
+        return {r: int(i) for r, i in ids.items() if i is not None}
+
     def _strip(self, ids: Iterable[int]) -> list[int]:
         # The unknown token shows, unless it doubles as another role (GPT-2's files name
         # <|endoftext|> unk, bos and eos at once): then it is that role's, and skipped.
@@ -101,6 +112,15 @@ class CharTokenizer(Tokenizer):
     def _save_files(self, directory):
         return {'chars': self.itos[len(self.SPECIALS):]}
 
+    def hf_form(self):
+        # A word-level model over single characters: every character is its own "word".
+        from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        tok = HFTokenizer(models.WordLevel(vocab=dict(self.stoi), unk_token=self.SPECIALS[1]))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r'[\s\S]'), behavior='isolated')
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens(list(self.SPECIALS))
+        return tok
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes shifted past the special ids: any text, a vocabulary of 259."""
@@ -124,6 +144,26 @@ class ByteTokenizer(Tokenizer):
 
     def _save_files(self, directory):
         return {}
+
+    def hf_form(self):
+        # Byte-level BPE without merges: each byte is a token, at its id here.
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        vocab = {c: b + self.OFFSET for b, c in enumerate(byte_level_chars())}
+        vocab.update({t: i for i, t in enumerate(self.SPECIALS)})
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(self.SPECIALS))
+        return tok
+
+
+def byte_level_chars() -> list[str]:
+    """The character byte-level BPE (GPT-2's, the tokenizers library's ByteLevel) stands
+    each byte 0..255 for: a printable Latin-1 byte for itself, every other byte for the
+    next code point from 256 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    spare = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(spare)) for b in range(256)]
 
 
 # --------------------------------------------------------------------------------------
@@ -177,6 +217,10 @@ class _TokenizersLibrary(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(self._strip(ids), skip_special_tokens=False)
+
+    def hf_form(self):
+        from tokenizers import Tokenizer as HFTokenizer
+        return HFTokenizer.from_str(self.hf.to_str())  # a copy: the caller may change it
 
 
 class WordPieceTokenizer(_TokenizersLibrary):
@@ -416,6 +460,9 @@ class FileTokenizer(_TokenizersLibrary):
         if os.path.abspath(target) != os.path.abspath(self.path):
             shutil.copyfile(self.path, target)
         return {'file': 'tokenizer.json', 'source': self.path, 'roles': self.roles}
+
+    def hf_roles(self) -> dict[str, int]:
+        return {r: i for r, i in self.roles.items() if i is not None}  # no stand-ins
 
 
 # --------------------------------------------------------------------------------------

@@ -133,6 +133,42 @@ def test_gpt2_export_round_trip(tmp_path):
         assert (folder / "config.json").read_text() == '{"task": "gpt"}'
 
 
+TEXTS = ["def f(x):\n    return x  # café, 東京 \t\r\n", "plain words, and   spaces", "é"]
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "bpe", "wordpiece", "file"])
+def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind):
+    """export_hf(..., tokenizer=) writes a tokenizer AutoTokenizer loads with the same ids
+    for every text, the same decoding, and the special tokens in their roles."""
+    from attention_jax import data
+    corpus = TEXTS * 3 + ["the quick brown fox jumps over the lazy dog " * 4]
+    if kind == "file":
+        bpe = data.get_tokenizer("bpe", texts=corpus, vocab_size=300)
+        bpe.hf.save(str(tmp_path / "own.json"))
+        ours = data.get_tokenizer("file", path=str(tmp_path / "own.json"))
+    else:
+        ours = data.get_tokenizer(kind, texts=corpus, vocab_size=300)
+    cfg = gpt.GPTConfig(vocab_size=ours.vocab_size, max_len=48, num_layers=1, d_model=16,
+                        num_heads=2)
+    model = gpt.GPT(cfg)
+    params = _random_params(model, jnp.zeros((1, 8), jnp.int32))
+    out = convert.export_hf(model, params, tmp_path / "hf", tokenizer=ours)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs.model_max_length == 48
+    for text in TEXTS:
+        ids = theirs.encode(text, add_special_tokens=False)
+        assert ids == ours.encode(text), (kind, text)
+        if kind != "wordpiece":  # BERT's decoding normalises case and spaces either way
+            assert theirs.decode(ids) == ours.decode(ids) == text
+    for role, i in ours.hf_roles().items():
+        assert theirs.convert_tokens_to_ids(getattr(theirs, f"{role}_token")) == i
+    assert getattr(ours, "eos_id", None) in (None, theirs.eos_token_id)
+    with pytest.raises(ValueError, match=r"export_hf: tokenizer= a str; valid: one of "
+                                         r"attention_jax.data's tokenizers"):
+        convert.export_hf(model, params, tmp_path / "hf2", tokenizer="tokenizer.json")
+    assert not (tmp_path / "hf2").exists()
+
+
 def test_gpt_export_rejects_options_gpt2_lacks(tmp_path):
     cfg = gpt.GPTConfig.from_variant("gpt-tiny-rope")
     with pytest.raises(ValueError, match="GPTConfig.position='rope'"):
