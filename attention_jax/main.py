@@ -26,20 +26,40 @@ out, and an override may change only what reading uses (eval.*, mesh.*, batch si
 train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
 Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
 message, no traceback), 130/143 stopped by SIGINT/SIGTERM after saving a checkpoint
-(run again to resume), 75 another process of a multi-process run was lost (one `error:`
+(run again to resume; a SIGINT before or after training's loop ends the process at once,
+in one line), 75 another process of a multi-process run was lost (one `error:`
 line naming it; run all processes again to resume).
 """
 
 from __future__ import annotations
 
-import json
+import os
+import signal
 import sys
-from typing import Sequence
 
-from absl import app, flags, logging
 
-from attention_jax import config as config_lib
-from attention_jax.errors import ConfigError, UserError
+def _stop_now(signum, frame):
+    """Ctrl-C outside training's loop (whose own handler stops at a step and saves):
+    while Python imports JAX, the config loads, data is prepared, a step compiles, or an
+    evaluation runs. Nothing there needs saving, and an interrupt inside XLA's compiler
+    can crash the interpreter on its way out (a segmentation fault after the traceback,
+    seen on the CPU host), so the process ends here, in one line."""
+    sys.stdout.flush()
+    print("stopped by SIGINT outside training's loop: nothing to save (the workdir keeps "
+          "what it held; run again to resume)", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":  # before the imports below: JAX's takes seconds
+    signal.signal(signal.SIGINT, _stop_now)
+
+import json  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+
+from attention_jax import config as config_lib  # noqa: E402
+from attention_jax.errors import ConfigError, UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "A shipped config NAME or a FILE.py, then :ARG (its "
@@ -327,6 +347,7 @@ def parse_flags(argv):
 
 def run() -> None:
     """Console-script entry point (`attention-jax` in pyproject)."""
+    signal.signal(signal.SIGINT, _stop_now)  # training's loop installs its own meanwhile
     app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
 
 

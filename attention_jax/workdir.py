@@ -259,6 +259,21 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 # ================================================================================== metrics
+def _tensorboard_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch
+    wherever it is installed, only to accept torch tensors, which a run never hands it:
+    1.2 of the import's 1.5 s on the 2-core CPU host, at every run's start. With torch
+    already imported (a notebook that uses it) it is imported as usual."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which it expects
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+
+
 class MetricWriter:
     """Metrics as JSONL (`metrics.jsonl`, one object per record) and TensorBoard event
     files (`tensorboard/`), written by process 0 only.
@@ -278,7 +293,7 @@ class MetricWriter:
         superseded: dropped from metrics.jsonl and purged from TensorBoard."""
         self.enabled = jax.process_index() == 0
         if self.enabled:
-            from tensorboardX import SummaryWriter
+            SummaryWriter = _tensorboard_writer_class()
             file = path(workdir, METRICS)
             if resume_step is not None:
                 drop_records_after(file, resume_step)

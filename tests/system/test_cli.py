@@ -3,6 +3,7 @@ code 1 (no traceback), --help that helps, quiet runs that say where their output
 a plain progress log when stdout is a file, and resuming a changed config only on
 request. Each test runs `python -m attention_jax.main` in a subprocess (8 CPU devices)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -257,3 +258,47 @@ def test_a_model_too_large_for_the_device_is_one_line_not_a_hang(tmp_path):
     assert line.startswith("error: the run does not fit this device's memory (RESOURCE_EXHAUSTED"
                            ": Out of memory allocating "), line
     assert "valid: a smaller train.batch_size" in line and "model.remat_policy" in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_the_metric_writer_leaves_torch_unimported(tmp_path):
+    """tensorboardX imports torch wherever it is installed (1.2 s of every run's start on
+    the 2-core CPU host); the run's writer keeps it out, and torch still imports after."""
+    code = ("import sys\n"
+            "from attention_jax import workdir\n"
+            "w = workdir.MetricWriter(sys.argv[1])\n"
+            "w.write(1, 'train', {'loss': 1.5})\n"
+            "w.close()\n"
+            "print('torch' in sys.modules)\n"
+            "import torch\n"
+            "print(torch.tensor([2.0]).item())\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                       text=True, env=subprocess_env(), cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "2.0"]
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1  # the events were written
+
+
+@pytest.mark.parametrize("after", [0.5, 3.0], ids=["importing", "starting"])
+def test_ctrl_c_outside_training_s_loop_is_one_line(tmp_path, after):
+    """A SIGINT while Python imports JAX, or while the run loads its data and compiles,
+    before training's own handler exists: it printed Python's KeyboardInterrupt
+    traceback (and, inside XLA's compiler, a segmentation fault after it); now exit code
+    130 and one line."""
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "attention_jax.main", *TINY_GPT,
+                          "--config.train.steps=100000", f"--workdir={tmp_path / 'run'}"],
+                         env=subprocess_env(8), cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    if any("received SIGINT" in line for line in lines):  # a very fast host: in the loop
+        assert p.returncode == 130 and "saved checkpoint" in out + err
+        return
+    assert p.returncode == 130, err[-3000:]
+    assert lines[-1] == ("stopped by SIGINT outside training's loop: nothing to save (the "
+                         "workdir keeps what it held; run again to resume)")
+    assert "Traceback" not in err
