@@ -107,13 +107,15 @@ def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=
         raise ValueError("causal must be a Python bool (masks are built when tracing, so not "
                          "a traced value: under jit, mark it static, e.g. "
                          "jax.jit(f, static_argnames='causal'))")
+    if not isinstance(causal, (bool, np.bool_)):  # bool("False") is True
+        raise ValueError(f"causal must be a Python bool, True or False; got {causal!r}")
     spec = MaskSpec(
         causal=bool(causal),
         window=_check_window(window),
         q_offset=_check_offset(q_offset, b),
         **_segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s),
         mask=_check_dense_mask(mask, b, n, t, s),
-        kv_lengths=_check_lengths(kv_lengths, b),
+        kv_lengths=_check_lengths(kv_lengths, b, s),
     )
     return AttentionCall(
         batch=b, q_len=t, kv_len=s, heads=n, kv_heads=kv_heads, head_dim=h, value_dim=hv,
@@ -209,14 +211,27 @@ def _check_ring_inner(value):
     return value
 
 
-def _check_lengths(kv_lengths, batch):
+def _check_lengths(kv_lengths, batch, kv_len):
     if kv_lengths is None:
         return None
     lengths = jnp.asarray(kv_lengths)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"kv_lengths must be an int array of shape [B]=[{batch}]; "
                          f"got {lengths.dtype} {lengths.shape}")
+    known = _known(lengths)
+    if known is not None and known.size and (known.min() < 0 or known.max() > kv_len):
+        bad = int(known.min() if known.min() < 0 else known.max())
+        raise ValueError(f"kv_lengths: {bad} is not a length of the S={kv_len} keys; valid: "
+                         f"0..{kv_len}")
     return lengths.astype(jnp.int32)
+
+
+def _known(x):
+    """x's values as a NumPy array where they are known now (eager), else None: under jit
+    a value check cannot raise, so traced values are the caller's to check."""
+    if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
+        return None
+    return np.asarray(x)
 
 
 def _check_offset(q_offset, batch):

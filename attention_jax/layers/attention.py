@@ -20,8 +20,9 @@ lengths are RIGHT-padded: prefill the padded [B, T] block at positions 0..T-1, t
 row b's next token at position len_b. The padding slots len_b..T-1 hold junk keys, but
 causality hides every slot after the current position, and each is overwritten by a real
 token before any query can see it — so no padding mask is needed while decoding.
-Writing past S_max is not checked inside jit (dynamic_update_slice would clamp): the
-caller (e.g. `models.gpt.generate`) sizes the cache for prompt + new tokens.
+Writing past S_max is an error where positions are known (eager decoding); inside jit
+it cannot be checked (dynamic_update_slice would clamp): the caller (e.g.
+`models.gpt.generate`) sizes the cache for prompt + new tokens.
 
 Dropout (`dropout_rate`) acts on the per-head outputs before the output projection: the
 blockwise and fused kernels never form the attention weights, so dropping weights
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from attention_jax import axes
@@ -65,6 +67,20 @@ def check_heads(d_model: int, num_heads: int, num_kv_heads: Optional[int] = None
         raise ValueError(f"num_kv_heads={kv} must divide num_heads={num_heads}; "
                          f"valid: {_divisors(num_heads)}")
     return num_heads, kv, head_dim
+
+
+def _check_cache_room(positions, slots: int) -> None:
+    """New tokens past the cache's slots as an error where positions are known (eager
+    decoding, as in a notebook): under jit dynamic_update_slice would clamp the write and
+    the outputs would be wrong with nothing said."""
+    if isinstance(positions, jax.core.Tracer) or not getattr(positions, "is_fully_addressable",
+                                                              True):
+        return
+    last = int(np.max(np.asarray(positions))) if positions.size else -1
+    if last >= slots:
+        raise ValueError(f"decode: position {last} is past the cache's {slots} slots (the "
+                         f"length of the input it was created with); valid: positions "
+                         f"0..{slots - 1}, or a cache created with a longer input")
 
 
 def _write_cache(cache, new, start):
@@ -230,6 +246,7 @@ class MultiHeadAttention(nn.Module):
             cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
             cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
             start = positions[:, 0]  # [B]
+            _check_cache_room(positions, cached_k.value.shape[1])
             cached_k.value = _write_cache(cached_k.value, k, start)
             cached_v.value = _write_cache(cached_v.value, v, start)
             k, v, q_offset = cached_k.value, cached_v.value, start  # [B, S_max, K, H]

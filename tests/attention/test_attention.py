@@ -3,6 +3,7 @@ properties, masked rows, low precision, memory, and errors on bad input."""
 
 import dataclasses
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -411,3 +412,21 @@ def test_explain_takes_the_arguments_of_dot_product_attention():
         explain(q, k, v, implementation="xla", return_weights=True)
     with pytest.raises(ValueError, match=r"block_q must be a positive int; got 0"):
         explain(q, k, v, block_q=0)
+
+
+def test_values_that_would_silently_change_the_result_are_named():
+    """causal="False" ran a causal attention (bool of a non-empty string), and kv_lengths
+    past S counted keys that are not there; both now name the argument."""
+    q, k, v = _ok()
+    for bad in ("False", "no", 1, None):
+        with pytest.raises(ValueError, match=rf"causal must be a Python bool, True or False; "
+                                             rf"got {re.escape(repr(bad))}"):
+            dot_product_attention(q, k, v, causal=bad)
+    dot_product_attention(q, k, v, causal=np.bool_(True))  # NumPy's bool is a bool
+    with pytest.raises(ValueError, match=r"kv_lengths: 11 is not a length of the S=10 keys; "
+                                         r"valid: 0..10"):
+        dot_product_attention(q, k, v, kv_lengths=jnp.array([11, 4]))
+    with pytest.raises(ValueError, match=r"kv_lengths: -1 is not a length"):
+        dot_product_attention(q, k, v, kv_lengths=np.array([-1, 4]))
+    # Traced lengths cannot be checked: they run as before.
+    jax.jit(lambda n: dot_product_attention(q, k, v, kv_lengths=n))(jnp.array([10, 4]))

@@ -219,3 +219,25 @@ def test_scan_and_remat_match_the_unrolled_stack():
     g1 = {"layers": jax.tree.map(lambda *ls: jnp.stack(ls), *g1.values())}
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_decoding_past_the_cache_is_named_where_positions_are_known():
+    """Eager decoding past the cache's slots wrote nothing where it should (the write
+    clamps) and returned outputs 0.5-1.0 off the full pass, with nothing said."""
+    mha = MultiHeadAttention(num_heads=4, causal=True)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 32))
+    params = mha.init(jax.random.PRNGKey(1), x)["params"]
+    full, _ = mha.apply({"params": params}, x)
+    cache = mha.init(jax.random.PRNGKey(1), x[:, :4], decode=True,
+                     positions=jnp.zeros((1, 4), jnp.int32))["cache"]
+    for t in range(4):
+        (y, _), state = mha.apply({"params": params, "cache": cache}, x[:, t:t + 1],
+                             positions=jnp.array([[t]]), decode=True, mutable=["cache"])
+        cache = state["cache"]
+        np.testing.assert_allclose(y[:, 0], full[:, t], atol=1e-5)
+    with pytest.raises(ValueError, match=r"decode: position 4 is past the cache's 4 slots \(the "
+                                         r"length of the input it was created with\); valid: "
+                                         r"positions 0..3, or a cache created with a longer "
+                                         r"input"):
+        mha.apply({"params": params, "cache": cache}, x[:, 4:5], positions=jnp.array([[4]]),
+                  decode=True, mutable=["cache"])
