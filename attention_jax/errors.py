@@ -23,6 +23,19 @@ class ConfigError(UserError, ValueError):
     """A config key with an invalid value; the message names the key and valid values."""
 
 
+def known_values(x):
+    """x's values as a NumPy array where they are known now (an eager call, as in a
+    notebook), else None. Under jit a value check cannot raise (and a gather or a
+    dynamic_update_slice there clamps or fills with NaN, saying nothing), so values are
+    checked where they can be seen; traced ones, or ones on other processes, stay the
+    caller's to check."""
+    import jax
+    import numpy as np
+    if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
+        return None
+    return np.asarray(x)
+
+
 def did_you_mean(word, choices: Iterable) -> str:
     """' (did you mean 'x'?)' for the choice closest to `word`, or ''."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.attention.masks import MaskSpec
+from attention_jax.errors import known_values
 
 # The kernel ring attention runs on each pair of sequence chunks (ring_inner.py).
 RING_INNER = ("auto", "pallas", "splash", "blockwise")
@@ -218,20 +219,12 @@ def _check_lengths(kv_lengths, batch, kv_len):
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"kv_lengths must be an int array of shape [B]=[{batch}]; "
                          f"got {lengths.dtype} {lengths.shape}")
-    known = _known(lengths)
+    known = known_values(lengths)
     if known is not None and known.size and (known.min() < 0 or known.max() > kv_len):
         bad = int(known.min() if known.min() < 0 else known.max())
         raise ValueError(f"kv_lengths: {bad} is not a length of the S={kv_len} keys; valid: "
                          f"0..{kv_len}")
     return lengths.astype(jnp.int32)
-
-
-def _known(x):
-    """x's values as a NumPy array where they are known now (eager), else None: under jit
-    a value check cannot raise, so traced values are the caller's to check."""
-    if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
-        return None
-    return np.asarray(x)
 
 
 def _check_offset(q_offset, batch):

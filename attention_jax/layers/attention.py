@@ -36,12 +36,12 @@ from typing import Any, Callable, Optional, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from attention_jax import axes
 from attention_jax.attention import (IMPLEMENTATIONS, dot_product_attention,
                                      packed_self_attention, reads_packed)
+from attention_jax.errors import known_values
 from attention_jax.layers.linear import matmul
 from attention_jax.layers.logical import mesh_axes
 from attention_jax.layers.posemb import apply_rope
@@ -73,10 +73,8 @@ def _check_cache_room(positions, slots: int) -> None:
     """New tokens past the cache's slots as an error where positions are known (eager
     decoding, as in a notebook): under jit dynamic_update_slice would clamp the write and
     the outputs would be wrong with nothing said."""
-    if isinstance(positions, jax.core.Tracer) or not getattr(positions, "is_fully_addressable",
-                                                              True):
-        return
-    last = int(np.max(np.asarray(positions))) if positions.size else -1
+    known = known_values(positions)
+    last = int(known.max()) if known is not None and known.size else -1
     if last >= slots:
         raise ValueError(f"decode: position {last} is past the cache's {slots} slots (the "
                          f"length of the input it was created with); valid: positions "

@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import axes
+from attention_jax.errors import known_values
 from attention_jax.layers.linear import matmul
 
 POSITIONS = ("learned", "sinusoidal", "rope", "none")  # what models accept by name
@@ -85,10 +85,8 @@ def _check_rows(ids, rows: int, rows_axis) -> None:
     raise: JAX fills an out-of-range row with NaN, and the loss turns NaN with nothing
     said. Concrete ids (a model applied eagerly, as in a notebook) are checked here, as
     PyTorch's embedding checks them; traced ones are the caller's to check."""
-    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
-        return
-    ids = np.asarray(ids)
-    if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+    ids = known_values(ids)
+    if ids is None or not ids.size or not np.issubdtype(ids.dtype, np.integer):
         return
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= rows:

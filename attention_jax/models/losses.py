@@ -21,6 +21,7 @@ import numbers
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from attention_jax import axes
 from attention_jax.attention.call import compiling_for_gpu, target_backend
 from attention_jax.data.objectives import shift_right
+from attention_jax.errors import known_values
 from attention_jax.layers.linear import matmul
 from attention_jax.layers.logical import mesh_axes, row_mesh_axes, rows_logical
 from attention_jax.models import loss_kernel
@@ -64,11 +66,32 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
     are not predicted; default all 1). Returns (loss, {"accuracy"}): a position counts
     as correct when its target is the argmax (the first index of the largest logit)."""
     _check_label_smoothing(label_smoothing)
+    check_targets(targets, logits.shape[-1], weights)
     losses, correct = _cross_entropy_terms(float(label_smoothing), logits,
                                            targets.astype(jnp.int32))
     weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
     total = jnp.maximum(weights.sum(), 1.0)
     return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+def check_targets(targets, classes: int, weights=None) -> None:
+    """Targets outside 0..classes-1 at positions that count (weight not 0), where their
+    values are known (errors.known_values): the loss would add their logsumexp to the
+    mean with nothing said (PyTorch's ignore_index -100 among them)."""
+    known = known_values(targets)
+    if known is None or not known.size or not np.issubdtype(known.dtype, np.integer):
+        return
+    bad = (known < 0) | (known >= classes)
+    if weights is not None:
+        w = known_values(weights)
+        if w is None:
+            return
+        bad &= np.broadcast_to(w, bad.shape) != 0
+    if bad.any():
+        value = int(known[bad].flat[0])
+        raise ValueError(f"targets: {value} is not a class of the {classes} logits at a "
+                         f"position that counts; valid: 0..{classes - 1} (to leave a "
+                         f"position out, e.g. PyTorch's ignore_index -100, give it weight 0)")
 
 
 def example_weighted(weights, example_weight):
@@ -362,6 +385,7 @@ def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets has shape {targets.shape}; valid: {hidden.shape[:-1]} "
                          f"(hidden's leading axes)")
+    check_targets(targets, kernel.shape[1], weights)
     dtype = jnp.result_type(hidden.dtype, kernel.dtype)
     if choose_loss_kernel(implementation, dtype, kernel.shape[1]) == "xla":
         logits = matmul(hidden, kernel)

@@ -113,3 +113,24 @@ def test_accuracy_is_argmax_even_with_ties():
     targets = np.array([[2, 5]])  # the max is at 2 and 5: argmax is 2
     _, m = cross_entropy(logits, targets)
     assert float(m["accuracy"]) == 0.5
+
+
+def test_targets_outside_the_classes_are_named_unless_weighted_out():
+    """A target of PyTorch's ignore_index (-100), or past the vocabulary, added its row's
+    logsumexp to the mean with nothing said (1.71 against the valid positions' 0.91)."""
+    from attention_jax.models.losses import head_cross_entropy
+    logits = _logits()  # 8 classes
+    for bad, value in ((np.where(TGT == 0, -100, TGT), -100), (TGT + 5, 8)):
+        with pytest.raises(ValueError, match=rf"targets: {value} is not a class of the 8 "
+                                             rf"logits at a position that counts; valid: 0..7 "
+                                             rf"\(to leave a position out, e.g. PyTorch's "
+                                             rf"ignore_index -100, give it weight 0\)"):
+            cross_entropy(logits, jnp.asarray(bad))
+    ignored = np.where(TGT == 0, -100, TGT)  # weight 0 where -100: the valid positions' loss
+    loss, _ = cross_entropy(logits, jnp.asarray(ignored), TGT != 0)
+    np.testing.assert_allclose(float(loss), float(cross_entropy(logits, TGT, TGT != 0)[0]),
+                               rtol=1e-6)
+    hidden, kernel = jnp.ones((2, 4, 3)), jnp.ones((3, 8))
+    with pytest.raises(ValueError, match=r"targets: 9 is not a class of the 8 logits"):
+        head_cross_entropy(hidden, kernel, jnp.asarray(TGT + 6))
+    jax.jit(cross_entropy)(logits, jnp.asarray(TGT + 5))  # traced: the caller's to check
