@@ -102,8 +102,10 @@ class SentenceEncoder:
         self.max_length, self.pooling, self.normalize = max_length, pooling, normalize
         self.batch_size = batch_size
 
-    def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(ids [B, T], mask [B, T]): [CLS] text [SEP], truncated to max_length, padded."""
+    def tokenize(self, texts: Sequence[str] | str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [B, T], mask [B, T]): [CLS] text [SEP], truncated to max_length, padded.
+        One string is one text (B = 1), as in embed."""
+        texts = _text_list(texts)
         # WordPiece has [CLS]/[SEP]; a BPE vocabulary trained here has neither.
         cls = [self.tokenizer.cls_id] if hasattr(self.tokenizer, "cls_id") else []
         sep = [self.tokenizer.sep_id] if hasattr(self.tokenizer, "sep_id") else []
@@ -132,10 +134,7 @@ class SentenceEncoder:
 
     def embed(self, texts: Sequence[str] | str) -> np.ndarray:
         """Embeddings [B, D] (float32; unit length when normalize) of a list of texts."""
-        if isinstance(texts, str):
-            texts = [texts]
-        if not texts:
-            raise ValueError("texts is empty; give at least one string")
+        texts = _text_list(texts)
         out = []
         for start in range(0, len(texts), self.batch_size):
             ids, mask = self.tokenize(texts[start:start + self.batch_size])
@@ -150,6 +149,19 @@ class SentenceEncoder:
             ea = ea / np.linalg.norm(ea, axis=-1, keepdims=True)
             eb = eb / np.linalg.norm(eb, axis=-1, keepdims=True)
         return ea @ eb.T
+
+
+def _text_list(texts) -> list[str]:
+    """A list of texts from one string or a sequence of them (iterating a string would
+    make each character a text)."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts:
+        raise ValueError("texts is empty; give at least one string")
+    wrong = next((t for t in texts if not isinstance(t, str)), None)
+    if wrong is not None:
+        raise ValueError(f"texts must be strings (or one string); got a "
+                         f"{type(wrong).__name__}: {wrong!r:.60}")
+    return texts
 
 
 def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,

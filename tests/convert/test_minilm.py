@@ -146,3 +146,18 @@ def test_embed_mode_on_another_bert_dir(tmp_path, monkeypatch, capsys):
     third = main.embed_texts(config, str(tmp_path / "work"))
     assert third["texts"] == SENTENCES[:2]
     assert "note: 2 blank lines of stdin skipped: 2 texts, in order" in capsys.readouterr().err
+
+
+def test_one_string_is_one_text_everywhere(encoder):
+    """tokenize("Stocks fell.") made twelve one-character texts (embed and similarity
+    already took a string as one text)."""
+    ids, mask = encoder.tokenize("Stocks fell.")
+    ids2, mask2 = encoder.tokenize(["Stocks fell."])
+    assert ids.shape[0] == 1
+    np.testing.assert_array_equal(ids, ids2)
+    np.testing.assert_array_equal(mask, mask2)
+    with pytest.raises(ValueError, match=r"texts must be strings \(or one string\); got a "
+                                         r"bytes: b'Stocks'"):
+        encoder.embed([b"Stocks"])
+    with pytest.raises(ValueError, match=r"texts is empty"):
+        encoder.tokenize([])
