@@ -98,6 +98,21 @@ def _check_rows(ids, rows: int, rows_axis) -> None:
                                                    "vocabulary than the model's?)"))
 
 
+def check_ids(name: str, x, shape=None, allow_bool: bool = False) -> None:
+    """Raises, naming `name`, unless x is an integer (or, with allow_bool, bool) array of
+    shape [B, T] (`shape` when given): a 1-D or float input fails deep inside JAX's
+    indexing otherwise."""
+    dtype = getattr(x, "dtype", None)
+    ok_dtype = dtype is not None and (jnp.issubdtype(dtype, jnp.integer)
+                                      or (allow_bool and dtype == jnp.bool_))
+    if (getattr(x, "ndim", None) != 2 or not ok_dtype
+            or (shape is not None and tuple(x.shape) != tuple(shape))):
+        want = f"[B, T]={list(shape)}" if shape is not None else "[B, T]"
+        got = f"{dtype} {tuple(x.shape)}" if dtype is not None else type(x).__name__
+        raise ValueError(f"{name} must be an {'int/bool' if allow_bool else 'int'} array of "
+                         f"shape {want}; got {got}")
+
+
 class Embed(nn.Module):
     """A lookup table [R, D] (tokens, token types): ids [...] -> rows [..., D] in `dtype`,
     and `attend(x)` = x · tableᵀ, the output head tied to it. The parameter is flax's

@@ -39,7 +39,7 @@ from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
 from attention_jax.layers.mlp import ACTIVATIONS, activation as get_activation
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding
+from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding, check_ids
 
 __all__ = ["BertConfig", "Bert", "HEADS", "VARIANTS"]
 
@@ -152,7 +152,7 @@ class Bert(nn.Module):
         cfg = self.config
         if self.head not in HEADS:
             raise ValueError(f"head={self.head!r} is unknown; valid: {HEADS}")
-        _check_ids("input_ids", input_ids, None)
+        check_ids("input_ids", input_ids, None)
         b, t = input_ids.shape
         if t > cfg.max_len and cfg.position_embeddings and positions is None:
             raise ValueError(f"input length T={t} exceeds max_len={cfg.max_len}")
@@ -163,7 +163,7 @@ class Bert(nn.Module):
         x = word(input_ids)  # [B, T, D]
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        _check_ids("token_type_ids", token_type_ids, (b, t))
+        check_ids("token_type_ids", token_type_ids, (b, t))
         x = x + _embed(cfg, cfg.type_vocab_size, None, "token_type_embeddings")(token_type_ids)
         if cfg.position_embeddings:
             if positions is None:
@@ -175,7 +175,7 @@ class Bert(nn.Module):
 
         kv_mask = None
         if attention_mask is not None:
-            _check_ids("attention_mask", attention_mask, (b, t), allow_bool=True)
+            check_ids("attention_mask", attention_mask, (b, t), allow_bool=True)
             kv_mask = attention_mask.astype(bool)
         # Post-norm layers (BERT keeps the original Transformer's Add & Norm); no final norm.
         x, stack_aux = TransformerStack(cfg.block(), cfg.num_layers, block="encoder",
@@ -210,10 +210,3 @@ class Bert(nn.Module):
         return {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits}, aux
 
 
-def _check_ids(name, x, shape, allow_bool=False):
-    """Raises unless x is an integer (or bool) array of the expected [B, T] shape."""
-    ok_dtype = jnp.issubdtype(x.dtype, jnp.integer) or (allow_bool and x.dtype == jnp.bool_)
-    if x.ndim != 2 or not ok_dtype or (shape is not None and tuple(x.shape) != tuple(shape)):
-        want = f"[B, T]={list(shape)}" if shape is not None else "[B, T]"
-        raise ValueError(f"{name} must be an {'int/bool' if allow_bool else 'int'} array of shape "
-                         f"{want}; got {x.dtype} {tuple(x.shape)}")

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import Embed, sinusoidal
+from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
 
 __all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "init_cache", "greedy_decode", "beam_search"]
 
@@ -146,6 +146,7 @@ class EncoderDecoder(nn.Module):
     def encode(self, src, src_mask=None, *, deterministic: bool = True,
                return_weights: bool = False):
         """src [B, S] -> (encoded [B, S, D], aux). src_mask [B, S] bool (default src != pad)."""
+        check_ids("src", src)
         if src_mask is None:
             src_mask = src != self.config.pad_id
         b, s = src.shape
@@ -163,6 +164,10 @@ class EncoderDecoder(nn.Module):
         [B, S, D], src_mask [B, S] -> (logits [B, T, V], aux). With decode=True, positions
         [B, T] are the tokens' absolute positions (right-padded prefixes, see
         layers/attention.py) and the "cache" collection must be mutable."""
+        check_ids("tgt_in", tgt_in)
+        if tgt_in.shape[0] != encoded.shape[0]:
+            raise ValueError(f"tgt_in and src need the same batch B: tgt_in {tuple(tgt_in.shape)}"
+                             f", src's encoding {tuple(encoded.shape)}")
         b, t = tgt_in.shape
         if positions is None:
             if decode:
@@ -180,6 +185,11 @@ class EncoderDecoder(nn.Module):
 
     def __call__(self, src, tgt_in, src_mask=None, *, deterministic: bool = True,
                  return_weights: bool = False):
+        check_ids("src", src)
+        check_ids("tgt_in", tgt_in)
+        if src.shape[0] != tgt_in.shape[0]:
+            raise ValueError(f"src and tgt_in need the same batch B: src {tuple(src.shape)}, "
+                             f"tgt_in {tuple(tgt_in.shape)}")
         if src_mask is None:
             src_mask = src != self.config.pad_id
         encoded, enc_aux = self.encode(src, src_mask, deterministic=deterministic,

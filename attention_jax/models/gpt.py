@@ -37,7 +37,8 @@ from attention_jax import axes
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding, sinusoidal
+from attention_jax.layers.posemb import (Embed, LearnedPositionEmbedding, check_ids,
+                                         sinusoidal)
 from attention_jax.models.losses import (choose_loss_kernel, chunked_head_cross_entropy,
                                          cross_entropy, head_cross_entropy)
 
@@ -154,7 +155,10 @@ class GPT(nn.Module):
         positions of the new tokens, see layers/attention.py). segment_ids [B, T]: packed
         documents (no attention across documents)."""
         cfg = self.config
+        check_ids("tokens", tokens)
         b, t = tokens.shape
+        if positions is not None:
+            check_ids("positions", positions, (b, t))
         dtype = jnp.dtype(cfg.dtype)
         if positions is None:
             if decode:
@@ -232,6 +236,11 @@ def lm_head_weights(params, config: GPTConfig):
 def lm_loss(logits, tokens, weights=None):
     """Next-token loss: logits at position i predict tokens[i + 1]. logits [B, T, V],
     tokens [B, T], weights [B, T] (1 on real tokens). Returns (loss, {"accuracy"})."""
+    check_ids("tokens", tokens)
+    if getattr(logits, "ndim", None) != 3 or logits.shape[:2] != tokens.shape:
+        raise ValueError(f"logits must be [B, T, V] over tokens' [B, T]={list(tokens.shape)}; "
+                         f"got {getattr(logits, 'shape', type(logits).__name__)} (the order "
+                         f"is lm_loss(logits, tokens))")
     w = None if weights is None else weights[:, 1:]
     return cross_entropy(logits[:, :-1], tokens[:, 1:], w)
 

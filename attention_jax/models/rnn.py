@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.layers.posemb import Embed
+from attention_jax.layers.posemb import Embed, check_ids
 
 __all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
 
@@ -256,7 +256,11 @@ class RNNSeq2Seq(nn.Module):
         return_weights, aux["attention_weights"]["cross"] [1, B, 1, T, S] (the other
         families' [L, B, N, T, S]; each row sums to 1 over real source tokens, 0 on
         padding). The weights are computed either way: they make the context."""
-        memory, carry = self.encode(src, src_mask, deterministic)
+        check_ids("tgt_in", tgt_in)
+        memory, carry = self.encode(src, src_mask, deterministic)  # checks src
+        if src.shape[0] != tgt_in.shape[0]:
+            raise ValueError(f"src and tgt_in need the same batch B: src {tuple(src.shape)}, "
+                             f"tgt_in {tuple(tgt_in.shape)}")
         _, (logits, alpha) = _scan(_teacher_body)(self.decoder, carry, tgt_in, memory, deterministic)
         return logits, _aux(alpha if return_weights else None,
                             hidden_states=memory["annotations"], summary=memory["summary"])

@@ -165,3 +165,19 @@ def test_post_norm_transformer_trains_with_label_smoothing():
         return cross_entropy(logits, tgt, tgt != 0, label_smoothing=0.1)[0]
 
     assert_loss_goes_down(adam_losses(loss, params, steps=6, lr=3e-3), by=0.1)
+
+
+def test_inputs_of_the_wrong_kind_are_named_in_one_line():
+    """1-D or float src/tgt were JAX's indexing errors; batches that differ were named
+    after attention's internal q and k."""
+    model, params = _model()
+    tgt = _targets((3, 5))
+    with pytest.raises(ValueError, match=r"src must be an int array of shape \[B, T\]; got "
+                                         r"int32 \(7,\)"):
+        model.apply({"params": params}, SRC[0], tgt)
+    with pytest.raises(ValueError, match=r"tgt_in must be an int array of shape \[B, T\]; got "
+                                         r"float32 \(3, 5\)"):
+        model.apply({"params": params}, SRC, tgt.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"src and tgt_in need the same batch B: src \(3, 7\), "
+                                         r"tgt_in \(1, 5\)"):
+        model.apply({"params": params}, SRC, tgt[:1])

@@ -260,3 +260,25 @@ def test_sinusoidal_variant_gives_tokens_and_positions_the_same_scale():
     assert abs(float(jnp.std(table)) * np.sqrt(d) - 1.0) < 0.1
     _, learned_params = _model("gpt-tiny")
     assert abs(float(jnp.std(nn.unbox(learned_params)["token_embedding"]["embedding"])) - 0.02) < 0.003
+
+
+def test_inputs_of_the_wrong_kind_are_named_in_one_line():
+    """A 1-D or float token array was "not enough values to unpack" or JAX's "indices must
+    have an integer type"; swapped lm_loss arguments a broadcasting error."""
+    model, params = _model("gpt-tiny")
+    tokens = _tokens((2, 8))
+    for bad, got in ((tokens[0], r"int32 \(8,\)"), (tokens.astype(jnp.float32), r"float32 \(2, 8\)")):
+        with pytest.raises(ValueError, match=rf"tokens must be an int array of shape \[B, T\]; "
+                                             rf"got {got}"):
+            model.apply({"params": params}, bad)
+    with pytest.raises(ValueError, match=r"positions must be an int array of shape "
+                                         r"\[B, T\]=\[2, 8\]; got int32 \(8,\)"):
+        model.apply({"params": params}, tokens, positions=jnp.arange(8))
+    logits, _ = model.apply({"params": params}, tokens)
+    with pytest.raises(ValueError, match=r"tokens must be an int array of shape \[B, T\]; got "
+                                         r"float32 \(2, 8, \d+\)"):
+        gpt.lm_loss(tokens, logits)
+    with pytest.raises(ValueError, match=r"logits must be \[B, T, V\] over tokens' "
+                                         r"\[B, T\]=\[2, 7\]; got \(2, 8, \d+\) \(the order is "
+                                         r"lm_loss\(logits, tokens\)\)"):
+        gpt.lm_loss(logits, tokens[:, :7])

@@ -150,4 +150,11 @@ def test_bad_configuration_raises():
         model.apply({"params": params}, SRC, shift_right(TGT), src_mask=jnp.ones((2, 5), bool))
     with pytest.raises(ValueError, match="max_len"):
         model.apply({"params": params}, SRC, method=model.generate, max_len=0)
+    # Batches that differ were a concatenation's TypeError; float targets JAX's indexing.
+    with pytest.raises(ValueError, match=r"src and tgt_in need the same batch B: src \(2, 6\), "
+                                         r"tgt_in \(1, 4\)"):
+        model.apply({"params": params}, SRC, shift_right(TGT)[:1])
+    with pytest.raises(ValueError, match=r"tgt_in must be an int array of shape \[B, T\]; got "
+                                         r"float32 \(2, 4\)"):
+        model.apply({"params": params}, SRC, shift_right(TGT).astype(jnp.float32))
     assert set(VARIANTS) >= {"rnnsearch", "rnnencdec", "tiny", "tiny-bottleneck", "tiny-lstm"}
