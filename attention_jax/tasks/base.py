@@ -223,17 +223,24 @@ def need(task: Task, entry: str, name: str, doing: str):
     return value
 
 
+def check_model_keys(cls, config) -> None:
+    """A ConfigError naming a `config.model` key that is no field of `cls` (a typo set in
+    a notebook, `c.model.num_layer = 4`): the tasks call it before reading any data, so
+    it is said at once, not after the dataset is built."""
+    fields = {f.name for f in dataclasses.fields(cls)} | {"variant"}
+    unknown = sorted(set(config.model.to_dict()) - fields)
+    if unknown:
+        raise ConfigError(f"config.model.{unknown[0]} is not a field of {cls.__name__}; "
+                          f"valid: {sorted(fields)}{did_you_mean(unknown[0], fields)}")
+
+
 def model_config(cls, config, **forced):
     """The model's frozen config from `config.model`: an optional `variant` name (the
     model file's table) plus overrides of its fields; a key set to None is not set (the
     variant's value, else the field's default). Unknown keys name the valid ones."""
-    fields = {f.name for f in dataclasses.fields(cls)}
+    check_model_keys(cls, config)
     given = {k: v for k, v in config.model.to_dict().items() if v is not None}
     variant = given.pop("variant", None)
-    unknown = sorted(set(given) - fields)
-    if unknown:
-        raise ConfigError(f"config.model.{unknown[0]} is not a field of {cls.__name__}; "
-                          f"valid: {sorted(fields | {'variant'})}")
     kwargs = {**given, **forced}
     try:
         cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)

@@ -13,8 +13,9 @@ from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
-from attention_jax.tasks.base import (AttentionInput, Task, check_source_keys,
-                                      data_options, model_config, register, splits)
+from attention_jax.tasks.base import (AttentionInput, Task, check_model_keys,
+                                      check_source_keys, data_options, model_config, register,
+                                      splits)
 
 
 CLASSES_FILE = "classes.json"  # the run's class names, in label order (image folders, tfds)
@@ -32,6 +33,10 @@ def image_task(config, workdir: str) -> Task:
     from attention_jax.data import objectives
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import cnn, vit
+    family = {"vit": (vit.ViTConfig, vit.ViT, vit.VARIANTS, _vit_entries),
+              "cnn": (cnn.CNNConfig, cnn.CNN, cnn.VARIANTS, _cnn_entries)}
+    config_cls, model_cls, variants, entries = family[config.task]
+    check_model_keys(config_cls, config)  # before the images are read
     data_opts = data_options(config, name="digits", data_dir="", augment=True, padding=1, flip=False,
                              train_split="train", eval_split="test", train_fraction=1.0,
                              **IMAGE_KEYS)
@@ -41,9 +46,6 @@ def image_task(config, workdir: str) -> Task:
         train_src = data.subset_fraction(train_src, data_opts.train_fraction)
     except ValueError as e:
         raise ConfigError(f"config.data.train_fraction: {e}") from None
-    family = {"vit": (vit.ViTConfig, vit.ViT, vit.VARIANTS, _vit_entries),
-              "cnn": (cnn.CNNConfig, cnn.CNN, cnn.VARIANTS, _cnn_entries)}
-    config_cls, model_cls, variants, entries = family[config.task]
     forced = _model_fields(config, data_opts, config_cls, variants, train_src, classes)
     cfg = model_config(config_cls, config, dtype=config.train.compute_dtype, **forced)
     model = model_cls(cfg)

@@ -19,7 +19,7 @@ from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      check_source_keys, corpus_options, data_options,
+                                      check_model_keys, check_source_keys, corpus_options, data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
                                       gather_rows, lm_vocab_size, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
@@ -277,6 +277,7 @@ def lm_task(config, workdir: str) -> Task:
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import gpt
+    check_model_keys(gpt.GPTConfig, config)  # before the corpus and tokenizer are built
     # packing: "documents" keeps each packed document to itself (segment ids, positions
     # restarting per document); "stream" reads a row as a window of one token stream, as
     # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
@@ -365,6 +366,7 @@ def mlm_task(config, workdir: str) -> Task:
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
     from attention_jax.models import bert
+    check_model_keys(bert.BertConfig, config)  # before the corpus and tokenizer are built
     data_opts = data_options(config, **MLM_DATA)
     _check_mlm_tokenizer(data_opts)
     documents = _Documents(data_opts)

@@ -15,9 +15,10 @@ from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      data_is_on_demand, data_options, data_parallel_size,
-                                      gather_rows, model_config, padded_vocab, register,
-                                      run_tokenizer, splits, token_labels, until_eos)
+                                      check_model_keys, data_is_on_demand, data_options,
+                                      data_parallel_size, gather_rows, model_config,
+                                      padded_vocab, register, run_tokenizer, splits,
+                                      token_labels, until_eos)
 
 
 def _check_languages(data_opts, records) -> None:
@@ -53,6 +54,9 @@ def translation_task(config, workdir: str) -> Task:
     """
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
+    from attention_jax.models import encdec, rnn
+    check_model_keys(rnn.RNNConfig if config.task == "rnn_seq2seq" else encdec.EncDecConfig,
+                     config)  # before the data and tokenizer are built
     data_opts = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
                      tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
                      train_split="train", eval_split="validation")
@@ -65,7 +69,6 @@ def translation_task(config, workdir: str) -> Task:
     ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
     vocab = padded_vocab(tok.vocab_size)
     if config.task == "rnn_seq2seq":
-        from attention_jax.models import rnn
         cfg = model_config(rnn.RNNConfig, config, vocab_size=vocab,
                            dtype=jnp.dtype(config.train.compute_dtype), **ids)
         model = rnn.RNNSeq2Seq(cfg)
@@ -76,7 +79,6 @@ def translation_task(config, workdir: str) -> Task:
         # Recurrent: no PaLM count (its additive attention is no Transformer's 12·L·T·D).
         entries = {}
     else:
-        from attention_jax.models import encdec
         cfg = model_config(encdec.EncDecConfig, config, vocab_size=vocab,
                            dtype=config.train.compute_dtype, **ids)
         model = encdec.EncoderDecoder(cfg)

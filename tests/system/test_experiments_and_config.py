@@ -83,9 +83,19 @@ def test_heads_not_divisible_by_tensor_axis_fails_before_compiling(tmp_path):
 def test_model_keys_are_checked_against_the_model_config(data_dir, tmp_path):
     c = shrink(load("gpt").get_config(), data_dir)
     c.model.num_layerz = 3
+    c.data.data_dir = str(tmp_path / "tfds")  # nothing built there yet
     with pytest.raises(ConfigError, match=r"config\.model\.num_layerz is not a field of "
-                                                r"GPTConfig; valid: .*'num_layers'"):
+                                                r"GPTConfig; valid: .*'num_layers'.*\(did you "
+                                                r"mean 'num_layers'\?\)"):
         train.train_and_evaluate(c, str(tmp_path / "a"))
+    assert not os.path.exists(tmp_path / "tfds")  # said before the corpus was built
+    for name, key, cls in (("vit", "patch_sise", "ViTConfig"), ("bert_mlm", "num_head", "BertConfig"),
+                           ("encdec", "d_modle", "EncDecConfig"),
+                           ("rnn_seq2seq", "hiden", "RNNConfig")):
+        c = load(name).get_config()
+        c.model[key] = 1
+        with pytest.raises(ConfigError, match=rf"config\.model\.{key} is not a field of {cls}"):
+            train.train_and_evaluate(c, str(tmp_path / name))
     c = shrink(load("gpt").get_config(), data_dir)
     c.data.seq_len = 512
     with pytest.raises(ConfigError, match=r"config\.data\.seq_len=512 exceeds "
