@@ -172,7 +172,7 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
     sentence_bert_config.json's max_seq_length, else the position table; pooling and
     normalize to the dir's sentence-transformers files (else mean, True)."""
     from attention_jax.data.tokenization import WordPieceTokenizer
-    path = os.fspath(path) if path is not None else bundled_minilm_dir()
+    path = os.path.expanduser(os.fspath(path)) if path is not None else bundled_minilm_dir()
     ckpt = load_hf(path, implementation=implementation)
     # The dir's own family name (config.json's model_type, the key of hf.FAMILIES), not
     # the class of the model built from it.

@@ -252,8 +252,8 @@ def init_params_from_hf(path, model: nn.Module, *, seed: int = 0, verbose: bool 
     params, new, unused = fit(family, converted, target, lambda n, s: fresh_numpy(n, s, seed),
                               grid, where=os.fspath(path))
     if verbose and (new or unused):
-        print(f"init from {path} ({arch}): new heads {new or 'none'}; "
-              f"checkpoint heads not used {unused or 'none'}")
+        print(f"init from {path} ({arch}): new heads: {new or 'none'}; "
+              f"checkpoint heads left unused: {unused or 'none'}")
     return unflatten(params)
 
 
@@ -290,8 +290,8 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
     else:
         settings = (f"its config.json sets {unseen}, which the weights cannot show: the model "
                     f"must set the same")
-    print(f"warm start from {path} ({arch}): {settings}; new heads {new or 'none'}; "
-          f"checkpoint heads not used {unused or 'none'}", flush=True)
+    print(f"warm start from {path} ({arch}): {settings}; new heads: {new or 'none'}; "
+          f"checkpoint heads left unused: {unused or 'none'}", flush=True)
 
     def place(name):
         leaf = target[name]

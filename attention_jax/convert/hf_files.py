@@ -97,7 +97,7 @@ def read_hf_dir(path) -> tuple[dict, dict[str, np.ndarray]]:
 
     Legacy TF-era names (LayerNorm.gamma / .beta) are renamed to weight / bias, as
     transformers itself does on load."""
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a directory; expected a Hugging Face model "
                                 f"dir with config.json and model.safetensors or pytorch_model.bin")
@@ -119,7 +119,7 @@ def read_hf_config(path_or_config) -> dict:
     """config.json of a model dir, or the dict itself."""
     if isinstance(path_or_config, dict):
         return path_or_config
-    with open(os.path.join(os.fspath(path_or_config), "config.json")) as f:
+    with open(os.path.join(os.path.expanduser(os.fspath(path_or_config)), "config.json")) as f:
         return json.load(f)
 
 
@@ -130,6 +130,7 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     """config.json + model.safetensors that transformers' from_pretrained reads. A folder
     that is a training run (its own config.json, checkpoints/) is refused: its config.json
     would be replaced, and the run would no longer open. An earlier export is replaced."""
+    out_dir = os.path.expanduser(os.fspath(out_dir))
     config_file = os.path.join(out_dir, "config.json")
     taken = os.path.isdir(os.path.join(out_dir, "checkpoints"))  # a run's folder
     if os.path.isfile(config_file) and not taken:
@@ -146,7 +147,13 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     os.makedirs(out_dir, exist_ok=True)
     from safetensors.numpy import save_file
     # transformers checks the "format" metadata to know the layout is PyTorch's.
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # safetensors writes its file readable by its owner only (0600); an export is for
+    # sharing, so it gets the permissions any file written here gets (the umask's).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     return os.fspath(out_dir)

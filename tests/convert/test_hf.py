@@ -118,6 +118,9 @@ def test_gpt2_export_round_trip(tmp_path):
     # And back: the same numbers, bit for bit.
     again = convert.load_hf(out)
     _assert_trees_equal(again.params, params)
+    # The weights are as readable as config.json (safetensors alone writes them 0600).
+    mode = lambda name: os.stat(os.path.join(out, name)).st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")
     convert.export_hf(model, params, out)  # an earlier export is replaced
     # A run's workdir: its config.json was replaced, and the run no longer opened.
     run = tmp_path / "run"
@@ -167,6 +170,17 @@ def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind)
                                          r"attention_jax.data's tokenizers"):
         convert.export_hf(model, params, tmp_path / "hf2", tokenizer="tokenizer.json")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):
+    """'~/...' was a folder named '~' for export_hf, and 'not a directory' for load_hf."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = gpt.GPTConfig(vocab_size=97, max_len=16, num_layers=1, d_model=16, num_heads=2)
+    model = gpt.GPT(cfg)
+    params = _random_params(model, jnp.zeros((1, 4), jnp.int32))
+    out = convert.export_hf(model, params, "~/exported")
+    assert out == str(tmp_path / "exported") and (tmp_path / "exported" / "config.json").exists()
+    _assert_trees_equal(convert.load_hf("~/exported").params, params)
 
 
 def test_gpt_export_rejects_options_gpt2_lacks(tmp_path):
