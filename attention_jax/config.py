@@ -334,14 +334,18 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 
 def shipped() -> dict[str, str]:
-    """The configs shipped in attention_jax/configs: name -> the first line of its
-    docstring, read without running the file."""
+    """The configs shipped in attention_jax/configs: name -> the first paragraph of its
+    docstring (its first line can end mid-sentence), at most about 110 characters, read
+    without running the file."""
     out = {}
     for file in sorted(os.listdir(CONFIG_DIR)):
         if file.endswith(".py") and not file.startswith("_"):
             with open(os.path.join(CONFIG_DIR, file)) as f:
                 doc = ast.get_docstring(ast.parse(f.read())) or ""
-            out[file[:-3]] = doc.strip().split("\n")[0]
+            paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+            if len(paragraph) > 110:
+                paragraph = paragraph[:110].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+            out[file[:-3]] = paragraph
     return out
 
 
@@ -525,12 +529,16 @@ def parse_arg(arg: str | None, choices: Mapping[str, Iterable] | None = None,
     is a ConfigError naming the valid ones (so a misspelt argument never trains the
     default silently)."""
     args = dict(defaults)
+    given = set()
     for item in (arg.split(",") if arg else []):
         key, sep, text = item.partition("=")
         if not sep or key not in defaults:
             valid = sorted(defaults)
             raise ConfigError(f"{key!r} is not an argument of this config{did_you_mean(key, valid)}"
                               f"; valid: {valid} as :key=value,key=value")
+        if key in given:  # the last would win, unsaid
+            raise ConfigError(f"{key!r} is given twice in :{arg}; give each argument once")
+        given.add(key)
         args[key] = parse_value(f":{key}", defaults[key], text)
     for key, valid in (choices or {}).items():
         check_choice(f":{key}", args[key], valid)

@@ -6,13 +6,16 @@ r"""A grid of runs of one experiment config, trained one after another in one pr
 Each --grid is KEY=V1,V2,...: a KEY with a dot is a config field (`train.seed`,
 `data.train_fraction`), set like `--config.train.seed=1` of attention_jax.main; a KEY
 without one is an argument of the experiment file (`configs/gated_mlp.py:mlp=relu`).
+`--config.KEY=VALUE` sets a field for every point, as attention_jax.main takes it.
 Every combination trains, the first --grid varying slowest (put the seed first: a
 sweep stopped early then has every variant for its first seeds), in
 WORKDIR/<key><value>-<key><value>... (e.g. /tmp/gated/seed0-mlprelu), exactly as
 `attention_jax.main` would train it, plus a sweep.json there naming the point, which
 `analysis seeds --by=KEY` groups on. A point whose run already finished is skipped, so
-an interrupted sweep resumes where it stopped. Every point's config and task (its model
-config, its data) are checked before the first point trains: a bad value in the last
+an interrupted sweep resumes where it stopped: SIGINT or SIGTERM stops the point in
+training as attention_jax.main stops (a checkpoint saved), then the sweep, with main's exit
+code. Every point's config and task (its model config, its data), and any run already in
+a point's folder, are checked before the first point trains: a bad value in the last
 point fails at once.
 
 Why one process: a small run's own training is seconds on a CPU, while starting Python,
@@ -29,6 +32,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -61,18 +65,43 @@ def points(grid: dict[str, list[str]]) -> list[dict[str, str]]:
 
 
 def point_name(point: dict[str, str]) -> str:
-    """{'mlp': 'relu', 'train.seed': '0'} -> 'mlprelu-seed0' (the last part of dotted keys)."""
-    return "-".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point.items())
+    """{'mlp': 'relu', 'train.seed': '0'} -> 'mlprelu-seed0' (the last part of dotted keys).
+    A character a folder name cannot hold or should not (a '/' of `vit-tiny/4` would nest
+    the run a folder deeper) becomes '_'."""
+    return "-".join(re.sub(r"[^\w.+=-]", "_", f"{key.rsplit('.', 1)[-1]}{value}")
+                    for key, value in point.items())
 
 
-def point_config(spec: str, point: dict[str, str]) -> ml_collections.ConfigDict:
-    """The config of one grid point: experiment arguments first, then field overrides
-    (attention_jax.config.load, as the command line loads it)."""
+def point_config(spec: str, point: dict[str, str],
+                 overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """The config of one grid point: experiment arguments first, then the sweep's fixed
+    overrides (--config.KEY=VALUE), then the point's field overrides (attention_jax.config
+    .load, as the command line loads it)."""
     args = ",".join(f"{k}={v}" for k, v in point.items() if "." not in k)
     name, _, given = spec.partition(":")
     args = ",".join(a for a in (given, args) if a)
-    overrides = {k: v for k, v in point.items() if "." in k}
-    return config_lib.load(f"{name}:{args}" if args else name, overrides)
+    fields = [*overrides, *(f"{k}={v}" for k, v in point.items() if "." in k)]
+    return config_lib.load(f"{name}:{args}" if args else name, fields)
+
+
+def check_grid(spec: str, grid: dict[str, list[str]], overrides: Sequence[str]) -> None:
+    """What would be given twice, the later silently winning: a grid key that --config's
+    :ARG or a fixed --config.KEY also sets; and two points whose folders would be one."""
+    given = {item.partition("=")[0] for item in spec.partition(":")[2].split(",") if item}
+    fixed = {item.partition("=")[0] for item in overrides}
+    for key in grid:
+        where = (f"--config={spec}" if key in given else
+                 f"--config.{key}" if key in fixed else None)
+        if where:
+            raise ConfigError(f"--grid={key}=... varies what {where} sets; leave {key} out of "
+                              f"it (or give the grid one value)")
+    names = {}
+    for point in points(grid):
+        other = names.setdefault(point_name(point), point)
+        if other is not point:
+            raise ConfigError(f"--grid points {other} and {point} would share the folder "
+                              f"{point_name(point)!r}; give values that differ in more than "
+                              f"the characters a folder name cannot hold")
 
 
 def check_tasks(todo) -> None:
@@ -97,25 +126,39 @@ def check_tasks(todo) -> None:
             raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
 
 
-def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> list[dict]:
-    """Trains every point of the grid (skipping finished ones); returns one record each."""
+class Stopped(Exception):
+    """A point's training stopped by a signal (its checkpoint saved): the sweep stops."""
+
+    def __init__(self, signal_name: str, run_dir: str, step: int):
+        super().__init__(f"[sweep] stopped by {signal_name} in {run_dir} at step {step} (saved); "
+                         f"run the same command again to resume")
+        self.code = {"SIGINT": 130, "SIGTERM": 143}.get(signal_name, 1)
+
+
+def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
+              overrides: Sequence[str] = ()) -> list[dict]:
+    """Trains every point of the grid (skipping finished ones); returns one record each.
+    A point stopped by SIGINT or SIGTERM (saved, as attention_jax.main saves) stops the
+    sweep: Stopped."""
     import jax
 
     from attention_jax import train
+    check_grid(config_path, grid, overrides)
     workdir = workdir_lib.expand(workdir)
     runs = []  # (point, config, its run directory, finished before): all errors first
     for point in points(grid):
-        config = point_config(config_path, point)
+        config = point_config(config_path, point, overrides)
         config_lib.validate(config)
         run_dir = os.path.join(workdir, point_name(point))
         done = workdir_lib.finished(run_dir, config.train.steps)
-        # A finished point is skipped only if it is this config's: another's results
-        # would stand in its place (a changed --config argument, say), unsaid.
-        changed = done and workdir_lib.training_changes(config, run_dir)
+        # A point's folder holding a run of another config (finished or not) would stand
+        # in its place, or stop the sweep after the points before it have trained.
+        changed = workdir_lib.training_changes(config, run_dir)
         if changed:
-            raise ConfigError(f"sweep point {point_name(point)}: {run_dir} holds a finished "
-                              f"run of another config ({changed}); give this sweep another "
-                              f"--workdir")
+            state = "finished" if done else "an unfinished"
+            raise ConfigError(f"sweep point {point_name(point)}: {run_dir} holds "
+                              f"{'a ' if done else ''}{state} run of another config ({changed}); "
+                              f"give this sweep another --workdir, or move that run away")
         runs.append((point, config, run_dir, done))
     check_tasks([(point, config, run_dir) for point, config, run_dir, done in runs if not done])
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
@@ -129,6 +172,8 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]]) -> lis
             continue
         start = time.time()
         summary = train.train_and_evaluate(config, run_dir)
+        if summary["stopped_by"]:  # saved; the rest of the grid waits for the next call
+            raise Stopped(summary["stopped_by"], run_dir, summary["step"])
         record.update(wall_s=round(time.time() - start, 1), eval=summary["eval"])
         workdir_lib.epath_of(run_dir, "sweep.json").write_text(json.dumps(record, indent=1))
         print(f"[sweep] {run_dir}: {record['wall_s']} s, eval {summary['eval']}", file=sys.stderr)
@@ -144,14 +189,26 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "takes it), e.g. gated_mlp")
     parser.add_argument("--workdir", required=True, help="parent of the runs' directories")
     parser.add_argument("--grid", action="append", default=[], required=True,
-                        help="KEY=V1,V2,... (repeatable; dotted KEY: a config field)")
+                        help="KEY=V1,V2,... (repeatable). A dotted KEY is a config field "
+                             "(train.seed), one without a dot an argument of the config "
+                             "(gated_mlp's mlp). Runs go to WORKDIR/<key><value>-..., the "
+                             "last part of a dotted key (seed0-mlprelu)")
+    parser.epilog = ("--config.KEY=VALUE (repeatable) sets a field for every point, as "
+                     "attention_jax.main takes it, without adding to the folders' names.")
+    try:
+        argv, overrides = config_lib.split_overrides(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     args = parser.parse_args(argv)
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # orbax and tfds are chatty at INFO.
     try:
         grid = parse_grid(args.grid)
         start = time.time()
-        records = run_sweep(args.config, args.workdir, grid)
+        records = run_sweep(args.config, args.workdir, grid, overrides)
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(e.code) from None
     except (UserError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(json.dumps({"runs": len(records), "wall_s": round(time.time() - start, 1)}))

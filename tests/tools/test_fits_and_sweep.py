@@ -305,10 +305,69 @@ def test_a_sweep_skips_only_its_own_finished_runs(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"split": "eval", "step": 30}) + "\n")
     with pytest.raises(ConfigError, match=r"^sweep point seed0: .*seed0 holds a finished run "
                                           r"of another config \(model.patch_size: 4 -> 8\); "
-                                          r"give this sweep another --workdir$"):
+                                          r"give this sweep another --workdir, or move that "
+                                          r"run away$"):
         sweep.run_sweep("vit_digits:steps=30,patch=8", str(tmp_path), grid)
     (record,) = sweep.run_sweep("vit_digits:steps=30", str(tmp_path), grid)
     assert record["skipped"]
+    # Unfinished, it stopped the sweep with main's --resume_changed advice (which the sweep
+    # does not take) after the points before it had trained: now before any trains.
+    (run / "metrics.jsonl").write_text("")
+    grid = sweep.parse_grid(["train.seed=1,0"])
+    with pytest.raises(ConfigError, match=r"^sweep point seed0: .*seed0 holds an unfinished "
+                                          r"run of another config \(model.patch_size: 4 -> 8\)"):
+        sweep.run_sweep("vit_digits:steps=30,patch=8", str(tmp_path), grid)
+    assert not (tmp_path / "seed1").exists()
+
+
+def test_what_a_grid_would_give_twice_or_fold_into_one_folder_is_refused():
+    """A grid key --config's :ARG also set ran with the --config value recorded as the
+    point's; a value with '/' (vit's variant vit-tiny/4) nested the run a folder deeper."""
+    from attention_jax.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--grid=mlp=... varies what "
+                                          r"--config=gated_mlp:steps=5,mlp=relu sets"):
+        sweep.run_sweep("gated_mlp:steps=5,mlp=relu", "/nonexistent",
+                        sweep.parse_grid(["mlp=relu,gelu"]))
+    with pytest.raises(ConfigError, match=r"--grid=train.steps=... varies what "
+                                          r"--config.train.steps sets"):
+        sweep.check_grid("gated_mlp", sweep.parse_grid(["train.steps=5,6"]), ["train.steps=4"])
+    assert sweep.point_name({"variant": "vit-tiny/4"}) == "variantvit-tiny_4"
+    with pytest.raises(ConfigError, match=r"would share the folder 'variantvit-tiny_4'"):
+        sweep.check_grid("vit", sweep.parse_grid(["variant=vit-tiny/4,vit-tiny_4"]), [])
+    c = sweep.point_config("gated_mlp", {"train.seed": "1"}, ["train.steps=7", "train.seed=0"])
+    assert (c.train.steps, c.train.seed) == (7, 1)  # the point's own field wins
+    with pytest.raises(ConfigError, match=r"'mlp' is given twice in :mlp=relu,mlp=gelu; give "
+                                          r"each argument once"):
+        sweep.point_config("gated_mlp:mlp=relu", {"mlp": "gelu"})
+
+
+def test_a_signal_stops_the_sweep_with_main_s_exit_code(tmp_path):
+    """SIGTERM saved the point in training, then the sweep trained the next point and
+    exited 0: now it stops there, 143, and says how to resume."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "attention_jax.tools.sweep",
+                          "--config=vit_digits:steps=100000", f"--workdir={tmp_path}",
+                          "--grid=train.seed=0,1", "--config.train.log_every=1"],
+                         env=env, cwd=repo, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # the first logged step: the loop's handler is in place
+        lines.append(line)
+        if line.startswith("step "):
+            p.send_signal(signal.SIGTERM)
+            break
+    rest, _ = p.communicate(timeout=300)
+    out = "".join(lines) + rest
+    assert p.returncode == 143, out[-3000:]
+    assert "[sweep] stopped by SIGTERM in " in out and "run the same command again" in out
+    assert not (tmp_path / "seed1").exists()
+    assert os.listdir(tmp_path / "seed0" / "checkpoints")
 
 
 def test_a_sweep_checks_every_points_task_before_the_first_trains(tmp_path):
