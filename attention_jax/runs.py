@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 from typing import Any
 
@@ -164,10 +165,43 @@ def run_summary(workdir: str) -> dict:
     task = tasks.TASKS[config.task](config, workdir)
     shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
     return {"workdir": workdir, "task": config.task, "step": trains[-1]["step"] if trains else 0,
+            "steps": config.train.steps,
             "params": count_params(nn.meta.unbox(shapes)), "wall_s": workdir_lib.wall_seconds(workdir),
             "eval": {k: v for k, v in (evals[-1] if evals else {}).items()
                      if k not in ("step", "split")},
             "model": resolved_model_fields(config, task)}
+
+
+def last_step(workdir: str) -> int:
+    """The last step a run recorded (training's metrics, its evals, --mode=eval's)."""
+    records = [*workdir_lib.read_metrics(workdir), *workdir_lib.eval_records(workdir)]
+    return max((int(r.get("step", 0)) for r in records), default=0)
+
+
+def check_comparable(workdirs, report: str, same=(), finished: bool = True) -> None:
+    """A ValueError for a set of runs a report would mix unsaid: one given twice (two
+    globs that overlap), one that stopped before its train.steps (with `finished`: a
+    killed run's last eval would stand as its result), runs that differ in a config key
+    of `same` (e.g. the token budget of a scaling fit)."""
+    seen, configs = {}, {}
+    for w in workdirs:
+        key = w.rstrip("/") if workdir_lib.is_remote(w) else os.path.realpath(w)
+        if key in seen:
+            raise ValueError(f"{report}: {w} is given twice (also as {seen[key]}); each run "
+                             f"counts once")
+        seen[key] = w
+        config = load_config(w)
+        if finished and last_step(w) < config.train.steps:
+            raise ValueError(f"{report}: {w} stopped at step {last_step(w)} of its "
+                             f"train.steps={config.train.steps}; valid: finished runs (run it "
+                             f"again to finish it, or leave it out)")
+        configs[w] = config_lib.flat(config)
+    for key in same:
+        values = {w: flat.get(key) for w, flat in configs.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            shown = ", ".join(f"{w}: {v!r}" for w, v in list(values.items())[:4])
+            raise ValueError(f"{report}: the runs differ in {key} ({shown}); valid: runs of "
+                             f"one {key}")
 
 
 def resolved_model_fields(config, task) -> dict:

@@ -99,6 +99,18 @@ def bucketed_translation_metrics(lengths: Sequence[int], hypotheses: Sequence[st
 
 
 # ============================================================================= restoring
+def parse_edges(text: str) -> tuple[int, ...]:
+    """--edges "0,8,16": bucket edges, checked before any run is read or file written."""
+    valid = "valid: two or more increasing ints >= 0, comma-separated, e.g. 0,8,16,24,32"
+    try:
+        edges = tuple(int(e) for e in text.split(","))
+    except ValueError:
+        raise ValueError(f"--edges={text!r}; {valid}") from None
+    if len(edges) < 2 or edges[0] < 0 or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"--edges={text!r}; {valid}")
+    return edges
+
+
 def restore_run(workdir: str, overrides: dict | None = None):
     """(config, task, params on the host) from the run's latest checkpoint (runs.open_run)."""
     import jax
@@ -256,6 +268,34 @@ def eval_batches(task, batches: int, batch_size: int):
 
 
 # ============================================================================== positions
+def check_run_tasks(runs: dict[str, str], report: str, valid: Sequence[str]) -> None:
+    """A ValueError naming a run whose task the report cannot read (a ViT run given to a
+    report of language models), before anything is computed or written."""
+    from attention_jax.runs import load_config
+    for name, workdir in runs.items():
+        task = load_config(workdir).task
+        if task not in valid:
+            raise ValueError(f"{report} reads runs of task {' or '.join(map(repr, valid))}; run "
+                             f"{name!r} ({workdir}) is a {task!r} run")
+
+
+def training_length(runs: dict[str, str], given: int | None) -> int:
+    """The runs' training length (data.seq_len): one for all of them, and `given`
+    (--train_len) only where it is theirs (the table's line between inside and beyond)."""
+    from attention_jax.runs import load_config
+    lengths = {name: load_config(w).data.seq_len for name, w in runs.items()}
+    if given is None:
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"the runs trained on different lengths (data.seq_len: {lengths}); "
+                             f"valid: runs of one length, or --train_len to draw the line at")
+        return next(iter(lengths.values()))
+    other = {n: v for n, v in lengths.items() if v != given}
+    if other:
+        raise ValueError(f"--train_len={given}: the runs trained on data.seq_len {other}; "
+                         f"valid: their own length (leave --train_len out to use it)")
+    return given
+
+
 def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: int = 16):
     """Validation next-token loss at each position 0..seq_len-1 (a language-model run
     evaluated on rows of `seq_len`, possibly longer than it was trained on): where a
@@ -288,10 +328,14 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
     return sums / np.maximum(counts, 1), counts
 
 
-def positions_report(runs: dict[str, str], out: str, eval_len: int, train_len: int,
-                     batches: int = 8, batch_size: int = 16) -> dict:
+def positions_report(runs: dict[str, str], out: str, eval_len: int,
+                     train_len: int | None = None, batches: int = 8,
+                     batch_size: int = 16) -> dict:
     """Loss by position of each run at `eval_len` (out.png, out.json) and a table of the
-    mean loss inside and beyond the training length (out.md)."""
+    mean loss inside and beyond the training length (out.md; `train_len`: the runs' own
+    data.seq_len, checked against it when given)."""
+    check_run_tasks(runs, "positions", ("gpt",))
+    train_len = training_length(runs, train_len)
     if not 0 < train_len < eval_len:
         raise ValueError(f"--eval_len={eval_len} --train_len={train_len}: the report compares "
                          f"positions inside the training length with those past it; valid: "
@@ -376,6 +420,7 @@ def attention_report(runs: dict[str, str], out: str, batches: int = 4,
     its latest checkpoint, on the first validation rows; writes out.json and out.md."""
     import flax.linen as nn
     import jax
+    check_run_tasks(runs, "attention", ("gpt",))
     results = {}
     for name, workdir in runs.items():
         config, task, trained = restore_run(workdir)
@@ -499,10 +544,18 @@ def runs_table(rows: dict[str, dict], metric: str = "accuracy") -> str:
                                            else f"{value:.4f}")
         loss = r["eval"].get("loss")
         lines.append(f"| {name} | " + (f"{r.get('tokens', '–')} | " if has_tokens else "") +
-                     f"{r['params']:,} | {r['step']} | {shown} | " +
+                     f"{r['params']:,} | {_steps(r)} | {shown} | " +
                      (f"{'–' if loss is None else f'{loss:.4f}'} | " if loss_column else "") +
                      f"{r['wall_s']:.0f} s |\n")
     return head + sep + "".join(lines)
+
+
+def _steps(row: dict) -> str:
+    """The steps a run trained, and of how many where it stopped early (a killed run's
+    last eval is not its result)."""
+    target = row.get("steps")
+    return (f"{row['step']} of {target} (unfinished)" if target and row["step"] < target
+            else str(row["step"]))
 
 
 def plot_runs(rows: dict[str, dict], x: str, metric: str, path: str) -> None:
@@ -548,43 +601,47 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("translation", help="bucketed exact match and BLEU of translation runs")
     t.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
-    t.add_argument("--split", default="test")
+    t.add_argument("--split", default="test", help="the split translated (default: test)")
     t.add_argument("--edges", default=",".join(map(str, DEFAULT_EDGES)),
                    help="source-length bucket edges in tokens, comma-separated")
     t.add_argument("--max_examples", type=int, default=0, help="0: the whole split")
     t.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     r = sub.add_parser("runs", help="final eval metrics, params and wall time of runs")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     r.add_argument("--x", default="", help="model field (or 'tokens') to plot against")
-    r.add_argument("--metric", default="accuracy")
+    r.add_argument("--metric", default="accuracy",
+                   help="the eval metric of the table and plot (default: accuracy)")
     r.add_argument("--curves", default="", help="also plot this metric against step")
     r.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     p = sub.add_parser("positions", help="LM loss by position beyond the training length")
-    p.add_argument("--out", required=True)
-    p.add_argument("--eval_len", type=int, required=True)
-    p.add_argument("--train_len", type=int, required=True)
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
+    p.add_argument("--eval_len", type=int, required=True,
+                   help="length of the validation rows read (past the training length)")
+    p.add_argument("--train_len", type=int, default=None,
+                   help="the training length the table splits at (default: the runs' "
+                        "data.seq_len; if given, it must be theirs)")
+    p.add_argument("--batches", type=int, default=8, help="validation batches read (default 8)")
+    p.add_argument("--batch_size", type=int, default=16, help="rows a batch (default 16)")
     p.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     a = sub.add_parser("attention", help="entropy and largest weight of GPT attention rows, "
                                          "at initialisation and trained")
-    a.add_argument("--out", required=True)
-    a.add_argument("--batches", type=int, default=4)
-    a.add_argument("--batch_size", type=int, default=16)
+    a.add_argument("--out", required=True, help="path prefix of the .json/.md written")
+    a.add_argument("--batches", type=int, default=4, help="validation batches read (default 4)")
+    a.add_argument("--batch_size", type=int, default=16, help="rows a batch (default 16)")
     a.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     s = sub.add_parser("scaling", help="L(N) power-law fit and the loss-vs-compute envelope "
                                        "of a model-size sweep")
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     s.add_argument("workdirs", nargs="+", help="one run directory per model size")
     d = sub.add_parser("seeds", help="mean and spread over seeds of runs grouped by a sweep key")
-    d.add_argument("--out", required=True)
+    d.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     d.add_argument("--by", required=True, help="sweep key (or dotted config field) to group by")
     d.add_argument("--x", default="", help="a second key to plot against (e.g. train_fraction)")
-    d.add_argument("--metric", default="loss")
+    d.add_argument("--metric", default="loss", help="the eval metric compared (default: loss)")
     d.add_argument("workdirs", nargs="+")
     c = sub.add_parser("attention_cost", help="log-log slopes of attention time and memory "
                                               "against N, from the benchmark's JSON")
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     c.add_argument("--mask", default="full", help="full | causal (| packed on GPU)")
     c.add_argument("--min_n", type=int, default=0, help="fit lengths N >= this only")
     c.add_argument("bench_json", help="bench_results/attention.json")
@@ -606,7 +663,7 @@ def _run(args) -> None:
             fits.attention_cost_report(args.bench_json, args.out, args.mask, args.min_n)
         print(open(args.out + ".md").read())
     elif args.command == "translation":
-        edges = tuple(int(e) for e in args.edges.split(","))
+        edges = parse_edges(args.edges)
         results = translation_report(_named_runs(args.runs), args.out, args.split, edges,
                                      args.max_examples)
         print(translation_table(results))

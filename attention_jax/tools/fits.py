@@ -155,7 +155,7 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
     import matplotlib.ticker
 
     from attention_jax import tasks
-    from attention_jax.runs import load_config
+    from attention_jax.runs import check_comparable, load_config
     runs = []
     for w in workdirs:
         config = load_config(w)
@@ -183,6 +183,10 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
                      "flops": (per_unit(shapes) * units * steps).tolist(),
                      "train_loss": _smooth([r["loss"] for r in trains]).tolist(),
                      "wall_s": wall_seconds(w)})
+    # One token budget and data, each run once and finished: a fit over runs of another
+    # budget or task, or one counted twice, is no L(N).
+    check_comparable(workdirs, "scaling", same=("task", "data.name", "train.steps",
+                                                "train.batch_size", "data.seq_len"))
     runs.sort(key=lambda r: r["non_embedding_params"])
     if len(runs) < 4:  # said in the command's terms, not the fit's arguments'
         sizes = len({r["non_embedding_params"] for r in runs})
@@ -320,6 +324,9 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from attention_jax.runs import check_comparable
+    check_comparable(workdirs, "seeds", same=("task", "train.steps"))
     groups: dict[tuple, list] = {}
     for w in workdirs:
         records = workdir_lib.eval_records(w)
@@ -334,9 +341,15 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
                                            "wall_s": wall_seconds(w)})
     rows = []
     for (name, xv), runs in groups.items():
+        seeds = [r["seed"] for r in runs]
+        twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        if twice:  # two copies of one run would count as two seeds
+            same = [r["workdir"] for r in runs if r["seed"] == twice[0]]
+            raise ValueError(f"seeds: {', '.join(same)} share {by}={name!r} and "
+                             f"train.seed={twice[0]}; valid: one run per seed in a group")
         v = np.array([r["value"] for r in runs])
         rows.append({by: name, **({x: xv} if x else {}), "n": len(v), "mean": float(v.mean()),
-                     "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+                     "std": float(v.std(ddof=1)) if len(v) > 1 else None,
                      "min": float(v.min()), "max": float(v.max()),
                      "wall_s": float(np.mean([r["wall_s"] for r in runs])), "runs": runs})
     rows.sort(key=lambda r: (r[by], r.get(x, 0)))
@@ -358,15 +371,16 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
         mine = [r for r in rows if r[by] == name]
         if x:
             xs = [r[x] for r in mine]
-            ax.errorbar(xs, [scale * r["mean"] for r in mine], [scale * r["std"] for r in mine],
+            ax.errorbar(xs, [scale * r["mean"] for r in mine],
+                        [scale * (r["std"] or 0.0) for r in mine],  # None: one seed
                         marker="o", capsize=3, color=f"C{i}", label=f"{name} (mean ± std)")
             for r in mine:
                 ax.plot([r[x]] * r["n"], [scale * s["value"] for s in r["runs"]], ".",
                         color=f"C{i}", alpha=0.4)
         else:
             r = mine[0]
-            ax.errorbar([i], [scale * r["mean"]], [scale * r["std"]], marker="o", capsize=4,
-                        color=f"C{i}")
+            ax.errorbar([i], [scale * r["mean"]], [scale * (r["std"] or 0.0)], marker="o",
+                        capsize=4, color=f"C{i}")
             ax.plot([i] * r["n"], [scale * s["value"] for s in r["runs"]], ".", color=f"C{i}",
                     alpha=0.5)
     if x:
@@ -395,7 +409,8 @@ def seeds_table(result: dict) -> str:
              "|---|" + ("---|" if x else "") + "---|---|---|---|---|"]
     for r in result["groups"]:
         lines.append(f"| {r[by]} | " + (f"{r[x]:g} | " if x else "") +
-                     f"{r['n']} | {fmt(r['mean'])} | {sd(r['std'])} | "
+                     f"{r['n']} | {fmt(r['mean'])} | "
+                     f"{'–' if r['std'] is None else sd(r['std'])} | "
                      f"{fmt(r['min'])} – {fmt(r['max'])} | {r['wall_s']:.0f} s |")
     for pair, xs in result.get("crossings", {}).items():
         lines.append("")

@@ -139,9 +139,23 @@ def test_position_losses_past_the_training_length(tmp_path):
     assert os.path.getsize(out + ".png") > 0 and os.path.getsize(out + "_curves.png") > 0
     # An eval length inside the training length: numpy's ZeroDivisionError before; one
     # past the position table names --eval_len (it named config.data.seq_len).
-    with pytest.raises(ValueError, match=r"--eval_len=32 --train_len=64: .* valid: 0 < "
+    with pytest.raises(ValueError, match=r"--eval_len=16 --train_len=32: .* valid: 0 < "
                                          r"train_len < eval_len"):
-        analysis.positions_report({"learned": workdir}, out, eval_len=32, train_len=64)
+        analysis.positions_report({"learned": workdir}, out, eval_len=16)  # its own: 32
+    # A training length that is not the run's drew the table's line in the wrong place.
+    with pytest.raises(ValueError, match=r"^--train_len=64: the runs trained on data.seq_len "
+                                         r"\{'learned': 32\}; valid: their own length"):
+        analysis.positions_report({"learned": workdir}, out, eval_len=128, train_len=64)
+    # A run of another task: positions and attention read language models only.
+    from attention_jax import workdir as workdir_lib
+    vit = str(tmp_path / "vit")  # its config is what the reports read first
+    os.makedirs(vit)
+    workdir_lib.write_config(vit, config_lib.load("vit_digits"))
+    for report in (lambda: analysis.positions_report({"v": vit}, out, eval_len=64),
+                   lambda: analysis.attention_report({"v": vit}, out)):
+        with pytest.raises(ValueError, match=r"reads runs of task 'gpt'; run 'v' \(.*vit\) is "
+                                             r"a 'vit' run"):
+            report()
     with pytest.raises(ValueError, match=r"^--eval_len=4096 for run 'learned': "
                                          r"config.data.seq_len=4096 exceeds"):
         analysis.positions_report({"learned": workdir}, out, eval_len=4096, train_len=32)
@@ -173,3 +187,17 @@ def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path, capsys):
     for name, mtime in (("metrics.jsonl", stamp + 50), ("config.json", stamp + 100)):
         os.utime(tmp_path / name, (mtime, mtime))
     assert workdir_lib.wall_seconds(str(tmp_path)) == 50.0  # from this run's start, not 1000
+
+
+def test_runs_table_says_a_run_stopped_early_and_edges_are_checked_first(tmp_path):
+    """A run killed at step 1276 of 5000 read as finished (its step 1000 eval as the
+    result); --edges=8,4 wrote the report's files, then failed with min()'s message."""
+    row = {"step": 1276, "steps": 5000, "params": 10, "eval": {"accuracy": 0.5}, "wall_s": 3}
+    assert "| t | 10 | 1276 of 5000 (unfinished) | 50.0% |" in analysis.runs_table({"t": row})
+    assert "| t | 10 | 5000 | 50.0% |" in analysis.runs_table({"t": {**row, "step": 5000}})
+    for bad in ("8,4", "abc", "8", "-1,4"):
+        with pytest.raises(SystemExit, match=rf"error: --edges='{bad}'; valid: two or more "
+                                             rf"increasing ints >= 0"):
+            analysis.main(["translation", f"--out={tmp_path / 't'}", f"--edges={bad}",
+                           f"x={tmp_path}"])
+    assert not os.listdir(tmp_path)

@@ -120,7 +120,7 @@ def test_scaling_report_counts_compute_with_the_tasks_flops(tmp_path):
             c = config_lib.base_config()
             c.task = "scaling_stub"
             c.model = ml_collections.ConfigDict({"num_layers": layers, "d_model": 16})
-            c.train.batch_size = 4
+            c.train.batch_size, c.train.steps = 4, 20
             n = layers * 16 * 16
             w = tmp_path / f"l{layers}"
             os.makedirs(w)
@@ -132,6 +132,14 @@ def test_scaling_report_counts_compute_with_the_tasks_flops(tmp_path):
                 f.write(json.dumps({"step": 20, "split": "eval", "loss": loss}) + "\n")
             dirs.append(str(w))
         result = fits.scaling_report(dirs, str(tmp_path / "report" / "scaling"))
+        # Another token budget (a larger batch) fitted as a size point, unsaid: refused.
+        other = tmp_path / "l16"
+        os.makedirs(other)
+        c.model.num_layers, c.train.batch_size = 16, 8
+        (other / "config.json").write_text(c.to_json_best_effort())
+        (other / "metrics.jsonl").write_text((tmp_path / "l1" / "metrics.jsonl").read_text())
+        with pytest.raises(ValueError, match=r"^scaling: the runs differ in train.batch_size"):
+            fits.scaling_report([*dirs, str(other)], str(tmp_path / "report" / "mixed"))
         # Two runs: named in the command's terms (was "n and loss need the same length").
         with pytest.raises(ValueError, match=r"to 4 or more runs of different model sizes; got "
                                              r"2 run\(s\) of 2 size\(s\)"):
@@ -173,8 +181,11 @@ def test_crossings_are_interpolated_in_log_x():
 
 def _fake_run(path, point, metric_value, metric="accuracy"):
     os.makedirs(path)
+    from attention_jax import config as config_lib
+    c = config_lib.base_config()
+    c.train.steps, c.train.seed = 10, int(point.get("train.seed", 0))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({}, f)
+        f.write(c.to_json_best_effort())
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"step": 10, "split": "eval", metric: metric_value}) + "\n")
     with open(os.path.join(path, "sweep.json"), "w") as f:
@@ -382,3 +393,31 @@ def test_a_sweep_checks_every_points_task_before_the_first_trains(tmp_path):
                                           r"num_heads=3 does not divide the model width"):
         sweep.run_sweep("vit_digits:steps=1", str(tmp_path), grid)
     assert not os.listdir(tmp_path)  # nothing trained, no folder made
+
+
+def test_seeds_refuses_runs_it_would_mix_unsaid(tmp_path):
+    """One run given twice counted as two seeds (std 0.0000); a killed run's last eval
+    stood in as its result; runs of another length or a copy of one seed were averaged."""
+    from attention_jax import config as config_lib
+    a = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 1.0, metric="loss")
+    b = _fake_run(tmp_path / "b", {"mlp": "relu", "train.seed": "1"}, 1.2, metric="loss")
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=rf"^seeds: {a} is given twice \(also as {a}\)"):
+        fits.seeds_report([a, b, a], out, by="mlp")
+    copy = _fake_run(tmp_path / "copy", {"mlp": "relu", "train.seed": "1"}, 1.2, metric="loss")
+    with pytest.raises(ValueError, match=r"share mlp='relu' and train.seed=1; valid: one run per "
+                                         r"seed in a group"):
+        fits.seeds_report([a, b, copy], out, by="mlp")
+    longer = _fake_run(tmp_path / "longer", {"mlp": "relu", "train.seed": "2"}, 0.9, metric="loss")
+    c = config_lib.base_config()
+    c.train.steps, c.train.seed = 10000, 2
+    (tmp_path / "longer" / "config.json").write_text(c.to_json_best_effort())
+    with pytest.raises(ValueError, match=r"longer stopped at step 10 of its train.steps=10000; "
+                                         r"valid: finished runs"):
+        fits.seeds_report([a, b, longer], out, by="mlp")
+    (tmp_path / "longer" / "metrics.jsonl").write_text(
+        json.dumps({"step": 10000, "split": "eval", "loss": 0.9}) + "\n")
+    with pytest.raises(ValueError, match=r"the runs differ in train.steps"):
+        fits.seeds_report([a, b, longer], out, by="mlp")
+    result = fits.seeds_report([a], out, by="mlp")  # one seed: no spread to show
+    assert result["groups"][0]["std"] is None and "| relu | 1 | 1.0000 | – |" in open(out + ".md").read()
