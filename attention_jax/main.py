@@ -10,7 +10,8 @@ yours (its get_config(arg) built on attention_jax.config.base_config()); `:ARG` 
 experiment's own arguments (`variant=...,steps=...`). Any field can be overridden with
 `--config.group.key=value`; an unknown key or argument, a value of the wrong type or
 range is an error before anything runs. Running the same command again resumes from
-the workdir's latest checkpoint; if training-relevant keys differ from the workdir's
+the workdir's latest checkpoint (so does one without --config, training the workdir's
+config.json, e.g. `--workdir=RUN --config.train.steps=2000` to extend it); if training-relevant keys differ from the workdir's
 config.json the run stops and lists them (--resume_changed resumes anyway; a changed
 train.steps, to extend a run, and the keys in workdir.RESUME_SAFE_KEYS need no flag).
 Modes:
@@ -194,7 +195,8 @@ def main(argv) -> int:
 
 
 def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: str):
-    """The config `mode` runs with. Training: `spec` with `overrides`. Reading a trained
+    """The config `mode` runs with. Training: `spec` with `overrides` (no `spec` in a
+    workdir that holds a run: its config.json with `overrides`, to continue it). Reading a trained
     run (eval, sample, embed): the run's own config.json, so an evaluation is of the model
     and data the run trained on whatever --config says; `overrides` may change only what
     reading uses (eval.*, mesh.*, dtype, ...: workdir.READ_SAFE_KEYS), and those that differ
@@ -220,6 +222,14 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
             print(f"--mode={mode}: the run's config.json with " + ", ".join(
                 f"{k}={json.dumps(new)} (trained with {json.dumps(old)})"
                 for k, (old, new) in changed.items()), file=sys.stderr)
+        return config
+    if spec is None and mode == "train" and workdir_lib.exists(workdir, workdir_lib.CONFIG):
+        # Continuing a run (more steps, say) needs no --config and none of its overrides
+        # again: the run's own config.json is the config, these overrides on top.
+        config = workdir_lib.read_config(workdir)
+        config_lib.apply_overrides(config, overrides)
+        print(f"training the run's own config ({workdir_lib.path(workdir, workdir_lib.CONFIG)})"
+              + (f" with {', '.join(map(str, overrides))}" if overrides else ""), file=sys.stderr)
         return config
     if spec is None:
         if mode == "train":

@@ -220,6 +220,13 @@ def test_resuming_a_changed_config_stops_unless_asked(trained):
     assert workdir_lib.last_records(workdir)["train"]["step"] == 3
     assert "resuming" not in out.stdout  # same config as config.json now: no note
 
+    # Extending it needs neither --config nor its overrides again ("--config is required
+    # to train" before, and without an override: "data.max_files: 6 -> 0").
+    out = cli(f"--workdir={workdir}", "--config.train.steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"training the run's own config ({workdir}/config.json) with train.steps=4" in out.stderr
+    assert "done: step 4; " in out.stdout
+
 
 # ------------------------------------------------------------------ installed, not editable
 @pytest.mark.slow
