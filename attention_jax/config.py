@@ -349,6 +349,12 @@ def shipped() -> dict[str, str]:
     return out
 
 
+def describe(spec: str) -> str:
+    """The docstring of the config `spec` names (its arguments, commands and results, as
+    each shipped config writes them), for --help."""
+    return (_module(spec.partition(":")[0]).__doc__ or "").strip()
+
+
 def _module(name: str):
     """The module of a config: a shipped name, or a path to a .py file. An old
     `experiments/NAME.py` path names the shipped config NAME (the configs lived there)."""

@@ -315,6 +315,9 @@ def help_text(argv) -> str:
             config = config_lib.load(spec)
         except UserError as e:
             _fail(str(e))
+        about = config_lib.describe(spec)
+        if about:  # its :ARG arguments are described there, not among the keys
+            lines += ["", f"About --config={spec.partition(':')[0]}:", about]
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
         lines += [f"  {key} = {value!r}" for key, value in config_lib.flat(config).items()]
     else:

@@ -101,6 +101,12 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     out = cli("--config=gpt", "--help")
     assert out.returncode == 0
     assert "  optim.lr = 0.003" in out.stdout and "  data.name = 'python_stdlib'" in out.stdout
+    # A config's own :ARG arguments are in its docstring, not among its keys: shown too.
+    out = cli("--config=gated_mlp", "--help")
+    assert "About --config=gated_mlp:\n" in out.stdout
+    assert "Argument `mlp=relu|gelu|swiglu|geglu`" in out.stdout
+    # The shipped configs' lines end where their first paragraph does, not mid-sentence.
+    assert "(Devlin et al. 2019) on the offline stdlib corpus." in cli("--help").stdout
 
 
 def test_out_of_range_values_fail_before_anything_runs(tmp_path):
