@@ -468,7 +468,12 @@ def _finite_steps(pending, config, ckpt, losses: list) -> list[dict]:
 
 
 def _means(window: list[dict], log_every: int) -> dict[str, float]:
+    """A logged window's record: each metric's mean over its steps, but the learning rate
+    at its last step (the schedule's value at the logged step, as TensorBoard's x-axis
+    says; a warmup's mean lags it, and read as the rate it looked like a wrong one)."""
     means = {k: float(np.mean([m[k] for m in window])) for k in window[0] if k != "finite"}
+    if "lr" in means:
+        means["lr"] = float(window[-1]["lr"])
     if len(window) != log_every:
         # Fewer steps than a full window: it began at a resume, ends the run early, or
         # lost skipped non-finite steps.

@@ -32,7 +32,8 @@ def _text_attention_input(tok, context: int | None, name: str):
                         index: int = 0) -> AttentionInput:
         del params, index  # a text's ids are all the model reads
         if text is None:
-            raise ValueError(f"text=None: task {name!r} draws its attention on a text; give one")
+            raise ValueError(f"text=None: task {name!r} draws its attention on a text; give one "
+                             f"(text=, or viz's --text)")
         if target is not None:
             raise ValueError(f"target={target!r}: task {name!r} reads one text; a target is "
                              f"for the translation tasks {tasks_with('decode')}")

@@ -260,6 +260,12 @@ def test_each_window_reports_the_share_of_its_checkpoint_saves(tmp_path):
     assert sorted(windows) == [3, 6, 9, 12]
     shares = {s: windows[s]["host_checkpoint_frac"] for s in windows}
     assert shares[3] == shares[6] == shares[12] == 0.0 and shares[9] > 0, shares
+    # The learning rate is the schedule's at the window's last step (its mean over a
+    # warmup lagged the logged step: lr 1.9e-4 beside a warning that it stops at 4e-4).
+    from attention_jax.optimizer import make_optimizer
+    _, schedule = make_optimizer(cfg.optim, cfg.optim.decay_steps or cfg.train.steps)
+    for step, record in windows.items():  # the step counter before the window's last update
+        assert record["lr"] == pytest.approx(float(schedule(step - 1)), rel=1e-6)
     for r in windows.values():
         assert r["host_data_frac"] + r["host_dispatch_frac"] + r["host_checkpoint_frac"] <= 1.0
         assert 0.0 <= r["host_gc_frac"] <= 1.0  # apart: it overlaps the others
