@@ -638,6 +638,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     d.add_argument("--by", required=True, help="sweep key (or dotted config field) to group by")
     d.add_argument("--x", default="", help="a second key to plot against (e.g. train_fraction)")
     d.add_argument("--metric", default="loss", help="the eval metric compared (default: loss)")
+    d.add_argument("--baseline", default="",
+                   help="a value of --by: each group's difference to it, seed by seed")
     d.add_argument("workdirs", nargs="+")
     c = sub.add_parser("attention_cost", help="log-log slopes of attention time and memory "
                                               "against N, from the benchmark's JSON")
@@ -658,7 +660,8 @@ def _run(args) -> None:
         if args.command == "scaling":
             fits.scaling_report(args.workdirs, args.out)
         elif args.command == "seeds":
-            fits.seeds_report(args.workdirs, args.out, args.by, args.x, args.metric)
+            fits.seeds_report(args.workdirs, args.out, args.by, args.x, args.metric,
+                              args.baseline)
         else:
             fits.attention_cost_report(args.bench_json, args.out, args.mask, args.min_n)
         print(open(args.out + ".md").read())

@@ -316,11 +316,13 @@ def crossings(xs, a, b) -> list[float]:
 
 
 def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
-                 metric: str = "loss") -> dict:
+                 metric: str = "loss", baseline: str = "") -> dict:
     """Final eval `metric` of runs that differ in `by` (and `x`) and in their seed: mean,
-    standard deviation (ddof=1) and range over seeds of each group; with `x`, the mean
-    ± std against x for each `by` value and where the first two curves cross. Writes
-    out.json, out.md and out.png."""
+    standard deviation (ddof=1), range and each seed's value of each group; with
+    `baseline` (a value of `by`), each group's difference to it seed by seed (mean ± std
+    of the paired differences: the seed's share of the spread cancels); with `x`, the
+    mean ± std against x for each `by` value and where the first two curves cross.
+    Writes out.json, out.md and out.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -347,13 +349,16 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
             same = [r["workdir"] for r in runs if r["seed"] == twice[0]]
             raise ValueError(f"seeds: {', '.join(same)} share {by}={name!r} and "
                              f"train.seed={twice[0]}; valid: one run per seed in a group")
+        runs.sort(key=lambda r: r["seed"])
         v = np.array([r["value"] for r in runs])
         rows.append({by: name, **({x: xv} if x else {}), "n": len(v), "mean": float(v.mean()),
                      "std": float(v.std(ddof=1)) if len(v) > 1 else None,
                      "min": float(v.min()), "max": float(v.max()),
                      "wall_s": float(np.mean([r["wall_s"] for r in runs])), "runs": runs})
     rows.sort(key=lambda r: (r[by], r.get(x, 0)))
-    result = {"by": by, "x": x, "metric": metric, "groups": rows}
+    if baseline:
+        _paired_differences(rows, by, x, baseline)
+    result = {"by": by, "x": x, "metric": metric, "baseline": baseline, "groups": rows}
     names = list(dict.fromkeys(r[by] for r in rows))
     if x and len(names) >= 2:
         curve = lambda name: sorted((r[x], r["mean"]) for r in rows if r[by] == name)
@@ -399,19 +404,57 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
     return result
 
 
+def _paired_differences(rows: list[dict], by: str, x: str, baseline: str) -> None:
+    """Adds "paired" (mean, std of value − the baseline group's value, seed by seed, at
+    the same x) to each row; the baseline's seeds must be every group's."""
+    base = {r.get(x): r for r in rows if r[by] == baseline}
+    if not base:
+        raise ValueError(f"--baseline={baseline!r} is no value of {by}; valid: "
+                         f"{sorted({r[by] for r in rows})}")
+    for r in rows:
+        ref = base.get(r.get(x))
+        mine = {s["seed"]: s["value"] for s in r["runs"]}
+        theirs = {s["seed"]: s["value"] for s in ref["runs"]} if ref else {}
+        if set(mine) != set(theirs):
+            raise ValueError(f"--baseline={baseline!r}: {by}={r[by]!r} has seeds "
+                             f"{sorted(mine)}, the baseline {sorted(theirs)}; valid: the same "
+                             f"seeds in every group, to pair them")
+        d = np.array([mine[seed] - theirs[seed] for seed in sorted(mine)])
+        r["paired"] = None if r[by] == baseline else {
+            "mean": float(d.mean()), "std": float(d.std(ddof=1)) if len(d) > 1 else None}
+
+
+def _paired_cell(paired: dict | None) -> str:
+    """'−0.2568 ± 0.1591' (a group's paired difference to the baseline), '–' for the
+    baseline itself, and '–' for the spread of one seed."""
+    if paired is None:
+        return "–"
+    spread = "–" if paired["std"] is None else f"{paired['std']:.4f}"
+    return f"{paired['mean']:+.4f} ± {spread}"
+
+
 def seeds_table(result: dict) -> str:
     by, x, metric = result["by"], result["x"], result["metric"]
     pct = metric == "accuracy"
     fmt = (lambda v: f"{100 * v:.1f}%") if pct else (lambda v: f"{v:.4f}")
     sd = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.4f}")
+    base = result.get("baseline")
+    seeds = sorted({s["seed"] for r in result["groups"] for s in r["runs"]})
     lines = [f"| {by} | " + (f"{x} | " if x else "") + f"seeds | mean {metric} | std | "
-             f"min – max | wall time per run |",
-             "|---|" + ("---|" if x else "") + "---|---|---|---|---|"]
+             f"min – max | per seed ({' / '.join(map(str, seeds))}) | "
+             + (f"paired difference to {base}, mean ± std | " if base else "")
+             + "wall time per run |",
+             "|---|" + ("---|" if x else "") + "---|---|---|---|---|" + ("---|" if base else "")
+             + "---|"]
     for r in result["groups"]:
+        values = {s["seed"]: s["value"] for s in r["runs"]}
+        per_seed = " / ".join(fmt(values[s]) if s in values else "–" for s in seeds)
+        paired = f"{_paired_cell(r.get('paired'))} | " if base else ""
         lines.append(f"| {r[by]} | " + (f"{r[x]:g} | " if x else "") +
                      f"{r['n']} | {fmt(r['mean'])} | "
                      f"{'–' if r['std'] is None else sd(r['std'])} | "
-                     f"{fmt(r['min'])} – {fmt(r['max'])} | {r['wall_s']:.0f} s |")
+                     f"{fmt(r['min'])} – {fmt(r['max'])} | {per_seed} | {paired}"
+                     f"{r['wall_s']:.0f} s |")
     for pair, xs in result.get("crossings", {}).items():
         lines.append("")
         where = ", ".join(f"{v:.3g}" for v in xs)

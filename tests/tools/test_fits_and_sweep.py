@@ -421,3 +421,26 @@ def test_seeds_refuses_runs_it_would_mix_unsaid(tmp_path):
         fits.seeds_report([a, b, longer], out, by="mlp")
     result = fits.seeds_report([a], out, by="mlp")  # one seed: no spread to show
     assert result["groups"][0]["std"] is None and "| relu | 1 | 1.0000 | – |" in open(out + ".md").read()
+
+
+def test_seeds_table_has_each_seed_and_the_paired_difference_to_a_baseline(tmp_path):
+    """The README's gated-MLP table had a per-seed column and a paired difference to
+    ReLU that the tool did not write; now it does (--baseline)."""
+    values = {"relu": [1.8723, 1.6042, 1.7046], "swiglu": [1.4926, 1.5271, 1.3908]}
+    dirs = [_fake_run(tmp_path / f"{m}{s}", {"mlp": m, "train.seed": str(s)}, v, metric="loss")
+            for m, vs in values.items() for s, v in enumerate(vs)]
+    out = str(tmp_path / "g")
+    result = fits.seeds_report(dirs, out, by="mlp", baseline="relu")
+    d = np.subtract(values["swiglu"], values["relu"])
+    swiglu = next(r for r in result["groups"] if r["mlp"] == "swiglu")
+    assert swiglu["paired"]["mean"] == pytest.approx(d.mean())
+    assert swiglu["paired"]["std"] == pytest.approx(d.std(ddof=1))
+    table = open(out + ".md").read()
+    assert "| per seed (0 / 1 / 2) | paired difference to relu, mean ± std |" in table
+    assert "| 1.4926 / 1.5271 / 1.3908 | -0.2569 ± 0.1591 |" in table
+    assert "| 1.8723 / 1.6042 / 1.7046 | – |" in table
+    with pytest.raises(ValueError, match=r"--baseline='tanh' is no value of mlp; valid: "
+                                         r"\['relu', 'swiglu'\]"):
+        fits.seeds_report(dirs, out, by="mlp", baseline="tanh")
+    with pytest.raises(ValueError, match=r"has seeds \[0, 1\], the baseline \[0, 1, 2\]"):
+        fits.seeds_report(dirs[:-1], out, by="mlp", baseline="relu")
