@@ -11,8 +11,8 @@ experiment's own arguments (`variant=...,steps=...`). Any field can be overridde
 `--config.group.key=value`; an unknown key or argument, a value of the wrong type or
 range is an error before anything runs. Running the same command again resumes from
 the workdir's latest checkpoint (so does one without --config, training the workdir's
-config.json, e.g. `--workdir=RUN --config.train.steps=2000` to extend it); if training-relevant keys differ from the workdir's
-config.json the run stops and lists them (--resume_changed resumes anyway; a changed
+config.json, e.g. `--workdir=RUN --config.train.steps=2000` to extend it); if
+training-relevant keys differ from the workdir's config.json the run stops and lists them (--resume_changed resumes anyway; a changed
 train.steps, to extend a run, and the keys in workdir.RESUME_SAFE_KEYS need no flag).
 Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
@@ -27,8 +27,8 @@ out, and an override may change only what reading uses (eval.*, mesh.*, batch si
 train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
 Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
 message, no traceback), 130/143 stopped by SIGINT/SIGTERM after saving a checkpoint
-(run again to resume; a SIGINT before or after training's loop ends the process at once,
-in one line), 75 another process of a multi-process run was lost (one `error:`
+(run again to resume; a SIGINT before or after training's loop, or a second one, ends
+the process at once, in one line), 75 another process of a multi-process run was lost (one `error:`
 line naming it; run all processes again to resume).
 """
 
@@ -40,14 +40,19 @@ import sys
 
 
 def _stop_now(signum, frame):
-    """Ctrl-C outside training's loop (whose own handler stops at a step and saves):
-    while Python imports JAX, the config loads, data is prepared, a step compiles, or an
-    evaluation runs. Nothing there needs saving, and an interrupt inside XLA's compiler
+    """Ctrl-C outside training's loop (whose own handler stops at a step and saves, and
+    hands a second Ctrl-C here): while Python imports JAX, the config loads, data is
+    prepared, a step compiles, or an evaluation runs. An interrupt inside XLA's compiler
     can crash the interpreter on its way out (a segmentation fault after the traceback,
-    seen on the CPU host), so the process ends here, in one line."""
-    sys.stdout.flush()
-    print("stopped by SIGINT outside training's loop: nothing to save (the workdir keeps "
-          "what it held; run again to resume)", file=sys.stderr, flush=True)
+    seen on the CPU host), so the process ends here, in one line, written with os.write:
+    print and flush can raise inside a signal handler (a write in progress, a closed
+    pipe)."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - nothing may keep the process from ending
+        pass
+    os.write(2, b"stopped by SIGINT: the workdir keeps its last committed checkpoint (a save "
+                b"still being written is dropped); run again to resume\n")
     os._exit(130)
 
 
@@ -223,7 +228,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
                 f"{k}={json.dumps(new)} (trained with {json.dumps(old)})"
                 for k, (old, new) in changed.items()), file=sys.stderr)
         return config
-    if spec is None and mode == "train" and workdir_lib.exists(workdir, workdir_lib.CONFIG):
+    if spec is None and mode == "train" and _holds_a_run(workdir):
         # Continuing a run (more steps, say) needs no --config and none of its overrides
         # again: the run's own config.json is the config, these overrides on top.
         config = workdir_lib.read_config(workdir)
@@ -241,6 +246,17 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
     return config_lib.load(spec, overrides)
 
 
+def _holds_a_run(workdir: str) -> bool:
+    """Whether the workdir's config.json is a run's (not a Hugging Face export's, or
+    anyone's file of that name)."""
+    from attention_jax import workdir as workdir_lib
+    try:
+        stored = workdir_lib.read_config_json(workdir)
+    except (ValueError, OSError, AttributeError):
+        return False
+    return isinstance(stored, dict) and "task" in stored
+
+
 def _run_mode(config, workdir) -> int:
     from attention_jax import train
     if FLAGS.mode == "eval":
@@ -255,7 +271,7 @@ def _run_mode(config, workdir) -> int:
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
     print(_summary_line(summary, workdir))
     if summary["stopped_by"]:
-        return {"SIGINT": 130, "SIGTERM": 143}.get(summary["stopped_by"], 1)
+        return train.EXIT_CODES.get(summary["stopped_by"], 1)
     if summary["task"].sample is not None:  # a language model: show what it learnt
         _print_samples(config, workdir, "--- sample from {prompt!r}:\n{text}\n")
     return 0

@@ -172,10 +172,11 @@ def run_summary(workdir: str) -> dict:
             "model": resolved_model_fields(config, task)}
 
 
-def last_step(workdir: str) -> int:
-    """The last step a run recorded (training's metrics, its evals, --mode=eval's)."""
-    records = [*workdir_lib.read_metrics(workdir), *workdir_lib.eval_records(workdir)]
-    return max((int(r.get("step", 0)) for r in records), default=0)
+def last_eval_step(workdir: str) -> int:
+    """The step of a run's last evaluation (training's, or --mode=eval's): the result a
+    report reads. A run killed during its final evaluation has trained every step, but
+    its result is still an earlier step's."""
+    return max((int(r.get("step", 0)) for r in workdir_lib.eval_records(workdir)), default=0)
 
 
 def check_comparable(workdirs, report: str, same=(), finished: bool = True) -> None:
@@ -191,10 +192,11 @@ def check_comparable(workdirs, report: str, same=(), finished: bool = True) -> N
                              f"counts once")
         seen[key] = w
         config = load_config(w)
-        if finished and last_step(w) < config.train.steps:
-            raise ValueError(f"{report}: {w} stopped at step {last_step(w)} of its "
-                             f"train.steps={config.train.steps}; valid: finished runs (run it "
-                             f"again to finish it, or leave it out)")
+        if finished and last_eval_step(w) < config.train.steps:
+            raise ValueError(f"{report}: {w} was last evaluated at step {last_eval_step(w)} of "
+                             f"its train.steps={config.train.steps}; valid: finished runs (run "
+                             f"it again to finish it, or --mode=eval it at the end, or leave it "
+                             f"out)")
         configs[w] = config_lib.flat(config)
     for key in same:
         values = {w: flat.get(key) for w, flat in configs.items()}

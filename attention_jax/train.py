@@ -332,64 +332,73 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     pending, window = [], []  # steps since the last sync point (on the device); since the last log
     batches = prefetch_to_device(loader, prepared.mesh, config.train.prefetch, prepared.task.count)
     first, evaluated = step + 1, False
-    try:
-        with StopRequest() as stop, heap.FrozenHeap() as frozen, pauses:
-            # Its save programs compile beside the first step's, on a thread that freezes
-            # what they made once they are done (it may finish after the first step).
-            prepared.ckpt.prepare(state, on_compiled=frozen.settle)
-            while step < total:
-                t_data = time.perf_counter()
-                batch, units, data_state = next(batches)
-                t_step = time.perf_counter()
-                state, metrics = train_step(state, batch)
-                meter.add(units, data_s=t_step - t_data, dispatch_s=time.perf_counter() - t_step)
-                step += 1
-                pending.append((step, metrics))
-                progress.advance()
-                if step == first:  # its compilation made objects that live as long as the loop
-                    frozen.settle()
-                stopping = stop.requested(step)
-                log_now = stopping or due(step, config.train.log_every, total)
-                eval_now = due(step, config.eval.every, total)
-                save_now = stopping or due(step, config.train.checkpoint_every, total)
-                if not (log_now or eval_now or save_now):
-                    if step == first:  # it compiled: throughput is measured from its end
-                        jax.block_until_ready(metrics)
-                        meter.restart()
-                    continue
-                # ---- sync point: the one wait for the device since the last one.
-                window += _finite_steps(pending, config, prepared.ckpt, summary["losses"])
-                pending = []
-                if log_now and window:
-                    summary["train"] = {**_means(window, config.train.log_every),
-                                        **meter.report(prepared.task.unit)}
-                    progress.train(step, summary["train"])
-                    window = []
-                    meter.restart()
-                if eval_now:
-                    summary["eval"] = steps.evaluate(eval_step, state["params"], prepared.task, config,
-                                                     prepared.mesh)
-                    progress.eval(step, summary["eval"])
-                    if not evaluated:  # as the first step's: the eval step's compilation
+    # The stop handler stays until a pending save has committed: a Ctrl-C meanwhile is
+    # a stop request (or, the second, main's immediate exit), not an interrupted commit.
+    with StopRequest() as stop:
+        try:
+            with heap.FrozenHeap() as frozen, pauses:
+                # Its save programs compile beside the first step's, on a thread that freezes
+                # what they made once they are done (it may finish after the first step).
+                prepared.ckpt.prepare(state, on_compiled=frozen.settle)
+                while step < total:
+                    t_data = time.perf_counter()
+                    batch, units, data_state = next(batches)
+                    t_step = time.perf_counter()
+                    state, metrics = train_step(state, batch)
+                    meter.add(units, data_s=t_step - t_data,
+                              dispatch_s=time.perf_counter() - t_step)
+                    step += 1
+                    pending.append((step, metrics))
+                    progress.advance()
+                    if step == first:  # its compilation made objects that live as long as the loop
                         frozen.settle()
-                        evaluated = True
-                    meter.restart()  # evaluation is not training time
-                if save_now:
-                    t_save = time.perf_counter()
-                    prepared.ckpt.save(step, state, data_state, force=stopping or step == total)
-                    meter.checkpoint_s += time.perf_counter() - t_save
-                if stopping:
-                    summary["stopped_by"] = signal.Signals(stop.signal).name
-                    progress.note(f"{summary['stopped_by']}: saved checkpoint at step {step}; "
-                                  f"run the same command again to resume")
-                    break
-    finally:
-        batches.close()  # stops the loader's reading thread
-        prepared.ckpt.wait()  # A pending async save commits before we return or raise.
-        prepared.ckpt.close()
-        progress.close()
+                    stopping = stop.requested(step)
+                    log_now = stopping or due(step, config.train.log_every, total)
+                    eval_now = due(step, config.eval.every, total)
+                    save_now = stopping or due(step, config.train.checkpoint_every, total)
+                    if not (log_now or eval_now or save_now):
+                        if step == first:  # it compiled: throughput is measured from its end
+                            jax.block_until_ready(metrics)
+                            meter.restart()
+                        continue
+                    # ---- sync point: the one wait for the device since the last one.
+                    window += _finite_steps(pending, config, prepared.ckpt, summary["losses"])
+                    pending = []
+                    if log_now and window:
+                        summary["train"] = {**_means(window, config.train.log_every),
+                                            **meter.report(prepared.task.unit)}
+                        progress.train(step, summary["train"])
+                        window = []
+                        meter.restart()
+                    if eval_now:
+                        summary["eval"] = steps.evaluate(eval_step, state["params"],
+                                                         prepared.task, config, prepared.mesh)
+                        progress.eval(step, summary["eval"])
+                        if not evaluated:  # as the first step's: the eval step's compilation
+                            frozen.settle()
+                            evaluated = True
+                        meter.restart()  # evaluation is not training time
+                    if save_now:
+                        t_save = time.perf_counter()
+                        prepared.ckpt.save(step, state, data_state, force=stopping or step == total)
+                        meter.checkpoint_s += time.perf_counter() - t_save
+                    if stopping:
+                        summary["stopped_by"] = signal.Signals(stop.signal).name
+                        progress.note(f"{summary['stopped_by']}: saved checkpoint at step {step}; "
+                                      f"run the same command again to resume")
+                        break
+        finally:
+            batches.close()  # stops the loader's reading thread
+            prepared.ckpt.wait()  # A pending async save commits before we return or raise.
+            prepared.ckpt.close()
+            progress.close()
     summary["step"], summary["state"] = step, state
     return summary
+
+
+# The exit code of a run stopped by a signal (after its checkpoint is saved): 128 + the
+# signal's number, as a shell reports a process the signal ended.
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
 class StopRequest(contextlib.AbstractContextManager):

@@ -264,7 +264,7 @@ def _tensorboard_writer_class():
     wherever it is installed, only to accept torch tensors, which a run never hands it:
     1.2 of the import's 1.5 s on the 2-core CPU host, at every run's start. With torch
     already imported (a notebook that uses it) it is imported as usual."""
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError, which it expects
         try:
             from tensorboardX import SummaryWriter

@@ -187,13 +187,20 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     if tokenizer is not None and family.model_type == "vit":
         raise ValueError("export_hf: tokenizer= given for a ViT, which reads images; "
                          "valid: tokenizer=None")
-    if tokenizer is not None and not hasattr(tokenizer, "hf_roles"):
-        raise ValueError(f"export_hf: tokenizer= a {type(tokenizer).__name__}; valid: one of "
-                         f"attention_jax.data's tokenizers (a run's: "
-                         f"runs.open_run(workdir).tokenizer), or None")
-    out = write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))
+    form = None
     if tokenizer is not None:
-        write_hf_tokenizer(out, tokenizer, getattr(cfg, "max_len", None))
+        try:  # built before anything is written: a tokenizer without an HF form says so
+            form = tokenizer.hf_form()
+        except (AttributeError, TypeError):
+            raise ValueError(f"export_hf: tokenizer= a {type(tokenizer).__name__}, which has no "
+                             f"Hugging Face form; valid: one of attention_jax.data's tokenizers "
+                             f"(a run's: runs.open_run(workdir).tokenizer), or None") from None
+        # transformers' generate stops at the config's eos and pads with its pad.
+        roles = tokenizer.hf_roles()
+        hf_cfg = {**hf_cfg, **{f"{r}_token_id": roles[r] for r in ("bos", "eos", "pad")
+                               if r in roles}}
+    out = write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))
+    write_hf_tokenizer(out, tokenizer, form, getattr(cfg, "max_len", None))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 
 import numpy as np
 
@@ -149,28 +150,37 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     # transformers checks the "format" metadata to know the layout is PyTorch's.
     weights = os.path.join(out_dir, "model.safetensors")
     save_file(tensors, weights, metadata={"format": "pt"})
-    # safetensors writes its file readable by its owner only (0600); an export is for
-    # sharing, so it gets the permissions any file written here gets (the umask's).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
+    # safetensors writes its file readable by its owner only (0600); an export is for
+    # sharing, so it gets the permissions of config.json, written as any file here is.
+    os.chmod(weights, stat.S_IMODE(os.stat(os.path.join(out_dir, "config.json")).st_mode))
     return os.fspath(out_dir)
 
 
-def write_hf_tokenizer(out_dir, tokenizer, model_max_length: int | None = None) -> None:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = None) -> None:
     """tokenizer.json + tokenizer_config.json beside an export, so that transformers'
     AutoTokenizer.from_pretrained(out_dir) encodes and decodes as `tokenizer` (one of
-    attention_jax.data's) does: the same ids for a text, its special tokens by role."""
-    form = tokenizer.hf_form()
+    attention_jax.data's; `form` its hf_form()) does: the same ids for a text, its
+    special tokens by role. Without a tokenizer, an earlier export's files are removed:
+    they would pass for this model's."""
+    if tokenizer is None:
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+        return
     form.no_truncation()
     form.no_padding()
     form.save(os.path.join(out_dir, "tokenizer.json"))
     roles = {f"{role}_token": form.id_to_token(i) for role, i in tokenizer.hf_roles().items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
               # WordPiece's decoding joins pieces with spaces; the others decode exactly.
-              "clean_up_tokenization_spaces": tokenizer.kind == "wordpiece"}
+              "clean_up_tokenization_spaces": tokenizer.kind == "wordpiece",
+              # Ours encode "<eos>" in a text as its characters (bytes), not as the token.
+              "split_special_tokens": tokenizer.kind in ("char", "byte")}
     if model_max_length:
         config["model_max_length"] = int(model_max_length)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:

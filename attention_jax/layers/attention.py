@@ -20,9 +20,10 @@ lengths are RIGHT-padded: prefill the padded [B, T] block at positions 0..T-1, t
 row b's next token at position len_b. The padding slots len_b..T-1 hold junk keys, but
 causality hides every slot after the current position, and each is overwritten by a real
 token before any query can see it — so no padding mask is needed while decoding.
-Writing past S_max is an error where positions are known (eager decoding); inside jit
-it cannot be checked (dynamic_update_slice would clamp): the caller (e.g.
-`models.gpt.generate`) sizes the cache for prompt + new tokens.
+Writing past S_max is an error where positions are known (a layer applied eagerly); inside
+jit, and inside a model's scanned or rematerialised layers (where positions are traced
+even in an eager call), it cannot be checked (dynamic_update_slice would clamp): the
+caller (e.g. `models.gpt.generate`) sizes the cache for prompt + new tokens.
 
 Dropout (`dropout_rate`) acts on the per-head outputs before the output projection: the
 blockwise and fused kernels never form the attention weights, so dropping weights

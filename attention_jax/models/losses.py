@@ -204,6 +204,7 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
     reduces its one gradient (not once per chunk).
     """
     _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing)
+    check_targets(targets, kernel.shape[1], weights)
     b, t, d = hidden.shape
     weights = (jnp.ones((b, t), jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
@@ -385,13 +386,13 @@ def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets has shape {targets.shape}; valid: {hidden.shape[:-1]} "
                          f"(hidden's leading axes)")
-    check_targets(targets, kernel.shape[1], weights)
     dtype = jnp.result_type(hidden.dtype, kernel.dtype)
     if choose_loss_kernel(implementation, dtype, kernel.shape[1]) == "xla":
         logits = matmul(hidden, kernel)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)
-        return cross_entropy(logits, targets, weights, label_smoothing)
+        return cross_entropy(logits, targets, weights, label_smoothing)  # checks the targets
+    check_targets(targets, kernel.shape[1], weights)
     weights = (jnp.ones(targets.shape, jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
     scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw

@@ -228,7 +228,9 @@ def check_model_keys(cls, config) -> None:
     a notebook, `c.model.num_layer = 4`): the tasks call it before reading any data, so
     it is said at once, not after the dataset is built."""
     fields = {f.name for f in dataclasses.fields(cls)} | {"variant"}
-    unknown = sorted(set(config.model.to_dict()) - fields)
+    # A key set to None is not set (model_config): a template's other families' keys.
+    unknown = sorted(k for k, v in config.model.to_dict().items()
+                     if v is not None and k not in fields)
     if unknown:
         raise ConfigError(f"config.model.{unknown[0]} is not a field of {cls.__name__}; "
                           f"valid: {sorted(fields)}{did_you_mean(unknown[0], fields)}")

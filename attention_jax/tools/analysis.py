@@ -283,7 +283,9 @@ def training_length(runs: dict[str, str], given: int | None) -> int:
     """The runs' training length (data.seq_len): one for all of them, and `given`
     (--train_len) only where it is theirs (the table's line between inside and beyond)."""
     from attention_jax.runs import load_config
-    lengths = {name: load_config(w).data.seq_len for name, w in runs.items()}
+    from attention_jax.tasks.text import GPT_DATA  # a config without seq_len: its default
+    lengths = {name: load_config(w).data.get("seq_len", GPT_DATA["seq_len"])
+               for name, w in runs.items()}
     if given is None:
         if len(set(lengths.values())) > 1:
             raise ValueError(f"the runs trained on different lengths (data.seq_len: {lengths}); "

@@ -328,7 +328,7 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
     import matplotlib.pyplot as plt
 
     from attention_jax.runs import check_comparable
-    check_comparable(workdirs, "seeds", same=("task", "train.steps"))
+    check_comparable(workdirs, "seeds")  # each run once, finished
     groups: dict[tuple, list] = {}
     for w in workdirs:
         records = workdir_lib.eval_records(w)
@@ -343,6 +343,10 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
                                            "wall_s": wall_seconds(w)})
     rows = []
     for (name, xv), runs in groups.items():
+        # Within a group only the seed may differ in what counts (the groups themselves
+        # differ in `by` and `x`: a CNN against a ViT, a step count against another).
+        check_comparable([r["workdir"] for r in runs], f"seeds ({by}={name})",
+                         same=("task", "train.steps"), finished=False)
         seeds = [r["seed"] for r in runs]
         twice = sorted({s for s in seeds if seeds.count(s) > 1})
         if twice:  # two copies of one run would count as two seeds

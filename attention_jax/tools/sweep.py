@@ -132,7 +132,8 @@ class Stopped(Exception):
     def __init__(self, signal_name: str, run_dir: str, step: int):
         super().__init__(f"[sweep] stopped by {signal_name} in {run_dir} at step {step} (saved); "
                          f"run the same command again to resume")
-        self.code = {"SIGINT": 130, "SIGTERM": 143}.get(signal_name, 1)
+        from attention_jax.train import EXIT_CODES
+        self.code = EXIT_CODES.get(signal_name, 1)
 
 
 def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
@@ -150,10 +151,13 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
         config = point_config(config_path, point, overrides)
         config_lib.validate(config)
         run_dir = os.path.join(workdir, point_name(point))
+        _check_earlier_folder_name(workdir, point, run_dir)
         done = workdir_lib.finished(run_dir, config.train.steps)
-        # A point's folder holding a run of another config (finished or not) would stand
-        # in its place, or stop the sweep after the points before it have trained.
-        changed = workdir_lib.training_changes(config, run_dir)
+        # A point's folder holding a run of another config (finished, or with a checkpoint
+        # to resume) would stand in its place, or stop the sweep after the points before
+        # it have trained. One without a checkpoint is simply trained anew, as main does.
+        changed = ((done or _has_checkpoint(run_dir))
+                   and workdir_lib.training_changes(config, run_dir))
         if changed:
             state = "finished" if done else "an unfinished"
             raise ConfigError(f"sweep point {point_name(point)}: {run_dir} holds "
@@ -168,17 +172,41 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
         record = {"point": point, "workdir": run_dir, "config": config_path}
         if done:
             print(f"[sweep] {run_dir}: finished before, skipped", file=sys.stderr)
+            marker = workdir_lib.epath_of(run_dir, "sweep.json")
+            if not marker.exists():  # finished by a call a signal stopped before writing it
+                marker.write_text(json.dumps(record, indent=1))
             records.append({**record, "skipped": True})
             continue
         start = time.time()
         summary = train.train_and_evaluate(config, run_dir)
-        if summary["stopped_by"]:  # saved; the rest of the grid waits for the next call
-            raise Stopped(summary["stopped_by"], run_dir, summary["step"])
-        record.update(wall_s=round(time.time() - start, 1), eval=summary["eval"])
-        workdir_lib.epath_of(run_dir, "sweep.json").write_text(json.dumps(record, indent=1))
-        print(f"[sweep] {run_dir}: {record['wall_s']} s, eval {summary['eval']}", file=sys.stderr)
-        records.append(record)
+        stopped = summary["stopped_by"]
+        # Finished (a signal in its last window still lets the run end): the point is
+        # recorded, as a later call skips it.
+        if not stopped or summary["step"] >= config.train.steps:
+            record.update(wall_s=round(time.time() - start, 1), eval=summary["eval"])
+            workdir_lib.epath_of(run_dir, "sweep.json").write_text(json.dumps(record, indent=1))
+            print(f"[sweep] {run_dir}: {record['wall_s']} s, eval {summary['eval']}",
+                  file=sys.stderr)
+            records.append(record)
+        if stopped:  # saved; the rest of the grid waits for the next call
+            raise Stopped(stopped, run_dir, summary["step"])
     return records
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    folder = workdir_lib.epath_of(run_dir, workdir_lib.CHECKPOINTS)
+    return folder.exists() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def _check_earlier_folder_name(workdir: str, point: dict[str, str], run_dir: str) -> None:
+    """A sweep started when a value's '/' or ':' still went into the folder name as it
+    is: resumed now, its run would not be found and would train again from scratch."""
+    earlier = os.path.join(workdir, "-".join(f"{k.rsplit('.', 1)[-1]}{v}"
+                                             for k, v in point.items()))
+    if (earlier != run_dir and workdir_lib.exists(earlier, workdir_lib.CONFIG)
+            and not workdir_lib.exists(run_dir, workdir_lib.CONFIG)):
+        raise ConfigError(f"sweep point {point_name(point)}: its run is in {earlier}, the "
+                          f"name an earlier version gave it; move it to {run_dir} to resume it")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

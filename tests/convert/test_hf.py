@@ -136,7 +136,8 @@ def test_gpt2_export_round_trip(tmp_path):
         assert (folder / "config.json").read_text() == '{"task": "gpt"}'
 
 
-TEXTS = ["def f(x):\n    return x  # café, 東京 \t\r\n", "plain words, and   spaces", "é"]
+TEXTS = ["def f(x):\n    return x  # café, 東京 \t\r\n", "plain words, and   spaces", "é",
+         "a<eos>b<pad>"]  # a special token's name as text: as ours encode it
 
 
 @pytest.mark.parametrize("kind", ["char", "byte", "bpe", "wordpiece", "file"])
@@ -162,14 +163,23 @@ def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind)
         ids = theirs.encode(text, add_special_tokens=False)
         assert ids == ours.encode(text), (kind, text)
         if kind != "wordpiece":  # BERT's decoding normalises case and spaces either way
-            assert theirs.decode(ids) == ours.decode(ids) == text
+            assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+            if kind in ("char", "byte") or "<" not in text:  # BPE reads "<eos>" as the token
+                assert ours.decode(ids) == text
     for role, i in ours.hf_roles().items():
         assert theirs.convert_tokens_to_ids(getattr(theirs, f"{role}_token")) == i
     assert getattr(ours, "eos_id", None) in (None, theirs.eos_token_id)
-    with pytest.raises(ValueError, match=r"export_hf: tokenizer= a str; valid: one of "
-                                         r"attention_jax.data's tokenizers"):
+    # transformers' generate reads the ids from config.json: the run's, not None.
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for role in ("bos", "eos", "pad"):
+        assert hf_config.get(f"{role}_token_id") == ours.hf_roles().get(role)
+    with pytest.raises(ValueError, match=r"export_hf: tokenizer= a str, which has no Hugging "
+                                         r"Face form; valid: one of attention_jax.data's"):
         convert.export_hf(model, params, tmp_path / "hf2", tokenizer="tokenizer.json")
     assert not (tmp_path / "hf2").exists()
+    # Exported again without one: the earlier tokenizer files would pass for this model's.
+    convert.export_hf(model, params, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
 
 
 def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):

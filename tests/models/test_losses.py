@@ -133,4 +133,8 @@ def test_targets_outside_the_classes_are_named_unless_weighted_out():
     hidden, kernel = jnp.ones((2, 4, 3)), jnp.ones((3, 8))
     with pytest.raises(ValueError, match=r"targets: 9 is not a class of the 8 logits"):
         head_cross_entropy(hidden, kernel, jnp.asarray(TGT + 6))
+    from attention_jax.models.losses import chunked_head_cross_entropy
+    with pytest.raises(ValueError, match=r"targets: -100 is not a class of the 8 logits"):
+        chunked_head_cross_entropy(hidden, kernel, jnp.asarray(np.where(TGT == 0, -100, TGT)),
+                                   chunk_size=2)
     jax.jit(cross_entropy)(logits, jnp.asarray(TGT + 5))  # traced: the caller's to check

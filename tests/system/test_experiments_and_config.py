@@ -89,6 +89,12 @@ def test_model_keys_are_checked_against_the_model_config(data_dir, tmp_path):
                                                 r"mean 'num_layers'\?\)"):
         train.train_and_evaluate(c, str(tmp_path / "a"))
     assert not os.path.exists(tmp_path / "tfds")  # said before the corpus was built
+    # A key set to None is not set (a template's keys of other families): no error.
+    from attention_jax.models import gpt
+    from attention_jax.tasks.base import check_model_keys
+    c = load("gpt").get_config()
+    c.model.patch_size = None
+    check_model_keys(gpt.GPTConfig, c)
     for name, key, cls in (("vit", "patch_sise", "ViTConfig"), ("bert_mlm", "num_head", "BertConfig"),
                            ("encdec", "d_modle", "EncDecConfig"),
                            ("rnn_seq2seq", "hiden", "RNNConfig")):

@@ -79,6 +79,10 @@ def test_reading_without_a_run_or_training_without_a_config(tmp_path):
                     f"'{tmp_path}' holds no trained run (train first, or give --config)")
     line = one_error_line(cli(f"--workdir={tmp_path}"))
     assert line.startswith("error: --config is required to train: ")
+    # A folder whose config.json is no run's (a Hugging Face export) is not trained as one.
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    line = one_error_line(cli(f"--workdir={tmp_path}"))
+    assert line.startswith("error: --config is required to train: ")
 
 
 # ------------------------------------------------------------------ one writer per workdir

@@ -321,9 +321,13 @@ def test_a_sweep_skips_only_its_own_finished_runs(tmp_path):
         sweep.run_sweep("vit_digits:steps=30,patch=8", str(tmp_path), grid)
     (record,) = sweep.run_sweep("vit_digits:steps=30", str(tmp_path), grid)
     assert record["skipped"]
+    # Finished without its sweep.json (a signal in its last window stopped the call before
+    # it was written): written now, so analysis seeds --by finds the point.
+    assert json.loads((run / "sweep.json").read_text())["point"] == {"train.seed": "0"}
     # Unfinished, it stopped the sweep with main's --resume_changed advice (which the sweep
     # does not take) after the points before it had trained: now before any trains.
     (run / "metrics.jsonl").write_text("")
+    (run / "checkpoints" / "20").mkdir(parents=True)  # a checkpoint a resume would take
     grid = sweep.parse_grid(["train.seed=1,0"])
     with pytest.raises(ConfigError, match=r"^sweep point seed0: .*seed0 holds an unfinished "
                                           r"run of another config \(model.patch_size: 4 -> 8\)"):
@@ -331,7 +335,7 @@ def test_a_sweep_skips_only_its_own_finished_runs(tmp_path):
     assert not (tmp_path / "seed1").exists()
 
 
-def test_what_a_grid_would_give_twice_or_fold_into_one_folder_is_refused():
+def test_what_a_grid_would_give_twice_or_fold_into_one_folder_is_refused(tmp_path):
     """A grid key --config's :ARG also set ran with the --config value recorded as the
     point's; a value with '/' (vit's variant vit-tiny/4) nested the run a folder deeper."""
     from attention_jax.errors import ConfigError
@@ -345,6 +349,15 @@ def test_what_a_grid_would_give_twice_or_fold_into_one_folder_is_refused():
     assert sweep.point_name({"variant": "vit-tiny/4"}) == "variantvit-tiny_4"
     with pytest.raises(ConfigError, match=r"would share the folder 'variantvit-tiny_4'"):
         sweep.check_grid("vit", sweep.parse_grid(["variant=vit-tiny/4,vit-tiny_4"]), [])
+    # A sweep begun when '/' went into the name as it is: its runs are found, not retrained.
+    from attention_jax import workdir as workdir_lib
+    earlier = tmp_path / "variantvit-tiny" / "4"
+    earlier.mkdir(parents=True)
+    workdir_lib.write_config(str(earlier), sweep.point_config("vit", {"variant": "vit-tiny/4"}))
+    with pytest.raises(ConfigError, match=r"its run is in .*variantvit-tiny/4, the name an "
+                                          r"earlier version gave it; move it to "
+                                          r".*variantvit-tiny_4 to resume it"):
+        sweep.run_sweep("vit", str(tmp_path), sweep.parse_grid(["variant=vit-tiny/4"]))
     c = sweep.point_config("gated_mlp", {"train.seed": "1"}, ["train.steps=7", "train.seed=0"])
     assert (c.train.steps, c.train.seed) == (7, 1)  # the point's own field wins
     with pytest.raises(ConfigError, match=r"'mlp' is given twice in :mlp=relu,mlp=gelu; give "
@@ -412,13 +425,26 @@ def test_seeds_refuses_runs_it_would_mix_unsaid(tmp_path):
     c = config_lib.base_config()
     c.train.steps, c.train.seed = 10000, 2
     (tmp_path / "longer" / "config.json").write_text(c.to_json_best_effort())
-    with pytest.raises(ValueError, match=r"longer stopped at step 10 of its train.steps=10000; "
-                                         r"valid: finished runs"):
+    with pytest.raises(ValueError, match=r"longer was last evaluated at step 10 of its "
+                                         r"train.steps=10000; valid: finished runs"):
+        fits.seeds_report([a, b, longer], out, by="mlp")
+    # Killed in its final evaluation: trained every step, but its result is step 10's.
+    (tmp_path / "longer" / "metrics.jsonl").write_text(
+        json.dumps({"step": 10, "split": "eval", "loss": 0.9}) + "\n"
+        + json.dumps({"step": 10000, "split": "train", "loss": 0.9}) + "\n")
+    with pytest.raises(ValueError, match=r"longer was last evaluated at step 10 of its"):
         fits.seeds_report([a, b, longer], out, by="mlp")
     (tmp_path / "longer" / "metrics.jsonl").write_text(
         json.dumps({"step": 10000, "split": "eval", "loss": 0.9}) + "\n")
-    with pytest.raises(ValueError, match=r"the runs differ in train.steps"):
+    with pytest.raises(ValueError, match=r"^seeds \(mlp=relu\): the runs differ in train.steps"):
         fits.seeds_report([a, b, longer], out, by="mlp")
+    # Groups may differ in what they compare: a CNN's task against a ViT's
+    # (inductive_bias: --by=model), each group of one task.
+    c = config_lib.base_config()
+    c.train.steps, c.train.seed, c.task = 10, 0, "cnn"
+    cnn = _fake_run(tmp_path / "cnn", {"mlp": "cnn", "train.seed": "0"}, 0.8, metric="loss")
+    (tmp_path / "cnn" / "config.json").write_text(c.to_json_best_effort())
+    assert len(fits.seeds_report([a, b, cnn], out, by="mlp")["groups"]) == 2
     result = fits.seeds_report([a], out, by="mlp")  # one seed: no spread to show
     assert result["groups"][0]["std"] is None and "| relu | 1 | 1.0000 | – |" in open(out + ".md").read()
 
