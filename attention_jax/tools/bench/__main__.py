@@ -15,7 +15,42 @@ BENCHMARKS = {"attention": attention_speed, "train": train_speed, "ring": ring_s
               "loss": loss_speed}
 
 
+# The least value of each numeric option, whichever benchmark has it: a negative count
+# of repeats ended in statistics' "no median for empty data", a batch of 0 in a
+# ZeroDivisionError, a warmup of -1 timed the compilation as a step.
+MINIMUM = {"warmup": 0, "repeats": 1, "matmul_repeats": 1, "settle": 0, "steps": 1,
+           "matmul_size": 1, "child_timeout": 1, "trainer_steps": 0, "fit_limit_gib": 0,
+           "layers": 1, "width": 1, "vocab": 1, "seq_len": 1, "batch": 1, "batches": 1,
+           "workers": 0, "loss_chunk": 0, "top": 1, "save_window": 1, "saves": 1,
+           "images": 1, "size": 1, "image_size": 1, "log_every": 1, "timeout": 1, "rows": 1,
+           "time_budget": 0, "budget_mib": 1}
+# The options that name a JSON file written at the end: checked before anything is
+# measured (a folder given there lost a ten-minute run's numbers to IsADirectoryError).
+FILE_OUTPUTS = ("out", "json")
+WRITES_A_FOLDER = ("gpu-hlo", "profile")  # their --out is a folder
+
+
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Numbers below their least value and an output path that cannot be written, each
+    said in one argparse line naming the option, before anything runs."""
+    from attention_jax import workdir as workdir_lib
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        low = MINIMUM.get(action.dest)
+        if low is not None and value is not None:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            bad = [v for v in values if isinstance(v, (int, float)) and v < low]
+            if bad:
+                parser.error(f"{action.option_strings[0]}={bad[0]}; valid: >= {low}")
+        if action.dest in FILE_OUTPUTS and value and args.which not in WRITES_A_FOLDER:
+            try:
+                workdir_lib.check_output_path(value, action.option_strings[0])
+            except workdir_lib.RunPathError as e:
+                parser.error(str(e))
+
+
 def main(argv=None):
+    from attention_jax.errors import UserError
     parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.bench",
                                      description=bench.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,7 +58,11 @@ def main(argv=None):
     for module in BENCHMARKS.values():
         module.add_parser(sub)
     args = parser.parse_args(argv)
-    return BENCHMARKS[args.which].run(args)
+    check_arguments(sub.choices[args.which], args)
+    try:
+        return BENCHMARKS[args.which].run(args)
+    except UserError as e:  # a backend that cannot run here, a config value: one line
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

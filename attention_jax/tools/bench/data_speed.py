@@ -247,7 +247,7 @@ def _write_bin(directory: str, path: str) -> None:
 def run(args) -> dict:
     root = args.dir or os.path.join(tempfile.gettempdir(), 'attention_jax_bench_data')
     os.makedirs(root, exist_ok=True)
-    sizes = [int(s) for s in args.sizes.split(',')]
+    sizes = _sizes(args.sizes)
     only = set(args.only.split(','))
     if only - set(PARTS):
         raise SystemExit(f'--only {args.only}: valid parts are {",".join(PARTS)}')
@@ -372,6 +372,19 @@ def table(out: dict) -> str:
     return '\n'.join(lines)
 
 
+def _sizes(text: str) -> list[int]:
+    """--sizes "10,100": corpus sizes in MB, each >= 1, increasing (the table compares each
+    with the one before)."""
+    valid = 'valid: increasing sizes in MB, each >= 1, comma-separated (e.g. 10,100)'
+    try:
+        sizes = [int(s) for s in text.split(',')]
+    except ValueError:
+        raise SystemExit(f'error: --sizes={text!r}; {valid}') from None
+    if min(sizes) < 1 or any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise SystemExit(f'error: --sizes={text!r}; {valid}')
+    return sizes
+
+
 def add_parser(sub) -> None:
     """Registers `data` on the bench command's subcommand parser."""
     p = sub.add_parser('data', help='text data: prepare, loader and first-batch speed')
@@ -387,7 +400,7 @@ def add_parser(sub) -> None:
     p.add_argument('--fresh', action='store_true', help='prepare the caches again')
     p.add_argument('--only', default=','.join(PARTS),
                    help=f'measures to run, comma-separated among {",".join(PARTS)}')
-    p.add_argument('--json', default='', help='also write the numbers to this file')
+    p.add_argument('--json', '--out', dest='json', default='', help='also write the numbers to this file')
 
 
 if __name__ == '__main__':  # one measurement, run by _child in its own process

@@ -70,7 +70,8 @@ def table(results: dict[str, list[dict]]) -> str:
     for name, runs in results.items():
         times = [r["step_s"] for r in runs if "step_s" in r]
         if not times:
-            lines.append(f"| {name} | error: {runs[0].get('error')} | {len(runs)} | |")
+            why = str(runs[0].get("error", "no timed window")).removeprefix("error: ")
+            lines.append(f"| {name} | error: {why} | {len(runs)} | |")
             continue
         ms = 1e3 * statistics.median(times)
         base = base or ms
@@ -79,6 +80,10 @@ def table(results: dict[str, list[dict]]) -> str:
 
 
 def run(args) -> dict:
+    if args.steps < 2 * args.log_every:  # the first window (compilation) is left out
+        raise SystemExit(f"error: --steps={args.steps} with --log_every={args.log_every}: the "
+                         f"timing reads the logged windows after the first; valid: --steps >= "
+                         f"2 × --log_every = {2 * args.log_every}")
     results = {name: [] for name in SETUPS}
     for _ in range(args.repeats):  # in turns, so a busy spell of the machine hits both
         for name, (processes, devices) in SETUPS.items():
@@ -89,6 +94,10 @@ def run(args) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"row": ROW, "results": results}, f, indent=1)
+    failed = [name for name, runs in results.items() if not any("step_s" in r for r in runs)]
+    if failed:
+        raise SystemExit(f"error: every launch of {', '.join(failed)} failed (the table says "
+                         f"why)")
     return results
 
 
@@ -99,4 +108,4 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--log_every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default="", help="also write the results to this file")
+    p.add_argument("--json", "--out", dest="json", default="", help="also write the results to this file")

@@ -304,6 +304,9 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     table_ = shapes_table or SHAPES
     info = info or _child_info(args.child_timeout)
     device = info.get("device", "unknown device")
+    if info.get("backend", "gpu") != "gpu":  # it ran GPT-2's rows on the CPU until killed
+        raise SystemExit(f"error: --device gpu: JAX's backend here is {info['backend']!r} "
+                         f"({device}); valid: --device cpu or auto on this machine")
     impls = [i.strip() for i in (args.implementation or "auto").split(",") if i.strip()]
     bad = [i for i in impls if i not in IMPLEMENTATIONS]
     if bad:
