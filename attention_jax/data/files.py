@@ -311,13 +311,39 @@ class _Reader:
                                  f'{e}') from None
         return self._cached((f.path, g), load)[k - int(f.groups[g])].as_py()
 
-    def text_file(self, f: _File) -> bytes:
+    def text_file(self, f: _File) -> tuple[bytes, int]:
+        """The file's text as UTF-8, and how many of its bytes were not UTF-8 (each read
+        as U+FFFD)."""
         try:
             with open(f.path, 'rb') as fh:
                 raw = fh.read()
         except OSError as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
-        return raw.decode('utf-8', errors='replace').encode('utf-8')
+        try:
+            return raw.decode('utf-8').encode('utf-8'), 0
+        except UnicodeDecodeError:
+            text = raw.decode('utf-8', errors='replace')
+            # Invalid bytes each become one U+FFFD (3 bytes in UTF-8) where the file had
+            # none of its own: counted from the lengths, without a second pass.
+            invalid = text.count('\ufffd') - raw.decode('utf-8', errors='ignore').count('\ufffd')
+            return text.encode('utf-8'), invalid
+
+
+# A text file more than this share of whose bytes are not UTF-8 is no text (random or
+# compressed bytes without a NUL: about half their bytes): skipped as a bad record. Under
+# it (a Latin-1 text's accents, a few in a hundred; a stray byte) the text is kept, each
+# such byte read as U+FFFD, and said once.
+MOST_INVALID = 0.25
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    """A warning about a file, once per process (a file is read again each epoch)."""
+    if key not in _SAID:
+        _SAID.add(key)
+        print(message, file=sys.stderr, flush=True)
 
 
 class _BadRecords:
@@ -364,11 +390,19 @@ class Corpus:
         i = int(np.searchsorted(self.first, n, side='right')) - 1
         f, k = self.files[i], n - int(self.first[i])
         if f.format in TEXT_SUFFIXES:
-            text = self._reader.text_file(f)
+            text, invalid = self._reader.text_file(f)
             if b'\x00' in text:  # a binary file under a text suffix: skipped and counted
                 self.bad.skip(f.path, 'holds NUL bytes: a binary file, or text not in UTF-8 '
                                       '(UTF-16/32: convert it to UTF-8)')
                 text = b''
+            elif invalid > MOST_INVALID * max(len(text), 1):
+                self.bad.skip(f.path, f'{invalid} of its bytes are not UTF-8: not text, or text '
+                                      f'in another encoding (convert it, e.g. iconv -t utf-8)')
+                text = b''
+            elif invalid:
+                _say_once(f.path, f'warning: {f.path}: {invalid} byte(s) not UTF-8, each read as '
+                                  f'U+FFFD (text in another encoding? convert it, e.g. iconv -f '
+                                  f'latin1 -t utf-8)')
             return {'id': f.ident.encode(), 'text': text}
         if f.format == '.parquet':
             where = f'{f.path}: row {k}'

@@ -189,6 +189,25 @@ def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):
     assert texts == ['', 'a real document']
     assert (f"warning: {tmp_path / 'blob' / 'b.txt'}: holds NUL bytes: a binary file, or "
             f"text not in UTF-8 (UTF-16/32: convert it to UTF-8); skipped") in capsys.readouterr().err
+    # Without a NUL: random bytes were read as U+FFFD and trained on, a Latin-1 text's
+    # accents too, both unsaid. Mostly not UTF-8: skipped; a few such bytes: kept, said once.
+    (tmp_path / 'enc').mkdir()
+    (tmp_path / 'enc' / 'latin.txt').write_bytes(
+        'a café in Orléans, where nothing much happens. '.encode('latin-1') * 40)
+    (tmp_path / 'enc' / 'noise.txt').write_bytes(bytes(range(1, 256)) * 8)
+    (tmp_path / 'enc' / 'real.txt').write_text('a real document')
+    src = files.file_splits(f"{tmp_path / 'enc'}/*.txt", eval_fraction=0.5)
+    texts = {k: t for s in src.values() for k, t in _read(s).items()}
+    assert sorted(texts.values())[0] == '' and 'a real document' in texts.values()
+    latin = next(t for t in texts.values() if t.startswith('a caf'))
+    assert latin.startswith('a caf\ufffd in Orl\ufffdans') and latin.count('\ufffd') == 80
+    err = capsys.readouterr().err
+    assert (f"warning: {tmp_path / 'enc' / 'noise.txt'}: " in err
+            and "of its bytes are not UTF-8: not text, or text in another encoding" in err)
+    assert (f"warning: {tmp_path / 'enc' / 'latin.txt'}: 80 byte(s) not UTF-8, each read as "
+            f"U+FFFD") in err
+    [_read(s) for s in src.values()]  # the next epoch: nothing said again
+    assert capsys.readouterr().err == ''
 
 
 # ---------------------------------------------------------------------- tokenizer files
