@@ -141,7 +141,12 @@ def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) ->
         tok = _tokenizer(data_opts, workdir or scratch, documents)
     if config.task == "bert_mlm":
         _check_mask(data_opts, tok)
-    return prepare_files(data_opts, tok, documents, **prepare_kwargs)
+    dirs = prepare_files(data_opts, tok, documents, **prepare_kwargs)
+    from attention_jax.data import token_cache
+    for label in ("train", "eval"):  # as training checks them (prepare said "done")
+        rows = token_cache.TokenRows(dirs[label], data_opts.seq_len, pad_id=tok.pad_id)
+        _check_has_text(data_opts, documents.split(label), rows)
+    return dirs
 
 
 def _rows(data_opts, tok, documents, packing: str):

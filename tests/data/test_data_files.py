@@ -325,3 +325,18 @@ def test_prepare_says_when_the_eval_split_outweighs_train(tmp_path, capsys):
                  f'--config.data.eval_files={tmp_path / "small.txt"}']
     assert prepare.main(argv) == 0
     assert 'note: the eval split' not in capsys.readouterr().err
+
+
+def test_prepare_refuses_a_corpus_without_text_as_training_does(tmp_path, capsys):
+    """Two empty files: prepare said '1 documents, 1 tokens' and exited 0; training the
+    same config then refused it."""
+    from attention_jax.tools import prepare
+    (tmp_path / 'empty').mkdir()
+    for name in ('a.txt', 'b.txt'):
+        (tmp_path / 'empty' / name).write_text('')
+    argv = ['--config=gpt', '--workers=1', '--config.data.name=files',
+            f'--config.data.files={tmp_path / "empty"}/*.txt',
+            f'--config.data.cache_dir={tmp_path / "cache"}']
+    assert prepare.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith('error: config.data.files: the train split holds no text')
