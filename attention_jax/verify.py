@@ -106,6 +106,11 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
     checkpoints folder), newest first, and the names of folders that are not committed
     steps (half-written, moved aside)."""
     directory = epath.Path(workdir)  # a local path or a gs:// URL
+    if not directory.exists():
+        raise FileNotFoundError(f"{workdir} does not exist")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{workdir} is a file; valid: a run's workdir or its "
+                                f"checkpoints folder")
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
     # (a folder with a config.json: a run that has saved no checkpoint yet)

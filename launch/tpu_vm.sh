@@ -18,5 +18,7 @@ set -euo pipefail
 CONFIG=${CONFIG:-gpt2_gpu}
 EXTRA=""
 if [ $# -gt 0 ]; then printf -v EXTRA ' %q' "$@"; fi
-COMMAND="python -m attention_jax.main --config=$CONFIG --workdir=$WORKDIR --config.mesh.distributed=True$EXTRA"
+# Quoted for the remote shell, as the extra overrides are (a path with a space stays one).
+printf -v ARGS '%q ' "--config=$CONFIG" "--workdir=$WORKDIR"
+COMMAND="python -m attention_jax.main ${ARGS}--config.mesh.distributed=True$EXTRA"
 exec gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" --worker=all --command="$COMMAND"

@@ -334,7 +334,9 @@ def test_verifier_command_line(tmp_path):
     import sys
 
     from conftest import REPO, subprocess_env
-    for workdir, status, said in ((tmp_path / "nowhere", 2, "has no checkpoints folder"),
+    (tmp_path / "a_file").write_text("x")
+    for workdir, status, said in ((tmp_path / "nowhere", 2, "nowhere does not exist"),
+                                  (tmp_path / "a_file", 2, "a_file is a file; valid: a run's"),
                                   (tmp_path, 1, "(no committed checkpoints)")):
         done = subprocess.run([sys.executable, "-m", "attention_jax.verify", str(workdir)],
                               env=subprocess_env(1), cwd=REPO, capture_output=True, text=True,
