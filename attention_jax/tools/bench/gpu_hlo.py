@@ -384,10 +384,20 @@ def run(args) -> dict:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     print(f"compiling the bare step of {args.shape} batch {row['batch']} for an "
           f"{H100['name']} (attention {args.implementation}) ...", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "attention_jax.tools.bench.gpu_hlo",
-                           str(out / "spec.json")], env=env, capture_output=True, text=True,
-                          timeout=args.timeout)
+    import shutil
+    scratch = not args.out  # a temporary folder: removed however the compile ends
+    try:
+        done = subprocess.run([sys.executable, "-m", "attention_jax.tools.bench.gpu_hlo",
+                               str(out / "spec.json")], env=env, capture_output=True,
+                              text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        if scratch:
+            shutil.rmtree(out, ignore_errors=True)
+        raise SystemExit(f"error: compiling for the GPU took longer than --timeout="
+                         f"{args.timeout:g} s; valid: a longer --timeout (default 900)") from None
     if done.returncode:
+        if scratch:
+            shutil.rmtree(out, ignore_errors=True)
         noise = ("cudart_stub", "absl::InitializeLog")  # the plugin, finding no driver
         tail = [l for l in done.stderr.strip().splitlines()
                 if l.strip() and not any(n in l for n in noise)][-3:]
@@ -399,8 +409,7 @@ def run(args) -> dict:
                **json.loads(Path(spec["result"]).read_text())}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(report(summary, args.top))
-    if not args.out:
-        import shutil
+    if scratch:
         shutil.rmtree(out, ignore_errors=True)
     return summary
 
