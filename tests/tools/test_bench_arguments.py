@@ -50,3 +50,21 @@ def test_what_only_a_run_knows_is_refused_before_it_runs():
     with pytest.raises(SystemExit, match=r"--device gpu: JAX's backend here is 'cpu' \(cpu\); "
                                          r"valid: --device cpu or auto"):
         train_speed_gpu.run(args, info={"backend": "cpu", "device": "cpu"})
+
+
+def test_gpu_only_options_given_to_a_cpu_run_are_named(capsys):
+    """`bench attention --width 768` and `bench train --shapes gpt2-124m` on a CPU ran
+    the CPU table as if they had not been given."""
+    import argparse as ap
+
+    from attention_jax.tools.bench.timing import say_ignored_on_cpu
+    parser = ap.ArgumentParser()
+    sub = parser.add_subparsers(dest="which")
+    train_speed.add_parser(sub)
+    args = parser.parse_args(["train", "--shapes", "gpt2-124m", "--quick"])
+    given = bench_main.gpu_only_given(sub.choices["train"], args)
+    assert sorted(given) == ["--quick", "--shapes"]
+    say_ignored_on_cpu(ap.Namespace(gpu_only_given=["--quick", "--shapes"]))
+    assert capsys.readouterr().err == ("note: --quick, --shapes are for a GPU run; this one "
+                                       "runs on the CPU and ignores them\n")
+    assert bench_main.gpu_only_given(sub.choices["train"], parser.parse_args(["train"])) == []

@@ -49,6 +49,14 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
                 parser.error(str(e))
 
 
+def gpu_only_given(parser: argparse.ArgumentParser, args) -> list[str]:
+    """The options given whose help says they are for a GPU ("GPU: ...", "GPU/TPU: ..."):
+    a benchmark that runs on the CPU says it ignores them (say_ignored_on_cpu)."""
+    return [a.option_strings[0] for a in parser._actions
+            if a.option_strings and (a.help or "").startswith(("GPU:", "GPU/TPU:"))
+            and getattr(args, a.dest, a.default) != a.default]
+
+
 def main(argv=None):
     from attention_jax.errors import UserError
     parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.bench",
@@ -59,6 +67,7 @@ def main(argv=None):
         module.add_parser(sub)
     args = parser.parse_args(argv)
     check_arguments(sub.choices[args.which], args)
+    args.gpu_only_given = gpu_only_given(sub.choices[args.which], args)
     try:
         return BENCHMARKS[args.which].run(args)
     except UserError as e:  # a backend that cannot run here, a config value: one line

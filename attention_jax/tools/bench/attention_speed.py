@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from attention_jax.attention import dot_product_attention
 from attention_jax.tools.bench import attention_speed_gpu
 from attention_jax.tools.bench.timing import (available_memory_bytes, cpu_vector_isa,
-                                              installed, matmul_rate, median_time)
+                                              installed, matmul_rate, median_time,
+                                              say_ignored_on_cpu)
 
 HEADS, HEAD_DIM = 8, 64
 JAX_IMPLS = ("reference", "xla", "blockwise")
@@ -180,6 +181,7 @@ def run(args):
     """`bench attention`: the table on stdout, the rows as JSON in --out."""
     if jax.default_backend() in attention_speed_gpu.IMPLS:  # GPU/TPU: bf16, TFLOP/s, fused kernels
         return attention_speed_gpu.run(args)
+    say_ignored_on_cpu(args)
     sizes = args.sizes or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192, 16384])
     repeats = args.repeats or (3 if args.quick else 5)
     budget = args.memory_fraction * available_memory_bytes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import statistics
+import sys
 import time
 
 import jax
@@ -85,3 +86,13 @@ def installed(*modules: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def say_ignored_on_cpu(args) -> None:
+    """A note naming the GPU-only options given (bench's main lists them) to a benchmark
+    that runs on the CPU: they change nothing there, and were ignored without a word."""
+    given = getattr(args, "gpu_only_given", None)
+    if given:
+        one = len(given) == 1
+        print(f"note: {', '.join(given)} {'is' if one else 'are'} for a GPU run; this one runs "
+              f"on the CPU and ignores {'it' if one else 'them'}", file=sys.stderr)

@@ -60,7 +60,8 @@ import numpy as np
 from attention_jax.models import flops
 from attention_jax.tools.bench import bare_step, train_speed_gpu
 from attention_jax.tools.bench.bare_step import BETAS, EPS, LR, WEIGHT_DECAY
-from attention_jax.tools.bench.timing import installed, matmul_rate, wall_times
+from attention_jax.tools.bench.timing import (installed, matmul_rate, say_ignored_on_cpu,
+                                             wall_times)
 
 MASK_RATE = 0.15
 
@@ -343,6 +344,7 @@ def run(args) -> list[dict]:
             args.repeats = args.repeats or train_speed_gpu.GPU_REPEATS
             args.implementation = args.implementation or "auto"
             return train_speed_gpu.run(args, info)
+    say_ignored_on_cpu(args)
     args.repeats = args.repeats or 10
     args.implementation = args.implementation or "blockwise"
     cpu_kinds = ("reference", "blockwise", "xla")
