@@ -2,8 +2,8 @@ r"""Gated MLPs (Shazeer 2020, "GLU Variants Improve Transformer"): ReLU, GELU, S
 GeGLU feed-forward layers in the same small GPT, at equal parameters, same steps.
 
 Argument `mlp=relu|gelu|swiglu|geglu` (it sets both model.mlp and model.activation; an
-override `--config.model.mlp=mlp` alone keeps this config's gelu). A 2-layer GPT of width D = 48 (2 heads of 24) on
-the byte-level stdlib corpus; the plain MLPs have hidden F = 4D = 192 (two matrices,
+override `--config.model.mlp=mlp` alone keeps this config's gelu). A 2-layer GPT of width
+D = 48 (2 heads of 24) on the byte-level stdlib corpus; the plain MLPs have hidden F = 4D = 192 (two matrices,
 2·D·F = 18,432 weights a layer), the gated ones F = 8D/3 = 128 (three matrices, 3·D·F =
 18,432): exactly the same parameter count, as in Shazeer's Table 1. (Small because the
 2-core CPU was shared five ways when this ran: 12 runs had to fit in ~15 minutes.) No biases (Shazeer's

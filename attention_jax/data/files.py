@@ -323,8 +323,8 @@ class _Reader:
             return raw.decode('utf-8').encode('utf-8'), 0
         except UnicodeDecodeError:
             text = raw.decode('utf-8', errors='replace')
-            # Invalid bytes each become one U+FFFD (3 bytes in UTF-8) where the file had
-            # none of its own: counted from the lengths, without a second pass.
+            # Each invalid byte became a U+FFFD; those the file itself held (valid UTF-8
+            # for U+FFFD) are the ones a decode that drops invalid bytes still has.
             invalid = text.count('\ufffd') - raw.decode('utf-8', errors='ignore').count('\ufffd')
             return text.encode('utf-8'), invalid
 

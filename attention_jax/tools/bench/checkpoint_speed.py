@@ -169,4 +169,5 @@ def add_parser(sub) -> None:
                    help="the Checkpointer's packed format in our saves (off: one array in the "
                         "files per array of the state)")
     p.add_argument("--dir", default="", help="where to write (default: a temporary folder)")
-    p.add_argument("--json", "--out", dest="json", default="", help="also write the numbers to this file")
+    p.add_argument("--json", "--out", dest="json", default="",
+                   help="also write the numbers to this file")

@@ -400,7 +400,8 @@ def add_parser(sub) -> None:
     p.add_argument('--fresh', action='store_true', help='prepare the caches again')
     p.add_argument('--only', default=','.join(PARTS),
                    help=f'measures to run, comma-separated among {",".join(PARTS)}')
-    p.add_argument('--json', '--out', dest='json', default='', help='also write the numbers to this file')
+    p.add_argument('--json', '--out', dest='json', default='',
+                   help='also write the numbers to this file')
 
 
 if __name__ == '__main__':  # one measurement, run by _child in its own process

@@ -141,4 +141,5 @@ def add_parser(sub) -> None:
     p.add_argument("--mfu", type=float, default=0.4,
                    help="model FLOPs utilisation assumed for the H100 row")
     p.add_argument("--dir", default="", help="where to write the JPEGs (default: a temporary folder)")
-    p.add_argument("--json", "--out", dest="json", default="", help="also write the numbers to this file")
+    p.add_argument("--json", "--out", dest="json", default="",
+                   help="also write the numbers to this file")

@@ -108,4 +108,5 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--log_every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", "--out", dest="json", default="", help="also write the results to this file")
+    p.add_argument("--json", "--out", dest="json", default="",
+                   help="also write the results to this file")
