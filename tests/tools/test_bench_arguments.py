@@ -18,6 +18,8 @@ from attention_jax.tools.bench import data_speed, multihost_speed, train_speed, 
     (["images", "--images", "0"], "--images=0; valid: >= 1"),
     (["profile", "--steps", "0"], "--steps=0; valid: >= 1"),
     (["multihost", "--repeats", "0"], "--repeats=0; valid: >= 1"),
+    # An option of --save runs without --save was ignored unsaid.
+    (["profile", "--pinned-host", "off"], "--pinned-host is for runs with --save; add --save"),
 ])
 def test_numbers_below_their_least_value_are_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

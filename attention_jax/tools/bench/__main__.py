@@ -42,6 +42,13 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
             bad = [v for v in values if isinstance(v, (int, float)) and v < low]
             if bad:
                 parser.error(f"{action.option_strings[0]}={bad[0]}; valid: >= {low}")
+        needs = (action.help or "").split(":")[0]  # "with --save": an option of such runs
+        if (needs.startswith("with --") and action.option_strings
+                and value not in (None, action.default)):
+            flag = needs.split()[1]
+            if not getattr(args, flag[2:].replace("-", "_"), True):
+                parser.error(f"{action.option_strings[0]} is for runs {needs}; add {flag}, or "
+                             f"leave it out")
         if action.dest in FILE_OUTPUTS and value and args.which not in WRITES_A_FOLDER:
             try:
                 workdir_lib.check_output_path(value, action.option_strings[0])
