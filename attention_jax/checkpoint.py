@@ -120,7 +120,8 @@ def _is_committed(path: epath.Path) -> bool:
     return (path / "commit_success.txt").exists()
 
 
-def _step_folders(directory: epath.Path) -> dict[int, epath.Path]:
+def step_folders(directory: epath.Path) -> dict[int, epath.Path]:
+    """The step folders of a checkpoints folder (committed or not), by step."""
     if not directory.exists():
         return {}
     return {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()}
@@ -398,7 +399,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------- query
     def committed_steps(self) -> list[int]:
         """Steps whose folder carries orbax's commit marker, oldest first."""
-        return sorted(s for s, p in _step_folders(self.directory).items() if _is_committed(p))
+        return sorted(s for s, p in step_folders(self.directory).items() if _is_committed(p))
 
     def latest_step(self) -> int | None:
         """The newest committed step (never a half-written one), or None."""
@@ -418,7 +419,7 @@ class Checkpointer:
         """A step folder without a commit marker is a save that never finished (or a
         stray copy): orbax would list it and fail on it, and a new save of that step
         would collide with it."""
-        uncommitted = [p for _, p in sorted(_step_folders(self.directory).items())
+        uncommitted = [p for _, p in sorted(step_folders(self.directory).items())
                        if not _is_committed(p)]
         # Every process lists before process 0 renames: one listing after the rename would
         # skip _move_aside's sync and leave process 0 waiting in it (a save killed in a

@@ -192,8 +192,9 @@ def check_comparable(workdirs, report: str, same=(), finished: bool = True) -> N
                              f"counts once")
         seen[key] = w
         config = load_config(w)
-        if finished and last_eval_step(w) < config.train.steps:
-            raise ValueError(f"{report}: {w} was last evaluated at step {last_eval_step(w)} of "
+        evaluated = last_eval_step(w) if finished else None
+        if finished and evaluated < config.train.steps:
+            raise ValueError(f"{report}: {w} was last evaluated at step {evaluated} of "
                              f"its train.steps={config.train.steps}; valid: finished runs (run "
                              f"it again to finish it, or --mode=eval it at the end, or leave it "
                              f"out)")

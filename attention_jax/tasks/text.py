@@ -19,7 +19,8 @@ from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      check_model_keys, check_source_keys, corpus_options, data_options,
+                                      check_model_keys, check_source_keys, corpus_options,
+                                      data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
                                       gather_rows, lm_vocab_size, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,

@@ -68,8 +68,12 @@ def point_name(point: dict[str, str]) -> str:
     """{'mlp': 'relu', 'train.seed': '0'} -> 'mlprelu-seed0' (the last part of dotted keys).
     A character a folder name cannot hold or should not (a '/' of `vit-tiny/4` would nest
     the run a folder deeper) becomes '_'."""
-    return "-".join(re.sub(r"[^\w.+=-]", "_", f"{key.rsplit('.', 1)[-1]}{value}")
-                    for key, value in point.items())
+    return "-".join(re.sub(r"[^\w.+=-]", "_", part) for part in _name_parts(point))
+
+
+def _name_parts(point: dict[str, str]) -> list[str]:
+    """<key><value> of each grid key, the last part of a dotted key, as given."""
+    return [f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point.items()]
 
 
 def point_config(spec: str, point: dict[str, str],
@@ -194,15 +198,14 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
 
 
 def _has_checkpoint(run_dir: str) -> bool:
-    folder = workdir_lib.epath_of(run_dir, workdir_lib.CHECKPOINTS)
-    return folder.exists() and any(p.name.isdigit() for p in folder.iterdir())
+    from attention_jax.checkpoint import step_folders
+    return bool(step_folders(workdir_lib.epath_of(run_dir, workdir_lib.CHECKPOINTS)))
 
 
 def _check_earlier_folder_name(workdir: str, point: dict[str, str], run_dir: str) -> None:
     """A sweep started when a value's '/' or ':' still went into the folder name as it
     is: resumed now, its run would not be found and would train again from scratch."""
-    earlier = os.path.join(workdir, "-".join(f"{k.rsplit('.', 1)[-1]}{v}"
-                                             for k, v in point.items()))
+    earlier = os.path.join(workdir, "-".join(_name_parts(point)))
     if (earlier != run_dir and workdir_lib.exists(earlier, workdir_lib.CONFIG)
             and not workdir_lib.exists(run_dir, workdir_lib.CONFIG)):
         raise ConfigError(f"sweep point {point_name(point)}: its run is in {earlier}, the "
