@@ -535,8 +535,14 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     knows the step it resumed; "" when nothing changed); others raise a ConfigError
     listing `key: old -> new` and the ways through, unless `resume_changed` (then the old
     file is kept as config_until_step_<step>.json)."""
-    if step is None:
-        return ""  # Nothing to resume: the workdir's config.json is simply replaced.
+    if step is None:  # Nothing to resume: the workdir's config.json is replaced, and said.
+        changes = config_changes(config, workdir)
+        relevant = _training_keys(changes)
+        if relevant and jax.process_index() == 0:
+            print(f"note: {path(workdir, CONFIG)} held another config ("
+                  f"{_show(changes, relevant)}) and no checkpoint: this "
+                  f"run starts from scratch and replaces it", file=sys.stderr, flush=True)
+        return ""
     changes = config_changes(config, workdir)
     if not changes:
         return ""

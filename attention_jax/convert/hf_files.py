@@ -10,6 +10,7 @@ import json
 import os
 import re
 import stat
+import sys
 
 import numpy as np
 
@@ -168,9 +169,13 @@ def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = 
     special tokens by role. Without a tokenizer, an earlier export's files are removed:
     they would pass for this model's."""
     if tokenizer is None:
-        for name in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(out_dir, name)):
-                os.remove(os.path.join(out_dir, name))
+        stale = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(out_dir, n))]
+        for name in stale:
+            os.remove(os.path.join(out_dir, name))
+        if stale:
+            print(f"note: export_hf: {', '.join(stale)} of an earlier export removed from "
+                  f"{out_dir} (they were not this model's; tokenizer= writes new ones)",
+                  file=sys.stderr)
         return
     form.no_truncation()
     form.no_padding()

@@ -141,7 +141,7 @@ TEXTS = ["def f(x):\n    return x  # café, 東京 \t\r\n", "plain words, and   
 
 
 @pytest.mark.parametrize("kind", ["char", "byte", "bpe", "wordpiece", "file"])
-def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind):
+def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind, capsys):
     """export_hf(..., tokenizer=) writes a tokenizer AutoTokenizer loads with the same ids
     for every text, the same decoding, and the special tokens in their roles."""
     from attention_jax import data
@@ -178,8 +178,11 @@ def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind)
         convert.export_hf(model, params, tmp_path / "hf2", tokenizer="tokenizer.json")
     assert not (tmp_path / "hf2").exists()
     # Exported again without one: the earlier tokenizer files would pass for this model's.
+    capsys.readouterr()
     convert.export_hf(model, params, tmp_path / "hf")
     assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    assert ("note: export_hf: tokenizer.json, tokenizer_config.json of an earlier export "
+            "removed") in capsys.readouterr().err
 
 
 def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):

@@ -478,3 +478,14 @@ def test_a_run_of_a_variant_from_before_its_sizes_followed_it_names_the_way_thro
                                           r"--config\.model\.num_layers=2\. To resume"):
         workdir_lib.check_config_change(config_lib.load("gpt:variant=gpt-tiny-rope"),
                                         str(tmp_path), 10, resume_changed=False)
+
+
+def test_a_config_json_without_a_checkpoint_is_replaced_and_said(tmp_path, capsys):
+    """A run killed before its first save, started again with another config: its
+    config.json was replaced without a word (nothing to resume, so nothing to refuse)."""
+    workdir = str(tmp_path / "w")
+    os.makedirs(workdir)
+    workdir_lib.write_config(workdir, tiny.tiny_config(**{"optim.lr": 0.02}))
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), workdir)
+    assert (f"note: {workdir}/config.json held another config (optim.lr: 0.02 -> 0.01) and no "
+            f"checkpoint: this run starts from scratch and replaces it") in capsys.readouterr().err
