@@ -62,6 +62,12 @@ def test_table_on_fabricated_rows():
     assert all(line.count("|") == 9 for line in lines[:6])
     assert "NVIDIA H100 80GB HBM3" in text and "800 TFLOP/s" in text
     assert "| gpt2-medium | 8 | jax / auto | 100.0 |" in text  # no peer: no ratio
+    trainer_rows = [{**base, "side": "trainer step", "impl": "auto", "packing": packing,
+                     "step_s": 0.034} for packing in ("stream", "documents")]
+    text = train_speed_gpu.table([train_speed_gpu.finish_row(r, None) for r in trainer_rows],
+                                 None, "x")
+    assert "| trainer step / auto, stream packing |" in text
+    assert "| trainer step / auto, documents packing |" in text  # each packing named
     no_rate = train_speed_gpu.table([train_speed_gpu.finish_row(
         {**base, "side": "jax", "impl": "auto", "step_s": 0.04}, None)], None, "x")
     assert "not measured" in no_rate

@@ -203,8 +203,8 @@ def _findable(module: str) -> bool:
 
 
 def _attention_label(impl: str, packing: str | None) -> str:
-    """A row's attention in the table; a trainer row says when its packing is "stream"."""
-    return f"{impl}, stream packing" if packing == "stream" else impl
+    """A row's attention in the table; a trainer row also names its data.packing."""
+    return f"{impl}, {packing} packing" if packing else impl
 
 
 def _impl_label(implementation: str, loss_chunk_size: int, loss_kernel: str = "auto",
