@@ -45,7 +45,9 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special ids (padding, bos, eos, ...) are skipped, but the unknown
-        token is kept (e.g. '[UNK]'), so a word the vocabulary lacks shows where it was."""
+        token is kept (e.g. '[UNK]'), so a word the vocabulary lacks shows where it was.
+        Ids outside 0..vocab_size-1 (a model's vocabulary padded past the tokenizer's)
+        decode to nothing."""
 
     @abc.abstractmethod
     def _save_files(self, directory: str) -> dict:
@@ -79,7 +81,8 @@ class Tokenizer(abc.ABC):
         # <|endoftext|> unk, bos and eos at once): then it is that role's, and skipped.
         roles = {getattr(self, f'{r}_id', None) for r in ('pad', 'bos', 'eos', 'mask')}
         skipped = self.special_ids - ({getattr(self, 'unk_id', None)} - roles)
-        return [int(i) for i in np.asarray(list(ids)).reshape(-1) if int(i) not in skipped]
+        return [int(i) for i in np.asarray(list(ids)).reshape(-1)
+                if int(i) not in skipped and 0 <= int(i) < self.vocab_size]
 
 
 class CharTokenizer(Tokenizer):
@@ -139,7 +142,7 @@ class ByteTokenizer(Tokenizer):
                 + self.OFFSET).tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
-        data = bytes(i - self.OFFSET for i in self._strip(ids) if i < self.vocab_size)
+        data = bytes(i - self.OFFSET for i in self._strip(ids))
         return data.decode('utf-8', errors='replace')
 
     def _save_files(self, directory):
@@ -326,8 +329,9 @@ class TokenizerFileError(UserError, ValueError):
 # Special-token roles by the names tokenizers give them (the first one present wins),
 # where the directory has no tokenizer_config.json / special_tokens_map.json saying them.
 ROLE_NAMES = {
-    'eos': ('<|endoftext|>', '</s>', '<eos>', '<|end_of_text|>', '<|eot_id|>', '[SEP]'),
-    'bos': ('<s>', '<bos>', '<|begin_of_text|>', '<|startoftext|>', '[CLS]', '<|endoftext|>'),
+    'eos': ('<|endoftext|>', '</s>', '<eos>', '[EOS]', '<|end_of_text|>', '<|eot_id|>', '[SEP]'),
+    'bos': ('<s>', '<bos>', '[BOS]', '<|begin_of_text|>', '<|startoftext|>', '[CLS]',
+            '<|endoftext|>'),
     'pad': ('<pad>', '[PAD]', '<|pad|>', '<|padding|>'),
     'mask': ('[MASK]', '<mask>', '<|mask|>'),
     'unk': ('<unk>', '[UNK]', '<|unk|>'),
@@ -417,6 +421,11 @@ class FileTokenizer(_TokenizersLibrary):
         self.roles = {r: (None if i is None else int(i)) for r, i in roles.items()}
         self.has_pad_token = self.roles.get('pad') is not None
         self.eos_id = self.roles.get('eos')
+        if self.eos_id is None and fresh:
+            print(f'note: {self.path} has no end-of-text token ({", ".join(ROLE_NAMES["eos"])}): '
+                  f'packed documents run into each other with no token between them, and '
+                  f'samples stop only at their length (to name one, eos_token in a '
+                  f'special_tokens_map.json beside it)', file=sys.stderr)
         self.pad_id = self._stand_in('pad', ('pad', 'eos', 'bos'), fresh)
         self.bos_id = self._stand_in('bos', ('bos', 'eos', 'pad'), fresh)
         self.mask_id = self.roles.get('mask')

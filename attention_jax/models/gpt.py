@@ -309,12 +309,14 @@ def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = 
 def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int, rng=None,
              temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, stop_token: Optional[int] = None,
-             pad_token: int = 0):
+             pad_token: int = 0, vocab_size: Optional[int] = None):
     """Continue a batch of right-padded prompts with the KV cache.
 
     prompts [B, T] ints, row b's prompt in prompts[b, :prompt_lengths[b]] (lengths >= 1).
     temperature 0 (default) is greedy; otherwise sample with optional top_k / top_p.
     A row stops after emitting stop_token (kept in the output); later slots get pad_token.
+    vocab_size: ids from it up are never generated (a tokenizer's vocabulary, where the
+    model's is padded to a multiple of 64 for its matmuls: those ids decode to nothing).
     Returns (tokens [B, T + max_new_tokens], lengths [B]): each row's prompt followed
     directly by its continuation, padded on the right.
     """
@@ -342,21 +344,34 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
         raise ValueError(f"top_k={top_k}; valid: None or 1..{cfg.vocab_size} (the vocabulary)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}; valid: None or in (0, 1]")
+    if vocab_size is not None and not 1 <= vocab_size <= cfg.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size}; valid: None or 1..{cfg.vocab_size} (the "
+                         f"model's vocabulary)")
     lengths = np.asarray(jax.device_get(prompt_lengths)) if not isinstance(
         prompt_lengths, jax.core.Tracer) else None
     if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t):
         raise ValueError(f"prompt_lengths={lengths.tolist()}; valid: {b} lengths in 1..{t} "
                          f"(prompts is [{b}, {t}])")
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return _generate(model, sample, max_new_tokens, stop_token, pad_token,
+    # The settings are static values, so a second call with the same ones reuses the
+    # compiled loop (a fresh functools.partial each call compiled it every time).
+    settings = (float(temperature), top_k, top_p, stop_token, pad_token,
+                None if vocab_size == cfg.vocab_size else vocab_size)
+    return _generate(model, max_new_tokens, settings,
                      params, prompts, jnp.asarray(prompt_lengths, jnp.int32), rng)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _generate(model, sample, max_new_tokens, stop_token, pad_token, params, prompts, lengths, rng):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _generate(model, max_new_tokens, settings, params, prompts, lengths, rng):
+    temperature, top_k, top_p, stop_token, pad_token, vocab_size = settings
     b, t = prompts.shape
     rows = jnp.arange(b)
+
+    def sample(key, logits):
+        if vocab_size is not None:  # the padding ids past the tokenizer's vocabulary
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+        return sample_logits(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+
     cache = init_cache(model, b, t + max_new_tokens)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     (logits, _), state = model.apply({"params": params, "cache": cache}, prompts,

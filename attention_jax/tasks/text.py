@@ -63,6 +63,14 @@ def _check_mlm_tokenizer(data_opts) -> None:
                           f"valid: ['bpe', 'wordpiece'] or a tokenizer.json with one")
 
 
+def _check_lm_tokenizer(data_opts) -> None:
+    if data_opts.tokenizer == "wordpiece":
+        raise ConfigError("config.data.tokenizer='wordpiece' is BERT's vocabulary for masked "
+                          "language modelling: it has no beginning- or end-of-text token, which "
+                          "a GPT's documents and samples need; valid: ['char', 'byte', 'bpe'] or "
+                          "a tokenizer.json (BERT's own file gives [CLS] and [SEP] those roles)")
+
+
 def _check_mask(data_opts, tok) -> None:
     if getattr(tok, "mask_id", None) is None:
         raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {tok.path} has no mask "
@@ -289,6 +297,7 @@ def lm_task(config, workdir: str) -> Task:
     # restarting per document); "stream" reads a row as a window of one token stream, as
     # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
     data_opts = data_options(config, **GPT_DATA)
+    _check_lm_tokenizer(data_opts)
     documents = _Documents(data_opts)
     # Padding carries weight 0 in the LM loss, so a tokenizer file without a pad token
     # (GPT-2's) pads with its end-of-text token.
@@ -348,7 +357,8 @@ def lm_task(config, workdir: str) -> Task:
         out, lengths = gpt.generate(
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
-            top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id)
+            top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id,
+            vocab_size=tok.vocab_size)  # never the ids padding the model's vocabulary
         out, lengths = gather_rows(out), gather_rows(lengths)
         return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]
 

@@ -154,6 +154,35 @@ def test_a_tokenizer_file_roles_come_from_the_file_never_a_reserved_id(tmp_path,
         base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [], pad_may_be_eos=True)
 
 
+def test_bracketed_role_names_and_a_file_without_end_of_text(tmp_path, capsys):
+    """A tokenizer trained with special tokens [PAD], [BOS], [EOS] had no eos at all
+    (documents packed with nothing between them, samples never stopping) and bos was its
+    pad, said wrongly; a file without any end-of-text token now says what that means."""
+    words = ['the', 'cat', 'sat']
+    path = _word_file(tmp_path / 'brackets.json', words, ['[PAD]', '[BOS]', '[EOS]'])
+    tok = data.get_tokenizer('file', path=path)
+    ids = {t: tok.hf.token_to_id(t) for t in ('[PAD]', '[BOS]', '[EOS]')}
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (ids['[PAD]'], ids['[BOS]'], ids['[EOS]'])
+    assert capsys.readouterr().err == ''
+    no_end = _word_file(tmp_path / 'no_end.json', words, ['<pad>', '<s>'])
+    tok = data.get_tokenizer('file', path=no_end)
+    assert tok.eos_id is None
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: {no_end} has no end-of-text token (<|endoftext|>, </s>, <eos>, [EOS], "
+        f"<|end_of_text|>, <|eot_id|>, [SEP]): packed documents run into each other with no "
+        f"token between them, and samples stop only at their length (to name one, eos_token "
+        f"in a special_tokens_map.json beside it)"]
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing():
+    """A model's vocabulary padded to a multiple of 64 can emit ids the tokenizer lacks:
+    the char tokenizer raised IndexError on them (after a whole training run)."""
+    for tok in (data.get_tokenizer('char', texts=[TEXT]), data.get_tokenizer('byte'),
+                data.get_tokenizer('bpe', texts=_corpus(), vocab_size=300)):
+        ids = tok.encode('def f(x)')  # characters of TEXT: none unknown to the char one
+        assert tok.decode([*ids, tok.vocab_size, tok.vocab_size + 40]) == 'def f(x)'
+
+
 def _bpe_file_lacking_its_unk(path, texts):
     """A BPE tokenizer.json trained on `texts` whose model names '<unk>' as its unknown
     token but which never got it as a token (a mistake easy to make when training one):

@@ -119,6 +119,26 @@ def test_generate_greedy_follows_the_full_model_and_stops():
     np.testing.assert_array_equal(again[1, :n1], out[1, :n1])
 
 
+def test_generate_keeps_below_vocab_size_and_compiles_once():
+    """A model's vocabulary padded past its tokenizer's (to a multiple of 64): those ids
+    were sampled and crashed the char tokenizer's decode. And each call compiled the loop
+    anew (a fresh functools.partial as its static argument)."""
+    model, params = _model("gpt-tiny")
+    prompts = _tokens((2, 4), 2)
+    sample = lambda **kw: gpt.generate(model, params, prompts, [4, 4], max_new_tokens=24,  # noqa: E731
+                                       temperature=50.0, rng=jax.random.PRNGKey(1), **kw)
+    free, _ = sample()
+    assert np.asarray(free[:, 4:]).max() >= 200  # near-uniform over 256: high ids come up
+    before = gpt._generate._cache_size()
+    bounded, _ = sample(vocab_size=200)
+    again, _ = sample(vocab_size=200)
+    assert np.asarray(bounded[:, 4:]).max() < 200
+    np.testing.assert_array_equal(bounded, again)
+    assert gpt._generate._cache_size() == before + 1  # the same settings: one compile
+    with pytest.raises(ValueError, match=r"vocab_size=257; valid: None or 1\.\.256"):
+        sample(vocab_size=257)
+
+
 def test_generate_names_a_bad_argument():
     """Prompt lengths past the prompts' width read padding as the prompt (and returned
     lengths longer than the output); top_p 1.5 or a negative temperature sampled anyway."""

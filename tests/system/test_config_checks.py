@@ -382,6 +382,17 @@ def test_a_bpe_smaller_than_its_bytes_is_refused(tmp_path):
         base.run_tokenizer(options, str(tmp_path), lambda: ["the cat"])
 
 
+def test_a_gpt_with_bert_s_wordpiece_vocabulary_is_refused_before_the_corpus(tmp_path):
+    """It trained (BERT's 30,522 pieces, no token between documents), then sampling
+    failed on the missing bos_id: an AttributeError after the whole run."""
+    config = config_lib.load("gpt", ["data.tokenizer=wordpiece", "data.name=files",
+                                     f"data.files={tmp_path}/nothing_here/*.txt"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer='wordpiece' is BERT's "
+                                          r"vocabulary .* valid: \['char', 'byte', 'bpe'\] or a "
+                                          r"tokenizer\.json"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
 def test_a_tuple_key_s_example_shows_elements():
     """After --config.eval.sample_prompts=(), the example was "()", which shows no
     element's form."""
