@@ -101,8 +101,23 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
     for pattern in globs:
         full = os.path.expanduser(pattern)
         if os.path.isdir(full):  # a directory: every file of a known format under it
-            base, paths = full, [p for p in glob_lib.glob(os.path.join(full, '**', '*'),
-                                                          recursive=True) if _format(p)]
+            # escaped: a folder named "corpus [2024]" is a path, not a character class
+            under = [p for p in glob_lib.glob(os.path.join(glob_lib.escape(full), '**', '*'),
+                                              recursive=True) if os.path.isfile(p)]
+            base, paths = full, [p for p in under if _format(p)]
+            others = sorted(os.path.relpath(p, full) for p in under if not _format(p))
+            if others and paths:  # said, not dropped in silence
+                shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
+                _say_once(f'others:{full}', f'note: {arg}={pattern!r}: {len(others)} file'
+                          f'{"s" if len(others) > 1 else ""} of other types left out: {shown} '
+                          f'(read: {", ".join(SUFFIXES)})')
+            elif others:
+                raise FilesError(f'{arg}={spec!r}: the directory {pattern!r} holds no file '
+                                 f'this source reads ({len(others)} of other types: '
+                                 f'{", ".join(others[:3])}{", ..." if len(others) > 3 else ""}); '
+                                 f'valid: {", ".join(SUFFIXES)}')
+        elif os.path.isfile(full):  # a file by its name, brackets and all
+            base, paths = os.path.dirname(full), [full]
         else:
             base, paths = _glob_base(full), glob_lib.glob(full, recursive=True)
         paths = [p for p in paths if os.path.isfile(p)]
@@ -174,8 +189,12 @@ def _decompression_errors() -> tuple[type[BaseException], ...]:
     return (EOFError, OSError, zlib.error, zstandard.ZstdError)
 
 
+FIRST_RECORDS = 20  # a file's records whose keys tell whether text_key is its key
+
+
 def _index_lines(chunks: Iterator[bytes]):
-    """(starts, ends, line numbers, the first line) of the non-blank lines of a stream."""
+    """(starts, ends, line numbers, the first FIRST_RECORDS lines) of the non-blank lines
+    of a stream."""
     starts, ends, lines, first = [], [], [], []
     base, line, carry = 0, 1, b''  # offset of buf[0]; the line number it starts
 
@@ -183,8 +202,7 @@ def _index_lines(chunks: Iterator[bytes]):
         blank = np.zeros(len(s), bool)
         for k in np.flatnonzero(e - s <= 8):  # a JSON object is rarely this short
             blank[k] = not buf[s[k]:e[k]].strip()
-        if not first and (~blank).any():
-            k = int(np.argmax(~blank))
+        for k in np.flatnonzero(~blank)[:FIRST_RECORDS - len(first)]:
             first.append(buf[s[k]:e[k]])
         starts.append(s[~blank] + base)
         ends.append(e[~blank] + base)
@@ -202,8 +220,7 @@ def _index_lines(chunks: Iterator[bytes]):
     if carry.strip():  # a last line without a newline
         keep(carry, np.array([0]), np.array([len(carry)]), line)
     cat = lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)
-    return (cat(starts, np.int64), cat(ends, np.int64), cat(lines, np.int64),
-            first[0] if first else None)
+    return cat(starts, np.int64), cat(ends, np.int64), cat(lines, np.int64), first
 
 
 def _first_keys(line: bytes) -> list[str] | None:
@@ -260,10 +277,12 @@ def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
         what = {'.jsonl.gz': 'gzip file', '.jsonl.zst': 'zstd file'}.get(fmt, 'file')
         raise FilesError(f'{path}: truncated or corrupt {what} ({e})') from None
     f.count = len(f.starts)
-    # The first record tells a file whose records hold the text under another key.
-    keys = None if first is None else _first_keys(first)
-    if keys is not None and text_key not in keys:
-        raise _missing_key(path, text_key, keys, arg)
+    # The first records tell a file whose records hold the text under another key: none
+    # of them has text_key. One without it among others (a header line, a stray record)
+    # is a bad record, skipped and counted when read.
+    keys = [k for k in map(_first_keys, first) if k is not None]
+    if keys and not any(text_key in k for k in keys):
+        raise _missing_key(path, text_key, sorted(set().union(*keys)), arg)
     return f
 
 

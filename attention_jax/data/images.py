@@ -223,17 +223,21 @@ def get_split(split: str, **options) -> ImageFiles:
 
 
 # =========================================================================== preprocessing
-def parse_floats(value, name: str, channels: int) -> tuple[float, ...]:
-    """'0.5' or 0.5 -> (0.5,) * channels; '0.485,0.456,0.406' -> per channel."""
+def parse_floats(value, name: str, channels: int, positive: bool = False) -> tuple[float, ...]:
+    """'0.5' or 0.5 -> (0.5,) * channels; '0.485,0.456,0.406' -> per channel. positive:
+    each must be > 0 (a std: 0 divides by zero, a negative one flips the image)."""
     try:
         values = tuple(float(v) for v in str(value).split(',') if v.strip())
     except ValueError:
         values = ()
     if len(values) == 1:
         values = values * channels
-    if len(values) != channels:
+    if len(values) != channels or not all(np.isfinite(values)):
         raise ImagesError(f'{name}={value!r} must be one number or {channels} comma-separated '
                           f'numbers (one per channel), e.g. 0.5 or 0.485,0.456,0.406')
+    if positive and min(values) <= 0:
+        raise ImagesError(f'{name}={value!r}: each must be > 0 (the image is divided by it); '
+                          f'valid: e.g. 0.5 or 0.229,0.224,0.225')
     return values
 
 

@@ -90,7 +90,8 @@ def image_task(config, workdir: str) -> Task:
             crop=data_opts.train_crop, padding=data_opts.padding,
             crop_scale=data_opts.crop_scale, flip=data_opts.flip,
             mean=images_lib.parse_floats(data_opts.mean, "config.data.mean", cfg.num_channels),
-            std=images_lib.parse_floats(data_opts.std, "config.data.std", cfg.num_channels))
+            std=images_lib.parse_floats(data_opts.std, "config.data.std", cfg.num_channels,
+                                        positive=True))
 
     shape = (1, cfg.image_size, cfg.image_size, cfg.num_channels)
     eval_transform = preprocess(train=False)

@@ -103,8 +103,14 @@ def _tokenizer(data_opts, workdir: str, documents):
 def cache_root(data_opts) -> str:
     """Where the files' tokens are prepared: data.cache_dir, else DATA_DIR/token_cache."""
     from attention_jax.data.sources import default_data_dir
-    return data_opts.cache_dir or os.path.join(data_opts.data_dir or default_data_dir(),
+    root = data_opts.cache_dir or os.path.join(data_opts.data_dir or default_data_dir(),
                                                "token_cache")
+    if "://" in root:  # named here as the key it came from (token_cache says the same)
+        key = "cache_dir" if data_opts.cache_dir else "data_dir, under which the cache goes,"
+        raise ConfigError(f"config.data.{key} is {root!r}: the token cache must be on a local or "
+                          f"mounted filesystem (its shards are memory-mapped); valid: a local "
+                          f"directory for config.data.cache_dir (a bucket mounted with gcsfuse)")
+    return root
 
 
 def prepare_files(data_opts, tok, documents, *, process_index: int | None = None,

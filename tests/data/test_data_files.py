@@ -160,6 +160,48 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
         data.get_dataset('text_corpus', 'train', tmp_path / 'tfds')
 
 
+def test_a_directory_says_what_it_leaves_out_and_brackets_are_a_path(tmp_path, capsys):
+    """A directory's files of other types (the largest, a .txt.gz, among them) were
+    dropped unsaid, and a directory of only such files "matched no file"; a folder or
+    file named with brackets matched nothing (read as a glob's character class)."""
+    folder = tmp_path / 'corpus [2024]'
+    (folder / 'sub').mkdir(parents=True)
+    (folder / 'a.txt').write_text('the cat sat')
+    (folder / 'sub' / 'b [1].md').write_text('on a mat')
+    (folder / 'd.json').write_text('[]')
+    (folder / 'e.txt.gz').write_bytes(gzip.compress(b'seven dogs'))
+    listed = files.list_files(str(folder))
+    assert [ident for ident, _ in listed] == ['a.txt', 'sub/b [1].md']
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: files={str(folder)!r}: 2 files of other types left out: d.json, e.txt.gz "
+        f"(read: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet)"]
+    files.list_files(str(folder))
+    assert capsys.readouterr().err == ''  # once a process
+    assert files.list_files(str(folder / 'sub' / 'b [1].md')) == [
+        ('b [1].md', str(folder / 'sub' / 'b [1].md'))]
+    (tmp_path / 'only').mkdir()
+    (tmp_path / 'only' / 'd.json').write_text('[]')
+    with pytest.raises(files.FilesError, match=r"the directory '.*only' holds no file this "
+                                               r"source reads \(1 of other types: d\.json\); "
+                                               r"valid: \.txt"):
+        files.list_files(str(tmp_path / 'only'))
+
+
+def test_a_header_record_is_a_bad_record_not_a_refused_file(tmp_path, capsys):
+    """Only the first record's keys were checked: a header line refused a whole file of
+    good records ("has no 'text'"), while a wrong text_key is still one line."""
+    path = tmp_path / 'h.jsonl'
+    path.write_text(json.dumps({'source': 'x', 'version': 1}) + '\n'
+                    + _jsonl([f'doc {i}' for i in range(30)]))
+    src = files.file_splits(str(path), eval_fraction=0.5)
+    texts = [t for s in src.values() for t in _read(s).values()]
+    assert sorted(t for t in texts if t) == sorted(f'doc {i}' for i in range(30))
+    assert "no 'text'" in capsys.readouterr().err  # the header: a bad record, counted
+    with pytest.raises(files.FilesError, match=r"has no 'body' in its records \(their keys: "
+                                               r"\['meta', 'source', 'text', 'version'\]\)"):
+        files.file_splits(str(path), text_key='body')
+
+
 def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):
     good = _jsonl([f'doc {i}' for i in range(6)]).splitlines()
     bad = ['{"text": "cut in the mid', '[1, 2]', '{"text": 7}']

@@ -184,6 +184,13 @@ def test_mean_std_per_channel_and_channel_conversion():
     np.testing.assert_allclose(out[0, 0], [(1 - 0.5) / 0.5, (1 - 0.25) / 0.5, 2.0])
     with pytest.raises(ImagesError, match=r"mean='0.1,0.2' must be one number or 3 comma-separated"):
         images_lib.parse_floats("0.1,0.2", "mean", 3)
+    # std 0 trained to a non-finite loss at step 1 (a divide-by-zero warning first); a
+    # negative one flipped every image's sign, unsaid.
+    for std in ("0", "-1", "0.2,0,0.2"):
+        with pytest.raises(ImagesError, match=rf"std='{std}': each must be > 0"):
+            images_lib.parse_floats(std, "std", 3, positive=True)
+    with pytest.raises(ImagesError, match=r"must be one number"):
+        images_lib.parse_floats("nan", "mean", 3)
 
 
 def test_flip_mirrors_half_the_draws_and_random_crop_keeps_the_size():

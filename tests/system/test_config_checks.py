@@ -393,6 +393,15 @@ def test_a_gpt_with_bert_s_wordpiece_vocabulary_is_refused_before_the_corpus(tmp
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
+def test_a_remote_token_cache_names_its_config_key(tmp_path):
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
+    config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/t.txt",
+                                     "data.cache_dir=gs://bucket/cache"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.cache_dir is 'gs://bucket/cache': "
+                                          r"the token cache must be on a local"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
 def test_a_tuple_key_s_example_shows_elements():
     """After --config.eval.sample_prompts=(), the example was "()", which shows no
     element's form."""
