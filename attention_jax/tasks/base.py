@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -324,6 +325,8 @@ def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
             raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r} but "
                               f"{workdir_lib.path(workdir, workdir_lib.TOKENIZER)} holds a "
                               f"{tok.kind!r} tokenizer; use a new workdir to change it")
+        if from_file:
+            _say_if_replaced(data_opts.tokenizer, saved, workdir)
         return tok
     if from_file:
         try:
@@ -345,6 +348,24 @@ def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
                           f"holds its 256 bytes and {least - 256} special tokens at least; "
                           f"valid: vocab_size >= {least}")
     return data.get_tokenizer(data_opts.tokenizer, texts=texts(), vocab_size=data_opts.vocab_size)
+
+
+def _say_if_replaced(source: str, saved: str, workdir: str) -> None:
+    """A note when config.data.tokenizer's file is no longer the one the run copied: the
+    run keeps its copy (its checkpoints' ids are that vocabulary's), which a user who
+    replaced the file would not expect unsaid."""
+    import filecmp
+    from attention_jax.data import tokenization
+    try:
+        path = tokenization.tokenizer_file(source)
+        same = filecmp.cmp(path, os.path.join(saved, "tokenizer.json"), shallow=False)
+    except (OSError, tokenization.TokenizerFileError):  # moved or deleted since: the copy
+        return  # is all there is, as documented
+    if not same and jax.process_index() == 0:
+        print(f"note: config.data.tokenizer={source!r} is not the file this run copied when "
+              f"it started; the run keeps its copy ({workdir_lib.path(workdir, workdir_lib.TOKENIZER)}"
+              f": its checkpoints' ids are that vocabulary's); to train with the new file, use "
+              f"a new workdir", file=sys.stderr)
 
 
 def padded_vocab(n: int, multiple: int = 64) -> int:

@@ -174,6 +174,26 @@ def test_bracketed_role_names_and_a_file_without_end_of_text(tmp_path, capsys):
         f"in a special_tokens_map.json beside it)"]
 
 
+def test_a_replaced_tokenizer_file_is_said_when_the_run_keeps_its_copy(tmp_path, capsys):
+    """A run resumed with config.data.tokenizer's file replaced at the same path used its
+    own copy, unsaid."""
+    from attention_jax.tasks import base
+    path = _word_file(tmp_path / 'tok.json', ['the', 'cat'], ['<|endoftext|>'])
+    options = ml_collections.ConfigDict({'tokenizer': path})
+    work = tmp_path / 'run'
+    first = base.run_tokenizer(options, str(work), lambda: [], pad_may_be_eos=True)
+    first.save(str(work / 'tokenizer'))
+    capsys.readouterr()
+    again = base.run_tokenizer(options, str(work), lambda: [], pad_may_be_eos=True)
+    assert again.encode('the cat') == first.encode('the cat') and capsys.readouterr().err == ''
+    _word_file(tmp_path / 'tok.json', ['a', 'dog', 'the', 'cat'], ['<|endoftext|>'])
+    kept = base.run_tokenizer(options, str(work), lambda: [], pad_may_be_eos=True)
+    assert kept.encode('the cat') == first.encode('the cat')  # the run's own vocabulary
+    err = capsys.readouterr().err
+    assert err.startswith(f"note: config.data.tokenizer={path!r} is not the file this run "
+                          f"copied when it started; the run keeps its copy") and 'new workdir' in err
+
+
 def test_ids_past_the_vocabulary_decode_to_nothing():
     """A model's vocabulary padded to a multiple of 64 can emit ids the tokenizer lacks:
     the char tokenizer raised IndexError on them (after a whole training run)."""
