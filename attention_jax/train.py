@@ -110,18 +110,22 @@ def restore_or_init(prepared, config):
     state = prepared.init_state()
     if config.train.init_from:
         state["params"] = warm_start_params(config.train.init_from, prepared.abstract["params"],
-                                            getattr(prepared.task.model, "config", None))
+                                            getattr(prepared.task.model, "config", None),
+                                            vocab_size=prepared.task.vocab_size)
     return state, None
 
 
-def warm_start_params(init_from: str, abstract_params, model_config=None):
+def warm_start_params(init_from: str, abstract_params, model_config=None,
+                      vocab_size: int | None = None):
     """The params of `train.init_from` on the shardings of `abstract_params`: another
     run's workdir or checkpoint directory, or `hf:<dir>`, a Hugging Face model dir
-    (convert/), checked against `model_config` where its weights cannot show a field."""
+    (convert/), checked against `model_config` where its weights cannot show a field and
+    against the run's tokenizer's `vocab_size`."""
     try:
         if init_from.startswith("hf:"):
             params, step = convert.restore_params_from_hf(
-                init_from[len("hf:"):], abstract_params, model_config=model_config)
+                init_from[len("hf:"):], abstract_params, model_config=model_config,
+                vocab_size=vocab_size)
             src = init_from
         else:
             src = init_from

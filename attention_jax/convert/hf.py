@@ -264,16 +264,32 @@ def init_params_from_hf(path, model: nn.Module, *, seed: int = 0, verbose: bool 
     return unflatten(params)
 
 
-def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config=None):
+# Rows a checkpoint's vocabulary may have past its tokenizer's: padding for the matmuls
+# (ours pads to a multiple of 64, nanoGPT's 50257 -> 50304).
+VOCAB_PADDING = 64
+
+
+def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config=None,
+                           vocab_size: int | None = None):
     """`--config.train.init_from=hf:<dir>`: the checkpoint's params placed on the
     shardings of `abstract_params` (a tree of jax.ShapeDtypeStruct), and step 0.
 
     The architecture check is by shape; the fields shapes cannot show (activation,
     LayerNorm epsilon) are compared with `model_config` (the run's model config; a
     difference is a ConversionError naming them), or printed when it is not given. New
-    task heads: see `hf_params.fresh_numpy`.
+    task heads: see `hf_params.fresh_numpy`. vocab_size, the run's tokenizer's: a
+    checkpoint's vocabulary smaller than it, or larger by more than padding, is another
+    tokenizer's (its embedding rows would stand for other tokens): a ConversionError.
     """
     family, implied, arch, converted = _load_converted(path)
+    theirs = getattr(implied, "vocab_size", None)
+    if vocab_size is not None and theirs is not None and not (
+            vocab_size <= theirs < vocab_size + VOCAB_PADDING):
+        raise ConversionError(
+            f"{os.fspath(path)}: its vocabulary holds {theirs} tokens (config.json vocab_size), "
+            f"the run's tokenizer {vocab_size}: its embedding rows would stand for other "
+            f"tokens; valid: the checkpoint's own tokenizer (config.data.tokenizer=DIR, a "
+            f"directory holding its tokenizer.json)")
     target = flatten(abstract_params)
     grid = None
     if family.model_type == "vit" and "patch_embedding" in target and "position_embeddings" in target:

@@ -94,6 +94,9 @@ class Task:
     # read is Python holding the GIL (token rows: more threads only take turns), more
     # where decoding releases it (images).
     read_threads: int = 1
+    # A text task's tokenizer vocabulary (before padding for the matmuls): what the rows
+    # of a warm start's embedding table must stand for (train.init_from=hf:...).
+    vocab_size: int | None = None
 
 
 # The optional entries a tool may `need`; `register` checks an adapter sets exactly the

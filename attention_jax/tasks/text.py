@@ -312,6 +312,9 @@ def lm_task(config, workdir: str) -> Task:
                        dtype=config.train.compute_dtype)
     check_sample_prompts(config.eval.sample_prompts, tok,
                          cfg.max_len if cfg.position == "learned" else None)
+    if config.eval.sample_top_k > tok.vocab_size:  # found now, not after training
+        raise ConfigError(f"config.eval.sample_top_k={config.eval.sample_top_k} exceeds the "
+                          f"tokenizer's vocabulary; valid: 0 (no top-k) or 1..{tok.vocab_size}")
     if cfg.position == "learned":
         _check_seq_len(data_opts, cfg.max_len)
     model = gpt.GPT(cfg)
@@ -371,6 +374,7 @@ def lm_task(config, workdir: str) -> Task:
     # An untied head's input table is only looked up; a tied one is the output matmul.
     lookups = flops.LOOKUP_TABLES + (() if cfg.tie_embeddings else ("token_embedding",))
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros((1, data_opts.seq_len), jnp.int32))["params"],
+                vocab_size=tok.vocab_size,
                 loss=loss, train_source=train_rows, eval_source=eval_rows,
                 train_transform=data.CausalLM(data_opts.packing), eval_transform=data.CausalLM(data_opts.packing),
                 unit="tokens",
@@ -438,6 +442,7 @@ def mlm_task(config, workdir: str) -> Task:
     # The FLOP count is the full model's (every position through the vocabulary), as the
     # benchmarks count BERT; this loss projects only the ~15% predicted positions.
     return Task(model=model, init=lambda rng: model.init(rng, jnp.ones((1, data_opts.seq_len), jnp.int32))["params"],
+                vocab_size=tok.vocab_size,
                 loss=loss, train_source=train_rows, eval_source=eval_rows,
                 train_transform=transform, eval_transform=transform, unit="tokens",
                 count=lambda b: int(np.sum(b["segment_ids"] != 0)),

@@ -502,6 +502,22 @@ def test_restore_params_from_hf_onto_abstract_params(tmp_path):
         convert.restore_params_from_hf(path, deeper)
 
 
+def test_a_warm_start_with_another_tokenizer_s_vocabulary_is_refused(tmp_path):
+    """A bert-base-cased-like checkpoint (its own 28,996 tokens) warm-started a run on the
+    bundled uncased vocabulary (30,522) unsaid: each row stood for another token."""
+    path = _save(transformers.BertModel(transformers.BertConfig(**BERT_KW)), tmp_path)
+    cfg = dataclasses.replace(convert.config_from_hf(path)[0], vocab_size=192)
+    abstract = _abstract_params(bert.Bert(cfg), jnp.ones((1, 8), jnp.int32))
+    theirs = BERT_KW["vocab_size"]
+    params, _ = convert.restore_params_from_hf(path, abstract, vocab_size=theirs - 5)  # padded
+    assert max(p.shape[0] for p in jax.tree.leaves(params) if p.ndim == 2) == 192  # the table
+    for tokenizer in (theirs + 1, theirs - 64):
+        with pytest.raises(convert.ConversionError, match=rf"its vocabulary holds {theirs} "
+                                                          rf"tokens .* the run's tokenizer "
+                                                          rf"{tokenizer}: its embedding rows"):
+            convert.restore_params_from_hf(path, abstract, vocab_size=tokenizer)
+
+
 # ================================================================================ helpers
 
 

@@ -393,6 +393,18 @@ def test_a_gpt_with_bert_s_wordpiece_vocabulary_is_refused_before_the_corpus(tmp
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
+def test_a_top_k_past_the_vocabulary_is_refused_before_training(tmp_path):
+    """It trained, saved, then failed at sampling with a traceback."""
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
+    config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/t.txt",
+                                     f"data.cache_dir={tmp_path}/cache", "data.tokenizer=byte",
+                                     "eval.sample_top_k=1000"])
+    with pytest.raises(ConfigError, match=r"^config\.eval\.sample_top_k=1000 exceeds the "
+                                          r"tokenizer's vocabulary; valid: 0 \(no top-k\) or "
+                                          r"1\.\.259$"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
 def test_a_remote_token_cache_names_its_config_key(tmp_path):
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
     config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/t.txt",
