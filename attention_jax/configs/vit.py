@@ -19,12 +19,15 @@ from attention_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = config_lib.parse_arg(arg, variant="vit-tiny/2", hf="")
+    args = config_lib.parse_arg(arg, variant="", hf="")  # variant "": vit-tiny/2, or hf's
+    if args.hf and args.variant:  # the checkpoint's architecture would win, unsaid
+        raise config_lib.ConfigError(f":hf={args.hf!r} and :variant={args.variant!r}: hf= trains "
+                                     f"the checkpoint's own architecture; give one of the two")
     c = config_lib.base_config()
     c.task = "vit"  # image classification (tasks.image_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.variant  # models/vit.py VARIANTS: 2×2 patches.
+    c.model.variant = args.variant or "vit-tiny/2"  # models/vit.py VARIANTS: 2×2 patches.
     c.model.pool = "cls"  # classify the [CLS] token ("gap": average the patch tokens).
     c.model.dropout_rate = 0.0  # measured: dropout only slows this tiny model down.
     c.model.remat_policy = "none"  # activation checkpointing per block.

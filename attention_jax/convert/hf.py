@@ -296,8 +296,23 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
         # Only the target's table size is known: its grid is sqrt(rows - 1) per side.
         side = int(round((target["position_embeddings"].shape[0] - 1) ** 0.5))
         grid = (side, side)
-    params, new, unused = fit(family, converted, {k: v.shape for k, v in target.items()},
-                              lambda n, s: fresh_numpy(n, s, seed), grid, where=os.fspath(path))
+    try:
+        params, new, unused = fit(family, converted, {k: v.shape for k, v in target.items()},
+                                  lambda n, s: fresh_numpy(n, s, seed), grid,
+                                  where=os.fspath(path))
+    except ConversionError:
+        # Tensor by tensor the list runs to dozens of lines; the model's fields that differ
+        # from the checkpoint's say it in one, where the run's model config is known.
+        if not isinstance(model_config, type(implied)):
+            raise
+        ours, theirs = family.arch_fields(model_config), family.arch_fields(implied)
+        differ = [f"{k}={ours[k]!r} (checkpoint: {v!r})" for k, v in theirs.items()
+                  if k != "vocab_size" and ours.get(k) != v]
+        if not differ:
+            raise
+        raise ConversionError(f"{os.fspath(path)}: config.model does not match the checkpoint's "
+                              f"architecture: {', '.join(differ)}; valid: the checkpoint's values "
+                              f"(--config.model.KEY=...)") from None
     fields = family.arch_fields(implied)
     unseen = {k: fields[k] for k in fields if k in ("activation", "norm_epsilon")}
     if isinstance(model_config, type(implied)):  # another family's failed the shapes above

@@ -19,11 +19,11 @@ class ConversionError(ValueError):
     """Checkpoint tensors that do not fit the model: every offending name is listed."""
 
 
-def describe(title, missing=(), unexpected=(), mismatched=(), limit=20) -> str:
+def describe(title, missing=(), unexpected=(), mismatched=(), limit=20, untied=()) -> str:
     """ConversionError's message: every offending name, by what is wrong with it."""
     lines = [title + ":"]
     for label, items in (("missing", missing), ("unexpected", unexpected),
-                         ("shape mismatch", mismatched)):
+                         ("shape mismatch", mismatched), ("not tied", untied)):
         for item in list(items)[:limit]:
             lines.append(f"  {label}: {item}")
         if len(items) > limit:

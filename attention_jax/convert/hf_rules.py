@@ -214,7 +214,7 @@ def convert_tensors(family: Family, cfg, arch, tensors: dict[str, np.ndarray],
     tensors = {short: tensors[name] for short, name in original.items()}
     quoted = lambda n: original.get(n, n)
 
-    missing, mismatched, out = [], [], {}
+    missing, mismatched, untied, out = [], [], [], {}
     used = set()
     for rule in family.rules(cfg, arch):
         present = [n in tensors for n in rule.hf]
@@ -238,16 +238,17 @@ def convert_tensors(family: Family, cfg, arch, tensors: dict[str, np.ndarray],
         if alias in tensors and source in tensors:
             if tensors[alias].shape != tensors[source].shape or \
                     not np.array_equal(tensors[alias], tensors[source]):
-                mismatched.append(f"{quoted(alias)}: differs from {quoted(source)}, which it must "
-                                  f"equal (tied weights; untied ones are not supported)")
+                untied.append(f"{quoted(alias)} differs from {quoted(source)}, to which the "
+                              f"architecture ties it (GPT-2: tie_word_embeddings in config.json; "
+                              f"false gives the head weights of its own)")
             used.add(alias)
     unused = [quoted(n) for n in family.unused(arch) if n in tensors]
     used.update(n for n in family.unused(arch))
     unexpected = [f"{quoted(n)} {tuple(tensors[n].shape)}" for n in sorted(tensors)
                   if n not in used and not _BUFFERS.search(n)]
-    if missing or unexpected or mismatched:
+    if missing or unexpected or mismatched or untied:
         raise ConversionError(describe(f"checkpoint tensors do not fit {arch}", missing,
-                                       unexpected, mismatched))
+                                       unexpected, mismatched, untied=untied))
     if unused:
         # stacklevel=3: load_hf's caller.
         warnings.warn(f"{arch}: tensors with no counterpart in our model, not loaded: {unused}",

@@ -478,6 +478,14 @@ def test_a_misspelt_vit_variant_is_named(tmp_path, data_dir):
         tasks.TASKS[config.task](config, str(tmp_path))
 
 
+def test_vit_hf_and_variant_together_are_refused(tmp_path):
+    """vit:hf=DIR,variant=vit-ti/16 trained the checkpoint's shape, the variant unsaid."""
+    with pytest.raises(ConfigError, match=r":hf='.*' and :variant='vit-tiny/4': hf= trains the "
+                                          r"checkpoint's own architecture; give one of the two"):
+        config_lib.load(f"vit:hf={tmp_path},variant=vit-tiny/4")
+    assert config_lib.load("vit").model.variant == "vit-tiny/2"  # the default as before
+
+
 def test_multi_process_keys_are_checked_before_joining():
     """A coordinator without its port was an IndexError from inside JAX, a process id past
     the count a ValueError's traceback; the keys without mesh.distributed were ignored
