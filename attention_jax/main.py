@@ -266,6 +266,10 @@ def _run_mode(config, workdir) -> int:
         print(json.dumps(embed_texts(config, workdir), indent=1))
         return 0
     if FLAGS.mode == "sample":
+        if not config.eval.sample_prompts:  # exit 0 with no output read as a broken run
+            print("nothing to sample: config.eval.sample_prompts is empty; give prompts, e.g. "
+                  "--config.eval.sample_prompts='(\"def \",)'", file=sys.stderr)
+            return 0
         _print_samples(config, workdir, "--- prompt {prompt!r}\n{text}\n")
         return 0
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)

@@ -133,6 +133,9 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     that is a training run (its own config.json, checkpoints/) is refused: its config.json
     would be replaced, and the run would no longer open. An earlier export is replaced."""
     out_dir = os.path.expanduser(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # was FileExistsError's traceback
+        raise ConversionError(f"export_hf: {out_dir!r} is a file; valid: a folder to write "
+                              f"config.json and model.safetensors into")
     config_file = os.path.join(out_dir, "config.json")
     taken = os.path.isdir(os.path.join(out_dir, "checkpoints"))  # a run's folder
     if os.path.isfile(config_file) and not taken:

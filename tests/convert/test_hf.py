@@ -202,6 +202,15 @@ def test_gpt_export_rejects_options_gpt2_lacks(tmp_path):
         convert.export_hf(gpt.GPT(cfg), {}, tmp_path / "x")  # refused before params are read
 
 
+def test_an_export_onto_a_file_is_one_line(tmp_path):
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=64, num_layers=1, num_heads=2, d_model=16, max_len=16))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(convert.ConversionError, match=r"export_hf: '.*a_file' is a file; valid: "
+                                                      r"a folder"):
+        convert.export_hf(model, params, tmp_path / "a_file")
+
+
 # =================================================================================== BERT
 
 BERT_ARCHS = ["BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification"]

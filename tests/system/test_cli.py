@@ -189,6 +189,9 @@ def test_sampling_on_an_fsdp_tensor_mesh_reshards_nothing(trained):
     assert out.stdout.count("--- prompt ") == 3
     assert "Involuntary full rematerialization" not in out.stderr
     assert "read only" not in out.stderr and "read_only=True" not in out.stderr
+    none = cli(*args, "--mode=sample", "--config.eval.sample_prompts=()")  # it printed nothing
+    assert none.returncode == 0 and ("\nnothing to sample: config.eval.sample_prompts is "
+                                     "empty") in none.stderr
 
 
 @pytest.mark.slow
