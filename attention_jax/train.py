@@ -349,8 +349,8 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                     batch, units, data_state = next(batches)
                     t_step = time.perf_counter()
                     state, metrics = train_step(state, batch)
-                    meter.add(units, data_s=t_step - t_data,
-                              dispatch_s=time.perf_counter() - t_step)
+                    t_called = time.perf_counter()
+                    meter.add(units, data_s=t_step - t_data, dispatch_s=t_called - t_step)
                     step += 1
                     pending.append((step, metrics))
                     progress.advance()
@@ -360,10 +360,20 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                     log_now = stopping or due(step, config.train.log_every, total)
                     eval_now = due(step, config.eval.every, total)
                     save_now = stopping or due(step, config.train.checkpoint_every, total)
+                    if step == first:
+                        # Its call compiled the step (a resumed run's first step too): time
+                        # is measured from the call's return, or with nothing else to do
+                        # from the step's end; the estimate of time left from then on.
+                        progress.compiled(step, compile_s=t_called - t_step)
+                        if log_now:  # a window of this step alone, its compilation left out
+                            meter.restart()
+                            meter.start = t_called
+                            meter.add(units, data_s=0.0, dispatch_s=0.0)
                     if not (log_now or eval_now or save_now):
                         if step == first:  # it compiled: throughput is measured from its end
                             jax.block_until_ready(metrics)
                             meter.restart()
+                            progress.compiled(step)
                         continue
                     # ---- sync point: the one wait for the device since the last one.
                     window += _finite_steps(pending, config, prepared.ckpt, summary["losses"])
@@ -540,6 +550,13 @@ class Progress:
         self.bar = tqdm(total=self.total, initial=step, disable=not show or self.plain,
                         dynamic_ncols=True, unit="step")
         self.start_step, self.start_time = step, time.perf_counter()
+        self.compile_s = None  # the first step's call, said on the first line after it
+
+    def compiled(self, step: int, compile_s: float | None = None) -> None:
+        """The step that compiled ends at `step`: the time left is estimated from here."""
+        self.start_step, self.start_time = step, time.perf_counter()
+        if compile_s is not None:
+            self.compile_s = compile_s
 
     def advance(self) -> None:
         self.bar.update(1)
@@ -551,7 +568,9 @@ class Progress:
                              **{f"{self.unit}/s": f"{rate:,.0f}"})
         if self.plain:
             _say(_progress_line(step, self.total, means, self.unit,
-                                time.perf_counter() - self.start_time, step - self.start_step))
+                                time.perf_counter() - self.start_time, step - self.start_step,
+                                self.compile_s))
+            self.compile_s = None
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.write(step, "eval", metrics)
@@ -565,11 +584,18 @@ class Progress:
         self.writer.close()
 
 
-def _progress_line(step, total, means, unit, elapsed, steps_done) -> str:
-    """One line of progress for a log file: step, loss, lr, throughput, time left."""
-    left = elapsed / max(steps_done, 1) * (total - step)
-    return (f"step {step}/{total}  loss {means['loss']:.4f}  lr {means['lr']:.2e}  "
-            f"{means[f'{unit}_per_sec']:,.0f} {unit}/s  {int(left) // 60}m{int(left) % 60:02d}s left")
+def _progress_line(step, total, means, unit, elapsed, steps_done,
+                   compile_s: float | None = None) -> str:
+    """One line of progress for a log file: step, loss, lr, throughput, time left (from
+    the steps since the compiling one; on the first line after it, its compile time)."""
+    line = (f"step {step}/{total}  loss {means['loss']:.4f}  lr {means['lr']:.2e}  "
+            f"{means[f'{unit}_per_sec']:,.0f} {unit}/s")
+    if steps_done > 0:
+        left = elapsed / steps_done * (total - step)
+        line += f"  {int(left) // 60}m{int(left) % 60:02d}s left"
+    if compile_s is not None:
+        line += f"  (compiled in {compile_s:.1f}s)"
+    return line
 
 
 def _nonfinite(config, step, metrics, ckpt) -> None:

@@ -246,6 +246,27 @@ def test_the_default_step_copies_no_optimizer_state(tmp_path, nonfinite, most_co
         assert not moments and len(copied) <= most_copies, copied
 
 
+def test_the_window_of_the_compiling_step_leaves_the_compilation_out(tmp_path):
+    """Logged every step, a resumed run's first window (its step compiled there) reported
+    a throughput of the compile time and a time left of hours."""
+    from attention_jax import workdir as workdir_lib
+    workdir = str(tmp_path / "w")
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 4, "train.log_every": 1}), workdir)
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 12, "train.log_every": 1}), workdir)
+    records = [r for r in workdir_lib.read_records(workdir_lib.path(workdir, workdir_lib.METRICS))
+               if r.get("split") == "train"]
+    rate = {r["step"]: next(v for k, v in r.items() if k.endswith("_per_sec")) for r in records}
+    later = sorted(rate[s] for s in range(7, 13))
+    for first in (1, 5):  # the first step of each run
+        assert rate[first] > later[len(later) // 2] / 5, rate
+    line = train._progress_line(5, 12, {"loss": 1.0, "lr": 1e-3, "examples_per_sec": 900.0},
+                                "examples", 0.01, 0, compile_s=2.25)
+    assert line == "step 5/12  loss 1.0000  lr 1.00e-03  900 examples/s  (compiled in 2.2s)"
+    line = train._progress_line(9, 12, {"loss": 1.0, "lr": 1e-3, "examples_per_sec": 900.0},
+                                "examples", 4.0, 4)
+    assert line.endswith("900 examples/s  0m03s left")
+
+
 def test_each_window_reports_the_share_of_its_checkpoint_saves(tmp_path):
     """metrics.jsonl says where each window's host time went: a save made at a logged
     step falls in the next window (host_checkpoint_frac > 0 there, 0 where none ran), and
