@@ -195,16 +195,19 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
     except loaders.DataChangedError:
         saved = loaders.LoaderState.from_any(data_state)
         now = len(task.train_source)
+        source = str(getattr(task.train_source, "fingerprint", "") or "")
+        makes = (f"{now} (seed {config.train.seed})" if (now, config.train.seed) != (
+            saved.num_records, saved.seed) else "as many, but other ones (its tokens differ)")
         if not resume_changed:
             raise loaders.DataChangedError(
                 f"the training data changed since the checkpoint: its loader read {saved.num_records} "
-                f"rows in the order of seed {saved.seed}, the data now makes {now} (seed "
-                f"{config.train.seed}); files added, removed or edited, a relative glob read "
+                f"rows in the order of seed {saved.seed}, the data now makes {makes}; files "
+                f"added, removed or edited, a relative glob read "
                 f"from another directory, or another seq_len or packing. To go on with the data "
                 f"as it is now pass --resume_changed (train_and_evaluate(..., "
                 f"resume_changed=True)): its order starts anew at the same point in epochs; "
                 f"to train from scratch use a new --workdir") from None
-        moved = saved.moved_to(now, config.train.seed)
+        moved = saved.moved_to(now, config.train.seed, source)
         _say(f"note: the training data changed since the checkpoint ({saved.num_records} rows, "
              f"seed {saved.seed} -> {now}, seed {config.train.seed}): its new order starts at "
              f"epoch {moved.next_index / now:.3f}, where the checkpoint was in the old one")

@@ -63,13 +63,16 @@ class LoaderState:
     """Everything needed to continue a loader exactly. JSON-able via `to_dict`.
 
     `seed` and `num_records` are stored to refuse a restore into a different data
-    order (another seed, another dataset), which would silently repeat or skip data.
+    order (another seed, another dataset), which would silently repeat or skip data;
+    `source`, the records' identity where the source has one (a token cache's
+    `fingerprint`), also refuses the same number of other records (an edited corpus).
     """
     next_index: int
     seed: int
     num_records: int
+    source: str = ''  # '' where unknown (a source without one, a state saved before)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
 
     def to_bytes(self) -> bytes:
@@ -81,13 +84,14 @@ class LoaderState:
             return state
         if isinstance(state, (bytes, str)):
             state = json.loads(state)
-        return cls(**{k: int(state[k]) for k in ('next_index', 'seed', 'num_records')})
+        return cls(**{k: int(state[k]) for k in ('next_index', 'seed', 'num_records')},
+                   source=str(state.get('source', '')))
 
-    def moved_to(self, num_records: int, seed: int) -> LoaderState:
-        """This position in another data order (more or fewer records, another seed): the
-        same point in epochs, in the new order."""
+    def moved_to(self, num_records: int, seed: int, source: str = '') -> LoaderState:
+        """This position in another data order (more or fewer records, another seed, other
+        records): the same point in epochs, in the new order."""
         return LoaderState(round(self.next_index * num_records / self.num_records), seed,
-                           num_records)
+                           num_records, source)
 
 
 class DataChangedError(UserError, ValueError):
@@ -169,8 +173,13 @@ class Loader:
             self.set_state(state)
 
     # --- State -------------------------------------------------------------------------
+    @property
+    def source_id(self) -> str:
+        """The records' identity where the source has one (TokenRows.fingerprint), else ''."""
+        return str(getattr(self.source, 'fingerprint', '') or '')
+
     def get_state(self) -> LoaderState:
-        return LoaderState(self._next_index, self.seed, len(self.source))
+        return LoaderState(self._next_index, self.seed, len(self.source), self.source_id)
 
     def set_state(self, state) -> None:
         state = LoaderState.from_any(state)
@@ -178,6 +187,10 @@ class Loader:
             raise DataChangedError(
                 f'loader state was saved for seed={state.seed}, num_records={state.num_records}; '
                 f'this loader has seed={self.seed}, num_records={len(self.source)}')
+        if state.source and self.source_id and state.source != self.source_id:
+            raise DataChangedError(
+                f'loader state was saved for records {state.source}; this loader reads '
+                f'{self.source_id} (as many, other ones)')
         self._next_index = state.next_index
 
     @property

@@ -205,8 +205,12 @@ class _ShardWriter:
             start = int(end)
         _write_npy(_shard_name(self.directory, k, 'tokens.npy'), tokens)
         _write_npy(_shard_name(self.directory, k, 'ends.npy'), ends.astype(np.int64))
+        # What the shard holds, for a resumed run to tell the same tokens from others
+        # (TokenRows.fingerprint): a cache is rebuilt when a file's size or time changes.
+        digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
+        digest.update(ends.astype(np.int64).tobytes())
         meta = {'key': self.key, 'shard': k, 'first_document': first, 'documents': last - first,
-                'tokens': len(tokens), 'source_bytes': source_bytes,
+                'tokens': len(tokens), 'digest': digest.hexdigest(), 'source_bytes': source_bytes,
                 'bad_records': (bad.count if bad is not None else 0) - bad_before,
                 'sizes': [os.path.getsize(_shard_name(self.directory, k, w))
                           for w in ('tokens.npy', 'ends.npy')]}
@@ -345,6 +349,8 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
                 'documents': [s['documents'] for s in shards],
                 'sizes': [s['sizes'] for s in shards],
                 'source_bytes': sum(s['source_bytes'] for s in shards), 'bad_records': bad}
+    if all('digest' in s for s in shards):  # (shards of a prepare from before digests: none)
+        manifest['digests'] = [s['digest'] for s in shards]
     _write_json(os.path.join(directory, MANIFEST), manifest)
     _remove_stale_temps(directory, stall_s)
     return directory
@@ -448,9 +454,15 @@ class TokenRows:
             self.num_documents = int(sum(manifest['documents']))
             sizes = [tuple(map(int, s)) for s in manifest['sizes']]
             self.eos_id = manifest['inputs'].get('eos_id')
+            digests = manifest.get('digests')
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CacheError(f'{manifest_path}: a damaged manifest ({type(e).__name__}: {e}); '
                              f'delete {directory} to prepare it again') from None
+        # The tokens' identity, which a loader's saved state keeps (loaders.LoaderState):
+        # the same corpus moved elsewhere has it, an edited one does not; '' for a cache
+        # prepared before shards had digests (not compared).
+        self.fingerprint = (hashlib.sha256(''.join(digests).encode()).hexdigest()[:16]
+                            if isinstance(digests, list) else '')
         self.starts = np.concatenate([[0], np.cumsum(self.shard_tokens)]).astype(np.int64)
         self.num_tokens = int(self.starts[-1])
         if self.num_tokens == 0:

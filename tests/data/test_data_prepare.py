@@ -16,7 +16,7 @@ from etils import epath
 
 from attention_jax import data
 from attention_jax.configs import bert_mlm as bert_config
-from attention_jax.data import files, packing, token_cache
+from attention_jax.data import files, loaders, packing, token_cache
 from attention_jax.data.loaders import EXAMPLE_WEIGHT
 from attention_jax.errors import UserError
 from attention_jax.tasks import base
@@ -219,7 +219,18 @@ def test_loader_over_the_cache_resumes_exactly_and_splits_over_processes(corpus,
     it = iter(straight)
     first = [next(it) for _ in range(3)]
     state = straight.get_state().to_dict()
-    assert set(state) == {'next_index', 'seed', 'num_records'}
+    assert set(state) == {'next_index', 'seed', 'num_records', 'source'}
+    # The tokens' identity: the same in the cache the other two processes prepared
+    # elsewhere (a moved corpus resumes), another for other tokens of as many rows.
+    assert state['source'] == rows.fingerprint == token_cache.TokenRows(
+        got[0], 16, pad_id=tok.pad_id).fingerprint != ''
+    other = token_cache.TokenRows(one, 16, pad_id=tok.pad_id)
+    other.fingerprint = 'edited-corpus'
+    with pytest.raises(loaders.DataChangedError, match='other ones'):
+        data.Loader(other, global_batch_size=4, seed=3, state=state)
+    old = {k: v for k, v in state.items() if k != 'source'}  # a checkpoint from before
+    assert data.Loader(other, global_batch_size=4, seed=3, state=old).get_state().next_index == \
+        state['next_index']
     rest = [next(it) for _ in range(2)]
     resumed = iter(loader(process_index=0, process_count=1, state=state))
     for want in rest:

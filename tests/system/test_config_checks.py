@@ -312,7 +312,34 @@ def test_resuming_on_changed_data_stops_unless_asked(tmp_path, capsys):
             "seed 0): its new order starts at epoch 0.039") in capsys.readouterr().out
     ck = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
     assert ck.data_state(20) == {"next_index": round(160 * 5000 / 4096) + 160, "seed": 0,
-                                 "num_records": 5000}
+                                 "num_records": 5000, "source": ""}
+    ck.close()
+
+
+def test_resuming_on_other_records_of_the_same_count_stops_unless_asked(tmp_path, capsys):
+    """An edited corpus of as many rows (its token cache rebuilt) resumed in silence:
+    the loader's saved count applied to other records. Its identity now refuses it."""
+    from attention_jax import checkpoint
+    from attention_jax.data import loaders
+    workdir = str(tmp_path)
+    config = tiny.tiny_config()
+    first = tiny.make_tiny_task(config)
+    first.train_source = tiny.SyntheticSequences(4096)
+    first.train_source.fingerprint = "tokens-a"
+    train.train_and_evaluate(config, workdir, task=first)
+    config = tiny.tiny_config(**{"train.steps": 20})
+    edited = tiny.make_tiny_task(config)
+    edited.train_source = tiny.SyntheticSequences(4096, offset=7)
+    edited.train_source.fingerprint = "tokens-b"
+    with pytest.raises(loaders.DataChangedError, match=r"its loader read 4096 rows in the order "
+                                                       r"of seed 0, the data now makes as many, "
+                                                       r"but other ones \(its tokens differ\)"):
+        train.train_and_evaluate(config, workdir, task=edited)
+    summary = train.train_and_evaluate(config, workdir, task=edited, resume_changed=True)
+    assert summary["step"] == 20
+    assert "note: the training data changed since the checkpoint" in capsys.readouterr().out
+    ck = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
+    assert ck.data_state(20)["source"] == "tokens-b"
     ck.close()
 
 
