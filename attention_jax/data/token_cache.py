@@ -246,7 +246,7 @@ def _work(task) -> dict:
 class _Progress:
     """A bar on a terminal, a few log lines otherwise (process 0 only)."""
 
-    def __init__(self, total: int, label: str, show: bool):
+    def __init__(self, total: int, label: str, show: bool, done_before: int = 0):
         self.total, self.label, self.show = total, label, show
         self.done = self.tokens = self.bytes = 0
         self.start, self.next_log = time.perf_counter(), 0.25
@@ -255,7 +255,13 @@ class _Progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total, unit='shard', desc=f'prepare {label}', file=sys.stderr)
         elif show and total:
-            print(f'prepare {label}: {total} shards to tokenize', file=sys.stderr, flush=True)
+            before = (f' of {total + done_before} (resuming: {done_before} prepared before)'
+                      if done_before else '')
+            print(f'prepare {label}: {total} shards to tokenize{before}', file=sys.stderr,
+                  flush=True)
+        if show and total and done_before and self.bar is not None:
+            self.bar.write(f'prepare {label}: resuming, {done_before} of '
+                           f'{total + done_before} shards prepared before')
 
     def update(self, meta: dict) -> None:
         self.done += 1
@@ -321,8 +327,10 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
     done = lambda k: os.path.exists(_shard_name(directory, k, 'json'))  # noqa: E731
     writer = _ShardWriter(docs, tokenizer, directory, key)
     show = progress and process_index == 0
-    mine = [k for k in range(len(plan)) if k % process_count == process_index and not done(k)]
-    _run(writer, [(k, *plan[k]) for k in mine], workers, _Progress(len(mine), label, show))
+    ours = [k for k in range(len(plan)) if k % process_count == process_index]
+    mine = [k for k in ours if not done(k)]
+    _run(writer, [(k, *plan[k]) for k in mine], workers,
+         _Progress(len(mine), label, show, done_before=len(ours) - len(mine)))
     # The other processes' shards: wait for their commits; prepare them here when none
     # arrives for stall_s (a dead host, or a cache dir that is not shared).
     last, seen = time.monotonic(), -1

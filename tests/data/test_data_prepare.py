@@ -5,6 +5,7 @@ the loader over the cache resumes exactly and splits over processes; BERT reads 
 
 import gzip
 import json
+import re
 import os
 import threading
 
@@ -65,7 +66,7 @@ def _rows(rows) -> dict[str, np.ndarray]:
     return {k: np.stack([rows[r][k] for r in range(len(rows))]) for k in rows[0]}
 
 
-def test_prepared_rows_are_the_packed_rows_and_a_cut_prepare_resumes(corpus, tmp_path):
+def test_prepared_rows_are_the_packed_rows_and_a_cut_prepare_resumes(corpus, tmp_path, capsys):
     root, tok = corpus
     docs = files.file_splits(_globs(root), eval_fraction=0.2)['train']
     # Shards of ~600 source bytes: many, so rows cross shard boundaries.
@@ -96,9 +97,13 @@ def test_prepared_rows_are_the_packed_rows_and_a_cut_prepare_resumes(corpus, tmp
     open(os.path.join(directory, '00002.tokens.npy.tmp-host-1'), 'w').write('partial')
     with pytest.raises(token_cache.CacheError, match='run it again to resume'):
         token_cache.TokenRows(directory, 16)
+    capsys.readouterr()
     again = token_cache.prepare(docs, tok, str(tmp_path), shard_bytes=600, workers=1,
-                                progress=False)
+                                progress=True)
     assert again == directory
+    shards = len(manifest['tokens'])  # it said "1 shards to tokenize", as if that were all
+    assert re.search(rf": 1 shards to tokenize of {shards} \(resuming: {shards - 1} prepared "
+                     rf"before\)", capsys.readouterr().err)
     redone = {n for n, t in before.items() if os.path.getmtime(os.path.join(directory, n)) != t}
     assert redone == {'00002.tokens.npy', '00002.ends.npy', '00002.json', 'manifest.json'}
     assert json.load(open(os.path.join(directory, 'manifest.json'))) == manifest
