@@ -111,15 +111,34 @@ def decode(path: str, channels: int = 3) -> np.ndarray:
     with Image.open(path) as img:
         img.load()  # decode now: a truncated file fails here, not later
         if img.mode in ('I', 'I;16', 'I;16B', 'I;16L', 'F'):
-            # 16-bit or float grey: scale to 8 bits by the mode's range.
+            # 16-bit or float grey: scale to 8 bits by the mode's range; float images in
+            # [0, 1] by that range (scaled as 0..255 they read black).
             x = np.asarray(img, np.float32)
-            top = 65535.0 if img.mode.startswith('I;16') or x.max() > 255 else 255.0
+            if img.mode == 'F' and x.size and 0.0 <= x.min() and x.max() <= 1.0:
+                top = 1.0
+            else:
+                top = 65535.0 if img.mode.startswith('I;16') or x.max() > 255 else 255.0
+            if top == 65535.0 and x.size and x.max() < 4096:
+                _say_once_per_process(
+                    'low-range-16-bit', f'note: {path} is a 16-bit image whose values stay '
+                    f'below 4096 (12-bit data?): scaled from the 16-bit range to 8 bits it '
+                    f'reads dark (at most {x.max() / 65535 * 255:.0f} of 255); said once for '
+                    f'all such images')
             img = Image.fromarray(np.clip(x / top * 255.0 + 0.5, 0, 255).astype(np.uint8))
         if img.mode == 'P':  # palette (maybe with transparency): through RGBA
             img = img.convert('RGBA')
         img = img.convert('L' if channels == 1 else 'RGB')
         x = np.asarray(img, np.uint8)
     return x[..., None] if x.ndim == 2 else x
+
+
+_SAID: set[str] = set()
+
+
+def _say_once_per_process(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(message, file=sys.stderr, flush=True)
 
 
 class _BadImages:

@@ -53,6 +53,22 @@ def test_every_mode_decodes_to_rgb_or_grey(tmp_path):
     assert classes == ["a"] and len(files[0]) == 5  # the .txt is not an image
 
 
+def test_float_images_in_0_1_and_12_bit_data_in_16_bits(tmp_path, capsys):
+    """A float TIFF in [0, 1] decoded black (scaled as 0..255); 12-bit data stored in 16
+    bits decodes dark, as the 16-bit range says, now with a note once."""
+    images_lib._SAID.discard("low-range-16-bit")  # once a process: whatever ran before
+    Image.fromarray(np.full((4, 4), 0.5, np.float32)).save(tmp_path / "half.tif")
+    np.testing.assert_allclose(images_lib.decode(str(tmp_path / "half.tif")), 128, atol=1)
+    Image.fromarray(np.full((4, 4), 200.0, np.float32)).save(tmp_path / "bytes.tif")
+    np.testing.assert_allclose(images_lib.decode(str(tmp_path / "bytes.tif")), 200, atol=1)
+    for name in ("a12.png", "b12.png"):
+        Image.fromarray(np.full((4, 4), 4095, np.uint16)).save(tmp_path / name)
+        np.testing.assert_allclose(images_lib.decode(str(tmp_path / name)), 16, atol=1)
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and notes[0].startswith(f"note: {tmp_path / 'a12.png'} is a 16-bit "
+                                                   f"image whose values stay below 4096")
+
+
 def test_classes_labels_and_a_split_that_depends_only_on_the_path(tmp_path):
     root = _folder(tmp_path / "f", per_class=20)
     splits, classes = folder_splits(str(root), eval_fraction=0.25)
