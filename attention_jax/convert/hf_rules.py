@@ -230,6 +230,7 @@ def convert_tensors(family: Family, cfg, arch, tensors: dict[str, np.ndarray],
                                   f"{type(family).__name__}'s model")
         if bad:
             mismatched += bad
+            used.update(rule.hf)  # said as a mismatch, not again as unexpected
             continue
         out[rule.ours] = rule.to_ours(arrays, shapes[rule.ours])
         used.update(rule.hf)

@@ -397,6 +397,7 @@ def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
     assert "unexpected: encoder.layer.7.output.dense.weight (2, 2)" in msg
     assert ("shape mismatch: encoder.layer.0.intermediate.dense.weight: checkpoint (40, 32), "
             "expected (48, 32)") in msg
+    assert "unexpected: encoder.layer.0.intermediate" not in msg  # said once, as a mismatch
     assert "position_ids" not in msg
 
 
