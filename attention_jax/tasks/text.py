@@ -115,11 +115,13 @@ def cache_root(data_opts) -> str:
 
 def prepare_files(data_opts, tok, documents, *, process_index: int | None = None,
                   process_count: int | None = None, workers: int | None = None,
-                  progress: bool = True) -> dict[str, str]:
+                  progress: bool = True,
+                  labels: tuple[str, ...] = ("train", "eval")) -> dict[str, str]:
     """Tokenizes the train and eval documents of data.name="files" into the token cache
-    (data/token_cache.py) unless they are there: {'train': dir, 'eval': dir}. Every
-    process of a job calls it; they share the shards of a shared cache directory. A
-    prepared cache is found from the files' listing alone: no file is read or indexed."""
+    (data/token_cache.py) unless they are there: {'train': dir, 'eval': dir} (the splits
+    in `labels`). Every process of a job calls it; they share the shards of a shared
+    cache directory. A prepared cache is found from the files' listing alone: no file is
+    read or indexed."""
     from attention_jax.data import token_cache
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
@@ -128,7 +130,7 @@ def prepare_files(data_opts, tok, documents, *, process_index: int | None = None
         source=documents.source(label), text_key=data_opts.text_key,
         max_documents=data_opts.max_documents, workers=workers, process_index=process_index,
         process_count=process_count, progress=progress, label=documents.split(label))
-        for label in ("train", "eval")}
+        for label in labels}
 
 
 def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) -> dict[str, str]:
@@ -168,25 +170,27 @@ def _rows(data_opts, tok, documents, packing: str):
     """(train, eval) rows of data.seq_len: the user's files through the token cache,
     prepared on first use and memory-mapped; a dataset packed in memory (PackedSource).
     With data_on_demand, both are built when one is first used (OnDemand)."""
-    if data_is_on_demand():
-        build = functools.cache(lambda: _built_rows(data_opts, tok, documents, packing))
-        return OnDemand(build, 0), OnDemand(build, 1)
+    if data_is_on_demand():  # each split when first used: an eval reads no training files
+        return tuple(OnDemand(functools.cache(functools.partial(
+            _built_rows, data_opts, tok, documents, packing, (label,))), 0)
+            for label in ("train", "eval"))
     return _built_rows(data_opts, tok, documents, packing)
 
 
-def _built_rows(data_opts, tok, documents, packing: str):
+def _built_rows(data_opts, tok, documents, packing: str,
+                labels: tuple[str, ...] = ("train", "eval")):
     from attention_jax import data
     from attention_jax.data import token_cache
     if data_opts.name == "files":
-        dirs = prepare_files(data_opts, tok, documents)
+        dirs = prepare_files(data_opts, tok, documents, labels=labels)
         rows = tuple(token_cache.TokenRows(dirs[label], data_opts.seq_len, pad_id=tok.pad_id,
-                                           packing=packing) for label in ("train", "eval"))
-        for label, split in zip(("train", "eval"), rows):
+                                           packing=packing) for label in labels)
+        for label, split in zip(labels, rows):
             _check_has_text(data_opts, documents.split(label), split)
         return rows
     return tuple(data.packed_lm_source(documents.docs(label), tok, data_opts.seq_len,
                                        max_documents=data_opts.max_documents or None)
-                 for label in ("train", "eval"))
+                 for label in labels)
 
 
 class _Documents:

@@ -432,6 +432,22 @@ def test_a_top_k_past_the_vocabulary_is_refused_before_training(tmp_path):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
+def test_a_reader_s_task_prepares_only_the_split_it_reads(tmp_path, capsys):
+    """--mode=eval with eval_files tokenized the whole training corpus first."""
+    from attention_jax.tasks import base
+    (tmp_path / "train.txt").write_text("the cat sat on the mat. " * 40)
+    (tmp_path / "eval.txt").write_text("a dog ran over the hill. " * 10)
+    config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/train.txt",
+                                     f"data.eval_files={tmp_path}/eval.txt", "data.seq_len=16",
+                                     f"data.cache_dir={tmp_path}/cache", "data.tokenizer=byte"])
+    with base.data_on_demand():
+        task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    assert len(task.eval_source) > 0
+    assert len(os.listdir(tmp_path / "cache")) == 1  # the eval split's cache alone
+    assert len(task.train_source) > len(task.eval_source)  # built when first used
+    assert len(os.listdir(tmp_path / "cache")) == 2
+
+
 def test_a_remote_token_cache_names_its_config_key(tmp_path):
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
     config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/t.txt",
