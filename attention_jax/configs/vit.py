@@ -39,6 +39,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         args.hf = os.path.expanduser(args.hf)
         try:
             implied = convert.hf_model_overrides(args.hf)
+            arch = convert.config_from_hf(args.hf)[1]
+            if not arch.startswith("ViT"):  # (its fields were then "not a field of ViTConfig")
+                raise ValueError(f"it holds a {arch}; valid: a ViT checkpoint (ViTModel, "
+                                 f"ViTForImageClassification)")
         except (OSError, ValueError) as e:
             raise config_lib.ConfigError(f"hf={args.hf!r}: {e}") from None
         c.model = ml_collections.ConfigDict({**implied,

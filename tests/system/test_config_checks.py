@@ -527,6 +527,13 @@ def test_vit_hf_and_variant_together_are_refused(tmp_path):
                                           r"checkpoint's own architecture; give one of the two"):
         config_lib.load(f"vit:hf={tmp_path},variant=vit-tiny/4")
     assert config_lib.load("vit").model.variant == "vit-tiny/2"  # the default as before
+    import transformers  # a BERT's dir: its fields were "not a field of ViTConfig"
+    transformers.BertModel(transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        vocab_size=64)).save_pretrained(str(tmp_path / "bert"))
+    with pytest.raises(ConfigError, match=r"hf='.*bert': it holds a BertModel; valid: a ViT "
+                                          r"checkpoint"):
+        config_lib.load(f"vit:hf={tmp_path / 'bert'}")
 
 
 def test_multi_process_keys_are_checked_before_joining():
