@@ -196,8 +196,9 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
         saved = loaders.LoaderState.from_any(data_state)
         now = len(task.train_source)
         source = str(getattr(task.train_source, "fingerprint", "") or "")
-        makes = (f"{now} (seed {config.train.seed})" if (now, config.train.seed) != (
-            saved.num_records, saved.seed) else "as many, but other ones (its tokens differ)")
+        other_tokens = (now, config.train.seed) == (saved.num_records, saved.seed)
+        makes = ("as many, but other ones (its tokens differ)" if other_tokens
+                 else f"{now} (seed {config.train.seed})")
         if not resume_changed:
             raise loaders.DataChangedError(
                 f"the training data changed since the checkpoint: its loader read {saved.num_records} "
@@ -209,8 +210,10 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
                 f"to train from scratch use a new --workdir") from None
         moved = saved.moved_to(now, config.train.seed, source)
         _say(f"note: the training data changed since the checkpoint ({saved.num_records} rows, "
-             f"seed {saved.seed} -> {now}, seed {config.train.seed}): its new order starts at "
-             f"epoch {moved.next_index / now:.3f}, where the checkpoint was in the old one")
+             f"seed {saved.seed} -> "
+             f"{'as many, other tokens' if other_tokens else f'{now}, seed {config.train.seed}'}): "
+             f"its new order starts at epoch {moved.next_index / now:.3f}, where the "
+             f"checkpoint was in the old one")
         return make_train_loader(task, config, moved)
 
 
@@ -368,7 +371,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                         # is measured from the call's return, or with nothing else to do
                         # from the step's end; the estimate of time left from then on.
                         progress.compiled(step, compile_s=t_called - t_step)
-                        if log_now:  # a window of this step alone, its compilation left out
+                        if log_now or eval_now or save_now:  # its compilation left out
                             meter.restart()
                             meter.start = t_called
                             meter.add(units, data_s=0.0, dispatch_s=0.0)

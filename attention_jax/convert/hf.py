@@ -264,9 +264,9 @@ def init_params_from_hf(path, model: nn.Module, *, seed: int = 0, verbose: bool 
     return unflatten(params)
 
 
-# Rows a checkpoint's vocabulary may have past its tokenizer's: padding for the matmuls
-# (ours pads to a multiple of 64, nanoGPT's 50257 -> 50304).
-VOCAB_PADDING = 64
+# Tokens a run's tokenizer may add to a checkpoint's vocabulary (a [PAD] or other special
+# tokens on GPT-2's 50257: new rows); more is another tokenizer's vocabulary.
+ADDED_TOKENS = 64
 
 
 def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config=None,
@@ -278,18 +278,21 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
     LayerNorm epsilon) are compared with `model_config` (the run's model config; a
     difference is a ConversionError naming them), or printed when it is not given. New
     task heads: see `hf_params.fresh_numpy`. vocab_size, the run's tokenizer's: a
-    checkpoint's vocabulary smaller than it, or larger by more than padding, is another
-    tokenizer's (its embedding rows would stand for other tokens): a ConversionError.
+    checkpoint's vocabulary more than ADDED_TOKENS smaller is another tokenizer's (its
+    embedding rows would stand for other tokens), and one larger than the run's table
+    (model_config.vocab_size, padded) cannot fit: a ConversionError either way.
     """
     family, implied, arch, converted = _load_converted(path)
     theirs = getattr(implied, "vocab_size", None)
-    if vocab_size is not None and theirs is not None and not (
-            vocab_size <= theirs < vocab_size + VOCAB_PADDING):
+    table = getattr(model_config, "vocab_size", None)
+    if vocab_size is not None and theirs is not None and (
+            theirs < vocab_size - ADDED_TOKENS or (table is not None and theirs > table)):
         raise ConversionError(
             f"{os.fspath(path)}: its vocabulary holds {theirs} tokens (config.json vocab_size), "
-            f"the run's tokenizer {vocab_size}: its embedding rows would stand for other "
-            f"tokens; valid: the checkpoint's own tokenizer (config.data.tokenizer=DIR, a "
-            f"directory holding its tokenizer.json)")
+            f"the run's tokenizer {vocab_size}"
+            + (f" in a table of {table} rows" if table is not None else "")
+            + ": its embedding rows would stand for other tokens; valid: the checkpoint's own "
+              "tokenizer (config.data.tokenizer=DIR, a directory holding its tokenizer.json)")
     target = flatten(abstract_params)
     grid = None
     if family.model_type == "vit" and "patch_embedding" in target and "position_embeddings" in target:

@@ -10,6 +10,7 @@ from attention_jax.models import gpt
 class GPT2Family(Family):
     model_type = "gpt2"
     prefix = "transformer."
+    untied = "tie_word_embeddings false in config.json gives the head weights of its own"
     architectures = ("GPT2LMHeadModel", "GPT2Model")
     base_architecture = "GPT2Model"
     head_paths = ("lm_head/",)

@@ -145,6 +145,7 @@ class Family(abc.ABC):
 
     model_type = ""
     prefix = ""  # how head models prefix the base model's tensors
+    untied = "untied ones are not supported"  # what a tied copy that differs can do
     architectures: tuple[str, ...] = ()
     base_architecture = ""
     head_paths: tuple[str, ...] = ()  # our parameters a warm start may initialise afresh
@@ -240,8 +241,7 @@ def convert_tensors(family: Family, cfg, arch, tensors: dict[str, np.ndarray],
             if tensors[alias].shape != tensors[source].shape or \
                     not np.array_equal(tensors[alias], tensors[source]):
                 untied.append(f"{quoted(alias)} differs from {quoted(source)}, to which the "
-                              f"architecture ties it (GPT-2: tie_word_embeddings in config.json; "
-                              f"false gives the head weights of its own)")
+                              f"architecture ties it ({family.untied})")
             used.add(alias)
     unused = [quoted(n) for n in family.unused(arch) if n in tensors]
     used.update(n for n in family.unused(arch))

@@ -106,15 +106,14 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
                                               recursive=True) if os.path.isfile(p)]
             base, paths = full, [p for p in under if _format(p)]
             others = sorted(os.path.relpath(p, full) for p in under if not _format(p))
+            shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
             if others and paths:  # said, not dropped in silence
-                shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
-                _say_once(f'others:{full}', f'note: {arg}={pattern!r}: {len(others)} file'
-                          f'{"s" if len(others) > 1 else ""} of other types left out: {shown} '
-                          f'(read: {", ".join(SUFFIXES)})')
+                say_once(f'others:{full}', f'note: {arg}={pattern!r}: {len(others)} file'
+                         f'{"s" if len(others) > 1 else ""} of other types left out: {shown} '
+                         f'(read: {", ".join(SUFFIXES)})')
             elif others:
                 raise FilesError(f'{arg}={spec!r}: the directory {pattern!r} holds no file '
-                                 f'this source reads ({len(others)} of other types: '
-                                 f'{", ".join(others[:3])}{", ..." if len(others) > 3 else ""}); '
+                                 f'this source reads ({len(others)} of other types: {shown}); '
                                  f'valid: {", ".join(SUFFIXES)}')
         elif os.path.isfile(full):  # a file by its name, brackets and all
             base, paths = os.path.dirname(full), [full]
@@ -358,8 +357,9 @@ MOST_INVALID = 0.25
 _SAID: set[str] = set()
 
 
-def _say_once(key: str, message: str) -> None:
-    """A warning about a file, once per process (a file is read again each epoch)."""
+def say_once(key: str, message: str) -> None:
+    """A warning or note (about a file, a kind of file), once per process under `key`: a
+    file is read again each epoch, and by every reader of a split."""
     if key not in _SAID:
         _SAID.add(key)
         print(message, file=sys.stderr, flush=True)
@@ -419,7 +419,7 @@ class Corpus:
                                       f'in another encoding (convert it, e.g. iconv -t utf-8)')
                 text = b''
             elif invalid:
-                _say_once(f.path, f'warning: {f.path}: {invalid} byte(s) not UTF-8, each read as '
+                say_once(f.path, f'warning: {f.path}: {invalid} byte(s) not UTF-8, each read as '
                                   f'U+FFFD (text in another encoding? convert it, e.g. iconv -f '
                                   f'latin1 -t utf-8)')
             return {'id': f.ident.encode(), 'text': text}

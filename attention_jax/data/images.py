@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attention_jax.data.files import held_out, stable_hash64
+from attention_jax.data.files import held_out, say_once, stable_hash64
 from attention_jax.errors import UserError
 
 SUFFIXES = ('.jpg', '.jpeg', '.png', '.webp', '.bmp', '.gif', '.tif', '.tiff')  # PIL reads them
@@ -114,12 +114,16 @@ def decode(path: str, channels: int = 3) -> np.ndarray:
             # 16-bit or float grey: scale to 8 bits by the mode's range; float images in
             # [0, 1] by that range (scaled as 0..255 they read black).
             x = np.asarray(img, np.float32)
+            if img.mode == 'F':  # no range in the file: each image by its own values, said
+                say_once('float-images', f'note: {path} is a float image: one with values in '
+                         f'[0, 1] is read as that range, others as 0..255 (each image by its '
+                         f'own values); said once for all such images')
             if img.mode == 'F' and x.size and 0.0 <= x.min() and x.max() <= 1.0:
                 top = 1.0
             else:
                 top = 65535.0 if img.mode.startswith('I;16') or x.max() > 255 else 255.0
-            if top == 65535.0 and x.size and x.max() < 4096:
-                _say_once_per_process(
+            if top == 65535.0 and x.size and 0 < x.max() < 4096:
+                say_once(
                     'low-range-16-bit', f'note: {path} is a 16-bit image whose values stay '
                     f'below 4096 (12-bit data?): scaled from the 16-bit range to 8 bits it '
                     f'reads dark (at most {x.max() / 65535 * 255:.0f} of 255); said once for '
@@ -130,15 +134,6 @@ def decode(path: str, channels: int = 3) -> np.ndarray:
         img = img.convert('L' if channels == 1 else 'RGB')
         x = np.asarray(img, np.uint8)
     return x[..., None] if x.ndim == 2 else x
-
-
-_SAID: set[str] = set()
-
-
-def _say_once_per_process(key: str, message: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        print(message, file=sys.stderr, flush=True)
 
 
 class _BadImages:

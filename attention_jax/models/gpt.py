@@ -355,8 +355,10 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
     rng = jax.random.PRNGKey(0) if rng is None else rng
     # The settings are static values, so a second call with the same ones reuses the
     # compiled loop (a fresh functools.partial each call compiled it every time).
-    settings = (float(temperature), top_k, top_p, stop_token, pad_token,
-                None if vocab_size == cfg.vocab_size else vocab_size)
+    as_int = lambda v: None if v is None else int(v)  # noqa: E731  (a jnp scalar: unhashable)
+    settings = (float(temperature), as_int(top_k), None if top_p is None else float(top_p),
+                as_int(stop_token), int(pad_token),
+                None if vocab_size in (None, cfg.vocab_size) else int(vocab_size))
     return _generate(model, max_new_tokens, settings,
                      params, prompts, jnp.asarray(prompt_lengths, jnp.int32), rng)
 

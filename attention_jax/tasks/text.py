@@ -105,9 +105,11 @@ def cache_root(data_opts) -> str:
     from attention_jax.data.sources import default_data_dir
     root = data_opts.cache_dir or os.path.join(data_opts.data_dir or default_data_dir(),
                                                "token_cache")
-    if "://" in root:  # named here as the key it came from (token_cache says the same)
-        key = "cache_dir" if data_opts.cache_dir else "data_dir, under which the cache goes,"
-        raise ConfigError(f"config.data.{key} is {root!r}: the token cache must be on a local or "
+    if "://" in root:  # named here as the setting it came from (token_cache says the same)
+        key = ("config.data.cache_dir" if data_opts.cache_dir else
+               "config.data.data_dir, under which the cache goes," if data_opts.data_dir else
+               "$TFDS_DATA_DIR, under which the cache goes (config.data.cache_dir unset),")
+        raise ConfigError(f"{key} is {root!r}: the token cache must be on a local or "
                           f"mounted filesystem (its shards are memory-mapped); valid: a local "
                           f"directory for config.data.cache_dir (a bucket mounted with gcsfuse)")
     return root
@@ -147,6 +149,8 @@ def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) ->
                           f"--config.data.name=files --config.data.files=GLOBS")
     if config.task == "bert_mlm":
         _check_mlm_tokenizer(data_opts)
+    else:  # refused before the corpus is tokenized, as training refuses it
+        _check_lm_tokenizer(data_opts)
     if workdir and not workdir_lib.exists(workdir, workdir_lib.TOKENIZER):
         # (it used to go on with the config's own tokenizer, unsaid)
         raise ConfigError(f"--workdir={workdir}: no tokenizer saved there "
@@ -169,11 +173,12 @@ def prepare_from_config(config, workdir: str | None = None, **prepare_kwargs) ->
 def _rows(data_opts, tok, documents, packing: str):
     """(train, eval) rows of data.seq_len: the user's files through the token cache,
     prepared on first use and memory-mapped; a dataset packed in memory (PackedSource).
-    With data_on_demand, both are built when one is first used (OnDemand)."""
-    if data_is_on_demand():  # each split when first used: an eval reads no training files
-        return tuple(OnDemand(functools.cache(functools.partial(
-            _built_rows, data_opts, tok, documents, packing, (label,))), 0)
-            for label in ("train", "eval"))
+    With data_on_demand, each is built when first used (OnDemand): an eval prepares no
+    training split."""
+    if data_is_on_demand():
+        return tuple(OnDemand(functools.partial(_built_rows, data_opts, tok, documents,
+                                                packing, (label,)), 0)
+                     for label in ("train", "eval"))
     return _built_rows(data_opts, tok, documents, packing)
 
 

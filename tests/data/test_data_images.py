@@ -56,7 +56,8 @@ def test_every_mode_decodes_to_rgb_or_grey(tmp_path):
 def test_float_images_in_0_1_and_12_bit_data_in_16_bits(tmp_path, capsys):
     """A float TIFF in [0, 1] decoded black (scaled as 0..255); 12-bit data stored in 16
     bits decodes dark, as the 16-bit range says, now with a note once."""
-    images_lib._SAID.discard("low-range-16-bit")  # once a process: whatever ran before
+    from attention_jax.data import files
+    files._SAID.difference_update({"low-range-16-bit", "float-images"})  # once a process
     Image.fromarray(np.full((4, 4), 0.5, np.float32)).save(tmp_path / "half.tif")
     np.testing.assert_allclose(images_lib.decode(str(tmp_path / "half.tif")), 128, atol=1)
     Image.fromarray(np.full((4, 4), 200.0, np.float32)).save(tmp_path / "bytes.tif")
@@ -64,9 +65,13 @@ def test_float_images_in_0_1_and_12_bit_data_in_16_bits(tmp_path, capsys):
     for name in ("a12.png", "b12.png"):
         Image.fromarray(np.full((4, 4), 4095, np.uint16)).save(tmp_path / name)
         np.testing.assert_allclose(images_lib.decode(str(tmp_path / name)), 16, atol=1)
+    Image.fromarray(np.zeros((4, 4), np.uint16)).save(tmp_path / "black.png")  # no note
+    np.testing.assert_array_equal(images_lib.decode(str(tmp_path / "black.png")), 0)
     notes = capsys.readouterr().err.splitlines()
-    assert len(notes) == 1 and notes[0].startswith(f"note: {tmp_path / 'a12.png'} is a 16-bit "
-                                                   f"image whose values stay below 4096")
+    assert len(notes) == 2 and notes[0].startswith(f"note: {tmp_path / 'half.tif'} is a float "
+                                                   f"image: one with values in [0, 1] is read")
+    assert notes[1].startswith(f"note: {tmp_path / 'a12.png'} is a 16-bit image whose values "
+                               f"stay below 4096")
 
 
 def test_classes_labels_and_a_split_that_depends_only_on_the_path(tmp_path):

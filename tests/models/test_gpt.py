@@ -135,6 +135,7 @@ def test_generate_keeps_below_vocab_size_and_compiles_once():
     assert np.asarray(bounded[:, 4:]).max() < 200
     np.testing.assert_array_equal(bounded, again)
     assert gpt._generate._cache_size() == before + 1  # the same settings: one compile
+    sample(vocab_size=200, top_p=jnp.float32(0.9), top_k=jnp.int32(50))  # JAX scalars too
     with pytest.raises(ValueError, match=r"vocab_size=257; valid: None or 1\.\.256"):
         sample(vocab_size=257)
 

@@ -337,7 +337,8 @@ def test_resuming_on_other_records_of_the_same_count_stops_unless_asked(tmp_path
         train.train_and_evaluate(config, workdir, task=edited)
     summary = train.train_and_evaluate(config, workdir, task=edited, resume_changed=True)
     assert summary["step"] == 20
-    assert "note: the training data changed since the checkpoint" in capsys.readouterr().out
+    assert ("note: the training data changed since the checkpoint (4096 rows, seed 0 -> as "
+            "many, other tokens): its new order starts at epoch") in capsys.readouterr().out
     ck = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
     assert ck.data_state(20)["source"] == "tokens-b"
     ck.close()
@@ -418,6 +419,9 @@ def test_a_gpt_with_bert_s_wordpiece_vocabulary_is_refused_before_the_corpus(tmp
                                           r"vocabulary .* valid: \['char', 'byte', 'bpe'\] or a "
                                           r"tokenizer\.json"):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    from attention_jax.tasks import text  # the prepare tool: before tokenizing the corpus
+    with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer='wordpiece' is BERT's"):
+        text.prepare_from_config(config)
 
 
 def test_a_top_k_past_the_vocabulary_is_refused_before_training(tmp_path):
@@ -448,12 +452,18 @@ def test_a_reader_s_task_prepares_only_the_split_it_reads(tmp_path, capsys):
     assert len(os.listdir(tmp_path / "cache")) == 2
 
 
-def test_a_remote_token_cache_names_its_config_key(tmp_path):
+def test_a_remote_token_cache_names_its_config_key(tmp_path, monkeypatch):
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
     config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/t.txt",
                                      "data.cache_dir=gs://bucket/cache"])
     with pytest.raises(ConfigError, match=r"^config\.data\.cache_dir is 'gs://bucket/cache': "
                                           r"the token cache must be on a local"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    monkeypatch.setenv("TFDS_DATA_DIR", "gs://bucket/tfds")  # the cache under it, unsaid
+    config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/t.txt"])
+    with pytest.raises(ConfigError, match=r"^\$TFDS_DATA_DIR, under which the cache goes "
+                                          r"\(config\.data\.cache_dir unset\), is "
+                                          r"'gs://bucket/tfds/token_cache'"):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
