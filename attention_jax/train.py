@@ -412,6 +412,11 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
             prepared.ckpt.wait()  # A pending async save commits before we return or raise.
             prepared.ckpt.close()
             progress.close()
+        if summary["stopped_by"] is None and stop.signal is not None:
+            # It came after the loop's last check (the last step's eval or save, the final
+            # commit): the run is whole, and whoever sent it still asked to stop (a sweep
+            # trained its next point).
+            summary["stopped_by"] = signal.Signals(stop.signal).name
     summary["step"], summary["state"] = step, state
     return summary
 

@@ -246,6 +246,21 @@ def test_the_default_step_copies_no_optimizer_state(tmp_path, nonfinite, most_co
         assert not moments and len(copied) <= most_copies, copied
 
 
+def test_a_signal_during_the_last_step_s_eval_still_stops(tmp_path, monkeypatch):
+    """A SIGTERM after the loop's last check (during the final eval or save) was lost:
+    the run returned as not stopped, and a sweep went on to train its next point."""
+    from attention_jax import steps as steps_lib
+    evaluate = steps_lib.evaluate
+
+    def evaluate_then_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler takes it
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(steps_lib, "evaluate", evaluate_then_signal)
+    cfg = tiny.tiny_config(**{"train.steps": 4, "eval.every": 4})
+    summary = train.train_and_evaluate(cfg, str(tmp_path / "w"))
+    assert summary["step"] == 4 and summary["stopped_by"] == "SIGTERM"
+
+
 def test_the_window_of_the_compiling_step_leaves_the_compilation_out(tmp_path):
     """Logged every step, a resumed run's first window (its step compiled there) reported
     a throughput of the compile time and a time left of hours."""
