@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.convert.hf_bert import BertFamily
-from attention_jax.convert.hf_files import (ConversionError, describe, read_hf_config,
+from attention_jax.convert.hf_files import (REMOTE_SCHEMES, ConversionError, describe,
+                                            export_remote, read_hf_config,
                                             read_hf_dir, write_hf_dir, write_hf_tokenizer)
 from attention_jax.convert.hf_gpt2 import GPT2Family
 from attention_jax.convert.hf_params import (fit, flatten, fresh_numpy, param_shapes,
@@ -159,6 +160,9 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     Options an architecture cannot express (RoPE, RMSNorm, SwiGLU, average pooling, ...)
     raise a ValueError naming them.
     """
+    if str(out_dir).startswith(REMOTE_SCHEMES):  # staged in a local folder, copied up
+        return export_remote(str(out_dir), lambda local: export_hf(
+            model, params, local, architecture=architecture, tokenizer=tokenizer))
     cfg = getattr(model, "config", model)  # a model, or its config
     family = _family_of(cfg)
     head = getattr(model, "head", None) if family.model_type == "bert" else None

@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -128,6 +129,56 @@ def read_hf_config(path_or_config) -> dict:
 # ================================================================================ writing
 
 
+REMOTE_SCHEMES = ("gs://", "s3://")
+
+
+def check_not_a_run(out_dir: str, is_dir, is_file, read_text) -> None:
+    """A ConversionError if `out_dir` holds a training run (checkpoints/, or a config.json
+    that is not an earlier export's), whose config.json an export would replace; the
+    callables read a local folder or an object store's."""
+    config_file = f"{out_dir.rstrip('/')}/config.json"
+    taken = is_dir(f"{out_dir.rstrip('/')}/checkpoints")  # a run's folder
+    if is_file(config_file) and not taken:
+        try:
+            taken = "model_type" not in json.loads(read_text(config_file))  # not an export's
+        except (ValueError, OSError):
+            taken = True  # not a Hugging Face config either: someone's file, kept
+    if taken:
+        raise ConversionError(f"export_hf: {out_dir!r} holds a training run (or another "
+                              f"config.json), which the export's config.json would replace; "
+                              f"valid: a folder of its own, e.g. {out_dir.rstrip('/') + '/hf'!r}")
+
+
+def export_remote(out_dir: str, export: Callable[[str], str]) -> str:
+    """An export into object storage (gs://, s3://): `export` writes a local staging
+    folder, whose files are copied up (the writers are local: a gs:// path became a
+    folder named ./gs: before); an earlier export's tokenizer files this one lacks go."""
+    import tempfile
+    from etils import epath
+    target = epath.Path(out_dir)
+    check_not_a_run(out_dir, lambda p: epath.Path(p).is_dir(), lambda p: epath.Path(p).is_file(),
+                    lambda p: epath.Path(p).read_text())
+    with tempfile.TemporaryDirectory(prefix="attention_jax_export_") as staging:
+        export(staging)
+        written = sorted(os.listdir(staging))
+        target.mkdir(parents=True, exist_ok=True)
+        for name in written:
+            with open(os.path.join(staging, name), "rb") as f:
+                (target / name).write_bytes(f.read())
+    _remove_stale([n for n in TOKENIZER_FILES if n not in written and (target / n).exists()],
+                  out_dir, lambda name: (target / name).unlink())
+    return out_dir
+
+
+def _remove_stale(stale: list[str], out_dir: str, remove: Callable[[str], None]) -> None:
+    for name in stale:
+        remove(name)
+    if stale:
+        print(f"note: export_hf: {', '.join(stale)} of an earlier export removed from "
+              f"{out_dir} (they were not this model's; tokenizer= writes new ones)",
+              file=sys.stderr)
+
+
 def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     """config.json + model.safetensors that transformers' from_pretrained reads. A folder
     that is a training run (its own config.json, checkpoints/) is refused: its config.json
@@ -136,19 +187,8 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # was FileExistsError's traceback
         raise ConversionError(f"export_hf: {out_dir!r} is a file; valid: a folder to write "
                               f"config.json and model.safetensors into")
-    config_file = os.path.join(out_dir, "config.json")
-    taken = os.path.isdir(os.path.join(out_dir, "checkpoints"))  # a run's folder
-    if os.path.isfile(config_file) and not taken:
-        try:
-            with open(config_file) as f:
-                taken = "model_type" not in json.load(f)  # not an earlier export's
-        except (ValueError, OSError):
-            taken = True  # not a Hugging Face config either: someone's file, kept
-    if taken:
-        raise ConversionError(f"export_hf: {os.fspath(out_dir)!r} holds a training run (or "
-                              f"another config.json), which the export's config.json would "
-                              f"replace; valid: a folder of its own, e.g. "
-                              f"{os.path.join(os.fspath(out_dir), 'hf')!r}")
+    check_not_a_run(out_dir, os.path.isdir, os.path.isfile,
+                    lambda p: open(p).read())
     os.makedirs(out_dir, exist_ok=True)
     from safetensors.numpy import save_file
     # transformers checks the "format" metadata to know the layout is PyTorch's.
@@ -172,13 +212,8 @@ def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = 
     special tokens by role. Without a tokenizer, an earlier export's files are removed:
     they would pass for this model's."""
     if tokenizer is None:
-        stale = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(out_dir, n))]
-        for name in stale:
-            os.remove(os.path.join(out_dir, name))
-        if stale:
-            print(f"note: export_hf: {', '.join(stale)} of an earlier export removed from "
-                  f"{out_dir} (they were not this model's; tokenizer= writes new ones)",
-                  file=sys.stderr)
+        _remove_stale([n for n in TOKENIZER_FILES if os.path.exists(os.path.join(out_dir, n))],
+                      out_dir, lambda name: os.remove(os.path.join(out_dir, name)))
         return
     form.no_truncation()
     form.no_padding()

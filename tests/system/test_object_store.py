@@ -132,6 +132,37 @@ def test_tokenizer_goes_to_the_bucket_and_back(gcs, tmp_path):
     assert workdir_lib.local_dir(f"gs://{BUCKET}/none", workdir_lib.TOKENIZER) is None
 
 
+def test_an_export_goes_to_the_bucket(gcs, tmp_path, monkeypatch, capsys):
+    """export_hf to gs:// wrote a local folder ./gs:/bucket/... and returned as if done."""
+    import jax
+    import jax.numpy as jnp
+    from attention_jax import convert, data
+    from attention_jax.models import gpt
+    monkeypatch.chdir(tmp_path)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=320, num_layers=1, num_heads=2, d_model=16,
+                                  max_len=16))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    out = f"gs://{BUCKET}/export/hf"
+    assert convert.export_hf(model, params, out, tokenizer=data.get_tokenizer("byte")) == out
+    names = {p.name for p in epath.Path(out).iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not os.path.exists(tmp_path / "gs:")
+    local = tmp_path / "copy"  # what transformers would download: the same model
+    local.mkdir()
+    for name in names:
+        (local / name).write_bytes((epath.Path(out) / name).read_bytes())
+    back = convert.load_hf(str(local))
+    np.testing.assert_array_equal(back.params["token_embedding"]["embedding"],
+                                  params["token_embedding"]["embedding"].value)
+    convert.export_hf(model, params, out)  # without a tokenizer: the earlier one's go
+    assert not (epath.Path(out) / "tokenizer.json").exists()
+    assert "tokenizer.json" in capsys.readouterr().err
+    (epath.Path(f"gs://{BUCKET}/export/run/checkpoints")).mkdir(parents=True, exist_ok=True)
+    (epath.Path(f"gs://{BUCKET}/export/run/checkpoints/0")).write_text("x")
+    with pytest.raises(convert.ConversionError, match=r"holds a training run"):
+        convert.export_hf(model, params, f"gs://{BUCKET}/export/run")
+
+
 def test_missing_remote_runs_are_one_line(gcs):
     """--mode=eval of a run that is not in the bucket: one line from the command line
     (no traceback); a missing bucket and verify of a missing run likewise."""
