@@ -149,6 +149,62 @@ def sync_processes(name: str, timeout: float = 3600) -> None:
     _client().wait_at_barrier(f"attention_jax/{name}/{next(_barriers)}", int(timeout * 1000))
 
 
+def exchange(name: str, value: str) -> list[str]:
+    """Every process's `value`, in process order (the coordination service's key-value
+    store and a barrier: no devices). [value] with one process."""
+    if jax.process_count() == 1 or _client() is None:
+        return [value]
+    key = f"attention_jax/exchange/{name}/{next(_barriers)}"
+    _client().key_value_set(f"{key}/{jax.process_index()}", value)
+    sync_processes(f"exchange_{name}")
+    found = {k.rsplit("/", 1)[-1]: v for k, v in _client().key_value_dir_get(key)}
+    return [found[str(i)] for i in range(jax.process_count())]
+
+
+def check_same_config(flat_config: dict[str, Any], own_keys=("mesh.process_id",)) -> None:
+    """A ConfigError in every process when their configs differ (but for `own_keys`): each
+    applied its own values to its copy of the model, and the copies drifted apart with
+    nothing said (a learning rate), or a collective failed natively (a step count)."""
+    import json
+    mine = {k: v for k, v in flat_config.items() if k not in own_keys}
+    configs = [json.loads(c) for c in exchange("config", json.dumps(mine, sort_keys=True,
+                                                                    default=str))]
+    for index, other in enumerate(configs):
+        differ = sorted(k for k in set(other) | set(configs[0])
+                        if other.get(k) != configs[0].get(k))
+        if differ:
+            shown = ", ".join(f"{k}: {configs[0].get(k)!r} (process 0), {other.get(k)!r} "
+                              f"(process {index})" for k in differ[:4])
+            more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+            raise ConfigError(f"the processes of this run were given different configs: {shown}"
+                              f"{more}; valid: the same command on every process (only "
+                              f"mesh.process_id differs)")
+
+
+def check_same_place(workdir: str, write, read) -> None:
+    """A ConfigError in every process unless all see `workdir` as one place: process 0
+    writes a token there (`write(token)`), the others read it (`read()`). A local folder
+    on each host saved nothing and hung at the first checkpoint, for ever."""
+    if jax.process_count() == 1 or _client() is None:
+        return
+    import uuid
+    token = exchange("workdir_token", uuid.uuid4().hex if jax.process_index() == 0 else "")[0]
+    if jax.process_index() == 0:
+        write(token)
+    sync_processes("workdir_token_written")
+    try:
+        seen = read() == token
+    except OSError:
+        seen = False
+    blind = [i for i, ok in enumerate(exchange("workdir_seen", str(int(seen)))) if ok != "1"]
+    if blind:
+        raise ConfigError(f"--workdir={workdir} is not one place for every process: process"
+                          f"{'es' if len(blind) > 1 else ''} {', '.join(map(str, blind))} "
+                          f"cannot see what process 0 wrote there (a local folder on each "
+                          f"host?); valid: a shared filesystem or object storage (gs://) that "
+                          f"every host reaches")
+
+
 # ------------------------------------------------------------------------ lost hosts
 # A run over several hosts is one program per host; each step's collectives need all of
 # them. A host that dies (a preempted VM, an OOM-killed process) leaves the others waiting

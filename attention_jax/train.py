@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -246,6 +247,7 @@ def _train_writer(config, workdir: str, task: Task | None, resume_changed: bool)
              f"{shown}; the run writes config.json, metrics.jsonl, checkpoints/ and "
              f"tensorboard/ beside them (a new folder keeps a run apart)")
     try:
+        _check_processes(config, workdir)
         return _train_locked(config, workdir, task, resume_changed)
     except UserError:
         if lock and created and os.listdir(workdir) == [workdir_lib.LOCK]:  # local only
@@ -256,6 +258,20 @@ def _train_writer(config, workdir: str, task: Task | None, resume_changed: bool)
     finally:
         if lock:
             lock.release()
+
+
+def _check_processes(config, workdir: str) -> None:
+    """Several processes: the same config in each, and one workdir all of them see (each
+    a ConfigError in every process, before anything is built)."""
+    if jax.process_count() == 1:
+        return
+    sharding.check_same_config(config_lib.flat(json.loads(config.to_json_best_effort())))
+    marker = workdir_lib.epath_of(workdir, ".processes_check")  # hidden: no one's run
+    try:
+        sharding.check_same_place(workdir, marker.write_text, marker.read_text)
+    finally:
+        if jax.process_index() == 0:
+            marker.unlink(missing_ok=True)
 
 
 def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool) -> dict:

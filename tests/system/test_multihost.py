@@ -276,6 +276,49 @@ def test_sync_processes_waits_for_every_process(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outputs
 
 
+_CHECKS_SCRIPT = """
+import os, sys
+import jax
+from attention_jax import config as config_lib, train
+me, port, shared = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me)
+def check(lr, workdir):
+    config = config_lib.base_config()
+    config.optim.lr, config.mesh.process_id = lr, me  # process_id: each its own
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        train._check_processes(config, workdir)
+        print("OK")
+    except Exception as e:
+        print("ERROR", type(e).__name__, e)
+check(1e-3, shared)
+check(1e-3 if me == 0 else 1e-2, shared)
+check(1e-3, shared if me == 0 else shared + "_own")
+print("LEFT", sorted(os.listdir(shared)))
+"""
+
+
+def test_processes_given_other_configs_or_workdirs_stop_in_one_line(tmp_path):
+    """A learning rate given to one process only trained both, each with its own, the
+    copies drifting apart unsaid; a workdir local to each host hung at the first save."""
+    port, shared = free_port(), str(tmp_path / "run")
+    procs = [subprocess.Popen([sys.executable, "-c", _CHECKS_SCRIPT, str(i), str(port), shared],
+                              env=subprocess_env(1), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for me, out in enumerate(outputs):  # every process says it, not only the one that differs
+        lines = [line for line in out.splitlines() if line.startswith(("OK", "ERROR", "LEFT"))]
+        assert lines[0] == "OK", out
+        assert lines[1] == ("ERROR ConfigError the processes of this run were given different "
+                            "configs: optim.lr: 0.001 (process 0), 0.01 (process 1); valid: the "
+                            "same command on every process (only mesh.process_id differs)"), out
+        own = shared if me == 0 else shared + "_own"
+        assert lines[2].startswith(f"ERROR ConfigError --workdir={own} is not one place for "
+                                   f"every process: process 1 cannot see what process 0 wrote"), out
+    assert "LEFT []" in outputs[0]  # process 0 removed its marker
+
+
 _PREEMPTION_SCRIPT = """
 import os, signal, sys, time
 import jax
