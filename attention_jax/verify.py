@@ -24,6 +24,7 @@ import jax
 from absl import logging
 from etils import epath
 
+from attention_jax import workdir as workdir_lib
 from attention_jax.checkpoint import (CheckpointDamagedError, CheckpointLocationError, Checkpointer,
                                      one_line_error)
 
@@ -105,6 +106,8 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows of `verify_step` for every committed step of a workdir (or of its
     checkpoints folder), newest first, and the names of folders that are not committed
     steps (half-written, moved aside)."""
+    if workdir_lib.is_remote(workdir):  # a bucket that is missing or cannot be reached
+        workdir_lib.check_readable(workdir)  # is one line (it was gcsfs's traceback)
     directory = epath.Path(workdir)  # a local path or a gs:// URL
     if not directory.exists():
         raise FileNotFoundError(f"{workdir} does not exist")
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
     logging.set_verbosity(logging.ERROR)
     try:
         rows, others = verify_directory(args.workdir)
-    except (FileNotFoundError, CheckpointLocationError) as e:
+    except (FileNotFoundError, CheckpointLocationError, workdir_lib.RunPathError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(rows, others))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import logging
 import os
 import shutil
 import sys
@@ -770,6 +771,9 @@ def _check_remote(workdir: str, valid: str) -> None:
     fresh_listings()
     scheme, rest = str(workdir).split("://", 1)
     bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")
+    gcsfs_log = logging.getLogger("gcsfs")  # its retries log each failure's traceback
+    level = gcsfs_log.level
+    gcsfs_log.setLevel(logging.CRITICAL)  # the one line below says what went wrong
     try:
         if not bucket.exists():
             raise RunPathError(f"--workdir={workdir}: bucket {bucket} does not exist (or this "
@@ -782,6 +786,8 @@ def _check_remote(workdir: str, valid: str) -> None:
         raise RunPathError(f"--workdir={workdir} cannot be reached: {_first_line(e)} (the "
                            f"endpoint and credentials come from the environment: README, "
                            f"'Workdirs in object storage')") from None
+    finally:
+        gcsfs_log.setLevel(level)
 
 
 def _first_line(e: BaseException) -> str:
