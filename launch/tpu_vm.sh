@@ -7,7 +7,7 @@
 # Runs the same command on all workers at once (gcloud's --worker=all). JAX reads the
 # slice's layout from the TPU VM metadata server (coordinator = worker 0, process ids),
 # so the command names no address. WORKDIR must be one directory all workers share (a
-# bucket mounted with gcsfuse, NFS; gs:// once the workdir speaks object storage).
+# gs:// bucket, a bucket mounted with gcsfuse, NFS: README, "Workdirs in object storage").
 # Multislice (several slices over the data-centre network): add
 # --config.mesh.dcn_data=<number of slices>. Install first, once per slice:
 #   gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" --worker=all \

@@ -102,6 +102,8 @@ def check_grid(spec: str, grid: dict[str, list[str]], overrides: Sequence[str]) 
     names = {}
     for point in points(grid):
         other = names.setdefault(point_name(point), point)
+        if other is not point and other == point:  # (was the folder-name message)
+            raise ConfigError(f"--grid gives the point {point} twice; give each value once")
         if other is not point:
             raise ConfigError(f"--grid points {other} and {point} would share the folder "
                               f"{point_name(point)!r}; give values that differ in more than "

@@ -349,6 +349,9 @@ def test_what_a_grid_would_give_twice_or_fold_into_one_folder_is_refused(tmp_pat
     assert sweep.point_name({"variant": "vit-tiny/4"}) == "variantvit-tiny_4"
     with pytest.raises(ConfigError, match=r"would share the folder 'variantvit-tiny_4'"):
         sweep.check_grid("vit", sweep.parse_grid(["variant=vit-tiny/4,vit-tiny_4"]), [])
+    with pytest.raises(ConfigError, match=r"^--grid gives the point \{'optim\.lr': '1e-3'\} "
+                                          r"twice; give each value once$"):
+        sweep.check_grid("gpt", sweep.parse_grid(["optim.lr=1e-3,1e-3"]), [])
     # A sweep begun when '/' went into the name as it is: its runs are found, not retrained.
     from attention_jax import workdir as workdir_lib
     earlier = tmp_path / "variantvit-tiny" / "4"
