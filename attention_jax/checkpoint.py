@@ -83,9 +83,11 @@ class NoIntactCheckpointError(UserError, RuntimeError):
     """Every committed checkpoint of a directory is damaged (or resume was told to stop)."""
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(UserError, RuntimeError):
     """A save in the background failed (raised on the calling thread, at the next `save`,
-    `wait` or `close`); the message names the step, the folder and the cause."""
+    `wait` or `close`); the message names the step, the folder and the cause (a full
+    disk, an object store gone): main's one error line, not a traceback, since it is no
+    bug of the program's. The steps committed before it are intact."""
 
 
 # ====================================================================== tree structure

@@ -125,7 +125,9 @@ ck.save(2, big, {})  # orbax's thread fails to write it
 try:
     ck.wait()
 except checkpoint.CheckpointSaveError as e:
+    from attention_jax.errors import UserError
     print("AT WAIT:", e)
+    print("ONE LINE IN MAIN:", isinstance(e, UserError))
 ck.wait()  # said once
 ck.save(3, big, {})  # fails on orbax's thread ...
 ck.save(4, small, {})  # ... which the save of step 4 finds first on its thread
@@ -160,6 +162,7 @@ def test_a_failed_background_save_raises_on_the_calling_thread(tmp_path):
     assert re.search(r"^AT SAVE: saving checkpoint step 3 in .* failed: \w+Error: .*; "
                      r"not saved either: step 4$", out, re.M), out
     assert "COMMITTED [1, 6]" in out, out
+    assert "ONE LINE IN MAIN: True" in out  # a full disk or a store gone is no bug: one line
 
 
 def test_synchronous_saves_still_work(tmp_path):
