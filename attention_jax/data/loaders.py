@@ -38,6 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -92,6 +95,30 @@ class LoaderState:
         records): the same point in epochs, in the new order."""
         return LoaderState(round(self.next_index * num_records / self.num_records), seed,
                            num_records, source)
+
+
+def exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """Ends this worker process once `parent` is gone: a parent killed outright (SIGKILL,
+    the OOM killer) closes nothing, and its workers lived on (grain's loader workers
+    holding hundreds of MB each; a prepare's workers waiting for tasks forever)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
+
+
+def watch_parent(parent: int, name: str) -> None:
+    """Starts exit_with_parent on a daemon thread of this worker."""
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True, name=name).start()
+
+
+@dataclasses.dataclass(frozen=True)
+class _EndWithParent:
+    """grain's worker_init_fn (pickled into each spawned worker): the worker watches the
+    process that started it."""
+    parent: int
+
+    def __call__(self, worker_index: int, worker_count: int) -> None:
+        watch_parent(self.parent, "loader-parent-watch")
 
 
 class DataChangedError(UserError, ValueError):
@@ -269,7 +296,8 @@ class Loader:
             # nobody parsed them, so accept the defaults rather than crash.
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count),
+                                worker_init_fn=_EndWithParent(os.getpid()))
         for batch in ds:
             # Advance before yielding: a checkpoint taken after receiving this batch must
             # resume with the next one. (A padded final batch ends at the stream's end.)

@@ -44,7 +44,6 @@ import os
 import pickle
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from collections.abc import Callable
 import numpy as np
 
 from attention_jax.data.files import FilesError
+from attention_jax.data.loaders import watch_parent
 from attention_jax.data.packing import PAD_SEGMENT
 from attention_jax.data.tokenization import TokenizerEncodeError
 
@@ -225,18 +225,9 @@ def _init_worker(payload: bytes, parent: int) -> None:
     # One shard per process: the tokenizers library's own threads would only contend.
     os.environ['TOKENIZERS_PARALLELISM'] = 'false'
     _WORKER['write'] = pickle.loads(payload)
-    threading.Thread(target=_exit_with, args=(parent,), daemon=True,
-                     name='prepare-parent-watch').start()
-
-
-def _exit_with(parent: int, every_s: float = 1.0) -> None:
-    """Ends this worker once `parent` is gone. A parent killed outright (SIGKILL, the OOM
-    killer) closes nothing: its workers, which hold the task queue's write end as well
-    as its read end, went on writing the shards already queued and then waited for more
-    forever."""
-    while os.getppid() == parent:
-        time.sleep(every_s)
-    os._exit(1)
+    # A parent killed outright closes nothing: its workers, which hold the task queue's
+    # write end as well as its read end, wrote the shards queued and then waited forever.
+    watch_parent(parent, 'prepare-parent-watch')
 
 
 def _work(task) -> dict:
@@ -384,7 +375,7 @@ def _run(writer: _ShardWriter, tasks: list, workers: int | None, bar: _Progress)
 
 def _pool(workers: int, writer) -> concurrent.futures.ProcessPoolExecutor:
     """`workers` processes that run `writer` on the tasks given them, each ending with
-    this process (_exit_with). spawn, not fork: the caller may hold JAX's threads, which
+    this process (loaders.watch_parent). spawn, not fork: the caller may hold JAX's threads, which
     a fork would copy half-way through whatever they were doing."""
     return concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=multiprocessing.get_context('spawn'),

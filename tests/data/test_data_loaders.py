@@ -2,6 +2,7 @@
 shards, resume on a different process count, and global jax.Array batches."""
 
 import json
+import os
 import gc
 
 import jax
@@ -227,3 +228,46 @@ def test_to_global_batch_shards_along_data_axes():
     assert {s.data.shape for s in arr2.addressable_shards} == {(4, 3)}
     with pytest.raises(ValueError, match='not mesh axes'):
         data.to_global_batch(local, mesh, data_axes=('fsdp',))
+
+
+def test_loader_workers_end_with_a_killed_trainer(tmp_path):
+    """After a SIGKILL of the training process, grain's loader workers (hundreds of MB
+    each with images) lived on under init for ever. Each now ends once its parent is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = (
+        "import os, time\n"
+        "import numpy as np\n"
+        "from attention_jax.data import loaders\n"
+        "if __name__ == '__main__':\n"
+        "    source = [{'x': np.full(4, i, np.int32)} for i in range(64)]\n"
+        "    it = iter(loaders.Loader(source, global_batch_size=4, seed=0, worker_count=2))\n"
+        "    next(it)  # the workers are up\n"
+        "    me = str(os.getpid())\n"
+        "    kids = [p for p in os.listdir('/proc') if p.isdigit() and\n"
+        "            open(f'/proc/{p}/stat').read().split(') ')[1].split()[1] == me]\n"
+        "    print(*kids, flush=True)\n"
+        "    time.sleep(120)\n")
+    (tmp_path / 'trainer.py').write_text(script)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, str(tmp_path / 'trainer.py')], cwd=repo,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, 'PYTHONPATH': repo, 'JAX_PLATFORMS': 'cpu'})
+    children = [int(p) for p in parent.stdout.readline().split()]
+    assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            with open(f'/proc/{pid}/stat') as f:  # a zombie has ended; init reaps it
+                return f.read().split(') ')[1].split()[0] != 'Z'
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 15
+    while any(alive(p) for p in children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if alive(p)]
