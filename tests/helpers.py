@@ -77,3 +77,31 @@ def json_from_cuda_plugin_child(script: str, timeout: float = 600):
                           env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def children_outliving(script_path, env=None, timeout: float = 15) -> tuple[list[int], list[int]]:
+    """Runs the Python script at `script_path` (it prints the pids of the processes it
+    started on its first line of output, then sleeps), SIGKILLs it, and returns (those
+    pids, the ones still running `timeout` seconds later)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    parent = subprocess.Popen([sys.executable, str(script_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+    children = [int(p) for p in parent.stdout.readline().split()]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # a zombie has ended; init reaps it
+                return f.read().split(") ")[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + timeout
+    while any(alive(p) for p in children) and time.time() < deadline:
+        time.sleep(0.1)
+    return children, [p for p in children if alive(p)]

@@ -233,11 +233,8 @@ def test_to_global_batch_shards_along_data_axes():
 def test_loader_workers_end_with_a_killed_trainer(tmp_path):
     """After a SIGKILL of the training process, grain's loader workers (hundreds of MB
     each with images) lived on under init for ever. Each now ends once its parent is gone."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    script = (
+    from helpers import children_outliving
+    (tmp_path / 'trainer.py').write_text(
         "import os, time\n"
         "import numpy as np\n"
         "from attention_jax.data import loaders\n"
@@ -250,24 +247,6 @@ def test_loader_workers_end_with_a_killed_trainer(tmp_path):
         "            open(f'/proc/{p}/stat').read().split(') ')[1].split()[1] == me]\n"
         "    print(*kids, flush=True)\n"
         "    time.sleep(120)\n")
-    (tmp_path / 'trainer.py').write_text(script)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    parent = subprocess.Popen([sys.executable, str(tmp_path / 'trainer.py')], cwd=repo,
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, 'PYTHONPATH': repo, 'JAX_PLATFORMS': 'cpu'})
-    children = [int(p) for p in parent.stdout.readline().split()]
+    children, left = children_outliving(tmp_path / 'trainer.py', {'JAX_PLATFORMS': 'cpu'})
     assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-
-    def alive(pid):
-        try:
-            with open(f'/proc/{pid}/stat') as f:  # a zombie has ended; init reaps it
-                return f.read().split(') ')[1].split()[0] != 'Z'
-        except FileNotFoundError:
-            return False
-
-    deadline = time.time() + 15
-    while any(alive(p) for p in children) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in children if alive(p)]
+    assert not left

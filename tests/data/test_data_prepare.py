@@ -337,11 +337,8 @@ def test_workers_end_with_a_killed_prepare(tmp_path):
     """A prepare killed outright (SIGKILL) left its spawned workers running: they hold the
     task queue's write end too, so they wrote the shards already queued and then waited
     for more forever. Each now ends once its parent is gone."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    script = (
+    from helpers import children_outliving
+    (tmp_path / 'parent.py').write_text(
         "import os, sys, time\n"
         "from attention_jax.data import token_cache\n"
         "if __name__ == '__main__':\n"
@@ -349,25 +346,5 @@ def test_workers_end_with_a_killed_prepare(tmp_path):
         "    list(pool.map(abs, [-1, -2, -3]))  # the workers are up, now idle\n"
         "    print(*pool._processes, flush=True)\n"
         "    time.sleep(120)\n")
-    (tmp_path / 'parent.py').write_text(script)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    parent = subprocess.Popen([sys.executable, str(tmp_path / 'parent.py')], cwd=repo,
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, 'PYTHONPATH': repo})
-    workers = [int(p) for p in parent.stdout.readline().split()]
-    assert len(workers) == 2
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-
-    def alive(pid):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        with open(f'/proc/{pid}/stat') as f:  # a zombie has ended; init reaps it
-            return f.read().split(') ')[1].split()[0] != 'Z'
-
-    deadline = time.time() + 10
-    while any(alive(p) for p in workers) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in workers if alive(p)]
+    workers, left = children_outliving(tmp_path / 'parent.py', timeout=10)
+    assert len(workers) == 2 and not left

@@ -268,12 +268,19 @@ assert open(marker).read() == "written", "process 0 passed the barrier before pr
 
 def test_sync_processes_waits_for_every_process(tmp_path):
     # What makes process 0 rewrite config.json only after every process read it.
-    port, marker = free_port(), str(tmp_path / "marker")
-    procs = [subprocess.Popen([sys.executable, "-c", _BARRIER_SCRIPT, str(i), str(port), marker],
+    _pair(_BARRIER_SCRIPT, str(tmp_path / "marker"))
+
+
+def _pair(script: str, *args: str) -> list[str]:
+    """Two local processes of `script` (argv: process id, a free port, `args`), both to
+    exit 0: their outputs."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i), str(port), *args],
                               env=subprocess_env(1), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
 
 
 _CHECKS_SCRIPT = """
@@ -301,12 +308,8 @@ print("LEFT", sorted(os.listdir(shared)))
 def test_processes_given_other_configs_or_workdirs_stop_in_one_line(tmp_path):
     """A learning rate given to one process only trained both, each with its own, the
     copies drifting apart unsaid; a workdir local to each host hung at the first save."""
-    port, shared = free_port(), str(tmp_path / "run")
-    procs = [subprocess.Popen([sys.executable, "-c", _CHECKS_SCRIPT, str(i), str(port), shared],
-                              env=subprocess_env(1), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    shared = str(tmp_path / "run")
+    outputs = _pair(_CHECKS_SCRIPT, shared)
     for me, out in enumerate(outputs):  # every process says it, not only the one that differs
         lines = [line for line in out.splitlines() if line.startswith(("OK", "ERROR", "LEFT"))]
         assert lines[0] == "OK", out
