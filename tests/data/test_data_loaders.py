@@ -2,7 +2,6 @@
 shards, resume on a different process count, and global jax.Array batches."""
 
 import json
-import os
 import gc
 
 import jax
