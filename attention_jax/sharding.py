@@ -20,11 +20,13 @@ config `mesh.dcn_data` / `mesh.dcn_fsdp`): only the batch axes span the slow net
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -165,7 +167,6 @@ def check_same_config(flat_config: dict[str, Any], own_keys=("mesh.process_id",)
     """A ConfigError in every process when their configs differ (but for `own_keys`): each
     applied its own values to its copy of the model, and the copies drifted apart with
     nothing said (a learning rate), or a collective failed natively (a step count)."""
-    import json
     mine = {k: v for k, v in flat_config.items() if k not in own_keys}
     configs = [json.loads(c) for c in exchange("config", json.dumps(mine, sort_keys=True,
                                                                     default=str))]
@@ -187,7 +188,6 @@ def check_same_place(workdir: str, write, read) -> None:
     on each host saved nothing and hung at the first checkpoint, for ever."""
     if jax.process_count() == 1 or _client() is None:
         return
-    import uuid
     token = exchange("workdir_token", uuid.uuid4().hex if jax.process_index() == 0 else "")[0]
     if jax.process_index() == 0:
         write(token)

@@ -196,7 +196,7 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
     except loaders.DataChangedError:
         saved = loaders.LoaderState.from_any(data_state)
         now = len(task.train_source)
-        source = str(getattr(task.train_source, "fingerprint", "") or "")
+        source = loaders.source_id(task.train_source)
         other_tokens = (now, config.train.seed) == (saved.num_records, saved.seed)
         makes = ("as many, but other ones (its tokens differ)" if other_tokens
                  else f"{now} (seed {config.train.seed})")
@@ -382,20 +382,20 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                     log_now = stopping or due(step, config.train.log_every, total)
                     eval_now = due(step, config.eval.every, total)
                     save_now = stopping or due(step, config.train.checkpoint_every, total)
+                    sync = log_now or eval_now or save_now
                     if step == first:
                         # Its call compiled the step (a resumed run's first step too): time
-                        # is measured from the call's return, or with nothing else to do
-                        # from the step's end; the estimate of time left from then on.
+                        # is measured from the call's return at a sync point, else from the
+                        # step's end; the estimate of time left from then on.
                         progress.compiled(step, compile_s=t_called - t_step)
-                        if log_now or eval_now or save_now:  # its compilation left out
-                            meter.restart()
-                            meter.start = t_called
+                        if sync:  # its compilation left out of the window
+                            meter.restart(at=t_called)
                             meter.add(units, data_s=0.0, dispatch_s=0.0)
-                    if not (log_now or eval_now or save_now):
-                        if step == first:  # it compiled: throughput is measured from its end
+                        else:
                             jax.block_until_ready(metrics)
                             meter.restart()
                             progress.compiled(step)
+                    if not sync:
                         continue
                     # ---- sync point: the one wait for the device since the last one.
                     window += _finite_steps(pending, config, prepared.ckpt, summary["losses"])
@@ -545,9 +545,11 @@ class Throughput:
         self.pauses = pauses  # entered by the loop: adds up the collections
         self.restart()
 
-    def restart(self) -> None:
+    def restart(self, at: float | None = None) -> None:
+        """A new window from now (or from the time.perf_counter() `at`)."""
         self.units, self.data_s, self.dispatch_s, self.checkpoint_s = 0, 0.0, 0.0, 0.0
-        self.start, self.gc_start = time.perf_counter(), self.pauses.total_s
+        self.start = time.perf_counter() if at is None else at
+        self.gc_start = self.pauses.total_s
 
     def add(self, units: int, data_s: float, dispatch_s: float) -> None:
         self.units += units

@@ -43,9 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax import workdir as workdir_lib
 from attention_jax.convert.hf_bert import BertFamily
-from attention_jax.convert.hf_files import (REMOTE_SCHEMES, ConversionError, describe,
-                                            export_remote, read_hf_config,
+from attention_jax.convert.hf_files import (ConversionError, describe, export_remote,
+                                            read_hf_config,
                                             read_hf_dir, write_hf_dir, write_hf_tokenizer)
 from attention_jax.convert.hf_gpt2 import GPT2Family
 from attention_jax.convert.hf_params import (fit, flatten, fresh_numpy, param_shapes,
@@ -160,9 +161,10 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     Options an architecture cannot express (RoPE, RMSNorm, SwiGLU, average pooling, ...)
     raise a ValueError naming them.
     """
-    if str(out_dir).startswith(REMOTE_SCHEMES):  # staged in a local folder, copied up
+    if workdir_lib.is_remote(out_dir):  # staged in a local folder, copied up
         return export_remote(str(out_dir), lambda local: export_hf(
-            model, params, local, architecture=architecture, tokenizer=tokenizer))
+            model, params, local, architecture=architecture, tokenizer=tokenizer),
+            tokenizer is not None)
     cfg = getattr(model, "config", model)  # a model, or its config
     family = _family_of(cfg)
     head = getattr(model, "head", None) if family.model_type == "bert" else None
@@ -218,15 +220,18 @@ def hf_model_overrides(path) -> dict[str, Any]:
     return _family_of(cfg).arch_fields(cfg)
 
 
-def _check_architecture(family: Family, implied, cfg, path) -> None:
+def _arch_differences(family: Family, cfg, implied) -> list[str]:
+    """`field=ours (checkpoint: theirs)` for each architecture field of our model config
+    `cfg` that differs from the checkpoint's (`implied`); a larger vocabulary is not one
+    (padding: the extra rows are new)."""
     ours, theirs = family.arch_fields(cfg), family.arch_fields(implied)
-    bad = []
-    for field, want in theirs.items():
-        have = ours[field]
-        if field == "vocab_size" and have >= want:
-            continue  # padded vocabulary: extra rows are zero
-        if have != want:
-            bad.append(f"{field}={have!r} (checkpoint: {want!r})")
+    return [f"{field}={ours.get(field)!r} (checkpoint: {want!r})"
+            for field, want in theirs.items()
+            if ours.get(field) != want and not (field == "vocab_size" and ours[field] >= want)]
+
+
+def _check_architecture(family: Family, implied, cfg, path) -> None:
+    bad = _arch_differences(family, cfg, implied)
     if bad:
         raise ValueError(f"model config does not match the checkpoint {path}: "
                          f"{', '.join(bad)}; set these fields to the checkpoint's values")
@@ -312,9 +317,7 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
         # from the checkpoint's say it in one, where the run's model config is known.
         if not isinstance(model_config, type(implied)):
             raise
-        ours, theirs = family.arch_fields(model_config), family.arch_fields(implied)
-        differ = [f"{k}={ours[k]!r} (checkpoint: {v!r})" for k, v in theirs.items()
-                  if k != "vocab_size" and ours.get(k) != v]
+        differ = _arch_differences(family, model_config, implied)
         if not differ:
             raise
         raise ConversionError(f"{os.fspath(path)}: config.model does not match the checkpoint's "

@@ -129,9 +129,6 @@ def read_hf_config(path_or_config) -> dict:
 # ================================================================================ writing
 
 
-REMOTE_SCHEMES = ("gs://", "s3://")
-
-
 def check_not_a_run(out_dir: str, is_dir, is_file, read_text) -> None:
     """A ConversionError if `out_dir` holds a training run (checkpoints/, or a config.json
     that is not an earlier export's), whose config.json an export would replace; the
@@ -149,24 +146,21 @@ def check_not_a_run(out_dir: str, is_dir, is_file, read_text) -> None:
                               f"valid: a folder of its own, e.g. {out_dir.rstrip('/') + '/hf'!r}")
 
 
-def export_remote(out_dir: str, export: Callable[[str], str]) -> str:
+def export_remote(out_dir: str, export: Callable[[str], object], with_tokenizer: bool) -> str:
     """An export into object storage (gs://, s3://): `export` writes a local staging
-    folder, whose files are copied up (the writers are local: a gs:// path became a
-    folder named ./gs: before); an earlier export's tokenizer files this one lacks go."""
-    import tempfile
+    folder, which workdir.save_assets copies up (the writers are local: a gs:// path
+    became a folder named ./gs: before); without a tokenizer, an earlier export's
+    tokenizer files go."""
     from etils import epath
+
+    from attention_jax import workdir as workdir_lib
     target = epath.Path(out_dir)
     check_not_a_run(out_dir, lambda p: epath.Path(p).is_dir(), lambda p: epath.Path(p).is_file(),
                     lambda p: epath.Path(p).read_text())
-    with tempfile.TemporaryDirectory(prefix="attention_jax_export_") as staging:
-        export(staging)
-        written = sorted(os.listdir(staging))
-        target.mkdir(parents=True, exist_ok=True)
-        for name in written:
-            with open(os.path.join(staging, name), "rb") as f:
-                (target / name).write_bytes(f.read())
-    _remove_stale([n for n in TOKENIZER_FILES if n not in written and (target / n).exists()],
-                  out_dir, lambda name: (target / name).unlink())
+    workdir_lib.save_assets(export, out_dir)
+    if not with_tokenizer:
+        _remove_stale([n for n in TOKENIZER_FILES if (target / n).exists()], out_dir,
+                      lambda name: (target / name).unlink())
     return out_dir
 
 

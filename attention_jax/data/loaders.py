@@ -97,6 +97,11 @@ class LoaderState:
                            num_records, source)
 
 
+def source_id(source) -> str:
+    """A source's records' identity where it has one (TokenRows.fingerprint), else ''."""
+    return str(getattr(source, 'fingerprint', '') or '')
+
+
 def exit_with_parent(parent: int, every_s: float = 1.0) -> None:
     """Ends this worker process once `parent` is gone: a parent killed outright (SIGKILL,
     the OOM killer) closes nothing, and its workers lived on (grain's loader workers
@@ -200,13 +205,9 @@ class Loader:
             self.set_state(state)
 
     # --- State -------------------------------------------------------------------------
-    @property
-    def source_id(self) -> str:
-        """The records' identity where the source has one (TokenRows.fingerprint), else ''."""
-        return str(getattr(self.source, 'fingerprint', '') or '')
-
     def get_state(self) -> LoaderState:
-        return LoaderState(self._next_index, self.seed, len(self.source), self.source_id)
+        return LoaderState(self._next_index, self.seed, len(self.source),
+                           source_id(self.source))
 
     def set_state(self, state) -> None:
         state = LoaderState.from_any(state)
@@ -214,10 +215,10 @@ class Loader:
             raise DataChangedError(
                 f'loader state was saved for seed={state.seed}, num_records={state.num_records}; '
                 f'this loader has seed={self.seed}, num_records={len(self.source)}')
-        if state.source and self.source_id and state.source != self.source_id:
-            raise DataChangedError(
-                f'loader state was saved for records {state.source}; this loader reads '
-                f'{self.source_id} (as many, other ones)')
+        now = source_id(self.source)
+        if state.source and now and state.source != now:
+            raise DataChangedError(f'loader state was saved for records {state.source}; this '
+                                   f'loader reads {now} (as many, other ones)')
         self._next_index = state.next_index
 
     @property

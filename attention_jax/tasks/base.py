@@ -415,18 +415,16 @@ def data_is_on_demand() -> bool:
 
 
 class OnDemand:
-    """Split `index` of what `build()` returns, built when first used: its length, an
-    example, or any attribute of the split (read_rows, num_tokens, ...). A `build` that
-    makes several splits at once, shared between OnDemands, is `functools.cache`d so it
-    runs once. Pickles as the built split (a grain worker gets the data, not the
-    builder)."""
+    """The split `build()` returns, built when first used: its length, an example, or any
+    attribute of the split (read_rows, num_tokens, ...). Pickles as the built split (a
+    grain worker gets the data, not the builder)."""
 
-    def __init__(self, build: Callable[[], Sequence], index: int):
-        self._build, self._index, self._split = build, index, None
+    def __init__(self, build: Callable[[], Sequence]):
+        self._build, self._split = build, None
 
     def _get(self):
         if self._split is None:
-            self._split = self._build()[self._index]
+            self._split = self._build()
         return self._split
 
     def __len__(self) -> int:

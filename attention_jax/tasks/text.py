@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -176,8 +175,8 @@ def _rows(data_opts, tok, documents, packing: str):
     With data_on_demand, each is built when first used (OnDemand): an eval prepares no
     training split."""
     if data_is_on_demand():
-        return tuple(OnDemand(functools.partial(_built_rows, data_opts, tok, documents,
-                                                packing, (label,)), 0)
+        return tuple(OnDemand(lambda label=label: _built_rows(data_opts, tok, documents,
+                                                              packing, (label,))[0])
                      for label in ("train", "eval"))
     return _built_rows(data_opts, tok, documents, packing)
 
