@@ -1,30 +1,27 @@
 #!/usr/bin/env bash
-# Issue 35's first device call (docs/gpu_next.md §0): what the H100 runs of 2026-11-26
-# left open, in the order it decides things.
-#   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 580
+# Issue 35's first device call (docs/gpu_next.md §0): the Pallas attention with the
+# projection's bias folded into its algebra, in the step and alone.
+#   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 430
 # (.whl: ../shared/device/prepare_wheels.sh fills it.) Each measurement is its own
 # process; every output lands in $OUT. DEADLINE: seconds for all of it.
+DEADLINE=${DEADLINE:-415}
 . docs/gpu_common.sh
 export PYTHONPATH=$PWD:/tmp/site
-if [ "$SHAPE" = gpt2-124m ]; then BATCH=16; else BATCH=8; fi
-PROFILE="$PY -m attention_jax.tools.bench profile --shape $SHAPE --batch $BATCH"
-# 1. Where the bare step's 33.3 ms go now, with the loss and norm kernels (attention auto:
-# cuDNN): device time per kind of kernel and the largest ops. The last such profile
-# (34.7 ms, before the kernels) had 16.2 ms of matmuls, 4.7 of attention, 12.5 of
-# reductions and elementwise kernels; what is left is the bare step's 1.2x target.
-run profile_auto 130 $PROFILE --out /tmp/profile_auto
-cp /tmp/profile_auto/summary.json $OUT/profile_auto.json 2>/dev/null
-# 2. The same with the Pallas attention reading the packed q, k, v: 33.70 ms against
-# cuDNN's 33.24 in the step, though 0.427 against 0.477 ms a layer alone (before the
-# packed read). Which ops differ says where the step loses it.
-run profile_pallas 130 $PROFILE --implementation pallas --out /tmp/profile_pallas
+# 1. GPT-2 small's attention as its layer calls it (one [B, T, 3, N, H] projection output
+# and its bias), Pallas against cuDNN (q, k, v sliced out and biased for it). The profile
+# of 2026-11-26 had the Pallas kernels at 0.198 ms forward and 0.455 backward a layer in
+# the step, against 0.118 and 0.309 alone on separate, unbiased q, k, v (2026-11-24).
+run attention_packed 110 $PY -m attention_jax.tools.bench attention --width 768 --sizes 1024 \
+  --head-dims 64 --masks causal,docs --implementations pallas,cudnn --qkv packed --no-torch \
+  --out $OUT/attention_packed.json
+# 2. The bare step, auto (cuDNN) against Pallas: 33.24 against 33.70 ms before.
+run bare 150 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPE:16 \
+  --implementation auto,pallas --no-torch --trainer-steps 0 --repeats 5 --out $OUT/bare.json
+# 3. The packed kernels, Triton-compiled, against the float32 reference.
+run gpu_tests 90 env JAX_PLATFORMS=cuda $PY -m pytest -m gpu -q -p no:cacheprovider \
+  tests/attention/test_pallas_packed.py
+# 4. Where the Pallas step's time goes now, if time is left.
+run profile_pallas 60 $PY -m attention_jax.tools.bench profile --shape $SHAPE --batch 16 \
+  --implementation pallas --out /tmp/profile_pallas
 cp /tmp/profile_pallas/summary.json $OUT/profile_pallas.json 2>/dev/null
-# 3. GPT-2 medium, auto (cuDNN) against Pallas: the row 2026-11-26's call ran out of time
-# for (auto: 45.8-46.3 ms, 43.9% MFU; issue 35 asks 50%).
-run medium 170 $PY -m attention_jax.tools.bench train --device gpu --shapes gpt2-medium:8 \
-  --implementation auto,pallas --no-torch --trainer-steps 0 --repeats 5 --out $OUT/medium.json
-# 4. main.py with saves (gpu_next.md §3): what each save holds and costs its window there.
-run train_saves 150 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPE:$BATCH \
-  --packing stream --no-torch --repeats 3 --trainer-steps 300 \
-  --trainer-args='--config.train.checkpoint_every=100' --out $OUT/train_saves.json
 echo "== done at $((SECONDS - start)) s"

@@ -37,11 +37,20 @@ Rows with no visible key give zero output and zero gradients.
 
 Packed q, k, v (`pallas_packed_attention`, for self-attention whose q, k and v come from
 one projection): the kernels read each head's tiles from the projection's [B, T, 3, N, H]
-output, a slot being a strided view as a [B, T, N, H] array is, and add the projection's
-bias to a tile as they load it. The dQ kernel writes slot 0 of one gradient array and
-the dK/dV kernel stores its tiles into slots 1 and 2 of the same array (aliased), so the
-projection's backward gets one [B, T, 3, N, H] gradient: one matmul for dx, not three
-whose products are summed, and no q, k, v materialised with their biases in between.
+output, a slot being a strided view as a [B, T, N, H] array is. The dQ kernel writes
+slot 0 of one gradient array and the dK/dV kernel stores its tiles into slots 1 and 2 of
+the same array (aliased), so the projection's backward gets one [B, T, 3, N, H]
+gradient: one matmul for dx, not three whose products are summed, and no q, k, v
+materialised with their biases in between. The projection's bias never touches a tile
+in a loop (a tile changed between its load and a dot cannot be pipelined into shared
+memory, which made the kernels 1.5-1.7x slower in GPT-2's step on an H100); it is
+folded into the algebra instead, exactly:
+  k's bias adds q_i·b_k to every score of row i: a constant per row, which softmax
+            cancels. It changes nothing, and its gradient is zero.
+  q's bias adds b_q·k_j to the scores of key j: one number per key (`_key_term`, an
+            [B, N, T] input like L), added to each tile of scores. dK gets b_q Σ_i dS_ij.
+  v's bias adds b_v to every output row (the weights sum to 1): added once at the end;
+            D = rowsum(dO ∘ (O - b_v)) then pairs with dP = dO Vᵀ of the raw v.
 The bias's gradient is summed by the same programs over the float32 tiles they write.
 
 Ring attention (ring.py) runs the forward on each pair of sequence chunks and merges
@@ -135,7 +144,7 @@ class _Static:
     # q, k, v read from one [B, T, 3, N, H] array (slots 0, 1, 2), the gradient written
     # into one such array (`pallas_packed_attention`).
     packed: bool = False
-    biased: bool = False  # a [3, N, H] bias added to q, k, v as they are loaded
+    biased: bool = False  # a [3, N, H] bias of q, k, v (folded in: see the module's text)
 
     @property
     def kv_padded(self) -> bool:
@@ -501,15 +510,19 @@ class _Refs:
         self.kv_seg = refs.pop(0) if st.has_segments else None
         self.mask = refs.pop(0) if st.mask_shape is not None else None
         self.seg_ranges = refs.pop(0) if st.has_segments else None  # this program's 4
-        # The [H] biases of this program's q, k and v heads (a packed call with a bias).
-        self.q_bias, self.k_bias, self.v_bias = (
-            (refs.pop(0), refs.pop(0), refs.pop(0)) if st.biased else (None, None, None))
+        # A packed call with a bias: the keys' terms b_q·k_j of this program's head, and
+        # one [H] row of the bias (v's in the forward and dQ kernels, q's in dK/dV's).
+        self.key_term, self.bias = (refs.pop(0), refs.pop(0)) if st.biased else (None, None)
         self.rest = refs
 
 
-def _biased(tile, bias_ref):
-    """A loaded [rows, H] tile of q, k or v, with its head's bias added (if any)."""
-    return tile if bias_ref is None else tile + bias_ref[...][None, :]
+def _scores(st: _Static, q, k, key_term=None):
+    """S₂ = q·kᵀ · scale · log₂e of a [bq, H] and a [bk, H] tile, plus the keys' [bk] bias
+    terms b_q·k_j when q has a bias."""
+    s = _dot(q, k, trans_b=True)
+    if key_term is not None:
+        s = s + key_term[None, :]
+    return s * (st.scale * LOG2_E)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -548,12 +561,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     r = _Refs(st, refs)
     o_ref, lse_ref = r.rest
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
-    q = _biased(q_ref[...], r.q_bias)  # [bq, H]
+    q = q_ref[...]  # [bq, H]
 
     def tile(j, carry, masked):
         m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
         keys = pl.ds(j * bk, bk)
-        s = _dot(q, _biased(k_ref[keys, :], r.k_bias), trans_b=True) * (st.scale * LOG2_E)  # [bq, bk]
+        s = _scores(st, q, k_ref[keys, :], None if r.key_term is None else r.key_term[keys])
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -562,7 +575,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
         p = jnp.exp2(s - m_new[:, None])
         rescale = jnp.exp2(m - m_new)
         l = l * rescale + jnp.sum(p, axis=1)
-        acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), _biased(v_ref[keys, :], r.v_bias))
+        acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
         return m_new, l, acc
 
     rows, acc_t = q.shape[0], _acc(q.dtype)
@@ -571,7 +584,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     m, l, acc = block.walk(tile, init)
     seen = l > 0  # rows with no visible key: output 0, L = +inf (so backward P = 0)
     l = jnp.where(seen, l, 1.0)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    out = acc / l[:, None]
+    if r.bias is not None:  # v's bias: the weights of a row that sees a key sum to 1
+        out = out + jnp.where(seen[:, None], r.bias[...][None, :].astype(out.dtype), 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(l), jnp.inf)
 
 
@@ -582,15 +598,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     offset = r.offset[b]
     length = None if r.lengths is None else r.lengths[b]
     k_pos = j * bk + lax.iota(jnp.int32, bk)
-    k, v = _biased(k_ref[...], r.k_bias), _biased(v_ref[...], r.v_bias)  # [bk, H], [bk, Hv]: stay in registers
+    k, v = k_ref[...], v_ref[...]  # [bk, H], [bk, Hv]: stay in registers
     k_seg = None if r.kv_seg is None else r.kv_seg[...]
+    key_term = None if r.key_term is None else r.key_term[...]  # [bk]
 
     def tile(i, carry, masked):
-        dk, dv = carry
+        dk, dv, ds_sum = carry
         rows = pl.ds(i * bq, bq)
-        q, do = _biased(q_ref[rows, :], r.q_bias), do_ref[rows, :]
+        q, do = q_ref[rows, :], do_ref[rows, :]
         # Transposed tiles [bk, bq], so that both accumulations are plain products.
-        s_t = _dot(k, q, trans_b=True) * (st.scale * LOG2_E)
+        s_t = _dot(k, q, trans_b=True)
+        if key_term is not None:
+            s_t = s_t + key_term[:, None]
+        s_t = s_t * (st.scale * LOG2_E)
         if masked:
             ok = _visible(st, offset + i * bq + lax.iota(jnp.int32, bq), k_pos, length,
                           None if r.q_seg is None else r.q_seg[rows], k_seg,
@@ -601,12 +621,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         dp_t = _dot(v, do, trans_b=True)
         ds_t = p_t * (dp_t - delta_ref[rows][None, :])
         dk = dk + _dot(ds_t.astype(q.dtype), q)
-        return dk, dv
+        if r.bias is not None:  # Σ_i dS_ij, for q's bias's share of dk_j
+            ds_sum = ds_sum + jnp.sum(ds_t, axis=1)
+        return dk, dv, ds_sum
 
-    init = (jnp.zeros(k.shape, _acc(k.dtype)), jnp.zeros(v.shape, _acc(k.dtype)))
+    acc_t = _acc(k.dtype)
+    init = (jnp.zeros(k.shape, acc_t), jnp.zeros(v.shape, acc_t), jnp.zeros(k.shape[:1], acc_t))
     k_last = j * bk + bk - 1
     ranges = _q_blocks(st, bq, nq, j * bk, k_last, offset, length)
-    dk, dv = _loop(st, _intersect(ranges, r.seg_ranges), tile, init)
+    dk, dv, ds_sum = _loop(st, _intersect(ranges, r.seg_ranges), tile, init)
+    if r.bias is not None:  # dk_j = Σ_i dS_ij (q_i + b_q)
+        dk = dk + ds_sum[:, None] * r.bias[...][None, :].astype(acc_t)
     dk = dk * st.scale  # S = scale · Q Kᵀ
     if st.packed:  # the whole [B, T, 3, N, H] gradient: this program's tiles of slots 1, 2
         # (its outputs come after the dQ kernel's gradient and bias sums, which they alias)
@@ -628,21 +653,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs, st: _Static, 
     # dq (packed: slot 0 of the whole gradient), D, and with a bias the bias sums' rows.
     dq_ref, delta_ref, *bias_refs = r.rest
     block = _QueryBlock(st, r, nq, st.blocks.fwd_q, bk)
-    q, do = _biased(q_ref[...], r.q_bias), do_ref[...]
+    q, do = q_ref[...], do_ref[...]
     lse = lse_ref[...]
     # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij, the softmax Jacobian's correction term, from
     # the dO tile this program reads anyway; the dK/dV kernel, launched after, reads it.
-    delta = jnp.sum(do.astype(lse.dtype) * o_ref[...].astype(lse.dtype), axis=1)
+    # With v's bias, dP pairs with the raw v, so D with O less that bias.
+    o = o_ref[...].astype(lse.dtype)
+    if r.bias is not None:
+        o = o - r.bias[...][None, :].astype(lse.dtype)
+    delta = jnp.sum(do.astype(lse.dtype) * o, axis=1)
     delta_ref[...] = delta
 
     def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
-        k = _biased(k_ref[keys, :], r.k_bias)
-        s = _dot(q, k, trans_b=True) * (st.scale * LOG2_E)
+        k = k_ref[keys, :]
+        s = _scores(st, q, k, None if r.key_term is None else r.key_term[keys])
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
-        dp = _dot(do, _biased(v_ref[keys, :], r.v_bias), trans_b=True)
+        dp = _dot(do, v_ref[keys, :], trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -728,15 +757,25 @@ def _query_grid_tiles(st: _Static, bq: int, rev, hp: int, sp: int, hvp: int):
             _head_tile(st, 2, sp, hvp, lambda i, b, h: (b, 0, h // g))]
 
 
-def _bias_inputs(st: _Static, bias):
-    """The bias [3, N, H] three times, each program reading its head's row of q's, k's
-    and v's (a packed call has one K/V head per query head); nothing without a bias."""
+def _key_term(qkv, bias):
+    """[B, N, T]: b_q·k_j, what q's bias adds to every score of key j, in the
+    accumulators' precision (a packed call's q's bias; see the module's text)."""
+    acc = _acc(qkv.dtype)
+    return jnp.einsum("btnh,nh->bnt", qkv[:, :, 1].astype(acc), bias[0].astype(acc),
+                      precision=lax.Precision.HIGHEST)
+
+
+def _bias_inputs(st: _Static, bias, key_term, slot: int, keys):
+    """A biased packed call's key terms and one slot of its bias [3, N, H] (v's, 2, for
+    the query grids; q's, 0, for the dK/dV grid), each program reading its head's (a
+    packed call has one K/V head per query head): keys (rows, grid -> row block) says
+    which key terms. Nothing without a bias."""
     if not st.biased:
         return [], []
-    hp = bias.shape[-1]
-    specs = [pl.BlockSpec((None, None, hp), lambda *grid, slot=slot: (slot, grid[2], 0))
-             for slot in range(3)]
-    return [bias] * 3, specs
+    rows, block = keys
+    return [key_term, bias], [
+        pl.BlockSpec((None, None, rows), lambda *grid: (grid[1], grid[2], block(*grid))),
+        pl.BlockSpec((None, None, bias.shape[-1]), lambda *grid: (slot, grid[2], 0))]
 
 
 def _shapes(st: _Static, q, k, v):
@@ -752,14 +791,15 @@ def _params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None):
-    """(out, lse); a packed call passes its [B, T, 3, N, H] array as q, k and v."""
+def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None, key_term=None):
+    """(out, lse); a packed call passes its [B, T, 3, N, H] array as q, k and v (with a
+    bias, its `_key_term` too)."""
     bsz, tp, n, hp, sp, hvp = _shapes(st, q, k, v)
     bq = st.blocks.fwd_q
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731  (program 0 takes the last, heaviest causal block)
     inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
-    bias_inputs, bias_specs = _bias_inputs(st, bias)
+    bias_inputs, bias_specs = _bias_inputs(st, bias, key_term, 2, (sp, lambda *_: 0))
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, st=st, nq=nq),
         grid=(nq, bsz, n),
@@ -775,13 +815,13 @@ def _forward(st: _Static, q, k, v, arrays, out_dtype=None, bias=None):
     return out, lse
 
 
-def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bias=None):
+def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bias=None,
+              key_term=None):
     """dq, dk, dv in grad_dtype (default: the inputs' dtypes); a packed call's (q, k and v
-    its one array) gets its gradient as one array of that shape, and with a bias that
-    bias's gradient: (grad, d_bias)."""
+    its one array) gets its gradient as one array of that shape, and with a bias (and
+    its `_key_term`) that bias's gradient: (grad, d_bias)."""
     bsz, tp, n, hp, sp, hvp = _shapes(st, q, k, v)
     kh, g = n // st.groups, st.groups
-    bias_inputs, bias_specs = _bias_inputs(st, bias)
     nk = sp // st.blocks.bwd_k
 
     # dQ first: one program per query block and head, the forward's loop again. Each also
@@ -790,6 +830,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
     nq = tp // bq
     rev = lambda i: nq - 1 - i  # noqa: E731
     inputs, specs = _query_grid_masks(st, arrays, bq, sp, rev)
+    bias_inputs, bias_specs = _bias_inputs(st, bias, key_term, 2, (sp, lambda *_: 0))
     dq_spec = _head_tile(st, 0, bq, hp, lambda i, b, h: (b, rev(i), h))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))
     out_specs = [dq_spec, row_spec]
@@ -828,6 +869,7 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, grad_dtype=None, bi
                                lambda j, b, h: (*_mask_index(st, b, h), 0, j)),
         ranges_spec=pl.BlockSpec((None, None, 4), lambda j, b, h: (b, j, 0)),
         backward=True)
+    bias_inputs, bias_specs = _bias_inputs(st, bias, key_term, 0, (bk, lambda j, b, h: j))
     kv_dtype = grad_dtype or k.dtype
     if st.packed:  # each program stores its tiles of dk and dv into dQ's whole gradient
         out_specs = [pl.BlockSpec(q.shape, lambda *_: (0,) * q.ndim)]
@@ -896,19 +938,21 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash_packed(st, qkv, bias, arrays):
-    return _forward(st, qkv, qkv, qkv, arrays, bias=bias)[0]
+    return _flash_packed_fwd(st, qkv, bias, arrays)[0]
 
 
 def _flash_packed_fwd(st, qkv, bias, arrays):
-    out, lse = _forward(st, qkv, qkv, qkv, arrays, bias=bias)
-    return out, (qkv, bias, arrays, out, lse)
+    key_term = None if bias is None else _key_term(qkv, bias)
+    out, lse = _forward(st, qkv, qkv, qkv, arrays, bias=bias, key_term=key_term)
+    return out, (qkv, bias, key_term, arrays, out, lse)
 
 
 def _flash_packed_bwd(st, residuals, d_out):
-    qkv, bias, arrays, out, lse = residuals
+    qkv, bias, key_term, arrays, out, lse = residuals
     # The bias was added to every row of q, k and v: its gradient sums theirs over the
     # real rows, which the kernels do as they write them (no second pass through them).
-    grad, d_bias = _backward(st, qkv, qkv, qkv, arrays, out, lse, d_out, bias=bias)
+    grad, d_bias = _backward(st, qkv, qkv, qkv, arrays, out, lse, d_out, bias=bias,
+                             key_term=key_term)
     return grad, None if bias is None else d_bias.astype(bias.dtype), jax.tree.map(
         lambda _: None, arrays)
 

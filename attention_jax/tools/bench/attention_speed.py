@@ -250,6 +250,18 @@ def fraction(text: str) -> float:
     return value
 
 
+def _names(valid):
+    """argparse's type for a comma-separated subset of `valid`."""
+    def parse(text: str) -> tuple:
+        names = tuple(x.strip() for x in text.split(",") if x.strip())
+        unknown = [x for x in names if x not in valid]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}; valid: comma-separated names of "
+                                             f"{', '.join(valid)}")
+        return names
+    return parse
+
+
 def add_parser(sub) -> None:
     """Registers `attention` on the bench command's subcommand parser."""
     att = sub.add_parser("attention", help="attention forward/backward time and memory")
@@ -266,4 +278,16 @@ def add_parser(sub) -> None:
     att.add_argument("--width", type=int, default=attention_speed_gpu.WIDTH,
                      help="GPU/TPU: model width N·H of the rows (default 2048, FlashAttention-2's; "
                           "768 with --sizes 1024 is GPT-2 small's attention, 12 heads of 64)")
+    att.add_argument("--masks", type=_names(attention_speed_gpu.MASKS),
+                     help="GPU/TPU: the masks to time, comma-separated (default all: "
+                          f"{','.join(attention_speed_gpu.MASKS)})")
+    att.add_argument("--head-dims", type=positive_int, nargs="+",
+                     help="GPU/TPU: the head sizes H to time (default 64 128)")
+    att.add_argument("--implementations",
+                     type=_names(sorted({i for v in attention_speed_gpu.IMPLS.values() for i in v})),
+                     help="GPU/TPU: the implementations to time, comma-separated (default: all "
+                          "of the platform's)")
+    att.add_argument("--qkv", choices=("separate", "packed"), default="separate",
+                     help="GPU/TPU: packed: attention as a GPT layer calls it, one [B, T, 3, N, H] "
+                          "projection output and its bias (packed_self_attention; no PyTorch peer)")
     att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")

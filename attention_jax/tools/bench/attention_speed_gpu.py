@@ -12,6 +12,12 @@ temp memory; with a CUDA PyTorch, SDPA's FlashAttention-2 and cuDNN backends are
 in a process of their own (`torch_attention.py`). FLOPs: 4·B·N·T·S·H per forward, half
 of it when causal (packed and docs rows are counted as causal), ×3.5 for forward+backward.
 
+`--qkv packed` times attention as a GPT layer calls it: one [B, T, 3, N, H] projection
+output and its [3, N, H] bias through `packed_self_attention`, the gradient taken for
+both (the Pallas kernels read the array in place; the others get q, k, v sliced out and
+biased first, copies included in their time). `--masks`, `--head-dims` and
+`--implementations` keep a part of the grid.
+
 On a TPU the same shapes and tables time splash, blockwise, xla and auto (`plan`
 picks the implementations per platform); there is no PyTorch peer there.
 """
@@ -29,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.attention import dot_product_attention, explain
+from attention_jax.attention import dot_product_attention, explain, packed_self_attention
 from attention_jax.tools.bench.timing import installed
 
 WIDTH, TOKENS = 2048, 16384  # N·H and B·T (--width 768: GPT-2 small's attention, N = 12 at H = 64)
@@ -49,6 +55,24 @@ def shapes(quick: bool):
 def plan(platform: str, quick: bool):
     """(implementations, shapes) timed on `platform` ("gpu" or "tpu"): the same shapes."""
     return IMPLS[platform], shapes(quick)
+
+
+def chosen(platform: str, args):
+    """plan's implementations and shapes, less those the arguments leave out (--sizes,
+    --masks, --head-dims, --implementations); an implementation this platform has not is
+    one line naming the valid ones."""
+    impls, grid = plan(platform, args.quick)
+    wanted = getattr(args, "implementations", None)
+    if wanted:
+        unknown = [i for i in wanted if i not in impls]
+        if unknown:
+            raise SystemExit(f"error: --implementations {','.join(unknown)}; valid on "
+                             f"{platform}: {','.join(impls)}")
+        impls = tuple(i for i in impls if i in wanted)
+    keep = lambda value, given: not given or value in given  # noqa: E731
+    grid = [(h, t, m) for h, t, m in grid if keep(t, args.sizes)
+            and keep(m, getattr(args, "masks", None)) and keep(h, getattr(args, "head_dims", None))]
+    return impls, grid
 
 
 def flops(h: int, t: int, mask: str, width: int = WIDTH) -> float:
@@ -86,25 +110,42 @@ def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
     return float(np.median(times))
 
 
-def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH):
+def _packed_inputs(h, t, mask, width=WIDTH):
+    """`--qkv packed`: one projection's output [B, T, 3, N, H] and its bias [3, N, H]."""
     q, k, v, kwargs = _inputs(h, t, mask, width)
+    bias = 0.1 * jax.random.normal(jax.random.key(h), (3, *q.shape[2:]), jnp.bfloat16)
+    return (jnp.stack([q, k, v], axis=2), bias), kwargs
+
+
+def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH, qkv="separate"):
     row = {"impl": impl, "H": h, "T": t, "mask": mask, "width": width}
+    if qkv == "packed":
+        row["qkv"] = qkv
+        args, kwargs = _packed_inputs(h, t, mask, width)
+        slots = [args[0][:, :, c] for c in range(3)]
+
+        def forward(qkv, bias):
+            return packed_self_attention(qkv, bias, implementation=impl, **kwargs)
+    else:
+        *args, kwargs = _inputs(h, t, mask, width)
+        slots = args
+
+        def forward(q, k, v):
+            return dot_product_attention(q, k, v, implementation=impl, **kwargs)
     if impl == "cudnn" and mask in ("packed", "docs"):
         row["skipped"] = "cuDNN has no segment ids (only a dense N×N mask)"
         return row
 
-    def forward(q, k, v):
-        return dot_product_attention(q, k, v, implementation=impl, **kwargs)
+    def loss(*args):
+        return jnp.sum(forward(*args).astype(jnp.float32))
 
-    def loss(q, k, v):
-        return jnp.sum(forward(q, k, v).astype(jnp.float32))
-
-    fns = {"fwd": jax.jit(forward), "fwd_bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+    fns = {"fwd": jax.jit(forward),
+           "fwd_bwd": jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))}
     try:
         if impl == "auto":
-            row["auto"] = " — ".join(explain(q, k, v, **kwargs))
+            row["auto"] = " — ".join(explain(*slots, **kwargs))
         for name, fn in fns.items():
-            exe = fn.lower(q, k, v).compile()
+            exe = fn.lower(*args).compile()
             row[f"{name}_temp_bytes"] = exe.memory_analysis().temp_size_in_bytes
             if row[f"{name}_temp_bytes"] > memory_budget:
                 row["skipped"] = (f"needs {row[f'{name}_temp_bytes'] / 2**30:.0f} GiB of temp "
@@ -112,7 +153,7 @@ def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH):
                 return row
             fns[name] = exe
         for name, exe in fns.items():
-            row[f"{name}_s"] = gpu_time(exe, q, k, v)
+            row[f"{name}_s"] = gpu_time(exe, *args)
     except Exception as e:  # a backend refusing a shape is a result, not a crash
         row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return row
@@ -178,25 +219,28 @@ def run(args):
     total = device.memory_stats().get("bytes_limit", 80 << 30) if device.memory_stats() else 80 << 30
     budget = args.memory_fraction * total
     platform = jax.default_backend()
-    impls, all_shapes = plan(platform, args.quick)
-    specs = [(h, t, m) for h, t, m in all_shapes if not args.sizes or t in args.sizes]
+    impls, specs = chosen(platform, args)
     width = getattr(args, "width", WIDTH)
-    print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={width}, B·T={TOKENS}", file=sys.stderr)
+    qkv = getattr(args, "qkv", "separate")
+    print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={width}, B·T={TOKENS}, q, k, v "
+          f"{qkv}", file=sys.stderr)
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if platform == "gpu" and installed("torch") and not args.no_torch:
+    if platform == "gpu" and installed("torch") and not args.no_torch and qkv == "separate":
         rows += bench_torch([[h, t, m] for h, t, m in specs if m not in ("packed", "docs")],
                             out.with_name(out.stem + "_torch.json"), width)
     for h, t, mask in specs:
         for impl in impls:
-            row = bench_jax(impl, h, t, mask, budget, width)
+            row = bench_jax(impl, h, t, mask, budget, width, qkv)
             rows.append(row)
             print(f"  H={h} T={t} {mask} {impl}: fwd {_rate(row, 'fwd_s')} / fwd+bwd "
                   f"{_rate(row, 'fwd_bwd_s')} TFLOP/s {row.get('skipped', '')}", file=sys.stderr)
             out.write_text(json.dumps({"device": device.device_kind, "rows": rows}, indent=1))
     print(table(rows, platform))
-    print(f"N·H = {width}, B·T = {TOKENS}.")
+    print(f"N·H = {width}, B·T = {TOKENS}" + (
+        "; q, k, v as one [B, T, 3, N, H] projection output with its bias, the gradient for "
+        "both (--qkv packed)." if qkv == "packed" else "."))
     for r in rows:
         if r["impl"] == "auto" and "auto" in r:
             print(f"explain H={r['H']} T={r['T']} {r['mask']}: auto -> {r['auto']}")
