@@ -281,7 +281,9 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
 
     The same as `dot_product_attention(q + bias[0], k + bias[1], v + bias[2], ...)`, chosen
     the same way (keyword arguments as there; no q_offset or weights: a cached decode
-    and the reference's weights take q, k, v apart). Where the choice reads packed
+    and the reference's weights take q, k, v apart), except that "auto" takes the Pallas
+    kernels over cuDNN where they were faster with cuDNN's slicing counted
+    (pallas.packed_auto_reason: plain causal rows at head dim <= 64, T <= 1024). Where the choice reads packed
     inputs (`reads_packed`: the Pallas kernels), nothing is copied between the projection
     and the kernels, forward or backward (pallas.pallas_packed_attention); elsewhere q, k
     and v are sliced out and biased first, copies that three separate projections avoid.
@@ -314,13 +316,22 @@ def reads_packed(qkv, *, implementation: str = "auto", **kwargs) -> bool:
 
 
 def _packed_choice(qkv, implementation: str, kwargs) -> tuple[str, AttentionCall]:
+    """(implementation, call) of a packed self-attention: `_choose`'s, except that where
+    auto would take cuDNN the kernels that read the packed array may be faster with
+    cuDNN's slicing counted (pallas.packed_auto_reason)."""
     for name in ("q_offset", "return_weights"):
         if name in kwargs:
             raise TypeError(f"packed_self_attention() takes no {name} (use dot_product_attention)")
     b, t, _, n, h = qkv.shape
     slot = jax.ShapeDtypeStruct((b, t, n, h), qkv.dtype)
     call = make_call(slot, slot, slot, **kwargs)
-    return _choose(implementation, call, _platform())[0], call
+    platform = _platform()
+    impl = _choose(implementation, call, platform)[0]
+    if (implementation == "auto" and impl == "cudnn"
+            and pallas.packed_auto_reason(call, platform) is not None
+            and _refusal(_BY_NAME["pallas"], call, platform) is None):
+        impl = "pallas"
+    return impl, call
 
 
 _CALL_ARGUMENTS = tuple(inspect.signature(make_call).parameters)[3:]  # after q, k, v

@@ -42,9 +42,9 @@ slot 0 of one gradient array and the dK/dV kernel stores its tiles into slots 1 
 the same array (aliased), so the projection's backward gets one [B, T, 3, N, H]
 gradient: one matmul for dx, not three whose products are summed, and no q, k, v
 materialised with their biases in between. The projection's bias never touches a tile
-in a loop (a tile changed between its load and a dot cannot be pipelined into shared
-memory, which made the kernels 1.5-1.7x slower in GPT-2's step on an H100); it is
-folded into the algebra instead, exactly:
+in a loop (a tile changed between its load and a dot is not pipelined into shared
+memory: with the bias added to each tile, GPT-2 small's forward took 0.198 ms a layer in
+its step on an H100, 0.141 without); it is folded into the algebra instead, exactly:
   k's bias adds q_i·b_k to every score of row i: a constant per row, which softmax
             cancels. It changes nothing, and its gradient is zero.
   q's bias adds b_q·k_j to the scores of key j: one number per key (`_key_term`, an
@@ -302,6 +302,32 @@ def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
     """Where "auto" looks at the kernels, its reason for taking them: NVIDIA GPUs only (on
     CPU they run interpreted, slow, for tests; on TPU they have never run)."""
     return "the fused Pallas kernels take every mask, tile by tile" if platform.nvidia_gpu else None
+
+
+# The largest packed self-attention for which "auto" takes these kernels over cuDNN's:
+# measured there (H100, GPT-2 small's step at head dim 64, T = 1024), not beyond.
+PACKED_OVER_CUDNN = {"head_dim": 64, "length": 1024}
+
+
+def packed_auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Where "auto" would hand a packed self-attention (`pallas_packed_attention`'s
+    input) to cuDNN, its reason for taking these kernels instead, or None. cuDNN's kernel
+    is the faster of the two alone, but it needs q, k and v sliced out of the projection
+    and biased (three copies), and their gradients concatenated back (one more): with
+    those, the kernels reading the projection in place were faster on an H100 at GPT-2
+    small's shape, a plain causal mask at head dim 64 and T = 1024 (the README, Measurements
+    behind the code). Longer rows and larger heads, where cuDNN's kernel gains more, stay
+    with cuDNN until measured."""
+    spec = call.spec
+    plain_causal = (spec.causal and spec.window is None and spec.kv_lengths is None
+                    and spec.q_segment_ids is None and spec.mask is None)
+    if (platform.nvidia_gpu and plain_causal and call.dtype in (jnp.bfloat16, jnp.float16)
+            and call.head_dim <= PACKED_OVER_CUDNN["head_dim"]
+            and call.q_len <= PACKED_OVER_CUDNN["length"]):
+        return ("the fused Pallas kernels read the projection's q, k, v in place (cuDNN "
+                "needs them sliced out and biased: at head dim <= 64 and T <= 1024 the "
+                "kernels were faster with that counted)")
+    return None
 
 
 def _pow2_block(name: str, value: Optional[int], default: int) -> int:

@@ -172,7 +172,7 @@ class MultiHeadAttention(nn.Module):
         # q, k and v are separate 2-D matmuls even from the fused [D, 3, N, H] kernel:
         # slicing one [B, T, 3, N, H] product apart copies it (layers/linear.py). Only a
         # backend that reads the one product in place (attention.reads_packed: the Pallas
-        # kernels, which also add the bias as they load) gets it whole.
+        # kernels, which fold the bias into their algebra) gets it whole.
         def project(src, w, bias, c):  # src · w[:, c] + bias[c]: [B, T, D] -> [B, T, heads, H]
             return matmul(src, w[:, c]) + (bias[c] if self.use_bias else 0.0)
 

@@ -132,9 +132,20 @@ def test_which_backends_read_packed():
     assert reads_packed(qkv, causal=True, implementation="pallas")
     assert not reads_packed(qkv, causal=True, implementation="xla")
     with compiling_for("gpu"):
-        # packed documents on a GPU: the kernels; plain causal rows: cuDNN, unpacked
+        # packed documents on a GPU: the kernels; plain causal rows at GPT-2's head size
+        # and length too (measured faster than cuDNN with its slicing, an H100)
         assert reads_packed(qkv, causal=True, segment_ids=ids)
-        assert not reads_packed(qkv, causal=True)
+        assert reads_packed(qkv, causal=True)
+        # beyond what was measured, and masks other than plain causal: cuDNN, unpacked
+        long_rows = jax.ShapeDtypeStruct((2, 2048, 3, 4, 64), jnp.bfloat16)
+        large_heads = jax.ShapeDtypeStruct((2, 256, 3, 4, 128), jnp.bfloat16)
+        assert not reads_packed(long_rows, causal=True)
+        assert not reads_packed(large_heads, causal=True)
+        assert not reads_packed(qkv, causal=True, window=64)
+        assert not reads_packed(qkv, causal=True, kv_lengths=jnp.full((2,), 200))
+        assert not reads_packed(qkv)  # not causal
+        # asked for by name, cuDNN stays cuDNN
+        assert not reads_packed(qkv, causal=True, implementation="cudnn")
 
 
 @pytest.mark.parametrize("args, kwargs, message", [
