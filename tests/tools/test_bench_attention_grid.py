@@ -47,3 +47,53 @@ def test_packed_rows_take_one_projection_output_and_its_bias():
     row = gpu.bench_jax("xla", 64, 1024, "causal", memory_budget=1, width=128, qkv="packed")
     assert row["qkv"] == "packed" and row["fwd_temp_bytes"] > 1
     assert row["skipped"].startswith("needs ")
+
+
+def test_pallas_tile_settings_are_parsed_checked_and_tabled():
+    assert gpu.parse_tiles("fwd=64x32, warps=4,bwd_stages=2") == {
+        "fwd_q": 64, "fwd_k": 32, "num_warps": 4, "bwd_num_stages": 2}
+    for text, says in (("fwd=64", "'fwd=64' in 'fwd=64'; valid: fwd=NxN,bwd=NxN,warps=N"),
+                       ("tiles=64x64", "valid: fwd=NxN"), ("fwd=48x64", "tile 48; valid: powers"),
+                       ("warps=0", "whole numbers >= 1"), ("", "valid: e.g.")):
+        with pytest.raises(ValueError, match=says):
+            gpu.parse_tiles(text)
+    rows = [{"impl": i, "H": 64, "T": 1024, "mask": "causal", "fwd_s": 1e-4, "fwd_bwd_s": 4e-4}
+            for i in ("cudnn", "pallas", "pallas fwd=64x64")]
+    assert "| H | T | mask | pallas | pallas fwd=64x64 | cudnn | pallas ÷ cudnn |" in gpu.table(rows)
+
+
+def test_a_tile_setting_runs_those_kernels(x64):
+    """A --pallas-tiles column times the kernels with those tiles: the same attention (the
+    float64 reference's) through other tiles, packed or not, in interpret mode here."""
+    import jax
+    import numpy as np
+
+    from attention_jax.attention import dot_product_attention
+    rng = np.random.default_rng(0)
+    qkv = jnp.asarray(rng.standard_normal((1, 64, 3, 2, 16)))
+    bias = jnp.asarray(rng.standard_normal((3, 2, 16)))
+    want = dot_product_attention(*(qkv[:, :, c] + bias[c] for c in range(3)), causal=True,
+                                 implementation="reference")
+    tiles = "fwd=32x16,bwd=16x32"
+    packed = gpu._tiled_pallas(tiles, 16, "packed")(qkv, bias, causal=True)
+    separate = gpu._tiled_pallas(tiles, 16, "separate")(
+        *(qkv[:, :, c] + bias[c] for c in range(3)), causal=True)
+    np.testing.assert_allclose(packed, want, atol=1e-10)
+    np.testing.assert_allclose(separate, want, atol=1e-10)
+    # and with those tiles: the forward's grid has T / 32 query blocks (the CPU's own 16s: 4)
+    jaxpr = jax.make_jaxpr(lambda x, b: gpu._tiled_pallas(tiles, 16, "packed")(
+        x, b, causal=True))(qkv, bias).jaxpr
+
+    def pallas_calls(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                yield e
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns") and e.primitive.name != "pallas_call":
+                    yield from pallas_calls(inner)
+    calls = list(pallas_calls(jaxpr))
+    assert [e.params["grid_mapping"].grid for e in calls] == [(2, 1, 2)]
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["attention", "--pallas-tiles", "fwd=48x64"])
+    assert e.value.code == 2

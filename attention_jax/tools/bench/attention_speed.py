@@ -250,6 +250,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def _tiles(text: str) -> str:
+    """argparse's type for a --pallas-tiles setting: checked here, parsed per row."""
+    try:
+        attention_speed_gpu.parse_tiles(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _names(valid):
     """argparse's type for a comma-separated subset of `valid`."""
     def parse(text: str) -> tuple:
@@ -287,6 +296,10 @@ def add_parser(sub) -> None:
                      type=_names(sorted({i for v in attention_speed_gpu.IMPLS.values() for i in v})),
                      help="GPU/TPU: the implementations to time, comma-separated (default: all "
                           "of the platform's)")
+    att.add_argument("--pallas-tiles", type=_tiles, nargs="+",
+                     help="GPU: a column per setting of the Pallas kernels' tiles, e.g. "
+                          "fwd=128x64,bwd=64x64,warps=8,stages=3,bwd_warps=4,bwd_stages=3 "
+                          "(what is not given: the head size's defaults)")
     att.add_argument("--qkv", choices=("separate", "packed"), default="separate",
                      help="GPU/TPU: packed: attention as a GPT layer calls it, one [B, T, 3, N, H] "
                           "projection output and its bias (packed_self_attention; no PyTorch peer)")

@@ -16,7 +16,10 @@ of it when causal (packed and docs rows are counted as causal), ×3.5 for forwar
 output and its [3, N, H] bias through `packed_self_attention`, the gradient taken for
 both (the Pallas kernels read the array in place; the others get q, k, v sliced out and
 biased first, copies included in their time). `--masks`, `--head-dims` and
-`--implementations` keep a part of the grid.
+`--implementations` keep a part of the grid. `--pallas-tiles` adds a column per setting
+of the Pallas kernels' tiles and launch parameters (`pallas.BlockSizes`), e.g.
+`fwd=128x64,bwd=64x128,warps=8,stages=3,bwd_warps=8,bwd_stages=3`: what is not given
+stays as `kernel_block_sizes` has it for the row's head size.
 
 On a TPU the same shapes and tables time splash, blockwise, xla and auto (`plan`
 picks the implementations per platform); there is no PyTorch peer there.
@@ -24,6 +27,7 @@ picks the implementations per platform); there is no PyTorch peer there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -35,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.attention import dot_product_attention, explain, packed_self_attention
+from attention_jax.attention import (dot_product_attention, explain, make_call,
+                                     packed_self_attention, pallas)
 from attention_jax.tools.bench.timing import installed
 
 WIDTH, TOKENS = 2048, 16384  # N·H and B·T (--width 768: GPT-2 small's attention, N = 12 at H = 64)
@@ -110,6 +115,51 @@ def gpu_time(fn, *args, repeats: int = 7, min_seconds: float = 0.05) -> float:
     return float(np.median(times))
 
 
+# --pallas-tiles: each key and the BlockSizes fields it sets
+TILE_KEYS = {"fwd": ("fwd_q", "fwd_k"), "bwd": ("bwd_q", "bwd_k"), "warps": ("num_warps",),
+             "stages": ("num_stages",), "bwd_warps": ("bwd_num_warps",),
+             "bwd_stages": ("bwd_num_stages",)}
+
+
+def parse_tiles(text: str) -> dict:
+    """`fwd=128x64,bwd=64x64,warps=8,...` -> {BlockSizes field: value}; a wrong key or
+    value is one line naming the valid ones."""
+    fields = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        names = TILE_KEYS.get(key.strip())
+        numbers = value.split("x")
+        if names is None or len(numbers) != len(names) or not all(
+                n.isdigit() and int(n) >= 1 for n in numbers):
+            raise ValueError(f"{part!r} in {text!r}; valid: " + ",".join(
+                f"{k}={'x'.join(['N'] * len(v))}" for k, v in TILE_KEYS.items())
+                             + " (whole numbers >= 1; tiles powers of two >= 16)")
+        fields.update(zip(names, map(int, numbers)))
+    for name in ("fwd_q", "fwd_k", "bwd_q", "bwd_k"):
+        if name in fields and (fields[name] < 16 or fields[name] & (fields[name] - 1)):
+            raise ValueError(f"{text!r}: tile {fields[name]}; valid: powers of two >= 16")
+    if not fields:
+        raise ValueError(f"{text!r}; valid: e.g. fwd=128x64,bwd=64x64,warps=8,stages=3")
+    return fields
+
+
+def _tiled_pallas(tiles: str, h: int, qkv: str):
+    """The Pallas kernels with --pallas-tiles' setting for head size h: a function of the
+    row's inputs and keyword arguments, as `packed_self_attention` or
+    `dot_product_attention` would call them."""
+    blocks = dataclasses.replace(pallas.kernel_block_sizes(h, jnp.bfloat16), **parse_tiles(tiles))
+
+    def attend(*args, **kwargs):
+        if qkv == "packed":
+            b, t, _, n, hd = args[0].shape
+            slot = jax.ShapeDtypeStruct((b, t, n, hd), args[0].dtype)
+            call = make_call(slot, slot, slot, **kwargs)
+            return pallas.pallas_packed_attention(*args, call.spec, call.scale, blocks)
+        call = make_call(*args, **kwargs)
+        return pallas.pallas_attention(*args, call.spec, call.scale, blocks)
+    return attend
+
+
 def _packed_inputs(h, t, mask, width=WIDTH):
     """`--qkv packed`: one projection's output [B, T, 3, N, H] and its bias [3, N, H]."""
     q, k, v, kwargs = _inputs(h, t, mask, width)
@@ -118,19 +168,26 @@ def _packed_inputs(h, t, mask, width=WIDTH):
 
 
 def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH, qkv="separate"):
+    """One row: `impl` is an implementation's name, or "pallas " and a --pallas-tiles
+    setting."""
     row = {"impl": impl, "H": h, "T": t, "mask": mask, "width": width}
+    tiled = _tiled_pallas(impl.split(" ", 1)[1], h, qkv) if impl.startswith("pallas ") else None
     if qkv == "packed":
         row["qkv"] = qkv
         args, kwargs = _packed_inputs(h, t, mask, width)
         slots = [args[0][:, :, c] for c in range(3)]
 
         def forward(qkv, bias):
+            if tiled is not None:
+                return tiled(qkv, bias, **kwargs)
             return packed_self_attention(qkv, bias, implementation=impl, **kwargs)
     else:
         *args, kwargs = _inputs(h, t, mask, width)
         slots = args
 
         def forward(q, k, v):
+            if tiled is not None:
+                return tiled(q, k, v, **kwargs)
             return dot_product_attention(q, k, v, implementation=impl, **kwargs)
     if impl == "cudnn" and mask in ("packed", "docs"):
         row["skipped"] = "cuDNN has no segment ids (only a dense N×N mask)"
@@ -179,8 +236,11 @@ def _rate(row, key):
 
 
 def table(rows, platform="gpu"):
-    impls = [i for i in ("splash", "blockwise", "pallas", "cudnn", "xla", "auto", "torch_flash",
-                         "torch_cudnn") if any(r["impl"] == i for r in rows)]
+    order = ("splash", "blockwise", "pallas", "cudnn", "xla", "auto", "torch_flash", "torch_cudnn")
+    impls = [i for i in order if any(r["impl"] == i for r in rows)]
+    tiled = list(dict.fromkeys(r["impl"] for r in rows if r["impl"].startswith("pallas ")))
+    at = impls.index("pallas") + 1 if "pallas" in impls else 0
+    impls[at:at] = tiled  # each setting's column after the default tiles'
     fast, slow = RATIO[platform]
     by = {(r["impl"], r["H"], r["T"], r["mask"]): r for r in rows}
     keys = sorted({(r["H"], r["T"], r["mask"]) for r in rows},
@@ -220,6 +280,9 @@ def run(args):
     budget = args.memory_fraction * total
     platform = jax.default_backend()
     impls, specs = chosen(platform, args)
+    for tiles in getattr(args, "pallas_tiles", None) or ():
+        if platform == "gpu":  # a column of its own after the default tiles'
+            impls = (*impls, f"pallas {tiles}")
     width = getattr(args, "width", WIDTH)
     qkv = getattr(args, "qkv", "separate")
     print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={width}, B·T={TOKENS}, q, k, v "
