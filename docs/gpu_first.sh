@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# Issue 35's first device call (docs/gpu_next.md §0): the Pallas attention with the
-# projection's bias folded into its algebra, in the step and alone.
-#   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 430
+# Issue 35's first device call (docs/gpu_next.md §0): the step with auto taking the
+# Pallas attention (bias folded in) for GPT-2's plain causal rows, against the peer; the
+# trainer's rows with it; a tile sweep of the kernels reading the packed q, k, v.
+#   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 580
 # (.whl: ../shared/device/prepare_wheels.sh fills it.) Each measurement is its own
 # process; every output lands in $OUT. DEADLINE: seconds for all of it.
-DEADLINE=${DEADLINE:-415}
+DEADLINE=${DEADLINE:-565}
 . docs/gpu_common.sh
 export PYTHONPATH=$PWD:/tmp/site
-# 1. GPT-2 small's attention as its layer calls it (one [B, T, 3, N, H] projection output
-# and its bias), Pallas against cuDNN (q, k, v sliced out and biased for it). The profile
-# of 2026-11-26 had the Pallas kernels at 0.198 ms forward and 0.455 backward a layer in
-# the step, against 0.118 and 0.309 alone on separate, unbiased q, k, v (2026-11-24).
-run attention_packed 110 $PY -m attention_jax.tools.bench attention --width 768 --sizes 1024 \
-  --head-dims 64 --masks causal,docs --implementations pallas,cudnn --qkv packed --no-torch \
-  --out $OUT/attention_packed.json
-# 2. The bare step, auto (cuDNN) against Pallas: 33.24 against 33.70 ms before.
-run bare 150 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPE:16 \
-  --implementation auto,pallas --no-torch --trainer-steps 0 --repeats 5 --out $OUT/bare.json
-# 3. The packed kernels, Triton-compiled, against the float32 reference.
-run gpu_tests 90 env JAX_PLATFORMS=cuda $PY -m pytest -m gpu -q -p no:cacheprovider \
-  tests/attention/test_pallas_packed.py
-# 4. Where the Pallas step's time goes now, if time is left.
-run profile_pallas 60 $PY -m attention_jax.tools.bench profile --shape $SHAPE --batch 16 \
-  --implementation pallas --out /tmp/profile_pallas
-cp /tmp/profile_pallas/summary.json $OUT/profile_pallas.json 2>/dev/null
+# 1. The bare step against the PyTorch peer at issue 35's three shapes, one call: auto now
+# takes the Pallas kernels here (32.5 ms against cuDNN's 32.9 at gpt2-124m:16 on
+# 2026-11-26, the peer not run that day; 35.66 on an earlier day).
+run peer 300 $PY -m attention_jax.tools.bench train --device gpu \
+  --shapes gpt2-124m:16 gpt2-124m:32 gpt2-medium:8 --trainer-steps 0 --repeats 5 \
+  --out $OUT/peer.json
+# 2. The trainer's rows with it (its step and main.py, stream rows and packed documents):
+# issue 35's trainer targets were met with cuDNN for stream rows (0.99 and 0.98).
+run trainer 150 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPE:16 \
+  --no-torch --repeats 5 --packing stream,documents --trainer-steps 60 --out $OUT/trainer.json
+# 3. The packed kernels' tiles at GPT-2's shape (dK/dV took 2.45 ms of the step's 6.15 of
+# attention, dQ 2.00, the forward 1.69): the defaults against other tiles and warps.
+run tiles 110 $PY -m attention_jax.tools.bench attention --width 768 --sizes 1024 --head-dims 64 \
+  --masks causal,docs --implementations pallas --qkv packed --no-torch --pallas-tiles \
+  bwd=64x128,bwd_warps=8 bwd=128x64,bwd_warps=8 bwd=32x64 fwd=64x64,warps=4 fwd=128x128,warps=8 \
+  --out $OUT/tiles.json
 echo "== done at $((SECONDS - start)) s"
