@@ -26,7 +26,9 @@ the powers of two that sum to it (Triton's loads have power-of-two sizes), no ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,33 @@ NUM_WARPS = 8
 # through shared memory (the PTX compiled for an H100 on the CPU host has no cp.async,
 # its loads are 16-byte vectors): the programs resident on an SM keep its memory busy.
 NUM_STAGES = 3
+# What the kernels are traced with, unless `settings` says otherwise (bench loss sweeps
+# them on a GPU): how many programs share an SM, and so whether a program's row is still
+# in the L2 cache when the gradient reads it again, depends on the warps a program has.
+_SETTINGS = {"chunk": CHUNK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+
+
+@contextlib.contextmanager
+def settings(chunk: Optional[int] = None, num_warps: Optional[int] = None,
+             num_stages: Optional[int] = None):
+    """Within: the kernels traced take these launch settings instead of the defaults
+    (chunk: a power of two >= 16, logits loaded at a time; Triton's warps and stages)."""
+    given = {"chunk": chunk, "num_warps": num_warps, "num_stages": num_stages}
+    for name, value in given.items():
+        if value is not None and (not isinstance(value, int) or value < 1 or (
+                name == "chunk" and (value < 16 or value & (value - 1)))):
+            raise ValueError(f"{name}={value!r}; valid: " + (
+                "a power of two >= 16" if name == "chunk" else "an int >= 1"))
+    before = dict(_SETTINGS)
+    _SETTINGS.update({k: v for k, v in given.items() if v is not None})
+    try:
+        yield
+    finally:
+        _SETTINGS.update(before)
+
+
+def _params(interpret: bool):
+    return triton_params(_SETTINGS["num_warps"], _SETTINGS["num_stages"], interpret)
 
 
 def _pieces(v: int, chunk: int) -> tuple[int, list[tuple[int, int]]]:
@@ -135,7 +164,7 @@ def _check(logits, targets, scale=None):
         raise ValueError(f"scale has shape {scale.shape}; valid: [M] = {logits.shape[:1]}")
 
 
-def row_statistics(logits, targets, *, chunk: int = CHUNK, interpret=None):
+def row_statistics(logits, targets, *, chunk: Optional[int] = None, interpret=None):
     """(lse, target_z, sum_z [M] float32, first_max [M] int32) of logits [M, V] (any
     float dtype, read once) against targets [M] ints. interpret: None = on a CPU or TPU
     (Triton's kernels compile for NVIDIA GPUs only)."""
@@ -144,15 +173,15 @@ def row_statistics(logits, targets, *, chunk: int = CHUNK, interpret=None):
     interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
     return pl.pallas_call(
-        functools.partial(_statistics_kernel, v=v, chunk=chunk),
+        functools.partial(_statistics_kernel, v=v, chunk=chunk or _SETTINGS["chunk"]),
         grid=(m,), in_specs=[row, one], out_specs=[one] * 4, out_shape=_stat_shapes(m),
-        compiler_params=triton_params(NUM_WARPS, NUM_STAGES, interpret), interpret=interpret,
+        compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_statistics",
     )(logits, targets.astype(jnp.int32))
 
 
 def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, *,
-                                chunk: int = CHUNK, interpret=None):
+                                chunk: Optional[int] = None, interpret=None):
     """(row_statistics(logits, targets), dz [M, V] in logits' dtype): dz = (softmax(z) -
     q)·scale per row, written over the logits' buffer (XLA copies them first only where
     they are still used after). scale [M] float32: the row's weight in the loss (0 for
@@ -162,11 +191,12 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
     interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
     *stats, dz = pl.pallas_call(
-        functools.partial(_gradient_kernel, v=v, chunk=chunk, smoothing=float(smoothing)),
+        functools.partial(_gradient_kernel, v=v, chunk=chunk or _SETTINGS["chunk"],
+                          smoothing=float(smoothing)),
         grid=(m,), in_specs=[row, one, one], out_specs=[one] * 4 + [row],
         out_shape=_stat_shapes(m) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
         input_output_aliases={0: 4},
-        compiler_params=triton_params(NUM_WARPS, NUM_STAGES, interpret), interpret=interpret,
+        compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_gradient",
     )(logits, targets.astype(jnp.int32), scale.astype(jnp.float32))
     return tuple(stats), dz

@@ -273,3 +273,26 @@ def test_kernels_equal_xla_in_bfloat16_on_a_gpu():
     np.testing.assert_array_equal(first, ref[3])
     loss, _ = cross_entropy(z.astype(jnp.float32), tg)
     assert float(jnp.mean(lse - tz)) == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_launch_settings_apply_within_and_end_with_it():
+    """loss_kernel.settings (bench loss sweeps them on a GPU): the kernels traced within
+    load the chunk given (a row of 96 in loads of 16, none of which the default makes),
+    give the same statistics, and the defaults are back after; bad values are named."""
+    rng = np.random.default_rng(0)
+    z, t = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32), jnp.asarray([0, 5, 95])
+    def traced():  # a new function each time: JAX caches a trace by the function
+        return str(jax.make_jaxpr(lambda: loss_kernel.row_statistics(z, t))())
+    with loss_kernel.settings(chunk=16, num_warps=4):
+        inside = traced()
+        lse = loss_kernel.row_statistics(z, t)[0]
+    assert "+16]" in inside and "+16]" not in traced()  # loads z[i:i+16]
+    stats = lambda: loss_kernel.row_statistics(z, t)  # noqa: E731
+    np.testing.assert_allclose(lse, stats()[0], rtol=1e-6)
+    assert loss_kernel._SETTINGS == {"chunk": loss_kernel.CHUNK, "num_warps": loss_kernel.NUM_WARPS,
+                                     "num_stages": loss_kernel.NUM_STAGES}
+    for bad, says in (({"chunk": 100}, "chunk=100; valid: a power of two >= 16"),
+                      ({"num_stages": 0}, "num_stages=0; valid: an int >= 1")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            with loss_kernel.settings(**bad):
+                pass

@@ -31,6 +31,23 @@ def test_both_kernels_timed_with_the_same_loss(tmp_path, capsys):
     assert "| pallas |" in printed and "pallas / xla: forward" in printed
 
 
+def test_a_row_per_launch_setting_of_the_kernels(capsys):
+    result = loss_speed.run(_args("--loss-kernel", "xla", "--pallas-settings",
+                                  "chunk=16,warps=4", "chunk=32"))
+    assert list(result["kernels"]) == ["xla", "pallas chunk=16,warps=4", "pallas chunk=32"]
+    for name in ("pallas chunk=16,warps=4", "pallas chunk=32"):
+        assert result["kernels"][name]["loss"] == pytest.approx(result["kernels"]["xla"]["loss"],
+                                                                rel=1e-6)
+    assert "| pallas chunk=32 |" in capsys.readouterr().out
+    for text, says in (("chunk=48", "chunk=48; valid: a power of two >= 16"),
+                       ("lanes=4", "'lanes=4' in 'lanes=4'; valid: comma-separated chunk=N, "
+                                   "warps=N, stages=N"), ("warps=0", "num_warps=0; valid")):
+        with pytest.raises(SystemExit):
+            _args("--pallas-settings", text)
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            loss_speed._settings(text)
+
+
 def test_cpu_default_is_xla_alone(capsys):
     result = loss_speed.run(_args())
     assert list(result["kernels"]) == ["xla"]

@@ -13,6 +13,11 @@ back to back and ended by one wait, after a warm-up call. With the logits' size,
 table says what one pass through them takes at the device's measured copy rate (a
 bfloat16 copy of the logits' size, timed the same way), so a loss's time reads as passes.
 
+`--pallas-settings chunk=8192,warps=16 ...` adds a row per launch setting of the loss
+kernels (`loss_kernel.settings`: logits a program loads at a time, Triton's warps and
+stages): the warps decide how many rows are in flight on an SM, and so whether a row is
+still in the L2 cache when the gradient reads it a second time.
+
 Where a step's gap between the kernels is within its noise (a few tenths of a
 millisecond in 34), this isolates it. On a CPU the Pallas kernels run interpreted (slow:
 use small `--rows`); the default there is `xla` alone, in float32.
@@ -21,9 +26,28 @@ use small `--rows`); the default there is `xla` alone, in float32.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
+
+# --pallas-settings: each key and loss_kernel.settings' argument it sets
+SETTING_KEYS = {"chunk": "chunk", "warps": "num_warps", "stages": "num_stages"}
+
+
+def parse_settings(text: str) -> dict:
+    """`chunk=8192,warps=16` -> loss_kernel.settings' arguments; a wrong key or value is
+    one line naming the valid ones."""
+    out = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        if key.strip() not in SETTING_KEYS or not value.strip().isdigit():
+            raise ValueError(f"{part!r} in {text!r}; valid: comma-separated "
+                             + ", ".join(f"{k}=N" for k in SETTING_KEYS))
+        out[SETTING_KEYS[key.strip()]] = int(value)
+    if not out:
+        raise ValueError(f"{text!r}; valid: e.g. chunk=8192,warps=16,stages=3")
+    return out
 
 
 def _queued(fn, args, repeats: int, steps: int) -> float:
@@ -42,6 +66,7 @@ def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], r
     import jax
     import jax.numpy as jnp
 
+    from attention_jax.models import loss_kernel
     from attention_jax.models.losses import head_cross_entropy
     kh, kk, kt = jax.random.split(jax.random.key(seed), 3)
     hidden = jax.random.normal(kh, (rows, width), jnp.dtype(dtype))
@@ -56,15 +81,18 @@ def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], r
     out = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "rows": rows, "width": width, "vocab": vocab, "dtype": dtype,
            "logits_bytes": logits_bytes, "pass_s": pass_s, "kernels": {}}
-    for name in kernels:
-        def loss(h, k, name=name):
-            return head_cross_entropy(h, k, targets, implementation=name)[0]
+    for name in kernels:  # "pallas SETTINGS": the kernels traced with those settings
+        impl, _, given = name.partition(" ")
+
+        def loss(h, k, impl=impl):
+            return head_cross_entropy(h, k, targets, implementation=impl)[0]
         forward = jax.jit(loss)
         both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        out["kernels"][name] = {
-            "forward_s": _queued(forward, (hidden, kernel), repeats, steps),
-            "forward_backward_s": _queued(both, (hidden, kernel), repeats, steps),
-            "loss": float(forward(hidden, kernel))}
+        with loss_kernel.settings(**parse_settings(given)) if given else contextlib.nullcontext():
+            out["kernels"][name] = {
+                "forward_s": _queued(forward, (hidden, kernel), repeats, steps),
+                "forward_backward_s": _queued(both, (hidden, kernel), repeats, steps),
+                "loss": float(forward(hidden, kernel))}
     return out
 
 
@@ -92,6 +120,18 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _settings(text: str) -> str:
+    """argparse's type for a --pallas-settings setting (its values checked as the kernels
+    check them)."""
+    from attention_jax.models import loss_kernel
+    try:
+        with loss_kernel.settings(**parse_settings(text)):
+            pass
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("loss", help="the LM head's loss alone: XLA's reductions against the "
                                     "Pallas loss kernels",
@@ -104,6 +144,9 @@ def add_parser(sub) -> None:
     p.add_argument("--loss-kernel", default=None,
                    help="comma-separated, of auto,xla,pallas (default: xla,pallas on an "
                         "accelerator, xla on a CPU, where pallas runs interpreted)")
+    p.add_argument("--pallas-settings", type=_settings, nargs="+", default=[],
+                   help="a row per launch setting of the Pallas loss kernels, e.g. "
+                        "chunk=8192,warps=16,stages=3 (what is not given: the defaults)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="calls queued per timing")
     p.add_argument("--out", default=None, help="JSON file for the result")
@@ -118,6 +161,7 @@ def run(args) -> dict:
             raise SystemExit(f"error: --{flag} {getattr(args, flag)}; valid: an integer >= 1")
     cpu = jax.default_backend() == "cpu"
     kernels = parse_loss_kernels(args.loss_kernel or ("xla" if cpu else "xla,pallas"))
+    kernels += [f"pallas {text}" for text in args.pallas_settings]
     dtype = args.dtype or ("float32" if cpu else "bfloat16")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"error: --dtype {dtype!r}; valid: float32, bfloat16 or float16")
