@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 35's first device call (docs/gpu_next.md §0): the step with auto taking the
 # Pallas attention (bias folded in) for GPT-2's plain causal rows, against the peer; the
-# trainer's rows with it; a tile sweep of the kernels reading the packed q, k, v.
-#   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 580
+# trainer's rows with it. Then, on the still-warm machine, docs/gpu_second.sh (sweeps).
+#   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 490
 # (.whl: ../shared/device/prepare_wheels.sh fills it.) Each measurement is its own
 # process; every output lands in $OUT. DEADLINE: seconds for all of it.
-DEADLINE=${DEADLINE:-565}
+DEADLINE=${DEADLINE:-475}
 . docs/gpu_common.sh
 export PYTHONPATH=$PWD:/tmp/site
 # 1. The bare step against the PyTorch peer at issue 35's three shapes, one call: auto now
@@ -18,10 +18,4 @@ run peer 300 $PY -m attention_jax.tools.bench train --device gpu \
 # issue 35's trainer targets were met with cuDNN for stream rows (0.99 and 0.98).
 run trainer 150 $PY -m attention_jax.tools.bench train --device gpu --shapes $SHAPE:16 \
   --no-torch --repeats 5 --packing stream,documents --trainer-steps 60 --out $OUT/trainer.json
-# 3. The packed kernels' tiles at GPT-2's shape (dK/dV took 2.45 ms of the step's 6.15 of
-# attention, dQ 2.00, the forward 1.69): the defaults against other tiles and warps.
-run tiles 110 $PY -m attention_jax.tools.bench attention --width 768 --sizes 1024 --head-dims 64 \
-  --masks causal,docs --implementations pallas --qkv packed --no-torch --pallas-tiles \
-  bwd=64x128,bwd_warps=8 bwd=128x64,bwd_warps=8 bwd=32x64 fwd=64x64,warps=4 fwd=128x128,warps=8 \
-  --out $OUT/tiles.json
 echo "== done at $((SECONDS - start)) s"
