@@ -73,6 +73,7 @@ from attention_jax.attention.ring_inner import choose as choose_ring_inner
 from attention_jax.errors import UserError
 
 __all__ = ["dot_product_attention", "packed_self_attention", "reads_packed", "explain",
+           "explain_packed",
            "IMPLEMENTATIONS", "BACKENDS", "MaskSpec", "RING_INNER", "default_block_sizes",
            "compiling_for", "BackendRefusedError"]
 
@@ -283,15 +284,16 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
     the same way (keyword arguments as there; no q_offset or weights: a cached decode
     and the reference's weights take q, k, v apart), except that "auto" takes the Pallas
     kernels over cuDNN where they were faster with cuDNN's slicing counted
-    (pallas.packed_auto_reason: plain causal rows at head dim <= 64, T <= 1024). Where the choice reads packed
-    inputs (`reads_packed`: the Pallas kernels), nothing is copied between the projection
-    and the kernels, forward or backward (pallas.pallas_packed_attention); elsewhere q, k
-    and v are sliced out and biased first, copies that three separate projections avoid.
+    (pallas.packed_auto_reason: plain causal rows at head dim 64, T <= 1024; `explain_packed`
+    says which and why). Where the choice reads packed inputs (`reads_packed`: the
+    Pallas kernels), nothing is copied between the projection and the kernels, forward or
+    backward (pallas.pallas_packed_attention); elsewhere q, k and v are sliced out and
+    biased first, copies that three separate projections avoid.
     """
     if getattr(qkv, "ndim", None) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be [B, T, 3, N, H] (q, k, v in slots 0, 1, 2); got shape "
                          f"{getattr(qkv, 'shape', type(qkv).__name__)}")
-    impl, call = _packed_choice(qkv, implementation, kwargs)
+    impl, call = _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (3, *qkv.shape[3:]):
@@ -308,17 +310,34 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
     return _run(impl, _BY_NAME[impl].run, call, (q, k, v), _QKV_ROLES, batch_axes, head_axes)
 
 
-def reads_packed(qkv, *, implementation: str = "auto", **kwargs) -> bool:
+def reads_packed(qkv, *, implementation: str = "auto", batch_axes: Sequence[str] = (),
+                 head_axes: Sequence[str] = (), **kwargs) -> bool:
     """Whether `packed_self_attention(qkv, ...)` with these arguments runs a backend that
     reads the packed array in place; qkv may be a `jax.ShapeDtypeStruct` [B, T, 3, N, H].
     A layer asks before projecting: three projections suit the other backends better."""
-    return _packed_choice(qkv, implementation, kwargs)[0] in _PACKED_RUN
+    return explain_packed(qkv, implementation=implementation, batch_axes=batch_axes,
+                          head_axes=head_axes, **kwargs)[0] in _PACKED_RUN
 
 
-def _packed_choice(qkv, implementation: str, kwargs) -> tuple[str, AttentionCall]:
+def explain_packed(qkv, *, implementation: str = "auto", batch_axes: Sequence[str] = (),
+                   head_axes: Sequence[str] = (), **kwargs) -> tuple[str, str]:
+    """(implementation, reason) `packed_self_attention(qkv, ...)` would take: `explain`'s
+    for q, k, v of qkv's slots, except where auto takes the kernels that read the packed
+    array over cuDNN (pallas.packed_auto_reason)."""
+    impl, call = _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)
+    platform = _platform()
+    chosen, reason = _choose(implementation, call, platform)
+    if chosen != impl:  # auto's cuDNN, taken over by the kernels that read the packed array
+        reason = pallas.packed_auto_reason(call, platform)
+    return impl, reason
+
+
+def _packed_choice(qkv, implementation: str, kwargs, batch_axes: Sequence[str] = (),
+                   head_axes: Sequence[str] = ()) -> tuple[str, AttentionCall]:
     """(implementation, call) of a packed self-attention: `_choose`'s, except that where
     auto would take cuDNN the kernels that read the packed array may be faster with
-    cuDNN's slicing counted (pallas.packed_auto_reason)."""
+    cuDNN's slicing counted (pallas.packed_auto_reason) - where they would run on each
+    device's share alone, and with no tile sizes given for cuDNN's sake."""
     for name in ("q_offset", "return_weights"):
         if name in kwargs:
             raise TypeError(f"packed_self_attention() takes no {name} (use dot_product_attention)")
@@ -329,7 +348,9 @@ def _packed_choice(qkv, implementation: str, kwargs) -> tuple[str, AttentionCall
     impl = _choose(implementation, call, platform)[0]
     if (implementation == "auto" and impl == "cudnn"
             and pallas.packed_auto_reason(call, platform) is not None
-            and _refusal(_BY_NAME["pallas"], call, platform) is None):
+            and _refusal(_BY_NAME["pallas"], call, platform) is None
+            and call.block_q is None and call.block_k is None
+            and per_device.divides(call, batch_axes, head_axes)):
         impl = "pallas"
     return impl, call
 

@@ -46,7 +46,8 @@ in a loop (a tile changed between its load and a dot is not pipelined into share
 memory: with the bias added to each tile, GPT-2 small's forward took 0.198 ms a layer in
 its step on an H100, 0.141 without); it is folded into the algebra instead, exactly:
   k's bias adds q_i·b_k to every score of row i: a constant per row, which softmax
-            cancels. It changes nothing, and its gradient is zero.
+            cancels. It changes nothing, and its gradient is zero (the kernels sum it
+            from dk as the others, so it comes out as rounding's near-zero).
   q's bias adds b_q·k_j to the scores of key j: one number per key (`_key_term`, an
             [B, N, T] input like L), added to each tile of scores. dK gets b_q Σ_i dS_ij.
   v's bias adds b_v to every output row (the weights sum to 1): added once at the end;
@@ -242,8 +243,8 @@ def pallas_packed_attention(qkv, bias, spec: MaskSpec, scale: float,
     0, 1, 2) and its bias [3, N, H] (or None) -> [B, T, N, H].
 
     The same kernels as `pallas_attention`, reading each head's q, k and v tiles where
-    the projection wrote them (strided, as they read [B, T, N, H]) and adding the bias
-    as a tile is loaded; the backward writes dq, dk and dv into one [B, T, 3, N, H]
+    the projection wrote them (strided, as they read [B, T, N, H]), with the bias folded
+    into their algebra (the module's text); the backward writes dq, dk and dv into one [B, T, 3, N, H]
     array. So nothing is copied between the projection and the kernels, either way: no
     q, k, v with their biases materialised in the forward, and in the backward one
     matmul x·Wᵀ over the three (K = 3·N·H) instead of three whose products are summed.
@@ -304,9 +305,10 @@ def auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
     return "the fused Pallas kernels take every mask, tile by tile" if platform.nvidia_gpu else None
 
 
-# The largest packed self-attention for which "auto" takes these kernels over cuDNN's:
-# measured there (H100, GPT-2 small's step at head dim 64, T = 1024), not beyond.
-PACKED_OVER_CUDNN = {"head_dim": 64, "length": 1024}
+# The packed self-attentions for which "auto" takes these kernels over cuDNN's: those
+# measured (H100, GPT-2 small's step: head dim 64, T = 1024), and shorter rows, where
+# cuDNN's slicing weighs more against its kernel (attention grows as T², the slicing as T).
+PACKED_OVER_CUDNN = {"head_dims": (64,), "max_length": 1024}
 
 
 def packed_auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:
@@ -315,18 +317,18 @@ def packed_auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]
     is the faster of the two alone, but it needs q, k and v sliced out of the projection
     and biased (three copies), and their gradients concatenated back (one more): with
     those, the kernels reading the projection in place were faster on an H100 at GPT-2
-    small's shape, a plain causal mask at head dim 64 and T = 1024 (the README, Measurements
-    behind the code). Longer rows and larger heads, where cuDNN's kernel gains more, stay
-    with cuDNN until measured."""
+    small's shape, a plain causal mask at head dim 64 and T = 1024 (the README,
+    Measurements behind the code). Other head sizes, and longer rows, where cuDNN's
+    kernel gains more, stay with cuDNN until measured."""
     spec = call.spec
     plain_causal = (spec.causal and spec.window is None and spec.kv_lengths is None
                     and spec.q_segment_ids is None and spec.mask is None)
     if (platform.nvidia_gpu and plain_causal and call.dtype in (jnp.bfloat16, jnp.float16)
-            and call.head_dim <= PACKED_OVER_CUDNN["head_dim"]
-            and call.q_len <= PACKED_OVER_CUDNN["length"]):
-        return ("the fused Pallas kernels read the projection's q, k, v in place (cuDNN "
-                "needs them sliced out and biased: at head dim <= 64 and T <= 1024 the "
-                "kernels were faster with that counted)")
+            and call.head_dim in PACKED_OVER_CUDNN["head_dims"]
+            and call.q_len <= PACKED_OVER_CUDNN["max_length"]):
+        return ("the fused Pallas kernels read the projection's q, k, v in place; cuDNN "
+                "needs them sliced out and biased, and with that counted the kernels were "
+                "faster at head dim 64, T <= 1024 (an H100)")
     return None
 
 

@@ -75,6 +75,23 @@ def split_of(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence
     return split
 
 
+def divides(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence[str]) -> bool:
+    """Whether such a backend would run `call` on each device's share alone here: no mesh
+    (or one device), or every mesh axis with devices among `batch_axes` and `head_axes`,
+    each dividing what it splits. Else some rows or heads are computed whole on several
+    devices, where XLA would have split cuDNN's attention. Says nothing (split_of warns)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return True
+    free = {a: mesh.shape[a] for a in mesh.axis_names
+            if a not in getattr(mesh, "manual_axes", ()) and mesh.shape[a] > 1}
+    if not set(free) <= set(batch_axes) | set(head_axes):
+        return False
+    devices = lambda names: math.prod(free.get(a, 1) for a in names)  # noqa: E731
+    return (call.batch % devices(batch_axes) == 0 and call.heads % devices(head_axes) == 0
+            and call.kv_heads % devices(head_axes) == 0)
+
+
 def run(fn: Callable, call: AttentionCall, split: Split, inputs: tuple,
         roles: tuple[tuple[Optional[str], ...], ...]):
     """fn(*inputs, call) on each device's share: `inputs` split by their dimensions'

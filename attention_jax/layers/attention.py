@@ -201,7 +201,7 @@ class MultiHeadAttention(nn.Module):
             bias = self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
             if (self.rope_base is None and not decode and not return_weights and reads_packed(
                     jax.ShapeDtypeStruct((b, t, 3, n, h), self.dtype),
-                    implementation=self.implementation, **masks)):
+                    implementation=self.implementation, **split, **masks)):
                 qkv = nn.with_logical_constraint(
                     matmul(x, w), (axes.BATCH, axes.LENGTH, None, axes.HEADS, axes.HEAD_DIM))
                 out = packed_self_attention(qkv, bias if self.use_bias else None,

@@ -72,7 +72,7 @@ def _matmuls(module, params, x):
 
 def test_pallas_reads_one_projection_of_q_k_v_in_place():
     """With the Pallas kernels, self-attention projects q, k and v in one matmul and hands
-    its [B, T, 3, N, H] product to the kernels (the bias added as they load): values and
+    its [B, T, 3, N, H] product to the kernels (the bias folded in): values and
     gradients as blockwise's three projections, with the same parameters. RoPE rotates q
     and k before the kernels see them, so it keeps three projections."""
     x = _x((2, 40, 32), 0)

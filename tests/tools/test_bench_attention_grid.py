@@ -24,6 +24,10 @@ def test_options_keep_a_part_of_the_grid():
     with pytest.raises(SystemExit, match=r"--implementations cudnn; valid on tpu: "
                                          r"splash,blockwise,xla,auto"):
         gpu.chosen("tpu", _args(implementations=("cudnn",)))
+    # a head size or length the grid has not: one line, not an empty table
+    with pytest.raises(SystemExit, match=r"leave no row of the grid; valid: T in \[1024, 4096\], "
+                                         r"H in \[64, 128\], masks full, causal, packed, docs"):
+        gpu.chosen("gpu", _args(head_dims=[96]))
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -47,6 +51,12 @@ def test_packed_rows_take_one_projection_output_and_its_bias():
     row = gpu.bench_jax("xla", 64, 1024, "causal", memory_budget=1, width=128, qkv="packed")
     assert row["qkv"] == "packed" and row["fwd_temp_bytes"] > 1
     assert row["skipped"].startswith("needs ")
+    # auto's column names what the packed call takes (on a GPU: the kernels, at H = 64),
+    # not what separate q, k, v would (cuDNN)
+    from attention_jax.attention import compiling_for
+    with compiling_for("gpu"):  # (then refused: a CPU cannot compile the Triton kernels)
+        row = gpu.bench_jax("auto", 64, 1024, "causal", memory_budget=1, width=128, qkv="packed")
+    assert row["auto"].startswith("pallas — the fused Pallas kernels read the projection's")
 
 
 def test_pallas_tile_settings_are_parsed_checked_and_tabled():

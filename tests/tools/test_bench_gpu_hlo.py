@@ -137,8 +137,8 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     logits_bytes = 2 * row["batch"] * row["seq_len"] * row["vocab"]
     loss_reductions = [g for s, g in sources.items() if s.startswith("jvp()/reduce")]
     assert loss_reductions and all(g["bytes"] < logits_bytes / 10 for g in loss_reductions)
-    # The kernels read the one q, k, v projection in place, adding its bias as they load:
-    # no bias add left to XLA.
+    # The kernels read the one q, k, v projection in place, its bias folded into their
+    # algebra: no bias add left to XLA.
     assert not [s for s in sources if s.endswith("self_attention/add")]
     assert kinds["matmul"]["kernels"] >= 6 and kinds["memory"]["kernels"] > 0
     # Its matmuls multiply each weight once forward and twice backward, nothing more.

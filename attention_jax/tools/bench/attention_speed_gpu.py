@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.attention import (dot_product_attention, explain, make_call,
+from attention_jax.attention import (dot_product_attention, explain, explain_packed, make_call,
                                      packed_self_attention, pallas)
 from attention_jax.tools.bench.timing import installed
 
@@ -77,6 +77,11 @@ def chosen(platform: str, args):
     keep = lambda value, given: not given or value in given  # noqa: E731
     grid = [(h, t, m) for h, t, m in grid if keep(t, args.sizes)
             and keep(m, getattr(args, "masks", None)) and keep(h, getattr(args, "head_dims", None))]
+    if not grid:
+        full = plan(platform, args.quick)[1]
+        raise SystemExit("error: --sizes, --masks and --head-dims leave no row of the grid; "
+                         f"valid: T in {sorted({t for _, t, _ in full})}, H in "
+                         f"{sorted({h for h, _, _ in full})}, masks {', '.join(MASKS)}")
     return impls, grid
 
 
@@ -175,7 +180,7 @@ def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH, qkv="separate"):
     if qkv == "packed":
         row["qkv"] = qkv
         args, kwargs = _packed_inputs(h, t, mask, width)
-        slots = [args[0][:, :, c] for c in range(3)]
+        choice = lambda: explain_packed(args[0], **kwargs)  # noqa: E731
 
         def forward(qkv, bias):
             if tiled is not None:
@@ -183,7 +188,7 @@ def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH, qkv="separate"):
             return packed_self_attention(qkv, bias, implementation=impl, **kwargs)
     else:
         *args, kwargs = _inputs(h, t, mask, width)
-        slots = args
+        choice = lambda: explain(*args, **kwargs)  # noqa: E731
 
         def forward(q, k, v):
             if tiled is not None:
@@ -200,7 +205,7 @@ def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH, qkv="separate"):
            "fwd_bwd": jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))}
     try:
         if impl == "auto":
-            row["auto"] = " — ".join(explain(*slots, **kwargs))
+            row["auto"] = " — ".join(choice())
         for name, fn in fns.items():
             exe = fn.lower(*args).compile()
             row[f"{name}_temp_bytes"] = exe.memory_analysis().temp_size_in_bytes
@@ -283,6 +288,9 @@ def run(args):
     for tiles in getattr(args, "pallas_tiles", None) or ():
         if platform == "gpu":  # a column of its own after the default tiles'
             impls = (*impls, f"pallas {tiles}")
+    if getattr(args, "pallas_tiles", None) and platform != "gpu":
+        print(f"note: --pallas-tiles sets the Triton kernels' tiles, which a {platform.upper()} "
+              "does not run; ignored", file=sys.stderr)
     width = getattr(args, "width", WIDTH)
     qkv = getattr(args, "qkv", "separate")
     print(f"{platform.upper()}: {device.device_kind}, bf16, N·H={width}, B·T={TOKENS}, q, k, v "
