@@ -105,3 +105,16 @@ def children_outliving(script_path, env=None, timeout: float = 15) -> tuple[list
     while any(alive(p) for p in children) and time.time() < deadline:
         time.sleep(0.1)
     return children, [p for p in children if alive(p)]
+
+
+def pallas_calls(jaxpr):
+    """The pallas_call equations of a jaxpr, in the order traced, looking into nested jits,
+    custom_vjps and loops (not into the kernels themselves)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+            continue
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from pallas_calls(inner)

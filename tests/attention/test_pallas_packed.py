@@ -10,10 +10,10 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import pallas_calls
 
 from attention_jax.attention import (compiling_for, dot_product_attention, explain_packed,
-                                     packed_self_attention, reads_packed)
-from attention_jax.attention import pallas
+                                     packed_self_attention, pallas, reads_packed)
 from tests.attention.test_attention import Case
 
 # Self-attention cases (T == S, K == N, Hv == H): lengths and head dims the kernels pad
@@ -273,17 +273,8 @@ def test_every_tile_product_reads_its_second_tile_as_loaded(packed):
         attend = lambda qkv, bias: dot_product_attention(
             *(qkv[:, :, c] + bias[c] for c in range(3)), implementation="pallas", causal=True)
     grad = jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32)), argnums=(0, 1))
-    products = {}
-
-    def kernels(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                products[eqn.params["name"]] = _dot_operands(eqn.params["jaxpr"])
-            for p in eqn.params.values():
-                inner = getattr(p, "jaxpr", p)
-                if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
-                    kernels(inner)
-    kernels(jax.make_jaxpr(grad)(qkv, bias).jaxpr)
+    products = {eqn.params["name"]: _dot_operands(eqn.params["jaxpr"])
+                for eqn in pallas_calls(jax.make_jaxpr(grad)(qkv, bias).jaxpr)}
     # each product three times: a causal walk has a masked, an unmasked and a masked loop
     assert {k: len(v) for k, v in products.items()} == {
         "flash_forward": 2 * 3, "flash_backward_dq": 3 * 3, "flash_backward_dkdv": 4 * 3}

@@ -5,6 +5,7 @@ import argparse
 
 import jax.numpy as jnp
 import pytest
+from helpers import pallas_calls
 
 from attention_jax.tools.bench import __main__ as bench_main
 from attention_jax.tools.bench import attention_speed_gpu as gpu
@@ -93,17 +94,7 @@ def test_a_tile_setting_runs_those_kernels(x64):
     # and with those tiles: the forward's grid has T / 32 query blocks (the CPU's own 16s: 4)
     jaxpr = jax.make_jaxpr(lambda x, b: gpu._tiled_pallas(tiles, 16, "packed")(
         x, b, causal=True))(qkv, bias).jaxpr
-
-    def pallas_calls(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                yield e
-            for p in e.params.values():
-                inner = getattr(p, "jaxpr", p)
-                if hasattr(inner, "eqns") and e.primitive.name != "pallas_call":
-                    yield from pallas_calls(inner)
-    calls = list(pallas_calls(jaxpr))
-    assert [e.params["grid_mapping"].grid for e in calls] == [(2, 1, 2)]
+    assert [e.params["grid_mapping"].grid for e in pallas_calls(jaxpr)] == [(2, 1, 2)]
     with pytest.raises(SystemExit) as e:
         bench_main.main(["attention", "--pallas-tiles", "fwd=48x64"])
     assert e.value.code == 2
