@@ -51,7 +51,7 @@ def test_table_on_fabricated_rows():
             {**base, "side": "jax", "impl": "pallas",
              "error": "XlaRuntimeError: RESOURCE_EXHAUSTED | oom"},
             {**train_speed_gpu.SHAPES["gpt2-medium"].row(8), "side": "jax", "impl": "auto",
-             "step_s": 0.1}]
+             "step_s": 0.1, "attention_used": "pallas"}]
     for r in rows:
         train_speed_gpu.finish_row(r, 800e12)
     text = train_speed_gpu.table(rows, 800e12, "NVIDIA H100 80GB HBM3")
@@ -61,7 +61,7 @@ def test_table_on_fabricated_rows():
     assert "failed: XlaRuntimeError: RESOURCE_EXHAUSTED / oom" in text  # no stray '|'
     assert all(line.count("|") == 9 for line in lines[:6])
     assert "NVIDIA H100 80GB HBM3" in text and "800 TFLOP/s" in text
-    assert "| gpt2-medium | 8 | jax / auto | 100.0 |" in text  # no peer: no ratio
+    assert "| gpt2-medium | 8 | jax / auto (pallas) | 100.0 |" in text  # no peer: no ratio
     trainer_rows = [{**base, "side": "trainer step", "impl": "auto", "packing": packing,
                      "step_s": 0.034} for packing in ("stream", "documents")]
     text = train_speed_gpu.table([train_speed_gpu.finish_row(r, None) for r in trainer_rows],
@@ -136,6 +136,14 @@ def test_our_child_step_on_cpu():
     kernels = train_speed_gpu_child.measure_ours({**row, "norm_kernel": "pallas"}, "blockwise",
                                                  warmup=1, repeats=1, steps=1, dtype="float32")
     assert kernels["impl"] == "blockwise, norm pallas" and "error" not in kernels
+    assert r["attention_used"] == "blockwise"
+    # On a GPU, auto's choice for GPT-2 small's rows: the kernels reading the packed q, k, v
+    from attention_jax.attention import compiling_for
+    with compiling_for("gpu"):
+        assert train_speed_gpu_child.attention_used(
+            train_speed_gpu.SHAPES["gpt2-124m"].row(16), "auto", "bfloat16") == "pallas"
+        assert train_speed_gpu_child.attention_used(
+            train_speed_gpu.SHAPES["gpt2-124m"].row(16), "cudnn", "bfloat16") == "cudnn"
     assert kernels["first_loss"] == pytest.approx(r["first_loss"], rel=1e-5)
 
 

@@ -155,7 +155,8 @@ def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
              f"{H100_BF16_PEAK / 1e12:.0f} peak | MFU vs matmul | ours ÷ peer (speed) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        side = f"{r['side']} / {_attention_label(r['impl'], r.get('packing'))}"
+        label = _attention_label(r["impl"], r.get("packing"), r.get("attention_used"))
+        side = f"{r['side']} / {label}"
         if "step_s" not in r:
             err = r.get("error", "no result").replace("|", "/")
             lines.append(f"| {r['shape']} | {r['batch']} | {side} | failed: {err} "
@@ -202,8 +203,11 @@ def _findable(module: str) -> bool:
         return False
 
 
-def _attention_label(impl: str, packing: str | None) -> str:
-    """A row's attention in the table; a trainer row also names its data.packing."""
+def _attention_label(impl: str, packing: str | None, used: str | None = None) -> str:
+    """A row's attention in the table, with what auto chose where a bare row says; a
+    trainer row also names its data.packing."""
+    if used and impl.split(",")[0] == "auto":
+        impl = impl.replace("auto", f"auto ({used})", 1)
     return f"{impl}, {packing} packing" if packing else impl
 
 

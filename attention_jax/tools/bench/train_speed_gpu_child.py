@@ -122,6 +122,7 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
         from attention_jax.models.losses import choose_loss_kernel  # what auto chose here
         result["loss_kernel_used"] = ("chunked" if loss_chunk_size else choose_loss_kernel(
             row.get("loss_kernel", "auto"), dtype, row["vocab"]))
+        result["attention_used"] = attention_used(row, implementation, dtype)
         loss = None
         for _ in range(max(1, warmup)):
             state, loss = step(state)
@@ -135,6 +136,18 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
     except Exception as e:  # out of memory, a backend refusing a shape: a result
         result["error"] = _error_line(e)
     return result
+
+
+def attention_used(row: dict, implementation: str, dtype: str) -> str:
+    """The backend the model's self-attention runs at `row` (auto's choice, made as the
+    layer makes it: for one q, k, v projection's output, plain causal rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from attention_jax.attention import explain_packed
+    qkv = jax.ShapeDtypeStruct((row["batch"], row["seq_len"], 3, row["heads"],
+                                row["width"] // row["heads"]), jnp.dtype(dtype))
+    return explain_packed(qkv, implementation=implementation, causal=True)[0]
 
 
 def _error_line(e: BaseException) -> str:
