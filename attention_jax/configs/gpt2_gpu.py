@@ -12,10 +12,12 @@ GPT-2's FLOPs: 6·N + 12·L·T·D = 0.86 GFLOP per token. The tokens are bytes (
 corpus ships with Python, nothing is downloaded), so only 259 rows of the head are ever
 targets. Float32 parameters and AdamW state; matmuls in bfloat16 with float32
 accumulation (`train.compute_dtype`); LayerNorm statistics, softmax and the loss in
-float32. Attention "auto": cuDNN, or the Pallas kernels when documents are packed into a
-row (they are here: segment ids go to the kernel, no dense mask).
+float32. Attention "auto": the Pallas kernels reading the q, k, v projection in place, for
+documents packed into a row (segment ids go to the kernel, no dense mask) and, at this
+head size and length, for plain causal rows too (faster than cuDNN's kernel with its
+slicing counted; attention/pallas.py, packed_auto_reason).
 `--config.data.packing=stream` trains as GPT-2 and nanoGPT do instead: a row is one
-causal stream across documents, plain causal attention (cuDNN), the bare step's inputs.
+causal stream across documents, plain causal attention, the bare step's inputs.
 
 Measured (H100 80GB HBM3, 2026-11-23): the bare step at this shape and batch 34.6 ms
 (`bench train --device gpu --shapes gpt2-124m`), 473k tokens/s, MFU 40.9% of the 989
@@ -56,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.vocab_size = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT.
     c.model.max_len = 1024
     c.model.dropout_rate = 0.0  # a short run on a large corpus: no regularisation.
-    c.model.implementation = "auto"  # cuDNN, or Pallas for packed rows (attention/__init__.py).
+    c.model.implementation = "auto"  # the Pallas kernels here, or cuDNN (attention/__init__.py).
     c.model.remat_policy = "none"  # 124M at batch 16 fits in 80 GB without recomputation.
     c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 
@@ -68,9 +70,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "validation"
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
-    # "documents": each packed document sees only itself (segment ids: Pallas attention on
-    # a GPU). "stream": one causal stream across documents, as GPT-2 and nanoGPT train
-    # (cuDNN attention, the bare step's inputs).
+    # "documents": each packed document sees only itself (segment ids). "stream": one
+    # causal stream across documents, as GPT-2 and nanoGPT train (the bare step's inputs).
     c.data.packing = "documents"
 
     c.optim.lr = 6e-4  # GPT-2 small's peak lr (GPT-3 paper, Table 2.1), cosine decay.

@@ -100,7 +100,8 @@ class MultiHeadAttention(nn.Module):
       use_bias: biases on the projections (GPT-2, BERT, Vaswani: yes; LLaMA: no).
       dropout_rate: on per-head outputs before the output projection (see module doc).
       implementation: the attention backend ("auto" default: cuDNN or the Pallas kernels on a
-        GPU, blockwise on CPU; "reference" to get weights).
+        GPU, attention.explain / explain_packed say which; blockwise on CPU; "reference"
+        to get weights).
       ring_inner: the kernel on each chunk pair when the ring runs (a `sequence` mesh axis):
         "auto" (Pallas on an NVIDIA GPU, splash on a TPU, blockwise elsewhere) or one of
         attention.RING_INNER to force it (tests force the fused kernels on CPU).

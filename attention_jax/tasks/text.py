@@ -309,7 +309,7 @@ def lm_task(config, workdir: str) -> Task:
     check_model_keys(gpt.GPTConfig, config)  # before the corpus and tokenizer are built
     # packing: "documents" keeps each packed document to itself (segment ids, positions
     # restarting per document); "stream" reads a row as a window of one token stream, as
-    # GPT-2 and nanoGPT train (plain causal attention: cuDNN's kernel on a GPU).
+    # GPT-2 and nanoGPT train (plain causal attention).
     data_opts = data_options(config, **GPT_DATA)
     _check_lm_tokenizer(data_opts)
     documents = _Documents(data_opts)
