@@ -315,8 +315,7 @@ def reads_packed(qkv, *, implementation: str = "auto", batch_axes: Sequence[str]
     """Whether `packed_self_attention(qkv, ...)` with these arguments runs a backend that
     reads the packed array in place; qkv may be a `jax.ShapeDtypeStruct` [B, T, 3, N, H].
     A layer asks before projecting: three projections suit the other backends better."""
-    return explain_packed(qkv, implementation=implementation, batch_axes=batch_axes,
-                          head_axes=head_axes, **kwargs)[0] in _PACKED_RUN
+    return _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)[0] in _PACKED_RUN
 
 
 def explain_packed(qkv, *, implementation: str = "auto", batch_axes: Sequence[str] = (),

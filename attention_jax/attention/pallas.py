@@ -244,8 +244,8 @@ def pallas_packed_attention(qkv, bias, spec: MaskSpec, scale: float,
 
     The same kernels as `pallas_attention`, reading each head's q, k and v tiles where
     the projection wrote them (strided, as they read [B, T, N, H]), with the bias folded
-    into their algebra (the module's text); the backward writes dq, dk and dv into one [B, T, 3, N, H]
-    array. So nothing is copied between the projection and the kernels, either way: no
+    into their algebra (the module's text); the backward writes dq, dk and dv into one
+    [B, T, 3, N, H] array. So nothing is copied between the projection and the kernels, either way: no
     q, k, v with their biases materialised in the forward, and in the backward one
     matmul x·Wᵀ over the three (K = 3·N·H) instead of three whose products are summed.
     """
@@ -794,10 +794,11 @@ def _key_term(qkv, bias):
 
 
 def _bias_inputs(st: _Static, bias, key_term, slot: int, keys):
-    """A biased packed call's key terms and one slot of its bias [3, N, H] (v's, 2, for
-    the query grids; q's, 0, for the dK/dV grid), each program reading its head's (a
-    packed call has one K/V head per query head): keys (rows, grid -> row block) says
-    which key terms. Nothing without a bias."""
+    """A biased packed call's extra inputs and their BlockSpecs (nothing without a bias):
+    its key terms [B, N, T], of which a program (grid (·, b, h)) reads `keys` = (rows,
+    index_map(*grid) -> row block) of its batch row and head, and the row of slot `slot`
+    of the bias [3, N, H] for its head (v's, 2, on the query grids; q's, 0, on the dK/dV
+    grid; a packed call has one K/V head per query head)."""
     if not st.biased:
         return [], []
     rows, block = keys

@@ -39,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.attention import (dot_product_attention, explain, explain_packed, make_call,
+from attention_jax.attention import (dot_product_attention, explain, explain_packed,
                                      packed_self_attention, pallas)
+from attention_jax.attention.call import make_call
 from attention_jax.tools.bench.timing import installed
 
 WIDTH, TOKENS = 2048, 16384  # N·H and B·T (--width 768: GPT-2 small's attention, N = 12 at H = 64)
