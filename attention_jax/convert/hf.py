@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -145,6 +146,10 @@ def load_hf(path, *, implementation: Optional[str] = None, dtype: str = "float32
 _EXPORT_ARCH = {("gpt2", None): "GPT2LMHeadModel", ("bert", "pretraining"): "BertForPreTraining",
                 ("bert", "classification"): "BertForSequenceClassification",
                 ("bert", "encoder"): "BertModel", ("vit", None): "ViTForImageClassification"}
+# BertForPreTraining's parts that BertForMaskedLM lacks, which load_hf fills with zeros for
+# such a checkpoint: params in which they are all zero (nothing trained there) export as
+# BertForMaskedLM by default, the architecture they came from, not with a zero NSP head.
+_MLM_ONLY_ZERO = ("pooler/", "nsp/")
 
 
 def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None,
@@ -155,7 +160,8 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
 
     model: a GPT, Bert or ViT module (or its config). Its family and, for BERT, its head
     pick the architecture unless `architecture=` names one: GPT -> GPT2LMHeadModel;
-    BERT pretraining -> BertForPreTraining, classification ->
+    BERT pretraining -> BertForPreTraining (BertForMaskedLM where its pooler and NSP head
+    are all zero, as a loaded BertForMaskedLM's are), classification ->
     BertForSequenceClassification, encoder -> BertModel; ViT ->
     ViTForImageClassification (architecture="ViTModel": params without the "head").
     Options an architecture cannot express (RoPE, RMSNorm, SwiGLU, average pooling, ...)
@@ -172,8 +178,15 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     if arch not in family.architectures:
         raise ValueError(f"export_hf: architecture={architecture!r} cannot export a "
                          f"{type(cfg).__name__} model; valid: {list(family.architectures)}")
-    hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
     flat = unstack_layers(flatten(strip_boxes(params)))
+    zero = [n for n in flat if n.startswith(_MLM_ONLY_ZERO)]
+    if architecture is None and arch == "BertForPreTraining" and zero and not any(
+            np.any(np.asarray(flat[n])) for n in zero):
+        arch, flat = "BertForMaskedLM", {n: v for n, v in flat.items() if n not in zero}
+        print("note: export_hf: the pooler and NSP head are all zero (as load_hf fills them "
+              "for a BertForMaskedLM): exported as BertForMaskedLM without them; "
+              "architecture='BertForPreTraining' keeps them", file=sys.stderr)
+    hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
     unit = unscanned(cfg)
     shapes = param_shapes(family.model(unit, arch), unit, family)
     rules = family.rules(unit, arch)

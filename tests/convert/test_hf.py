@@ -412,6 +412,31 @@ def test_prefixed_names_are_quoted_as_in_the_file(tmp_path):
         convert.load_hf(path)
 
 
+def test_a_loaded_masked_lm_exports_as_one(tmp_path, capsys):
+    """load_hf of a BertForMaskedLM fills our pooler and NSP head with zeros; exporting it
+    wrote BertForPreTraining with those zero heads. It exports as BertForMaskedLM now (a
+    note says so; transformers loads it with no weight left out or newly made), and
+    architecture= still picks BertForPreTraining."""
+    theirs = _randomize(transformers.BertForMaskedLM(transformers.BertConfig(**BERT_KW)), 5)
+    ckpt = convert.load_hf(_save(theirs, tmp_path / "mlm"))
+    out = convert.export_hf(ckpt.model, ckpt.params, tmp_path / "again")
+    assert "exported as BertForMaskedLM without them" in capsys.readouterr().err
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["BertForMaskedLM"]
+    again, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    ids, types, mask = _bert_inputs()
+    inputs = dict(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
+                  attention_mask=torch.from_numpy(mask))
+    with torch.no_grad():
+        _close(again.eval()(**inputs).logits.numpy(), theirs.eval()(**inputs).logits)
+    out = convert.export_hf(ckpt.model, ckpt.params, tmp_path / "pretraining",
+                            architecture="BertForPreTraining")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["BertForPreTraining"]
+    assert "note" not in capsys.readouterr().err
+
+
 def test_untied_mlm_decoder_is_an_error(tmp_path):
     path = _bert_dir(tmp_path, "BertForMaskedLM")
     _edit_tensors(path, lambda t: t.update(
