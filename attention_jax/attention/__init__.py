@@ -293,7 +293,7 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
     if getattr(qkv, "ndim", None) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be [B, T, 3, N, H] (q, k, v in slots 0, 1, 2); got shape "
                          f"{getattr(qkv, 'shape', type(qkv).__name__)}")
-    impl, call = _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)
+    impl, call, _ = _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (3, *qkv.shape[3:]):
@@ -323,17 +323,13 @@ def explain_packed(qkv, *, implementation: str = "auto", batch_axes: Sequence[st
     """(implementation, reason) `packed_self_attention(qkv, ...)` would take: `explain`'s
     for q, k, v of qkv's slots, except where auto takes the kernels that read the packed
     array over cuDNN (pallas.packed_auto_reason)."""
-    impl, call = _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)
-    platform = _platform()
-    chosen, reason = _choose(implementation, call, platform)
-    if chosen != impl:  # auto's cuDNN, taken over by the kernels that read the packed array
-        reason = pallas.packed_auto_reason(call, platform)
+    impl, _, reason = _packed_choice(qkv, implementation, kwargs, batch_axes, head_axes)
     return impl, reason
 
 
 def _packed_choice(qkv, implementation: str, kwargs, batch_axes: Sequence[str] = (),
-                   head_axes: Sequence[str] = ()) -> tuple[str, AttentionCall]:
-    """(implementation, call) of a packed self-attention: `_choose`'s, except that where
+                   head_axes: Sequence[str] = ()) -> tuple[str, AttentionCall, str]:
+    """(implementation, call, reason) of a packed self-attention: `_choose`'s, except that where
     auto would take cuDNN the kernels that read the packed array may be faster with
     cuDNN's slicing counted (pallas.packed_auto_reason) - where they would run on each
     device's share alone, and with no tile sizes given for cuDNN's sake."""
@@ -344,14 +340,14 @@ def _packed_choice(qkv, implementation: str, kwargs, batch_axes: Sequence[str] =
     slot = jax.ShapeDtypeStruct((b, t, n, h), qkv.dtype)
     call = make_call(slot, slot, slot, **kwargs)
     platform = _platform()
-    impl = _choose(implementation, call, platform)[0]
-    if (implementation == "auto" and impl == "cudnn"
-            and pallas.packed_auto_reason(call, platform) is not None
+    impl, reason = _choose(implementation, call, platform)
+    why = pallas.packed_auto_reason(call, platform) if implementation == "auto" else None
+    if (impl == "cudnn" and why is not None
             and _refusal(_BY_NAME["pallas"], call, platform) is None
             and call.block_q is None and call.block_k is None
             and per_device.divides(call, batch_axes, head_axes)):
-        impl = "pallas"
-    return impl, call
+        return "pallas", call, why
+    return impl, call, reason
 
 
 _CALL_ARGUMENTS = tuple(inspect.signature(make_call).parameters)[3:]  # after q, k, v

@@ -41,28 +41,46 @@ class Split:
         return PartitionSpec(*(by_role.get(r) if r else None for r in roles))
 
 
-def split_of(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence[str],
-             backend: str) -> Optional[Split]:
-    """How to split `call` over the ambient mesh (None: run it whole, as it is)."""
+def _free_axes() -> Optional[dict[str, int]]:
+    """The ambient mesh's axes that have devices to split over (more than one, not manual
+    already), by name; None without a mesh of several devices."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return None
-    free = {a: mesh.shape[a] for a in mesh.axis_names
+    return {a: mesh.shape[a] for a in mesh.axis_names
             if a not in getattr(mesh, "manual_axes", ()) and mesh.shape[a] > 1}
+
+
+def _split_axes(names: Sequence[str], free: dict[str, int], *sizes: int):
+    """The axes of `names` with devices (in `free`), or None where their devices do not
+    divide every one of `sizes`."""
+    names = tuple(a for a in names if a in free)
+    devices = math.prod(free[a] for a in names)
+    return None if names and any(s % devices for s in sizes) else names
+
+
+def split_of(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence[str],
+             backend: str) -> Optional[Split]:
+    """How to split `call` over the ambient mesh (None: run it whole, as it is)."""
+    free = _free_axes()
+    if free is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
     unknown = sorted((set(batch_axes) | set(head_axes)) - set(mesh.axis_names))
     if unknown:
         raise ValueError(f"batch_axes={tuple(batch_axes)}, head_axes={tuple(head_axes)} name "
                          f"{unknown}, which the mesh does not have; its axes: {mesh.axis_names}")
 
     def usable(what, names, *sizes):
-        names = tuple(a for a in names if a in free)
-        devices = math.prod(free[a] for a in names)
-        if names and any(s % devices for s in sizes):
+        axes = _split_axes(names, free, *sizes)
+        if axes is None:
+            names = tuple(a for a in names if a in free)
             warn_once(__name__, (backend, what, sizes, names),
                       "attention %r: %s %s do not divide over mesh axes %s (%d devices): "
-                      "each device computes all of them", backend, what, sizes, names, devices)
+                      "each device computes all of them", backend, what, sizes, names,
+                      math.prod(free[a] for a in names))
             return ()
-        return names
+        return axes
 
     split = Split(usable("batch", batch_axes, call.batch),
                   usable("heads", head_axes, call.heads, call.kv_heads))
@@ -80,16 +98,12 @@ def divides(call: AttentionCall, batch_axes: Sequence[str], head_axes: Sequence[
     (or one device), or every mesh axis with devices among `batch_axes` and `head_axes`,
     each dividing what it splits. Else some rows or heads are computed whole on several
     devices, where XLA would have split cuDNN's attention. Says nothing (split_of warns)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    free = _free_axes()
+    if free is None:
         return True
-    free = {a: mesh.shape[a] for a in mesh.axis_names
-            if a not in getattr(mesh, "manual_axes", ()) and mesh.shape[a] > 1}
-    if not set(free) <= set(batch_axes) | set(head_axes):
-        return False
-    devices = lambda names: math.prod(free.get(a, 1) for a in names)  # noqa: E731
-    return (call.batch % devices(batch_axes) == 0 and call.heads % devices(head_axes) == 0
-            and call.kv_heads % devices(head_axes) == 0)
+    batch = _split_axes(batch_axes, free, call.batch)
+    heads = _split_axes(head_axes, free, call.heads, call.kv_heads)
+    return batch is not None and heads is not None and set(free) <= set(batch) | set(heads)
 
 
 def run(fn: Callable, call: AttentionCall, split: Split, inputs: tuple,

@@ -173,7 +173,8 @@ def row_statistics(logits, targets, *, chunk: Optional[int] = None, interpret=No
     interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
     return pl.pallas_call(
-        functools.partial(_statistics_kernel, v=v, chunk=chunk or _SETTINGS["chunk"]),
+        functools.partial(_statistics_kernel, v=v,
+                          chunk=_SETTINGS["chunk"] if chunk is None else chunk),
         grid=(m,), in_specs=[row, one], out_specs=[one] * 4, out_shape=_stat_shapes(m),
         compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_statistics",
@@ -191,7 +192,8 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
     interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
     *stats, dz = pl.pallas_call(
-        functools.partial(_gradient_kernel, v=v, chunk=chunk or _SETTINGS["chunk"],
+        functools.partial(_gradient_kernel, v=v,
+                          chunk=_SETTINGS["chunk"] if chunk is None else chunk,
                           smoothing=float(smoothing)),
         grid=(m,), in_specs=[row, one, one], out_specs=[one] * 4 + [row],
         out_shape=_stat_shapes(m) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
