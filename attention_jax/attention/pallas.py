@@ -21,7 +21,11 @@ Tiles are read in place from the [B, T, N, H] / [B, S, K, H] arrays: a program l
 [rows, H] slice of one head through a strided pointer, so there is no transpose, and a
 grouped-query head n reads K/V head n // G without copying K/V. Scores are kept in
 base 2 (exp2 is the GPU's native exponential): S₂ = Q Kᵀ · scale · log₂e, and L is
-stored in the same base, so the backward's P = exp2(S₂ - L₂) is exactly the forward's.
+stored in the same base, so the backward's P = exp2(S₂ - L₂) is the forward's. The
+scale is never a pass of its own over a tile: the row max is taken of the raw products
+(a positive scale keeps the max where it is) and P = exp2(S·c - m) is one fused
+multiply-add and one exp2 a score (`_exp2_scaled`), written as PTX on Triton: ptx.py
+says why (Triton's own lowering of the same is four instructions more a score).
 
 Masks are structural, as everywhere in the package (masks.py): a program works out from
 its block index, the batch row's query offset and key length which key blocks are
@@ -62,7 +66,8 @@ log-sum-exp in place of the pair's own (ring_inner.py says why that is exact).
 Backends: Pallas lowers these kernels through Triton on NVIDIA GPUs (run and measured
 on an H100: see the README). On CPU they run with `interpret=True`, which is how the
 test suite checks every mask against the float64 reference. The kernel bodies use only
-what Mosaic TPU also lowers (2-D tiles, dots, exp2, where), but they have not been run
+what Mosaic TPU also lowers (2-D tiles, dots, exp2, where; the inline PTX is taken only
+when lowering for a GPU), but they have not been run
 on a TPU, and TPU block shapes have other constraints; treat TPU as untested.
 """
 
@@ -78,6 +83,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from attention_jax.attention import ptx
 from attention_jax.attention.call import AttentionCall, Platform, target_backend
 from attention_jax.attention.masks import MaskSpec
 
@@ -544,13 +550,20 @@ class _Refs:
         self.rest = refs
 
 
-def _scores(st: _Static, q, k, key_term=None):
-    """S₂ = q·kᵀ · scale · log₂e of a [bq, H] and a [bk, H] tile, plus the keys' [bk] bias
-    terms b_q·k_j when q has a bias."""
+def _scores(q, k, key_term=None):
+    """The raw scores q·kᵀ of a [bq, H] and a [bk, H] tile, plus the keys' [bk] bias terms
+    b_q·k_j when q has a bias; `_exp2_scaled` applies the scale."""
     s = _dot(q, k, trans_b=True)
     if key_term is not None:
         s = s + key_term[None, :]
-    return s * (st.scale * LOG2_E)
+    return s
+
+
+def _exp2_scaled(st: _Static, s, shift):
+    """P = exp2(s·c - shift) of a float32 tile of raw scores s, c = scale · log₂e, shift
+    in base-2 units (a row max or L, broadcast against s): on Triton one fused
+    multiply-add and one flush-to-zero exp2 a score (ptx.py)."""
+    return ptx.exp2_fma(s, st.scale * LOG2_E, -shift, inline=ptx.lowers_to_triton(st.interpret))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -594,13 +607,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     def tile(j, carry, masked):
         m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
         keys = pl.ds(j * bk, bk)
-        s = _scores(st, q, k_ref[keys, :], None if r.key_term is None else r.key_term[keys])
+        s = _scores(q, k_ref[keys, :], None if r.key_term is None else r.key_term[keys])
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # The max of S₂ = S·c is c times S's: c > 0, and rounding keeps the order.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1) * (st.scale * LOG2_E))
         if masked:  # a row with nothing visible yet keeps m = -inf: shift by 0 instead
             m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_new[:, None])
+        p = _exp2_scaled(st, s, m_new[:, None])
         rescale = jnp.exp2(m - m_new)
         l = l * rescale + jnp.sum(p, axis=1)
         acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
@@ -638,13 +652,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         s_t = _dot(k, q, trans_b=True)
         if key_term is not None:
             s_t = s_t + key_term[:, None]
-        s_t = s_t * (st.scale * LOG2_E)
         if masked:
             ok = _visible(st, offset + i * bq + lax.iota(jnp.int32, bq), k_pos, length,
                           None if r.q_seg is None else r.q_seg[rows], k_seg,
                           None if r.mask is None else r.mask[rows, :])
             s_t = jnp.where(ok.T, s_t, -jnp.inf)
-        p_t = jnp.exp2(s_t - lse_ref[rows][None, :])  # exactly the forward's P, transposed
+        p_t = _exp2_scaled(st, s_t, lse_ref[rows][None, :])  # the forward's P, transposed
         dv = dv + _dot(p_t.astype(do.dtype), do)
         dp_t = _dot(v, do, trans_b=True)
         ds_t = p_t * (dp_t - delta_ref[rows][None, :])
@@ -695,10 +708,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs, st: _Static, 
     def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
         k = k_ref[keys, :]
-        s = _scores(st, q, k, None if r.key_term is None else r.key_term[keys])
+        s = _scores(q, k, None if r.key_term is None else r.key_term[keys])
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
-        p = jnp.exp2(s - lse[:, None])
+        p = _exp2_scaled(st, s, lse[:, None])
         dp = _dot(do, v_ref[keys, :], trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)

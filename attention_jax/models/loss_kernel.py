@@ -18,16 +18,31 @@ dz = (softmax(z) - q)·scale over the logits in place (q the target distribution
 label smoothing ε: (1-ε)·onehot + ε/V): the forward and backward passes of the loss read
 the logits twice and write them once, where XLA reads them three times and writes once.
 
-Per row the kernels return float32 lse = log Σ exp(z), the target's logit, Σ z (for label
-smoothing) and int32 the first index of the largest logit (the argmax `cross_entropy`'s
-accuracy counts). Any V: the row goes in chunks of `CHUNK` and its remainder in pieces of
-the powers of two that sum to it (Triton's loads have power-of-two sizes), no masks.
+Per row the kernels return float32 lse = log Σ exp(z), the target's logit, Σ z (only with
+label smoothing, which needs it) and int32 the first index of the largest logit (the
+argmax `cross_entropy`'s accuracy counts). Any V: the row goes in chunks of `CHUNK` and
+its remainder in pieces of the powers of two that sum to it (Triton's loads have
+power-of-two sizes), no masks.
+
+What a logit costs besides its load is kept to what the softmax needs, because at GPT-2's
+size (824 M logits a step) the instructions weigh as much as the bytes. Compiled for an
+H100 (`bench gpu-hlo --kernel-code`: SASS instructions in each loop), the kernels took 44
+SASS instructions a logit, 1.08 ms a step at the H100's issue rate (one warp instruction
+a cycle on each of its 528 schedulers) against 0.98 ms for the bytes at 3.35 TB/s; now
+16 (0.40 ms) when the branches below are not taken. A chunk takes two block reductions
+(its max and Σ exp; each is a round of shuffles and a barrier), each exponential is one
+FFMA and one MUFU.EX2
+(attention/ptx.py), the target's logit is one load after the loop, the first index of
+the max is looked for only in a chunk whose max beats every earlier one, and the
+gradient compares indices only in the chunk that holds the target (both under a `cond`,
+whose branch all of a program's threads take alike).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -35,10 +50,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from attention_jax.attention import ptx
 from attention_jax.kernel_tiles import interpret_off_gpu, power_of_two_pieces, triton_params
 
 CHUNK = 4096  # logits a program loads at a time: 8 KiB of bfloat16, 16 per thread of 8 warps
 NUM_WARPS = 8
+LOG2_E = math.log2(math.e)
 # Triton's pipelining depth for the loop. Loads that feed no matmul are not staged
 # through shared memory (the PTX compiled for an H100 on the CPU host has no cp.async,
 # its loads are 16-byte vectors): the programs resident on an SM keep its memory busy.
@@ -90,31 +107,43 @@ def _walk(v: int, chunk: int, visit, carry):
     return carry
 
 
-def _statistics(z_ref, t, v: int, chunk: int):
-    """(lse, target_z, sum_z, first_max) of the row z_ref [V], t its target (a scalar)."""
+def _statistics(z_ref, t, v: int, chunk: int, sums: bool, inline: bool):
+    """(lse, target_z, sum_z (None unless sums), first_max) of the row z_ref [V], t its
+    target (a scalar). inline: the exponentials as PTX (attention/ptx.py)."""
     f32 = jnp.float32
 
     def visit(start, size, carry):
-        m, s, tz, sz, first = carry
+        m, s, sz, first = carry
         z = z_ref[pl.ds(start, size)].astype(f32)
-        idx = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
         chunk_max = jnp.max(z)
         m_new = jnp.maximum(m, chunk_max)
         # A row or chunk of -inf (masked logits) must not make inf - inf: exponentials
         # are taken against a finite stand-in for the max, and add exactly 0.
         pivot = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        s = s * jnp.exp(m - pivot) + jnp.sum(jnp.exp(z - pivot))
-        tz = tz + jnp.sum(jnp.where(idx == t, z, 0.0))
-        sz = sz + jnp.sum(z)
-        # The first index of the row's max: a later chunk replaces it only when larger.
-        chunk_first = jnp.min(jnp.where(z == chunk_max, idx, v))
-        first = jnp.where(chunk_max > m, chunk_first, first)
-        return m_new, s, tz, sz, first
+        s = s * jnp.exp(m - pivot) + jnp.sum(
+            ptx.exp2_fma(z, LOG2_E, -pivot * LOG2_E, inline=inline))  # Σ exp(z - pivot)
+        if sums:
+            sz = sz + jnp.sum(z)
+        # The first index of the row's max, looked for only in a chunk whose max beats
+        # every earlier one (after the first few chunks, seldom): a later chunk replaces
+        # it only when larger. The row's first load always looks (a branch there would
+        # yield the initial constant, which Triton's lowering of a branch cannot).
+        def look(z):
+            return start + jnp.min(jnp.where(z == chunk_max, lax.iota(jnp.int32, size), size))
+        if isinstance(start, int) and start == 0:
+            first = look(z)
+        else:
+            first = lax.cond(chunk_max > m, lambda z, first: look(z), lambda z, first: first,
+                             z, first)
+        return m_new, s, sz, first
 
     zero = jnp.zeros((), f32)
-    m, s, tz, sz, first = _walk(v, chunk, visit, (jnp.full((), -jnp.inf, f32), zero, zero,
-                                                  zero, jnp.zeros((), jnp.int32)))
-    return m + jnp.log(s), tz, sz, first
+    m, s, sz, first = _walk(v, chunk, visit, (jnp.full((), -jnp.inf, f32), zero, zero,
+                                              jnp.zeros((), jnp.int32)))
+    # The target's logit: one load (0 for a target outside [0, V), as a row of padding has).
+    valid = (t >= 0) & (t < v)
+    tz = jnp.where(valid, jnp.sum(z_ref[pl.ds(jnp.clip(t, 0, v - 1), 1)].astype(f32)), 0.0)
+    return m + jnp.log(s), tz, sz if sums else None, first
 
 
 def _store_row(refs, values):
@@ -122,23 +151,44 @@ def _store_row(refs, values):
         ref[...] = jnp.reshape(x, (1,)).astype(ref.dtype)
 
 
-def _statistics_kernel(z_ref, t_ref, lse_ref, tz_ref, sz_ref, first_ref, *, v, chunk):
-    t = t_ref[0]
-    _store_row((lse_ref, tz_ref, sz_ref, first_ref), _statistics(z_ref, t, v, chunk))
+def _stat_refs(refs, sums: bool):
+    """The kernel's four row outputs (sum_z's only with sums) and what follows them."""
+    if sums:
+        return refs[:4], refs[4:]
+    lse, tz, first, *rest = refs
+    return (lse, tz, None, first), rest
 
 
-def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref, dz_ref, *,
-                     v, chunk, smoothing):
+def _store_stats(refs, stats):
+    _store_row(*zip(*((r, x) for r, x in zip(refs, stats) if r is not None)))
+
+
+def _statistics_kernel(z_ref, t_ref, *refs, v, chunk, sums, inline):
+    stat_refs, _ = _stat_refs(refs, sums)
+    _store_stats(stat_refs, _statistics(z_ref, t_ref[0], v, chunk, sums, inline))
+
+
+def _gradient_kernel(z_ref, t_ref, scale_ref, *refs, v, chunk, smoothing, inline):
     t, scale = t_ref[0], scale_ref[0]
-    stats = _statistics(z_ref, t, v, chunk)
-    _store_row((lse_ref, tz_ref, sz_ref, first_ref), stats)
-    lse = stats[0]
+    sums = smoothing != 0
+    stat_refs, (dz_ref,) = _stat_refs(refs, sums)
+    stats = _statistics(z_ref, t, v, chunk, sums, inline)
+    _store_stats(stat_refs, stats)
+    shift = -stats[0] * LOG2_E
+    # dz = (softmax(z) - q)·scale with q = (1-ε)·onehot(t) + ε/V: every logit's
+    # softmax·scale less (ε/V)·scale, and the target's (1-ε)·scale more besides.
+    spread, hit = smoothing / v * scale, (1.0 - smoothing) * scale
 
-    def visit(start, size, carry):  # dz = (softmax(z) - q)·scale, over the logits (aliased)
+    def visit(start, size, carry):  # over the logits (aliased)
         z = z_ref[pl.ds(start, size)].astype(jnp.float32)
-        idx = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
-        q = jnp.where(idx == t, 1.0 - smoothing, 0.0) + smoothing / v
-        dz_ref[pl.ds(start, size)] = ((jnp.exp(z - lse) - q) * scale).astype(dz_ref.dtype)
+        dz = ptx.exp2_fma(z, LOG2_E, shift, inline=inline) * scale
+        if sums:
+            dz = dz - spread
+        # Only the chunk that holds the target compares indices.
+        dz = lax.cond((t >= start) & (t < start + size),
+                      lambda dz: jnp.where(lax.iota(jnp.int32, size) == t - start, dz - hit, dz),
+                      lambda dz: dz, dz)
+        dz_ref[pl.ds(start, size)] = dz.astype(dz_ref.dtype)
         return carry
 
     _walk(v, chunk, visit, 0)
@@ -150,9 +200,14 @@ def _row_specs(v: int):
     return row, one
 
 
-def _stat_shapes(m: int):
+def _stat_shapes(m: int, sums: bool):
     f32 = jax.ShapeDtypeStruct((m,), jnp.float32)
-    return [f32, f32, f32, jax.ShapeDtypeStruct((m,), jnp.int32)]
+    return [f32, f32] + [f32] * sums + [jax.ShapeDtypeStruct((m,), jnp.int32)]
+
+
+def _stats_out(stats, sums: bool):
+    """The kernel's row outputs as (lse, target_z, sum_z or None, first_max)."""
+    return tuple(stats) if sums else (stats[0], stats[1], None, stats[2])
 
 
 def _check(logits, targets, scale=None):
@@ -164,21 +219,26 @@ def _check(logits, targets, scale=None):
         raise ValueError(f"scale has shape {scale.shape}; valid: [M] = {logits.shape[:1]}")
 
 
-def row_statistics(logits, targets, *, chunk: Optional[int] = None, interpret=None):
+def row_statistics(logits, targets, *, sums: bool = True, chunk: Optional[int] = None,
+                   interpret=None):
     """(lse, target_z, sum_z [M] float32, first_max [M] int32) of logits [M, V] (any
-    float dtype, read once) against targets [M] ints. interpret: None = on a CPU or TPU
-    (Triton's kernels compile for NVIDIA GPUs only)."""
+    float dtype, read once) against targets [M] ints; sum_z (what label smoothing needs)
+    is None unless `sums`. interpret: None = on a CPU or TPU (Triton's kernels compile
+    for NVIDIA GPUs only)."""
     _check(logits, targets)
     m, v = logits.shape
     interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
-    return pl.pallas_call(
+    stats = pl.pallas_call(
         functools.partial(_statistics_kernel, v=v,
-                          chunk=_SETTINGS["chunk"] if chunk is None else chunk),
-        grid=(m,), in_specs=[row, one], out_specs=[one] * 4, out_shape=_stat_shapes(m),
+                          chunk=_SETTINGS["chunk"] if chunk is None else chunk, sums=sums,
+                          inline=ptx.lowers_to_triton(interpret)),
+        grid=(m,), in_specs=[row, one], out_specs=[one] * (3 + sums),
+        out_shape=_stat_shapes(m, sums),
         compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_statistics",
     )(logits, targets.astype(jnp.int32))
+    return _stats_out(stats, sums)
 
 
 def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, *,
@@ -186,19 +246,20 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
     """(row_statistics(logits, targets), dz [M, V] in logits' dtype): dz = (softmax(z) -
     q)·scale per row, written over the logits' buffer (XLA copies them first only where
     they are still used after). scale [M] float32: the row's weight in the loss (0 for
-    padding)."""
+    padding). sum_z is computed only with label smoothing (else None)."""
     _check(logits, targets, scale)
     m, v = logits.shape
     interpret = interpret_off_gpu(interpret)
     row, one = _row_specs(v)
+    sums = float(smoothing) != 0
     *stats, dz = pl.pallas_call(
         functools.partial(_gradient_kernel, v=v,
                           chunk=_SETTINGS["chunk"] if chunk is None else chunk,
-                          smoothing=float(smoothing)),
-        grid=(m,), in_specs=[row, one, one], out_specs=[one] * 4 + [row],
-        out_shape=_stat_shapes(m) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
-        input_output_aliases={0: 4},
+                          smoothing=float(smoothing), inline=ptx.lowers_to_triton(interpret)),
+        grid=(m,), in_specs=[row, one, one], out_specs=[one] * (3 + sums) + [row],
+        out_shape=_stat_shapes(m, sums) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
+        input_output_aliases={0: 3 + sums},
         compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_gradient",
     )(logits, targets.astype(jnp.int32), scale.astype(jnp.float32))
-    return tuple(stats), dz
+    return _stats_out(stats, sums), dz

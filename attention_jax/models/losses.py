@@ -450,7 +450,8 @@ def _kernel_terms(smoothing, stats, y, v):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kernel_head_loss(smoothing, h, kernel, bias, y, scale):
     """(Σ scale·loss, Σ scale·correct) over rows h [..., D], y and scale [...]."""
-    stats = _on_rows(loss_kernel.row_statistics, _head_logits(h, kernel, bias), y)
+    statistics = functools.partial(loss_kernel.row_statistics, sums=smoothing != 0)
+    stats = _on_rows(statistics, _head_logits(h, kernel, bias), y)
     loss, correct = _kernel_terms(smoothing, stats, y, kernel.shape[1])
     return jnp.sum(scale * loss), jnp.sum(scale * correct)
 

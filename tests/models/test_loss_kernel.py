@@ -96,6 +96,71 @@ def test_gradient_kernel_writes_softmax_minus_target_over_the_logits():
     np.testing.assert_allclose(stats[0], lse, rtol=1e-6)  # the statistics come along
 
 
+def test_without_smoothing_and_with_targets_outside_the_vocabulary():
+    """Without label smoothing neither kernel sums the logits (sum_z is None); the
+    gradient is softmax·scale with 1·scale off the target's logit, a target in the loop's
+    chunks or in the pieces after them alike. A target outside [0, V) (as a row of
+    padding may carry) has logit 0 and takes nothing off any logit."""
+    rng = np.random.default_rng(3)
+    m, v = 6, 37  # chunks of 16: [0, 16), [16, 32), then pieces [32, 36), [36, 37)
+    z = (2 * rng.normal(size=(m, v))).astype(np.float32)
+    t = np.asarray([0, 15, 16, 36, -1, v], np.int32)
+    scale = rng.uniform(0.5, 1.0, size=m).astype(np.float32)
+    lse, tz, sz, first = loss_kernel.row_statistics(jnp.asarray(z), jnp.asarray(t), sums=False,
+                                                    chunk=16)
+    assert sz is None
+    ref_lse, _, _, ref_first = _row_reference(z, np.clip(t, 0, v - 1))
+    inside = (t >= 0) & (t < v)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+    np.testing.assert_allclose(tz, np.where(inside, z[np.arange(m), np.clip(t, 0, v - 1)], 0), rtol=1e-6)
+    np.testing.assert_array_equal(first, ref_first)
+    stats, dz = loss_kernel.row_statistics_and_gradient(jnp.asarray(z), jnp.asarray(t),
+                                                        jnp.asarray(scale), chunk=16)
+    assert stats[2] is None
+    p = np.exp(z.astype(np.float64) - ref_lse[:, None])
+    onehot = np.zeros((m, v))
+    onehot[np.arange(m)[inside], t[inside]] = 1.0
+    # exp2(z·log₂e - lse·log₂e): the shift's rounding costs about |lse|·2⁻²³ of each value
+    np.testing.assert_allclose(dz, (p - onehot) * scale[:, None], rtol=2e-6, atol=2e-7)
+
+
+def _loop_bodies(jaxpr):
+    """The bodies of a kernel's loops (its fori_loops over chunks: scans, their trip count
+    being static), outermost first."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while"):
+            body = eqn.params["jaxpr" if eqn.primitive.name == "scan" else "body_jaxpr"].jaxpr
+            yield body
+            yield from _loop_bodies(body)
+
+
+def test_each_chunk_takes_two_block_reductions_and_no_index_compare():
+    """What a chunk of logits costs the kernels besides its exponentials (on a GPU each
+    block reduction is a round of shuffles and a barrier, each comparison one more
+    instruction a logit): the statistics' loop takes the chunk's max and Σexp (and Σz
+    with label smoothing) and nothing else over the whole chunk; the first index of a
+    new max is looked for under a `cond` (a chunk whose max beats every earlier one), the
+    target's logit is one load after the loop, and the gradient's loop compares indices
+    only under a `cond` too (the chunk that holds the target)."""
+    from helpers import pallas_calls
+
+    z, t = jnp.zeros((2, 96), jnp.float32), jnp.zeros(2, jnp.int32)
+    scale = jnp.ones(2, jnp.float32)
+    for smoothing, reductions in ((0.0, ["reduce_max", "reduce_sum"]),
+                                  (0.1, ["reduce_max", "reduce_sum", "reduce_sum"])):
+        traced = jax.make_jaxpr(lambda z: loss_kernel.row_statistics_and_gradient(
+            z, t, scale, smoothing, chunk=16))(z)
+        (call,) = pallas_calls(traced.jaxpr)
+        statistics, gradient = _loop_bodies(call.params["jaxpr"])
+        for body in (statistics, gradient):
+            names = [e.primitive.name for e in body.eqns]
+            assert "iota" not in names and "cond" in names, names
+            assert not [e for e in body.eqns if e.primitive.name == "eq"
+                        and e.invars[0].aval.dtype == jnp.int32], names
+        assert sorted(n for n in (e.primitive.name for e in statistics.eqns)
+                      if n.startswith("reduce_")) == sorted(reductions)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_head_cross_entropy_kernels_equal_xla_and_float64(smoothing):
     """Loss, accuracy and the gradients of hidden, kernel and bias: the kernels' path

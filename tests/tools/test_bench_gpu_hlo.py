@@ -4,6 +4,7 @@ the whole command runs where `make install` put the plugin (.venv/gpu-aot)."""
 
 import argparse
 import json
+import shutil
 
 import pytest
 
@@ -125,7 +126,8 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     Triton GEMMs; the three Pallas kernels of the one layer's attention, lowered for
     Triton; the loss's gradient kernel), its memory-bound bytes, and its memory analysis."""
     out = tmp_path / "hlo"
-    summary = gpu_hlo.run(_args("--out", str(out), "--top", "5", "--loss-kernel", "pallas"))
+    summary = gpu_hlo.run(_args("--out", str(out), "--top", "5", "--loss-kernel", "pallas",
+                                "--kernel-code"))
     kinds = summary["kinds"]
     assert kinds["attention"]["kernels"] == 3  # forward, dK/dV, dQ
     # The loss by its kernels (auto's for GPT-2's vocabulary; the tiny one's is XLA's):
@@ -155,6 +157,15 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     assert "as XLA compiles it for an NVIDIA H100 80GB HBM3 (no GPU used)" in printed
     assert printed.count("\n| `") == 5
     assert "The matmul kernels do 0.00 TFLOP, 1.000x what the model's weights need" in printed
+    # --kernel-code: the Pallas kernels' PTX as XLA dumped it (registers where CUDA's
+    # ptxas is on the PATH), each tile's exponentials ptx.py's pair.
+    code = {r["kernel"]: r for r in summary["kernel_code"]}
+    assert {"flash_forward", "flash_backward_dq", "flash_backward_dkdv",
+            "cross_entropy_gradient"} <= set(code), sorted(code)
+    assert all(r["instructions"] > 100 and r["fused_exp2"] > 0 for k, r in code.items()
+               if not k.startswith("add_norm")), code
+    assert all(("registers" in r) == bool(shutil.which("ptxas")) for r in code.values())
+    assert "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 |" in printed
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")

@@ -261,6 +261,69 @@ def summarize(rows: list[dict], bandwidth: float) -> dict:
             "sources": by_source(rows)}
 
 
+# The package's Pallas kernels, by the names their pallas_calls give them (the .entry of
+# their PTX): attention/pallas.py, models/loss_kernel.py, layers/norm_kernel.py.
+PALLAS_KERNELS = ("flash_", "cross_entropy_", "add_norm_")
+# ptx.py's exponential: a fused multiply-add and a flush-to-zero exp2 in one inline block.
+_FUSED_EXP2 = re.compile(r"fma\.rn\.ftz\.f32 t, [^;]+; ex2\.approx\.ftz\.f32 ")
+_ENTRY = re.compile(r"\.entry (\w+)")
+
+
+def kernel_code(dump_dir, ptxas: str | None = None, nvdisasm: str | None = None) -> list[dict]:
+    """The package's Pallas kernels as XLA dumped their PTX (--xla_dump_to) when compiling
+    for the GPU, a row each: its PTX instructions, its exponentials (`ex2`) and how many
+    of those are attention/ptx.py's pair (FFMA + MUFU.EX2 in SASS); given CUDA's ptxas
+    (none is needed for the rest), the registers a thread uses and the bytes it spills on
+    an sm_90a (registers decide how many programs share an SM); given nvdisasm too, the
+    SASS instructions in each of its loops (an iteration: a tile, or a chunk of a row).
+    Both come with PyPI's nvidia-cuda-nvcc-cu12 and nvidia-cuda-nvdisasm (bin/ on the
+    PATH)."""
+    rows = {}
+    for path in sorted(Path(dump_dir).glob("*.ptx")):
+        text = path.read_text()
+        entry = _ENTRY.search(text)
+        if not entry or not entry.group(1).startswith(PALLAS_KERNELS) or entry.group(1) in rows:
+            continue
+        row = {"kernel": entry.group(1), "file": path.name,
+               "instructions": len(re.findall(r"^\s+(?:@%p\d+ )?[a-z][\w.]*[ \t][^\n]*;\s*$",
+                                              text, re.M)),
+               "exp2": text.count("ex2.approx"), "fused_exp2": len(_FUSED_EXP2.findall(text))}
+        if ptxas:
+            cubin = path.with_suffix(".cubin")
+            done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(cubin)],
+                                  capture_output=True, text=True)
+            used = re.search(r"Used (\d+) registers", done.stderr)
+            spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)
+            row.update(registers=int(used.group(1)) if used else None,
+                       spill_bytes=sum(map(int, spills)) if used else None)
+            if nvdisasm and used:
+                sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,
+                                      text=True).stdout
+                row["loops"] = sass_loops(sass)
+        rows[row["kernel"]] = row
+    return list(rows.values())
+
+
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+")
+
+
+def sass_loops(sass: str) -> list[int]:
+    """The instructions of each loop in nvdisasm's listing of a kernel, in order: from a
+    label to the last branch back to it (branches of 20 instructions or fewer, a
+    reduction's shuffle steps, are not counted as loops)."""
+    labels, loops = {}, {}
+    lines = sass.splitlines()
+    for i, line in enumerate(lines):
+        label = re.match(r"^(\.L\w+):", line)
+        if label:
+            labels[label.group(1)] = i
+        back = re.search(r"BRA `?\(?(\.L\w+)\)?", line)
+        if back and labels.get(back.group(1), i) < i:
+            start = labels[back.group(1)]
+            loops[start] = sum(bool(_SASS_LINE.match(x)) for x in lines[start:i + 1])
+    return [n for _, n in sorted(loops.items()) if n > 20]
+
+
 # ------------------------------------------------------------------------ the child
 def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
     """(the compiled module's text, its memory analysis as a dict, the save programs'
@@ -355,6 +418,9 @@ def add_parser(sub) -> None:
     p.add_argument("--xla-flags", default="",
                    help="added to XLA_FLAGS for the compile (an XLA:GPU option's effect on "
                         "the kernels, e.g. --xla-flags='--xla_gpu_enable_cublaslt=true')")
+    p.add_argument("--kernel-code", action="store_true",
+                   help="also read the Pallas kernels' PTX (XLA's dump): their instructions, "
+                        "exponentials, and with CUDA's ptxas on the PATH their registers")
     p.add_argument("--timeout", type=float, default=900, help="the compiling child's, seconds")
 
 
@@ -380,8 +446,9 @@ def run(args) -> dict:
                             CUDA_VISIBLE_DEVICES="-1")
     if where:
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], where])
-    if args.xla_flags:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    flags = args.xla_flags + (f" --xla_dump_to={out / 'dump'}" if args.kernel_code else "")
+    if flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     print(f"compiling the bare step of {args.shape} batch {row['batch']} for an "
           f"{H100['name']} (attention {args.implementation}) ...", file=sys.stderr, flush=True)
     import shutil
@@ -407,6 +474,9 @@ def run(args) -> dict:
                "xla_flags": args.xla_flags, "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
                "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}
+    if args.kernel_code:
+        summary["kernel_code"] = kernel_code(out / "dump", shutil.which("ptxas"),
+                                             shutil.which("nvdisasm"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(report(summary, args.top))
     if scratch:
@@ -458,6 +528,26 @@ def report(summary: dict, top: int = 25) -> str:
         lines += ["", f"Device memory (XLA's memory analysis): {need / 2**30:.1f} GiB of the "
                       f"{H100['memory_bytes'] / 2**30:.1f} GiB (temporaries "
                       f"{memory.get('temp_size_in_bytes', 0) / 2**30:.1f} GiB)."]
+    code = summary.get("kernel_code")
+    if code is not None:
+        registers = any(r.get("registers") is not None for r in code)
+        loops = any("loops" in r for r in code)
+        lines += ["", "The Pallas kernels' PTX (the first of each name): instructions, "
+                      "exponentials, and those that are one FFMA and one MUFU.EX2 "
+                      "(attention/ptx.py)" + ("; ptxas's registers and spills for sm_90a"
+                                              if registers else "; no ptxas on the PATH "
+                                              "for registers")
+                  + ("; SASS instructions in each loop (nvdisasm)." if loops else "."), "",
+                  "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 |"
+                  + (" registers | spilled bytes |" if registers else "")
+                  + (" loops |" if loops else ""),
+                  "|---|---|---|---|" + ("---|---|" if registers else "")
+                  + ("---|" if loops else "")]
+        for r in code:
+            lines.append(f"| {r['kernel']} | {r['instructions']} | {r['exp2']} | "
+                         f"{r['fused_exp2']} |" + (f" {r.get('registers')} | "
+                                                   f"{r.get('spill_bytes')} |" if registers else "")
+                         + (f" {', '.join(map(str, r.get('loops', [])))} |" if loops else ""))
     save = summary.get("save_compile")
     if save:
         lines += ["", f"The checkpoint's save programs for its {save['arrays']} arrays compile "
