@@ -24,7 +24,7 @@ base 2 (exp2 is the GPU's native exponential): S₂ = Q Kᵀ · scale · log₂e
 stored in the same base, so the backward's P = exp2(S₂ - L₂) is the forward's. The
 scale is never a pass of its own over a tile: the row max is taken of the raw products
 (a positive scale keeps the max where it is) and P = exp2(S·c - m) is one fused
-multiply-add and one exp2 a score (`_exp2_scaled`), written as PTX on Triton: ptx.py
+multiply-add and one exp2 a score (`_exp2`), written as PTX on Triton: ptx.py
 says why (Triton's own lowering of the same is four instructions more a score).
 
 Masks are structural, as everywhere in the package (masks.py): a program works out from
@@ -552,18 +552,27 @@ class _Refs:
 
 def _scores(q, k, key_term=None):
     """The raw scores q·kᵀ of a [bq, H] and a [bk, H] tile, plus the keys' [bk] bias terms
-    b_q·k_j when q has a bias; `_exp2_scaled` applies the scale."""
+    b_q·k_j when q has a bias."""
     s = _dot(q, k, trans_b=True)
     if key_term is not None:
         s = s + key_term[None, :]
     return s
 
 
-def _exp2_scaled(st: _Static, s, shift):
-    """P = exp2(s·c - shift) of a float32 tile of raw scores s, c = scale · log₂e, shift
-    in base-2 units (a row max or L, broadcast against s): on Triton one fused
-    multiply-add and one flush-to-zero exp2 a score (ptx.py)."""
-    return ptx.exp2_fma(s, st.scale * LOG2_E, -shift, inline=ptx.lowers_to_triton(st.interpret))
+def _for_exp2(st: _Static, s):
+    """(s, c) with S₂ = c·s, of a tile of raw scores. For a positive scale (any but a
+    deliberate one) s stays raw and c = scale·log₂e: the max commutes with c, a mask's
+    -inf stays -inf, and `_exp2` applies c in its multiply-add. A scale ≤ 0 would turn a
+    masked -inf into +inf or NaN, so there s is scaled first and c = 1."""
+    c = st.scale * LOG2_E
+    return (s, c) if c > 0 else (s * c, 1.0)
+
+
+def _exp2(st: _Static, s, c: float, shift):
+    """P = exp2(s·c - shift) of a float32 tile s, shift in base-2 units (a row max or L,
+    broadcast against s): on Triton one fused multiply-add and one flush-to-zero exp2 a
+    score (ptx.py)."""
+    return ptx.exp2_fma(s, c, -shift, inline=ptx.lowers_to_triton(st.interpret))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -607,14 +616,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
     def tile(j, carry, masked):
         m, l, acc = carry  # [bq], [bq], [bq, Hv]: the online softmax's state
         keys = pl.ds(j * bk, bk)
-        s = _scores(q, k_ref[keys, :], None if r.key_term is None else r.key_term[keys])
+        s, c = _for_exp2(st, _scores(q, k_ref[keys, :],
+                                     None if r.key_term is None else r.key_term[keys]))
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
-        # The max of S₂ = S·c is c times S's: c > 0, and rounding keeps the order.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1) * (st.scale * LOG2_E))
+        # The max of S₂ = s·c is c times s's: c > 0, and rounding keeps the order.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
         if masked:  # a row with nothing visible yet keeps m = -inf: shift by 0 instead
             m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = _exp2_scaled(st, s, m_new[:, None])
+        p = _exp2(st, s, c, m_new[:, None])
         rescale = jnp.exp2(m - m_new)
         l = l * rescale + jnp.sum(p, axis=1)
         acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
@@ -652,12 +662,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         s_t = _dot(k, q, trans_b=True)
         if key_term is not None:
             s_t = s_t + key_term[:, None]
+        s_t, c = _for_exp2(st, s_t)
         if masked:
             ok = _visible(st, offset + i * bq + lax.iota(jnp.int32, bq), k_pos, length,
                           None if r.q_seg is None else r.q_seg[rows], k_seg,
                           None if r.mask is None else r.mask[rows, :])
             s_t = jnp.where(ok.T, s_t, -jnp.inf)
-        p_t = _exp2_scaled(st, s_t, lse_ref[rows][None, :])  # the forward's P, transposed
+        p_t = _exp2(st, s_t, c, lse_ref[rows][None, :])  # the forward's P, transposed
         dv = dv + _dot(p_t.astype(do.dtype), do)
         dp_t = _dot(v, do, trans_b=True)
         ds_t = p_t * (dp_t - delta_ref[rows][None, :])
@@ -708,10 +719,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs, st: _Static, 
     def tile(j, dq, masked):
         keys = pl.ds(j * bk, bk)
         k = k_ref[keys, :]
-        s = _scores(q, k, None if r.key_term is None else r.key_term[keys])
+        s, c = _for_exp2(st, _scores(q, k, None if r.key_term is None else r.key_term[keys]))
         if masked:
             s = jnp.where(block.visible(j), s, -jnp.inf)
-        p = _exp2_scaled(st, s, lse[:, None])
+        p = _exp2(st, s, c, lse[:, None])
         dp = _dot(do, v_ref[keys, :], trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)

@@ -12,15 +12,19 @@ shows (ptxas and nvdisasm on the PTX that `bench gpu-hlo` compiles, no GPU neede
     make results below 2⁻¹²⁶ come out as denormals instead of zero;
   - exp (loss_kernel's, through libdevice's expf) is seven instructions.
 Here the two are written as PTX (`fma.rn.ftz.f32`, `ex2.approx.ftz.f32`): FFMA and MUFU.EX2.
-Flushing a result below 2⁻¹²⁶ to zero changes no softmax: the row's largest term is 1
-(the shift is the row max or its log-sum-exp), and its sum is at least that.
+Flushing a result below 2⁻¹²⁶ to zero changes no softmax: with the row max as the shift
+the row's largest term is 1, and with its log-sum-exp the terms are the probabilities
+themselves, which sum to 1; a term that small is nothing beside either.
 
 Elsewhere (interpret mode on a CPU, which is how the tests run the kernels, and Mosaic on
-a TPU) the same function is jnp's exp2(x * c + a).
+a TPU) the same function is jnp's exp2(x * c + a), and so it is on a GPU too with the
+environment variable ATTENTION_JAX_INLINE_PTX=0 (for an A/B of the two, or a way out
+should a GPU disagree; read when a kernel is traced).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 
 import jax
@@ -33,8 +37,10 @@ _FMA_EXP2 = "{{ .reg .f32 t; fma.rn.ftz.f32 t, $1, {c}, $2; ex2.approx.ftz.f32 $
 
 
 def lowers_to_triton(interpret: bool) -> bool:
-    """A kernel traced now with this `interpret` lowers for Triton (an NVIDIA GPU's)."""
-    return not interpret and target_backend() == "gpu"
+    """A kernel traced now with this `interpret` lowers for Triton (an NVIDIA GPU's), and
+    may write PTX (unless ATTENTION_JAX_INLINE_PTX=0)."""
+    return (not interpret and target_backend() == "gpu"
+            and os.environ.get("ATTENTION_JAX_INLINE_PTX", "1") != "0")
 
 
 def float32_literal(c: float) -> str:

@@ -126,12 +126,13 @@ def _statistics(z_ref, t, v: int, chunk: int, sums: bool, inline: bool):
             sz = sz + jnp.sum(z)
         # The first index of the row's max, looked for only in a chunk whose max beats
         # every earlier one (after the first few chunks, seldom): a later chunk replaces
-        # it only when larger. The row's first load always looks (a branch there would
-        # yield the initial constant, which Triton's lowering of a branch cannot).
+        # it only when larger. The row's first load always looks and keeps what it found
+        # where its max is larger than -inf (a branch there would yield the initial
+        # constant, which Triton's lowering of a branch cannot).
         def look(z):
             return start + jnp.min(jnp.where(z == chunk_max, lax.iota(jnp.int32, size), size))
         if isinstance(start, int) and start == 0:
-            first = look(z)
+            first = jnp.where(chunk_max > m, look(z), first)
         else:
             first = lax.cond(chunk_max > m, lambda z, first: look(z), lambda z, first: first,
                              z, first)

@@ -60,6 +60,29 @@ def test_pallas_bfloat16_close_to_float32():
         assert float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) < 2e-2
 
 
+@pytest.mark.parametrize("scale", [-0.25, 0.0, -1.0])
+def test_a_scale_of_zero_or_below_equals_the_reference(scale, x64):
+    """The kernels take the row max of the raw scores and apply the scale in their
+    exponent's multiply-add, which holds for a positive scale only: for one of zero or
+    below (uniform weights, or reversed) they scale first. Causal (masked -inf scores)
+    and scores spread wide (a reversed max would overflow exp2)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 16)) * 3, jnp.float64)
+               for _ in range(3))
+
+    def run(impl):
+        def loss(q, k, v):
+            y = dot_product_attention(q, k, v, causal=True, scale=scale, implementation=impl)
+            return jnp.sum(jnp.sin(y)), y
+        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return y, g
+
+    (y, g), (y_ref, g_ref) = run("pallas"), run("reference")
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-10)
+    for name, a, b in zip("qkv", g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize("impl", ["reference", "blockwise", "pallas", "xla"])
 def test_kv_lengths_equal_a_prefix_kv_mask(impl):
     """Right padding given as lengths (what cuDNN takes) is the same mask as kv_mask."""

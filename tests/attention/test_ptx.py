@@ -31,7 +31,58 @@ def test_for_triton_it_is_one_inline_block_with_c_as_ptx_s_literal():
     (asm,) = [e for e in traced.jaxpr.eqns if e.primitive.name == "elementwise_inline_asm_p"]
     assert "fma.rn.ftz.f32 t, $1, 0f3F000000, $2" in asm.params["asm"]
     assert "ex2.approx.ftz.f32 $0, t" in asm.params["asm"]
+    assert asm.params["constraints"] == "=f,f,f" and asm.params["pack"] == 1
+    assert asm.invars[0] is traced.jaxpr.invars[0]  # $1 is x (multiplied by c), $2 is a
     assert asm.invars[1].aval.shape == (16, 16)  # a broadcast to x's shape first
+
+
+def _exponentials(jaxpr):
+    """(the out shapes of every exp and exp2, the number of inline asm blocks) in a kernel's
+    jaxpr, its loops' bodies and its branches included."""
+    shapes, blocks = [], 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("exp", "exp2"):
+            shapes.append(eqn.outvars[0].aval.shape)
+        blocks += eqn.primitive.name == "elementwise_inline_asm_p"
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    more, n = _exponentials(inner)
+                    shapes, blocks = shapes + more, blocks + n
+    return shapes, blocks
+
+
+def test_traced_for_a_gpu_no_exponential_over_a_tile_is_left_to_jnp():
+    """Traced as for an H100 (no GPU needed to trace), every exponential over a tile of
+    scores (2-D) or a chunk of logits (1-D) is ptx.py's block; what jnp still takes is a
+    row's rescale (the attention's [rows] vectors, the loss's scalars)."""
+    from helpers import pallas_calls
+
+    from attention_jax.attention import compiling_for, packed_self_attention
+    from attention_jax.models import loss_kernel
+
+    qkv, bias = jnp.zeros((1, 256, 3, 2, 64), jnp.bfloat16), jnp.zeros((3, 2, 64), jnp.bfloat16)
+    z, t, scale = jnp.zeros((4, 5000), jnp.bfloat16), jnp.zeros(4, jnp.int32), jnp.ones(4)
+
+    def attention(qkv, bias):
+        y = packed_self_attention(qkv, bias, implementation="pallas", causal=True)
+        return jnp.sum(y.astype(jnp.float32))
+
+    def loss(z):
+        return loss_kernel.row_statistics_and_gradient(z, t, scale), loss_kernel.row_statistics(
+            z, t, sums=False)
+
+    with compiling_for("gpu"):
+        traced = [jax.make_jaxpr(jax.grad(attention, argnums=(0, 1)))(qkv, bias),
+                  jax.make_jaxpr(loss)(z)]
+    kernels = {e.params["name"]: _exponentials(e.params["jaxpr"])
+               for j in traced for e in pallas_calls(j.jaxpr)}
+    assert set(kernels) == {"flash_forward", "flash_backward_dq", "flash_backward_dkdv",
+                            "cross_entropy_gradient", "cross_entropy_statistics"}
+    for name, (shapes, blocks) in kernels.items():
+        most = 1 if name.startswith("flash_") else 0
+        assert blocks > 0 and all(len(shape) <= most for shape in shapes), (name, shapes)
 
 
 KERNELS = r"""
@@ -52,7 +103,7 @@ def attention(qkv, bias):
     return jnp.sum(y.astype(jnp.float32) ** 2)
 def loss(z, t, scale):
     (lse, *_), dz = loss_kernel.row_statistics_and_gradient(z, t, scale)
-    return jnp.sum(lse), dz, loss_kernel.row_statistics(z, t)[0]
+    return jnp.sum(lse), dz, loss_kernel.row_statistics(z, t, sums=False)[0]
 with compiling_for("gpu"):
     jax.jit(jax.grad(attention, argnums=(0, 1))).lower(
         shaped((2, 256, 3, 2, 64), jnp.bfloat16), shaped((3, 2, 64), jnp.bfloat16)).compile()

@@ -124,6 +124,18 @@ def test_without_smoothing_and_with_targets_outside_the_vocabulary():
     np.testing.assert_allclose(dz, (p - onehot) * scale[:, None], rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.parametrize("chunk", [16, 64], ids=["chunks", "pieces-only"])
+def test_a_row_with_a_nan_has_a_nan_loss_and_first_max_0(chunk):
+    """NaN compares false with everything: its row's statistics are NaN and its first max
+    stays at 0 whether the row walks chunks or (V under a chunk) only pieces."""
+    z = np.random.default_rng(4).normal(size=(2, 37)).astype(np.float32)
+    z[0, 3] = np.nan
+    lse, _, _, first = loss_kernel.row_statistics(jnp.asarray(z), jnp.zeros(2, jnp.int32),
+                                                  chunk=chunk)
+    assert np.isnan(lse[0]) and not np.isnan(lse[1])
+    assert first[0] == 0 and first[1] == z[1].argmax()
+
+
 def _loop_bodies(jaxpr):
     """The bodies of a kernel's loops (its fori_loops over chunks: scans, their trip count
     being static), outermost first."""

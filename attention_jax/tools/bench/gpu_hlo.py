@@ -284,10 +284,11 @@ def kernel_code(dump_dir, ptxas: str | None = None, nvdisasm: str | None = None)
         entry = _ENTRY.search(text)
         if not entry or not entry.group(1).startswith(PALLAS_KERNELS) or entry.group(1) in rows:
             continue
-        row = {"kernel": entry.group(1), "file": path.name,
-               "instructions": len(re.findall(r"^\s+(?:@%p\d+ )?[a-z][\w.]*[ \t][^\n]*;\s*$",
-                                              text, re.M)),
-               "exp2": text.count("ex2.approx"), "fused_exp2": len(_FUSED_EXP2.findall(text))}
+        fused = len(_FUSED_EXP2.findall(text))
+        row = {"kernel": entry.group(1), "file": path.name,  # an inline block: 2 instructions
+               "instructions": 2 * fused + len(re.findall(
+                   r"^\s+(?:@%p\d+ )?[a-z][\w.]*[ \t][^\n]*;\s*$", text, re.M)),
+               "exp2": text.count("ex2.approx"), "fused_exp2": fused}
         if ptxas:
             cubin = path.with_suffix(".cubin")
             done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(cubin)],
