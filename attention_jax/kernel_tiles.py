@@ -1,9 +1,13 @@
 """What the package's row-wise Pallas kernels for Triton share (models/loss_kernel.py,
-layers/norm_kernel.py): where they run interpreted, their compiler parameters, and how a
-row too long or too odd for one load is cut (Triton's loads have power-of-two sizes).
+layers/norm_kernel.py): where they run interpreted, their compiler parameters, their
+launch settings (defaults, and others a bench sweeps), and how a row too long or too odd
+for one load is cut (Triton's loads have power-of-two sizes).
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 from attention_jax.attention.call import target_backend
 
@@ -32,3 +36,44 @@ def power_of_two_pieces(length: int, start: int = 0) -> list[tuple[int, int]]:
             start, length = start + size, length - size
         size //= 2
     return pieces
+
+
+def power_of_two(least: int) -> tuple[Callable[[int], bool], str]:
+    """A Settings rule: a power of two >= least."""
+    return (lambda v: v >= least and v & (v - 1) == 0), f"a power of two >= {least}"
+
+
+AT_LEAST_1 = ((lambda v: v >= 1), "an int >= 1")
+
+
+class Settings:
+    """A kernel module's launch settings: its defaults, and within `use(...)` others (the
+    kernels traced there take them; `bench loss` and `bench norm` sweep them on a GPU).
+    rules: name=(default, (is valid, what is valid))."""
+
+    def __init__(self, **rules):
+        self._rules = rules
+        self._now = {name: default for name, (default, _) in rules.items()}
+
+    def __getitem__(self, name: str) -> int:
+        return self._now[name]
+
+    def current(self) -> dict:
+        return dict(self._now)
+
+    @contextlib.contextmanager
+    def use(self, **given):
+        """Within: the settings given (None: as they are), each checked by its rule."""
+        for name, value in given.items():
+            if name not in self._rules:
+                raise TypeError(f"{name}=...: not a setting; valid: {', '.join(self._rules)}")
+            ok, valid = self._rules[name][1]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not ok(value)):
+                raise ValueError(f"{name}={value!r}; valid: {valid}")
+        before = dict(self._now)
+        self._now.update({k: v for k, v in given.items() if v is not None})
+        try:
+            yield
+        finally:
+            self._now = before

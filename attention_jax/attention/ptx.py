@@ -1,7 +1,8 @@
-"""Exponentials in the Pallas kernels as two PTX instructions, where they lower for Triton
-on an NVIDIA GPU (attention/pallas.py, models/loss_kernel.py).
+"""Exponentials and multiply-adds in the Pallas kernels as PTX, where they lower for Triton
+on an NVIDIA GPU (attention/pallas.py, models/loss_kernel.py, layers/norm_kernel.py).
 
     y = exp2_fma(x, c, a, inline=lowers_to_triton(interpret))   # exp2(x·c + a)
+    y = fma(a, b, c, inline=...)                                 # a·b + c, rounded once
 
 A softmax takes exp(x - m) of every score or logit; on a GPU that is exp2(x·log₂e - m·log₂e),
 one multiply-add and one exp2. Written in jnp, Triton makes more of it, as the H100's SASS
@@ -12,6 +13,9 @@ shows (ptxas and nvdisasm on the PTX that `bench gpu-hlo` compiles, no GPU neede
     make results below 2⁻¹²⁶ come out as denormals instead of zero;
   - exp (loss_kernel's, through libdevice's expf) is seven instructions.
 Here the two are written as PTX (`fma.rn.ftz.f32`, `ex2.approx.ftz.f32`): FFMA and MUFU.EX2.
+The first point holds for every product that feeds a sum in a kernel (a LayerNorm's
+(r - μ)·rstd·γ + β, its backward's accumulations): `fma` writes one `fma.rn.f32`, an
+FFMA, where Triton's PTX keeps a `mul.rn` and an `add.rn`.
 Flushing a result below 2⁻¹²⁶ to zero changes no softmax: with the row max as the shift
 the row's largest term is 1, and with its log-sum-exp the terms are the probabilities
 themselves, which sum to 1; a term that small is nothing beside either.
@@ -59,4 +63,21 @@ def exp2_fma(x, c: float, a, *, inline: bool):
     (y,) = plgpu.elementwise_inline_asm(
         _FMA_EXP2.format(c=float32_literal(c)), args=[x, a], constraints="=f,f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    return y
+
+
+_FMA = "fma.rn.f32 $0, $1, $2, $3;"
+
+
+def fma(a, b, c, *, inline: bool):
+    """a·b + c of arrays broadcast to one shape. inline (lowering for Triton, float32):
+    one `fma.rn.f32`, rounded once; else jnp's a * b + c."""
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
+    dtype = jnp.result_type(a, b, c)
+    if not inline or dtype != jnp.float32:
+        return a * b + c
+    from jax.experimental.pallas import triton as plgpu  # only meaningful when lowering to Triton
+    (y,) = plgpu.elementwise_inline_asm(
+        _FMA, args=[jnp.broadcast_to(x, shape).astype(dtype) for x in (a, b, c)],
+        constraints="=f,f,f,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, dtype)])
     return y

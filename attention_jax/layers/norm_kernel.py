@@ -43,13 +43,32 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from attention_jax import axes
+from attention_jax.attention import ptx
 from attention_jax.attention.call import compiling_for_gpu
-from attention_jax.kernel_tiles import interpret_off_gpu, power_of_two_pieces, triton_params
+from attention_jax.kernel_tiles import (Settings, interpret_off_gpu, power_of_two,
+                                        power_of_two_pieces, triton_params)
 from attention_jax.layers.logical import array_mesh_axes, row_mesh_axes, rows_logical
 
 ROWS = 8          # rows a program holds in registers at a time
 PROGRAM_ROWS = 64  # rows a backward program walks (its partial column sums cover them)
 NUM_WARPS = 4
+# What the kernels are traced with, unless `settings` says otherwise (bench norm sweeps
+# them on a GPU). Compiled for an H100 (`bench gpu-hlo --kernel-code`), these defaults'
+# backward holds 253 registers a thread (two programs an SM) and spends about 100
+# barriers a step of 8 rows: Triton spreads a [8, 768] tile over its 4 warps by rows and
+# columns, so its row sums and its column sums both cross warps. One row and one warp a
+# step (rows=1, num_warps=1) has no barrier and 206 registers; which is faster needs
+# the GPU.
+SETTINGS = Settings(rows=(ROWS, power_of_two(1)), program_rows=(PROGRAM_ROWS, power_of_two(1)),
+                    num_warps=(NUM_WARPS, power_of_two(1)))
+
+
+def settings(rows: int | None = None, program_rows: int | None = None,
+             num_warps: int | None = None):
+    """Within (a context manager): the kernels traced take these launch settings instead of
+    the defaults (rows a program holds at a time, rows a backward program walks, Triton's
+    warps a program; powers of two)."""
+    return SETTINGS.use(rows=rows, program_rows=program_rows, num_warps=num_warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +82,7 @@ class _Static:
     has_bias: bool
     rows: int          # R: rows per step of a program
     program_rows: int  # backward: rows per program
+    num_warps: int
     interpret: bool
 
     @property
@@ -115,11 +135,13 @@ def _forward_kernel(*refs, st: _Static):
             r_ref[:, cols] = r
         rs.append(r.astype(f32))
     mean, rstd = _row_stats(st, rs)
+    inline = ptx.lowers_to_triton(st.interpret)
     for (start, size), r in zip(st.pieces, rs):
         cols = pl.ds(start, size)
-        n = (r - mean[:, None]) * rstd[:, None] * scale_ref[cols].astype(f32)[None, :]
-        if bias_ref is not None:
-            n = n + bias_ref[cols].astype(f32)[None, :]
+        xhat = (r - mean[:, None]) * rstd[:, None]
+        gamma = scale_ref[cols].astype(f32)[None, :]
+        n = (xhat * gamma if bias_ref is None else
+             ptx.fma(xhat, gamma, bias_ref[cols].astype(f32)[None, :], inline=inline))
         n_ref[:, cols] = n.astype(n_ref.dtype)
     mean_ref[...] = mean
     rstd_ref[...] = rstd
@@ -129,6 +151,9 @@ def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, dr_ref, scale_ref, dx_re
                      dscale_ref, dbias_ref, dyb_ref, *, st: _Static):
     f32 = jnp.float32
     widths = [size for _, size in st.pieces]
+    inline = ptx.lowers_to_triton(st.interpret)
+    # γ once for every step of the loop, as the rows' tiles lay it out ([1, w] each piece)
+    gammas = [scale_ref[pl.ds(start, size)].astype(f32)[None, :] for start, size in st.pieces]
 
     def step(j, sums):
         rows = pl.ds(pl.multiple_of(j * st.rows, st.rows), st.rows)
@@ -138,7 +163,7 @@ def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, dr_ref, scale_ref, dx_re
             cols = pl.ds(start, size)
             dn = dn_ref[rows, cols].astype(f32)
             xhat = (r_ref[rows, cols].astype(f32) - mean[:, None]) * rstd[:, None]
-            g = dn * scale_ref[cols].astype(f32)[None, :]
+            g = dn * gammas[len(dns)]
             c1 = c1 + jnp.sum(g * xhat, axis=1)
             c2 = c2 + jnp.sum(g, axis=1)
             dns.append(dn)
@@ -148,11 +173,11 @@ def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, dr_ref, scale_ref, dx_re
         ds, db, dyb = list(ds), list(db), list(dyb)
         for p, (start, size) in enumerate(st.pieces):
             cols = pl.ds(start, size)
-            g = dns[p] * scale_ref[cols].astype(f32)[None, :]
-            dx = g - xhats[p] * c1[:, None]
+            g = dns[p] * gammas[p]
+            dx = ptx.fma(xhats[p], -c1[:, None], g, inline=inline)  # g - x̂·c1
             if st.centered:
                 dx = dx - c2[:, None]
-            dx = dx * rstd[:, None] + dr_ref[rows, cols].astype(f32)
+            dx = ptx.fma(dx, rstd[:, None], dr_ref[rows, cols].astype(f32), inline=inline)
             dx_ref[rows, cols] = dx.astype(dx_ref.dtype)
             ds[p] = ds[p] + jnp.sum(dns[p] * xhats[p], axis=0)
             db[p] = db[p] + jnp.sum(dns[p], axis=0)
@@ -184,7 +209,7 @@ def _forward(st: _Static, x, y, y_bias, scale, bias):
     out = pl.pallas_call(
         functools.partial(_forward_kernel, st=st), grid=(m // st.rows,),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=triton_params(NUM_WARPS, 1, st.interpret), interpret=st.interpret, name="add_norm_forward",
+        compiler_params=triton_params(st.num_warps, 1, st.interpret), interpret=st.interpret, name="add_norm_forward",
     )(*inputs)
     return tuple(out)
 
@@ -204,7 +229,7 @@ def _backward(st: _Static, dn, r, mean, rstd, dr, scale):
         in_specs=[block, block, stat, stat, block, vector],
         out_specs=[block, partial, partial, partial],
         out_shape=[jax.ShapeDtypeStruct(r.shape, r.dtype), parts, parts, parts],
-        compiler_params=triton_params(NUM_WARPS, 1, st.interpret), interpret=st.interpret, name="add_norm_backward",
+        compiler_params=triton_params(st.num_warps, 1, st.interpret), interpret=st.interpret, name="add_norm_backward",
     )(dn, r, mean, rstd, dr.astype(r.dtype), scale)
 
 
@@ -309,8 +334,8 @@ def unsupported(x_shape) -> str | None:
     for size, names in zip(lead, split):
         if names and size % math.prod(mesh.shape[a] for a in names):
             return f"a leading axis of {size} does not divide over mesh axes {names}"
-    if rows_per_device(lead) % ROWS:
-        return f"{rows_per_device(lead)} rows per device, not a multiple of {ROWS}"
+    if rows_per_device(lead) % SETTINGS["rows"]:
+        return f"{rows_per_device(lead)} rows per device, not a multiple of {SETTINGS['rows']}"
     if features_split(len(x_shape)):
         return f"the mesh splits the features D over {features_split(len(x_shape))}"
     return None
@@ -322,7 +347,7 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
-    product) a multiple of 8 on each device. Differentiable in every array argument; the
+    product) a multiple of the rows setting (8) on each device. Differentiable in every array argument; the
     backward takes the gradients reaching r (along the residual path) and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:
@@ -343,8 +368,13 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
         raise ValueError(f"add_norm cannot take x {x.shape} here: {why}")
     m = rows_per_device(x.shape[:-1])
     interpret = interpret_off_gpu(interpret)
+    rows, program_rows = SETTINGS["rows"], _pow2_divisor(m, SETTINGS["program_rows"])
+    if program_rows < rows:
+        raise ValueError(f"settings program_rows={SETTINGS['program_rows']} with rows={rows}: "
+                         f"a backward program walks whole steps; valid: program_rows >= rows")
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
-                 has_y_bias=y_bias is not None, has_bias=bias is not None, rows=ROWS,
-                 program_rows=_pow2_divisor(m, PROGRAM_ROWS), interpret=interpret)
+                 has_y_bias=y_bias is not None, has_bias=bias is not None, rows=rows,
+                 program_rows=program_rows, num_warps=SETTINGS["num_warps"],
+                 interpret=interpret)
     return _add_norm(st, x, y, y_bias, scale, bias)

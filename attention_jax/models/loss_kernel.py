@@ -40,7 +40,6 @@ whose branch all of a program's threads take alike).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Optional
@@ -51,7 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from attention_jax.attention import ptx
-from attention_jax.kernel_tiles import interpret_off_gpu, power_of_two_pieces, triton_params
+from attention_jax.kernel_tiles import (AT_LEAST_1, Settings, interpret_off_gpu, power_of_two,
+                                        power_of_two_pieces, triton_params)
 
 CHUNK = 4096  # logits a program loads at a time: 8 KiB of bfloat16, 16 per thread of 8 warps
 NUM_WARPS = 8
@@ -63,30 +63,20 @@ NUM_STAGES = 3
 # What the kernels are traced with, unless `settings` says otherwise (bench loss sweeps
 # them on a GPU): how many programs share an SM, and so whether a program's row is still
 # in the L2 cache when the gradient reads it again, depends on the warps a program has.
-_SETTINGS = {"chunk": CHUNK, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+SETTINGS = Settings(chunk=(CHUNK, power_of_two(16)), num_warps=(NUM_WARPS, AT_LEAST_1),
+                    num_stages=(NUM_STAGES, AT_LEAST_1))
 
 
-@contextlib.contextmanager
 def settings(chunk: Optional[int] = None, num_warps: Optional[int] = None,
              num_stages: Optional[int] = None):
-    """Within: the kernels traced take these launch settings instead of the defaults
-    (chunk: a power of two >= 16, logits loaded at a time; Triton's warps and stages)."""
-    given = {"chunk": chunk, "num_warps": num_warps, "num_stages": num_stages}
-    for name, value in given.items():
-        if value is not None and (not isinstance(value, int) or value < 1 or (
-                name == "chunk" and (value < 16 or value & (value - 1)))):
-            raise ValueError(f"{name}={value!r}; valid: " + (
-                "a power of two >= 16" if name == "chunk" else "an int >= 1"))
-    before = dict(_SETTINGS)
-    _SETTINGS.update({k: v for k, v in given.items() if v is not None})
-    try:
-        yield
-    finally:
-        _SETTINGS.update(before)
+    """Within (a context manager): the kernels traced take these launch settings instead
+    of the defaults (chunk: a power of two >= 16, logits loaded at a time; Triton's warps
+    and stages)."""
+    return SETTINGS.use(chunk=chunk, num_warps=num_warps, num_stages=num_stages)
 
 
 def _params(interpret: bool):
-    return triton_params(_SETTINGS["num_warps"], _SETTINGS["num_stages"], interpret)
+    return triton_params(SETTINGS["num_warps"], SETTINGS["num_stages"], interpret)
 
 
 def _pieces(v: int, chunk: int) -> tuple[int, list[tuple[int, int]]]:
@@ -232,7 +222,7 @@ def row_statistics(logits, targets, *, sums: bool = True, chunk: Optional[int] =
     row, one = _row_specs(v)
     stats = pl.pallas_call(
         functools.partial(_statistics_kernel, v=v,
-                          chunk=_SETTINGS["chunk"] if chunk is None else chunk, sums=sums,
+                          chunk=SETTINGS["chunk"] if chunk is None else chunk, sums=sums,
                           inline=ptx.lowers_to_triton(interpret)),
         grid=(m,), in_specs=[row, one], out_specs=[one] * (3 + sums),
         out_shape=_stat_shapes(m, sums),
@@ -255,7 +245,7 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
     sums = float(smoothing) != 0
     *stats, dz = pl.pallas_call(
         functools.partial(_gradient_kernel, v=v,
-                          chunk=_SETTINGS["chunk"] if chunk is None else chunk,
+                          chunk=SETTINGS["chunk"] if chunk is None else chunk,
                           smoothing=float(smoothing), inline=ptx.lowers_to_triton(interpret)),
         grid=(m,), in_specs=[row, one, one], out_specs=[one] * (3 + sums) + [row],
         out_shape=_stat_shapes(m, sums) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],

@@ -63,6 +63,43 @@ def test_values_and_gradients_match_float64(x64, centered, with_y):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
 
 
+@pytest.mark.parametrize("given", [dict(rows=1, program_rows=4, num_warps=1),
+                                   dict(rows=2, program_rows=2, num_warps=2)],
+                         ids=["a-row-a-step", "programs-of-one-step"])
+def test_launch_settings_compute_the_same(given, x64):
+    """norm_kernel.settings (bench norm sweeps them on a GPU): other rows a step, rows a
+    backward program and warps give the same values and gradients (D = 96 in pieces of
+    64 and 32; 2 × 8 rows, so the backward's partial sums cover 4 or 8 programs)."""
+    x, y, yb, s, b, gr, gn = _inputs((2, 8, 96), seed=2)
+    as32 = [jnp.asarray(a, jnp.float32) for a in (x, y, yb, s, b)]
+
+    def loss(fn, *a):
+        r, n = fn(*a)
+        return jnp.vdot(r, gr) + jnp.vdot(n, gn)
+
+    kernel = lambda *a: norm_kernel.add_norm(*a, interpret=True)  # noqa: E731
+    with norm_kernel.settings(**given):
+        got = jax.value_and_grad(lambda *a: loss(kernel, *a), argnums=tuple(range(5)))(*as32)
+    want = jax.value_and_grad(lambda *a: loss(lambda *c: _reference(*c, True), *a),
+                              argnums=tuple(range(5)))(*map(jnp.asarray, (x, y, yb, s, b)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
+    assert norm_kernel.SETTINGS.current() == {"rows": norm_kernel.ROWS, "program_rows":
+                                              norm_kernel.PROGRAM_ROWS,
+                                              "num_warps": norm_kernel.NUM_WARPS}
+
+
+def test_bad_launch_settings_name_the_valid_values():
+    with pytest.raises(ValueError, match=r"rows=3; valid: a power of two >= 1"):
+        with norm_kernel.settings(rows=3):
+            pass
+    x = jnp.zeros((2, 8, 32))
+    with norm_kernel.settings(rows=8, program_rows=4):
+        with pytest.raises(ValueError, match=r"program_rows=4 with rows=8: .*valid: "
+                                             r"program_rows >= rows"):
+            norm_kernel.add_norm(x, scale=jnp.ones(32), interpret=True)
+
+
 def test_bfloat16_rounds_the_sum_once(x64):
     """bfloat16 x and y: r is rounded to bfloat16 once (the sum taken in float32), and
     the norm's statistics are those of r as stored, so n is the float64 norm of that r."""

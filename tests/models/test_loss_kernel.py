@@ -366,8 +366,9 @@ def test_launch_settings_apply_within_and_end_with_it():
     assert "+16]" in inside and "+16]" not in traced()  # loads z[i:i+16]
     stats = lambda: loss_kernel.row_statistics(z, t)  # noqa: E731
     np.testing.assert_allclose(lse, stats()[0], rtol=1e-6)
-    assert loss_kernel._SETTINGS == {"chunk": loss_kernel.CHUNK, "num_warps": loss_kernel.NUM_WARPS,
-                                     "num_stages": loss_kernel.NUM_STAGES}
+    assert loss_kernel.SETTINGS.current() == {"chunk": loss_kernel.CHUNK,
+                                              "num_warps": loss_kernel.NUM_WARPS,
+                                              "num_stages": loss_kernel.NUM_STAGES}
     for bad, says in (({"chunk": 100}, "chunk=100; valid: a power of two >= 16"),
                       ({"num_stages": 0}, "num_stages=0; valid: an int >= 1")):
         with pytest.raises(ValueError, match=re.escape(says)):

@@ -9,6 +9,7 @@
     python -m attention_jax.tools.bench profile --save       # what a checkpoint save costs it
     python -m attention_jax.tools.bench gpu-hlo              # the step compiled for an H100, here
     python -m attention_jax.tools.bench loss                 # the LM head's loss, by loss kernel
+    python -m attention_jax.tools.bench norm                 # a residual add and LayerNorm, by norm kernel
 
 One module per command, named `<command>_speed.py` (or profile.py) so none shadows a
 package module; `*_speed_gpu.py` are the GPU modes of `attention` and `train`, both

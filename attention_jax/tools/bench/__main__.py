@@ -1,4 +1,4 @@
-"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint|data|profile|images|multihost|gpu-hlo|loss [options]`."""
+"""The bench command: `python -m attention_jax.tools.bench attention|train|ring|checkpoint|data|profile|images|multihost|gpu-hlo|loss|norm [options]`."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 
 import attention_jax.tools.bench as bench
 from attention_jax.tools.bench import (attention_speed, checkpoint_speed, data_speed, gpu_hlo,
-                                       image_speed, loss_speed, multihost_speed, profile,
-                                       ring_speed, train_speed)
+                                       image_speed, loss_speed, multihost_speed, norm_speed,
+                                       profile, ring_speed, train_speed)
 
 BENCHMARKS = {"attention": attention_speed, "train": train_speed, "ring": ring_speed,
               "checkpoint": checkpoint_speed, "data": data_speed, "profile": profile,
               "images": image_speed, "multihost": multihost_speed, "gpu-hlo": gpu_hlo,
-              "loss": loss_speed}
+              "loss": loss_speed, "norm": norm_speed}
 
 
 # The least value of each numeric option, whichever benchmark has it: a negative count

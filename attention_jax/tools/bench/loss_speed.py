@@ -38,25 +38,8 @@ SETTING_KEYS = {"chunk": "chunk", "warps": "num_warps", "stages": "num_stages"}
 def parse_settings(text: str) -> dict:
     """`chunk=8192,warps=16` -> loss_kernel.settings' arguments; a wrong key or value is
     one line naming the valid ones."""
-    out = {}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        key, _, value = part.partition("=")
-        if key.strip() not in SETTING_KEYS or not value.strip().isdigit():
-            raise ValueError(f"{part!r} in {text!r}; valid: comma-separated "
-                             + ", ".join(f"{k}=N" for k in SETTING_KEYS))
-        out[SETTING_KEYS[key.strip()]] = int(value)
-    if not out:
-        raise ValueError(f"{text!r}; valid: e.g. chunk=8192,warps=16,stages=3")
-    return out
-
-
-def _queued(fn, args, repeats: int, steps: int) -> float:
-    """Median seconds per call of fn(*args) over `repeats` timings of `steps` queued calls."""
-    import jax
-
-    from attention_jax.tools.bench import timing  # it imports JAX
-    queue = lambda: jax.block_until_ready([fn(*args) for _ in range(steps)])  # noqa: E731
-    return timing.median_time(queue, repeats) / steps
+    from attention_jax.tools.bench.timing import parse_settings as parse  # it imports JAX
+    return parse(text, SETTING_KEYS)
 
 
 def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], repeats: int,
@@ -68,6 +51,7 @@ def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], r
 
     from attention_jax.models import loss_kernel
     from attention_jax.models.losses import head_cross_entropy
+    from attention_jax.tools.bench.timing import queued_time
     kh, kk, kt = jax.random.split(jax.random.key(seed), 3)
     hidden = jax.random.normal(kh, (rows, width), jnp.dtype(dtype))
     kernel = (jax.random.normal(kk, (width, vocab), jnp.float32) / width ** 0.5).astype(dtype)
@@ -76,7 +60,7 @@ def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], r
     # One pass through the logits: a copy of their size reads and writes them (two passes).
     block = jnp.zeros((rows, vocab), dtype)
     copy = jax.jit(lambda x: x + jnp.asarray(1, dtype))
-    pass_s = _queued(copy, (block,), repeats, steps) / 2
+    pass_s = queued_time(copy, (block,), repeats, steps) / 2
     del block
     out = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "rows": rows, "width": width, "vocab": vocab, "dtype": dtype,
@@ -90,8 +74,8 @@ def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], r
         both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         with loss_kernel.settings(**parse_settings(given)) if given else contextlib.nullcontext():
             out["kernels"][name] = {
-                "forward_s": _queued(forward, (hidden, kernel), repeats, steps),
-                "forward_backward_s": _queued(both, (hidden, kernel), repeats, steps),
+                "forward_s": queued_time(forward, (hidden, kernel), repeats, steps),
+                "forward_backward_s": queued_time(both, (hidden, kernel), repeats, steps),
                 "loss": float(forward(hidden, kernel))}
     return out
 

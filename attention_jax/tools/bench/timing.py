@@ -28,6 +28,29 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(wall_times(fn, repeats))
 
 
+def queued_time(fn, args, repeats: int, steps: int) -> float:
+    """Median seconds per call of fn(*args) over `repeats` timings of `steps` calls queued
+    back to back and ended by one wait, after a warm-up."""
+    queue = lambda: jax.block_until_ready([fn(*args) for _ in range(steps)])  # noqa: E731
+    return median_time(queue, repeats) / steps
+
+
+def parse_settings(text: str, keys: dict[str, str]) -> dict:
+    """`chunk=8192,warps=16` -> a kernel module's `settings` arguments, `keys` mapping
+    each name given to its argument; a wrong key or value is one line naming the valid
+    ones (bench loss's and bench norm's --pallas-settings)."""
+    out = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        if key.strip() not in keys or not value.strip().isdigit():
+            raise ValueError(f"{part!r} in {text!r}; valid: comma-separated "
+                             + ", ".join(f"{k}=N" for k in keys))
+        out[keys[key.strip()]] = int(value)
+    if not out:
+        raise ValueError(f"{text!r}; valid: e.g. " + ",".join(f"{k}=N" for k in keys))
+    return out
+
+
 def queued_step_times(step, state, repeats: int, steps: int):
     """Seconds per step of `repeats` timings of `steps` training steps queued back to
     back and ended by one wait (the device never waits for the host in between).

@@ -1,0 +1,46 @@
+"""bench norm: a residual add and LayerNorm alone, by norm kernel (the Pallas kernels
+interpreted on this CPU host, at a tiny size): both kernels and a launch setting timed,
+the same value, the table and the JSON; bad arguments name the valid values."""
+
+import argparse
+import json
+
+import pytest
+
+from attention_jax.tools.bench import norm_speed
+
+
+def _args(*extra):
+    parser = argparse.ArgumentParser()
+    norm_speed.add_parser(parser.add_subparsers(dest="which"))
+    return parser.parse_args(["norm", "--rows", "16", "--width", "96", "--repeats", "1",
+                              "--steps", "1", *extra])
+
+
+def test_kernels_and_a_launch_setting_timed_with_the_same_value(tmp_path, capsys):
+    out = tmp_path / "norm.json"
+    result = norm_speed.run(_args("--norm-kernel", "xla,pallas", "--pallas-settings",
+                                  "rows=1,program_rows=4,warps=1", "--out", str(out)))
+    names = ["xla", "pallas", "pallas rows=1,program_rows=4,warps=1"]
+    assert list(result["kernels"]) == names
+    for name in names:
+        k = result["kernels"][name]
+        assert 0 < k["forward_s"] and 0 < k["forward_backward_s"]
+        assert k["value"] == pytest.approx(result["kernels"]["xla"]["value"], rel=1e-5)
+    assert result["array_bytes"] == 16 * 96 * 4 and result["pass_s"] > 0
+    assert json.loads(out.read_text())["kernels"].keys() == set(names)
+    assert "| pallas rows=1,program_rows=4,warps=1 |" in capsys.readouterr().out
+
+
+def test_bad_arguments_name_the_valid_values():
+    for text, says in (("rows=3", "rows=3; valid: a power of two >= 1"),
+                       ("lanes=4", "'lanes=4' in 'lanes=4'; valid: comma-separated rows=N, "
+                                   "program_rows=N, warps=N")):
+        with pytest.raises(SystemExit):
+            _args("--pallas-settings", text)
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            norm_speed._settings(text)
+    with pytest.raises(SystemExit, match=r"--norm-kernel 'cudnn'; valid: \['auto', 'xla', 'pallas'\]"):
+        norm_speed.run(_args("--norm-kernel", "cudnn"))
+    with pytest.raises(SystemExit, match=r"--dtype 'int8'; valid: float32, bfloat16 or float16"):
+        norm_speed.run(_args("--dtype", "int8"))
