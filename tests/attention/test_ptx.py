@@ -36,6 +36,19 @@ def test_for_triton_it_is_one_inline_block_with_c_as_ptx_s_literal():
     assert asm.invars[1].aval.shape == (16, 16)  # a broadcast to x's shape first
 
 
+def test_fma_is_one_rounding_on_triton_and_jnp_s_elsewhere(x64):
+    a = jnp.asarray([[1.5, -2.0]], jnp.float32)
+    b, c = jnp.asarray([[2.0], [3.0]], jnp.float32), jnp.float32(0.25)
+    np.testing.assert_array_equal(ptx.fma(a, b, c, inline=False), a * b + c)  # [2, 2]
+    a64 = jnp.asarray([1 / 3], jnp.float64)  # float64 (interpret mode only) stays float64
+    assert ptx.fma(a64, a64, a64, inline=True).dtype == jnp.float64
+    traced = jax.make_jaxpr(lambda a, b, c: ptx.fma(a, b, c, inline=True))(a, b, c)
+    (asm,) = [e for e in traced.jaxpr.eqns if e.primitive.name == "elementwise_inline_asm_p"]
+    assert asm.params["asm"] == "fma.rn.f32 $0, $1, $2, $3;"
+    assert asm.params["constraints"] == "=f,f,f,f"
+    assert [v.aval.shape for v in asm.invars] == [(2, 2)] * 3  # broadcast to one shape
+
+
 def _exponentials(jaxpr):
     """(the out shapes of every exp and exp2, the number of inline asm blocks) in a kernel's
     jaxpr, its loops' bodies and its branches included."""

@@ -105,15 +105,10 @@ def table(result: dict) -> str:
 
 
 def _settings(text: str) -> str:
-    """argparse's type for a --pallas-settings setting (its values checked as the kernels
-    check them)."""
+    """argparse's type for a --pallas-settings setting (checked as the kernels check it)."""
     from attention_jax.models import loss_kernel
-    try:
-        with loss_kernel.settings(**parse_settings(text)):
-            pass
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    from attention_jax.tools.bench.timing import settings_argument
+    return settings_argument(text, SETTING_KEYS, loss_kernel.settings)
 
 
 def add_parser(sub) -> None:
@@ -123,32 +118,15 @@ def add_parser(sub) -> None:
     p.add_argument("--rows", type=int, default=16 * 1024, help="positions (batch x length)")
     p.add_argument("--width", type=int, default=768, help="D, the hidden width")
     p.add_argument("--vocab", type=int, default=50304, help="V")
-    p.add_argument("--dtype", default=None,
-                   help="default: bfloat16 on an accelerator, float32 on a CPU")
-    p.add_argument("--loss-kernel", default=None,
-                   help="comma-separated, of auto,xla,pallas (default: xla,pallas on an "
-                        "accelerator, xla on a CPU, where pallas runs interpreted)")
-    p.add_argument("--pallas-settings", type=_settings, nargs="+", default=[],
-                   help="a row per launch setting of the Pallas loss kernels, e.g. "
-                        "chunk=8192,warps=16,stages=3 (what is not given: the defaults)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10, help="calls queued per timing")
-    p.add_argument("--out", default=None, help="JSON file for the result")
+    from attention_jax.tools.bench.timing import add_kernel_bench_options
+    add_kernel_bench_options(p, "loss", "chunk=8192,warps=16,stages=3", _settings, steps=10)
 
 
 def run(args) -> dict:
-    import jax
-
+    from attention_jax.tools.bench.timing import kernel_bench_rows
     from attention_jax.tools.bench.train_speed_gpu import parse_loss_kernels
-    for flag in ("rows", "width", "vocab", "repeats", "steps"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"error: --{flag} {getattr(args, flag)}; valid: an integer >= 1")
-    cpu = jax.default_backend() == "cpu"
-    kernels = parse_loss_kernels(args.loss_kernel or ("xla" if cpu else "xla,pallas"))
-    kernels += [f"pallas {text}" for text in args.pallas_settings]
-    dtype = args.dtype or ("float32" if cpu else "bfloat16")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise SystemExit(f"error: --dtype {dtype!r}; valid: float32, bfloat16 or float16")
+    kernels, dtype = kernel_bench_rows(args, ("rows", "width", "vocab"), args.loss_kernel,
+                                       parse_loss_kernels)
     print(f"timing the loss, kernels {kernels} ...", file=sys.stderr, flush=True)
     result = measure(args.rows, args.width, args.vocab, dtype, kernels, args.repeats, args.steps)
     print(table(result))
