@@ -47,12 +47,14 @@ AT_LEAST_1 = ((lambda v: v >= 1), "an int >= 1")
 
 
 class Settings:
-    """A kernel module's launch settings: its defaults, and within `use(...)` others (the
-    kernels traced there take them; `bench loss` and `bench norm` sweep them on a GPU).
-    rules: name=(default, (is valid, what is valid))."""
+    """A kernel module's launch settings: its defaults, and within `use(...)` others (`bench
+    loss` and `bench norm` sweep them on a GPU). They are read when a kernel is traced: a
+    function jitted and traced before keeps the settings it was traced with.
+    rules: name=(default, (is valid, what is valid)); together(settings) -> None, or why
+    a combination of valid values is not one."""
 
-    def __init__(self, **rules):
-        self._rules = rules
+    def __init__(self, together: Callable[[dict], str | None] = lambda now: None, **rules):
+        self._rules, self._together = rules, together
         self._now = {name: default for name, (default, _) in rules.items()}
 
     def __getitem__(self, name: str) -> int:
@@ -71,8 +73,11 @@ class Settings:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not ok(value)):
                 raise ValueError(f"{name}={value!r}; valid: {valid}")
-        before = dict(self._now)
-        self._now.update({k: v for k, v in given.items() if v is not None})
+        after = {**self._now, **{k: v for k, v in given.items() if v is not None}}
+        why = self._together(after)
+        if why:
+            raise ValueError(why)
+        before, self._now = self._now, after
         try:
             yield
         finally:

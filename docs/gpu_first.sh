@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD:/tmp/site
 # loss's and the norm's, Triton-compiled, against the float32/float64 references (about
 # 20 s a case). A failure here makes every figure after it suspect; rerunning with
 # ATTENTION_JAX_INLINE_PTX=0 tells whether the PTX is why.
-run gpu_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu -p no:cacheprovider \
+run gpu_tests 170 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu -p no:cacheprovider \
   tests/attention/test_pallas_packed.py \
   "tests/attention/test_pallas.py::test_pallas_on_gpu_equals_reference[full]" \
   "tests/attention/test_pallas.py::test_pallas_on_gpu_equals_reference[padding]" \
@@ -24,11 +24,11 @@ run gpu_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu -p no:cacheprov
 # own process, about 35-45 s for ours, more for the peer's compile): 32.5 ms at
 # gpt2-124m:16 on 2026-11-26 before the inline exponentials and the leaner loss kernel
 # (the peer not run that day; 35.66 on an earlier day).
-run peer 225 $PY -m attention_jax.tools.bench train --device gpu \
+run peer 220 $PY -m attention_jax.tools.bench train --device gpu \
   --shapes gpt2-124m:16 gpt2-124m:32 --trainer-steps 0 --repeats 5 --out $OUT/peer.json
 # 3. The loss alone, XLA's against the kernels, and the kernels with more warps a program
 # (fewer rows in flight: does the second read of a row then hit the L2 cache?). The
 # kernels took 1.88 ms in the step on 2026-11-26, 44 SASS instructions a logit; now 16.
-run loss 80 $PY -m attention_jax.tools.bench loss --loss-kernel pallas --repeats 3 \
+run loss 70 $PY -m attention_jax.tools.bench loss --loss-kernel xla,pallas --repeats 3 \
   --pallas-settings warps=16 warps=32 warps=16,chunk=8192 --out $OUT/loss.json
 echo "== done at $((SECONDS - start)) s"

@@ -13,9 +13,10 @@ shows (ptxas and nvdisasm on the PTX that `bench gpu-hlo` compiles, no GPU neede
     make results below 2⁻¹²⁶ come out as denormals instead of zero;
   - exp (loss_kernel's, through libdevice's expf) is seven instructions.
 Here the two are written as PTX (`fma.rn.ftz.f32`, `ex2.approx.ftz.f32`): FFMA and MUFU.EX2.
-The first point holds for every product that feeds a sum in a kernel (a LayerNorm's
-(r - μ)·rstd·γ + β, its backward's accumulations): `fma` writes one `fma.rn.f32`, an
-FFMA, where Triton's PTX keeps a `mul.rn` and an `add.rn`.
+The first point holds for any product that feeds a sum in a kernel: `fma` writes one
+`fma.rn.f32`, an FFMA, where Triton's PTX keeps a `mul.rn` and an `add.rn` (the norm
+kernels' x̂·γ + β, g - x̂·c₁ and dx·rstd + dr; a product summed by a reduction stays a
+multiply, the reduction's adds being Triton's).
 Flushing a result below 2⁻¹²⁶ to zero changes no softmax: with the row max as the shift
 the row's largest term is 1, and with its log-sum-exp the terms are the probabilities
 themselves, which sum to 1; a term that small is nothing beside either.

@@ -54,20 +54,24 @@ PROGRAM_ROWS = 64  # rows a backward program walks (its partial column sums cove
 NUM_WARPS = 4
 # What the kernels are traced with, unless `settings` says otherwise (bench norm sweeps
 # them on a GPU). Compiled for an H100 (`bench gpu-hlo --kernel-code`), these defaults'
-# backward holds 253 registers a thread (two programs an SM) and spends about 100
+# backward holds 255 registers a thread (two programs an SM) and spends about 100
 # barriers a step of 8 rows: Triton spreads a [8, 768] tile over its 4 warps by rows and
 # columns, so its row sums and its column sums both cross warps. One row and one warp a
 # step (rows=1, num_warps=1) has no barrier and 206 registers; which is faster needs
 # the GPU.
-SETTINGS = Settings(rows=(ROWS, power_of_two(1)), program_rows=(PROGRAM_ROWS, power_of_two(1)),
-                    num_warps=(NUM_WARPS, power_of_two(1)))
+SETTINGS = Settings(
+    together=lambda now: None if now["program_rows"] >= now["rows"] else (
+        f"program_rows={now['program_rows']} with rows={now['rows']}: a backward program "
+        f"walks whole steps; valid: program_rows >= rows"),
+    rows=(ROWS, power_of_two(1)), program_rows=(PROGRAM_ROWS, power_of_two(1)),
+    num_warps=(NUM_WARPS, power_of_two(1)))
 
 
 def settings(rows: int | None = None, program_rows: int | None = None,
              num_warps: int | None = None):
     """Within (a context manager): the kernels traced take these launch settings instead of
-    the defaults (rows a program holds at a time, rows a backward program walks, Triton's
-    warps a program; powers of two)."""
+    the defaults (rows a program holds at a time, rows a backward program walks, at least
+    as many, Triton's warps a program; powers of two). Read when a kernel is traced."""
     return SETTINGS.use(rows=rows, program_rows=program_rows, num_warps=num_warps)
 
 
@@ -368,10 +372,9 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
         raise ValueError(f"add_norm cannot take x {x.shape} here: {why}")
     m = rows_per_device(x.shape[:-1])
     interpret = interpret_off_gpu(interpret)
+    # program_rows >= rows (Settings' rule) and m a multiple of rows (unsupported's):
+    # the divisor is a whole number of steps
     rows, program_rows = SETTINGS["rows"], _pow2_divisor(m, SETTINGS["program_rows"])
-    if program_rows < rows:
-        raise ValueError(f"settings program_rows={SETTINGS['program_rows']} with rows={rows}: "
-                         f"a backward program walks whole steps; valid: program_rows >= rows")
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
                  has_y_bias=y_bias is not None, has_bias=bias is not None, rows=rows,

@@ -71,7 +71,7 @@ def settings(chunk: Optional[int] = None, num_warps: Optional[int] = None,
              num_stages: Optional[int] = None):
     """Within (a context manager): the kernels traced take these launch settings instead
     of the defaults (chunk: a power of two >= 16, logits loaded at a time; Triton's warps
-    and stages)."""
+    and stages). Read when a kernel is traced."""
     return SETTINGS.use(chunk=chunk, num_warps=num_warps, num_stages=num_stages)
 
 

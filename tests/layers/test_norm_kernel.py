@@ -18,7 +18,7 @@ from attention_jax.layers import norm_kernel
 from attention_jax.layers.blocks import BlockConfig, TransformerBlock
 from attention_jax.layers.norms import add_normalize, choose_norm_kernel
 from attention_jax.tools.bench import gpu_hlo
-from helpers import json_from_cuda_plugin_child
+from helpers import json_from_cuda_plugin_child, pallas_calls
 
 
 def _reference(x, y, y_bias, scale, bias, centered, eps=1e-6):
@@ -78,8 +78,13 @@ def test_launch_settings_compute_the_same(given, x64):
         return jnp.vdot(r, gr) + jnp.vdot(n, gn)
 
     kernel = lambda *a: norm_kernel.add_norm(*a, interpret=True)  # noqa: E731
+    grad = jax.value_and_grad(lambda *a: loss(kernel, *a), argnums=tuple(range(5)))
     with norm_kernel.settings(**given):
-        got = jax.value_and_grad(lambda *a: loss(kernel, *a), argnums=tuple(range(5)))(*as32)
+        got = grad(*as32)
+        traced = jax.make_jaxpr(grad)(*as32)
+    # the programs the settings make: forward 16 rows / rows, backward 16 / program_rows
+    grids = [e.params["grid_mapping"].grid for e in pallas_calls(traced.jaxpr)]
+    assert grids == [(16 // given["rows"],), (16 // given["program_rows"],)], grids
     want = jax.value_and_grad(lambda *a: loss(lambda *c: _reference(*c, True), *a),
                               argnums=tuple(range(5)))(*map(jnp.asarray, (x, y, yb, s, b)))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -93,11 +98,47 @@ def test_bad_launch_settings_name_the_valid_values():
     with pytest.raises(ValueError, match=r"rows=3; valid: a power of two >= 1"):
         with norm_kernel.settings(rows=3):
             pass
-    x = jnp.zeros((2, 8, 32))
-    with norm_kernel.settings(rows=8, program_rows=4):
-        with pytest.raises(ValueError, match=r"program_rows=4 with rows=8: .*valid: "
-                                             r"program_rows >= rows"):
-            norm_kernel.add_norm(x, scale=jnp.ones(32), interpret=True)
+    with pytest.raises(ValueError, match=r"program_rows=4 with rows=8: .*valid: "
+                                         r"program_rows >= rows"):
+        with norm_kernel.settings(rows=8, program_rows=4):
+            pass
+    with pytest.raises(ValueError, match=r"program_rows=64 with rows=128"):
+        with norm_kernel.settings(rows=128):  # the default program_rows is 64
+            pass
+    assert norm_kernel.SETTINGS["rows"] == norm_kernel.ROWS  # nothing changed by either
+
+
+def _inline_asm(jaxpr):
+    """The asm strings of a kernel's inline blocks, its loops' bodies included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "elementwise_inline_asm_p":
+            found.append(eqn.params["asm"])
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _inline_asm(inner)
+    return found
+
+
+def test_traced_for_a_gpu_the_multiply_adds_are_one_fma_each():
+    """Lowering for Triton (traced as for an H100, no GPU needed to trace): the forward's
+    x̂·γ + β and the backward's g - x̂·c1 and dx·rstd + dr are one `fma.rn.f32` each, for
+    each piece of D (768 = 512 + 256); interpreted, none."""
+    from attention_jax.attention import compiling_for
+
+    x = jnp.zeros((8, 768), jnp.bfloat16)
+    s, b = jnp.ones(768), jnp.zeros(768)
+    grad = jax.grad(lambda x, y: jnp.sum(norm_kernel.add_norm(x, y, None, s, b)[1]
+                                         .astype(jnp.float32)), argnums=(0, 1))
+    with compiling_for("gpu"):
+        traced = jax.make_jaxpr(grad)(x, x)
+    found = {e.params["name"]: _inline_asm(e.params["jaxpr"]) for e in pallas_calls(traced.jaxpr)}
+    assert found == {"add_norm_forward": ["fma.rn.f32 $0, $1, $2, $3;"] * 2,
+                     "add_norm_backward": ["fma.rn.f32 $0, $1, $2, $3;"] * 4}, found
+    interpreted = jax.make_jaxpr(lambda x, y: norm_kernel.add_norm(x, y, None, s, b,
+                                                                   interpret=True))(x, x)
+    assert not [a for e in pallas_calls(interpreted.jaxpr) for a in _inline_asm(e.params["jaxpr"])]
 
 
 def test_bfloat16_rounds_the_sum_once(x64):

@@ -26,7 +26,8 @@ def test_kernels_and_a_launch_setting_timed_with_the_same_value(tmp_path, capsys
     for name in names:
         k = result["kernels"][name]
         assert 0 < k["forward_s"] and 0 < k["forward_backward_s"]
-        assert k["value"] == pytest.approx(result["kernels"]["xla"]["value"], rel=1e-5)
+        for what in ("value", "gradients"):
+            assert k[what] == pytest.approx(result["kernels"]["xla"][what], rel=1e-5)
     assert result["array_bytes"] == 16 * 96 * 4 and result["pass_s"] > 0
     assert json.loads(out.read_text())["kernels"].keys() == set(names)
     assert "| pallas rows=1,program_rows=4,warps=1 |" in capsys.readouterr().out
@@ -44,3 +45,10 @@ def test_bad_arguments_name_the_valid_values():
         norm_speed.run(_args("--norm-kernel", "cudnn"))
     with pytest.raises(SystemExit, match=r"--dtype 'int8'; valid: float32, bfloat16 or float16"):
         norm_speed.run(_args("--dtype", "int8"))
+    # rows the setting's programs cannot divide would be XLA's ops in a "pallas" row
+    with pytest.raises(SystemExit, match=r"'pallas rows=32,program_rows=32': the kernels cannot take \[16, 96\]: "
+                                         r"16 rows per device, not a multiple of 32"):
+        norm_speed.run(_args("--norm-kernel", "xla", "--pallas-settings",
+                             "rows=32,program_rows=32"))
+    with pytest.raises(SystemExit):  # a combination of valid values that is none
+        _args("--pallas-settings", "rows=16,program_rows=8")

@@ -7,8 +7,8 @@ attention_jax.tools.bench norm`.
 For each norm kernel (layers/norms.py NORM_KERNELS: `xla`, XLA's fusions; `pallas`, the
 kernels of layers/norm_kernel.py) it times layers.norms.add_normalize of x, y [rows, D]
 with y's projection bias, LayerNorm's scale and bias, in one process: the forward pass
-alone, and value_and_grad with a gradient reaching both r = x + y + b and its norm (as in a
-pre-norm block, where r goes on along the residual path). Each figure is the median of
+alone, and the forward with its backward given gradients reaching both r = x + y + b and
+its norm (as in a pre-norm block, where r goes on along the residual path). Each figure is the median of
 `--repeats` timings of `--steps` calls queued back to back and ended by one wait, after a
 warm-up call. The table says what one pass through a [rows, D] array takes at the
 device's measured copy rate, so a time reads as passes: the forward reads x and y and
@@ -19,8 +19,11 @@ writes one (4 more).
 the Pallas kernels (`norm_kernel.settings`: rows a program holds at a time, rows a
 backward program walks, Triton's warps a program). Compiled for an H100 the defaults'
 backward spends about 100 barriers a step (`bench gpu-hlo --kernel-code`); one row and
-one warp a step has none. Which is faster only a GPU says. On a CPU the Pallas kernels run
-interpreted (slow: use small `--rows`); the default there is `xla` alone, in float32.
+one warp a step has none. Which is faster only a GPU says; the rows' values and their
+gradients' sums of squares say whether each computes the same. A setting whose rows do
+not divide `--rows` is an error (add_normalize would take XLA's ops). On a CPU the Pallas
+kernels run interpreted (slow: use small `--rows`); the default there is `xla` alone, in
+float32.
 """
 
 from __future__ import annotations
@@ -42,10 +45,16 @@ def parse_settings(text: str) -> dict:
     return parse(text, SETTING_KEYS)
 
 
+def _within(given: str):
+    """norm_kernel.settings of a row's SETTINGS text ("" for the defaults)."""
+    from attention_jax.layers import norm_kernel
+    return norm_kernel.settings(**parse_settings(given)) if given else contextlib.nullcontext()
+
+
 def measure(rows: int, width: int, dtype: str, kernels: list[str], repeats: int, steps: int,
             seed: int = 0) -> dict:
     """{"device", "backend", "rows", "width", "dtype", "array_bytes", "pass_s", "kernels":
-    {kernel: {"forward_s", "forward_backward_s", "value"}}}."""
+    {kernel: {"forward_s", "forward_backward_s", "value", "gradients"}}}."""
     import jax
     import jax.numpy as jnp
 
@@ -63,23 +72,32 @@ def measure(rows: int, width: int, dtype: str, kernels: list[str], repeats: int,
     out = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "rows": rows, "width": width, "dtype": dtype, "array_bytes": array_bytes,
            "pass_s": pass_s, "kernels": {}}
+    for name in kernels:  # before anything is timed: a row the kernels cannot take
+        with _within(name.partition(" ")[2]):
+            why = norm_kernel.unsupported((rows, width))
+        if name.startswith("pallas") and why:  # add_normalize would take XLA's ops instead
+            raise SystemExit(f"error: {name!r}: the kernels cannot take [{rows}, {width}]: "
+                             f"{why}; valid: --rows a multiple of the rows setting")
     for name in kernels:  # "pallas SETTINGS": the kernels traced with those settings
         kernel, _, given = name.partition(" ")
 
         def forward(x, y, y_bias, scale, bias, kernel=kernel):
             return add_normalize(x, y, y_bias.astype(dtype), scale, bias, kernel=kernel)
 
-        def value(x, y, y_bias, scale, bias):  # the gradients that reach r and n
-            r, n = forward(x, y, y_bias, scale, bias)
-            return (jnp.vdot(r.astype(jnp.float32), dr.astype(jnp.float32))
-                    + jnp.vdot(n.astype(jnp.float32), dn.astype(jnp.float32)))
+        def forward_backward(*args):  # the gradients reaching r (dr) and its norm (dn)
+            out, pullback = jax.vjp(forward, *args)
+            return out, pullback((dr, dn))
         args = (x, y, y_bias, scale, bias)
-        both = jax.jit(jax.value_and_grad(value, argnums=tuple(range(5))))
-        with norm_kernel.settings(**parse_settings(given)) if given else contextlib.nullcontext():
+        with _within(given):
+            (r, n), grads = jax.jit(forward_backward)(*args)
             out["kernels"][name] = {
                 "forward_s": queued_time(jax.jit(forward), args, repeats, steps),
-                "forward_backward_s": queued_time(both, args, repeats, steps),
-                "value": float(jax.jit(value)(*args))}
+                "forward_backward_s": queued_time(jax.jit(forward_backward), args, repeats, steps),
+                # what the rows compare: Σ r·dr + n·dn and the gradients' Σ g² (float32)
+                "value": float(jnp.vdot(r.astype(jnp.float32), dr.astype(jnp.float32))
+                               + jnp.vdot(n.astype(jnp.float32), dn.astype(jnp.float32))),
+                "gradients": float(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                       for g in grads))}
     return out
 
 
@@ -90,12 +108,12 @@ def table(result: dict) -> str:
              f"[{result['rows']}, {result['width']}], {result['dtype']}; one pass through "
              f"such an array ({result['array_bytes'] / 1e6:.1f} MB) {ms(result['pass_s'])} ms "
              "(a copy, halved)", "",
-             "| norm kernel | forward ms | in passes | forward + backward ms | in passes | value |",
-             "|---|---|---|---|---|---|"]
+             "| norm kernel | forward ms | in passes | forward + backward ms | in passes | value | "
+             "Σ gradients² |", "|---|---|---|---|---|---|---|"]
     for name, k in result["kernels"].items():
         lines.append(f"| {name} | {ms(k['forward_s'])} | {passes(k['forward_s'])} | "
                      f"{ms(k['forward_backward_s'])} | {passes(k['forward_backward_s'])} | "
-                     f"{k['value']:.4f} |")
+                     f"{k['value']:.4f} | {k['gradients']:.4f} |")
     lines.append("(at the least: 4 passes forward, 8 forward + backward)")
     return "\n".join(lines)
 
