@@ -118,3 +118,14 @@ def pallas_calls(jaxpr):
             inner = getattr(param, "jaxpr", param)
             if hasattr(inner, "eqns"):
                 yield from pallas_calls(inner)
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, those inside its jits, loops, branches and kernels too."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from all_eqns(inner)

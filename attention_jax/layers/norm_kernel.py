@@ -163,11 +163,11 @@ def _backward_kernel(dn_ref, r_ref, mean_ref, rstd_ref, dr_ref, scale_ref, dx_re
         rows = pl.ds(pl.multiple_of(j * st.rows, st.rows), st.rows)
         mean, rstd = mean_ref[rows], rstd_ref[rows]
         dns, xhats, c1, c2 = [], [], 0.0, 0.0
-        for start, size in st.pieces:
+        for p, (start, size) in enumerate(st.pieces):
             cols = pl.ds(start, size)
             dn = dn_ref[rows, cols].astype(f32)
             xhat = (r_ref[rows, cols].astype(f32) - mean[:, None]) * rstd[:, None]
-            g = dn * gammas[len(dns)]
+            g = dn * gammas[p]
             c1 = c1 + jnp.sum(g * xhat, axis=1)
             c2 = c2 + jnp.sum(g, axis=1)
             dns.append(dn)
@@ -213,7 +213,8 @@ def _forward(st: _Static, x, y, y_bias, scale, bias):
     out = pl.pallas_call(
         functools.partial(_forward_kernel, st=st), grid=(m // st.rows,),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=triton_params(st.num_warps, 1, st.interpret), interpret=st.interpret, name="add_norm_forward",
+        compiler_params=triton_params(st.num_warps, 1, st.interpret),
+        interpret=st.interpret, name="add_norm_forward",
     )(*inputs)
     return tuple(out)
 
@@ -233,7 +234,8 @@ def _backward(st: _Static, dn, r, mean, rstd, dr, scale):
         in_specs=[block, block, stat, stat, block, vector],
         out_specs=[block, partial, partial, partial],
         out_shape=[jax.ShapeDtypeStruct(r.shape, r.dtype), parts, parts, parts],
-        compiler_params=triton_params(st.num_warps, 1, st.interpret), interpret=st.interpret, name="add_norm_backward",
+        compiler_params=triton_params(st.num_warps, 1, st.interpret),
+        interpret=st.interpret, name="add_norm_backward",
     )(dn, r, mean, rstd, dr.astype(r.dtype), scale)
 
 
@@ -351,8 +353,9 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
-    product) a multiple of the rows setting (8) on each device. Differentiable in every array argument; the
-    backward takes the gradients reaching r (along the residual path) and n in one kernel.
+    product) a multiple of the rows setting (8) on each device. Differentiable in every
+    array argument; the backward takes the gradients reaching r (along the residual path)
+    and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:
         raise ValueError(f"scale has shape {None if scale is None else scale.shape}; "

@@ -31,11 +31,10 @@ SASS instructions a logit, 1.08 ms a step at the H100's issue rate (one warp ins
 a cycle on each of its 528 schedulers) against 0.98 ms for the bytes at 3.35 TB/s; now
 16 (0.40 ms) when the branches below are not taken. A chunk takes two block reductions
 (its max and Σ exp; each is a round of shuffles and a barrier), each exponential is one
-FFMA and one MUFU.EX2
-(attention/ptx.py), the target's logit is one load after the loop, the first index of
-the max is looked for only in a chunk whose max beats every earlier one, and the
-gradient compares indices only in the chunk that holds the target (both under a `cond`,
-whose branch all of a program's threads take alike).
+FFMA and one MUFU.EX2 (attention/ptx.py), the target's logit is one load after the loop,
+the first index of the max is looked for only in a chunk whose max beats every earlier
+one, and the gradient compares indices only in the chunk that holds the target (both
+under a `cond`, whose branch all of a program's threads take alike).
 """
 
 from __future__ import annotations
@@ -98,7 +97,7 @@ def _walk(v: int, chunk: int, visit, carry):
 
 
 def _statistics(z_ref, t, v: int, chunk: int, sums: bool, inline: bool):
-    """(lse, target_z, sum_z (None unless sums), first_max) of the row z_ref [V], t its
+    """(lse, target_z, sum_z (0 unless sums), first_max) of the row z_ref [V], t its
     target (a scalar). inline: the exponentials as PTX (attention/ptx.py)."""
     f32 = jnp.float32
 
@@ -134,7 +133,7 @@ def _statistics(z_ref, t, v: int, chunk: int, sums: bool, inline: bool):
     # The target's logit: one load (0 for a target outside [0, V), as a row of padding has).
     valid = (t >= 0) & (t < v)
     tz = jnp.where(valid, jnp.sum(z_ref[pl.ds(jnp.clip(t, 0, v - 1), 1)].astype(f32)), 0.0)
-    return m + jnp.log(s), tz, sz if sums else None, first
+    return m + jnp.log(s), tz, sz, first  # sz: 0 unless sums
 
 
 def _store_row(refs, values):
@@ -142,29 +141,18 @@ def _store_row(refs, values):
         ref[...] = jnp.reshape(x, (1,)).astype(ref.dtype)
 
 
-def _stat_refs(refs, sums: bool):
-    """The kernel's four row outputs (sum_z's only with sums) and what follows them."""
-    if sums:
-        return refs[:4], refs[4:]
-    lse, tz, first, *rest = refs
-    return (lse, tz, None, first), rest
+def _statistics_kernel(z_ref, t_ref, lse_ref, tz_ref, sz_ref, first_ref, *, v, chunk, sums,
+                       inline):
+    _store_row((lse_ref, tz_ref, sz_ref, first_ref),
+               _statistics(z_ref, t_ref[0], v, chunk, sums, inline))
 
 
-def _store_stats(refs, stats):
-    _store_row(*zip(*((r, x) for r, x in zip(refs, stats) if r is not None)))
-
-
-def _statistics_kernel(z_ref, t_ref, *refs, v, chunk, sums, inline):
-    stat_refs, _ = _stat_refs(refs, sums)
-    _store_stats(stat_refs, _statistics(z_ref, t_ref[0], v, chunk, sums, inline))
-
-
-def _gradient_kernel(z_ref, t_ref, scale_ref, *refs, v, chunk, smoothing, inline):
+def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref, dz_ref, *,
+                     v, chunk, smoothing, inline):
     t, scale = t_ref[0], scale_ref[0]
     sums = smoothing != 0
-    stat_refs, (dz_ref,) = _stat_refs(refs, sums)
     stats = _statistics(z_ref, t, v, chunk, sums, inline)
-    _store_stats(stat_refs, stats)
+    _store_row((lse_ref, tz_ref, sz_ref, first_ref), stats)
     shift = -stats[0] * LOG2_E
     # dz = (softmax(z) - q)·scale with q = (1-ε)·onehot(t) + ε/V: every logit's
     # softmax·scale less (ε/V)·scale, and the target's (1-ε)·scale more besides.
@@ -191,14 +179,16 @@ def _row_specs(v: int):
     return row, one
 
 
-def _stat_shapes(m: int, sums: bool):
+def _stat_shapes(m: int):
     f32 = jax.ShapeDtypeStruct((m,), jnp.float32)
-    return [f32, f32] + [f32] * sums + [jax.ShapeDtypeStruct((m,), jnp.int32)]
+    return [f32, f32, f32, jax.ShapeDtypeStruct((m,), jnp.int32)]
 
 
 def _stats_out(stats, sums: bool):
-    """The kernel's row outputs as (lse, target_z, sum_z or None, first_max)."""
-    return tuple(stats) if sums else (stats[0], stats[1], None, stats[2])
+    """The kernel's row outputs as (lse, target_z, sum_z, first_max), sum_z None unless
+    summed (the kernel writes 0 there)."""
+    lse, tz, sz, first = stats
+    return lse, tz, sz if sums else None, first
 
 
 def _check(logits, targets, scale=None):
@@ -224,8 +214,7 @@ def row_statistics(logits, targets, *, sums: bool = True, chunk: Optional[int] =
         functools.partial(_statistics_kernel, v=v,
                           chunk=SETTINGS["chunk"] if chunk is None else chunk, sums=sums,
                           inline=ptx.lowers_to_triton(interpret)),
-        grid=(m,), in_specs=[row, one], out_specs=[one] * (3 + sums),
-        out_shape=_stat_shapes(m, sums),
+        grid=(m,), in_specs=[row, one], out_specs=[one] * 4, out_shape=_stat_shapes(m),
         compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_statistics",
     )(logits, targets.astype(jnp.int32))
@@ -247,9 +236,9 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
         functools.partial(_gradient_kernel, v=v,
                           chunk=SETTINGS["chunk"] if chunk is None else chunk,
                           smoothing=float(smoothing), inline=ptx.lowers_to_triton(interpret)),
-        grid=(m,), in_specs=[row, one, one], out_specs=[one] * (3 + sums) + [row],
-        out_shape=_stat_shapes(m, sums) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
-        input_output_aliases={0: 3 + sums},
+        grid=(m,), in_specs=[row, one, one], out_specs=[one] * 4 + [row],
+        out_shape=_stat_shapes(m) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
+        input_output_aliases={0: 4},
         compiler_params=_params(interpret), interpret=interpret,
         name="cross_entropy_gradient",
     )(logits, targets.astype(jnp.int32), scale.astype(jnp.float32))

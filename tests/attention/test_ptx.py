@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import json_from_cuda_plugin_child
+from helpers import all_eqns, json_from_cuda_plugin_child
 
 from attention_jax.attention import ptx
 from attention_jax.tools.bench import gpu_hlo
@@ -52,18 +52,9 @@ def test_fma_is_one_rounding_on_triton_and_jnp_s_elsewhere(x64):
 def _exponentials(jaxpr):
     """(the out shapes of every exp and exp2, the number of inline asm blocks) in a kernel's
     jaxpr, its loops' bodies and its branches included."""
-    shapes, blocks = [], 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("exp", "exp2"):
-            shapes.append(eqn.outvars[0].aval.shape)
-        blocks += eqn.primitive.name == "elementwise_inline_asm_p"
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    more, n = _exponentials(inner)
-                    shapes, blocks = shapes + more, blocks + n
-    return shapes, blocks
+    eqns = list(all_eqns(jaxpr))
+    return ([e.outvars[0].aval.shape for e in eqns if e.primitive.name in ("exp", "exp2")],
+            sum(e.primitive.name == "elementwise_inline_asm_p" for e in eqns))
 
 
 def test_traced_for_a_gpu_no_exponential_over_a_tile_is_left_to_jnp():

@@ -18,7 +18,7 @@ from attention_jax.layers import norm_kernel
 from attention_jax.layers.blocks import BlockConfig, TransformerBlock
 from attention_jax.layers.norms import add_normalize, choose_norm_kernel
 from attention_jax.tools.bench import gpu_hlo
-from helpers import json_from_cuda_plugin_child, pallas_calls
+from helpers import all_eqns, json_from_cuda_plugin_child, pallas_calls
 
 
 def _reference(x, y, y_bias, scale, bias, centered, eps=1e-6):
@@ -110,15 +110,8 @@ def test_bad_launch_settings_name_the_valid_values():
 
 def _inline_asm(jaxpr):
     """The asm strings of a kernel's inline blocks, its loops' bodies included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "elementwise_inline_asm_p":
-            found.append(eqn.params["asm"])
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                found += _inline_asm(inner)
-    return found
+    return [e.params["asm"] for e in all_eqns(jaxpr)
+            if e.primitive.name == "elementwise_inline_asm_p"]
 
 
 def test_traced_for_a_gpu_the_multiply_adds_are_one_fma_each():

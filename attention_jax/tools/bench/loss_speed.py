@@ -31,6 +31,8 @@ import json
 import sys
 from pathlib import Path
 
+from attention_jax.tools.bench import kernel_bench
+
 # --pallas-settings: each key and loss_kernel.settings' argument it sets
 SETTING_KEYS = {"chunk": "chunk", "warps": "num_warps", "stages": "num_stages"}
 
@@ -38,8 +40,7 @@ SETTING_KEYS = {"chunk": "chunk", "warps": "num_warps", "stages": "num_stages"}
 def parse_settings(text: str) -> dict:
     """`chunk=8192,warps=16` -> loss_kernel.settings' arguments; a wrong key or value is
     one line naming the valid ones."""
-    from attention_jax.tools.bench.timing import parse_settings as parse  # it imports JAX
-    return parse(text, SETTING_KEYS)
+    return kernel_bench.parse_settings(text, SETTING_KEYS)
 
 
 def measure(rows: int, width: int, vocab: int, dtype: str, kernels: list[str], repeats: int,
@@ -107,8 +108,7 @@ def table(result: dict) -> str:
 def _settings(text: str) -> str:
     """argparse's type for a --pallas-settings setting (checked as the kernels check it)."""
     from attention_jax.models import loss_kernel
-    from attention_jax.tools.bench.timing import settings_argument
-    return settings_argument(text, SETTING_KEYS, loss_kernel.settings)
+    return kernel_bench.settings_argument(text, SETTING_KEYS, loss_kernel.settings)
 
 
 def add_parser(sub) -> None:
@@ -118,15 +118,13 @@ def add_parser(sub) -> None:
     p.add_argument("--rows", type=int, default=16 * 1024, help="positions (batch x length)")
     p.add_argument("--width", type=int, default=768, help="D, the hidden width")
     p.add_argument("--vocab", type=int, default=50304, help="V")
-    from attention_jax.tools.bench.timing import add_kernel_bench_options
-    add_kernel_bench_options(p, "loss", "chunk=8192,warps=16,stages=3", _settings, steps=10)
+    kernel_bench.add_options(p, "loss", "chunk=8192,warps=16,stages=3", _settings, steps=10)
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench.timing import kernel_bench_rows
     from attention_jax.tools.bench.train_speed_gpu import parse_loss_kernels
-    kernels, dtype = kernel_bench_rows(args, ("rows", "width", "vocab"), args.loss_kernel,
-                                       parse_loss_kernels)
+    kernels, dtype = kernel_bench.rows_and_dtype(args, "loss", ("rows", "width", "vocab"),
+                                                 parse_loss_kernels)
     print(f"timing the loss, kernels {kernels} ...", file=sys.stderr, flush=True)
     result = measure(args.rows, args.width, args.vocab, dtype, kernels, args.repeats, args.steps)
     print(table(result))

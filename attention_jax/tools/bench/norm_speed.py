@@ -1,16 +1,16 @@
 """A residual add and the LayerNorm after it alone, by norm kernel: `python -m
 attention_jax.tools.bench norm`.
 
-    python -m attention_jax.tools.bench norm                      # GPT-2 small's, 16 x 1024 rows of 768
+    python -m attention_jax.tools.bench norm       # GPT-2 small's, 16 x 1024 rows of 768
     python -m attention_jax.tools.bench norm --pallas-settings rows=1,program_rows=16,warps=1
 
 For each norm kernel (layers/norms.py NORM_KERNELS: `xla`, XLA's fusions; `pallas`, the
 kernels of layers/norm_kernel.py) it times layers.norms.add_normalize of x, y [rows, D]
 with y's projection bias, LayerNorm's scale and bias, in one process: the forward pass
-alone, and the forward with its backward given gradients reaching both r = x + y + b and
-its norm (as in a pre-norm block, where r goes on along the residual path). Each figure is the median of
-`--repeats` timings of `--steps` calls queued back to back and ended by one wait, after a
-warm-up call. The table says what one pass through a [rows, D] array takes at the
+alone, and the forward with its backward given gradients reaching both r = x + y + b
+and its norm (as in a pre-norm block, where r goes on along the residual path). Each
+figure is the median of `--repeats` timings of `--steps` calls queued back to back and
+ended by one wait, after a warm-up call. The table says what one pass through a [rows, D] array takes at the
 device's measured copy rate, so a time reads as passes: the forward reads x and y and
 writes r and n (4 passes at least), the backward reads the two gradients and r and
 writes one (4 more).
@@ -34,6 +34,8 @@ import json
 import sys
 from pathlib import Path
 
+from attention_jax.tools.bench import kernel_bench
+
 # --pallas-settings: each key and norm_kernel.settings' argument it sets
 SETTING_KEYS = {"rows": "rows", "program_rows": "program_rows", "warps": "num_warps"}
 
@@ -41,8 +43,7 @@ SETTING_KEYS = {"rows": "rows", "program_rows": "program_rows", "warps": "num_wa
 def parse_settings(text: str) -> dict:
     """`rows=1,warps=1` -> norm_kernel.settings' arguments; a wrong key or value is one
     line naming the valid ones."""
-    from attention_jax.tools.bench.timing import parse_settings as parse  # it imports JAX
-    return parse(text, SETTING_KEYS)
+    return kernel_bench.parse_settings(text, SETTING_KEYS)
 
 
 def _within(given: str):
@@ -121,8 +122,7 @@ def table(result: dict) -> str:
 def _settings(text: str) -> str:
     """argparse's type for a --pallas-settings setting (checked as the kernels check it)."""
     from attention_jax.layers import norm_kernel
-    from attention_jax.tools.bench.timing import settings_argument
-    return settings_argument(text, SETTING_KEYS, norm_kernel.settings)
+    return kernel_bench.settings_argument(text, SETTING_KEYS, norm_kernel.settings)
 
 
 def add_parser(sub) -> None:
@@ -131,15 +131,13 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16 * 1024, help="positions (batch x length)")
     p.add_argument("--width", type=int, default=768, help="D, the features")
-    from attention_jax.tools.bench.timing import add_kernel_bench_options
-    add_kernel_bench_options(p, "norm", "rows=1,program_rows=16,warps=1", _settings, steps=20)
+    kernel_bench.add_options(p, "norm", "rows=1,program_rows=16,warps=1", _settings, steps=20)
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench.timing import kernel_bench_rows
     from attention_jax.tools.bench.train_speed_gpu import parse_norm_kernels
-    kernels, dtype = kernel_bench_rows(args, ("rows", "width"), args.norm_kernel,
-                                       parse_norm_kernels)
+    kernels, dtype = kernel_bench.rows_and_dtype(args, "norm", ("rows", "width"),
+                                                 parse_norm_kernels)
     print(f"timing the residual add and LayerNorm, kernels {kernels} ...", file=sys.stderr,
           flush=True)
     result = measure(args.rows, args.width, dtype, kernels, args.repeats, args.steps)
