@@ -1,7 +1,7 @@
 """What `bench loss` and `bench norm` share (a kernel module's Pallas kernels timed
 against XLA's, a row per launch setting): their common options, the rows and dtype they
-time, and their --pallas-settings parsed and checked. Imports no JAX until a bench runs,
-so that the bench command's parser stays light."""
+time, and their --pallas-settings parsed and checked. Argument handling, not timing
+(timing.py), so it imports no JAX itself."""
 
 from __future__ import annotations
 
