@@ -29,6 +29,10 @@ run peer 220 $PY -m attention_jax.tools.bench train --device gpu \
 # 3. The loss alone, XLA's against the kernels, and the kernels with more warps a program
 # (fewer rows in flight: does the second read of a row then hit the L2 cache?). The
 # kernels took 1.88 ms in the step on 2026-11-26, 44 SASS instructions a logit; now 16.
+# Compiled for an H100 on the CPU host, the defaults (chunk 4096, 8 warps, 64 registers)
+# hold 4 programs an SM: 528 rows of 100 KB in flight, 50.7 MiB, the whole L2 cache;
+# warps=16 holds 3 an SM (38.0 MiB), warps=32 2 (25.3 MiB), warps=16,chunk=8192 2 (25.3
+# MiB, the same 32 warps an SM and 16 logits a thread a chunk as the defaults).
 run loss 70 $PY -m attention_jax.tools.bench loss --loss-kernel xla,pallas --repeats 3 \
   --pallas-settings warps=16 warps=32 warps=16,chunk=8192 --out $OUT/loss.json
 echo "== done at $((SECONDS - start)) s"

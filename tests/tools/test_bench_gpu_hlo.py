@@ -6,8 +6,10 @@ import argparse
 import json
 import shutil
 
+import jax.numpy as jnp
 import pytest
 
+from attention_jax.attention import pallas
 from attention_jax.tools.bench import gpu_hlo
 
 # A compiled module as XLA:GPU writes one (trimmed): a Triton GEMM, a fusion that reads
@@ -104,6 +106,33 @@ def _args(*extra):
     return parser.parse_args(["gpu-hlo", "--shape", "gpt-tiny-gpu", *extra])
 
 
+@pytest.mark.parametrize("registers, threads, shared, expected", [
+    # 126 registers: 4032 a warp, given out as 4096, so 16 warps' worth (2 programs of 8);
+    # the 64 KiB of shared memory would allow 3
+    (126, 256, 65536, (2, "registers")),
+    (152, 256, 65536, (1, "registers")),  # 4864 a warp: 13 warps' worth, 1 program of 8
+    (65, 32, 0, (28, "registers")),  # 2080 a warp given out as 2304: 28 warps, not 31
+    (40, 128, 102400, (2, "shared memory")),  # 100 KiB + 1 KiB reserved, into 228 KiB
+    (16, 1024, 0, (2, "threads")),  # 2048 threads an SM
+    (16, 32, 0, (32, "programs")),  # 32 programs an SM, however small
+])
+def test_programs_an_sm_holds_by_cuda_s_occupancy_rules(registers, threads, shared, expected):
+    assert gpu_hlo.programs_per_sm(registers, threads, shared) == expected
+
+
+def test_launches_are_read_from_xla_s_thunk_sequence(tmp_path):
+    (tmp_path / "module_0001.jit_step.thunk_sequence.txt").write_text(
+        "001: kCustomKernel [source         | next=002 (1)  ] loop_add_fusion grid: [24576, 1, 1]"
+        " threads: [128, 1, 1]  shared_memory: 0 bytes\n"
+        "002: kCustomKernel [prev=001 (1)   | next=003 (1)  ] flash_forward grid: [8, 16, 12]"
+        " threads: [256, 1, 1]  shared_memory: 65536 bytes\n"
+        "003: kCustomKernel [prev=002 (1)   | next=004 (1)  ] flash_forward grid: [4, 1, 1]"
+        " threads: [128, 1, 1]  shared_memory: 1024 bytes\n")
+    assert gpu_hlo.launches(tmp_path) == {
+        "loop_add_fusion": {"programs": 24576, "threads": 128, "shared_bytes": 0},
+        "flash_forward": {"programs": 8 * 16 * 12, "threads": 256, "shared_bytes": 65536}}
+
+
 def test_bad_batch_names_the_valid_values():
     with pytest.raises(SystemExit, match=r"--batch 0; valid: an integer >= 1"):
         gpu_hlo.run(_args("--batch", "0"))
@@ -165,7 +194,22 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     assert all(r["instructions"] > 100 and r["fused_exp2"] > 0 for k, r in code.items()
                if not k.startswith("add_norm")), code
     assert all(("registers" in r) == bool(shutil.which("ptxas")) for r in code.values())
-    assert "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 |" in printed
+    assert "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 | threads |" in printed
+    # Each kernel's launch as XLA makes it: the warps its tile sizes ask for, the tiles
+    # staged in shared memory, a program per (query or key block, batch row, head).
+    blocks = pallas.kernel_block_sizes(row["width"] // row["heads"], jnp.bfloat16, "gpu")
+    forward, dkdv = code["flash_forward"], code["flash_backward_dkdv"]
+    assert forward["threads"] == 32 * blocks.num_warps
+    assert dkdv["threads"] == 32 * blocks.bwd_num_warps
+    assert forward["shared_bytes"] > 0 and dkdv["shared_bytes"] > 0
+    query_blocks = -(-row["seq_len"] // blocks.fwd_q)  # a short row padded to one block
+    assert forward["programs"] == query_blocks * row["batch"] * row["heads"]
+    assert code["cross_entropy_gradient"]["programs"] == row["batch"] * row["seq_len"]
+    for r in code.values():
+        if r.get("registers"):
+            assert (r["per_sm"], r["per_sm_limit"]) == gpu_hlo.programs_per_sm(
+                r["registers"], r["threads"], r["shared_bytes"])
+            assert r["waves"] == pytest.approx(r["programs"] / (132 * r["per_sm"]))
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")

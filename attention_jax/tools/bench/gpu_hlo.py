@@ -59,6 +59,12 @@ from pathlib import Path
 # may assume of the runtime.
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sms": 132, "clock_ghz": 1.98,
         "bandwidth": 3.35e12, "l2_bytes": 50 * 2**20, "memory_bytes": 84_929_347_584}
+# What an SM of compute capability 9.0 holds at once (CUDA's occupancy rules): 65,536
+# registers, given out a warp at a time in units of 256; 2048 threads; 32 programs
+# (blocks); 228 KiB of shared memory, of which each program's share carries 1 KiB the
+# runtime reserves.
+SM90 = {"registers": 65536, "register_unit": 256, "threads": 2048, "programs": 32,
+        "shared_bytes": 233472, "shared_reserved": 1024}
 
 
 def target_config(gpu: dict = H100) -> str:
@@ -272,13 +278,14 @@ _ENTRY = re.compile(r"\.entry (\w+)")
 def kernel_code(dump_dir, ptxas: str | None = None, nvdisasm: str | None = None) -> list[dict]:
     """The package's Pallas kernels as XLA dumped their PTX (--xla_dump_to) when compiling
     for the GPU, a row each: its PTX instructions, its exponentials (`ex2`) and how many
-    of those are attention/ptx.py's pair (FFMA + MUFU.EX2 in SASS); given CUDA's ptxas
+    of those are attention/ptx.py's pair (FFMA + MUFU.EX2 in SASS), and its launch (the
+    thunk sequence's programs, threads a program and shared memory); given CUDA's ptxas
     (none is needed for the rest), the registers a thread uses and the bytes it spills on
-    an sm_90a (registers decide how many programs share an SM); given nvdisasm too, the
-    SASS instructions in each of its loops (an iteration: a tile, or a chunk of a row).
-    Both come with PyPI's nvidia-cuda-nvcc-cu12 and nvidia-cuda-nvdisasm (bin/ on the
-    PATH)."""
-    rows = {}
+    an sm_90a, and with the launch how many programs share an SM (`programs_per_sm`) and
+    in how many waves the grid runs on the H100's 132 SMs; given nvdisasm too, the SASS
+    instructions in each of its loops (an iteration: a tile, or a chunk of a row). Both
+    come with PyPI's nvidia-cuda-nvcc-cu12 and nvidia-cuda-nvdisasm (bin/ on the PATH)."""
+    rows, launched = {}, launches(dump_dir)
     for path in sorted(Path(dump_dir).glob("*.ptx")):
         text = path.read_text()
         entry = _ENTRY.search(text)
@@ -288,7 +295,8 @@ def kernel_code(dump_dir, ptxas: str | None = None, nvdisasm: str | None = None)
         row = {"kernel": entry.group(1), "file": path.name,  # an inline block: 2 instructions
                "instructions": 2 * fused + len(re.findall(
                    r"^\s+(?:@%p\d+ )?[a-z][\w.]*[ \t][^\n]*;\s*$", text, re.M)),
-               "exp2": text.count("ex2.approx"), "fused_exp2": fused}
+               "exp2": text.count("ex2.approx"), "fused_exp2": fused,
+               **launched.get(entry.group(1), {})}
         if ptxas:
             cubin = path.with_suffix(".cubin")
             done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(cubin)],
@@ -297,12 +305,51 @@ def kernel_code(dump_dir, ptxas: str | None = None, nvdisasm: str | None = None)
             spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)
             row.update(registers=int(used.group(1)) if used else None,
                        spill_bytes=sum(map(int, spills)) if used else None)
+            if used and "threads" in row:
+                row["per_sm"], row["per_sm_limit"] = programs_per_sm(
+                    row["registers"], row["threads"], row["shared_bytes"])
+                row["waves"] = row["programs"] / (H100["sms"] * row["per_sm"])
             if nvdisasm and used:
                 sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,
                                       text=True).stdout
                 row["loops"] = sass_loops(sass)
         rows[row["kernel"]] = row
     return list(rows.values())
+
+
+# A kernel's launch in XLA's thunk sequence (--xla_dump_to): its grid, threads, and the
+# shared memory it asks for (Triton's kernels take theirs at launch, so the PTX has none).
+_LAUNCH = re.compile(r"\] (\w+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), "
+                     r"(\d+)\]\s+shared_memory: (\d+) bytes")
+
+
+def launches(dump_dir) -> dict[str, dict]:
+    """{kernel name: {"programs", "threads", "shared_bytes"}} of each kernel XLA launches
+    (the first launch of each name), read from the thunk sequences in its dump."""
+    found = {}
+    for path in sorted(Path(dump_dir).glob("*.thunk_sequence.txt")):
+        for m in _LAUNCH.finditer(path.read_text()):
+            gx, gy, gz, tx, ty, tz = map(int, m.group(2, 3, 4, 5, 6, 7))
+            found.setdefault(m.group(1), {"programs": gx * gy * gz, "threads": tx * ty * tz,
+                                          "shared_bytes": int(m.group(8))})
+    return found
+
+
+def programs_per_sm(registers: int, threads: int, shared_bytes: int,
+                    sm: dict = SM90) -> tuple[int, str]:
+    """(how many programs of a kernel an SM runs at once, what limits it: "registers",
+    "shared memory", "threads" or "programs"), for `registers` a thread, `threads` a
+    program and the shared memory it asks for. A memory-bound kernel needs enough of its
+    loads in flight on each SM; a kernel whose tiles wait on one another needs a second
+    program to run while one waits."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // sm["register_unit"]) * sm["register_unit"]
+    limits = {"registers": (sm["registers"] // per_warp) // warps,
+              "threads": sm["threads"] // (warps * 32), "programs": sm["programs"]}
+    if shared_bytes:
+        limits["shared memory"] = sm["shared_bytes"] // (shared_bytes + sm["shared_reserved"])
+    limit = min(limits, key=limits.get)
+    return limits[limit], limit
 
 
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+")
@@ -535,19 +582,28 @@ def report(summary: dict, top: int = 25) -> str:
         loops = any("loops" in r for r in code)
         lines += ["", "The Pallas kernels' PTX (the first of each name): instructions, "
                       "exponentials, and those that are one FFMA and one MUFU.EX2 "
-                      "(attention/ptx.py)" + ("; ptxas's registers and spills for sm_90a"
+                      "(attention/ptx.py); threads a program and shared memory as XLA "
+                      "launches it" + ("; ptxas's registers and spills for sm_90a, the "
+                                       "programs an SM holds at once and the grid's waves "
+                                       "on 132 SMs"
                                               if registers else "; no ptxas on the PATH "
                                               "for registers")
                   + ("; SASS instructions in each loop (nvdisasm)." if loops else "."), "",
-                  "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 |"
-                  + (" registers | spilled bytes |" if registers else "")
+                  "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 | threads | "
+                  "shared KiB |"
+                  + (" registers | spilled bytes | programs an SM (limited by) | waves |"
+                     if registers else "")
                   + (" loops |" if loops else ""),
-                  "|---|---|---|---|" + ("---|---|" if registers else "")
+                  "|---|---|---|---|---|---|" + ("---|---|---|---|" if registers else "")
                   + ("---|" if loops else "")]
         for r in code:
+            per_sm = (f"{r['per_sm']} ({r['per_sm_limit']}) | {r['waves']:.1f}"
+                      if "per_sm" in r else " | ")
+            shared = f"{r['shared_bytes'] / 1024:g}" if "shared_bytes" in r else ""
             lines.append(f"| {r['kernel']} | {r['instructions']} | {r['exp2']} | "
-                         f"{r['fused_exp2']} |" + (f" {r.get('registers')} | "
-                                                   f"{r.get('spill_bytes')} |" if registers else "")
+                         f"{r['fused_exp2']} | {r.get('threads', '')} | {shared} |"
+                         + (f" {r.get('registers')} | {r.get('spill_bytes')} | {per_sm} |"
+                            if registers else "")
                          + (f" {', '.join(map(str, r.get('loops', [])))} |" if loops else ""))
     save = summary.get("save_compile")
     if save:
