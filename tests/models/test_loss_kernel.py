@@ -43,6 +43,42 @@ def test_pieces_cover_a_row_in_powers_of_two(v):
     assert loss_kernel._pieces(50304, 4096) == (12, [(49152, 1024), (50176, 128)])
 
 
+@pytest.mark.parametrize("v", [16, 37, 100])
+def test_a_backward_walk_visits_the_same_pieces_end_first(v):
+    def starts(backward):
+        def visit(start, size, carry):
+            seen, i = carry
+            return seen.at[i].set(start * 1000 + size), i + 1
+        seen, i = loss_kernel._walk(v, 16, visit, (jnp.full(8, -1), 0), backward=backward)
+        return [int(x) for x in seen[:int(i)]]
+    forward = starts(False)
+    assert starts(True) == forward[::-1] and len(set(forward)) == len(forward)
+
+
+def test_the_gradient_reads_the_row_from_its_end():
+    """The gradient's pass starts where the statistics' pass ended (the remainder pieces,
+    then the chunks from the last): those logits are the likeliest still in the L2
+    cache. Its pieces' stores (static starts, outside the loop) come before its loop."""
+    from helpers import pallas_calls
+
+    v, chunk = 100, 16  # 6 chunks and a piece of 4
+    z, t, scale = jnp.zeros((2, v), jnp.float32), jnp.zeros(2, jnp.int32), jnp.ones(2)
+    traced = jax.make_jaxpr(lambda z: loss_kernel.row_statistics_and_gradient(
+        z, t, scale, chunk=chunk))(z)
+    (call,) = pallas_calls(traced.jaxpr)
+    eqns = call.params["jaxpr"].eqns
+    loops = [i for i, e in enumerate(eqns) if e.primitive.name in ("scan", "while")]
+    row_stores = [i for i, e in enumerate(eqns)
+                  if e.primitive.name == "swap" and e.invars[0].aval.shape == (v,)]
+    assert len(loops) == 2 and row_stores, (loops, row_stores)
+    assert all(i < loops[1] for i in row_stores)  # the piece at the row's end, first
+    z = jnp.asarray(np.random.default_rng(0).standard_normal((3, v)), jnp.float32)
+    t = jnp.array([0, 50, 99])
+    (lse, *_), dz = loss_kernel.row_statistics_and_gradient(z, t, jnp.ones(3), chunk=chunk)
+    expected = jax.nn.softmax(z, axis=1) - jax.nn.one_hot(t, v)
+    np.testing.assert_allclose(dz, expected, atol=1e-6)
+
+
 def test_row_statistics_against_float64():
     """V = 37 in chunks of 16: two chunks through the loop, then pieces of 4 and 1. Ties
     go to the first index (also across chunks), and -inf logits (a masked vocabulary)
