@@ -73,6 +73,7 @@ on a TPU, and TPU block shapes have other constraints; treat TPU as untested.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -120,15 +121,46 @@ def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> B
     """
     backend = backend or target_backend()
     if backend == "cpu":
-        return BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
-    if jnp.dtype(dtype).itemsize > 2 or head_dim > 128:
-        return BlockSizes(fwd_q=64, fwd_k=32, bwd_q=32, bwd_k=64, num_warps=4,
-                          num_stages=2, bwd_num_warps=4, bwd_num_stages=2)
-    if head_dim > 64:
-        return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=8,
-                          num_stages=3, bwd_num_warps=8, bwd_num_stages=3)
-    return BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=64, num_warps=8,
-                      num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
+        blocks = BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
+    elif jnp.dtype(dtype).itemsize > 2 or head_dim > 128:
+        blocks = BlockSizes(fwd_q=64, fwd_k=32, bwd_q=32, bwd_k=64, num_warps=4,
+                            num_stages=2, bwd_num_warps=4, bwd_num_stages=2)
+    elif head_dim > 64:
+        blocks = BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=8,
+                            num_stages=3, bwd_num_warps=8, bwd_num_stages=3)
+    else:
+        blocks = BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=64, num_warps=8,
+                            num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
+    return dataclasses.replace(blocks, **_given_tiles) if _given_tiles else blocks
+
+
+_TILES = ("fwd_q", "fwd_k", "bwd_q", "bwd_k")
+_given_tiles: dict = {}  # what `tiles(...)` gives, within it
+
+
+@contextlib.contextmanager
+def tiles(**fields):
+    """Within (a context manager): `kernel_block_sizes` gives these BlockSizes fields in
+    place of its own, for every head size and backend, so that a whole model's kernels
+    take them (`bench gpu-hlo --pallas-tiles` compiles the step so; `bench attention
+    --pallas-tiles` hands the kernels BlockSizes itself). Read when a kernel is traced:
+    a function traced before keeps its tiles. Tiles: powers of two >= 16; warps and
+    stages: ints >= 1."""
+    names = [f.name for f in dataclasses.fields(BlockSizes)]
+    for name, value in fields.items():
+        if name not in names:
+            raise TypeError(f"{name}=...: not a tile setting; valid: {', '.join(names)}")
+        tile = name in _TILES
+        if (not isinstance(value, int) or isinstance(value, bool) or value < (16 if tile else 1)
+                or (tile and value & (value - 1))):
+            raise ValueError(f"{name}={value!r}; valid: "
+                             + ("a power of two >= 16" if tile else "an int >= 1"))
+    global _given_tiles
+    before, _given_tiles = _given_tiles, {**_given_tiles, **fields}
+    try:
+        yield
+    finally:
+        _given_tiles = before
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 whole mask matrix, key lengths on every path, and what `auto` picks on each backend."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +188,35 @@ def test_bad_pallas_arguments(kwargs, message):
     q, k = jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 10, 2, 16))
     with pytest.raises(ValueError, match=message):
         dot_product_attention(q, k, k, **kwargs)
+
+
+def test_tiles_given_within_reach_the_kernels_and_end_with_it():
+    """pallas.tiles (bench gpu-hlo --pallas-tiles compiles a whole step with them): the
+    kernels traced within take the tiles given (a row of 64 in query blocks of 32, where
+    the CPU's default is 16), compute the same, and the defaults are back after; a bad
+    value or name is said with the valid ones."""
+    from helpers import pallas_calls
+
+    from attention_jax.attention import pallas
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 2, 16)), jnp.float32)
+
+    def grids():  # a new function each time: JAX caches a trace by the function
+        attend = lambda q: dot_product_attention(q, q, q, implementation="pallas", causal=True)
+        return [e.params["grid_mapping"].grid[0] for e in
+                pallas_calls(jax.make_jaxpr(jax.grad(lambda q: attend(q).sum()))(q).jaxpr)]
+    with pallas.tiles(fwd_q=32, bwd_k=32):
+        assert pallas.kernel_block_sizes(16, jnp.float32).fwd_q == 32
+        inside = grids()
+        y = dot_product_attention(q, q, q, implementation="pallas", causal=True)
+    assert inside == [64 // 32, 64 // 32, 64 // 32] and grids() == [64 // 16] * 3
+    np.testing.assert_allclose(
+        y, dot_product_attention(q, q, q, implementation="pallas", causal=True), rtol=1e-5)
+    for bad, says in (({"fwd_q": 48}, "fwd_q=48; valid: a power of two >= 16"),
+                      ({"num_warps": 0}, "num_warps=0; valid: an int >= 1"),
+                      ({"warps": 4}, "warps=...: not a tile setting; valid: fwd_q, ")):
+        with pytest.raises((ValueError, TypeError), match=re.escape(says)):
+            with pallas.tiles(**bad):
+                pass
 
 
 def test_pallas_refuses_float64_on_a_gpu(x64):

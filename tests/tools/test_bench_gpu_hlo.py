@@ -212,6 +212,53 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
             assert r["waves"] == pytest.approx(r["programs"] / (132 * r["per_sm"]))
 
 
+@pytest.mark.skipif(gpu_hlo.plugin_path() is None,
+                    reason="JAX's CUDA plugin is not installed (make install puts it in "
+                           ".venv/gpu-aot)")
+def test_launch_settings_reach_the_kernels_of_the_compiled_step(tmp_path, capsys):
+    """--pallas-tiles, --loss-settings and --norm-settings: the step compiled with them
+    launches each kernel as they say (a setting is screened here before a GPU sweeps it)."""
+    summary = gpu_hlo.run(_args(
+        "--loss-kernel", "pallas", "--kernel-code", "--pallas-tiles", "fwd=32x16,bwd=16x32,warps=2",
+        "--loss-settings", "warps=16", "--norm-settings", "rows=2,program_rows=4,warps=1"))
+    code = {r["kernel"]: r for r in summary["kernel_code"]}
+    row = summary["row"]
+    rows = row["batch"] * row["seq_len"]
+    assert code["flash_forward"]["threads"] == 2 * 32  # warps=2
+    # the row of 16 padded to the largest tile, 32: one key block of 32 (the defaults' 64
+    # pad it to 128, two key blocks of 64)
+    assert code["flash_backward_dkdv"]["programs"] == 1 * row["batch"] * row["heads"]
+    assert code["cross_entropy_gradient"]["threads"] == 16 * 32
+    assert code["add_norm_forward"]["programs"] == rows // 2
+    assert code["add_norm_backward"]["programs"] == rows // 4
+    assert code["add_norm_backward"]["threads"] == 32
+    assert summary["settings"] == {"tiles": {"fwd_q": 32, "fwd_k": 16, "bwd_q": 16,
+                                             "bwd_k": 32, "num_warps": 2},
+                                   "loss": {"num_warps": 16},
+                                   "norm": {"rows": 2, "program_rows": 4, "num_warps": 1}}
+    assert ("attention tiles fwd_q=32,fwd_k=16,bwd_q=16,bwd_k=32,num_warps=2, loss settings "
+            "num_warps=16, "
+            "norm settings rows=2,program_rows=4,num_warps=1.") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--pallas-tiles", "fwd=48x64", "tile 48; valid: powers of two >= 16"),
+    ("--loss-settings", "chunk=3", "chunk=3; valid: a power of two >= 16"),
+    ("--norm-settings", "rows=16,program_rows=8", "valid: program_rows >= rows"),
+])
+def test_bad_launch_settings_name_the_valid_values(flag, value, says, capsys):
+    with pytest.raises(SystemExit):
+        _args(flag, value)
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")
+def test_norm_settings_the_step_s_rows_cannot_take_are_refused():
+    with pytest.raises(SystemExit, match=r"--norm-settings: the norm kernels cannot take the "
+                                         r"step's rows: 32 rows per device, not a multiple of 64"):
+        gpu_hlo.run(_args("--norm-settings", "rows=64,program_rows=64"))
+
+
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")
 def test_a_failed_compile_says_xla_s_reason_not_the_plugin_s_noise():
     with pytest.raises(SystemExit, match=r"compiling for the GPU failed: .*Unknown flag in "

@@ -3,6 +3,8 @@ r"""The bare step as XLA compiles it for an H100, on a machine without a GPU:
 
     python -m attention_jax.tools.bench gpu-hlo                          # gpt2-124m, batch 16
     python -m attention_jax.tools.bench gpu-hlo --shape gpt2-medium --batch 16 --out /tmp/hlo
+    python -m attention_jax.tools.bench gpu-hlo --kernel-code --pallas-tiles bwd=32x64 \
+        --loss-settings chunk=8192,warps=16 --norm-settings rows=1,program_rows=16,warps=4
 
 A GPU is lent to few sessions; the structure of the step it runs need not wait for one.
 JAX's CUDA plugin compiles without a device for a device it is told about
@@ -29,6 +31,11 @@ read here into:
   save compile  the seconds the checkpoint's save programs (background_save.SavePrograms:
                 the state's copy, the digest sums) take to compile for the GPU here: what
                 a first save waits for when they are not compiled ahead
+  kernel code   (--kernel-code) the Pallas kernels' PTX, launches, registers, programs an
+                SM and SASS loops (`kernel_code`); with --pallas-tiles, --loss-settings
+                and --norm-settings the step is compiled with those launch settings, so
+                a setting that spills or leaves the SMs half empty is seen before a GPU
+                call sweeps it
 
 So a change to the model's structure (a fused kernel, a different layout) shows its
 effect on the memory-bound bytes on a CPU host; its speed still needs the GPU. Matmul
@@ -373,11 +380,15 @@ def sass_loops(sass: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------ the child
-def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
+def compile_step(row: dict, implementation: str, dtype: str, config_text: str,
+                 settings: dict | None = None):
     """(the compiled module's text, its memory analysis as a dict, the save programs'
     compile seconds {"copy_s", "sums_s"}): the bare step of `row` (train_speed_gpu_child's)
     compiled for the described GPU, and the checkpoint's save programs for its state.
-    Needs the CUDA plugin importable; runs in the child process."""
+    settings: the Pallas kernels' launch settings, {"tiles": pallas.tiles' fields, "loss":
+    loss_kernel.settings', "norm": norm_kernel.settings'}, each optional. Needs the CUDA
+    plugin importable; runs in the child process."""
+    import contextlib
     import time
 
     import flax.linen as nn
@@ -398,7 +409,15 @@ def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
                          (params, jax.eval_shape(tx.init, params)))
     tokens = jax.ShapeDtypeStruct((row["batch"], row["seq_len"]), jnp.int32, sharding=whole)
-    with compiling_for("gpu"):
+    from attention_jax.attention import pallas
+    from attention_jax.layers import norm_kernel
+    from attention_jax.models import loss_kernel
+    settings = settings or {}
+    with contextlib.ExitStack() as within:
+        within.enter_context(compiling_for("gpu"))
+        within.enter_context(pallas.tiles(**settings.get("tiles", {})))
+        within.enter_context(loss_kernel.settings(**settings.get("loss", {})))
+        within.enter_context(norm_kernel.settings(**settings.get("norm", {})))
         compiled = step.lower(state, tokens, tokens).compile()
     m = compiled.memory_analysis()
     memory = {k: int(getattr(m, k)) for k in (
@@ -421,7 +440,7 @@ def compile_step(row: dict, implementation: str, dtype: str, config_text: str):
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     text, memory, save = compile_step(spec["row"], spec["implementation"], spec["dtype"],
-                                      target_config(H100))
+                                      target_config(H100), spec.get("settings"))
     Path(spec["hlo"]).write_text(text)
     Path(spec["result"]).write_text(json.dumps({"memory": memory, "save_compile": save}))
 
@@ -469,7 +488,51 @@ def add_parser(sub) -> None:
     p.add_argument("--kernel-code", action="store_true",
                    help="also read the Pallas kernels' PTX (XLA's dump): their instructions, "
                         "exponentials, and with CUDA's ptxas on the PATH their registers")
+    p.add_argument("--pallas-tiles", default=None, type=_checked(_tiles),
+                   help="the attention kernels' tiles and warps, as bench attention's "
+                        "(e.g. fwd=64x64,warps=4,bwd=32x64; what is not given: "
+                        "kernel_block_sizes' for the shape)")
+    p.add_argument("--loss-settings", default=None, type=_checked(_loss_settings),
+                   help="the loss kernels' launch settings, as bench loss's "
+                        "--pallas-settings (e.g. chunk=8192,warps=16)")
+    p.add_argument("--norm-settings", default=None, type=_checked(_norm_settings),
+                   help="the norm kernels' launch settings, as bench norm's "
+                        "--pallas-settings (e.g. rows=1,program_rows=16,warps=4)")
     p.add_argument("--timeout", type=float, default=900, help="the compiling child's, seconds")
+
+
+def _tiles(text: str) -> dict:
+    from attention_jax.attention import pallas
+    from attention_jax.tools.bench.attention_speed_gpu import parse_tiles
+    fields = parse_tiles(text)
+    with pallas.tiles(**fields):
+        return fields
+
+
+def _loss_settings(text: str) -> dict:
+    from attention_jax.models import loss_kernel
+    from attention_jax.tools.bench import loss_speed
+    fields = loss_speed.parse_settings(text)
+    with loss_kernel.settings(**fields):
+        return fields
+
+
+def _norm_settings(text: str) -> dict:
+    from attention_jax.layers import norm_kernel
+    from attention_jax.tools.bench import norm_speed
+    fields = norm_speed.parse_settings(text)
+    with norm_kernel.settings(**fields):
+        return fields
+
+
+def _checked(parse):
+    """argparse's type: `parse(text)` -> the settings dict, a ValueError argparse's line."""
+    def argument(text: str) -> dict:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return argument
 
 
 def run(args) -> dict:
@@ -486,8 +549,20 @@ def run(args) -> dict:
         args.loss_kernel), "norm_kernel": one_norm_kernel(args.norm_kernel)}
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)
+    settings = {name: given for name, given in (
+        ("tiles", args.pallas_tiles), ("loss", args.loss_settings), ("norm", args.norm_settings))
+        if given}
+    if args.norm_settings:  # a setting the step's rows do not take would leave XLA's ops
+        from attention_jax.layers import norm_kernel
+        with norm_kernel.settings(**args.norm_settings):
+            why = norm_kernel.unsupported((row["batch"] * row["seq_len"], row["width"]))
+        if why:
+            raise SystemExit(f"error: --norm-settings: the norm kernels cannot take the "
+                             f"step's rows: {why}; valid: rows dividing "
+                             f"{row['batch'] * row['seq_len']}")
     spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
-            "hlo": str(out / "step.hlo.txt"), "result": str(out / "child.json")}
+            "settings": settings, "hlo": str(out / "step.hlo.txt"),
+            "result": str(out / "child.json")}
     (out / "spec.json").write_text(json.dumps(spec))
     from attention_jax.tools.bench import trainer  # child_env: this copy of the package
     env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
@@ -519,7 +594,7 @@ def run(args) -> dict:
         raise SystemExit("error: compiling for the GPU failed: " + " | ".join(tail))
     rows = kernel_traffic(Path(spec["hlo"]).read_text())
     summary = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
-               "xla_flags": args.xla_flags, "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
+               "xla_flags": args.xla_flags, "settings": settings, "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
                "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}
     if args.kernel_code:
@@ -543,6 +618,9 @@ def weight_flops(row: dict) -> int:
                                                         + row["layers"] * 12 * d * d)
 
 
+_SETTINGS_NAMES = {"tiles": "attention tiles", "loss": "loss settings", "norm": "norm settings"}
+
+
 def report(summary: dict, top: int = 25) -> str:
     gb = lambda b: f"{b / 1e9:.2f}"
     row = summary["row"]
@@ -551,6 +629,8 @@ def report(summary: dict, top: int = 25) -> str:
              f"{row.get('loss_kernel', 'auto')}, norms {row.get('norm_kernel', 'auto')}, as XLA compiles "
              f"it for an {summary['gpu']} (no GPU used)"
              + (f", XLA_FLAGS += {summary['xla_flags']}" if summary.get("xla_flags") else "")
+             + "".join(f", {_SETTINGS_NAMES[what]} " + ",".join(f"{k}={v}" for k, v in given.items())
+                       for what, given in (summary.get("settings") or {}).items())
              + ".", "",
              "| kernels | launches | GB read + written |", "|---|---|---|"]
     for kind, k in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["bytes"]):
