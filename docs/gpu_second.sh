@@ -28,7 +28,7 @@ run tiles 95 $PY -m attention_jax.tools.bench attention --width 768 --sizes 1024
 # 36 warps, an SM where the defaults' backward has 8 warps; 14 barriers a row), two rows
 # in two warps and four in four (168 and 196 registers, fewer barriers; none of these
 # spills; two rows in one warp would). One row in one warp with 32 rows a program is
-# left out: its 512 backward programs fill 0.43 of the SMs' places (9 warps each).
+# left out: its 512 backward programs fill 0.48 of the SMs' places (8 warps each).
 # The norm kernels took 2.35 ms of the step on 2026-11-26, where their bytes take 1.48
 # at the bandwidth. Each row's value and gradients' Σ g² say whether it computes the
 # same (the GPU tests check the defaults only).

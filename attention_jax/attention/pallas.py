@@ -110,6 +110,10 @@ class BlockSizes:
     bwd_num_stages: int = 2
 
 
+_TILES = ("fwd_q", "fwd_k", "bwd_q", "bwd_k")
+_given_tiles: dict = {}  # what `tiles(...)` gives, within it
+
+
 def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> BlockSizes:
     """Tile sizes measured fastest on an H100 (bf16; the sweep is in the README, Measurements behind the code).
 
@@ -117,7 +121,7 @@ def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> B
     and H > 128 tiles are twice the bytes and must be smaller to fit the 227 KiB of
     shared memory a block may use. In interpret mode (CPU) speed means nothing; small
     tiles make the tests walk several blocks per row, so that loop bounds and partial
-    masks are exercised.
+    masks are exercised. Within `tiles(...)`, the fields it gives replace these.
     """
     backend = backend or target_backend()
     if backend == "cpu":
@@ -134,18 +138,15 @@ def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> B
     return dataclasses.replace(blocks, **_given_tiles) if _given_tiles else blocks
 
 
-_TILES = ("fwd_q", "fwd_k", "bwd_q", "bwd_k")
-_given_tiles: dict = {}  # what `tiles(...)` gives, within it
-
-
 @contextlib.contextmanager
 def tiles(**fields):
     """Within (a context manager): `kernel_block_sizes` gives these BlockSizes fields in
     place of its own, for every head size and backend, so that a whole model's kernels
     take them (`bench gpu-hlo --pallas-tiles` compiles the step so; `bench attention
     --pallas-tiles` hands the kernels BlockSizes itself). Read when a kernel is traced:
-    a function traced before keeps its tiles. Tiles: powers of two >= 16; warps and
-    stages: ints >= 1."""
+    a function traced before keeps its tiles. A call's own block_q and block_k
+    (dot_product_attention's) still replace fwd_q and fwd_k. Tiles: powers of two >= 16;
+    warps and stages: ints >= 1."""
     names = [f.name for f in dataclasses.fields(BlockSizes)]
     for name, value in fields.items():
         if name not in names:

@@ -4,6 +4,7 @@ the whole command runs where `make install` put the plugin (.venv/gpu-aot)."""
 
 import argparse
 import json
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -107,14 +108,19 @@ def _args(*extra):
 
 
 @pytest.mark.parametrize("registers, threads, shared, expected", [
-    # 126 registers: 4032 a warp, given out as 4096, so 16 warps' worth (2 programs of 8);
-    # the 64 KiB of shared memory would allow 3
+    # 126 registers: 4032 a warp, given out as 4096, so 4 warps' worth in each of the 4
+    # sub-partitions' 16,384 (2 programs of 8); the 64 KiB of shared memory would allow 3
     (126, 256, 65536, (2, "registers")),
-    (152, 256, 65536, (1, "registers")),  # 4864 a warp: 13 warps' worth, 1 program of 8
-    (65, 32, 0, (28, "registers")),  # 2080 a warp given out as 2304: 28 warps, not 31
+    (152, 256, 65536, (1, "registers")),  # 4864 a warp: 3 a sub-partition, 12 warps
+    (65, 32, 0, (28, "registers")),  # 2080 a warp given out as 2304: 7 a sub-partition
+    (206, 32, 0, (8, "registers")),  # 6656 a warp: 2 a sub-partition (not 65536 // 6656 = 9)
+    (80, 32, 0, (24, "registers")),  # 2560 a warp: 6 a sub-partition (not 25)
+    (124, 256, 81920, (2, "registers, shared memory")),  # both bind: the dQ kernel's
     (40, 128, 102400, (2, "shared memory")),  # 100 KiB + 1 KiB reserved, into 228 KiB
+    (16, 32, 45670, (4, "shared memory")),  # + 1 KiB = 46,694, as 46,720: 4 (unrounded, 5)
     (16, 1024, 0, (2, "threads")),  # 2048 threads an SM
     (16, 32, 0, (32, "programs")),  # 32 programs an SM, however small
+    (128, 1024, 0, (0, "registers")),  # 131,072 registers: more than a program may have
 ])
 def test_programs_an_sm_holds_by_cuda_s_occupancy_rules(registers, threads, shared, expected):
     assert gpu_hlo.programs_per_sm(registers, threads, shared) == expected
@@ -236,9 +242,8 @@ def test_launch_settings_reach_the_kernels_of_the_compiled_step(tmp_path, capsys
                                              "bwd_k": 32, "num_warps": 2},
                                    "loss": {"num_warps": 16},
                                    "norm": {"rows": 2, "program_rows": 4, "num_warps": 1}}
-    assert ("attention tiles fwd_q=32,fwd_k=16,bwd_q=16,bwd_k=32,num_warps=2, loss settings "
-            "num_warps=16, "
-            "norm settings rows=2,program_rows=4,num_warps=1.") in capsys.readouterr().out
+    assert ("attention tiles fwd=32x16,bwd=16x32,warps=2, loss settings warps=16, "
+            "norm settings rows=2,program_rows=4,warps=1.") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -253,10 +258,25 @@ def test_bad_launch_settings_name_the_valid_values(flag, value, says, capsys):
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")
-def test_norm_settings_the_step_s_rows_cannot_take_are_refused():
-    with pytest.raises(SystemExit, match=r"--norm-settings: the norm kernels cannot take the "
-                                         r"step's rows: 32 rows per device, not a multiple of 64"):
-        gpu_hlo.run(_args("--norm-settings", "rows=64,program_rows=64"))
+@pytest.mark.parametrize("args, says", [
+    (("--norm-settings", "rows=64,program_rows=64"),
+     "--norm-settings: the norm kernels cannot take the step's rows: 32 rows per device, "
+     "not a multiple of 64; valid: rows a power of two dividing 32"),
+    (("--norm-settings", "rows=2", "--norm-kernel", "xla"),
+     "--norm-settings is for the Pallas kernels, which --norm-kernel xla leaves out; valid: "
+     "--norm-kernel pallas or auto"),
+    (("--loss-settings", "warps=16", "--loss-kernel", "xla"),
+     "--loss-settings is for the Pallas kernels, which --loss-kernel xla leaves out"),
+    (("--pallas-tiles", "fwd=64x64", "--implementation", "xla"),
+     "--pallas-tiles is for the Pallas kernels, which --implementation xla leaves out; "
+     "valid: --implementation pallas"),
+])
+def test_launch_settings_the_step_would_not_use_are_refused(args, says, tmp_path, monkeypatch):
+    """Before anything is compiled or written (no scratch folder is left behind)."""
+    monkeypatch.setattr(gpu_hlo.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        gpu_hlo.run(_args(*args))
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(gpu_hlo.plugin_path() is None, reason="JAX's CUDA plugin is not installed")

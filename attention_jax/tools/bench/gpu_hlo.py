@@ -66,12 +66,14 @@ from pathlib import Path
 # may assume of the runtime.
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sms": 132, "clock_ghz": 1.98,
         "bandwidth": 3.35e12, "l2_bytes": 50 * 2**20, "memory_bytes": 84_929_347_584}
-# What an SM of compute capability 9.0 holds at once (CUDA's occupancy rules): 65,536
-# registers, given out a warp at a time in units of 256; 2048 threads; 32 programs
-# (blocks); 228 KiB of shared memory, of which each program's share carries 1 KiB the
-# runtime reserves.
-SM90 = {"registers": 65536, "register_unit": 256, "threads": 2048, "programs": 32,
-        "shared_bytes": 233472, "shared_reserved": 1024}
+# What an SM of compute capability 9.0 holds at once (CUDA's occupancy rules,
+# cuda_occupancy.h): 65,536 registers in 4 sub-partitions of 16,384, given out a warp at
+# a time in units of 256, at most 255 a thread and 65,536 a program; 2048 threads; 32
+# programs (blocks); 228 KiB of shared memory (at the largest carveout), each program's
+# share rounded up to 128 bytes after the 1 KiB the runtime reserves for it.
+SM90 = {"registers": 65536, "subpartitions": 4, "register_unit": 256, "thread_registers": 255,
+        "threads": 2048, "programs": 32, "shared_bytes": 233472, "shared_reserved": 1024,
+        "shared_unit": 128}
 
 
 def target_config(gpu: dict = H100) -> str:
@@ -315,7 +317,8 @@ def kernel_code(dump_dir, ptxas: str | None = None, nvdisasm: str | None = None)
             if used and "threads" in row:
                 row["per_sm"], row["per_sm_limit"] = programs_per_sm(
                     row["registers"], row["threads"], row["shared_bytes"])
-                row["waves"] = row["programs"] / (H100["sms"] * row["per_sm"])
+                row["waves"] = (row["programs"] / (H100["sms"] * row["per_sm"])
+                                if row["per_sm"] else None)
             if nvdisasm and used:
                 sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,
                                       text=True).stdout
@@ -345,18 +348,24 @@ def launches(dump_dir) -> dict[str, dict]:
 def programs_per_sm(registers: int, threads: int, shared_bytes: int,
                     sm: dict = SM90) -> tuple[int, str]:
     """(how many programs of a kernel an SM runs at once, what limits it: "registers",
-    "shared memory", "threads" or "programs"), for `registers` a thread, `threads` a
-    program and the shared memory it asks for. A memory-bound kernel needs enough of its
-    loads in flight on each SM; a kernel whose tiles wait on one another needs a second
-    program to run while one waits."""
+    "shared memory", "threads" or "programs", those that bind alike joined by ", "), for
+    `registers` a thread, `threads` a program and the shared memory it asks for. A
+    memory-bound kernel needs enough of its loads in flight on each SM; a kernel whose
+    tiles wait on one another needs a second program to run while one waits. 0: the
+    program cannot run (more registers than a program or a thread may have)."""
+    up = lambda n, unit: -(-n // unit) * unit  # noqa: E731
     warps = -(-threads // 32)
-    per_warp = -(-registers * 32 // sm["register_unit"]) * sm["register_unit"]
-    limits = {"registers": (sm["registers"] // per_warp) // warps,
+    per_warp = up(registers * 32, sm["register_unit"])
+    parts = sm["subpartitions"]  # a warp's registers come from one sub-partition's
+    fits = (registers <= sm["thread_registers"]
+            and per_warp * up(warps, parts) <= sm["registers"])
+    limits = {"registers": fits * (sm["registers"] // parts // per_warp) * parts // warps,
               "threads": sm["threads"] // (warps * 32), "programs": sm["programs"]}
     if shared_bytes:
-        limits["shared memory"] = sm["shared_bytes"] // (shared_bytes + sm["shared_reserved"])
-    limit = min(limits, key=limits.get)
-    return limits[limit], limit
+        limits["shared memory"] = sm["shared_bytes"] // up(shared_bytes + sm["shared_reserved"],
+                                                           sm["shared_unit"])
+    most = min(limits.values())
+    return most, ", ".join(name for name, n in limits.items() if n == most)
 
 
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+")
@@ -526,13 +535,45 @@ def _norm_settings(text: str) -> dict:
 
 
 def _checked(parse):
-    """argparse's type: `parse(text)` -> the settings dict, a ValueError argparse's line."""
-    def argument(text: str) -> dict:
+    """argparse's type: the text as given, once `parse(text)` accepts it (a ValueError or
+    TypeError is argparse's one line)."""
+    def argument(text: str) -> str:
         try:
-            return parse(text)
+            parse(text)
         except (ValueError, TypeError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+        return text
     return argument
+
+
+def _launch_settings(args, row: dict) -> tuple[dict, dict]:
+    """({"tiles", "loss", "norm": the kernels' settings}, {the same: the text given}) of
+    the options given. An option for kernels the step would not run is an error, as is a
+    norm setting the step's rows cannot take (the norms would be XLA's ops)."""
+    options = {"tiles": ("--pallas-tiles", args.pallas_tiles, _tiles, "--implementation",
+                         args.implementation),
+               "loss": ("--loss-settings", args.loss_settings, _loss_settings, "--loss-kernel",
+                        row["loss_kernel"]),
+               "norm": ("--norm-settings", args.norm_settings, _norm_settings, "--norm-kernel",
+                        row["norm_kernel"])}
+    settings, given = {}, {}
+    for name, (flag, text, parse, kernels, chosen) in options.items():
+        if not text:
+            continue
+        if chosen not in ("pallas", "auto"):  # --implementation has no auto here
+            raise SystemExit(f"error: {flag} is for the Pallas kernels, which {kernels} "
+                             f"{chosen} leaves out; valid: {kernels} pallas"
+                             + ("" if name == "tiles" else " or auto"))
+        settings[name], given[name] = parse(text), text
+    if "norm" in settings:
+        from attention_jax.layers import norm_kernel
+        rows = row["batch"] * row["seq_len"]
+        with norm_kernel.settings(**settings["norm"]):
+            why = norm_kernel.unsupported((rows, row["width"]))
+        if why:
+            raise SystemExit(f"error: --norm-settings: the norm kernels cannot take the "
+                             f"step's rows: {why}; valid: rows a power of two dividing {rows}")
+    return settings, given
 
 
 def run(args) -> dict:
@@ -547,19 +588,9 @@ def run(args) -> dict:
     from attention_jax.tools.bench.train_speed_gpu import one_loss_kernel, one_norm_kernel
     row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": one_loss_kernel(
         args.loss_kernel), "norm_kernel": one_norm_kernel(args.norm_kernel)}
+    settings, given = _launch_settings(args, row)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)
-    settings = {name: given for name, given in (
-        ("tiles", args.pallas_tiles), ("loss", args.loss_settings), ("norm", args.norm_settings))
-        if given}
-    if args.norm_settings:  # a setting the step's rows do not take would leave XLA's ops
-        from attention_jax.layers import norm_kernel
-        with norm_kernel.settings(**args.norm_settings):
-            why = norm_kernel.unsupported((row["batch"] * row["seq_len"], row["width"]))
-        if why:
-            raise SystemExit(f"error: --norm-settings: the norm kernels cannot take the "
-                             f"step's rows: {why}; valid: rows dividing "
-                             f"{row['batch'] * row['seq_len']}")
     spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
             "settings": settings, "hlo": str(out / "step.hlo.txt"),
             "result": str(out / "child.json")}
@@ -594,7 +625,8 @@ def run(args) -> dict:
         raise SystemExit("error: compiling for the GPU failed: " + " | ".join(tail))
     rows = kernel_traffic(Path(spec["hlo"]).read_text())
     summary = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
-               "xla_flags": args.xla_flags, "settings": settings, "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
+               "xla_flags": args.xla_flags, "settings": settings, "settings_given": given,
+               "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
                "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}
     if args.kernel_code:
@@ -629,8 +661,8 @@ def report(summary: dict, top: int = 25) -> str:
              f"{row.get('loss_kernel', 'auto')}, norms {row.get('norm_kernel', 'auto')}, as XLA compiles "
              f"it for an {summary['gpu']} (no GPU used)"
              + (f", XLA_FLAGS += {summary['xla_flags']}" if summary.get("xla_flags") else "")
-             + "".join(f", {_SETTINGS_NAMES[what]} " + ",".join(f"{k}={v}" for k, v in given.items())
-                       for what, given in (summary.get("settings") or {}).items())
+             + "".join(f", {_SETTINGS_NAMES[what]} {text}"
+                       for what, text in (summary.get("settings_given") or {}).items())
              + ".", "",
              "| kernels | launches | GB read + written |", "|---|---|---|"]
     for kind, k in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["bytes"]):
@@ -677,9 +709,10 @@ def report(summary: dict, top: int = 25) -> str:
                   "|---|---|---|---|---|---|" + ("---|---|---|---|" if registers else "")
                   + ("---|" if loops else "")]
         for r in code:
-            per_sm = (f"{r['per_sm']} ({r['per_sm_limit']}) | {r['waves']:.1f}"
+            per_sm = (f"{r['per_sm']} ({r['per_sm_limit']}) | "
+                      + (f"{r['waves']:.1f}" if r["waves"] is not None else "cannot run")
                       if "per_sm" in r else " | ")
-            shared = f"{r['shared_bytes'] / 1024:g}" if "shared_bytes" in r else ""
+            shared = f"{r['shared_bytes'] / 1024:.1f}" if "shared_bytes" in r else ""
             lines.append(f"| {r['kernel']} | {r['instructions']} | {r['exp2']} | "
                          f"{r['fused_exp2']} | {r.get('threads', '')} | {shared} |"
                          + (f" {r.get('registers')} | {r.get('spill_bytes')} | {per_sm} |"
