@@ -72,6 +72,21 @@ def test_config_errors_name_the_key_and_valid_values():
         config_lib.validate(c)
 
 
+def test_a_key_under_another_group_is_pointed_to():
+    """A key given under the wrong group (the loss kernel is a training setting, not the
+    model's) says where it is, not the nearest spelling in the wrong group."""
+    c = tiny.tiny_config()
+    with pytest.raises(ConfigError, match=re.escape(
+            "--config.model.loss_kernel: config.model has no key 'loss_kernel'; valid: [")
+            + r".*\(it is config\.train\.loss_kernel\)$"):
+        config_lib.apply_overrides(c, ["model.loss_kernel=pallas"])
+    c.optim.steps = 10
+    _raises(c, r"config\.optim\.steps is not a known key; .* \(it is config\.eval\.steps or "
+               r"config\.train\.steps\)$")
+    with pytest.raises(ConfigError, match=r"has no key 'stepz'; .* \(did you mean 'steps'\?\)$"):
+        config_lib.apply_overrides(tiny.tiny_config(), ["train.stepz=10"])
+
+
 def test_heads_not_divisible_by_tensor_axis_fails_before_compiling(tmp_path):
     c = tiny.tiny_config(**{"mesh.data": 2, "mesh.tensor": 4})
     with pytest.raises(ConfigError, match=r"config\.model\.num_heads=2 is not divisible by "
