@@ -146,16 +146,16 @@ def tiles(**fields):
     --pallas-tiles` hands the kernels BlockSizes itself). Read when a kernel is traced:
     a function traced before keeps its tiles. A call's own block_q and block_k
     (dot_product_attention's) still replace fwd_q and fwd_k. Tiles: powers of two >= 16;
-    warps and stages: ints >= 1."""
+    warps: powers of two (Triton's rule); stages: ints >= 1."""
     names = [f.name for f in dataclasses.fields(BlockSizes)]
     for name, value in fields.items():
         if name not in names:
             raise TypeError(f"{name}=...: not a tile setting; valid: {', '.join(names)}")
-        tile = name in _TILES
-        if (not isinstance(value, int) or isinstance(value, bool) or value < (16 if tile else 1)
-                or (tile and value & (value - 1))):
+        least, two = (16 if name in _TILES else 1), "stages" not in name
+        if (not isinstance(value, int) or isinstance(value, bool) or value < least
+                or (two and value & (value - 1))):
             raise ValueError(f"{name}={value!r}; valid: "
-                             + ("a power of two >= 16" if tile else "an int >= 1"))
+                             + (f"a power of two >= {least}" if two else "an int >= 1"))
     global _given_tiles
     before, _given_tiles = _given_tiles, {**_given_tiles, **fields}
     try:

@@ -64,8 +64,8 @@ NUM_STAGES = 3
 # What the kernels are traced with, unless `settings` says otherwise (bench loss sweeps
 # them on a GPU): how many programs share an SM, and so whether a program's row is still
 # in the L2 cache when the gradient reads it again, depends on the warps a program has.
-SETTINGS = Settings(chunk=(CHUNK, power_of_two(16)), num_warps=(NUM_WARPS, AT_LEAST_1),
-                    num_stages=(NUM_STAGES, AT_LEAST_1))
+SETTINGS = Settings(chunk=(CHUNK, power_of_two(16)), num_warps=(NUM_WARPS, power_of_two(1)),
+                    num_stages=(NUM_STAGES, AT_LEAST_1))  # Triton takes warps in powers of two
 
 
 def settings(chunk: Optional[int] = None, num_warps: Optional[int] = None,

@@ -213,7 +213,9 @@ def test_tiles_given_within_reach_the_kernels_and_end_with_it():
         y, dot_product_attention(q, q, q, implementation="pallas", causal=True), rtol=1e-5,
         atol=1e-6)
     for bad, says in (({"fwd_q": 48}, "fwd_q=48; valid: a power of two >= 16"),
-                      ({"num_warps": 0}, "num_warps=0; valid: an int >= 1"),
+                      ({"num_warps": 0}, "num_warps=0; valid: a power of two >= 1"),
+                      ({"bwd_num_warps": 6}, "bwd_num_warps=6; valid: a power of two >= 1"),
+                      ({"num_stages": 0}, "num_stages=0; valid: an int >= 1"),
                       ({"warps": 4}, "warps=...: not a tile setting; valid: fwd_q, ")):
         with pytest.raises((ValueError, TypeError), match=re.escape(says)):
             with pallas.tiles(**bad):

@@ -406,7 +406,8 @@ def test_launch_settings_apply_within_and_end_with_it():
                                               "num_warps": loss_kernel.NUM_WARPS,
                                               "num_stages": loss_kernel.NUM_STAGES}
     for bad, says in (({"chunk": 100}, "chunk=100; valid: a power of two >= 16"),
-                      ({"num_stages": 0}, "num_stages=0; valid: an int >= 1")):
+                      ({"num_stages": 0}, "num_stages=0; valid: an int >= 1"),
+                      ({"num_warps": 12}, "num_warps=12; valid: a power of two >= 1")):
         with pytest.raises(ValueError, match=re.escape(says)):
             with loss_kernel.settings(**bad):
                 pass

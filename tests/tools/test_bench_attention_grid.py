@@ -65,7 +65,8 @@ def test_pallas_tile_settings_are_parsed_checked_and_tabled():
         "fwd_q": 64, "fwd_k": 32, "num_warps": 4, "bwd_num_stages": 2}
     for text, says in (("fwd=64", "'fwd=64' in 'fwd=64'; valid: fwd=NxN,bwd=NxN,warps=N"),
                        ("tiles=64x64", "valid: fwd=NxN"), ("fwd=48x64", "tile 48; valid: powers"),
-                       ("warps=0", "whole numbers >= 1"), ("", "valid: e.g.")):
+                       ("warps=0", "whole numbers >= 1"), ("", "valid: e.g."),
+                       ("warps=3", "num_warps=3; valid: a power of two >= 1")):  # Triton's
         with pytest.raises(ValueError, match=says):
             gpu.parse_tiles(text)
     rows = [{"impl": i, "H": 64, "T": 1024, "mask": "causal", "fwd_s": 1e-4, "fwd_bwd_s": 4e-4}

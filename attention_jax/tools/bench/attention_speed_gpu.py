@@ -146,7 +146,8 @@ def parse_tiles(text: str) -> dict:
             raise ValueError(f"{text!r}: tile {fields[name]}; valid: powers of two >= 16")
     if not fields:
         raise ValueError(f"{text!r}; valid: e.g. fwd=128x64,bwd=64x64,warps=8,stages=3")
-    return fields
+    with pallas.tiles(**fields):  # the rest of its checks (warps: powers of two)
+        return fields
 
 
 def _tiled_pallas(tiles: str, h: int, qkv: str):
