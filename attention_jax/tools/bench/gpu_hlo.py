@@ -495,8 +495,10 @@ def add_parser(sub) -> None:
                    help="added to XLA_FLAGS for the compile (an XLA:GPU option's effect on "
                         "the kernels, e.g. --xla-flags='--xla_gpu_enable_cublaslt=true')")
     p.add_argument("--kernel-code", action="store_true",
-                   help="also read the Pallas kernels' PTX (XLA's dump): their instructions, "
-                        "exponentials, and with CUDA's ptxas on the PATH their registers")
+                   help="also read the Pallas kernels' PTX (XLA's dump) and launches: their "
+                        "instructions, exponentials, programs and threads; with CUDA's ptxas "
+                        "on the PATH their registers and the programs an SM holds, with "
+                        "nvdisasm the SASS instructions a loop")
     p.add_argument("--pallas-tiles", default=None, type=_checked(_tiles),
                    help="the attention kernels' tiles and warps, as bench attention's "
                         "(e.g. fwd=64x64,warps=4,bwd=32x64; what is not given: "
