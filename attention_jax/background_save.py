@@ -21,7 +21,9 @@ copy (the thread drops it then); `Snapshots` makes one only where it fits beside
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -248,6 +250,30 @@ def gather_through_coordination(name: str, timeout_s: float = 600):
 
 
 # ------------------------------------------------------------------------ the thread
+WAIT_NOTE_S = 60.0  # how often a wait for a save that has not finished is said
+
+
+@contextlib.contextmanager
+def said_while_waiting(say: Callable[[float], None], every: float | None = None):
+    """Within: say(seconds waited so far) every `every` seconds (WAIT_NOTE_S) until the
+    block ends. A save into an object store that has gone away waits through
+    tensorstore's retries, many minutes before it fails; the wait is then said, not
+    silent."""
+    every = WAIT_NOTE_S if every is None else every
+    done, start = threading.Event(), time.monotonic()
+
+    def watch():
+        while not done.wait(every):
+            say(time.monotonic() - start)
+    watcher = threading.Thread(target=watch, name="checkpoint-wait-note", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 class SaveThread:
     """Runs one save at a time (a checkpoint step and the function that saves it) on a
     thread of its own; `start` waits for the previous one, so saves run in order and at

@@ -473,7 +473,8 @@ class Checkpointer:
             # One save on the thread at a time, so one copy of the state: the previous
             # one is done unless saves come faster than orbax writes them (orbax would
             # wait for the previous write here too).
-            self._saves.wait()
+            with background_save.said_while_waiting(self._say_waiting):
+                self._saves.wait()
             self._raise_failure()
         if int(step) in self.all_steps():
             return False  # Already saved or queued (e.g. a forced final save on a regular step).
@@ -566,12 +567,19 @@ class Checkpointer:
     def wait(self) -> None:
         """Blocks until every save started has committed; a failed one raises here
         (once) if it has not at a `save` already."""
-        if self._saves is not None:
-            self._saves.wait()
-        try:
-            self._wait_for_orbax()
-        finally:
-            self._raise_failure()
+        with background_save.said_while_waiting(self._say_waiting):
+            if self._saves is not None:
+                self._saves.wait()
+            try:
+                self._wait_for_orbax()
+            finally:
+                self._raise_failure()
+
+    def _say_waiting(self, seconds: float) -> None:
+        step = (self._saves.step() if self._saves is not None else None) or self._writing
+        logging.warning("checkpoints: waiting %.0f s for the write of step %s to %s (a store "
+                        "that cannot be reached makes tensorstore retry for minutes before "
+                        "the save fails; training waits for it)", seconds, step, self.directory)
 
     def saving(self) -> bool:
         """Whether a save is still in flight (on the background thread or in orbax's

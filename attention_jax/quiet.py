@@ -41,6 +41,34 @@ def drop_log_messages(*templates: str, logger: str = "absl"):
         target.removeFilter(f)
 
 
+class _DropFormatted(logging.Filter):
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = tuple(parts)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(part in str(record.msg) for part in self.parts)
+
+
+# gcsfs logs a traceback when a request runs out of retries or fails for good, its
+# message formatted before logging (no template to match): what the call that raises
+# it then says in one line (workdir.py).
+GCSFS_GAVE_UP = (" out of retries on exception: ", " non-retriable exception: ")
+
+
+@contextlib.contextmanager
+def drop_gcsfs_gave_up():
+    """Drops gcsfs's "out of retries" and "non-retriable" records (and their tracebacks)
+    for the duration of the block, whose caller says the error itself."""
+    target = logging.getLogger("gcsfs")
+    f = _DropFormatted(GCSFS_GAVE_UP)
+    target.addFilter(f)
+    try:
+        yield
+    finally:
+        target.removeFilter(f)
+
+
 _warned: set = set()
 
 

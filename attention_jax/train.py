@@ -427,7 +427,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
             batches.close()  # stops the loader's reading thread
             prepared.ckpt.wait()  # A pending async save commits before we return or raise.
             prepared.ckpt.close()
-            progress.close()
+            progress.close(failing=sys.exc_info()[1] is not None)  # an error on its way out
         if summary["stopped_by"] is None and stop.signal is not None:
             # It came after the loop's last check (the last step's eval or save, the final
             # commit): the run is whole, and whoever sent it still asked to stop (a sweep
@@ -608,9 +608,9 @@ class Progress:
     def note(self, message: str) -> None:
         self.bar.write(message)
 
-    def close(self) -> None:
+    def close(self, failing: bool = False) -> None:
         self.bar.close()
-        self.writer.close()
+        self.writer.close(failing)
 
 
 def _progress_line(step, total, means, unit, elapsed, steps_done,

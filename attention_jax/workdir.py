@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import glob
 import json
-import logging
 import os
 import shutil
 import sys
@@ -37,6 +36,7 @@ import ml_collections
 from etils import epath
 
 from attention_jax import config as config_lib
+from attention_jax import quiet
 from attention_jax.errors import ConfigError, UserError
 
 CONFIG = "config.json"
@@ -298,7 +298,7 @@ class MetricWriter:
             file = path(workdir, METRICS)
             if resume_step is not None:
                 drop_records_after(file, resume_step)
-            self._remote = is_remote(workdir)
+            self._remote, self._workdir, self._unreachable = is_remote(workdir), workdir, False
             tb_dir = path(workdir, TENSORBOARD)
             if self._remote:
                 self._file = file
@@ -319,7 +319,7 @@ class MetricWriter:
         record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
         if self._remote:
             self._lines.append(json.dumps(record) + "\n")
-            _write_text(self._file, "".join(self._lines))
+            self._upload(METRICS, lambda: _write_text(self._file, "".join(self._lines)))
         else:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
@@ -335,15 +335,36 @@ class MetricWriter:
             local = os.path.join(self._tb_local, name)
             size = os.path.getsize(local)
             if self._tb_sizes.get(name) != size:
-                epath_of(self._tb_remote, name).write_bytes(open(local, "rb").read())
+                self._upload(f"{TENSORBOARD}/{name}", lambda: epath_of(
+                    self._tb_remote, name).write_bytes(open(local, "rb").read()))
                 self._tb_sizes[name] = size
 
-    def close(self) -> None:
+    def _upload(self, what: str, write: Callable[[], Any]) -> None:
+        """write() into the object store. A store that cannot be reached (gone, refusing)
+        after gcsfs's retries is one line naming the workdir and what is kept, in place
+        of gcsfs's traceback when it gives up."""
+        try:
+            with quiet.drop_gcsfs_gave_up():
+                write()
+        except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+            self._unreachable = True  # close() does not wait through the retries again
+            raise RunPathError(
+                f"writing {what} to --workdir={self._workdir} failed: {_first_line(e)}; the "
+                f"run stops here, what it saved is kept, and the same command resumes from "
+                f"its last checkpoint once the store can be reached") from None
+
+    def close(self, failing: bool = False) -> None:
+        """failing: the run is ending by an error, which an upload's own (a store that
+        is gone: a minute of retries first) must not replace; the last record's copy
+        stays the store's."""
         if self.enabled:
             self._tb.close()
             if self._remote:
-                self._copy_tensorboard()
-                shutil.rmtree(self._tb_local, ignore_errors=True)
+                try:
+                    if not (self._unreachable or failing):
+                        self._copy_tensorboard()
+                finally:
+                    shutil.rmtree(self._tb_local, ignore_errors=True)
             else:
                 self._jsonl.close()
 
@@ -771,14 +792,14 @@ def _check_remote(workdir: str, valid: str) -> None:
     fresh_listings()
     scheme, rest = str(workdir).split("://", 1)
     bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")
-    gcsfs_log = logging.getLogger("gcsfs")  # its retries log each failure's traceback
-    level = gcsfs_log.level
-    gcsfs_log.setLevel(logging.CRITICAL)  # the one line below says what went wrong
     try:
-        if not bucket.exists():
+        with quiet.drop_gcsfs_gave_up():  # the one line below says what went wrong
+            found = bucket.exists()
+            is_object = found and epath.Path(workdir).is_file()
+        if not found:
             raise RunPathError(f"--workdir={workdir}: bucket {bucket} does not exist (or this "
                                f"account may not see it); create it first")
-        if epath.Path(workdir).is_file():
+        if is_object:
             raise RunPathError(f"--workdir={workdir} is an object, not a folder; valid: {valid}")
     except RunPathError:
         raise
@@ -786,8 +807,6 @@ def _check_remote(workdir: str, valid: str) -> None:
         raise RunPathError(f"--workdir={workdir} cannot be reached: {_first_line(e)} (the "
                            f"endpoint and credentials come from the environment: README, "
                            f"'Workdirs in object storage')") from None
-    finally:
-        gcsfs_log.setLevel(level)
 
 
 def _first_line(e: BaseException) -> str:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,44 @@ def test_a_failed_background_save_raises_on_the_calling_thread(tmp_path):
                      r"not saved either: step 4$", out, re.M), out
     assert "COMMITTED [1, 6]" in out, out
     assert "ONE LINE IN MAIN: True" in out  # a full disk or a store gone is no bug: one line
+
+
+def test_a_wait_for_a_save_is_said_while_it_lasts():
+    """A save that does not finish (an object store gone: tensorstore retries its writes
+    for many minutes) is said at each interval while the caller waits, with the time so
+    far, and not after the wait ends."""
+    said = []
+    saves = background_save.SaveThread()
+    saves.start(7, lambda: time.sleep(0.7))
+    with background_save.said_while_waiting(said.append, every=0.2):
+        saves.wait()
+    after = len(said)
+    time.sleep(0.4)
+    assert 2 <= after <= 4 and len(said) == after, said
+    assert said == sorted(said) and 0.2 <= said[0] < said[-1] < 0.7
+
+
+def test_the_checkpointer_says_a_wait_for_its_saves(tmp_path, seed_matrix, monkeypatch, caplog):
+    """Checkpointer.wait (and save, waiting for the save before) said as above: the step
+    and the folder named."""
+    monkeypatch.setattr(background_save, "WAIT_NOTE_S", 0.05)
+    ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1, async_save=True)
+    started = threading.Event()
+
+    def slow_write(*args, **kwargs):  # the real write, after a store's slowness
+        started.set()
+        time.sleep(0.5)
+        return write(*args, **kwargs)
+    write = ck._write
+    monkeypatch.setattr(ck, "_write", slow_write)
+    with caplog.at_level(logging.WARNING):
+        ck.save(1, {"w": seed_matrix}, {})
+        started.wait(10)
+        ck.wait()
+    notes = [r.getMessage() for r in caplog.records if "checkpoints: waiting" in r.getMessage()]
+    assert notes and all(f"the write of step 1 to {tmp_path / 'ck'}" in n for n in notes), notes
+    assert ck.committed_steps() == [1]
+    ck.close()
 
 
 def test_synchronous_saves_still_work(tmp_path):

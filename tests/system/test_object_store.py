@@ -180,6 +180,64 @@ def test_missing_remote_runs_are_one_line(gcs):
     assert verify.main([f"gs://{BUCKET}/never"]) == 2
 
 
+def test_a_store_that_refuses_the_metrics_stops_the_run_in_one_line(gcs):
+    """The metrics writer's upload refused by the store (a bucket gone: the emulator's
+    404, which gcsfs does not retry; a store gone entirely fails the same way after
+    gcsfs's retries): one line naming the file, the workdir and what is kept, and
+    closing the writer neither raises again nor retries."""
+    workdir = "gs://attention-jax-gone/run"
+    writer = workdir_lib.MetricWriter(workdir)
+    with pytest.raises(workdir_lib.RunPathError) as e:
+        writer.write(1, "train", {"loss": 1.0})
+    message = str(e.value)
+    assert message.startswith(f"writing metrics.jsonl to --workdir={workdir} failed: ")
+    assert message.endswith("the same command resumes from its last checkpoint once the "
+                            "store can be reached") and "\n" not in message
+    writer.close()  # said once: no second upload, no second error
+
+
+def test_gcsfs_giving_up_is_left_to_the_caller_s_one_line(caplog):
+    """Around an upload, gcsfs's own record of giving up (a traceback at ERROR, its
+    message formatted before logging) is dropped: the caller says the error in one line.
+    Its other records, and the same record outside the block, stay."""
+    import logging
+
+    from attention_jax import quiet
+    log = logging.getLogger("gcsfs")
+
+    def gave_up():
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed")
+        except ConnectionRefusedError as e:
+            log.exception(f"_request out of retries on exception: {e}")
+    with caplog.at_level(logging.DEBUG, logger="gcsfs"):
+        with quiet.drop_gcsfs_gave_up():
+            gave_up()
+            log.warning("something else gcsfs says")
+        gave_up()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["something else gcsfs says",
+                    "_request out of retries on exception: [Errno 111] Connect call failed"]
+
+
+def test_a_failing_run_s_close_does_not_replace_its_error(gcs, tmp_path):
+    """The trainer closes its writer while an error is on its way out (failing=True):
+    the event files are not uploaded then, so a store that is gone cannot hold the run
+    through a second round of retries and replace the first error with its own."""
+    writer = workdir_lib.MetricWriter(f"gs://{BUCKET}/closing")
+    writer.write(1, "train", {"loss": 1.0})
+    listed = sorted(p.name for p in epath.Path(f"gs://{BUCKET}/closing/tensorboard").iterdir())
+    writer._tb.add_scalar("train/loss", 0.5, 2)  # a record after the last upload
+    writer.close(failing=True)
+    uploaded = epath.Path(f"gs://{BUCKET}/closing/tensorboard", listed[0]).read_bytes()
+    writer = workdir_lib.MetricWriter(f"gs://{BUCKET}/closing2")
+    writer.write(1, "train", {"loss": 1.0})
+    writer._tb.add_scalar("train/loss", 0.5, 2)
+    writer.close()
+    closed = [p for p in epath.Path(f"gs://{BUCKET}/closing2/tensorboard").iterdir()]
+    assert len(closed[0].read_bytes()) > len(uploaded)  # a normal close uploads the rest
+
+
 def test_remote_paths_are_never_made_absolute():
     assert workdir_lib.resolve("gs://bucket/run1") == "gs://bucket/run1"
     assert workdir_lib.resolve("s3://bucket/run1") == "s3://bucket/run1"
