@@ -537,9 +537,8 @@ class Checkpointer:
             items["state"] = ocp.args.StandardSave(state, save_args=packed_state.save_args(
                 layout, lambda chunk: ocp.SaveArgs(chunk_byte_size=chunk)))
             items["layout"] = ocp.args.JsonSave(layout.to_json())
-        saved = self.manager.save(int(step), args=ocp.args.Composite(**items), force=True)
-        self._writing = int(step)
-        return saved
+        self._writing = int(step)  # before orbax's save starts: a wait meanwhile names it
+        return self.manager.save(int(step), args=ocp.args.Composite(**items), force=True)
 
     def _wait_for_orbax(self) -> None:
         """Waits for orbax's write in flight; its failure raises as CheckpointSaveError."""
@@ -576,7 +575,9 @@ class Checkpointer:
                 self._raise_failure()
 
     def _say_waiting(self, seconds: float) -> None:
-        step = (self._saves.step() if self._saves is not None else None) or self._writing
+        # orbax's write in flight is what waits (a save on the thread waits for it too)
+        step = (self._writing if self.manager.is_saving_in_progress() or self._saves is None
+                else self._saves.step() or self._writing)
         logging.warning("checkpoints: waiting %.0f s for the write of step %s to %s (a store "
                         "that cannot be reached makes tensorstore retry for minutes before "
                         "the save fails; training waits for it)", seconds, step, self.directory)

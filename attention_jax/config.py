@@ -161,15 +161,16 @@ RANGES = {
 }
 
 
-def _hint(config, key: str, valid) -> str:
-    """What to add to "config.KEY is not a key" errors: where a key of that name is (a
-    key under another group: `--config.model.loss_kernel` for config.train.loss_kernel),
-    else the valid name closest to it."""
-    name = key.rsplit(".", 1)[-1]
-    others = sorted(k for k in flat(config) if k.rsplit(".", 1)[-1] == name and k != key)
-    if others:
-        return " (it is " + " or ".join(f"config.{k}" for k in others) + ")"
-    return did_you_mean(name, valid)
+def _hint(config, key: str, missing: str, valid) -> str:
+    """What to add to "config.KEY is not a key" errors, `missing` the part of KEY not
+    found: where a key of that name is when it is KEY's last part (a key under another
+    group: `--config.model.loss_kernel` for config.train.loss_kernel), else the valid
+    name closest to the missing part."""
+    if missing == key.rsplit(".", 1)[-1]:
+        others = sorted(k for k in flat(config) if k.rsplit(".", 1)[-1] == missing and k != key)
+        if others:
+            return " (it is " + " or ".join(f"config.{k}" for k in others) + ")"
+    return did_you_mean(missing, valid)
 
 
 def flat(tree, prefix: str = "") -> dict[str, Any]:
@@ -239,7 +240,7 @@ def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None
             valid = sorted(k.rsplit(".", 1)[1] for k in base if k.rsplit(".", 1)[0] == group)
             raise ConfigError(f"config.{key} is not a known key; valid keys in "
                               f"config.{group}: {valid or sorted(base)}"
-                              f"{_hint(base_config(), key, valid)}")
+                              f"{_hint(base_config(), key, key.rsplit('.', 1)[-1], valid)}")
         want = base[key]
         if isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool):
             continue
@@ -478,7 +479,7 @@ def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> Non
             if not isinstance(node, ml_collections.ConfigDict) or name not in node:
                 valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
                 raise ConfigError(f"--config.{key}: {where} has no key {name!r}; valid: {valid}"
-                                  f"{_hint(config, key, valid)}")
+                                  f"{_hint(config, key, name, valid)}")
             if name != field:
                 node, where = node[name], f"{where}.{name}"
         old = node[field]

@@ -360,6 +360,7 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
     first, evaluated = step + 1, False
     # The stop handler stays until a pending save has committed: a Ctrl-C meanwhile is
     # a stop request (or, the second, main's immediate exit), not an interrupted commit.
+    error = None  # what ends the loop by raising, if anything
     with StopRequest() as stop:
         try:
             with heap.FrozenHeap() as frozen, pauses:
@@ -423,11 +424,24 @@ def _loop(config, workdir, prepared: Setup, state, loader, train_step, eval_step
                         progress.note(f"{summary['stopped_by']}: saved checkpoint at step {step}; "
                                       f"run the same command again to resume")
                         break
+        except BaseException as e:
+            error = e
+            raise
         finally:
             batches.close()  # stops the loader's reading thread
-            prepared.ckpt.wait()  # A pending async save commits before we return or raise.
-            prepared.ckpt.close()
-            progress.close(failing=sys.exc_info()[1] is not None)  # an error on its way out
+            try:
+                prepared.ckpt.wait()  # A pending async save commits before we return or raise.
+                prepared.ckpt.close()
+            except BaseException as e:
+                error = error or e
+                raise
+            finally:
+                # With the store gone the last event files stay local (a second round of
+                # retries would only replace the error with its own); with another error
+                # on its way out, theirs is said, not raised over it.
+                progress.close(upload=not isinstance(error, (workdir_lib.RunPathError,
+                                                             ckpt_lib.CheckpointSaveError)),
+                               failing=error is not None)
         if summary["stopped_by"] is None and stop.signal is not None:
             # It came after the loop's last check (the last step's eval or save, the final
             # commit): the run is whole, and whoever sent it still asked to stop (a sweep
@@ -608,9 +622,9 @@ class Progress:
     def note(self, message: str) -> None:
         self.bar.write(message)
 
-    def close(self, failing: bool = False) -> None:
+    def close(self, upload: bool = True, failing: bool = False) -> None:
         self.bar.close()
-        self.writer.close(failing)
+        self.writer.close(upload=upload, failing=failing)
 
 
 def _progress_line(step, total, means, unit, elapsed, steps_done,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import logging
 import os
 import shutil
 import sys
@@ -351,18 +352,24 @@ class MetricWriter:
             raise RunPathError(
                 f"writing {what} to --workdir={self._workdir} failed: {_first_line(e)}; the "
                 f"run stops here, what it saved is kept, and the same command resumes from "
-                f"its last checkpoint once the store can be reached") from None
+                f"its last checkpoint once the store can be reached") from e
+        self._unreachable = False
 
-    def close(self, failing: bool = False) -> None:
-        """failing: the run is ending by an error, which an upload's own (a store that
-        is gone: a minute of retries first) must not replace; the last record's copy
-        stays the store's."""
+    def close(self, upload: bool = True, failing: bool = False) -> None:
+        """In an object store the event files' last records are uploaded here (unless
+        `upload` is False, or an upload has failed: the store is gone, and another round
+        of gcsfs's retries would only repeat the error). failing: the run is ending by
+        another error, which an upload's failure is said beside, not raised over."""
         if self.enabled:
             self._tb.close()
             if self._remote:
                 try:
-                    if not (self._unreachable or failing):
+                    if upload and not self._unreachable:
                         self._copy_tensorboard()
+                except RunPathError as e:
+                    if not failing:
+                        raise
+                    logging.getLogger(__name__).warning("%s", e)
                 finally:
                     shutil.rmtree(self._tb_local, ignore_errors=True)
             else:

@@ -151,11 +151,11 @@ def tiles(**fields):
     for name, value in fields.items():
         if name not in names:
             raise TypeError(f"{name}=...: not a tile setting; valid: {', '.join(names)}")
-        least, two = (16 if name in _TILES else 1), "stages" not in name
+        least, power_of_two = (16 if name in _TILES else 1), "stages" not in name
         if (not isinstance(value, int) or isinstance(value, bool) or value < least
-                or (two and value & (value - 1))):
+                or (power_of_two and value & (value - 1))):
             raise ValueError(f"{name}={value!r}; valid: "
-                             + (f"a power of two >= {least}" if two else "an int >= 1"))
+                             + (f"a power of two >= {least}" if power_of_two else "an int >= 1"))
     global _given_tiles
     before, _given_tiles = _given_tiles, {**_given_tiles, **fields}
     try:

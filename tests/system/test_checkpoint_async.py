@@ -170,15 +170,20 @@ def test_a_wait_for_a_save_is_said_while_it_lasts():
     """A save that does not finish (an object store gone: tensorstore retries its writes
     for many minutes) is said at each interval while the caller waits, with the time so
     far, and not after the wait ends."""
-    said = []
+    said, three = [], threading.Event()
+
+    def say(seconds):
+        said.append(seconds)
+        if len(said) == 3:
+            three.set()
     saves = background_save.SaveThread()
-    saves.start(7, lambda: time.sleep(0.7))
-    with background_save.said_while_waiting(said.append, every=0.2):
+    saves.start(7, lambda: three.wait(30))  # a save that ends once three notes are said
+    with background_save.said_while_waiting(say, every=0.05):
         saves.wait()
     after = len(said)
-    time.sleep(0.4)
-    assert 2 <= after <= 4 and len(said) == after, said
-    assert said == sorted(said) and 0.2 <= said[0] < said[-1] < 0.7
+    time.sleep(0.3)
+    assert after == 3 and len(said) == after, said  # none after the wait ended
+    assert said == sorted(said) and said[0] >= 0.05
 
 
 def test_the_checkpointer_says_a_wait_for_its_saves(tmp_path, seed_matrix, monkeypatch, caplog):

@@ -220,15 +220,15 @@ def test_gcsfs_giving_up_is_left_to_the_caller_s_one_line(caplog):
                     "_request out of retries on exception: [Errno 111] Connect call failed"]
 
 
-def test_a_failing_run_s_close_does_not_replace_its_error(gcs, tmp_path):
-    """The trainer closes its writer while an error is on its way out (failing=True):
+def test_a_failing_run_s_close_does_not_replace_its_error(gcs):
+    """The trainer closes its writer with the store's error on its way out (upload=False):
     the event files are not uploaded then, so a store that is gone cannot hold the run
     through a second round of retries and replace the first error with its own."""
     writer = workdir_lib.MetricWriter(f"gs://{BUCKET}/closing")
     writer.write(1, "train", {"loss": 1.0})
     listed = sorted(p.name for p in epath.Path(f"gs://{BUCKET}/closing/tensorboard").iterdir())
     writer._tb.add_scalar("train/loss", 0.5, 2)  # a record after the last upload
-    writer.close(failing=True)
+    writer.close(upload=False)  # the store had failed the run
     uploaded = epath.Path(f"gs://{BUCKET}/closing/tensorboard", listed[0]).read_bytes()
     writer = workdir_lib.MetricWriter(f"gs://{BUCKET}/closing2")
     writer.write(1, "train", {"loss": 1.0})

@@ -45,7 +45,7 @@ def bench_commands(path: Path) -> list[list[str]]:
             continue
         command = re.search(r"-m attention_jax\.tools\.bench\s+(.*)", line)
         if command:
-            rest = re.split(r"\s*(?:;|&&|\|\||\||>|`)", command.group(1))[0]
+            rest = re.split(r"\s*(?:;|&&|\|\||\||`|\s\d*>)", command.group(1))[0]
             found.append(shlex.split(rest))
     return found
 
@@ -75,7 +75,7 @@ def test_a_renamed_option_would_be_caught(tmp_path):
     """The reading itself: a script with an option the bench does not have fails."""
     script = tmp_path / "gpu_plan.sh"
     script.write_text('LOSS="$PY -m attention_jax.tools.bench loss --repeats 3"\n'
-                      "run a 60 $LOSS --pallas-warps 16 --out $OUT/a.json\n")
+                      "run a 60 $LOSS --pallas-warps 16 --out $OUT/a.json 2>&1\n")
     (argv,) = bench_commands(script)
     assert argv == ["loss", "--repeats", "3", "--pallas-warps", "16", "--out", "/tmp/out/a.json"]
     with pytest.raises(SystemExit):
@@ -85,10 +85,10 @@ def test_a_renamed_option_would_be_caught(tmp_path):
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_every_test_the_gpu_scripts_run_exists(path):
     targets = [t for line in _lines(path) if "pytest" in line
-               for t in re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", line)]
+               for t in re.findall(r"(tests/[\w/]+\.py)(?:::(?:\w+::)?(\w+))?", line)]
     assert bool(targets) == ("pytest" in path.read_text()), targets
     for file, function in targets:
         assert (REPO / file).is_file(), f"{path.name}: {file} does not exist"
         if function:
-            assert re.search(rf"^def {function}\(", (REPO / file).read_text(), re.M), (
+            assert re.search(rf"^\s*def {function}\(", (REPO / file).read_text(), re.M), (
                 f"{path.name}: {file} has no {function}")
