@@ -32,8 +32,13 @@ class _DropMessages(logging.Filter):
 def drop_log_messages(*templates: str, logger: str = "absl"):
     """Drops records whose format string is one of `templates` from `logger` (absl's,
     which orbax and tensorflow-datasets log through) for the duration of the block."""
+    with _filtered(logger, _DropMessages(templates)):
+        yield
+
+
+@contextlib.contextmanager
+def _filtered(logger: str, f: logging.Filter):
     target = logging.getLogger(logger)
-    f = _DropMessages(templates)
     target.addFilter(f)
     try:
         yield
@@ -60,13 +65,8 @@ GCSFS_GAVE_UP = (" out of retries on exception: ", " non-retriable exception: ")
 def drop_gcsfs_gave_up():
     """Drops gcsfs's "out of retries" and "non-retriable" records (and their tracebacks)
     for the duration of the block, whose caller says the error itself."""
-    target = logging.getLogger("gcsfs")
-    f = _DropFormatted(GCSFS_GAVE_UP)
-    target.addFilter(f)
-    try:
+    with _filtered("gcsfs", _DropFormatted(GCSFS_GAVE_UP)):
         yield
-    finally:
-        target.removeFilter(f)
 
 
 _warned: set = set()

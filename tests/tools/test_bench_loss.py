@@ -45,7 +45,7 @@ def test_a_row_per_launch_setting_of_the_kernels(capsys):
         with pytest.raises(SystemExit):
             _args("--pallas-settings", text)
         with pytest.raises(argparse.ArgumentTypeError, match=says):
-            loss_speed._settings(text)
+            loss_speed.settings_argument(text)
 
 
 def test_cpu_default_is_xla_alone(capsys):

@@ -40,7 +40,7 @@ def test_bad_arguments_name_the_valid_values():
         with pytest.raises(SystemExit):
             _args("--pallas-settings", text)
         with pytest.raises(argparse.ArgumentTypeError, match=says):
-            norm_speed._settings(text)
+            norm_speed.settings_argument(text)
     with pytest.raises(SystemExit, match=r"--norm-kernel 'cudnn'; valid: \['auto', 'xla', 'pallas'\]"):
         norm_speed.run(_args("--norm-kernel", "cudnn"))
     with pytest.raises(SystemExit, match=r"--dtype 'int8'; valid: float32, bfloat16 or float16"):

@@ -250,7 +250,7 @@ def fraction(text: str) -> float:
     return value
 
 
-def _tiles(text: str) -> str:
+def tiles_argument(text: str) -> str:
     """argparse's type for a --pallas-tiles setting: checked here, parsed per row."""
     try:
         attention_speed_gpu.parse_tiles(text)
@@ -296,7 +296,7 @@ def add_parser(sub) -> None:
                      type=_names(sorted({i for v in attention_speed_gpu.IMPLS.values() for i in v})),
                      help="GPU/TPU: the implementations to time, comma-separated (default: all "
                           "of the platform's)")
-    att.add_argument("--pallas-tiles", type=_tiles, nargs="+",
+    att.add_argument("--pallas-tiles", type=tiles_argument, nargs="+",
                      help="GPU: a column per setting of the Pallas kernels' tiles, e.g. "
                           "fwd=128x64,bwd=64x64,warps=8,stages=3,bwd_warps=4,bwd_stages=3 "
                           "(what is not given: the head size's defaults)")

@@ -473,7 +473,8 @@ def install_hint() -> str:
 
 
 def add_parser(sub) -> None:
-    from attention_jax.tools.bench import train_speed_gpu
+    # the launch settings' argparse types: checked as the benches that time them check them
+    from attention_jax.tools.bench import attention_speed, loss_speed, norm_speed, train_speed_gpu
     p = sub.add_parser("gpu-hlo", help="the bare step compiled for an H100 on this machine: "
                                        "its kernels and the memory-bound bytes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -499,65 +500,30 @@ def add_parser(sub) -> None:
                         "instructions, exponentials, programs and threads; with CUDA's ptxas "
                         "on the PATH their registers and the programs an SM holds, with "
                         "nvdisasm the SASS instructions a loop")
-    p.add_argument("--pallas-tiles", default=None, type=_checked(_tiles),
+    p.add_argument("--pallas-tiles", default=None, type=attention_speed.tiles_argument,
                    help="the attention kernels' tiles and warps, as bench attention's "
                         "(e.g. fwd=64x64,warps=4,bwd=32x64; what is not given: "
                         "kernel_block_sizes' for the shape)")
-    p.add_argument("--loss-settings", default=None, type=_checked(_loss_settings),
+    p.add_argument("--loss-settings", default=None, type=loss_speed.settings_argument,
                    help="the loss kernels' launch settings, as bench loss's "
                         "--pallas-settings (e.g. chunk=8192,warps=16)")
-    p.add_argument("--norm-settings", default=None, type=_checked(_norm_settings),
+    p.add_argument("--norm-settings", default=None, type=norm_speed.settings_argument,
                    help="the norm kernels' launch settings, as bench norm's "
                         "--pallas-settings (e.g. rows=1,program_rows=16,warps=4)")
     p.add_argument("--timeout", type=float, default=900, help="the compiling child's, seconds")
-
-
-def _tiles(text: str) -> dict:
-    from attention_jax.attention import pallas
-    from attention_jax.tools.bench.attention_speed_gpu import parse_tiles
-    fields = parse_tiles(text)
-    with pallas.tiles(**fields):
-        return fields
-
-
-def _loss_settings(text: str) -> dict:
-    from attention_jax.models import loss_kernel
-    from attention_jax.tools.bench import loss_speed
-    fields = loss_speed.parse_settings(text)
-    with loss_kernel.settings(**fields):
-        return fields
-
-
-def _norm_settings(text: str) -> dict:
-    from attention_jax.layers import norm_kernel
-    from attention_jax.tools.bench import norm_speed
-    fields = norm_speed.parse_settings(text)
-    with norm_kernel.settings(**fields):
-        return fields
-
-
-def _checked(parse):
-    """argparse's type: the text as given, once `parse(text)` accepts it (a ValueError or
-    TypeError is argparse's one line)."""
-    def argument(text: str) -> str:
-        try:
-            parse(text)
-        except (ValueError, TypeError) as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return text
-    return argument
 
 
 def _launch_settings(args, row: dict) -> tuple[dict, dict]:
     """({"tiles", "loss", "norm": the kernels' settings}, {the same: the text given}) of
     the options given. An option for kernels the step would not run is an error, as is a
     norm setting the step's rows cannot take (the norms would be XLA's ops)."""
-    options = {"tiles": ("--pallas-tiles", args.pallas_tiles, _tiles, "--implementation",
-                         args.implementation),
-               "loss": ("--loss-settings", args.loss_settings, _loss_settings, "--loss-kernel",
-                        row["loss_kernel"]),
-               "norm": ("--norm-settings", args.norm_settings, _norm_settings, "--norm-kernel",
-                        row["norm_kernel"])}
+    from attention_jax.tools.bench import attention_speed_gpu, loss_speed, norm_speed
+    options = {"tiles": ("--pallas-tiles", args.pallas_tiles, attention_speed_gpu.parse_tiles,
+                         "--implementation", args.implementation),
+               "loss": ("--loss-settings", args.loss_settings, loss_speed.parse_settings,
+                        "--loss-kernel", row["loss_kernel"]),
+               "norm": ("--norm-settings", args.norm_settings, norm_speed.parse_settings,
+                        "--norm-kernel", row["norm_kernel"])}
     settings, given = {}, {}
     for name, (flag, text, parse, kernels, chosen) in options.items():
         if not text:

@@ -105,7 +105,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _settings(text: str) -> str:
+def settings_argument(text: str) -> str:
     """argparse's type for a --pallas-settings setting (checked as the kernels check it)."""
     from attention_jax.models import loss_kernel
     return kernel_bench.settings_argument(text, SETTING_KEYS, loss_kernel.settings)
@@ -118,7 +118,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rows", type=int, default=16 * 1024, help="positions (batch x length)")
     p.add_argument("--width", type=int, default=768, help="D, the hidden width")
     p.add_argument("--vocab", type=int, default=50304, help="V")
-    kernel_bench.add_options(p, "loss", "chunk=8192,warps=16,stages=3", _settings, steps=10)
+    kernel_bench.add_options(p, "loss", "chunk=8192,warps=16,stages=3", settings_argument, steps=10)
 
 
 def run(args) -> dict:

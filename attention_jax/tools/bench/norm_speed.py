@@ -119,7 +119,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _settings(text: str) -> str:
+def settings_argument(text: str) -> str:
     """argparse's type for a --pallas-settings setting (checked as the kernels check it)."""
     from attention_jax.layers import norm_kernel
     return kernel_bench.settings_argument(text, SETTING_KEYS, norm_kernel.settings)
@@ -131,7 +131,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16 * 1024, help="positions (batch x length)")
     p.add_argument("--width", type=int, default=768, help="D, the features")
-    kernel_bench.add_options(p, "norm", "rows=1,program_rows=16,warps=1", _settings, steps=20)
+    kernel_bench.add_options(p, "norm", "rows=1,program_rows=16,warps=1", settings_argument, steps=20)
 
 
 def run(args) -> dict:
