@@ -18,7 +18,10 @@ dz = (softmax(z) - q)·scale over the logits in place (q the target distribution
 label smoothing ε: (1-ε)·onehot + ε/V), from the row's end back to its start (the chunks
 read last first, while they are likeliest still cached): the forward and backward passes
 of the loss read the logits twice and write them once, where XLA reads them three times
-and writes once.
+and writes once. What stays cached is said to the cache: the first pass loads with the
+L2's evict_last priority, the second loads and stores with evict_first (PTX's cache
+eviction priorities; the L2 otherwise keeps what was touched last, which is the second
+pass's own reads and writes, used no more).
 
 Per row the kernels return float32 lse = log Σ exp(z), the target's logit, Σ z (only with
 label smoothing, which needs it) and int32 the first index of the largest logit (the
@@ -49,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from attention_jax.attention import ptx
 from attention_jax.kernel_tiles import (AT_LEAST_1, Settings, interpret_off_gpu, power_of_two,
@@ -104,14 +108,15 @@ def _walk(v: int, chunk: int, visit, carry, backward: bool = False):
     return carry
 
 
-def _statistics(z_ref, t, v: int, chunk: int, sums: bool, inline: bool):
+def _statistics(z_ref, t, v: int, chunk: int, sums: bool, inline: bool, eviction=None):
     """(lse, target_z, sum_z (0 unless sums), first_max) of the row z_ref [V], t its
-    target (a scalar). inline: the exponentials as PTX (attention/ptx.py)."""
+    target (a scalar). inline: the exponentials as PTX (attention/ptx.py); eviction: the
+    loads' L2 eviction priority (None: the cache's default)."""
     f32 = jnp.float32
 
     def visit(start, size, carry):
         m, s, sz, first = carry
-        z = z_ref[pl.ds(start, size)].astype(f32)
+        z = plgpu.load(z_ref.at[pl.ds(start, size)], eviction_policy=eviction).astype(f32)
         chunk_max = jnp.max(z)
         m_new = jnp.maximum(m, chunk_max)
         # A row or chunk of -inf (masked logits) must not make inf - inf: exponentials
@@ -159,7 +164,11 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
                      v, chunk, smoothing, inline):
     t, scale = t_ref[0], scale_ref[0]
     sums = smoothing != 0
-    stats = _statistics(z_ref, t, v, chunk, sums, inline)
+    # The L2 cache keeps what it was told to keep longest: the statistics' reads, which
+    # the gradient's pass reads again, and not that pass's reads or its writes of dz, the
+    # last use of both in this kernel (the cache's default is to keep the latest, which
+    # is those).
+    stats = _statistics(z_ref, t, v, chunk, sums, inline, eviction="evict_last")
     _store_row((lse_ref, tz_ref, sz_ref, first_ref), stats)
     shift = -stats[0] * LOG2_E
     # dz = (softmax(z) - q)·scale with q = (1-ε)·onehot(t) + ε/V: every logit's
@@ -167,7 +176,7 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
     spread, hit = smoothing / v * scale, (1.0 - smoothing) * scale
 
     def visit(start, size, carry):  # over the logits (aliased)
-        z = z_ref[pl.ds(start, size)].astype(jnp.float32)
+        z = plgpu.load(z_ref.at[pl.ds(start, size)], eviction_policy="evict_first").astype(jnp.float32)
         dz = ptx.exp2_fma(z, LOG2_E, shift, inline=inline) * scale
         if sums:
             dz = dz - spread
@@ -175,7 +184,8 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
         dz = lax.cond((t >= start) & (t < start + size),
                       lambda dz: jnp.where(lax.iota(jnp.int32, size) == t - start, dz - hit, dz),
                       lambda dz: dz, dz)
-        dz_ref[pl.ds(start, size)] = dz.astype(dz_ref.dtype)
+        plgpu.store(dz_ref.at[pl.ds(start, size)], dz.astype(dz_ref.dtype),
+                    eviction_policy="evict_first")
         return carry
 
     # The row again from its end: what the statistics read last is likeliest still in the

@@ -69,7 +69,7 @@ def test_the_gradient_reads_the_row_from_its_end():
     eqns = call.params["jaxpr"].eqns
     loops = [i for i, e in enumerate(eqns) if e.primitive.name in ("scan", "while")]
     row_stores = [i for i, e in enumerate(eqns)
-                  if e.primitive.name == "swap" and e.invars[0].aval.shape == (v,)]
+                  if e.primitive.name in ("swap", "masked_swap") and e.invars[0].aval.shape == (v,)]
     assert len(loops) == 2 and row_stores, (loops, row_stores)
     assert all(i < loops[1] for i in row_stores)  # the piece at the row's end, first
     z = jnp.asarray(np.random.default_rng(0).standard_normal((3, v)), jnp.float32)
@@ -77,6 +77,36 @@ def test_the_gradient_reads_the_row_from_its_end():
     (lse, *_), dz = loss_kernel.row_statistics_and_gradient(z, t, jnp.ones(3), chunk=chunk)
     expected = jax.nn.softmax(z, axis=1) - jax.nn.one_hot(t, v)
     np.testing.assert_allclose(dz, expected, atol=1e-6)
+
+
+def test_the_l2_cache_is_told_which_reads_come_again():
+    """In the gradient kernel the statistics' pass loads the row with the L2 cache's
+    evict_last priority (the gradient's pass reads it again) and the gradient's pass
+    loads and stores it with evict_first (the last use of both): so the rows in flight
+    keep what is read again, not what was read or written last. Every load and store of
+    the row says so, in the loop and in the remainder pieces (V = 100 in chunks of 16:
+    6 chunks and a piece of 4), but the target logit's one load; the statistics kernel
+    alone (nothing read again) leaves the cache's default."""
+    from helpers import all_eqns, pallas_calls
+
+    v, chunk = 100, 16
+    z, t, scale = jnp.zeros((2, v), jnp.float32), jnp.zeros(2, jnp.int32), jnp.ones(2)
+
+    def accesses(fn):
+        (call,) = pallas_calls(jax.make_jaxpr(fn)(z).jaxpr)
+        return sorted((e.primitive.name, e.params.get("eviction_policy"))
+                      for e in all_eqns(call.params["jaxpr"])
+                      if e.primitive.name in ("get", "swap", "masked_load", "masked_swap")
+                      and e.invars[0].aval.shape == (v,))
+
+    assert accesses(lambda z: loss_kernel.row_statistics_and_gradient(
+        z, t, scale, chunk=chunk)) == [
+        ("get", None),  # the target's logit
+        ("masked_load", "evict_first"), ("masked_load", "evict_first"),
+        ("masked_load", "evict_last"), ("masked_load", "evict_last"),
+        ("masked_swap", "evict_first"), ("masked_swap", "evict_first")]
+    assert accesses(lambda z: loss_kernel.row_statistics(z, t, chunk=chunk)) == [
+        ("get", None), ("masked_load", None), ("masked_load", None)]
 
 
 def test_row_statistics_against_float64():
