@@ -32,7 +32,10 @@ run peer 220 $PY -m attention_jax.tools.bench train --device gpu \
 # Compiled for an H100 on the CPU host, the defaults (chunk 4096, 8 warps, 64 registers)
 # hold 4 programs an SM: 528 rows of 100 KB in flight, 50.7 MiB, the whole L2 cache;
 # warps=16 holds 3 an SM (38.0 MiB), warps=32 2 (25.3 MiB), warps=16,chunk=8192 2 (25.3
-# MiB, the same 32 warps an SM and 16 logits a thread a chunk as the defaults).
-run loss 70 $PY -m attention_jax.tools.bench loss --loss-kernel xla,pallas --repeats 3 \
-  --pallas-settings warps=16 warps=32 warps=16,chunk=8192 --out $OUT/loss.json
+# MiB, the same 32 warps an SM and 16 logits a thread a chunk as the defaults). Since
+# session 23 the gradient kernel tells the L2 which reads come again (the statistics'
+# loads evict_last, the gradient's loads and stores evict_first; untimed): hints=0 is
+# the kernels without those priorities, the A/B.
+run loss 80 $PY -m attention_jax.tools.bench loss --loss-kernel xla,pallas --repeats 3 \
+  --pallas-settings hints=0 warps=16 warps=32 warps=16,chunk=8192 --out $OUT/loss.json
 echo "== done at $((SECONDS - start)) s"

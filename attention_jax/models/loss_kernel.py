@@ -68,16 +68,22 @@ NUM_STAGES = 3
 # What the kernels are traced with, unless `settings` says otherwise (bench loss sweeps
 # them on a GPU): how many programs share an SM, and so whether a program's row is still
 # in the L2 cache when the gradient reads it again, depends on the warps a program has.
+# The gradient kernel's L2 eviction priorities (the module's text): 1 on, 0 off (the
+# cache's default for every load and store), for an A/B on a GPU.
+CACHE_HINTS = 1
 SETTINGS = Settings(chunk=(CHUNK, power_of_two(16)), num_warps=(NUM_WARPS, power_of_two(1)),
-                    num_stages=(NUM_STAGES, AT_LEAST_1))  # Triton takes warps in powers of two
+                    num_stages=(NUM_STAGES, AT_LEAST_1),  # Triton takes warps in powers of two
+                    cache_hints=(CACHE_HINTS, ((lambda v: v in (0, 1)), "0 or 1")))
 
 
 def settings(chunk: Optional[int] = None, num_warps: Optional[int] = None,
-             num_stages: Optional[int] = None):
+             num_stages: Optional[int] = None, cache_hints: Optional[int] = None):
     """Within (a context manager): the kernels traced take these launch settings instead
     of the defaults (chunk: a power of two >= 16, logits loaded at a time; Triton's warps
-    and stages). Read when a kernel is traced."""
-    return SETTINGS.use(chunk=chunk, num_warps=num_warps, num_stages=num_stages)
+    and stages; cache_hints 1 or 0, the gradient kernel's L2 eviction priorities or the
+    cache's default). Read when a kernel is traced."""
+    return SETTINGS.use(chunk=chunk, num_warps=num_warps, num_stages=num_stages,
+                        cache_hints=cache_hints)
 
 
 def _params(interpret: bool):
@@ -161,14 +167,15 @@ def _statistics_kernel(z_ref, t_ref, lse_ref, tz_ref, sz_ref, first_ref, *, v, c
 
 
 def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref, dz_ref, *,
-                     v, chunk, smoothing, inline):
+                     v, chunk, smoothing, inline, hints):
     t, scale = t_ref[0], scale_ref[0]
     sums = smoothing != 0
     # The L2 cache keeps what it was told to keep longest: the statistics' reads, which
     # the gradient's pass reads again, and not that pass's reads or its writes of dz, the
     # last use of both in this kernel (the cache's default is to keep the latest, which
     # is those).
-    stats = _statistics(z_ref, t, v, chunk, sums, inline, eviction="evict_last")
+    keep, drop = ("evict_last", "evict_first") if hints else (None, None)
+    stats = _statistics(z_ref, t, v, chunk, sums, inline, eviction=keep)
     _store_row((lse_ref, tz_ref, sz_ref, first_ref), stats)
     shift = -stats[0] * LOG2_E
     # dz = (softmax(z) - q)·scale with q = (1-ε)·onehot(t) + ε/V: every logit's
@@ -176,7 +183,7 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
     spread, hit = smoothing / v * scale, (1.0 - smoothing) * scale
 
     def visit(start, size, carry):  # over the logits (aliased)
-        z = plgpu.load(z_ref.at[pl.ds(start, size)], eviction_policy="evict_first").astype(jnp.float32)
+        z = plgpu.load(z_ref.at[pl.ds(start, size)], eviction_policy=drop).astype(jnp.float32)
         dz = ptx.exp2_fma(z, LOG2_E, shift, inline=inline) * scale
         if sums:
             dz = dz - spread
@@ -185,7 +192,7 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
                       lambda dz: jnp.where(lax.iota(jnp.int32, size) == t - start, dz - hit, dz),
                       lambda dz: dz, dz)
         plgpu.store(dz_ref.at[pl.ds(start, size)], dz.astype(dz_ref.dtype),
-                    eviction_policy="evict_first")
+                    eviction_policy=drop)
         return carry
 
     # The row again from its end: what the statistics read last is likeliest still in the
@@ -257,7 +264,8 @@ def row_statistics_and_gradient(logits, targets, scale, smoothing: float = 0.0, 
     *stats, dz = pl.pallas_call(
         functools.partial(_gradient_kernel, v=v,
                           chunk=SETTINGS["chunk"] if chunk is None else chunk,
-                          smoothing=float(smoothing), inline=ptx.lowers_to_triton(interpret)),
+                          smoothing=float(smoothing), inline=ptx.lowers_to_triton(interpret),
+                          hints=bool(SETTINGS["cache_hints"])),
         grid=(m,), in_specs=[row, one, one], out_specs=[one] * 4 + [row],
         out_shape=_stat_shapes(m) + [jax.ShapeDtypeStruct(logits.shape, logits.dtype)],
         input_output_aliases={0: 4},

@@ -86,7 +86,7 @@ def test_the_l2_cache_is_told_which_reads_come_again():
     keep what is read again, not what was read or written last. Every load and store of
     the row says so, in the loop and in the remainder pieces (V = 100 in chunks of 16:
     6 chunks and a piece of 4), but the target logit's one load; the statistics kernel
-    alone (nothing read again) leaves the cache's default."""
+    alone (nothing read again) and `settings(cache_hints=0)` leave the cache's default."""
     from helpers import all_eqns, pallas_calls
 
     v, chunk = 100, 16
@@ -107,6 +107,9 @@ def test_the_l2_cache_is_told_which_reads_come_again():
         ("masked_swap", "evict_first"), ("masked_swap", "evict_first")]
     assert accesses(lambda z: loss_kernel.row_statistics(z, t, chunk=chunk)) == [
         ("get", None), ("masked_load", None), ("masked_load", None)]
+    with loss_kernel.settings(cache_hints=0):  # the A/B's other side: the cache's default
+        assert {policy for _, policy in accesses(
+            lambda z: loss_kernel.row_statistics_and_gradient(z, t, scale, chunk=chunk))} == {None}
 
 
 def test_row_statistics_against_float64():
@@ -434,10 +437,12 @@ def test_launch_settings_apply_within_and_end_with_it():
     np.testing.assert_allclose(lse, stats()[0], rtol=1e-6)
     assert loss_kernel.SETTINGS.current() == {"chunk": loss_kernel.CHUNK,
                                               "num_warps": loss_kernel.NUM_WARPS,
-                                              "num_stages": loss_kernel.NUM_STAGES}
+                                              "num_stages": loss_kernel.NUM_STAGES,
+                                              "cache_hints": loss_kernel.CACHE_HINTS}
     for bad, says in (({"chunk": 100}, "chunk=100; valid: a power of two >= 16"),
                       ({"num_stages": 0}, "num_stages=0; valid: an int >= 1"),
-                      ({"num_warps": 12}, "num_warps=12; valid: a power of two >= 1")):
+                      ({"num_warps": 12}, "num_warps=12; valid: a power of two >= 1"),
+                      ({"cache_hints": 2}, "cache_hints=2; valid: 0 or 1")):
         with pytest.raises(ValueError, match=re.escape(says)):
             with loss_kernel.settings(**bad):
                 pass

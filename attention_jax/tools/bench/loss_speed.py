@@ -15,8 +15,9 @@ bfloat16 copy of the logits' size, timed the same way), so a loss's time reads a
 
 `--pallas-settings chunk=8192,warps=16 ...` adds a row per launch setting of the loss
 kernels (`loss_kernel.settings`: logits a program loads at a time, Triton's warps and
-stages): the warps decide how many rows are in flight on an SM, and so whether a row is
-still in the L2 cache when the gradient reads it a second time.
+stages, and `hints=0` or `1`, the gradient kernel's L2 eviction priorities off or on):
+the warps decide how many rows are in flight on an SM, and so, with the priorities,
+whether a row is still in the L2 cache when the gradient reads it a second time.
 
 Where a step's gap between the kernels is within its noise (a few tenths of a
 millisecond in 34), this isolates it. On a CPU the Pallas kernels run interpreted (slow:
@@ -34,7 +35,8 @@ from pathlib import Path
 from attention_jax.tools.bench import kernel_bench
 
 # --pallas-settings: each key and loss_kernel.settings' argument it sets
-SETTING_KEYS = {"chunk": "chunk", "warps": "num_warps", "stages": "num_stages"}
+SETTING_KEYS = {"chunk": "chunk", "warps": "num_warps", "stages": "num_stages",
+                "hints": "cache_hints"}
 
 
 def parse_settings(text: str) -> dict:
