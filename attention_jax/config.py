@@ -161,15 +161,41 @@ RANGES = {
 }
 
 
+# Names researchers bring from nanoGPT's train.py and model.py and from Hugging Face's
+# TrainingArguments and model configs, and the key that means the same here (said where
+# a config has it; HF's `eval_steps`, an interval, is left out: eval.steps here counts
+# batches).
+OTHER_NAMES = {
+    "learning_rate": "optim.lr", "max_steps": "train.steps", "max_iters": "train.steps",
+    "warmup_iters": "optim.warmup_steps", "lr_decay_iters": "optim.decay_steps",
+    "beta1": "optim.b1", "beta2": "optim.b2", "adam_beta1": "optim.b1",
+    "adam_beta2": "optim.b2", "adam_epsilon": "optim.eps", "grad_clip": "optim.clip_norm",
+    "max_grad_norm": "optim.clip_norm", "gradient_accumulation_steps": "optim.grad_accum",
+    "per_device_train_batch_size": "train.batch_size", "logging_steps": "train.log_every",
+    "log_interval": "train.log_every", "save_steps": "train.checkpoint_every",
+    "save_total_limit": "train.keep_checkpoints", "eval_interval": "eval.every",
+    "eval_iters": "eval.steps", "block_size": "data.seq_len", "n_layer": "model.num_layers",
+    "num_hidden_layers": "model.num_layers", "n_head": "model.num_heads",
+    "num_attention_heads": "model.num_heads", "n_embd": "model.d_model",
+    "hidden_size": "model.d_model", "intermediate_size": "model.mlp_dim",
+    "max_position_embeddings": "model.max_len", "dropout": "model.dropout_rate",
+    "hidden_dropout_prob": "model.dropout_rate",
+}
+
+
 def _hint(config, key: str, missing: str, valid) -> str:
     """What to add to "config.KEY is not a key" errors, `missing` the part of KEY not
     found: where a key of that name is when it is KEY's last part (a key under another
-    group: `--config.model.loss_kernel` for config.train.loss_kernel), else the valid
-    name closest to the missing part."""
+    group: `--config.model.loss_kernel` for config.train.loss_kernel; a name from nanoGPT
+    or Hugging Face, OTHER_NAMES: `--config.optim.learning_rate` for config.optim.lr),
+    else the valid name closest to the missing part."""
     if missing == key.rsplit(".", 1)[-1]:
-        others = sorted(k for k in flat(config) if k.rsplit(".", 1)[-1] == missing and k != key)
+        keys = flat(config)
+        others = sorted(k for k in keys if k.rsplit(".", 1)[-1] == missing and k != key)
         if others:
             return " (it is " + " or ".join(f"config.{k}" for k in others) + ")"
+        if OTHER_NAMES.get(missing) in keys:
+            return f" (here it is config.{OTHER_NAMES[missing]})"
     return did_you_mean(missing, valid)
 
 

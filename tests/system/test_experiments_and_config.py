@@ -85,6 +85,18 @@ def test_a_key_under_another_group_is_pointed_to():
                r"config\.train\.steps\)$")
     with pytest.raises(ConfigError, match=r"has no key 'stepz'; .* \(did you mean 'steps'\?\)$"):
         config_lib.apply_overrides(tiny.tiny_config(), ["train.stepz=10"])
+    # names from nanoGPT and Hugging Face, in any group: where the key of that meaning is
+    for given, ours in (("train.learning_rate", "optim.lr"), ("optim.learning_rate", "optim.lr"),
+                        ("train.max_iters", "train.steps"), ("model.n_head", "model.num_heads"),
+                        ("optim.max_grad_norm", "optim.clip_norm")):
+        with pytest.raises(ConfigError, match=re.escape(f"(here it is config.{ours})") + "$"):
+            config_lib.apply_overrides(tiny.tiny_config(), [f"{given}=1"])
+    # a name whose meaning this config has no key for gets the nearest spelling, as before
+    c = tiny.tiny_config()
+    del c.model["num_heads"]
+    with pytest.raises(ConfigError, match=r"has no key 'n_head'; valid: .*") as raised:
+        config_lib.apply_overrides(c, ["model.n_head=1"])
+    assert "here it is" not in str(raised.value)
 
 
 def test_heads_not_divisible_by_tensor_axis_fails_before_compiling(tmp_path):
