@@ -50,8 +50,14 @@ from attention_jax.kernel_tiles import (Settings, interpret_off_gpu, power_of_tw
 from attention_jax.layers.logical import array_mesh_axes, row_mesh_axes, rows_logical
 
 ROWS = 8          # rows a program holds in registers at a time
-PROGRAM_ROWS = 64  # rows a backward program walks (its partial column sums cover them)
+PROGRAM_ROWS = 64  # rows a backward program walks at most (its partial column sums cover them)
 NUM_WARPS = 4
+# On a GPU a backward program walks fewer rows where PROGRAM_ROWS would make fewer
+# programs than this: nine tenths of two on each of an H100's 132 SMs (two is what the
+# defaults' registers allow). GPT-2 medium at batch 8 (8192 rows) made 128 programs of
+# 64, one an SM, half the places (0.48 waves); now 256 of 32. GPT-2 small at batch 16
+# (16,384 rows) keeps 256 of 64 (0.97 waves).
+BACKWARD_PROGRAMS = int(0.9 * 2 * 132)
 # What the kernels are traced with, unless `settings` says otherwise (bench norm sweeps
 # them on a GPU). Compiled for an H100 (`bench gpu-hlo --kernel-code`), these defaults'
 # backward holds 255 registers a thread (two programs an SM) and spends about 100
@@ -71,7 +77,8 @@ def settings(rows: int | None = None, program_rows: int | None = None,
              num_warps: int | None = None):
     """Within (a context manager): the kernels traced take these launch settings instead of
     the defaults (rows a program holds at a time, rows a backward program walks, at least
-    as many, Triton's warps a program; powers of two). Read when a kernel is traced."""
+    as many (at most: fewer on a GPU where they would make fewer than BACKWARD_PROGRAMS
+    programs), Triton's warps a program; powers of two). Read when a kernel is traced."""
     return SETTINGS.use(rows=rows, program_rows=program_rows, num_warps=num_warps)
 
 
@@ -99,6 +106,16 @@ def _pow2_divisor(m: int, most: int) -> int:
     """The largest power of two <= most that divides m."""
     size = most
     while m % size:
+        size //= 2
+    return size
+
+
+def _program_rows(m: int, most: int, rows: int, gpu: bool) -> int:
+    """The rows a backward program walks of m rows (a multiple of rows, a power of two):
+    the largest power of two <= most that divides m, halved on a GPU, down to rows, while
+    the grid would have fewer than BACKWARD_PROGRAMS programs."""
+    size = _pow2_divisor(m, most)
+    while gpu and size > rows and m // size < BACKWARD_PROGRAMS:
         size //= 2
     return size
 
@@ -377,7 +394,8 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     interpret = interpret_off_gpu(interpret)
     # program_rows >= rows (Settings' rule) and m a multiple of rows (unsupported's):
     # the divisor is a whole number of steps
-    rows, program_rows = SETTINGS["rows"], _pow2_divisor(m, SETTINGS["program_rows"])
+    rows = SETTINGS["rows"]
+    program_rows = _program_rows(m, SETTINGS["program_rows"], rows, gpu=not interpret)
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
                  has_y_bias=y_bias is not None, has_bias=bias is not None, rows=rows,

@@ -114,6 +114,27 @@ def _inline_asm(jaxpr):
             if e.primitive.name == "elementwise_inline_asm_p"]
 
 
+def test_on_a_gpu_the_backward_grid_fills_the_sms():
+    """GPT-2 medium at batch 8 (8192 rows) made 128 backward programs of 64 rows: one on
+    each SM, half of an H100's places. Traced for a GPU, a program walks fewer rows where
+    the grid would have fewer than BACKWARD_PROGRAMS programs (256 of 32 there), never
+    fewer than a step's rows; 16,384 rows keep 64; interpreted, the setting stands."""
+    from attention_jax.attention import compiling_for
+
+    rows = norm_kernel._program_rows
+    assert rows(8192, 64, 8, gpu=True) == 32 and rows(8192, 64, 8, gpu=False) == 64
+    assert rows(16384, 64, 8, gpu=True) == 64
+    assert rows(800, 64, 8, gpu=True) == 8  # 800 = 32·25: 25 programs, halved down to 8 rows
+    x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)  # medium's activations at batch 8
+    s = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    grad = jax.grad(lambda x, y, s: jnp.sum(norm_kernel.add_norm(x, y, None, s, s)[1]
+                                            .astype(jnp.float32)), argnums=(0, 1))
+    with compiling_for("gpu"):
+        traced = jax.make_jaxpr(grad)(x, x, s)
+    grids = {e.params["name"]: e.params["grid_mapping"].grid for e in pallas_calls(traced.jaxpr)}
+    assert grids == {"add_norm_forward": (1024,), "add_norm_backward": (256,)}
+
+
 def test_traced_for_a_gpu_the_multiply_adds_are_one_fma_each():
     """Lowering for Triton (traced as for an H100, no GPU needed to trace): the forward's
     x̂·γ + β and the backward's g - x̂·c1 and dx·rstd + dr are one `fma.rn.f32` each, for
