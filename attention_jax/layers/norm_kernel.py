@@ -49,9 +49,16 @@ from attention_jax.kernel_tiles import (Settings, interpret_off_gpu, power_of_tw
                                         power_of_two_pieces, triton_params)
 from attention_jax.layers.logical import array_mesh_axes, row_mesh_axes, rows_logical
 
-ROWS = 8          # rows a program holds in registers at a time
+ROWS = 8          # rows a program holds in registers at a time (at most: TILE_ELEMENTS)
 PROGRAM_ROWS = 64  # rows a backward program walks at most (its partial column sums cover them)
 NUM_WARPS = 4
+# The most elements of a [rows, D] tile a program holds at a time, 64 a thread of the
+# default 4 warps. Compiled for an H100 (`bench gpu-hlo --kernel-code`), GPT-2 medium's
+# 8 rows of 1024 take 255 registers a thread in the backward and spill nothing; GPT-2
+# XL's 8 of 1600 spilled 2456 bytes a thread (and the forward rose to 255 registers,
+# two programs an SM), 4 of 1600 spill nothing (forward 127 registers, four an SM).
+# Wider rows go fewer at a time.
+TILE_ELEMENTS = 8 * 1024
 # On a GPU a backward program walks fewer rows where PROGRAM_ROWS would make fewer
 # programs than this: nine tenths of two on each of an H100's 132 SMs (two is what the
 # defaults' registers allow). GPT-2 medium at batch 8 (8192 rows) made 128 programs of
@@ -76,7 +83,8 @@ SETTINGS = Settings(
 def settings(rows: int | None = None, program_rows: int | None = None,
              num_warps: int | None = None):
     """Within (a context manager): the kernels traced take these launch settings instead of
-    the defaults (rows a program holds at a time, rows a backward program walks, at least
+    the defaults (rows a program holds at a time, at most: fewer for wide rows, `_rows`;
+    rows a backward program walks, at least
     as many (at most: fewer on a GPU where they would make fewer than BACKWARD_PROGRAMS
     programs), Triton's warps a program; powers of two). Read when a kernel is traced."""
     return SETTINGS.use(rows=rows, program_rows=program_rows, num_warps=num_warps)
@@ -108,6 +116,15 @@ def _pow2_divisor(m: int, most: int) -> int:
     while m % size:
         size //= 2
     return size
+
+
+def _rows(d: int) -> int:
+    """The rows a program holds at a time, of d features: the rows setting, halved (not
+    below 1) while the tile would hold more than TILE_ELEMENTS."""
+    rows = SETTINGS["rows"]
+    while rows > 1 and rows * d > TILE_ELEMENTS:
+        rows //= 2
+    return rows
 
 
 def _program_rows(m: int, most: int, rows: int, gpu: bool) -> int:
@@ -357,8 +374,8 @@ def unsupported(x_shape) -> str | None:
     for size, names in zip(lead, split):
         if names and size % math.prod(mesh.shape[a] for a in names):
             return f"a leading axis of {size} does not divide over mesh axes {names}"
-    if rows_per_device(lead) % SETTINGS["rows"]:
-        return f"{rows_per_device(lead)} rows per device, not a multiple of {SETTINGS['rows']}"
+    if rows_per_device(lead) % _rows(x_shape[-1]):
+        return f"{rows_per_device(lead)} rows per device, not a multiple of {_rows(x_shape[-1])}"
     if features_split(len(x_shape)):
         return f"the mesh splits the features D over {features_split(len(x_shape))}"
     return None
@@ -370,9 +387,9 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
-    product) a multiple of the rows setting (8) on each device. Differentiable in every
-    array argument; the backward takes the gradients reaching r (along the residual path)
-    and n in one kernel.
+    product) a multiple of the rows a program holds (8, fewer for D > 1024: `_rows`) on
+    each device. Differentiable in every array argument; the backward takes the
+    gradients reaching r (along the residual path) and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:
         raise ValueError(f"scale has shape {None if scale is None else scale.shape}; "
@@ -394,7 +411,7 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     interpret = interpret_off_gpu(interpret)
     # program_rows >= rows (Settings' rule) and m a multiple of rows (unsupported's):
     # the divisor is a whole number of steps
-    rows = SETTINGS["rows"]
+    rows = _rows(x.shape[-1])
     program_rows = _program_rows(m, SETTINGS["program_rows"], rows, gpu=not interpret)
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,

@@ -135,6 +135,19 @@ def test_on_a_gpu_the_backward_grid_fills_the_sms():
     assert grids == {"add_norm_forward": (1024,), "add_norm_backward": (256,)}
 
 
+def test_wide_rows_go_fewer_at_a_time():
+    """A program holds at most TILE_ELEMENTS of a row tile at a time: GPT-2 XL's 8 rows
+    of 1600 spilled in the backward compiled for an H100, so rows of more than 1024
+    features go 4 (or fewer) at a time; the forward's grid and what `unsupported` asks
+    of the rows follow (12 rows of 1600 are 3 programs, of 768 not a multiple of 8)."""
+    assert [norm_kernel._rows(d) for d in (96, 768, 1024, 1600, 4096, 10 ** 5)] == [8, 8, 8, 4, 2, 1]
+    x = jax.ShapeDtypeStruct((12, 1600), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1600,), jnp.float32)
+    traced = jax.make_jaxpr(lambda x, s: norm_kernel.add_norm(x, x, None, s, s))(x, s)
+    assert [e.params["grid_mapping"].grid for e in pallas_calls(traced.jaxpr)] == [(3,)]
+    assert "not a multiple of 8" in norm_kernel.unsupported((12, 768))
+
+
 def test_traced_for_a_gpu_the_multiply_adds_are_one_fma_each():
     """Lowering for Triton (traced as for an H100, no GPU needed to trace): the forward's
     x̂·γ + β and the backward's g - x̂·c1 and dx·rstd + dr are one `fma.rn.f32` each, for
