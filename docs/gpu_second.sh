@@ -36,7 +36,8 @@ run norm 60 $PY -m attention_jax.tools.bench norm --repeats 3 --pallas-settings 
   rows=1,program_rows=16,warps=1 rows=1,program_rows=16,warps=4 \
   rows=2,program_rows=16,warps=2 rows=4,program_rows=64,warps=4 --out $OUT/norm.json
 # 3. GPT-2 medium, whose target is 50% MFU (no peer: about 65 s a row; 45.5 ms, 44.1%,
-# with cuDNN before the fold).
+# with cuDNN before the fold). Since session 23 the norm backward's grid at this batch
+# fills the SMs (256 programs of 32 rows; it was 128 of 64, half an H100's places).
 run medium 85 $PY -m attention_jax.tools.bench train --device gpu --shapes gpt2-medium:8 \
   --no-torch --trainer-steps 0 --repeats 5 --out $OUT/medium.json
 echo "== done at $((SECONDS - start)) s"
