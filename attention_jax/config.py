@@ -163,15 +163,16 @@ RANGES = {
 
 # Names researchers bring from nanoGPT's train.py and model.py and from Hugging Face's
 # TrainingArguments and model configs, and the key that means the same here (said where
-# a config has it; HF's `eval_steps`, an interval, is left out: eval.steps here counts
-# batches).
+# a config has it). Left out where the meanings differ too far: HF's `eval_steps` (an
+# interval; eval.steps here counts batches) and `per_device_train_batch_size`
+# (train.batch_size is the global batch).
 OTHER_NAMES = {
     "learning_rate": "optim.lr", "max_steps": "train.steps", "max_iters": "train.steps",
     "warmup_iters": "optim.warmup_steps", "lr_decay_iters": "optim.decay_steps",
     "beta1": "optim.b1", "beta2": "optim.b2", "adam_beta1": "optim.b1",
     "adam_beta2": "optim.b2", "adam_epsilon": "optim.eps", "grad_clip": "optim.clip_norm",
     "max_grad_norm": "optim.clip_norm", "gradient_accumulation_steps": "optim.grad_accum",
-    "per_device_train_batch_size": "train.batch_size", "logging_steps": "train.log_every",
+    "logging_steps": "train.log_every",
     "log_interval": "train.log_every", "save_steps": "train.checkpoint_every",
     "save_total_limit": "train.keep_checkpoints", "eval_interval": "eval.every",
     "eval_iters": "eval.steps", "block_size": "data.seq_len", "n_layer": "model.num_layers",
@@ -180,6 +181,12 @@ OTHER_NAMES = {
     "hidden_size": "model.d_model", "intermediate_size": "model.mlp_dim",
     "max_position_embeddings": "model.max_len", "dropout": "model.dropout_rate",
     "hidden_dropout_prob": "model.dropout_rate",
+}
+# What differs between such a name and ours, said beside the key.
+OTHER_NAME_NOTES = {
+    "optim.grad_accum": "it splits config.train.batch_size into micro-batches, where "
+                        "nanoGPT's and Hugging Face's multiply the batch",
+    "data.seq_len": "config.model.max_len sizes the position table",
 }
 
 
@@ -194,8 +201,10 @@ def _hint(config, key: str, missing: str, valid) -> str:
         others = sorted(k for k in keys if k.rsplit(".", 1)[-1] == missing and k != key)
         if others:
             return " (it is " + " or ".join(f"config.{k}" for k in others) + ")"
-        if OTHER_NAMES.get(missing) in keys:
-            return f" (here it is config.{OTHER_NAMES[missing]})"
+        ours = OTHER_NAMES.get(missing)
+        if ours in keys:
+            note = OTHER_NAME_NOTES.get(ours)
+            return f" (here it is config.{ours}" + (f"; {note})" if note else ")")
     return did_you_mean(missing, valid)
 
 

@@ -56,9 +56,15 @@ class Settings:
     def __init__(self, together: Callable[[dict], str | None] = lambda now: None, **rules):
         self._rules, self._together = rules, together
         self._now = {name: default for name, (default, _) in rules.items()}
+        self._given: frozenset = frozenset()
 
     def __getitem__(self, name: str) -> int:
         return self._now[name]
+
+    def given(self, name: str) -> bool:
+        """Whether `name` was given within `use` (not its default): a kernel module may
+        adapt a default to the shape it gets, never a setting asked for."""
+        return name in self._given
 
     def current(self) -> dict:
         return dict(self._now)
@@ -77,8 +83,10 @@ class Settings:
         why = self._together(after)
         if why:
             raise ValueError(why)
-        before, self._now = self._now, after
+        before = self._now, self._given
+        self._now = after
+        self._given = self._given | {k for k, v in given.items() if v is not None}
         try:
             yield
         finally:
-            self._now = before
+            self._now, self._given = before

@@ -49,21 +49,24 @@ from attention_jax.kernel_tiles import (Settings, interpret_off_gpu, power_of_tw
                                         power_of_two_pieces, triton_params)
 from attention_jax.layers.logical import array_mesh_axes, row_mesh_axes, rows_logical
 
-ROWS = 8          # rows a program holds in registers at a time (at most: TILE_ELEMENTS)
-PROGRAM_ROWS = 64  # rows a backward program walks at most (its partial column sums cover them)
+ROWS = 8          # rows a program holds in registers at a time (at most: THREAD_ELEMENTS)
+PROGRAM_ROWS = 64  # rows a backward program walks (at most: BACKWARD_PROGRAMS)
 NUM_WARPS = 4
-# The most elements of a [rows, D] tile a program holds at a time, 64 a thread of the
-# default 4 warps. Compiled for an H100 (`bench gpu-hlo --kernel-code`), GPT-2 medium's
-# 8 rows of 1024 take 255 registers a thread in the backward and spill nothing; GPT-2
-# XL's 8 of 1600 spilled 2456 bytes a thread (and the forward rose to 255 registers,
-# two programs an SM), 4 of 1600 spill nothing (forward 127 registers, four an SM).
-# Wider rows go fewer at a time.
-TILE_ELEMENTS = 8 * 1024
+# These two adapt the defaults ROWS and PROGRAM_ROWS to the rows' shape; a setting given
+# (`settings`, the benches' sweeps) stands as given.
+# The most elements of a [rows, D] tile a thread holds at a time. Compiled for an H100
+# (`bench gpu-hlo --kernel-code`), GPT-2 medium's 8 rows of 1024 in 4 warps (64 a thread)
+# take 255 registers a thread in the backward and spill nothing; GPT-2 XL's 8 of 1600
+# (100 a thread) spilled 2456 bytes a thread (and the forward rose to 255 registers, two
+# programs an SM), 4 of 1600 spill nothing (forward 127 registers, four an SM). Wider rows
+# (or fewer warps) go fewer at a time.
+THREAD_ELEMENTS = 64
 # On a GPU a backward program walks fewer rows where PROGRAM_ROWS would make fewer
 # programs than this: nine tenths of two on each of an H100's 132 SMs (two is what the
-# defaults' registers allow). GPT-2 medium at batch 8 (8192 rows) made 128 programs of
-# 64, one an SM, half the places (0.48 waves); now 256 of 32. GPT-2 small at batch 16
-# (16,384 rows) keeps 256 of 64 (0.97 waves).
+# defaults' registers allow at D <= 1024; a GPU with more SMs gets as many). GPT-2
+# medium at batch 8 (8192 rows) made 128 programs of 64, one an SM, half the places
+# (0.48 waves); now 256 of 32 (0.97). GPT-2 small at batch 16 (16,384 rows) keeps 256 of
+# 64 (0.97 waves).
 BACKWARD_PROGRAMS = int(0.9 * 2 * 132)
 # What the kernels are traced with, unless `settings` says otherwise (bench norm sweeps
 # them on a GPU). Compiled for an H100 (`bench gpu-hlo --kernel-code`), these defaults'
@@ -83,10 +86,10 @@ SETTINGS = Settings(
 def settings(rows: int | None = None, program_rows: int | None = None,
              num_warps: int | None = None):
     """Within (a context manager): the kernels traced take these launch settings instead of
-    the defaults (rows a program holds at a time, at most: fewer for wide rows, `_rows`;
-    rows a backward program walks, at least
-    as many (at most: fewer on a GPU where they would make fewer than BACKWARD_PROGRAMS
-    programs), Triton's warps a program; powers of two). Read when a kernel is traced."""
+    the defaults (rows a program holds at a time; rows a backward program walks, at least
+    as many; Triton's warps a program; powers of two). Read when a kernel is traced. A
+    setting given stands as given; the defaults adapt to the rows (`_rows`,
+    `_program_rows`)."""
     return SETTINGS.use(rows=rows, program_rows=program_rows, num_warps=num_warps)
 
 
@@ -119,20 +122,23 @@ def _pow2_divisor(m: int, most: int) -> int:
 
 
 def _rows(d: int) -> int:
-    """The rows a program holds at a time, of d features: the rows setting, halved (not
-    below 1) while the tile would hold more than TILE_ELEMENTS."""
+    """The rows a program holds at a time, of d features: the rows setting; by default
+    (ROWS) halved, not below 1, while a thread would hold more than THREAD_ELEMENTS."""
     rows = SETTINGS["rows"]
-    while rows > 1 and rows * d > TILE_ELEMENTS:
+    threads = 32 * SETTINGS["num_warps"]
+    while not SETTINGS.given("rows") and rows > 1 and rows * d > THREAD_ELEMENTS * threads:
         rows //= 2
     return rows
 
 
-def _program_rows(m: int, most: int, rows: int, gpu: bool) -> int:
-    """The rows a backward program walks of m rows (a multiple of rows, a power of two):
-    the largest power of two <= most that divides m, halved on a GPU, down to rows, while
-    the grid would have fewer than BACKWARD_PROGRAMS programs."""
-    size = _pow2_divisor(m, most)
-    while gpu and size > rows and m // size < BACKWARD_PROGRAMS:
+def _program_rows(m: int, rows: int, gpu: bool) -> int:
+    """The rows a backward program walks of m rows (a multiple of rows): the largest
+    power of two up to the program_rows setting that divides m; by default (PROGRAM_ROWS)
+    on a GPU halved, down to rows, while the grid would have fewer than
+    BACKWARD_PROGRAMS programs."""
+    size = _pow2_divisor(m, SETTINGS["program_rows"])
+    fill = gpu and not SETTINGS.given("program_rows")
+    while fill and size > rows and m // size < BACKWARD_PROGRAMS:
         size //= 2
     return size
 
@@ -374,8 +380,9 @@ def unsupported(x_shape) -> str | None:
     for size, names in zip(lead, split):
         if names and size % math.prod(mesh.shape[a] for a in names):
             return f"a leading axis of {size} does not divide over mesh axes {names}"
-    if rows_per_device(lead) % _rows(x_shape[-1]):
-        return f"{rows_per_device(lead)} rows per device, not a multiple of {_rows(x_shape[-1])}"
+    m, rows = rows_per_device(lead), _rows(x_shape[-1])
+    if m % rows:
+        return f"{m} rows per device, not a multiple of {rows}"
     if features_split(len(x_shape)):
         return f"the mesh splits the features D over {features_split(len(x_shape))}"
     return None
@@ -387,8 +394,8 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
-    product) a multiple of the rows a program holds (8, fewer for D > 1024: `_rows`) on
-    each device. Differentiable in every array argument; the backward takes the
+    product) a multiple of the rows a program holds (by default 8, fewer for rows wider
+    than 1024: `_rows`) on each device. Differentiable in every array argument; the backward takes the
     gradients reaching r (along the residual path) and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:
@@ -412,7 +419,7 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     # program_rows >= rows (Settings' rule) and m a multiple of rows (unsupported's):
     # the divisor is a whole number of steps
     rows = _rows(x.shape[-1])
-    program_rows = _program_rows(m, SETTINGS["program_rows"], rows, gpu=not interpret)
+    program_rows = _program_rows(m, rows, gpu=not interpret)
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
                  has_y_bias=y_bias is not None, has_bias=bias is not None, rows=rows,

@@ -170,10 +170,7 @@ def _gradient_kernel(z_ref, t_ref, scale_ref, lse_ref, tz_ref, sz_ref, first_ref
                      v, chunk, smoothing, inline, hints):
     t, scale = t_ref[0], scale_ref[0]
     sums = smoothing != 0
-    # The L2 cache keeps what it was told to keep longest: the statistics' reads, which
-    # the gradient's pass reads again, and not that pass's reads or its writes of dz, the
-    # last use of both in this kernel (the cache's default is to keep the latest, which
-    # is those).
+    # L2 priorities (the module's text): keep the statistics' reads, drop the second's.
     keep, drop = ("evict_last", "evict_first") if hints else (None, None)
     stats = _statistics(z_ref, t, v, chunk, sums, inline, eviction=keep)
     _store_row((lse_ref, tz_ref, sz_ref, first_ref), stats)

@@ -114,38 +114,63 @@ def _inline_asm(jaxpr):
             if e.primitive.name == "elementwise_inline_asm_p"]
 
 
+def _grids(fn, *args):
+    """{kernel name: grid} of the pallas_calls fn traces to."""
+    traced = jax.make_jaxpr(fn)(*args)
+    return {e.params["name"]: e.params["grid_mapping"].grid for e in pallas_calls(traced.jaxpr)}
+
+
 def test_on_a_gpu_the_backward_grid_fills_the_sms():
     """GPT-2 medium at batch 8 (8192 rows) made 128 backward programs of 64 rows: one on
-    each SM, half of an H100's places. Traced for a GPU, a program walks fewer rows where
-    the grid would have fewer than BACKWARD_PROGRAMS programs (256 of 32 there), never
-    fewer than a step's rows; 16,384 rows keep 64; interpreted, the setting stands."""
+    each SM, half of an H100's places. Traced for a GPU, a program walks fewer rows by
+    default where the grid would have fewer than BACKWARD_PROGRAMS programs (256 of 32
+    there), never fewer than a step's rows; 16,384 rows keep 64; interpreted, and where
+    program_rows is given (a sweep's row), the setting stands."""
     from attention_jax.attention import compiling_for
 
     rows = norm_kernel._program_rows
-    assert rows(8192, 64, 8, gpu=True) == 32 and rows(8192, 64, 8, gpu=False) == 64
-    assert rows(16384, 64, 8, gpu=True) == 64
-    assert rows(800, 64, 8, gpu=True) == 8  # 800 = 32·25: 25 programs, halved down to 8 rows
+    assert rows(8192, 8, gpu=True) == 32 and rows(8192, 8, gpu=False) == 64
+    assert rows(16384, 8, gpu=True) == 64
+    assert rows(800, 8, gpu=True) == 8  # 800 = 32·25: 25 programs, halved down to 8 rows
+    with norm_kernel.settings(program_rows=64):
+        assert rows(8192, 8, gpu=True) == 64
     x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)  # medium's activations at batch 8
     s = jax.ShapeDtypeStruct((1024,), jnp.float32)
     grad = jax.grad(lambda x, y, s: jnp.sum(norm_kernel.add_norm(x, y, None, s, s)[1]
                                             .astype(jnp.float32)), argnums=(0, 1))
     with compiling_for("gpu"):
-        traced = jax.make_jaxpr(grad)(x, x, s)
-    grids = {e.params["name"]: e.params["grid_mapping"].grid for e in pallas_calls(traced.jaxpr)}
-    assert grids == {"add_norm_forward": (1024,), "add_norm_backward": (256,)}
+        assert _grids(grad, x, x, s) == {"add_norm_forward": (1024,), "add_norm_backward": (256,)}
 
 
-def test_wide_rows_go_fewer_at_a_time():
-    """A program holds at most TILE_ELEMENTS of a row tile at a time: GPT-2 XL's 8 rows
-    of 1600 spilled in the backward compiled for an H100, so rows of more than 1024
-    features go 4 (or fewer) at a time; the forward's grid and what `unsupported` asks
-    of the rows follow (12 rows of 1600 are 3 programs, of 768 not a multiple of 8)."""
+def test_wide_rows_go_fewer_at_a_time(x64):
+    """By default a thread holds at most THREAD_ELEMENTS of a row tile at a time: GPT-2
+    XL's 8 rows of 1600 in 4 warps (100 a thread) spilled in the backward compiled for an
+    H100, so rows of more than 1024 features go 4 (or fewer) at a time, and fewer warps
+    hold fewer rows. The grids and what `unsupported` asks of the rows follow (12 rows of
+    1600 are 3 forward programs, of 768 not a multiple of 8); the values and gradients at
+    1600 (pieces of 1024, 512 and 64; the kernels work in float32) match float64; rows
+    given stand as given."""
     assert [norm_kernel._rows(d) for d in (96, 768, 1024, 1600, 4096, 10 ** 5)] == [8, 8, 8, 4, 2, 1]
-    x = jax.ShapeDtypeStruct((12, 1600), jnp.bfloat16)
-    s = jax.ShapeDtypeStruct((1600,), jnp.float32)
-    traced = jax.make_jaxpr(lambda x, s: norm_kernel.add_norm(x, x, None, s, s))(x, s)
-    assert [e.params["grid_mapping"].grid for e in pallas_calls(traced.jaxpr)] == [(3,)]
+    with norm_kernel.settings(num_warps=1):
+        assert norm_kernel._rows(768) == 2
+    with norm_kernel.settings(rows=8):
+        assert norm_kernel._rows(1600) == 8
     assert "not a multiple of 8" in norm_kernel.unsupported((12, 768))
+    assert norm_kernel.unsupported((12, 1600)) is None
+    x, y, yb, s, b, gr, gn = _inputs((12, 1600), seed=3)
+
+    def loss(fn, *a):
+        r, n = fn(*a)
+        return jnp.vdot(r, gr) + jnp.vdot(n, gn)
+
+    kernel = lambda *a: norm_kernel.add_norm(*a, interpret=True)  # noqa: E731
+    grad = jax.value_and_grad(lambda *a: loss(kernel, *a), argnums=tuple(range(5)))
+    args = tuple(map(jnp.asarray, (x, y, yb, s, b)))
+    assert _grids(grad, *args) == {"add_norm_forward": (3,), "add_norm_backward": (3,)}
+    want = jax.value_and_grad(lambda *a: loss(lambda *c: _reference(*c, True), *a),
+                              argnums=tuple(range(5)))(*args)
+    for g, w in zip(jax.tree.leaves(grad(*args)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
 
 
 def test_traced_for_a_gpu_the_multiply_adds_are_one_fma_each():

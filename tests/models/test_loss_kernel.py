@@ -92,21 +92,21 @@ def test_the_l2_cache_is_told_which_reads_come_again():
     v, chunk = 100, 16
     z, t, scale = jnp.zeros((2, v), jnp.float32), jnp.zeros(2, jnp.int32), jnp.ones(2)
 
-    def accesses(fn):
+    def accesses(fn):  # in the kernel's order (a loop's body where the loop is)
         (call,) = pallas_calls(jax.make_jaxpr(fn)(z).jaxpr)
-        return sorted((e.primitive.name, e.params.get("eviction_policy"))
-                      for e in all_eqns(call.params["jaxpr"])
-                      if e.primitive.name in ("get", "swap", "masked_load", "masked_swap")
-                      and e.invars[0].aval.shape == (v,))
+        return [(e.primitive.name, e.params.get("eviction_policy"))
+                for e in all_eqns(call.params["jaxpr"])
+                if e.primitive.name in ("get", "swap", "masked_load", "masked_swap")
+                and e.invars[0].aval.shape == (v,)]
 
     assert accesses(lambda z: loss_kernel.row_statistics_and_gradient(
         z, t, scale, chunk=chunk)) == [
+        ("masked_load", "evict_last"), ("masked_load", "evict_last"),  # the statistics' loop, piece
         ("get", None),  # the target's logit
-        ("masked_load", "evict_first"), ("masked_load", "evict_first"),
-        ("masked_load", "evict_last"), ("masked_load", "evict_last"),
-        ("masked_swap", "evict_first"), ("masked_swap", "evict_first")]
+        ("masked_load", "evict_first"), ("masked_swap", "evict_first"),  # the gradient's piece,
+        ("masked_load", "evict_first"), ("masked_swap", "evict_first")]  # then its loop
     assert accesses(lambda z: loss_kernel.row_statistics(z, t, chunk=chunk)) == [
-        ("get", None), ("masked_load", None), ("masked_load", None)]
+        ("masked_load", None), ("masked_load", None), ("get", None)]
     with loss_kernel.settings(cache_hints=0):  # the A/B's other side: the cache's default
         assert {policy for _, policy in accesses(
             lambda z: loss_kernel.row_statistics_and_gradient(z, t, scale, chunk=chunk))} == {None}

@@ -91,6 +91,10 @@ def test_a_key_under_another_group_is_pointed_to():
                         ("optim.max_grad_norm", "optim.clip_norm")):
         with pytest.raises(ConfigError, match=re.escape(f"(here it is config.{ours})") + "$"):
             config_lib.apply_overrides(tiny.tiny_config(), [f"{given}=1"])
+    with pytest.raises(ConfigError, match=re.escape(  # a name whose meaning differs, said so
+            "(here it is config.optim.grad_accum; it splits config.train.batch_size into "
+            "micro-batches, where nanoGPT's and Hugging Face's multiply the batch)")):
+        config_lib.apply_overrides(tiny.tiny_config(), ["train.gradient_accumulation_steps=4"])
     # a name whose meaning this config has no key for gets the nearest spelling, as before
     c = tiny.tiny_config()
     del c.model["num_heads"]
