@@ -63,7 +63,7 @@ NUM_WARPS = 4
 THREAD_ELEMENTS = 64
 # On a GPU a backward program walks fewer rows where PROGRAM_ROWS would make fewer
 # programs than this: nine tenths of two on each of an H100's 132 SMs (two is what the
-# defaults' registers allow at D <= 1024; a GPU with more SMs gets as many). GPT-2
+# defaults' registers allow at D <= 1024; a GPU with more SMs gets the same number). GPT-2
 # medium at batch 8 (8192 rows) made 128 programs of 64, one an SM, half the places
 # (0.48 waves); now 256 of 32 (0.97). GPT-2 small at batch 16 (16,384 rows) keeps 256 of
 # 64 (0.97 waves).
@@ -395,8 +395,8 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
     product) a multiple of the rows a program holds (by default 8, fewer for rows wider
-    than 1024: `_rows`) on each device. Differentiable in every array argument; the backward takes the
-    gradients reaching r (along the residual path) and n in one kernel.
+    than 1024: `_rows`) on each device. Differentiable in every array argument; the
+    backward takes the gradients reaching r (along the residual path) and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:
         raise ValueError(f"scale has shape {None if scale is None else scale.shape}; "

@@ -150,7 +150,8 @@ def test_wide_rows_go_fewer_at_a_time(x64):
     1600 are 3 forward programs, of 768 not a multiple of 8); the values and gradients at
     1600 (pieces of 1024, 512 and 64; the kernels work in float32) match float64; rows
     given stand as given."""
-    assert [norm_kernel._rows(d) for d in (96, 768, 1024, 1600, 4096, 10 ** 5)] == [8, 8, 8, 4, 2, 1]
+    widths = (96, 768, 1024, 1600, 4096, 10 ** 5)
+    assert [norm_kernel._rows(d) for d in widths] == [8, 8, 8, 4, 2, 1]
     with norm_kernel.settings(num_warps=1):
         assert norm_kernel._rows(768) == 2
     with norm_kernel.settings(rows=8):
