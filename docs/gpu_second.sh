@@ -2,9 +2,9 @@
 # Issue 35's second device call (docs/gpu_next.md §0), right after gpu_first.sh while the
 # machine is warm (it goes back 30 s after a call): the attention kernels' tiles, the norm
 # kernels' launch settings and GPT-2 medium's MFU (the trainer's rows: a later call, §0).
-#   device run: command "bash docs/gpu_second.sh", carry [".whl"], timeout_s 270
+#   device run: command "bash docs/gpu_second.sh", carry [".whl"], timeout_s 285
 # Each measurement is its own process; every output lands in $OUT.
-DEADLINE=${DEADLINE:-255}
+DEADLINE=${DEADLINE:-272}
 . docs/gpu_common.sh
 export PYTHONPATH=$PWD:/tmp/site
 # 1. The packed attention kernels' tiles at GPT-2's shape (in the step on 2026-11-26:
@@ -35,6 +35,11 @@ run tiles 95 $PY -m attention_jax.tools.bench attention --width 768 --sizes 1024
 run norm 60 $PY -m attention_jax.tools.bench norm --repeats 3 --pallas-settings \
   rows=1,program_rows=16,warps=1 rows=1,program_rows=16,warps=4 \
   rows=2,program_rows=16,warps=2 rows=4,program_rows=64,warps=4 --out $OUT/norm.json
+# 2b. The same at GPT-2 medium's batch 8 ([8192, 1024]): the defaults, whose backward now
+# walks 32 rows a program there (256 programs; session 23, untimed), against the 64 it
+# walked before (128 programs, one an SM of the two that fit), given as a setting.
+run norm_medium 22 $PY -m attention_jax.tools.bench norm --rows 8192 --width 1024 \
+  --norm-kernel pallas --repeats 3 --pallas-settings program_rows=64 --out $OUT/norm_medium.json
 # 3. GPT-2 medium, whose target is 50% MFU (no peer: about 65 s a row; 45.5 ms, 44.1%,
 # with cuDNN before the fold). Since session 23 the norm backward's grid at this batch
 # fills the SMs (256 programs of 32 rows; it was 128 of 64, half an H100's places).
