@@ -183,9 +183,9 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     if architecture is None and arch == "BertForPreTraining" and zero and not any(
             np.any(np.asarray(flat[n])) for n in zero):
         arch, flat = "BertForMaskedLM", {n: v for n, v in flat.items() if n not in zero}
-        print("note: export_hf: the pooler and NSP head are all zero (as load_hf fills them "
-              "for a BertForMaskedLM): exported as BertForMaskedLM without them; "
-              "architecture='BertForPreTraining' keeps them", file=sys.stderr)
+        print("note: export_hf: the pooler and NSP head are all zero (untrained: a masked-LM "
+              "run's, or load_hf's for a BertForMaskedLM): exported as BertForMaskedLM "
+              "without them; architecture='BertForPreTraining' keeps them", file=sys.stderr)
     hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
     unit = unscanned(cfg)
     shapes = param_shapes(family.model(unit, arch), unit, family)

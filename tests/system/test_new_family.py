@@ -212,6 +212,14 @@ def test_a_bert_task_embeds_and_a_gpt2_dir_is_refused_by_name(data_dir, tmp_path
     emb = task.embed(params, ["a cat", "a dog", "stocks fell"])
     assert emb.shape == (3, 8) and emb.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-5)
+    # The MLM loss trains no pooler or NSP head: they start at zero, so the run exports as
+    # a BertForMaskedLM without them (a BertForPreTraining's NSP head would be random).
+    assert {"pooler", "nsp"} <= set(params) and not any(
+        np.any(np.asarray(a)) for a in jax.tree.leaves((params["pooler"], params["nsp"])))
+    assert np.any(np.asarray(params["encoder"]["layer_0"]["mlp"]["wi"]["kernel"]))
+    convert.export_hf(task.model, params, str(tmp_path / "bert_hf"))
+    with open(tmp_path / "bert_hf" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["BertForMaskedLM"]
 
     model = gpt.GPT(gpt.GPTConfig.from_variant("gpt-tiny"))
     gpt_params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)))
