@@ -113,6 +113,10 @@ def restore_or_init(prepared, config):
         state["params"] = warm_start_params(config.train.init_from, prepared.abstract["params"],
                                             getattr(prepared.task.model, "config", None),
                                             vocab_size=prepared.task.vocab_size)
+    # What the loss never trains starts at zero (Task.untrained), whatever init_from held.
+    state["params"] = {name: jax.tree.map(lambda a: a * 0, p)
+                       if name in prepared.task.untrained else p
+                       for name, p in state["params"].items()}
     return state, None
 
 

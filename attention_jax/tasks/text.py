@@ -447,18 +447,9 @@ def mlm_task(config, workdir: str) -> Task:
                 model, host, tok, max_length=cfg.max_len))
         return encoder["encoder"].embed(list(texts))
 
-    def init(rng):
-        params = model.init(rng, jnp.ones((1, data_opts.seq_len), jnp.int32))["params"]
-        # This loss trains neither the pooler nor the NSP head (no gradient reaches them,
-        # so AdamW leaves zeros at zero): zeros mark them untrained, and export_hf then
-        # writes a BertForMaskedLM without them, as for a loaded one, not a
-        # BertForPreTraining whose NSP head is its random start.
-        return {name: jax.tree.map(jnp.zeros_like, p) if name in ("pooler", "nsp") else p
-                for name, p in params.items()}
-
     # The FLOP count is the full model's (every position through the vocabulary), as the
     # benchmarks count BERT; this loss projects only the ~15% predicted positions.
-    return Task(model=model, init=init,
+    return Task(model=model, init=lambda rng: model.init(rng, jnp.ones((1, data_opts.seq_len), jnp.int32))["params"],
                 vocab_size=tok.vocab_size,
                 loss=loss, train_source=train_rows, eval_source=eval_rows,
                 train_transform=transform, eval_transform=transform, unit="tokens",
@@ -467,7 +458,11 @@ def mlm_task(config, workdir: str) -> Task:
                 embed=embed, attention_input=_text_attention_input(tok, cfg.max_len, config.task),
                 flops_per_unit=lambda params: flops.flops_per_token(
                     flops.matmul_params(params), cfg.num_layers, data_opts.seq_len, cfg.d_model),
-                tokens_per_example=data_opts.seq_len)
+                tokens_per_example=data_opts.seq_len,
+                # The loss reads neither the pooler nor the NSP head: a run starts them at
+                # zero and exports as a BertForMaskedLM, not a BertForPreTraining whose NSP
+                # head is a random start.
+                untrained=("pooler", "nsp"))
 
 
 TEXT = ("attention_input", "flops_per_unit", "tokens_per_example")

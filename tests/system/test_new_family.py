@@ -198,6 +198,37 @@ def test_register_checks_the_entries_a_family_declares():
 
 
 @pytest.mark.slow
+def test_a_bert_mlm_run_leaves_its_untrained_heads_at_zero(data_dir, tmp_path):
+    """The MLM loss trains neither BERT's pooler nor its NSP head (Task.untrained): a run
+    starts them at zero and a step leaves them there, so the run exports as a
+    BertForMaskedLM without them (it was a BertForPreTraining with a random NSP head). A
+    warm start from that export, whose heads load_hf would fill at random, starts them at
+    zero too; the trained weights are the export's."""
+    from attention_jax import convert
+    from helpers import shrink
+
+    def run(workdir, **overrides):
+        config = shrink(config_lib.load("bert_mlm"), data_dir)
+        config.data.tokenizer = "wordpiece"  # the bundled vocabulary: nothing to train
+        config.model.update(num_layers=1, d_model=8, num_heads=2, mlp_dim=16)
+        config.train.update(overrides)
+        train.train_and_evaluate(config, str(workdir))
+        return runs.open_run(str(workdir))
+
+    def zero(params):
+        return not any(np.any(np.asarray(a)) for a in jax.tree.leaves(
+            (params["pooler"], params["nsp"])))
+
+    first = run(tmp_path / "first")
+    assert zero(first.params) and np.any(np.asarray(first.params["mlm_transform"]["kernel"]))
+    convert.export_hf(first.task.model, first.params, str(tmp_path / "hf"))
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["BertForMaskedLM"]
+    second = run(tmp_path / "second", init_from=f"hf:{tmp_path / 'hf'}", steps=1)
+    assert zero(second.params)
+
+
+@pytest.mark.slow
 def test_a_bert_task_embeds_and_a_gpt2_dir_is_refused_by_name(data_dir, tmp_path):
     """Sentence embeddings are bert_mlm's `embed` entry (main's --mode=embed asks the task);
     a Hugging Face dir is checked by its own model_type, not by the class built from it."""
@@ -212,14 +243,6 @@ def test_a_bert_task_embeds_and_a_gpt2_dir_is_refused_by_name(data_dir, tmp_path
     emb = task.embed(params, ["a cat", "a dog", "stocks fell"])
     assert emb.shape == (3, 8) and emb.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-5)
-    # The MLM loss trains no pooler or NSP head: they start at zero, so the run exports as
-    # a BertForMaskedLM without them (a BertForPreTraining's NSP head would be random).
-    assert {"pooler", "nsp"} <= set(params) and not any(
-        np.any(np.asarray(a)) for a in jax.tree.leaves((params["pooler"], params["nsp"])))
-    assert np.any(np.asarray(params["encoder"]["layer_0"]["mlp"]["wi"]["kernel"]))
-    convert.export_hf(task.model, params, str(tmp_path / "bert_hf"))
-    with open(tmp_path / "bert_hf" / "config.json") as f:
-        assert json.load(f)["architectures"] == ["BertForMaskedLM"]
 
     model = gpt.GPT(gpt.GPTConfig.from_variant("gpt-tiny"))
     gpt_params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)))
