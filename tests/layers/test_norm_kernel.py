@@ -92,6 +92,7 @@ def test_launch_settings_compute_the_same(given, x64):
     assert norm_kernel.SETTINGS.current() == {"rows": norm_kernel.ROWS, "program_rows":
                                               norm_kernel.PROGRAM_ROWS,
                                               "num_warps": norm_kernel.NUM_WARPS}
+    assert not any(norm_kernel.SETTINGS.given(n) for n in ("rows", "program_rows", "num_warps"))
 
 
 def test_bad_launch_settings_name_the_valid_values():
