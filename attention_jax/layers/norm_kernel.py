@@ -143,6 +143,15 @@ def _program_rows(m: int, rows: int, gpu: bool) -> int:
     return size
 
 
+def launch(m: int, d: int, gpu: bool = True) -> dict:
+    """What the kernels take for m rows of d features on each device, under the current
+    settings: {"rows": a program's rows at a time, "program_rows": a backward program's,
+    "num_warps"} (on a GPU, or interpreted: gpu=False). For a bench to say what ran."""
+    rows = _rows(d)
+    return {"rows": rows, "program_rows": _program_rows(m, rows, gpu),
+            "num_warps": SETTINGS["num_warps"]}
+
+
 # ------------------------------------------------------------------------------ kernels
 def _row_stats(st: _Static, pieces):
     """(mean, rstd) [R] of a block's rows held as pieces [R, w] float32."""
@@ -418,8 +427,8 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     interpret = interpret_off_gpu(interpret)
     # program_rows >= rows (Settings' rule) and m a multiple of rows (unsupported's):
     # the divisor is a whole number of steps
-    rows = _rows(x.shape[-1])
-    program_rows = _program_rows(m, rows, gpu=not interpret)
+    use = launch(m, x.shape[-1], gpu=not interpret)
+    rows, program_rows = use["rows"], use["program_rows"]
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
                  has_y_bias=y_bias is not None, has_bias=bias is not None, rows=rows,

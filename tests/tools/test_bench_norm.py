@@ -30,7 +30,14 @@ def test_kernels_and_a_launch_setting_timed_with_the_same_value(tmp_path, capsys
             assert k[what] == pytest.approx(result["kernels"]["xla"][what], rel=1e-5)
     assert result["array_bytes"] == 16 * 96 * 4 and result["pass_s"] > 0
     assert json.loads(out.read_text())["kernels"].keys() == set(names)
-    assert "| pallas rows=1,program_rows=4,warps=1 |" in capsys.readouterr().out
+    # what the kernels ran with: the defaults (16 rows: one backward program of 16) and the
+    # setting given, as given
+    assert result["kernels"]["pallas"]["launch"] == {"rows": 8, "program_rows": 16, "num_warps": 4}
+    assert result["kernels"][names[2]]["launch"] == {"rows": 1, "program_rows": 4, "num_warps": 1}
+    assert "launch" not in result["kernels"]["xla"]
+    printed = capsys.readouterr().out
+    assert "| pallas rows=1,program_rows=4,warps=1 (1 rows, backward 4, 1 warps) |" in printed
+    assert "| pallas (8 rows, backward 16, 4 warps) |" in printed
 
 
 def test_bad_arguments_name_the_valid_values():

@@ -101,6 +101,9 @@ def measure(rows: int, width: int, dtype: str, kernels: list[str], repeats: int,
                                + jnp.vdot(n.astype(jnp.float32), dn.astype(jnp.float32))),
                 "gradients": float(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                                        for g in grads))}
+            if kernel == "pallas":  # what the kernels took (the defaults adapt to the rows)
+                out["kernels"][name]["launch"] = norm_kernel.launch(
+                    rows, width, gpu=jax.default_backend() == "gpu")
     return out
 
 
@@ -114,6 +117,8 @@ def table(result: dict) -> str:
              "| norm kernel | forward ms | in passes | forward + backward ms | in passes | value | "
              "Σ gradients² |", "|---|---|---|---|---|---|---|"]
     for name, k in result["kernels"].items():
+        if "launch" in k:  # the settings the kernels ran with, given or adapted
+            name += " ({rows} rows, backward {program_rows}, {num_warps} warps)".format(**k["launch"])
         lines.append(f"| {name} | {ms(k['forward_s'])} | {passes(k['forward_s'])} | "
                      f"{ms(k['forward_backward_s'])} | {passes(k['forward_backward_s'])} | "
                      f"{k['value']:.4f} | {k['gradients']:.4f} |")
