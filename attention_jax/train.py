@@ -109,28 +109,30 @@ def restore_or_init(prepared, config):
         _say(f"resumed from {prepared.ckpt.directory} at step {step}")
         return state, data_state
     state = prepared.init_state()
-    if config.train.init_from:
+    untrained = prepared.task.untrained
+    if config.train.init_from:  # its params stand; what it lacks of `untrained` is zero
         state["params"] = warm_start_params(config.train.init_from, prepared.abstract["params"],
                                             getattr(prepared.task.model, "config", None),
-                                            vocab_size=prepared.task.vocab_size)
-    # What the loss never trains starts at zero (Task.untrained), whatever init_from held.
-    state["params"] = {name: jax.tree.map(lambda a: a * 0, p)
-                       if name in prepared.task.untrained else p
-                       for name, p in state["params"].items()}
+                                            vocab_size=prepared.task.vocab_size,
+                                            untrained=untrained)
+    elif untrained:  # what the loss never trains starts at zero (Task.untrained)
+        state["params"] = {name: jax.tree.map(lambda a: a * 0, p) if name in untrained else p
+                           for name, p in state["params"].items()}
     return state, None
 
 
 def warm_start_params(init_from: str, abstract_params, model_config=None,
-                      vocab_size: int | None = None):
+                      vocab_size: int | None = None, untrained: tuple[str, ...] = ()):
     """The params of `train.init_from` on the shardings of `abstract_params`: another
     run's workdir or checkpoint directory, or `hf:<dir>`, a Hugging Face model dir
     (convert/), checked against `model_config` where its weights cannot show a field and
-    against the run's tokenizer's `vocab_size`."""
+    against the run's tokenizer's `vocab_size`; of `untrained` (Task.untrained), what a
+    Hugging Face dir lacks starts at zero."""
     try:
         if init_from.startswith("hf:"):
             params, step = convert.restore_params_from_hf(
                 init_from[len("hf:"):], abstract_params, model_config=model_config,
-                vocab_size=vocab_size)
+                vocab_size=vocab_size, untrained=untrained)
             src = init_from
         else:
             src = init_from

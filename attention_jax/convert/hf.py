@@ -292,7 +292,7 @@ ADDED_TOKENS = 64
 
 
 def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config=None,
-                           vocab_size: int | None = None):
+                           vocab_size: int | None = None, untrained: tuple[str, ...] = ()):
     """`--config.train.init_from=hf:<dir>`: the checkpoint's params placed on the
     shardings of `abstract_params` (a tree of jax.ShapeDtypeStruct), and step 0.
 
@@ -303,6 +303,9 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
     checkpoint's vocabulary more than ADDED_TOKENS smaller is another tokenizer's (its
     embedding rows would stand for other tokens), and one larger than the run's table
     (model_config.vocab_size, padded) cannot fit: a ConversionError either way.
+    untrained: top-level params the run's loss never trains (Task.untrained): those the
+    checkpoint lacks start at zero, not at fresh_numpy's random start; those it holds
+    are its own.
     """
     family, implied, arch, converted = _load_converted(path)
     theirs = getattr(implied, "vocab_size", None)
@@ -322,9 +325,12 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
         side = int(round((target["position_embeddings"].shape[0] - 1) ** 0.5))
         grid = (side, side)
     try:
+        def fresh(name, shape):
+            if name.split("/", 1)[0] in untrained:
+                return np.zeros(shape, np.float32)
+            return fresh_numpy(name, shape, seed)
         params, new, unused = fit(family, converted, {k: v.shape for k, v in target.items()},
-                                  lambda n, s: fresh_numpy(n, s, seed), grid,
-                                  where=os.fspath(path))
+                                  fresh, grid, where=os.fspath(path))
     except ConversionError:
         # Tensor by tensor the list runs to dozens of lines; the model's fields that differ
         # from the checkpoint's say it in one, where the run's model config is known.

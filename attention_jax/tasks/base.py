@@ -98,9 +98,10 @@ class Task:
     # of a warm start's embedding table must stand for (train.init_from=hf:...).
     vocab_size: int | None = None
     # Top-level params the loss never trains (no gradient reaches them): a new run starts
-    # them at zero, from scratch or a warm start, and AdamW keeps them there, so what
-    # reads the run sees them untrained (BERT's pooler and NSP head under the MLM loss:
-    # export_hf then writes a BertForMaskedLM without them).
+    # them at zero, from scratch or where a warm start's Hugging Face checkpoint lacks
+    # them (what it holds stands), and AdamW keeps them there, so what reads the run sees
+    # them untrained (BERT's pooler and NSP head under the MLM loss: export_hf then writes
+    # a BertForMaskedLM without them).
     untrained: tuple[str, ...] = ()
 
 

@@ -202,8 +202,9 @@ def test_a_bert_mlm_run_leaves_its_untrained_heads_at_zero(data_dir, tmp_path):
     """The MLM loss trains neither BERT's pooler nor its NSP head (Task.untrained): a run
     starts them at zero and a step leaves them there, so the run exports as a
     BertForMaskedLM without them (it was a BertForPreTraining with a random NSP head). A
-    warm start from that export, whose heads load_hf would fill at random, starts them at
-    zero too; the trained weights are the export's."""
+    warm start from that export, whose heads a warm start would fill at random, starts
+    them at zero too; one from a checkpoint that holds them keeps its own (silently
+    zeroing them would drop weights the run was asked to start from)."""
     from attention_jax import convert
     from helpers import shrink
 
@@ -226,6 +227,14 @@ def test_a_bert_mlm_run_leaves_its_untrained_heads_at_zero(data_dir, tmp_path):
         assert json.load(f)["architectures"] == ["BertForMaskedLM"]
     second = run(tmp_path / "second", init_from=f"hf:{tmp_path / 'hf'}", steps=1)
     assert zero(second.params)
+    # A checkpoint that holds the heads (a BertForPreTraining's, trained) keeps them.
+    held = {**first.params, **{name: jax.tree.map(lambda a: np.full_like(a, 0.01),
+                                                  first.params[name]) for name in ("pooler", "nsp")}}
+    convert.export_hf(first.task.model, held, str(tmp_path / "pretraining"),
+                      architecture="BertForPreTraining")
+    third = run(tmp_path / "third", init_from=f"hf:{tmp_path / 'pretraining'}", steps=1)
+    np.testing.assert_allclose(np.asarray(third.params["nsp"]["kernel"]), 0.01, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(third.params["pooler"]["kernel"]), 0.01, rtol=1e-3)
 
 
 @pytest.mark.slow
