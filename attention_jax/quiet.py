@@ -19,40 +19,25 @@ import contextlib
 import logging
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, templates):
-        super().__init__()
-        self.templates = frozenset(templates)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in self.templates
-
-
 @contextlib.contextmanager
 def drop_log_messages(*templates: str, logger: str = "absl"):
     """Drops records whose format string is one of `templates` from `logger` (absl's,
     which orbax and tensorflow-datasets log through) for the duration of the block."""
-    with _filtered(logger, _DropMessages(templates)):
+    templates = frozenset(templates)
+    with _filtered(logger, lambda record: record.msg not in templates):
         yield
 
 
 @contextlib.contextmanager
-def _filtered(logger: str, f: logging.Filter):
+def _filtered(logger: str, f):
+    """Within: `logger` keeps only the records f(record) is true of (logging takes a
+    callable as a filter)."""
     target = logging.getLogger(logger)
     target.addFilter(f)
     try:
         yield
     finally:
         target.removeFilter(f)
-
-
-class _DropFormatted(logging.Filter):
-    def __init__(self, parts):
-        super().__init__()
-        self.parts = tuple(parts)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(part in str(record.msg) for part in self.parts)
 
 
 # gcsfs logs a traceback when a request runs out of retries or fails for good, its
@@ -65,7 +50,8 @@ GCSFS_GAVE_UP = (" out of retries on exception: ", " non-retriable exception: ")
 def drop_gcsfs_gave_up():
     """Drops gcsfs's "out of retries" and "non-retriable" records (and their tracebacks)
     for the duration of the block, whose caller says the error itself."""
-    with _filtered("gcsfs", _DropFormatted(GCSFS_GAVE_UP)):
+    with _filtered("gcsfs", lambda record: not any(part in str(record.msg)
+                                                   for part in GCSFS_GAVE_UP)):
         yield
 
 
