@@ -151,12 +151,13 @@ def export_remote(out_dir: str, export: Callable[[str], object], with_tokenizer:
     folder, which workdir.save_assets copies up (the writers are local: a gs:// path
     became a folder named ./gs: before); without a tokenizer, an earlier export's
     tokenizer files go."""
-    from etils import epath
-
     from attention_jax import workdir as workdir_lib
-    target = epath.Path(out_dir)
-    check_not_a_run(out_dir, lambda p: epath.Path(p).is_dir(), lambda p: epath.Path(p).is_file(),
-                    lambda p: epath.Path(p).read_text())
+    # epath_of: gcsfs's listings uncached first (workdir.fresh_listings), as for a run's
+    # paths; an export touching the bucket first left a reader in the process stale
+    target = workdir_lib.epath_of(out_dir)
+    check_not_a_run(out_dir, lambda p: workdir_lib.epath_of(p).is_dir(),
+                    lambda p: workdir_lib.epath_of(p).is_file(),
+                    lambda p: workdir_lib.epath_of(p).read_text())
     workdir_lib.save_assets(export, out_dir)
     if not with_tokenizer:
         _remove_stale([n for n in TOKENIZER_FILES if (target / n).exists()], out_dir,

@@ -202,17 +202,15 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
 
 
 def _save_classes(workdir: str, classes) -> None:
-    from etils import epath
-    epath.Path(workdir_lib.path(workdir, CLASSES_FILE)).write_text(json.dumps(list(classes)))
+    workdir_lib.epath_of(workdir, CLASSES_FILE).write_text(json.dumps(list(classes)))
 
 
 def _check_classes(workdir: str, classes) -> None:
     """A run continued (or evaluated) on other classes than it trained on is an error,
     never a silently different dataset."""
-    from etils import epath
     if not workdir or not classes:
         return
-    saved = epath.Path(workdir_lib.path(workdir, CLASSES_FILE))
+    saved = workdir_lib.epath_of(workdir, CLASSES_FILE)
     if saved.exists():
         before = json.loads(saved.read_text())
         if before != list(classes):
