@@ -211,6 +211,14 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     query_blocks = -(-row["seq_len"] // blocks.fwd_q)  # a short row padded to one block
     assert forward["programs"] == query_blocks * row["batch"] * row["heads"]
     assert code["cross_entropy_gradient"]["programs"] == row["batch"] * row["seq_len"]
+    # The norm kernels' launch as the summary reports it (the defaults adapted to the
+    # step's rows) is the one compiled: its grids follow from it.
+    launch, rows = summary["norm_launch"], row["batch"] * row["seq_len"]
+    assert code["add_norm_forward"]["programs"] == rows // launch["rows"]
+    assert code["add_norm_backward"]["programs"] == rows // launch["program_rows"]
+    assert code["add_norm_backward"]["threads"] == 32 * launch["num_warps"]
+    assert "The norm kernels launch with {rows} rows a program at a time".format(
+        **launch) in printed
     for r in code.values():
         if r.get("registers"):
             assert (r["per_sm"], r["per_sm_limit"]) == gpu_hlo.programs_per_sm(
@@ -242,6 +250,7 @@ def test_launch_settings_reach_the_kernels_of_the_compiled_step(tmp_path, capsys
                                              "bwd_k": 32, "num_warps": 2},
                                    "loss": {"num_warps": 16},
                                    "norm": {"rows": 2, "program_rows": 4, "num_warps": 1}}
+    assert summary["norm_launch"] == {"rows": 2, "program_rows": 4, "num_warps": 1}
     assert ("attention tiles fwd=32x16,bwd=16x32,warps=2, loss settings warps=16, "
             "norm settings rows=2,program_rows=4,warps=1.") in capsys.readouterr().out
 

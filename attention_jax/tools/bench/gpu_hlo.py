@@ -597,6 +597,13 @@ def run(args) -> dict:
                "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
                "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}
+    if row["norm_kernel"] != "xla":
+        # What the norm kernels launch at the step's rows: the settings given, or the
+        # defaults as they adapt to the rows' count and width (norm_kernel.launch).
+        from attention_jax.layers import norm_kernel
+        with norm_kernel.settings(**settings.get("norm", {})):
+            summary["norm_launch"] = norm_kernel.launch(row["batch"] * row["seq_len"],
+                                                        row["width"])
     if args.kernel_code:
         summary["kernel_code"] = kernel_code(out / "dump", shutil.which("ptxas"),
                                              shutil.which("nvdisasm"))
@@ -631,8 +638,12 @@ def report(summary: dict, top: int = 25) -> str:
              + (f", XLA_FLAGS += {summary['xla_flags']}" if summary.get("xla_flags") else "")
              + "".join(f", {_SETTINGS_NAMES[what]} {text}"
                        for what, text in (summary.get("settings_given") or {}).items())
-             + ".", "",
-             "| kernels | launches | GB read + written |", "|---|---|---|"]
+             + ".", ""]
+    if summary.get("norm_launch"):
+        lines += ["The norm kernels launch with {rows} rows a program at a time, {program_rows} "
+                  "rows a backward program, {num_warps} warps.".format(**summary["norm_launch"]),
+                  ""]
+    lines += ["| kernels | launches | GB read + written |", "|---|---|---|"]
     for kind, k in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["bytes"]):
         lines.append(f"| {kind} | {k['kernels']} | {gb(k['bytes'])} |")
     lines += ["", f"The memory-bound kernels need {summary['memory_bound_ms']:.2f} ms at the "
