@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import re
 import sys
 from typing import Any, Callable
@@ -355,6 +356,11 @@ class Checkpointer:
                  pinned_host: bool | None = None, compression: bool = True,
                  packed: bool = True):
         check_supported(directory)
+        # A local path made absolute: orbax refuses a relative one ("Checkpoint path
+        # should be absolute"), which `verify` given ./run reported as every step DAMAGED.
+        directory = str(directory)
+        if "://" not in directory:
+            directory = os.path.abspath(os.path.expanduser(directory))
         self.directory = epath.Path(directory)
         self.packed = packed
         self.save_every = save_every

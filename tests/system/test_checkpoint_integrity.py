@@ -299,7 +299,7 @@ def test_saved_on_2x2x2_verifies_and_resumes_on_1_and_4_devices(runs, tmp_path):
         assert os.listdir(os.path.join(workdir, "checkpoints")).count("10.corrupt") == 0
 
 
-def test_verifier_table(runs, tmp_path, capsys):
+def test_verifier_table(runs, tmp_path, capsys, monkeypatch):
     workdir = _copy(runs, tmp_path)
     _state_of_another_step(_step(workdir, 15))
     _delete_data_state(_step(workdir, 5))
@@ -316,8 +316,13 @@ def test_verifier_table(runs, tmp_path, capsys):
     assert rows[15].endswith("do not match their digests"), rows[15]
     assert "DAMAGED: data-loader state could not be read" in rows[5]
     assert lines[4].startswith("25: no commit marker")
-    # All intact: exit status 0; nothing was moved by the verifier.
+    # All intact: exit status 0; nothing was moved by the verifier. A relative path
+    # too (orbax wants absolute ones: every step read as DAMAGED).
     assert verify.main([runs["base"]]) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(os.path.dirname(runs["base"]))
+    assert verify.main([os.path.basename(runs["base"])]) == 0
+    assert capsys.readouterr().out.count("  ok\n") == 3
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "15", "25", "5"]
     # The folder holding the runs: one line naming them (was an empty table and a "not
     # a checkpoint step" line per run).
