@@ -119,10 +119,13 @@ def verify_directory(workdir: str) -> tuple[list[dict[str, Any]], list[str]]:
     # (a folder with a config.json: a run that has saved no checkpoint yet)
     if not directory.is_dir() or (directory / "config.json").exists():
         raise FileNotFoundError(f"{workdir} has no checkpoints folder")
-    folders = [p for p in directory.iterdir() if p.is_dir()]
-    if folders and not any(p.name.split(".")[0].isdigit() for p in folders):
+    entries = [p for p in directory.iterdir() if not p.name.startswith(".")]
+    folders = [p for p in entries if p.is_dir()]
+    if entries and not any(p.name.split(".")[0].isdigit() for p in folders):
         # Not a checkpoints folder (no step folder, committed or moved aside): a folder of
-        # runs, most likely, whose every run read as "not a checkpoint step".
+        # runs, most likely, whose every run read as "not a checkpoint step", or of files
+        # (a text corpus), which read as "no committed checkpoints". A checkpoints folder
+        # holds only folders (steps, orbax's metadata/), so only an empty one gets that.
         runs = sorted(p.name for p in folders if (p / "checkpoints").is_dir())
         raise FileNotFoundError(
             f"{workdir} is neither a run's workdir nor its checkpoints folder"

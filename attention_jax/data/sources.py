@@ -25,6 +25,10 @@ class DatasetNotFoundError(UserError, FileNotFoundError):
     """A dataset that is neither an offline builder nor prepared in the data dir."""
 
 
+class SplitError(UserError, ValueError):
+    """A split the dataset does not have, or one that holds no records."""
+
+
 def _text_corpus(options) -> tuple[type, tfds.core.BuilderConfig]:
     if not options.get('globs'):
         # It once fell back to the standard library: a run on the wrong corpus, silently.
@@ -154,7 +158,15 @@ def get_dataset(name: str, split: str, data_dir: str | None = None, **options):
     builder = get_builder(name, data_dir, **options)
     splits = list(builder.info.splits.keys())
     if split.split('[')[0] not in splits:
-        raise ValueError(f'dataset {name!r} has no split {split!r}; valid: {splits}')
+        raise SplitError(f'dataset {name!r} has no split {split!r}; valid: {splits}')
+    try:
+        size = builder.info.splits[split].num_examples
+    except (KeyError, ValueError) as e:  # a slice tfds cannot parse, e.g. 'train[:200%]'
+        raise SplitError(f'split {split!r} of dataset {name!r}: {e}') from None
+    if not size:
+        # array_record would fail later with "Paths sequence can not be of 0 length".
+        raise SplitError(f'split {split!r} of dataset {name!r} holds no records; valid: a '
+                         f'split or slice with at least one, e.g. {split.split("[")[0]!r}')
     return builder.as_data_source(split)
 
 

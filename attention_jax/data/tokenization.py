@@ -399,7 +399,11 @@ class FileTokenizer(_TokenizersLibrary):
 
     kind = 'file'
 
-    def __init__(self, path: str, roles: dict[str, int | None] | None = None):
+    def __init__(self, path: str, roles: dict[str, int | None] | None = None, *,
+                 pad_stand_in: bool = True):
+        """pad_stand_in=False: a file without a pad token of its own is a
+        TokenizerFileError (for users that tell padding by its id), raised before any
+        note about stand-ins is printed."""
         from tokenizers import Tokenizer as HFTokenizer
         self.path = tokenizer_file(path)
         try:
@@ -420,6 +424,14 @@ class FileTokenizer(_TokenizersLibrary):
             roles = self._find_roles(set(added.values()))
         self.roles = {r: (None if i is None else int(i)) for r, i in roles.items()}
         self.has_pad_token = self.roles.get('pad') is not None
+        if not (self.has_pad_token or pad_stand_in):
+            # Checked before the notes below: one said "using its eos token as pad" and
+            # the run then stopped on the missing pad token, the two contradicting.
+            raise TokenizerFileError(
+                f'{self.path} has no pad token, and this task tells padding by its id (an '
+                f'end-of-text token standing in would be masked out as padding); valid: a '
+                f'tokenizer with one ({", ".join(ROLE_NAMES["pad"])}), or pad_token named '
+                f'in a special_tokens_map.json beside it')
         self.eos_id = self.roles.get('eos')
         if self.eos_id is None and fresh:
             print(f'note: {self.path} has no end-of-text token ({", ".join(ROLE_NAMES["eos"])}): '

@@ -117,6 +117,10 @@ class BlockConfig:
             if not self.capacity_factor > 0:
                 raise ValueError(f"capacity_factor={self.capacity_factor}; valid: > 0 (1.0: "
                                  f"room for every token under an even load)")
+        # The MLP reads `mlp_dim or 4 * D`, so 0 would silently become the default width.
+        if self.mlp_dim is not None and self.mlp_dim <= 0:
+            raise ValueError(f"mlp_dim must be positive; got {self.mlp_dim}; valid: None "
+                             f"(the {self.mlp!r} default width) or an integer >= 1")
         n, k = self.num_heads, self.num_kv_heads
         if n <= 0:
             raise ValueError(f"num_heads must be positive; got {n}")

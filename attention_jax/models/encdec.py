@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -49,7 +50,7 @@ class EncDecConfig:
     vocab_size: int = 37000  # shared source/target BPE vocabulary (WMT14 en-de, §5.1)
     d_model: int = 512
     num_heads: int = 8
-    mlp_dim: int = 2048  # d_ff
+    mlp_dim: Optional[int] = 2048  # d_ff (None: 4 * d_model)
     num_encoder_layers: int = 6
     num_decoder_layers: int = 6
     activation: str = "relu"  # FFN(x) = max(0, xW1 + b1)W2 + b2 (§3.3)
@@ -69,6 +70,18 @@ class EncDecConfig:
     param_dtype: Any = "float32"
 
     def __post_init__(self):
+        # Checked here, where the message can name the field: a zero d_model or num_heads
+        # otherwise divides by zero (here, or in setup's D^-1/2), zero layers fails deep in
+        # the stack's setup, and mlp_dim=0 silently became the 4D default.
+        for name in ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
+                     "num_decoder_layers", "mlp_dim"):
+            value = getattr(self, name)
+            if name == "mlp_dim" and value is None:  # None: the block's default, 4 * d_model
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                valid = "an integer >= 1" + (" or None (4 * d_model)" if name == "mlp_dim" else "")
+                raise ValueError(f"{name} must be a positive integer; got {value!r} "
+                                 f"(valid: {valid})")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "

@@ -339,15 +339,12 @@ def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
         return tok
     if from_file:
         try:
-            tok = data.get_tokenizer("file", path=data_opts.tokenizer)
+            # Without pad_may_be_eos the tokenizer refuses a file with no pad token itself,
+            # before it prints its note that the end-of-text token will pad instead.
+            return tokenization.FileTokenizer(data_opts.tokenizer, pad_stand_in=pad_may_be_eos)
         except tokenization.TokenizerFileError as e:
             reason = str(e).removeprefix(f"{data_opts.tokenizer}: ")  # named once is enough
             raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {reason}") from None
-        if not (tok.has_pad_token or pad_may_be_eos):
-            raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r}: {tok.path} has no "
-                              f"pad token, and this task tells padding by its id; valid: a "
-                              f"tokenizer with one ({', '.join(tokenization.ROLE_NAMES['pad'])})")
-        return tok
     if data_opts.tokenizer in ("byte", "wordpiece"):
         return data.get_tokenizer(data_opts.tokenizer)
     least = 256 + len(tokenization.BPETokenizer.SPECIALS)
@@ -454,7 +451,8 @@ def _built(split):
 
 def splits(data_opts, **options):
     """The train and eval splits; a dataset that is unknown or not prepared here is a
-    ConfigError naming config.data.name (the message says how to prepare it)."""
+    ConfigError naming config.data.name (the message says how to prepare it), a split it
+    lacks or one with no records a ConfigError naming config.data.train_split/eval_split."""
     from attention_jax import data
     from attention_jax.data import sources
 
@@ -468,7 +466,16 @@ def splits(data_opts, **options):
         except data.DatasetNotFoundError as e:
             known = [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES]
             hint = "" if data_opts.name in known else did_you_mean(data_opts.name, known)
-            raise ConfigError(f"config.data.name={data_opts.name!r}{hint}: {e}") from None
+            message = str(e)
+            if data_opts.data_dir and not os.path.isdir(os.path.expanduser(data_opts.data_dir)):
+                # A mistyped data_dir may be the real cause, and tfds' message ("not in the
+                # tfds catalogue") never says the folder is missing: said on its first line.
+                first, sep, rest = message.partition("\n")
+                message = (f"{first} (config.data.data_dir={data_opts.data_dir!r} does not "
+                           f"exist){sep}{rest}")
+            raise ConfigError(f"config.data.name={data_opts.name!r}{hint}: {message}") from None
+        except sources.SplitError as e:  # the split named where the user set it
+            raise ConfigError(f"config.data.{key}={data_opts[key]!r}: {e}") from None
         if options and not offline:  # e.g. max_files, which only the offline corpora have
             key, value = next(iter(options.items()))
             raise ConfigError(f"config.data.{key}={value!r} applies only to the offline "

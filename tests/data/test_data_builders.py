@@ -125,6 +125,46 @@ def test_bad_split_and_options_are_named(tmp_path):
         data.get_dataset('mnist', 'train', tmp_path, max_files=3)
 
 
+def test_missing_and_empty_splits_are_one_line_user_errors(tmp_path):
+    from attention_jax.errors import UserError
+    from attention_jax.tasks import base
+    # Both were tracebacks: a plain ValueError, and (empty) array_record's "Paths
+    # sequence can not be of 0 length" from deep inside the reader.
+    with pytest.raises(UserError, match=r"^dataset 'digits' has no split 'valid'; "
+                                        r"valid: \['train', 'test'\]$"):
+        data.get_dataset('digits', 'valid', tmp_path)
+    with pytest.raises(UserError, match=r"^split 'train\[:0\]' of dataset 'digits' "
+                                        r"holds no records; valid: .* e.g. 'train'$"):
+        data.get_dataset('digits', 'train[:0]', tmp_path)
+    # Through the tasks the message names the config key that holds the split.
+    import ml_collections
+    opts = ml_collections.ConfigDict(dict(name='digits', train_split='train[:0]',
+                                          eval_split='valid', data_dir=str(tmp_path)))
+    with pytest.raises(UserError, match=r"^config.data.train_split='train\[:0\]': split "):
+        base.splits(opts)
+    opts.train_split = 'train'
+    with pytest.raises(UserError, match=r"^config.data.eval_split='valid': dataset "):
+        base.splits(opts)
+
+
+def test_a_data_dir_that_does_not_exist_is_named(tmp_path):
+    import ml_collections
+    from attention_jax.errors import ConfigError
+    from attention_jax.tasks import base
+    missing = str(tmp_path / 'no' / 'such' / 'dir')
+    opts = ml_collections.ConfigDict(dict(name='my_pairs', train_split='train',
+                                          eval_split='test', data_dir=missing))
+    with pytest.raises(ConfigError) as info:
+        base.splits(opts)
+    message = str(info.value)
+    assert message.startswith("config.data.name='my_pairs': Unknown dataset 'my_pairs'")
+    assert message.endswith(f"(config.data.data_dir={missing!r} does not exist)")
+    opts.data_dir = str(tmp_path)  # exists: the note would mislead
+    with pytest.raises(ConfigError) as info:
+        base.splits(opts)
+    assert 'does not exist' not in str(info.value)
+
+
 def test_builders_do_not_need_tensorflow():
     # Importing and building above ran in this process; TensorFlow must not be loaded.
     assert 'tensorflow' not in sys.modules

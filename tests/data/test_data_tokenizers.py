@@ -154,6 +154,23 @@ def test_a_tokenizer_file_roles_come_from_the_file_never_a_reserved_id(tmp_path,
         base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [], pad_may_be_eos=True)
 
 
+def test_a_task_that_refuses_eos_as_pad_says_so_without_the_stand_in_note(tmp_path, capsys):
+    """The seq2seq tasks tell padding by its id (an eos standing in would be masked out of
+    the targets): they printed "note: ... using its eos token as pad" and then stopped on
+    "error: ... has no pad token", the two contradicting."""
+    from attention_jax.errors import ConfigError
+    from attention_jax.tasks import base
+    path = _word_file(tmp_path / 'tokenizer.json', ['the', 'cat'], ['</s>'])
+    options = ml_collections.ConfigDict({'tokenizer': path})
+    with pytest.raises(ConfigError, match=rf"^config\.data\.tokenizer='{path}': {path} has no "
+                                          rf"pad token, and this task tells padding by its id"):
+        base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [])
+    assert capsys.readouterr().err == ''
+    # A task that pads by position takes the stand-in, and says so once.
+    tok = base.run_tokenizer(options, str(tmp_path / 'run'), lambda: [], pad_may_be_eos=True)
+    assert tok.pad_id == tok.eos_id and 'as pad' in capsys.readouterr().err
+
+
 def test_bracketed_role_names_and_a_file_without_end_of_text(tmp_path, capsys):
     """A tokenizer trained with special tokens [PAD], [BOS], [EOS] had no eos at all
     (documents packed with nothing between them, samples never stopping) and bos was its

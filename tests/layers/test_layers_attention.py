@@ -143,6 +143,8 @@ def test_a_sequence_without_its_batch_axis_is_named():
     (dict(norm="batchnorm"), r"valid: \('layernorm', 'rmsnorm'\)"),
     (dict(mlp="kan"), r"valid: \('mlp', 'swiglu', 'geglu', 'moe'\)"),
     (dict(num_kv_heads=3), r"valid: \[1, 2, 4\]"),
+    # The MLP reads `mlp_dim or 4 * D`: 0 was silently the default width.
+    (dict(mlp_dim=0), r"mlp_dim must be positive; got 0; valid: None .* or an integer >= 1"),
 ])
 def test_bad_block_configs_raise_with_valid_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):

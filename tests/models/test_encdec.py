@@ -42,6 +42,16 @@ def test_bad_configs_raise_with_valid_choices():
         ed.get_config("transformer-tiny", norm_position="sandwich")
 
 
+@pytest.mark.parametrize("field", ["d_model", "num_heads", "num_encoder_layers",
+                                   "num_decoder_layers", "mlp_dim"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_sizes_that_are_not_positive_name_the_field(field, value):
+    """They divided by zero, failed in the stack's setup, or (mlp_dim=0) trained at 4D."""
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive integer; got {value} "
+                                         rf"\(valid: an integer >= 1"):
+        ed.get_config("transformer-tiny", **{field: value})
+
+
 @functools.lru_cache(maxsize=None)
 def _model(**overrides):
     model = ed.EncoderDecoder(ed.get_config("transformer-tiny", **overrides))

@@ -334,15 +334,21 @@ def test_verifier_table(runs, tmp_path, capsys, monkeypatch):
 
 def test_verifier_command_line(tmp_path):
     """The command the README and the no-intact-checkpoint message give: a workdir that
-    does not exist is exit status 2 with a one-line message; an empty one is status 1."""
+    does not exist is exit status 2 with a one-line message; an empty one is status 1;
+    a folder of files with no step folder (a text corpus) is neither a workdir nor a
+    checkpoints folder (it said "(no committed checkpoints)")."""
     import subprocess
     import sys
 
     from conftest import REPO, subprocess_env
-    (tmp_path / "a_file").write_text("x")
-    for workdir, status, said in ((tmp_path / "nowhere", 2, "nowhere does not exist"),
-                                  (tmp_path / "a_file", 2, "a_file is a file; valid: a run's"),
-                                  (tmp_path, 1, "(no committed checkpoints)")):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for workdir, status, said in (
+            (tmp_path / "nowhere", 2, "nowhere does not exist"),
+            (tmp_path / "corpus" / "a_file", 2, "a_file is a file; valid: a run's"),
+            (tmp_path / "corpus", 2, "corpus is neither a run's workdir nor its checkpoints"),
+            (tmp_path / "empty", 1, "(no committed checkpoints)")):
         done = subprocess.run([sys.executable, "-m", "attention_jax.verify", str(workdir)],
                               env=subprocess_env(1), cwd=REPO, capture_output=True, text=True,
                               timeout=240)
