@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import operator
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -85,6 +87,13 @@ class GPTConfig:
     def __post_init__(self):
         if self.position not in GPT_POSITIONS:
             raise ValueError(f"position={self.position!r} is unknown; valid: {GPT_POSITIONS}")
+        # Before the division below (num_heads=0 was a ZeroDivisionError; d_model=0 and
+        # num_layers=0 built a model with nothing in it).
+        for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r} (valid: an "
+                                 f"integer >= 1)")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "
@@ -293,7 +302,11 @@ def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = 
     probability reaches p (nucleus sampling, Holtzman et al. 2020)."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
+    # Each row's largest logit moved to 0 before the division: a tiny temperature then
+    # sends the others to -inf (greedy in the limit), where dividing the raw logits by
+    # it overflowed them to ±inf, and the sample went wrong (below about 1e-38).
+    logits = logits.astype(jnp.float32)
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -325,22 +338,28 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
         raise ValueError(f"prompts: shape {jnp.shape(prompts)}; valid: [B, T] token ids (one "
                          f"prompt: prompts[None])")
     b, t = prompts.shape
+    if t < 1:
+        raise ValueError(f"prompts: shape {jnp.shape(prompts)}; valid: [B, T] token ids with "
+                         f"T >= 1 (a prompt has at least one token)")
     if not isinstance(prompts, jax.core.Tracer) and prompts.size:
         ids = np.asarray(jax.device_get(prompts))  # the jitted loop would embed NaN rows
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"prompts: token id {ids.min() if ids.min() < 0 else ids.max()} "
                              f"is outside the vocabulary; valid: 0..{cfg.vocab_size - 1}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}; valid: an integer >= 1")
     total = t + max_new_tokens
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     if cfg.position == "learned" and total > cfg.max_len:
         raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} = {total} exceeds "
                          f"the position table (max_len={cfg.max_len})")
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r}; valid: 0 (greedy) or a finite number > 0")
     if temperature and rng is None:
-        raise ValueError("sampling (temperature > 0) needs rng")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}; valid: 0 (greedy) or > 0")
-    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
+        raise ValueError("sampling (temperature > 0) needs rng (a key: jax.random.key(0))")
+    if rng is not None and not _is_key(rng):
+        raise ValueError(f"rng={rng!r}; valid: a JAX PRNG key, e.g. jax.random.key(0) "
+                         f"(or jax.random.PRNGKey(0))")
+    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= cfg.vocab_size):
         raise ValueError(f"top_k={top_k}; valid: None or 1..{cfg.vocab_size} (the vocabulary)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}; valid: None or in (0, 1]")
@@ -361,6 +380,38 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
                 None if vocab_size in (None, cfg.vocab_size) else int(vocab_size))
     return _generate(model, max_new_tokens, settings,
                      params, prompts, jnp.asarray(prompt_lengths, jnp.int32), rng)
+
+
+def _is_int(x) -> bool:
+    """An integer (Python's, NumPy's, or a 0-d integer array), not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+        return True
+    except TypeError:
+        return False
+
+
+def _is_real(x) -> bool:
+    """A real number (Python's, NumPy's or a 0-d array), not a bool or a tracer."""
+    if isinstance(x, bool) or isinstance(x, jax.core.Tracer):
+        return False
+    try:
+        float(x)
+        return not np.iscomplexobj(x) and not isinstance(x, (str, bytes))
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_key(rng) -> bool:
+    """A JAX PRNG key: a typed key (jax.random.key) or a raw uint32 [2] (PRNGKey)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jnp.ndim(rng) == 0
+    return dtype == jnp.uint32 and jnp.shape(rng) == (2,)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

@@ -371,10 +371,12 @@ def lm_task(config, workdir: str) -> Task:
         rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()
         prompts = prompts + [[tok.bos_id]] * (rows - len(prompts))
         padded = np.array([p + [tok.pad_id] * (width - len(p)) for p in prompts], np.int32)
+        top_p = config.eval.get("sample_top_p", 1.0)  # .get: a config.json from before it
         out, lengths = gpt.generate(
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
-            top_k=config.eval.sample_top_k or None, stop_token=tok.eos_id, pad_token=tok.pad_id,
+            top_k=config.eval.sample_top_k or None, top_p=top_p if top_p < 1 else None,
+            stop_token=tok.eos_id, pad_token=tok.pad_id,
             vocab_size=tok.vocab_size)  # never the ids padding the model's vocabulary
         out, lengths = gather_rows(out), gather_rows(lengths)
         return [tok.decode(out[i, :lengths[i]]) for i in range(len(config.eval.sample_prompts))]

@@ -153,8 +153,20 @@ def test_generate_names_a_bad_argument():
             run(lengths)
     with pytest.raises(ValueError, match=r"top_p=1.5; valid: None or in \(0, 1\]"):
         run([8, 5], temperature=1.0, top_p=1.5)
-    with pytest.raises(ValueError, match=r"temperature=-1.0; valid: 0 \(greedy\) or > 0"):
-        run([8, 5], temperature=-1.0)
+    for temperature in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=r"temperature=.*; valid: 0 \(greedy\) or a "
+                                             r"finite number > 0"):
+            run([8, 5], temperature=temperature)
+    # Non-integers and a seed where a key belongs failed deep inside JAX (or top_k=1.5
+    # was cut to 1 without a word).
+    with pytest.raises(ValueError, match=r"top_k=1.5; valid: None or 1\.\.256"):
+        run([8, 5], temperature=1.0, top_k=1.5)
+    with pytest.raises(ValueError, match=r"max_new_tokens=2.5; valid: an integer >= 1"):
+        gpt.generate(model, params, prompts, [8, 5], max_new_tokens=2.5)
+    with pytest.raises(ValueError, match=r"rng=0; valid: a JAX PRNG key"):
+        gpt.generate(model, params, prompts, [8, 5], max_new_tokens=2, temperature=1.0, rng=0)
+    with pytest.raises(ValueError, match=r"prompts: shape \(2, 0\); valid: .* T >= 1"):
+        gpt.generate(model, params, prompts[:, :0], [1, 1], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"top_k=0; valid: None or 1\.\.256"):
         run([8, 5], temperature=1.0, top_k=0)
     # Ids past the vocabulary embedded to NaN inside the jitted loop, and a 1-D prompt
@@ -180,6 +192,14 @@ def test_ids_outside_a_table_are_an_error_when_applied_eagerly():
     assert np.isfinite(np.asarray(logits)).all()
 
 
+@pytest.mark.parametrize("field", ["vocab_size", "max_len", "num_layers", "d_model", "num_heads"])
+def test_sizes_that_are_not_positive_name_the_field(field):
+    """num_heads=0 divided by zero; d_model=0 and num_layers=0 built an empty model."""
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive integer; got 0 "
+                                         rf"\(valid: an integer >= 1\)"):
+        gpt.GPTConfig.from_variant("gpt-tiny", **{field: 0})
+
+
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.PRNGKey(0), 400)
@@ -190,6 +210,11 @@ def test_sampling_filters():
     assert set(np.asarray(draw(keys, top_k=2)).tolist()) == {0, 1}
     assert set(np.asarray(draw(keys, top_p=0.7)).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
     assert set(np.asarray(draw(keys, top_p=1.0)).tolist()) == {0, 1, 2, 3}
+    # A temperature near 0 is greedy in the limit: dividing the raw logits by 1e-45
+    # overflowed them to -inf everywhere, and the draw came out of the mask.
+    for temperature in (1e-30, 1e-45):
+        assert set(np.asarray(draw(keys, temperature=temperature)).tolist()) == {0}
+        assert set(np.asarray(draw(keys, temperature=temperature, top_p=0.9)).tolist()) == {0}
 
 
 def _grads(model, params, tokens):
