@@ -35,6 +35,7 @@ This file holds the entry points; the rest of the package, bottom up:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from typing import Any, Optional
@@ -220,7 +221,26 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
                                if r in roles}}
     out = write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))
     write_hf_tokenizer(out, tokenizer, form, getattr(cfg, "max_len", None))
+    _write_generation_config(out, hf_cfg, tokenizer if family.model_type == "gpt2" else None)
     return out
+
+
+def _write_generation_config(out: str, hf_cfg: dict, tokenizer) -> None:
+    """generation_config.json for a GPT exported with its tokenizer whose vocabulary the
+    model's pads (to a multiple of 64 for its matmuls): transformers' generate then never
+    picks the padding ids, which decode to nothing (ours never sample them: generate's
+    vocab_size). It carries the special tokens' ids too: generate reads them from this
+    file where there is one. Otherwise an earlier export's file is removed."""
+    file = os.path.join(out, "generation_config.json")
+    if tokenizer is None or hf_cfg["vocab_size"] <= tokenizer.vocab_size:
+        if os.path.exists(file):
+            os.remove(file)
+        return
+    roles = tokenizer.hf_roles()
+    config = {**{f"{r}_token_id": roles[r] for r in ("bos", "eos", "pad") if r in roles},
+              "suppress_tokens": list(range(tokenizer.vocab_size, hf_cfg["vocab_size"]))}
+    with open(file, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 # ============================================================================ warm start

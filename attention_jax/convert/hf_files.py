@@ -159,8 +159,9 @@ def export_remote(out_dir: str, export: Callable[[str], object], with_tokenizer:
                     lambda p: workdir_lib.epath_of(p).is_file(),
                     lambda p: workdir_lib.epath_of(p).read_text())
     workdir_lib.save_assets(export, out_dir)
-    if not with_tokenizer:
-        _remove_stale([n for n in TOKENIZER_FILES if (target / n).exists()], out_dir,
+    if not with_tokenizer:  # (and the generation config, which only a tokenizer's writes)
+        _remove_stale([n for n in (*TOKENIZER_FILES, "generation_config.json")
+                       if (target / n).exists()], out_dir,
                       lambda name: (target / name).unlink())
     return out_dir
 

@@ -185,6 +185,35 @@ def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind,
             "removed") in capsys.readouterr().err
 
 
+def test_transformers_generate_never_picks_the_padded_vocabulary(tmp_path):
+    """A run pads its model's vocabulary past its tokenizer's (to a multiple of 64): the
+    export's generation_config.json suppresses those ids, which transformers' generate
+    picked and its tokenizer decoded to nothing, in silence."""
+    from attention_jax import data
+    from attention_jax.tasks.base import padded_vocab
+    ours = data.get_tokenizer("byte")
+    vocab = padded_vocab(ours.vocab_size)
+    assert vocab > ours.vocab_size
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=vocab, max_len=32, num_layers=1, d_model=16,
+                                  num_heads=2))
+    params = _random_params(model, jnp.zeros((1, 8), jnp.int32))
+    out = convert.export_hf(model, params, tmp_path / "hf", tokenizer=ours)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(ours.vocab_size, vocab))
+    assert generation["eos_token_id"] == ours.hf_roles()["eos"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    prompt = torch.tensor([ours.encode("def f")])
+    # Near-uniform draws of 24 tokens: without the suppression, 61 of the 320 ids are
+    # padding, and some draw is one with probability 1 - (259/320)^24 > 0.99.
+    torch.manual_seed(0)
+    new = hf.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=True,
+                      temperature=100.0, top_k=0)[0, 5:]
+    assert len(new) == 24 and int(new.max()) < ours.vocab_size, new
+    # Exported again without the tokenizer: no generation config of the earlier export.
+    convert.export_hf(model, params, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "generation_config.json").exists()
+
+
 def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):
     """'~/...' was a folder named '~' for export_hf, and 'not a directory' for load_hf."""
     monkeypatch.setenv("HOME", str(tmp_path))
