@@ -16,6 +16,7 @@ them against the model's config dataclass and its own data keys.
 from __future__ import annotations
 
 import ast
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -115,6 +116,7 @@ def base_config() -> ml_collections.ConfigDict:
     e.sample_tokens = 64  # tokens generated per prompt.
     e.sample_temperature = 0.8  # 0 is greedy.
     e.sample_top_k = 40  # keep the k most likely tokens (0: all).
+    e.sample_top_p = 1.0  # keep the fewest most likely tokens holding this mass (1: all).
     return c
 
 
@@ -158,6 +160,7 @@ RANGES = {
     "eval.sample_tokens": "[1, inf)",
     "eval.sample_temperature": "[0, inf)",
     "eval.sample_top_k": "[0, inf)",
+    "eval.sample_top_p": "(0, 1]",
 }
 
 
@@ -208,6 +211,22 @@ def _hint(config, key: str, missing: str, valid) -> str:
     return did_you_mean(missing, valid)
 
 
+def with_base_keys(stored: dict) -> dict:
+    """A run's config.json (as a dict) with every key of base_config() it lacks added at
+    its default: a run saved before the key existed (eval.sample_top_p, say) then reads,
+    validates and takes `--config.eval.sample_top_p=...` like a new one. Every experiment
+    starts from base_config(), so a new run holds these keys anyway."""
+    def fill(into: dict, defaults: dict) -> None:
+        for key, value in defaults.items():
+            if key not in into:
+                into[key] = copy.deepcopy(value)
+            elif isinstance(value, dict) and isinstance(into[key], dict):
+                fill(into[key], value)
+    out = copy.deepcopy(stored)
+    fill(out, base_config().to_dict())
+    return out
+
+
 def flat(tree, prefix: str = "") -> dict[str, Any]:
     """{"group.key": value} of a ConfigDict or a nested dict (e.g. a config.json)."""
     out = {}
@@ -228,6 +247,21 @@ def flat(tree, prefix: str = "") -> dict[str, Any]:
 # DATA_DIR/token_cache (data_dir, else $TFDS_DATA_DIR or ~/tensorflow_datasets).
 TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fraction": 0.05,
                   "max_bad_records": 100, "cache_dir": ""}
+
+
+# The data keys of sentence pairs from the user's own files, for the translation tasks
+# (encdec, rnn_seq2seq): data.name="files"; files: comma-separated globs of .jsonl[.gz|.zst]
+# and .parquet whose records (rows) hold both languages under the keys (columns)
+# data.source and data.target; the held-out split as for text (eval_files, else
+# eval_fraction of the pairs by a hash of file and line or row: data/files.py).
+PAIR_FILE_KEYS = {"files": "", "eval_files": "", "eval_fraction": 0.05, "max_bad_records": 100}
+
+
+def add_pair_file_keys(data: ml_collections.ConfigDict) -> None:
+    """Gives a translation experiment's `config.data` the PAIR_FILE_KEYS with their
+    defaults, so the command line can set them (--config.data.files=pairs.jsonl)."""
+    for key, value in PAIR_FILE_KEYS.items():
+        data[key] = value
 
 
 def add_text_file_keys(data: ml_collections.ConfigDict) -> None:

@@ -40,6 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.target_len = 32
     c.data.train_split = "train"
     c.data.eval_split = "validation"
+    config_lib.add_pair_file_keys(c.data)  # data.name="files": your own sentence pairs.
 
     c.optim.lr = 2e-3
     c.optim.warmup_steps = 100  # post-norm needs warmup (§5.3 uses 4000 at full scale).

@@ -30,6 +30,10 @@ file (.jsonl.gz/.zst, the last one kept: fine in file order, slow under a global
 shuffle; the prepared token cache of issue #26 is the fast path for big compressed
 corpora).
 
+Pairs (a translation's source and target sentences): `fields=('en', 'fr')` reads those
+two keys of each .jsonl record or columns of each .parquet row, and a record is
+{'id': ..., 'en': UTF-8 bytes, 'fr': UTF-8 bytes} (text files hold no fields).
+
 Bad input is one line naming the file (FilesError): a glob that matches nothing, an
 unsupported file type, a jsonl or parquet whose records lack `text_key` (with the keys
 they have), an unreadable, truncated or corrupt file. A bad record inside a good file
@@ -231,15 +235,21 @@ def _first_keys(line: bytes) -> list[str] | None:
     return sorted(obj) if isinstance(obj, dict) else None
 
 
-def _missing_key(path: str, text_key: str, keys: list[str], arg: str) -> FilesError:
-    return FilesError(f'{path} has no {text_key!r} in its records (their keys: {keys}); '
-                      f'set {arg}text_key to the one that holds the text')
+def _missing_key(path: str, key: str, keys: list[str], hint: str) -> FilesError:
+    return FilesError(f'{path} has no {key!r} in its records (their keys: {keys}); {hint}')
 
 
-def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
+def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
+           pairs: bool = False) -> _File:
+    """One file indexed for reading the record keys (or parquet columns) `fields` (with
+    `pairs`, several per record); `hint` says which setting names them, for a file that
+    lacks one."""
     fmt = _format(path)
     f = _File(path=path, ident=ident, format=fmt)
     if fmt in TEXT_SUFFIXES:
+        if pairs:
+            raise FilesError(f'{path}: a text file is one document; pairs ({", ".join(fields)}) '
+                             f'come from .jsonl or .parquet records holding both')
         if not os.access(path, os.R_OK):
             raise FilesError(f'{path}: cannot be read (permissions)')
         return f
@@ -253,18 +263,19 @@ def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
         except (pa.ArrowException, OSError) as e:
             raise FilesError(f'{path}: not a readable parquet file (truncated or corrupt?): '
                              f'{e}') from None
-        if text_key not in names:
-            raise _missing_key(path, text_key, names, arg)
-        # A column of another type would skip every row, one bad record each: its schema
-        # says so now, in one line.
-        kind = meta.schema_arrow.field(text_key).type
-        if pa.types.is_dictionary(kind):  # a categorical column of strings reads as str
-            kind = kind.value_type
-        textual = ("is_string", "is_large_string", "is_binary", "is_large_binary",
-                   "is_string_view", "is_binary_view")  # the views: pyarrow >= 16
-        if not any(getattr(pa.types, name, lambda _: False)(kind) for name in textual):
-            raise FilesError(f'{path}: column {text_key!r} holds {kind}, not text; valid: a '
-                             f'string column ({arg}text_key names it)')
+        for key in fields:
+            if key not in names:
+                raise _missing_key(path, key, names, hint)
+            # A column of another type would skip every row, one bad record each: its
+            # schema says so now, in one line.
+            kind = meta.schema_arrow.field(key).type
+            if pa.types.is_dictionary(kind):  # a categorical column of strings reads as str
+                kind = kind.value_type
+            textual = ("is_string", "is_large_string", "is_binary", "is_large_binary",
+                       "is_string_view", "is_binary_view")  # the views: pyarrow >= 16
+            if not any(getattr(pa.types, name, lambda _: False)(kind) for name in textual):
+                raise FilesError(f'{path}: column {key!r} holds {kind}, not text; valid: a '
+                                 f'string column ({hint})')
         f.groups = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         f.count = int(f.groups[-1])
         return f
@@ -277,12 +288,18 @@ def _index(ident: str, path: str, text_key: str, arg: str) -> _File:
         raise FilesError(f'{path}: truncated or corrupt {what} ({e})') from None
     f.count = len(f.starts)
     # The first records tell a file whose records hold the text under another key: none
-    # of them has text_key. One without it among others (a header line, a stray record)
-    # is a bad record, skipped and counted when read.
+    # of them has it. One without it among others (a header line, a stray record) is a
+    # bad record, skipped and counted when read.
     keys = [k for k in map(_first_keys, first) if k is not None]
-    if keys and not any(text_key in k for k in keys):
-        raise _missing_key(path, text_key, sorted(set().union(*keys)), arg)
+    for key in fields:
+        if keys and not any(key in k for k in keys):
+            raise _missing_key(path, key, sorted(set().union(*keys)), hint)
     return f
+
+
+# What names the key of a document's text, for a file whose records lack it.
+_TEXT_HINT = 'set {arg}text_key to the one that holds the text'
+
 
 
 # ================================================================================== reading
@@ -316,18 +333,21 @@ class _Reader:
         except (*_decompression_errors(),) as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
 
-    def row(self, f: _File, k: int, text_key: str):
+    def row(self, f: _File, k: int, fields: tuple[str, ...]) -> list:
+        """Row k's values of the columns `fields`."""
         g = int(np.searchsorted(f.groups, k, side='right')) - 1
 
         def load():
             import pyarrow as pa
             import pyarrow.parquet as pq
             try:
-                return pq.ParquetFile(f.path).read_row_group(g, columns=[text_key]).column(0)
+                table = pq.ParquetFile(f.path).read_row_group(g, columns=list(fields))
+                return [table.column(key) for key in fields]
             except (pa.ArrowException, OSError) as e:
                 raise FilesError(f'{f.path}: row group {g} cannot be read (corrupt?): '
                                  f'{e}') from None
-        return self._cached((f.path, g), load)[k - int(f.groups[g])].as_py()
+        at = k - int(f.groups[g])
+        return [column[at].as_py() for column in self._cached((f.path, g), load)]
 
     def text_file(self, f: _File) -> tuple[bytes, int]:
         """The file's text as UTF-8, and how many of its bytes were not UTF-8 (each read
@@ -389,10 +409,13 @@ class _BadRecords:
 
 
 class Corpus:
-    """The indexed files of one `files` spec, documents numbered in file order."""
+    """The indexed files of one `files` spec, documents numbered in file order. A record
+    is the document under 'text' (read from `fields` = (text_key,)), or with `pairs` each
+    of `fields` under its own name."""
 
-    def __init__(self, files: list[_File], text_key: str, bad: _BadRecords):
-        self.files, self.text_key, self.bad = files, text_key, bad
+    def __init__(self, files: list[_File], fields: tuple[str, ...], bad: _BadRecords,
+                 pairs: bool = False):
+        self.files, self.fields, self.bad, self.pairs = files, fields, bad, pairs
         self.first = np.concatenate([[0], np.cumsum([f.count for f in files])]).astype(np.int64)
         self._reader = _Reader()
 
@@ -425,33 +448,41 @@ class Corpus:
             return {'id': f.ident.encode(), 'text': text}
         if f.format == '.parquet':
             where = f'{f.path}: row {k}'
-            value = self._reader.row(f, k, self.text_key)
+            values = self._reader.row(f, k, self.fields)
             ident = f'{f.ident}:{k}'
         else:
             where = f'{f.path}:{int(f.lines[k])}'
-            value = self._json_text(self._reader.line(f, k), where)
+            values = self._json_values(self._reader.line(f, k), where)
             ident = f'{f.ident}:{int(f.lines[k])}'
-        if isinstance(value, bytes):
-            value = value.decode('utf-8', errors='replace')
-        if not isinstance(value, str):
+        values = [v.decode('utf-8', errors='replace') if isinstance(v, bytes) else v
+                  for v in values]
+        wrong = next(((key, v) for key, v in zip(self.fields, values) if not isinstance(v, str)),
+                     None)
+        if wrong is not None:  # the whole record is skipped: a pair needs both sides
+            key, value = wrong
             if value is not _BAD:
-                self.bad.skip(where, f'{self.text_key!r} is {type(value).__name__}, not text')
-            value = ''
-        return {'id': ident.encode(), 'text': value.encode('utf-8', errors='replace')}
+                self.bad.skip(where, f'{key!r} is {type(value).__name__}, not text')
+            values = [''] * len(self.fields)
+        texts = [v.encode('utf-8', errors='replace') for v in values]
+        names = self.fields if self.pairs else ('text',)
+        return {'id': ident.encode(), **dict(zip(names, texts))}
 
-    def _json_text(self, line: bytes, where: str):
+    def _json_values(self, line: bytes, where: str) -> list:
+        """The record's values of `fields` (_BAD each if the line is a bad record)."""
+        bad = [_BAD] * len(self.fields)
         try:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError) as e:
             self.bad.skip(where, f'not a JSON line ({e})')
-            return _BAD
+            return bad
         if not isinstance(obj, dict):
             self.bad.skip(where, f'a JSON {type(obj).__name__}, not an object')
-            return _BAD
-        if self.text_key not in obj:
-            self.bad.skip(where, f'no {self.text_key!r} (keys: {sorted(obj)})')
-            return _BAD
-        return obj[self.text_key]
+            return bad
+        missing = [key for key in self.fields if key not in obj]
+        if missing:
+            self.bad.skip(where, f'no {missing[0]!r} (keys: {sorted(obj)})')
+            return bad
+        return [obj[key] for key in self.fields]
 
     def keys(self) -> np.ndarray:
         """A stable 64-bit hash of every document's identity (file, line or row number)."""
@@ -505,7 +536,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class FileDocuments:
-    """The documents of one split: `len`, `[i]` -> {'id': bytes, 'text': UTF-8 bytes}."""
+    """The documents of one split: `len`, `[i]` -> {'id': bytes, 'text': UTF-8 bytes}
+    (with `fields`, each field's text under its name)."""
 
     def __init__(self, corpus: Corpus, indices: np.ndarray | None = None):
         self.corpus = corpus
@@ -525,10 +557,12 @@ class FileDocuments:
 def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = '', *,
                 text_key: str = 'text', eval_fraction: float = 0.05,
                 max_bad_records: int = 100, max_files: int = 0,
-                arg: str = '') -> dict[str, FileDocuments]:
+                arg: str = '', fields: Sequence[str] = (),
+                fields_hint: str = '') -> dict[str, FileDocuments]:
     """{'train': ..., 'validation': ...} sources of the documents in `files` (module
     docstring). `arg` prefixes the argument names in messages (the task passes
-    'config.data.')."""
+    'config.data.'). `fields`: records of those keys' texts instead (pairs), whose
+    settings `fields_hint` names for a file that lacks one."""
     if not 0 < eval_fraction < 1:
         raise FilesError(f'{arg}eval_fraction={eval_fraction!r} is out of range; valid: '
                          f'0 < eval_fraction < 1')
@@ -537,10 +571,15 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
                          f'valid: >= 0')
     if not text_key:
         raise FilesError(f"{arg}text_key='' names no key; valid: the key that holds the text")
+    if any(not key for key in fields) or len(set(fields)) < len(fields):
+        raise FilesError(f'fields={tuple(fields)!r}: valid: distinct, non-empty keys'
+                         + (f' ({fields_hint})' if fields_hint else ''))
     # Listing is cheap; indexing is cached on what was listed (paths, sizes, mtimes).
     listed = corpus_listing(files, eval_files, max_files=max_files, arg=arg)
-    return _splits(*(tuple(map(tuple, listed[k])) for k in ('files', 'eval_files')), text_key,
-                   eval_fraction, max_bad_records, arg,
+    read = (tuple(fields), f'set {fields_hint}' if fields_hint else 'name the keys that hold '
+            'the texts') if fields else ((text_key,), _TEXT_HINT.format(arg=arg))
+    return _splits(*(tuple(map(tuple, listed[k])) for k in ('files', 'eval_files')), read,
+                   bool(fields), eval_fraction, max_bad_records, arg,
                    files if isinstance(files, str) else ','.join(files))
 
 
@@ -559,11 +598,12 @@ def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] =
 
 
 @functools.lru_cache(maxsize=4)
-def _splits(train_files, eval_files, text_key, eval_fraction, max_bad_records, arg,
+def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records, arg,
             spec) -> dict[str, FileDocuments]:
     bad = _BadRecords(max_bad_records, arg)
-    corpus = lambda listed: Corpus([_index(ident, path, text_key, arg)
-                                    for ident, path, _, _ in listed], text_key, bad)
+    fields, hint = read
+    corpus = lambda listed: Corpus([_index(ident, path, fields, hint, pairs)  # noqa: E731
+                                    for ident, path, _, _ in listed], fields, bad, pairs)
     train = corpus(train_files)
     if len(train) == 0:
         raise FilesError(f'{arg}files={spec!r}: the files hold no documents')

@@ -3,6 +3,8 @@ the Transformer encoder-decoder (`encdec`)."""
 
 from __future__ import annotations
 
+import functools
+import sys
 
 import flax.linen as nn
 import jax
@@ -10,15 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import workdir as workdir_lib
+from attention_jax.config import PAIR_FILE_KEYS
 from attention_jax.data.tokenization import TokenizerEncodeError
-from attention_jax.errors import ConfigError
+from attention_jax.errors import ConfigError, check_range
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
-from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      check_model_keys, data_is_on_demand, data_options,
-                                      data_parallel_size, gather_rows, model_config,
-                                      padded_vocab, register, run_tokenizer, splits,
-                                      token_labels, until_eos)
+from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_context,
+                                      check_model_keys, check_source_keys, data_is_on_demand,
+                                      data_options, data_parallel_size, gather_rows,
+                                      model_config, padded_vocab, register, run_tokenizer,
+                                      splits, token_labels, until_eos)
 
 
 def _check_languages(data_opts, records) -> None:
@@ -31,19 +34,64 @@ def _check_languages(data_opts, records) -> None:
                               f"{data_opts.name!r}; valid: {valid}")
 
 
+def _pairs(data_opts):
+    """(train, eval) sources of sentence pairs: a dataset's splits, or with
+    data.name="files" the records of the user's .jsonl/.parquet files, each holding both
+    languages under the keys data.source and data.target."""
+    from attention_jax.data import files
+    check_source_keys(data_opts, "files", ("files", "eval_files"))
+    if data_opts.name != "files":
+        return splits(data_opts)
+    if not data_opts.files:
+        raise ConfigError("config.data.name='files' needs --config.data.files=GLOBS "
+                          "(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
+                          "records hold the two languages under data.source and data.target)")
+    if data_opts.source == data_opts.target:
+        raise ConfigError(f"config.data.source and config.data.target are both "
+                          f"{data_opts.source!r}; valid: the two keys of a record that hold "
+                          f"the source and the target sentence")
+    check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
+    check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
+    for key in ("train_split", "eval_split"):
+        if data_opts[key] not in files.SPLITS:
+            raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has "
+                              f"the splits {list(files.SPLITS)}")
+    found = files.file_splits(
+        data_opts.files, data_opts.eval_files, eval_fraction=data_opts.eval_fraction,
+        max_bad_records=data_opts.max_bad_records, arg="config.data.",
+        fields=(data_opts.source, data_opts.target),
+        fields_hint="config.data.source and config.data.target to the keys of the two "
+                    "languages")
+    return found[data_opts.train_split], found[data_opts.eval_split]
+
+
 def _check_lengths(data_opts, tok, *splits_) -> None:
     """Every source fits config.data.source_len and every target, with its end token,
     target_len: found here, before training, rather than at the batch that holds the
-    first one too long."""
+    first one too long. Pairs with an empty side are counted and said: they train as an
+    empty sentence (a blank line in a user's files, most likely)."""
+    longest = {"source": 0, "target": 0}
+    empty, total = 0, 0
+    for records in splits_:
+        for i in range(len(records)):
+            record, blank = records[i], False
+            for key in longest:
+                ids = tok.encode(as_text(record[data_opts[key]]))
+                longest[key] = max(longest[key], len(ids))
+                blank = blank or not ids
+            empty += blank
+            total += 1
     for key, length in (("source", data_opts.source_len), ("target", data_opts.target_len)):
-        longest = max((len(tok.encode(as_text(records[i][data_opts[key]])))
-                       for records in splits_ for i in range(len(records))), default=0)
-        longest += key == "target"  # its end-of-sequence token
-        if longest > length:
+        most = longest[key] + (key == "target")  # its end-of-sequence token
+        if most > length:
             raise ConfigError(f"config.data.{key}_len={length}: the longest {key} "
-                              f"({data_opts[key]!r}) of {data_opts.name!r} has {longest} "
+                              f"({data_opts[key]!r}) of {data_opts.name!r} has {most} "
                               f"tokens{' with its end token' if key == 'target' else ''}; "
-                              f"valid: {key}_len >= {longest}")
+                              f"valid: {key}_len >= {most}")
+    if empty:
+        print(f"warning: {empty} of the {total} pairs of {data_opts.name!r} have an empty "
+              f"source or target ({data_opts.source!r} -> {data_opts.target!r}); they are "
+              f"used as they are", file=sys.stderr)
 
 
 def translation_task(config, workdir: str) -> Task:
@@ -59,9 +107,22 @@ def translation_task(config, workdir: str) -> Task:
                      config)  # before the data and tokenizer are built
     data_opts = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
                      tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
-                     train_split="train", eval_split="validation")
-    train_src, eval_src = splits(data_opts)
-    _check_languages(data_opts, train_src)
+                     train_split="train", eval_split="validation", **PAIR_FILE_KEYS)
+    if data_opts.tokenizer == "wordpiece":
+        raise ConfigError("config.data.tokenizer='wordpiece' is BERT's vocabulary for masked "
+                          "language modelling: it has no beginning- or end-of-sentence token, "
+                          "which a decoder starts and stops with; valid: ['char', 'byte', "
+                          "'bpe'] or a tokenizer.json")
+
+    @functools.cache
+    def pairs():
+        train, evaluated = _pairs(data_opts)
+        _check_languages(data_opts, train)
+        return train, evaluated
+    if data_is_on_demand():  # a reader (sampling, attention maps) needs no data
+        train_src, eval_src = OnDemand(lambda: pairs()[0]), OnDemand(lambda: pairs()[1])
+    else:
+        train_src, eval_src = pairs()
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
                                           for k in (data_opts.source, data_opts.target)])
     if not data_is_on_demand():  # a reader's run trained on these lengths already

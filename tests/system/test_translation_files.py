@@ -1,0 +1,91 @@
+"""Sentence pairs from the user's own files: the translation tasks (encdec, rnn_seq2seq)
+with data.name="files", their records' keys naming the two languages."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from attention_jax import config as config_lib
+from attention_jax import tasks, train
+from attention_jax.data import files
+from attention_jax.errors import ConfigError
+from attention_jax.tasks.base import data_on_demand
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+MOTS = ["zéro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf"]
+
+
+def _pairs(n: int, offset: int = 0):
+    return [{"en": f"{WORDS[i % 10]} {WORDS[(i // 10) % 10]}",
+             "fr": f"{MOTS[i % 10]} {MOTS[(i // 10) % 10]}"} for i in range(offset, offset + n)]
+
+
+def _config(tmp_path, *overrides, task="encdec"):
+    small = (["model.d_model=16", "model.num_heads=2", "model.mlp_dim=16"] if task == "encdec"
+             else ["model.hidden_dim=16", "model.embed_dim=16"])
+    return config_lib.load(task, ["data.name=files", "data.vocab_size=280", "train.steps=2",
+                                  "train.batch_size=8", "eval.batch_size=8", "eval.every=-1",
+                                  "eval.sample_prompts=('five two',)", *small, *overrides])
+
+
+def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
+    """JSONL lines and parquet rows hold both languages under data.source/data.target;
+    a held-out pair is never trained on; a blank side and a bad line are said; the run
+    trains, and a reader (sampling) needs the tokenizer and weights, not the files."""
+    lines = [json.dumps(p) for p in _pairs(150)] + ['{"en": "", "fr": "un"}', "not json"]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.Table.from_pylist(_pairs(100, offset=150)), tmp_path / "b.parquet")
+    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl,{tmp_path}/b.parquet",
+                     "data.eval_fraction=0.1")
+    task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    seen = {bytes(task.train_source[i]["id"]) for i in range(len(task.train_source))}
+    held = {bytes(task.eval_source[i]["id"]) for i in range(len(task.eval_source))}
+    assert len(seen) + len(held) == 252 and not seen & held and 10 < len(held) < 45
+    record = task.eval_source[0]
+    assert set(record) == {"id", "en", "fr"} and record["en"].decode() in {
+        p["en"] for p in _pairs(250)} | {""}
+    err = capsys.readouterr().err
+    assert "a.jsonl:152: not a JSON line" in err  # counted as a bad record, said once
+    assert "2 of the 252 pairs of 'files' have an empty source or target" in err
+    summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert np.isfinite(summary["losses"]).all()
+    for name in ("a.jsonl", "b.parquet"):  # the data moves away
+        (tmp_path / name).rename(tmp_path / f"moved-{name}")
+    with data_on_demand():
+        reader = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    assert reader.sample is not None  # built without reading a file
+    with pytest.raises(files.NoFilesError):
+        len(reader.train_source)  # the data is read only when used
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.target=de"], r"has no 'de' in its records \(their keys: \['en', 'fr'\]\); set "
+                         r"config\.data\.source and config\.data\.target to the keys"),
+    (["data.target=en"], r"config\.data\.source and config\.data\.target are both 'en'"),
+    (["data.files="], r"config\.data\.name='files' needs --config\.data\.files=GLOBS"),
+    (["data.eval_split=test"], r"config\.data\.eval_split='test': the files source has the "
+                               r"splits \['train', 'validation'\]"),
+    (["data.tokenizer=wordpiece"], r"config\.data\.tokenizer='wordpiece' is BERT's"),
+])
+def test_bad_pair_settings_name_the_key(tmp_path, overrides, message):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(40)) + "\n")
+    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", *overrides)
+    with pytest.raises((ConfigError, files.FilesError), match=message):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
+def test_a_text_file_is_no_pair_and_files_need_the_files_source(tmp_path):
+    """A .txt is one document, not a pair; data.files with a dataset's name would be
+    ignored in silence."""
+    (tmp_path / "a.txt").write_text("five two\n")
+    config = _config(tmp_path, f"data.files={tmp_path}/a.txt", task="rnn_seq2seq")
+    with pytest.raises(files.FilesError, match=r"a\.txt: a text file is one document; pairs "
+                                               r"\(en, fr\) come from \.jsonl or \.parquet"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    config.data.name = "number_translation/small"
+    with pytest.raises(ConfigError, match=r"config\.data\.files=.* is read only with "
+                                          r"config\.data\.name='files'"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
