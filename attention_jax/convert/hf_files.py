@@ -158,10 +158,13 @@ def export_remote(out_dir: str, export: Callable[[str], object], with_tokenizer:
     check_not_a_run(out_dir, lambda p: workdir_lib.epath_of(p).is_dir(),
                     lambda p: workdir_lib.epath_of(p).is_file(),
                     lambda p: workdir_lib.epath_of(p).read_text())
+    # An earlier export's generation config goes first: this one writes its own only
+    # where the model's vocabulary pads its tokenizer's (convert/hf.py).
+    if (target / "generation_config.json").exists():
+        (target / "generation_config.json").unlink()
     workdir_lib.save_assets(export, out_dir)
-    if not with_tokenizer:  # (and the generation config, which only a tokenizer's writes)
-        _remove_stale([n for n in (*TOKENIZER_FILES, "generation_config.json")
-                       if (target / n).exists()], out_dir,
+    if not with_tokenizer:
+        _remove_stale([n for n in TOKENIZER_FILES if (target / n).exists()], out_dir,
                       lambda name: (target / name).unlink())
     return out_dir
 

@@ -395,7 +395,7 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     """A real number (Python's, NumPy's or a 0-d array), not a bool or a tracer."""
-    if isinstance(x, bool) or isinstance(x, jax.core.Tracer):
+    if isinstance(x, (bool, jax.core.Tracer)) or np.asarray(x).dtype == np.bool_:
         return False
     try:
         float(x)
@@ -405,13 +405,14 @@ def _is_real(x) -> bool:
 
 
 def _is_key(rng) -> bool:
-    """A JAX PRNG key: a typed key (jax.random.key) or a raw uint32 [2] (PRNGKey)."""
+    """One JAX PRNG key: a typed key (jax.random.key) or a raw uint32 vector (PRNGKey's:
+    2 words, 4 under the rbg implementations), not a batch of them."""
     dtype = getattr(rng, "dtype", None)
     if dtype is None:
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return jnp.ndim(rng) == 0
-    return dtype == jnp.uint32 and jnp.shape(rng) == (2,)
+    return dtype == jnp.uint32 and jnp.ndim(rng) == 1
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

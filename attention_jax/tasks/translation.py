@@ -46,6 +46,14 @@ def _pairs(data_opts):
         raise ConfigError("config.data.name='files' needs --config.data.files=GLOBS "
                           "(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
                           "records hold the two languages under data.source and data.target)")
+    if not data_opts.source or not data_opts.target:
+        raise ConfigError(f"config.data.source={data_opts.source!r}, config.data.target="
+                          f"{data_opts.target!r}; valid: the two keys of a record that hold "
+                          f"the source and the target sentence")
+    if "id" in (data_opts.source, data_opts.target):  # the record's own key (file and line)
+        raise ConfigError(f"config.data.source={data_opts.source!r}, config.data.target="
+                          f"{data_opts.target!r}: 'id' names a record's file and line here; "
+                          f"valid: other keys (rename that field in the files)")
     if data_opts.source == data_opts.target:
         raise ConfigError(f"config.data.source and config.data.target are both "
                           f"{data_opts.source!r}; valid: the two keys of a record that hold "
@@ -65,22 +73,50 @@ def _pairs(data_opts):
     return found[data_opts.train_split], found[data_opts.eval_split]
 
 
+class _Pairs:
+    """The pairs of a split at `indices` (those with both sides): len, [i], picklable for
+    grain's workers."""
+
+    def __init__(self, records, indices):
+        self.records, self.indices = records, np.asarray(indices, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.records[int(self.indices[int(i)])]
+
+
+def _whole_pairs(data_opts, records, split: str):
+    """`records` less the pairs with an empty side: a blank line in a user's files, or a
+    bad record (not JSON, a side missing), which the files source reads as empty. Trained
+    on, it taught 'empty source -> end of sentence' and counted in the eval; left out
+    here, counted in a warning. A function of the records alone, so a resumed run and a
+    reader's evaluation leave out the same ones."""
+    keys = (data_opts.source, data_opts.target)
+    keep = [i for i in range(len(records)) if all(len(records[i][k]) for k in keys)]
+    if len(keep) == len(records):
+        return records
+    if not keep:
+        raise ConfigError(f"config.data.{split}={data_opts[split]!r} of {data_opts.name!r}: "
+                          f"every one of its {len(records)} pairs has an empty side "
+                          f"({keys[0]!r} or {keys[1]!r})")
+    print(f"warning: {len(records) - len(keep)} of the {len(records)} pairs of "
+          f"{data_opts.name!r} ({data_opts[split]}) have an empty {keys[0]!r} or {keys[1]!r} "
+          f"(or were bad records): left out", file=sys.stderr)
+    return _Pairs(records, keep)
+
+
 def _check_lengths(data_opts, tok, *splits_) -> None:
     """Every source fits config.data.source_len and every target, with its end token,
     target_len: found here, before training, rather than at the batch that holds the
-    first one too long. Pairs with an empty side are counted and said: they train as an
-    empty sentence (a blank line in a user's files, most likely)."""
+    first one too long."""
     longest = {"source": 0, "target": 0}
-    empty, total = 0, 0
     for records in splits_:
         for i in range(len(records)):
-            record, blank = records[i], False
             for key in longest:
-                ids = tok.encode(as_text(record[data_opts[key]]))
-                longest[key] = max(longest[key], len(ids))
-                blank = blank or not ids
-            empty += blank
-            total += 1
+                longest[key] = max(longest[key],
+                                   len(tok.encode(as_text(records[i][data_opts[key]]))))
     for key, length in (("source", data_opts.source_len), ("target", data_opts.target_len)):
         most = longest[key] + (key == "target")  # its end-of-sequence token
         if most > length:
@@ -88,10 +124,6 @@ def _check_lengths(data_opts, tok, *splits_) -> None:
                               f"({data_opts[key]!r}) of {data_opts.name!r} has {most} "
                               f"tokens{' with its end token' if key == 'target' else ''}; "
                               f"valid: {key}_len >= {most}")
-    if empty:
-        print(f"warning: {empty} of the {total} pairs of {data_opts.name!r} have an empty "
-              f"source or target ({data_opts.source!r} -> {data_opts.target!r}); they are "
-              f"used as they are", file=sys.stderr)
 
 
 def translation_task(config, workdir: str) -> Task:
@@ -118,7 +150,8 @@ def translation_task(config, workdir: str) -> Task:
     def pairs():
         train, evaluated = _pairs(data_opts)
         _check_languages(data_opts, train)
-        return train, evaluated
+        return (_whole_pairs(data_opts, train, "train_split"),
+                _whole_pairs(data_opts, evaluated, "eval_split"))
     if data_is_on_demand():  # a reader (sampling, attention maps) needs no data
         train_src, eval_src = OnDemand(lambda: pairs()[0]), OnDemand(lambda: pairs()[1])
     else:

@@ -153,7 +153,7 @@ def test_generate_names_a_bad_argument():
             run(lengths)
     with pytest.raises(ValueError, match=r"top_p=1.5; valid: None or in \(0, 1\]"):
         run([8, 5], temperature=1.0, top_p=1.5)
-    for temperature in (-1.0, float("nan"), float("inf"), True):
+    for temperature in (-1.0, float("nan"), float("inf"), True, np.bool_(True)):
         with pytest.raises(ValueError, match=r"temperature=.*; valid: 0 \(greedy\) or a "
                                              r"finite number > 0"):
             run([8, 5], temperature=temperature)
@@ -211,10 +211,12 @@ def test_sampling_filters():
     assert set(np.asarray(draw(keys, top_p=0.7)).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
     assert set(np.asarray(draw(keys, top_p=1.0)).tolist()) == {0, 1, 2, 3}
     # A temperature near 0 is greedy in the limit: dividing the raw logits by 1e-45
-    # overflowed them to -inf everywhere, and the draw came out of the mask.
+    # overflowed them to -inf everywhere, and the draw came out of the mask (its first
+    # id, so the most likely token is put last here).
+    logits = logits[:, ::-1]
     for temperature in (1e-30, 1e-45):
-        assert set(np.asarray(draw(keys, temperature=temperature)).tolist()) == {0}
-        assert set(np.asarray(draw(keys, temperature=temperature, top_p=0.9)).tolist()) == {0}
+        assert set(np.asarray(draw(keys, temperature=temperature)).tolist()) == {3}
+        assert set(np.asarray(draw(keys, temperature=temperature, top_p=0.9)).tolist()) == {3}
 
 
 def _grads(model, params, tokens):

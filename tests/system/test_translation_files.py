@@ -2,17 +2,18 @@
 with data.name="files", their records' keys naming the two languages."""
 
 import json
+import re
 
+import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from attention_jax import config as config_lib
-from attention_jax import tasks, train
+from attention_jax import runs, tasks, train
 from attention_jax.data import files
 from attention_jax.errors import ConfigError
-from attention_jax.tasks.base import data_on_demand
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 MOTS = ["zéro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf"]
@@ -33,8 +34,9 @@ def _config(tmp_path, *overrides, task="encdec"):
 
 def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
     """JSONL lines and parquet rows hold both languages under data.source/data.target;
-    a held-out pair is never trained on; a blank side and a bad line are said; the run
-    trains, and a reader (sampling) needs the tokenizer and weights, not the files."""
+    a held-out pair is never trained on; a pair with a blank side and a bad line are left
+    out, and said; the run trains, and a reader (sampling) needs the tokenizer and
+    weights, not the files."""
     lines = [json.dumps(p) for p in _pairs(150)] + ['{"en": "", "fr": "un"}', "not json"]
     (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
     pq.write_table(pa.Table.from_pylist(_pairs(100, offset=150)), tmp_path / "b.parquet")
@@ -43,22 +45,26 @@ def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
     task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
     seen = {bytes(task.train_source[i]["id"]) for i in range(len(task.train_source))}
     held = {bytes(task.eval_source[i]["id"]) for i in range(len(task.eval_source))}
-    assert len(seen) + len(held) == 252 and not seen & held and 10 < len(held) < 45
-    record = task.eval_source[0]
-    assert set(record) == {"id", "en", "fr"} and record["en"].decode() in {
-        p["en"] for p in _pairs(250)} | {""}
+    assert len(seen) + len(held) == 250 and not seen & held and 10 < len(held) < 45
+    pairs = {(p["en"], p["fr"]) for p in _pairs(250)}
+    for source in (task.train_source, task.eval_source):
+        records = [source[i] for i in range(len(source))]
+        assert all(set(r) == {"id", "en", "fr"} for r in records)
+        assert {(r["en"].decode(), r["fr"].decode()) for r in records} <= pairs
     err = capsys.readouterr().err
     assert "a.jsonl:152: not a JSON line" in err  # counted as a bad record, said once
-    assert "2 of the 252 pairs of 'files' have an empty source or target" in err
+    left_out = re.findall(r"warning: (\d+) of the \d+ pairs of 'files' \((?:train|"
+                          r"validation)\) have an empty 'en' or 'fr' \(or were bad records\): "
+                          r"left out", err)
+    assert sum(map(int, left_out)) == 2, err
     summary = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert np.isfinite(summary["losses"]).all()
     for name in ("a.jsonl", "b.parquet"):  # the data moves away
         (tmp_path / name).rename(tmp_path / f"moved-{name}")
-    with data_on_demand():
-        reader = tasks.TASKS[config.task](config, str(tmp_path / "run"))
-    assert reader.sample is not None  # built without reading a file
+    run = runs.open_run(str(tmp_path / "run"))  # a reader: the task built on demand
+    assert [isinstance(t, str) for t in run.task.sample(run.params, jax.random.key(0))] == [True]
     with pytest.raises(files.NoFilesError):
-        len(reader.train_source)  # the data is read only when used
+        len(run.task.train_source)  # the data is read only when used
 
 
 @pytest.mark.parametrize("overrides, message", [

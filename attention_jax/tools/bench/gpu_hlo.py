@@ -597,13 +597,13 @@ def run(args) -> dict:
                "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
                "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}
-    if row["norm_kernel"] != "xla":
-        # What the norm kernels launch at the step's rows: the settings given, or the
-        # defaults as they adapt to the rows' count and width (norm_kernel.launch).
-        from attention_jax.layers import norm_kernel
-        with norm_kernel.settings(**settings.get("norm", {})):
-            summary["norm_launch"] = norm_kernel.launch(row["batch"] * row["seq_len"],
-                                                        row["width"])
+    from attention_jax.layers import norm_kernel
+    rows = (row["batch"] * row["seq_len"], row["width"])
+    with norm_kernel.settings(**settings.get("norm", {})):
+        if row["norm_kernel"] != "xla" and norm_kernel.unsupported(rows) is None:
+            # What the norm kernels launch at the step's rows: the settings given, or
+            # the defaults as they adapt to the rows' count and width.
+            summary["norm_launch"] = norm_kernel.launch(*rows)
     if args.kernel_code:
         summary["kernel_code"] = kernel_code(out / "dump", shutil.which("ptxas"),
                                              shutil.which("nvdisasm"))
