@@ -16,8 +16,10 @@ training-relevant keys differ from the workdir's config.json the run stops and l
 train.steps, to extend a run, and the keys in workdir.RESUME_SAFE_KEYS need no flag).
 Modes:
   train   (default) train and evaluate, resuming what is in the workdir.
-  eval    evaluate the latest checkpoint on the eval split; print the metrics and append
-          them to the workdir's evals.jsonl (never to the training's metrics.jsonl).
+  eval    evaluate the latest checkpoint on the eval split (--config.data.eval_split=test:
+          another split of the run's dataset); print the metrics and append them to the
+          workdir's evals.jsonl (never to the training's metrics.jsonl; a record of another
+          split names it under "data").
   sample  language models: print continuations of config.eval.sample_prompts;
           translation (encdec, rnn_seq2seq): their greedy translations.
   embed   BERT sentence embeddings of the lines on stdin, from

@@ -204,21 +204,29 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
         now = len(task.train_source)
         source = loaders.source_id(task.train_source)
         other_tokens = (now, config.train.seed) == (saved.num_records, saved.seed)
-        makes = ("as many, but other ones (its tokens differ)" if other_tokens
+        # A tfds split's identity says what it is (dataset, split, bytes, contents): both
+        # are shown, so what changed is named. A token cache's is a bare digest.
+        tfds = source.startswith("tfds ") or saved.source.startswith("tfds ")
+        makes = (f"as many, but other ones ({saved.source} then, {source} now)" if other_tokens
+                 and tfds else "as many, but other ones (its tokens differ)" if other_tokens
                  else f"{now} (seed {config.train.seed})")
+        causes = ("a tfds dataset rebuilt with other examples or read from another "
+                  "data.data_dir holding other ones" if tfds else
+                  "files added, removed or edited, a relative glob read from another "
+                  "directory, or another seq_len or packing")
         if not resume_changed:
             raise loaders.DataChangedError(
                 f"the training data changed since the checkpoint: its loader read {saved.num_records} "
-                f"rows in the order of seed {saved.seed}, the data now makes {makes}; files "
-                f"added, removed or edited, a relative glob read "
-                f"from another directory, or another seq_len or packing. To go on with the data "
+                f"rows in the order of seed {saved.seed}, the data now makes {makes}; "
+                f"{causes}. To go on with the data "
                 f"as it is now pass --resume_changed (train_and_evaluate(..., "
                 f"resume_changed=True)): its order starts anew at the same point in epochs; "
                 f"to train from scratch use a new --workdir") from None
         moved = saved.moved_to(now, config.train.seed, source)
+        other = "other records" if tfds else "other tokens"
         _say(f"note: the training data changed since the checkpoint ({saved.num_records} rows, "
              f"seed {saved.seed} -> "
-             f"{'as many, other tokens' if other_tokens else f'{now}, seed {config.train.seed}'}): "
+             f"{f'as many, {other}' if other_tokens else f'{now}, seed {config.train.seed}'}): "
              f"its new order starts at epoch {moved.next_index / now:.3f}, where the "
              f"checkpoint was in the old one")
         return make_train_loader(task, config, moved)

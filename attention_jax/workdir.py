@@ -181,6 +181,7 @@ ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto", "model.no
               "model.mlp_dim": None, "model.num_experts": None, "model.top_k": None,
               "model.capacity_factor": None,
               **{f"data.{k}": v for k, v in config_lib.TEXT_FILE_KEYS.items()},
+              **{f"data.{k}": v for k, v in config_lib.PAIR_FILE_KEYS.items()},
               **{f"data.{k}": v for k, v in config_lib.IMAGE_KEYS.items()}}
 
 
@@ -257,7 +258,9 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
         raise RunNotFoundError(f"{path(workdir, CONFIG)} does not exist: {workdir!r} is not a "
                                f"run directory written by attention_jax.main (--workdir=DIR "
                                f"writes it)")
-    return ml_collections.ConfigDict(stored)
+    # Keys added since the run was saved (eval.sample_top_p, say) at their defaults: its
+    # config then validates and takes an override of them (validate read them as absent).
+    return ml_collections.ConfigDict(config_lib.with_base_keys(stored))
 
 
 # ================================================================================== metrics
@@ -544,13 +547,35 @@ def training_changes(config, workdir: str) -> str:
     """The training-relevant keys where `config` differs from the run's config.json, as
     `key: old -> new, ...` ("" when none: only RESUME_SAFE_KEYS, or nothing, differ)."""
     changes = config_changes(config, workdir)
-    relevant = _training_keys(changes)
+    relevant = _training_keys(changes, config)
     return _show(changes, relevant) if relevant else ""
 
 
-def _training_keys(changes: dict) -> list[str]:
-    """The keys of `changes` a resume may not change unasked (not RESUME_SAFE_KEYS)."""
-    return [k for k in changes if not _safe(k, RESUME_SAFE_KEYS)]
+def _schedules(changes: dict, config) -> tuple[Any, Any]:
+    """The learning-rate schedule's length (optim.decay_steps, or train.steps where it is
+    0: train.make_optimizer) the run trained with and the one `config` gives."""
+    # .get: a reader's config.json from before a key (config_changes counts it default).
+    steps = changes.get("train.steps") or (config.train.get("steps"),) * 2
+    decay = changes.get("optim.decay_steps") or (config.optim.get("decay_steps", 0),) * 2
+    return decay[0] or steps[0], decay[1] or steps[1]
+
+
+def _same_schedule(key: str, changes: dict, config) -> bool:
+    """Whether `key` is an optim.decay_steps that spells the schedule the run trained
+    with: 0 (train.steps' length) set to that length, as the note of an extended run
+    advises (--config.optim.decay_steps=<the old train.steps>), or the reverse. The step
+    computes the same learning rates, so the change is as safe as train.steps'."""
+    if key != "optim.decay_steps":
+        return False
+    old, new = _schedules(changes, config)
+    return old == new
+
+
+def _training_keys(changes: dict, config) -> list[str]:
+    """The keys of `changes` a resume may not change unasked (not RESUME_SAFE_KEYS, nor
+    an optim.decay_steps that keeps the schedule)."""
+    return [k for k in changes
+            if not _safe(k, RESUME_SAFE_KEYS) and not _same_schedule(k, changes, config)]
 
 
 def _safe(key: str, keys) -> bool:
@@ -566,7 +591,7 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     file is kept as config_until_step_<step>.json)."""
     if step is None:  # Nothing to resume: the workdir's config.json is replaced, and said.
         changes = config_changes(config, workdir)
-        relevant = _training_keys(changes)
+        relevant = _training_keys(changes, config)
         if relevant and jax.process_index() == 0:
             print(f"note: {path(workdir, CONFIG)} held another config ("
                   f"{_show(changes, relevant)}) and no checkpoint: this "
@@ -575,7 +600,7 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     changes = config_changes(config, workdir)
     if not changes:
         return ""
-    relevant = _training_keys(changes)
+    relevant = _training_keys(changes, config)
     if relevant and not resume_changed:
         # A key the config now leaves None (a variant's value) that the run set: giving
         # the run's value resumes it (the gpt config's sizes under :variant=, before they
@@ -590,9 +615,18 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
             f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
             f"from scratch use a new --workdir.")
     note = f"with config changes: {_show(changes, list(changes))}"
-    if "train.steps" in changes and not config.optim.decay_steps:
-        note += (f" (the learning-rate schedule now spans {changes['train.steps'][1]} steps; "
-                 f"--config.optim.decay_steps={changes['train.steps'][0]} keeps the old one)")
+    old_schedule, new_schedule = _schedules(changes, config)
+    if "train.steps" in changes and not config.optim.get("decay_steps", 0) \
+            and old_schedule != new_schedule:
+        # Advice that works as printed. This resume already trains on the new schedule
+        # and rewrites config.json with it, so going back to the old one afterwards is a
+        # change of schedule (--resume_changed); given with the extension itself, the
+        # old length is no change (_same_schedule) and needs no flag.
+        note += (f" (the learning-rate schedule now spans {new_schedule} steps, not "
+                 f"{old_schedule}; to keep the old one, stop this run and run it again with "
+                 f"--config.optim.decay_steps={old_schedule} --resume_changed, or next time "
+                 f"extend with --config.optim.decay_steps={old_schedule} beside "
+                 f"--config.train.steps)")
     if relevant and jax.process_index() == 0:
         old = path(workdir, f"config_until_step_{step}.json")
         epath_of(workdir, CONFIG).replace(old)
@@ -616,24 +650,32 @@ READ_SAFE_KEYS = RESUME_SAFE_KEYS + ("train.compute_dtype", "train.seed", "train
                                      # images moved. The run's tokenizer and class list are
                                      # its own files, checked against the data (tasks/).
                                      "data.root", "data.eval_root", "data.files",
-                                     "data.eval_files", "data.cache_dir")
+                                     "data.eval_files", "data.cache_dir",
+                                     # Another split of the run's own dataset to evaluate
+                                     # (--mode=eval on "test"): the trained model, its
+                                     # dataset and training split stay the run's, and the
+                                     # eval record names the split (main.evaluate_checkpoint).
+                                     "data.eval_split")
 
 
 _READ_SAFE_WORDS = ("eval.*, mesh.*, train.compute_dtype, train.seed, batch sizes, "
-                    "model.implementation, where the data is (data.data_dir, root, eval_root, "
+                    "model.implementation, data.eval_split (another split of the run's "
+                    "dataset to evaluate), where the data is (data.data_dir, root, eval_root, "
                     "files, eval_files, cache_dir)")
 
 
-def _unsafe_for_readers(changes: dict) -> list[str]:
-    """The keys of `changes` a reader may not change (not READ_SAFE_KEYS)."""
-    return [k for k in changes if not _safe(k, READ_SAFE_KEYS)]
+def _unsafe_for_readers(changes: dict, config) -> list[str]:
+    """The keys of `changes` a reader may not change (not READ_SAFE_KEYS, nor an
+    optim.decay_steps that keeps the schedule)."""
+    return [k for k in changes
+            if not _safe(k, READ_SAFE_KEYS) and not _same_schedule(k, changes, config)]
 
 
 def check_reader_config(config, workdir: str, who: str = "a reader of a run") -> dict:
     """{key: (run's value, given value)} of the READ_SAFE_KEYS where `config` differs from
     the run's config.json; a ConfigError naming the others (and the run's values)."""
     changes = config_changes(config, workdir)
-    unsafe = _unsafe_for_readers(changes)
+    unsafe = _unsafe_for_readers(changes, config)
     if unsafe:
         raise ConfigError(
             f"{who} uses the run's own config ({path(workdir, CONFIG)}), and the keys given "
@@ -647,7 +689,7 @@ def reader_overrides_error(config, workdir: str, mismatch: str) -> ConfigError:
     checkpoint no longer restores: the keys past the read-safe ones, and `mismatch`, the
     first array whose shape they changed."""
     changes = config_changes(config, workdir)
-    unsafe = _unsafe_for_readers(changes)
+    unsafe = _unsafe_for_readers(changes, config)
     return ConfigError(
         f"the overrides {_show(changes, unsafe) or '(none past the read-safe keys)'} change "
         f"the model the run trained, so its checkpoint does not restore ({mismatch}); "

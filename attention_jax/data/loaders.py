@@ -37,6 +37,7 @@ and keeps one compiled eval step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -68,7 +69,8 @@ class LoaderState:
     `seed` and `num_records` are stored to refuse a restore into a different data
     order (another seed, another dataset), which would silently repeat or skip data;
     `source`, the records' identity where the source has one (a token cache's
-    `fingerprint`), also refuses the same number of other records (an edited corpus).
+    `fingerprint`, a tfds split's `tfds_id`), also refuses the same number of other
+    records (an edited corpus, a tfds dataset rebuilt with other examples).
     """
     next_index: int
     seed: int
@@ -97,9 +99,75 @@ class LoaderState:
                            num_records, source)
 
 
+# Records of a tfds split whose decoded contents go into its identity: all of a split up
+# to this size, else this many spread over it (a few milliseconds of reads and decoding
+# at a loader's first save, even for images).
+TFDS_ID_RECORDS = 256
+TFDS_ID_SAMPLE = 64
+
+
 def source_id(source) -> str:
-    """A source's records' identity where it has one (TokenRows.fingerprint), else ''."""
-    return str(getattr(source, 'fingerprint', '') or '')
+    """A source's records' identity where it has one, else '': a token cache's
+    `fingerprint` (TokenRows), a tfds split's `tfds_id`, a Subset's of the records it
+    picks. Independent of where the data lives (data.data_dir may move)."""
+    fingerprint = getattr(source, 'fingerprint', '')
+    if fingerprint:
+        return str(fingerprint)
+    inner, indices = getattr(source, 'source', None), getattr(source, 'indices', None)
+    if inner is not None and isinstance(indices, list):  # sources.Subset (train_fraction)
+        of = source_id(inner)
+        picked = hashlib.sha256(np.asarray(indices, np.int64).tobytes()).hexdigest()[:8]
+        return f'{of}, records {picked}' if of else ''
+    if getattr(source, 'dataset_info', None) is not None and hasattr(source, 'split'):
+        return tfds_id(source)
+    return ''
+
+
+def tfds_id(source) -> str:
+    """The identity of a tfds split's records (tfds' ArrayRecordDataSource): its dataset,
+    version and split, the split's size in serialized bytes (dataset_info.json), and a
+    digest of the decoded contents of up to TFDS_ID_RECORDS records (TFDS_ID_SAMPLE of a
+    larger split, spread over it). A dataset rebuilt in place with other examples of the
+    same count, or another copy under another data.data_dir, differs in one of them;
+    the same dataset copied elsewhere, or rebuilt from the same examples, does not (the
+    shard files' bytes do differ between two builds of the same examples: tfds writes a
+    record's features in no fixed order). An edit that keeps the size, outside the
+    sampled records of a large split, goes unseen."""
+    info, split = source.dataset_info, str(source.split)
+    try:
+        num_bytes = int(info.splits[split.split('[')[0]].num_bytes)
+    except (KeyError, TypeError, ValueError):
+        num_bytes = 0
+    n = len(source)
+    picked = (range(n) if n <= TFDS_ID_RECORDS else
+              sorted(set(np.linspace(0, n - 1, TFDS_ID_SAMPLE).round().astype(int).tolist())))
+    digest = hashlib.sha256()
+    for i in picked:
+        _digest_value(digest, source[i])
+    return (f'tfds {info.full_name} {split}: {n} records of {num_bytes} bytes, contents '
+            f'{digest.hexdigest()[:12]}')
+
+
+def _digest_value(digest, value) -> None:
+    """Feeds a decoded record (dicts of numpy values, bytes, str) into `digest` in a fixed
+    order: the same records give the same digest however they were serialized."""
+    if isinstance(value, Mapping):
+        for key in sorted(value):
+            digest.update(str(key).encode() + b'\0')
+            _digest_value(digest, value[key])
+    elif isinstance(value, (bytes, str)):
+        data = value.encode() if isinstance(value, str) else value
+        digest.update(len(data).to_bytes(8, 'little') + data)
+    elif isinstance(value, (list, tuple)):
+        digest.update(len(value).to_bytes(8, 'little'))
+        for v in value:
+            _digest_value(digest, v)
+    else:
+        array = np.asarray(value)
+        if array.dtype == object:  # e.g. an array of bytes (a Sequence of Text)
+            _digest_value(digest, array.ravel().tolist())
+            return
+        digest.update(f'{array.dtype.str}{array.shape}'.encode() + array.tobytes())
 
 
 def exit_with_parent(parent: int, every_s: float = 1.0) -> None:
@@ -201,13 +269,21 @@ class Loader:
                              f'{type(source).__name__} has none')
         self.batched = has_read_rows if batched is None else batched
         self._next_index = 0
+        self._source_id: str | None = None
         if state is not None:
             self.set_state(state)
 
     # --- State -------------------------------------------------------------------------
+    @property
+    def source_id(self) -> str:
+        """source_id(self.source), found once: get_state runs at every batch, and a tfds
+        split's identity reads records."""
+        if self._source_id is None:
+            self._source_id = source_id(self.source)
+        return self._source_id
+
     def get_state(self) -> LoaderState:
-        return LoaderState(self._next_index, self.seed, len(self.source),
-                           source_id(self.source))
+        return LoaderState(self._next_index, self.seed, len(self.source), self.source_id)
 
     def set_state(self, state) -> None:
         state = LoaderState.from_any(state)
@@ -215,7 +291,9 @@ class Loader:
             raise DataChangedError(
                 f'loader state was saved for seed={state.seed}, num_records={state.num_records}; '
                 f'this loader has seed={self.seed}, num_records={len(self.source)}')
-        now = source_id(self.source)
+        # A state saved without an identity (a source that had none, an older version)
+        # resumes unchecked, as before.
+        now = self.source_id if state.source else ''
         if state.source and now and state.source != now:
             raise DataChangedError(f'loader state was saved for records {state.source}; this '
                                    f'loader reads {now} (as many, other ones)')

@@ -209,8 +209,10 @@ def test_resuming_a_changed_config_stops_unless_asked(trained):
     out = cli(*args, "--config.optim.lr=1e-3", "--config.train.steps=3", "--resume_changed")
     assert out.returncode == 0, out.stderr[-3000:]
     assert (f"resuming step 2 with config changes: optim.lr: 0.003 -> 0.001, train.steps: "
-            f"2 -> 3 (the learning-rate schedule now spans 3 steps; "
-            f"--config.optim.decay_steps=2 keeps the old one); the previous config is kept "
+            f"2 -> 3 (the learning-rate schedule now spans 3 steps, not 2; to keep the old "
+            f"one, stop this run and run it again with --config.optim.decay_steps=2 "
+            f"--resume_changed, or next time extend with --config.optim.decay_steps=2 beside "
+            f"--config.train.steps); the previous config is kept "
             f"as {workdir}/config_until_step_2.json") in out.stdout
     with open(os.path.join(workdir, "config_until_step_2.json")) as f:
         assert json.load(f)["optim"]["lr"] == 0.003

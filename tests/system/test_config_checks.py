@@ -29,6 +29,8 @@ from attention_jax.errors import ConfigError
     ("eval.every", -2, "config.eval.every=-2 is out of range; valid: eval.every >= -1"),
     ("eval.sample_temperature", -1.0, "config.eval.sample_temperature=-1.0 is out of range; "
                                       "valid: eval.sample_temperature >= 0"),
+    ("eval.sample_top_p", 0.0, "config.eval.sample_top_p=0.0 is out of range; valid: "
+                               "0 < eval.sample_top_p <= 1"),
 ])
 def test_out_of_range_values_name_the_key_value_and_range(key, value, message):
     with pytest.raises(ConfigError) as e:
@@ -143,6 +145,66 @@ def test_resume_refuses_changed_training_keys_and_lists_them(tmp_path, capsys):
     assert os.path.exists(tmp_path / "config_until_step_15.json")
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["optim"]["lr"] == 0.02
+
+
+def _lrs(workdir, steps):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if '"train"' in line]
+    return {r["step"]: r["lr"] for r in records if r["step"] in steps}
+
+
+def test_the_advice_to_keep_the_schedule_of_an_extended_run_works_as_printed(tmp_path, capsys):
+    """Extending a run whose schedule is train.steps long printed "--config.optim.decay_steps=
+    <old steps> keeps the old one", and that flag then stopped the run (optim.decay_steps:
+    0 -> 10, pass --resume_changed). Given with the extension it is no change (the same
+    schedule); after a resume on the new schedule the advice names the flag it needs."""
+    import numpy as np
+    from attention_jax.optimizer import make_optimizer
+    workdir, other = str(tmp_path / "a"), str(tmp_path / "b")
+    for w in (workdir, other):  # two finished 10-step runs, schedule = train.steps
+        train.train_and_evaluate(tiny.tiny_config(**{"optim.decay_steps": 0}), w)
+    capsys.readouterr()
+    old_schedule = make_optimizer(tiny.tiny_config().optim, 10)[1]
+
+    # Extended with the old length beside the new train.steps: it resumes, no flag, and
+    # steps 11-15 follow the 10-step schedule (its end value).
+    train.train_and_evaluate(tiny.tiny_config(**{"optim.decay_steps": 10, "train.steps": 15}),
+                             other)
+    out = capsys.readouterr().out
+    assert ("resuming step 10 with config changes: optim.decay_steps: 0 -> 10, train.steps: "
+            "10 -> 15\n") in out
+    np.testing.assert_allclose(_lrs(other, {15})[15], float(old_schedule(15)), rtol=1e-6)
+
+    # Extended without it: the schedule is stretched, and the note's advice, followed as
+    # printed, resumes the run and brings the old schedule back.
+    train.train_and_evaluate(tiny.tiny_config(**{"optim.decay_steps": 0, "train.steps": 15}),
+                             workdir)
+    out = capsys.readouterr().out
+    advice = re.search(r"the learning-rate schedule now spans 15 steps, not 10; to keep the "
+                       r"old one, stop this run and run it again with (--\S+ --\S+),", out)
+    assert advice, out
+    assert advice.group(1) == "--config.optim.decay_steps=10 --resume_changed"
+    assert _lrs(workdir, {15})[15] != _lrs(other, {15})[15]  # the 15-step schedule's
+    summary = train.train_and_evaluate(
+        tiny.tiny_config(**{"optim.decay_steps": 10, "train.steps": 15}), workdir,
+        resume_changed=True)
+    assert summary["step"] == 15
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["optim"]["decay_steps"] == 10
+    # From here on the run is on the old schedule: extending keeps it without a flag.
+    train.train_and_evaluate(tiny.tiny_config(**{"optim.decay_steps": 10, "train.steps": 20}),
+                             workdir)
+    np.testing.assert_allclose(_lrs(workdir, {20})[20], float(old_schedule(20)), rtol=1e-6)
+    # A decay_steps that does change the schedule still stops.
+    with pytest.raises(ConfigError, match=r"optim\.decay_steps: 10 -> 30"):
+        train.train_and_evaluate(tiny.tiny_config(**{"optim.decay_steps": 30,
+                                                     "train.steps": 20}), workdir)
+    # A reader may spell the schedule either way too: the same schedule, the same model.
+    reader = tiny.tiny_config(**{"optim.decay_steps": 0, "train.steps": 10})
+    train.train_and_evaluate(tiny.tiny_config(**{"optim.decay_steps": 0}), str(tmp_path / "c"))
+    reader.optim.decay_steps = 10
+    assert workdir_lib.check_reader_config(reader, str(tmp_path / "c")) == {
+        "optim.decay_steps": (0, 10)}
 
 
 def test_no_checkpoint_means_nothing_to_compare(tmp_path):
@@ -436,6 +498,29 @@ def test_a_top_k_past_the_vocabulary_is_refused_before_training(tmp_path):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
+def test_sampling_takes_top_p_from_the_config(tmp_path):
+    """--config.eval.sample_top_p (the README's top-p, which only the Python API had): a
+    nucleus this small keeps each step's most likely token alone, so sampling at
+    temperature 1 gives the greedy continuation; top_p 1 keeps every token."""
+    import flax.linen as nn
+    import jax
+    for name in "abcd":  # documents, a held-out one among them
+        (tmp_path / f"{name}.txt").write_text(f"the cat {name} sat on the mat. " * 20)
+
+    def samples(**keys):
+        config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/*.txt",
+                                         f"data.cache_dir={tmp_path}/cache", "data.tokenizer=byte",
+                                         "model.num_layers=1", "model.d_model=32",
+                                         "eval.sample_tokens=12", "eval.sample_top_k=0",
+                                         *(f"eval.{k}={v}" for k, v in keys.items())])
+        task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+        params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+        return task.sample(params, jax.random.PRNGKey(1))
+    greedy = samples(sample_temperature=0.0)
+    assert samples(sample_temperature=1.0, sample_top_p=1e-6) == greedy
+    assert samples(sample_temperature=1.0, sample_top_p=1.0) != greedy  # an untrained model
+
+
 def test_a_reader_s_task_prepares_only_the_split_it_reads(tmp_path, capsys):
     """--mode=eval with eval_files tokenized the whole training corpus first."""
     from attention_jax.tasks import base
@@ -589,3 +674,17 @@ def test_a_config_json_without_a_checkpoint_is_replaced_and_said(tmp_path, capsy
     train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), workdir)
     assert (f"note: {workdir}/config.json held another config (optim.lr: 0.02 -> 0.01) and no "
             f"checkpoint: this run starts from scratch and replaces it") in capsys.readouterr().err
+
+
+def test_a_run_saved_before_a_key_existed_reads_and_takes_it(tmp_path):
+    """A run whose config.json predates eval.sample_top_p: validating it failed with a
+    KeyError (every reader, --mode=sample included), and --config.eval.sample_top_p=...
+    was 'no such key'. It reads with the key at its default and takes the override."""
+    stored = json.loads(tiny.tiny_config().to_json_best_effort())
+    del stored["eval"]["sample_top_p"]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    config = workdir_lib.read_config(str(tmp_path))
+    assert config.eval.sample_top_p == 1.0
+    config_lib.validate(config)
+    config_lib.apply_overrides(config, ["eval.sample_top_p=0.5"])
+    assert config.eval.sample_top_p == 0.5
