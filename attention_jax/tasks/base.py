@@ -272,6 +272,18 @@ DATA_RANGES = {"mask_rate": "(0, 1)", "seq_len": "[1, inf)", "source_len": "[1, 
                "max_documents": "[0, inf)", "padding": "[0, inf)"}
 
 
+def check_file_options(data_opts) -> None:
+    """The options of data.name="files" (text or sentence pairs), checked before a file
+    is listed: the held-out fraction, the bad records' limit, and the two splits it has."""
+    from attention_jax.data import files
+    check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
+    check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
+    for key in ("train_split", "eval_split"):
+        if data_opts[key] not in files.SPLITS:
+            raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has "
+                              f"the splits {list(files.SPLITS)}")
+
+
 def check_source_keys(data_opts, source: str, keys) -> None:
     """A ConfigError when one of `keys` (e.g. files, root) is set while config.data.name
     is not `source`, the only source that reads them: it would be ignored silently."""

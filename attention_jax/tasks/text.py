@@ -14,11 +14,12 @@ import numpy as np
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import TEXT_FILE_KEYS
 from attention_jax.data.tokenization import ROLE_NAMES, TokenizerEncodeError, is_tokenizer_path
-from attention_jax.errors import ConfigError, check_range
+from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
-                                      check_model_keys, check_source_keys, corpus_options,
+                                      check_file_options, check_model_keys,
+                                      check_source_keys, corpus_options,
                                       data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
                                       gather_rows, lm_vocab_size, model_config, moe_metrics,
@@ -215,12 +216,7 @@ class _Documents:
         if not data_opts.files:
             raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
                               f"(comma-separated globs of {', '.join(files.SUFFIXES)} files)")
-        check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
-        check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
-        for key in ("train_split", "eval_split"):
-            if data_opts[key] not in files.SPLITS:
-                raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has "
-                                  f"the splits {list(files.SPLITS)}")
+        check_file_options(data_opts)
         if not data_is_on_demand():
             self.listing  # noqa: B018 - a glob that matches nothing fails now
 

@@ -14,11 +14,12 @@ import numpy as np
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import PAIR_FILE_KEYS
 from attention_jax.data.tokenization import TokenizerEncodeError
-from attention_jax.errors import ConfigError, check_range
+from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_context,
-                                      check_model_keys, check_source_keys, data_is_on_demand,
+                                      check_file_options, check_model_keys, check_source_keys,
+                                      data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
                                       model_config, padded_vocab, register, run_tokenizer,
                                       splits, token_labels, until_eos)
@@ -58,12 +59,7 @@ def _pairs(data_opts):
         raise ConfigError(f"config.data.source and config.data.target are both "
                           f"{data_opts.source!r}; valid: the two keys of a record that hold "
                           f"the source and the target sentence")
-    check_range("data.eval_fraction", data_opts.eval_fraction, "(0, 1)")
-    check_range("data.max_bad_records", data_opts.max_bad_records, "[0, inf)")
-    for key in ("train_split", "eval_split"):
-        if data_opts[key] not in files.SPLITS:
-            raise ConfigError(f"config.data.{key}={data_opts[key]!r}: the files source has "
-                              f"the splits {list(files.SPLITS)}")
+    check_file_options(data_opts)
     found = files.file_splits(
         data_opts.files, data_opts.eval_files, eval_fraction=data_opts.eval_fraction,
         max_bad_records=data_opts.max_bad_records, arg="config.data.",
