@@ -365,7 +365,13 @@ def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,
         raise ConfigError(f"config.data.vocab_size={data_opts.vocab_size}: a byte-level BPE "
                           f"holds its 256 bytes and {least - 256} special tokens at least; "
                           f"valid: vocab_size >= {least}")
-    return data.get_tokenizer(data_opts.tokenizer, texts=texts(), vocab_size=data_opts.vocab_size)
+    tok = data.get_tokenizer(data_opts.tokenizer, texts=texts(), vocab_size=data_opts.vocab_size)
+    if data_opts.tokenizer == "bpe" and tok.vocab_size < data_opts.vocab_size:
+        # The corpus ran out of pairs to merge: a smaller vocabulary than asked, said (a
+        # model sized for the one asked would be surprising unsaid).
+        print(f"note: config.data.vocab_size={data_opts.vocab_size}: the BPE learned "
+              f"{tok.vocab_size} tokens, all the training text's merges allow", file=sys.stderr)
+    return tok
 
 
 def _say_if_replaced(source: str, saved: str, workdir: str) -> None:

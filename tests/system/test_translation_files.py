@@ -95,3 +95,14 @@ def test_a_text_file_is_no_pair_and_files_need_the_files_source(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.data\.files=.* is read only with "
                                           r"config\.data\.name='files'"):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
+def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
+    """data.vocab_size=5000 on a few pairs trained a BPE of a few hundred tokens and said
+    nothing (config.json still says 5000)."""
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(40)) + "\n")
+    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", "data.vocab_size=5000")
+    tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    learned = re.search(r"note: config\.data\.vocab_size=5000: the BPE learned (\d+) tokens",
+                        capsys.readouterr().err)
+    assert learned and 260 <= int(learned.group(1)) < 5000
