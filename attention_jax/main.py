@@ -147,7 +147,17 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
         raise InputError("--mode=embed: no texts (give one text per line on stdin)")
     src = str(config.train.init_from or "")
     if src.startswith("hf:"):
-        emb = convert.load_sentence_encoder(src[len("hf:"):]).embed(list(texts))
+        # The config's task must embed too: --config=vit with a BERT dir embedded with
+        # the BERT in silence, the config ignored.
+        task = config.get("task")  # (a notebook's config may name none)
+        if task is not None and task not in tasks.tasks_with("embed"):
+            raise ConfigError(f"--mode=embed: task {task!r} cannot embed text; valid: "
+                              f"{tasks.tasks_with('embed')} (e.g. --config=bert_mlm)")
+        try:
+            encoder = convert.load_sentence_encoder(src[len("hf:"):])
+        except (FileNotFoundError, ValueError) as e:  # a wrong folder: one line, as in train
+            raise ConfigError(f"config.train.init_from={src!r}: {e}") from None
+        emb = encoder.embed(list(texts))
     else:  # A model trained here that embeds text: the workdir's latest checkpoint.
         run = runs.open_run(workdir, config=config)
         embed = tasks.need(run.task, "embed", config.task,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.convert.hf import load_hf
+from attention_jax.convert.hf_files import folder_listing
 from attention_jax.models import bert
 
 __all__ = ["SentenceEncoder", "load_sentence_encoder", "mean_pool", "bundled_minilm_dir"]
@@ -183,7 +184,7 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok_file):
         raise FileNotFoundError(f"{path}: no tokenizer.json (the WordPiece vocabulary); files "
-                                f"there: {sorted(os.listdir(path))}")
+                                f"there: {folder_listing(path)}")
     st_cfg = _read_json(os.path.join(path, "sentence_bert_config.json")) or {}
     dir_pooling, dir_normalize = _pooling_from_dir(path)
     return SentenceEncoder(

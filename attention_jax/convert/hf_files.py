@@ -92,7 +92,14 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
                 out.update(reader(os.path.join(path, shard)))
             return out
     raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin (nor a sharded "
-                            f"*.index.json); files there: {sorted(os.listdir(path))}")
+                            f"*.index.json); files there: {folder_listing(path)}")
+
+
+def folder_listing(path: str, most: int = 8) -> str:
+    """The first names in a folder, for a message: a wrong folder (/tmp) listed hundreds."""
+    names = sorted(os.listdir(path))
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most
+                                      else "") if names else "(none)"
 
 
 def read_hf_dir(path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -107,7 +114,7 @@ def read_hf_dir(path) -> tuple[dict, dict[str, np.ndarray]]:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"{path}: no config.json (the model's architecture); files "
-                                f"there: {sorted(os.listdir(path))}")
+                                f"there: {folder_listing(path)}")
     with open(cfg_file) as f:
         hf_cfg = json.load(f)
     tensors = {}

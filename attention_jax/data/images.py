@@ -72,6 +72,9 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
     splits = [c for c in classes if c.lower() in SPLIT_NAMES and any(
         e.is_dir() and not e.name.startswith('.') for e in os.scandir(os.path.join(root, c)))]
     if splits and len(splits) == len(classes):
+        # The training split for root (by its name's place in SPLIT_NAMES: train/ before
+        # eval/, not the first alphabetically), the next for eval_root.
+        splits.sort(key=lambda c: SPLIT_NAMES.index(c.lower()))
         first = os.path.join(root, splits[0])
         other = next((os.path.join(root, c) for c in splits[1:]), '')
         if arg.endswith('eval_root') or not arg.endswith('root'):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,8 @@ from attention_jax.errors import ConfigError, check_choice, check_range, did_you
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
 from attention_jax.tasks.base import (AttentionInput, Task, check_model_keys,
-                                      check_source_keys, data_options, model_config, register,
-                                      splits)
+                                      check_source_keys, data_is_on_demand, data_options,
+                                      model_config, register, splits)
 
 
 CLASSES_FILE = "classes.json"  # the run's class names, in label order (image folders, tfds)
@@ -184,6 +185,13 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
     size = o.image_size or given.get("image_size") or (own["image_size"] if native is None
                                                         else native[0])
     forced = {"image_size": int(size), "num_channels": int(channels)}
+    if o.name == "image_folder" and not o.image_size and not given.get("image_size") \
+            and not data_is_on_demand():
+        # A folder's photos of any size trained at the model's own size (8 px for the
+        # digits' vit-tiny variants) without a word: said, with the way to choose it.
+        print(f"note: config.data.image_size=0: the images are resized to {int(size)}x"
+              f"{int(size)}, the model's own size (variant {variant or 'default'}); set "
+              f"--config.data.image_size=N for another", file=sys.stderr)
     if classes:
         forced["num_classes"] = len(classes)
     where = {"image_size": "config.data.image_size", "num_channels": "config.data.channels",
@@ -195,9 +203,15 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
     patch = own.get("patch_size")
     if patch and forced["image_size"] % patch:
         s = forced["image_size"]
+        # The other way out: a patch size dividing s, which the shipped configs set
+        # through the variant (they have no config.model.patch_size key).
+        fits = sorted(v for v, f in variants.items() if s % f.get("patch_size", s + 1) == 0)
+        other = (f"a config.model.patch_size dividing {s}" if "patch_size" in given else
+                 f"a config.model.variant whose patch divides it: {fits}" if fits else
+                 "another image size")
         raise ConfigError(f"config.data.image_size={s} is not a multiple of the ViT's "
                           f"patch_size={patch}; valid: {[patch * k for k in range(max(1, s // patch - 1), s // patch + 3)]}"
-                          f", or a config.model.patch_size dividing {s}")
+                          f", or {other}")
     return forced
 
 

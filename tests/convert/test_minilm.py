@@ -146,6 +146,21 @@ def test_embed_mode_on_another_bert_dir(tmp_path, monkeypatch, capsys):
     third = main.embed_texts(config, str(tmp_path / "work"))
     assert third["texts"] == SENTENCES[:2]
     assert "note: 2 blank lines of stdin skipped: 2 texts, in order" in capsys.readouterr().err
+    # A config of a task that embeds nothing, or a folder that is no model: one line each
+    # (a ViT config embedded with the BERT in silence; a folder's hundreds of names).
+    from attention_jax.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"^--mode=embed: task 'vit' cannot embed text; "
+                                          r"valid: \['bert_mlm'\]"):
+        main.embed_texts(ml_collections.ConfigDict({**config.to_dict(), "task": "vit"}),
+                         str(tmp_path / "work"), texts=SENTENCES[:1])
+    for i in range(20):
+        (tmp_path / "many" / f"f{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "many" / f"f{i:02d}.txt").write_text("x")
+    config.train.init_from = f"hf:{tmp_path / 'many'}"
+    with pytest.raises(ConfigError, match=r"^config\.train\.init_from='hf:.*many': .*no "
+                                          r"config\.json .*files there: f00\.txt, .*f07\.txt, "
+                                          r"\.\.\. \(20 in all\)$"):
+        main.embed_texts(config, str(tmp_path / "work"), texts=SENTENCES[:1])
 
 
 def test_one_string_is_one_text_everywhere(encoder):

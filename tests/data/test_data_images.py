@@ -150,6 +150,12 @@ def test_bad_folders_one_line_each(tmp_path):
                                           rf"'{top / 'train'}' and config.data.eval_root at "
                                           rf"'{top / 'val'}'"):
         folder_splits(str(top), arg="config.data.")
+    # eval/ sorts before train/: the training split is still the one named for root.
+    mine = tmp_path / "mine"
+    _folder(mine / "train"), _folder(mine / "eval", per_class=1)
+    with pytest.raises(ImagesError, match=rf"point config.data.root at '{mine / 'train'}' and "
+                                          rf"config.data.eval_root at '{mine / 'eval'}'"):
+        folder_splits(str(mine), arg="config.data.")
     vehicles = _folder(tmp_path / "vehicles", classes=("bus", "car", "train"))
     _folder(vehicles / "train", classes=("side",))  # a class named train, nested images
     assert folder_splits(str(vehicles))[1] == ["bus", "car", "train"]
@@ -294,6 +300,7 @@ def test_bad_image_options_one_line_each(tmp_path):
     root = _folder(tmp_path / "f")
     bad = [({"data.image_size": 15},
             r"config.data.image_size=15 is not a multiple of the ViT's patch_size=2; valid: "),
+
            ({"data.root": str(tmp_path / "no")}, r"config.data.root='.*no' does not exist"),
            ({"data.root": ""}, r"needs --config.data.root=DIR"),
            ({"data.train_crop": "inception"}, r"config.data.train_crop='inception' is unknown"),
@@ -302,6 +309,12 @@ def test_bad_image_options_one_line_each(tmp_path):
     for overrides, message in bad:
         with pytest.raises(ConfigError, match=message):
             TASKS["vit"](_config(root, **overrides), "")
+    # The way out it names is one the config has (it has no model.patch_size key).
+    with pytest.raises(ConfigError, match=r"image_size=18 is not a multiple of the ViT's "
+                                          r"patch_size=4; valid: \[12, 16, 20, 24\], or a "
+                                          r"config.model.variant whose patch divides it: "
+                                          r"\[.*'vit-tiny/2'.*\]$"):
+        TASKS["vit"](_config(root, "vit:variant=vit-tiny/4", **{"data.image_size": 18}), "")
     # The number of classes comes from the folder; a different one asked is named.
     config = _config(root, "inductive_bias:model=cnn")
     config.model.num_classes = 10
@@ -314,3 +327,14 @@ def test_bad_image_options_one_line_each(tmp_path):
     with pytest.raises(ConfigError, match=r"classes.json holds the 3 classes this run trained "
                                           r"on; the data now has 3 \(differing: \['cat', 'dog'\]\)"):
         TASKS["vit"](_config(root), str(tmp_path / "w"))
+
+
+def test_a_folder_without_an_image_size_says_the_size_it_trains_at(tmp_path, capsys):
+    """Photos of any size trained at the variant's 8 px, nothing said."""
+    root = _folder(tmp_path / "f")
+    task = TASKS["vit"](_config(root, "vit:variant=vit-tiny/4"), "")
+    size = task.model.config.image_size
+    assert (f"note: config.data.image_size=0: the images are resized to {size}x{size}, the "
+            f"model's own size (variant vit-tiny/4)") in capsys.readouterr().err
+    TASKS["vit"](_config(root, "vit:variant=vit-tiny/4", **{"data.image_size": 16}), "")
+    assert "note: config.data.image_size" not in capsys.readouterr().err
