@@ -368,7 +368,9 @@ def warnings(config) -> list[str]:
     if config.optim.warmup_steps > schedule:
         what = (f"optim.decay_steps={schedule}" if config.optim.decay_steps
                 else f"the run (train.steps={schedule})")
-        peak = schedule / config.optim.warmup_steps
+        # The last step trains at the schedule's count train.steps - 1 (the first at 0):
+        # the rate it reaches, as the run logs it (steps/warmup said 10% too much at 6).
+        peak = (min(schedule, config.train.steps) - 1) / config.optim.warmup_steps
         out.append(f"config.optim.warmup_steps={config.optim.warmup_steps} is longer than "
                    f"{what}: the learning rate stops at {peak:.0%} of optim.lr")
     m, unset = config.mesh, base_config().mesh

@@ -50,7 +50,7 @@ def test_warmup_longer_than_a_short_run_is_a_warning_not_an_error():
     config_lib.validate(c)
     assert config_lib.warnings(c) == [
         "config.optim.warmup_steps=11 is longer than the run (train.steps=10): the learning "
-        "rate stops at 91% of optim.lr"]
+        "rate stops at 82% of optim.lr"]  # the 10th step's, 9/11: as the run logs it
     c = tiny.tiny_config(**{"optim.decay_steps": 20, "optim.warmup_steps": 21})
     assert "longer than optim.decay_steps=20" in config_lib.warnings(c)[0]
     # The start of a longer schedule (10 steps of a 20-step one) says nothing.
