@@ -334,9 +334,15 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if rest:
         if num_devices % fixed:
+            # Named by the axes set, which the user chose, with the sizes that fit.
+            set_ = {a: s for a, s in sizes.items() if s not in (1, -1)}
+            divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
             raise ValueError(
-                f"mesh.{rest[0]}=-1 cannot take the rest: the other axes multiply to "
-                f"{fixed}, which does not divide the {num_devices} devices")
+                f"mesh.{rest[0]}=-1 cannot take the rest: "
+                + ", ".join(f"mesh.{a}={s}" for a, s in set_.items())
+                + f" take{'s' * (len(set_) == 1)} {fixed} devices, which do not divide the "
+                f"{num_devices}; valid: sizes whose product divides {num_devices} (each one "
+                f"of {divisors})")
         sizes[rest[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(

@@ -688,3 +688,13 @@ def test_a_run_saved_before_a_key_existed_reads_and_takes_it(tmp_path):
     config_lib.validate(config)
     config_lib.apply_overrides(config, ["eval.sample_top_p=0.5"])
     assert config.eval.sample_top_p == 0.5
+
+
+def test_a_mesh_axis_the_devices_cannot_take_is_named_with_the_sizes_that_fit():
+    """It named the -1 axis ('mesh.data=-1 cannot take the rest') and not the axis set."""
+    with pytest.raises(ConfigError, match=r"^config.mesh: mesh.data=-1 cannot take the rest: "
+                                          r"mesh.sequence=3 takes 3 devices, which do not "
+                                          r"divide the 8; valid: sizes whose product divides "
+                                          r"8 \(each one of \[1, 2, 4, 8\]\)$"):
+        config_lib.validate(tiny.tiny_config(**{"mesh.data": -1, "mesh.sequence": 3}),
+                            num_devices=8)
