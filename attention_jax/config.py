@@ -403,6 +403,17 @@ def check_model_fits_mesh(model_config, mesh_shape: Mapping[str, int],
             f"config.data.seq_len={seq_len} is not divisible by 2 × mesh.sequence = "
             f"{2 * sequence} (ring attention gives each device two chunks of the sequence); "
             f"valid: seq_len a multiple of {2 * sequence}, or mesh.sequence in {fits}")
+    if seq_len is not None and sequence > 1 and getattr(model_config, "ring_inner",
+                                                        None) == "splash":
+        # Said here, before the workdir is made (it came at the first trace, unprefixed).
+        from attention_jax.attention.splash import LANES
+        chunk = seq_len // (2 * sequence)
+        if chunk % LANES:
+            raise ConfigError(
+                f"config.model.ring_inner='splash' needs chunks of data.seq_len / (2 × "
+                f"mesh.sequence) = {chunk} tokens to be a multiple of {LANES} (its tiles "
+                f"span {LANES} lanes); valid: seq_len a multiple of {2 * sequence * LANES}, "
+                f"or ring_inner 'auto' or 'blockwise'")
     tensor = mesh_shape.get("tensor", 1)
     for name in ("num_heads", "num_kv_heads"):
         value = getattr(model_config, name, None)

@@ -698,3 +698,15 @@ def test_a_mesh_axis_the_devices_cannot_take_is_named_with_the_sizes_that_fit():
                                           r"8 \(each one of \[1, 2, 4, 8\]\)$"):
         config_lib.validate(tiny.tiny_config(**{"mesh.data": -1, "mesh.sequence": 3}),
                             num_devices=8)
+
+
+def test_splash_chunks_too_short_for_its_tiles_are_a_config_error():
+    """It came at the first trace, after the workdir was made, without the config key."""
+    from attention_jax.models import gpt
+    cfg = gpt.GPTConfig.from_variant("gpt-tiny", ring_inner="splash")
+    with pytest.raises(ConfigError, match=r"^config.model.ring_inner='splash' needs chunks of "
+                                          r"data.seq_len / \(2 × mesh.sequence\) = 8 tokens to "
+                                          r"be a multiple of 128 .*valid: seq_len a multiple of "
+                                          r"512, or ring_inner 'auto' or 'blockwise'$"):
+        config_lib.check_model_fits_mesh(cfg, {"sequence": 2}, seq_len=32)
+    config_lib.check_model_fits_mesh(cfg, {"sequence": 2}, seq_len=512)  # chunks of 128
