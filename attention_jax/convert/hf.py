@@ -154,7 +154,7 @@ _MLM_ONLY_ZERO = ("pooler/", "nsp/")
 
 
 def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None,
-              tokenizer=None) -> str:
+              tokenizer=None, class_names=None) -> str:
     """Writes config.json + model.safetensors that transformers loads as the same model,
     and with `tokenizer` (a run's, `runs.open_run(...).tokenizer`) tokenizer.json +
     tokenizer_config.json that AutoTokenizer loads as the same tokenizer.
@@ -166,12 +166,14 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     BertForSequenceClassification, encoder -> BertModel; ViT ->
     ViTForImageClassification (architecture="ViTModel": params without the "head").
     Options an architecture cannot express (RoPE, RMSNorm, SwiGLU, average pooling, ...)
-    raise a ValueError naming them.
+    raise a ValueError naming them. `class_names` (a classifier's, in label order: a
+    run's `run.task.class_names`) become config.json's id2label, which transformers'
+    pipelines report (else LABEL_0, LABEL_1, ...).
     """
     if workdir_lib.is_remote(out_dir):  # staged in a local folder, copied up
         return export_remote(str(out_dir), lambda local: export_hf(
-            model, params, local, architecture=architecture, tokenizer=tokenizer),
-            tokenizer is not None)
+            model, params, local, architecture=architecture, tokenizer=tokenizer,
+            class_names=class_names), tokenizer is not None)
     cfg = getattr(model, "config", model)  # a model, or its config
     family = _family_of(cfg)
     head = getattr(model, "head", None) if family.model_type == "bert" else None
@@ -188,6 +190,8 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
               "run's, or load_hf's for a BertForMaskedLM): exported as BertForMaskedLM "
               "without them; architecture='BertForPreTraining' keeps them", file=sys.stderr)
     hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
+    if class_names is not None:
+        hf_cfg = _with_class_names(hf_cfg, arch, [str(c) for c in class_names])
     unit = unscanned(cfg)
     shapes = param_shapes(family.model(unit, arch), unit, family)
     rules = family.rules(unit, arch)
@@ -223,6 +227,20 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     write_hf_tokenizer(out, tokenizer, form, getattr(cfg, "max_len", None))
     _write_generation_config(out, hf_cfg, tokenizer if family.model_type == "gpt2" else None)
     return out
+
+
+def _with_class_names(hf_cfg: dict, arch: str, names: list[str]) -> dict:
+    """hf_cfg with id2label/label2id of `names`: the classes of a classifier's head, one a
+    label, distinct (label2id maps each back)."""
+    if "id2label" not in hf_cfg:
+        raise ValueError(f"export_hf: class_names given for {arch}, which has no classifier "
+                         f"head; valid: class_names=None")
+    if len(names) != len(hf_cfg["id2label"]) or len(set(names)) < len(names):
+        raise ValueError(f"export_hf: class_names has {len(names)} names "
+                         f"({len(set(names))} distinct); valid: {len(hf_cfg['id2label'])} "
+                         f"distinct names, one a label of the head, in label order")
+    return {**hf_cfg, "id2label": {str(i): n for i, n in enumerate(names)},
+            "label2id": {n: i for i, n in enumerate(names)}}
 
 
 def _write_generation_config(out: str, hf_cfg: dict, tokenizer) -> None:

@@ -372,6 +372,29 @@ def test_vit_export_errors_name_the_argument(tmp_path):
     assert not os.path.exists(tmp_path / "x")  # refused before anything is written
 
 
+def test_class_names_become_the_exported_labels(tmp_path):
+    """A run's classes went out as LABEL_0, LABEL_1, ... (classes.json left behind): with
+    class_names= transformers' config, and so its pipelines, name them."""
+    model = _vit_ours()
+    params = _random_params(model, jnp.zeros((1, 16, 16, 3)))
+    n = model.config.num_classes
+    names = [f"class {i}" for i in range(n)]
+    out = convert.export_hf(model, params, tmp_path / "vit", class_names=names)
+    theirs = transformers.AutoConfig.from_pretrained(out)
+    assert [theirs.id2label[i] for i in range(n)] == names
+    assert theirs.label2id == {name: i for i, name in enumerate(names)}
+    for bad in (names[:-1], [names[0]] * n):
+        with pytest.raises(ValueError, match=rf"^export_hf: class_names has {len(bad)} names "
+                                             rf"\({len(set(bad))} distinct\); valid: {n} "
+                                             rf"distinct names"):
+            convert.export_hf(model, params, tmp_path / "x", class_names=bad)
+    body = {k: v for k, v in params.items() if k != "head"}
+    with pytest.raises(ValueError, match=r"class_names given for ViTModel, which has no "
+                                         r"classifier head"):
+        convert.export_hf(model, body, tmp_path / "x", architecture="ViTModel", class_names=names)
+    assert not os.path.exists(tmp_path / "x")
+
+
 # ====================================================== attention backends on loaded models
 
 
