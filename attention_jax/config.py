@@ -370,9 +370,13 @@ def warnings(config) -> list[str]:
                 else f"the run (train.steps={schedule})")
         # The last step trains at the schedule's count train.steps - 1 (the first at 0):
         # the rate it reaches, as the run logs it (steps/warmup said 10% too much at 6).
-        peak = (min(schedule, config.train.steps) - 1) / config.optim.warmup_steps
-        out.append(f"config.optim.warmup_steps={config.optim.warmup_steps} is longer than "
-                   f"{what}: the learning rate stops at {peak:.0%} of optim.lr")
+        # The warmup runs its whole length whatever decay_steps says, then the decay's
+        # one step drops to the end.
+        last, warmup = config.train.steps - 1, config.optim.warmup_steps
+        tail = (f"the learning rate stops at {last / warmup:.0%} of optim.lr" if last < warmup
+                else f"the learning rate reaches optim.lr at step {warmup + 1}, then drops to "
+                     f"the schedule's end at once")
+        out.append(f"config.optim.warmup_steps={warmup} is longer than {what}: {tail}")
     m, unset = config.mesh, base_config().mesh
     given = [f"mesh.{k}" for k in ("coordinator_address", "num_processes", "process_id")
              if m.get(k, unset[k]) != unset[k]]

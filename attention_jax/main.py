@@ -150,7 +150,7 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
         # The config's task must embed too: --config=vit with a BERT dir embedded with
         # the BERT in silence, the config ignored.
         task = config.get("task")  # (a notebook's config may name none)
-        if task is not None and task not in tasks.tasks_with("embed"):
+        if task and task not in tasks.tasks_with("embed"):
             raise ConfigError(f"--mode=embed: task {task!r} cannot embed text; valid: "
                               f"{tasks.tasks_with('embed')} (e.g. --config=bert_mlm)")
         try:

@@ -165,11 +165,17 @@ def export_remote(out_dir: str, export: Callable[[str], object], with_tokenizer:
     check_not_a_run(out_dir, lambda p: workdir_lib.epath_of(p).is_dir(),
                     lambda p: workdir_lib.epath_of(p).is_file(),
                     lambda p: workdir_lib.epath_of(p).read_text())
-    # An earlier export's generation config goes first: this one writes its own only
-    # where the model's vocabulary pads its tokenizer's (convert/hf.py).
-    if (target / "generation_config.json").exists():
+    staged = {}
+
+    def export_staged(local: str) -> None:
+        export(local)
+        staged["generation"] = os.path.exists(os.path.join(local, "generation_config.json"))
+    workdir_lib.save_assets(export_staged, out_dir)
+    # An earlier export's generation config goes once this one is written (a refused
+    # export leaves the folder as it was): it writes its own only where the model's
+    # vocabulary pads its tokenizer's (convert/hf.py).
+    if not staged["generation"] and (target / "generation_config.json").exists():
         (target / "generation_config.json").unlink()
-    workdir_lib.save_assets(export, out_dir)
     if not with_tokenizer:
         _remove_stale([n for n in TOKENIZER_FILES if (target / n).exists()], out_dir,
                       lambda name: (target / name).unlink())

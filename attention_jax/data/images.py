@@ -78,7 +78,9 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
         first = os.path.join(root, splits[0])
         other = next((os.path.join(root, c) for c in splits[1:]), '')
         if arg.endswith('eval_root') or not arg.endswith('root'):
-            other = ''  # an eval_root's (or another argument's) split: no pair to name
+            # An eval_root's (or another argument's) split: the held-out one, no pair.
+            first = (other or first) if arg.endswith('eval_root') else first
+            other = ''
         raise ImagesError(
             f'{arg}={root!r} holds split folders ({", ".join(s + "/" for s in splits)}) with '
             f'class folders inside, not class folders: point {arg} at {first!r}'

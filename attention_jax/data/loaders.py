@@ -125,27 +125,22 @@ def source_id(source) -> str:
 
 def tfds_id(source) -> str:
     """The identity of a tfds split's records (tfds' ArrayRecordDataSource): its dataset,
-    version and split, the split's size in serialized bytes (dataset_info.json), and a
-    digest of the decoded contents of up to TFDS_ID_RECORDS records (TFDS_ID_SAMPLE of a
-    larger split, spread over it). A dataset rebuilt in place with other examples of the
-    same count, or another copy under another data.data_dir, differs in one of them;
-    the same dataset copied elsewhere, or rebuilt from the same examples, does not (the
-    shard files' bytes do differ between two builds of the same examples: tfds writes a
-    record's features in no fixed order). An edit that keeps the size, outside the
-    sampled records of a large split, goes unseen."""
+    version and split, and a digest of the decoded contents of up to TFDS_ID_RECORDS
+    records (TFDS_ID_SAMPLE of a larger split, spread over it). A dataset rebuilt in place
+    with other examples of the same count, or another copy under another data.data_dir,
+    differs; the same dataset copied elsewhere, or prepared again from the same examples,
+    does not. Nothing serialized counts: two builds of the same examples differ in their
+    bytes (tfds writes a record's features in no fixed order; an image's PNG or JPEG bytes
+    depend on the encoder's version), which would refuse a resume on another machine. An
+    edit outside the sampled records of a large split goes unseen."""
     info, split = source.dataset_info, str(source.split)
-    try:
-        num_bytes = int(info.splits[split.split('[')[0]].num_bytes)
-    except (KeyError, TypeError, ValueError):
-        num_bytes = 0
     n = len(source)
     picked = (range(n) if n <= TFDS_ID_RECORDS else
               sorted(set(np.linspace(0, n - 1, TFDS_ID_SAMPLE).round().astype(int).tolist())))
     digest = hashlib.sha256()
     for i in picked:
         _digest_value(digest, source[i])
-    return (f'tfds {info.full_name} {split}: {n} records of {num_bytes} bytes, contents '
-            f'{digest.hexdigest()[:12]}')
+    return f'tfds {info.full_name} {split}: {n} records, contents {digest.hexdigest()[:12]}'
 
 
 def _digest_value(digest, value) -> None:
@@ -165,7 +160,11 @@ def _digest_value(digest, value) -> None:
     else:
         array = np.asarray(value)
         if array.dtype == object:  # e.g. an array of bytes (a Sequence of Text)
-            _digest_value(digest, array.ravel().tolist())
+            items = array.ravel().tolist()
+            if array.ndim == 0:  # a plain object (None, ...): its text, not itself again
+                digest.update(repr(items).encode())
+                return
+            _digest_value(digest, items)
             return
         digest.update(f'{array.dtype.str}{array.shape}'.encode() + array.tobytes())
 

@@ -412,7 +412,7 @@ def _is_key(rng) -> bool:
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return jnp.ndim(rng) == 0
-    return dtype == jnp.uint32 and jnp.ndim(rng) == 1
+    return dtype == jnp.uint32 and jnp.shape(rng) in ((2,), (4,))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

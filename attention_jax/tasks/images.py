@@ -185,13 +185,6 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
     size = o.image_size or given.get("image_size") or (own["image_size"] if native is None
                                                         else native[0])
     forced = {"image_size": int(size), "num_channels": int(channels)}
-    if o.name == "image_folder" and not o.image_size and not given.get("image_size") \
-            and not data_is_on_demand():
-        # A folder's photos of any size trained at the model's own size (8 px for the
-        # digits' vit-tiny variants) without a word: said, with the way to choose it.
-        print(f"note: config.data.image_size=0: the images are resized to {int(size)}x"
-              f"{int(size)}, the model's own size (variant {variant or 'default'}); set "
-              f"--config.data.image_size=N for another", file=sys.stderr)
     if classes:
         forced["num_classes"] = len(classes)
     where = {"image_size": "config.data.image_size", "num_channels": "config.data.channels",
@@ -212,6 +205,14 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
         raise ConfigError(f"config.data.image_size={s} is not a multiple of the ViT's "
                           f"patch_size={patch}; valid: {[patch * k for k in range(max(1, s // patch - 1), s // patch + 3)]}"
                           f", or {other}")
+    if o.name == "image_folder" and not o.image_size and not given.get("image_size") \
+            and not data_is_on_demand() and jax.process_index() == 0:
+        # A folder's photos of any size trained at the model's own size (8 px for the
+        # digits' vit-tiny variants) without a word: said (once, after the checks), with
+        # the way to choose it.
+        print(f"note: config.data.image_size=0: the images are resized to {int(size)}x"
+              f"{int(size)}, the model's own size (variant {variant or 'default'}); set "
+              f"--config.data.image_size=N for another", file=sys.stderr)
     return forced
 
 

@@ -4,6 +4,7 @@ the Transformer encoder-decoder (`encdec`)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 
 import flax.linen as nn
@@ -71,10 +72,18 @@ def _pairs(data_opts):
 
 class _Pairs:
     """The pairs of a split at `indices` (those with both sides): len, [i], picklable for
-    grain's workers."""
+    grain's workers, and the records' identity for a resume's check (`fingerprint`: the
+    split's, a tfds one's, and which pairs are kept)."""
 
     def __init__(self, records, indices):
         self.records, self.indices = records, np.asarray(indices, np.int64)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        from attention_jax.data import loaders
+        of = loaders.source_id(self.records)
+        kept = hashlib.sha256(self.indices.tobytes()).hexdigest()[:8]
+        return f"{of}, pairs {kept}" if of else ""
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -99,7 +108,8 @@ def _whole_pairs(data_opts, records, split: str):
                           f"({keys[0]!r} or {keys[1]!r})")
     print(f"warning: {len(records) - len(keep)} of the {len(records)} pairs of "
           f"{data_opts.name!r} ({data_opts[split]}) have an empty {keys[0]!r} or {keys[1]!r} "
-          f"(or were bad records): left out", file=sys.stderr)
+          f"(or were bad records): left out (a run saved before such pairs were left out "
+          f"resumes with --resume_changed)", file=sys.stderr)
     return _Pairs(records, keep)
 
 
@@ -143,15 +153,20 @@ def translation_task(config, workdir: str) -> Task:
                           "'bpe'] or a tokenizer.json")
 
     @functools.cache
-    def pairs():
+    def sources():  # both splits' sources: no record read but the first
         train, evaluated = _pairs(data_opts)
         _check_languages(data_opts, train)
-        return (_whole_pairs(data_opts, train, "train_split"),
-                _whole_pairs(data_opts, evaluated, "eval_split"))
-    if data_is_on_demand():  # a reader (sampling, attention maps) needs no data
-        train_src, eval_src = OnDemand(lambda: pairs()[0]), OnDemand(lambda: pairs()[1])
+        return {"train_split": train, "eval_split": evaluated}
+
+    @functools.cache
+    def whole(split: str):  # one split's pairs with both sides: reads that split alone
+        return _whole_pairs(data_opts, sources()[split], split)
+    if data_is_on_demand():  # a reader (sampling, attention maps) needs no data; an
+        # evaluation reads its split only
+        train_src, eval_src = (OnDemand(lambda: whole("train_split")),
+                               OnDemand(lambda: whole("eval_split")))
     else:
-        train_src, eval_src = pairs()
+        train_src, eval_src = whole("train_split"), whole("eval_split")
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
                                           for k in (data_opts.source, data_opts.target)])
     if not data_is_on_demand():  # a reader's run trained on these lengths already

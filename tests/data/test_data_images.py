@@ -156,6 +156,9 @@ def test_bad_folders_one_line_each(tmp_path):
     with pytest.raises(ImagesError, match=rf"point config.data.root at '{mine / 'train'}' and "
                                           rf"config.data.eval_root at '{mine / 'eval'}'"):
         folder_splits(str(mine), arg="config.data.")
+    with pytest.raises(ImagesError, match=rf"point config.data.eval_root at '{mine / 'eval'}' "
+                                          rf"\(root"):  # the held-out split, for eval_root
+        folder_splits(str(_folder(tmp_path / "good")), eval_root=str(mine), arg="config.data.")
     vehicles = _folder(tmp_path / "vehicles", classes=("bus", "car", "train"))
     _folder(vehicles / "train", classes=("side",))  # a class named train, nested images
     assert folder_splits(str(vehicles))[1] == ["bus", "car", "train"]

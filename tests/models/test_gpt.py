@@ -165,6 +165,9 @@ def test_generate_names_a_bad_argument():
         gpt.generate(model, params, prompts, [8, 5], max_new_tokens=2.5)
     with pytest.raises(ValueError, match=r"rng=0; valid: a JAX PRNG key"):
         gpt.generate(model, params, prompts, [8, 5], max_new_tokens=2, temperature=1.0, rng=0)
+    with pytest.raises(ValueError, match=r"rng=.*; valid: a JAX PRNG key"):  # 3 words: none
+        gpt.generate(model, params, prompts, [8, 5], max_new_tokens=2, temperature=1.0,
+                     rng=jnp.zeros(3, jnp.uint32))
     with pytest.raises(ValueError, match=r"prompts: shape \(2, 0\); valid: .* T >= 1"):
         gpt.generate(model, params, prompts[:, :0], [1, 1], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"top_k=0; valid: None or 1\.\.256"):

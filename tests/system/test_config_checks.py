@@ -53,6 +53,11 @@ def test_warmup_longer_than_a_short_run_is_a_warning_not_an_error():
         "rate stops at 82% of optim.lr"]  # the 10th step's, 9/11: as the run logs it
     c = tiny.tiny_config(**{"optim.decay_steps": 20, "optim.warmup_steps": 21})
     assert "longer than optim.decay_steps=20" in config_lib.warnings(c)[0]
+    # Past the warmup, the run does reach optim.lr (it said 49% at decay_steps=50).
+    c = tiny.tiny_config(**{"train.steps": 1000, "optim.decay_steps": 50,
+                            "optim.warmup_steps": 100})
+    assert config_lib.warnings(c)[0].endswith("the learning rate reaches optim.lr at step "
+                                              "101, then drops to the schedule's end at once")
     # The start of a longer schedule (10 steps of a 20-step one) says nothing.
     assert config_lib.warnings(tiny.tiny_config(**{"optim.decay_steps": 20,
                                                    "optim.warmup_steps": 15})) == []

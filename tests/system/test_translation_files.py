@@ -106,3 +106,19 @@ def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
     learned = re.search(r"note: config\.data\.vocab_size=5000: the BPE learned (\d+) tokens",
                         capsys.readouterr().err)
     assert learned and 260 <= int(learned.group(1)) < 5000
+
+
+def test_the_pairs_kept_carry_their_split_s_identity():
+    """Leaving pairs out wrapped the split, and a tfds split's identity (the resume's
+    check against a dataset rebuilt with other examples) was lost with it."""
+    from attention_jax.data import loaders
+    from attention_jax.tasks.translation import _Pairs
+
+    class Split(list):
+        fingerprint = "tfds user/1.0.0 train: 3 records, contents abc"
+    kept = _Pairs(Split([{"en": b"a"}, {"en": b""}, {"en": b"c"}]), [0, 2])
+    assert len(kept) == 2 and kept[1] == {"en": b"c"}
+    assert loaders.source_id(kept).startswith("tfds user/1.0.0 train: 3 records, contents abc, "
+                                              "pairs ")
+    assert loaders.source_id(kept) != loaders.source_id(_Pairs(kept.records, [0]))
+    assert loaders.source_id(_Pairs([{"en": b"a"}], [0])) == ""  # none to carry

@@ -102,7 +102,7 @@ def test_resuming_on_a_tfds_dataset_rebuilt_with_other_examples_stops(tmp_path, 
         train.train_and_evaluate(config(copy, steps=6), workdir)
     then = loaders.source_id(sources.get_dataset(NAME, "train", data_dir))
     now = loaders.source_id(sources.get_dataset(NAME, "train", copy))
-    assert then.startswith(f"tfds {NAME}/1.0.0 train: 80 records of ") and then != now
+    assert then.startswith(f"tfds {NAME}/1.0.0 train: 80 records, contents ") and then != now
     assert str(e.value).startswith(
         f"the training data changed since the checkpoint: its loader read 80 rows in the order "
         f"of seed 0, the data now makes as many, but other ones ({then} then, {now} now); a "
