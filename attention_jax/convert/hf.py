@@ -223,10 +223,26 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
         roles = tokenizer.hf_roles()
         hf_cfg = {**hf_cfg, **{f"{r}_token_id": roles[r] for r in ("bos", "eos", "pad")
                                if r in roles}}
-    out = write_hf_dir(out_dir, hf_cfg, export_tensors(family, rules, arch, flat))
+    tensors = export_tensors(family, rules, arch, flat)
+    if tokenizer is not None and family.model_type == "bert":
+        hf_cfg, tensors = _vocabulary_of(tokenizer, hf_cfg, tensors)
+    out = write_hf_dir(out_dir, hf_cfg, tensors)
     write_hf_tokenizer(out, tokenizer, form, getattr(cfg, "max_len", None))
     _write_generation_config(out, hf_cfg, tokenizer if family.model_type == "gpt2" else None)
     return out
+
+
+def _vocabulary_of(tokenizer, hf_cfg: dict, tensors: dict) -> tuple[dict, dict]:
+    """A BERT's config and tensors cut to its tokenizer's vocabulary where the model's is
+    padded past it (to a multiple of 64 for its matmuls): the padding rows' ids decode to
+    nothing, yet fill-mask ranked them (an early run put a third of the mass there). The
+    word embeddings and the MLM head's output lose those rows; nothing else changes."""
+    padded, real = int(hf_cfg["vocab_size"]), int(tokenizer.vocab_size)
+    if padded <= real:
+        return hf_cfg, tensors
+    cut = {name: (x[:real] if x.ndim and x.shape[0] == padded else x)
+           for name, x in tensors.items()}
+    return {**hf_cfg, "vocab_size": real}, cut
 
 
 def _with_class_names(hf_cfg: dict, arch: str, names: list[str]) -> dict:

@@ -300,6 +300,38 @@ def test_bert_export_round_trip(tmp_path, head):
     _assert_trees_equal(convert.load_hf(out).params, params)
 
 
+def test_a_bert_exported_with_its_tokenizer_has_the_tokenizer_s_vocabulary(tmp_path):
+    """A run pads its vocabulary past the tokenizer's (to a multiple of 64): exported as
+    such, fill-mask ranked ids that decode to nothing. With tokenizer= the export keeps
+    the tokenizer's rows only, and its logits are ours over those ids."""
+    from attention_jax import data
+    from attention_jax.tasks.base import padded_vocab
+    corpus = ["the quick brown fox jumps over the lazy dog", "a cat sat on the mat"] * 4
+    tok = data.get_tokenizer("wordpiece", texts=corpus, vocab_size=120)
+    vocab = padded_vocab(tok.vocab_size)
+    assert vocab > tok.vocab_size
+    cfg = bert.BertConfig(vocab_size=vocab, d_model=32, num_layers=1, num_heads=4, mlp_dim=48,
+                          max_len=32, type_vocab_size=2)
+    model = bert.Bert(cfg, head="pretraining")
+    ids = np.asarray([tok.encode("the cat sat on the mat")], np.int32)
+    types, mask = np.zeros_like(ids), np.ones_like(ids, bool)
+    args = (jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask))
+    params = _random_params(model, *args)
+    ours, _ = jax.jit(model.apply)({"params": params}, *args)
+    out = convert.export_hf(model, params, tmp_path / "bert", tokenizer=tok)
+    assert json.loads((tmp_path / "bert" / "config.json").read_text())["vocab_size"] == tok.vocab_size
+    theirs = transformers.BertForPreTraining.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = theirs(input_ids=torch.from_numpy(ids), token_type_ids=torch.from_numpy(types),
+                     attention_mask=torch.from_numpy(mask))
+    assert ref.prediction_logits.shape[-1] == tok.vocab_size
+    _close(ours["mlm_logits"][..., :tok.vocab_size], ref.prediction_logits)
+    back = convert.load_hf(out)  # and back: the real rows as they were
+    np.testing.assert_array_equal(
+        np.asarray(back.params["word_embeddings"]["embedding"])[:tok.vocab_size],
+        np.asarray(params["word_embeddings"]["embedding"])[:tok.vocab_size])
+
+
 # ==================================================================================== ViT
 
 
