@@ -709,9 +709,11 @@ class Checkpointer:
             packed_state.host_templates(layout)))
         return packed_state.unpack(flat, layout, abstract_state)
 
-    def restore(self, abstract_state, step: int | None = None):
+    def restore(self, abstract_state, step: int | None = None, need_data: bool = True):
         """Restores (state, data_state) of `step` (default: the newest committed one)
         onto the shardings of `abstract_state` and verifies them against the digests.
+        need_data=False (a reader: eval, sampling): a data-loader state that cannot be
+        read is no damage (data_state {}), and only the arrays are verified.
 
         `abstract_state` is a tree of jax.ShapeDtypeStruct carrying the *current*
         run's NamedShardings: each process reads only the shards it owns, so a
@@ -737,11 +739,17 @@ class Checkpointer:
                 read[what] = fn()
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise anything
                 _ignore_late_tensorstore_callbacks()
-                error = f"{what} could not be read ({one_line_error(e, path)})"
+                if what == "data-loader state" and not need_data:
+                    read[what] = None  # a reader's: the arrays are what it restores
+                else:
+                    error = f"{what} could not be read ({one_line_error(e, path)})"
             if not _all_agree(error is None):
                 raise CheckpointDamagedError(step, path, error or f"another process could not "
                                                                   f"read the {what}")
         digest, data_state, state = read["digest file"], read["data-loader state"], read["arrays"]
+        if not need_data:  # the arrays alone are checked
+            digest = None if digest is None else {**digest, "data": None}
+            data_state = data_state or {}
         if digest is None:
             logging.warning("checkpoint step %d in %s has no digests (saved before they were "
                             "recorded): restored without verification", step, path)
@@ -752,7 +760,7 @@ class Checkpointer:
         return state, dict(data_state)
 
     def restore_intact(self, abstract_state, *, on_damage: str = "fall_back",
-                       say: Callable[[str], None] = logging.warning):
+                       say: Callable[[str], None] = logging.warning, need_data: bool = True):
         """(state, data_state, step) of the newest committed step that restores and
         verifies; None when there is no committed step.
 
@@ -771,7 +779,7 @@ class Checkpointer:
         damaged: list[CheckpointDamagedError] = []
         for step in reversed(steps):
             try:
-                state, data_state = self.restore(abstract_state, step)
+                state, data_state = self.restore(abstract_state, step, need_data)
             except CheckpointDamagedError as e:
                 damaged.append(e)
                 if on_damage == "stop":

@@ -125,8 +125,8 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
             # The newest step that restores and verifies (a damaged one is reported and
             # skipped, not moved: a reader changes nothing in the workdir).
             try:
-                state, _, _ = prepared.ckpt.restore_intact(
-                    prepared.abstract, say=lambda m: print(f"WARNING: {m}"))
+                state, _, _ = prepared.ckpt.restore_intact(  # arrays only: no loader
+                    prepared.abstract, say=lambda m: print(f"WARNING: {m}"), need_data=False)
             except CheckpointMismatchError as e:
                 if not overrides:
                     raise

@@ -512,3 +512,25 @@ def test_two_processes_digest_save_and_fall_back_together(tmp_path):
     for i, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0 and f"RESTORED {i} 1" in out, out[-3000:]
     assert "falling back to step 1: damaged step 2 moved aside" in outputs[0]
+
+
+def test_a_reader_restores_a_step_whose_loader_state_alone_is_lost(runs, tmp_path, capsys):
+    """Evaluating or sampling needs the arrays, not the data-loader state: a newest step
+    whose loader state was lost fell back to an older step for a reader too. Training
+    still refuses it (the data position is gone) and falls back."""
+    from attention_jax import runs as runs_lib
+    workdir = _copy(runs, tmp_path)
+    _delete_data_state(_step(workdir, 15))
+    run = runs_lib.open_run(workdir)
+    assert run.step == 15 and "falling back" not in capsys.readouterr().out
+    setup = train.setup(tiny.tiny_config(**STEPS), workdir, read_only=True)
+    try:
+        with pytest.raises(checkpoint.CheckpointDamagedError, match="data-loader state could "
+                                                                     "not be read"):
+            setup.ckpt.restore(setup.abstract, 15)
+        # a damaged array is damage for a reader as well
+        _state_of_another_step(_step(workdir, 15))
+        with pytest.raises(checkpoint.CheckpointDamagedError, match="corrupt"):
+            setup.ckpt.restore(setup.abstract, 15, need_data=False)
+    finally:
+        setup.ckpt.close()
