@@ -240,8 +240,12 @@ def _vocabulary_of(tokenizer, hf_cfg: dict, tensors: dict) -> tuple[dict, dict]:
     padded, real = int(hf_cfg["vocab_size"]), int(tokenizer.vocab_size)
     if padded <= real:
         return hf_cfg, tensors
-    cut = {name: (x[:real] if x.ndim and x.shape[0] == padded else x)
-           for name, x in tensors.items()}
+    # By name: a width, a position table or an MLP as large as the padded vocabulary has
+    # that first dimension too, and is no vocabulary.
+    vocabulary = ("embeddings.word_embeddings.weight", "cls.predictions.bias",
+                  "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+    cut = {name: x[:real] if any(name == v or name.endswith("." + v) for v in vocabulary)
+           else x for name, x in tensors.items()}
     return {**hf_cfg, "vocab_size": real}, cut
 
 

@@ -307,11 +307,13 @@ def test_a_bert_exported_with_its_tokenizer_has_the_tokenizer_s_vocabulary(tmp_p
     from attention_jax import data
     from attention_jax.tasks.base import padded_vocab
     corpus = ["the quick brown fox jumps over the lazy dog", "a cat sat on the mat"] * 4
-    tok = data.get_tokenizer("wordpiece", texts=corpus, vocab_size=120)
+    tok = data.get_tokenizer("char", texts=corpus)
     vocab = padded_vocab(tok.vocab_size)
     assert vocab > tok.vocab_size
-    cfg = bert.BertConfig(vocab_size=vocab, d_model=32, num_layers=1, num_heads=4, mlp_dim=48,
-                          max_len=32, type_vocab_size=2)
+    # The width, the MLP and the position table as large as the padded vocabulary: only
+    # the vocabulary's own rows may be cut.
+    cfg = bert.BertConfig(vocab_size=vocab, d_model=vocab, num_layers=1, num_heads=4,
+                          mlp_dim=vocab, max_len=vocab, type_vocab_size=2)
     model = bert.Bert(cfg, head="pretraining")
     ids = np.asarray([tok.encode("the cat sat on the mat")], np.int32)
     types, mask = np.zeros_like(ids), np.ones_like(ids, bool)
