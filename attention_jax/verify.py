@@ -96,6 +96,17 @@ def verify_step(ckpt: Checkpointer, step: int) -> dict[str, Any]:
             row["status"] = "ok (no digests: not verified)"
     except CheckpointDamagedError as e:
         row["status"] = "DAMAGED: " + e.reason
+        if e.reason.startswith("data-loader state could not be read"):
+            # Its arrays may still be whole: a reader (eval, sampling) reads them, as
+            # runs.open_run does; training falls back from the step (its data position
+            # is gone). Said, so that the table agrees with what --mode=eval did.
+            try:
+                with _quiet_orbax():
+                    ckpt.restore(abstract, step, need_data=False)
+                row["status"] += ("; its arrays verify: eval and sampling read this step, "
+                                  "training resumes from an older one")
+            except Exception:  # noqa: BLE001 - damaged arrays too: the reason above stands
+                pass
     except Exception as e:  # noqa: BLE001 - a table row, not a traceback
         row["status"] = "DAMAGED: " + one_line_error(e)
     return row

@@ -315,6 +315,8 @@ def test_verifier_table(runs, tmp_path, capsys, monkeypatch):
     assert "DAMAGED: corrupt: arrays opt_state/1/0/count, " in rows[15], rows[15]
     assert rows[15].endswith("do not match their digests"), rows[15]
     assert "DAMAGED: data-loader state could not be read" in rows[5]
+    assert rows[5].endswith("; its arrays verify: eval and sampling read this step, training "
+                            "resumes from an older one")  # as --mode=eval reads it
     assert lines[4].startswith("25: no commit marker")
     # All intact: exit status 0; nothing was moved by the verifier. A relative path
     # too (orbax wants absolute ones: every step read as DAMAGED).
