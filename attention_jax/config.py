@@ -254,14 +254,14 @@ TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fract
 # and .parquet whose records (rows) hold both languages under the keys (columns)
 # data.source and data.target; the held-out split as for text (eval_files, else
 # eval_fraction of the pairs by a hash of file and line or row: data/files.py).
-PAIR_FILE_KEYS = {"files": "", "eval_files": "", "eval_fraction": 0.05, "max_bad_records": 100}
+PAIR_FILE_KEYS = {k: TEXT_FILE_KEYS[k] for k in ("files", "eval_files", "eval_fraction",
+                                                "max_bad_records")}
 
 
 def add_pair_file_keys(data: ml_collections.ConfigDict) -> None:
     """Gives a translation experiment's `config.data` the PAIR_FILE_KEYS with their
     defaults, so the command line can set them (--config.data.files=pairs.jsonl)."""
-    for key, value in PAIR_FILE_KEYS.items():
-        data[key] = value
+    data.update(PAIR_FILE_KEYS)
 
 
 def add_text_file_keys(data: ml_collections.ConfigDict) -> None:

@@ -181,7 +181,6 @@ ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto", "model.no
               "model.mlp_dim": None, "model.num_experts": None, "model.top_k": None,
               "model.capacity_factor": None,
               **{f"data.{k}": v for k, v in config_lib.TEXT_FILE_KEYS.items()},
-              **{f"data.{k}": v for k, v in config_lib.PAIR_FILE_KEYS.items()},
               **{f"data.{k}": v for k, v in config_lib.IMAGE_KEYS.items()}}
 
 
@@ -571,11 +570,16 @@ def _same_schedule(key: str, changes: dict, config) -> bool:
     return old == new
 
 
-def _training_keys(changes: dict, config) -> list[str]:
-    """The keys of `changes` a resume may not change unasked (not RESUME_SAFE_KEYS, nor
-    an optim.decay_steps that keeps the schedule)."""
+def _unsafe_keys(changes: dict, config, safe) -> list[str]:
+    """The keys of `changes` that may not change unasked: not `safe` (RESUME_SAFE_KEYS for
+    a resume, READ_SAFE_KEYS for a reader), nor an optim.decay_steps that keeps the
+    schedule."""
     return [k for k in changes
-            if not _safe(k, RESUME_SAFE_KEYS) and not _same_schedule(k, changes, config)]
+            if not _safe(k, safe) and not _same_schedule(k, changes, config)]
+
+
+def _training_keys(changes: dict, config) -> list[str]:
+    return _unsafe_keys(changes, config, RESUME_SAFE_KEYS)
 
 
 def _safe(key: str, keys) -> bool:
@@ -665,10 +669,7 @@ _READ_SAFE_WORDS = ("eval.*, mesh.*, train.compute_dtype, train.seed, batch size
 
 
 def _unsafe_for_readers(changes: dict, config) -> list[str]:
-    """The keys of `changes` a reader may not change (not READ_SAFE_KEYS, nor an
-    optim.decay_steps that keeps the schedule)."""
-    return [k for k in changes
-            if not _safe(k, READ_SAFE_KEYS) and not _same_schedule(k, changes, config)]
+    return _unsafe_keys(changes, config, READ_SAFE_KEYS)
 
 
 def check_reader_config(config, workdir: str, who: str = "a reader of a run") -> dict:

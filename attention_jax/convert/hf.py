@@ -274,8 +274,8 @@ def _write_generation_config(out: str, hf_cfg: dict, tokenizer) -> None:
         if os.path.exists(file):
             os.remove(file)
         return
-    roles = tokenizer.hf_roles()
-    config = {**{f"{r}_token_id": roles[r] for r in ("bos", "eos", "pad") if r in roles},
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")  # as export_hf set them
+    config = {**{k: hf_cfg[k] for k in ids if hf_cfg.get(k) is not None},
               "suppress_tokens": list(range(tokenizer.vocab_size, hf_cfg["vocab_size"]))}
     with open(file, "w") as f:
         json.dump(config, f, indent=2)

@@ -485,7 +485,7 @@ def splits(data_opts, **options):
             known = [*sources.OFFLINE, *sources.CATALOGUE_EXAMPLES]
             hint = "" if data_opts.name in known else did_you_mean(data_opts.name, known)
             message = str(e)
-            if (data_opts.data_dir and "://" not in data_opts.data_dir  # (a bucket: unknown)
+            if (data_opts.data_dir and not workdir_lib.is_remote(data_opts.data_dir)
                     and not os.path.isdir(os.path.expanduser(data_opts.data_dir))):
                 # A mistyped data_dir may be the real cause, and tfds' message ("not in the
                 # tfds catalogue") never says the folder is missing: said on its first line.

@@ -4,7 +4,6 @@ the Transformer encoder-decoder (`encdec`)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 
 import flax.linen as nn
@@ -70,28 +69,6 @@ def _pairs(data_opts):
     return found[data_opts.train_split], found[data_opts.eval_split]
 
 
-class _Pairs:
-    """The pairs of a split at `indices` (those with both sides): len, [i], picklable for
-    grain's workers, and the records' identity for a resume's check (`fingerprint`: the
-    split's, a tfds one's, and which pairs are kept)."""
-
-    def __init__(self, records, indices):
-        self.records, self.indices = records, np.asarray(indices, np.int64)
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        from attention_jax.data import loaders
-        of = loaders.source_id(self.records)
-        kept = hashlib.sha256(self.indices.tobytes()).hexdigest()[:8]
-        return f"{of}, pairs {kept}" if of else ""
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i):
-        return self.records[int(self.indices[int(i)])]
-
-
 def _whole_pairs(data_opts, records, split: str):
     """`records` less the pairs with an empty side: a blank line in a user's files, or a
     bad record (not JSON, a side missing), which the files source reads as empty. Trained
@@ -99,7 +76,8 @@ def _whole_pairs(data_opts, records, split: str):
     here, counted in a warning. A function of the records alone, so a resumed run and a
     reader's evaluation leave out the same ones."""
     keys = (data_opts.source, data_opts.target)
-    keep = [i for i in range(len(records)) if all(len(records[i][k]) for k in keys)]
+    pairs = (records[i] for i in range(len(records)))  # each read once
+    keep = [i for i, pair in enumerate(pairs) if all(len(pair[k]) for k in keys)]
     if len(keep) == len(records):
         return records
     if not keep:
@@ -110,7 +88,8 @@ def _whole_pairs(data_opts, records, split: str):
           f"{data_opts.name!r} ({data_opts[split]}) have an empty {keys[0]!r} or {keys[1]!r} "
           f"(or were bad records): left out (a run saved before such pairs were left out "
           f"resumes with --resume_changed)", file=sys.stderr)
-    return _Pairs(records, keep)
+    from attention_jax.data.sources import Subset
+    return Subset(records, keep)  # its identity: the split's and the pairs kept (loaders)
 
 
 def _check_lengths(data_opts, tok, *splits_) -> None:
@@ -120,9 +99,9 @@ def _check_lengths(data_opts, tok, *splits_) -> None:
     longest = {"source": 0, "target": 0}
     for records in splits_:
         for i in range(len(records)):
+            record = records[i]
             for key in longest:
-                longest[key] = max(longest[key],
-                                   len(tok.encode(as_text(records[i][data_opts[key]]))))
+                longest[key] = max(longest[key], len(tok.encode(as_text(record[data_opts[key]]))))
     for key, length in (("source", data_opts.source_len), ("target", data_opts.target_len)):
         most = longest[key] + (key == "target")  # its end-of-sequence token
         if most > length:

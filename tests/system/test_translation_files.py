@@ -112,13 +112,18 @@ def test_the_pairs_kept_carry_their_split_s_identity():
     """Leaving pairs out wrapped the split, and a tfds split's identity (the resume's
     check against a dataset rebuilt with other examples) was lost with it."""
     from attention_jax.data import loaders
-    from attention_jax.tasks.translation import _Pairs
+    from attention_jax.tasks.translation import _whole_pairs
 
     class Split(list):
         fingerprint = "tfds user/1.0.0 train: 3 records, contents abc"
-    kept = _Pairs(Split([{"en": b"a"}, {"en": b""}, {"en": b"c"}]), [0, 2])
-    assert len(kept) == 2 and kept[1] == {"en": b"c"}
+    import ml_collections
+    opts = ml_collections.ConfigDict({"source": "en", "target": "fr", "name": "user",
+                                      "train_split": "train"})
+    pairs = [{"en": b"a", "fr": b"x"}, {"en": b"", "fr": b"y"}, {"en": b"c", "fr": b"z"}]
+    kept = _whole_pairs(opts, Split(pairs), "train_split")
+    assert len(kept) == 2 and kept[1] == pairs[2]
     assert loaders.source_id(kept).startswith("tfds user/1.0.0 train: 3 records, contents abc, "
-                                              "pairs ")
-    assert loaders.source_id(kept) != loaders.source_id(_Pairs(kept.records, [0]))
-    assert loaders.source_id(_Pairs([{"en": b"a"}], [0])) == ""  # none to carry
+                                              "records ")
+    assert loaders.source_id(kept) != loaders.source_id(
+        _whole_pairs(opts, Split(pairs[:2]), "train_split"))
+    assert loaders.source_id(_whole_pairs(opts, pairs, "train_split")) == ""  # none to carry
