@@ -1,7 +1,7 @@
 r"""Command line: run an experiment config in a workdir.
 
   python -m attention_jax.main --config=gpt --workdir=/tmp/gpt \
-      [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample|embed]
+      [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample|embed|classify]
   attention-jax --config=vit:variant=vit-tiny/4 --workdir=/tmp/vit
   attention-jax --config=path/to/my_config.py --workdir=/tmp/mine
 
@@ -24,9 +24,11 @@ Modes:
           translation (encdec, rnn_seq2seq): their greedy translations.
   embed   BERT sentence embeddings of the lines on stdin, from
           --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
-Reading modes (eval, sample, embed) use the run's own config.json: --config may be left
-out, and an override may change only what reading uses (eval.*, mesh.*, batch sizes,
-train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
+  classify  text classifiers (bert_classify): each line of stdin's class and its
+          probability, one JSON line each on stdout (a pair: its two texts tab-separated).
+Reading modes (eval, sample, embed, classify) use the run's own config.json: --config may
+be left out, and an override may change only what reading uses (eval.*, mesh.*, batch
+sizes, train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
 Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
 message, no traceback), 130/143 stopped by SIGINT/SIGTERM after saving a checkpoint
 (run again to resume; a SIGINT before or after training's loop, or a second one, ends
@@ -73,7 +75,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "A shipped config NAME or a FILE.py, then :ARG (its "
                     "arguments): gpt, vit:variant=vit-tiny/4, path/to/mine.py.")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the resolved config.")
-MODES = ["train", "eval", "sample", "embed"]
+MODES = ["train", "eval", "sample", "embed", "classify"]
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 flags.DEFINE_bool("resume_changed", False,
                   "Resume the workdir's checkpoint even though training-relevant config keys "
@@ -85,7 +87,21 @@ USAGE = ("python -m attention_jax.main --config=NAME|FILE.py[:ARG] --workdir=DIR
 
 
 class InputError(UserError, ValueError):
-    """Bad input on stdin (--mode=embed)."""
+    """Bad input on stdin (--mode=embed, --mode=classify)."""
+
+
+def _stdin_texts(mode: str, files_note: str) -> list[str]:
+    """The non-empty lines of stdin, a note on stderr where blank ones were skipped (row
+    i is then not line i)."""
+    lines = [line.rstrip("\n") for line in sys.stdin]
+    texts = [line for line in lines if line.strip()]
+    if len(texts) < len(lines):
+        blank = len(lines) - len(texts)
+        print(f"note: {blank} blank line{'s' * (blank > 1)} of stdin skipped: {len(texts)} "
+              f"texts, in order, {files_note}", file=sys.stderr)
+    if not texts:
+        raise InputError(f"--mode={mode}: no texts (give one text per line on stdin)")
+    return texts
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
@@ -136,13 +152,8 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
 
     from attention_jax import convert, runs, tasks
     if texts is None:
-        lines = [line.rstrip("\n") for line in sys.stdin]
-        texts = [line for line in lines if line.strip()]
-        if len(texts) < len(lines):  # row i is then not line i: said, not silent
-            blank = len(lines) - len(texts)
-            print(f"note: {blank} blank line{'s' * (blank > 1)} of stdin skipped: "
-                  f"{len(texts)} texts, in order, one row each (the _texts.json written beside "
-                  f"the embeddings lists them)", file=sys.stderr)
+        texts = _stdin_texts("embed", "one row each (the _texts.json written beside the "
+                                      "embeddings lists them)")
     if not texts:
         raise InputError("--mode=embed: no texts (give one text per line on stdin)")
     src = str(config.train.init_from or "")
@@ -180,6 +191,32 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     unit = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
     return {"texts": list(texts), "dim": int(emb.shape[1]), "file": file,
             "similarity": np.round((unit @ unit.T).astype(np.float64), 4).tolist()}
+
+
+def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> list[dict]:
+    """`--mode=classify`: the class of each of `texts` (default: the non-empty lines of
+    stdin) by the workdir's trained text classifier: [{"text", "label", "probability"}]
+    in order, the label a name of the run's classes and its softmax probability."""
+    import jax
+    import numpy as np
+
+    from attention_jax import runs, tasks
+    if texts is None:
+        texts = _stdin_texts("classify", "one output line each (each names its text)")
+    if not texts:
+        raise InputError("--mode=classify: no texts (give one text per line on stdin)")
+    run = runs.open_run(workdir, config=config)
+    label_texts = tasks.need(run.task, "label_texts", config.task,
+                             "classify texts (--mode=classify)")
+    try:
+        probabilities = label_texts(jax.tree.map(np.asarray, jax.device_get(run.params)),
+                                    list(texts))
+    except ValueError as e:  # a pair's line without its tab
+        raise InputError(f"--mode=classify: {e}") from None
+    names = run.task.class_names
+    best = probabilities.argmax(axis=-1)
+    return [{"text": text, "label": names[k], "probability": round(float(p[k]), 4)}
+            for text, k, p in zip(texts, best, probabilities)]
 
 
 def main(argv) -> int:
@@ -276,6 +313,10 @@ def _run_mode(config, workdir) -> int:
         return 0
     if FLAGS.mode == "embed":
         print(json.dumps(embed_texts(config, workdir), indent=1))
+        return 0
+    if FLAGS.mode == "classify":
+        for row in classify_texts(config, workdir):
+            print(json.dumps(row, ensure_ascii=False))
         return 0
     if FLAGS.mode == "sample":
         if not config.eval.sample_prompts:  # exit 0 with no output read as a broken run

@@ -342,8 +342,11 @@ def _outputs(config, task: Task) -> list[str]:
     out = [workdir_lib.CONFIG,
            f"checkpoints/ (every {config.train.checkpoint_every} steps and at the end)",
            f"metrics.jsonl and tensorboard/ (every {config.train.log_every} steps)"]
-    if task.save_assets:  # a classifier's are its class names (tasks/images.py)
-        out.append("classes.json" if task.classify else "tokenizer/")
+    if task.save_assets:  # an image classifier's are its class names (tasks/images.py)
+        if task.classify:
+            out.append("classes.json")
+        if not task.classify or task.vocab_size:  # a text classifier's, its tokenizer too
+            out.append("tokenizer/")
     return out
 
 

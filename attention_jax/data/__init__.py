@@ -21,6 +21,8 @@ TensorFlow):
   digits                      train (1,438), test (359) {'image' uint8 [8, 8, 1], 'label', 'index'}
   number_translation          train (20k), validation,  {'number', 'en', 'fr', 'de'}
                               test (1k each)            ('number_translation/small': 2k/200/200)
+  number_languages            train (18k), validation,  {'number', 'text', 'label'}: number
+                              test (1.8k each)          words labelled by language (6 classes)
 
 Your own text
 -------------
@@ -92,11 +94,11 @@ import importlib
 # machine that only builds models never needs them.
 _WHERE = {
     'loaders': ('Loader', 'LoaderState', 'to_global_batch'),
-    'objectives': ('PACKINGS', 'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
+    'objectives': ('PACKINGS', 'classification_example', 'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',
                    'random_crop_flip', 'seq2seq_example', 'shift_right'),
     'packing': ('PackedSource', 'pack_documents', 'unpack_row'),
-    'pipelines': ('CausalLM', 'ImageClassification', 'MaskedLM', 'Translation',
-                  'packed_lm_source'),
+    'pipelines': ('CausalLM', 'ImageClassification', 'MaskedLM', 'TextClassification',
+                  'Translation', 'packed_lm_source'),
     'sources': ('CATALOGUE_EXAMPLES', 'OFFLINE', 'DatasetNotFoundError', 'default_data_dir',
                 'Subset', 'get_builder', 'get_dataset', 'subset_fraction'),
     'tokenization': ('BPETokenizer', 'ByteTokenizer', 'CharTokenizer', 'FileTokenizer',
@@ -124,8 +126,8 @@ __all__ = [
     'BPETokenizer', 'ByteTokenizer', 'CATALOGUE_EXAMPLES', 'CausalLM', 'CharTokenizer',
     'CacheError', 'DatasetNotFoundError', 'FileDocuments', 'FileTokenizer', 'FilesError',
     'ImageClassification', 'Loader', 'LoaderState', 'MaskedLM', 'OFFLINE', 'PACKINGS',
-    'PackedSource', 'Tokenizer', 'TokenizerEncodeError', 'TokenizerFileError', 'Translation',
-    'WordPieceTokenizer',
+    'PackedSource', 'TextClassification', 'Tokenizer', 'TokenizerEncodeError',
+    'TokenizerFileError', 'Translation', 'WordPieceTokenizer', 'classification_example',
     'default_data_dir', 'file_splits', 'get_builder', 'get_dataset', 'get_tokenizer',
     'load_tokenizer',
     'mlm_mask', 'next_token_targets', 'normalize_image', 'nsp_pairs',

@@ -301,3 +301,56 @@ class NumberTranslation(OfflineBuilder):
     def _generate_examples(self, numbers: list[int]) -> Iterator:
         for n in numbers:
             yield n, {'number': n, **number_words(n)}
+
+
+# --------------------------------------------------------------------------------------
+# Number languages: a number written in words, labelled by its language (text
+# classification, the fine-tuning task of BERT's §4 on a corpus that needs no network).
+# --------------------------------------------------------------------------------------
+
+# Three Romance languages close enough to share short numbers' words ('seis' is Spanish
+# and Portuguese): a short text is hard, a long one easy.
+CLASS_LANGUAGES = ('en', 'fr', 'de', 'es', 'it', 'pt')
+
+
+def language_records(n: int) -> list[tuple[str, str]]:
+    """(language, words) of the integer n in each of CLASS_LANGUAGES, less the words that
+    two languages share for n ('six' in English and French, 'zero' in three): such a text
+    has no one right label."""
+    from num2words import num2words
+    words = {lang: num2words(n, lang=lang) for lang in CLASS_LANGUAGES}
+    counts: dict[str, int] = {}
+    for text in words.values():
+        counts[text] = counts.get(text, 0) + 1
+    return [(lang, text) for lang, text in words.items() if counts[text] == 1]
+
+
+class NumberLanguages(OfflineBuilder):
+    """{'number': int, 'text': words, 'label': its language} per integer and language.
+    The integers of train, validation and test are disjoint (draw_split_integers)."""
+
+    VERSION = tfds.core.Version('1.0.0')
+    BUILDER_CONFIGS = [
+        NumberTranslationConfig(name='default', num_train=3_000, num_validation=300,
+                                num_test=300, max_digits=7,
+                                description='3k/300/300 integers < 1e7, six languages each.'),
+    ]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self, description='Number words (num2words) labelled by their language.',
+            features=tfds.features.FeaturesDict({
+                'number': tfds.features.Tensor(shape=(), dtype=np.int64),
+                'text': tfds.features.Text(),
+                'label': tfds.features.ClassLabel(names=CLASS_LANGUAGES)}),
+            supervised_keys=('text', 'label'))
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {split: self._generate_examples(numbers)
+                for split, numbers in draw_split_integers(self.builder_config).items()}
+
+    def _generate_examples(self, numbers: list[int]) -> Iterator:
+        for n in numbers:
+            for lang, text in language_records(n):
+                yield f'{n}-{lang}', {'number': n, 'text': text, 'label': lang}

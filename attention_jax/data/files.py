@@ -32,7 +32,9 @@ corpora).
 
 Pairs (a translation's source and target sentences): `fields=('en', 'fr')` reads those
 two keys of each .jsonl record or columns of each .parquet row, and a record is
-{'id': ..., 'en': UTF-8 bytes, 'fr': UTF-8 bytes} (text files hold no fields).
+{'id': ..., 'en': UTF-8 bytes, 'fr': UTF-8 bytes} (text files hold no fields). Labelled
+texts likewise: `fields=('text', 'label'), integer_fields=('label',)`, where the label may
+also be an integer or a boolean (read as its text: '3', 'true').
 
 Bad input is one line naming the file (FilesError): a glob that matches nothing, an
 unsupported file type, a jsonl or parquet whose records lack `text_key` (with the keys
@@ -240,10 +242,10 @@ def _missing_key(path: str, key: str, keys: list[str], hint: str) -> FilesError:
 
 
 def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
-           pairs: bool = False) -> _File:
+           pairs: bool = False, integers: tuple[str, ...] = ()) -> _File:
     """One file indexed for reading the record keys (or parquet columns) `fields` (with
-    `pairs`, several per record); `hint` says which setting names them, for a file that
-    lacks one."""
+    `pairs`, several per record; those in `integers` may hold integers); `hint` says which
+    setting names them, for a file that lacks one."""
     fmt = _format(path)
     f = _File(path=path, ident=ident, format=fmt)
     if fmt in TEXT_SUFFIXES:
@@ -273,9 +275,12 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
                 kind = kind.value_type
             textual = ("is_string", "is_large_string", "is_binary", "is_large_binary",
                        "is_string_view", "is_binary_view")  # the views: pyarrow >= 16
+            if key in integers and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
+                continue
             if not any(getattr(pa.types, name, lambda _: False)(kind) for name in textual):
-                raise FilesError(f'{path}: column {key!r} holds {kind}, not text; valid: a '
-                                 f'string column ({hint})')
+                what = 'a string or integer column' if key in integers else 'a string column'
+                raise FilesError(f'{path}: column {key!r} holds {kind}, not text; valid: '
+                                 f'{what} ({hint})')
         f.groups = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         f.count = int(f.groups[-1])
         return f
@@ -408,14 +413,23 @@ class _BadRecords:
               f'{self.limit})', file=sys.stderr, flush=True)
 
 
+def _integer_text(value):
+    """An integer or boolean as its text (booleans as JSON spells them); else `value`."""
+    if isinstance(value, bool):
+        return 'true' if value else 'false'
+    return str(value) if isinstance(value, (int, np.integer)) else value
+
+
 class Corpus:
     """The indexed files of one `files` spec, documents numbered in file order. A record
     is the document under 'text' (read from `fields` = (text_key,)), or with `pairs` each
-    of `fields` under its own name."""
+    of `fields` under its own name; an integer or boolean under one of `integers` reads
+    as its text ('3', 'true': a class label)."""
 
     def __init__(self, files: list[_File], fields: tuple[str, ...], bad: _BadRecords,
-                 pairs: bool = False):
+                 pairs: bool = False, integers: tuple[str, ...] = ()):
         self.files, self.fields, self.bad, self.pairs = files, fields, bad, pairs
+        self.integers = integers
         self.first = np.concatenate([[0], np.cumsum([f.count for f in files])]).astype(np.int64)
         self._reader = _Reader()
 
@@ -454,14 +468,16 @@ class Corpus:
             where = f'{f.path}:{int(f.lines[k])}'
             values = self._json_values(self._reader.line(f, k), where)
             ident = f'{f.ident}:{int(f.lines[k])}'
-        values = [v.decode('utf-8', errors='replace') if isinstance(v, bytes) else v
-                  for v in values]
+        values = [v.decode('utf-8', errors='replace') if isinstance(v, bytes) else
+                  _integer_text(v) if key in self.integers else v
+                  for key, v in zip(self.fields, values)]
         wrong = next(((key, v) for key, v in zip(self.fields, values) if not isinstance(v, str)),
                      None)
         if wrong is not None:  # the whole record is skipped: a pair needs both sides
             key, value = wrong
             if value is not _BAD:
-                self.bad.skip(where, f'{key!r} is {type(value).__name__}, not text')
+                self.bad.skip(where, f'{key!r} is {type(value).__name__}, not text'
+                              + (' or an integer' if key in self.integers else ''))
             values = [''] * len(self.fields)
         texts = [v.encode('utf-8', errors='replace') for v in values]
         names = self.fields if self.pairs else ('text',)
@@ -558,11 +574,13 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
                 text_key: str = 'text', eval_fraction: float = 0.05,
                 max_bad_records: int = 100, max_files: int = 0,
                 arg: str = '', fields: Sequence[str] = (),
-                fields_hint: str = '') -> dict[str, FileDocuments]:
+                fields_hint: str = '',
+                integer_fields: Sequence[str] = ()) -> dict[str, FileDocuments]:
     """{'train': ..., 'validation': ...} sources of the documents in `files` (module
     docstring). `arg` prefixes the argument names in messages (the task passes
     'config.data.'). `fields`: records of those keys' texts instead (pairs), whose
-    settings `fields_hint` names for a file that lacks one."""
+    settings `fields_hint` names for a file that lacks one; those of `integer_fields`
+    may hold integers or booleans too, read as their text (a class label)."""
     if not 0 < eval_fraction < 1:
         raise FilesError(f'{arg}eval_fraction={eval_fraction!r} is out of range; valid: '
                          f'0 < eval_fraction < 1')
@@ -577,7 +595,8 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
     # Listing is cheap; indexing is cached on what was listed (paths, sizes, mtimes).
     listed = corpus_listing(files, eval_files, max_files=max_files, arg=arg)
     read = (tuple(fields), f'set {fields_hint}' if fields_hint else 'name the keys that hold '
-            'the texts') if fields else ((text_key,), _TEXT_HINT.format(arg=arg))
+            'the texts', tuple(integer_fields)) if fields else (
+        (text_key,), _TEXT_HINT.format(arg=arg), ())
     return _splits(*(tuple(map(tuple, listed[k])) for k in ('files', 'eval_files')), read,
                    bool(fields), eval_fraction, max_bad_records, arg,
                    files if isinstance(files, str) else ','.join(files))
@@ -601,9 +620,10 @@ def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] =
 def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records, arg,
             spec) -> dict[str, FileDocuments]:
     bad = _BadRecords(max_bad_records, arg)
-    fields, hint = read
-    corpus = lambda listed: Corpus([_index(ident, path, fields, hint, pairs)  # noqa: E731
-                                    for ident, path, _, _ in listed], fields, bad, pairs)
+    fields, hint, integers = read
+    corpus = lambda listed: Corpus([_index(ident, path, fields, hint, pairs, integers)  # noqa: E731
+                                    for ident, path, _, _ in listed], fields, bad, pairs,
+                                   integers)
     train = corpus(train_files)
     if len(train) == 0:
         raise FilesError(f'{arg}files={spec!r}: the files hold no documents')

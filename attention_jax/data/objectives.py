@@ -158,6 +158,37 @@ def seq2seq_example(source_ids: Sequence[int], target_ids: Sequence[int], *,
 
 
 # --------------------------------------------------------------------------------------
+# Text classification.
+# --------------------------------------------------------------------------------------
+
+
+def classification_example(first: Sequence[int], second: Sequence[int] | None = None, *,
+                           seq_len: int, start_id: int, end_id: int,
+                           pad_id: int = 0) -> dict[str, np.ndarray]:
+    """BERT's input for a sentence-level task (Devlin et al. 2019, §3.2 and §4): [CLS] A
+    [SEP], or [CLS] A [SEP] B [SEP] for a pair, padded to seq_len; `token_types` 0 on A's
+    part and 1 on B's, `mask` 1 on real tokens. What does not fit is cut from the end of the
+    longer text, one token at a time (BERT's own fine-tuning code cuts pairs so), so both
+    keep their starts."""
+    a, b = list(first), None if second is None else list(second)
+    room = seq_len - (2 if b is None else 3)  # the special tokens
+    if room < (1 if b is None else 2):
+        raise ValueError(f'seq_len={seq_len} leaves no room for the text between the special '
+                         f'tokens; valid: seq_len >= {4 if b is None else 5}')
+    if b is None:
+        a = a[:room]
+    else:
+        while len(a) + len(b) > room:
+            (a if len(a) >= len(b) else b).pop()
+    ids = [start_id, *a, end_id] + ([] if b is None else [*b, end_id])
+    types = [0] * (len(a) + 2) + [1] * (len(ids) - len(a) - 2)
+    n = len(ids)
+    return {'inputs': np.array(ids + [pad_id] * (seq_len - n), np.int32),
+            'token_types': np.array(types + [0] * (seq_len - n), np.int32),
+            'mask': (np.arange(seq_len) < n).astype(np.int32)}
+
+
+# --------------------------------------------------------------------------------------
 # Images.
 # --------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ whole batch at once, which the Loader's batched path calls instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -97,6 +98,43 @@ class Translation:
             tgt.encode(_text(record[self.target_key])),
             source_len=self.source_len, target_len=self.target_len,
             bos_id=tgt.bos_id, eos_id=tgt.eos_id, pad_id=tgt.pad_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextClassification:
+    """Labelled text record -> BERT's sentence-level input and the label's index
+    (objectives.classification_example): record[text_key], and record[pair_key] as the
+    second text of a pair where pair_key is set. `classes`: the label texts in index order
+    (a record's label is one of them); None: the label is its index already (a tfds
+    ClassLabel)."""
+    tokenizer: Tokenizer
+    seq_len: int
+    start_id: int
+    end_id: int
+    text_key: str = 'text'
+    pair_key: str = ''
+    label_key: str = 'label'
+    classes: tuple[str, ...] | None = None
+
+    def __call__(self, record, rng) -> dict[str, np.ndarray]:
+        del rng
+        encode = lambda key: self.tokenizer.encode(_text(record[key]))  # noqa: E731
+        example = objectives.classification_example(
+            encode(self.text_key), encode(self.pair_key) if self.pair_key else None,
+            seq_len=self.seq_len, start_id=self.start_id, end_id=self.end_id,
+            pad_id=self.tokenizer.pad_id)
+        label = record[self.label_key]
+        if self.classes is not None:
+            try:
+                label = self._index[_text(label)]
+            except KeyError:
+                raise ValueError(f'label {_text(label)!r} is not one of the classes '
+                                 f'{list(self.classes)[:8]}') from None
+        return {**example, 'label': np.int32(label)}
+
+    @functools.cached_property
+    def _index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.classes)}
 
 
 @dataclasses.dataclass(frozen=True)

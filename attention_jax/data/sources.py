@@ -47,6 +47,11 @@ def _number_translation(options) -> tuple[type, tfds.core.BuilderConfig | str | 
     return builders.NumberTranslation, config
 
 
+def _number_languages(options) -> tuple[type, tfds.core.BuilderConfig | str | None]:
+    # The same integers by sizes and seed (a config of custom sizes named likewise).
+    return builders.NumberLanguages, _number_translation(options)[1]
+
+
 # Offline datasets: name -> function(options) -> (builder class, config or None).
 # To add one: write a GeneratorBasedBuilder in builders.py and register it here.
 # 'name/config' picks one of the builder's named configs (e.g. number_translation/small).
@@ -55,6 +60,7 @@ OFFLINE: dict[str, Callable[[dict], tuple[type, tfds.core.BuilderConfig | str | 
     'text_corpus': _text_corpus,
     'digits': lambda o: (builders.SklearnDigits, None),
     'number_translation': _number_translation,
+    'number_languages': _number_languages,
 }
 
 

@@ -10,6 +10,7 @@ family without an entry gets `need`'s one-line error naming the tasks that have 
 
     base.py         Task, the registry (register, tasks_with, need) and shared helpers
     text.py         gpt, bert_mlm
+    text_classes.py bert_classify
     images.py       vit, cnn
     translation.py  rnn_seq2seq, encdec
 
@@ -19,7 +20,7 @@ A notebook or a test adds a family without editing the package:
 """
 
 # The families register themselves on import.
-from attention_jax.tasks import images, text, translation
+from attention_jax.tasks import images, text, text_classes, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
                                       data_on_demand, data_options, lm_vocab_size,
                                       model_config, need,
@@ -27,9 +28,11 @@ from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, 
                                       until_eos)
 from attention_jax.tasks.images import image_task
 from attention_jax.tasks.text import lm_task, mlm_task
+from attention_jax.tasks.text_classes import classify_task
 from attention_jax.tasks.translation import translation_task
 
-__all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "data_on_demand",
+__all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "classify_task",
+           "data_on_demand",
            "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
            "register", "tasks_with", "token_labels", "translation_task", "until_eos"]

@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import math
 import os
 import sys
@@ -58,7 +59,10 @@ class Task:
         and its `target`, by default the greedy translation (rnn_seq2seq, encdec). An input
         longer than the model's context raises InputTooLongError before any compute.
       classify(params, batch) -> (predicted [B] int32, labels [B] int32): the predicted
-        classes of a batch of eval examples and their labels (vit, cnn).
+        classes of a batch of eval examples and their labels (vit, cnn, bert_classify).
+      label_texts(params, texts: list[str]) -> np.ndarray [B, C] float32: each class's
+        probability for each text, in class_names' order; a pair's two texts are one
+        string with a tab between them (bert_classify).
       flops_per_unit(params) -> float: model FLOPs of a training step (forward and
         backward) per `unit`, the PaLM convention of models/flops.py; params may be shapes,
         jax.eval_shape(init, rng) (gpt, bert_mlm, vit, cnn, encdec).
@@ -85,6 +89,7 @@ class Task:
     embed: Callable[[Any, Sequence[str]], np.ndarray] | None = None
     attention_input: Callable[..., AttentionInput] | None = None
     classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None
+    label_texts: Callable[[Any, Sequence[str]], np.ndarray] | None = None
     flops_per_unit: Callable[[Any], float] | None = None
     tokens_per_example: int | None = None
     # A classifier's class names in label order (an image folder's subfolders, a tfds
@@ -108,8 +113,8 @@ class Task:
 # The optional entries a tool may `need`; `register` checks an adapter sets exactly the
 # ones it declares, so the error for a task without one can name the tasks with it
 # without building them (building loads data).
-OPTIONAL = ("sample", "decode", "embed", "attention_input", "classify", "flops_per_unit",
-            "tokens_per_example")
+OPTIONAL = ("sample", "decode", "embed", "attention_input", "classify", "label_texts",
+            "flops_per_unit", "tokens_per_example")
 
 
 @dataclasses.dataclass
@@ -390,6 +395,31 @@ def _say_if_replaced(source: str, saved: str, workdir: str) -> None:
               f"it started; the run keeps its copy ({workdir_lib.path(workdir, workdir_lib.TOKENIZER)}"
               f": its checkpoints' ids are that vocabulary's); to train with the new file, use "
               f"a new workdir", file=sys.stderr)
+
+
+# ================================================================== a classifier's classes
+CLASSES_FILE = "classes.json"  # the run's class names, in label order
+
+
+def save_classes(workdir: str, classes) -> None:
+    workdir_lib.epath_of(workdir, CLASSES_FILE).write_text(json.dumps(list(classes)))
+
+
+def saved_classes(workdir: str) -> list[str] | None:
+    """The class names the run in `workdir` trained on, or None (none saved yet)."""
+    saved = workdir_lib.epath_of(workdir, CLASSES_FILE) if workdir else None
+    return json.loads(saved.read_text()) if saved is not None and saved.exists() else None
+
+
+def check_classes(workdir: str, classes) -> None:
+    """A run continued (or evaluated) on other classes than it trained on is an error,
+    never a silently different dataset (image folders, a file's labels)."""
+    before = saved_classes(workdir) if classes else None
+    if before is not None and before != list(classes):
+        changed = sorted(set(before) ^ set(classes))[:5] or "their order"
+        raise ConfigError(f"{workdir_lib.path(workdir, CLASSES_FILE)} holds the {len(before)} "
+                          f"classes this run trained on; the data now has {len(classes)} "
+                          f"(differing: {changed}); valid: the same classes, or a new workdir")
 
 
 def padded_vocab(n: int, multiple: int = 64) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import jax
@@ -14,12 +13,9 @@ from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
-from attention_jax.tasks.base import (AttentionInput, Task, check_model_keys,
+from attention_jax.tasks.base import (AttentionInput, Task, check_classes, check_model_keys,
                                       check_source_keys, data_is_on_demand, data_options,
-                                      model_config, register, splits)
-
-
-CLASSES_FILE = "classes.json"  # the run's class names, in label order (image folders, tfds)
+                                      model_config, register, save_classes, splits)
 
 
 def image_task(config, workdir: str) -> Task:
@@ -50,7 +46,7 @@ def image_task(config, workdir: str) -> Task:
     forced = _model_fields(config, data_opts, config_cls, variants, train_src, classes)
     cfg = model_config(config_cls, config, dtype=config.train.compute_dtype, **forced)
     model = model_cls(cfg)
-    _check_classes(workdir, classes)
+    check_classes(workdir, classes)
     mixing = data_opts.mixup > 0 or data_opts.cutmix > 0
 
     def loss(params, batch, rng, train):
@@ -100,7 +96,7 @@ def image_task(config, workdir: str) -> Task:
                 loss=loss, train_source=train_src, eval_source=eval_src,
                 train_transform=preprocess(train=data_opts.augment),
                 eval_transform=eval_transform, classify=classify,
-                save_assets=(lambda w: _save_classes(w, classes)) if classes else None,
+                save_assets=(lambda w: save_classes(w, classes)) if classes else None,
                 class_names=tuple(classes) if classes else None,
                 # PIL decodes without the GIL: in the trainer's process, threads decode in
                 # parallel (bench images, 2-core host: 483 images/s with 16, 328 with 1);
@@ -214,25 +210,6 @@ def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:
               f"{int(size)}, the model's own size (variant {variant or 'default'}); set "
               f"--config.data.image_size=N for another", file=sys.stderr)
     return forced
-
-
-def _save_classes(workdir: str, classes) -> None:
-    workdir_lib.epath_of(workdir, CLASSES_FILE).write_text(json.dumps(list(classes)))
-
-
-def _check_classes(workdir: str, classes) -> None:
-    """A run continued (or evaluated) on other classes than it trained on is an error,
-    never a silently different dataset."""
-    if not workdir or not classes:
-        return
-    saved = workdir_lib.epath_of(workdir, CLASSES_FILE)
-    if saved.exists():
-        before = json.loads(saved.read_text())
-        if before != list(classes):
-            changed = sorted(set(before) ^ set(classes))[:5] or "their order"
-            raise ConfigError(f"{saved} holds the {len(before)} classes this run trained on; the "
-                              f"data now has {len(classes)} (differing: {changed}); valid: the "
-                              f"same class folders, or a new workdir")
 
 
 def _vit_entries(cfg, eval_src, eval_transform, classes=None) -> dict:

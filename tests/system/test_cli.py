@@ -93,8 +93,9 @@ def test_old_experiments_paths_and_a_users_own_config_file(tmp_path):
 def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     out = cli("--help")
     assert out.returncode == 0, out.stderr
-    assert "[--mode=train|eval|sample|embed]" in out.stdout
+    assert "[--mode=train|eval|sample|embed|classify]" in out.stdout
     assert "\n  gpt " in out.stdout and "\n  bert_mlm " in out.stdout
+    assert "\n  bert_classify " in out.stdout
     assert "--resume_changed" in out.stdout
     assert "optim.lr = " not in out.stdout  # keys need a config: the help says how
     assert "add --help to a command with --config=NAME" in out.stdout

@@ -166,7 +166,8 @@ def test_scaling_report_names_the_tasks_that_count_flops(tmp_path):
         os.makedirs(tmp_path / "run")
         (tmp_path / "run" / "config.json").write_text(c.to_json_best_effort())
         with pytest.raises(ValueError, match=r"task 'no_flops' cannot count its FLOPs .*valid: "
-                                             r"\['bert_mlm', 'cnn', 'encdec', 'gpt', 'vit'\]"):
+                                             r"\['bert_classify', 'bert_mlm', 'cnn', 'encdec', "
+                                             r"'gpt', 'vit'\]"):
             fits.scaling_report([str(tmp_path / "run")], str(tmp_path / "out"))
     finally:
         del tasks.TASKS["no_flops"]

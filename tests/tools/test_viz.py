@@ -235,5 +235,6 @@ def test_each_family_is_drawn_through_its_task(data_dir, tmp_path):
 
     run = _untrained_run("inductive_bias:model=cnn", data_dir, str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"task 'cnn' cannot draw attention maps .*valid: "
-                                         r"\['bert_mlm', 'encdec', 'gpt', 'rnn_seq2seq', 'vit'\]"):
+                                         r"\['bert_classify', 'bert_mlm', 'encdec', 'gpt', "
+                                         r"'rnn_seq2seq', 'vit'\]"):
         viz.maps_for_run(run, None)

@@ -1,0 +1,308 @@
+"""Text classification: a BERT encoder with its classification head (`bert_classify`),
+fine-tuned on labelled texts (Devlin et al. 2019, §4): [CLS] text [SEP], or a pair
+[CLS] A [SEP] B [SEP], and the pooled [CLS] state into one logit per class.
+
+The labelled texts: a tfds dataset whose label is a ClassLabel (default: the offline
+`number_languages`; `imdb_reviews`, `glue/sst2`, `ag_news_subset` prepared in data_dir),
+or with data.name="files" the user's .jsonl/.parquet records, the text under
+data.text_key (a pair's second text under data.pair_key) and the label under
+data.label_key: any text, integer or boolean. A file's classes are the distinct labels of
+the training split in sorted order (numerically where all are integers), kept with the
+run (classes.json) and its export (id2label)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax import workdir as workdir_lib
+from attention_jax.config import PAIR_FILE_KEYS
+from attention_jax.errors import ConfigError
+from attention_jax.models import flops
+from attention_jax.models.losses import WEIGHT, cross_entropy
+from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_classes,
+                                      check_context, check_file_options, check_model_keys,
+                                      check_source_keys, data_is_on_demand, data_options,
+                                      model_config, padded_vocab, register, run_tokenizer,
+                                      save_classes, saved_classes, splits, token_labels)
+
+# The data keys and their defaults. text_key/pair_key/label_key name a record's fields.
+CLASSIFY_DATA = dict(name="number_languages", data_dir="", tokenizer="wordpiece",
+                     vocab_size=1024, seq_len=32, text_key="text", pair_key="",
+                     label_key="label", train_split="train", eval_split="validation",
+                     train_fraction=1.0, **PAIR_FILE_KEYS)
+
+# A file's labels listed in a message, at most.
+SHOWN = 8
+
+# Texts classified per call of label_texts' program (the last call padded to it).
+PREDICT_ROWS = 64
+
+
+def _record_keys(o) -> list[str]:
+    return [o.text_key, *([o.pair_key] if o.pair_key else []), o.label_key]
+
+
+def _labelled_sources(o):
+    """(train, eval) sources: a dataset's splits, or with data.name="files" the records of
+    the user's .jsonl/.parquet files."""
+    from attention_jax.data import files
+    check_source_keys(o, "files", ("files", "eval_files"))
+    keys = _record_keys(o)
+    if not all(keys[:-1]) or not o.label_key or len(set(keys)) < len(keys):
+        raise ConfigError(f"config.data.text_key={o.text_key!r}, pair_key={o.pair_key!r}, "
+                          f"label_key={o.label_key!r}; valid: distinct keys of a record (the "
+                          f"text, a pair's second text or '' for none, the label)")
+    if o.name != "files":
+        return splits(o)
+    if not o.files:
+        raise ConfigError("config.data.name='files' needs --config.data.files=GLOBS "
+                          "(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
+                          "records hold a text under data.text_key and its label under "
+                          "data.label_key)")
+    if "id" in keys:  # the record's own key (file and line)
+        raise ConfigError(f"config.data: a key is 'id' ({keys}), which names a record's file "
+                          f"and line here; valid: other keys (rename that field in the files)")
+    check_file_options(o)
+    found = files.file_splits(
+        o.files, o.eval_files, eval_fraction=o.eval_fraction,
+        max_bad_records=o.max_bad_records, arg="config.data.", fields=tuple(keys),
+        fields_hint="config.data.text_key and config.data.label_key (and pair_key) to the "
+                    "keys of the text and its label",
+        integer_fields=(o.label_key,))
+    return found[o.train_split], found[o.eval_split]
+
+
+def _dataset_classes(o, records) -> tuple[str, ...]:
+    """A tfds dataset's class names: its label feature's (a ClassLabel), checked with the
+    text fields against its first record."""
+    first = records[0] if len(records) else {}
+    texts = sorted(k for k, v in first.items() if isinstance(v, (str, bytes)))
+    for key in ("text_key", "pair_key"):
+        if o[key] and o[key] not in texts:
+            raise ConfigError(f"config.data.{key}={o[key]!r} is not a text field of "
+                              f"{o.name!r}; valid: {texts}")
+    try:
+        feature = records.dataset_info.features[o.label_key]
+        names = tuple(feature.names)
+    except (AttributeError, KeyError, TypeError):
+        names = ()
+    if not names:
+        fields = sorted(first)
+        raise ConfigError(f"config.data.label_key={o.label_key!r} is not a class label of "
+                          f"{o.name!r} (a tfds ClassLabel); valid: its ClassLabel field, of "
+                          f"{fields}; or your records' labels with config.data.name=files")
+    return names
+
+
+def _labelled(o, records, split: str):
+    """(`records` less those with an empty text or label, the distinct labels of the ones
+    kept). A blank line or a bad record (not JSON, a key missing) reads as empty: left
+    out and counted in a warning, as the translation pairs are."""
+    keys = _record_keys(o)
+    keep, labels = [], set()
+    for i in range(len(records)):  # each read once
+        record = records[i]
+        if all(len(as_text(record[k]).strip()) for k in keys):
+            keep.append(i)
+            labels.add(as_text(record[o.label_key]))
+    if not keep:
+        raise ConfigError(f"config.data.{split}={o[split]!r} of {o.files or o.name!r}: every "
+                          f"one of its {len(records)} records has an empty text or label "
+                          f"({', '.join(map(repr, keys))})")
+    if len(keep) < len(records):
+        print(f"warning: {len(records) - len(keep)} of the {len(records)} records of "
+              f"{o[split]} have an empty {' or '.join(map(repr, keys))} (or were bad records): "
+              f"left out", file=sys.stderr)
+        from attention_jax.data.sources import Subset
+        records = Subset(records, keep)  # its identity: the split's and the records kept
+    return records, labels
+
+
+def _sorted_labels(labels) -> tuple[str, ...]:
+    """Labels in class order: numerically where every one is an integer ('2' before
+    '10'), else as text."""
+    def as_int(label):
+        try:
+            return int(label)
+        except ValueError:
+            return None
+    numbers = [as_int(label) for label in labels]
+    if None not in numbers and len(set(numbers)) == len(numbers):
+        return tuple(label for _, label in sorted(zip(numbers, labels)))
+    return tuple(sorted(labels))
+
+
+def _check_eval_labels(o, classes, labels) -> None:
+    unknown = sorted(set(labels) - set(classes))
+    if unknown:
+        raise ConfigError(f"config.data.{'eval_files' if o.eval_files else 'eval_split'}: the "
+                          f"labels {unknown[:SHOWN]} of the held-out records are not among "
+                          f"the {len(classes)} labels of the training records "
+                          f"{list(classes)[:SHOWN]}; valid: labels the model trains on")
+
+
+def _ends(tok) -> tuple[int, int]:
+    """The ids around a text: [CLS] and [SEP] where the tokenizer has them (WordPiece,
+    BERT's tokenizer.json), else its beginning and end of text (a BPE's)."""
+    start = getattr(tok, "cls_id", None)
+    end = getattr(tok, "sep_id", None)
+    start = tok.bos_id if start is None else start
+    end = tok.eos_id if end is None else end
+    if start is None or end is None:
+        raise ConfigError(f"config.data.tokenizer: {getattr(tok, 'path', tok.kind)!r} has "
+                          f"neither [CLS]/[SEP] nor beginning/end-of-text tokens, which a "
+                          f"classified text starts and ends with; valid: 'wordpiece', 'bpe' "
+                          f"or a tokenizer.json with them")
+    return int(start), int(end)
+
+
+def classify_task(config, workdir: str) -> Task:
+    """BERT fine-tuned to classify texts (module docstring)."""
+    from attention_jax import data
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
+    from attention_jax.models import bert
+    check_model_keys(bert.BertConfig, config)  # before the data and tokenizer are built
+    o = data_options(config, **CLASSIFY_DATA)
+    files = o.name == "files"
+
+    @functools.cache
+    def sources():  # both splits' sources: no record read but the first
+        train, evaluated = _labelled_sources(o)
+        return {"train_split": train, "eval_split": evaluated}
+
+    @functools.cache
+    def labelled(split: str):  # a file's split less its empty records, and its labels
+        return _labelled(o, sources()[split], split)
+
+    def records(split: str):
+        return labelled(split)[0] if files else sources()[split]
+
+    saved = saved_classes(workdir)
+    reader = data_is_on_demand()
+    if reader and saved:  # a reader (sampling, maps) needs no data; eval reads its split
+        classes = tuple(saved)
+    elif files:
+        classes = _sorted_labels(labelled("train_split")[1])
+    else:
+        classes = _dataset_classes(o, sources()["train_split"])
+    if len(classes) < 2:
+        raise ConfigError(f"config.data.label_key={o.label_key!r}: the training records have "
+                          f"{len(classes)} label ({list(classes)}); valid: two classes or more")
+    check_classes(workdir, classes)  # a resume on other labels stops here
+
+    def eval_records():
+        split = records("eval_split")
+        if files:
+            _check_eval_labels(o, classes, labelled("eval_split")[1])
+        return split
+    def train_records():  # data.train_fraction < 1: that share of them (a fixed draw)
+        try:
+            return data.subset_fraction(records("train_split"), o.train_fraction)
+        except ValueError as e:
+            raise ConfigError(f"config.data.train_fraction: {e}") from None
+    if reader:
+        train_src, eval_src = OnDemand(train_records), OnDemand(eval_records)
+    else:
+        train_src, eval_src = train_records(), eval_records()
+
+    tok = run_tokenizer(o, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
+                                             for k in _record_keys(o)[:-1]])
+    start_id, end_id = _ends(tok)
+    cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
+                       num_labels=len(classes), dtype=config.train.compute_dtype)
+    if cfg.position_embeddings and o.seq_len > cfg.max_len:
+        raise ConfigError(f"config.data.seq_len={o.seq_len} is longer than the position table "
+                          f"(config.model.max_len={cfg.max_len}); valid: seq_len <= "
+                          f"{cfg.max_len}, or a larger max_len")
+    model = bert.Bert(cfg, head="classification")
+    transform = data.TextClassification(
+        tok, o.seq_len, start_id, end_id, text_key=o.text_key, pair_key=o.pair_key,
+        label_key=o.label_key, classes=classes if files else None)
+
+    def logits_of(params, batch, train=False, rng=None):
+        return model.apply({"params": params}, batch["inputs"], batch["token_types"],
+                           attention_mask=batch["mask"], deterministic=not train,
+                           rngs=None if rng is None else {"dropout": rng})[0]
+
+    def loss(params, batch, rng, train):
+        logits = logits_of(params, batch, train, rng)
+        # Eval batches weigh each text (0: a row padding the last batch; steps.evaluate).
+        example_weight = batch.get(EXAMPLE_WEIGHT)
+        nll, metrics = cross_entropy(logits, batch["label"], example_weight,
+                                     config.optim.label_smoothing if train else 0.0)
+        if example_weight is not None:
+            metrics[WEIGHT] = jnp.sum(example_weight)  # the texts the means are over
+        return nll, metrics
+
+    predict = jax.jit(lambda params, batch: jnp.argmax(logits_of(params, batch), -1).astype(jnp.int32))
+
+    def classify(params, batch):
+        return np.asarray(predict(params, batch)), np.asarray(batch["label"], np.int32)
+
+    probabilities = jax.jit(lambda params, batch: jax.nn.softmax(
+        logits_of(params, batch).astype(jnp.float32), axis=-1))
+
+    def text_row(text: str) -> dict[str, np.ndarray]:
+        texts = [text]
+        if o.pair_key:  # a pair: the two texts with a tab between
+            texts = text.split("\t")
+            if len(texts) != 2:
+                raise ValueError(f"{text[:60]!r} holds {len(texts) - 1} tabs; task "
+                                 f"{config.task!r} classifies pairs (data.pair_key="
+                                 f"{o.pair_key!r}): give each as its two texts with one tab "
+                                 f"between them")
+        ids = [tok.encode(t) for t in texts]
+        return data.classification_example(
+            ids[0], ids[1] if o.pair_key else None, seq_len=o.seq_len, start_id=start_id,
+            end_id=end_id, pad_id=tok.pad_id)
+
+    def label_texts(params, texts):
+        rows = [text_row(t) for t in texts]
+        out = []
+        for at in range(0, len(rows), PREDICT_ROWS):
+            chunk = rows[at:at + PREDICT_ROWS]
+            chunk += chunk[:1] * (PREDICT_ROWS - len(chunk))  # one shape: one compilation
+            batch = {k: np.stack([r[k] for r in chunk]) for k in chunk[0]}
+            out.append(np.asarray(probabilities(params, batch))[:len(rows) - at])
+        return np.concatenate(out) if out else np.zeros((0, len(classes)), np.float32)
+
+    def attention_input(params, text: str | None = None, *, target: str | None = None,
+                        index: int = 0) -> AttentionInput:
+        del params, index  # a text's ids are all the model reads
+        if text is None or target is not None:
+            raise ValueError(f"text={text!r}, target={target!r}: task {config.task!r} draws its "
+                             f"attention on one text; give text= (viz's --text) and no target")
+        ids = [start_id, *tok.encode(text), end_id]
+        check_context(len(ids), o.seq_len, "text with its two special tokens")
+        labels = token_labels(tok, ids)
+        return AttentionInput(inputs=(np.array([ids], np.int32),),
+                              labels={"self": (labels, labels)}, info={"tokens": labels})
+
+    # The word table is only looked up here (no tied MLM output): a text's matmuls are the
+    # encoder's, the pooler's and the classifier's.
+    lookups = flops.LOOKUP_TABLES + ("word_embeddings",)
+    return Task(model=model,
+                init=lambda rng: model.init(rng, jnp.ones((1, o.seq_len), jnp.int32))["params"],
+                vocab_size=tok.vocab_size, loss=loss, train_source=train_src,
+                eval_source=eval_src, train_transform=transform, eval_transform=transform,
+                classify=classify, label_texts=label_texts, class_names=tuple(classes),
+                save_assets=lambda w: _save_assets(w, tok, classes),
+                seq_len=o.seq_len, attention_input=attention_input,
+                flops_per_unit=lambda params: o.seq_len * flops.flops_per_token(
+                    flops.matmul_params(params, lookups), cfg.num_layers, o.seq_len, cfg.d_model),
+                tokens_per_example=o.seq_len)
+
+
+def _save_assets(workdir: str, tok, classes) -> None:
+    tok.save(workdir_lib.path(workdir, workdir_lib.TOKENIZER))
+    save_classes(workdir, classes)
+
+
+register("bert_classify", classify_task,
+         provides=("classify", "label_texts", "attention_input", "flops_per_unit",
+                   "tokens_per_example"))

@@ -1,0 +1,249 @@
+"""Text classification (bert_classify): BERT's sentence-level fine-tuning on labelled texts,
+from a tfds ClassLabel or the user's own .jsonl/.parquet records."""
+
+import io
+import json
+import re
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from attention_jax import config as config_lib
+from attention_jax import main as main_lib
+from attention_jax import runs, tasks, train
+from attention_jax.data import builders, files, objectives
+from attention_jax.errors import ConfigError
+
+GOOD = ["great", "wonderful", "loved", "superb", "fine", "lovely"]
+BAD = ["awful", "boring", "hated", "dull", "poor", "bleak"]
+THINGS = ["film", "plot", "cast", "story", "ending", "music", "score", "script"]
+
+
+def _reviews(n: int, labels=("neg", "pos"), offset: int = 0):
+    """Records whose label is the sentiment word's side: learnable from one word."""
+    out = []
+    for i in range(offset, offset + n):
+        good = i % 2 == 0
+        words = (GOOD if good else BAD)[(i // 2) % 6]
+        out.append({"review": f"the {THINGS[(i // 12) % 8]} was {words}",
+                    "stars": labels[1] if good else labels[0]})
+    return out
+
+
+def _config(*overrides):
+    return config_lib.load("bert_classify", [
+        "data.name=files", "data.text_key=review", "data.label_key=stars",
+        "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "model.num_layers=1",
+        "train.steps=2", "train.batch_size=8", "eval.batch_size=8", "eval.every=-1",
+        "train.progress=False", *overrides])
+
+
+def _write_jsonl(path, records, extra=()):
+    path.write_text("\n".join([*(json.dumps(r) for r in records), *extra]) + "\n")
+
+
+def test_own_jsonl_labels_train_classify_and_resume_on_the_same_classes(tmp_path, capsys):
+    """Text labels of a user's JSONL become the classes in sorted order (kept in
+    classes.json); a record with an empty text or a bad line is left out and said; the
+    held-out records are never trained on; the run trains, classifies stdin's lines by
+    name, and a resume on files whose labels changed stops naming them."""
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(200),
+                 extra=['{"review": "", "stars": "pos"}', "not json",
+                        '{"review": "ok", "stars": 2.5}'])
+    config = _config(f"data.files={tmp_path}/r.jsonl", "data.eval_fraction=0.1")
+    work = str(tmp_path / "run")
+    task = tasks.TASKS[config.task](config, work)
+    assert task.class_names == ("neg", "pos")
+    seen = {bytes(task.train_source[i]["id"]) for i in range(len(task.train_source))}
+    held = {bytes(task.eval_source[i]["id"]) for i in range(len(task.eval_source))}
+    assert len(seen) + len(held) == 200 and not seen & held and 5 < len(held) < 40
+    err = capsys.readouterr().err
+    assert "r.jsonl:202: not a JSON line" in err
+    assert "'stars' is float, not text or an integer" in err
+    left = re.findall(r"warning: (\d+) of the \d+ records of (?:train|validation) have an "
+                      r"empty 'review' or 'stars' \(or were bad records\): left out", err)
+    assert sum(map(int, left)) == 3, err
+    example = task.train_transform(task.train_source[0], None)
+    assert set(example) == {"inputs", "token_types", "mask", "label"}
+    assert example["inputs"][0] == 101 and example["label"] in (0, 1)  # [CLS] of WordPiece
+
+    summary = train.train_and_evaluate(config, work)
+    assert summary["step"] == 2
+    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == ["neg", "pos"]
+    rows = main_lib.classify_texts(runs.load_config(work), work, ["a superb plot", "dull"])
+    assert [r["text"] for r in rows] == ["a superb plot", "dull"]
+    assert all(r["label"] in ("neg", "pos") and 0.5 <= r["probability"] <= 1 for r in rows)
+
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(200, labels=("bad", "good")))
+    with pytest.raises(ConfigError, match=r"classes\.json holds the 2 classes this run trained "
+                                          r"on; the data now has 2 \(differing: \['bad', "
+                                          r"'good', 'neg', 'pos'\]\)"):
+        tasks.TASKS[config.task](config, work)
+
+
+def test_integer_labels_of_a_parquet_column_sort_as_numbers(tmp_path):
+    """An integer label column is read as its numbers' text, ordered numerically (2 before
+    10), and each record's label index is its number's place in that order."""
+    labels = [10, 2, 1] * 20
+    table = pa.table({"review": [f"the film was {GOOD[i % 6]}" for i in range(60)],
+                      "stars": pa.array(labels, pa.int64())})
+    pq.write_table(table, tmp_path / "r.parquet")
+    config = _config(f"data.files={tmp_path}/r.parquet")
+    task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    assert task.class_names == ("1", "2", "10")
+    for source in (task.train_source, task.eval_source):
+        for i in range(len(source)):
+            record = source[i]
+            label = task.train_transform(record, None)["label"]
+            assert task.class_names[label] == record["stars"].decode()
+
+
+def test_a_classifier_learns_its_labels_and_predicts_them(tmp_path):
+    """A tiny BERT trained on the reviews predicts the held-out ones (words it saw, other
+    sentences) above 90%: the pooled [CLS] carries what the label depends on."""
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(240))
+    config = _config(f"data.files={tmp_path}/r.jsonl", "train.steps=60",
+                     "optim.warmup_steps=5", "optim.lr=2e-3", "model.dropout_rate=0.0",
+                     "model.attention_dropout_rate=0.0", "train.batch_size=16")
+    work = str(tmp_path / "run")
+    train.train_and_evaluate(config, work)
+    reviews = [r for r in _reviews(48, offset=240)]
+    rows = main_lib.classify_texts(runs.load_config(work), work,
+                                   [r["review"] for r in reviews])
+    right = np.mean([row["label"] == r["stars"] for row, r in zip(rows, reviews)])
+    assert right >= 0.9, rows
+
+
+def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch):
+    """data.pair_key: [CLS] A [SEP] B [SEP] with token types 1 on B's part; --mode=classify
+    takes a pair as its two texts around a tab, and a line without one is one error line."""
+    records = [{"premise": f"the film was {GOOD[i % 6]}", "hypothesis": f"it was {w}",
+                "label": "entails" if w in GOOD else "contradicts"}
+               for i in range(40) for w in (GOOD[i % 6], BAD[i % 6])]
+    _write_jsonl(tmp_path / "p.jsonl", records)
+    config = config_lib.load("bert_classify", [
+        "data.name=files", f"data.files={tmp_path}/p.jsonl", "data.text_key=premise",
+        "data.pair_key=hypothesis", "model.d_model=32", "model.num_heads=2",
+        "model.mlp_dim=64", "model.num_layers=1", "train.steps=1", "train.batch_size=8",
+        "eval.batch_size=8", "eval.every=-1", "train.progress=False"])
+    work = str(tmp_path / "run")
+    task = tasks.TASKS[config.task](config, work)
+    example = task.train_transform(task.train_source[0], None)
+    n = int(example["mask"].sum())
+    ids, types = example["inputs"][:n].tolist(), example["token_types"][:n].tolist()
+    first_sep = ids.index(102)
+    assert ids[0] == 101 and ids[-1] == 102 and ids.count(102) == 2
+    assert types == [0] * (first_sep + 1) + [1] * (n - first_sep - 1)
+    train.train_and_evaluate(config, work)
+    monkeypatch.setattr("sys.stdin", io.StringIO("the film was great\tit was great\n"))
+    rows = main_lib.classify_texts(runs.load_config(work), work)
+    assert rows[0]["label"] in ("contradicts", "entails")
+    with pytest.raises(main_lib.InputError, match=r"^--mode=classify: 'no tab here' holds 0 "
+                                                  r"tabs; task 'bert_classify' classifies pairs"):
+        main_lib.classify_texts(runs.load_config(work), work, ["no tab here"])
+
+
+def test_classification_example_cuts_the_longer_text_and_keeps_both_starts():
+    """BERT's pair truncation: tokens leave the end of the longer text one at a time."""
+    ex = objectives.classification_example([1, 2, 3, 4, 5, 6], [7, 8], seq_len=8,
+                                           start_id=90, end_id=91, pad_id=0)
+    assert ex["inputs"].tolist() == [90, 1, 2, 3, 91, 7, 8, 91]
+    assert ex["token_types"].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert ex["mask"].tolist() == [1] * 8
+    one = objectives.classification_example([1, 2, 3, 4, 5, 6], seq_len=5, start_id=90,
+                                            end_id=91, pad_id=0)
+    assert one["inputs"].tolist() == [90, 1, 2, 3, 91]
+    short = objectives.classification_example([5], [6], seq_len=7, start_id=90, end_id=91,
+                                              pad_id=0)
+    assert short["inputs"].tolist() == [90, 5, 91, 6, 91, 0, 0]
+    assert short["mask"].tolist() == [1, 1, 1, 1, 1, 0, 0]
+    assert short["token_types"].tolist() == [0, 0, 0, 1, 1, 0, 0]
+    with pytest.raises(ValueError, match=r"seq_len=4 leaves no room .*valid: seq_len >= 5"):
+        objectives.classification_example([1], [2], seq_len=4, start_id=90, end_id=91)
+
+
+def test_bad_labelled_data_is_one_line_naming_the_key(tmp_path, data_dir):
+    """Held-out labels the training split lacks, a single class, a label key the files
+    lack, 'id' as a key, and a tfds field that is no ClassLabel: each a one-line error."""
+    _write_jsonl(tmp_path / "train.jsonl", _reviews(40))
+    _write_jsonl(tmp_path / "eval.jsonl", _reviews(4, labels=("neg", "meh")))
+    make = lambda config: tasks.TASKS[config.task](config, str(tmp_path / "run"))  # noqa: E731
+    with pytest.raises(ConfigError, match=r"config\.data\.eval_files: the labels \['meh'\] of "
+                                          r"the held-out records are not among the 2 labels"):
+        make(_config(f"data.files={tmp_path}/train.jsonl",
+                     f"data.eval_files={tmp_path}/eval.jsonl"))
+    _write_jsonl(tmp_path / "one.jsonl", _reviews(40, labels=("pos", "pos")))
+    with pytest.raises(ConfigError, match=r"the training records have 1 label \(\['pos'\]\); "
+                                          r"valid: two classes or more"):
+        make(_config(f"data.files={tmp_path}/one.jsonl"))
+    with pytest.raises(files.FilesError, match=r"has no 'label' in its records \(their keys: "
+                                               r"\['review', 'stars'\]\); set config\.data\."
+                                               r"text_key and config\.data\.label_key"):
+        make(_config(f"data.files={tmp_path}/train.jsonl", "data.label_key=label"))
+    with pytest.raises(ConfigError, match=r"a key is 'id'"):
+        make(_config(f"data.files={tmp_path}/train.jsonl", "data.label_key=id"))
+    tfds_config = config_lib.load("bert_classify", [
+        "data.name=number_translation/small", f"data.data_dir={data_dir}",
+        "data.text_key=en", "data.label_key=fr"])
+    with pytest.raises(ConfigError, match=r"config\.data\.label_key='fr' is not a class label "
+                                          r"of 'number_translation/small' \(a tfds "
+                                          r"ClassLabel\); valid: its ClassLabel field, of "
+                                          r"\['de', 'en', 'fr', 'number'\]"):
+        make(tfds_config)
+    tfds_config.data.text_key = "english"
+    with pytest.raises(ConfigError, match=r"config\.data\.text_key='english' is not a text "
+                                          r"field of 'number_translation/small'; valid: "
+                                          r"\['de', 'en', 'fr'\]"):
+        make(tfds_config)
+
+
+def test_number_languages_are_disjoint_deterministic_and_unambiguous(tmp_path):
+    """Every record's words are num2words' for its number in its language; no text has
+    two languages for one number; the integers of the splits are disjoint; and a second
+    build gives the same records."""
+    from num2words import num2words
+
+    from attention_jax import data
+    opts = dict(num_train=40, num_validation=10, num_test=10, max_digits=4, seed=3)
+    runs_ = [{s: [data.get_dataset("number_languages", s, tmp_path / r, **opts)[i]
+                  for i in range(len(data.get_dataset("number_languages", s, tmp_path / r,
+                                                      **opts)))]
+              for s in ("train", "validation", "test")} for r in ("a", "b")]
+    for split, records in runs_[0].items():
+        assert [(int(x["number"]), x["text"], int(x["label"])) for x in records] == \
+               [(int(x["number"]), x["text"], int(x["label"])) for x in runs_[1][split]]
+    numbers = {s: {int(r["number"]) for r in recs} for s, recs in runs_[0].items()}
+    assert [len(numbers[s]) for s in ("train", "validation", "test")] == [40, 10, 10]
+    assert not (numbers["train"] & numbers["validation"] or numbers["train"] & numbers["test"])
+    for record in runs_[0]["train"]:
+        lang = builders.CLASS_LANGUAGES[int(record["label"])]
+        assert record["text"].decode() == num2words(int(record["number"]), lang=lang)
+    by_number = {}
+    for record in runs_[0]["train"]:
+        by_number.setdefault(int(record["number"]), []).append(record["text"])
+    assert all(len(set(texts)) == len(texts) for texts in by_number.values())
+    assert ("es", "seis") not in builders.language_records(6)  # Portuguese's too
+    assert ("de", "sechs") in builders.language_records(6)
+
+
+def test_attention_maps_and_flops_of_a_text_classifier(tmp_path):
+    """The attention input is [CLS] text [SEP] with the tokens' labels; a text longer than
+    seq_len is refused before any compute; FLOPs count the encoder, not the word table."""
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(40))
+    config = _config(f"data.files={tmp_path}/r.jsonl", "data.seq_len=8")
+    task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    params = task.init(jax.random.key(0))
+    got = task.attention_input(params, "a lovely film")
+    assert got.labels["self"][0] == ["<cls>", "a", "lovely", "film", "<sep>"]
+    _, aux = task.model.apply({"params": params}, *got.inputs, return_weights=True)
+    assert aux["attention_weights"]["self"].shape == (1, 1, 2, 5, 5)
+    with pytest.raises(tasks.InputTooLongError):
+        task.attention_input(params, "the film was great and the music was lovely too")
+    from attention_jax.models import flops
+    shapes = jax.eval_shape(task.init, jax.random.key(0))
+    encoder = flops.matmul_params(shapes, flops.LOOKUP_TABLES + ("word_embeddings",))
+    assert task.flops_per_unit(shapes) == 8 * flops.flops_per_token(encoder, 1, 8, 32)
+    assert encoder < flops.matmul_params(shapes) - 30000 * 32  # the word table left out
