@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import operator
 from collections.abc import Iterable
 
 
@@ -66,3 +67,31 @@ def check_range(key: str, value, interval: str) -> None:
         valid = (f"{fmt(low)} {'<' if interval[0] == '(' else '<='} {key} "
                  f"{'<' if interval[-1] == ')' else '<='} {fmt(high)}")
     raise ConfigError(f"config.{key}={value!r} is out of range; valid: {valid}")
+
+
+def is_int(x) -> bool:
+    """An integer (Python's, NumPy's, or a 0-d integer array), not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+        return True
+    except TypeError:
+        return False
+
+
+def check_positive_ints(config, names: Iterable[str], none_means: dict | None = None) -> None:
+    """ValueError "NAME must be a positive integer; got VALUE (valid: ...)" for the first of
+    `names` whose value on `config` (a model's config dataclass) is not an integer >= 1.
+    none_means: {name: what None stands for} where None is valid too. Said before a size
+    divides by zero or builds a model with nothing in it."""
+    none_means = none_means or {}
+    for name in names:
+        value = getattr(config, name)
+        if value is None and name in none_means:
+            continue
+        if not is_int(value) or value < 1:
+            valid = "an integer >= 1" + (f" or None ({none_means[name]})"
+                                         if name in none_means else "")
+            raise ValueError(f"{name} must be a positive integer; got {value!r} (valid: "
+                             f"{valid})")

@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.errors import check_positive_ints
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -68,11 +69,9 @@ class BertConfig:
     dtype: Any = "float32"
 
     def __post_init__(self):
+        check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_layers",
+                                   "mlp_dim", "max_len", "type_vocab_size", "num_labels"))
         check_heads(self.d_model, self.num_heads)  # ValueError listing the valid head counts
-        for name in ("vocab_size", "d_model", "num_layers", "mlp_dim", "max_len",
-                     "type_vocab_size", "num_labels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
         choices = {"activation": tuple(ACTIVATIONS), "implementation": IMPLEMENTATIONS,
                    "remat_policy": tuple(REMAT_POLICIES)}
         for name, valid in choices.items():

@@ -24,6 +24,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from attention_jax.errors import check_positive_ints
+
 __all__ = ["CNNConfig", "CNN", "VARIANTS"]
 
 
@@ -40,10 +42,8 @@ class CNNConfig:
     dtype: Any = "float32"
 
     def __post_init__(self):
-        for name in ("image_size", "num_channels", "width", "num_blocks", "kernel_size",
-                     "groups", "num_classes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
+        check_positive_ints(self, ("image_size", "num_channels", "width", "num_blocks",
+                                   "kernel_size", "groups", "num_classes"))
         if self.width % self.groups:
             valid = [g for g in range(1, self.width + 1) if self.width % g == 0]
             raise ValueError(f"groups={self.groups} does not divide width={self.width}; valid "

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -36,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.errors import check_positive_ints
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
@@ -73,15 +73,9 @@ class EncDecConfig:
         # Checked here, where the message can name the field: a zero d_model or num_heads
         # otherwise divides by zero (here, or in setup's D^-1/2), zero layers fails deep in
         # the stack's setup, and mlp_dim=0 silently became the 4D default.
-        for name in ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
-                     "num_decoder_layers", "mlp_dim"):
-            value = getattr(self, name)
-            if name == "mlp_dim" and value is None:  # None: the block's default, 4 * d_model
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-                valid = "an integer >= 1" + (" or None (4 * d_model)" if name == "mlp_dim" else "")
-                raise ValueError(f"{name} must be a positive integer; got {value!r} "
-                                 f"(valid: {valid})")
+        check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
+                                   "num_decoder_layers", "mlp_dim"),
+                            none_means={"mlp_dim": "4 * d_model"})  # the block's default
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "

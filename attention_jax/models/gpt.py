@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import axes
+from attention_jax.errors import check_positive_ints, is_int
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.norms import make_norm
@@ -89,11 +89,8 @@ class GPTConfig:
             raise ValueError(f"position={self.position!r} is unknown; valid: {GPT_POSITIONS}")
         # Before the division below (num_heads=0 was a ZeroDivisionError; d_model=0 and
         # num_layers=0 built a model with nothing in it).
-        for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r} (valid: an "
-                                 f"integer >= 1)")
+        check_positive_ints(self, ("vocab_size", "max_len", "num_layers", "d_model",
+                                   "num_heads"))
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "
@@ -346,7 +343,7 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"prompts: token id {ids.min() if ids.min() < 0 else ids.max()} "
                              f"is outside the vocabulary; valid: 0..{cfg.vocab_size - 1}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}; valid: an integer >= 1")
     total = t + max_new_tokens
     if cfg.position == "learned" and total > cfg.max_len:
@@ -359,7 +356,7 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
     if rng is not None and not _is_key(rng):
         raise ValueError(f"rng={rng!r}; valid: a JAX PRNG key, e.g. jax.random.key(0) "
                          f"(or jax.random.PRNGKey(0))")
-    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= cfg.vocab_size):
+    if top_k is not None and (not is_int(top_k) or not 1 <= top_k <= cfg.vocab_size):
         raise ValueError(f"top_k={top_k}; valid: None or 1..{cfg.vocab_size} (the vocabulary)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}; valid: None or in (0, 1]")
@@ -380,17 +377,6 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
                 None if vocab_size in (None, cfg.vocab_size) else int(vocab_size))
     return _generate(model, max_new_tokens, settings,
                      params, prompts, jnp.asarray(prompt_lengths, jnp.int32), rng)
-
-
-def _is_int(x) -> bool:
-    """An integer (Python's, NumPy's, or a 0-d integer array), not a bool."""
-    if isinstance(x, bool):
-        return False
-    try:
-        operator.index(x)
-        return True
-    except TypeError:
-        return False
 
 
 def _is_real(x) -> bool:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.errors import check_positive_ints
 from attention_jax.layers.posemb import Embed, check_ids
 
 __all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
@@ -58,10 +59,8 @@ class RNNConfig:
     def __post_init__(self):
         if self.cell not in CELLS:
             raise ValueError(f"cell={self.cell!r} is unknown; valid: {CELLS}")
-        for name in ("vocab_size", "target_vocab_size", "embed_dim", "hidden_dim",
-                     "attention_dim", "readout_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
+        check_positive_ints(self, ("vocab_size", "target_vocab_size", "embed_dim",
+                                   "hidden_dim", "attention_dim", "readout_dim"))
         for name in ("pad_id", "bos_id", "eos_id"):
             if not 0 <= getattr(self, name) < self.target_vocab_size:
                 raise ValueError(f"{name}={getattr(self, name)} must lie in "

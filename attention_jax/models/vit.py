@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.errors import check_positive_ints
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -63,11 +64,9 @@ class ViTConfig:
     dtype: Any = "float32"
 
     def __post_init__(self):
+        check_positive_ints(self, ("image_size", "patch_size", "num_channels", "d_model",
+                                   "num_heads", "num_layers", "mlp_dim", "num_classes"))
         check_heads(self.d_model, self.num_heads)  # ValueError listing the valid head counts
-        for name in ("image_size", "patch_size", "num_channels", "d_model", "num_layers",
-                     "mlp_dim", "num_classes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}; "

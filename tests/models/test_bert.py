@@ -222,3 +222,19 @@ def test_matches_hugging_face_bert_for_pretraining():
                  attention_mask=torch.tensor(np.asarray(MASK, np.int64)))
     np.testing.assert_allclose(out["mlm_logits"], ref.prediction_logits.numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out["nsp_logits"], ref.seq_relationship_logits.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,field,value", [
+    ("bert", "num_labels", 2.5), ("bert", "num_heads", 0), ("vit", "patch_size", 4.0),
+    ("vit", "num_classes", True), ("cnn", "width", -8), ("rnn", "hidden_dim", 16.0)])
+def test_every_family_refuses_sizes_that_are_not_positive_integers(family, field, value):
+    """A float size (a config value written 4.0) or a bool was taken as a size and failed
+    deep in the model, or trained on; now one line names the field and what is valid."""
+    from attention_jax.models import bert, cnn, rnn, vit
+    config_cls = {"bert": bert.BertConfig, "vit": vit.ViTConfig, "cnn": cnn.CNNConfig,
+                  "rnn": rnn.RNNConfig}[family]
+    required = (dict(vocab_size=32, embed_dim=8, hidden_dim=8, attention_dim=8, readout_dim=8)
+                if family == "rnn" else {})
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive integer; got "
+                                         rf"{value!r} \(valid: an integer >= 1\)$"):
+        config_cls(**{**required, field: value})

@@ -68,7 +68,7 @@ def test_bad_configuration_raises():
         CNNConfig(groups=5)
     with pytest.raises(ValueError, match="kernel_size=4 must be odd"):
         CNNConfig(kernel_size=4)
-    with pytest.raises(ValueError, match="num_blocks must be positive"):
+    with pytest.raises(ValueError, match=r"num_blocks must be a positive integer; got 0"):
         CNNConfig(num_blocks=0)
     with pytest.raises(ValueError, match=r"C=1"):
         jax.eval_shape(_model().init, jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
