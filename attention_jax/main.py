@@ -91,9 +91,18 @@ class InputError(UserError, ValueError):
 
 
 def _stdin_texts(mode: str, files_note: str) -> list[str]:
-    """The non-empty lines of stdin, a note on stderr where blank ones were skipped (row
-    i is then not line i)."""
-    lines = [line.rstrip("\n") for line in sys.stdin]
+    """The non-empty lines of stdin (UTF-8; a Windows line end is no part of a text), a
+    note on stderr where blank ones were skipped (row i is then not line i)."""
+    stream = getattr(sys.stdin, "buffer", None)  # bytes: decoded here, the line named
+    lines = []
+    for number, line in enumerate(stream if stream is not None else sys.stdin, 1):
+        try:
+            line = line.decode("utf-8") if isinstance(line, bytes) else line
+        except UnicodeDecodeError as e:
+            raise InputError(f"--mode={mode}: line {number} of stdin is not UTF-8 ({e.reason} "
+                             f"at byte {e.start}); valid: UTF-8 text (convert it, e.g. iconv "
+                             f"-t utf-8)") from None
+        lines.append(line.rstrip("\r\n"))
     texts = [line for line in lines if line.strip()]
     if len(texts) < len(lines):
         blank = len(lines) - len(texts)

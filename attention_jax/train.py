@@ -204,14 +204,20 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
         now = len(task.train_source)
         source = loaders.source_id(task.train_source)
         other_tokens = (now, config.train.seed) == (saved.num_records, saved.seed)
-        # A tfds split's identity says what it is (dataset, split, bytes, contents): both
-        # are shown, so what changed is named. A token cache's is a bare digest.
-        tfds = source.startswith("tfds ") or saved.source.startswith("tfds ")
+        # A tfds split's identity says what it is (dataset, split, bytes, contents), and a
+        # user's labelled texts' or sentence pairs' how many (tasks/text_classes.py,
+        # translation.py): both are shown, so what changed is named. A token cache's is a
+        # bare digest.
+        ids = (source, saved.source)
+        tfds = any(s.startswith("tfds ") for s in ids)
+        records = tfds or any(", contents " in s for s in ids)
         makes = (f"as many, but other ones ({saved.source} then, {source} now)" if other_tokens
-                 and tfds else "as many, but other ones (its tokens differ)" if other_tokens
+                 and records else "as many, but other ones (its tokens differ)" if other_tokens
                  else f"{now} (seed {config.train.seed})")
         causes = ("a tfds dataset rebuilt with other examples or read from another "
                   "data.data_dir holding other ones" if tfds else
+                  "records added, removed or edited in the files, or a relative glob read "
+                  "from another directory" if records else
                   "files added, removed or edited, a relative glob read from another "
                   "directory, or another seq_len or packing")
         if not resume_changed:
@@ -223,7 +229,7 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
                 f"resume_changed=True)): its order starts anew at the same point in epochs; "
                 f"to train from scratch use a new --workdir") from None
         moved = saved.moved_to(now, config.train.seed, source)
-        other = "other records" if tfds else "other tokens"
+        other = "other records" if records else "other tokens"
         _say(f"note: the training data changed since the checkpoint ({saved.num_records} rows, "
              f"seed {saved.seed} -> "
              f"{f'as many, {other}' if other_tokens else f'{now}, seed {config.train.seed}'}): "

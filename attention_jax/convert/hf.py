@@ -154,7 +154,7 @@ _MLM_ONLY_ZERO = ("pooler/", "nsp/")
 
 
 def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None,
-              tokenizer=None, class_names=None) -> str:
+              tokenizer=None, class_names=None, max_length: Optional[int] = None) -> str:
     """Writes config.json + model.safetensors that transformers loads as the same model,
     and with `tokenizer` (a run's, `runs.open_run(...).tokenizer`) tokenizer.json +
     tokenizer_config.json that AutoTokenizer loads as the same tokenizer.
@@ -168,12 +168,17 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     Options an architecture cannot express (RoPE, RMSNorm, SwiGLU, average pooling, ...)
     raise a ValueError naming them. `class_names` (a classifier's, in label order: a
     run's `run.task.class_names`) become config.json's id2label, which transformers'
-    pipelines report (else LABEL_0, LABEL_1, ...).
+    pipelines report (else LABEL_0, LABEL_1, ...). A text classifier's tokenizer goes out
+    adding the special tokens its texts were classified with ([CLS] A [SEP] B [SEP],
+    token types 0 and 1: tokenization.text_ends), whatever the tokenizer's own file adds.
+    max_length: the tokens a text is cut to (a run's data.seq_len), the tokenizer's
+    model_max_length, which transformers' truncation=True cuts at (else the model's
+    position table).
     """
     if workdir_lib.is_remote(out_dir):  # staged in a local folder, copied up
         return export_remote(str(out_dir), lambda local: export_hf(
             model, params, local, architecture=architecture, tokenizer=tokenizer,
-            class_names=class_names), tokenizer is not None)
+            class_names=class_names, max_length=max_length), tokenizer is not None)
     cfg = getattr(model, "config", model)  # a model, or its config
     family = _family_of(cfg)
     head = getattr(model, "head", None) if family.model_type == "bert" else None
@@ -226,10 +231,31 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     tensors = export_tensors(family, rules, arch, flat)
     if tokenizer is not None and family.model_type == "bert":
         hf_cfg, tensors = _vocabulary_of(tokenizer, hf_cfg, tensors)
+    if form is not None and arch == "BertForSequenceClassification":
+        _classified_texts(form, tokenizer)
     out = write_hf_dir(out_dir, hf_cfg, tensors)
-    write_hf_tokenizer(out, tokenizer, form, getattr(cfg, "max_len", None))
+    write_hf_tokenizer(out, tokenizer, form, max_length or getattr(cfg, "max_len", None),
+                       input_names=(("input_ids", "token_type_ids", "attention_mask")
+                                    if family.model_type == "bert" else None))
     _write_generation_config(out, hf_cfg, tokenizer if family.model_type == "gpt2" else None)
     return out
+
+
+def _classified_texts(form, tokenizer) -> None:
+    """`form` (a tokenizers.Tokenizer) adding the special tokens a text classifier's texts
+    carry (data.classification_example): [CLS] A [SEP], a pair [CLS] A [SEP] B [SEP] with
+    B's part of token type 1, or <bos>/<eos> where the tokenizer has no [CLS]/[SEP]."""
+    from tokenizers import processors
+
+    from attention_jax.data.tokenization import text_ends
+    ends = text_ends(tokenizer)
+    if ends is None:
+        raise ValueError(f"export_hf: the tokenizer has neither [CLS]/[SEP] nor begin/end "
+                         f"tokens, which a classified text starts and ends with")
+    start, end = (form.id_to_token(i) for i in ends)
+    form.post_processor = processors.TemplateProcessing(
+        single=f"{start} $A {end}", pair=f"{start} $A {end} $B:1 {end}:1",
+        special_tokens=list(dict.fromkeys([(start, ends[0]), (end, ends[1])])))
 
 
 def _vocabulary_of(tokenizer, hf_cfg: dict, tensors: dict) -> tuple[dict, dict]:

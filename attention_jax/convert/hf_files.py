@@ -217,12 +217,14 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = None) -> None:
+def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = None,
+                       input_names: tuple[str, ...] | None = None) -> None:
     """tokenizer.json + tokenizer_config.json beside an export, so that transformers'
     AutoTokenizer.from_pretrained(out_dir) encodes and decodes as `tokenizer` (one of
     attention_jax.data's; `form` its hf_form()) does: the same ids for a text, its
-    special tokens by role. Without a tokenizer, an earlier export's files are removed:
-    they would pass for this model's."""
+    special tokens by role. input_names: what the tokenizer gives the model (a BERT's
+    token_type_ids, which tell a pair's two texts apart). Without a tokenizer, an earlier
+    export's files are removed: they would pass for this model's."""
     if tokenizer is None:
         _remove_stale([n for n in TOKENIZER_FILES if os.path.exists(os.path.join(out_dir, n))],
                       out_dir, lambda name: os.remove(os.path.join(out_dir, name)))
@@ -238,5 +240,7 @@ def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = 
               "split_special_tokens": tokenizer.kind in ("char", "byte")}
     if model_max_length:
         config["model_max_length"] = int(model_max_length)
+    if input_names:
+        config["model_input_names"] = list(input_names)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)

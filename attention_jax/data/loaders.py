@@ -107,9 +107,10 @@ TFDS_ID_SAMPLE = 64
 
 
 def source_id(source) -> str:
-    """A source's records' identity where it has one, else '': a token cache's
-    `fingerprint` (TokenRows), a tfds split's `tfds_id`, a Subset's of the records it
-    picks. Independent of where the data lives (data.data_dir may move)."""
+    """A source's records' identity where it has one, else '': a `fingerprint` (a token
+    cache's, TokenRows; a Subset's whose records were all read, e.g. a user's labelled
+    texts), a tfds split's `tfds_id`, a Subset's of the records it picks. Independent of
+    where the data lives (data.data_dir may move)."""
     fingerprint = getattr(source, 'fingerprint', '')
     if fingerprint:
         return str(fingerprint)
@@ -139,24 +140,24 @@ def tfds_id(source) -> str:
               sorted(set(np.linspace(0, n - 1, TFDS_ID_SAMPLE).round().astype(int).tolist())))
     digest = hashlib.sha256()
     for i in picked:
-        _digest_value(digest, source[i])
+        digest_record(digest, source[i])
     return f'tfds {info.full_name} {split}: {n} records, contents {digest.hexdigest()[:12]}'
 
 
-def _digest_value(digest, value) -> None:
+def digest_record(digest, value) -> None:
     """Feeds a decoded record (dicts of numpy values, bytes, str) into `digest` in a fixed
     order: the same records give the same digest however they were serialized."""
     if isinstance(value, Mapping):
         for key in sorted(value):
             digest.update(str(key).encode() + b'\0')
-            _digest_value(digest, value[key])
+            digest_record(digest, value[key])
     elif isinstance(value, (bytes, str)):
         data = value.encode() if isinstance(value, str) else value
         digest.update(len(data).to_bytes(8, 'little') + data)
     elif isinstance(value, (list, tuple)):
         digest.update(len(value).to_bytes(8, 'little'))
         for v in value:
-            _digest_value(digest, v)
+            digest_record(digest, v)
     else:
         array = np.asarray(value)
         if array.dtype == object:  # e.g. an array of bytes (a Sequence of Text)
@@ -164,7 +165,7 @@ def _digest_value(digest, value) -> None:
             if array.ndim == 0:  # a plain object (None, ...): its text, not itself again
                 digest.update(repr(items).encode())
                 return
-            _digest_value(digest, items)
+            digest_record(digest, items)
             return
         digest.update(f'{array.dtype.str}{array.shape}'.encode() + array.tobytes())
 

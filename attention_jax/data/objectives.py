@@ -162,24 +162,35 @@ def seq2seq_example(source_ids: Sequence[int], target_ids: Sequence[int], *,
 # --------------------------------------------------------------------------------------
 
 
+def least_classified_len(pair: bool) -> int:
+    """The shortest seq_len that holds a text (one token of each, for a pair) between its
+    special tokens."""
+    return 5 if pair else 3
+
+
 def classification_example(first: Sequence[int], second: Sequence[int] | None = None, *,
                            seq_len: int, start_id: int, end_id: int,
                            pad_id: int = 0) -> dict[str, np.ndarray]:
     """BERT's input for a sentence-level task (Devlin et al. 2019, §3.2 and §4): [CLS] A
     [SEP], or [CLS] A [SEP] B [SEP] for a pair, padded to seq_len; `token_types` 0 on A's
-    part and 1 on B's, `mask` 1 on real tokens. What does not fit is cut from the end of the
-    longer text, one token at a time (BERT's own fine-tuning code cuts pairs so), so both
-    keep their starts."""
+    part and 1 on B's, `mask` 1 on real tokens. What does not fit is cut from the texts'
+    ends, as transformers' tokenizers cut a pair ('longest_first', so that an exported
+    model reads what the run read): the shorter text (A on a tie) keeps up to half the
+    room, the other the rest."""
     a, b = list(first), None if second is None else list(second)
     room = seq_len - (2 if b is None else 3)  # the special tokens
     if room < (1 if b is None else 2):
         raise ValueError(f'seq_len={seq_len} leaves no room for the text between the special '
-                         f'tokens; valid: seq_len >= {4 if b is None else 5}')
+                         f'tokens; valid: seq_len >= {least_classified_len(b is not None)}')
     if b is None:
         a = a[:room]
-    else:
-        while len(a) + len(b) > room:
-            (a if len(a) >= len(b) else b).pop()
+    elif len(a) + len(b) > room:
+        if len(a) > len(b):
+            keep_b = min(len(b), room // 2)
+            a, b = a[:room - keep_b], b[:keep_b]
+        else:
+            keep_a = min(len(a), room // 2)
+            a, b = a[:keep_a], b[:room - keep_a]
     ids = [start_id, *a, end_id] + ([] if b is None else [*b, end_id])
     types = [0] * (len(a) + 2) + [1] * (len(ids) - len(a) - 2)
     n = len(ids)

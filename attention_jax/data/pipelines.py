@@ -23,6 +23,12 @@ def _text(value) -> str:
     return value.decode('utf-8') if isinstance(value, bytes) else str(value)
 
 
+def label_text(value) -> str:
+    """A record's class label as the class name it stands for: its text without the
+    spaces around it (' neg ' is 'neg')."""
+    return _text(value).strip()
+
+
 @dataclasses.dataclass(frozen=True)
 class EncodeText:
     """record -> token ids of record[key] (picklable, for PackedSource)."""
@@ -104,17 +110,19 @@ class Translation:
 class TextClassification:
     """Labelled text record -> BERT's sentence-level input and the label's index
     (objectives.classification_example): record[text_key], and record[pair_key] as the
-    second text of a pair where pair_key is set. `classes`: the label texts in index order
-    (a record's label is one of them); None: the label is its index already (a tfds
-    ClassLabel)."""
+    second text of a pair where pair_key is set. `classes`: the class names in index
+    order. A record's label is one of them (its text, spaces around it aside), or with
+    `by_index` the index itself (a tfds ClassLabel's); another is a ValueError (a tfds
+    test split's -1, which means unlabelled)."""
     tokenizer: Tokenizer
     seq_len: int
     start_id: int
     end_id: int
+    classes: tuple[str, ...]
     text_key: str = 'text'
     pair_key: str = ''
     label_key: str = 'label'
-    classes: tuple[str, ...] | None = None
+    by_index: bool = False
 
     def __call__(self, record, rng) -> dict[str, np.ndarray]:
         del rng
@@ -124,13 +132,13 @@ class TextClassification:
             seq_len=self.seq_len, start_id=self.start_id, end_id=self.end_id,
             pad_id=self.tokenizer.pad_id)
         label = record[self.label_key]
-        if self.classes is not None:
-            try:
-                label = self._index[_text(label)]
-            except KeyError:
-                raise ValueError(f'label {_text(label)!r} is not one of the classes '
-                                 f'{list(self.classes)[:8]}') from None
-        return {**example, 'label': np.int32(label)}
+        index = (int(label) if self.by_index and 0 <= int(label) < len(self.classes) else
+                 None if self.by_index else self._index.get(label_text(label)))
+        if index is None:
+            raise ValueError(f'{self.label_key}={_text(label)!r} is not one of the '
+                             f'{len(self.classes)} classes {list(self.classes)[:8]}'
+                             + (' (as an index)' if self.by_index else ''))
+        return {**example, 'label': np.int32(index)}
 
     @functools.cached_property
     def _index(self) -> dict[str, int]:

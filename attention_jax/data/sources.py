@@ -177,11 +177,14 @@ def get_dataset(name: str, split: str, data_dir: str | None = None, **options):
 
 
 class Subset:
-    """The records of `source` at `indices`, in that order: a random-access source too."""
+    """The records of `source` at `indices`, in that order: a random-access source too.
+    fingerprint: the identity of what they hold, where the caller read them all and knows
+    it (loaders.source_id: a resume on other records stops); '' derives it from `source`'s."""
 
-    def __init__(self, source, indices):
+    def __init__(self, source, indices, fingerprint: str = ''):
         self.source = source
         self.indices = [int(i) for i in indices]
+        self.fingerprint = fingerprint
 
     def __len__(self) -> int:
         return len(self.indices)

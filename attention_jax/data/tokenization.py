@@ -524,6 +524,17 @@ def get_tokenizer(kind: str, *, texts: Iterable[str] | None = None, path: str | 
     raise ValueError(f"unknown tokenizer kind {kind!r}; valid: {KINDS} or 'file'")
 
 
+def text_ends(tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """The ids a classified text starts and ends with (BERT's [CLS] ... [SEP]): a
+    tokenizer's [CLS] and [SEP] where it has them (WordPiece, BERT's tokenizer.json), else
+    its beginning and end of text (a BPE's <bos> and <eos>); None where it has neither."""
+    start = getattr(tokenizer, 'cls_id', None)
+    end = getattr(tokenizer, 'sep_id', None)
+    start = getattr(tokenizer, 'bos_id', None) if start is None else start
+    end = getattr(tokenizer, 'eos_id', None) if end is None else end
+    return None if start is None or end is None else (int(start), int(end))
+
+
 def fingerprint(tokenizer: Tokenizer) -> str:
     """A hash of everything that decides a tokenizer's ids: its kind, its vocabulary
     files as `save` writes them, its special ids (not where it was read from, so the copy

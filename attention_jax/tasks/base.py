@@ -413,9 +413,10 @@ def saved_classes(workdir: str) -> list[str] | None:
 
 def check_classes(workdir: str, classes) -> None:
     """A run continued (or evaluated) on other classes than it trained on is an error,
-    never a silently different dataset (image folders, a file's labels)."""
+    never a silently different dataset (image folders, a file's labels). Those of a start
+    that saved no checkpoint (it stopped at a mistake since mended) are only replaced."""
     before = saved_classes(workdir) if classes else None
-    if before is not None and before != list(classes):
+    if before is not None and before != list(classes) and workdir_lib.has_checkpoint(workdir):
         changed = sorted(set(before) ^ set(classes))[:5] or "their order"
         raise ConfigError(f"{workdir_lib.path(workdir, CLASSES_FILE)} holds the {len(before)} "
                           f"classes this run trained on; the data now has {len(classes)} "

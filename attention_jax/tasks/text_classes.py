@@ -13,6 +13,7 @@ run (classes.json) and its export (id2label)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import PAIR_FILE_KEYS
+from attention_jax.data.objectives import least_classified_len
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy
@@ -86,30 +88,44 @@ def _dataset_classes(o, records) -> tuple[str, ...]:
         if o[key] and o[key] not in texts:
             raise ConfigError(f"config.data.{key}={o[key]!r} is not a text field of "
                               f"{o.name!r}; valid: {texts}")
-    try:
-        feature = records.dataset_info.features[o.label_key]
-        names = tuple(feature.names)
-    except (AttributeError, KeyError, TypeError):
-        names = ()
-    if not names:
-        fields = sorted(first)
+    features = getattr(getattr(records, "dataset_info", None), "features", None) or {}
+    labels = sorted(k for k in first if k in features and getattr(features[k], "names", None))
+    if o.label_key not in labels:
         raise ConfigError(f"config.data.label_key={o.label_key!r} is not a class label of "
-                          f"{o.name!r} (a tfds ClassLabel); valid: its ClassLabel field, of "
-                          f"{fields}; or your records' labels with config.data.name=files")
-    return names
+                          f"{o.name!r} (a tfds ClassLabel); valid: "
+                          f"{labels or 'none: it has no ClassLabel field'}, or your own "
+                          f"records' labels with config.data.name=files")
+    return tuple(features[o.label_key].names)
+
+
+def _check_labelled(o, records, split: str, classes) -> None:
+    """A tfds split whose first record's label is no class (-1: GLUE's test splits hold
+    no labels) is refused before it is trained or evaluated on: as labels its -1s were
+    counted wrong with nothing said."""
+    label = int(records[0][o.label_key]) if len(records) else 0
+    if not 0 <= label < len(classes):
+        raise ConfigError(f"config.data.{split}={o[split]!r} of {o.name!r}: its records' "
+                          f"{o.label_key!r} is {label}, no class of {len(classes)} (an "
+                          f"unlabelled split); valid: a labelled split")
 
 
 def _labelled(o, records, split: str):
     """(`records` less those with an empty text or label, the distinct labels of the ones
     kept). A blank line or a bad record (not JSON, a key missing) reads as empty: left
-    out and counted in a warning, as the translation pairs are."""
+    out and counted in a warning, as the translation pairs are. The records kept carry a
+    digest of what they hold, read in this same pass: a resume on files whose texts or
+    labels changed stops (loaders.source_id) where their count alone would not tell."""
+    from attention_jax.data.loaders import digest_record
+    from attention_jax.data.pipelines import label_text
+    from attention_jax.data.sources import Subset
     keys = _record_keys(o)
-    keep, labels = [], set()
+    keep, labels, digest = [], set(), hashlib.sha256()
     for i in range(len(records)):  # each read once
         record = records[i]
         if all(len(as_text(record[k]).strip()) for k in keys):
             keep.append(i)
-            labels.add(as_text(record[o.label_key]))
+            labels.add(label_text(record[o.label_key]))
+            digest_record(digest, record)
     if not keep:
         raise ConfigError(f"config.data.{split}={o[split]!r} of {o.files or o.name!r}: every "
                           f"one of its {len(records)} records has an empty text or label "
@@ -118,9 +134,8 @@ def _labelled(o, records, split: str):
         print(f"warning: {len(records) - len(keep)} of the {len(records)} records of "
               f"{o[split]} have an empty {' or '.join(map(repr, keys))} (or were bad records): "
               f"left out", file=sys.stderr)
-        from attention_jax.data.sources import Subset
-        records = Subset(records, keep)  # its identity: the split's and the records kept
-    return records, labels
+    fingerprint = f"{len(keep)} labelled records, contents {digest.hexdigest()[:16]}"
+    return Subset(records, keep, fingerprint=fingerprint), labels
 
 
 def _sorted_labels(labels) -> tuple[str, ...]:
@@ -137,28 +152,41 @@ def _sorted_labels(labels) -> tuple[str, ...]:
     return tuple(sorted(labels))
 
 
+def _say_missing_classes(o, classes, train) -> None:
+    """A note where data.train_fraction's draw holds only some of the classes."""
+    from attention_jax.data.pipelines import label_text
+    drawn = {label_text(train[i][o.label_key]) for i in range(len(train))}
+    if len(drawn) < len(classes):
+        missing = sorted(set(classes) - drawn)
+        print(f"note: config.data.train_fraction={o.train_fraction}: its {len(train)} training "
+              f"records hold {len(drawn)} of the {len(classes)} classes (none of "
+              f"{missing[:SHOWN]}); the model still has a logit for each", file=sys.stderr)
+
+
 def _check_eval_labels(o, classes, labels) -> None:
     unknown = sorted(set(labels) - set(classes))
-    if unknown:
-        raise ConfigError(f"config.data.{'eval_files' if o.eval_files else 'eval_split'}: the "
-                          f"labels {unknown[:SHOWN]} of the held-out records are not among "
-                          f"the {len(classes)} labels of the training records "
-                          f"{list(classes)[:SHOWN]}; valid: labels the model trains on")
+    if not unknown:
+        return
+    where, fix = (("config.data.eval_files", "held-out records of labels the model trains on")
+                  if o.eval_files else
+                  ("config.data.eval_fraction", "more records of those labels (the held-out "
+                   "draw took all of them), or a held-out split of your own: "
+                   "config.data.eval_files=GLOBS"))
+    raise ConfigError(f"{where}: the labels {unknown[:SHOWN]} of the held-out records are not "
+                      f"among the {len(classes)} labels of the training records "
+                      f"{list(classes)[:SHOWN]}; valid: {fix}")
 
 
 def _ends(tok) -> tuple[int, int]:
-    """The ids around a text: [CLS] and [SEP] where the tokenizer has them (WordPiece,
-    BERT's tokenizer.json), else its beginning and end of text (a BPE's)."""
-    start = getattr(tok, "cls_id", None)
-    end = getattr(tok, "sep_id", None)
-    start = tok.bos_id if start is None else start
-    end = tok.eos_id if end is None else end
-    if start is None or end is None:
+    """The ids around a text (tokenization.text_ends)."""
+    from attention_jax.data.tokenization import text_ends
+    ends = text_ends(tok)
+    if ends is None:
         raise ConfigError(f"config.data.tokenizer: {getattr(tok, 'path', tok.kind)!r} has "
                           f"neither [CLS]/[SEP] nor beginning/end-of-text tokens, which a "
                           f"classified text starts and ends with; valid: 'wordpiece', 'bpe' "
                           f"or a tokenizer.json with them")
-    return int(start), int(end)
+    return ends
 
 
 def classify_task(config, workdir: str) -> Task:
@@ -194,17 +222,30 @@ def classify_task(config, workdir: str) -> Task:
         raise ConfigError(f"config.data.label_key={o.label_key!r}: the training records have "
                           f"{len(classes)} label ({list(classes)}); valid: two classes or more")
     check_classes(workdir, classes)  # a resume on other labels stops here
+    least = least_classified_len(bool(o.pair_key))
+    if o.seq_len < least:
+        raise ConfigError(f"config.data.seq_len={o.seq_len} leaves no room for a "
+                          f"{'pair' if o.pair_key else 'text'} between its special tokens; "
+                          f"valid: seq_len >= {least}")
 
     def eval_records():
         split = records("eval_split")
         if files:
             _check_eval_labels(o, classes, labelled("eval_split")[1])
+        else:
+            _check_labelled(o, split, "eval_split", classes)
         return split
+
     def train_records():  # data.train_fraction < 1: that share of them (a fixed draw)
+        if not files:
+            _check_labelled(o, records("train_split"), "train_split", classes)
         try:
-            return data.subset_fraction(records("train_split"), o.train_fraction)
+            train = data.subset_fraction(records("train_split"), o.train_fraction)
         except ValueError as e:
             raise ConfigError(f"config.data.train_fraction: {e}") from None
+        if o.train_fraction < 1 and files and not reader:
+            _say_missing_classes(o, classes, train)
+        return train
     if reader:
         train_src, eval_src = OnDemand(train_records), OnDemand(eval_records)
     else:
@@ -221,8 +262,8 @@ def classify_task(config, workdir: str) -> Task:
                           f"{cfg.max_len}, or a larger max_len")
     model = bert.Bert(cfg, head="classification")
     transform = data.TextClassification(
-        tok, o.seq_len, start_id, end_id, text_key=o.text_key, pair_key=o.pair_key,
-        label_key=o.label_key, classes=classes if files else None)
+        tok, o.seq_len, start_id, end_id, classes, text_key=o.text_key, pair_key=o.pair_key,
+        label_key=o.label_key, by_index=not files)
 
     def logits_of(params, batch, train=False, rng=None):
         return model.apply({"params": params}, batch["inputs"], batch["token_types"],
@@ -247,16 +288,20 @@ def classify_task(config, workdir: str) -> Task:
     probabilities = jax.jit(lambda params, batch: jax.nn.softmax(
         logits_of(params, batch).astype(jnp.float32), axis=-1))
 
+    def texts_of(text: str) -> list[str]:
+        """A text, or a pair's two texts given with a tab between them."""
+        if not o.pair_key:
+            return [text]
+        texts = text.split("\t")
+        if len(texts) != 2 or not all(t.strip() for t in texts):
+            raise ValueError(f"{text[:60]!r} holds {len(texts) - 1} tab(s)"
+                             f"{'' if len(texts) != 2 else ' and an empty side'}; task "
+                             f"{config.task!r} classifies pairs (data.pair_key={o.pair_key!r}): "
+                             f"give each as its two texts, neither empty, with one tab between")
+        return texts
+
     def text_row(text: str) -> dict[str, np.ndarray]:
-        texts = [text]
-        if o.pair_key:  # a pair: the two texts with a tab between
-            texts = text.split("\t")
-            if len(texts) != 2:
-                raise ValueError(f"{text[:60]!r} holds {len(texts) - 1} tabs; task "
-                                 f"{config.task!r} classifies pairs (data.pair_key="
-                                 f"{o.pair_key!r}): give each as its two texts with one tab "
-                                 f"between them")
-        ids = [tok.encode(t) for t in texts]
+        ids = [tok.encode(t) for t in texts_of(text)]
         return data.classification_example(
             ids[0], ids[1] if o.pair_key else None, seq_len=o.seq_len, start_id=start_id,
             end_id=end_id, pad_id=tok.pad_id)
@@ -277,10 +322,14 @@ def classify_task(config, workdir: str) -> Task:
         if text is None or target is not None:
             raise ValueError(f"text={text!r}, target={target!r}: task {config.task!r} draws its "
                              f"attention on one text; give text= (viz's --text) and no target")
-        ids = [start_id, *tok.encode(text), end_id]
-        check_context(len(ids), o.seq_len, "text with its two special tokens")
+        # As the model reads it: [CLS] A [SEP] (B [SEP]), a pair's B of token type 1.
+        parts = [tok.encode(t) for t in texts_of(text)]
+        ids = [start_id, *parts[0], end_id] + ([*parts[1], end_id] if o.pair_key else [])
+        types = [0] * (len(parts[0]) + 2) + [1] * (len(ids) - len(parts[0]) - 2)
+        check_context(len(ids), o.seq_len, f"{'pair' if o.pair_key else 'text'} with its "
+                                            f"special tokens")
         labels = token_labels(tok, ids)
-        return AttentionInput(inputs=(np.array([ids], np.int32),),
+        return AttentionInput(inputs=(np.array([ids], np.int32), np.array([types], np.int32)),
                               labels={"self": (labels, labels)}, info={"tokens": labels})
 
     # The word table is only looked up here (no tied MLM output): a text's matmuls are the

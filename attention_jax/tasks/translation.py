@@ -4,6 +4,7 @@ the Transformer encoder-decoder (`encdec`)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 
 import flax.linen as nn
@@ -74,22 +75,33 @@ def _whole_pairs(data_opts, records, split: str):
     bad record (not JSON, a side missing), which the files source reads as empty. Trained
     on, it taught 'empty source -> end of sentence' and counted in the eval; left out
     here, counted in a warning. A function of the records alone, so a resumed run and a
-    reader's evaluation leave out the same ones."""
-    keys = (data_opts.source, data_opts.target)
-    pairs = (records[i] for i in range(len(records)))  # each read once
-    keep = [i for i, pair in enumerate(pairs) if all(len(pair[k]) for k in keys)]
-    if len(keep) == len(records):
-        return records
+    reader's evaluation leave out the same ones. The user's files' pairs carry a digest of
+    what they hold, read in this same pass: a resume on edited pairs stops
+    (loaders.source_id), where their count alone would not tell (a tfds split has its own)."""
+    from attention_jax.data.loaders import digest_record
+    from attention_jax.data.sources import Subset
+    keys, files = (data_opts.source, data_opts.target), data_opts.name == "files"
+    keep, digest = [], hashlib.sha256()
+    for i in range(len(records)):  # each read once
+        pair = records[i]
+        if all(len(pair[k]) for k in keys):
+            keep.append(i)
+            if files:
+                digest_record(digest, pair)
     if not keep:
         raise ConfigError(f"config.data.{split}={data_opts[split]!r} of {data_opts.name!r}: "
                           f"every one of its {len(records)} pairs has an empty side "
                           f"({keys[0]!r} or {keys[1]!r})")
-    print(f"warning: {len(records) - len(keep)} of the {len(records)} pairs of "
-          f"{data_opts.name!r} ({data_opts[split]}) have an empty {keys[0]!r} or {keys[1]!r} "
-          f"(or were bad records): left out (a run saved before such pairs were left out "
-          f"resumes with --resume_changed)", file=sys.stderr)
-    from attention_jax.data.sources import Subset
-    return Subset(records, keep)  # its identity: the split's and the pairs kept (loaders)
+    if len(keep) < len(records):
+        print(f"warning: {len(records) - len(keep)} of the {len(records)} pairs of "
+              f"{data_opts.name!r} ({data_opts[split]}) have an empty {keys[0]!r} or "
+              f"{keys[1]!r} (or were bad records): left out (a run saved before such pairs "
+              f"were left out resumes with --resume_changed)", file=sys.stderr)
+    elif not files:
+        return records  # a whole tfds split: its own identity (loaders.tfds_id)
+    # Its identity: the digest of the files' pairs, else the split's and the pairs kept.
+    return Subset(records, keep, fingerprint=(
+        f"{len(keep)} sentence pairs, contents {digest.hexdigest()[:16]}" if files else ""))
 
 
 def _check_lengths(data_opts, tok, *splits_) -> None:

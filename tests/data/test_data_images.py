@@ -324,8 +324,9 @@ def test_bad_image_options_one_line_each(tmp_path):
     with pytest.raises(ConfigError, match=r"config.model.num_classes=10 but the 3 classes of "
                                           r"config.data.name='image_folder' gives 3"):
         TASKS["cnn"](config, "")
-    # A run continued on other class folders is refused, never trained silently.
-    (tmp_path / "w").mkdir()
+    # A run continued on other class folders is refused, never trained silently (a run
+    # that saved a step; a start that saved none has its classes replaced).
+    (tmp_path / "w" / "checkpoints" / "5").mkdir(parents=True)
     (tmp_path / "w" / "classes.json").write_text(json.dumps(["ant", "bee", "dog"]))
     with pytest.raises(ConfigError, match=r"classes.json holds the 3 classes this run trained "
                                           r"on; the data now has 3 \(differing: \['cat', 'dog'\]\)"):

@@ -14,7 +14,7 @@ import pytest
 from attention_jax import config as config_lib
 from attention_jax import main as main_lib
 from attention_jax import runs, tasks, train
-from attention_jax.data import builders, files, objectives
+from attention_jax.data import builders, files, loaders, objectives
 from attention_jax.errors import ConfigError
 
 GOOD = ["great", "wonderful", "loved", "superb", "fine", "lovely"]
@@ -82,6 +82,13 @@ def test_own_jsonl_labels_train_classify_and_resume_on_the_same_classes(tmp_path
                                           r"on; the data now has 2 \(differing: \['bad', "
                                           r"'good', 'neg', 'pos'\]\)"):
         tasks.TASKS[config.task](config, work)
+    # The same classes on other records (every label swapped): the loader's state no longer
+    # matches what the files hold, so the resume stops too.
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(200, labels=("pos", "neg")))
+    config.train.steps = 4
+    with pytest.raises(loaders.DataChangedError, match=r"labelled records, contents \w+ then, "
+                                                       r"\d+ labelled records, contents \w+ now"):
+        train.train_and_evaluate(config, work)
 
 
 def test_integer_labels_of_a_parquet_column_sort_as_numbers(tmp_path):
@@ -142,8 +149,21 @@ def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch):
     rows = main_lib.classify_texts(runs.load_config(work), work)
     assert rows[0]["label"] in ("contradicts", "entails")
     with pytest.raises(main_lib.InputError, match=r"^--mode=classify: 'no tab here' holds 0 "
-                                                  r"tabs; task 'bert_classify' classifies pairs"):
+                                                  r"tab\(s\); task 'bert_classify' classifies"):
         main_lib.classify_texts(runs.load_config(work), work, ["no tab here"])
+    with pytest.raises(main_lib.InputError, match=r"'great\\t' holds 1 tab\(s\) and an empty "
+                                                  r"side"):
+        main_lib.classify_texts(runs.load_config(work), work, ["great\t"])
+    # The attention maps read the pair as the model does: B's part of token type 1.
+    task = runs.open_run(work).task
+    got = task.attention_input(None, "the film was great\tit was dull")
+    assert got.labels["self"][0] == ["<cls>", "the", "film", "was", "great", "<sep>", "it",
+                                     "was", "dull", "<sep>"]
+    assert got.inputs[1].tolist() == [[0] * 6 + [1] * 4]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"fine\tgood\r\n\xff\n")))
+    with pytest.raises(main_lib.InputError, match=r"^--mode=classify: line 2 of stdin is not "
+                                                  r"UTF-8"):
+        main_lib.classify_texts(runs.load_config(work), work)
 
 
 def test_classification_example_cuts_the_longer_text_and_keeps_both_starts():
@@ -190,8 +210,8 @@ def test_bad_labelled_data_is_one_line_naming_the_key(tmp_path, data_dir):
         "data.text_key=en", "data.label_key=fr"])
     with pytest.raises(ConfigError, match=r"config\.data\.label_key='fr' is not a class label "
                                           r"of 'number_translation/small' \(a tfds "
-                                          r"ClassLabel\); valid: its ClassLabel field, of "
-                                          r"\['de', 'en', 'fr', 'number'\]"):
+                                          r"ClassLabel\); valid: none: it has no ClassLabel "
+                                          r"field, or your own records' labels"):
         make(tfds_config)
     tfds_config.data.text_key = "english"
     with pytest.raises(ConfigError, match=r"config\.data\.text_key='english' is not a text "
@@ -247,3 +267,107 @@ def test_attention_maps_and_flops_of_a_text_classifier(tmp_path):
     encoder = flops.matmul_params(shapes, flops.LOOKUP_TABLES + ("word_embeddings",))
     assert task.flops_per_unit(shapes) == 8 * flops.flops_per_token(encoder, 1, 8, 32)
     assert encoder < flops.matmul_params(shapes) - 30000 * 32  # the word table left out
+
+
+def test_labels_with_spaces_short_seq_len_and_a_failed_start(tmp_path):
+    """' neg ' is the class 'neg'; a seq_len with no room for a text is one line naming it;
+    classes.json left by a start that saved no checkpoint does not block a new start."""
+    records = _reviews(40)
+    for r in records[::3]:
+        r["stars"] = f" {r['stars']} "
+    _write_jsonl(tmp_path / "r.jsonl", records)
+    work = tmp_path / "run"
+    work.mkdir()
+    (work / "classes.json").write_text(json.dumps(["a", "b", "c"]))  # a failed start's
+    config = _config(f"data.files={tmp_path}/r.jsonl")
+    task = tasks.TASKS[config.task](config, str(work))
+    assert task.class_names == ("neg", "pos")
+    labels = {task.train_transform(task.train_source[i], None)["label"].item()
+              for i in range(len(task.train_source))}
+    assert labels == {0, 1}
+    for pair, seq_len, least in (("", 2, 3), ("stars", 4, 5)):
+        with pytest.raises(ConfigError, match=rf"^config\.data\.seq_len={seq_len} leaves no "
+                                              rf"room .*valid: seq_len >= {least}$"):
+            make = _config(f"data.files={tmp_path}/r.jsonl", f"data.seq_len={seq_len}",
+                           f"data.pair_key={'review2' if pair else ''}")
+            if pair:
+                _write_jsonl(tmp_path / "r.jsonl", [{**r, "review2": "x"} for r in records])
+            tasks.TASKS[make.task](make, str(tmp_path / "other"))
+
+
+def test_a_rare_label_drawn_into_the_held_out_split_names_eval_fraction(tmp_path):
+    records = _reviews(60) + [{"review": "so so", "stars": "meh"}]
+    _write_jsonl(tmp_path / "r.jsonl", records)
+    for fraction in (0.05, 0.1, 0.2, 0.3, 0.5):  # one draw that holds it out
+        config = _config(f"data.files={tmp_path}/r.jsonl", f"data.eval_fraction={fraction}")
+        try:
+            tasks.TASKS[config.task](config, str(tmp_path / "run"))
+        except ConfigError as e:
+            assert re.match(r"config\.data\.eval_fraction: the labels \['meh'\] of the held-out "
+                            r"records are not among the 2 labels .*valid: more records of "
+                            r"those labels .*config\.data\.eval_files=GLOBS", str(e)), e
+            return
+    pytest.fail("no eval_fraction drew the one 'meh' record into the held-out split")
+
+
+def test_an_unlabelled_tfds_split_is_refused_and_an_index_outside_the_classes_raises():
+    """GLUE's test splits label every record -1: refused before training or evaluating
+    (their -1s counted as a wrong class, said nowhere); an index outside the classes in
+    any later record raises in the transform rather than training on it."""
+    from attention_jax.tasks import text_classes
+    o = config_lib.load("bert_classify", ["data.name=glue/sst2", "data.text_key=sentence",
+                                          "data.eval_split=test"]).data
+    classes = ("negative", "positive")
+    with pytest.raises(ConfigError, match=r"^config\.data\.eval_split='test' of 'glue/sst2': "
+                                          r"its records' 'label' is -1, no class of 2 \(an "
+                                          r"unlabelled split\); valid: a labelled split$"):
+        text_classes._check_labelled(o, [{"sentence": b"fine", "label": -1}], "eval_split",
+                                     classes)
+    text_classes._check_labelled(o, [{"sentence": b"fine", "label": 1}], "eval_split", classes)
+    from attention_jax import data
+    tok = data.get_tokenizer("wordpiece")
+    transform = data.TextClassification(tok, 8, tok.cls_id, tok.sep_id, classes,
+                                        text_key="sentence", by_index=True)
+    assert transform({"sentence": b"fine", "label": 1}, None)["label"] == 1
+    with pytest.raises(ValueError, match=r"label='2' is not one of the 2 classes"):
+        transform({"sentence": b"fine", "label": 2}, None)
+
+
+def test_an_exported_pair_classifier_reads_what_the_run_read(tmp_path):
+    """A BPE run's export adds <bos>/<eos> as the run did, gives the model token types for
+    a pair, and cuts a long pair where the run does (max_length=seq_len): transformers'
+    tokenizer gives the same ids and types, and its model the same logits."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    records = [{"premise": f"the film was {GOOD[i % 6]} and the cast {BAD[i % 6]}",
+                "hypothesis": f"it was {w}", "label": int(w in GOOD)}
+               for i in range(30) for w in (GOOD[i % 6], BAD[i % 6])]
+    _write_jsonl(tmp_path / "p.jsonl", records)
+    config = config_lib.load("bert_classify", [
+        "data.name=files", f"data.files={tmp_path}/p.jsonl", "data.text_key=premise",
+        "data.pair_key=hypothesis", "data.tokenizer=bpe", "data.vocab_size=300",
+        "data.seq_len=12", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
+        "model.num_layers=1", "train.steps=1", "train.batch_size=8", "eval.batch_size=8",
+        "eval.every=-1", "train.progress=False"])
+    work = str(tmp_path / "run")
+    train.train_and_evaluate(config, work)
+    run = runs.open_run(work)
+    from attention_jax import convert
+    out = str(tmp_path / "hf")
+    convert.export_hf(run.task.model, run.params, out, tokenizer=run.tokenizer,
+                      class_names=run.task.class_names, max_length=config.data.seq_len)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert model.config.id2label == {0: "0", 1: "1"}
+    a, b = records[0]["premise"], "it was wonderful and lovely and fine"
+    enc = hf_tok(a, b, truncation=True, return_tensors="pt")
+    ours = run.task.train_transform({"premise": a, "hypothesis": b, "label": "1"}, None)
+    n = int(ours["mask"].sum())
+    assert n == 12  # cut to seq_len: both texts lost tokens
+    assert enc["input_ids"][0].tolist() == ours["inputs"][:n].tolist()
+    assert enc["token_type_ids"][0].tolist() == ours["token_types"][:n].tolist()
+    with torch.no_grad():
+        theirs = model(**enc).logits[0].numpy()
+    logits, _ = run.task.model.apply({"params": run.params}, ours["inputs"][None, :n],
+                                     ours["token_types"][None, :n])
+    np.testing.assert_allclose(np.asarray(logits)[0], theirs, atol=2e-5)

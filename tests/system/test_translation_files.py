@@ -127,3 +127,22 @@ def test_the_pairs_kept_carry_their_split_s_identity():
     assert loaders.source_id(kept) != loaders.source_id(
         _whole_pairs(opts, Split(pairs[:2]), "train_split"))
     assert loaders.source_id(_whole_pairs(opts, pairs, "train_split")) == ""  # none to carry
+
+
+def test_edited_pairs_have_another_identity_and_moved_ones_the_same(tmp_path):
+    """The files' pairs carry a digest of what they hold (read in the pass that leaves out
+    empty sides): an edit that keeps every count (a target changed) is another identity,
+    so a resume on it stops; the same files elsewhere are the same."""
+    from attention_jax.data import loaders
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "p.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(60)) + "\n")
+    ident = lambda where: loaders.source_id(tasks.TASKS["encdec"](  # noqa: E731
+        _config(tmp_path, f"data.files={where}/p.jsonl"), str(tmp_path / "run")).train_source)
+    first = ident(tmp_path / "a")
+    assert re.fullmatch(r"\d+ sentence pairs, contents [0-9a-f]{16}", first), first
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "p.jsonl").write_text((tmp_path / "a" / "p.jsonl").read_text())
+    assert ident(tmp_path / "b") == first
+    edited = [dict(p, fr=p["fr"].replace("un", "nu")) for p in _pairs(60)]
+    (tmp_path / "b" / "p.jsonl").write_text("\n".join(json.dumps(p) for p in edited) + "\n")
+    assert ident(tmp_path / "b") != first
