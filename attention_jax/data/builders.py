@@ -258,7 +258,7 @@ def draw_split_integers(config: NumberTranslationConfig) -> dict[str, list[int]]
     total = config.num_train + config.num_validation + config.num_test
     capacity = 10 ** config.max_digits
     if total > capacity // 2:
-        raise ValueError(f'number_translation: {total} distinct integers requested but '
+        raise ValueError(f'{config.name}: {total} distinct integers requested but '
                          f'max_digits={config.max_digits} allows only {capacity}')
     seen: dict[int, None] = {}  # An ordered set: dealing order must be reproducible.
     while len(seen) < total:

@@ -48,8 +48,14 @@ def _number_translation(options) -> tuple[type, tfds.core.BuilderConfig | str | 
 
 
 def _number_languages(options) -> tuple[type, tfds.core.BuilderConfig | str | None]:
-    # The same integers by sizes and seed (a config of custom sizes named likewise).
-    return builders.NumberLanguages, _number_translation(options)[1]
+    config = options.pop('config', None)
+    if options:  # custom sizes/seed over the default config's, named by them
+        tag = '_'.join(f'{k}{v}' for k, v in sorted(options.items()))
+        default = builders.NumberLanguages.BUILDER_CONFIGS[0]
+        sizes = {k: getattr(default, k) for k in ('num_train', 'num_validation', 'num_test',
+                                                  'max_digits', 'seed')}
+        config = builders.NumberTranslationConfig(name=f'custom_{tag}', **{**sizes, **options})
+    return builders.NumberLanguages, config
 
 
 # Offline datasets: name -> function(options) -> (builder class, config or None).

@@ -184,8 +184,8 @@ def _ends(tok) -> tuple[int, int]:
     if ends is None:
         raise ConfigError(f"config.data.tokenizer: {getattr(tok, 'path', tok.kind)!r} has "
                           f"neither [CLS]/[SEP] nor beginning/end-of-text tokens, which a "
-                          f"classified text starts and ends with; valid: 'wordpiece', 'bpe' "
-                          f"or a tokenizer.json with them")
+                          f"classified text starts and ends with; valid: 'wordpiece', 'bpe', "
+                          f"'byte', 'char' or a tokenizer.json with them")
     return ends
 
 
@@ -233,6 +233,8 @@ def classify_task(config, workdir: str) -> Task:
         if files:
             _check_eval_labels(o, classes, labelled("eval_split")[1])
         else:
+            if reader:  # the names of the copy read now, by classes.json (metadata only)
+                check_classes(workdir, _dataset_classes(o, split))
             _check_labelled(o, split, "eval_split", classes)
         return split
 

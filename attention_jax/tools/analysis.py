@@ -215,13 +215,12 @@ def plot_translation(results: dict[str, list[dict]], path: str) -> None:
 # ========================================================================= classification
 def _predictions(workdir: str, split: str, batch_size: int):
     """(task, predicted [n], labels [n]) of the run's checkpoint on every example of
-    `split` (default: the run's eval split, as its task reads it: an image folder's
-    held-out files too), through its task's `classify`."""
-    from attention_jax import data
-    config, task, params = restore_run(workdir)
+    `split` (default: the run's eval split), as its task reads that split (an image
+    folder's held-out files, a user's labelled records less the empty ones), through its
+    task's `classify`."""
+    config, task, params = restore_run(workdir, {"data.eval_split": split} if split else None)
     classify = tasks.need(task, "classify", config.task, "classify")
-    records = (data.get_dataset(config.data.name, split, config.data.data_dir or None)
-               if split else task.eval_source)
+    records = task.eval_source
     predicted, labels = [], []
     for start in range(0, len(records), batch_size):
         examples = [task.eval_transform(records[i], None)

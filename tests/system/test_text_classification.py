@@ -75,7 +75,17 @@ def test_own_jsonl_labels_train_classify_and_resume_on_the_same_classes(tmp_path
     assert json.loads((tmp_path / "run" / "classes.json").read_text()) == ["neg", "pos"]
     rows = main_lib.classify_texts(runs.load_config(work), work, ["a superb plot", "dull"])
     assert [r["text"] for r in rows] == ["a superb plot", "dull"]
-    assert all(r["label"] in ("neg", "pos") and 0.5 <= r["probability"] <= 1 for r in rows)
+    # Each row is the run's model on that text as training read it: its argmax class, by
+    # name, and that class's softmax probability.
+    run = runs.open_run(work)
+    for row in rows:
+        example = task.train_transform({"review": row["text"], "stars": "pos"}, None)
+        logits, _ = run.task.model.apply({"params": run.params}, example["inputs"][None],
+                                         example["token_types"][None],
+                                         attention_mask=example["mask"][None])
+        p = np.asarray(jax.nn.softmax(logits[0]))
+        assert row["label"] == ("neg", "pos")[int(p.argmax())]
+        assert row["probability"] == pytest.approx(float(p.max()), abs=1e-4)
 
     _write_jsonl(tmp_path / "r.jsonl", _reviews(200, labels=("bad", "good")))
     with pytest.raises(ConfigError, match=r"classes\.json holds the 2 classes this run trained "
@@ -371,3 +381,23 @@ def test_an_exported_pair_classifier_reads_what_the_run_read(tmp_path):
     logits, _ = run.task.model.apply({"params": run.params}, ours["inputs"][None, :n],
                                      ours["token_types"][None, :n])
     np.testing.assert_allclose(np.asarray(logits)[0], theirs, atol=2e-5)
+
+
+def test_a_reader_evaluates_a_tfds_set_only_by_the_run_s_class_names(tmp_path, data_dir):
+    """A reader takes the run's classes.json (sampling, maps and classify need no data);
+    evaluating a tfds split whose ClassLabel names are not those (another copy, prepared
+    with another order) is refused, not scored with crossed labels."""
+    work = tmp_path / "run"
+    (work / "checkpoints" / "1").mkdir(parents=True)
+    names = list(builders.CLASS_LANGUAGES)
+    (work / "classes.json").write_text(json.dumps(names[1:] + names[:1]))
+    config = config_lib.load("bert_classify", [f"data.data_dir={data_dir}"])
+    with tasks.data_on_demand():
+        task = tasks.TASKS[config.task](config, str(work))
+        assert task.class_names == tuple(names[1:] + names[:1])
+        with pytest.raises(ConfigError, match=r"classes\.json holds the 6 classes this run "
+                                              r"trained on; .*\(differing: their order\)"):
+            len(task.eval_source)
+    (work / "classes.json").write_text(json.dumps(names))
+    with tasks.data_on_demand():
+        assert len(tasks.TASKS[config.task](config, str(work)).eval_source) > 1000
