@@ -107,6 +107,17 @@ def example_weighted(weights, example_weight):
     return weights * example_weight.reshape(example_weight.shape + (1,) * (weights.ndim - 1))
 
 
+def classifier_cross_entropy(logits, labels, example_weight=None, label_smoothing: float = 0.0):
+    """A classifier's loss over a batch of examples (logits [B, C], labels [B]): the mean
+    cross-entropy and accuracy (`cross_entropy`), weighted per example where an eval batch
+    gives weights (0 on the rows that pad its last batch), and then metrics[WEIGHT], the
+    examples the means are over."""
+    nll, metrics = cross_entropy(logits, labels, example_weight, label_smoothing)
+    if example_weight is not None:
+        metrics[WEIGHT] = jnp.sum(jnp.asarray(example_weight, jnp.float32))
+    return nll, metrics
+
+
 # Why a custom VJP for a textbook formula: the logits are the largest tensor of a
 # language model's step ([B, T, V]: 1.6 GB in bfloat16 for GPT-2 small at 16 × 1024), and
 # each pass over them is a pass through device memory. The forward reads them twice (the

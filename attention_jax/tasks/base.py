@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -328,6 +329,24 @@ def data_options(config, **defaults) -> ml_collections.ConfigDict:
 
 def as_text(x) -> str:
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def complete_records(records, keys, seen: Callable[[dict], object] | None = None
+                     ) -> tuple[list[int], str]:
+    """(the indices of `records` whose `keys` all hold some text, a digest of those
+    records' contents), in one pass that reads each record once; `seen(record)` on each
+    one kept collects what else a task needs (a classifier's labels). A blank line or a
+    bad record of the user's files reads as empty: the tasks leave such records out."""
+    from attention_jax.data.loaders import digest_record
+    keep, digest = [], hashlib.sha256()
+    for i in range(len(records)):
+        record = records[i]
+        if all(as_text(record[k]).strip() for k in keys):
+            keep.append(i)
+            digest_record(digest, record)
+            if seen is not None:
+                seen(record)
+    return keep, digest.hexdigest()[:16]
 
 
 def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,

@@ -12,7 +12,7 @@ from attention_jax import workdir as workdir_lib
 from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
 from attention_jax.models import flops
-from attention_jax.models.losses import WEIGHT, cross_entropy
+from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, Task, check_classes, check_model_keys,
                                       check_source_keys, data_is_on_demand, data_options,
                                       model_config, register, save_classes, splits)
@@ -62,12 +62,8 @@ def image_task(config, workdir: str) -> Task:
             return soft_cross_entropy(logits, targets, config.optim.label_smoothing)
         # Eval batches weigh each image (0: a row padding the last batch; steps.evaluate);
         # training batches have no weights: every image counts.
-        example_weight = batch.get(EXAMPLE_WEIGHT)
-        nll, metrics = cross_entropy(logits, batch["label"], example_weight,
-                                     config.optim.label_smoothing if train else 0.0)
-        if example_weight is not None:
-            metrics[WEIGHT] = jnp.sum(example_weight)  # the images the means are over
-        return nll, metrics
+        return classifier_cross_entropy(logits, batch["label"], batch.get(EXAMPLE_WEIGHT),
+                                        config.optim.label_smoothing if train else 0.0)
 
     predict = jax.jit(lambda params, images: jnp.argmax(
         model.apply({"params": params}, images)[0], axis=-1).astype(jnp.int32))

@@ -13,7 +13,6 @@ run (classes.json) and its export (id2label)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 
 import jax
@@ -25,9 +24,10 @@ from attention_jax.config import PAIR_FILE_KEYS
 from attention_jax.data.objectives import least_classified_len
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
-from attention_jax.models.losses import WEIGHT, cross_entropy
+from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_classes,
                                       check_context, check_file_options, check_model_keys,
+                                      complete_records,
                                       check_source_keys, data_is_on_demand, data_options,
                                       model_config, padded_vocab, register, run_tokenizer,
                                       save_classes, saved_classes, splits, token_labels)
@@ -115,17 +115,11 @@ def _labelled(o, records, split: str):
     out and counted in a warning, as the translation pairs are. The records kept carry a
     digest of what they hold, read in this same pass: a resume on files whose texts or
     labels changed stops (loaders.source_id) where their count alone would not tell."""
-    from attention_jax.data.loaders import digest_record
     from attention_jax.data.pipelines import label_text
     from attention_jax.data.sources import Subset
-    keys = _record_keys(o)
-    keep, labels, digest = [], set(), hashlib.sha256()
-    for i in range(len(records)):  # each read once
-        record = records[i]
-        if all(len(as_text(record[k]).strip()) for k in keys):
-            keep.append(i)
-            labels.add(label_text(record[o.label_key]))
-            digest_record(digest, record)
+    keys, labels = _record_keys(o), set()
+    keep, digest = complete_records(records, keys,
+                                    lambda record: labels.add(label_text(record[o.label_key])))
     if not keep:
         raise ConfigError(f"config.data.{split}={o[split]!r} of {o.files or o.name!r}: every "
                           f"one of its {len(records)} records has an empty text or label "
@@ -134,7 +128,7 @@ def _labelled(o, records, split: str):
         print(f"warning: {len(records) - len(keep)} of the {len(records)} records of "
               f"{o[split]} have an empty {' or '.join(map(repr, keys))} (or were bad records): "
               f"left out", file=sys.stderr)
-    fingerprint = f"{len(keep)} labelled records, contents {digest.hexdigest()[:16]}"
+    fingerprint = f"{len(keep)} labelled records, contents {digest}"
     return Subset(records, keep, fingerprint=fingerprint), labels
 
 
@@ -273,14 +267,10 @@ def classify_task(config, workdir: str) -> Task:
                            rngs=None if rng is None else {"dropout": rng})[0]
 
     def loss(params, batch, rng, train):
-        logits = logits_of(params, batch, train, rng)
         # Eval batches weigh each text (0: a row padding the last batch; steps.evaluate).
-        example_weight = batch.get(EXAMPLE_WEIGHT)
-        nll, metrics = cross_entropy(logits, batch["label"], example_weight,
-                                     config.optim.label_smoothing if train else 0.0)
-        if example_weight is not None:
-            metrics[WEIGHT] = jnp.sum(example_weight)  # the texts the means are over
-        return nll, metrics
+        return classifier_cross_entropy(logits_of(params, batch, train, rng), batch["label"],
+                                        batch.get(EXAMPLE_WEIGHT),
+                                        config.optim.label_smoothing if train else 0.0)
 
     predict = jax.jit(lambda params, batch: jnp.argmax(logits_of(params, batch), -1).astype(jnp.int32))
 

@@ -4,7 +4,6 @@ the Transformer encoder-decoder (`encdec`)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 
 import flax.linen as nn
@@ -20,6 +19,7 @@ from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_context,
                                       check_file_options, check_model_keys, check_source_keys,
+                                      complete_records,
                                       data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
                                       model_config, padded_vocab, register, run_tokenizer,
@@ -78,16 +78,9 @@ def _whole_pairs(data_opts, records, split: str):
     reader's evaluation leave out the same ones. The user's files' pairs carry a digest of
     what they hold, read in this same pass: a resume on edited pairs stops
     (loaders.source_id), where their count alone would not tell (a tfds split has its own)."""
-    from attention_jax.data.loaders import digest_record
     from attention_jax.data.sources import Subset
     keys, files = (data_opts.source, data_opts.target), data_opts.name == "files"
-    keep, digest = [], hashlib.sha256()
-    for i in range(len(records)):  # each read once
-        pair = records[i]
-        if all(len(pair[k]) for k in keys):
-            keep.append(i)
-            if files:
-                digest_record(digest, pair)
+    keep, digest = complete_records(records, keys)
     if not keep:
         raise ConfigError(f"config.data.{split}={data_opts[split]!r} of {data_opts.name!r}: "
                           f"every one of its {len(records)} pairs has an empty side "
@@ -101,7 +94,7 @@ def _whole_pairs(data_opts, records, split: str):
         return records  # a whole tfds split: its own identity (loaders.tfds_id)
     # Its identity: the digest of the files' pairs, else the split's and the pairs kept.
     return Subset(records, keep, fingerprint=(
-        f"{len(keep)} sentence pairs, contents {digest.hexdigest()[:16]}" if files else ""))
+        f"{len(keep)} sentence pairs, contents {digest}" if files else ""))
 
 
 def _check_lengths(data_opts, tok, *splits_) -> None:
