@@ -233,6 +233,11 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
         hf_cfg, tensors = _vocabulary_of(tokenizer, hf_cfg, tensors)
     if form is not None and arch == "BertForSequenceClassification":
         _classified_texts(form, tokenizer)
+        if max_length is None:
+            print(f"note: export_hf: no max_length: the tokenizer's model_max_length is the "
+                  f"position table ({getattr(cfg, 'max_len', None)}), where a run cut its texts "
+                  f"at its data.seq_len; pass max_length=run.config.data.seq_len so that "
+                  f"transformers' truncation=True cuts there too", file=sys.stderr)
     out = write_hf_dir(out_dir, hf_cfg, tensors)
     write_hf_tokenizer(out, tokenizer, form, max_length or getattr(cfg, "max_len", None),
                        input_names=(("input_ids", "token_type_ids", "attention_mask")

@@ -115,6 +115,8 @@ def source_id(source) -> str:
     if fingerprint:
         return str(fingerprint)
     inner, indices = getattr(source, 'source', None), getattr(source, 'indices', None)
+    if inner is not None and indices is None and hasattr(source, 'indices'):
+        return source_id(inner)  # a sources.Subset of all the records
     if inner is not None and isinstance(indices, list):  # sources.Subset (train_fraction)
         of = source_id(inner)
         picked = hashlib.sha256(np.asarray(indices, np.int64).tobytes()).hexdigest()[:8]

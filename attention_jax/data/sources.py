@@ -183,20 +183,21 @@ def get_dataset(name: str, split: str, data_dir: str | None = None, **options):
 
 
 class Subset:
-    """The records of `source` at `indices`, in that order: a random-access source too.
-    fingerprint: the identity of what they hold, where the caller read them all and knows
-    it (loaders.source_id: a resume on other records stops); '' derives it from `source`'s."""
+    """The records of `source` at `indices`, in that order (None: all of them): a
+    random-access source too. fingerprint: the identity of what they hold, where the
+    caller read them all and knows it (loaders.source_id: a resume on other records
+    stops); '' derives it from `source`'s."""
 
     def __init__(self, source, indices, fingerprint: str = ''):
         self.source = source
-        self.indices = [int(i) for i in indices]
+        self.indices = None if indices is None else [int(i) for i in indices]
         self.fingerprint = fingerprint
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.source) if self.indices is None else len(self.indices)
 
     def __getitem__(self, i):
-        return self.source[self.indices[i]]
+        return self.source[i if self.indices is None else self.indices[i]]
 
 
 def subset_fraction(source, fraction: float, seed: int = 0):

@@ -331,22 +331,26 @@ def as_text(x) -> str:
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 
-def complete_records(records, keys, seen: Callable[[dict], object] | None = None
+def complete_records(records, keys, seen: Callable[[dict], object] | None = None, *,
+                     spaces_are_empty: bool = True, digest: bool = True
                      ) -> tuple[list[int], str]:
     """(the indices of `records` whose `keys` all hold some text, a digest of those
-    records' contents), in one pass that reads each record once; `seen(record)` on each
-    one kept collects what else a task needs (a classifier's labels). A blank line or a
-    bad record of the user's files reads as empty: the tasks leave such records out."""
+    records' contents or '' without `digest`), in one pass that reads each record once;
+    `seen(record)` on each one kept collects what else a task needs (a classifier's
+    labels). A blank line or a bad record of the user's files reads as empty: the tasks
+    leave such records out; with spaces_are_empty, a text of spaces only too."""
     from attention_jax.data.loaders import digest_record
-    keep, digest = [], hashlib.sha256()
+    keep, hashed = [], hashlib.sha256()
     for i in range(len(records)):
         record = records[i]
-        if all(as_text(record[k]).strip() for k in keys):
+        texts = [as_text(record[k]) for k in keys]
+        if all(t.strip() if spaces_are_empty else t for t in texts):
             keep.append(i)
-            digest_record(digest, record)
+            if digest:
+                digest_record(hashed, record)
             if seen is not None:
                 seen(record)
-    return keep, digest.hexdigest()[:16]
+    return keep, hashed.hexdigest()[:16] if digest else ""
 
 
 def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,

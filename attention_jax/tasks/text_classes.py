@@ -129,7 +129,8 @@ def _labelled(o, records, split: str):
               f"{o[split]} have an empty {' or '.join(map(repr, keys))} (or were bad records): "
               f"left out", file=sys.stderr)
     fingerprint = f"{len(keep)} labelled records, contents {digest}"
-    return Subset(records, keep, fingerprint=fingerprint), labels
+    whole = len(keep) == len(records)  # no index list then (millions of records)
+    return Subset(records, None if whole else keep, fingerprint=fingerprint), labels
 
 
 def _sorted_labels(labels) -> tuple[str, ...]:

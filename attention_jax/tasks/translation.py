@@ -80,7 +80,9 @@ def _whole_pairs(data_opts, records, split: str):
     (loaders.source_id), where their count alone would not tell (a tfds split has its own)."""
     from attention_jax.data.sources import Subset
     keys, files = (data_opts.source, data_opts.target), data_opts.name == "files"
-    keep, digest = complete_records(records, keys)
+    # A side of spaces only is kept, as it always was here: a run saved before keeps
+    # resuming on its rows (the classifier, new, leaves such texts out).
+    keep, digest = complete_records(records, keys, spaces_are_empty=False, digest=files)
     if not keep:
         raise ConfigError(f"config.data.{split}={data_opts[split]!r} of {data_opts.name!r}: "
                           f"every one of its {len(records)} pairs has an empty side "
@@ -93,7 +95,7 @@ def _whole_pairs(data_opts, records, split: str):
     elif not files:
         return records  # a whole tfds split: its own identity (loaders.tfds_id)
     # Its identity: the digest of the files' pairs, else the split's and the pairs kept.
-    return Subset(records, keep, fingerprint=(
+    return Subset(records, None if len(keep) == len(records) else keep, fingerprint=(
         f"{len(keep)} sentence pairs, contents {digest}" if files else ""))
 
 

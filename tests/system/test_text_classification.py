@@ -170,6 +170,9 @@ def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch):
     assert got.labels["self"][0] == ["<cls>", "the", "film", "was", "great", "<sep>", "it",
                                      "was", "dull", "<sep>"]
     assert got.inputs[1].tolist() == [[0] * 6 + [1] * 4]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"fine\tgood\r\n")))
+    assert [r["text"] for r in main_lib.classify_texts(runs.load_config(work), work)] == \
+        ["fine\tgood"]  # a Windows line end is no part of the text
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"fine\tgood\r\n\xff\n")))
     with pytest.raises(main_lib.InputError, match=r"^--mode=classify: line 2 of stdin is not "
                                                   r"UTF-8"):
@@ -177,7 +180,15 @@ def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch):
 
 
 def test_classification_example_cuts_the_longer_text_and_keeps_both_starts():
-    """BERT's pair truncation: tokens leave the end of the longer text one at a time."""
+    """A pair is cut as transformers' fast tokenizers cut one ('longest_first'): the shorter
+    text (the first on a tie) keeps up to half the room, the other the rest; a single
+    text keeps its start."""
+    cut = lambda la, lb, n: [int((objectives.classification_example(  # noqa: E731
+        [1] * la, [2] * lb, seq_len=n, start_id=90, end_id=91)["inputs"] == k).sum())
+        for k in (1, 2)]
+    # Popping one token at a time from the longer, as BERT's own code does, gives [6, 7]
+    # and [7, 6] here: transformers (and so an export) keeps the other way round.
+    assert cut(34, 11, 16) == [7, 6] and cut(20, 20, 16) == [6, 7] and cut(10, 3, 16) == [10, 3]
     ex = objectives.classification_example([1, 2, 3, 4, 5, 6], [7, 8], seq_len=8,
                                            start_id=90, end_id=91, pad_id=0)
     assert ex["inputs"].tolist() == [90, 1, 2, 3, 91, 7, 8, 91]
