@@ -27,10 +27,10 @@ from attention_jax.models import flops
 from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_classes,
                                       check_context, check_file_options, check_model_keys,
-                                      complete_records,
-                                      check_source_keys, data_is_on_demand, data_options,
-                                      model_config, padded_vocab, register, run_tokenizer,
-                                      save_classes, saved_classes, splits, token_labels)
+                                      check_source_keys, complete_records, data_is_on_demand,
+                                      data_options, model_config, padded_vocab, register,
+                                      run_tokenizer, save_classes, saved_classes, splits,
+                                      token_labels)
 
 # The data keys and their defaults. text_key/pair_key/label_key name a record's fields.
 CLASSIFY_DATA = dict(name="number_languages", data_dir="", tokenizer="wordpiece",
@@ -248,7 +248,8 @@ def classify_task(config, workdir: str) -> Task:
     else:
         train_src, eval_src = train_records(), eval_records()
 
-    tok = run_tokenizer(o, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
+    tok = run_tokenizer(o, workdir, lambda: [as_text(train_src[i][k])
+                                             for i in range(len(train_src))
                                              for k in _record_keys(o)[:-1]])
     start_id, end_id = _ends(tok)
     cfg = model_config(bert.BertConfig, config, vocab_size=padded_vocab(tok.vocab_size),
@@ -273,7 +274,8 @@ def classify_task(config, workdir: str) -> Task:
                                         batch.get(EXAMPLE_WEIGHT),
                                         config.optim.label_smoothing if train else 0.0)
 
-    predict = jax.jit(lambda params, batch: jnp.argmax(logits_of(params, batch), -1).astype(jnp.int32))
+    predict = jax.jit(lambda params, batch: jnp.argmax(logits_of(params, batch),
+                                                       -1).astype(jnp.int32))
 
     def classify(params, batch):
         return np.asarray(predict(params, batch)), np.asarray(batch["label"], np.int32)
