@@ -306,7 +306,6 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
 _TEXT_HINT = 'set {arg}text_key to the one that holds the text'
 
 
-
 # ================================================================================== reading
 class _Reader:
     """Reads documents of indexed files, keeping the last decompressed file or row group."""

@@ -331,6 +331,33 @@ def as_text(x) -> str:
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 
+def record_splits(data_opts, fields: Sequence[str], *, holds: str, hint: str,
+                  integer_fields: Sequence[str] = ()):
+    """(train, eval) sources of a task whose records hold several keys (sentence pairs,
+    labelled texts): a dataset's splits, or with data.name="files" the records of the
+    user's .jsonl/.parquet files, each holding `fields`. holds: what a record holds, for
+    the message when no files are given; hint: the settings that name the keys, for a
+    file that lacks one; integer_fields: keys whose integers read as text (labels)."""
+    from attention_jax.data import files
+    check_source_keys(data_opts, "files", ("files", "eval_files"))
+    if data_opts.name != "files":
+        return splits(data_opts)
+    if not data_opts.files:
+        raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
+                          f"(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
+                          f"records hold {holds})")
+    if "id" in fields:  # the record's own key (file and line)
+        raise ConfigError(f"config.data: a key is 'id' ({list(fields)}), which names a "
+                          f"record's file and line here; valid: other keys (rename that "
+                          f"field in the files)")
+    check_file_options(data_opts)
+    found = files.file_splits(
+        data_opts.files, data_opts.eval_files, eval_fraction=data_opts.eval_fraction,
+        max_bad_records=data_opts.max_bad_records, arg="config.data.", fields=tuple(fields),
+        fields_hint=hint, integer_fields=tuple(integer_fields))
+    return found[data_opts.train_split], found[data_opts.eval_split]
+
+
 def complete_records(records, keys, seen: Callable[[dict], object] | None = None, *,
                      spaces_are_empty: bool = True, digest: bool = True
                      ) -> tuple[list[int], str]:

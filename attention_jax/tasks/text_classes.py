@@ -26,11 +26,10 @@ from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_classes,
-                                      check_context, check_file_options, check_model_keys,
-                                      check_source_keys, complete_records, data_is_on_demand,
-                                      data_options, model_config, padded_vocab, register,
-                                      run_tokenizer, save_classes, saved_classes, splits,
-                                      token_labels)
+                                      check_context, check_model_keys, complete_records,
+                                      data_is_on_demand, data_options, model_config,
+                                      padded_vocab, record_splits, register, run_tokenizer,
+                                      save_classes, saved_classes, token_labels)
 
 # The data keys and their defaults. text_key/pair_key/label_key name a record's fields.
 CLASSIFY_DATA = dict(name="number_languages", data_dir="", tokenizer="wordpiece",
@@ -52,31 +51,16 @@ def _record_keys(o) -> list[str]:
 def _labelled_sources(o):
     """(train, eval) sources: a dataset's splits, or with data.name="files" the records of
     the user's .jsonl/.parquet files."""
-    from attention_jax.data import files
-    check_source_keys(o, "files", ("files", "eval_files"))
     keys = _record_keys(o)
     if not all(keys[:-1]) or not o.label_key or len(set(keys)) < len(keys):
         raise ConfigError(f"config.data.text_key={o.text_key!r}, pair_key={o.pair_key!r}, "
                           f"label_key={o.label_key!r}; valid: distinct keys of a record (the "
                           f"text, a pair's second text or '' for none, the label)")
-    if o.name != "files":
-        return splits(o)
-    if not o.files:
-        raise ConfigError("config.data.name='files' needs --config.data.files=GLOBS "
-                          "(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
-                          "records hold a text under data.text_key and its label under "
-                          "data.label_key)")
-    if "id" in keys:  # the record's own key (file and line)
-        raise ConfigError(f"config.data: a key is 'id' ({keys}), which names a record's file "
-                          f"and line here; valid: other keys (rename that field in the files)")
-    check_file_options(o)
-    found = files.file_splits(
-        o.files, o.eval_files, eval_fraction=o.eval_fraction,
-        max_bad_records=o.max_bad_records, arg="config.data.", fields=tuple(keys),
-        fields_hint="config.data.text_key and config.data.label_key (and pair_key) to the "
-                    "keys of the text and its label",
-        integer_fields=(o.label_key,))
-    return found[o.train_split], found[o.eval_split]
+    return record_splits(o, keys, holds="a text under data.text_key and its label under "
+                                        "data.label_key",
+                         hint="config.data.text_key and config.data.label_key (and pair_key) "
+                              "to the keys of the text and its label",
+                         integer_fields=(o.label_key,))
 
 
 def _dataset_classes(o, records) -> tuple[str, ...]:

@@ -18,12 +18,10 @@ from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_context,
-                                      check_file_options, check_model_keys, check_source_keys,
-                                      complete_records,
-                                      data_is_on_demand,
+                                      check_model_keys, complete_records, data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
-                                      model_config, padded_vocab, register, run_tokenizer,
-                                      splits, token_labels, until_eos)
+                                      model_config, padded_vocab, record_splits, register,
+                                      run_tokenizer, token_labels, until_eos)
 
 
 def _check_languages(data_opts, records) -> None:
@@ -40,34 +38,19 @@ def _pairs(data_opts):
     """(train, eval) sources of sentence pairs: a dataset's splits, or with
     data.name="files" the records of the user's .jsonl/.parquet files, each holding both
     languages under the keys data.source and data.target."""
-    from attention_jax.data import files
-    check_source_keys(data_opts, "files", ("files", "eval_files"))
-    if data_opts.name != "files":
-        return splits(data_opts)
-    if not data_opts.files:
-        raise ConfigError("config.data.name='files' needs --config.data.files=GLOBS "
-                          "(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
-                          "records hold the two languages under data.source and data.target)")
-    if not data_opts.source or not data_opts.target:
-        raise ConfigError(f"config.data.source={data_opts.source!r}, config.data.target="
-                          f"{data_opts.target!r}; valid: the two keys of a record that hold "
-                          f"the source and the target sentence")
-    if "id" in (data_opts.source, data_opts.target):  # the record's own key (file and line)
-        raise ConfigError(f"config.data.source={data_opts.source!r}, config.data.target="
-                          f"{data_opts.target!r}: 'id' names a record's file and line here; "
-                          f"valid: other keys (rename that field in the files)")
-    if data_opts.source == data_opts.target:
-        raise ConfigError(f"config.data.source and config.data.target are both "
-                          f"{data_opts.source!r}; valid: the two keys of a record that hold "
-                          f"the source and the target sentence")
-    check_file_options(data_opts)
-    found = files.file_splits(
-        data_opts.files, data_opts.eval_files, eval_fraction=data_opts.eval_fraction,
-        max_bad_records=data_opts.max_bad_records, arg="config.data.",
-        fields=(data_opts.source, data_opts.target),
-        fields_hint="config.data.source and config.data.target to the keys of the two "
-                    "languages")
-    return found[data_opts.train_split], found[data_opts.eval_split]
+    if data_opts.name == "files":
+        if not data_opts.source or not data_opts.target:
+            raise ConfigError(f"config.data.source={data_opts.source!r}, config.data.target="
+                              f"{data_opts.target!r}; valid: the two keys of a record that hold "
+                              f"the source and the target sentence")
+        if data_opts.source == data_opts.target:
+            raise ConfigError(f"config.data.source and config.data.target are both "
+                              f"{data_opts.source!r}; valid: the two keys of a record that "
+                              f"hold the source and the target sentence")
+    return record_splits(
+        data_opts, (data_opts.source, data_opts.target),
+        holds="the two languages under data.source and data.target",
+        hint="config.data.source and config.data.target to the keys of the two languages")
 
 
 def _whole_pairs(data_opts, records, split: str):
