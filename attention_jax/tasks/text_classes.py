@@ -43,6 +43,9 @@ SHOWN = 8
 # Texts classified per call of label_texts' program (the last call padded to it).
 PREDICT_ROWS = 64
 
+# Training texts whose length the start-up note on cut texts counts (the first ones).
+CUT_SAMPLE = 1000
+
 
 def _record_keys(o) -> list[str]:
     return [o.text_key, *([o.pair_key] if o.pair_key else []), o.label_key]
@@ -156,6 +159,26 @@ def _check_eval_labels(o, classes, labels) -> None:
                       f"{list(classes)[:SHOWN]}; valid: {fix}")
 
 
+def _cut(o, lengths) -> bool:
+    """Whether a text (or a pair) of token `lengths` is cut to data.seq_len with its
+    special tokens ([CLS] A [SEP], [CLS] A [SEP] B [SEP])."""
+    return sum(lengths) + len(lengths) + 1 > o.seq_len
+
+
+def _say_cut_texts(o, tok, train) -> None:
+    """A note where the first training texts are longer than data.seq_len: the model
+    reads their first tokens only (as BERT's fine-tuning does), which reviews cut at 32
+    tokens would be, unsaid."""
+    n = min(len(train), CUT_SAMPLE)
+    keys = _record_keys(o)[:-1]
+    cut = sum(_cut(o, [len(tok.encode(as_text(train[i][k]))) for k in keys]) for i in range(n))
+    if cut and jax.process_index() == 0:
+        print(f"note: config.data.seq_len={o.seq_len}: {cut} of the first {n} training "
+              f"{'pairs' if o.pair_key else 'texts'} are longer (with their special tokens) "
+              f"and are cut, their ends not read; a larger seq_len (up to model.max_len) "
+              f"reads more of them", file=sys.stderr)
+
+
 def _ends(tok) -> tuple[int, int]:
     """The ids around a text (tokenization.text_ends)."""
     from attention_jax.data.tokenization import text_ends
@@ -246,6 +269,8 @@ def classify_task(config, workdir: str) -> Task:
     transform = data.TextClassification(
         tok, o.seq_len, start_id, end_id, classes, text_key=o.text_key, pair_key=o.pair_key,
         label_key=o.label_key, by_index=not files)
+    if not reader:
+        _say_cut_texts(o, tok, train_src)
 
     def logits_of(params, batch, train=False, rng=None):
         return model.apply({"params": params}, batch["inputs"], batch["token_types"],
@@ -279,14 +304,16 @@ def classify_task(config, workdir: str) -> Task:
                              f"give each as its two texts, neither empty, with one tab between")
         return texts
 
-    def text_row(text: str) -> dict[str, np.ndarray]:
-        ids = [tok.encode(t) for t in texts_of(text)]
-        return data.classification_example(
-            ids[0], ids[1] if o.pair_key else None, seq_len=o.seq_len, start_id=start_id,
-            end_id=end_id, pad_id=tok.pad_id)
-
     def label_texts(params, texts):
-        rows = [text_row(t) for t in texts]
+        ids = [[tok.encode(t) for t in texts_of(text)] for text in texts]
+        rows = [data.classification_example(
+            a[0], a[1] if o.pair_key else None, seq_len=o.seq_len, start_id=start_id,
+            end_id=end_id, pad_id=tok.pad_id) for a in ids]
+        cut = sum(_cut(o, [len(x) for x in a]) for a in ids)
+        if cut:  # as in training, and said as there
+            print(f"note: {cut} of the {len(texts)} texts are longer than config.data.seq_len="
+                  f"{o.seq_len} tokens (with their special tokens): classified on their first "
+                  f"tokens, as the run trained", file=sys.stderr)
         out = []
         for at in range(0, len(rows), PREDICT_ROWS):
             chunk = rows[at:at + PREDICT_ROWS]

@@ -412,3 +412,22 @@ def test_a_reader_evaluates_a_tfds_set_only_by_the_run_s_class_names(tmp_path, d
     (work / "classes.json").write_text(json.dumps(names))
     with tasks.data_on_demand():
         assert len(tasks.TASKS[config.task](config, str(work)).eval_source) > 1000
+
+
+def test_texts_longer_than_seq_len_are_cut_and_said(tmp_path, capsys):
+    """A text longer than data.seq_len is cut to its first tokens, in training and when
+    classified; both say so in one line rather than read less of it unsaid."""
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(40))  # "the X was Y": 4-5 word pieces
+    config = _config(f"data.files={tmp_path}/r.jsonl", "data.seq_len=5")
+    task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    n = len(task.train_source)
+    err = capsys.readouterr().err
+    assert re.search(rf"note: config\.data\.seq_len=5: {n} of the first {n} training texts "
+                     r"are longer \(with their special tokens\) and are cut", err), err
+    config = _config(f"data.files={tmp_path}/r.jsonl", "data.seq_len=16")
+    tasks.TASKS[config.task](config, str(tmp_path / "run2"))
+    assert "are cut" not in capsys.readouterr().err
+    params = task.init(jax.random.key(0))
+    task.label_texts(params, ["fine", "the film was fine and the music was lovely"])
+    assert re.search(r"note: 1 of the 2 texts are longer than config\.data\.seq_len=5 tokens",
+                     capsys.readouterr().err)
