@@ -101,17 +101,6 @@ def exists(workdir, name: str | None = None) -> bool:
     return epath_of(workdir, name).exists()
 
 
-def has_checkpoint(workdir) -> bool:
-    """Whether the workdir's checkpoints/ holds a step (a folder named by its number),
-    intact or not: whether a run there trained at all, or only started. A listing that
-    fails answers True: what this guards (a resume's classes) is then checked."""
-    root = epath_of(workdir, CHECKPOINTS)
-    try:
-        return root.is_dir() and any(p.name.isdigit() for p in root.iterdir())
-    except OSError:
-        return True
-
-
 def _write_text(file, text: str) -> None:
     """The whole object/file replaced at once: a reader (another process, a notebook) and
     a crash see the old text or the new, never a truncated file. An object store's put
