@@ -254,8 +254,11 @@ TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fract
 # and .parquet whose records (rows) hold both languages under the keys (columns)
 # data.source and data.target; the held-out split as for text (eval_files, else
 # eval_fraction of the pairs by a hash of file and line or row: data/files.py).
+# cache_dir: where what a pass over every record found (the pairs kept, their digest,
+# the longest in tokens; a classifier's labels) is kept for the next start
+# (data/records_cache.py); "" as for text.
 PAIR_FILE_KEYS = {k: TEXT_FILE_KEYS[k] for k in ("files", "eval_files", "eval_fraction",
-                                                "max_bad_records")}
+                                                "max_bad_records", "cache_dir")}
 
 
 def add_pair_file_keys(data: ml_collections.ConfigDict) -> None:

@@ -117,7 +117,7 @@ def source_id(source) -> str:
     inner, indices = getattr(source, 'source', None), getattr(source, 'indices', None)
     if inner is not None and indices is None and hasattr(source, 'indices'):
         return source_id(inner)  # a sources.Subset of all the records
-    if inner is not None and isinstance(indices, list):  # sources.Subset (train_fraction)
+    if inner is not None and indices is not None:  # sources.Subset (train_fraction)
         of = source_id(inner)
         picked = hashlib.sha256(np.asarray(indices, np.int64).tobytes()).hexdigest()[:8]
         return f'{of}, records {picked}' if of else ''

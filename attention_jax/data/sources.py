@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 from attention_jax import quiet
@@ -190,14 +191,14 @@ class Subset:
 
     def __init__(self, source, indices, fingerprint: str = ''):
         self.source = source
-        self.indices = None if indices is None else [int(i) for i in indices]
+        self.indices = None if indices is None else np.asarray(indices, np.int64)
         self.fingerprint = fingerprint
 
     def __len__(self) -> int:
         return len(self.source) if self.indices is None else len(self.indices)
 
     def __getitem__(self, i):
-        return self.source[i if self.indices is None else self.indices[i]]
+        return self.source[i if self.indices is None else int(self.indices[i])]
 
 
 def subset_fraction(source, fraction: float, seed: int = 0):
@@ -205,7 +206,6 @@ def subset_fraction(source, fraction: float, seed: int = 0):
     1 returns `source` itself. The draw is a prefix of one fixed permutation, so smaller
     fractions are subsets of larger ones (10% ⊂ 25% ⊂ 50%): a data-size sweep adds data
     to what the smaller runs saw instead of drawing a different set each time."""
-    import numpy as np
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction!r} must be in (0, 1]; valid: e.g. 0.1, 0.25, 1.0")
     if fraction == 1:

@@ -53,7 +53,7 @@ import numpy as np
 from attention_jax.data.files import FilesError
 from attention_jax.data.loaders import watch_parent
 from attention_jax.data.packing import PAD_SEGMENT
-from attention_jax.data.tokenization import TokenizerEncodeError
+from attention_jax.data.tokenization import encode_many
 
 VERSION = 1
 MANIFEST = 'manifest.json'
@@ -150,24 +150,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def _encode_batch(tokenizer, texts: list[str], names: list[str]) -> list:
-    """The ids of each text; a text the tokenizer cannot encode is a TokenizerEncodeError
-    naming its document (`names`: file and line, or row)."""
-    hf = getattr(tokenizer, 'hf', None)
-    if hf is not None:  # the tokenizers library: Rust, no per-token Python
-        try:
-            return [e.ids for e in hf.encode_batch_fast(texts, add_special_tokens=False)]
-        except Exception:  # noqa: BLE001 - a bare Exception; one at a time says which
-            pass
-    ids = []
-    for text, name in zip(texts, names):
-        try:
-            ids.append(tokenizer.encode(text))
-        except TokenizerEncodeError as e:
-            raise TokenizerEncodeError(f'document {name}: {e}') from None
-    return ids
-
-
 class _ShardWriter:
     """Tokenizes documents [first, last) of `docs` into shard k of `directory`."""
 
@@ -190,7 +172,7 @@ class _ShardWriter:
             name = doc.get('id', i)
             names.append(name.decode('utf-8', errors='replace') if isinstance(name, bytes)
                          else str(name))
-        ids = _encode_batch(self.tokenizer, texts, names)
+        ids = encode_many(self.tokenizer, texts, names)
         del texts, names
         lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
         extra = 0 if self.eos is None else 1

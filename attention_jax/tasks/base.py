@@ -358,26 +358,67 @@ def record_splits(data_opts, fields: Sequence[str], *, holds: str, hint: str,
     return found[data_opts.train_split], found[data_opts.eval_split]
 
 
-def complete_records(records, keys, seen: Callable[[dict], object] | None = None, *,
-                     spaces_are_empty: bool = True, digest: bool = True
-                     ) -> tuple[list[int], str]:
-    """(the indices of `records` whose `keys` all hold some text, a digest of those
-    records' contents or '' without `digest`), in one pass that reads each record once;
-    `seen(record)` on each one kept collects what else a task needs (a classifier's
-    labels). A blank line or a bad record of the user's files reads as empty: the tasks
-    leave such records out; with spaces_are_empty, a text of spaces only too."""
+@dataclasses.dataclass(frozen=True, eq=False)  # (an array field: compare the fields)
+class WholeRecords:
+    """What complete_records found in a split: the records kept (those whose texts all
+    hold some text), a digest of what they hold, and the distinct labels of the key it
+    was asked to list."""
+    count: int  # records read
+    dropped: np.ndarray  # int64 indices of those left out
+    digest: str  # '' where none was asked for
+    labels: tuple[str, ...] = ()
+
+    @property
+    def kept(self) -> int:
+        return self.count - len(self.dropped)
+
+    def indices(self) -> np.ndarray | None:
+        """The indices of the records kept; None: every one (no list of millions)."""
+        if not len(self.dropped):
+            return None
+        return np.delete(np.arange(self.count, dtype=np.int64), self.dropped)
+
+
+def cache_root(data_opts) -> str:
+    """Where what is derived from a split's records is kept (the LM's token cache, the
+    records cache): data.cache_dir, else DATA_DIR/token_cache."""
+    from attention_jax.data.sources import default_data_dir
+    return data_opts.get("cache_dir") or os.path.join(
+        data_opts.get("data_dir") or default_data_dir(), "token_cache")
+
+
+def complete_records(records, keys, *, labels_of: str = "", spaces_are_empty: bool = True,
+                     digest: bool = True, cache: str | None = None) -> WholeRecords:
+    """Which of `records` hold some text under every one of `keys`, a digest of those
+    records' contents (without `digest`, ''), and the distinct labels (pipelines.
+    label_text) under `labels_of` among them, in one pass that reads each record once. A
+    blank line or a bad record of the user's files reads as empty: the tasks leave such
+    records out; with spaces_are_empty, a text of spaces only too. `cache`: the root of
+    the records cache (data/records_cache.py), where the pass's result is kept for the
+    next start on the same records; None: nothing kept."""
+    from attention_jax.data import records_cache
     from attention_jax.data.loaders import digest_record
-    keep, hashed = [], hashlib.sha256()
-    for i in range(len(records)):
-        record = records[i]
-        texts = [as_text(record[k]) for k in keys]
-        if all(t.strip() if spaces_are_empty else t for t in texts):
-            keep.append(i)
+    from attention_jax.data.pipelines import label_text
+
+    def read() -> dict:
+        dropped, labels, hashed = [], set(), hashlib.sha256()
+        for i in range(len(records)):
+            record = records[i]
+            texts = [as_text(record[k]) for k in keys]
+            if not all(t.strip() if spaces_are_empty else t for t in texts):
+                dropped.append(i)
+                continue
             if digest:
                 digest_record(hashed, record)
-            if seen is not None:
-                seen(record)
-    return keep, hashed.hexdigest()[:16] if digest else ""
+            if labels_of:
+                labels.add(label_text(record[labels_of]))
+        return {"count": len(records), "dropped": np.asarray(dropped, np.int64),
+                "digest": hashed.hexdigest()[:16] if digest else "", "labels": sorted(labels)}
+    what = {"pass": "complete records", "keys": list(keys), "labels_of": labels_of,
+            "spaces_are_empty": spaces_are_empty, "digest": digest}
+    found = records_cache.remembered(cache, records, what, read)
+    return WholeRecords(int(found["count"]), np.asarray(found["dropped"], np.int64),
+                        found["digest"], tuple(found["labels"]))
 
 
 def run_tokenizer(data_opts, workdir: str, texts: Callable[[], list[str]], *,

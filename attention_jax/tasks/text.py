@@ -17,7 +17,7 @@ from attention_jax.data.tokenization import ROLE_NAMES, TokenizerEncodeError, is
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
-from attention_jax.tasks.base import (AttentionInput, Task, as_text, check_context,
+from attention_jax.tasks.base import (AttentionInput, Task, as_text, cache_root, check_context,
                                       check_file_options, check_model_keys,
                                       check_source_keys, corpus_options,
                                       data_options,
@@ -100,11 +100,10 @@ def _tokenizer(data_opts, workdir: str, documents):
     return run_tokenizer(data_opts, workdir, texts, pad_may_be_eos=True)
 
 
-def cache_root(data_opts) -> str:
-    """Where the files' tokens are prepared: data.cache_dir, else DATA_DIR/token_cache."""
-    from attention_jax.data.sources import default_data_dir
-    root = data_opts.cache_dir or os.path.join(data_opts.data_dir or default_data_dir(),
-                                               "token_cache")
+def token_cache_root(data_opts) -> str:
+    """Where the files' tokens are prepared (base.cache_root), which must be local: the
+    shards are memory-mapped."""
+    root = cache_root(data_opts)
     if "://" in root:  # named here as the setting it came from (token_cache says the same)
         key = ("config.data.cache_dir" if data_opts.cache_dir else
                "config.data.data_dir, under which the cache goes," if data_opts.data_dir else
@@ -128,7 +127,7 @@ def prepare_files(data_opts, tok, documents, *, process_index: int | None = None
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     return {label: token_cache.prepare(
-        lambda label=label: documents.docs(label), tok, cache_root(data_opts),
+        lambda label=label: documents.docs(label), tok, token_cache_root(data_opts),
         source=documents.source(label), text_key=data_opts.text_key,
         max_documents=data_opts.max_documents, workers=workers, process_index=process_index,
         process_count=process_count, progress=progress, label=documents.split(label))

@@ -25,7 +25,8 @@ from attention_jax.data.objectives import least_classified_len
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import classifier_cross_entropy
-from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_classes,
+from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
+                                      check_classes,
                                       check_context, check_model_keys, complete_records,
                                       data_is_on_demand, data_options, model_config,
                                       padded_vocab, record_splits, register, run_tokenizer,
@@ -101,23 +102,21 @@ def _labelled(o, records, split: str):
     kept). A blank line or a bad record (not JSON, a key missing) reads as empty: left
     out and counted in a warning, as the translation pairs are. The records kept carry a
     digest of what they hold, read in this same pass: a resume on files whose texts or
-    labels changed stops (loaders.source_id) where their count alone would not tell."""
-    from attention_jax.data.pipelines import label_text
+    labels changed stops (loaders.source_id) where their count alone would not tell. The
+    pass is kept in the records cache: the next start on the same files reads none."""
     from attention_jax.data.sources import Subset
-    keys, labels = _record_keys(o), set()
-    keep, digest = complete_records(records, keys,
-                                    lambda record: labels.add(label_text(record[o.label_key])))
-    if not keep:
+    keys = _record_keys(o)
+    found = complete_records(records, keys, labels_of=o.label_key, cache=cache_root(o))
+    if not found.kept:
         raise ConfigError(f"config.data.{split}={o[split]!r} of {o.files or o.name!r}: every "
-                          f"one of its {len(records)} records has an empty text or label "
+                          f"one of its {found.count} records has an empty text or label "
                           f"({', '.join(map(repr, keys))})")
-    if len(keep) < len(records):
-        print(f"warning: {len(records) - len(keep)} of the {len(records)} records of "
+    if found.kept < found.count:
+        print(f"warning: {found.count - found.kept} of the {found.count} records of "
               f"{o[split]} have an empty {' or '.join(map(repr, keys))} (or were bad records): "
               f"left out", file=sys.stderr)
-    fingerprint = f"{len(keep)} labelled records, contents {digest}"
-    whole = len(keep) == len(records)  # no index list then (millions of records)
-    return Subset(records, None if whole else keep, fingerprint=fingerprint), labels
+    fingerprint = f"{found.kept} labelled records, contents {found.digest}"
+    return Subset(records, found.indices(), fingerprint=fingerprint), set(found.labels)
 
 
 def _sorted_labels(labels) -> tuple[str, ...]:

@@ -17,7 +17,9 @@ from attention_jax.data.tokenization import TokenizerEncodeError
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
-from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, check_context,
+from attention_jax.data import records_cache
+from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
+                                      check_context,
                                       check_model_keys, complete_records, data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
                                       model_config, padded_vocab, record_splits, register,
@@ -65,35 +67,55 @@ def _whole_pairs(data_opts, records, split: str):
     keys, files = (data_opts.source, data_opts.target), data_opts.name == "files"
     # A side of spaces only is kept, as it always was here: a run saved before keeps
     # resuming on its rows (the classifier, new, leaves such texts out).
-    keep, digest = complete_records(records, keys, spaces_are_empty=False, digest=files)
-    if not keep:
+    found = complete_records(records, keys, spaces_are_empty=False, digest=files,
+                             cache=cache_root(data_opts))
+    if not found.kept:
         raise ConfigError(f"config.data.{split}={data_opts[split]!r} of {data_opts.name!r}: "
-                          f"every one of its {len(records)} pairs has an empty side "
+                          f"every one of its {found.count} pairs has an empty side "
                           f"({keys[0]!r} or {keys[1]!r})")
-    if len(keep) < len(records):
-        print(f"warning: {len(records) - len(keep)} of the {len(records)} pairs of "
+    if found.kept < found.count:
+        print(f"warning: {found.count - found.kept} of the {found.count} pairs of "
               f"{data_opts.name!r} ({data_opts[split]}) have an empty {keys[0]!r} or "
               f"{keys[1]!r} (or were bad records): left out (a run saved before such pairs "
               f"were left out resumes with --resume_changed)", file=sys.stderr)
     elif not files:
         return records  # a whole tfds split: its own identity (loaders.tfds_id)
     # Its identity: the digest of the files' pairs, else the split's and the pairs kept.
-    return Subset(records, None if len(keep) == len(records) else keep, fingerprint=(
-        f"{len(keep)} sentence pairs, contents {digest}" if files else ""))
+    return Subset(records, found.indices(), fingerprint=(
+        f"{found.kept} sentence pairs, contents {found.digest}" if files else ""))
+
+
+# Records encoded per call of the tokenizer's batch encoding in the length check.
+LENGTH_BATCH = 4096
+
+
+def _longest(data_opts, tok, records) -> dict[str, int]:
+    """{'source': n, 'target': m}: the most tokens a source and a target of `records`
+    encode to, batch by batch; kept in the records cache, so a restart on the same pairs
+    and tokenizer encodes none of them again."""
+    from attention_jax.data.tokenization import encode_many, fingerprint
+    sides = {"source": data_opts.source, "target": data_opts.target}
+
+    def read() -> dict:
+        longest = dict.fromkeys(sides, 0)
+        for first in range(0, len(records), LENGTH_BATCH):
+            batch = [records[i] for i in range(first, min(first + LENGTH_BATCH, len(records)))]
+            names = [f"{i} of the pairs" for i in range(first, first + len(batch))]
+            for side, key in sides.items():
+                ids = encode_many(tok, [as_text(record[key]) for record in batch], names)
+                longest[side] = max(longest[side], *map(len, ids))
+        return longest
+    what = {"pass": "longest tokens", "keys": list(sides.values()), "tokenizer": fingerprint(tok)}
+    return records_cache.remembered(cache_root(data_opts), records, what, read)
 
 
 def _check_lengths(data_opts, tok, *splits_) -> None:
     """Every source fits config.data.source_len and every target, with its end token,
     target_len: found here, before training, rather than at the batch that holds the
     first one too long."""
-    longest = {"source": 0, "target": 0}
-    for records in splits_:
-        for i in range(len(records)):
-            record = records[i]
-            for key in longest:
-                longest[key] = max(longest[key], len(tok.encode(as_text(record[data_opts[key]]))))
+    found = [_longest(data_opts, tok, records) for records in splits_]
     for key, length in (("source", data_opts.source_len), ("target", data_opts.target_len)):
-        most = longest[key] + (key == "target")  # its end-of-sequence token
+        most = max(longest[key] for longest in found) + (key == "target")  # its end token
         if most > length:
             raise ConfigError(f"config.data.{key}_len={length}: the longest {key} "
                               f"({data_opts[key]!r}) of {data_opts.name!r} has {most} "

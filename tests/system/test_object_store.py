@@ -268,3 +268,25 @@ def test_listings_see_what_another_writer_added(gcs):
     store = ts.KvStore.open({"driver": "gcs", "bucket": BUCKET, "path": "listing/"}).result()
     store.write("2/b", b"b").result()
     assert sorted(p.name for p in folder.iterdir()) == ["1", "2"]
+
+
+def test_the_records_cache_may_be_in_a_bucket(gcs, tmp_path, monkeypatch):
+    """data.cache_dir=gs://...: what a pass over every record found is kept there (a
+    small .npz) and read back on the next start, with no record read again."""
+    from attention_jax.data import files
+    from attention_jax.tasks.base import complete_records
+    (tmp_path / "t.jsonl").write_text("".join(
+        json.dumps({"text": f"t {i}", "label": "ab"[i % 2]}) + "\n" for i in range(20)))
+    files._splits.cache_clear()
+    split = files.file_splits(str(tmp_path / "t.jsonl"), fields=("text", "label"),
+                              fields_hint="the keys")["train"]
+    cache = f"gs://{BUCKET}/cache"
+    first = complete_records(split, ["text", "label"], labels_of="label", cache=cache)
+    assert len(list(epath.Path(cache, "records").iterdir())) == 1
+    reads = []
+    document = files.Corpus.document
+    monkeypatch.setattr(files.Corpus, "document",
+                        lambda self, n: reads.append(n) or document(self, n))
+    again = complete_records(split, ["text", "label"], labels_of="label", cache=cache)
+    assert reads == [] and (again.digest, again.labels, again.count) == (
+        first.digest, ("a", "b"), first.count)

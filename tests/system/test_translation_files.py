@@ -146,3 +146,60 @@ def test_edited_pairs_have_another_identity_and_moved_ones_the_same(tmp_path):
     edited = [dict(p, fr=p["fr"].replace("un", "nu")) for p in _pairs(60)]
     (tmp_path / "b" / "p.jsonl").write_text("\n".join(json.dumps(p) for p in edited) + "\n")
     assert ident(tmp_path / "b") != first
+
+
+def test_a_restart_on_the_same_files_reads_no_pair_again(tmp_path, monkeypatch, capsys):
+    """The pass over every pair (which are whole, their digest) and the length check
+    (every pair encoded) ran at each start: minutes at tens of millions of pairs. They
+    are kept in the records cache by the files' listing: a second start on the same files
+    reads none of them, says the same warning and has the same identity; an edited file
+    is read again."""
+    lines = [json.dumps(p) for p in _pairs(80)] + ['{"en": "", "fr": "un"}']
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    reads = []
+    document = files.Corpus.document
+    monkeypatch.setattr(files.Corpus, "document",
+                        lambda self, n: reads.append(n) or document(self, n))
+    cache = tmp_path / "cache"
+    config = _config(tmp_path, f"data.files={tmp_path}/p.jsonl", f"data.cache_dir={cache}",
+                     "data.tokenizer=byte")  # a restart's tokenizer reads no text either
+
+    def start():
+        reads.clear()
+        files._splits.cache_clear()  # a new process: nothing indexed
+        task = tasks.TASKS["encdec"](config, str(tmp_path / "run"))
+        return task, len(reads), capsys.readouterr().err
+    first, first_reads, first_err = start()
+    assert first_reads >= 2 * 80  # the pass and the length check
+    again, again_reads, again_err = start()
+    assert again_reads <= 2, again_reads  # the first record (its languages), no pass
+    assert "1 of the" in first_err and "1 of the" in again_err  # the pair left out, said
+    from attention_jax.data import loaders
+    assert loaders.source_id(again.train_source) == loaders.source_id(first.train_source)
+    assert len(again.train_source) == len(first.train_source)
+    assert [again.train_source[i] for i in range(3)] == [first.train_source[i] for i in range(3)]
+    assert len(list((cache / "records").glob("*.npz"))) == 4  # 2 splits x 2 passes
+    # An edit (another size, mtime) is another entry: read again, another identity.
+    (tmp_path / "p.jsonl").write_text("\n".join(lines[:-5]) + "\n")
+    edited, edited_reads, _ = start()
+    assert edited_reads >= 2 * 70
+    assert loaders.source_id(edited.train_source) != loaders.source_id(first.train_source)
+
+
+def test_the_length_check_is_kept_per_tokenizer_and_still_refuses(tmp_path):
+    """The longest pair in tokens is a function of the tokenizer too: a run with another
+    vocabulary finds its own lengths, and a kept length still refuses a source_len too
+    short on the next start."""
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(60)) + "\n")
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    ok = _config(tmp_path, f"data.files={tmp_path}/p.jsonl", cache)
+    tasks.TASKS["encdec"](ok, str(tmp_path / "a"))
+    byte = _config(tmp_path, f"data.files={tmp_path}/p.jsonl", cache, "data.tokenizer=byte",
+                   "data.source_len=6")
+    with pytest.raises(ConfigError, match=r"source_len=6: the longest source .* has 1\d tokens"):
+        tasks.TASKS["encdec"](byte, str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r"source_len=6: the longest source"):  # kept, refused
+        tasks.TASKS["encdec"](byte, str(tmp_path / "c"))
+    short = _config(tmp_path, f"data.files={tmp_path}/p.jsonl", cache, "data.source_len=2")
+    with pytest.raises(ConfigError, match="source_len=2: the longest source"):
+        tasks.TASKS["encdec"](short, str(tmp_path / "d"))
