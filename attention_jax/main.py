@@ -25,7 +25,8 @@ Modes:
   embed   BERT sentence embeddings of the lines on stdin, from
           --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
   classify  text classifiers (bert_classify): each line of stdin's class and its
-          probability, one JSON line each on stdout (a pair: its two texts tab-separated).
+          probability, one JSON line each on stdout (a pair: its two texts tab-separated);
+          image classifiers (vit, cnn): each line an image file's path.
 Reading modes (eval, sample, embed, classify) use the run's own config.json: --config may
 be left out, and an override may change only what reading uses (eval.*, mesh.*, batch
 sizes, train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
@@ -204,27 +205,33 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
 
 def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> list[dict]:
     """`--mode=classify`: the class of each of `texts` (default: the non-empty lines of
-    stdin) by the workdir's trained text classifier: [{"text", "label", "probability"}]
-    in order, the label a name of the run's classes and its softmax probability."""
+    stdin) by the workdir's trained classifier: [{"text", "label", "probability"}] in
+    order, the label a name of the run's classes and its softmax probability. An image
+    classifier's (vit, cnn) texts are image files' paths: [{"image", "label",
+    "probability"}], each image read as the run's eval images are."""
     import jax
     import numpy as np
 
     from attention_jax import runs, tasks
+    able = sorted(tasks.tasks_with("label_texts") + tasks.tasks_with("label_images"))
+    if config.task not in able:  # before stdin is read or the run loaded
+        raise ConfigError(f"--mode=classify: task {config.task!r} cannot classify texts or "
+                          f"images; valid: {able}")
     if texts is None:
-        texts = _stdin_texts("classify", "one output line each (each names its text)")
+        texts = _stdin_texts("classify", "one output line each (each names its text or image)")
     if not texts:
         raise InputError("--mode=classify: no texts (give one text per line on stdin)")
     run = runs.open_run(workdir, config=config)
-    label_texts = tasks.need(run.task, "label_texts", config.task,
-                             "classify texts (--mode=classify)")
+    images = run.task.label_images is not None
+    label = run.task.label_images if images else run.task.label_texts
     try:
-        probabilities = label_texts(jax.tree.map(np.asarray, jax.device_get(run.params)),
-                                    list(texts))
-    except ValueError as e:  # a pair's line without its tab
+        probabilities = label(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
+    except ValueError as e:  # a pair's line without its tab, a file that is no image
         raise InputError(f"--mode=classify: {e}") from None
-    names = run.task.class_names
+    names = run.task.class_names or [str(k) for k in range(probabilities.shape[-1])]
     best = probabilities.argmax(axis=-1)
-    return [{"text": text, "label": names[k], "probability": round(float(p[k]), 4)}
+    return [{"image" if images else "text": text, "label": names[k],
+             "probability": round(float(p[k]), 4)}
             for text, k, p in zip(texts, best, probabilities)]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 
 import jax
@@ -13,9 +15,13 @@ from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
 from attention_jax.models import flops
 from attention_jax.models.losses import classifier_cross_entropy
-from attention_jax.tasks.base import (AttentionInput, Task, check_classes, check_model_keys,
-                                      check_source_keys, data_is_on_demand, data_options,
-                                      model_config, register, save_classes, splits)
+from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, check_classes,
+                                      check_model_keys, check_source_keys, data_is_on_demand,
+                                      data_options, model_config, register, save_classes,
+                                      saved_classes, splits)
+
+# Images classified per call of label_images' program (the last call padded to it).
+PREDICT_ROWS = 64
 
 
 def image_task(config, workdir: str) -> Task:
@@ -38,11 +44,27 @@ def image_task(config, workdir: str) -> Task:
                              train_split="train", eval_split="test", train_fraction=1.0,
                              **IMAGE_KEYS)
     _check_image_options(data_opts)
-    train_src, eval_src, classes = _image_sources(data_opts)
-    try:
-        train_src = data.subset_fraction(train_src, data_opts.train_fraction)
-    except ValueError as e:
-        raise ConfigError(f"config.data.train_fraction: {e}") from None
+
+    def fraction(train_src):  # data.train_fraction < 1: that share of the training split
+        try:
+            return data.subset_fraction(train_src, data_opts.train_fraction)
+        except ValueError as e:
+            raise ConfigError(f"config.data.train_fraction: {e}") from None
+    saved = saved_classes(workdir)
+    if data_is_on_demand() and saved and data_opts.name == "image_folder":
+        # A reader (classifying image files, attention maps) needs the run's classes, not
+        # its folder, which may have moved; an evaluation lists the folder then, and its
+        # classes must still be the run's.
+        @functools.cache
+        def folder():
+            found = _image_sources(data_opts)
+            check_classes(workdir, found[2])
+            return found
+        train_src = OnDemand(lambda: fraction(folder()[0]))
+        eval_src, classes = OnDemand(lambda: folder()[1]), list(saved)
+    else:
+        train_src, eval_src, classes = _image_sources(data_opts)
+        train_src = fraction(train_src)
     forced = _model_fields(config, data_opts, config_cls, variants, train_src, classes)
     cfg = model_config(config_cls, config, dtype=config.train.compute_dtype, **forced)
     model = model_cls(cfg)
@@ -71,6 +93,19 @@ def image_task(config, workdir: str) -> Task:
     def classify(params, batch):
         return np.asarray(predict(params, batch["image"])), np.asarray(batch["label"], np.int32)
 
+    probabilities = jax.jit(lambda params, images: jax.nn.softmax(
+        model.apply({"params": params}, images)[0].astype(jnp.float32), axis=-1))
+
+    def label_images(params, paths):
+        out = []
+        for at in range(0, len(paths), PREDICT_ROWS):  # a batch decoded at a time
+            chunk = [_read_image(path, cfg.num_channels, eval_transform)
+                     for path in paths[at:at + PREDICT_ROWS]]
+            n = len(chunk)
+            chunk += chunk[:1] * (PREDICT_ROWS - n)  # one shape: one compilation
+            out.append(np.asarray(probabilities(params, np.stack(chunk)))[:n])
+        return np.concatenate(out) if out else np.zeros((0, cfg.num_classes), np.float32)
+
     def preprocess(train: bool):
         try:
             return _preprocess(train)
@@ -91,7 +126,7 @@ def image_task(config, workdir: str) -> Task:
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros(shape))["params"],
                 loss=loss, train_source=train_src, eval_source=eval_src,
                 train_transform=preprocess(train=data_opts.augment),
-                eval_transform=eval_transform, classify=classify,
+                eval_transform=eval_transform, classify=classify, label_images=label_images,
                 save_assets=(lambda w: save_classes(w, classes)) if classes else None,
                 class_names=tuple(classes) if classes else None,
                 # PIL decodes without the GIL: in the trainer's process, threads decode in
@@ -99,6 +134,19 @@ def image_task(config, workdir: str) -> Task:
                 # with worker processes, one thread each did best (576 vs 482 with 16).
                 read_threads=16 if config.train.data_workers == 0 else 1,
                 **entries(cfg, eval_src, eval_transform, classes))
+
+
+def _read_image(path: str, channels: int, eval_transform) -> np.ndarray:
+    """An image file as the model reads an eval image: decoded (any mode to `channels`),
+    the centre square resized, normalised. A file that is no readable image is a
+    ValueError naming it."""
+    from attention_jax.data import images as images_lib
+    try:
+        image = images_lib.decode(os.path.expanduser(path), channels=channels)
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for bad files
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a readable image ({reason})") from None
+    return eval_transform({"image": image, "label": 0}, np.random.default_rng(0))["image"]
 
 
 def soft_cross_entropy(logits, targets, label_smoothing: float = 0.0):
@@ -249,6 +297,6 @@ def _label_name(label, classes) -> str:
     return f"{int(label)}: {classes[int(label)]}" if classes else str(int(label))
 
 
-register("vit", image_task, provides=("classify", "attention_input", "flops_per_unit",
-                                      "tokens_per_example"))
-register("cnn", image_task, provides=("classify", "flops_per_unit"))
+register("vit", image_task, provides=("classify", "label_images", "attention_input",
+                                      "flops_per_unit", "tokens_per_example"))
+register("cnn", image_task, provides=("classify", "label_images", "flops_per_unit"))

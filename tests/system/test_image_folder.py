@@ -73,8 +73,10 @@ def _train(capsys, folder, workdir, spec, *extra):
 
 # Two resolutions of each family: the ViT from scratch at 16 and fine-tuned from Hugging
 # Face at 24; the CNN at 20 and 12. Each run here compiles for seconds.
-def test_vit_trains_on_a_folder(folder, tmp_path, capsys, size=16):
-    task, _, last = _train(capsys, folder, str(tmp_path / "vit"), "vit:variant=vit-tiny/4",
+def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
+    import shutil
+    own = shutil.copytree(folder, tmp_path / "pets")  # moved away after training
+    task, _, last = _train(capsys, str(own), str(tmp_path / "vit"), "vit:variant=vit-tiny/4",
                            f"--config.data.image_size={size}",
                            "--config.data.train_crop=random_resized", "--config.data.flip=true",
                            "--config.data.mean=0.485,0.456,0.406", "--config.data.mixup=0.2")
@@ -82,6 +84,43 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, size=16):
     assert (cfg.image_size, cfg.num_channels, cfg.num_classes) == (size, 3, 3)
     assert task.tokens_per_example == (size // 4) ** 2 + 1
     assert last["examples"] == len(task.eval_source)  # every held-out image, once
+    # The trained run classifies image files from the command line (paths on stdin), each
+    # read as its eval images were; the training folder may have moved away.
+    held = task.eval_source
+    paths = [os.path.join(held.root, p) for p in held.paths[:3]]
+    from attention_jax import runs
+    params = runs.open_run(str(tmp_path / "vit")).params
+    want = [jax.nn.softmax(task.model.apply({"params": params}, task.eval_transform(
+        held[i], np.random.default_rng(0))["image"][None])[0][0]) for i in range(3)]
+    elsewhere = shutil.move(str(own), tmp_path / "moved")
+    paths = [p.replace(str(own), str(elsewhere)) for p in paths]
+    import io
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
+        ("\n".join(paths) + "\n").encode())))
+    main.parse_flags(["main", "--mode=classify", f"--workdir={tmp_path / 'vit'}"])
+    assert main.main([]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["image"] for r in rows] == paths
+    for row, p in zip(rows, want):
+        assert row["label"] == CLASSES[int(np.argmax(p))]
+        assert row["probability"] == pytest.approx(float(np.max(p)), abs=1e-4)
+    # A path that is no image is one line naming it.
+    (tmp_path / "notes.txt").write_text("not an image")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
+        f"{paths[0]}\n{tmp_path / 'notes.txt'}\n".encode())))
+    main.parse_flags(["main", "--mode=classify", f"--workdir={tmp_path / 'vit'}"])
+    assert main.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and err.splitlines()[-1].startswith(
+        f"error: --mode=classify: {tmp_path / 'notes.txt'}: not a readable image"), err
+    # A run of a task that classifies nothing: one line, before stdin is read.
+    from attention_jax.errors import ConfigError
+    gpt = workdir_lib.read_config(str(tmp_path / "vit"))
+    gpt.task = "gpt"
+    with pytest.raises(ConfigError, match=r"^--mode=classify: task 'gpt' cannot classify "
+                                          r"texts or images; valid: \['bert_classify', 'cnn', "
+                                          r"'vit'\]$"):
+        main.classify_texts(gpt, str(tmp_path / "vit"))
 
 
 def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
