@@ -518,7 +518,8 @@ RESUME_SAFE_KEYS = ("train.steps", "train.log_every", "train.progress", "train.c
                     "train.prefetch",
                     "train.nonfinite", "train.inject_nan_at", "train.init_from",
                     "train.checkpoint_on_damage", "train.loss_chunk_size", "train.loss_kernel",
-                    "data.data_dir", "model.implementation", "model.ring_inner", "model.remat_policy",
+                    "data.data_dir", "data.cache_dir", "model.implementation", "model.ring_inner",
+                    "model.remat_policy",
                     "model.norm_kernel",
                     "mesh.", "eval.")
 

@@ -78,6 +78,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.target_len = 40  # 35 + EOS.
     c.data.train_split = "train"
     c.data.eval_split = "validation"
+    c.data.cache_dir = ""  # the records cache (data/records_cache.py); "" = DATA_DIR/token_cache.
 
     c.train.steps = args.steps  # ~2.4 epochs of 20k pairs at batch 32.
     c.train.batch_size = 32

@@ -151,6 +151,10 @@ class _File:
     ends: np.ndarray | None = None
     lines: np.ndarray | None = None  # jsonl: its 1-based line number (identity, messages)
     groups: np.ndarray | None = None  # parquet: first row of each row group, then the count
+    # (size, mtime_ns, inode, ctime_ns) when it was indexed: what is derived from its
+    # records is kept by it (records_cache); an edit that restores the size and mtime
+    # (cp -p, rsync -t, os.utime) still changes the ctime.
+    stat: tuple[int, ...] = ()
 
 
 def _gzip_chunks(path: str) -> Iterator[bytes]:
@@ -247,7 +251,9 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
     `pairs`, several per record; those in `integers` may hold integers); `hint` says which
     setting names them, for a file that lacks one."""
     fmt = _format(path)
-    f = _File(path=path, ident=ident, format=fmt)
+    st = os.stat(path)
+    f = _File(path=path, ident=ident, format=fmt,
+              stat=(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))
     if fmt in TEXT_SUFFIXES:
         if pairs:
             raise FilesError(f'{path}: a text file is one document; pairs ({", ".join(fields)}) '
@@ -400,6 +406,16 @@ class _BadRecords:
     @property
     def count(self) -> int:
         return len(self.seen)
+
+    def recount(self, found: Sequence[str]) -> None:
+        """Counts the bad records an earlier pass over these records found and reported
+        (records_cache keeps where they are): the limit holds as if they were read."""
+        self.seen.update(found)
+        if self.count > self.limit:
+            raise FilesError(f'{self.count} bad records in {self.arg}files (found when they '
+                             f'were last read: {", ".join(sorted(self.seen)[:3])}, ...), more '
+                             f'than {self.arg}max_bad_records={self.limit}: fix the files or '
+                             f'raise it')
 
     def skip(self, where: str, why: str) -> None:
         if where in self.seen:

@@ -8,14 +8,17 @@ find the longest text in tokens. At a million records that is about 10 s of Pyth
 process and split (2-core host), at tens of millions minutes, at every start, resume and
 evaluation. The first pass keeps its result under ROOT/records/KEY.npz, KEY a hash of
 
-  the records: a user's files' paths, sizes and mtimes (a stat, as the token cache is
-  keyed) and which of their records the split holds; else the split's identity
-  (loaders.source_id: a tfds split's, a subset's fingerprint or picks)
+  the records: a user's files' names, paths and stats when indexed (size, mtime, inode,
+  ctime: restoring the size and mtime after an edit leaves the ctime changed) and which
+  of their records the split holds; else the split's identity (loaders.source_id: a
+  tfds split's, a subset's fingerprint or picks)
   the pass: what it reads and how (the keys, the tokenizer)
 
 so an edited file, another split or another tokenizer is another entry, never a stale
 one. An entry is written whole (a temp file, then a rename); one that cannot be read is
-computed again and a note says so. ROOT may be a bucket (gs://...): entries are small.
+computed again and a note says so, one that cannot be written is a warning. ROOT may be
+a bucket (gs://...): entries are small. The bad records a pass met are kept with it and
+counted again on a read, so data.max_bad_records holds at every start.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import json
 import os
 import sys
 import uuid
-import zipfile
 from collections.abc import Callable
 
 import numpy as np
@@ -36,6 +38,8 @@ FOLDER = 'records'
 
 # The JSON part of an entry, beside its arrays in the .npz.
 _META = 'meta.json'
+# Where in the user's files the pass met bad records (an entry's JSON part).
+_BAD = 'bad records'
 
 
 def identity(records) -> dict | None:
@@ -47,16 +51,14 @@ def identity(records) -> dict | None:
         members = hashlib.sha256(str(len(records)).encode())
         if records.indices is not None:
             members.update(np.ascontiguousarray(records.indices, np.int64).tobytes())
-        return {'files': [[f.path, *_stat(f.path)] for f in corpus.files],
+        # A file's own name in the records (its ident: the digest reads it) and its stat
+        # when it was indexed: size, mtime, inode, ctime (restoring the first two after
+        # an edit, as cp -p or rsync -t do, leaves the ctime changed).
+        return {'files': [[f.ident, f.path, *f.stat] for f in corpus.files],
                 'records': members.hexdigest()[:16], 'fields': list(corpus.fields),
                 'integers': list(corpus.integers), 'max_bad_records': corpus.bad.limit}
     found = loaders.source_id(records)
     return {'source': found, 'count': len(records)} if found else None
-
-
-def _stat(path: str) -> list[int]:
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns]
 
 
 def entry_path(root: str, records, what: dict) -> str | None:
@@ -74,25 +76,38 @@ def remembered(root: str | None, records, what: dict,
                compute: Callable[[], dict]) -> dict:
     """compute()'s result for `records`, read from the entry a pass with the same `what`
     over the same records kept under `root`, else computed and kept there. A result is
-    a dict of JSON values and numpy arrays. root None: computed, nothing kept."""
+    a dict of JSON values and numpy arrays. root None: computed, nothing kept. The bad
+    records of a user's files that the pass met (reported then) are kept with it and
+    counted again on a read, so data.max_bad_records holds at every start."""
     path = entry_path(root, records, what) if root else None
     if path is None:
         return compute()
     from etils import epath
+
+    from attention_jax.data import files
+    bad = records.corpus.bad if isinstance(records, files.FileDocuments) else None
     entry = epath.Path(path)
-    if entry.exists():
-        try:
-            return _read(entry)
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            print(f'note: {path}: a damaged entry of the records cache ({e}); the records '
-                  f'are read again', file=sys.stderr)
-    result = compute()
     try:
-        _write(entry, result)
-    except OSError as e:  # the run goes on; only the next start's time is lost
-        print(f'warning: {path}: the records cache could not be written ({e}); the next '
-              f'start reads every record again (config.data.cache_dir names another place)',
-              file=sys.stderr)
+        found = _read(entry) if entry.exists() else None
+    except Exception as e:  # noqa: BLE001 - a damaged file, a store's refusal: read again
+        print(f'note: {path}: the records cache could not be read ({type(e).__name__}: '
+              f'{str(e)[:200]}); the records are read again', file=sys.stderr)
+        found = None
+    if found is not None:
+        if bad is not None:
+            bad.recount(found.pop(_BAD, []))
+        return found
+    before = set(bad.seen) if bad is not None else set()
+    result = compute()
+    kept = dict(result)
+    if bad is not None:
+        kept[_BAD] = sorted(bad.seen - before)
+    try:
+        _write(entry, kept)
+    except Exception as e:  # noqa: BLE001 - the run goes on; only the next start's time is lost
+        print(f'warning: {path}: the records cache could not be written ({type(e).__name__}: '
+              f'{str(e)[:200]}); the next start reads every record again '
+              f'(config.data.cache_dir names another place)', file=sys.stderr)
     return result
 
 

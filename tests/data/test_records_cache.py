@@ -7,13 +7,19 @@ import hashlib
 import json
 
 import numpy as np
+import pytest
 
 from attention_jax.data import files, loaders, records_cache
 from attention_jax.data.sources import Subset
 from attention_jax.tasks.base import complete_records
 
 
-def _split(tmp_path):
+def _split(tmp_path, write: bool = True):
+    if not write:  # the file as it is now, indexed afresh (a new process)
+        files._splits.cache_clear()
+        return files.file_splits(str(tmp_path / "t.jsonl"), fields=("text", "label"),
+                                 fields_hint="the keys", integer_fields=("label",),
+                                 eval_fraction=0.2)["train"]
     records = [{"text": f"text {i}", "label": ["neg", " pos", 3][i % 3]} for i in range(30)]
     lines = [json.dumps(r) for r in records]
     lines[4] = json.dumps({"text": "   ", "label": "neg"})  # spaces only: left out
@@ -68,7 +74,7 @@ def test_a_damaged_entry_is_read_again_and_said(tmp_path, capsys):
     capsys.readouterr()
     again = complete_records(split, ["text", "label"], labels_of="label", cache=cache)
     assert _same(again, first)
-    assert "a damaged entry of the records cache" in capsys.readouterr().err
+    assert "the records cache could not be read (BadZipFile" in capsys.readouterr().err
     assert entry.stat().st_size > 40  # written whole again
 
 
@@ -99,3 +105,69 @@ def test_a_subset_s_identity_is_the_one_saved_runs_hold():
     digest = hashlib.sha256(np.asarray([0, 2], np.int64).tobytes()).hexdigest()[:8]
     assert loaders.source_id(picked) == f"tfds x/1.0.0 train: 4 records, contents abc, records {digest}"
     assert picked[1] == 2 and len(picked) == 2
+
+
+def test_an_edit_that_restores_size_and_mtime_is_read_again(tmp_path):
+    """cp -p, rsync -t or os.utime give an edited file its old size and mtime: its ctime
+    (and inode, for a replaced file) still differ, so the pass reads it again and the
+    digest (the resume's check) sees the edit."""
+    import os
+    split = _split(tmp_path)
+    cache = str(tmp_path / "cache")
+    first = complete_records(split, ["text", "label"], labels_of="label", cache=cache)
+    path = tmp_path / "t.jsonl"
+    st = os.stat(path)
+    path.write_text(path.read_text().replace('"neg"', '"gen"'))  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    edited = complete_records(_split(tmp_path, write=False), ["text", "label"],
+                              labels_of="label", cache=cache)
+    assert edited.digest != first.digest and "gen" in edited.labels
+
+
+def test_max_bad_records_holds_at_every_start(tmp_path):
+    """The splits of a user's files share one count of bad records: a start whose
+    training split came from the cache counts its bad records again, so a limit the
+    first start exceeded stops the second one too."""
+    lines = [json.dumps({"text": f"text {i}", "label": "ab"[i % 2]}) for i in range(40)]
+    for i in range(0, 40, 4):
+        lines[i] = "not json"  # 10 bad records, over both splits
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    cache = str(tmp_path / "cache")
+
+    def start(limit):
+        files._splits.cache_clear()  # a new process
+        found = files.file_splits(str(tmp_path / "t.jsonl"), fields=("text", "label"),
+                                  fields_hint="the keys", eval_fraction=0.5,
+                                  max_bad_records=limit, arg="config.data.")
+        return [complete_records(found[s], ["text", "label"], cache=cache)
+                for s in ("train", "validation")]
+    train, held = start(100)
+    train_bad, held_bad = len(train.dropped), len(held.dropped)
+    assert train_bad + held_bad == 10 and train_bad and held_bad
+    limit = max(train_bad, held_bad)  # each split alone passes; both do not
+    with pytest.raises(files.FilesError, match=r"more than config\.data\.max_bad_records="
+                                               rf"{limit}"):
+        start(limit)
+    with pytest.raises(files.FilesError, match=r"more than config\.data\.max_bad_records="
+                                               rf"{limit}"):
+        start(limit)  # the training split's pass now from the cache
+    start(10)
+
+
+def test_the_same_file_under_another_name_is_another_entry(tmp_path):
+    """A record's id (the file's name under its glob, and the line) is part of what the
+    digest reads: the same file reached by another glob is another entry, whose digest
+    is its own, not the first glob's."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "t.jsonl").write_text("".join(
+        json.dumps({"text": f"t {i}", "label": "ab"[i % 2]}) + "\n" for i in range(20)))
+    cache = str(tmp_path / "cache")
+
+    def digest(spec, cache):
+        files._splits.cache_clear()
+        found = files.file_splits(spec, fields=("text", "label"), fields_hint="the keys")
+        return complete_records(found["train"], ["text", "label"], cache=cache).digest
+    narrow, wide = str(tmp_path / "a" / "*.jsonl"), str(tmp_path / "*" / "t.jsonl")
+    assert digest(narrow, cache) != digest(wide, None)
+    assert digest(wide, cache) == digest(wide, None)
