@@ -48,8 +48,8 @@ import numpy as np
 from attention_jax import workdir as workdir_lib
 from attention_jax.convert.hf_bert import BertFamily
 from attention_jax.convert.hf_files import (ConversionError, describe, export_remote,
-                                            read_hf_config,
-                                            read_hf_dir, write_hf_dir, write_hf_tokenizer)
+                                            read_hf_config, read_hf_dir, write_hf_dir,
+                                            write_hf_image_processor, write_hf_tokenizer)
 from attention_jax.convert.hf_gpt2 import GPT2Family
 from attention_jax.convert.hf_params import (fit, flatten, fresh_numpy, param_shapes,
                                              stack_layers, strip_boxes, unflatten, unscanned,
@@ -154,7 +154,8 @@ _MLM_ONLY_ZERO = ("pooler/", "nsp/")
 
 
 def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] = None,
-              tokenizer=None, class_names=None, max_length: Optional[int] = None) -> str:
+              tokenizer=None, class_names=None, max_length: Optional[int] = None,
+              image_preprocess=None) -> str:
     """Writes config.json + model.safetensors that transformers loads as the same model,
     and with `tokenizer` (a run's, `runs.open_run(...).tokenizer`) tokenizer.json +
     tokenizer_config.json that AutoTokenizer loads as the same tokenizer.
@@ -173,12 +174,15 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     token types 0 and 1: tokenization.text_ends), whatever the tokenizer's own file adds.
     max_length: the tokens a text is cut to (a run's data.seq_len), the tokenizer's
     model_max_length, which transformers' truncation=True cuts at (else the model's
-    position table).
+    position table). image_preprocess: a ViT run's eval preprocessing
+    (run.task.eval_transform), written as preprocessor_config.json, which transformers'
+    image pipelines read images with (hf_files.write_hf_image_processor).
     """
     if workdir_lib.is_remote(out_dir):  # staged in a local folder, copied up
         return export_remote(str(out_dir), lambda local: export_hf(
             model, params, local, architecture=architecture, tokenizer=tokenizer,
-            class_names=class_names, max_length=max_length), tokenizer is not None)
+            class_names=class_names, max_length=max_length,
+            image_preprocess=image_preprocess), tokenizer is not None)
     cfg = getattr(model, "config", model)  # a model, or its config
     family = _family_of(cfg)
     head = getattr(model, "head", None) if family.model_type == "bert" else None
@@ -186,6 +190,15 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
     if arch not in family.architectures:
         raise ValueError(f"export_hf: architecture={architecture!r} cannot export a "
                          f"{type(cfg).__name__} model; valid: {list(family.architectures)}")
+    if image_preprocess is not None and family.model_type != "vit":
+        raise ValueError(f"export_hf: image_preprocess= given for a {type(cfg).__name__}, "
+                         f"which reads no images; valid: image_preprocess=None")
+    if image_preprocess is not None and (image_preprocess.image_size, image_preprocess.channels
+                                         ) != (cfg.image_size, cfg.num_channels):
+        raise ValueError(f"export_hf: image_preprocess makes {image_preprocess.image_size}² "
+                         f"images of {image_preprocess.channels} channel(s), the model reads "
+                         f"{cfg.image_size}² of {cfg.num_channels}; valid: the run's own "
+                         f"(run.task.eval_transform)")
     flat = unstack_layers(flatten(strip_boxes(params)))
     zero = [n for n in flat if n.startswith(_MLM_ONLY_ZERO)]
     if architecture is None and arch == "BertForPreTraining" and zero and not any(
@@ -243,6 +256,12 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
                        input_names=(("input_ids", "token_type_ids", "attention_mask")
                                     if family.model_type == "bert" else None))
     _write_generation_config(out, hf_cfg, tokenizer if family.model_type == "gpt2" else None)
+    write_hf_image_processor(out, image_preprocess)
+    if family.model_type == "vit" and image_preprocess is None:
+        print("note: export_hf: no image_preprocess: no preprocessor_config.json, so "
+              "transformers' image pipelines cannot read images for this model; pass "
+              "image_preprocess=run.task.eval_transform (how the run read its images)",
+              file=sys.stderr)
     return out
 
 

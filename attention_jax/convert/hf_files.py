@@ -169,13 +169,14 @@ def export_remote(out_dir: str, export: Callable[[str], object], with_tokenizer:
 
     def export_staged(local: str) -> None:
         export(local)
-        staged["generation"] = os.path.exists(os.path.join(local, "generation_config.json"))
+        staged.update({name: os.path.exists(os.path.join(local, name)) for name in OWN_FILES})
     workdir_lib.save_assets(export_staged, out_dir)
-    # An earlier export's generation config goes once this one is written (a refused
-    # export leaves the folder as it was): it writes its own only where the model's
-    # vocabulary pads its tokenizer's (convert/hf.py).
-    if not staged["generation"] and (target / "generation_config.json").exists():
-        (target / "generation_config.json").unlink()
+    # An earlier export's generation config or image processor goes once this one is
+    # written (a refused export leaves the folder as it was): an export writes its own
+    # only where it has one (convert/hf.py).
+    for name in OWN_FILES:
+        if not staged[name] and (target / name).exists():
+            (target / name).unlink()
     if not with_tokenizer:
         _remove_stale([n for n in TOKENIZER_FILES if (target / n).exists()], out_dir,
                       lambda name: (target / name).unlink())
@@ -215,6 +216,9 @@ def write_hf_dir(out_dir, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> str:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+# Files an export writes only where it has them: an earlier export's are removed.
+OWN_FILES = ("generation_config.json", IMAGE_PROCESSOR_FILE)
 
 
 def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = None,
@@ -243,4 +247,33 @@ def write_hf_tokenizer(out_dir, tokenizer, form, model_max_length: int | None = 
     if input_names:
         config["model_input_names"] = list(input_names)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def write_hf_image_processor(out_dir, preprocess) -> None:
+    """preprocessor_config.json beside a ViT export, so that transformers'
+    AutoImageProcessor (and pipeline("image-classification")) reads an image as the run
+    read its eval images (`preprocess`: the run's data.images.Preprocess,
+    run.task.eval_transform): its shorter side resized to image_size and the centre cut
+    (CLIPImageProcessor's steps, bilinear), then x/255 and (x - mean) / std per channel.
+    A square image comes out the same to float rounding; another differs by
+    interpolation (the run cut the centre square and resized it, transformers resizes
+    and then cuts: no processor of theirs does the run's order). A one-channel model's
+    processor converts nothing: give it grey images, through the processor and the model
+    (transformers' pipeline converts every image to RGB first). Without `preprocess`, an
+    earlier export's file is removed."""
+    file = os.path.join(out_dir, IMAGE_PROCESSOR_FILE)
+    if preprocess is None:
+        if os.path.exists(file):
+            os.remove(file)
+        return
+    size, channels = int(preprocess.image_size), int(preprocess.channels)
+    per_channel = lambda v: [float(x) for x in (tuple(v) * channels if len(v) == 1 else v)]  # noqa: E731
+    config = {"image_processor_type": "CLIPImageProcessor",
+              "do_resize": True, "size": {"shortest_edge": size}, "resample": 2,  # bilinear
+              "do_center_crop": True, "crop_size": {"height": size, "width": size},
+              "do_rescale": True, "rescale_factor": 1 / 255,
+              "do_normalize": True, "image_mean": per_channel(preprocess.mean),
+              "image_std": per_channel(preprocess.std), "do_convert_rgb": channels == 3}
+    with open(file, "w") as f:
         json.dump(config, f, indent=2)

@@ -359,8 +359,9 @@ def test_vit_matches_pytorch(tmp_path, arch):
 
 
 def _vit_ours(**kw):
-    cfg = vit.ViTConfig(image_size=16, patch_size=4, num_channels=3, d_model=32, num_layers=2,
-                        num_heads=4, mlp_dim=48, num_classes=5, norm_epsilon=1e-12, **kw)
+    cfg = vit.ViTConfig(**{**dict(image_size=16, patch_size=4, num_channels=3, d_model=32,
+                                  num_layers=2, num_heads=4, mlp_dim=48, num_classes=5,
+                                  norm_epsilon=1e-12), **kw})
     return vit.ViT(cfg)
 
 
@@ -388,6 +389,73 @@ def test_vit_export_round_trip(tmp_path):
     encoder = transformers.ViTModel.from_pretrained(out, add_pooling_layer=False).eval()
     with torch.no_grad():
         _close(aux["hidden_states"], encoder(pixel_values=pixels).last_hidden_state)
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_an_exported_vit_reads_images_as_the_run_did(tmp_path, channels, capsys):
+    """image_preprocess= (a run's eval_transform) goes out as preprocessor_config.json:
+    transformers' image-classification pipeline reads a square image into the same pixels
+    as the run (so the same probabilities as --mode=classify), grey for a grey model; a
+    non-square one within interpolation (transformers resizes, then cuts the centre)."""
+    from PIL import Image
+
+    from attention_jax.data import images as images_lib
+    model = _vit_ours(num_channels=channels)
+    params = _random_params(model, jnp.zeros((1, 16, 16, channels)))
+    mean = (0.485, 0.456, 0.406)[:channels] if channels == 3 else (0.4,)
+    prep = images_lib.Preprocess(image_size=16, channels=channels, mean=mean, std=(0.25,))
+    out = convert.export_hf(model, params, tmp_path / "vit", image_preprocess=prep,
+                            class_names=["a", "b", "c", "d", "e"])
+    assert "no image_preprocess" not in capsys.readouterr().err
+    rng = np.random.default_rng(0)
+    mode = "RGB" if channels == 3 else "L"
+    for (h, w), tolerance in (((24, 24), 1e-5), ((24, 40), 0.1)):
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        pixels = images_lib.resize_box(pixels, (0, 0, w, h), 4)  # smooth: as a photo is
+        image = Image.fromarray(pixels).resize((w, h), Image.BILINEAR).convert(mode)
+        image.save(tmp_path / "x.png")
+        ours = prep({"image": images_lib.decode(str(tmp_path / "x.png"), channels),
+                     "label": 0}, np.random.default_rng(0))["image"]
+        processor = transformers.AutoImageProcessor.from_pretrained(out)
+        theirs = processor(image, return_tensors="np")["pixel_values"][0].transpose(1, 2, 0)
+        np.testing.assert_allclose(theirs, ours, atol=tolerance)
+    square = Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).convert(mode)
+    ours = jax.nn.softmax(model.apply({"params": params}, prep(
+        {"image": np.asarray(square).reshape(24, 24, channels), "label": 0},
+        np.random.default_rng(0))["image"][None])[0][0])
+    theirs = transformers.AutoModelForImageClassification.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = theirs(**processor(square, return_tensors="pt")).logits
+    np.testing.assert_allclose(torch.softmax(logits, -1)[0].numpy(), np.asarray(ours), atol=1e-5)
+    if channels == 3:  # the pipeline converts every image to RGB: a grey model's cannot run
+        classify = transformers.pipeline("image-classification", model=out, top_k=5)
+        got = {r["label"]: r["score"] for r in classify(square)}
+        np.testing.assert_allclose([got[c] for c in "abcde"], np.asarray(ours), atol=1e-4)
+
+
+def test_an_image_processor_is_the_model_s_or_none(tmp_path, capsys):
+    """A ViT exported without image_preprocess says what pipelines then lack, and an
+    earlier export's preprocessor_config.json goes (it would pass for this model's); one
+    of another size, or given for a text model, is refused."""
+    from attention_jax.data import images as images_lib
+    model = _vit_ours()
+    params = _random_params(model, jnp.zeros((1, 16, 16, 3)))
+    prep = images_lib.Preprocess(image_size=16)
+    convert.export_hf(model, params, tmp_path / "vit", image_preprocess=prep)
+    assert (tmp_path / "vit" / "preprocessor_config.json").exists()
+    capsys.readouterr()
+    convert.export_hf(model, params, tmp_path / "vit")
+    assert not (tmp_path / "vit" / "preprocessor_config.json").exists()
+    assert "note: export_hf: no image_preprocess" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"image_preprocess makes 32² images of 3 channel\(s\), "
+                                         r"the model reads 16² of 3"):
+        convert.export_hf(model, params, tmp_path / "vit", image_preprocess=images_lib.Preprocess(
+            image_size=32))
+    gpt_model = gpt.GPT(gpt.GPTConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                      mlp_dim=64, max_len=16))
+    with pytest.raises(ValueError, match=r"image_preprocess= given for a GPTConfig, which reads "
+                                         r"no images; valid: image_preprocess=None"):
+        convert.export_hf(gpt_model, {}, tmp_path / "gpt", image_preprocess=prep)
 
 
 def test_vit_export_errors_name_the_argument(tmp_path):
