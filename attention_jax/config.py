@@ -163,6 +163,12 @@ RANGES = {
     "eval.sample_top_p": "(0, 1]",
 }
 
+# The keys only the tasks that sample read (Task.sample: gpt's continuations of the
+# prompts, translation's greedy translations of them); --help leaves them out of the
+# other tasks' keys, and a run of another task that sets one is told it does nothing.
+SAMPLE_KEYS = ("eval.sample_prompts", "eval.sample_tokens", "eval.sample_temperature",
+               "eval.sample_top_k", "eval.sample_top_p")
+
 
 # Names researchers bring from nanoGPT's train.py and model.py and from Hugging Face's
 # TrainingArguments and model configs, and the key that means the same here (said where

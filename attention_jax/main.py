@@ -408,7 +408,13 @@ def help_text(argv) -> str:
         if about:  # its :ARG arguments are described there, not among the keys
             lines += ["", f"About --config={spec.partition(':')[0]}:", about]
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
-        lines += [f"  {key} = {value!r}" for key, value in config_lib.flat(config).items()]
+        from attention_jax import tasks
+        keys = config_lib.flat(config)
+        if config.get("task") in tasks.TASKS and config.task not in tasks.tasks_with("sample"):
+            keys = {k: v for k, v in keys.items() if k not in config_lib.SAMPLE_KEYS}
+            lines += [f"  ({', '.join(config_lib.SAMPLE_KEYS)}: only for the tasks that "
+                      f"sample, {tasks.tasks_with('sample')})"]
+        lines += [f"  {key} = {value!r}" for key, value in keys.items()]
     else:
         lines += ["", "A config's keys and values: add --help to a command with --config=NAME"]
     return "\n".join(lines)

@@ -220,10 +220,25 @@ def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str
         if found != declared:
             raise AssertionError(f"task {name!r} sets {sorted(found)} but declares "
                                  f"{sorted(declared)}: fix its register(..., provides=)")
+        if "sample" not in declared:
+            _say_unread_sample_keys(config, name)
         return task
 
     build.provides = declared
     TASKS[name] = build
+
+
+def _say_unread_sample_keys(config, name: str) -> None:
+    """A note where a task that samples nothing is given eval.sample_* values (they did
+    nothing, unsaid)."""
+    from attention_jax import config as config_lib
+    given, default = config_lib.flat(config), config_lib.flat(config_lib.base_config())
+    changed = [k for k in config_lib.SAMPLE_KEYS if k in given and given[k] != default[k]
+               and not (isinstance(default[k], tuple) and tuple(given[k]) == default[k])]
+    if changed and jax.process_index() == 0:
+        print(f"note: task {name!r} samples nothing: {', '.join(f'config.{k}' for k in changed)} "
+              f"do nothing here (the tasks that sample: {tasks_with('sample')})",
+              file=sys.stderr)
 
 
 def tasks_with(entry: str) -> list[str]:

@@ -102,6 +102,11 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     out = cli("--config=gpt", "--help")
     assert out.returncode == 0
     assert "  optim.lr = 0.003" in out.stdout and "  data.name = 'python_stdlib'" in out.stdout
+    assert "  eval.sample_top_k = 40" in out.stdout
+    # A task that samples nothing lists no sampling keys, and says where they go.
+    out = cli("--config=bert_classify", "--help")
+    assert "eval.sample_top_k =" not in out.stdout and "  eval.batch_size = 64" in out.stdout
+    assert "only for the tasks that sample, ['encdec', 'gpt', 'rnn_seq2seq']" in out.stdout
     # A config's own :ARG arguments are in its docstring, not among its keys: shown too.
     out = cli("--config=gated_mlp", "--help")
     assert "About --config=gated_mlp:\n" in out.stdout

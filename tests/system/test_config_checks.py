@@ -715,3 +715,20 @@ def test_splash_chunks_too_short_for_its_tiles_are_a_config_error():
                                           r"512, or ring_inner 'auto' or 'blockwise'$"):
         config_lib.check_model_fits_mesh(cfg, {"sequence": 2}, seq_len=32)
     config_lib.check_model_fits_mesh(cfg, {"sequence": 2}, seq_len=512)  # chunks of 128
+
+
+def test_sample_keys_given_to_a_task_that_samples_nothing_are_said(capsys):
+    """eval.sample_* are read by the tasks that sample (gpt, translation): set for
+    another (a classifier), they did nothing, unsaid."""
+    from attention_jax.tasks import base
+    base.register("tiny_quiet", tiny.make_tiny_task)
+    try:
+        base.TASKS["tiny_quiet"](tiny.tiny_config(**{"eval.sample_prompts": ("x",),
+                                                    "eval.sample_top_k": 5}), None)
+        assert ("note: task 'tiny_quiet' samples nothing: config.eval.sample_prompts, "
+                "config.eval.sample_top_k do nothing here (the tasks that sample: ['encdec', "
+                "'gpt', 'rnn_seq2seq'])") in capsys.readouterr().err
+        base.TASKS["tiny_quiet"](tiny.tiny_config(), None)  # the defaults: nothing to say
+        assert "samples nothing" not in capsys.readouterr().err
+    finally:
+        del base.TASKS["tiny_quiet"]
