@@ -91,7 +91,7 @@ class InputError(UserError, ValueError):
     """Bad input on stdin (--mode=embed, --mode=classify)."""
 
 
-def _stdin_texts(mode: str, files_note: str) -> list[str]:
+def _stdin_texts(mode: str, files_note: str, what: str = "text") -> list[str]:
     """The non-empty lines of stdin (UTF-8; a Windows line end is no part of a text), a
     note on stderr where blank ones were skipped (row i is then not line i)."""
     stream = getattr(sys.stdin, "buffer", None)  # bytes: decoded here, the line named
@@ -108,9 +108,9 @@ def _stdin_texts(mode: str, files_note: str) -> list[str]:
     if len(texts) < len(lines):
         blank = len(lines) - len(texts)
         print(f"note: {blank} blank line{'s' * (blank > 1)} of stdin skipped: {len(texts)} "
-              f"texts, in order, {files_note}", file=sys.stderr)
+              f"{what}s, in order, {files_note}", file=sys.stderr)
     if not texts:
-        raise InputError(f"--mode={mode}: no texts (give one text per line on stdin)")
+        raise InputError(f"--mode={mode}: no {what}s (give one {what} per line on stdin)")
     return texts
 
 
@@ -214,16 +214,25 @@ def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> 
 
     from attention_jax import runs, tasks
     able = sorted(tasks.tasks_with("label_texts") + tasks.tasks_with("label_images"))
-    if config.task not in able:  # before stdin is read or the run loaded
+    declared = getattr(tasks.TASKS.get(config.task), "provides", None)
+    if declared is not None and not {"label_texts", "label_images"} & declared:
+        # before stdin is read or the run loaded (a task added as TASKS[name] = make
+        # declares nothing: its built Task tells, below)
         raise ConfigError(f"--mode=classify: task {config.task!r} cannot classify texts or "
                           f"images; valid: {able}")
+    what = "image path" if declared and "label_images" in declared else "text"
     if texts is None:
-        texts = _stdin_texts("classify", "one output line each (each names its text or image)")
+        texts = _stdin_texts("classify", f"one output line each (each names its {what})",
+                             what=what)
     if not texts:
-        raise InputError("--mode=classify: no texts (give one text per line on stdin)")
+        raise InputError(f"--mode=classify: no {what}s (give one {what} per line on stdin)")
     run = runs.open_run(workdir, config=config)
     images = run.task.label_images is not None
     label = run.task.label_images if images else run.task.label_texts
+    if label is None:
+        raise ConfigError(f"--mode=classify: task {config.task!r} cannot classify texts or "
+                          f"images (its Task has neither label_texts nor label_images); "
+                          f"valid: {able}")
     try:
         probabilities = label(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
     except ValueError as e:  # a pair's line without its tab, a file that is no image
@@ -410,10 +419,11 @@ def help_text(argv) -> str:
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
         from attention_jax import tasks
         keys = config_lib.flat(config)
-        if config.get("task") in tasks.TASKS and config.task not in tasks.tasks_with("sample"):
-            keys = {k: v for k, v in keys.items() if k not in config_lib.SAMPLE_KEYS}
-            lines += [f"  ({', '.join(config_lib.SAMPLE_KEYS)}: only for the tasks that "
-                      f"sample, {tasks.tasks_with('sample')})"]
+        unread = tasks.unread_sample_keys(config.get("task"))
+        if unread:
+            keys = {k: v for k, v in keys.items() if k not in unread}
+            lines += [f"  ({', '.join(unread)}: not read by task {config.task!r}; for the "
+                      f"tasks that sample, {tasks.tasks_with('sample')})"]
         lines += [f"  {key} = {value!r}" for key, value in keys.items()]
     else:
         lines += ["", "A config's keys and values: add --help to a command with --config=NAME"]

@@ -260,8 +260,11 @@ def write_hf_image_processor(out_dir, preprocess) -> None:
     interpolation (the run cut the centre square and resized it, transformers resizes
     and then cuts: no processor of theirs does the run's order). A one-channel model's
     processor converts nothing: give it grey images, through the processor and the model
-    (transformers' pipeline converts every image to RGB first). Without `preprocess`, an
-    earlier export's file is removed."""
+    (transformers' pipeline converts every image to RGB first). Two more differences
+    are transformers' own: its pipeline turns a photo by its EXIF orientation tag (the
+    run reads the pixels as stored), and its processor called directly puts an RGBA image
+    on white (the run drops the alpha). Without `preprocess`, an earlier export's file
+    is removed."""
     file = os.path.join(out_dir, IMAGE_PROCESSOR_FILE)
     if preprocess is None:
         if os.path.exists(file):

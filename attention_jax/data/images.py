@@ -46,6 +46,17 @@ SPLITS = ('train', 'validation')
 CROPS = ('none', 'random', 'random_resized')
 
 
+def _bad_image_errors() -> tuple[type[BaseException], ...]:
+    from PIL import Image
+    # PIL's errors for a file that is no readable image: OSError (truncated, unknown
+    # format), ValueError and SyntaxError (bad headers), and an image too large to
+    # decompress safely (DecompressionBombError, a plain Exception).
+    return (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+BAD_IMAGE_ERRORS = _bad_image_errors()
+
+
 class ImagesError(UserError, ValueError):
     """A bad image folder, a bad preprocessing option, or too many undecodable files."""
 
@@ -181,7 +192,7 @@ class ImageFiles:
             path = os.path.join(self.root, self.paths[j])
             try:
                 image = decode(path, self.channels)
-            except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for bad files
+            except BAD_IMAGE_ERRORS as e:
                 self._bad.skip(path, f'{type(e).__name__}: {e}')
                 continue
             return {'image': image, 'label': self.labels[j]}

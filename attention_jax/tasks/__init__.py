@@ -25,7 +25,7 @@ from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, 
                                       data_on_demand, data_options, lm_vocab_size,
                                       model_config, need,
                                       padded_vocab, register, tasks_with, token_labels,
-                                      until_eos)
+                                      unread_sample_keys, until_eos)
 from attention_jax.tasks.images import image_task
 from attention_jax.tasks.text import lm_task, mlm_task
 from attention_jax.tasks.text_classes import classify_task
@@ -35,4 +35,5 @@ __all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "classify_tas
            "data_on_demand",
            "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
-           "register", "tasks_with", "token_labels", "translation_task", "until_eos"]
+           "register", "tasks_with", "token_labels", "translation_task",
+           "unread_sample_keys", "until_eos"]

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -204,14 +204,24 @@ MOE_KEYS = ("load_balance_loss", "router_entropy", "dropped_fraction", "expert_l
 TASKS: dict[str, Callable[[Any, str], Task]] = {}
 
 
-def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str] = ()) -> None:
+def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str] = (),
+             sample_keys: Sequence[str] | None = None) -> None:
     """TASKS[name] = make, declaring the optional Task entries it sets (OPTIONAL), so that
     `need` can name the tasks with an entry without building any. A build that sets other
-    entries than it declares is a bug here and raises."""
+    entries than it declares is a bug here and raises. sample_keys: the keys of
+    config.SAMPLE_KEYS its sampling reads (None: all of them where it samples, none
+    where it does not); --help lists only those, and a run that sets another is told it
+    does nothing."""
+    from attention_jax import config as config_lib
     unknown = sorted(set(provides) - set(OPTIONAL))
     if unknown:
         raise ValueError(f"provides={unknown} are not optional Task entries; valid: {OPTIONAL}")
     declared = frozenset(provides)
+    if sample_keys is None:
+        sample_keys = config_lib.SAMPLE_KEYS if "sample" in declared else ()
+    unknown = sorted(set(sample_keys) - set(config_lib.SAMPLE_KEYS))
+    if unknown:
+        raise ValueError(f"sample_keys={unknown}; valid: {config_lib.SAMPLE_KEYS}")
 
     @functools.wraps(make)
     def build(config, workdir: str) -> Task:
@@ -220,25 +230,40 @@ def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str
         if found != declared:
             raise AssertionError(f"task {name!r} sets {sorted(found)} but declares "
                                  f"{sorted(declared)}: fix its register(..., provides=)")
-        if "sample" not in declared:
-            _say_unread_sample_keys(config, name)
+        _say_unread_sample_keys(config, name, build.sample_keys)
         return task
 
     build.provides = declared
+    build.sample_keys = tuple(sample_keys)
     TASKS[name] = build
 
 
-def _say_unread_sample_keys(config, name: str) -> None:
-    """A note where a task that samples nothing is given eval.sample_* values (they did
-    nothing, unsaid)."""
+def _say_unread_sample_keys(config, name: str, reads: Sequence[str]) -> None:
+    """A note where a task is given eval.sample_* values its sampling does not read (a
+    classifier samples nothing, a translation's greedy decoding reads only the prompts):
+    they did nothing, unsaid."""
     from attention_jax import config as config_lib
+    if len(reads) == len(config_lib.SAMPLE_KEYS) or not isinstance(
+            getattr(config, "get", lambda _: None)("eval"), (Mapping, ml_collections.ConfigDict)):
+        return  # reads them all, or a config without eval settings (a notebook's stub)
     given, default = config_lib.flat(config), config_lib.flat(config_lib.base_config())
-    changed = [k for k in config_lib.SAMPLE_KEYS if k in given and given[k] != default[k]
+    changed = [k for k in config_lib.SAMPLE_KEYS if k not in reads and k in given
+               and given[k] != default[k]
                and not (isinstance(default[k], tuple) and tuple(given[k]) == default[k])]
     if changed and jax.process_index() == 0:
-        print(f"note: task {name!r} samples nothing: {', '.join(f'config.{k}' for k in changed)} "
-              f"do nothing here (the tasks that sample: {tasks_with('sample')})",
+        what = (f"reads only {', '.join(f'config.{k}' for k in reads)} of them" if reads
+                else "samples nothing")
+        print(f"note: task {name!r} {what}: {', '.join(f'config.{k}' for k in changed)} do "
+              f"nothing here (the tasks that sample: {tasks_with('sample')})",
               file=sys.stderr)
+
+
+def unread_sample_keys(task: str) -> tuple[str, ...]:
+    """The keys of config.SAMPLE_KEYS registered task `task` does not read (() for a task
+    that declared nothing: TASKS[name] = make)."""
+    from attention_jax import config as config_lib
+    reads = getattr(TASKS.get(task), "sample_keys", None)
+    return () if reads is None else tuple(k for k in config_lib.SAMPLE_KEYS if k not in reads)
 
 
 def tasks_with(entry: str) -> list[str]:

@@ -143,7 +143,7 @@ def _read_image(path: str, channels: int, eval_transform) -> np.ndarray:
     from attention_jax.data import images as images_lib
     try:
         image = images_lib.decode(os.path.expanduser(path), channels=channels)
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for bad files
+    except images_lib.BAD_IMAGE_ERRORS as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{path}: not a readable image ({reason})") from None
     return eval_transform({"image": image, "label": 0}, np.random.default_rng(0))["image"]

@@ -106,7 +106,10 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     # A task that samples nothing lists no sampling keys, and says where they go.
     out = cli("--config=bert_classify", "--help")
     assert "eval.sample_top_k =" not in out.stdout and "  eval.batch_size = 64" in out.stdout
-    assert "only for the tasks that sample, ['encdec', 'gpt', 'rnn_seq2seq']" in out.stdout
+    assert ("not read by task 'bert_classify'; for the tasks that sample, ['encdec', 'gpt', "
+            "'rnn_seq2seq']") in out.stdout
+    out = cli("--config=encdec", "--help")  # greedy translations: the prompts only
+    assert "  eval.sample_prompts = " in out.stdout and "eval.sample_top_k =" not in out.stdout
     # A config's own :ARG arguments are in its docstring, not among its keys: shown too.
     out = cli("--config=gated_mlp", "--help")
     assert "About --config=gated_mlp:\n" in out.stdout

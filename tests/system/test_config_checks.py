@@ -730,5 +730,16 @@ def test_sample_keys_given_to_a_task_that_samples_nothing_are_said(capsys):
                 "'gpt', 'rnn_seq2seq'])") in capsys.readouterr().err
         base.TASKS["tiny_quiet"](tiny.tiny_config(), None)  # the defaults: nothing to say
         assert "samples nothing" not in capsys.readouterr().err
+        # A task whose sampling reads the prompts only (a translation's greedy decoding).
+        base.register("tiny_greedy", tiny.make_tiny_task, sample_keys=("eval.sample_prompts",))
+        base.TASKS["tiny_greedy"](tiny.tiny_config(**{"eval.sample_prompts": ("x",),
+                                                     "eval.sample_temperature": 0.0}), None)
+        err = capsys.readouterr().err
+        assert ("note: task 'tiny_greedy' reads only config.eval.sample_prompts of them: "
+                "config.eval.sample_temperature do nothing here") in err
+        assert base.unread_sample_keys("encdec") == config_lib.SAMPLE_KEYS[1:]
+        assert base.unread_sample_keys("gpt") == ()
+        assert base.unread_sample_keys("tiny") == ()  # TASKS[name] = make: declared nothing
     finally:
         del base.TASKS["tiny_quiet"]
+        base.TASKS.pop("tiny_greedy", None)

@@ -113,6 +113,24 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and err.splitlines()[-1].startswith(
         f"error: --mode=classify: {tmp_path / 'notes.txt'}: not a readable image"), err
+    # An image too large to decompress safely is one line too (PIL's own check, its
+    # limit lowered here), and so is an empty stdin, named as image paths.
+    from PIL import Image as PILImage
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 100)  # 24x24 > 2 x 100: a "bomb"
+    with pytest.raises(main.InputError, match=r": not a readable image \(Image size \(576 "):
+        main.classify_texts(workdir_lib.read_config(str(tmp_path / "vit")),
+                            str(tmp_path / "vit"), [os.path.join(elsewhere, "ant", "2.png")])
+    monkeypatch.undo()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    with pytest.raises(main.InputError, match=r"no image paths \(give one image path per line"):
+        main.classify_texts(workdir_lib.read_config(str(tmp_path / "vit")), str(tmp_path / "vit"))
+    # A task added the plain way (TASKS[name] = make) declares nothing: its Task tells.
+    from attention_jax.tasks import image_task
+    monkeypatch.setitem(TASKS, "vit", lambda config, workdir: image_task(config, workdir))
+    assert [r["label"] for r in main.classify_texts(
+        workdir_lib.read_config(str(tmp_path / "vit")), str(tmp_path / "vit"), paths)] == \
+        [r["label"] for r in rows]
+    monkeypatch.undo()
     # A run of a task that classifies nothing: one line, before stdin is read.
     from attention_jax.errors import ConfigError
     gpt = workdir_lib.read_config(str(tmp_path / "vit"))
