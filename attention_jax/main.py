@@ -233,15 +233,25 @@ def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> 
         raise ConfigError(f"--mode=classify: task {config.task!r} cannot classify texts or "
                           f"images (its Task has neither label_texts nor label_images); "
                           f"valid: {able}")
-    try:
-        probabilities = label(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
-    except ValueError as e:  # a pair's line without its tab, a file that is no image
-        raise InputError(f"--mode=classify: {e}") from None
+    params = jax.tree.map(np.asarray, jax.device_get(run.params))
+    unreadable = {}
+    if images:  # a path's own spaces around it are no part of it (a pasted list)
+        texts = [t.strip() for t in texts]
+        probabilities, unreadable = label(params, texts)
+    else:
+        try:
+            probabilities = label(params, list(texts))
+        except ValueError as e:  # a pair's line without its tab
+            raise InputError(f"--mode=classify: {e}") from None
+    if unreadable:  # the others are classified; these lines say why not, in order
+        print(f"warning: --mode=classify: {len(unreadable)} of the {len(texts)} files are no "
+              f"readable image: their lines carry \"error\" and no label", file=sys.stderr)
     names = run.task.class_names or [str(k) for k in range(probabilities.shape[-1])]
-    best = probabilities.argmax(axis=-1)
-    return [{"image" if images else "text": text, "label": names[k],
-             "probability": round(float(p[k]), 4)}
-            for text, k, p in zip(texts, best, probabilities)]
+    key = "image" if images else "text"
+    return [{key: text, "error": unreadable[i]} if i in unreadable else
+            {key: text, "label": names[int(np.argmax(p))],
+             "probability": round(float(np.max(p)), 4)}
+            for i, (text, p) in enumerate(zip(texts, probabilities))]
 
 
 def main(argv) -> int:

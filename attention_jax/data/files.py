@@ -127,8 +127,8 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
             base, paths = _glob_base(full), glob_lib.glob(full, recursive=True)
         paths = [p for p in paths if os.path.isfile(p)]
         if not paths:
-            raise NoFilesError(f'{arg}={spec!r}: the glob {pattern!r} matches no file '
-                               f'(relative globs start in {os.getcwd()})')
+            where = '' if os.path.isabs(full) else f' (relative globs start in {os.getcwd()})'
+            raise NoFilesError(f'{arg}={spec!r}: the glob {pattern!r} matches no file{where}')
         for p in paths:
             if _format(p) is None:
                 raise FilesError(f'{arg}: {p} (matched by {pattern!r}) is not a file type this '
@@ -422,8 +422,9 @@ class _BadRecords:
             return
         self.seen.add(where)
         if self.count > self.limit:
-            raise FilesError(f'{where}: {why}; that is {self.count} bad records, more than '
-                             f'{self.arg}max_bad_records={self.limit}: fix the files or raise it')
+            raise FilesError(f'{where}: {why}; that is {self.count} bad record'
+                             f'{"s" * (self.count > 1)}, more than {self.arg}max_bad_records='
+                             f'{self.limit}: fix the files or raise it')
         print(f'warning: {where}: {why}; skipped (bad record {self.count}, at most '
               f'{self.limit})', file=sys.stderr, flush=True)
 

@@ -70,7 +70,8 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
     """(sorted class names, per class the sorted image paths relative to root)."""
     root = os.path.expanduser(os.fspath(root))
     if not os.path.isdir(root):
-        what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
+        what = ('is a file, not a folder' if os.path.exists(root) else
+                f'does not exist (moved? give its new place, --{arg}=DIR)')
         raise ImagesError(f'{arg}={root!r} {what}; valid: a folder with one subfolder of '
                           f'images per class (root/<class>/<image>.jpg)')
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith('.'))
@@ -226,14 +227,10 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
         if os.path.realpath(eval_root) == os.path.realpath(root):
             raise ImagesError(f'{arg}eval_root={eval_root!r} is {arg}root itself: an image must '
                               f'not be both trained and evaluated on')
-        eval_classes, eval_files = list_classes(eval_root, f'{arg}eval_root')
-        if eval_classes != classes:
-            diff = sorted(set(classes) ^ set(eval_classes))
-            raise ImagesError(f'{arg}eval_root={eval_root!r} has other classes than {arg}root '
-                              f'(differing: {diff[:5]}); valid: the same class folders')
         return ({'train': make(root, paths, labels),
-                 'validation': make(eval_root, [p for g in eval_files for p in g],
-                                    [c for c, g in enumerate(eval_files) for _ in g])}, classes)
+                 'validation': held_out_folder(eval_root, classes, channels=channels,
+                                               max_bad_records=max_bad_records, arg=arg)},
+                classes)
     if len(paths) < 2:
         raise ImagesError(f'{arg}root={root!r} holds one image; a held-out split needs two or '
                           f'more, or give {arg}eval_root')
@@ -243,6 +240,22 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
     pick = lambda mask: ([paths[i] for i in np.flatnonzero(mask)],
                          [labels[i] for i in np.flatnonzero(mask)])
     return {'train': make(root, *pick(~held)), 'validation': make(root, *pick(held))}, classes
+
+
+def held_out_folder(eval_root: str, classes: Sequence[str], *, channels: int = 3,
+                    max_bad_records: int = 100, arg: str = '') -> ImageFiles:
+    """Every image of `eval_root`, a held-out folder whose class folders must be `classes`
+    (the training folder's, or a trained run's classes.json): one split, listed without
+    the training folder."""
+    eval_root = os.path.expanduser(os.fspath(eval_root))
+    eval_classes, eval_files = list_classes(eval_root, f'{arg}eval_root')
+    if eval_classes != list(classes):
+        diff = sorted(set(classes) ^ set(eval_classes))
+        raise ImagesError(f'{arg}eval_root={eval_root!r} has other classes than {arg}root '
+                          f'(differing: {diff[:5]}); valid: the same class folders')
+    return ImageFiles(eval_root, [p for g in eval_files for p in g],
+                      [c for c, g in enumerate(eval_files) for _ in g], classes,
+                      channels=channels, max_bad_records=max_bad_records, arg=arg)
 
 
 def get_split(split: str, **options) -> ImageFiles:

@@ -105,9 +105,10 @@ def remembered(root: str | None, records, what: dict,
     try:
         _write(entry, kept)
     except Exception as e:  # noqa: BLE001 - the run goes on; only the next start's time is lost
-        print(f'warning: {path}: the records cache could not be written ({type(e).__name__}: '
-              f'{str(e)[:200]}); the next start reads every record again '
-              f'(config.data.cache_dir names another place)', file=sys.stderr)
+        files.say_once(f'records cache {root}', (
+            f'warning: {path}: the records cache could not be written ({type(e).__name__}: '
+            f'{str(e)[:200]}); the next start reads every record again '
+            f'(config.data.cache_dir names another place); said once for this cache'))
     return result
 
 

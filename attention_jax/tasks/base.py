@@ -64,8 +64,9 @@ class Task:
       label_texts(params, texts: list[str]) -> np.ndarray [B, C] float32: each class's
         probability for each text, in class_names' order; a pair's two texts are one
         string with a tab between them (bert_classify).
-      label_images(params, paths: list[str]) -> np.ndarray [B, C] float32: each class's
-        probability for each image file, read as the run's eval images are (vit, cnn).
+      label_images(params, paths: list[str]) -> (np.ndarray [B, C] float32, {i: reason}):
+        each class's probability for each image file, read as the run's eval images are,
+        and the files that are no readable image (their rows NaN) (vit, cnn).
       flops_per_unit(params) -> float: model FLOPs of a training step (forward and
         backward) per `unit`, the PaLM convention of models/flops.py; params may be shapes,
         jax.eval_shape(init, rng) (gpt, bert_mlm, vit, cnn, encdec).
@@ -93,7 +94,7 @@ class Task:
     attention_input: Callable[..., AttentionInput] | None = None
     classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None
     label_texts: Callable[[Any, Sequence[str]], np.ndarray] | None = None
-    label_images: Callable[[Any, Sequence[str]], np.ndarray] | None = None
+    label_images: Callable[[Any, Sequence[str]], tuple[np.ndarray, dict[int, str]]] | None = None
     flops_per_unit: Callable[[Any], float] | None = None
     tokens_per_example: int | None = None
     # A classifier's class names in label order (an image folder's subfolders, a tfds

@@ -62,6 +62,8 @@ def image_task(config, workdir: str) -> Task:
             return found
         train_src = OnDemand(lambda: fraction(folder()[0]))
         eval_src, classes = OnDemand(lambda: folder()[1]), list(saved)
+        if data_opts.eval_root:  # a held-out folder of its own: the training one not listed
+            eval_src = OnDemand(lambda: _held_out_folder(data_opts, saved))
     else:
         train_src, eval_src, classes = _image_sources(data_opts)
         train_src = fraction(train_src)
@@ -97,14 +99,22 @@ def image_task(config, workdir: str) -> Task:
         model.apply({"params": params}, images)[0].astype(jnp.float32), axis=-1))
 
     def label_images(params, paths):
-        out = []
+        out = np.full((len(paths), cfg.num_classes), np.nan, np.float32)
+        unreadable = {}
+        blank = np.zeros((cfg.image_size, cfg.image_size, cfg.num_channels), np.float32)
         for at in range(0, len(paths), PREDICT_ROWS):  # a batch decoded at a time
-            chunk = [_read_image(path, cfg.num_channels, eval_transform)
-                     for path in paths[at:at + PREDICT_ROWS]]
+            chunk = []
+            for i, path in enumerate(paths[at:at + PREDICT_ROWS], at):
+                try:
+                    chunk.append(_read_image(path, cfg.num_channels, eval_transform))
+                except ValueError as e:  # its row stays NaN; the others are classified
+                    unreadable[i] = str(e).removeprefix(f"{path}: ")
+                    chunk.append(blank)
             n = len(chunk)
-            chunk += chunk[:1] * (PREDICT_ROWS - n)  # one shape: one compilation
-            out.append(np.asarray(probabilities(params, np.stack(chunk)))[:n])
-        return np.concatenate(out) if out else np.zeros((0, cfg.num_classes), np.float32)
+            chunk += [blank] * (PREDICT_ROWS - n)  # one shape: one compilation
+            out[at:at + n] = np.asarray(probabilities(params, np.stack(chunk)))[:n]
+        out[list(unreadable)] = np.nan
+        return out, unreadable
 
     def preprocess(train: bool):
         try:
@@ -123,6 +133,7 @@ def image_task(config, workdir: str) -> Task:
 
     shape = (1, cfg.image_size, cfg.image_size, cfg.num_channels)
     eval_transform = preprocess(train=False)
+    _say_if_not_augmented(data_opts)  # once the settings are known to be good
     return Task(model=model, init=lambda rng: model.init(rng, jnp.zeros(shape))["params"],
                 loss=loss, train_source=train_src, eval_source=eval_src,
                 train_transform=preprocess(train=data_opts.augment),
@@ -194,6 +205,29 @@ def _image_sources(o):
     except (AttributeError, KeyError, TypeError):
         names = None
     return train_src, eval_src, names
+
+
+def _say_if_not_augmented(o) -> None:
+    """A note where training crops or flips are asked for but data.augment is off (the
+    digits configs turn it off): training read the eval crop, unsaid."""
+    asked = [f"{k}={o[k]!r}" for k, on in (
+        ("train_crop", o.train_crop == "random_resized" or
+         (o.name == "image_folder" and o.train_crop != "none")),
+        ("flip", o.flip)) if on]
+    if asked and not o.augment and not data_is_on_demand() and jax.process_index() == 0:
+        print(f"note: config.data.augment=False: the training images are read as the eval "
+              f"images are (the centre, resized), so {' and '.join(asked)} "
+              f"{'do' if len(asked) > 1 else 'does'} nothing; "
+              f"--config.data.augment=true applies them", file=sys.stderr)
+
+
+def _held_out_folder(o, classes):
+    from attention_jax.data import images as images_lib
+    try:
+        return images_lib.held_out_folder(o.eval_root, classes, channels=o.channels or 3,
+                                          max_bad_records=o.max_bad_records, arg="config.data.")
+    except images_lib.ImagesError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _model_fields(config, o, config_cls, variants, train_src, classes) -> dict:

@@ -129,6 +129,9 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     with pytest.raises(files.NoFilesError) as e:
         files.file_splits(f'{root}/*.txt,{tmp_path}/nothing/*.jsonl')
     cases.append((e, f"the glob '{tmp_path}/nothing/*.jsonl' matches no file"))
+    assert str(e.value).endswith("matches no file")  # absolute: no word on relative globs
+    with pytest.raises(files.NoFilesError, match=r"matches no file \(relative globs start in "):
+        files.file_splits('nothing-here/*.jsonl')
     (tmp_path / 'k.jsonl').write_text(_jsonl(['one', 'two'], key='content'))
     with pytest.raises(files.FilesError) as e:
         files.file_splits(str(tmp_path / 'k.jsonl'))

@@ -86,6 +86,8 @@ def test_a_root_that_cannot_be_written_is_said_and_the_result_is_right(tmp_path,
     assert _same(found, complete_records(split, ["text", "label"], labels_of="label"))
     err = capsys.readouterr().err
     assert "the records cache could not be written" in err and "config.data.cache_dir" in err
+    complete_records(split, ["text"], cache=str(tmp_path / "blocked"))  # another entry
+    assert "could not be written" not in capsys.readouterr().err  # said once per cache
 
 
 def test_records_in_memory_have_no_identity_and_are_not_kept(tmp_path):

@@ -68,7 +68,7 @@ def _train(capsys, folder, workdir, spec, *extra):
     with open(os.path.join(workdir, "classes.json")) as f:
         assert json.load(f) == list(CLASSES)
     config = workdir_lib.read_config(workdir)
-    return TASKS[config.task](config, workdir), out, evals[-1]
+    return TASKS[config.task](config, workdir), out + err, evals[-1]
 
 
 # Two resolutions of each family: the ViT from scratch at 16 and fine-tuned from Hugging
@@ -77,7 +77,7 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
     import shutil
     own = shutil.copytree(folder, tmp_path / "pets")  # moved away after training
     task, _, last = _train(capsys, str(own), str(tmp_path / "vit"), "vit:variant=vit-tiny/4",
-                           f"--config.data.image_size={size}",
+                           f"--config.data.image_size={size}", "--config.data.augment=true",
                            "--config.data.train_crop=random_resized", "--config.data.flip=true",
                            "--config.data.mean=0.485,0.456,0.406", "--config.data.mixup=0.2")
     cfg = task.model.config
@@ -104,22 +104,26 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
     for row, p in zip(rows, want):
         assert row["label"] == CLASSES[int(np.argmax(p))]
         assert row["probability"] == pytest.approx(float(np.max(p)), abs=1e-4)
-    # A path that is no image is one line naming it.
+    # A path that is no image, or an image too large to decompress safely (PIL's own
+    # check, its limit lowered here), gets a line saying why, and the others their
+    # labels; a warning counts them. An empty stdin is one line naming image paths.
     (tmp_path / "notes.txt").write_text("not an image")
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
-        f"{paths[0]}\n{tmp_path / 'notes.txt'}\n".encode())))
+        f"{paths[0]}  \n{tmp_path / 'notes.txt'}\n{paths[1]}\n".encode())))
     main.parse_flags(["main", "--mode=classify", f"--workdir={tmp_path / 'vit'}"])
-    assert main.main([]) == 1
-    err = capsys.readouterr().err
-    assert err.count("error:") == 1 and err.splitlines()[-1].startswith(
-        f"error: --mode=classify: {tmp_path / 'notes.txt'}: not a readable image"), err
-    # An image too large to decompress safely is one line too (PIL's own check, its
-    # limit lowered here), and so is an empty stdin, named as image paths.
+    assert main.main([]) == 0
+    out = capsys.readouterr()
+    got = [json.loads(line) for line in out.out.splitlines()]
+    assert [g.get("label") for g in got] == [rows[0]["label"], None, rows[1]["label"]]
+    assert got[0]["image"] == paths[0]  # the spaces after a path are no part of it
+    assert got[1] == {"image": str(tmp_path / "notes.txt"),
+                      "error": got[1]["error"]} and "not a readable image" in got[1]["error"]
+    assert "warning: --mode=classify: 1 of the 3 files are no readable image" in out.err
     from PIL import Image as PILImage
     monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 100)  # 24x24 > 2 x 100: a "bomb"
-    with pytest.raises(main.InputError, match=r": not a readable image \(Image size \(576 "):
-        main.classify_texts(workdir_lib.read_config(str(tmp_path / "vit")),
-                            str(tmp_path / "vit"), [os.path.join(elsewhere, "ant", "2.png")])
+    [bomb] = main.classify_texts(workdir_lib.read_config(str(tmp_path / "vit")),
+                                 str(tmp_path / "vit"), [os.path.join(elsewhere, "ant", "2.png")])
+    assert bomb["error"].startswith("not a readable image (Image size (576 pixels) exceeds")
     monkeypatch.undo()
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
     with pytest.raises(main.InputError, match=r"no image paths \(give one image path per line"):
@@ -131,6 +135,15 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
         workdir_lib.read_config(str(tmp_path / "vit")), str(tmp_path / "vit"), paths)] == \
         [r["label"] for r in rows]
     monkeypatch.undo()
+    # Evaluated after its folder moved: on a held-out folder of one's own, the training
+    # folder is not needed; without one, the message says how to give the new place.
+    code, out, err = cli(capsys, "--mode=eval", f"--workdir={tmp_path / 'vit'}",
+                         f"--config.data.eval_root={elsewhere}")
+    assert code == 0, err
+    assert json.loads(out)["examples"] == 8 * len(CLASSES)
+    code, out, err = cli(capsys, "--mode=eval", f"--workdir={tmp_path / 'vit'}")
+    assert code == 1 and "does not exist (moved? give its new place, --config.data.root=DIR)" \
+        in err
     # A run of a task that classifies nothing: one line, before stdin is read.
     from attention_jax.errors import ConfigError
     gpt = workdir_lib.read_config(str(tmp_path / "vit"))
@@ -142,8 +155,13 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
 
 
 def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
-    task, _, _ = _train(capsys, folder, str(tmp_path / "cnn"), "inductive_bias:model=cnn",
-                        f"--config.data.image_size={size}", "--config.data.cutmix=1.0")
+    task, said, _ = _train(capsys, folder, str(tmp_path / "cnn"), "inductive_bias:model=cnn",
+                           f"--config.data.image_size={size}", "--config.data.cutmix=1.0")
+    # The config's data.augment=False (made for 8×8 digits) reads a folder's training
+    # images as eval images are: said, with the way to turn the crops on.
+    assert ("note: config.data.augment=False: the training images are read as the eval "
+            "images are (the centre, resized), so train_crop='random' does nothing; "
+            "--config.data.augment=true applies them") in said
     assert (task.model.config.image_size, task.model.config.num_classes) == (size, 3)
     assert task.train_transform(task.train_source[0], np.random.default_rng(0))["image"].shape \
         == (size, size, 3)
