@@ -23,6 +23,10 @@ TensorFlow):
                               test (1k each)            ('number_translation/small': 2k/200/200)
   number_languages            train (18k), validation,  {'number', 'text', 'label'}: number
                               test (1.8k each)          words labelled by language (6 classes)
+  stdlib_docstrings           train (1.3k), validation, {'source', 'text', 'label'}: the
+                              test (~270 each)          standard library's docstrings labelled
+                                                        by package (9 classes; counts vary a
+                                                        little by Python version)
 
 Your own text
 -------------

@@ -68,6 +68,7 @@ OFFLINE: dict[str, Callable[[dict], tuple[type, tfds.core.BuilderConfig | str | 
     'digits': lambda o: (builders.SklearnDigits, None),
     'number_translation': _number_translation,
     'number_languages': _number_languages,
+    'stdlib_docstrings': lambda o: (builders.StdlibDocstrings, None),
 }
 
 

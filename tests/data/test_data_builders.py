@@ -180,3 +180,39 @@ def test_default_configs_construct(tmp_path):
     assert numbers.builder_config.num_train == 20_000
     assert data.get_builder('number_translation/small', tmp_path,
                             prepare=False).builder_config.num_train == 2_000
+
+
+def test_stdlib_docstrings_are_labelled_by_package_and_split_by_source(tmp_path):
+    """Each record is a documented function's or class's first paragraph, labelled by the
+    package its file is in; no text stands under two labels or in two splits; the split
+    is a function of the source; a second build gives the same records. Read from a
+    library of our own making (root=), then the real one is built."""
+    pkg = tmp_path / "lib"
+    for package, body in (("email", '"""Parse the message headers into a dict."""'),
+                          ("http", '"""Send the response headers to the client."""'),
+                          ("xml", '"""Parse the message headers into a dict."""')):
+        (pkg / package / "sub").mkdir(parents=True)
+        (pkg / package / "sub" / "m.py").write_text(
+            f"def f():\n    {body}\n\nclass C:\n    '''One word.'''\n\n"
+            f"def g():\n    '''Return the {package} thing, twice.\n\n    More.'''\n"
+            f"def h():\n    '''Return the {package} thing, twice.'''\n")
+        (pkg / package / "test").mkdir()
+        (pkg / package / "test" / "t.py").write_text("def t():\n    '''A test's own words.'''\n")
+    records = builders.docstring_records(str(pkg))
+    assert sorted(text for _, text, _ in records) == [
+        "Return the email thing, twice.", "Return the http thing, twice.",
+        "Return the xml thing, twice.", "Send the response headers to the client."]
+    assert ("email/sub/m.py:7", "Return the email thing, twice.", "email") in records
+    from attention_jax import data
+    built = [{s: [(r["source"], r["text"], int(r["label"])) for r in
+                  (lambda src: [src[i] for i in range(len(src))])(
+                      data.get_dataset("stdlib_docstrings", s, tmp_path / d))]
+              for s in ("train", "validation", "test")} for d in ("a", "b")]
+    assert built[0] == built[1]
+    texts = {s: {t for _, t, _ in recs} for s, recs in built[0].items()}
+    assert not (texts["train"] & texts["validation"] or texts["train"] & texts["test"])
+    every = [r for recs in built[0].values() for r in recs]
+    assert len(every) == len(builders.docstring_records()) > 1000
+    for source, text, label in every[:50]:
+        assert source.decode().split("/")[0] == builders.DOC_PACKAGES[label]
+    assert len(built[0]["train"]) > 3 * len(built[0]["validation"])
