@@ -264,8 +264,7 @@ def write_hf_image_processor(out_dir, preprocess) -> None:
     are transformers' own: its pipeline turns a photo by its EXIF orientation tag (the
     run reads the pixels as stored) and clips a 16-bit image to 8 bits (the run scales
     it), and its processor called directly puts an RGBA image on white (the run drops the
-    alpha). Without `preprocess`, an earlier export's file
-    is removed."""
+    alpha). Without `preprocess`, an earlier export's file is removed."""
     file = os.path.join(out_dir, IMAGE_PROCESSOR_FILE)
     if preprocess is None:
         if os.path.exists(file):

@@ -412,10 +412,11 @@ class _BadRecords:
         (records_cache keeps where they are): the limit holds as if they were read."""
         self.seen.update(found)
         if self.count > self.limit:
+            shown = sorted(self.seen)
+            where = ', '.join(shown[:3]) + (', ...' if len(shown) > 3 else '')
             raise FilesError(f'{self.count} bad records in {self.arg}files (found when they '
-                             f'were last read: {", ".join(sorted(self.seen)[:3])}, ...), more '
-                             f'than {self.arg}max_bad_records={self.limit}: fix the files or '
-                             f'raise it')
+                             f'were last read: {where}), more than {self.arg}max_bad_records='
+                             f'{self.limit}: fix the files or raise it')
 
     def skip(self, where: str, why: str) -> None:
         if where in self.seen:
