@@ -70,8 +70,10 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
     """(sorted class names, per class the sorted image paths relative to root)."""
     root = os.path.expanduser(os.fspath(root))
     if not os.path.isdir(root):
+        # The setting as the user gives it: a command-line flag, else the argument.
+        flag = f'--{arg}' if arg.startswith('config.') else arg
         what = ('is a file, not a folder' if os.path.exists(root) else
-                f'does not exist (moved? give its new place, --{arg}=DIR)')
+                f'does not exist (moved? give its new place, {flag}=DIR)')
         raise ImagesError(f'{arg}={root!r} {what}; valid: a folder with one subfolder of '
                           f'images per class (root/<class>/<image>.jpg)')
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith('.'))

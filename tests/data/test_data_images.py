@@ -130,7 +130,8 @@ def test_eval_root_must_hold_the_same_classes(tmp_path):
 
 
 def test_bad_folders_one_line_each(tmp_path):
-    with pytest.raises(ImagesError, match=r"root='.*nowhere' does not exist; valid: a folder"):
+    with pytest.raises(ImagesError, match=r"root='.*nowhere' does not exist \(moved\? give its "
+                                          r"new place, root=DIR\); valid: a folder"):
         folder_splits(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ImagesError, match=r"has no class subfolders"):
