@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -244,8 +244,7 @@ def _say_unread_sample_keys(config, name: str, reads: Sequence[str]) -> None:
     classifier samples nothing, a translation's greedy decoding reads only the prompts):
     they did nothing, unsaid."""
     from attention_jax import config as config_lib
-    if len(reads) == len(config_lib.SAMPLE_KEYS) or not isinstance(
-            getattr(config, "get", lambda _: None)("eval"), (Mapping, ml_collections.ConfigDict)):
+    if len(reads) == len(config_lib.SAMPLE_KEYS) or getattr(config, "eval", None) is None:
         return  # reads them all, or a config without eval settings (a notebook's stub)
     given, default = config_lib.flat(config), config_lib.flat(config_lib.base_config())
     changed = [k for k in config_lib.SAMPLE_KEYS if k not in reads and k in given

@@ -6,7 +6,6 @@ tensorboardX's google-cloud-storage writer for TensorBoard, and orbax's tensorst
 driver for the checkpoints. The environment variables are the ones the README names.
 """
 
-import contextlib
 import json
 import os
 import subprocess
