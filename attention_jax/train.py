@@ -238,6 +238,19 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
         return make_train_loader(task, config, moved)
 
 
+def _check_saved_data(prepared: Setup, config, latest: int | None, resume_changed: bool):
+    """(data_state, loader) of the newest checkpoint, read alone (no arrays): its loader
+    made here stops a resume on changed data first thing. None where there is no
+    checkpoint or its data state does not read (restore_intact reports the damage)."""
+    if latest is None:
+        return None
+    try:
+        data_state = prepared.ckpt.data_state(latest)
+    except Exception:  # noqa: BLE001 - a damaged step: restore_intact says what and falls back
+        return None
+    return data_state, _resumed_loader(prepared.task, config, data_state, resume_changed)
+
+
 # ==================================================================================== train
 def train_and_evaluate(config, workdir: str, task: Task | None = None, *,
                        resume_changed: bool = False) -> dict[str, Any]:
@@ -317,6 +330,10 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool)
     for warning in config_lib.warnings(config):
         _say(f"warning: {warning}")
     note = workdir_lib.check_config_change(config, workdir, latest, resume_changed)
+    # Data that changed since the checkpoint is refused (or, resume_changed, noted) before
+    # its arrays are read and before config.json is rewritten: it was found only after
+    # "resumed from ... at step N", which read as if the run had gone on.
+    checked = _check_saved_data(prepared, config, latest, resume_changed)
     # Every process has read config.json (and the task its assets) before process 0
     # rewrites them. config.json is now replaced atomically, but the assets (a tokenizer's
     # files) are written in place: a process still reading once saw a truncated file,
@@ -333,7 +350,10 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool)
         if note:  # the step actually resumed: a damaged newer one may have been passed over
             _say(f"resuming step {int(steps.fetch(state['step']))} {note}")
         train_step, eval_step = steps.jit_steps(prepared, config)
-        loader = _resumed_loader(prepared.task, config, data_state, resume_changed)
+        # The loader checked above, unless the restore fell back to an older step (the
+        # newest was damaged), whose data state is checked now.
+        loader = (checked[1] if checked and checked[0] == data_state else
+                  _resumed_loader(prepared.task, config, data_state, resume_changed))
         summary = _loop(config, workdir, prepared, state, loader, train_step, eval_step)
     for split, record in workdir_lib.last_records(workdir).items():
         summary[split] = summary[split] or record  # e.g. a resumed run with nothing to do

@@ -367,8 +367,13 @@ def test_resuming_on_changed_data_stops_unless_asked(tmp_path, capsys):
     config = tiny.tiny_config(**{"train.steps": 20})
     grown = tiny.make_tiny_task(config)
     grown.train_source = tiny.SyntheticSequences(5000)
+    capsys.readouterr()
     with pytest.raises(loaders.DataChangedError) as e:
         train.train_and_evaluate(config, workdir, task=grown)
+    # Refused before the arrays were read and config.json rewritten: the error once came
+    # after "resumed from ... at step 10", as if the run had gone on.
+    assert "resumed from" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 10
     assert str(e.value).startswith("the training data changed since the checkpoint: its loader "
                                    "read 4096 rows in the order of seed 0, the data now makes "
                                    "5000 (seed 0);")
