@@ -592,12 +592,19 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
                 max_bad_records: int = 100, max_files: int = 0,
                 arg: str = '', fields: Sequence[str] = (),
                 fields_hint: str = '',
-                integer_fields: Sequence[str] = ()) -> dict[str, FileDocuments]:
+                integer_fields: Sequence[str] = (),
+                held_out_only: bool = False) -> dict[str, FileDocuments]:
     """{'train': ..., 'validation': ...} sources of the documents in `files` (module
     docstring). `arg` prefixes the argument names in messages (the task passes
     'config.data.'). `fields`: records of those keys' texts instead (pairs), whose
     settings `fields_hint` names for a file that lacks one; those of `integer_fields`
-    may hold integers or booleans too, read as their text (a class label)."""
+    may hold integers or booleans too, read as their text (a class label).
+    held_out_only: {'validation': ...} alone, of `eval_files` (which it needs): `files`
+    is neither listed nor read, so a run's evaluation works where only its held-out
+    files are (its training files moved, deleted or far away)."""
+    if held_out_only and not eval_files:
+        raise FilesError(f'{arg}eval_files is empty: the held-out split alone is the '
+                         f'documents of eval_files; valid: globs of files')
     if not 0 < eval_fraction < 1:
         raise FilesError(f'{arg}eval_fraction={eval_fraction!r} is out of range; valid: '
                          f'0 < eval_fraction < 1')
@@ -610,23 +617,29 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
         raise FilesError(f'fields={tuple(fields)!r}: valid: distinct, non-empty keys'
                          + (f' ({fields_hint})' if fields_hint else ''))
     # Listing is cheap; indexing is cached on what was listed (paths, sizes, mtimes).
-    listed = corpus_listing(files, eval_files, max_files=max_files, arg=arg)
+    listed = corpus_listing(files, eval_files, max_files=max_files, arg=arg,
+                            train=not held_out_only)
     read = (tuple(fields), f'set {fields_hint}' if fields_hint else 'name the keys that hold '
             'the texts', tuple(integer_fields)) if fields else (
         (text_key,), _TEXT_HINT.format(arg=arg), ())
-    return _splits(*(tuple(map(tuple, listed[k])) for k in ('files', 'eval_files')), read,
+    train = None if held_out_only else tuple(map(tuple, listed['files']))
+    return _splits(train, tuple(map(tuple, listed['eval_files'])), read,
                    bool(fields), eval_fraction, max_bad_records, arg,
                    files if isinstance(files, str) else ','.join(files))
 
 
 def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] = '', *,
-                   max_files: int = 0, arg: str = '') -> dict[str, list]:
+                   max_files: int = 0, arg: str = '', train: bool = True) -> dict[str, list]:
     """{'files': [[identity, path, size, mtime_ns], ...], 'eval_files': [...]}: what the
     globs match, from a listing and a stat per file (no file is read). The splits are a
     function of it (and eval_fraction), so it keys what is derived from them: the
-    indexing here, the token cache (data/token_cache.py)."""
+    indexing here, the token cache (data/token_cache.py). train=False: `files` is not
+    listed ('files': [])."""
     listed = {}
     for name, spec, limit in (('files', files, max_files), ('eval_files', eval_files, 0)):
+        if name == 'files' and not train:
+            listed[name] = []
+            continue
         found = list_files(spec, f'{arg}{name}', limit) if spec or name == 'files' else []
         stats = [(ident, path, os.stat(path)) for ident, path in found]
         listed[name] = [[ident, path, st.st_size, st.st_mtime_ns] for ident, path, st in stats]
@@ -641,17 +654,22 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
     corpus = lambda listed: Corpus([_index(ident, path, fields, hint, pairs, integers)  # noqa: E731
                                     for ident, path, _, _ in listed], fields, bad, pairs,
                                    integers)
+    def eval_corpus():
+        evaluated = corpus(eval_files)
+        if len(evaluated) == 0:
+            raise FilesError(f'{arg}eval_files: the files hold no documents')
+        return evaluated
+    if train_files is None:  # file_splits(held_out_only=True)
+        return {'validation': FileDocuments(eval_corpus())}
     train = corpus(train_files)
     if len(train) == 0:
         raise FilesError(f'{arg}files={spec!r}: the files hold no documents')
     if eval_files:
-        evaluated = corpus(eval_files)
-        both = sorted({f.path for f in train.files} & {f.path for f in evaluated.files})
+        both = sorted({f.path for f in train.files} & {path for _, path, _, _ in eval_files})
         if both:
             raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
                              f'document must not be both trained and evaluated on')
-        if len(evaluated) == 0:
-            raise FilesError(f'{arg}eval_files: the files hold no documents')
+        evaluated = eval_corpus()
         return {'train': FileDocuments(train), 'validation': FileDocuments(evaluated)}
     if len(train) < 2:
         raise FilesError(f'{arg}files={spec!r} holds one document; a held-out split needs '

@@ -374,13 +374,22 @@ def as_text(x) -> str:
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 
+def held_out_files_alone(data_opts) -> bool:
+    """Whether the eval split is the user's data.eval_files, a function of those files
+    alone (not a draw from data.files): a reader's evaluation then neither lists nor
+    reads the training files, which may have moved or be far away."""
+    return (data_opts.name == "files" and bool(data_opts.eval_files)
+            and data_opts.eval_split == "validation")
+
+
 def record_splits(data_opts, fields: Sequence[str], *, holds: str, hint: str,
-                  integer_fields: Sequence[str] = ()):
+                  integer_fields: Sequence[str] = (), held_out_only: bool = False):
     """(train, eval) sources of a task whose records hold several keys (sentence pairs,
     labelled texts): a dataset's splits, or with data.name="files" the records of the
     user's .jsonl/.parquet files, each holding `fields`. holds: what a record holds, for
     the message when no files are given; hint: the settings that name the keys, for a
-    file that lacks one; integer_fields: keys whose integers read as text (labels)."""
+    file that lacks one; integer_fields: keys whose integers read as text (labels).
+    held_out_only (where held_out_files_alone): (None, eval), the training files unread."""
     from attention_jax.data import files
     check_source_keys(data_opts, "files", ("files", "eval_files"))
     if data_opts.name != "files":
@@ -397,8 +406,8 @@ def record_splits(data_opts, fields: Sequence[str], *, holds: str, hint: str,
     found = files.file_splits(
         data_opts.files, data_opts.eval_files, eval_fraction=data_opts.eval_fraction,
         max_bad_records=data_opts.max_bad_records, arg="config.data.", fields=tuple(fields),
-        fields_hint=hint, integer_fields=tuple(integer_fields))
-    return found[data_opts.train_split], found[data_opts.eval_split]
+        fields_hint=hint, integer_fields=tuple(integer_fields), held_out_only=held_out_only)
+    return found.get(data_opts.train_split), found[data_opts.eval_split]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # (an array field: compare the fields)

@@ -21,7 +21,7 @@ from attention_jax.tasks.base import (AttentionInput, Task, as_text, cache_root,
                                       check_source_keys, corpus_options,
                                       data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
-                                      gather_rows, lm_vocab_size, model_config, moe_metrics,
+                                      gather_rows, held_out_files_alone, lm_vocab_size, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
                                       tasks_with, token_labels)
 
@@ -207,6 +207,9 @@ class _Documents:
         self.opts = data_opts
         check_source_keys(data_opts, "files", ("files", "eval_files"))
         self._docs = self._listing = None
+        # A reader's (eval, sampling): its splits are read after the task is built,
+        # outside tasks.data_on_demand.
+        self.reader = data_is_on_demand()
         if data_opts.name != "files":
             if not data_is_on_demand():
                 self._dataset_splits()
@@ -234,24 +237,42 @@ class _Documents:
     def split(self, label: str) -> str:
         return self.opts["train_split" if label == "train" else "eval_split"]
 
+    def held_out_alone(self, label: str) -> bool:
+        """Whether `label` is the documents of data.eval_files alone (held_out_files_alone)."""
+        return label == "eval" and held_out_files_alone(self.opts)
+
     def docs(self, label: str):
         """The documents of 'train' or 'eval' (indexing the files on first use)."""
         if self._docs is None and self.opts.name != "files":
             self._dataset_splits()
+        if self._docs is None and self.held_out_alone(label) and self.reader:
+            return self._file_splits(held_out_only=True)["validation"]
         if self._docs is None:
-            from attention_jax.data import files
-            by_split = files.file_splits(
-                self.opts.files, self.opts.eval_files, text_key=self.opts.text_key,
-                eval_fraction=self.opts.eval_fraction, max_bad_records=self.opts.max_bad_records,
-                max_files=self.opts.max_files, arg="config.data.")
+            by_split = self._file_splits()
             self._docs = {"train": by_split[self.split("train")],
                           "eval": by_split[self.split("eval")]}
         return self._docs[label]
 
+    def _file_splits(self, held_out_only: bool = False) -> dict:
+        from attention_jax.data import files
+        return files.file_splits(
+            self.opts.files, self.opts.eval_files, text_key=self.opts.text_key,
+            eval_fraction=self.opts.eval_fraction, max_bad_records=self.opts.max_bad_records,
+            max_files=self.opts.max_files, arg="config.data.", held_out_only=held_out_only)
+
     def source(self, label: str) -> dict:
-        """What the files' split `label` is a function of (the token cache's key)."""
+        """What the files' split `label` is a function of (the token cache's key): the
+        listing of data.files and data.eval_files; of eval_files alone for theirs."""
+        if self.held_out_alone(label):
+            listed = self._listing or self._eval_listing()
+            return {"eval_files": listed["eval_files"], "split": "validation",
+                    "eval_fraction": None}
         drawn = None if self.listing["eval_files"] else self.opts.eval_fraction
         return {**self.listing, "split": self.split(label), "eval_fraction": drawn}
+
+    def _eval_listing(self) -> dict:
+        from attention_jax.data import files
+        return files.corpus_listing("", self.opts.eval_files, arg="config.data.", train=False)
 
 
 def _check_has_text(data_opts, split: str, rows) -> None:

@@ -28,7 +28,8 @@ from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
                                       check_classes,
                                       check_context, check_model_keys, complete_records,
-                                      data_is_on_demand, data_options, model_config,
+                                      data_is_on_demand, data_options, held_out_files_alone,
+                                      model_config,
                                       padded_vocab, record_splits, register, run_tokenizer,
                                       save_classes, saved_classes, token_labels)
 
@@ -52,9 +53,10 @@ def _record_keys(o) -> list[str]:
     return [o.text_key, *([o.pair_key] if o.pair_key else []), o.label_key]
 
 
-def _labelled_sources(o):
+def _labelled_sources(o, held_out_only: bool = False):
     """(train, eval) sources: a dataset's splits, or with data.name="files" the records of
-    the user's .jsonl/.parquet files."""
+    the user's .jsonl/.parquet files (held_out_only: (None, eval), of data.eval_files
+    alone)."""
     keys = _record_keys(o)
     if not all(keys[:-1]) or not o.label_key or len(set(keys)) < len(keys):
         raise ConfigError(f"config.data.text_key={o.text_key!r}, pair_key={o.pair_key!r}, "
@@ -64,7 +66,7 @@ def _labelled_sources(o):
                                         "data.label_key",
                          hint="config.data.text_key and config.data.label_key (and pair_key) "
                               "to the keys of the text and its label",
-                         integer_fields=(o.label_key,))
+                         integer_fields=(o.label_key,), held_out_only=held_out_only)
 
 
 def _dataset_classes(o, records) -> tuple[str, ...]:
@@ -199,20 +201,23 @@ def classify_task(config, workdir: str) -> Task:
     o = data_options(config, **CLASSIFY_DATA)
     files = o.name == "files"
 
+    reader = data_is_on_demand()
+
     @functools.cache
-    def sources():  # both splits' sources: no record read but the first
-        train, evaluated = _labelled_sources(o)
+    def sources(held_out_only: bool = False):  # no record read but the first
+        train, evaluated = _labelled_sources(o, held_out_only)
         return {"train_split": train, "eval_split": evaluated}
 
     @functools.cache
     def labelled(split: str):  # a file's split less its empty records, and its labels
-        return _labelled(o, sources()[split], split)
+        # (a reader's evaluation of data.eval_files lists no training file)
+        alone = reader and split == "eval_split" and held_out_files_alone(o)
+        return _labelled(o, sources(alone)[split], split)
 
     def records(split: str):
         return labelled(split)[0] if files else sources()[split]
 
     saved = saved_classes(workdir)
-    reader = data_is_on_demand()
     if reader and saved:  # a reader (sampling, maps) needs no data; eval reads its split
         classes = tuple(saved)
     elif files:

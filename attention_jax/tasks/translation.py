@@ -22,6 +22,7 @@ from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, c
                                       check_context,
                                       check_model_keys, complete_records, data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
+                                      held_out_files_alone,
                                       model_config, padded_vocab, record_splits, register,
                                       run_tokenizer, token_labels, until_eos)
 
@@ -36,10 +37,11 @@ def _check_languages(data_opts, records) -> None:
                               f"{data_opts.name!r}; valid: {valid}")
 
 
-def _pairs(data_opts):
+def _pairs(data_opts, held_out_only: bool = False):
     """(train, eval) sources of sentence pairs: a dataset's splits, or with
     data.name="files" the records of the user's .jsonl/.parquet files, each holding both
-    languages under the keys data.source and data.target."""
+    languages under the keys data.source and data.target (held_out_only: (None, eval),
+    of data.eval_files alone)."""
     if data_opts.name == "files":
         if not data_opts.source or not data_opts.target:
             raise ConfigError(f"config.data.source={data_opts.source!r}, config.data.target="
@@ -52,7 +54,8 @@ def _pairs(data_opts):
     return record_splits(
         data_opts, (data_opts.source, data_opts.target),
         holds="the two languages under data.source and data.target",
-        hint="config.data.source and config.data.target to the keys of the two languages")
+        hint="config.data.source and config.data.target to the keys of the two languages",
+        held_out_only=held_out_only)
 
 
 def _whole_pairs(data_opts, records, split: str):
@@ -143,16 +146,20 @@ def translation_task(config, workdir: str) -> Task:
                           "which a decoder starts and stops with; valid: ['char', 'byte', "
                           "'bpe'] or a tokenizer.json")
 
+    reader = data_is_on_demand()
+
     @functools.cache
-    def sources():  # both splits' sources: no record read but the first
-        train, evaluated = _pairs(data_opts)
-        _check_languages(data_opts, train)
+    def sources(held_out_only: bool = False):  # no record read but the first
+        train, evaluated = _pairs(data_opts, held_out_only)
+        _check_languages(data_opts, evaluated if held_out_only else train)
         return {"train_split": train, "eval_split": evaluated}
 
     @functools.cache
     def whole(split: str):  # one split's pairs with both sides: reads that split alone
-        return _whole_pairs(data_opts, sources()[split], split)
-    if data_is_on_demand():  # a reader (sampling, attention maps) needs no data; an
+        # (a reader's evaluation of data.eval_files lists no training file)
+        alone = reader and split == "eval_split" and held_out_files_alone(data_opts)
+        return _whole_pairs(data_opts, sources(alone)[split], split)
+    if reader:  # a reader (sampling, attention maps) needs no data; an
         # evaluation reads its split only
         train_src, eval_src = (OnDemand(lambda: whole("train_split")),
                                OnDemand(lambda: whole("eval_split")))
@@ -160,7 +167,7 @@ def translation_task(config, workdir: str) -> Task:
         train_src, eval_src = whole("train_split"), whole("eval_split")
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
                                           for k in (data_opts.source, data_opts.target)])
-    if not data_is_on_demand():  # a reader's run trained on these lengths already
+    if not reader:  # a reader's run trained on these lengths already
         _check_lengths(data_opts, tok, train_src, eval_src)
     ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
     vocab = padded_vocab(tok.vocab_size)
