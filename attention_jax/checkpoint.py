@@ -130,6 +130,11 @@ def step_folders(directory: epath.Path) -> dict[int, epath.Path]:
     return {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()}
 
 
+def committed_steps_in(directory) -> list[int]:
+    """Steps whose folder carries orbax's commit marker, oldest first (no manager opened)."""
+    return sorted(s for s, p in step_folders(epath.Path(directory)).items() if _is_committed(p))
+
+
 def _move_aside(path: epath.Path, suffix: str) -> epath.Path:
     """Renames `path` to `path.<suffix>` (or .<suffix>.1, ...): never deleted, so a
     person can inspect it; invisible to orbax, whose steps are integer names."""
@@ -407,7 +412,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------- query
     def committed_steps(self) -> list[int]:
         """Steps whose folder carries orbax's commit marker, oldest first."""
-        return sorted(s for s, p in step_folders(self.directory).items() if _is_committed(p))
+        return committed_steps_in(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest committed step (never a half-written one), or None."""

@@ -308,6 +308,13 @@ def _check_processes(config, workdir: str) -> None:
 
 
 def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool) -> dict:
+    # What refuses a resume from the config alone is found before the task builds its data
+    # (a corpus tokenized, records read): it once came after minutes of that.
+    latest = _latest_step(workdir)
+    if latest is not None:
+        _check_steps(config, workdir, latest)
+        if not resume_changed:
+            workdir_lib.refuse_config_change(config, workdir, latest)
     prepared = setup(config, workdir, task)
     try:
         return _train_prepared(config, workdir, prepared, resume_changed)
@@ -318,22 +325,40 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
         prepared.ckpt.close()
 
 
-def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool) -> dict:
-    latest = prepared.ckpt.latest_step()
-    if latest is not None and latest > config.train.steps:
+def _latest_step(workdir: str) -> int | None:
+    steps = ckpt_lib.committed_steps_in(workdir_lib.path(workdir_lib.resolve(workdir),
+                                                         workdir_lib.CHECKPOINTS))
+    return steps[-1] if steps else None
+
+
+def _check_steps(config, workdir: str, latest: int) -> None:
+    if latest > config.train.steps:
         # Resumed, it trained nothing, yet rewrote config.json with the smaller count
         # (and warned of a warmup longer than the run): training cannot go back.
         raise ConfigError(f"config.train.steps={config.train.steps} is below the run's "
                           f"step {latest} ({workdir_lib.path(workdir, 'checkpoints')}/{latest});"
                           f" valid: train.steps >= {latest} to resume it (--mode=eval to "
                           f"evaluate it), or a new --workdir")
+
+
+def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool) -> dict:
+    latest = prepared.ckpt.latest_step()
+    if latest is not None:
+        _check_steps(config, workdir, latest)
+        # A checkpoint of another model (a --resume_changed of model.* keys) cannot
+        # resume: refused before config.json is moved aside and rewritten, which once
+        # left the workdir describing a model its checkpoints do not hold.
+        try:
+            prepared.ckpt.check_structure(prepared.abstract, latest)
+        except ckpt_lib.CheckpointDamagedError:
+            pass  # restore_intact reports it and falls back to an older step
     for warning in config_lib.warnings(config):
         _say(f"warning: {warning}")
-    note = workdir_lib.check_config_change(config, workdir, latest, resume_changed)
     # Data that changed since the checkpoint is refused (or, resume_changed, noted) before
     # its arrays are read and before config.json is rewritten: it was found only after
     # "resumed from ... at step N", which read as if the run had gone on.
     checked = _check_saved_data(prepared, config, latest, resume_changed)
+    note = workdir_lib.check_config_change(config, workdir, latest, resume_changed)
     # Every process has read config.json (and the task its assets) before process 0
     # rewrites them. config.json is now replaced atomically, but the assets (a tokenizer's
     # files) are written in place: a process still reading once saw a truncated file,

@@ -587,6 +587,28 @@ def _safe(key: str, keys) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys)
 
 
+def refuse_config_change(config, workdir: str, step: int, changes: dict | None = None) -> None:
+    """A ConfigError listing `key: old -> new` and the ways through where `config`
+    changes a training-relevant key of the run's config.json: resuming `step` with it
+    needs --resume_changed. Cheap: a run asks before it builds its data."""
+    changes = config_changes(config, workdir) if changes is None else changes
+    relevant = _training_keys(changes, config)
+    if not relevant:
+        return
+    # A key the config now leaves None (a variant's value) that the run set: giving
+    # the run's value resumes it (the gpt config's sizes under :variant=, before they
+    # followed the variant).
+    unset = [k for k in relevant if changes[k][1] is None and changes[k][0] is not None]
+    keep = (f" To keep the run's {', '.join(unset)}: " + " ".join(
+        f"--config.{k}={json.dumps(changes[k][0])}" for k in unset) + "."
+            if unset else "")
+    raise ConfigError(
+        f"{workdir} holds a run at step {step} trained with another config: "
+        f"{_show(changes, relevant)}.{keep} To resume it with the new values anyway pass "
+        f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
+        f"from scratch use a new --workdir.")
+
+
 def check_config_change(config, workdir: str, step: int | None, resume_changed: bool) -> str:
     """Before resuming the checkpoint at `step`: compares `config` with the run's
     config.json. Changes only of RESUME_SAFE_KEYS (e.g. train.steps, to extend a run)
@@ -606,19 +628,8 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     if not changes:
         return ""
     relevant = _training_keys(changes, config)
-    if relevant and not resume_changed:
-        # A key the config now leaves None (a variant's value) that the run set: giving
-        # the run's value resumes it (the gpt config's sizes under :variant=, before they
-        # followed the variant).
-        unset = [k for k in relevant if changes[k][1] is None and changes[k][0] is not None]
-        keep = (f" To keep the run's {', '.join(unset)}: " + " ".join(
-            f"--config.{k}={json.dumps(changes[k][0])}" for k in unset) + "."
-                if unset else "")
-        raise ConfigError(
-            f"{workdir} holds a run at step {step} trained with another config: "
-            f"{_show(changes, relevant)}.{keep} To resume it with the new values anyway pass "
-            f"--resume_changed (train_and_evaluate(..., resume_changed=True)); to train "
-            f"from scratch use a new --workdir.")
+    if not resume_changed:
+        refuse_config_change(config, workdir, step, changes)
     note = f"with config changes: {_show(changes, list(changes))}"
     old_schedule, new_schedule = _schedules(changes, config)
     if "train.steps" in changes and not config.optim.get("decay_steps", 0) \
@@ -634,8 +645,13 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
                  f"--config.train.steps)")
     if relevant and jax.process_index() == 0:
         old = path(workdir, f"config_until_step_{step}.json")
-        epath_of(workdir, CONFIG).replace(old)
-        note += f"; the previous config is kept as {old}"
+        if epath_of(old).exists():
+            # An earlier --resume_changed from this step kept the config that trained it;
+            # config.json is a later one that saved no step: the record stays as it is.
+            note += f"; the config that trained up to step {step} stays kept as {old}"
+        else:
+            epath_of(workdir, CONFIG).replace(old)
+            note += f"; the previous config is kept as {old}"
     return note
 
 

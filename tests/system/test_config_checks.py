@@ -152,6 +152,46 @@ def test_resume_refuses_changed_training_keys_and_lists_them(tmp_path, capsys):
         assert json.load(f)["optim"]["lr"] == 0.02
 
 
+def test_a_resume_refused_leaves_the_workdir_as_it_was(tmp_path, monkeypatch):
+    """A changed config is refused before the task builds its data (it came after the
+    corpus was tokenized); a --resume_changed of the model's shape stops on the
+    checkpoint before config.json is moved aside and rewritten (the workdir then named a
+    model its checkpoints do not hold); a second --resume_changed from one step keeps the
+    config that trained it."""
+    from attention_jax.checkpoint import CheckpointMismatchError
+    workdir = str(tmp_path)
+    train.train_and_evaluate(tiny.tiny_config(), workdir)
+    trained = (tmp_path / "config.json").read_text()
+
+    def no_setup(*args, **kwargs):
+        raise AssertionError("the task was built before the config change was refused")
+    with monkeypatch.context() as m:
+        m.setattr(train, "setup", no_setup)
+        with pytest.raises(ConfigError, match=r"trained with another config: optim\.lr"):
+            train.train_and_evaluate(tiny.tiny_config(**{"optim.lr": 0.5}), workdir)
+        with pytest.raises(ConfigError, match=r"^config\.train\.steps=5 is below"):
+            train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 5}), workdir)
+
+    wider = tiny.tiny_config(**{"model.width": 32, "train.steps": 20})
+    with pytest.raises(CheckpointMismatchError, match=r"does not match the model"):
+        train.train_and_evaluate(wider, workdir, resume_changed=True)
+    assert (tmp_path / "config.json").read_text() == trained
+    assert not (tmp_path / "config_until_step_10.json").exists()
+
+    # Two resumes with changes from step 10, the first stopped before it saved a step:
+    # the record of what trained up to step 10 stays the run's first config.
+    monkeypatch.setattr(train, "_loop", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        train.train_and_evaluate(tiny.tiny_config(**{"optim.lr": 0.5}), workdir,
+                                 resume_changed=True)
+    monkeypatch.undo()
+    summary = train.train_and_evaluate(tiny.tiny_config(**{"optim.lr": 0.2, "train.steps": 12}),
+                                       workdir, resume_changed=True)
+    assert summary["step"] == 12
+    assert (tmp_path / "config_until_step_10.json").read_text() == trained
+    assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 0.2
+
+
 def _lrs(workdir, steps):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"train"' in line]
