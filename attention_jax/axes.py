@@ -16,6 +16,9 @@ EXPERT = "expert"  # E
 LAYERS = "layers"  # the stacked-layer axis of nn.scan
 POSITION = "position"  # rows of a learned position table
 NORM = "norm"  # scales and biases of norms (never sharded)
+# Every logical name the models use: a mesh.rules entry naming another is a typo.
+LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS,
+                POSITION, NORM)
 
 # Mesh axes (sharding.py maps the logical names above onto them; ring attention passes
 # keys and values around SEQUENCE).

@@ -36,7 +36,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from attention_jax.errors import ConfigError
+from attention_jax import axes
+from attention_jax.errors import ConfigError, did_you_mean
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 # Axes that may also span slices (TPU multislice) or hosts over the slow data-centre
@@ -420,13 +421,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
     """Config rules (lists from JSON/CLI, or tuples) -> flax's tuple-of-pairs form.
 
-    Checks every mesh axis named so that a typo fails here rather than inside XLA.
+    Checks every name so that a typo fails here: a mesh axis rather than inside XLA, a
+    logical one rather than never (flax leaves a name without a rule unsharded, so
+    'btch' copied the batch onto every device, unsaid, at a seventh of the speed).
     """
     out = []
     for i, rule in enumerate(rules):
-        if len(rule) != 2:
-            raise ValueError(f"mesh.rules[{i}]={rule!r} must be a (logical_name, mesh_axes) pair")
+        if isinstance(rule, str) or len(rule) != 2:
+            raise ConfigError(f"config.mesh.rules[{i}]={rule!r} is not a pair; valid: "
+                              f"(logical_name, mesh_axes) pairs, e.g. ('batch', ('data', "
+                              f"'fsdp')) or ('embed', None)")
         name, target = rule
+        if name not in axes.LOGICAL_AXES:
+            raise ConfigError(f"config.mesh.rules[{i}]: {name!r} is no logical axis of the "
+                              f"models; valid: {list(axes.LOGICAL_AXES)}"
+                              f"{did_you_mean(name, axes.LOGICAL_AXES)}")
         if isinstance(target, (list, tuple)):
             target = tuple(target)
             named = target
@@ -434,10 +443,25 @@ def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
             named = () if target is None else (target,)
         bad = [a for a in named if a not in MESH_AXES]
         if bad:
-            raise ValueError(f"mesh.rules[{i}]: logical axis {name!r} maps to {bad}; "
-                             f"valid mesh axes: {list(MESH_AXES)} or None")
+            raise ConfigError(f"config.mesh.rules[{i}]: logical axis {name!r} maps to {bad}; "
+                              f"valid mesh axes: {list(MESH_AXES)} or None"
+                              f"{did_you_mean(bad[0], MESH_AXES)}")
         out.append((str(name), target))
     return tuple(out)
+
+
+def rules_warnings(rules, mesh_shape) -> list[str]:
+    """What `rules` leave undone on a mesh of `mesh_shape`: a batch split over no
+    data-parallel axis of size > 1 makes each of those devices compute the whole batch."""
+    parallel = {a: mesh_shape.get(a, 1) for a in BATCH_AXES if mesh_shape.get(a, 1) > 1}
+    batch_axes = {a for name, target in rules if name == axes.BATCH
+                  for a in (target if isinstance(target, tuple) else (target,))}
+    if not parallel or batch_axes & set(parallel):
+        return []
+    shown = " × ".join(f"mesh.{a}={n}" for a, n in parallel.items())
+    return [f"config.mesh.rules split 'batch' over none of {list(parallel)} ({shown}): each of "
+            f"those devices computes the whole batch, no faster than one; the default rules "
+            f"have ('batch', {BATCH_AXES})"]
 
 
 def logical_to_shardings(logical_specs, mesh: Mesh, rules):

@@ -312,6 +312,8 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
     # (a corpus tokenized, records read): it once came after minutes of that.
     latest = _latest_step(workdir)
     if latest is not None:
+        # (keys, types and choices first: a typo is the mistake, not a change of config)
+        config_lib.validate(config, tasks=None if task else TASKS)
         _check_steps(config, workdir, latest)
         if not resume_changed:
             workdir_lib.refuse_config_change(config, workdir, latest)
@@ -352,7 +354,8 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool)
             prepared.ckpt.check_structure(prepared.abstract, latest)
         except ckpt_lib.CheckpointDamagedError:
             pass  # restore_intact reports it and falls back to an older step
-    for warning in config_lib.warnings(config):
+    for warning in (config_lib.warnings(config)
+                    + sharding.rules_warnings(prepared.rules, dict(prepared.mesh.shape))):
         _say(f"warning: {warning}")
     # Data that changed since the checkpoint is refused (or, resume_changed, noted) before
     # its arrays are read and before config.json is rewritten: it was found only after
