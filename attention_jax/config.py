@@ -168,6 +168,10 @@ RANGES = {
 # other tasks' keys, and a run of another task that sets one is told it does nothing.
 SAMPLE_KEYS = ("eval.sample_prompts", "eval.sample_tokens", "eval.sample_temperature",
                "eval.sample_top_k", "eval.sample_top_p")
+# The keys of the GPT's fused head and loss (tasks/text.py), which no other task reads.
+LM_LOSS_KEYS = ("train.loss_chunk_size", "train.loss_kernel")
+# Keys only some tasks read (tasks.register(..., reads=)): the same treatment.
+TASK_KEYS = SAMPLE_KEYS + LM_LOSS_KEYS
 
 
 # Names researchers bring from nanoGPT's train.py and model.py and from Hugging Face's

@@ -429,11 +429,11 @@ def help_text(argv) -> str:
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
         from attention_jax import tasks
         keys = config_lib.flat(config)
-        unread = tasks.unread_sample_keys(config.get("task"))
+        unread = tasks.unread_keys(config.get("task"))
         if unread:
             keys = {k: v for k, v in keys.items() if k not in unread}
-            lines += [f"  ({', '.join(unread)}: not read by task {config.task!r}; for the "
-                      f"tasks that sample, {tasks.tasks_with('sample')})"]
+            lines += [f"  (left out, as task {config.task!r} does not read them: "
+                      f"{tasks.describe_readers(unread)})"]
         lines += [f"  {key} = {value!r}" for key, value in keys.items()]
     else:
         lines += ["", "A config's keys and values: add --help to a command with --config=NAME"]

@@ -24,16 +24,16 @@ from attention_jax.tasks import images, text, text_classes, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
                                       data_on_demand, data_options, lm_vocab_size,
                                       model_config, need,
-                                      padded_vocab, register, tasks_with, token_labels,
-                                      unread_sample_keys, until_eos)
+                                      describe_readers, padded_vocab, register, tasks_with,
+                                      token_labels, unread_keys, until_eos)
 from attention_jax.tasks.images import image_task
 from attention_jax.tasks.text import lm_task, mlm_task
 from attention_jax.tasks.text_classes import classify_task
 from attention_jax.tasks.translation import translation_task
 
 __all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "classify_task",
-           "data_on_demand",
+           "data_on_demand", "describe_readers",
            "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
            "register", "tasks_with", "token_labels", "translation_task",
-           "unread_sample_keys", "until_eos"]
+           "unread_keys", "until_eos"]

@@ -206,23 +206,23 @@ TASKS: dict[str, Callable[[Any, str], Task]] = {}
 
 
 def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str] = (),
-             sample_keys: Sequence[str] | None = None) -> None:
+             reads: Sequence[str] | None = None) -> None:
     """TASKS[name] = make, declaring the optional Task entries it sets (OPTIONAL), so that
     `need` can name the tasks with an entry without building any. A build that sets other
-    entries than it declares is a bug here and raises. sample_keys: the keys of
-    config.SAMPLE_KEYS its sampling reads (None: all of them where it samples, none
-    where it does not); --help lists only those, and a run that sets another is told it
-    does nothing."""
+    entries than it declares is a bug here and raises. reads: the keys of
+    config.TASK_KEYS (keys only some tasks read) the task reads (None: config.SAMPLE_KEYS
+    where it samples, none where it does not); --help lists only those, and a run that
+    sets another is told it does nothing."""
     from attention_jax import config as config_lib
     unknown = sorted(set(provides) - set(OPTIONAL))
     if unknown:
         raise ValueError(f"provides={unknown} are not optional Task entries; valid: {OPTIONAL}")
     declared = frozenset(provides)
-    if sample_keys is None:
-        sample_keys = config_lib.SAMPLE_KEYS if "sample" in declared else ()
-    unknown = sorted(set(sample_keys) - set(config_lib.SAMPLE_KEYS))
+    if reads is None:
+        reads = config_lib.SAMPLE_KEYS if "sample" in declared else ()
+    unknown = sorted(set(reads) - set(config_lib.TASK_KEYS))
     if unknown:
-        raise ValueError(f"sample_keys={unknown}; valid: {config_lib.SAMPLE_KEYS}")
+        raise ValueError(f"reads={unknown}; valid: keys of {config_lib.TASK_KEYS}")
 
     @functools.wraps(make)
     def build(config, workdir: str) -> Task:
@@ -231,39 +231,47 @@ def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str
         if found != declared:
             raise AssertionError(f"task {name!r} sets {sorted(found)} but declares "
                                  f"{sorted(declared)}: fix its register(..., provides=)")
-        _say_unread_sample_keys(config, name, build.sample_keys)
+        _say_unread_keys(config, name)
         return task
 
     build.provides = declared
-    build.sample_keys = tuple(sample_keys)
+    build.reads = tuple(reads)
     TASKS[name] = build
 
 
-def _say_unread_sample_keys(config, name: str, reads: Sequence[str]) -> None:
-    """A note where a task is given eval.sample_* values its sampling does not read (a
-    classifier samples nothing, a translation's greedy decoding reads only the prompts):
-    they did nothing, unsaid."""
+def _say_unread_keys(config, name: str) -> None:
+    """A note where a task is given values of keys it does not read (a classifier's
+    eval.sample_*, which only sampling reads; a ViT's train.loss_chunk_size, which only
+    the GPT's loss reads): they did nothing, unsaid."""
     from attention_jax import config as config_lib
-    if len(reads) == len(config_lib.SAMPLE_KEYS) or getattr(config, "eval", None) is None:
-        return  # reads them all, or a config without eval settings (a notebook's stub)
+    if getattr(config, "eval", None) is None:
+        return  # a config without eval settings (a notebook's stub)
     given, default = config_lib.flat(config), config_lib.flat(config_lib.base_config())
-    changed = [k for k in config_lib.SAMPLE_KEYS if k not in reads and k in given
-               and given[k] != default[k]
+    changed = [k for k in unread_keys(name) if k in given and given[k] != default[k]
                and not (isinstance(default[k], tuple) and tuple(given[k]) == default[k])]
     if changed and jax.process_index() == 0:
-        what = (f"reads only {', '.join(f'config.{k}' for k in reads)} of them" if reads
-                else "samples nothing")
-        print(f"note: task {name!r} {what}: {', '.join(f'config.{k}' for k in changed)} do "
-              f"nothing here (the tasks that sample: {tasks_with('sample')})",
-              file=sys.stderr)
+        print(f"note: task {name!r} does not read {describe_readers(changed)}: set here, "
+              f"they do nothing", file=sys.stderr)
 
 
-def unread_sample_keys(task: str) -> tuple[str, ...]:
-    """The keys of config.SAMPLE_KEYS registered task `task` does not read (() for a task
+def unread_keys(task: str) -> tuple[str, ...]:
+    """The keys of config.TASK_KEYS registered task `task` does not read (() for a task
     that declared nothing: TASKS[name] = make)."""
     from attention_jax import config as config_lib
-    reads = getattr(TASKS.get(task), "sample_keys", None)
-    return () if reads is None else tuple(k for k in config_lib.SAMPLE_KEYS if k not in reads)
+    reads = getattr(TASKS.get(task), "reads", None)
+    return () if reads is None else tuple(k for k in config_lib.TASK_KEYS if k not in reads)
+
+
+def describe_readers(keys: Sequence[str]) -> str:
+    """`keys` with the registered tasks that read them, those of the same tasks together:
+    "config.a, config.b (read by ['gpt']); config.c (read by none)"."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for key in keys:
+        readers = tuple(sorted(n for n, make in TASKS.items()
+                               if key in getattr(make, "reads", ())))
+        groups.setdefault(readers, []).append(f"config.{key}")
+    return "; ".join(f"{', '.join(group)} (read by {list(readers) if readers else 'none'})"
+                     for readers, group in groups.items())
 
 
 def tasks_with(entry: str) -> list[str]:

@@ -291,6 +291,6 @@ def _encdec_flops(cfg, data_opts, params) -> float:
 
 # Greedy translations of the prompts: no sampling settings, no length (data.target_len).
 register("rnn_seq2seq", translation_task, provides=("decode", "attention_input", "sample"),
-         sample_keys=("eval.sample_prompts",))
+         reads=("eval.sample_prompts",))
 register("encdec", translation_task, provides=("decode", "attention_input", "flops_per_unit",
-                                               "sample"), sample_keys=("eval.sample_prompts",))
+                                               "sample"), reads=("eval.sample_prompts",))

@@ -762,29 +762,35 @@ def test_splash_chunks_too_short_for_its_tiles_are_a_config_error():
     config_lib.check_model_fits_mesh(cfg, {"sequence": 2}, seq_len=512)  # chunks of 128
 
 
-def test_sample_keys_given_to_a_task_that_samples_nothing_are_said(capsys):
-    """eval.sample_* are read by the tasks that sample (gpt, translation): set for
-    another (a classifier), they did nothing, unsaid."""
+def test_keys_given_to_a_task_that_does_not_read_them_are_said(capsys):
+    """eval.sample_* are read by the tasks that sample (gpt, translation), the LM loss's
+    train.loss_* by the GPT alone: set for another (a classifier, a ViT), they did
+    nothing, unsaid."""
     from attention_jax.tasks import base
     base.register("tiny_quiet", tiny.make_tiny_task)
     try:
         base.TASKS["tiny_quiet"](tiny.tiny_config(**{"eval.sample_prompts": ("x",),
-                                                    "eval.sample_top_k": 5}), None)
-        assert ("note: task 'tiny_quiet' samples nothing: config.eval.sample_prompts, "
-                "config.eval.sample_top_k do nothing here (the tasks that sample: ['encdec', "
-                "'gpt', 'rnn_seq2seq'])") in capsys.readouterr().err
+                                                    "eval.sample_top_k": 5,
+                                                    "train.loss_chunk_size": 64}), None)
+        assert ("note: task 'tiny_quiet' does not read config.eval.sample_prompts (read by "
+                "['encdec', 'gpt', 'rnn_seq2seq']); config.eval.sample_top_k, "
+                "config.train.loss_chunk_size (read by ['gpt']): set here, they do "
+                "nothing") in capsys.readouterr().err
         base.TASKS["tiny_quiet"](tiny.tiny_config(), None)  # the defaults: nothing to say
-        assert "samples nothing" not in capsys.readouterr().err
+        assert "does not read" not in capsys.readouterr().err
         # A task whose sampling reads the prompts only (a translation's greedy decoding).
-        base.register("tiny_greedy", tiny.make_tiny_task, sample_keys=("eval.sample_prompts",))
+        base.register("tiny_greedy", tiny.make_tiny_task, reads=("eval.sample_prompts",))
         base.TASKS["tiny_greedy"](tiny.tiny_config(**{"eval.sample_prompts": ("x",),
                                                      "eval.sample_temperature": 0.0}), None)
         err = capsys.readouterr().err
-        assert ("note: task 'tiny_greedy' reads only config.eval.sample_prompts of them: "
-                "config.eval.sample_temperature do nothing here") in err
-        assert base.unread_sample_keys("encdec") == config_lib.SAMPLE_KEYS[1:]
-        assert base.unread_sample_keys("gpt") == ()
-        assert base.unread_sample_keys("tiny") == ()  # TASKS[name] = make: declared nothing
+        assert ("note: task 'tiny_greedy' does not read config.eval.sample_temperature (read "
+                "by ['gpt'])") in err and "sample_prompts" not in err
+        assert base.unread_keys("encdec") == config_lib.TASK_KEYS[1:]
+        assert base.unread_keys("vit") == config_lib.TASK_KEYS
+        assert base.unread_keys("gpt") == ()
+        assert base.unread_keys("tiny") == ()  # TASKS[name] = make: declared nothing
+        with pytest.raises(ValueError, match=r"reads=\['train\.steps'\]; valid: keys of"):
+            base.register("tiny_wrong", tiny.make_tiny_task, reads=("train.steps",))
     finally:
         del base.TASKS["tiny_quiet"]
         base.TASKS.pop("tiny_greedy", None)
