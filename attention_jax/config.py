@@ -163,6 +163,11 @@ RANGES = {
     "eval.sample_top_p": "(0, 1]",
 }
 
+# The shipped configs' prompts, written for their offline datasets (Python source, English
+# numbers): a run on other data that keeps them is told (tasks.base.note_shipped_prompts).
+SHIPPED_PROMPTS = {"python_stdlib": ("def ", "import ", "class "),
+                   "number_translation": ("twenty one", "three hundred and forty-two")}
+
 # The keys only the tasks that sample read (Task.sample: gpt's continuations of the
 # prompts, translation's greedy translations of them); --help leaves them out of the
 # other tasks' keys, and a run of another task that sets one is told it does nothing.
@@ -587,6 +592,11 @@ def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> Non
             # nested dict merges into its group rather than replacing it.
             apply_overrides(config, {f"{key}.{k}": v for k, v in value.items()})
             continue
+        if isinstance(old, ml_collections.ConfigDict):  # (ml_collections' words: "cannot
+            # be casted to type <class '...ConfigDict'>")
+            raise ConfigError(f"--config.{key}={value!r}: config.{key} is a group of keys, "
+                              f"not a value; valid: --config.{key}.KEY=value, KEY one of "
+                              f"{sorted(old.keys())}")
         if isinstance(value, str):
             value = parse_value(f"config.{key}", old, value)
         try:

@@ -348,7 +348,9 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
     elif fixed != num_devices:
         raise ValueError(
             f"mesh {sizes} has {fixed} devices but {num_devices} are available; set one "
-            f"axis to -1 or make the sizes multiply to {num_devices}")
+            f"axis to -1 or make the sizes multiply to {num_devices}"
+            + (f", or use {fixed} of them (mesh.num_devices={fixed})" if fixed < num_devices
+               else ""))
     return sizes
 
 

@@ -103,7 +103,7 @@ def restore_or_init(prepared, config):
     # The newest checkpoint that restores and matches its digests (damaged newer ones are
     # reported, and moved aside unless train.checkpoint_on_damage='stop').
     restored = prepared.ckpt.restore_intact(prepared.abstract, on_damage=config.train.checkpoint_on_damage,
-                                     say=lambda m: _say(f"WARNING: {m}"))
+                                     say=lambda m: _say(f"warning: {m}"))
     if restored is not None:
         state, data_state, step = restored
         _say(f"resumed from {prepared.ckpt.directory} at step {step}")

@@ -91,5 +91,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.steps = 0  # the whole validation split (1k pairs).
     c.eval.batch_size = 40
     # Source sentences --mode=sample translates (greedy), and the run at its end.
-    c.eval.sample_prompts = ("twenty one", "three hundred and forty-two")
+    c.eval.sample_prompts = config_lib.SHIPPED_PROMPTS["number_translation"]
     return c

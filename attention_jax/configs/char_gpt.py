@@ -85,6 +85,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 500  # nanoGPT's eval_interval for the small configs is 250-500.
     c.eval.steps = 20  # eval_iters.
     c.eval.batch_size = 48  # 4x nanoGPT's 12 rows per eval batch: a steadier estimate.
-    c.eval.sample_prompts = ("def ", "import ", "class ")
+    c.eval.sample_prompts = config_lib.SHIPPED_PROMPTS["python_stdlib"]
     c.eval.sample_tokens = 200 if context >= 256 else 60
     return c

@@ -75,5 +75,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 200  # validation loss / perplexity.
     c.eval.steps = 8
     c.eval.batch_size = 32
-    c.eval.sample_prompts = ("def ", "import ", "class ")
+    c.eval.sample_prompts = config_lib.SHIPPED_PROMPTS["python_stdlib"]
     return c

@@ -90,5 +90,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 1000
     c.eval.steps = 20
     c.eval.batch_size = 16
-    c.eval.sample_prompts = ("def ", "import ", "class ")
+    c.eval.sample_prompts = config_lib.SHIPPED_PROMPTS["python_stdlib"]
     return c

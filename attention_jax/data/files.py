@@ -128,7 +128,11 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
         paths = [p for p in paths if os.path.isfile(p)]
         if not paths:
             where = '' if os.path.isabs(full) else f' (relative globs start in {os.getcwd()})'
-            raise NoFilesError(f'{arg}={spec!r}: the glob {pattern!r} matches no file{where}')
+            # A trained run's files may have moved since: the flag that says where to.
+            moved = (f'; moved? give where they are now, --{arg}=GLOBS'
+                     if arg.startswith('config.') else '')
+            raise NoFilesError(f'{arg}={spec!r}: the glob {pattern!r} matches no file{where}'
+                               f'{moved}')
         for p in paths:
             if _format(p) is None:
                 raise FilesError(f'{arg}: {p} (matched by {pattern!r}) is not a file type this '
@@ -671,6 +675,10 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
                              f'document must not be both trained and evaluated on')
         evaluated = eval_corpus()
         return {'train': FileDocuments(train), 'validation': FileDocuments(evaluated)}
+    if len(train) < 2 and all(size == 0 for _, _, size, _ in train_files):
+        # (as the tasks word it for empty documents: not "holds one document")
+        raise FilesError(f'{arg}files={spec!r}: the train split holds no text (its 1 '
+                         f'document is empty); valid: documents with text')
     if len(train) < 2:
         raise FilesError(f'{arg}files={spec!r} holds one document; a held-out split needs '
                          f'two or more, or give {arg}eval_files')

@@ -254,6 +254,23 @@ def _say_unread_keys(config, name: str) -> None:
               f"they do nothing", file=sys.stderr)
 
 
+def note_shipped_prompts(config, data_name: str) -> None:
+    """A note where a run keeps the shipped configs' sample prompts (config.SHIPPED_PROMPTS)
+    on other data than theirs: its samples continue Python's 'def ' on a user's novels.
+    Training only (a reader samples what it is asked)."""
+    from attention_jax import config as config_lib
+    prompts = tuple(config.eval.sample_prompts)
+    if not prompts or data_is_on_demand() or jax.process_index() != 0:
+        return
+    for dataset, shipped in config_lib.SHIPPED_PROMPTS.items():
+        if set(prompts) <= set(shipped) and not data_name.startswith(dataset):
+            print(f"note: config.eval.sample_prompts={prompts!r} are the prompts for the "
+                  f"shipped {dataset!r} data, and this run reads data.name={data_name!r}: "
+                  f"give your own, e.g. --config.eval.sample_prompts='(\"The \",)', or "
+                  f"none, '()'", file=sys.stderr)
+            return
+
+
 def unread_keys(task: str) -> tuple[str, ...]:
     """The keys of config.TASK_KEYS registered task `task` does not read (() for a task
     that declared nothing: TASKS[name] = make)."""

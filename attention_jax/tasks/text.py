@@ -22,7 +22,8 @@ from attention_jax.tasks.base import (AttentionInput, Task, as_text, cache_root,
                                       check_source_keys, corpus_options,
                                       data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
-                                      gather_rows, held_out_files_alone, lm_vocab_size, model_config, moe_metrics,
+                                      gather_rows, held_out_files_alone, lm_vocab_size,
+                                      note_shipped_prompts, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
                                       tasks_with, token_labels)
 
@@ -343,6 +344,7 @@ def lm_task(config, workdir: str) -> Task:
         _check_seq_len(data_opts, cfg.max_len)
     model = gpt.GPT(cfg)
     train_rows, eval_rows = _rows(data_opts, tok, documents, data_opts.packing)
+    note_shipped_prompts(config, data_opts.name)  # (once the data is there: errors first)
 
     # train.loss_chunk_size > 0: the head and the loss a chunk of positions at a time (the
     # [B, T, V] logits never exist at once); .get: a run's config.json from before the key.

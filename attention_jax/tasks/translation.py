@@ -22,7 +22,7 @@ from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, c
                                       check_context,
                                       check_model_keys, complete_records, data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
-                                      held_out_files_alone,
+                                      held_out_files_alone, note_shipped_prompts,
                                       model_config, padded_vocab, record_splits, register,
                                       run_tokenizer, token_labels, until_eos)
 
@@ -169,6 +169,7 @@ def translation_task(config, workdir: str) -> Task:
                                           for k in (data_opts.source, data_opts.target)])
     if not reader:  # a reader's run trained on these lengths already
         _check_lengths(data_opts, tok, train_src, eval_src)
+    note_shipped_prompts(config, data_opts.name)  # (once the data is there: errors first)
     ids = dict(pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
     vocab = padded_vocab(tok.vocab_size)
     if config.task == "rnn_seq2seq":

@@ -154,6 +154,16 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     with pytest.raises(files.FilesError) as e:
         files.file_splits(f'{tmp_path}/*.csv')
     cases.append((e, 'is not a file type this source reads; valid: .txt, .md, .py'))
+    (tmp_path / 'lone').mkdir()
+    (tmp_path / 'lone' / 'e.txt').write_text('')
+    with pytest.raises(files.FilesError) as e:  # was "holds one document; ... two or more"
+        files.file_splits(f'{tmp_path}/lone/e.txt')
+    cases.append((e, "e.txt': the train split holds no text (its 1 document is empty); "
+                     "valid: documents with text"))
+    with pytest.raises(files.NoFilesError) as e:  # a run's corpus moved: the flag to give
+        files.file_splits(f'{tmp_path}/moved/*.txt', arg='config.data.')
+    cases.append((e, "matches no file; moved? give where they are now, "
+                     "--config.data.files=GLOBS"))
     for info, part in cases:
         message = str(info.value)
         assert isinstance(info.value, UserError) and '\n' not in message

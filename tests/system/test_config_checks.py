@@ -794,3 +794,25 @@ def test_keys_given_to_a_task_that_does_not_read_them_are_said(capsys):
     finally:
         del base.TASKS["tiny_quiet"]
         base.TASKS.pop("tiny_greedy", None)
+
+
+def test_the_shipped_prompts_on_other_data_are_said(capsys):
+    """A run on the user's files kept the shipped configs' prompts ('def ' for the stdlib
+    corpus, 'twenty one' for number_translation), unsaid: its samples continued Python
+    on a novel."""
+    from attention_jax.tasks import base
+    gpt = config_lib.load("gpt")
+    base.note_shipped_prompts(gpt, "python_stdlib")
+    assert capsys.readouterr().err == ""
+    base.note_shipped_prompts(gpt, "files")
+    assert ("note: config.eval.sample_prompts=('def ', 'import ', 'class ') are the prompts "
+            "for the shipped 'python_stdlib' data, and this run reads data.name='files': give "
+            "your own") in capsys.readouterr().err
+    encdec = config_lib.load("encdec")
+    base.note_shipped_prompts(encdec, "number_translation/small")
+    assert capsys.readouterr().err == ""
+    base.note_shipped_prompts(encdec, "files")
+    assert "'number_translation' data" in capsys.readouterr().err
+    config_lib.apply_overrides(gpt, ["eval.sample_prompts=('Once upon',)"])
+    base.note_shipped_prompts(gpt, "files")
+    assert capsys.readouterr().err == ""

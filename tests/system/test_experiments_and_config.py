@@ -100,6 +100,11 @@ def test_a_key_under_another_group_is_pointed_to():
             "(here it is config.optim.grad_accum; it splits config.train.batch_size into "
             "micro-batches, where nanoGPT's and Hugging Face's multiply the batch)")):
         config_lib.apply_overrides(tiny.tiny_config(), ["train.gradient_accumulation_steps=4"])
+    # a group given a value: one line naming its keys, not ml_collections' cast error
+    with pytest.raises(ConfigError, match=re.escape(
+            "--config.train='5': config.train is a group of keys, not a value; valid: "
+            "--config.train.KEY=value, KEY one of ['async_checkpoint', ")):
+        config_lib.apply_overrides(tiny.tiny_config(), ["train=5"])
     # a name whose meaning this config has no key for gets the nearest spelling, as before
     c = tiny.tiny_config()
     del c.model["num_heads"]
