@@ -274,6 +274,11 @@ TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fract
 # (data/records_cache.py); "" as for text.
 PAIR_FILE_KEYS = {k: TEXT_FILE_KEYS[k] for k in ("files", "eval_files", "eval_fraction",
                                                 "max_bad_records", "cache_dir")}
+# Keys read only by the user's own data (data.name 'files' or 'image_folder'), which have
+# a default: set to another value for a dataset, they did nothing (tasks.base.
+# check_source_keys), and a resume that changes them changes nothing (workdir).
+SOURCE_KEY_DEFAULTS = {"eval_fraction": 0.05, "max_bad_records": 100}
+USER_DATA_SOURCES = ("files", "image_folder")
 
 
 def add_pair_file_keys(data: ml_collections.ConfigDict) -> None:
@@ -587,7 +592,8 @@ def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> Non
             if name != field:
                 node, where = node[name], f"{where}.{name}"
         old = node[field]
-        if isinstance(old, ml_collections.ConfigDict) and isinstance(value, Mapping):
+        if isinstance(old, ml_collections.ConfigDict) and isinstance(
+                value, (Mapping, ml_collections.ConfigDict)):
             # {"model": {"d_model": 64}} sets model.d_model, as "model.d_model" does: a
             # nested dict merges into its group rather than replacing it.
             apply_overrides(config, {f"{key}.{k}": v for k, v in value.items()})

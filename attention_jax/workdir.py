@@ -580,7 +580,17 @@ def _unsafe_keys(changes: dict, config, safe) -> list[str]:
 
 
 def _training_keys(changes: dict, config) -> list[str]:
-    return _unsafe_keys(changes, config, RESUME_SAFE_KEYS)
+    return [k for k in _unsafe_keys(changes, config, RESUME_SAFE_KEYS)
+            if not _unread_source_key(k, changes, config)]
+
+
+def _unread_source_key(key: str, changes: dict, config) -> bool:
+    """Whether `key` is one of the user's data's keys (data.eval_fraction, ...) and the run
+    read a dataset before and after: it did nothing, so its change changes nothing."""
+    if key.removeprefix("data.") not in config_lib.SOURCE_KEY_DEFAULTS:
+        return False
+    names = changes.get("data.name") or (config.get("data", {}).get("name"),) * 2
+    return not any(n in config_lib.USER_DATA_SOURCES for n in names)
 
 
 def _safe(key: str, keys) -> bool:
@@ -644,14 +654,14 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
                  f"extend with --config.optim.decay_steps={old_schedule} beside "
                  f"--config.train.steps)")
     if relevant and jax.process_index() == 0:
-        old = path(workdir, f"config_until_step_{step}.json")
-        if epath_of(old).exists():
-            # An earlier --resume_changed from this step kept the config that trained it;
-            # config.json is a later one that saved no step: the record stays as it is.
-            note += f"; the config that trained up to step {step} stays kept as {old}"
-        else:
-            epath_of(workdir, CONFIG).replace(old)
-            note += f"; the previous config is kept as {old}"
+        # Never over another one: an earlier --resume_changed from this step (stopped
+        # before it saved one) or a run before the checkpoints were moved away kept it.
+        old, n = path(workdir, f"config_until_step_{step}.json"), 0
+        while epath_of(old).exists():
+            n += 1
+            old = path(workdir, f"config_until_step_{step}.{n}.json")
+        epath_of(workdir, CONFIG).replace(old)
+        note += f"; the previous config is kept as {old}"
     return note
 
 

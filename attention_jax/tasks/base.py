@@ -211,8 +211,9 @@ def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str
     `need` can name the tasks with an entry without building any. A build that sets other
     entries than it declares is a bug here and raises. reads: the keys of
     config.TASK_KEYS (keys only some tasks read) the task reads (None: config.SAMPLE_KEYS
-    where it samples, none where it does not); --help lists only those, and a run that
-    sets another is told it does nothing."""
+    where it samples, none where it does not: a task whose loss is gpt.head_loss with
+    config.train.loss_* names them too); --help lists only those, and a run that sets
+    another is told it does nothing."""
     from attention_jax import config as config_lib
     unknown = sorted(set(provides) - set(OPTIONAL))
     if unknown:
@@ -360,11 +361,18 @@ def check_file_options(data_opts) -> None:
 
 def check_source_keys(data_opts, source: str, keys) -> None:
     """A ConfigError when one of `keys` (e.g. files, root) is set while config.data.name
-    is not `source`, the only source that reads them: it would be ignored silently."""
+    is not `source`, the only source that reads them: it would be ignored silently. Set:
+    not empty; for keys with a default (config.SOURCE_KEY_DEFAULTS: eval_fraction,
+    max_bad_records), other than it (checked in training: a reader of an older run is
+    not stopped by what it ignores)."""
+    from attention_jax import config as config_lib
     if data_opts.name == source:
         return
-    for key in keys:
-        if data_opts[key]:
+    for key in (*keys, *(() if data_is_on_demand() else config_lib.SOURCE_KEY_DEFAULTS)):
+        if key not in data_opts:
+            continue
+        default = config_lib.SOURCE_KEY_DEFAULTS.get(key)
+        if data_opts[key] if default is None else data_opts[key] != default:
             raise ConfigError(f"config.data.{key}={data_opts[key]!r} is read only with "
                               f"config.data.name={source!r} (now {data_opts.name!r}); set "
                               f"--config.data.name={source}")
@@ -432,7 +440,7 @@ def record_splits(data_opts, fields: Sequence[str], *, holds: str, hint: str,
         data_opts.files, data_opts.eval_files, eval_fraction=data_opts.eval_fraction,
         max_bad_records=data_opts.max_bad_records, arg="config.data.", fields=tuple(fields),
         fields_hint=hint, integer_fields=tuple(integer_fields), held_out_only=held_out_only)
-    return found.get(data_opts.train_split), found[data_opts.eval_split]
+    return (None if held_out_only else found[data_opts.train_split]), found[data_opts.eval_split]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # (an array field: compare the fields)

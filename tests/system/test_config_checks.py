@@ -179,7 +179,8 @@ def test_a_resume_refused_leaves_the_workdir_as_it_was(tmp_path, monkeypatch):
     assert not (tmp_path / "config_until_step_10.json").exists()
 
     # Two resumes with changes from step 10, the first stopped before it saved a step:
-    # the record of what trained up to step 10 stays the run's first config.
+    # the record of what trained up to step 10 stays the run's first config, and the
+    # second's previous config (which trained nothing) is kept beside it, not over it.
     monkeypatch.setattr(train, "_loop", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         train.train_and_evaluate(tiny.tiny_config(**{"optim.lr": 0.5}), workdir,
@@ -189,6 +190,7 @@ def test_a_resume_refused_leaves_the_workdir_as_it_was(tmp_path, monkeypatch):
                                        workdir, resume_changed=True)
     assert summary["step"] == 12
     assert (tmp_path / "config_until_step_10.json").read_text() == trained
+    assert json.loads((tmp_path / "config_until_step_10.1.json").read_text())["optim"]["lr"] == 0.5
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 0.2
 
 
@@ -816,3 +818,29 @@ def test_the_shipped_prompts_on_other_data_are_said(capsys):
     config_lib.apply_overrides(gpt, ["eval.sample_prompts=('Once upon',)"])
     base.note_shipped_prompts(gpt, "files")
     assert capsys.readouterr().err == ""
+
+
+def test_the_user_data_keys_given_for_a_dataset_are_refused_and_never_block_a_resume(tmp_path):
+    """data.eval_fraction=1.0 with the stdlib corpus was accepted (out of range for
+    files, read by nothing here), and then a resume without it stopped as 'trained with
+    another config'."""
+    from attention_jax.tasks import base
+    config = config_lib.load("gpt", ["data.eval_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.eval_fraction=0\.5 is read only with "
+                                          r"config\.data\.name='files' \(now 'python_stdlib'\)"):
+        base.check_source_keys(config.data, "files", ("files", "eval_files"))
+    with tasks.data_on_demand():  # a reader of a run saved so: not stopped
+        base.check_source_keys(config.data, "files", ("files", "eval_files"))
+    image = config_lib.load("vit", ["data.max_bad_records=3"])
+    with pytest.raises(ConfigError, match=r"^config\.data\.max_bad_records=3 is read only with "
+                                          r"config\.data\.name='image_folder'"):
+        base.check_source_keys(image.data, "image_folder", ("root", "eval_root"))
+    # A run's config.json holding such a value resumes without it, unasked.
+    (tmp_path / "config.json").write_text(config.to_json_best_effort())
+    workdir_lib.refuse_config_change(config_lib.load("gpt"), str(tmp_path), 10)
+    files = config_lib.load("gpt", ["data.name=files", "data.files=a.txt"])
+    (tmp_path / "config.json").write_text(files.to_json_best_effort())
+    with pytest.raises(ConfigError, match=r"data\.eval_fraction: 0\.05 -> 0\.5"):  # read there
+        workdir_lib.refuse_config_change(
+            config_lib.load("gpt", ["data.name=files", "data.files=a.txt",
+                                    "data.eval_fraction=0.5"]), str(tmp_path), 10)
