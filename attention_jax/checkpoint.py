@@ -256,7 +256,7 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _all_agree(ok: bool) -> bool:
+def all_agree(ok: bool) -> bool:
     """True when `ok` holds on every process (a damaged shard read by one process fails
     the step for all, so they fall back together)."""
     if jax.process_count() == 1:
@@ -371,7 +371,7 @@ class Checkpointer:
         self.save_every = save_every
         self.read_only = read_only
         self._saves = None if read_only or not async_save else background_save.SaveThread()
-        self._snapshots = background_save.Snapshots(agree=_all_agree)
+        self._snapshots = background_save.Snapshots(agree=all_agree)
         self._programs: background_save.SavePrograms | None = None  # see prepare
         self._host_flat = None  # (layout entries, flat host arrays): see _pack_and_write
         self._writing: int | None = None  # the step orbax may still be writing
@@ -748,7 +748,7 @@ class Checkpointer:
                     read[what] = None  # a reader's: the arrays are what it restores
                 else:
                     error = f"{what} could not be read ({one_line_error(e, path)})"
-            if not _all_agree(error is None):
+            if not all_agree(error is None):
                 raise CheckpointDamagedError(step, path, error or f"another process could not "
                                                                   f"read the {what}")
         digest, data_state, state = read["digest file"], read["data-loader state"], read["arrays"]

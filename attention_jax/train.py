@@ -28,7 +28,7 @@ from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
-from attention_jax import convert, heap, sharding, steps
+from attention_jax import convert, digests, heap, sharding, steps
 from attention_jax import tasks as tasks_lib
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
@@ -241,12 +241,20 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
 def _check_saved_data(prepared: Setup, config, latest: int | None, resume_changed: bool):
     """(data_state, loader) of the newest checkpoint, read alone (no arrays): its loader
     made here stops a resume on changed data first thing. None where there is no
-    checkpoint or its data state does not read (restore_intact reports the damage)."""
-    if latest is None:
+    checkpoint, where --resume_changed takes changed data anyway (its note comes once,
+    for the step restored), or where the data state does not read, parse or match its
+    digest in every process (restore_intact then reports the damage and falls back)."""
+    if latest is None or resume_changed:
         return None
     try:
         data_state = prepared.ckpt.data_state(latest)
-    except Exception:  # noqa: BLE001 - a damaged step: restore_intact says what and falls back
+        recorded = prepared.ckpt.recorded_digest(latest) or {}
+        intact = (not recorded.get("data")
+                  or digests.data_digest(data_state) == recorded["data"])
+        loaders.LoaderState.from_any(data_state)  # a key missing or of another type
+    except Exception:  # noqa: BLE001 - damage of any kind: restore_intact's to say
+        intact = False
+    if not ckpt_lib.all_agree(intact):
         return None
     return data_state, _resumed_loader(prepared.task, config, data_state, resume_changed)
 

@@ -626,6 +626,13 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
     read = (tuple(fields), f'set {fields_hint}' if fields_hint else 'name the keys that hold '
             'the texts', tuple(integer_fields)) if fields else (
         (text_key,), _TEXT_HINT.format(arg=arg), ())
+    if held_out_only and files:  # a reader may name other eval_files than the run's: none
+        # may be a training file, where those can still be listed (gone: none can be)
+        try:
+            trained = {p for _, p in list_files(files, f'{arg}files', max_files)}
+        except FilesError:
+            trained = set()
+        _refuse_both(trained, listed['eval_files'], arg)
     train = None if held_out_only else tuple(map(tuple, listed['files']))
     return _splits(train, tuple(map(tuple, listed['eval_files'])), read,
                    bool(fields), eval_fraction, max_bad_records, arg,
@@ -669,10 +676,7 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
     if len(train) == 0:
         raise FilesError(f'{arg}files={spec!r}: the files hold no documents')
     if eval_files:
-        both = sorted({f.path for f in train.files} & {path for _, path, _, _ in eval_files})
-        if both:
-            raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
-                             f'document must not be both trained and evaluated on')
+        _refuse_both({f.path for f in train.files}, eval_files, arg)
         evaluated = eval_corpus()
         return {'train': FileDocuments(train), 'validation': FileDocuments(evaluated)}
     if len(train) < 2 and all(size == 0 for _, _, size, _ in train_files):
@@ -686,6 +690,13 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
                     f'{arg}eval_files')
     return {'train': FileDocuments(train, np.flatnonzero(~held)),
             'validation': FileDocuments(train, np.flatnonzero(held))}
+
+
+def _refuse_both(trained: set[str], eval_listed, arg: str) -> None:
+    both = sorted(trained & {path for _, path, _, _ in eval_listed})
+    if both:
+        raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
+                         f'document must not be both trained and evaluated on')
 
 
 def get_split(split: str, **options) -> FileDocuments:

@@ -125,6 +125,25 @@ def _wrong_data_state(d):  # valid JSON, another position: only the digest can t
         json.dump(state, f)
 
 
+def _data_state_of_other_records(d):  # read alone (the early check of changed data),
+    # it was refused as "the training data changed": damage, which only the digest tells
+    path = os.path.join(d, "data", "metadata")
+    with open(path) as f:
+        state = json.load(f)
+    state["num_records"] += 1
+    with open(path, "w") as f:
+        json.dump(state, f)
+
+
+def _data_state_without_a_key(d):  # a KeyError traceback, read alone
+    path = os.path.join(d, "data", "metadata")
+    with open(path) as f:
+        state = json.load(f)
+    del state["num_records"]
+    with open(path, "w") as f:
+        json.dump(state, f)
+
+
 # The reason each should give (any of): OCDBT keeps the arrays' headers in the same
 # files as their values, so a damaged array file can fail the metadata read already.
 UNREADABLE = ("state metadata unreadable", "arrays could not be read")
@@ -142,6 +161,11 @@ DAMAGES = {
     "data-loader state garbage": (_garbage_data_state, ("data-loader state could not be read",)),
     "data-loader state altered": (_wrong_data_state,
                                   ("data-loader state does not match its digest",)),
+    "data-loader state of other records": (_data_state_of_other_records,
+                                           ("data-loader state does not match its digest",)),
+    "data-loader state without a key": (_data_state_without_a_key,
+                                        ("data-loader state does not match its digest",
+                                         "data-loader state could not be read")),
 }
 
 

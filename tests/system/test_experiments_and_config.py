@@ -105,6 +105,9 @@ def test_a_key_under_another_group_is_pointed_to():
             "--config.train='5': config.train is a group of keys, not a value; valid: "
             "--config.train.KEY=value, KEY one of ['async_checkpoint', ")):
         config_lib.apply_overrides(tiny.tiny_config(), ["train=5"])
+    c = tiny.tiny_config()  # a group given a group merges into it (runs.open_run's overrides)
+    config_lib.apply_overrides(c, {"train": tiny.tiny_config(**{"train.steps": 7}).train})
+    assert c.train.steps == 7
     # a name whose meaning this config has no key for gets the nearest spelling, as before
     c = tiny.tiny_config()
     del c.model["num_heads"]

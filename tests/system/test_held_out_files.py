@@ -53,14 +53,16 @@ def _write_labelled(tmp_path):
 def test_an_evaluation_of_held_out_files_needs_no_training_file(tmp_path, task, write):
     overrides, train_file = write(tmp_path)
     config = config_lib.load(task, [*overrides, "train.steps=2", "train.batch_size=8",
-                                    "eval.batch_size=8", "eval.every=-1",
+                                    "eval.batch_size=8", "eval.every=0",
                                     "train.progress=False"])
     workdir = str(tmp_path / "run")
-    train.train_and_evaluate(config, workdir)
-    before = main.evaluate_checkpoint(main.mode_config("eval", None, [], workdir), workdir)
+    trained = train.train_and_evaluate(config, workdir)["eval"]
+    cached = sorted(p.relative_to(tmp_path) for p in (tmp_path / "cache").rglob("*"))
     (tmp_path / train_file).rename(tmp_path / "elsewhere")
     after = main.evaluate_checkpoint(main.mode_config("eval", None, [], workdir), workdir)
-    assert after == before and before["examples"] > 0
+    # The run's own evaluation, from the caches training made (the same keys): no new one.
+    assert after["examples"] > 0 and after["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "cache").rglob("*")) == cached
     # Training still needs them, and says which are missing.
     with pytest.raises(files.NoFilesError, match=rf"config\.data\.files='[^']*{train_file}'"):
         train.train_and_evaluate(config_lib.load(task, [*overrides, "train.steps=4"]),
@@ -81,5 +83,8 @@ def test_the_held_out_split_alone_is_the_same_documents(tmp_path):
             == [whole["validation"][i] for i in range(3)])
     assert {alone["validation"][i]["text"] for i in range(3)} == {
         f"held out {i}".encode() for i in range(3)}
+    # A reader naming a training file as held out is refused while those can be listed.
+    with pytest.raises(files.FilesError, match=r"t1\.txt is in both files and eval_files"):
+        files.file_splits(f"{tmp_path}/t*.txt", f"{tmp_path}/t1.txt", held_out_only=True)
     with pytest.raises(files.FilesError, match=r"^config\.data\.eval_files is empty"):
         files.file_splits("x.txt", "", held_out_only=True, arg="config.data.")
