@@ -116,32 +116,29 @@ def _garbage_data_state(d):
         f.write("{\"next_index\": 2")
 
 
-def _wrong_data_state(d):  # valid JSON, another position: only the digest can tell
-    path = os.path.join(d, "data", "metadata")
-    with open(path) as f:
-        state = json.load(f)
+def _edited_data_state(edit):
+    """A damage that leaves the data state valid JSON, edited by `edit`: only the digest
+    can tell."""
+    def damage(d):
+        path = os.path.join(d, "data", "metadata")
+        with open(path) as f:
+            state = json.load(f)
+        edit(state)
+        with open(path, "w") as f:
+            json.dump(state, f)
+    return damage
+
+
+def _moved_on(state):  # another position
     state["next_index"] += 16
-    with open(path, "w") as f:
-        json.dump(state, f)
 
 
-def _data_state_of_other_records(d):  # read alone (the early check of changed data),
-    # it was refused as "the training data changed": damage, which only the digest tells
-    path = os.path.join(d, "data", "metadata")
-    with open(path) as f:
-        state = json.load(f)
-    state["num_records"] += 1
-    with open(path, "w") as f:
-        json.dump(state, f)
+def _other_records(state):  # read alone (the early check of changed data), it was
+    state["num_records"] += 1  # refused as "the training data changed"
 
 
-def _data_state_without_a_key(d):  # a KeyError traceback, read alone
-    path = os.path.join(d, "data", "metadata")
-    with open(path) as f:
-        state = json.load(f)
+def _without_a_key(state):  # a KeyError traceback, read alone
     del state["num_records"]
-    with open(path, "w") as f:
-        json.dump(state, f)
 
 
 # The reason each should give (any of): OCDBT keeps the arrays' headers in the same
@@ -159,11 +156,11 @@ DAMAGES = {
     "ocdbt manifests deleted": (_delete_manifests, UNREADABLE),
     "data-loader state deleted": (_delete_data_state, ("data-loader state could not be read",)),
     "data-loader state garbage": (_garbage_data_state, ("data-loader state could not be read",)),
-    "data-loader state altered": (_wrong_data_state,
+    "data-loader state altered": (_edited_data_state(_moved_on),
                                   ("data-loader state does not match its digest",)),
-    "data-loader state of other records": (_data_state_of_other_records,
+    "data-loader state of other records": (_edited_data_state(_other_records),
                                            ("data-loader state does not match its digest",)),
-    "data-loader state without a key": (_data_state_without_a_key,
+    "data-loader state without a key": (_edited_data_state(_without_a_key),
                                         ("data-loader state does not match its digest",
                                          "data-loader state could not be read")),
 }
