@@ -135,6 +135,12 @@ def committed_steps_in(directory) -> list[int]:
     return sorted(s for s, p in step_folders(epath.Path(directory)).items() if _is_committed(p))
 
 
+def latest_step_in(directory) -> int | None:
+    """The newest committed step of `directory`, or None (no manager opened)."""
+    steps = committed_steps_in(directory)
+    return steps[-1] if steps else None
+
+
 def _move_aside(path: epath.Path, suffix: str) -> epath.Path:
     """Renames `path` to `path.<suffix>` (or .<suffix>.1, ...): never deleted, so a
     person can inspect it; invisible to orbax, whose steps are integer names."""
@@ -416,8 +422,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest committed step (never a half-written one), or None."""
-        steps = self.committed_steps()
-        return steps[-1] if steps else None
+        return latest_step_in(self.directory)
 
     def all_steps(self) -> list[int]:
         """Steps saved, being written or queued to be (committed ones: committed_steps)."""
@@ -615,6 +620,18 @@ class Checkpointer:
         """Only the data-loader state of `step` (cheap: no arrays are read)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
         return dict(restored["data"])
+
+    def intact_data_state(self, step: int) -> dict[str, Any] | None:
+        """The data-loader state of `step`, read alone (no arrays), where it reads and
+        matches its recorded digest in every process; else None (restore then says what
+        is damaged)."""
+        try:
+            data_state = self.data_state(step)
+            recorded = self.recorded_digest(step) or {}
+            intact = not recorded.get("data") or digests.data_digest(data_state) == recorded["data"]
+        except Exception:  # noqa: BLE001 - damage of any kind: restore's to name
+            intact = False
+        return data_state if all_agree(intact) else None
 
     def _restore_item(self, step: int, name: str, args):
         restored = self.manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]

@@ -277,7 +277,7 @@ PAIR_FILE_KEYS = {k: TEXT_FILE_KEYS[k] for k in ("files", "eval_files", "eval_fr
 # Keys read only by the user's own data (data.name 'files' or 'image_folder'), which have
 # a default: set to another value for a dataset, they did nothing (tasks.base.
 # check_source_keys), and a resume that changes them changes nothing (workdir).
-SOURCE_KEY_DEFAULTS = {"eval_fraction": 0.05, "max_bad_records": 100}
+SOURCE_KEY_DEFAULTS = {k: TEXT_FILE_KEYS[k] for k in ("eval_fraction", "max_bad_records")}
 USER_DATA_SOURCES = ("files", "image_folder")
 
 

@@ -28,7 +28,7 @@ from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
-from attention_jax import convert, digests, heap, sharding, steps
+from attention_jax import convert, heap, sharding, steps
 from attention_jax import tasks as tasks_lib
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
@@ -90,7 +90,7 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
         abstract, shardings, init_state = steps.create_state(task, tx, mesh, rules,
                                                              config.train.seed)
     ckpt = ckpt_lib.Checkpointer(
-        workdir_lib.path(workdir_lib.resolve(workdir), workdir_lib.CHECKPOINTS),
+        _checkpoints(workdir),
         save_every=config.train.checkpoint_every, keep=config.train.keep_checkpoints,
         async_save=config.train.async_checkpoint, read_only=read_only)
     return Setup(mesh, rules, task, tx, schedule, abstract, shardings, init_state, ckpt)
@@ -239,22 +239,15 @@ def _resumed_loader(task: Task, config, data_state, resume_changed: bool) -> loa
 
 
 def _check_saved_data(prepared: Setup, config, latest: int | None, resume_changed: bool):
-    """(data_state, loader) of the newest checkpoint, read alone (no arrays): its loader
-    made here stops a resume on changed data first thing. None where there is no
-    checkpoint, where --resume_changed takes changed data anyway (its note comes once,
-    for the step restored), or where the data state does not read, parse or match its
-    digest in every process (restore_intact then reports the damage and falls back)."""
+    """(data_state, loader) of the newest checkpoint, its data state read alone (no
+    arrays): the loader made here stops a resume on changed data first thing. None where
+    there is no checkpoint, where --resume_changed takes changed data anyway (its note
+    comes once, for the step restored), or where the data state is damaged
+    (restore_intact then reports it and falls back)."""
     if latest is None or resume_changed:
         return None
-    try:
-        data_state = prepared.ckpt.data_state(latest)
-        recorded = prepared.ckpt.recorded_digest(latest) or {}
-        intact = (not recorded.get("data")
-                  or digests.data_digest(data_state) == recorded["data"])
-        loaders.LoaderState.from_any(data_state)  # a key missing or of another type
-    except Exception:  # noqa: BLE001 - damage of any kind: restore_intact's to say
-        intact = False
-    if not ckpt_lib.all_agree(intact):
+    data_state = prepared.ckpt.intact_data_state(latest)
+    if data_state is None:
         return None
     return data_state, _resumed_loader(prepared.task, config, data_state, resume_changed)
 
@@ -318,16 +311,22 @@ def _check_processes(config, workdir: str) -> None:
 def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool) -> dict:
     # What refuses a resume from the config alone is found before the task builds its data
     # (a corpus tokenized, records read): it once came after minutes of that.
-    latest = _latest_step(workdir)
+    latest = ckpt_lib.latest_step_in(_checkpoints(workdir))
     if latest is not None:
         # (keys, types and choices first: a typo is the mistake, not a change of config)
         config_lib.validate(config, tasks=None if task else TASKS)
-        _check_steps(config, workdir, latest)
+        if latest > config.train.steps:
+            # Resumed, it trained nothing, yet rewrote config.json with the smaller count
+            # (and warned of a warmup longer than the run): training cannot go back.
+            raise ConfigError(f"config.train.steps={config.train.steps} is below the run's "
+                              f"step {latest} ({workdir_lib.path(workdir, 'checkpoints')}/"
+                              f"{latest}); valid: train.steps >= {latest} to resume it "
+                              f"(--mode=eval to evaluate it), or a new --workdir")
         if not resume_changed:
             workdir_lib.refuse_config_change(config, workdir, latest)
     prepared = setup(config, workdir, task)
     try:
-        return _train_prepared(config, workdir, prepared, resume_changed)
+        return _train_prepared(config, workdir, prepared, resume_changed, latest)
     finally:
         # The loop closes it as it ends; this closes it where a run stopped before the
         # loop (a changed config found at resume, a checkpoint that does not restore).
@@ -335,26 +334,13 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
         prepared.ckpt.close()
 
 
-def _latest_step(workdir: str) -> int | None:
-    steps = ckpt_lib.committed_steps_in(workdir_lib.path(workdir_lib.resolve(workdir),
-                                                         workdir_lib.CHECKPOINTS))
-    return steps[-1] if steps else None
+def _checkpoints(workdir: str) -> str:
+    return workdir_lib.path(workdir_lib.resolve(workdir), workdir_lib.CHECKPOINTS)
 
 
-def _check_steps(config, workdir: str, latest: int) -> None:
-    if latest > config.train.steps:
-        # Resumed, it trained nothing, yet rewrote config.json with the smaller count
-        # (and warned of a warmup longer than the run): training cannot go back.
-        raise ConfigError(f"config.train.steps={config.train.steps} is below the run's "
-                          f"step {latest} ({workdir_lib.path(workdir, 'checkpoints')}/{latest});"
-                          f" valid: train.steps >= {latest} to resume it (--mode=eval to "
-                          f"evaluate it), or a new --workdir")
-
-
-def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool) -> dict:
-    latest = prepared.ckpt.latest_step()
+def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool,
+                    latest: int | None) -> dict:
     if latest is not None:
-        _check_steps(config, workdir, latest)
         # A checkpoint of another model (a --resume_changed of model.* keys) cannot
         # resume: refused before config.json is moved aside and rewritten, which once
         # left the workdir describing a model its checkpoints do not hold.

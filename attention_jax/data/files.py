@@ -679,11 +679,10 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
         _refuse_both({f.path for f in train.files}, eval_files, arg)
         evaluated = eval_corpus()
         return {'train': FileDocuments(train), 'validation': FileDocuments(evaluated)}
-    if len(train) < 2 and all(size == 0 for _, _, size, _ in train_files):
-        # (as the tasks word it for empty documents: not "holds one document")
-        raise FilesError(f'{arg}files={spec!r}: the train split holds no text (its 1 '
-                         f'document is empty); valid: documents with text')
     if len(train) < 2:
+        if all(size == 0 for _, _, size, _ in train_files):  # (as the tasks word it)
+            raise FilesError(f'{arg}files={spec!r}: the train split holds no text (its 1 '
+                             f'document is empty); valid: documents with text')
         raise FilesError(f'{arg}files={spec!r} holds one document; a held-out split needs '
                          f'two or more, or give {arg}eval_files')
     held = held_out(train.keys(), eval_fraction, 'documents', f'{arg}eval_fraction',

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import config as config_lib
 from attention_jax import workdir as workdir_lib
-from attention_jax.config import TEXT_FILE_KEYS
+from attention_jax.config import TASK_KEYS, TEXT_FILE_KEYS
 from attention_jax.data.tokenization import ROLE_NAMES, TokenizerEncodeError, is_tokenizer_path
 from attention_jax.errors import ConfigError
 from attention_jax.models import flops
@@ -486,5 +485,5 @@ def mlm_task(config, workdir: str) -> Task:
 
 
 TEXT = ("attention_input", "flops_per_unit", "tokens_per_example")
-register("gpt", lm_task, provides=("sample", *TEXT), reads=config_lib.TASK_KEYS)
+register("gpt", lm_task, provides=("sample", *TEXT), reads=TASK_KEYS)
 register("bert_mlm", mlm_task, provides=("embed", *TEXT))
