@@ -630,7 +630,9 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
         # may be a training file, where those can still be listed (gone: none can be)
         try:
             trained = {p for _, p in list_files(files, f'{arg}files', max_files)}
-        except FilesError:
+        except FilesError as e:
+            say_once(f'unchecked held-out:{files}', f'note: {arg}eval_files not checked '
+                     f'against {arg}files, which cannot be listed now ({e})')
             trained = set()
         _refuse_both(trained, listed['eval_files'], arg)
     train = None if held_out_only else tuple(map(tuple, listed['files']))
