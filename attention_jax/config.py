@@ -52,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     o.end_lr_ratio = 0.1  # final lr as a fraction of the peak (cosine/linear).
     o.b1 = 0.9  # Adam first-moment decay.
     o.b2 = 0.95  # Adam second-moment decay (0.95 is the LLM convention; 0.999 for small data).
-    o.eps = 1e-8
+    o.eps = 1e-8  # Adam's term added to the second moment's root (numerical safety).
     o.weight_decay = 0.1  # decoupled (AdamW, Loshchilov & Hutter 2019); matrices only (decay_mask).
     o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables.
     o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
@@ -74,8 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
     t.inject_nan_at = -1  # fault injection: the loss of step N (1-based, as logged) is NaN; -1 never.
     t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
-    t.keep_checkpoints = 3
-    t.async_checkpoint = True
+    t.keep_checkpoints = 3  # the newest checkpoints kept in the workdir; older are deleted.
+    t.async_checkpoint = True  # write checkpoints in the background while training goes on.
     # A checkpoint that fails to restore or to match its digests: fall_back to the newest
     # intact one (the damaged ones are moved aside, never deleted) | stop with the reason.
     t.checkpoint_on_damage = "fall_back"
@@ -102,7 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
     # one process's devices). Their product must equal the number of slices (TPU
     # multislice) or else of processes.
     m.dcn_data = 1
-    m.dcn_fsdp = 1
+    m.dcn_fsdp = 1  # as dcn_data, for the fsdp axis: parameters split across slices or hosts.
     # Seconds without a heartbeat after which another process counts as lost: this one
     # then exits in one line (sharding.LostHostWatchdog; JAX's own heartbeat timeout is
     # set past it).
@@ -254,14 +254,23 @@ def flat(tree, prefix: str = "") -> dict[str, Any]:
 
 
 # The data keys of text from the user's own files, shared by every text experiment (GPT,
-# BERT): data.name="files"; files: comma-separated globs of .txt .md .py (a document each),
-# .jsonl[.gz|.zst] and .parquet (the document in text_key); the held-out split is
-# eval_files, else eval_fraction of the documents (by a hash of file and line or row);
-# bad jsonl lines are skipped with a warning, up to max_bad_records (data/files.py).
-# cache_dir: where the files' tokens are prepared once (data/token_cache.py); "" is
-# DATA_DIR/token_cache (data_dir, else $TFDS_DATA_DIR or ~/tensorflow_datasets).
-TEXT_FILE_KEYS = {"files": "", "eval_files": "", "text_key": "text", "eval_fraction": 0.05,
-                  "max_bad_records": 100, "cache_dir": ""}
+# BERT), read with data.name="files" (data/files.py). Each entry's comment is its --help.
+TEXT_FILE_KEYS = {
+    # Comma-separated globs of your files: .txt .md .py (a document each), .jsonl[.gz|.zst]
+    # and .parquet (the document under text_key; for translation and classification, the
+    # records holding the keys data.source/target or text_key/label_key).
+    "files": "",
+    # Globs of the held-out files; "": eval_fraction of the records is held out instead.
+    "eval_files": "",
+    "text_key": "text",  # the key (jsonl) or column (parquet) holding a record's text.
+    # Without eval_files: the share of the records held out, chosen by a hash of file and
+    # line or row (stable as files are added).
+    "eval_fraction": 0.05,
+    "max_bad_records": 100,  # unreadable records skipped with a warning, up to this many.
+    # Where what is read from your files is prepared once (tokens, the records' pass);
+    # "": DATA_DIR/token_cache (data.data_dir, else $TFDS_DATA_DIR or ~/tensorflow_datasets).
+    "cache_dir": "",
+}
 
 
 # The data keys of sentence pairs from the user's own files, for the translation tasks
@@ -294,16 +303,26 @@ def add_text_file_keys(data: ml_collections.ConfigDict) -> None:
         data[key] = value
 
 
-# The data keys of the image tasks (vit, cnn) beyond the dataset's name and splits:
-# data.name="image_folder" reads root/<class>/<image> (eval_root, else eval_fraction by a
-# hash of the path; undecodable files skipped up to max_bad_records: data/images.py).
-# image_size/channels 0: the dataset's own (a folder: the model's image_size, RGB);
-# train_crop 'none' | 'random' (pad by data.padding, crop back) | 'random_resized'
-# (Inception crop, area fraction >= crop_scale); mean/std: one number or one per channel
-# ("0.485,0.456,0.406"); mixup/cutmix: Beta(alpha) of the batch mixing, 0 = off.
-IMAGE_KEYS = {"root": "", "eval_root": "", "eval_fraction": 0.05, "max_bad_records": 100,
-              "image_size": 0, "channels": 0, "train_crop": "random", "crop_scale": 0.08,
-              "mean": "0.5", "std": "0.5", "mixup": 0.0, "cutmix": 0.0}
+# The data keys of the image tasks (vit, cnn) beyond the dataset's name and splits
+# (data/images.py). Each entry's comment is its --help.
+IMAGE_KEYS = {
+    "root": "",  # data.name="image_folder": the folder of root/<class>/<image> files.
+    "eval_root": "",  # the held-out images, as root; "": eval_fraction of root's.
+    # Without eval_root: the share of the images held out, chosen by a hash of the path.
+    "eval_fraction": 0.05,
+    "max_bad_records": 100,  # undecodable images skipped with a warning, up to this many.
+    # Side the images are resized to; 0: the dataset's own (a folder: the model's).
+    "image_size": 0,
+    "channels": 0,  # 1 (grayscale) or 3 (RGB); 0: the dataset's own (a folder: RGB).
+    # Training crop: 'none' | 'random' (pad by data.padding, crop back) |
+    # 'random_resized' (Inception's crop, keeping at least crop_scale of the area).
+    "train_crop": "random",
+    "crop_scale": 0.08,  # random_resized: the smallest share of the image's area kept.
+    "mean": "0.5",  # subtracted from pixels in [0, 1]: one number or one per channel.
+    "std": "0.5",  # pixels are divided by it after: one number or one per channel.
+    "mixup": 0.0,  # mixup's Beta(alpha, alpha) mixing of image pairs; 0: off.
+    "cutmix": 0.0,  # CutMix's Beta(alpha, alpha) pasted patches; 0: off.
+}
 
 
 def add_image_keys(data: ml_collections.ConfigDict) -> None:
@@ -474,7 +493,12 @@ def shipped() -> dict[str, str]:
 def describe(spec: str) -> str:
     """The docstring of the config `spec` names (its arguments, commands and results, as
     each shipped config writes them), for --help."""
-    return (_module(spec.partition(":")[0]).__doc__ or "").strip()
+    return (config_module(spec).__doc__ or "").strip()
+
+
+def config_module(spec: str):
+    """The module that config `spec` (NAME[:ARG] or FILE.py[:ARG]) is loaded from."""
+    return _module(spec.partition(":")[0])
 
 
 def _module(name: str):

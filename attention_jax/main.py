@@ -65,11 +65,13 @@ if __name__ == "__main__":  # before the imports below: JAX's takes seconds
     signal.signal(signal.SIGINT, _stop_now)
 
 import json  # noqa: E402
+import textwrap  # noqa: E402
 from typing import Sequence  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
 from attention_jax import config as config_lib  # noqa: E402
+from attention_jax import config_help  # noqa: E402
 from attention_jax.errors import ConfigError, UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -83,6 +85,8 @@ flags.DEFINE_bool("resume_changed", False,
                   "differ from its config.json (the old one is kept as "
                   "config_until_step_N.json).")
 flags.mark_flags_as_required(["workdir"])  # --config: needed to train (mode_config)
+# --help's lines of what a config key means are wrapped at this width.
+HELP_WIDTH = 92
 USAGE = ("python -m attention_jax.main --config=NAME|FILE.py[:ARG] --workdir=DIR "
          f"[--config.group.key=value ...] [--mode={'|'.join(MODES)}] [--resume_changed]")
 
@@ -408,7 +412,7 @@ def _config_spec(argv) -> str | None:
 
 def help_text(argv) -> str:
     """--help: the module doc, the shipped configs, the flags, and with --config=SPEC the
-    keys of that config with their values."""
+    keys of that config with their values, each with what it means (config_help)."""
     lines = [__doc__.strip(), "", f"Usage: {USAGE}", "",
              "Shipped configs (--config=NAME; attention_jax/configs/NAME.py):"]
     found = config_lib.shipped()
@@ -434,7 +438,14 @@ def help_text(argv) -> str:
             keys = {k: v for k, v in keys.items() if k not in unread}
             lines += [f"  (left out, as task {config.task!r} does not read them: "
                       f"{tasks.describe_readers(unread)})"]
-        lines += [f"  {key} = {value!r}" for key, value in keys.items()]
+        explained = config_help.explain(config, config_lib.config_module(spec),
+                                        getattr(tasks.TASKS.get(config.get("task")), "model",
+                                                None))
+        for key, value in keys.items():
+            lines.append(f"  {key} = {value!r}")
+            if key in explained:
+                lines += textwrap.wrap(explained[key], width=HELP_WIDTH,
+                                       initial_indent="      ", subsequent_indent="      ")
     else:
         lines += ["", "A config's keys and values: add --help to a command with --config=NAME"]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The package's import structure, read from its source with `ast` (nothing imported):
 no import circles, and every import points to the module's own layer or a lower one:
 
-    attention, data < checkpoint < layers < models < tasks, convert, config, workdir
+    attention, data < checkpoint < layers < models < tasks, convert, config(_help), workdir
         < optimizer, steps < train < runs, main, verify, configs < tools
 
 axes.py, quiet.py, errors.py, heap.py, sharding.py and digests.py import nothing of the package but
@@ -22,7 +22,7 @@ from helpers import REPO
 PACKAGE = "attention_jax"
 LAYERS = [{"attention", "data", "axes", "sharding", "digests", "quiet", "errors", "heap"},
           {"checkpoint", "background_save", "packed_state", "kernel_tiles"},
-          {"layers"}, {"models"}, {"tasks", "convert", "config", "workdir"},
+          {"layers"}, {"models"}, {"tasks", "convert", "config", "config_help", "workdir"},
           {"optimizer", "steps"}, {"train"}, {"runs", "main", "verify", "configs"}, {"tools"}]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

@@ -130,16 +130,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.mlp_dim = 256
         c.model.norm_position = variant
 
-    c.data.name = "python_stdlib"
+    c.data.name = "python_stdlib"  # the standard library's source, offline; "files": yours.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
-    c.data.max_files = 0
-    c.data.max_documents = 0
-    c.data.tokenizer = "byte"
+    c.data.max_files = 0  # 0: all files; a small number for smoke runs.
+    c.data.max_documents = 0  # 0: pack every document of the split.
+    c.data.tokenizer = "byte"  # bytes: nothing to train; "bpe"; or a tokenizer.json path.
     c.data.vocab_size = 1024  # unused by the byte tokenizer.
     c.data.seq_len = 64  # training length.
     c.data.packing = "documents"  # each document attends to itself; "stream": across (GPT-2).
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
 
     c.optim.lr = 1e-3  # nanoGPT's shakespeare_char schedule (configs/char_gpt.py).

@@ -59,8 +59,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.text_key = "text"  # the record's text,
     c.data.pair_key = ""  # a pair's second text ([CLS] A [SEP] B [SEP]); "": single texts,
     c.data.label_key = "label"  # and its label (text, integer or boolean in your files).
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     c.data.train_fraction = 1.0  # < 1: that share of the training texts (smaller ⊂ larger).
     config_lib.add_pair_file_keys(c.data)  # data.name="files": your own labelled records.
 

@@ -58,8 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.vocab_size = 1024  # BPE only: size of the vocabulary trained on the corpus.
     c.data.seq_len = 64  # tokens per packed row (viz draws at most 64 tokens, too).
     c.data.mask_rate = 0.15  # fraction of tokens predicted (Devlin et al. §3.1).
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
 
     c.optim.lr = 1e-3  # peak lr (post-norm needs the warmup).

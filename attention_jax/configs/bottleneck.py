@@ -70,14 +70,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.data.name = "number_translation"  # 20k/1k/1k pairs, integers below 10^12 (long inputs).
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
-    c.data.source = "en"
+    c.data.source = "en"  # the source language: the key of a record holding it.
     c.data.target = "fr"  # fr | de (German reorders: 'einundzwanzig').
     c.data.tokenizer = "bpe"  # one byte-level BPE vocabulary for both languages.
-    c.data.vocab_size = 512
+    c.data.vocab_size = 512  # size of the BPE vocabulary trained on the train split.
     c.data.source_len = 40  # the longest training sentence is 35 BPE tokens: nothing is cut.
     c.data.target_len = 40  # 35 + EOS.
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     c.data.cache_dir = ""  # the records cache (data/records_cache.py); "" = DATA_DIR/token_cache.
 
     c.train.steps = args.steps  # ~2.4 epochs of 20k pairs at batch 32.

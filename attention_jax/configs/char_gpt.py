@@ -63,8 +63,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.vocab_size = 1024  # unused by the byte tokenizer.
     c.data.seq_len = context  # block_size.
     c.data.packing = "documents"  # each document attends to itself; "stream": across (GPT-2).
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
 
     c.optim.lr = 1e-3  # learning_rate.

@@ -57,8 +57,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # "documents": a packed document attends only to itself, positions restart;
     # "stream": one causal stream across documents, as GPT-2 and nanoGPT train.
     c.data.packing = "documents"
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
 
     c.optim.lr = 3e-3  # peak lr: a 0.4M-parameter model tolerates a large step.

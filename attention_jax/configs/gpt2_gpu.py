@@ -62,13 +62,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.remat_policy = "none"  # 124M at batch 16 fits in 80 GB without recomputation.
     c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 
-    c.data.name = "python_stdlib"
+    c.data.name = "python_stdlib"  # the standard library's source, offline; "files": yours.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: the whole standard library (a small number for a smoke run).
-    c.data.tokenizer = "byte"
-    c.data.seq_len = 1024
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.tokenizer = "byte"  # bytes: nothing to train; "bpe"; or a tokenizer.json path.
+    c.data.seq_len = 1024  # tokens per packed row (GPT-2's context).
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.
     # "documents": each packed document sees only itself (segment ids). "stream": one
     # causal stream across documents, as GPT-2 and nanoGPT train (the bare step's inputs).

@@ -28,16 +28,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.cell = "gru"  # gru | lstm.
     c.model.dropout_rate = 0.0
 
-    c.data.name = "number_translation/small"  # 2k/200/200 pairs; "number_translation": 20k.
+    # English numbers and their translations, offline: 2k/200/200 pairs
+    # ("number_translation": 20k); "files": your own pairs.
+    c.data.name = "number_translation/small"
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
-    c.data.source = "en"
-    c.data.target = "fr"  # fr | de.
+    c.data.source = "en"  # the source language: the key of a record holding it.
+    c.data.target = "fr"  # the target language: fr | de (a record's key, for your files).
     c.data.tokenizer = "bpe"  # shared byte-level BPE trained on the train split.
-    c.data.vocab_size = 512
-    c.data.source_len = 32  # tokens (padded).
-    c.data.target_len = 32
-    c.data.train_split = "train"
-    c.data.eval_split = "validation"
+    c.data.vocab_size = 512  # size of the BPE vocabulary trained on the train split.
+    c.data.source_len = 32  # source tokens, padded (a longer source is refused at start).
+    c.data.target_len = 32  # target tokens with EOS, padded (a longer one is refused at start).
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_pair_file_keys(c.data)  # data.name="files": your own sentence pairs.
 
     c.optim.lr = 3e-3

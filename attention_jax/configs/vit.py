@@ -55,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.augment = False  # a 1-pixel random crop is a big shift on 8×8: it hurt (35% vs 78%).
     c.data.padding = 1  # crop padding in pixels.
     c.data.flip = False  # mirroring changes what a digit is.
-    c.data.train_split = "train"
-    c.data.eval_split = "test"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "test"  # the split evaluated (image_folder: the held-out images).
     # Your own images and the preprocessing (config.IMAGE_KEYS): e.g. --config.data.name=
     # image_folder --config.data.root=DIR --config.data.image_size=32 (README, "Your own images").
     config_lib.add_image_keys(c.data)

@@ -51,10 +51,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.name = "digits"  # 1,438 training and 359 test images.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.augment = False  # a random 1-pixel shift is large on 8×8 (see configs/vit.py).
-    c.data.padding = 1
+    c.data.padding = 1  # crop padding in pixels (train_crop="random").
     c.data.flip = False  # mirroring changes what a digit is.
-    c.data.train_split = "train"
-    c.data.eval_split = "test"
+    c.data.train_split = "train"  # the split trained on.
+    c.data.eval_split = "test"  # the split evaluated (image_folder: the held-out images).
     # Your own images and the preprocessing (config.IMAGE_KEYS): e.g. --config.data.name=
     # image_folder --config.data.root=DIR --config.data.image_size=32 (README, "Your own images").
     config_lib.add_image_keys(c.data)

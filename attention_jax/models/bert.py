@@ -54,17 +54,19 @@ class BertConfig:
     num_layers: int = 12  # L
     num_heads: int = 12  # A
     mlp_dim: int = 3072  # 4H
-    max_len: int = 512
+    max_len: int = 512  # rows of the position table (the longest input)
     type_vocab_size: int = 2  # segments A and B
     num_labels: int = 2  # classification head
     activation: str = "gelu"  # exact erf GELU, as the released checkpoints
-    norm_epsilon: float = 1e-12
-    dropout_rate: float = 0.1
+    norm_epsilon: float = 1e-12  # added to the variance in every LayerNorm
+    dropout_rate: float = 0.1  # on the embeddings, every block and the pooled [CLS]
     attention_dropout_rate: float = 0.1  # on per-head outputs, see layers/attention.py
     initializer_range: float = 0.02  # std of the truncated-normal weight init
     position_embeddings: bool = True  # False: an order-blind encoder (for the lectures' tests)
-    implementation: str = "auto"  # attention backend
-    scan_layers: bool = False
+    # attention backend: auto | reference | ring | cudnn | pallas | splash | blockwise | xla
+    implementation: str = "auto"
+    scan_layers: bool = False  # the blocks as one lax.scan: compiles in the time of one block
+    # activation checkpointing per block: none | full | dots | dots_no_batch
     remat_policy: str = "none"
     dtype: Any = "float32"
 

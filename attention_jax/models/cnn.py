@@ -32,12 +32,12 @@ __all__ = ["CNNConfig", "CNN", "VARIANTS"]
 @dataclasses.dataclass(frozen=True)
 class CNNConfig:
     image_size: int = 8  # side of the training image (the CNN itself takes any size)
-    num_channels: int = 1
+    num_channels: int = 1  # the images' channels (the tasks set it from the data)
     width: int = 48  # channels of the stem and of every block
-    num_blocks: int = 3
-    kernel_size: int = 3
+    num_blocks: int = 3  # residual blocks after the stem
+    kernel_size: int = 3  # side of every convolution's window
     groups: int = 8  # GroupNorm groups; must divide width
-    num_classes: int = 10
+    num_classes: int = 10  # the classifier's outputs (the tasks set it from the data)
     dropout_rate: float = 0.0  # before the classifier
     dtype: Any = "float32"
 

@@ -48,25 +48,27 @@ class EncDecConfig:
     """Hyperparameters of the encoder-decoder Transformer (defaults: Transformer base)."""
 
     vocab_size: int = 37000  # shared source/target BPE vocabulary (WMT14 en-de, §5.1)
-    d_model: int = 512
-    num_heads: int = 8
+    d_model: int = 512  # d_model of the paper: every layer's width
+    num_heads: int = 8  # h: attention heads (head dim d_model / h)
     mlp_dim: Optional[int] = 2048  # d_ff (None: 4 * d_model)
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
+    num_encoder_layers: int = 6  # N of the encoder stack
+    num_decoder_layers: int = 6  # N of the decoder stack
     activation: str = "relu"  # FFN(x) = max(0, xW1 + b1)W2 + b2 (§3.3)
-    norm: str = "layernorm"
-    norm_position: str = "post"
-    norm_epsilon: float = 1e-6
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    norm_position: str = "post"  # "post" (the paper: norm after the residual add) | "pre"
+    norm_epsilon: float = 1e-6  # added to the variance in every norm
     dropout_rate: float = 0.1  # P_drop (§5.4)
-    attention_dropout_rate: float = 0.0
-    share_embeddings: bool = True
+    attention_dropout_rate: float = 0.0  # on the per-head attention outputs
+    share_embeddings: bool = True  # one table for source, target and the output head (§3.4)
+    # attention backend: auto | reference | ring | cudnn | pallas | splash | blockwise | xla
     implementation: str = "auto"
-    scan_layers: bool = False
+    scan_layers: bool = False  # each stack as one lax.scan: compiles in the time of one layer
+    # activation checkpointing per block: none | full | dots | dots_no_batch
     remat_policy: str = "none"
-    pad_id: int = 0
+    pad_id: int = 0  # token ids of padding, start and end (the tokenizer's)
     bos_id: int = 1
     eos_id: int = 2
-    dtype: Any = "float32"
+    dtype: Any = "float32"  # computation dtype
     param_dtype: Any = "float32"
 
     def __post_init__(self):

@@ -54,32 +54,34 @@ GPT_POSITIONS = ("learned", "sinusoidal", "rope")
 class GPTConfig:
     """A GPT model's hyperparameters (defaults: GPT-2 small)."""
 
-    vocab_size: int = 50257
+    vocab_size: int = 50257  # token ids (the tasks set it from the tokenizer)
     max_len: int = 1024  # rows of the learned position table (context length)
-    num_layers: int = 12
-    d_model: int = 768  # D
-    num_heads: int = 12
+    num_layers: int = 12  # transformer blocks
+    d_model: int = 768  # D: the width of every token's vector
+    num_heads: int = 12  # N query heads (head dim D/N)
     num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
     mlp: str = "mlp"  # "mlp" | "swiglu" | "geglu" | "moe"
     mlp_dim: Optional[int] = None  # F (default 4D)
     activation: str = "gelu_tanh"  # GPT-2's tanh-approximated GELU
-    norm: str = "layernorm"
-    norm_epsilon: float = 1e-5
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    norm_epsilon: float = 1e-5  # added to the variance in every norm
     norm_position: str = "pre"  # "pre" (GPT-2) | "post" (GPT-1, Vaswani et al.)
     norm_kernel: str = "auto"  # residual add + norm: layers/norms.py NORM_KERNELS
     attention_scale: Optional[float] = None  # logits multiplier; None = 1/sqrt(head dim)
     position: str = "learned"  # "learned" | "sinusoidal" | "rope"
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    use_bias: bool = True
-    dropout_rate: float = 0.0
+    rope_base: float = 10000.0  # position="rope": the base of its wavelengths
+    tie_embeddings: bool = True  # the output head is the token embedding's transpose
+    use_bias: bool = True  # biases in the projections and the MLP
+    dropout_rate: float = 0.0  # on the embeddings and each sublayer's output (residual dropout)
+    # attention backend: auto | reference | ring | cudnn | pallas | splash | blockwise | xla
     implementation: str = "auto"
     ring_inner: str = "auto"  # chunk-pair kernel of ring attention (mesh.sequence > 1)
-    scan_layers: bool = False
+    scan_layers: bool = False  # the blocks as one lax.scan: compiles in the time of one block
+    # activation checkpointing per block: none | full | dots | dots_no_batch
     remat_policy: str = "none"
     num_experts: int = 8  # for mlp="moe"
-    top_k: int = 2
-    capacity_factor: float = 1.25
+    top_k: int = 2  # mlp="moe": experts each token is sent to
+    capacity_factor: float = 1.25  # mlp="moe": an expert's slots, a multiple of its even share
     moe_loss_weight: float = 0.01  # weight of the load-balancing loss (Switch uses 1e-2)
     dtype: Any = "float32"
     param_dtype: Any = "float32"

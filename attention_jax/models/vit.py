@@ -45,20 +45,22 @@ POOLS = ("cls", "gap")
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     image_size: int = 224  # side of the (square) training image; sets the position table
-    patch_size: int = 16
-    num_channels: int = 3
+    patch_size: int = 16  # side of the square patches that become tokens
+    num_channels: int = 3  # the images' channels (the tasks set it from the data)
     d_model: int = 768  # hidden size D
-    num_layers: int = 12
-    num_heads: int = 12
-    mlp_dim: int = 3072
-    num_classes: int = 1000
+    num_layers: int = 12  # transformer blocks
+    num_heads: int = 12  # attention heads (head dim D / num_heads)
+    mlp_dim: int = 3072  # the MLP's hidden width
+    num_classes: int = 1000  # the classifier's outputs (the tasks set it from the data)
     pool: str = "cls"  # "cls": classify the [CLS] token; "gap": average the patch tokens
-    norm_epsilon: float = 1e-6
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
+    norm_epsilon: float = 1e-6  # added to the variance in every LayerNorm
+    dropout_rate: float = 0.0  # on the embeddings and each sublayer's output (residual dropout)
+    attention_dropout_rate: float = 0.0  # on the per-head attention outputs
     position_embeddings: bool = True  # False: an order-blind encoder (for the lectures' tests)
+    # attention backend: auto | reference | ring | cudnn | pallas | splash | blockwise | xla
     implementation: str = "auto"
-    scan_layers: bool = False
+    scan_layers: bool = False  # the blocks as one lax.scan: compiles in the time of one block
+    # activation checkpointing per block: none | full | dots | dots_no_batch
     remat_policy: str = "none"
     norm_kernel: str = "auto"  # residual add + norm: layers/norms.py NORM_KERNELS
     dtype: Any = "float32"

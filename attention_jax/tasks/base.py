@@ -206,21 +206,24 @@ TASKS: dict[str, Callable[[Any, str], Task]] = {}
 
 
 def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str] = (),
-             reads: Sequence[str] | None = None) -> None:
+             reads: Sequence[str] | None = None, model: type | None = None) -> None:
     """TASKS[name] = make, declaring the optional Task entries it sets (OPTIONAL), so that
     `need` can name the tasks with an entry without building any. A build that sets other
     entries than it declares is a bug here and raises. reads: the keys of
-    config.TASK_KEYS (keys only some tasks read) the task reads (None: config.SAMPLE_KEYS
-    where it samples, none where it does not: a task whose loss is gpt.head_loss with
-    config.train.loss_* names them too); --help lists only those, and a run that sets
-    another is told it does nothing."""
+    config.TASK_KEYS (keys only some tasks read) the task reads; --help lists only those,
+    and a run that sets another is told it does nothing. None (not said): config.
+    SAMPLE_KEYS where it samples, none where it does not (only sampling reads them), and
+    config.LM_LOSS_KEYS either way (a loss of gpt.head_loss reads them, in the task's own
+    code, which this cannot see). model: the dataclass whose fields config.model sets,
+    whose field comments --help shows (config_help)."""
     from attention_jax import config as config_lib
     unknown = sorted(set(provides) - set(OPTIONAL))
     if unknown:
         raise ValueError(f"provides={unknown} are not optional Task entries; valid: {OPTIONAL}")
     declared = frozenset(provides)
     if reads is None:
-        reads = config_lib.SAMPLE_KEYS if "sample" in declared else ()
+        reads = ((config_lib.SAMPLE_KEYS if "sample" in declared else ())
+                 + config_lib.LM_LOSS_KEYS)
     unknown = sorted(set(reads) - set(config_lib.TASK_KEYS))
     if unknown:
         raise ValueError(f"reads={unknown}; valid: keys of {config_lib.TASK_KEYS}")
@@ -237,6 +240,7 @@ def register(name: str, make: Callable[[Any, str], Task], provides: Sequence[str
 
     build.provides = declared
     build.reads = tuple(reads)
+    build.model = model
     TASKS[name] = build
 
 

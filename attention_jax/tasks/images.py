@@ -12,7 +12,7 @@ import numpy as np
 
 from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
-from attention_jax.models import flops
+from attention_jax.models import cnn, flops, vit
 from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, check_classes,
                                       check_model_keys, check_source_keys, data_is_on_demand,
@@ -34,7 +34,6 @@ def image_task(config, workdir: str) -> Task:
     from attention_jax.data import images as images_lib
     from attention_jax.data import objectives
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    from attention_jax.models import cnn, vit
     family = {"vit": (vit.ViTConfig, vit.ViT, vit.VARIANTS, _vit_entries),
               "cnn": (cnn.CNNConfig, cnn.CNN, cnn.VARIANTS, _cnn_entries)}
     config_cls, model_cls, variants, entries = family[config.task]
@@ -331,5 +330,7 @@ def _label_name(label, classes) -> str:
 
 
 register("vit", image_task, provides=("classify", "label_images", "attention_input",
-                                      "flops_per_unit", "tokens_per_example"))
-register("cnn", image_task, provides=("classify", "label_images", "flops_per_unit"))
+                                      "flops_per_unit", "tokens_per_example"),
+         reads=(), model=vit.ViTConfig)
+register("cnn", image_task, provides=("classify", "label_images", "flops_per_unit"),
+         reads=(), model=cnn.CNNConfig)

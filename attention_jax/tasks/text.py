@@ -14,7 +14,7 @@ from attention_jax import workdir as workdir_lib
 from attention_jax.config import TASK_KEYS, TEXT_FILE_KEYS
 from attention_jax.data.tokenization import ROLE_NAMES, TokenizerEncodeError, is_tokenizer_path
 from attention_jax.errors import ConfigError
-from attention_jax.models import flops
+from attention_jax.models import bert, flops, gpt
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, cache_root, check_context,
                                       check_file_options, check_model_keys,
@@ -321,7 +321,6 @@ def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    from attention_jax.models import gpt
     check_model_keys(gpt.GPTConfig, config)  # before the corpus and tokenizer are built
     # packing: "documents" keeps each packed document to itself (segment ids, positions
     # restarting per document); "stream" reads a row as a window of one token stream, as
@@ -419,7 +418,6 @@ def mlm_task(config, workdir: str) -> Task:
     """BERT masked-language modelling (Devlin et al. 2019) on packed documents."""
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    from attention_jax.models import bert
     check_model_keys(bert.BertConfig, config)  # before the corpus and tokenizer are built
     data_opts = data_options(config, **MLM_DATA)
     _check_mlm_tokenizer(data_opts)
@@ -485,5 +483,5 @@ def mlm_task(config, workdir: str) -> Task:
 
 
 TEXT = ("attention_input", "flops_per_unit", "tokens_per_example")
-register("gpt", lm_task, provides=("sample", *TEXT), reads=TASK_KEYS)
-register("bert_mlm", mlm_task, provides=("embed", *TEXT))
+register("gpt", lm_task, provides=("sample", *TEXT), reads=TASK_KEYS, model=gpt.GPTConfig)
+register("bert_mlm", mlm_task, provides=("embed", *TEXT), reads=(), model=bert.BertConfig)

@@ -23,7 +23,7 @@ from attention_jax import workdir as workdir_lib
 from attention_jax.config import PAIR_FILE_KEYS
 from attention_jax.data.objectives import least_classified_len
 from attention_jax.errors import ConfigError
-from attention_jax.models import flops
+from attention_jax.models import bert, flops
 from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
                                       check_classes,
@@ -196,7 +196,6 @@ def classify_task(config, workdir: str) -> Task:
     """BERT fine-tuned to classify texts (module docstring)."""
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    from attention_jax.models import bert
     check_model_keys(bert.BertConfig, config)  # before the data and tokenizer are built
     o = data_options(config, **CLASSIFY_DATA)
     files = o.name == "files"
@@ -364,4 +363,4 @@ def _save_assets(workdir: str, tok, classes) -> None:
 
 register("bert_classify", classify_task,
          provides=("classify", "label_texts", "attention_input", "flops_per_unit",
-                   "tokens_per_example"))
+                   "tokens_per_example"), reads=(), model=bert.BertConfig)

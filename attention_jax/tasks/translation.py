@@ -15,7 +15,7 @@ from attention_jax import workdir as workdir_lib
 from attention_jax.config import PAIR_FILE_KEYS
 from attention_jax.data.tokenization import TokenizerEncodeError
 from attention_jax.errors import ConfigError
-from attention_jax.models import flops
+from attention_jax.models import encdec, flops, rnn
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.data import records_cache
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
@@ -134,7 +134,6 @@ def translation_task(config, workdir: str) -> Task:
     """
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    from attention_jax.models import encdec, rnn
     check_model_keys(rnn.RNNConfig if config.task == "rnn_seq2seq" else encdec.EncDecConfig,
                      config)  # before the data and tokenizer are built
     data_opts = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
@@ -292,6 +291,7 @@ def _encdec_flops(cfg, data_opts, params) -> float:
 
 # Greedy translations of the prompts: no sampling settings, no length (data.target_len).
 register("rnn_seq2seq", translation_task, provides=("decode", "attention_input", "sample"),
-         reads=("eval.sample_prompts",))
+         reads=("eval.sample_prompts",), model=rnn.RNNConfig)
 register("encdec", translation_task, provides=("decode", "attention_input", "flops_per_unit",
-                                               "sample"), reads=("eval.sample_prompts",))
+                                               "sample"), reads=("eval.sample_prompts",),
+         model=encdec.EncDecConfig)

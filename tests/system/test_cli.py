@@ -83,11 +83,14 @@ def test_old_experiments_paths_and_a_users_own_config_file(tmp_path):
     mine.write_text("from attention_jax.configs import gpt\n\n"
                     "def get_config(arg=None):\n"
                     "    c = gpt.get_config(arg)\n"
-                    "    c.optim.lr = 0.0123\n"
+                    "    c.optim.lr = 0.0123  # found by my sweep\n"
                     "    return c\n")
     out = cli(f"--config={mine}:variant=gpt-tiny-rope", "--help")
     assert out.returncode == 0, out.stderr
     assert "  optim.lr = 0.0123" in out.stdout and "  model.variant = 'gpt-tiny-rope'" in out.stdout
+    # the user's own comment explains the key, after the general meaning
+    assert ("  optim.lr = 0.0123\n      peak learning rate, reached after warmup. This config: "
+            "found by my sweep.\n") in out.stdout
 
 
 def test_help_exits_0_with_modes_configs_and_a_configs_keys():
@@ -102,6 +105,9 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     out = cli("--config=gpt", "--help")
     assert out.returncode == 0
     assert "  optim.lr = 0.003" in out.stdout and "  data.name = 'python_stdlib'" in out.stdout
+    # each key with what it means, wrapped under it
+    assert ("  train.keep_checkpoints = 3\n      the newest checkpoints kept in the workdir; "
+            "older are deleted.\n  train.log_every = 20\n") in out.stdout
     assert "  eval.sample_top_k = 40" in out.stdout
     # A task that samples nothing lists no sampling keys, and says where they go.
     out = cli("--config=bert_classify", "--help")

@@ -774,10 +774,11 @@ def test_keys_given_to_a_task_that_does_not_read_them_are_said(capsys):
         base.TASKS["tiny_quiet"](tiny.tiny_config(**{"eval.sample_prompts": ("x",),
                                                     "eval.sample_top_k": 5,
                                                     "train.loss_chunk_size": 64}), None)
+        # Registered without reads=: it samples nothing, so the sampling keys do nothing;
+        # its loss may be gpt.head_loss, which reads train.loss_*: not said of those.
         assert ("note: task 'tiny_quiet' does not read config.eval.sample_prompts (read by "
-                "['encdec', 'gpt', 'rnn_seq2seq']); config.eval.sample_top_k, "
-                "config.train.loss_chunk_size (read by ['gpt']): set here, they do "
-                "nothing") in capsys.readouterr().err
+                "['encdec', 'gpt', 'rnn_seq2seq']); config.eval.sample_top_k (read by "
+                "['gpt']): set here, they do nothing\n") in capsys.readouterr().err
         base.TASKS["tiny_quiet"](tiny.tiny_config(), None)  # the defaults: nothing to say
         assert "does not read" not in capsys.readouterr().err
         # A task whose sampling reads the prompts only (a translation's greedy decoding).
