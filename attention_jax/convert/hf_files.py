@@ -255,10 +255,10 @@ def write_hf_image_processor(out_dir, preprocess) -> None:
     AutoImageProcessor (and pipeline("image-classification")) reads an image as the run
     read its eval images (`preprocess`: the run's data.images.Preprocess,
     run.task.eval_transform): its shorter side resized to image_size and the centre cut
-    (CLIPImageProcessor's steps, bilinear), then x/255 and (x - mean) / std per channel.
-    A square image comes out the same to float rounding; another differs by
-    interpolation (the run cut the centre square and resized it, transformers resizes
-    and then cuts: no processor of theirs does the run's order). A one-channel model's
+    (CLIPImageProcessor's steps, bilinear: data.images.resize_centre's), then x/255 and
+    (x - mean) / std per channel: any image comes out the same to float rounding (with
+    transformers' PIL processor; its torchvision one, where torchvision is installed and
+    chosen, interpolates its own way). A one-channel model's
     processor converts nothing: give it grey images, through the processor and the model
     (transformers' pipeline converts every image to RGB first). Two more differences
     are transformers' own: its pipeline turns a photo by its EXIF orientation tag (the

@@ -321,11 +321,22 @@ def resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: 
     return out[..., None] if c == 1 else out
 
 
-def centre_box(h: int, w: int) -> tuple[float, float, float, float]:
-    """The largest centred square: eval's crop after resizing the shorter side."""
-    s = min(h, w)
-    top, left = (h - s) / 2, (w - s) / 2
-    return (left, top, left + s, top + s)
+def resize_centre(image: np.ndarray, size: int) -> np.ndarray:
+    """The image's shorter side resized to `size` (the longer in proportion, rounded
+    down), bilinear as resize_box, then the centred size×size square cut (its offsets
+    rounded down). These are the steps and roundings of transformers' processors with a
+    shortest_edge size and a centre crop (CLIPImageProcessor), so that a ViT exported
+    with the run's preprocessing (convert/hf_files.py) reads any image into the run's
+    pixels."""
+    from PIL import Image
+    h, w = image.shape[:2]
+    if (h, w) == (size, size):
+        return image
+    nh, nw = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
+    out = np.asarray(_pil(image).resize((nw, nh), Image.BILINEAR))
+    top, left = (nh - size) // 2, (nw - size) // 2
+    out = out[top:top + size, left:left + size]
+    return out[..., None] if image.shape[-1] == 1 and out.ndim == 2 else out
 
 
 def random_resized_box(h: int, w: int, rng: np.random.Generator, scale=(0.08, 1.0),
@@ -353,7 +364,7 @@ class Preprocess:
     """Image record -> {'image': float32 [S, S, C] normalised, 'label': int32}.
 
     Eval (train=False) and crop='none': the shorter side resized to S and the centre
-    square cut (an image already S×S is untouched). Training crops: 'random' pads by
+    square cut (resize_centre; an image already S×S is untouched). Training crops: 'random' pads by
     `padding` and crops back at a random offset after the eval resize (the CIFAR recipe);
     'random_resized' draws an Inception crop of the original (area fraction in
     [crop_scale, 1], ratio in [3/4, 4/3]) and resizes it to S×S. flip: mirror left-right
@@ -390,7 +401,7 @@ class Preprocess:
         if self.train and self.crop == 'random_resized':
             image = resize_box(image, random_resized_box(h, w, rng, (self.crop_scale, 1.0)), s)
         else:
-            image = resize_box(image, centre_box(h, w), s)
+            image = resize_centre(image, s)
             if self.train and self.crop == 'random':
                 image = objectives.random_crop_flip(image, rng, padding=self.padding)
         if self.train and self.flip and rng.random() < 0.5:

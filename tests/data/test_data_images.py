@@ -197,11 +197,19 @@ def test_eval_resizes_the_shorter_side_and_cuts_the_centre():
     # No resize (shorter side already 4): exactly the centre 4×4, divided by 255.
     np.testing.assert_allclose(out["image"], image[:, 2:6] / 255.0, atol=1e-6)
     assert out["label"] == 3 and out["label"].dtype == np.int32
+    # An odd margin (9 - 4 = 5 columns) is split rounding down, as transformers' centre
+    # crop does: columns 2..5 again, whole pixels, not a half-pixel interpolation.
+    odd = np.concatenate([image, np.full((4, 1, 1), 255, np.uint8)], axis=1)
+    np.testing.assert_array_equal(images_lib.resize_centre(odd, 4), image[:, 2:6])
+    # Tall: the shorter side (width 3) to 2, the height in proportion, int(2 * 7 / 3) = 4
+    # rows, of which the middle 2.
+    tall = images_lib.resize_centre(np.full((7, 3, 3), 7, np.uint8), 2)
+    assert tall.shape == (2, 2, 3) and (tall == 7).all()
     # Downscaling a ramp 8 -> 4 wide: PIL's bilinear widens its triangle filter to 2 input
     # pixels when shrinking 2x (antialiased), which keeps a linear ramp linear away from the
     # borders: output column j samples x = 2j + 0.5 (pixel centres), 10x = 25, 45.
     ramp = np.tile(np.arange(8, dtype=np.uint8) * 10, (8, 1))[..., None]
-    small = images_lib.resize_box(ramp, images_lib.centre_box(8, 8), 4)[..., 0]
+    small = images_lib.resize_box(ramp, (0, 0, 8, 8), 4)[..., 0]
     np.testing.assert_allclose(small[:, 1:3], [[25, 45]] * 4, atol=1)
     flat = images_lib.resize_box(np.full((37, 50, 3), 99, np.uint8), (3.5, 1.2, 40.1, 30.0), 9)
     assert flat.shape == (9, 9, 3) and (flat == 99).all()
