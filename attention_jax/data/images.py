@@ -114,11 +114,14 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
             raise ImagesError(f'{arg}={root!r}: class folder {name!r} has no images '
                               f'({", ".join(SUFFIXES)}); remove it or add images')
         files.append(sorted(found))
-    if others:  # said, not dropped in silence
-        shown = ', '.join(sorted(others)[:3]) + (', ...' if len(others) > 3 else '')
-        print(f'note: {arg}={root!r}: {len(others)} file{"s" if len(others) > 1 else ""} '
-              f'without an image suffix ({", ".join(SUFFIXES)}) left out: {shown}',
-              file=sys.stderr)
+    loose = sorted(e.name for e in os.scandir(root) if not e.name.startswith('.')
+                   and not e.is_dir())
+    for what, names in ((f'without an image suffix ({", ".join(SUFFIXES)})', others),
+                        ('beside the class folders, in none,', loose)):
+        if names:  # said, not dropped in silence
+            shown = ', '.join(sorted(names)[:3]) + (', ...' if len(names) > 3 else '')
+            print(f'note: {arg}={root!r}: {len(names)} file{"s" if len(names) > 1 else ""} '
+                  f'{what} left out: {shown}', file=sys.stderr)
     return classes, files
 
 
@@ -241,7 +244,22 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
                     'images', f'{arg}eval_fraction', f'{arg}eval_root')
     pick = lambda mask: ([paths[i] for i in np.flatnonzero(mask)],
                          [labels[i] for i in np.flatnonzero(mask)])
+    _say_classes_not_held_out(pick(held)[1], classes, eval_fraction, len(paths), arg)
     return {'train': make(root, *pick(~held)), 'validation': make(root, *pick(held))}, classes
+
+
+def _say_classes_not_held_out(held_labels, classes, eval_fraction, total: int, arg: str) -> None:
+    """A note where eval_fraction of a small folder held out no image of some class: the
+    eval accuracy then says nothing of those classes, unsaid (the record's `examples`
+    count shows how few were evaluated, not which classes)."""
+    missing = [c for i, c in enumerate(classes) if i not in set(held_labels)]
+    if missing:
+        shown = ', '.join(map(repr, missing[:3])) + (', ...' if len(missing) > 3 else '')
+        print(f'note: {arg}eval_fraction={eval_fraction} of {total} images held out '
+              f'{len(held_labels)}, of {len(classes) - len(missing)} of the {len(classes)} '
+              f'classes (none of {shown}): the eval metrics leave those out; give a larger '
+              f'{arg}eval_fraction, or held-out images of every class in {arg}eval_root',
+              file=sys.stderr)
 
 
 def held_out_folder(eval_root: str, classes: Sequence[str], *, channels: int = 3,

@@ -208,7 +208,8 @@ def _image_sources(o):
 def _say_if_not_augmented(o) -> None:
     """A note where training crops or flips are asked for but data.augment is off (the
     digits configs turn it off): training read the eval crop, unsaid."""
-    asked = [f"{k}={o[k]!r}" for k, on in (
+    default = lambda k: " (the default)" if o[k] == IMAGE_KEYS.get(k) else ""  # noqa: E731
+    asked = [f"{k}={o[k]!r}{default(k)}" for k, on in (
         ("train_crop", o.train_crop == "random_resized" or
          (o.name == "image_folder" and o.train_crop != "none")),
         ("flip", o.flip)) if on]

@@ -92,6 +92,24 @@ def test_classes_labels_and_a_split_that_depends_only_on_the_path(tmp_path):
     assert held <= set(again.paths) and set(again.paths) - held <= {os.path.join("ant", "new.png")}
 
 
+def test_a_held_out_split_without_some_class_is_said(tmp_path, capsys):
+    """A small folder's eval_fraction may hold out no image of a class: its accuracy then
+    leaves the class out, said; a split with every class says nothing."""
+    root = _folder(tmp_path / "f", per_class=4)
+    splits, classes = folder_splits(str(root), eval_fraction=0.2)
+    held = set(splits["validation"].labels.tolist())
+    missing = [c for i, c in enumerate(classes) if i not in held]
+    assert missing  # 12 images at 0.2: this folder's hashes hold out too few for all three
+    assert capsys.readouterr().err == (
+        f"note: eval_fraction=0.2 of 12 images held out {len(splits['validation'])}, of "
+        f"{3 - len(missing)} of the 3 classes (none of {', '.join(map(repr, missing))}): the "
+        f"eval metrics leave those out; give a larger eval_fraction, or held-out images of "
+        f"every class in eval_root\n")
+    splits, _ = folder_splits(str(root), eval_fraction=0.7)
+    assert set(splits["validation"].labels.tolist()) == {0, 1, 2}
+    assert capsys.readouterr().err == ""
+
+
 def test_every_format_pil_reads_is_an_image_and_other_files_are_said(tmp_path, capsys):
     """WebP (and BMP, GIF, TIFF) images were left out in silence with the notes beside
     them; now they are images, and what is left out is counted in a note."""
@@ -99,12 +117,15 @@ def test_every_format_pil_reads_is_an_image_and_other_files_are_said(tmp_path, c
     Image.fromarray(np.full((12, 10, 3), 7, np.uint8)).save(root / "ant" / "w.webp")
     Image.fromarray(np.full((12, 10), 9, np.uint8)).save(root / "bee" / "b.BMP")
     (root / "bee" / "notes.txt").write_text("taken in May")
+    Image.fromarray(np.full((12, 10), 9, np.uint8)).save(root / "stray.png")  # no class
     classes, files = images_lib.list_classes(str(root))
     assert files == [["ant/0.png", "ant/1.png", "ant/w.webp"],
                      ["bee/0.png", "bee/1.png", "bee/b.BMP"]] and classes == ["ant", "bee"]
     assert capsys.readouterr().err == (
         f"note: root={str(root)!r}: 1 file without an image suffix (.jpg, .jpeg, .png, "
-        f".webp, .bmp, .gif, .tif, .tiff) left out: bee/notes.txt\n")
+        f".webp, .bmp, .gif, .tif, .tiff) left out: bee/notes.txt\n"
+        f"note: root={str(root)!r}: 1 file beside the class folders, in none, left out: "
+        f"stray.png\n")
     assert images_lib.decode(str(root / "ant" / "w.webp"))[0, 0].tolist() == [7, 7, 7]
 
 

@@ -160,7 +160,8 @@ def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
     # The config's data.augment=False (made for 8×8 digits) reads a folder's training
     # images as eval images are: said, with the way to turn the crops on.
     assert ("note: config.data.augment=False: the training images are read as the eval "
-            "images are (the centre, resized), so train_crop='random' does nothing; "
+            "images are (the centre, resized), so train_crop='random' (the default) does "
+            "nothing; "
             "--config.data.augment=true applies them") in said
     assert (task.model.config.image_size, task.model.config.num_classes) == (size, 3)
     assert task.train_transform(task.train_source[0], np.random.default_rng(0))["image"].shape \
