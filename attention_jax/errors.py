@@ -43,6 +43,17 @@ def did_you_mean(word, choices: Iterable) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def check_fields(cls, names: Iterable[str]) -> None:
+    """ConfigError naming the first of `names` that is no field of dataclass `cls`, with the
+    closest field and all of them (the dataclass's own TypeError names neither)."""
+    import dataclasses
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for name in names:
+        if name not in valid:
+            raise ConfigError(f"{name!r} is not a field of {cls.__name__}"
+                              f"{did_you_mean(name, valid)}; valid: {valid}")
+
+
 def check_choice(name: str, value, valid: Iterable) -> None:
     """ConfigError "NAME=VALUE is unknown; valid: [...]" unless `value` is one of `valid`.
     `name` is what the user wrote, e.g. "config.data.tokenizer"."""

@@ -64,7 +64,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.attention import blockwise, jax_nn, pallas, per_device, reference, ring, splash
-from attention_jax.attention.blockwise import blockwise_attention
 from attention_jax.attention.call import (RING_INNER, AttentionCall, Platform, compiling_for,
                                          compiling_for_gpu, make_call, target_backend)
 from attention_jax.attention.masks import MaskSpec
@@ -145,8 +144,8 @@ def _blockwise(q, k, v, call: AttentionCall):
     default_q, default_k = default_block_sizes(heads=call.batch * call.heads,
                                                head_dim=call.head_dim, q_len=call.q_len,
                                                kv_len=call.kv_len)
-    return blockwise_attention(q, k, v, call.spec, call.scale, call.block_q or default_q,
-                               call.block_k or default_k)
+    return blockwise.blockwise_attention(q, k, v, call.spec, call.scale,
+                                         call.block_q or default_q, call.block_k or default_k)
 
 
 def _ring(q, k, v, call: AttentionCall):

@@ -133,10 +133,13 @@ def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=
 
 def _check_shapes(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
+        if not hasattr(x, "ndim"):  # a list or a number: what it is, then what is valid
+            raise ValueError(f"{name} must be an array (jax or numpy) of rank 4; got a "
+                             f"{type(x).__name__}")
+        if x.ndim != 4:
             raise ValueError(
                 f"{name} must have rank 4 ({'[B, T, N, H]' if name == 'q' else '[B, S, K, H]'}); "
-                f"got shape {getattr(x, 'shape', type(x).__name__)}")
+                f"got shape {x.shape}")
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1:
         raise ValueError(
@@ -278,8 +281,9 @@ def _check_dense_mask(mask, b, n, t, s):
         raise ValueError(f"mask must be boolean (True = attend); got {mask.dtype}")
     if mask.ndim > 4:
         raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {mask.shape}")
+    given = mask.shape  # as the caller wrote it: the error names that, not the padded one
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     mb, mn, mt, ms = mask.shape
     if mb not in (1, b) or mn not in (1, n) or mt not in (1, t) or ms not in (1, s):
-        raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {mask.shape}")
+        raise ValueError(f"mask must broadcast to [B, N, T, S]=[{b}, {n}, {t}, {s}]; got {given}")
     return jnp.broadcast_to(mask, (mb, mn, t, s))

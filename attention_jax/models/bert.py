@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_positive_ints
+from attention_jax.errors import check_fields, check_positive_ints
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -84,6 +84,7 @@ class BertConfig:
     def from_variant(cls, name: str, **overrides) -> "BertConfig":
         if name not in VARIANTS:
             raise ValueError(f"unknown BERT variant {name!r}; valid: {sorted(VARIANTS)}")
+        check_fields(cls, overrides)
         return cls(**{**VARIANTS[name], **overrides})
 
     def block(self) -> BlockConfig:

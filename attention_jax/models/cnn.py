@@ -24,7 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from attention_jax.errors import check_positive_ints
+from attention_jax.errors import check_fields, check_positive_ints
 
 __all__ = ["CNNConfig", "CNN", "VARIANTS"]
 
@@ -56,6 +56,7 @@ class CNNConfig:
     def from_variant(cls, name: str, **overrides) -> "CNNConfig":
         if name not in VARIANTS:
             raise ValueError(f"unknown CNN variant {name!r}; valid: {sorted(VARIANTS)}")
+        check_fields(cls, overrides)
         return cls(**{**VARIANTS[name], **overrides})
 
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_positive_ints
+from attention_jax.errors import check_fields, check_positive_ints
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
@@ -88,6 +88,7 @@ class EncDecConfig:
     def from_variant(cls, name: str, **overrides) -> "EncDecConfig":
         if name not in VARIANTS:
             raise ValueError(f"unknown encoder-decoder variant {name!r}; valid: {sorted(VARIANTS)}")
+        check_fields(cls, overrides)
         return cls(**{**VARIANTS[name], **overrides})
 
     def block(self) -> BlockConfig:

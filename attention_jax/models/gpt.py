@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import axes
-from attention_jax.errors import check_positive_ints, is_int
+from attention_jax.errors import check_fields, check_positive_ints, is_int
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.norms import make_norm
@@ -103,6 +103,7 @@ class GPTConfig:
     def from_variant(cls, name: str, **overrides) -> "GPTConfig":
         if name not in VARIANTS:
             raise ValueError(f"unknown GPT variant {name!r}; valid: {sorted(VARIANTS)}")
+        check_fields(cls, overrides)
         return cls(**{**VARIANTS[name], **overrides})
 
     def block(self) -> BlockConfig:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_positive_ints
+from attention_jax.errors import check_fields, check_positive_ints
 from attention_jax.layers.posemb import Embed, check_ids
 
 __all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
@@ -76,6 +76,7 @@ class RNNConfig:
     def from_variant(cls, name: str, **overrides) -> "RNNConfig":
         if name not in VARIANTS:
             raise ValueError(f"unknown RNN variant {name!r}; valid: {sorted(VARIANTS)}")
+        check_fields(cls, overrides)
         return cls(**{**VARIANTS[name], **overrides})
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_positive_ints
+from attention_jax.errors import check_fields, check_positive_ints
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -90,6 +90,7 @@ class ViTConfig:
     def from_variant(cls, name: str, **overrides) -> "ViTConfig":
         if name not in VARIANTS:
             raise ValueError(f"unknown ViT variant {name!r}; valid: {sorted(VARIANTS)}")
+        check_fields(cls, overrides)
         return cls(**{**VARIANTS[name], **overrides})
 
     def block(self) -> BlockConfig:

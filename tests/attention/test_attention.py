@@ -308,6 +308,7 @@ def test_compiling_for_a_gpu_lowers_attention_as_on_one():
 
 @pytest.mark.parametrize("change, message", [
     (lambda q, k, v: (q[0], k, v), r"q must have rank 4 \(\[B, T, N, H\]\); got shape \(8, 4, 16\)"),
+    (lambda q, k, v: (q.tolist(), k, v), r"^q must be an array \(jax or numpy\) of rank 4; got a list$"),
     (lambda q, k, v: (q, k[:1], v), r"batch sizes differ"),
     (lambda q, k, v: (q, k, v[:, :9]), r"k and v need the same length S"),
     (lambda q, k, v: (q, k[..., :8], v), r"same head dim H"),
@@ -334,6 +335,8 @@ def test_bad_shapes_and_dtypes(change, message):
     (dict(segment_ids=jnp.zeros((2, 8), jnp.int32)), r"segment_ids is for self-attention \(T == S\)"),
     (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), r"must be given together"),
     (dict(mask=jnp.ones((2, 4, 8, 9), bool)), r"mask must broadcast to \[B, N, T, S\]=\[2, 4, 8, 10\]"),
+    # the shape as given, not padded to rank 4
+    (dict(mask=jnp.ones((8, 9), bool)), r"=\[2, 4, 8, 10\]; got \(8, 9\)$"),
     (dict(mask=jnp.ones((8, 10))), r"mask must be boolean"),
     (dict(scale=float("nan")), r"scale must be a finite number"),
 ])

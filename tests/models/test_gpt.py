@@ -27,6 +27,17 @@ def test_parameter_counts_match_gpt2(name, published):
 def test_bad_configs_raise_with_valid_choices():
     with pytest.raises(ValueError, match=r"unknown GPT variant 'gpt5'.*'gpt2'"):
         gpt.get_config("gpt5")
+    # nanoGPT's name for a field: the closest of ours, and all of them (every family's
+    # from_variant checks so)
+    with pytest.raises(ValueError, match=r"^'n_layer' is not a field of GPTConfig \(did you "
+                                         r"mean 'num_layers'\?\); valid: \['vocab_size', "):
+        gpt.GPTConfig.from_variant("gpt-tiny", n_layer=3)
+    from attention_jax.models import bert, cnn, encdec, rnn, vit
+    for module, family in ((bert, bert.BertConfig), (cnn, cnn.CNNConfig),
+                           (encdec, encdec.EncDecConfig), (rnn, rnn.RNNConfig),
+                           (vit, vit.ViTConfig)):
+        with pytest.raises(ValueError, match=rf"^'depth' is not a field of {family.__name__}"):
+            family.from_variant(next(iter(module.VARIANTS)), depth=3)
     with pytest.raises(ValueError, match=r"num_heads=5 does not divide d_model=64.*\[1, 2, 4"):
         gpt.get_config("gpt-tiny", num_heads=5)
     with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=4; valid: \[1, 2, 4\]"):
