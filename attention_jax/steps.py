@@ -220,14 +220,25 @@ def check_eval_split(task: Task, config) -> None:
     """Before any step, what `evaluate` would find only at the first evaluation, after
     the training before it: an empty eval split, or a partial last batch (padded) that
     the task's loss cannot weight. The loss is traced abstractly (jax.eval_shape) on one
-    example, nothing computed."""
+    example, nothing computed. An eval.steps that asks for more examples than the split
+    holds is said (each evaluation reads the whole split, fewer than asked)."""
     size, batch_size = len(task.eval_source), config.eval.batch_size
     if size == 0:
         raise ConfigError("the eval split (config.data.eval_split) is empty; give an eval "
                           "split with examples, or config.eval.every=-1 for no evaluation")
     batches = -(-size // batch_size)
-    if min(config.eval.steps or batches, batches) * batch_size <= size:
-        return  # only full batches are evaluated
+    if min(config.eval.steps or batches, batches) * batch_size > size:  # a padded batch
+        _check_weighted(task, config, size)
+    if config.eval.steps * batch_size > size and jax.process_index() == 0:
+        print(f"note: config.eval.steps={config.eval.steps} batches of "
+              f"config.eval.batch_size={batch_size} ask for "
+              f"{config.eval.steps * batch_size} examples, and the eval split holds {size}: "
+              f"each evaluation reads all {size}", file=sys.stderr)
+
+
+def _check_weighted(task: Task, config, size: int) -> None:
+    """ConfigError unless the task's loss reports its weight (losses.WEIGHT), which
+    evaluating a padded batch needs."""
     example = task.eval_source[0]
     if task.eval_transform is not None:
         example = task.eval_transform(example, np.random.default_rng(0))

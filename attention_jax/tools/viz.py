@@ -126,14 +126,19 @@ def plot_attention_grid(weights, query_labels: Sequence[str] | None = None,
     for i in range(layers):
         for j in range(heads):
             ax = axes[i, j]
-            ax.imshow(w[i, j], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest",
-                      aspect="auto")
+            image = ax.imshow(w[i, j], cmap="viridis", vmin=0.0, vmax=1.0,
+                              interpolation="nearest", aspect="auto")
             _ticks(ax, query_labels if j == 0 else None, "y", size)
             _ticks(ax, key_labels if i == layers - 1 else None, "x", size)
             if i == 0:
                 ax.set_title(f"head {j}", fontsize=9)
             if j == 0:
                 ax.set_ylabel(names[i], fontsize=9)
+    # Which way a row reads, and what a colour is worth: a reader new to the picture
+    # cannot tell queries from keys otherwise.
+    fig.supylabel("query (the token attending)", fontsize=9)
+    fig.supxlabel("key (the token attended to)", fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
     _title(fig, title)
     return fig
 

@@ -263,7 +263,7 @@ def test_no_checkpoint_means_nothing_to_compare(tmp_path):
     assert workdir_lib.config_changes(tiny.tiny_config(), str(tmp_path)) == {"optim.lr": (0.5, 0.01)}
 
 
-def test_an_eval_the_task_cannot_weight_stops_before_training(tmp_path):
+def test_an_eval_the_task_cannot_weight_stops_before_training(tmp_path, capsys):
     # The tiny task's eval split holds 256 sequences and its loss ignores the weights that
     # mask the padding of a partial batch: found by tracing the loss before any step, not
     # at the first evaluation after the training before it.
@@ -277,6 +277,13 @@ def test_an_eval_the_task_cannot_weight_stops_before_training(tmp_path):
     # Full batches only (eval.steps within the split): nothing to weight, nothing refused.
     full = tiny.tiny_config(**{"eval.batch_size": 100, "eval.steps": 2})
     steps.check_eval_split(tiny.make_tiny_task(full), full)
+    assert "note:" not in capsys.readouterr().err
+    # More batches asked for than the split holds (two full ones): said, not silently fewer.
+    more = tiny.tiny_config(**{"eval.batch_size": 128, "eval.steps": 3})
+    steps.check_eval_split(tiny.make_tiny_task(more), more)
+    assert capsys.readouterr().err == (
+        "note: config.eval.steps=3 batches of config.eval.batch_size=128 ask for 384 "
+        "examples, and the eval split holds 256: each evaluation reads all 256\n")
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_old_value(tmp_path):

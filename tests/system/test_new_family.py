@@ -162,7 +162,8 @@ def test_the_tools_report_and_draw_the_toy_family(toy_run, tmp_path):
 
     run = runs.open_run(workdir)
     maps = viz.maps_for_run(run, "3 4 5 6")
-    assert maps["info"]["tokens"] == ["3", "4", "5", "6"] and len(maps["self"].axes) == 1
+    assert maps["info"]["tokens"] == ["3", "4", "5", "6"]
+    assert len(maps["self"].axes) == 1 + 1  # one panel and its colour bar
 
 
 def test_an_entry_the_toy_lacks_is_named_with_the_tasks_that_have_it(toy_run):

@@ -45,7 +45,10 @@ def test_grid_png_has_one_panel_per_layer_and_head(tiny_gpt, tmp_path):
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)  # softmax rows
     assert np.all(np.triu(weights, k=1) == 0)  # causal: nothing above the diagonal
     fig = viz.plot_attention_grid(weights, [f"t{i}" for i in range(10)], title="tiny")
-    assert len(fig.axes) == 8
+    assert len(fig.axes) == 8 + 1  # the panels and the colour bar
+    assert fig.axes[-1].get_ylabel() == "attention weight"
+    assert fig._supylabel.get_text() == "query (the token attending)"
+    assert fig._supxlabel.get_text() == "key (the token attended to)"
     height, width = expected_pixels(fig)
     path = viz.save(fig, str(tmp_path / "sub" / "grid.png"))
     assert png_shape(path)[:2] == (height, width)
@@ -147,7 +150,7 @@ def test_vit_grid_has_cls_and_patch_positions(tmp_path):
     weights = viz.model_attention(model, params, images)["self"]
     assert weights.shape == (2, 2, 5, 5)
     fig = viz.plot_attention_grid(weights, ["[CLS]", "0,0", "0,1", "1,0", "1,1"])
-    assert len(fig.axes) == 4
+    assert len(fig.axes) == 4 + 1  # and the colour bar
     assert png_shape(viz.save(fig, str(tmp_path / "vit.png")))[:2] == expected_pixels(fig)
 
 
