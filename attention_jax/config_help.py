@@ -198,7 +198,7 @@ def explain(config, module: ModuleType, model_class: type | None = None) -> dict
 
 def _sentence(text: str) -> str:
     """A comment with a closing full stop (its first word may be code: left as written)."""
-    text = text.strip()
+    text = text.strip().rstrip(",;:")
     return text if not text or text[-1] in ".!?" else text + "."
 
 

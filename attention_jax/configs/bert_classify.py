@@ -56,9 +56,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer = "wordpiece"  # BERT uncased, MiniLM's too; bpe; a tokenizer.json path.
     c.data.vocab_size = 1024  # BPE only: size of the vocabulary trained on the texts.
     c.data.seq_len = 32  # tokens per text with [CLS] and [SEP]; a longer text is cut.
-    c.data.text_key = "text"  # the record's text,
-    c.data.pair_key = ""  # a pair's second text ([CLS] A [SEP] B [SEP]); "": single texts,
-    c.data.label_key = "label"  # and its label (text, integer or boolean in your files).
+    c.data.text_key = "text"  # the record's key of its text.
+    # The record's key of a pair's second text ([CLS] A [SEP] B [SEP]); "": single texts.
+    c.data.pair_key = ""
+    c.data.label_key = "label"  # the record's key of its label (text, integer or boolean).
     c.data.train_split = "train"  # the split trained on.
     c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     c.data.train_fraction = 1.0  # < 1: that share of the training texts (smaller ⊂ larger).

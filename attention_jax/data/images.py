@@ -252,7 +252,8 @@ def _say_classes_not_held_out(held_labels, classes, eval_fraction, total: int, a
     """A note where eval_fraction of a small folder held out no image of some class: the
     eval accuracy then says nothing of those classes, unsaid (the record's `examples`
     count shows how few were evaluated, not which classes)."""
-    missing = [c for i, c in enumerate(classes) if i not in set(held_labels)]
+    held = set(held_labels)
+    missing = [c for i, c in enumerate(classes) if i not in held]
     if missing:
         shown = ', '.join(map(repr, missing[:3])) + (', ...' if len(missing) > 3 else '')
         print(f'note: {arg}eval_fraction={eval_fraction} of {total} images held out '

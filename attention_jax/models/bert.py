@@ -50,10 +50,10 @@ HEADS = ("pretraining", "classification", "encoder")
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     vocab_size: int = 30522  # WordPiece vocabulary of the released uncased models
-    d_model: int = 768  # H in the paper
-    num_layers: int = 12  # L
-    num_heads: int = 12  # A
-    mlp_dim: int = 3072  # 4H
+    d_model: int = 768  # H in the paper: every layer's width
+    num_layers: int = 12  # L: transformer blocks
+    num_heads: int = 12  # A: attention heads (head dim H / A)
+    mlp_dim: int = 3072  # the MLP's hidden width (4H in the paper)
     max_len: int = 512  # rows of the position table (the longest input)
     type_vocab_size: int = 2  # segments A and B
     num_labels: int = 2  # classification head

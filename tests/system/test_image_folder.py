@@ -216,8 +216,9 @@ def test_hugging_face_vit_fine_tunes_at_a_new_resolution(folder, tmp_path, capsy
 
 
 def test_a_size_the_patch_does_not_divide_is_one_line(folder, tmp_path, capsys):
+    # (half the images held out: every class among them, so no note on that beside it)
     code, _, err = cli(capsys, "--config=vit", f"--workdir={tmp_path}",
                        "--config.data.name=image_folder", f"--config.data.root={folder}",
-                       "--config.data.image_size=15")
+                       "--config.data.image_size=15", "--config.data.eval_fraction=0.5")
     assert code == 1 and err.count("\n") == 1 and err.startswith(
         "error: config.data.image_size=15 is not a multiple of the ViT's patch_size=2; valid: ")
