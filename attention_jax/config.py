@@ -501,6 +501,10 @@ def config_module(spec: str):
     return _module(spec.partition(":")[0])
 
 
+# The user's config files loaded in this process, by (real path, content).
+_loaded_files: dict[tuple, Any] = {}
+
+
 def _module(name: str):
     """The module of a config: a shipped name, or a path to a .py file. An old
     `experiments/NAME.py` path names the shipped config NAME (the configs lived there)."""
@@ -514,17 +518,29 @@ def _module(name: str):
         if not os.path.isfile(name):
             raise ConfigError(f"--config={name}: no such file; shipped configs: "
                               f"{', '.join(shipped())}")
+        with open(name, "rb") as f:
+            version = (os.path.realpath(name), hash(f.read()))
+        if version in _loaded_files:  # run once per edit: its prints, its registrations
+            return _loaded_files[version]
         spec = importlib.util.spec_from_file_location(
             f"_config_{os.path.basename(name)[:-3]}", name)
         module = importlib.util.module_from_spec(spec)
+        # In sys.modules, as an import puts a module: inspect (--help's explanations)
+        # and pickle find its classes by it.
+        sys.modules[spec.name] = module
         sys.path.insert(0, os.path.dirname(os.path.abspath(name)))  # its own helpers
         try:
             spec.loader.exec_module(module)
         except SyntaxError as e:  # the file's own mistake: where, not our traceback
+            sys.modules.pop(spec.name, None)
             code = f": {e.text.strip()}" if e.text else ""
             raise ConfigError(f"--config={name}: line {e.lineno}: {e.msg}{code}") from None
+        except BaseException:
+            sys.modules.pop(spec.name, None)
+            raise
         finally:
             sys.path.pop(0)
+        _loaded_files[version] = module
         return module
     if name not in shipped():
         raise ConfigError(f"--config={name} is not a shipped config{did_you_mean(name, shipped())}"

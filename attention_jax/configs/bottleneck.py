@@ -80,7 +80,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     c.data.cache_dir = ""  # the records cache (data/records_cache.py); "" = DATA_DIR/token_cache.
 
-    c.train.steps = args.steps  # ~2.4 epochs of 20k pairs at batch 32.
+    c.train.steps = args.steps  # :steps= (1500: ~2.4 epochs of 20k pairs at batch 32).
     c.train.batch_size = 32
     c.train.log_every = 50
     c.train.checkpoint_every = 500

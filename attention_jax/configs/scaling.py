@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.b2 = 0.95
     c.optim.weight_decay = 0.1
 
-    c.train.steps = steps  # 200 × 16 × 64 = 205k tokens for every size.
+    c.train.steps = steps  # :steps=, the same for every size (200: 200 × 16 × 64 = 205k tokens).
     c.train.batch_size = 16
     c.train.log_every = 10  # the compute sweep's points.
     c.train.checkpoint_every = steps

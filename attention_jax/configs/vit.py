@@ -27,7 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = "vit"  # image classification (tasks.image_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.variant or "vit-tiny/2"  # models/vit.py VARIANTS: 2×2 patches.
+    # models/vit.py VARIANTS (:variant=; the default vit-tiny/2 has 2×2 patches).
+    c.model.variant = args.variant or "vit-tiny/2"
     c.model.pool = "cls"  # classify the [CLS] token ("gap": average the patch tokens).
     c.model.dropout_rate = 0.0  # measured: dropout only slows this tiny model down.
     c.model.remat_policy = "none"  # activation checkpointing per block.

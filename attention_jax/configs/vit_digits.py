@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.05
     c.optim.label_smoothing = 0.1  # regularises the 1.4k-image training set.
 
-    c.train.steps = args.steps  # ~45 epochs at batch 32.
+    c.train.steps = args.steps  # :steps= (2000: ~45 epochs at batch 32).
     c.train.batch_size = 32
     c.train.log_every = 50
     c.train.checkpoint_every = 1000

@@ -49,7 +49,7 @@ HEADS = ("pretraining", "classification", "encoder")
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
-    vocab_size: int = 30522  # WordPiece vocabulary of the released uncased models
+    vocab_size: int = 30522  # token ids; in training: the tokenizer's size, padded to 64
     d_model: int = 768  # H in the paper: every layer's width
     num_layers: int = 12  # L: transformer blocks
     num_heads: int = 12  # A: attention heads (head dim H / A)
@@ -57,7 +57,7 @@ class BertConfig:
     max_len: int = 512  # rows of the position table (the longest input)
     type_vocab_size: int = 2  # segments A and B
     num_labels: int = 2  # classification head
-    activation: str = "gelu"  # exact erf GELU, as the released checkpoints
+    activation: str = "gelu"  # the MLP's: gelu (exact erf, as BERT's) | gelu_tanh | relu | silu
     norm_epsilon: float = 1e-12  # added to the variance in every LayerNorm
     dropout_rate: float = 0.1  # on the embeddings, every block and the pooled [CLS]
     attention_dropout_rate: float = 0.1  # on per-head outputs, see layers/attention.py

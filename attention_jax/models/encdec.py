@@ -47,13 +47,13 @@ __all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "init_cac
 class EncDecConfig:
     """Hyperparameters of the encoder-decoder Transformer (defaults: Transformer base)."""
 
-    vocab_size: int = 37000  # shared source/target BPE vocabulary (WMT14 en-de, §5.1)
+    vocab_size: int = 37000  # shared source/target vocabulary; in training: the tokenizer's
     d_model: int = 512  # d_model of the paper: every layer's width
     num_heads: int = 8  # h: attention heads (head dim d_model / h)
     mlp_dim: Optional[int] = 2048  # d_ff (None: 4 * d_model)
     num_encoder_layers: int = 6  # N of the encoder stack
     num_decoder_layers: int = 6  # N of the decoder stack
-    activation: str = "relu"  # FFN(x) = max(0, xW1 + b1)W2 + b2 (§3.3)
+    activation: str = "relu"  # the FFN's: relu (the paper's, §3.3) | gelu | gelu_tanh | silu
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_position: str = "post"  # "post" (the paper: norm after the residual add) | "pre"
     norm_epsilon: float = 1e-6  # added to the variance in every norm

@@ -54,7 +54,9 @@ GPT_POSITIONS = ("learned", "sinusoidal", "rope")
 class GPTConfig:
     """A GPT model's hyperparameters (defaults: GPT-2 small)."""
 
-    vocab_size: int = 50257  # token ids (the tasks set it from the tokenizer)
+    # rows of the embedding and the LM head; in training, unset: the tokenizer's size
+    # padded to a multiple of 64 (tasks.base.lm_vocab_size), else at least that size
+    vocab_size: int = 50257
     max_len: int = 1024  # rows of the learned position table (context length)
     num_layers: int = 12  # transformer blocks
     d_model: int = 768  # D: the width of every token's vector
@@ -62,7 +64,7 @@ class GPTConfig:
     num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
     mlp: str = "mlp"  # "mlp" | "swiglu" | "geglu" | "moe"
     mlp_dim: Optional[int] = None  # F (default 4D)
-    activation: str = "gelu_tanh"  # GPT-2's tanh-approximated GELU
+    activation: str = "gelu_tanh"  # the MLP's: relu | gelu | gelu_tanh (GPT-2's) | silu
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_epsilon: float = 1e-5  # added to the variance in every norm
     norm_position: str = "pre"  # "pre" (GPT-2) | "post" (GPT-1, Vaswani et al.)
