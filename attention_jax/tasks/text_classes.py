@@ -146,6 +146,23 @@ def _say_missing_classes(o, classes, train) -> None:
               f"{missing[:SHOWN]}); the model still has a logit for each", file=sys.stderr)
 
 
+def _say_labels_not_held_out(o, classes, labels, held: int) -> None:
+    """A note where the held-out records hold no record of some label: the eval metrics
+    then say nothing of it, unsaid (the record's `examples` count shows how few were
+    evaluated, not which labels)."""
+    missing = [c for c in classes if c not in set(labels)]
+    if not missing or jax.process_index() != 0:
+        return
+    where, fix = (("config.data.eval_files", "held-out records of every label")
+                  if o.eval_files else
+                  (f"config.data.eval_fraction={o.eval_fraction}", "a larger "
+                   "config.data.eval_fraction, or held-out records of every label in "
+                   "config.data.eval_files=GLOBS"))
+    print(f"note: {where}: the {held} held-out records hold {len(classes) - len(missing)} "
+          f"of the {len(classes)} labels (none of {missing[:SHOWN]}): the eval metrics "
+          f"leave those out; give {fix}", file=sys.stderr)
+
+
 def _check_eval_labels(o, classes, labels) -> None:
     unknown = sorted(set(labels) - set(classes))
     if not unknown:
@@ -236,7 +253,9 @@ def classify_task(config, workdir: str) -> Task:
     def eval_records():
         split = records("eval_split")
         if files:
-            _check_eval_labels(o, classes, labelled("eval_split")[1])
+            held_labels = labelled("eval_split")[1]
+            _check_eval_labels(o, classes, held_labels)
+            _say_labels_not_held_out(o, classes, held_labels, len(split))
         else:
             if reader:  # the names of the copy read now, by classes.json (metadata only)
                 check_classes(workdir, _dataset_classes(o, split))

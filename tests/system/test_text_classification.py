@@ -316,6 +316,29 @@ def test_labels_with_spaces_short_seq_len_and_a_failed_start(tmp_path):
             tasks.TASKS[make.task](make, str(tmp_path / "other"))
 
 
+def test_a_held_out_split_without_some_label_is_said(tmp_path, capsys):
+    """A small eval_fraction may hold out records of one label only: the eval metrics
+    then leave the other out, said; a split with both says nothing."""
+    _write_jsonl(tmp_path / "r.jsonl", _reviews(40))
+    seen = set()
+    for fraction in (0.02, 0.05, 0.1, 0.3):
+        config = _config(f"data.files={tmp_path}/r.jsonl", f"data.eval_fraction={fraction}")
+        task = tasks.TASKS[config.task](config, str(tmp_path / f"run{fraction}"))
+        held = {task.eval_source[i]["stars"].decode() for i in range(len(task.eval_source))}
+        err = capsys.readouterr().err
+        if held == {"neg", "pos"}:
+            assert "held-out records hold" not in err
+        else:
+            (missing,) = {"neg", "pos"} - held
+            assert (f"note: config.data.eval_fraction={fraction}: the {len(task.eval_source)} "
+                    f"held-out records hold 1 of the 2 labels (none of ['{missing}']): the "
+                    f"eval metrics leave those out; give a larger config.data.eval_fraction, "
+                    f"or held-out records of every label in config.data.eval_files=GLOBS"
+                    ) in err
+        seen.add(held == {"neg", "pos"})
+    assert seen == {True, False}  # both cases met
+
+
 def test_a_rare_label_drawn_into_the_held_out_split_names_eval_fraction(tmp_path):
     records = _reviews(60) + [{"review": "so so", "stars": "meh"}]
     _write_jsonl(tmp_path / "r.jsonl", records)
