@@ -23,6 +23,8 @@ import inspect
 import math
 import os
 import sys
+import textwrap
+import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -53,7 +55,9 @@ def base_config() -> ml_collections.ConfigDict:
     o.b1 = 0.9  # Adam first-moment decay.
     o.b2 = 0.95  # Adam second-moment decay (0.95 is the LLM convention; 0.999 for small data).
     o.eps = 1e-8  # Adam's term added to the second moment's root (numerical safety).
-    o.weight_decay = 0.1  # decoupled (AdamW, Loshchilov & Hutter 2019); matrices only (decay_mask).
+    # Decoupled (AdamW, Loshchilov & Hutter 2019), on weight matrices only (not biases,
+    # norms or embeddings: optimizer.decay_mask).
+    o.weight_decay = 0.1
     o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables.
     o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
     o.grad_accum = 1  # micro-batches per optimizer step (train.batch_size is split into them).
@@ -97,10 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
     m.num_processes = -1  # -1: detect.
     m.process_id = -1  # -1: detect.
     m.cpu_collectives = ""  # e.g. gloo: collectives between CPU processes.
-    # Hybrid mesh: data (fsdp) parallelism across slices or hosts, over the slow network;
-    # the mesh's data axis is dcn_data × data (data, fsdp, ... then count one slice's or
-    # one process's devices). Their product must equal the number of slices (TPU
-    # multislice) or else of processes.
+    # Hybrid mesh, for several slices (TPU multislice) or hosts: the data axis is split
+    # dcn_data ways across them, over the slow network, and `data` ways within each (the
+    # axes above then count one slice's or one process's devices). dcn_data × dcn_fsdp
+    # must equal the number of slices, or else of processes.
     m.dcn_data = 1
     m.dcn_fsdp = 1  # as dcn_data, for the fsdp axis: parameters split across slices or hosts.
     # Seconds without a heartbeat after which another process counts as lost: this one
@@ -110,7 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = e = ml_collections.ConfigDict()
     e.every = 500  # steps between evaluations (and at the end); 0: only at the end; -1: never.
-    e.steps = 10  # 0: the whole split.
+    e.steps = 10  # batches of eval.batch_size an evaluation reads; 0: the whole split.
     e.batch_size = 32  # global eval batch.
     e.sample_prompts = ("def ", "import ")  # language models: prompts for --mode=sample.
     e.sample_tokens = 64  # tokens generated per prompt.
@@ -568,13 +572,47 @@ def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_col
     if arg and not takes_arg:
         raise ConfigError(f"--config={spec}: {name}'s get_config() takes no argument; valid: "
                           f"--config={name}, or a get_config(arg) that reads {arg!r}")
+    if arg and takes_arg and not _reads_its_argument(module.get_config):
+        raise ConfigError(f"--config={spec}: {name}'s get_config never reads its argument, "
+                          f"so :{arg} would change nothing, unsaid; valid: --config={name}, "
+                          f"or a get_config(arg) that reads it (config.parse_arg)")
     try:
         # get_config() without a parameter is ml_collections' plainest form: called so.
         config = module.get_config(arg or None) if takes_arg else module.get_config()
     except ConfigError as e:
         raise ConfigError(f"--config={spec}: {e}") from None
+    except Exception as e:
+        if not name.endswith(".py"):
+            raise  # a shipped config's bug: its traceback
+        # The user's file's mistake: one line naming its line (the chain keeps the rest).
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.realpath(f.filename) == os.path.realpath(name)]
+        where = f" at line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
+        raise ConfigError(f"--config={spec}: get_config raised {type(e).__name__}: {e}"
+                          f"{where}") from e
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"--config={spec}: get_config returned a {type(config).__name__}; "
+                          f"valid: an ml_collections.ConfigDict, e.g. one that starts from "
+                          f"attention_jax.config.base_config() or a shipped config")
     apply_overrides(config, overrides)
     return config
+
+
+def _reads_its_argument(fn) -> bool:
+    """Whether fn's first parameter is read in its body (True where its source is not
+    there to read)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    function = tree.body[0]
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return True
+    params = function.args.posonlyargs + function.args.args
+    if not params:
+        return True
+    return any(isinstance(n, ast.Name) and n.id == params[0].arg
+               and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
 
 
 def split_overrides(argv) -> tuple[list[str], list[str]]:

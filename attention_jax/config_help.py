@@ -1,37 +1,50 @@
-"""What each config key means, for `--config=NAME --help`: read from the comments written
+"""What each config key means, for `--config=SPEC --help`: read from the comments written
 beside the code that sets the key, so an explanation lives in one place and a new key
 gets its help by being commented as every key here is.
 
-    explanations = config_help.explain(config, module, model_class)  # {key: text}
+    config, explanations = config_help.load_explained("gpt:variant=gpt2", overrides)
 
 A key's text is joined from its sources, the general first:
   - config.base_config: the groups every experiment has (optim, train, mesh, eval);
   - the shared data-key tables in config.py (TEXT_FILE_KEYS, IMAGE_KEYS), one entry a
     line;
   - the fields of the task's model dataclass (model.KEY; tasks.register(..., model=));
-  - the experiment's own module, and the config whose get_config() it starts from for
-    the keys it does not set itself (what this experiment sets, and often why).
+  - then, after "This config: ", the comment of the statement in the experiment's code
+    that set the value shown: get_config(ARG) runs traced (the lines it executes, in its
+    module and in the shipped configs it builds on), so a comment in a branch its
+    arguments did not take, or on a value a later statement replaced, is not shown. A
+    value chosen by a conditional expression (`4 if own else None`) has no comment of
+    its own (it may describe the other arm), nor a key set on the command line.
 A statement's comment is the one at the end of its line(s); else the comment lines just
-above it. An experiment's comment is shown only where it holds whatever the config's
-arguments: not for a key set inside a branch (`if args.model == ...`) unless every
-assignment says the same. The experiment's text follows the general one after "This
-config: ". The sources are read (inspect.getsource, ast), not run.
+above it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
+import itertools
+import os
+import sys
 import textwrap
 import tokenize
-from types import ModuleType
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from attention_jax import config as config_lib
 
 # The tables in config.py whose entries are data keys (data.KEY), each entry commented. A
 # config has a table's keys when it has the first (files, root); some names are in both.
 DATA_KEY_TABLES = ("TEXT_FILE_KEYS", "IMAGE_KEYS")
+
+# model.variant is no field of a model's dataclass: every family reads it the same way
+# (tasks.base.model_config), so its text is here.
+VARIANT = ("a row of the model file's VARIANTS table (models/<family>.py); the model.* "
+           "keys beside it override that row's fields (None: the row's value).")
+# The functions that build a whole config: the names they return stand for its root.
+_BUILDERS = ("get_config", "base_config")
 
 
 def _comments(source: str) -> tuple[dict[int, str], dict[int, str]]:
@@ -62,16 +75,14 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-# model.variant is no field of a model's dataclass: every family reads it the same way
-# (tasks.base.model_config), so its text is here.
-VARIANT = ("a row of the model file's VARIANTS table (models/<family>.py); the model.* "
-           "keys beside it override that row's fields (None: the row's value).")
-
-# Statements whose body may not run: a comment on an assignment inside one holds for
-# some of the config's arguments only.
-_BRANCHES = (ast.If, ast.For, ast.While, ast.Try, ast.Match)
-# The functions that build a whole config: the names they return stand for its root.
-_BUILDERS = ("get_config", "base_config")
+@dataclass(frozen=True)
+class Assignment:
+    """One statement's assignment to a config key (or a whole group of them)."""
+    path: str  # "optim.lr"; a group's ("model") replaces every key under it
+    first: int  # the statement's lines
+    last: int
+    comment: str  # "" for none
+    chosen: bool  # its value is a conditional expression: the comment may be the other arm's
 
 
 def _returned_names(function: ast.FunctionDef) -> set[str]:
@@ -79,21 +90,17 @@ def _returned_names(function: ast.FunctionDef) -> set[str]:
             if isinstance(n, ast.Return) and isinstance(n.value, ast.Name)}
 
 
-class _KeyComments(ast.NodeVisitor):
+class _KeyAssignments(ast.NodeVisitor):
     """Walks a config-building source in order. In get_config (or base_config), the
     names it returns stand for the config's root; it follows the names that stand for
     one of its groups (`c.optim = o = ConfigDict()`, `d = c.data`), and records every
-    assignment to a key: its comment ("" for none) and whether it sits in a branch. A
-    root assigned another config's get_config() names that config's module as a base."""
+    assignment to a key."""
 
     def __init__(self, source: str):
         self.after_code, self.alone = _comments(source)
         self.names: dict[str, str] = {}  # variable -> the key path it stands for
         self.roots: frozenset = frozenset()
-        self.branch = 0
-        self.comments: dict[str, list[str]] = {}  # key path -> its assignments' comments
-        self.conditional: set[str] = set()
-        self.bases: list[str] = []  # module names whose get_config() is the root
+        self.found: list[Assignment] = []
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
         saved = self.names, self.roots  # each function's names are its own
@@ -101,13 +108,6 @@ class _KeyComments(ast.NodeVisitor):
         self.names = dict.fromkeys(self.roots, "")
         self.generic_visit(node)
         self.names, self.roots = saved
-
-    def _in_branch(self, node) -> None:
-        self.branch += 1
-        self.generic_visit(node)
-        self.branch -= 1
-
-    visit_If = visit_For = visit_While = visit_Try = visit_Match = _in_branch
 
     def _path(self, node) -> str | None:
         if isinstance(node, ast.Name):
@@ -126,50 +126,29 @@ class _KeyComments(ast.NodeVisitor):
         # the keys assigned (a bare name is a variable, not a key)
         paths = [p for p in (self._path(t) for t in node.targets
                              if not isinstance(t, ast.Name)) if p]
-        text = _comment_of(node.lineno, node.end_lineno, self.after_code, self.alone)
-        for path in paths:
-            self.comments.setdefault(path, []).append(text)
-            if self.branch:
-                self.conditional.add(path)
+        comment = _comment_of(node.lineno, node.end_lineno, self.after_code, self.alone)
+        chosen = any(isinstance(n, ast.IfExp) for n in ast.walk(node.value))
+        self.found += [Assignment(p, node.lineno, node.end_lineno, comment, chosen)
+                       for p in paths]
         for target in node.targets:
-            if not isinstance(target, ast.Name):
+            if not isinstance(target, ast.Name) or target.id in self.roots:
                 continue
-            if target.id in self.roots:  # c = vit_digits.get_config(): built on vit_digits
-                call = node.value.func if isinstance(node.value, ast.Call) else None
-                if (isinstance(call, ast.Attribute) and call.attr == "get_config"
-                        and isinstance(call.value, ast.Name)):
-                    self.bases.append(call.value.id)
-            elif paths:  # c.optim = o = ConfigDict(): o stands for optim
+            if paths:  # c.optim = o = ConfigDict(): o stands for optim
                 self.names[target.id] = paths[0]
             elif self._path(node.value) is not None:  # d = c.data
                 self.names[target.id] = self._path(node.value)
             else:
                 self.names.pop(target.id, None)
 
-    def found(self) -> dict[str, str]:
-        """{key: comment} of the keys whose comment holds whatever the arguments: one
-        unconditional assignment with a comment, or every assignment with the same one."""
-        out = {}
-        for path, texts in self.comments.items():
-            if texts[0] and len(set(texts)) == 1 and (
-                    len(texts) > 1 or path not in self.conditional):
-                out[path] = texts[0]
-        return out
 
-
-def _visit(source: str) -> _KeyComments:
-    visitor = _KeyComments(textwrap.dedent(source))
-    visitor.visit(ast.parse(textwrap.dedent(source)))
-    return visitor
-
-
-def assignments(source: str) -> dict[str, str]:
-    """{key path: comment} of the assignments to config keys in `source` (a module, or
-    a get_config or base_config function): `c.optim.lr = 3e-4  # peak lr` gives
-    {"optim.lr": "peak lr"}, where c is what get_config returns. A key assigned in a
-    branch (if, for, ...) or twice with other comments has none: its comment may not
-    hold for the arguments given."""
-    return _visit(source).found()
+def key_assignments(source: str) -> list[Assignment]:
+    """The assignments to config keys in `source` (a module, or a get_config or
+    base_config function), in source order: `c.optim.lr = 3e-4  # peak lr` gives
+    Assignment("optim.lr", ..., comment="peak lr"), where c is what get_config returns."""
+    source = textwrap.dedent(source)
+    visitor = _KeyAssignments(source)
+    visitor.visit(ast.parse(source))
+    return visitor.found
 
 
 def fields(cls: type, prefix: str) -> dict[str, str]:
@@ -189,7 +168,7 @@ def fields(cls: type, prefix: str) -> dict[str, str]:
     return found
 
 
-def table_entries(module: ModuleType, names, prefix: str) -> dict[str, str]:
+def table_entries(module, names, prefix: str) -> dict[str, str]:
     """{prefix.key: comment} of the entries of the module-level dict literals `names`."""
     source = inspect.getsource(module)
     after_code, alone = _comments(source)
@@ -205,44 +184,83 @@ def table_entries(module: ModuleType, names, prefix: str) -> dict[str, str]:
     return found
 
 
-def _own(module: ModuleType, depth: int = 0) -> tuple[dict[str, str], set[str]]:
-    """({key: comment}, the key paths set) of an experiment module and the configs it
-    is built on (`c = vit_digits.get_config()`): the module that sets a key, or a group
-    above it, is the one whose comment counts (a base's comment on a value the module
-    replaces would describe the replaced value)."""
-    try:
-        visitor = _visit(inspect.getsource(module))
-    except (OSError, TypeError):  # a config module without a file to read
-        return {}, set()
-    found, assigned = visitor.found(), set(visitor.comments)
-    for name in visitor.bases if depth < 8 else ():
-        base = getattr(module, name, None)
-        if isinstance(base, ModuleType) and base is not module:
-            base_found, base_assigned = _own(base, depth + 1)
-            shadowed = lambda key: any(key == p or key.startswith(p + ".")  # noqa: E731
-                                       for p in assigned)
-            found.update({k: v for k, v in base_found.items() if not shadowed(k)})
-            assigned |= base_assigned
-    return found, assigned
-
-
-def explain(config, module: ModuleType, model_class: type | None = None) -> dict[str, str]:
-    """{key: what it means} for the keys of `config` that have a comment somewhere: the
-    general text (base config, shared data tables, model fields), then "This config: "
-    and the experiment module's own where it says more."""
-    general = assignments(inspect.getsource(config_lib.base_config))
+def general(config, model_class: type | None = None) -> dict[str, str]:
+    """{key: what it means in any experiment}: the base config's comments, the shared
+    data tables' (those the config has), the model dataclass's fields'."""
+    out = {a.path: a.comment
+           for a in key_assignments(inspect.getsource(config_lib.base_config)) if a.comment}
     data_keys = config.get("data") or {}
     tables = [t for t in DATA_KEY_TABLES if next(iter(getattr(config_lib, t))) in data_keys]
     for key, text in table_entries(config_lib, tables, "data").items():
-        general.setdefault(key, text)
+        out.setdefault(key, text)
     if model_class is not None:
         for key, text in fields(model_class, "model").items():
-            general.setdefault(key, text)
-    general.setdefault("model.variant", VARIANT)
-    own = _own(module)[0]
+            out.setdefault(key, text)
+    out.setdefault("model.variant", VARIANT)
+    return out
+
+
+def _traced(run, traced):
+    """(run(), {(file, line): when it last ran}) for the lines `run` executes in the files
+    `traced(real path)` is true of; other code runs untraced."""
+    order: dict[tuple[str, int], int] = {}
+    tick = itertools.count()
+    real = functools.lru_cache(maxsize=None)(os.path.realpath)
+
+    def lines(frame, event, arg):
+        if event == "line":
+            order[(real(frame.f_code.co_filename), frame.f_lineno)] = next(tick)
+        return lines
+
+    def calls(frame, event, arg):
+        return lines if traced(real(frame.f_code.co_filename)) else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        return run(), order
+    finally:
+        sys.settrace(previous)
+
+
+def load_explained(spec: str, overrides=(), model_class_of=None):
+    """(the config `spec` names with `overrides`, {key: what it means}) for --help: the
+    general text of each key, then "This config: " and the comment of the statement
+    that set its value (see the module's doc). model_class_of(config): the task's model
+    dataclass, or None."""
+    module = config_lib.config_module(spec)
+    # The shipped configs, and the user's file with the files beside it (its helpers).
+    folders = {os.path.realpath(config_lib.CONFIG_DIR)}
+    if getattr(module, "__file__", None):
+        folders.add(os.path.dirname(os.path.realpath(module.__file__)))
+    config, order = _traced(lambda: config_lib.load(spec),
+                            lambda file: os.path.dirname(file) in folders)
+    setting: dict[str, tuple[int, Assignment]] = {}  # key or group -> its last run
+    for file in {file for file, _ in order}:
+        try:
+            with open(file) as f:
+                found = key_assignments(f.read())
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        for a in found:
+            ran = [order[(file, n)] for n in range(a.first, a.last + 1) if (file, n) in order]
+            if ran and max(ran) >= setting.get(a.path, (-1, None))[0]:
+                setting[a.path] = (max(ran), a)
+    config_lib.apply_overrides(config, overrides)
+    given = (set(overrides) if isinstance(overrides, Mapping)
+             else {o.partition("=")[0].strip() for o in overrides})
+    meanings = general(config, model_class_of(config) if model_class_of else None)
     out = {}
     for key in config_lib.flat(config):
-        first, then = _sentence(general.get(key, "")), _sentence(own.get(key, ""))
+        first, then = _sentence(meanings.get(key, "")), ""
+        if key in given:
+            then = "set on the command line."
+        else:
+            # the last statement that set the key, or a whole group above it
+            groups = [p for p in setting if key == p or key.startswith(p + ".")]
+            last = max(groups, key=lambda p: setting[p][0], default=None)
+            if last == key and not setting[key][1].chosen:
+                then = _sentence(setting[key][1].comment)
         if _says_within(then, first):  # says nothing more (or nothing)
             then = ""
         elif _says_within(first, then):  # says it all, and more
@@ -251,7 +269,7 @@ def explain(config, module: ModuleType, model_class: type | None = None) -> dict
             out[key] = f"{first} This config: {then}"
         elif first or then:
             out[key] = first or then
-    return out
+    return config, out
 
 
 def _sentence(text: str) -> str:

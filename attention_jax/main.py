@@ -307,10 +307,12 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
         if fitted:  # said once, by fit_reader_mesh
             changed = {k: v for k, v in changed.items() if not k.startswith("mesh.")}
+        registers = _register_the_runs_task(config, spec)
         if spec is not None:
             print(f"--mode={mode}: the run's own config "
                   f"({workdir_lib.path(workdir, workdir_lib.CONFIG)}) is read; --config={spec} "
-                  f"is not", file=sys.stderr)
+                  + ("ran for its tasks.register only" if registers else "is not"),
+                  file=sys.stderr)
         if changed:
             print(f"--mode={mode}: the run's config.json with " + ", ".join(
                 f"{k}={json.dumps(new)} (trained with {json.dumps(old)})"
@@ -321,6 +323,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         # again: the run's own config.json is the config, these overrides on top.
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
+        _register_the_runs_task(config, None)
         print(f"training the run's own config ({workdir_lib.path(workdir, workdir_lib.CONFIG)})"
               + (f" with {', '.join(map(str, overrides))}" if overrides else ""), file=sys.stderr)
         return config
@@ -332,6 +335,26 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
             f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} does not exist: {workdir!r} holds "
             f"no trained run (train first, or give --config)")
     return config_lib.load(spec, overrides)
+
+
+def _register_the_runs_task(config, spec: str | None) -> bool:
+    """Whether `spec`, a config file, was run for the registration of the run's task
+    (a task of one's own, tasks.register in that file: the run's config.json names it,
+    and only the file registers it). A task registered nowhere is a ConfigError saying
+    which file to give."""
+    from attention_jax import tasks
+    if config.get("task") in tasks.TASKS:
+        return False
+    file = (spec or "").partition(":")[0]
+    if file.endswith(".py"):
+        config_lib.config_module(file)
+        if config.task in tasks.TASKS:
+            return True
+    raise ConfigError(
+        f"config.task={config.task!r} (the run's config.json) is no registered task"
+        + (f": {file} does not register it" if file.endswith(".py") else "")
+        + f"; valid: {sorted(tasks.TASKS)}, or give the config file that registers it "
+        f"(tasks.register): --config=FILE.py")
 
 
 def _holds_a_run(workdir: str) -> bool:
@@ -423,24 +446,24 @@ def help_text(argv) -> str:
                                                              "resume_changed")]
     spec = _config_spec(argv)
     if spec:
+        from attention_jax import tasks
         try:
-            config = config_lib.load(spec)
+            overrides = config_lib.split_overrides(argv)[1]
+            config, explained = config_help.load_explained(
+                spec, overrides,
+                lambda c: getattr(tasks.TASKS.get(c.get("task")), "model", None))
         except UserError as e:
             _fail(str(e))
         about = config_lib.describe(spec)
         if about:  # its :ARG arguments are described there, not among the keys
             lines += ["", f"About --config={spec.partition(':')[0]}:", about]
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
-        from attention_jax import tasks
         keys = config_lib.flat(config)
         unread = tasks.unread_keys(config.get("task"))
         if unread:
             keys = {k: v for k, v in keys.items() if k not in unread}
             lines += [f"  (left out, as task {config.task!r} does not read them: "
                       f"{tasks.describe_readers(unread)})"]
-        explained = config_help.explain(config, config_lib.config_module(spec),
-                                        getattr(tasks.TASKS.get(config.get("task")), "model",
-                                                None))
         for key, value in keys.items():
             lines.append(f"  {key} = {value!r}")
             if key in explained:

@@ -133,7 +133,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.name = "python_stdlib"  # the standard library's source, offline; "files": yours.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: all files; a small number for smoke runs.
-    c.data.max_documents = 0  # 0: pack every document of the split.
+    c.data.max_documents = 0  # the first N documents of a split only; 0: every one.
     c.data.tokenizer = "byte"  # bytes: nothing to train; "bpe"; or a tokenizer.json path.
     c.data.vocab_size = 1024  # unused by the byte tokenizer.
     c.data.seq_len = 64  # training length.

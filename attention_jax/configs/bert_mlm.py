@@ -39,7 +39,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = "bert_mlm"  # masked-language modelling on packed documents (tasks.mlm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
 
-    c.model.variant = args.variant  # a row of models/bert.py VARIANTS; "": below.
+    # A row of models/bert.py VARIANTS (:variant=); "": this config's own small model.
+    c.model.variant = args.variant
     if not c.model.variant:  # Explicit fields override a variant's, so set them only without one.
         c.model.d_model = WIDTH  # D.
         c.model.num_layers = LAYERS  # encoder blocks (post-norm, as BERT).
@@ -53,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.name = "python_stdlib"  # offline corpus.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: all files.
-    c.data.max_documents = 0  # 0: pack every document.
+    c.data.max_documents = 0  # the first N documents of a split only; 0: every one.
     c.data.tokenizer = "wordpiece"  # BERT uncased (no training); bpe; a tokenizer.json path.
     c.data.vocab_size = 1024  # BPE only: size of the vocabulary trained on the corpus.
     c.data.seq_len = 64  # tokens per packed row (viz draws at most 64 tokens, too).

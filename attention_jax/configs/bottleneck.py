@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if model.startswith("rnn"):
         c.task = "rnn_seq2seq"  # teacher-forced translation (tasks.translation_task).
         # models/rnn.py VARIANTS: 'tiny' has attention, 'tiny-bottleneck' does not.
-        c.model.variant = "tiny" if model == "rnn-attention" else "tiny-bottleneck"
+        c.model.variant = {"rnn-attention": "tiny", "rnn-bottleneck": "tiny-bottleneck"}[model]
         c.model.embed_dim = 64  # m.
         c.model.hidden_dim = 128  # n, per encoder direction (the bottleneck is 2n = 256 wide).
         c.model.attention_dim = 64  # n', alignment MLP.

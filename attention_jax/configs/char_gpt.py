@@ -58,11 +58,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.name = "python_stdlib"  # offline corpus: the standard library's own source.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     c.data.max_files = 0  # 0: all files.
-    c.data.max_documents = 0  # 0: pack every document.
+    c.data.max_documents = 0  # the first N documents of a split only; 0: every one.
     c.data.tokenizer = "byte"  # characters of ASCII source (nanoGPT's char model has 65).
     c.data.vocab_size = 1024  # unused by the byte tokenizer.
     c.data.seq_len = context  # block_size.
-    c.data.packing = "documents"  # each document attends to itself; "stream": across (GPT-2).
+    # Each document attends to itself (nanoGPT's char model reads one stream: "stream").
+    c.data.packing = "documents"
     c.data.train_split = "train"  # the split trained on.
     c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     config_lib.add_text_file_keys(c.data)  # data.name="files": your own text files.

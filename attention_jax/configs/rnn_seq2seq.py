@@ -25,7 +25,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.hidden_dim = 128  # n, per encoder direction.
     c.model.attention_dim = 64  # n', alignment MLP.
     c.model.readout_dim = 64  # l, maxout readout.
-    c.model.cell = "gru"  # gru | lstm.
+    c.model.cell = "gru"  # the recurrent cell: gru | lstm.
     c.model.dropout_rate = 0.0
 
     # English numbers and their translations, offline: 2k/200/200 pairs

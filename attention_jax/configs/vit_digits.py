@@ -50,7 +50,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.data.name = "digits"  # 1,438 training and 359 test images.
     c.data.data_dir = ""  # tfds data dir; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets.
-    c.data.augment = False  # a random 1-pixel shift is large on 8×8 (see configs/vit.py).
+    # Training crops and flips (data.train_crop, data.flip) on or off. Off: a random
+    # 1-pixel shift is large on 8×8 digits (configs/vit.py).
+    c.data.augment = False
     c.data.padding = 1  # crop padding in pixels (train_crop="random").
     c.data.flip = False  # mirroring changes what a digit is.
     c.data.train_split = "train"  # the split trained on.

@@ -57,14 +57,16 @@ class GPTConfig:
     # rows of the embedding and the LM head; in training, unset: the tokenizer's size
     # padded to a multiple of 64 (tasks.base.lm_vocab_size), else at least that size
     vocab_size: int = 50257
-    max_len: int = 1024  # rows of the learned position table (context length)
+    max_len: int = 1024  # the longest context (position="learned": its table's rows)
     num_layers: int = 12  # transformer blocks
     d_model: int = 768  # D: the width of every token's vector
     num_heads: int = 12  # N query heads (head dim D/N)
     num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
     mlp: str = "mlp"  # "mlp" | "swiglu" | "geglu" | "moe"
     mlp_dim: Optional[int] = None  # F (default 4D)
-    activation: str = "gelu_tanh"  # the MLP's: relu | gelu | gelu_tanh (GPT-2's) | silu
+    # the MLP's and the experts' (mlp="mlp", "moe"): relu | gelu | gelu_tanh (GPT-2's) |
+    # silu; a gated MLP's gate has its own (swiglu: silu, geglu: gelu), not this
+    activation: str = "gelu_tanh"
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_epsilon: float = 1e-5  # added to the variance in every norm
     norm_position: str = "pre"  # "pre" (GPT-2) | "post" (GPT-1, Vaswani et al.)

@@ -48,7 +48,7 @@ class RNNConfig:
     readout_dim: int  # l: maxout units of the deep output layer
     attention: bool = True  # False: the single-context-vector bottleneck
     bidirectional: bool = True  # encoder reads the source both ways (annotations = [→h; ←h])
-    cell: str = "gru"  # one of CELLS
+    cell: str = "gru"  # the recurrent cell: "gru" | "lstm"
     dropout_rate: float = 0.0  # on the embeddings and the readout
     tgt_vocab_size: Optional[int] = None  # a target vocabulary of its own (None: vocab_size)
     pad_id: int = 0

@@ -511,6 +511,30 @@ def test_a_config_file_s_get_config_may_take_no_argument(tmp_path):
         config_lib.load(f"{mine}:small")
 
 
+def test_a_config_file_s_mistakes_in_get_config_are_one_line(tmp_path):
+    """get_config raising was a traceback through absl and our loader; one returning a
+    dict failed later on a missing key; one that never reads its argument took :ARG and
+    ignored it."""
+    mine = tmp_path / "mine.py"
+    mine.write_text("def get_config(arg=None):\n    rate = 1 / 0\n    return rate\n")
+    with pytest.raises(ConfigError, match=rf"^--config={re.escape(str(mine))}: get_config "
+                                          rf"raised ZeroDivisionError: division by zero at "
+                                          rf"line 2: rate = 1 / 0$") as e:
+        config_lib.load(str(mine))
+    assert isinstance(e.value.__cause__, ZeroDivisionError)  # the rest, for a debugger
+    mine.write_text("def get_config(arg=None):\n    return {'task': 'gpt'}\n")
+    with pytest.raises(ConfigError, match=r"get_config returned a dict; valid: an "
+                                          r"ml_collections.ConfigDict"):
+        config_lib.load(str(mine))
+    mine.write_text("from attention_jax.configs import gpt\n"
+                    "def get_config(arg=None):\n    return gpt.get_config()\n")
+    assert config_lib.load(str(mine)).task == "gpt"
+    with pytest.raises(ConfigError, match=rf"^--config={re.escape(str(mine))}:layers=4: "
+                                          rf".*get_config never reads its argument, so "
+                                          rf":layers=4 would change nothing"):
+        config_lib.load(f"{mine}:layers=4")
+
+
 def test_overrides_as_one_string_and_whole_numbers_in_e_notation():
     """load("gpt", "train.steps=5") took the string's characters as overrides ('t' must
     be group.key=value); --config.train.steps=1e3 was "must be an int"."""

@@ -1,6 +1,7 @@
 """--help explains every key: the explanations are the comments beside the code that sets
 each key (config_help), so a key left uncommented fails here rather than reaching a user
-as a bare `key = value`."""
+as a bare `key = value`; and a config's own comment is the one of the statement that set
+the value shown, for the arguments given."""
 
 import pytest
 
@@ -8,10 +9,9 @@ from attention_jax import config as config_lib
 from attention_jax import config_help, tasks
 
 
-def explained(name: str) -> tuple[dict, dict]:
-    config = config_lib.load(name)
-    model = getattr(tasks.TASKS[config.task], "model", None)
-    return config, config_help.explain(config, config_lib.config_module(name), model)
+def explained(spec: str, overrides=()) -> tuple[dict, dict]:
+    return config_help.load_explained(
+        spec, overrides, lambda c: getattr(tasks.TASKS.get(c.task), "model", None))
 
 
 @pytest.mark.parametrize("name", sorted(config_lib.shipped()))
@@ -21,7 +21,7 @@ def test_every_key_a_shipped_config_lists_is_explained(name):
     assert [k for k in listed if not explanations.get(k)] == []
 
 
-def test_assignments_follow_the_names_that_stand_for_the_config():
+def test_key_assignments_follow_the_names_that_stand_for_the_config():
     source = '''
 def helper(c):
     c.train.log_every = 3  # a helper's c is not get_config's
@@ -32,8 +32,9 @@ def get_config(arg=None):
     o.b1 = 0.9  # first moment
     # the data's name,
     # over two lines
+    c.data.name = "x"
     d = c.data
-    d.name = "x"
+    d.seq_len = 8  # through a name for the group
     c.train["steps"] = 5  # optimizer steps
     c.train.seed = (
         0)  # on the statement's last line
@@ -42,46 +43,71 @@ def get_config(arg=None):
     c.model.depth = 2
     d = make_something_else()
     d.name = "y"  # d no longer stands for c.data
-    if arg:
-        c.eval.every = 1  # only with an argument: not said
-        c.mesh.data = 1  # in both branches alike
-        c.optim.lr = 1  # one value here,
-    else:
-        c.mesh.data = 2  # in both branches alike
-        c.optim.lr = 2  # another there
-    c.optim.b1 = 0.8  # assigned twice with other comments: neither holds for sure
+    c.eval.every = 1 if arg else 2  # one arm's comment
     return c
 '''
-    assert config_help.assignments(source) == {
-        "train.steps": "optimizer steps", "train.seed": "on the statement's last line",
-        "mesh.data": "in both branches alike"}
-    # A comment block above the statement counts; a blank line or code between does not.
-    source = source.replace("    d = c.data\n", "").replace("d.name = \"x\"", "c.data.name = 1")
-    found = config_help.assignments(source)
-    assert found["data.name"] == "the data's name, over two lines"
-    assert "model.width" not in found and "model.depth" not in found
+    found = [(a.path, a.comment, a.chosen) for a in config_help.key_assignments(source)]
+    assert found == [
+        ("optim", "", False), ("optim.b1", "first moment", False),
+        ("data.name", "the data's name, over two lines", False),
+        ("data.seq_len", "through a name for the group", False),
+        ("train.steps", "optimizer steps", False),
+        ("train.seed", "on the statement's last line", False),
+        ("model.width", "", False), ("model.depth", "", False),
+        ("eval.every", "one arm's comment", True)]
 
 
-def test_a_comment_is_shown_only_where_it_holds_for_the_value_shown():
-    """A comment inside one branch of a config's arguments, or in a config this one is
-    built on for a key this one sets, would describe another value: not shown."""
-    _, ablation = explained("ablation_lm")  # study=position: the norm study's comment not
-    assert ablation["model.num_layers"] == "transformer blocks."
-    assert "H = 32" not in ablation["model.num_heads"]
-    _, inductive = explained("inductive_bias")  # model=cnn, on vit_digits' config
-    assert inductive["model.variant"] == config_help.VARIANT
-    assert inductive["train.steps"] == "optimizer steps (each of grad_accum micro-batches)."
-    _, transformer = explained("bottleneck:model=transformer")
-    assert "rnn" not in transformer["model.variant"] and "RNN" not in transformer["optim.lr"]
+def test_the_general_meaning_comes_first_then_the_configs_own():
+    _, gpt = explained("gpt")
+    assert gpt["optim.lr"] == ("peak learning rate, reached after warmup. This config: peak "
+                               "lr: a 0.4M-parameter model tolerates a large step.")
+    # a model field's comment in its dataclass (tasks.register(..., model=GPTConfig))
+    assert gpt["model.num_layers"] == "transformer blocks."
+    # a comment that only repeats the general one is not shown twice
+    _, rnn = explained("rnn_seq2seq")
+    assert rnn["model.cell"] == 'the recurrent cell: "gru" | "lstm".'
+    # the same key name in two data tables: each config gets its own table's text
+    _, vit = explained("vit")
+    assert "images held out" in vit["data.eval_fraction"]
+    assert "records held out" in gpt["data.eval_fraction"]
+    # a config built on another (inductive_bias on vit_digits) takes that one's comments
+    # for the keys it leaves as they were
+    _, inductive = explained("inductive_bias")
+    assert inductive["data.flip"] == "mirroring changes what a digit is."
     # words, not letters: BERT's "A: attention heads" is not within "head dim 32"
     assert not config_help._says_within("A.", "head dim 32.")
     assert config_help._says_within("D", "D: the width.")
 
 
+def test_the_comment_shown_is_the_one_of_the_statement_that_set_the_value():
+    """get_config runs traced: a comment in the branch its arguments took is shown, one
+    in another branch, on a replaced value or on one arm of a conditional value is not."""
+    _, norm = explained("ablation_lm:study=norm,variant=pre")
+    assert "Deep and narrow" in norm["model.num_layers"]
+    _, position = explained("ablation_lm")  # study=position: the norm study's comment not
+    assert position["model.num_layers"] == "transformer blocks."
+    _, bottleneck = explained("bottleneck:model=rnn-bottleneck")
+    assert "'tiny-bottleneck' does not" in bottleneck["model.variant"]
+    _, transformer = explained("bottleneck:model=transformer")
+    assert "rnn" not in transformer["model.variant"] and "RNN" not in transformer["optim.lr"]
+    # inductive_bias (model=cnn) replaces vit_digits' whole model group, and sets the steps
+    _, cnn = explained("inductive_bias")
+    assert cnn["model.variant"] == config_help.VARIANT
+    assert cnn["train.steps"] == "optimizer steps (each of grad_accum micro-batches)."
+    # `4 if own else None  # N (head dim 32)`: the comment is the default arm's
+    _, gpt2 = explained("gpt:variant=gpt2")
+    assert "head dim 32" not in gpt2["model.num_heads"]
+    # a key set on the command line: its value is the user's, not the config's comment
+    config, mine = explained("gpt", ["optim.lr=0.01"])
+    assert config.optim.lr == 0.01
+    assert mine["optim.lr"] == ("peak learning rate, reached after warmup. This config: set "
+                                "on the command line.")
+
+
 def test_a_users_config_file_and_its_own_model_class(tmp_path, capsys):
     """A config file of one's own: built on the config its get_config() calls (not on
     every config it imports); a task it registers with model= has its fields' comments
-    (read from the file, which is loaded once however often --help asks for it)."""
+    (read from the file, which runs once however often --help asks for it)."""
     mine = tmp_path / "mine.py"
     mine.write_text(
         "import dataclasses\n"
@@ -98,30 +124,13 @@ def test_a_users_config_file_and_its_own_model_class(tmp_path, capsys):
         "    return c\n")
     try:
         module = config_lib.config_module(str(mine))
-        config = config_lib.load(str(mine))
+        config, found = explained(str(mine))
         assert config_lib.config_module(str(mine)) is module
         assert capsys.readouterr().out == "loaded\n"  # run once, not once a call
-        found = config_help.explain(config, module, None)
         assert "image" not in found["task"]  # gpt's, not vit_digits'
         assert found["train.steps"].endswith("This config: short.")
+        assert found["optim.lr"].endswith("a 0.4M-parameter model tolerates a large step.")
         assert config_help.fields(tasks.TASKS["toy_help"].model, "model") == {
             "model.width": "the toy's width"}
     finally:
         tasks.TASKS.pop("toy_help", None)
-
-
-def test_the_general_meaning_comes_first_then_the_configs_own():
-    _, gpt = explained("gpt")
-    assert gpt["optim.lr"] == ("peak learning rate, reached after warmup. This config: peak "
-                               "lr: a 0.4M-parameter model tolerates a large step.")
-    # a model field's comment in its dataclass (tasks.register(..., model=GPTConfig))
-    assert gpt["model.num_layers"] == "transformer blocks."
-    # a comment that only repeats the general one is not shown twice
-    assert gpt["model.max_len"] == "rows of the learned position table (context length)."
-    # the same key name in two data tables: each config gets its own table's text
-    _, vit = explained("vit")
-    assert "images held out" in vit["data.eval_fraction"]
-    assert "records held out" in gpt["data.eval_fraction"]
-    # a config built on another (inductive_bias on vit_digits) takes that one's comments
-    _, inductive = explained("inductive_bias")
-    assert inductive["data.flip"] == "mirroring changes what a digit is."

@@ -260,3 +260,35 @@ def test_a_bert_task_embeds_and_a_gpt2_dir_is_refused_by_name(data_dir, tmp_path
     with pytest.raises(ValueError, match=r"model_type='gpt2'\); sentence embeddings need a "
                                          r"BERT; valid: model_type 'bert'"):
         convert.load_sentence_encoder(str(tmp_path / "gpt2"))
+
+
+def test_a_run_of_a_task_a_config_file_registers_is_read_with_that_file(tmp_path, capsys):
+    """A config file of one's own that registers its task (tasks.register in the file):
+    its run's config.json names a task only that file registers, so reading the run
+    (eval, sample) or continuing it without --config failed on an unknown task. Given
+    the file, it runs for its registration (the run's own config.json is still the
+    config); not given, the error says to give it."""
+    import tiny
+    config = tiny.tiny_config()
+    config.task = "from_my_file"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(config.to_json_best_effort())
+    with pytest.raises(ConfigError, match=r"^config.task='from_my_file' \(the run's config"
+                                          r"\.json\) is no registered task; valid: \[.*\], or "
+                                          r"give the config file that registers it \(tasks\."
+                                          r"register\): --config=FILE.py$"):
+        main.mode_config("eval", None, [], str(tmp_path / "run"))
+    mine = tmp_path / "mine.py"
+    mine.write_text("import tiny\nfrom attention_jax import tasks\n\n"
+                    "tasks.register('from_my_file', tiny.make_tiny_task)\n\n"
+                    "def get_config(arg=None):\n    return tiny.tiny_config()\n")
+    try:
+        read = main.mode_config("eval", str(mine), [], str(tmp_path / "run"))
+        assert read.task == "from_my_file"
+        assert f"--config={mine} ran for its tasks.register only" in capsys.readouterr().err
+    finally:
+        tasks.TASKS.pop("from_my_file", None)
+    other = tmp_path / "other.py"
+    other.write_text("def get_config(arg=None):\n    return None\n")
+    with pytest.raises(ConfigError, match=rf": {other} does not register it; valid: "):
+        main.mode_config("sample", str(other), [], str(tmp_path / "run"))
