@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -505,8 +506,9 @@ def config_module(spec: str):
     return _module(spec.partition(":")[0])
 
 
-# The user's config files loaded in this process, by (real path, content).
-_loaded_files: dict[tuple, Any] = {}
+# The user's config files loaded in this process: real path -> (its content's digest,
+# the module run from it).
+_loaded_files: dict[str, tuple[str, Any]] = {}
 
 
 def _module(name: str):
@@ -522,12 +524,17 @@ def _module(name: str):
         if not os.path.isfile(name):
             raise ConfigError(f"--config={name}: no such file; shipped configs: "
                               f"{', '.join(shipped())}")
+        real = os.path.realpath(name)
         with open(name, "rb") as f:
-            version = (os.path.realpath(name), hash(f.read()))
-        if version in _loaded_files:  # run once per edit: its prints, its registrations
-            return _loaded_files[version]
-        spec = importlib.util.spec_from_file_location(
-            f"_config_{os.path.basename(name)[:-3]}", name)
+            content = hashlib.sha256(f.read()).hexdigest()
+        # One name a file (two folders' mine.py are two modules), which its latest
+        # version holds in sys.modules.
+        module_name = f"_config_{hashlib.sha256(real.encode()).hexdigest()[:12]}"
+        loaded = _loaded_files.get(real)
+        if loaded and loaded[0] == content:  # run once per edit: its prints, registrations
+            sys.modules[module_name] = loaded[1]
+            return loaded[1]
+        spec = importlib.util.spec_from_file_location(module_name, name)
         module = importlib.util.module_from_spec(spec)
         # In sys.modules, as an import puts a module: inspect (--help's explanations)
         # and pickle find its classes by it.
@@ -544,7 +551,7 @@ def _module(name: str):
             raise
         finally:
             sys.path.pop(0)
-        _loaded_files[version] = module
+        _loaded_files[real] = (content, module)
         return module
     if name not in shipped():
         raise ConfigError(f"--config={name} is not a shipped config{did_you_mean(name, shipped())}"
@@ -599,8 +606,9 @@ def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_col
 
 
 def _reads_its_argument(fn) -> bool:
-    """Whether fn's first parameter is read in its body (True where its source is not
-    there to read)."""
+    """Whether fn's argument (its first parameter; a method's after self) is read in its
+    body: True where its source is not there to read, or where the body reads its
+    names by locals() or vars()."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
@@ -608,11 +616,12 @@ def _reads_its_argument(fn) -> bool:
     function = tree.body[0]
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return True
-    params = function.args.posonlyargs + function.args.args
+    params = (function.args.posonlyargs + function.args.args)[inspect.ismethod(fn):]
     if not params:
         return True
-    return any(isinstance(n, ast.Name) and n.id == params[0].arg
-               and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
+    names = {n.id for n in ast.walk(function)
+             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bool(names & {params[0].arg, "locals", "vars"})
 
 
 def split_overrides(argv) -> tuple[list[str], list[str]]:

@@ -9,12 +9,15 @@ A key's text is joined from its sources, the general first:
   - the shared data-key tables in config.py (TEXT_FILE_KEYS, IMAGE_KEYS), one entry a
     line;
   - the fields of the task's model dataclass (model.KEY; tasks.register(..., model=));
-  - then, after "This config: ", the comment of the statement in the experiment's code
-    that set the value shown: get_config(ARG) runs traced (the lines it executes, in its
-    module and in the shipped configs it builds on), so a comment in a branch its
-    arguments did not take, or on a value a later statement replaced, is not shown. A
-    value chosen by a conditional expression (`4 if own else None`) has no comment of
-    its own (it may describe the other arm), nor a key set on the command line.
+  - then, after "This config: ", the comment of the statement that set the value shown:
+    get_config(ARG) runs with every write into a ConfigDict recorded (which group, which
+    key, which line of which file wrote it), so the statement is the one that ran for
+    these arguments, however it wrote the key (an assignment, update(), setattr, a
+    helper function, a base config's get_config), in the experiment's module, the
+    shipped configs or the files beside a user's. No comment is shown for a value a
+    write to its whole group replaced, one chosen by a conditional expression (`4 if
+    own else None`: the comment may be the other arm's), or a key set on the command
+    line ("set on the command line").
 A statement's comment is the one at the end of its line(s); else the comment lines just
 above it.
 """
@@ -25,13 +28,12 @@ import ast
 import functools
 import inspect
 import io
-import itertools
 import os
 import sys
 import textwrap
 import tokenize
-from collections.abc import Mapping
-from dataclasses import dataclass
+
+import ml_collections
 
 from attention_jax import config as config_lib
 
@@ -43,8 +45,6 @@ DATA_KEY_TABLES = ("TEXT_FILE_KEYS", "IMAGE_KEYS")
 # (tasks.base.model_config), so its text is here.
 VARIANT = ("a row of the model file's VARIANTS table (models/<family>.py); the model.* "
            "keys beside it override that row's fields (None: the row's value).")
-# The functions that build a whole config: the names they return stand for its root.
-_BUILDERS = ("get_config", "base_config")
 
 
 def _comments(source: str) -> tuple[dict[int, str], dict[int, str]]:
@@ -73,82 +73,6 @@ def _comment_of(first: int, last: int, after_code: dict, alone: dict) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One statement's assignment to a config key (or a whole group of them)."""
-    path: str  # "optim.lr"; a group's ("model") replaces every key under it
-    first: int  # the statement's lines
-    last: int
-    comment: str  # "" for none
-    chosen: bool  # its value is a conditional expression: the comment may be the other arm's
-
-
-def _returned_names(function: ast.FunctionDef) -> set[str]:
-    return {n.value.id for n in ast.walk(function)
-            if isinstance(n, ast.Return) and isinstance(n.value, ast.Name)}
-
-
-class _KeyAssignments(ast.NodeVisitor):
-    """Walks a config-building source in order. In get_config (or base_config), the
-    names it returns stand for the config's root; it follows the names that stand for
-    one of its groups (`c.optim = o = ConfigDict()`, `d = c.data`), and records every
-    assignment to a key."""
-
-    def __init__(self, source: str):
-        self.after_code, self.alone = _comments(source)
-        self.names: dict[str, str] = {}  # variable -> the key path it stands for
-        self.roots: frozenset = frozenset()
-        self.found: list[Assignment] = []
-
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        saved = self.names, self.roots  # each function's names are its own
-        self.roots = frozenset(_returned_names(node) if node.name in _BUILDERS else ())
-        self.names = dict.fromkeys(self.roots, "")
-        self.generic_visit(node)
-        self.names, self.roots = saved
-
-    def _path(self, node) -> str | None:
-        if isinstance(node, ast.Name):
-            return self.names.get(node.id)
-        if isinstance(node, ast.Attribute):
-            base = self._path(node.value)
-            return None if base is None else _join(base, node.attr)
-        if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
-                and isinstance(node.slice.value, str)):
-            base = self._path(node.value)
-            return None if base is None else _join(base, node.slice.value)
-        return None
-
-    def visit_Assign(self, node: ast.Assign) -> None:
-        self.generic_visit(node)
-        # the keys assigned (a bare name is a variable, not a key)
-        paths = [p for p in (self._path(t) for t in node.targets
-                             if not isinstance(t, ast.Name)) if p]
-        comment = _comment_of(node.lineno, node.end_lineno, self.after_code, self.alone)
-        chosen = any(isinstance(n, ast.IfExp) for n in ast.walk(node.value))
-        self.found += [Assignment(p, node.lineno, node.end_lineno, comment, chosen)
-                       for p in paths]
-        for target in node.targets:
-            if not isinstance(target, ast.Name) or target.id in self.roots:
-                continue
-            if paths:  # c.optim = o = ConfigDict(): o stands for optim
-                self.names[target.id] = paths[0]
-            elif self._path(node.value) is not None:  # d = c.data
-                self.names[target.id] = self._path(node.value)
-            else:
-                self.names.pop(target.id, None)
-
-
-def key_assignments(source: str) -> list[Assignment]:
-    """The assignments to config keys in `source` (a module, or a get_config or
-    base_config function), in source order: `c.optim.lr = 3e-4  # peak lr` gives
-    Assignment("optim.lr", ..., comment="peak lr"), where c is what get_config returns."""
-    source = textwrap.dedent(source)
-    visitor = _KeyAssignments(source)
-    visitor.visit(ast.parse(source))
-    return visitor.found
 
 
 def fields(cls: type, prefix: str) -> dict[str, str]:
@@ -184,11 +108,100 @@ def table_entries(module, names, prefix: str) -> dict[str, str]:
     return found
 
 
+def _writes(run):
+    """(run(), [(ConfigDict, key, file, line)]): every key written into a ConfigDict while
+    `run` runs, with the file and line of the code outside ml_collections that wrote it
+    (`c.optim.lr = 1`, `c.train.update(steps=5)`, `setattr(c.data, "name", x)` alike)."""
+    from ml_collections import config_dict
+    library = os.path.dirname(os.path.realpath(config_dict.__file__))
+    original = config_dict.ConfigDict.__setitem__
+    writes = []
+
+    def setitem(self, key, value):
+        frame = sys._getframe(1)
+        while frame is not None and os.path.dirname(
+                os.path.realpath(frame.f_code.co_filename)) == library:
+            frame = frame.f_back
+        if frame is not None:
+            writes.append((self, key, os.path.realpath(frame.f_code.co_filename),
+                           frame.f_lineno))
+        return original(self, key, value)
+
+    config_dict.ConfigDict.__setitem__ = setitem
+    try:
+        return run(), writes
+    finally:
+        config_dict.ConfigDict.__setitem__ = original
+
+
+def _paths(config) -> dict[int, str]:
+    """{id(group): its path} of the config and every group in it ("" the root)."""
+    out, todo = {}, [(config, "")]
+    while todo:
+        group, path = todo.pop()
+        out[id(group)] = path
+        todo += [(v, _join(path, k)) for k, v in group.items()
+                 if isinstance(v, ml_collections.ConfigDict)]
+    return out
+
+
+def _last_writes(config, writes) -> dict[str, tuple[str, int]]:
+    """{key: (file, line)} of the write that set each key of `config`'s value: the last
+    write to the key, unless a write to a group above it came later (then none)."""
+    paths = _paths(config)
+    last: dict[str, tuple[int, str, int]] = {}  # key or group -> (when, file, line)
+    for when, (group, key, file, line) in enumerate(writes):
+        if id(group) in paths:
+            last[_join(paths[id(group)], key)] = (when, file, line)
+    out = {}
+    for key in config_lib.flat(config):
+        parts = key.split(".")
+        above = [p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                 if p in last]
+        if above and max(above, key=lambda p: last[p][0]) == key:
+            out[key] = last[key][1:]
+    return out
+
+
+def _statements(file: str) -> tuple[tuple[int, int, str, bool], ...]:
+    """(first line, last line, comment, chosen) of each simple statement in `file`
+    (chosen: its value is a conditional expression, so its comment may be the other
+    arm's); () where the file cannot be read."""
+    try:
+        with open(file) as f:
+            return _parsed_statements(f.read())
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return ()
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_statements(source: str) -> tuple[tuple[int, int, str, bool], ...]:
+    tree = ast.parse(source)
+    after_code, alone = _comments(source)
+    return tuple(
+        (node.lineno, node.end_lineno,
+         _comment_of(node.lineno, node.end_lineno, after_code, alone),
+         any(isinstance(n, ast.IfExp) for n in ast.walk(node)))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.stmt) and not hasattr(node, "body"))
+
+
+def _comment_at(file: str, line: int) -> str:
+    """The comment of the innermost simple statement of `file` holding `line` ("" for
+    none, or for a chosen value's)."""
+    holding = [s for s in _statements(file) if s[0] <= line <= s[1]]
+    if not holding:
+        return ""
+    _, _, comment, chosen = min(holding, key=lambda s: s[1] - s[0])
+    return "" if chosen else comment
+
+
 def general(config, model_class: type | None = None) -> dict[str, str]:
     """{key: what it means in any experiment}: the base config's comments, the shared
     data tables' (those the config has), the model dataclass's fields'."""
-    out = {a.path: a.comment
-           for a in key_assignments(inspect.getsource(config_lib.base_config)) if a.comment}
+    base, writes = _writes(config_lib.base_config)
+    out = {key: text for key, (file, line) in _last_writes(base, writes).items()
+           if (text := _comment_at(file, line))}
     data_keys = config.get("data") or {}
     tables = [t for t in DATA_KEY_TABLES if next(iter(getattr(config_lib, t))) in data_keys]
     for key, text in table_entries(config_lib, tables, "data").items():
@@ -200,67 +213,29 @@ def general(config, model_class: type | None = None) -> dict[str, str]:
     return out
 
 
-def _traced(run, traced):
-    """(run(), {(file, line): when it last ran}) for the lines `run` executes in the files
-    `traced(real path)` is true of; other code runs untraced."""
-    order: dict[tuple[str, int], int] = {}
-    tick = itertools.count()
-    real = functools.lru_cache(maxsize=None)(os.path.realpath)
-
-    def lines(frame, event, arg):
-        if event == "line":
-            order[(real(frame.f_code.co_filename), frame.f_lineno)] = next(tick)
-        return lines
-
-    def calls(frame, event, arg):
-        return lines if traced(real(frame.f_code.co_filename)) else None
-
-    previous = sys.gettrace()
-    sys.settrace(calls)
-    try:
-        return run(), order
-    finally:
-        sys.settrace(previous)
-
-
 def load_explained(spec: str, overrides=(), model_class_of=None):
     """(the config `spec` names with `overrides`, {key: what it means}) for --help: the
     general text of each key, then "This config: " and the comment of the statement
     that set its value (see the module's doc). model_class_of(config): the task's model
     dataclass, or None."""
     module = config_lib.config_module(spec)
-    # The shipped configs, and the user's file with the files beside it (its helpers).
+    # The shipped configs, and the user's file with the files beside it (its helpers):
+    # a value written elsewhere (config.py's shared tables) has the general text only.
     folders = {os.path.realpath(config_lib.CONFIG_DIR)}
     if getattr(module, "__file__", None):
         folders.add(os.path.dirname(os.path.realpath(module.__file__)))
-    config, order = _traced(lambda: config_lib.load(spec),
-                            lambda file: os.path.dirname(file) in folders)
-    setting: dict[str, tuple[int, Assignment]] = {}  # key or group -> its last run
-    for file in {file for file, _ in order}:
-        try:
-            with open(file) as f:
-                found = key_assignments(f.read())
-        except (OSError, SyntaxError, UnicodeDecodeError):
-            continue
-        for a in found:
-            ran = [order[(file, n)] for n in range(a.first, a.last + 1) if (file, n) in order]
-            if ran and max(ran) >= setting.get(a.path, (-1, None))[0]:
-                setting[a.path] = (max(ran), a)
-    config_lib.apply_overrides(config, overrides)
-    given = (set(overrides) if isinstance(overrides, Mapping)
-             else {o.partition("=")[0].strip() for o in overrides})
+    config, writes = _writes(lambda: config_lib.load(spec))
+    setters = _last_writes(config, writes)
+    _, given = _writes(lambda: config_lib.apply_overrides(config, overrides))
+    given = set(_last_writes(config, given))
     meanings = general(config, model_class_of(config) if model_class_of else None)
     out = {}
     for key in config_lib.flat(config):
         first, then = _sentence(meanings.get(key, "")), ""
         if key in given:
             then = "set on the command line."
-        else:
-            # the last statement that set the key, or a whole group above it
-            groups = [p for p in setting if key == p or key.startswith(p + ".")]
-            last = max(groups, key=lambda p: setting[p][0], default=None)
-            if last == key and not setting[key][1].chosen:
-                then = _sentence(setting[key][1].comment)
+        elif key in setters and os.path.dirname(setters[key][0]) in folders:
+            then = _sentence(_comment_at(*setters[key]))
         if _says_within(then, first):  # says nothing more (or nothing)
             then = ""
         elif _says_within(first, then):  # says it all, and more

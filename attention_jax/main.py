@@ -307,7 +307,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
         if fitted:  # said once, by fit_reader_mesh
             changed = {k: v for k, v in changed.items() if not k.startswith("mesh.")}
-        registers = _register_the_runs_task(config, spec)
+        registers = _register_the_runs_task(config, spec, reading=True)
         if spec is not None:
             print(f"--mode={mode}: the run's own config "
                   f"({workdir_lib.path(workdir, workdir_lib.CONFIG)}) is read; --config={spec} "
@@ -323,7 +323,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         # again: the run's own config.json is the config, these overrides on top.
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
-        _register_the_runs_task(config, None)
+        _register_the_runs_task(config, None, reading=False)
         print(f"training the run's own config ({workdir_lib.path(workdir, workdir_lib.CONFIG)})"
               + (f" with {', '.join(map(str, overrides))}" if overrides else ""), file=sys.stderr)
         return config
@@ -337,11 +337,12 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
     return config_lib.load(spec, overrides)
 
 
-def _register_the_runs_task(config, spec: str | None) -> bool:
+def _register_the_runs_task(config, spec: str | None, reading: bool) -> bool:
     """Whether `spec`, a config file, was run for the registration of the run's task
     (a task of one's own, tasks.register in that file: the run's config.json names it,
     and only the file registers it). A task registered nowhere is a ConfigError saying
-    which file to give."""
+    which file to give (reading: for its registration only; continuing the training: as
+    the config, as when the run started)."""
     from attention_jax import tasks
     if config.get("task") in tasks.TASKS:
         return False
@@ -354,7 +355,9 @@ def _register_the_runs_task(config, spec: str | None) -> bool:
         f"config.task={config.task!r} (the run's config.json) is no registered task"
         + (f": {file} does not register it" if file.endswith(".py") else "")
         + f"; valid: {sorted(tasks.TASKS)}, or give the config file that registers it "
-        f"(tasks.register): --config=FILE.py")
+        f"(tasks.register): --config=FILE.py"
+        + (" (it runs for that; the run's own config.json stays the config)" if reading
+           else ", the config the run started with"))
 
 
 def _holds_a_run(workdir: str) -> bool:

@@ -533,6 +533,39 @@ def test_a_config_file_s_mistakes_in_get_config_are_one_line(tmp_path):
                                           rf".*get_config never reads its argument, so "
                                           rf":layers=4 would change nothing"):
         config_lib.load(f"{mine}:layers=4")
+    # Read through locals(), or by a method (after self): read, not refused.
+    mine.write_text("from attention_jax.configs import gpt\n"
+                    "def get_config(arg=None):\n    return gpt.get_config(locals()['arg'])\n")
+    assert config_lib.load(f"{mine}:variant=gpt2").model.variant == "gpt2"
+    mine.write_text("from attention_jax.configs import gpt\n"
+                    "class Maker:\n    def make(self, arg=None):\n"
+                    "        return gpt.get_config(arg)\n"
+                    "get_config = Maker().make\n")
+    assert config_lib.load(f"{mine}:variant=gpt2").model.variant == "gpt2"
+
+
+def test_config_files_of_one_name_in_two_folders_are_two_modules(tmp_path):
+    """Two folders' mine.py shared one module name (inspect read the other's source); a
+    file edited back to an earlier text is that text's module again in sys.modules."""
+    import sys
+    for folder, lr in (("a", 0.1), ("b", 0.2)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "mine.py").write_text(
+            "from attention_jax.configs import gpt\n"
+            f"def get_config(arg=None):\n    c = gpt.get_config()\n    c.optim.lr = {lr}\n"
+            "    return c\n")
+    a, b = (config_lib.config_module(str(tmp_path / f / "mine.py")) for f in "ab")
+    assert a.__name__ != b.__name__ and sys.modules[a.__name__] is a
+    assert (config_lib.load(str(tmp_path / "a" / "mine.py")).optim.lr,
+            config_lib.load(str(tmp_path / "b" / "mine.py")).optim.lr) == (0.1, 0.2)
+    file = tmp_path / "a" / "mine.py"
+    text = file.read_text()
+    file.write_text(text.replace("0.1", "0.3"))
+    edited = config_lib.config_module(str(file))
+    assert edited is not a and sys.modules[a.__name__] is edited
+    file.write_text(text)  # back to the first text: the module run from it
+    again = config_lib.config_module(str(file))
+    assert sys.modules[again.__name__] is again and config_lib.load(str(file)).optim.lr == 0.1
 
 
 def test_overrides_as_one_string_and_whole_numbers_in_e_notation():

@@ -21,46 +21,50 @@ def test_every_key_a_shipped_config_lists_is_explained(name):
     assert [k for k in listed if not explanations.get(k)] == []
 
 
-def test_key_assignments_follow_the_names_that_stand_for_the_config():
-    source = '''
-def helper(c):
-    c.train.log_every = 3  # a helper's c is not get_config's
-
-def get_config(arg=None):
-    c = ml_collections.ConfigDict()  # the name returned stands for the config
-    c.optim = o = ml_collections.ConfigDict()
-    o.b1 = 0.9  # first moment
-    # the data's name,
-    # over two lines
-    c.data.name = "x"
-    d = c.data
-    d.seq_len = 8  # through a name for the group
-    c.train["steps"] = 5  # optimizer steps
-    c.train.seed = (
-        0)  # on the statement's last line
-    c.model.width = 8
-
-    c.model.depth = 2
-    d = make_something_else()
-    d.name = "y"  # d no longer stands for c.data
-    c.eval.every = 1 if arg else 2  # one arm's comment
-    return c
-'''
-    found = [(a.path, a.comment, a.chosen) for a in config_help.key_assignments(source)]
-    assert found == [
-        ("optim", "", False), ("optim.b1", "first moment", False),
-        ("data.name", "the data's name, over two lines", False),
-        ("data.seq_len", "through a name for the group", False),
-        ("train.steps", "optimizer steps", False),
-        ("train.seed", "on the statement's last line", False),
-        ("model.width", "", False), ("model.depth", "", False),
-        ("eval.every", "one arm's comment", True)]
+def test_the_statement_that_wrote_a_key_is_found_however_it_wrote_it(tmp_path):
+    """Every write into the config is recorded with its line: a helper's, update(),
+    setattr, a tuple target, `*=`; a one-line `if` whose body did not run, a base
+    config built a second time only to read it, a group replaced whole and a value
+    chosen by a conditional expression give no comment of theirs."""
+    mine = tmp_path / "writes.py"
+    mine.write_text(
+        "from attention_jax.configs import gpt\n\n"
+        "def _tune(cfg):\n"
+        "    cfg.optim.lr = 1e-4  # a helper's rate\n\n"
+        "def get_config(arg=None):\n"
+        "    c = gpt.get_config()\n"
+        "    _tune(c)\n"
+        "    c.train.update(seed=3)  # through update\n"
+        "    setattr(c.eval, 'steps', 2)  # through setattr\n"
+        "    c.train.log_every, c.train.prefetch = 5, 1  # a tuple target\n"
+        "    c.train.batch_size *= 2  # doubled\n"
+        "    if arg == 'big': c.train.steps = 10**6  # only when big\n"
+        "    other = gpt.get_config('variant=gpt2')  # built only to read it\n"
+        "    c.model.num_layers = other.model.num_layers or 12\n"
+        "    c.mesh = type(c.mesh)(dict(c.mesh))  # the group replaced whole\n"
+        "    c.eval.every = 1 if arg else 2  # one arm's comment\n"
+        "    return c\n")
+    config, found = explained(str(mine))
+    assert (config.optim.lr, config.train.seed, config.eval.steps) == (1e-4, 3, 2)
+    assert found["optim.lr"].endswith("This config: a helper's rate.")
+    assert found["train.seed"].endswith("This config: through update.")
+    assert found["eval.steps"].endswith("This config: through setattr.")
+    assert found["train.log_every"].endswith("This config: a tuple target.")
+    assert found["train.prefetch"].endswith("This config: a tuple target.")
+    assert found["train.batch_size"].endswith("This config: doubled.")
+    assert "only when big" not in found["train.steps"]  # gpt.py's comment instead
+    assert found["train.steps"].endswith("2 shared CPU cores (docstring).")
+    assert "This config" not in found["model.num_layers"]  # written uncommented
+    assert "This config" not in found["mesh.data"]  # its group replaced after gpt.py's
+    assert "one arm" not in found["eval.every"]
 
 
 def test_the_general_meaning_comes_first_then_the_configs_own():
     _, gpt = explained("gpt")
-    assert gpt["optim.lr"] == ("peak learning rate, reached after warmup. This config: peak "
-                               "lr: a 0.4M-parameter model tolerates a large step.")
+    assert gpt["optim.lr"] == ("peak learning rate, reached after warmup. This config: "
+                               "Chosen for this config's own 0.4M-parameter model, which "
+                               "tolerates a large step (a larger :variant= may want a "
+                               "smaller one).")
     # a model field's comment in its dataclass (tasks.register(..., model=GPTConfig))
     assert gpt["model.num_layers"] == "transformer blocks."
     # a comment that only repeats the general one is not shown twice
@@ -129,7 +133,7 @@ def test_a_users_config_file_and_its_own_model_class(tmp_path, capsys):
         assert capsys.readouterr().out == "loaded\n"  # run once, not once a call
         assert "image" not in found["task"]  # gpt's, not vit_digits'
         assert found["train.steps"].endswith("This config: short.")
-        assert found["optim.lr"].endswith("a 0.4M-parameter model tolerates a large step.")
+        assert found["optim.lr"].endswith("(a larger :variant= may want a smaller one).")
         assert config_help.fields(tasks.TASKS["toy_help"].model, "model") == {
             "model.width": "the toy's width"}
     finally:

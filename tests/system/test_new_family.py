@@ -276,8 +276,12 @@ def test_a_run_of_a_task_a_config_file_registers_is_read_with_that_file(tmp_path
     with pytest.raises(ConfigError, match=r"^config.task='from_my_file' \(the run's config"
                                           r"\.json\) is no registered task; valid: \[.*\], or "
                                           r"give the config file that registers it \(tasks\."
-                                          r"register\): --config=FILE.py$"):
+                                          r"register\): --config=FILE.py \(it runs for that; "
+                                          r"the run's own config.json stays the config\)$"):
         main.mode_config("eval", None, [], str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"--config=FILE.py, the config the run started "
+                                          r"with$"):  # continuing it: the file is the config
+        main.mode_config("train", None, [], str(tmp_path / "run"))
     mine = tmp_path / "mine.py"
     mine.write_text("import tiny\nfrom attention_jax import tasks\n\n"
                     "tasks.register('from_my_file', tiny.make_tiny_task)\n\n"
