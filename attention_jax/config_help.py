@@ -113,18 +113,17 @@ def _writes(run):
     `run` runs, with the file and line of the code outside ml_collections that wrote it
     (`c.optim.lr = 1`, `c.train.update(steps=5)`, `setattr(c.data, "name", x)` alike)."""
     from ml_collections import config_dict
-    library = os.path.dirname(os.path.realpath(config_dict.__file__))
+    real = functools.lru_cache(maxsize=None)(os.path.realpath)
+    library = os.path.dirname(real(config_dict.__file__))
     original = config_dict.ConfigDict.__setitem__
     writes = []
 
     def setitem(self, key, value):
         frame = sys._getframe(1)
-        while frame is not None and os.path.dirname(
-                os.path.realpath(frame.f_code.co_filename)) == library:
+        while frame is not None and os.path.dirname(real(frame.f_code.co_filename)) == library:
             frame = frame.f_back
         if frame is not None:
-            writes.append((self, key, os.path.realpath(frame.f_code.co_filename),
-                           frame.f_lineno))
+            writes.append((self, key, real(frame.f_code.co_filename), frame.f_lineno))
         return original(self, key, value)
 
     config_dict.ConfigDict.__setitem__ = setitem
