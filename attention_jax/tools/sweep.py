@@ -29,8 +29,6 @@ each distinct model once.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import json
 import os
@@ -118,9 +116,7 @@ def check_tasks(todo) -> None:
     data a point names) fails now, not after the points before it have trained. Points
     that differ only in the seed share one check. A built task is dropped and training
     builds its own: the data's caches (tfds, the token cache) are built once, but a
-    tokenizer trained for the run (BPE) is trained again, a cost paid to fail early. The
-    notes a build prints (stderr) are kept back: each point's training says them again,
-    where they belong, rather than twice."""
+    tokenizer trained for the run (BPE) is trained again, a cost paid to fail early."""
     from attention_jax import tasks
     seen = set()
     for point, config, run_dir in todo:
@@ -131,8 +127,7 @@ def check_tasks(todo) -> None:
             continue
         seen.add(key)
         try:
-            with contextlib.redirect_stderr(io.StringIO()):
-                tasks.TASKS[config.task](config, run_dir)
+            tasks.TASKS[config.task](config, run_dir)
         except UserError as e:
             raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
 
