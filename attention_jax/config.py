@@ -696,6 +696,10 @@ def apply_overrides(config, overrides: Mapping[str, Any] | Iterable[str]) -> Non
             node[field] = value
         except TypeError as e:
             raise ConfigError(f"--config.{key}={value!r}: {e}") from None
+        except AttributeError:  # a FrozenConfigDict's "immutable"
+            raise ConfigError(f"--config.{key}={value!r}: the config is frozen (its "
+                              f"get_config returned a FrozenConfigDict), so no key can be "
+                              f"set; valid: a get_config that returns a ConfigDict") from None
 
 
 def _split_override(text: str) -> tuple[str, str]:

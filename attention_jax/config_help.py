@@ -14,10 +14,11 @@ A key's text is joined from its sources, the general first:
     key, which line of which file wrote it), so the statement is the one that ran for
     these arguments, however it wrote the key (an assignment, update(), setattr, a
     helper function, a base config's get_config), in the experiment's module, the
-    shipped configs or the files beside a user's. No comment is shown for a value a
-    write to its whole group replaced, one chosen by a conditional expression (`4 if
-    own else None`: the comment may be the other arm's), or a key set on the command
-    line ("set on the command line").
+    shipped configs or the files beside a user's. A group replaced whole has its new
+    keys' writes: its statement's comment. No comment is shown for a value chosen by a
+    conditional expression (`4 if own else None`: the comment may be the other arm's),
+    a key of a config copied whole (copy.deepcopy, copy_and_resolve_references: the
+    library wrote it), or a key set on the command line ("set on the command line").
 A statement's comment is the one at the end of its line(s); else the comment lines just
 above it.
 """
@@ -120,9 +121,11 @@ def _writes(run):
 
     def setitem(self, key, value):
         frame = sys._getframe(1)
+        # get_ref("k") stores a reference to k in k's place: a read of k, not a write
+        reading = frame.f_code.co_name in ("get_ref", "get_oneway_ref")
         while frame is not None and os.path.dirname(real(frame.f_code.co_filename)) == library:
             frame = frame.f_back
-        if frame is not None:
+        if frame is not None and not reading:
             writes.append((self, key, real(frame.f_code.co_filename), frame.f_lineno))
         return original(self, key, value)
 
@@ -144,28 +147,27 @@ def _paths(config) -> dict[int, str]:
     return out
 
 
-def _last_writes(config, writes) -> dict[str, tuple[str, int]]:
-    """{key: (file, line)} of the write that set each key of `config`'s value: the last
-    write to the key, unless a write to a group above it came later (then none)."""
+def _last_writes(config, writes) -> dict[str, tuple[str, int, str]]:
+    """{key: (file, line, key's own name)} of the last write into each key of `config`,
+    counting only writes into the groups it holds now (a group replaced later, by a copy
+    or a new one, took its writes with it: the new group's own are the ones counted)."""
     paths = _paths(config)
-    last: dict[str, tuple[int, str, int]] = {}  # key or group -> (when, file, line)
-    for when, (group, key, file, line) in enumerate(writes):
-        if id(group) in paths:
-            last[_join(paths[id(group)], key)] = (when, file, line)
-    out = {}
-    for key in config_lib.flat(config):
-        parts = key.split(".")
-        above = [p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-                 if p in last]
-        if above and max(above, key=lambda p: last[p][0]) == key:
-            out[key] = last[key][1:]
-    return out
+    keys = set(config_lib.flat(config))
+    last = {}
+    for group, key, file, line in writes:
+        path = _join(paths[id(group)], key) if id(group) in paths else None
+        if path in keys:
+            last[path] = (file, line, key)
+    return last
 
 
-def _statements(file: str) -> tuple[tuple[int, int, str, bool], ...]:
-    """(first line, last line, comment, chosen) of each simple statement in `file`
-    (chosen: its value is a conditional expression, so its comment may be the other
-    arm's); () where the file cannot be read."""
+def _statements(file: str) -> tuple:
+    """(first line, last line, comment, chosen, {name: its line's comment} or None) of
+    each simple statement in `file`; () where the file cannot be read. chosen: the
+    statement holds a conditional expression, so its comment may be the other arm's.
+    The names, for a statement whose lines end in several comments (`update(\n
+    steps=11,  # eleven\n  seed=4,  # four\n)`), are its keyword arguments and string
+    dict keys whose own line ends in one."""
     try:
         with open(file) as f:
             return _parsed_statements(f.read())
@@ -174,33 +176,47 @@ def _statements(file: str) -> tuple[tuple[int, int, str, bool], ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed_statements(source: str) -> tuple[tuple[int, int, str, bool], ...]:
+def _parsed_statements(source: str) -> tuple:
     tree = ast.parse(source)
     after_code, alone = _comments(source)
-    return tuple(
-        (node.lineno, node.end_lineno,
-         _comment_of(node.lineno, node.end_lineno, after_code, alone),
-         any(isinstance(n, ast.IfExp) for n in ast.walk(node)))
-        for node in ast.walk(tree)
-        if isinstance(node, ast.stmt) and not hasattr(node, "body"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and not hasattr(node, "body"):
+            lines = range(node.lineno, node.end_lineno + 1)
+            named = {} if sum(n in after_code for n in lines) > 1 else None
+            for n in ast.walk(node) if named is not None else ():
+                if isinstance(n, ast.keyword) and n.arg and n.lineno in after_code:
+                    named[n.arg] = after_code[n.lineno]
+                if isinstance(n, ast.Dict):
+                    named.update({k.value: after_code[k.lineno] for k in n.keys
+                                  if isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                  and k.lineno in after_code})
+            out.append((node.lineno, node.end_lineno,
+                        _comment_of(node.lineno, node.end_lineno, after_code, alone),
+                        any(isinstance(n, ast.IfExp) for n in ast.walk(node)), named))
+    return tuple(out)
 
 
-def _comment_at(file: str, line: int) -> str:
-    """The comment of the innermost simple statement of `file` holding `line` ("" for
-    none, or for a chosen value's)."""
+def _comment_at(file: str, line: int, name: str) -> str:
+    """The comment of the innermost simple statement of `file` holding `line`, for its
+    key `name`: the comment on that key's own line in a statement that comments several
+    ("" for none, for a chosen value's, or for a statement of several comments none of
+    which is the key's)."""
     holding = [s for s in _statements(file) if s[0] <= line <= s[1]]
     if not holding:
         return ""
-    _, _, comment, chosen = min(holding, key=lambda s: s[1] - s[0])
-    return "" if chosen else comment
+    first, last, comment, chosen, named = min(holding, key=lambda s: s[1] - s[0])
+    if chosen:
+        return ""
+    return comment if named is None else named.get(name, "")
 
 
 def general(config, model_class: type | None = None) -> dict[str, str]:
     """{key: what it means in any experiment}: the base config's comments, the shared
     data tables' (those the config has), the model dataclass's fields'."""
     base, writes = _writes(config_lib.base_config)
-    out = {key: text for key, (file, line) in _last_writes(base, writes).items()
-           if (text := _comment_at(file, line))}
+    out = {key: text for key, where in _last_writes(base, writes).items()
+           if (text := _comment_at(*where))}
     data_keys = config.get("data") or {}
     tables = [t for t in DATA_KEY_TABLES if next(iter(getattr(config_lib, t))) in data_keys]
     for key, text in table_entries(config_lib, tables, "data").items():

@@ -522,6 +522,11 @@ def test_a_config_file_s_mistakes_in_get_config_are_one_line(tmp_path):
                                           rf"line 2: rate = 1 / 0$") as e:
         config_lib.load(str(mine))
     assert isinstance(e.value.__cause__, ZeroDivisionError)  # the rest, for a debugger
+    mine.write_text("import ml_collections\nfrom attention_jax.configs import gpt\n"
+                    "def get_config(arg=None):\n"
+                    "    return ml_collections.FrozenConfigDict(gpt.get_config())\n")
+    with pytest.raises(ConfigError, match=r"--config.train.steps=3: the config is frozen"):
+        config_lib.load(str(mine), ["train.steps=3"])
     mine.write_text("def get_config(arg=None):\n    return {'task': 'gpt'}\n")
     with pytest.raises(ConfigError, match=r"get_config returned a dict; valid: an "
                                           r"ml_collections.ConfigDict"):

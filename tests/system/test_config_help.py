@@ -22,10 +22,11 @@ def test_every_key_a_shipped_config_lists_is_explained(name):
 
 
 def test_the_statement_that_wrote_a_key_is_found_however_it_wrote_it(tmp_path):
-    """Every write into the config is recorded with its line: a helper's, update(),
-    setattr, a tuple target, `*=`; a one-line `if` whose body did not run, a base
-    config built a second time only to read it, a group replaced whole and a value
-    chosen by a conditional expression give no comment of theirs."""
+    """Every write into the config is recorded with its line: a helper's, update() (one
+    comment a keyword's line), setattr, a tuple target, `*=`, a group built and then
+    attached, a group replaced whole (its statement's comment); a one-line `if` whose
+    body did not run, a base config built a second time only to read it, a get_ref of a
+    key and a value chosen by a conditional expression give no comment of theirs."""
     mine = tmp_path / "writes.py"
     mine.write_text(
         "from attention_jax.configs import gpt\n\n"
@@ -43,6 +44,15 @@ def test_the_statement_that_wrote_a_key_is_found_however_it_wrote_it(tmp_path):
         "    c.model.num_layers = other.model.num_layers or 12\n"
         "    c.mesh = type(c.mesh)(dict(c.mesh))  # the group replaced whole\n"
         "    c.eval.every = 1 if arg else 2  # one arm's comment\n"
+        "    c.optim.update(\n"
+        "        b1=0.8,  # first moment\n"
+        "        b2=0.9,  # second moment\n"
+        "    )\n"
+        "    c.eval.batch_size = int('16', base=10)  # a keyword, one comment\n"
+        "    extra = type(c)()\n"
+        "    extra.width = 7  # built first\n"
+        "    c.extra = extra\n"
+        "    c.extra.twice = c.train.get_ref('seed') * 2  # twice the seed\n"
         "    return c\n")
     config, found = explained(str(mine))
     assert (config.optim.lr, config.train.seed, config.eval.steps) == (1e-4, 3, 2)
@@ -55,8 +65,13 @@ def test_the_statement_that_wrote_a_key_is_found_however_it_wrote_it(tmp_path):
     assert "only when big" not in found["train.steps"]  # gpt.py's comment instead
     assert found["train.steps"].endswith("2 shared CPU cores (docstring).")
     assert "This config" not in found["model.num_layers"]  # written uncommented
-    assert "This config" not in found["mesh.data"]  # its group replaced after gpt.py's
+    assert found["mesh.data"].endswith("This config: the group replaced whole.")
     assert "one arm" not in found["eval.every"]
+    assert found["optim.b1"].endswith("This config: first moment.")
+    assert found["optim.b2"].endswith("This config: second moment.")
+    assert found["eval.batch_size"].endswith("This config: a keyword, one comment.")
+    assert found["extra.width"] == "built first."
+    assert found["train.seed"].endswith("This config: through update.")  # not get_ref's
 
 
 def test_the_general_meaning_comes_first_then_the_configs_own():
