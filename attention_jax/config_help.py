@@ -15,10 +15,11 @@ A key's text is joined from its sources, the general first:
     these arguments, however it wrote the key (an assignment, update(), setattr, a
     helper function, a base config's get_config), in the experiment's module, the
     shipped configs or the files beside a user's. A group replaced whole has its new
-    keys' writes: its statement's comment. No comment is shown for a value chosen by a
+    keys' writes: its statement's comment, as a config copied whole by
+    copy_and_resolve_references has the copying statement's (copy.deepcopy's copy has
+    none: the standard library wrote it). No comment is shown for a value chosen by a
     conditional expression (`4 if own else None`: the comment may be the other arm's),
-    a key of a config copied whole (copy.deepcopy, copy_and_resolve_references: the
-    library wrote it), or a key set on the command line ("set on the command line").
+    or a key set on the command line ("set on the command line").
 A statement's comment is the one at the end of its line(s); else the comment lines just
 above it.
 """
