@@ -592,8 +592,9 @@ def load(spec: str, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ml_col
         if not name.endswith(".py"):
             raise  # a shipped config's bug: its traceback
         # The user's file's mistake: one line naming its line (the chain keeps the rest).
+        file = os.path.realpath(name)
         frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.realpath(f.filename) == os.path.realpath(name)]
+                  if os.path.realpath(f.filename) == file]
         where = f" at line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
         raise ConfigError(f"--config={spec}: get_config raised {type(e).__name__}: {e}"
                           f"{where}") from e

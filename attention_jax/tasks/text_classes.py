@@ -150,7 +150,8 @@ def _say_labels_not_held_out(o, classes, labels, held: int) -> None:
     """A note where the held-out records hold no record of some label: the eval metrics
     then say nothing of it, unsaid (the record's `examples` count shows how few were
     evaluated, not which labels)."""
-    missing = [c for c in classes if c not in set(labels)]
+    present = set(labels)
+    missing = [c for c in classes if c not in present]
     if not missing or jax.process_index() != 0:
         return
     where, fix = (("config.data.eval_files", "held-out records of every label")
