@@ -465,8 +465,9 @@ def help_text(argv) -> str:
         unread = tasks.unread_keys(config.get("task"))
         if unread:
             keys = {k: v for k, v in keys.items() if k not in unread}
-            lines += [f"  (left out, as task {config.task!r} does not read them: "
-                      f"{tasks.describe_readers(unread)})"]
+            lines += textwrap.wrap(f"(left out, as task {config.task!r} does not read them: "
+                                   f"{tasks.describe_readers(unread)})", width=HELP_WIDTH,
+                                   initial_indent="  ", subsequent_indent="   ")
         for key, value in keys.items():
             lines.append(f"  {key} = {value!r}")
             if key in explained:

@@ -207,10 +207,12 @@ class ImageFiles:
 
 # ================================================================================== splits
 def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05,
-                  channels: int = 3, max_bad_records: int = 100,
-                  arg: str = '') -> tuple[dict[str, ImageFiles], list[str]]:
+                  channels: int = 3, max_bad_records: int = 100, arg: str = '',
+                  say_held_out: bool = True) -> tuple[dict[str, ImageFiles], list[str]]:
     """({'train': ..., 'validation': ...}, class names) of an image folder (module
-    docstring). `arg` prefixes the argument names in messages ('config.data.')."""
+    docstring). `arg` prefixes the argument names in messages ('config.data.').
+    `say_held_out`: note a held-out split that misses some class (off where nothing is
+    evaluated, or on every host but the first of a run)."""
     if not 0 < eval_fraction < 1:
         raise ImagesError(f'{arg}eval_fraction={eval_fraction!r} is out of range; valid: '
                           f'0 < eval_fraction < 1')
@@ -244,7 +246,8 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
                     'images', f'{arg}eval_fraction', f'{arg}eval_root')
     pick = lambda mask: ([paths[i] for i in np.flatnonzero(mask)],
                          [labels[i] for i in np.flatnonzero(mask)])
-    _say_classes_not_held_out(pick(held)[1], classes, eval_fraction, len(paths), arg)
+    if say_held_out:
+        _say_classes_not_held_out(pick(held)[1], classes, eval_fraction, len(paths), arg)
     return {'train': make(root, *pick(~held)), 'validation': make(root, *pick(held))}, classes
 
 

@@ -286,13 +286,13 @@ def unread_keys(task: str) -> tuple[str, ...]:
 
 def describe_readers(keys: Sequence[str]) -> str:
     """`keys` with the registered tasks that read them, those of the same tasks together:
-    "config.a, config.b (read by ['gpt']); config.c (read by none)"."""
+    "config.a, config.b (read by gpt); config.c (read by no task)"."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for key in keys:
         readers = tuple(sorted(n for n, make in TASKS.items()
                                if key in getattr(make, "reads", ())))
         groups.setdefault(readers, []).append(f"config.{key}")
-    return "; ".join(f"{', '.join(group)} (read by {list(readers) if readers else 'none'})"
+    return "; ".join(f"{', '.join(group)} (read by {', '.join(readers) or 'no task'})"
                      for readers, group in groups.items())
 
 

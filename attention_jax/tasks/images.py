@@ -55,7 +55,7 @@ def image_task(config, workdir: str) -> Task:
         # classes must still be the run's.
         @functools.cache
         def folder():
-            found = _image_sources(data_opts)
+            found = _image_sources(data_opts, say_held_out=jax.process_index() == 0)
             check_classes(workdir, found[2])
             return found
         train_src = OnDemand(lambda: fraction(folder()[0]))
@@ -63,7 +63,9 @@ def image_task(config, workdir: str) -> Task:
         if data_opts.eval_root:  # a held-out folder of its own: the training one not listed
             eval_src = OnDemand(lambda: _held_out_folder(data_opts, saved))
     else:
-        train_src, eval_src, classes = _image_sources(data_opts)
+        # A held-out split is said only where it is evaluated, once for the run.
+        train_src, eval_src, classes = _image_sources(
+            data_opts, say_held_out=config.eval.every != -1 and jax.process_index() == 0)
         train_src = fraction(train_src)
     forced = _model_fields(config, data_opts, config_cls, variants, train_src, classes)
     cfg = model_config(config_cls, config, dtype=config.train.compute_dtype, **forced)
@@ -184,8 +186,9 @@ def _check_image_options(o) -> None:
                           "subfolder of images per class)")
 
 
-def _image_sources(o):
-    """(train source, eval source, class names or None) of config.data."""
+def _image_sources(o, *, say_held_out: bool):
+    """(train source, eval source, class names or None) of config.data; `say_held_out`:
+    note a folder's held-out split that misses some class."""
     from attention_jax.data import images as images_lib
     if o.name == "image_folder":
         for key, valid in (("train_split", ("train",)), ("eval_split", ("validation", "test"))):
@@ -193,7 +196,8 @@ def _image_sources(o):
         try:
             by_split, classes = images_lib.folder_splits(
                 o.root, o.eval_root, eval_fraction=o.eval_fraction, channels=o.channels or 3,
-                max_bad_records=o.max_bad_records, arg="config.data.")
+                max_bad_records=o.max_bad_records, arg="config.data.",
+                say_held_out=say_held_out)
         except images_lib.ImagesError as e:
             raise ConfigError(str(e)) from None
         return by_split["train"], by_split["validation"], classes

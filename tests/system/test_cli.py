@@ -112,11 +112,11 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     # A task that samples nothing lists no sampling keys, and says where they go.
     out = cli("--config=bert_classify", "--help")
     assert "eval.sample_top_k =" not in out.stdout and "  eval.batch_size = 64" in out.stdout
-    assert ("(left out, as task 'bert_classify' does not read them: config.eval.sample_prompts "
-            "(read by ['encdec', 'gpt', 'rnn_seq2seq']); config.eval.sample_tokens, "
-            "config.eval.sample_temperature, config.eval.sample_top_k, config.eval.sample_top_p, "
-            "config.train.loss_chunk_size, config.train.loss_kernel (read by ['gpt']))"
-            ) in out.stdout
+    assert ("  (left out, as task 'bert_classify' does not read them: config.eval.sample_prompts "
+            "(read by\n   encdec, gpt, rnn_seq2seq); config.eval.sample_tokens, "
+            "config.eval.sample_temperature,\n   config.eval.sample_top_k, "
+            "config.eval.sample_top_p, config.train.loss_chunk_size,\n   "
+            "config.train.loss_kernel (read by gpt))\n  data.cache_dir = ''\n") in out.stdout
     out = cli("--config=encdec", "--help")  # greedy translations: the prompts only
     assert "  eval.sample_prompts = " in out.stdout and "eval.sample_top_k =" not in out.stdout
     assert "train.loss_kernel =" not in out.stdout  # the GPT's loss alone reads it

@@ -846,8 +846,8 @@ def test_keys_given_to_a_task_that_does_not_read_them_are_said(capsys):
         # Registered without reads=: it samples nothing, so the sampling keys do nothing;
         # its loss may be gpt.head_loss, which reads train.loss_*: not said of those.
         assert ("note: task 'tiny_quiet' does not read config.eval.sample_prompts (read by "
-                "['encdec', 'gpt', 'rnn_seq2seq']); config.eval.sample_top_k (read by "
-                "['gpt']): set here, they do nothing\n") in capsys.readouterr().err
+                "encdec, gpt, rnn_seq2seq); config.eval.sample_top_k (read by "
+                "gpt): set here, they do nothing\n") in capsys.readouterr().err
         base.TASKS["tiny_quiet"](tiny.tiny_config(), None)  # the defaults: nothing to say
         assert "does not read" not in capsys.readouterr().err
         # A task whose sampling reads the prompts only (a translation's greedy decoding).
@@ -856,7 +856,7 @@ def test_keys_given_to_a_task_that_does_not_read_them_are_said(capsys):
                                                      "eval.sample_temperature": 0.0}), None)
         err = capsys.readouterr().err
         assert ("note: task 'tiny_greedy' does not read config.eval.sample_temperature (read "
-                "by ['gpt'])") in err and "sample_prompts" not in err
+                "by gpt)") in err and "sample_prompts" not in err
         assert base.unread_keys("encdec") == config_lib.TASK_KEYS[1:]
         assert base.unread_keys("vit") == config_lib.TASK_KEYS
         assert base.unread_keys("gpt") == ()

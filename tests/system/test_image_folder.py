@@ -222,3 +222,18 @@ def test_a_size_the_patch_does_not_divide_is_one_line(folder, tmp_path, capsys):
                        "--config.data.image_size=15", "--config.data.eval_fraction=0.5")
     assert code == 1 and err.count("\n") == 1 and err.startswith(
         "error: config.data.image_size=15 is not a multiple of the ViT's patch_size=2; valid: ")
+
+
+def test_a_class_missing_from_the_held_out_split_is_said_where_it_is_evaluated(
+        folder, tmp_path, capsys):
+    """The note that a small held-out split misses some class comes where the run
+    evaluates, not with eval.every=-1 (nothing is evaluated, so nothing is left out)."""
+    from attention_jax import config as config_lib
+    said = {}
+    for every in (0, -1):
+        config = config_lib.load("vit", ["data.name=image_folder", f"data.root={folder}",
+                                         "data.eval_fraction=0.05", f"eval.every={every}"])
+        TASKS[config.task](config, str(tmp_path / f"every{every}"))
+        said[every] = capsys.readouterr().err
+    assert "held out" in said[0] and "the eval metrics leave those out" in said[0], said
+    assert "held out" not in said[-1], said[-1]
