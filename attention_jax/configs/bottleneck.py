@@ -74,8 +74,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.target = "fr"  # fr | de (German reorders: 'einundzwanzig').
     c.data.tokenizer = "bpe"  # one byte-level BPE vocabulary for both languages.
     c.data.vocab_size = 512  # size of the BPE vocabulary trained on the train split.
-    c.data.source_len = 40  # the longest training sentence is 35 BPE tokens: nothing is cut.
-    c.data.target_len = 40  # 35 + EOS.
+    c.data.source_len = 40  # the longest English source is 30 BPE tokens: nothing is cut.
+    c.data.target_len = 40  # the longest French target, 35 tokens + EOS (measured).
     c.data.train_split = "train"  # the split trained on.
     c.data.eval_split = "validation"  # the split evaluated (files: the held-out records).
     c.data.cache_dir = ""  # the records cache (data/records_cache.py); "" = DATA_DIR/token_cache.
