@@ -29,6 +29,8 @@ each distinct model once.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import os
@@ -110,26 +112,80 @@ def check_grid(spec: str, grid: dict[str, list[str]], overrides: Sequence[str]) 
                               f"the characters a folder name cannot hold")
 
 
-def check_tasks(todo) -> None:
+def check_tasks(todo) -> dict[str, set[str]]:
     """Builds the task of every point still to train, before the first trains: what only
     a task checks (the model config a family builds, e.g. num_heads dividing d_model; the
     data a point names) fails now, not after the points before it have trained. Points
     that differ only in the seed share one check. A built task is dropped and training
     builds its own: the data's caches (tfds, the token cache) are built once, but a
-    tokenizer trained for the run (BPE) is trained again, a cost paid to fail early."""
+    tokenizer trained for the run (BPE) is trained again, a cost paid to fail early.
+
+    What a check says (notes, warnings) is printed under the names of the points it
+    checked; returns {run_dir: those messages}, for the point's training not to say them
+    a second time (_Unrepeated)."""
     from attention_jax import tasks
-    seen = set()
+    groups: dict[str, list] = {}
     for point, config, run_dir in todo:
         unseeded = config.copy_and_resolve_references()
         unseeded.train.seed = 0
-        key = unseeded.to_json_best_effort(sort_keys=True)
-        if key in seen:
-            continue
-        seen.add(key)
+        groups.setdefault(unseeded.to_json_best_effort(sort_keys=True), []).append(
+            (point, config, run_dir))
+    said = {}
+    for group in groups.values():
+        point, config, run_dir = group[0]
+        heard = _Heard()
         try:
-            tasks.TASKS[config.task](config, run_dir)
+            with contextlib.redirect_stderr(heard):
+                tasks.TASKS[config.task](config, run_dir)
         except UserError as e:
             raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
+        finally:
+            names = ", ".join(point_name(p) for p, _, _ in group)
+            for message in heard.messages:
+                print(f"[sweep] {names}: {message}", file=sys.stderr, flush=True)
+        for _, _, dir_ in group:
+            said[dir_] = set(heard.messages)
+    return said
+
+
+class _Heard(io.TextIOBase):
+    """Stands in for sys.stderr: keeps each message written (a print's text, without the
+    newline print writes after it)."""
+
+    def __init__(self):
+        self.messages = []
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            self.messages.append(text.rstrip("\n"))
+        return len(text)
+
+
+class _Unrepeated(io.TextIOBase):
+    """Stands in for sys.stderr while a point trains: a message its check printed already
+    (with the newline print writes after it) is not written again; everything else goes
+    through at once (the progress line included)."""
+
+    def __init__(self, stream, said: set[str]):
+        self.stream, self.said, self.skip_newline = stream, said, False
+
+    def write(self, text: str) -> int:
+        newline_of_skipped, self.skip_newline = self.skip_newline and text == "\n", False
+        if newline_of_skipped:
+            return len(text)
+        if text.rstrip("\n") in self.said:
+            self.skip_newline = not text.endswith("\n")
+            return len(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
 
 
 class Stopped(Exception):
@@ -170,7 +226,8 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
                               f"{'a ' if done else ''}{state} run of another config ({changed}); "
                               f"give this sweep another --workdir, or move that run away")
         runs.append((point, config, run_dir, done))
-    check_tasks([(point, config, run_dir) for point, config, run_dir, done in runs if not done])
+    said = check_tasks([(point, config, run_dir) for point, config, run_dir, done in runs
+                        if not done])
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     records = []
@@ -184,7 +241,8 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
             records.append({**record, "skipped": True})
             continue
         start = time.time()
-        summary = train.train_and_evaluate(config, run_dir)
+        with contextlib.redirect_stderr(_Unrepeated(sys.stderr, said.get(run_dir, set()))):
+            summary = train.train_and_evaluate(config, run_dir)
         stopped = summary["stopped_by"]
         # Finished (a signal in its last window still lets the run end): the point is
         # recorded, as a later call skips it.
