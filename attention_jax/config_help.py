@@ -19,7 +19,8 @@ A key's text is joined from its sources, the general first:
     copy_and_resolve_references has the copying statement's (copy.deepcopy's copy has
     none: the standard library wrote it). No comment is shown for a value chosen by a
     conditional expression (`4 if own else None`: the comment may be the other arm's),
-    or a key set on the command line ("set on the command line").
+    or a key set on the command line ("Set on the command line; the config gives" its
+    own value, and that value's comment).
 A statement's comment is the one at the end of its line(s); else the comment lines just
 above it.
 """
@@ -242,21 +243,24 @@ def load_explained(spec: str, overrides=(), model_class_of=None):
         folders.add(os.path.dirname(os.path.realpath(module.__file__)))
     config, writes = _writes(lambda: config_lib.load(spec))
     setters = _last_writes(config, writes)
+    written = config_lib.flat(config)
     _, given = _writes(lambda: config_lib.apply_overrides(config, overrides))
     given = set(_last_writes(config, given))
     meanings = general(config, model_class_of(config) if model_class_of else None)
     out = {}
     for key in config_lib.flat(config):
         first, then = _sentence(meanings.get(key, "")), ""
-        if key in given:
-            then = "set on the command line."
-        elif key in setters and os.path.dirname(setters[key][0]) in folders:
+        if key in setters and os.path.dirname(setters[key][0]) in folders:
             then = _sentence(_comment_at(*setters[key]))
         if _says_within(then, first):  # says nothing more (or nothing)
             then = ""
         elif _says_within(first, then):  # says it all, and more
             first = ""
-        if first and then:
+        if key in given:  # the user's value: the config's own, and why, beside it
+            out[key] = " ".join(filter(None, (first, (
+                f"Set on the command line; the config gives {written.get(key)!r}"
+                + (f": {then}" if then else ".")))))
+        elif first and then:
             out[key] = f"{first} This config: {then}"
         elif first or then:
             out[key] = first or then

@@ -461,6 +461,12 @@ def help_text(argv) -> str:
         if about:  # its :ARG arguments are described there, not among the keys
             lines += ["", f"About --config={spec.partition(':')[0]}:", about]
         lines += ["", f"Keys of --config={spec} (override any with --config.KEY=value):"]
+        if overrides:  # a comment may count from a value the user has now changed
+            lines += textwrap.wrap(
+                "(each 'This config:' comment is of the config's own value; one that "
+                "derives from a key set on the command line, such as tokens a step from "
+                "data.seq_len, may no longer hold)", width=HELP_WIDTH,
+                initial_indent="  ", subsequent_indent="   ")
         keys = config_lib.flat(config)
         unread = tasks.unread_keys(config.get("task"))
         if unread:

@@ -109,6 +109,14 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     assert ("  train.keep_checkpoints = 3\n      the newest checkpoints kept in the workdir; "
             "older are deleted.\n  train.log_every = 20\n") in out.stdout
     assert "  eval.sample_top_k = 40" in out.stdout
+    assert "each 'This config:' comment" not in out.stdout
+    # A key set beside --help: the user's value, the config's own and why; and a word that
+    # the config's comments are of its own values.
+    out = cli("--config=gpt", "--help", "--config.data.seq_len=64")
+    assert ("  data.seq_len = 64\n      Set on the command line; the config gives 128: tokens "
+            "per packed row.\n") in out.stdout
+    assert ("  (each 'This config:' comment is of the config's own value; one that derives "
+            "from a key set\n   on the command line") in out.stdout
     # A task that samples nothing lists no sampling keys, and says where they go.
     out = cli("--config=bert_classify", "--help")
     assert "eval.sample_top_k =" not in out.stdout and "  eval.batch_size = 64" in out.stdout
