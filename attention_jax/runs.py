@@ -126,7 +126,8 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
             # skipped, not moved: a reader changes nothing in the workdir).
             try:
                 state, _, _ = prepared.ckpt.restore_intact(  # arrays only: no loader
-                    prepared.abstract, say=lambda m: print(f"warning: {m}"), need_data=False)
+                    prepared.abstract, say=lambda m: print(f"warning: {m}", file=sys.stderr),
+                    need_data=False)
             except CheckpointMismatchError as e:
                 if not overrides:
                     raise

@@ -172,7 +172,9 @@ def test_resume_falls_back_to_the_newest_intact_step(runs, tmp_path, capsys, dam
     workdir = _copy(runs, tmp_path)
     damage_fn(_step(workdir, 15))
     summary = train.train_and_evaluate(tiny.tiny_config(**STEPS, **{"train.steps": 20}), workdir)
-    out = capsys.readouterr().out
+    streams = capsys.readouterr()
+    out = streams.out + streams.err  # (the warnings on stderr, the run's progress on stdout)
+    assert "damaged" in streams.err and "damaged" not in streams.out
     # Steps 11-20 are those of the uninterrupted run: restored from step 10, bitwise.
     assert summary["step"] == 20 and summary["losses"] == runs["losses"][10:]
     said = [line for line in out.splitlines() if "damaged" in line]
@@ -545,7 +547,8 @@ def test_a_reader_restores_a_step_whose_loader_state_alone_is_lost(runs, tmp_pat
     workdir = _copy(runs, tmp_path)
     _delete_data_state(_step(workdir, 15))
     run = runs_lib.open_run(workdir)
-    assert run.step == 15 and "falling back" not in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert run.step == 15 and "falling back" not in said.out + said.err
     setup = train.setup(tiny.tiny_config(**STEPS), workdir, read_only=True)
     try:
         with pytest.raises(checkpoint.CheckpointDamagedError, match="data-loader state could "

@@ -125,7 +125,7 @@ def test_rules_that_split_the_batch_over_no_data_axis_are_said(tmp_path, capsys)
                             "mesh.rules": rules})
     train.train_and_evaluate(c, str(tmp_path / "a"))
     assert ("warning: config.mesh.rules split 'batch' over none of ['data'] (mesh.data=2): "
-            "each of those devices computes the whole batch") in capsys.readouterr().out
+            "each of those devices computes the whole batch") in capsys.readouterr().err
     assert sharding.rules_warnings(sharding.DEFAULT_RULES, {"data": 2, "fsdp": 4}) == []
     assert sharding.rules_warnings(rules, {"data": 1, "fsdp": 1, "tensor": 8}) == []
 
