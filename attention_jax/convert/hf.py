@@ -237,6 +237,14 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
             raise ValueError(f"export_hf: tokenizer= a {type(tokenizer).__name__}, which has no "
                              f"Hugging Face form; valid: one of attention_jax.data's tokenizers "
                              f"(a run's: runs.open_run(workdir).tokenizer), or None") from None
+        # A tokenizer of more tokens than the embedding has rows (another run's) wrote an
+        # export whose every id past the table crashed transformers' forward pass.
+        rows = hf_cfg.get("vocab_size")
+        if rows is not None and tokenizer.vocab_size > rows:
+            raise ValueError(f"export_hf: tokenizer= has {tokenizer.vocab_size} tokens, more "
+                             f"than the model's {rows} embedding rows (another run's "
+                             f"tokenizer?); valid: the model's own run's tokenizer "
+                             f"(runs.open_run(workdir).tokenizer), or None")
         # transformers' generate stops at the config's eos and pads with its pad.
         roles = tokenizer.hf_roles()
         hf_cfg = {**hf_cfg, **{f"{r}_token_id": roles[r] for r in ("bos", "eos", "pad")

@@ -177,6 +177,14 @@ def test_export_with_a_tokenizer_encodes_as_ours_in_transformers(tmp_path, kind,
                                          r"Face form; valid: one of attention_jax.data's"):
         convert.export_hf(model, params, tmp_path / "hf2", tokenizer="tokenizer.json")
     assert not (tmp_path / "hf2").exists()
+    if kind == "bpe":  # another run's tokenizer, of more tokens than the table's rows
+        small = gpt.GPT(dataclasses.replace(cfg, vocab_size=ours.vocab_size - 8))
+        with pytest.raises(ValueError, match=rf"export_hf: tokenizer= has {ours.vocab_size} "
+                                             rf"tokens, more than the model's "
+                                             rf"{ours.vocab_size - 8} embedding rows"):
+            convert.export_hf(small, _random_params(small, jnp.zeros((1, 8), jnp.int32)),
+                              tmp_path / "hf3", tokenizer=ours)
+        assert not (tmp_path / "hf3").exists()
     # Exported again without one: the earlier tokenizer files would pass for this model's.
     capsys.readouterr()
     convert.export_hf(model, params, tmp_path / "hf")
