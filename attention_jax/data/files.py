@@ -51,6 +51,7 @@ import glob as glob_lib
 import gzip
 import hashlib
 import json
+import math
 import os
 import sys
 import zlib
@@ -236,13 +237,40 @@ def _index_lines(chunks: Iterator[bytes]):
     return cat(starts, np.int64), cat(ends, np.int64), cat(lines, np.int64), first
 
 
-def _first_keys(line: bytes) -> list[str] | None:
-    """The keys of a JSON-object line, or None if it is not one (a bad record later)."""
+_NOT_JSON = object()
+
+
+def _first_value(line: bytes):
+    """A first record's JSON value, or _NOT_JSON (a bad record later)."""
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except (ValueError, UnicodeDecodeError):
-        return None
-    return sorted(obj) if isinstance(obj, dict) else None
+        return _NOT_JSON
+
+
+def _check_first_records(path: str, first: list[bytes], fields, integers, hint: str) -> None:
+    """The first records tell a file whose records are not objects, hold the text under
+    another key, or hold a value of another type under it: none of them is, has it, or
+    has it as text. Each would skip every record, one bad record and a warning line each,
+    before the max_bad_records error; said now in one line. One such record among others
+    (a header line, a stray record) is a bad record, skipped and counted when read."""
+    values = [v for v in map(_first_value, first) if v is not _NOT_JSON]
+    objects = [v for v in values if isinstance(v, dict)]
+    if values and not objects:
+        kinds = sorted({type(v).__name__ for v in values})
+        raise FilesError(f'{path}: its first records are JSON {" and ".join(kinds)} values, not '
+                         f'objects; valid: one JSON object a line, with {", ".join(map(repr, fields))} '
+                         f'keys')
+    for key in fields:
+        held = [obj[key] for obj in objects if key in obj]
+        if objects and not held:
+            raise _missing_key(path, key, sorted(set().union(*objects)), hint)
+        kinds = {type(v).__name__ for v in held}
+        if held and not any(isinstance(_integer_text(v) if key in integers else v, str)
+                            for v in held):
+            what = 'text or integers' if key in integers else 'text'
+            raise FilesError(f'{path}: {key!r} holds {" and ".join(sorted(kinds))} in its first '
+                             f'records, not text; valid: {what} ({hint})')
 
 
 def _missing_key(path: str, key: str, keys: list[str], hint: str) -> FilesError:
@@ -285,7 +313,8 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
                 kind = kind.value_type
             textual = ("is_string", "is_large_string", "is_binary", "is_large_binary",
                        "is_string_view", "is_binary_view")  # the views: pyarrow >= 16
-            if key in integers and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
+            if key in integers and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)
+                                    or pa.types.is_floating(kind)):  # whole floats: _integer_text
                 continue
             if not any(getattr(pa.types, name, lambda _: False)(kind) for name in textual):
                 what = 'a string or integer column' if key in integers else 'a string column'
@@ -302,13 +331,7 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
         what = {'.jsonl.gz': 'gzip file', '.jsonl.zst': 'zstd file'}.get(fmt, 'file')
         raise FilesError(f'{path}: truncated or corrupt {what} ({e})') from None
     f.count = len(f.starts)
-    # The first records tell a file whose records hold the text under another key: none
-    # of them has it. One without it among others (a header line, a stray record) is a
-    # bad record, skipped and counted when read.
-    keys = [k for k in map(_first_keys, first) if k is not None]
-    for key in fields:
-        if keys and not any(key in k for k in keys):
-            raise _missing_key(path, key, sorted(set().union(*keys)), hint)
+    _check_first_records(path, first, fields, integers, hint)
     return f
 
 
@@ -435,9 +458,13 @@ class _BadRecords:
 
 
 def _integer_text(value):
-    """An integer or boolean as its text (booleans as JSON spells them); else `value`."""
+    """An integer or boolean as its text (booleans as JSON spells them), a whole float as
+    its integer's (1.0 -> '1': pandas writes an integer column with a missing value as
+    floats); else `value`."""
     if isinstance(value, bool):
         return 'true' if value else 'false'
+    if isinstance(value, (float, np.floating)) and math.isfinite(value) and value == int(value):
+        return str(int(value))
     return str(value) if isinstance(value, (int, np.integer)) else value
 
 

@@ -143,6 +143,25 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     with pytest.raises(files.FilesError) as e:  # was a skipped record per row, then an error
         files.file_splits(str(root / 'r.parquet'), text_key='n')
     cases.append((e, "r.parquet: column 'n' holds int64, not text; valid: a string column"))
+    # A JSONL file whose values are of another type, or whose records are no objects, was
+    # a warning a record up to max_bad_records, then an error: now one line, as Parquet's.
+    (tmp_path / 'n.jsonl').write_text(''.join(json.dumps({'text': i}) + '\n' for i in range(30)))
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(str(tmp_path / 'n.jsonl'))
+    cases.append((e, f"n.jsonl: 'text' holds int in its first records, not text; valid: text "
+                     f"(set text_key"))
+    (tmp_path / 'p.jsonl').write_text(json.dumps(['one', 'eins']) + '\n')
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(str(tmp_path / 'p.jsonl'), fields=('en', 'de'))
+    cases.append((e, "p.jsonl: its first records are JSON list values, not objects; valid: "
+                     "one JSON object a line, with 'en', 'de' keys"))
+    (tmp_path / 'h.jsonl').write_text(''.join(json.dumps({'text': 'x', 'stars': 0.5}) + '\n'
+                                              for _ in range(3)))
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(str(tmp_path / 'h.jsonl'), fields=('text', 'stars'),
+                          integer_fields=('stars',))
+    cases.append((e, "h.jsonl: 'stars' holds float in its first records, not text; valid: "
+                     "text or integers"))
     for name, cut in (('g.jsonl.gz', 'gzip'), ('z.jsonl.zst', 'zstd'), ('r.parquet', 'parquet')):
         whole = (root / name).read_bytes()
         (tmp_path / name).write_bytes(whole[:len(whole) // 2])

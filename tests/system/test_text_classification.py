@@ -101,14 +101,22 @@ def test_own_jsonl_labels_train_classify_and_resume_on_the_same_classes(tmp_path
         train.train_and_evaluate(config, work)
 
 
-def test_integer_labels_of_a_parquet_column_sort_as_numbers(tmp_path):
+@pytest.mark.parametrize("kind", ["int64", "float64", "jsonl floats"])
+def test_integer_labels_of_a_parquet_column_sort_as_numbers(tmp_path, kind):
     """An integer label column is read as its numbers' text, ordered numerically (2 before
-    10), and each record's label index is its number's place in that order."""
+    10), and each record's label index is its number's place in that order. Whole floats
+    (pandas writes an integer column with a missing value as float64) read as integers:
+    they were refused (Parquet) or a skipped record each, then an error (JSONL)."""
     labels = [10, 2, 1] * 20
-    table = pa.table({"review": [f"the film was {GOOD[i % 6]}" for i in range(60)],
-                      "stars": pa.array(labels, pa.int64())})
-    pq.write_table(table, tmp_path / "r.parquet")
-    config = _config(f"data.files={tmp_path}/r.parquet")
+    texts = [f"the film was {GOOD[i % 6]}" for i in range(60)]
+    if kind == "jsonl floats":
+        file = tmp_path / "r.jsonl"
+        file.write_text("".join(json.dumps({"review": t, "stars": float(n)}) + "\n"
+                                for t, n in zip(texts, labels)))
+    else:
+        file = tmp_path / "r.parquet"
+        pq.write_table(pa.table({"review": texts, "stars": pa.array(labels, kind)}), file)
+    config = _config(f"data.files={file}")
     task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
     assert task.class_names == ("1", "2", "10")
     for source in (task.train_source, task.eval_source):
