@@ -84,8 +84,9 @@ def _check_cache_room(positions, slots: int) -> None:
 
 def _write_cache(cache, new, start):
     """cache [B, S, K, H] with new [B, T, K, H] written at row b's slots start[b].. ."""
-    def one(c, x, s):
-        return lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0))
+    def one(c, x, s):  # the indices of one dtype (literal zeros are int64 under x64)
+        zero = jnp.zeros_like(s)
+        return lax.dynamic_update_slice(c, x.astype(c.dtype), (s, zero, zero))
     return jax.vmap(one)(cache, new, start.astype(jnp.int32))
 
 
@@ -165,6 +166,15 @@ class MultiHeadAttention(nn.Module):
                              + "; valid: [B, T, D] (one sequence: x[None])")
         b, t, d = x.shape
         self_attention = context is None
+        if not self_attention:  # each was left out of a cross-attention without a word
+            given = [name for name, on in (("causal=True", self.causal),
+                                           ("segment_ids", segment_ids is not None),
+                                           ("rope_base", self.rope_base is not None)) if on]
+            if given:
+                raise ValueError(f"{', '.join(given)}: for self-attention (context=None); a "
+                                 f"cross-attention (context given) attends to every context "
+                                 f"key; valid there: kv_mask [B, S] or mask for the context's "
+                                 f"padding")
         n, k_heads, h = check_heads(d, self.num_heads, self.num_kv_heads, self.head_dim)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation={self.implementation!r} is unknown; "
@@ -243,6 +253,11 @@ class MultiHeadAttention(nn.Module):
             if segment_ids is not None or kv_mask is not None or mask is not None:
                 raise ValueError("decode=True takes no segment_ids/kv_mask/mask: cached slots "
                                  "are hidden by causality (right-padded prompts, see module doc)")
+            if not self.is_initializing() and not self.has_variable("cache", "key"):
+                raise ValueError("decode=True without a cache: create it with init(..., "
+                                 "decode=True) on an input as long as the longest sequence, "
+                                 "then apply with {'params': ..., 'cache': ...} and "
+                                 "mutable=['cache']")
             cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
             cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
             start = positions[:, 0]  # [B]

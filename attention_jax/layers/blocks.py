@@ -222,8 +222,10 @@ class TransformerBlock(nn.Module):
                       activation=cfg.activation, use_bias=cfg.use_bias,
                       dropout_rate=cfg.dropout_rate, dtype=dtype, param_dtype=param_dtype,
                       name="mlp")
-            x, aux["moe"] = residual(x, "mlp", lambda h: (*ffn(h, deterministic=deterministic),
-                                                          None))
+            # The block's keys are its tokens: kv_mask marks its padding, which takes
+            # no expert's slot from a real token (and counts in no router statistic).
+            x, aux["moe"] = residual(x, "mlp", lambda h: (
+                *ffn(h, deterministic=deterministic, token_mask=kv_mask), None))
         else:
             if cfg.mlp in GATED_MLPS:
                 ffn = GatedMLP(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,

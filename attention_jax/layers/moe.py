@@ -25,6 +25,10 @@ Over capacity. Slots are given out in priority order, `priority`:
   "token"   earlier tokens first, a token's choices in rank order. Whether token t is
             dropped then depends only on tokens <= t, so a causal model stays causal
             ("choice" lets a later token's first choice evict an earlier second choice).
+The tokens of a row share its slots: packed documents in a row compete for them (with
+nothing dropped, capacity_factor >= E / A, they never meet). Padding does not: given
+`token_mask` (True = a real token; a block passes its kv_mask), a padding token is
+routed nowhere (y = 0), takes no slot and counts in no statistic below.
 An assignment that
 finds its expert full is DROPPED: it contributes nothing. A token all of whose
 assignments are dropped gets y = 0, so in a residual block (x + MoE(x)) it passes
@@ -68,20 +72,28 @@ PRIORITIES = ("choice", "token")
 
 
 def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = None,
-          priority: str = "choice"):
+          priority: str = "choice", token_mask=None):
     """Router logits [B, T, E] -> (dispatch [B, T, E, C] bool, combine [B, T, E, C], aux).
+    token_mask [B, T] bool (True = a real token) or None: padding is routed nowhere and
+    left out of the statistics.
 
     A pure function (no parameters) so the routing rules can be tested on chosen logits.
     """
     if priority not in PRIORITIES:
         raise ValueError(f"priority={priority!r} is unknown; valid: {PRIORITIES}")
     b, t, e = logits.shape
+    if token_mask is not None and tuple(token_mask.shape) != (b, t):
+        raise ValueError(f"token_mask: shape {tuple(token_mask.shape)}; valid: [B, T] = "
+                         f"{(b, t)}, True for a real token")
+    real = (jnp.ones((b, t), jnp.float32) if token_mask is None
+            else token_mask.astype(jnp.float32))  # [B, T]
     logits = logits.astype(jnp.float32)  # routing decisions in float32 (Switch §2.4)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
     gates, experts = jax.lax.top_k(probs, top_k)  # [B, T, A]
     if normalize_gates if normalize_gates is not None else top_k > 1:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # [B, T, A, E]
+    # [B, T, A, E]; a padding token chooses no expert, so it takes no slot
+    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32) * real[:, :, None, None].astype(jnp.int32)
 
     # Slot of each assignment in its expert's buffer: count earlier assignments to the same
     # expert in priority order (choice rank, then token position; or token, then rank).
@@ -93,21 +105,24 @@ def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = N
         slot = jnp.cumsum(choice.reshape(b, t * top_k, e), axis=1) - 1  # [B, T·A, E]
         slot = slot.reshape(b, t, top_k, e)
     slot = jnp.sum(slot * choice, axis=-1)  # [B, T, A]: slot in the chosen expert
-    kept = slot < capacity  # [B, T, A]
+    kept = (slot < capacity) & (real[:, :, None] > 0)  # [B, T, A]
 
     slot_onehot = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity)  # [B, T, A, C]; dropped -> 0
     dispatch_a = choice[..., None].astype(jnp.float32) * slot_onehot[:, :, :, None, :]  # [B, T, A, E, C]
     dispatch = jnp.sum(dispatch_a, axis=2)  # [B, T, E, C]
     combine = jnp.sum(dispatch_a * gates[..., None, None], axis=2)  # [B, T, E, C]
 
-    load = jnp.mean(jnp.sum(choice, axis=2), axis=(0, 1)) / top_k  # [E] f_e, sums to 1
-    mean_prob = jnp.mean(probs, axis=(0, 1))  # [E] P_e
+    # Means over the real tokens (every token without a mask).
+    count = jnp.maximum(jnp.sum(real), 1.0)
+    mean = lambda per_token: jnp.sum(per_token * real) / count  # noqa: E731  [B, T] -> ()
+    load = jnp.sum(jnp.sum(choice, axis=2), axis=(0, 1)) / (count * top_k)  # [E] f_e, sums to 1
+    mean_prob = jnp.sum(probs * real[..., None], axis=(0, 1)) / count  # [E] P_e
     aux = {
         "load_balance_loss": e * jnp.sum(load * mean_prob),
-        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "router_z_loss": mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
         "expert_load": load,
-        "router_entropy": jnp.mean(-jnp.sum(probs * jnp.log(probs + 1e-9), axis=-1)),
-        "dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)),
+        "router_entropy": mean(-jnp.sum(probs * jnp.log(probs + 1e-9), axis=-1)),
+        "dropped_fraction": 1.0 - mean(jnp.mean(kept.astype(jnp.float32), axis=-1)),
     }
     return dispatch.astype(bool), combine, aux
 
@@ -135,7 +150,9 @@ class MoE(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, *, deterministic: bool = True):
+    def __call__(self, x, *, deterministic: bool = True, token_mask=None):
+        """x [B, T, D]; token_mask [B, T] bool or None: True for a real token (padding
+        is routed nowhere: y = 0 there, and it takes no expert's slot)."""
         b, t, d = x.shape
         e, f = self.num_experts, self.hidden or 4 * x.shape[-1]
         if e < 1 or not 1 <= self.top_k <= e:
@@ -156,7 +173,7 @@ class MoE(nn.Module):
         logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), w_router.astype(jnp.float32))
         capacity = expert_capacity(t, e, self.top_k, self.capacity_factor)
         dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates,
-                                         self.priority)
+                                       self.priority, token_mask)
 
         wi = param("wi", fan_in, (e, d, f), (axes.EXPERT, axes.EMBED, axes.MLP))
         wo = param("wo", fan_in, (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED))

@@ -321,10 +321,13 @@ def _beam(model, w, max_len, alpha, params, src, src_mask):
         return (cache, tokens, logp, finished, lengths), None
 
     # Only beam 0 is alive at the start, so the first step expands one prefix, not W copies.
-    logp = jnp.tile(jnp.where(jnp.arange(w) == 0, 0.0, -jnp.inf)[None], (b, 1))
+    logp = jnp.tile(jnp.where(jnp.arange(w) == 0, 0.0, -jnp.inf)[None], (b, 1)).astype(
+        jnp.float32)
     start = (init_cache(model, b * w, max_len, s), jnp.full((b, w, max_len), cfg.pad_id, jnp.int32),
              logp, jnp.zeros((b, w), bool), jnp.zeros((b, w), jnp.int32))
-    (_, tokens, logp, _, lengths), _ = jax.lax.scan(step, start, jnp.arange(max_len))
+    # (int32 steps and float32 scores: under jax_enable_x64 Python's literals widen)
+    (_, tokens, logp, _, lengths), _ = jax.lax.scan(step, start,
+                                                    jnp.arange(max_len, dtype=jnp.int32))
     scores = logp / length_penalty(lengths, alpha)
     order = jnp.argsort(-scores, axis=1)
     return (jnp.take_along_axis(tokens, order[..., None], axis=1),

@@ -243,3 +243,37 @@ def test_decoding_past_the_cache_is_named_where_positions_are_known():
                                          r"input"):
         mha.apply({"params": params, "cache": cache}, x[:, 4:5], positions=jnp.array([[4]]),
                   decode=True, mutable=["cache"])
+
+
+def test_decoding_with_float64_on_and_without_a_cache():
+    """Under jax_enable_x64 the cache write's literal indices were int64 beside int32
+    positions: every KV-cache decode (generate, greedy, beam) raised in lax.concatenate.
+    Applied without a cache it said "past the cache's 1 slots"."""
+    mha = MultiHeadAttention(num_heads=2, causal=True)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 8))
+    with jax.enable_x64(True):
+        variables = mha.init(jax.random.PRNGKey(1), x, positions=jnp.arange(4)[None],
+                             decode=True)
+        full, _ = mha.apply({"params": variables["params"]}, x)
+        (y, _), _ = mha.apply(variables, x[:, :1], positions=jnp.array([[0]]), decode=True,
+                              mutable=["cache"])
+        np.testing.assert_allclose(y[:, 0], full[:, 0], atol=1e-6)
+    with pytest.raises(ValueError, match=r"decode=True without a cache: create it with "
+                                         r"init\(\.\.\., decode=True\)"):
+        mha.apply({"params": variables["params"]}, x[:, :1], positions=jnp.array([[0]]),
+                  decode=True, mutable=["cache"])
+
+
+def test_what_only_self_attention_reads_is_refused_with_a_context():
+    """causal=True, segment_ids and rope_base were dropped without a word when a context
+    was given: causal cross-attention gave the non-causal result."""
+    x, context = _x((1, 4, 32)), _x((1, 6, 32))
+    for module, kwargs, named in ((MultiHeadAttention(num_heads=4, causal=True), {}, "causal=True"),
+                                  (MultiHeadAttention(num_heads=4),
+                                   dict(segment_ids=jnp.ones((1, 4), jnp.int32)), "segment_ids"),
+                                  (MultiHeadAttention(num_heads=4, rope_base=1e4), {}, "rope_base")):
+        with pytest.raises(ValueError, match=rf"^{named}: for self-attention \(context=None\); "
+                                             rf"a cross-attention \(context given\) attends"):
+            jax.eval_shape(module.init, jax.random.PRNGKey(0), x, context, **kwargs)
+    jax.eval_shape(MultiHeadAttention(num_heads=4).init, jax.random.PRNGKey(0), x, context,
+                   kv_mask=jnp.ones((1, 6), bool))

@@ -191,3 +191,14 @@ def test_inputs_of_the_wrong_kind_are_named_in_one_line():
     with pytest.raises(ValueError, match=r"src and tgt_in need the same batch B: src \(3, 7\), "
                                          r"tgt_in \(1, 5\)"):
         model.apply({"params": params}, SRC, tgt[:1])
+
+
+def test_decoding_runs_with_float64_on():
+    """With jax_enable_x64 (a notebook checking numerics) the cache write's indices and
+    the beam's step counter widened to int64: greedy decoding and beam search raised."""
+    model, params = _model()
+    with jax.enable_x64(True):
+        out = ed.greedy_decode(model, params, SRC, max_len=6)
+        beam, _ = ed.beam_search(model, params, SRC, beam_size=1, max_len=6, alpha=0.0)
+    np.testing.assert_array_equal(out, ed.greedy_decode(model, params, SRC, max_len=6))
+    np.testing.assert_array_equal(beam[:, 0], out)
