@@ -177,7 +177,7 @@ BACKENDS = (
     Backend("splash", splash.run, refusal=splash.refusal, auto_reason=splash.auto_reason,
             xla_partitions=False),
     Backend("blockwise", _blockwise, auto_reason=blockwise.auto_reason),
-    Backend("xla", jax_nn.xla),
+    Backend("xla", jax_nn.xla, refusal=jax_nn.xla_refusal),
 )
 _BY_NAME = {row.name: row for row in BACKENDS}
 IMPLEMENTATIONS = ("auto",) + tuple(_BY_NAME)

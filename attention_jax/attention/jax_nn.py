@@ -18,7 +18,7 @@ from attention_jax.attention.masks import dense_mask
 
 
 def xla(q, k, v, call: AttentionCall):
-    """jax.nn's XLA path: q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]."""
+    """jax.nn's XLA path: q [B, T, N, H], k [B, S, K, H], v [B, S, K, H] -> [B, T, N, H]."""
     return _jax_nn(q, k, v, call, "xla")
 
 
@@ -27,12 +27,23 @@ def cudnn(q, k, v, call: AttentionCall):
     return _jax_nn(q, k, v, call, "cudnn")
 
 
-def cudnn_refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
-    """Why cuDNN cannot run at all here: it needs an NVIDIA GPU."""
-    if platform.nvidia:
+def xla_refusal(call: AttentionCall, platform: Platform, name: str = "xla") -> Optional[str]:
+    """jax.nn takes one head dim for q, k and v (it failed inside with "value shape
+    should be ...")."""
+    if call.value_dim == call.head_dim:
         return None
-    return (f"implementation='cudnn' needs an NVIDIA GPU; this backend is "
-            f"{platform.backend!r}. Valid here: 'auto', 'reference', 'blockwise', 'pallas', 'xla'")
+    return (f"implementation={name!r}: v's head dim Hv={call.value_dim} differs from q's "
+            f"and k's H={call.head_dim}, which jax.nn.dot_product_attention cannot take. "
+            f"Valid here: 'auto', 'reference', 'blockwise', 'pallas'")
+
+
+def cudnn_refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
+    """Why cuDNN cannot run at all here: it needs an NVIDIA GPU, and jax.nn's one head dim."""
+    if not platform.nvidia:
+        return (f"implementation='cudnn' needs an NVIDIA GPU; this backend is "
+                f"{platform.backend!r}. Valid here: 'auto', 'reference', 'blockwise', "
+                f"'pallas', 'xla'")
+    return xla_refusal(call, platform, "cudnn")
 
 
 def cudnn_auto_reason(call: AttentionCall, platform: Platform) -> Optional[str]:

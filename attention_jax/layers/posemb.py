@@ -36,8 +36,9 @@ def sinusoidal(positions, dim: int, base: float = 10000.0, dtype: Any = jnp.floa
     """
     if dim % 2:
         raise ValueError(f"sinusoidal embeddings need an even dim (sin/cos pairs); got {dim}")
-    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # [D/2]
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    exact = jnp.promote_types(dtype, jnp.float32)  # float64 tables where asked for
+    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=exact) / dim)  # [D/2]
+    angles = jnp.asarray(positions, exact)[..., None] * inv_freq  # [..., T, D/2]
     pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., T, D/2, 2]
     return pe.reshape(*angles.shape[:-1], dim).astype(dtype)  # sin at even, cos at odd
 
@@ -98,6 +99,18 @@ def _check_rows(ids, rows: int, rows_axis) -> None:
                                                    "vocabulary than the model's?)"))
 
 
+def check_below(name: str, x, limit: int, what: str) -> None:
+    """Concrete (eager) values of `x` outside 0..limit-1 as an error naming `name`; under
+    jit a gather past the end gives NaN or wraps (-1: the last), with nothing said."""
+    values = known_values(x)
+    if values is None or not values.size or not np.issubdtype(values.dtype, np.integer):
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= limit:
+        raise ValueError(f"{name}: {low if low < 0 else high} is out of range; valid: "
+                         f"0..{limit - 1} ({what})")
+
+
 def check_ids(name: str, x, shape=None, allow_bool: bool = False) -> None:
     """Raises, naming `name`, unless x is an integer (or, with allow_bool, bool) array of
     shape [B, T] (`shape` when given): a 1-D or float input fails deep inside JAX's
@@ -146,12 +159,13 @@ class Embed(nn.Module):
         return matmul(x.astype(self.dtype), self.embedding.astype(self.dtype).T)
 
 
-def rope_angles(positions, head_dim: int, base: float = 10000.0):
-    """positions [B, T] -> angles [B, T, H/2]: position p rotates pair i by p·base^(-2i/H)."""
+def rope_angles(positions, head_dim: int, base: float = 10000.0, dtype: Any = jnp.float32):
+    """positions [B, T] -> angles [B, T, H/2]: position p rotates pair i by p·base^(-2i/H),
+    computed in `dtype` (float32, or float64 for a float64 x)."""
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of coordinates: head_dim must be even; got {head_dim}")
-    inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [H/2]
-    return jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+    inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim)  # [H/2]
+    return jnp.asarray(positions, dtype)[..., None] * inv_freq
 
 
 def apply_rope(x, positions, base: float = 10000.0):
@@ -162,9 +176,16 @@ def apply_rope(x, positions, base: float = 10000.0):
     the offset. Pairs are (i, i + H/2) (the GPT-NeoX/LLaMA layout, no strided slices)
     rather than RoFormer's (2i, 2i+1): a fixed permutation of coordinates, same model.
     """
+    positions = jnp.asarray(positions)
+    if x.ndim != 4 or positions.ndim != 2 or positions.shape[1] != x.shape[1] \
+            or positions.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"apply_rope: x shape {tuple(x.shape)}, positions shape "
+                         f"{tuple(positions.shape)}; valid: x [B, T, N, H] with positions "
+                         f"[B, T] or [1, T] (one sequence: x[None], positions[None])")
     h = x.shape[-1]
-    angles = rope_angles(positions, h, base)[:, :, None, :]  # [B, T, 1, H/2]
+    exact = jnp.promote_types(x.dtype, jnp.float32)
+    angles = rope_angles(positions, h, base, exact)[:, :, None, :]  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.promote_types(x.dtype, jnp.float32)), 2, axis=-1)
+    x1, x2 = jnp.split(x.astype(exact), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)

@@ -40,7 +40,7 @@ from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
 from attention_jax.layers.mlp import ACTIVATIONS, activation as get_activation
 from attention_jax.layers.norms import make_norm
-from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding, check_ids
+from attention_jax.layers.posemb import Embed, LearnedPositionEmbedding, check_below, check_ids
 
 __all__ = ["BertConfig", "Bert", "HEADS", "VARIANTS"]
 
@@ -166,6 +166,8 @@ class Bert(nn.Module):
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         check_ids("token_type_ids", token_type_ids, (b, t))
+        check_below("token_type_ids", token_type_ids, cfg.type_vocab_size,
+                    f"type_vocab_size={cfg.type_vocab_size}")
         x = x + _embed(cfg, cfg.type_vocab_size, None, "token_type_embeddings")(token_type_ids)
         if cfg.position_embeddings:
             if positions is None:
@@ -201,6 +203,10 @@ class Bert(nn.Module):
         # Masked-LM head, tied to the word embedding.
         h = x
         if masked_positions is not None:
+            if getattr(masked_positions, "ndim", None) != 2 or masked_positions.shape[0] != b:
+                raise ValueError(f"masked_positions: shape {getattr(masked_positions, 'shape', None)}"
+                                 f"; valid: [B, M] = [{b}, M], indices into the T={t} tokens")
+            check_below("masked_positions", masked_positions, t, f"the input's T={t} tokens")
             h = jnp.take_along_axis(x, masked_positions[..., None].astype(jnp.int32), axis=1)  # [B, M, D]
         h = _dense(cfg, cfg.d_model, axes.EMBED, axes.MLP, "mlm_transform")(h)
         h = get_activation(cfg.activation)(h)

@@ -66,6 +66,10 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
     are not predicted; default all 1). Returns (loss, {"accuracy"}): a position counts
     as correct when its target is the argmax (the first index of the largest logit)."""
     _check_label_smoothing(label_smoothing)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}; valid: "
+                         f"{tuple(logits.shape[:-1])} (logits' leading axes, logits "
+                         f"{tuple(logits.shape)})")
     check_targets(targets, logits.shape[-1], weights)
     losses, correct = _cross_entropy_terms(float(label_smoothing), logits,
                                            targets.astype(jnp.int32))
@@ -77,7 +81,12 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
 def check_targets(targets, classes: int, weights=None) -> None:
     """Targets outside 0..classes-1 at positions that count (weight not 0), where their
     values are known (errors.known_values): the loss would add their logsumexp to the
-    mean with nothing said (PyTorch's ignore_index -100 among them)."""
+    mean with nothing said (PyTorch's ignore_index -100 among them). Weights of another
+    shape than the targets' are refused: broadcast, they would count the mean's
+    positions wrongly (a NumPy broadcast error otherwise)."""
+    if weights is not None and tuple(np.shape(weights)) != tuple(targets.shape):
+        raise ValueError(f"weights has shape {tuple(np.shape(weights))}; valid: "
+                         f"{tuple(targets.shape)}, the targets' (one weight a target)")
     known = known_values(targets)
     if known is None or not known.size or not np.issubdtype(known.dtype, np.integer):
         return

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_jax.attention import dot_product_attention, explain
+from attention_jax.attention import BackendRefusedError, dot_product_attention, explain
 from attention_jax.attention.call import make_call
 
 
@@ -322,6 +322,20 @@ def test_bad_shapes_and_dtypes(change, message):
         dot_product_attention(*change(*_ok()))
 
 
+def test_a_value_head_dim_jax_nn_cannot_take_is_refused_by_name():
+    """Hv != H reached jax.nn and failed inside it ("value shape should be ..."), where
+    the other backends take it."""
+    q, k, v = _ok()
+    v = v[..., :8]
+    with pytest.raises(BackendRefusedError, match=r"^implementation='xla': v's head dim Hv=8 "
+                                                  r"differs from q's and k's H=16, which "
+                                                  r"jax.nn.dot_product_attention cannot take"):
+        dot_product_attention(q, k, v, implementation="xla")
+    np.testing.assert_allclose(dot_product_attention(q, k, v),
+                               dot_product_attention(q, k, v, implementation="reference"),
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_q=0), r"block_q must be a positive int; got 0"),
     (dict(block_k=-4), r"block_k must be a positive int; got -4"),
@@ -365,7 +379,6 @@ def test_window_and_scale_of_the_wrong_type(kwargs, message):
 def test_a_backend_that_cannot_run_the_call_is_a_user_error():
     """The command line says a request's mistake in one line (UserError) and keeps the
     traceback for a bug: a ring or splash choice that cannot run was a traceback."""
-    from attention_jax.attention import BackendRefusedError
     from attention_jax.errors import UserError
     with pytest.raises(BackendRefusedError, match=r"implementation='cudnn' needs an NVIDIA GPU") as e:
         dot_product_attention(*_ok(), implementation="cudnn")

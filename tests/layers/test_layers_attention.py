@@ -40,6 +40,22 @@ def test_rope_scores_depend_only_on_relative_offset():
     # a rotation: norms are preserved
     np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.array([[9]]))),
                                jnp.linalg.norm(q), rtol=1e-5)
+    # In float64 the angles are float64 too: the property holds far out (their float32
+    # angles were 1.7e-3 off at a million), and the sinusoidal table is float64 as asked.
+    with jax.enable_x64(True):
+        q64, k64 = q.astype(jnp.float64), k.astype(jnp.float64)
+        far = [float(jnp.sum(apply_rope(q64, jnp.array([[p + 3]]))
+                             * apply_rope(k64, jnp.array([[p]])))) for p in (0, 10**4, 10**6)]
+        np.testing.assert_allclose(far, far[0], rtol=1e-9)
+        table = sinusoidal(jnp.array([10**6]), 8, dtype=jnp.float64)
+        assert table.dtype == jnp.float64
+        np.testing.assert_allclose(table[0, 0], np.sin(10**6), rtol=1e-9)
+    for x, positions in ((_x((2, 1, 8)), jnp.zeros((1, 2), jnp.int32)),  # x without heads
+                         (q, jnp.array([0])),  # positions without the batch axis
+                         (_x((1, 3, 1, 16)), jnp.zeros((1, 2), jnp.int32))):  # another T
+        with pytest.raises(ValueError, match=r"^apply_rope: x shape .*; valid: x \[B, T, N, "
+                                             r"H\] with positions \[B, T\] or \[1, T\]"):
+            apply_rope(x, positions)
 
 
 @pytest.mark.parametrize("cross", [False, True])

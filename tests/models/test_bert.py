@@ -167,6 +167,25 @@ def test_bad_configuration_raises():
     assert {"bert-base", "bert-large", "bert-tiny"} <= set(VARIANTS)
 
 
+def test_out_of_range_masked_positions_and_token_types_are_named_eagerly():
+    """masked_positions past T gave NaN MLM logits and -1 the last token's, a token type
+    past the table said "ids: 2 is outside the table's 2 rows": each now names its
+    argument where the values are known (a model applied eagerly)."""
+    model, params = _model(), _params()
+    for bad in (jnp.array([[1, 50], [2, 3]]), jnp.array([[1, -1], [2, 3]])):
+        with pytest.raises(ValueError, match=rf"^masked_positions: {int(bad[0, 1])} is out of "
+                                             rf"range; valid: 0..{T - 1} \(the input's T={T} "
+                                             rf"tokens\)"):
+            model.apply({"params": params}, IDS, masked_positions=bad)
+    with pytest.raises(ValueError, match=r"^masked_positions: shape \(3,\); valid: \[B, M\]"):
+        model.apply({"params": params}, IDS, masked_positions=jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"^token_type_ids: 2 is out of range; valid: 0..1 "
+                                         r"\(type_vocab_size=2\)"):
+        model.apply({"params": params}, IDS, TYPES * 2)
+    out, _ = model.apply({"params": params}, IDS, masked_positions=jnp.array([[0, 7], [3, 4]]))
+    assert out["mlm_logits"].shape[:2] == (B, 2) and np.isfinite(out["mlm_logits"]).all()
+
+
 def _hf_layer(sd, prefix, n, ln_names):
     """One Hugging Face encoder layer (torch state dict) in this project's layout."""
     g = lambda name: sd[f"{prefix}.{name}"].detach().numpy()

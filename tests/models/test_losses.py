@@ -138,3 +138,17 @@ def test_targets_outside_the_classes_are_named_unless_weighted_out():
         chunked_head_cross_entropy(hidden, kernel, jnp.asarray(np.where(TGT == 0, -100, TGT)),
                                    chunk_size=2)
     jax.jit(cross_entropy)(logits, jnp.asarray(TGT + 5))  # traced: the caller's to check
+
+
+def test_targets_and_weights_of_another_shape_are_named():
+    """Weights of another shape were a NumPy broadcast error (or, where they broadcast, a
+    mean over the wrong count); targets of another shape broadcast against the logits."""
+    logits = _logits()  # [2, 4, 8]
+    with pytest.raises(ValueError, match=r"^weights has shape \(2, 3\); valid: \(2, 4\), the "
+                                         r"targets' \(one weight a target\)$"):
+        cross_entropy(logits, TGT, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"^weights has shape \(2, 1\); valid: \(2, 4\)"):
+        cross_entropy(logits, TGT, jnp.ones((2, 1)))
+    with pytest.raises(ValueError, match=r"^targets has shape \(2, 1\); valid: \(2, 4\) "
+                                         r"\(logits' leading axes"):
+        cross_entropy(logits, TGT[:, :1])
