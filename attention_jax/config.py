@@ -122,6 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
     e.sample_temperature = 0.8  # 0 is greedy.
     e.sample_top_k = 40  # keep the k most likely tokens (0: all).
     e.sample_top_p = 1.0  # keep the fewest most likely tokens holding this mass (1: all).
+    # translations (--mode=translate, and sample's): 1 is greedy; N > 1 a beam search of N
+    # (the Transformer's; Vaswani et al. used 4).
+    e.beam_size = 1
     return c
 
 
@@ -166,6 +169,7 @@ RANGES = {
     "eval.sample_temperature": "[0, inf)",
     "eval.sample_top_k": "[0, inf)",
     "eval.sample_top_p": "(0, 1]",
+    "eval.beam_size": "[1, inf)",
 }
 
 # The shipped configs' prompts, written for their offline datasets (Python source, English
@@ -180,8 +184,10 @@ SAMPLE_KEYS = ("eval.sample_prompts", "eval.sample_tokens", "eval.sample_tempera
                "eval.sample_top_k", "eval.sample_top_p")
 # The keys of the GPT's fused head and loss (tasks/text.py), which no other task reads.
 LM_LOSS_KEYS = ("train.loss_chunk_size", "train.loss_kernel")
+# The key of the translation tasks' decoding (greedy or beam), which no other task reads.
+TRANSLATE_KEYS = ("eval.beam_size",)
 # Keys only some tasks read (tasks.register(..., reads=)): the same treatment.
-TASK_KEYS = SAMPLE_KEYS + LM_LOSS_KEYS
+TASK_KEYS = SAMPLE_KEYS + LM_LOSS_KEYS + TRANSLATE_KEYS
 
 
 # Names researchers bring from nanoGPT's train.py and model.py and from Hugging Face's

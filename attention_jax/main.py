@@ -1,7 +1,8 @@
 r"""Command line: run an experiment config in a workdir.
 
   python -m attention_jax.main --config=gpt --workdir=/tmp/gpt \
-      [--config.optim.lr=1e-3 --config.train.steps=200] [--mode=train|eval|sample|embed|classify]
+      [--config.optim.lr=1e-3 --config.train.steps=200]
+      [--mode=train|eval|sample|embed|classify|translate]
   attention-jax --config=vit:variant=vit-tiny/4 --workdir=/tmp/vit
   attention-jax --config=path/to/my_config.py --workdir=/tmp/mine
 
@@ -27,7 +28,10 @@ Modes:
   classify  text classifiers (bert_classify): each line of stdin's class and its
           probability, one JSON line each on stdout (a pair: its two texts tab-separated);
           image classifiers (vit, cnn): each line an image file's path.
-Reading modes (eval, sample, embed, classify) use the run's own config.json: --config may
+  translate  translation (encdec, rnn_seq2seq): each line of stdin a source sentence, its
+          translation one JSON line each on stdout; greedy, or a beam search of
+          --config.eval.beam_size=N (encdec).
+Reading modes (eval, sample, embed, classify, translate) use the run's own config.json: --config may
 be left out, and an override may change only what reading uses (eval.*, mesh.*, batch
 sizes, train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.
 Exit codes: 0 done, 1 a usage, config, data or non-finite-loss error (one `error: ...`
@@ -78,7 +82,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "A shipped config NAME or a FILE.py, then :ARG (its "
                     "arguments): gpt, vit:variant=vit-tiny/4, path/to/mine.py.")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the resolved config.")
-MODES = ["train", "eval", "sample", "embed", "classify"]
+MODES = ["train", "eval", "sample", "embed", "classify", "translate"]
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 flags.DEFINE_bool("resume_changed", False,
                   "Resume the workdir's checkpoint even though training-relevant config keys "
@@ -92,7 +96,7 @@ USAGE = ("python -m attention_jax.main --config=NAME|FILE.py[:ARG] --workdir=DIR
 
 
 class InputError(UserError, ValueError):
-    """Bad input on stdin (--mode=embed, --mode=classify)."""
+    """Bad input on stdin (--mode=embed, --mode=classify, --mode=translate)."""
 
 
 def _stdin_texts(mode: str, files_note: str, what: str = "text") -> list[str]:
@@ -360,6 +364,30 @@ def _register_the_runs_task(config, spec: str | None, reading: bool) -> bool:
            else ", the config the run started with"))
 
 
+def translate_texts(config, workdir: str, texts: Sequence[str] | None = None) -> list[dict]:
+    """`--mode=translate`: each of `texts` (default: the non-empty lines of stdin), a
+    source sentence, translated by the workdir's trained model: [{"source", "translation"}]
+    in order; greedy, or the best of a beam search of config.eval.beam_size."""
+    from attention_jax import runs, tasks
+    declared = getattr(tasks.TASKS.get(config.task), "provides", None)
+    if declared is not None and "translate" not in declared:  # before stdin is read
+        raise ConfigError(f"--mode=translate: task {config.task!r} cannot translate; valid: "
+                          f"{tasks.tasks_with('translate')}")
+    if texts is None:
+        texts = _stdin_texts("translate", "one output line each (each names its source)",
+                             what="source sentence")
+    if not texts:
+        raise InputError("--mode=translate: no source sentences (give one per line on stdin)")
+    run = runs.open_run(workdir, config=config)
+    translate = tasks.need(run.task, "translate", config.task, "translate (--mode=translate)")
+    try:
+        with run.mesh_context():
+            out = translate(run.params, list(texts))
+    except ValueError as e:  # a line too long, or of no tokens
+        raise InputError(f"--mode=translate: {e}") from None
+    return [{"source": text, "translation": t} for text, t in zip(texts, out)]
+
+
 def _holds_a_run(workdir: str) -> bool:
     """Whether the workdir's config.json is a run's (not a Hugging Face export's, or
     anyone's file of that name)."""
@@ -381,6 +409,10 @@ def _run_mode(config, workdir) -> int:
         return 0
     if FLAGS.mode == "classify":
         for row in classify_texts(config, workdir):
+            print(json.dumps(row, ensure_ascii=False))
+        return 0
+    if FLAGS.mode == "translate":
+        for row in translate_texts(config, workdir):
             print(json.dumps(row, ensure_ascii=False))
         return 0
     if FLAGS.mode == "sample":

@@ -278,6 +278,10 @@ def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: 
     score. Returns (tokens [B, W, max_len], scores [B, W]) sorted best first; scores are
     log p(y | x) / lp(|y|), |y| counting tokens up to and including eos.
     """
+    if not isinstance(model, EncoderDecoder):  # an RNNSeq2Seq failed deep inside JAX
+        raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
+                         f"encdec.EncoderDecoder (the RNN decodes greedily: "
+                         f"RNNSeq2Seq.generate)")
     if src_mask is None:
         src_mask = src != model.config.pad_id
     if beam_size < 1:

@@ -52,6 +52,8 @@ class Task:
       decode(params, src [B, S] int32, max_len: int) -> tokens [B, max_len] int32: greedy
         translation, EOS kept and pad after it (rnn_seq2seq: RNNSeq2Seq.generate; encdec:
         encdec.greedy_decode).
+      translate(params, texts: list[str]) -> list[str]: each source text's translation,
+        greedy or a beam search of config.eval.beam_size (rnn_seq2seq, encdec).
       embed(params, texts: list[str]) -> np.ndarray [B, D] float32: sentence embeddings,
         mean-pooled, unit length (bert_mlm, through convert.SentenceEncoder).
       attention_input(params, text: str | None = None, *, target: str | None = None,
@@ -90,6 +92,7 @@ class Task:
     seq_len: int | None = None  # tokens per example when fixed (checked against mesh.sequence).
     sample: Callable[[Any, jax.Array], list[str]] | None = None
     decode: Callable[[Any, Any, int], Any] | None = None
+    translate: Callable[[Any, Sequence[str]], list[str]] | None = None
     embed: Callable[[Any, Sequence[str]], np.ndarray] | None = None
     attention_input: Callable[..., AttentionInput] | None = None
     classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None
@@ -118,7 +121,7 @@ class Task:
 # The optional entries a tool may `need`; `register` checks an adapter sets exactly the
 # ones it declares, so the error for a task without one can name the tasks with it
 # without building them (building loads data).
-OPTIONAL = ("sample", "decode", "embed", "attention_input", "classify", "label_texts",
+OPTIONAL = ("sample", "decode", "translate", "embed", "attention_input", "classify", "label_texts",
             "label_images", "flops_per_unit", "tokens_per_example")
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import workdir as workdir_lib
-from attention_jax.config import TASK_KEYS, TEXT_FILE_KEYS
+from attention_jax.config import LM_LOSS_KEYS, SAMPLE_KEYS, TEXT_FILE_KEYS
 from attention_jax.data.tokenization import ROLE_NAMES, TokenizerEncodeError, is_tokenizer_path
 from attention_jax.errors import ConfigError
 from attention_jax.models import bert, flops, gpt
@@ -483,5 +483,6 @@ def mlm_task(config, workdir: str) -> Task:
 
 
 TEXT = ("attention_input", "flops_per_unit", "tokens_per_example")
-register("gpt", lm_task, provides=("sample", *TEXT), reads=TASK_KEYS, model=gpt.GPTConfig)
+register("gpt", lm_task, provides=("sample", *TEXT), reads=SAMPLE_KEYS + LM_LOSS_KEYS,
+         model=gpt.GPTConfig)
 register("bert_mlm", mlm_task, provides=("embed", *TEXT), reads=(), model=bert.BertConfig)

@@ -227,22 +227,46 @@ def translation_task(config, workdir: str) -> Task:
                               info={"source": s, "target": t, "translation": tok.decode(tgt)},
                               title=f"{data_opts.source}→{data_opts.target}", alignment="cross")
 
-    prompts = _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)
+    _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)  # checked now
+    beam = config.eval.beam_size
+    if beam > 1 and config.task == "rnn_seq2seq":
+        raise ConfigError(f"config.eval.beam_size={beam}: task 'rnn_seq2seq' translates "
+                          f"greedily (its decoder has no beam search; encdec's has); valid: 1")
+    if beam > 1:
+        search = jax.jit(lambda params, src: encdec.beam_search(
+            model, params, src, beam_size=beam, max_len=data_opts.target_len)[0][:, 0])
+        decode_best = lambda params, src: search(params, src)  # noqa: E731  the best beam
+    else:
+        decode_best = lambda params, src: decode(params, src, data_opts.target_len)  # noqa: E731
+    # Rows a call decodes at once: one compiled shape (eval.batch_size, as many as the
+    # batch axes split evenly; the last batch padded and its extra rows dropped after).
+    per_call = -(-config.eval.batch_size // data_parallel_size()) * data_parallel_size()
+
+    def translate(params, texts) -> list[str]:
+        """Each source text's translation: greedy, or the best of a beam search of
+        config.eval.beam_size."""
+        ids = []
+        for i, text in enumerate(texts):
+            ids.append(tok.encode(text))
+            if not ids[-1] or len(ids[-1]) > data_opts.source_len:
+                shown = text if len(text) <= 40 else text[:37] + "..."
+                raise ValueError(f"source {i + 1} ({shown!r}) is {len(ids[-1])} tokens; "
+                                 f"valid: 1..{data_opts.source_len} tokens (data.source_len)")
+        out = []
+        for first in range(0, len(ids), per_call):
+            chunk = ids[first:first + per_call]
+            # padded as in training: the pad id masks it out of attention
+            src = np.full((per_call, data_opts.source_len), tok.pad_id, np.int32)
+            for row, p in enumerate(chunk):
+                src[row, :len(p)] = p
+            tokens = gather_rows(decode_best(params, src))[:len(chunk)]
+            out += [tok.decode(until_eos(row, tok.eos_id)) for row in tokens]
+        return out
 
     def sample(params, rng) -> list[str]:
-        """Greedy translations of config.eval.sample_prompts (source sentences)."""
-        del rng  # greedy: the model's most likely translation
-        if not prompts:
-            return []
-        # As many rows as the batch axes split evenly (extra rows dropped after), each
-        # padded as in training: the pad id masks it out of attention.
-        rows = -(-len(prompts) // data_parallel_size()) * data_parallel_size()
-        width = max(map(len, prompts))
-        src = np.full((rows, width), tok.pad_id, np.int32)
-        for i, p in enumerate(prompts):
-            src[i, :len(p)] = p
-        out = gather_rows(decode(params, src, data_opts.target_len))[:len(prompts)]
-        return [tok.decode(until_eos(row, tok.eos_id)) for row in out]
+        """Translations of config.eval.sample_prompts (source sentences)."""
+        del rng  # greedy or beam: the model's most likely translation
+        return translate(params, list(config.eval.sample_prompts))
 
     transform = data.Translation(tok, tok, data_opts.source, data_opts.target, data_opts.source_len, data_opts.target_len)
     zeros = lambda n: jnp.zeros((1, n), jnp.int32)
@@ -252,7 +276,8 @@ def translation_task(config, workdir: str) -> Task:
                 train_transform=transform, eval_transform=transform, unit="tokens",
                 count=lambda b: int(np.sum(b["target_weights"])),
                 save_assets=lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)),
-                decode=decode, attention_input=attention_input, sample=sample, **entries)
+                decode=decode, translate=translate, attention_input=attention_input,
+                sample=sample, **entries)
 
 
 def _encode_prompts(texts, tok, source_len: int) -> list[list[int]]:
@@ -289,9 +314,11 @@ def _encdec_flops(cfg, data_opts, params) -> float:
     return total / t
 
 
-# Greedy translations of the prompts: no sampling settings, no length (data.target_len).
-register("rnn_seq2seq", translation_task, provides=("decode", "attention_input", "sample"),
-         reads=("eval.sample_prompts",), model=rnn.RNNConfig)
-register("encdec", translation_task, provides=("decode", "attention_input", "flops_per_unit",
-                                               "sample"), reads=("eval.sample_prompts",),
-         model=encdec.EncDecConfig)
+# Translations of the prompts, greedy or by beam: no sampling settings, no length
+# (data.target_len).
+register("rnn_seq2seq", translation_task, provides=("decode", "translate", "attention_input",
+                                                    "sample"),
+         reads=("eval.sample_prompts", "eval.beam_size"), model=rnn.RNNConfig)
+register("encdec", translation_task, provides=("decode", "translate", "attention_input",
+                                               "flops_per_unit", "sample"),
+         reads=("eval.sample_prompts", "eval.beam_size"), model=encdec.EncDecConfig)

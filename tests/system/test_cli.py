@@ -96,7 +96,7 @@ def test_old_experiments_paths_and_a_users_own_config_file(tmp_path):
 def test_help_exits_0_with_modes_configs_and_a_configs_keys():
     out = cli("--help")
     assert out.returncode == 0, out.stderr
-    assert "[--mode=train|eval|sample|embed|classify]" in out.stdout
+    assert "[--mode=train|eval|sample|embed|classify|translate]" in out.stdout
     assert "\n  gpt " in out.stdout and "\n  bert_mlm " in out.stdout
     assert "\n  bert_classify " in out.stdout
     assert "--resume_changed" in out.stdout
@@ -124,7 +124,8 @@ def test_help_exits_0_with_modes_configs_and_a_configs_keys():
             "(read by\n   encdec, gpt, rnn_seq2seq); config.eval.sample_tokens, "
             "config.eval.sample_temperature,\n   config.eval.sample_top_k, "
             "config.eval.sample_top_p, config.train.loss_chunk_size,\n   "
-            "config.train.loss_kernel (read by gpt))\n  data.cache_dir = ''\n") in out.stdout
+            "config.train.loss_kernel (read by gpt); config.eval.beam_size (read by encdec,\n"
+            "   rnn_seq2seq))\n  data.cache_dir = ''\n") in out.stdout
     out = cli("--config=encdec", "--help")  # greedy translations: the prompts only
     assert "  eval.sample_prompts = " in out.stdout and "eval.sample_top_k =" not in out.stdout
     assert "train.loss_kernel =" not in out.stdout  # the GPT's loss alone reads it

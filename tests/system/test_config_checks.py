@@ -857,9 +857,9 @@ def test_keys_given_to_a_task_that_does_not_read_them_are_said(capsys):
         err = capsys.readouterr().err
         assert ("note: task 'tiny_greedy' does not read config.eval.sample_temperature (read "
                 "by gpt)") in err and "sample_prompts" not in err
-        assert base.unread_keys("encdec") == config_lib.TASK_KEYS[1:]
+        assert base.unread_keys("encdec") == config_lib.TASK_KEYS[1:-1]  # not beam_size
+        assert base.unread_keys("gpt") == config_lib.TRANSLATE_KEYS
         assert base.unread_keys("vit") == config_lib.TASK_KEYS
-        assert base.unread_keys("gpt") == ()
         assert base.unread_keys("tiny") == ()  # TASKS[name] = make: declared nothing
         with pytest.raises(ValueError, match=r"reads=\['train\.steps'\]; valid: keys of"):
             base.register("tiny_wrong", tiny.make_tiny_task, reads=("train.steps",))

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from attention_jax import config as config_lib
-from attention_jax import runs, tasks, train
+from attention_jax import main, runs, tasks, train
 from attention_jax.data import files
 from attention_jax.errors import ConfigError
 
@@ -62,9 +62,29 @@ def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
     for name in ("a.jsonl", "b.parquet"):  # the data moves away
         (tmp_path / name).rename(tmp_path / f"moved-{name}")
     run = runs.open_run(str(tmp_path / "run"))  # a reader: the task built on demand
-    assert [isinstance(t, str) for t in run.task.sample(run.params, jax.random.key(0))] == [True]
+    sampled = run.task.sample(run.params, jax.random.key(0))
+    assert [isinstance(t, str) for t in sampled] == [True]
     with pytest.raises(files.NoFilesError):
         len(run.task.train_source)  # the data is read only when used
+    # --mode=translate: new sentences, greedy (as sample's) or by a beam search
+    workdir = str(tmp_path / "run")
+    greedy = main.translate_texts(main.mode_config("translate", None, [], workdir), workdir,
+                                  ["five two", "nine nine", "one"])
+    assert [r["source"] for r in greedy] == ["five two", "nine nine", "one"]
+    assert greedy[0]["translation"] == sampled[0]
+    beam_of_one = main.translate_texts(
+        main.mode_config("translate", None, ["eval.beam_size=1", "eval.batch_size=2",
+                                          "mesh.num_devices=1"], workdir),
+        workdir, ["five two", "nine nine", "one"])  # two calls of two rows: the same
+    assert beam_of_one == greedy
+    beams = main.translate_texts(main.mode_config("translate", None, ["eval.beam_size=3"],
+                                                  workdir), workdir, ["five two"])
+    assert isinstance(beams[0]["translation"], str)
+    with pytest.raises(main.InputError, match=r"^--mode=translate: source 2 \('nine nine .*"
+                                              r"\.\.\.'\) is 160 tokens; valid: 1\.\.32 "
+                                              r"tokens \(data.source_len\)$"):
+        main.translate_texts(main.mode_config("translate", None, [], workdir), workdir,
+                             ["one", "nine " * 40])
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -81,6 +101,23 @@ def test_bad_pair_settings_name_the_key(tmp_path, overrides, message):
     config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", *overrides)
     with pytest.raises((ConfigError, files.FilesError), match=message):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
+def test_the_rnn_refuses_a_beam_it_cannot_search(tmp_path):
+    """Its decoder is greedy only: a beam_size asked of it is refused, not ignored; and
+    encdec.beam_search given an RNN failed deep inside JAX."""
+    from attention_jax.models import encdec, rnn
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(40)) + "\n")
+    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", "eval.beam_size=2",
+                     task="rnn_seq2seq")
+    with pytest.raises(ConfigError, match=r"^config\.eval\.beam_size=2: task 'rnn_seq2seq' "
+                                          r"translates greedily .*; valid: 1$"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    model = rnn.RNNSeq2Seq(rnn.RNNConfig(vocab_size=16, embed_dim=4, hidden_dim=4,
+                                         attention_dim=4, readout_dim=4))
+    with pytest.raises(ValueError, match=r"^beam_search: model is a RNNSeq2Seq; valid: an "
+                                         r"encdec\.EncoderDecoder"):
+        encdec.beam_search(model, {}, np.ones((1, 3), np.int32), beam_size=2, max_len=4)
 
 
 def test_a_text_file_is_no_pair_and_files_need_the_files_source(tmp_path):
