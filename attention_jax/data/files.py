@@ -137,11 +137,30 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
         for p in paths:
             if _format(p) is None:
                 raise FilesError(f'{arg}: {p} (matched by {pattern!r}) is not a file type this '
-                                 f'source reads; valid: {", ".join(SUFFIXES)}')
+                                 f'source reads; valid: {", ".join(SUFFIXES)}'
+                                 + _table_hint(p))
             rel = os.path.relpath(p, base) if base else os.path.normpath(p)
             found.setdefault(os.path.abspath(p), rel.replace(os.sep, '/'))
     files = [(ident, path) for path, ident in sorted(found.items())]
     return files[:max_files] if max_files else files
+
+
+# A CSV or TSV table (with a header row naming its columns) is read once into Parquet
+# with pyarrow (installed here), its columns the keys (text_key, label_key; a pair's
+# source and target).
+_TABLES = {'.csv': '', '.tsv': ', parse_options=pyarrow.csv.ParseOptions(delimiter="\\t")'}
+
+
+def _table_hint(path: str) -> str:
+    """For a CSV or TSV file, how to make it a Parquet file that is read; '' else."""
+    for suffix, options in _TABLES.items():
+        if path.lower().endswith(suffix):
+            stem = os.path.basename(path)[:-len(suffix)]
+            return (f' (a table: convert it once, its header row naming the keys: import '
+                    f'pyarrow.csv, pyarrow.parquet; pyarrow.parquet.write_table(pyarrow.csv.'
+                    f'read_csv(PATH{options}), "{stem}.parquet"); without a header row, '
+                    f'give read_options=pyarrow.csv.ReadOptions(column_names=[...]))')
+    return ''
 
 
 # ================================================================================= indexing

@@ -173,6 +173,10 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     with pytest.raises(files.FilesError) as e:
         files.file_splits(f'{tmp_path}/*.csv')
     cases.append((e, 'is not a file type this source reads; valid: .txt, .md, .py'))
+    # a table: how to make it a Parquet file, its header row naming the keys
+    assert ('(a table: convert it once, its header row naming the keys: import pyarrow.csv, '
+            'pyarrow.parquet; pyarrow.parquet.write_table(pyarrow.csv.read_csv(PATH), '
+            '"data.parquet");') in str(e.value)
     (tmp_path / 'lone').mkdir()
     (tmp_path / 'lone' / 'e.txt').write_text('')
     with pytest.raises(files.FilesError) as e:  # was "holds one document; ... two or more"
