@@ -134,6 +134,8 @@ CHOICES = {
     "train.loss_kernel": ("auto", "xla", "pallas"),
     "train.nonfinite": ("stop", "skip"),
     "train.checkpoint_on_damage": ("fall_back", "stop"),
+    # JAX's choices of jax_cpu_collectives_implementation ("": its default)
+    "mesh.cpu_collectives": ("", "gloo", "mpi", "megascale"),
 }
 
 # Valid values of the numeric keys, as intervals ("(" open, "[" closed; errors.check_range).
@@ -431,8 +433,8 @@ def warnings(config) -> list[str]:
                      f"the schedule's end at once")
         out.append(f"config.optim.warmup_steps={warmup} is longer than {what}: {tail}")
     m, unset = config.mesh, base_config().mesh
-    given = [f"mesh.{k}" for k in ("coordinator_address", "num_processes", "process_id")
-             if m.get(k, unset[k]) != unset[k]]
+    given = [f"mesh.{k}" for k in ("coordinator_address", "num_processes", "process_id",
+                                   "cpu_collectives") if m.get(k, unset[k]) != unset[k]]
     if given and not m.distributed:
         out.append(f"config.{', '.join(given)} set, but mesh.distributed=False: ignored, this "
                    f"runs as one process (--config.mesh.distributed=True to join the others)")

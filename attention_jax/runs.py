@@ -53,19 +53,29 @@ def fit_reader_mesh(config, who: str) -> bool:
     (checkpoints restore onto any mesh). So it reads on this host's devices, batch split
     over them, and says so (True; False when the run's mesh fits, or the config is a
     multi-process one). main's reading modes call it unless a --config.mesh.* is given;
-    load_config (the tools) sets one device instead."""
+    load_config (the tools) sets one device instead.
+
+    A run trained by several processes (mesh.distributed) is read by this one alone: it
+    joined the training's coordinator, long gone, waited 5 minutes and aborted. Said."""
     m = config.mesh
-    if m.distributed:  # several processes: their mesh is the user's to give
-        return False
+    joined = m.distributed
+    if joined:
+        m.distributed, m.coordinator_address, m.cpu_collectives = False, "", ""
+        m.num_processes, m.process_id = -1, -1
+    alone = (" (it trained as several processes, mesh.distributed=True: read here by "
+             "this one; --config.mesh.distributed=True with each process's settings reads "
+             "with all of them)") if joined else ""
     shape = {a: m.get(a, 1) for a in sharding.MESH_AXES}
     here = jax.device_count()
     if _mesh_fits(m, shape, here):
-        return False
+        if joined:
+            print(f"{who}: the run is read on its mesh {shape}{alone}", file=sys.stderr)
+        return joined
     m.data, m.fsdp, m.sequence, m.tensor, m.num_devices = -1, 1, 1, 1, 0
     m.dcn_data, m.dcn_fsdp = 1, 1
     where = "the one device here" if here == 1 else f"the {here} devices here, batch split"
     print(f"{who}: the run's mesh {shape} does not fit this host's {here} "
-          f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose)",
+          f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose){alone}",
           file=sys.stderr)
     return True
 

@@ -471,29 +471,39 @@ def logical_to_shardings(logical_specs, mesh: Mesh, rules):
     return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
-def check_divisible(abstract_tree, shardings, what: str = "parameter") -> None:
-    """Fail before compilation when a sharded dimension does not divide its mesh axes.
+def check_divisible(abstract_tree, shardings, what: str = "parameter", logical=None) -> None:
+    """Fail before compilation when a sharded dimension does not divide its mesh axes:
+    one ConfigError line naming the first such array, its logical axis (`logical`: the
+    tree's logical PartitionSpecs, when given) and what would do.
 
     XLA would otherwise pad or fail deep inside compilation with an opaque message.
     """
-    problems = []
+    problems, names = [], set()
     flat, _ = jax.tree_util.tree_flatten_with_path(abstract_tree)
     flat_sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-    for (path, leaf), sh in zip(flat, flat_sh):
-        for dim, axes in zip(leaf.shape, sh.spec):
-            if axes is None:
+    specs = (jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
+             if logical is not None else [None] * len(flat))
+    for (path, leaf), sh, spec in zip(flat, flat_sh, specs):
+        for k, (dim, split) in enumerate(zip(leaf.shape, sh.spec)):
+            if split is None:
                 continue
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            size = math.prod(sh.mesh.shape[a] for a in axes)
+            split = (split,) if isinstance(split, str) else tuple(split)
+            size = math.prod(sh.mesh.shape[a] for a in split)
             if dim % size:
+                name = spec[k] if spec is not None and k < len(spec) else None
+                names.add(name)
                 problems.append(f"{jax.tree_util.keystr(path)} shape {leaf.shape}: dimension "
-                                f"{dim} is split over mesh axes {axes} of size {size}")
+                                f"{dim}" + (f" (logical axis {name!r})" if name else "")
+                                + f" is split over mesh axes {split} of size {size}")
     if problems:
-        raise ValueError(
-            f"{len(problems)} {what}(s) cannot be sharded on mesh {dict(mesh_shape(flat_sh))}:"
-            "\n  " + "\n  ".join(problems[:10]) +
-            "\nChange the model size, the mesh sizes, or map the logical axis to None in "
-            "mesh.rules.")
+        remap = sorted(n for n in names if n)
+        raise ConfigError(
+            f"config.mesh: {len(problems)} {what}(s) cannot be split as the mesh "
+            f"{dict(mesh_shape(flat_sh))} asks: {problems[0]}"
+            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + "; valid: model sizes the mesh axes divide, other mesh.* sizes, or mesh.rules "
+            + (f"mapping {', '.join(map(repr, remap))} to None" if remap
+               else "mapping that logical axis to None"))
 
 
 def mesh_shape(shardings) -> dict[str, int]:

@@ -38,9 +38,10 @@ def create_state(task: Task, tx, mesh, rules, seed: int):
     optimizer state mirrors them (optax's tree_map_params), counters are replicated.
     """
     boxed = jax.eval_shape(task.init, jax.random.PRNGKey(seed))
-    param_sh = sharding.logical_to_shardings(nn.get_partition_spec(boxed), mesh, rules)
+    logical = nn.get_partition_spec(boxed)
+    param_sh = sharding.logical_to_shardings(logical, mesh, rules)
     abstract_params = nn.meta.unbox(boxed)
-    sharding.check_divisible(abstract_params, param_sh)
+    sharding.check_divisible(abstract_params, param_sh, logical=logical)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     repl = sharding.replicated(mesh)
     opt_sh = optax.tree_utils.tree_map_params(

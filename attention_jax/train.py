@@ -77,6 +77,10 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     use (tasks.data_on_demand): sampling needs no corpus, and evaluation checks its eval
     split itself (steps.check_eval_split)."""
     sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
+    if config.mesh.num_devices > jax.device_count():  # was cut to those there, unsaid
+        raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices}: this run has "
+                          f"{jax.device_count()} device(s); valid: 0 (all) or "
+                          f"1..{jax.device_count()}")
     devices = jax.devices()[:config.mesh.num_devices or None]
     config_lib.validate(config, len(devices), tasks=None if task else TASKS,
                         granules=len(set(sharding.granules(devices)[0])))

@@ -148,3 +148,13 @@ def test_a_reading_mode_fits_a_mesh_this_host_lacks(tmp_path, capsys):
     workdir_lib.write_config(str(tmp_path), config)
     assert main.mode_config("sample", None, [], str(tmp_path)).mesh.data == 4
     assert "does not fit" not in capsys.readouterr().err
+    # A run of two processes, read by one: it joined the gone coordinator, waited 5
+    # minutes and aborted. Now it reads alone, and says so.
+    config.mesh.update(distributed=True, coordinator_address="127.0.0.1:1", num_processes=2,
+                       process_id=0, cpu_collectives="gloo", dcn_data=2, data=4, tensor=1)
+    workdir_lib.write_config(str(tmp_path), config)
+    read = main.mode_config("eval", None, [], str(tmp_path))
+    assert not read.mesh.distributed and read.mesh.num_processes == -1
+    assert ("(it trained as several processes, mesh.distributed=True: read here by this "
+            "one; --config.mesh.distributed=True with each process's settings reads with all "
+            "of them)") in capsys.readouterr().err

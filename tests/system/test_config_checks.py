@@ -769,6 +769,21 @@ def test_multi_process_keys_are_checked_before_joining():
     assert ("config.mesh.coordinator_address, mesh.num_processes set, but mesh.distributed="
             "False: ignored, this runs as one process") in config_lib.warnings(config)[0]
     assert config_lib.warnings(config_lib.load("gpt", ["train.steps=600"])) == []
+    # mesh.cpu_collectives: a value JAX lacks was a traceback once joining; without
+    # mesh.distributed it was ignored, unsaid
+    config = config_lib.load("gpt", ["mesh.distributed=true", "mesh.cpu_collectives=foo"])
+    with pytest.raises(ConfigError, match=r"^config.mesh.cpu_collectives='foo' is unknown; "
+                                          r"valid: \['', 'gloo', 'mpi', 'megascale'\]"):
+        config_lib.validate(config)
+    assert ("config.mesh.cpu_collectives set, but mesh.distributed=False: ignored"
+            ) in config_lib.warnings(config_lib.load("gpt", ["mesh.cpu_collectives=gloo"]))[0]
+
+
+def test_more_devices_than_there_are_is_one_config_error(tmp_path):
+    """mesh.num_devices=16 on 8 devices trained on 8, unsaid, config.json saying 16."""
+    with pytest.raises(ConfigError, match=r"^config.mesh.num_devices=16: this run has 8 "
+                                          r"device\(s\); valid: 0 \(all\) or 1..8$"):
+        train.setup(tiny.tiny_config(**{"mesh.num_devices": 16}), str(tmp_path))
 
 
 def test_a_run_of_a_variant_from_before_its_sizes_followed_it_names_the_way_through(tmp_path):
@@ -819,6 +834,20 @@ def test_a_mesh_axis_the_devices_cannot_take_is_named_with_the_sizes_that_fit():
                                           r"8 \(each one of \[1, 2, 4, 8\]\)$"):
         config_lib.validate(tiny.tiny_config(**{"mesh.data": -1, "mesh.sequence": 3}),
                             num_devices=8)
+
+
+def test_a_parameter_the_mesh_cannot_split_is_one_config_error_naming_its_axis(tmp_path):
+    """A width fsdp does not divide was a traceback with ten lines of arrays, naming no
+    logical axis to map elsewhere."""
+    config = tiny.tiny_config(**{"mesh.fsdp": 8, "mesh.data": 1, "mesh.num_devices": 8})
+    config.model.width = 12
+    with pytest.raises(ConfigError, match=r"^config.mesh: \d+ parameter\(s\) cannot be split "
+                                          r"as the mesh \{'data': 1, 'fsdp': 8, .*\} asks: \[.*"
+                                          r"dimension \d+ \(logical axis '\w+'\) is split over "
+                                          r"mesh axes \('fsdp',\) of size 8.*; valid: model "
+                                          r"sizes the mesh axes divide, other mesh.\* sizes, "
+                                          r"or mesh.rules mapping '\w+'"):
+        train.setup(config, str(tmp_path))
 
 
 def test_splash_chunks_too_short_for_its_tiles_are_a_config_error():
