@@ -26,6 +26,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -67,15 +68,28 @@ def resolve(workdir) -> str:
     """`workdir` as the trainer names it: a local path made absolute (orbax needs that),
     an object-store URL as it is (os.path.abspath would turn gs://b/r into ./gs:/b/r)."""
     workdir = str(workdir)
-    return workdir if is_remote(workdir) else os.path.abspath(os.path.expanduser(workdir))
+    return workdir if is_remote(workdir) else os.path.abspath(expand(workdir))
+
+
+# A URL's scheme (two letters or more: "C:/" is a Windows drive) followed by ":/".
+_URL_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 
 
 def expand(workdir) -> str:
     """`workdir` with a leading ~ expanded (a shell leaves --workdir=~/run as it is); a URL
     as it is. Every entry point takes its workdir through this: a literal ~ once sent the
-    checkpoints to $HOME/run and everything else to ./~/run."""
+    checkpoints to $HOME/run and everything else to ./~/run. A URL of another scheme, or
+    one slash short (gs:/bucket), is refused: it was made a local folder ./gs:/bucket."""
     workdir = str(workdir)
-    return workdir if is_remote(workdir) else os.path.expanduser(workdir)
+    if is_remote(workdir):
+        return workdir
+    url = _URL_LIKE.match(workdir)
+    if url:
+        raise RunPathError(f"--workdir={workdir} reads as a URL of a scheme this does not "
+                           f"know ({url.group(1)}:), or one slash short; valid: "
+                           f"{', '.join(f'{s}bucket/path' for s in REMOTE_SCHEMES)}, or a "
+                           f"local path")
+    return os.path.expanduser(workdir)
 
 
 def path(workdir, name: str) -> str:

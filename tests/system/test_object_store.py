@@ -243,6 +243,13 @@ def test_remote_paths_are_never_made_absolute():
     assert workdir_lib.path("gs://bucket/run1", "config.json") == "gs://bucket/run1/config.json"
     assert workdir_lib.resolve("run1") == os.path.join(os.getcwd(), "run1")
     assert not workdir_lib.is_remote("/tmp/gs://x")
+    # A URL of another scheme, or a slash short, was made a local folder ./gs:/bucket/x
+    # (gcs://, a KeyError inside epath)
+    for typo in ("gs:/bucket/x", "gcs://bucket/x", "az://c/x"):
+        with pytest.raises(workdir_lib.RunPathError, match=rf"^--workdir={typo} reads as a URL "
+                                                           rf"of a scheme this does not know"):
+            workdir_lib.resolve(typo)
+    assert workdir_lib.resolve("C:/x").endswith("C:/x")  # (a one-letter scheme: a path)
 
 
 def test_s3_checkpoints_are_one_line():
