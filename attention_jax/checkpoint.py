@@ -443,6 +443,15 @@ class Checkpointer:
         # skip _move_aside's sync and leave process 0 waiting in it (a save killed in a
         # gs:// workdir leaves such a folder: orbax writes a step in place there).
         sharding.sync_processes("checkpoint_listing")
+        if uncommitted and str(self.directory).startswith(SUPPORTED_URLS):  # gs://
+            # In an object store orbax takes a folder without its commit marker for an
+            # unfinished save and deletes it as the manager opens: a copy made beside it
+            # (a rename is a copy of every object there) was deleted too, after it was
+            # said to be kept.
+            logging.warning("checkpoint folder(s) %s have no commit marker (saves that did "
+                            "not finish): ignored, and deleted as orbax deletes unfinished "
+                            "saves in an object store", ", ".join(map(str, uncommitted)))
+            return
         for path in uncommitted:
             target = _move_aside(path, "uncommitted")
             logging.warning("checkpoint folder %s has no commit marker (a save that did "

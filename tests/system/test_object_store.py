@@ -74,7 +74,8 @@ def _losses(workdir) -> list[float]:
     return [r["loss"] for r in workdir_lib.read_metrics(workdir) if r["split"] == "train"]
 
 
-def test_training_in_a_bucket_resumes_and_reads_back(gcs, tmp_path, monkeypatch, capsys):
+def test_training_in_a_bucket_resumes_and_reads_back(gcs, tmp_path, monkeypatch, capsys,
+                                                     caplog):
     """A run in gs:// writes config, metrics, TensorBoard and checkpoints there (nothing
     under ./gs:), resumes from the bucket's checkpoint with the losses of an
     uninterrupted local run, and --mode=eval, runs.open_run and verify read it."""
@@ -85,6 +86,9 @@ def test_training_in_a_bucket_resumes_and_reads_back(gcs, tmp_path, monkeypatch,
     run = f"gs://{BUCKET}/run"
     first = train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 4, **cfg}), run)
     assert first["losses"] == local["losses"][:4]
+    # A save that did not finish (no commit marker): orbax deletes it as the manager
+    # opens; it was first copied "aside" beside it, and that copy was deleted too.
+    (epath.Path(run) / "checkpoints" / "6" / "part").write_text("x")
     second = train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 8, **cfg}), run)
     assert second["step"] == 8 and second["losses"] == local["losses"][4:]
     assert f"resumed from {run}/checkpoints at step 4" in capsys.readouterr().out
@@ -97,6 +101,9 @@ def test_training_in_a_bucket_resumes_and_reads_back(gcs, tmp_path, monkeypatch,
     assert json.loads((bucket / "config.json").read_text())["train"]["steps"] == 8
     assert [p.name for p in (bucket / "tensorboard").iterdir()
             if p.name.startswith("events.out.tfevents")], "no TensorBoard events in the bucket"
+    assert sorted(p.name for p in (bucket / "checkpoints").iterdir()) == ["4", "8"]
+    assert "deleted as orbax deletes unfinished saves in an object store" in caplog.text
+    assert "moved aside" not in caplog.text
     ckpt = checkpoint.Checkpointer(f"{run}/checkpoints", read_only=True)
     assert ckpt.committed_steps() == [4, 8]
     ckpt.close()
