@@ -445,6 +445,10 @@ def warnings(config) -> list[str]:
                    f"{1 - factor:.0%} of the token-to-expert assignments skip the MLP even with "
                    f"perfect balance (Switch's default is 1.25; the run logs "
                    f"dropped_fraction)")
+    inner = config.get("model", {}).get("ring_inner")
+    if inner not in (None, "auto") and m.get("sequence", 1) == 1:
+        out.append(f"config.model.ring_inner={inner!r} is the kernel of ring attention, which "
+                   f"runs with mesh.sequence > 1; with mesh.sequence=1 it does nothing")
     return out
 
 

@@ -455,15 +455,25 @@ def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
 def rules_warnings(rules, mesh_shape) -> list[str]:
     """What `rules` leave undone on a mesh of `mesh_shape`: a batch split over no
     data-parallel axis of size > 1 makes each of those devices compute the whole batch."""
+    out = []
+    targets = lambda name: {a for n, target in rules if n == name or name is None  # noqa: E731
+                            for a in (target if isinstance(target, tuple) else (target,))}
     parallel = {a: mesh_shape.get(a, 1) for a in BATCH_AXES if mesh_shape.get(a, 1) > 1}
-    batch_axes = {a for name, target in rules if name == axes.BATCH
-                  for a in (target if isinstance(target, tuple) else (target,))}
-    if not parallel or batch_axes & set(parallel):
-        return []
-    shown = " × ".join(f"mesh.{a}={n}" for a, n in parallel.items())
-    return [f"config.mesh.rules split 'batch' over none of {list(parallel)} ({shown}): each of "
-            f"those devices computes the whole batch, no faster than one; the default rules "
-            f"have ('batch', {BATCH_AXES})"]
+    if parallel and not targets(axes.BATCH) & set(parallel):
+        shown = " × ".join(f"mesh.{a}={n}" for a, n in parallel.items())
+        out.append(f"config.mesh.rules split 'batch' over none of {list(parallel)} ({shown}): "
+                   f"each of those devices computes the whole batch, no faster than one; the "
+                   f"default rules have ('batch', {BATCH_AXES})")
+    # Another axis of size > 1 that no rule names (own rules replacing the defaults): its
+    # devices each compute the same thing.
+    unused = [a for a in MESH_AXES if a not in BATCH_AXES and mesh_shape.get(a, 1) > 1
+              and a not in targets(None)]
+    if unused:
+        shown = ", ".join(f"mesh.{a}={mesh_shape[a]}" for a in unused)
+        out.append(f"config.mesh.rules map no logical axis to {shown}: those devices each "
+                   f"compute the same thing; the default rules split heads and the MLP over "
+                   f"'tensor' and the sequence over 'sequence'")
+    return out
 
 
 def logical_to_shardings(logical_specs, mesh: Mesh, rules):

@@ -777,6 +777,12 @@ def test_multi_process_keys_are_checked_before_joining():
         config_lib.validate(config)
     assert ("config.mesh.cpu_collectives set, but mesh.distributed=False: ignored"
             ) in config_lib.warnings(config_lib.load("gpt", ["mesh.cpu_collectives=gloo"]))[0]
+    # the ring's chunk kernel without a ring
+    assert config_lib.warnings(config_lib.load("gpt", ["model.ring_inner=pallas"])) == [
+        "config.model.ring_inner='pallas' is the kernel of ring attention, which runs with "
+        "mesh.sequence > 1; with mesh.sequence=1 it does nothing"]
+    assert config_lib.warnings(config_lib.load("gpt", ["model.ring_inner=pallas",
+                                                       "mesh.sequence=2"])) == []
 
 
 def test_more_devices_than_there_are_is_one_config_error(tmp_path):
