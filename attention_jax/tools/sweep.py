@@ -36,6 +36,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -120,9 +121,9 @@ def check_tasks(todo) -> dict[str, set[str]]:
     builds its own: the data's caches (tfds, the token cache) are built once, but a
     tokenizer trained for the run (BPE) is trained again, a cost paid to fail early.
 
-    What a check says (notes, warnings) is printed under the names of the points it
-    checked; returns {run_dir: those messages}, for the point's training not to say them
-    a second time (_Unrepeated)."""
+    What a check says (notes, warnings, a data preparation's progress) is written as it
+    comes, under a line naming the points it checks; returns {run_dir: its messages}, for
+    the point's training not to say them a second time (_Unrepeated)."""
     from attention_jax import tasks
     groups: dict[str, list] = {}
     for point, config, run_dir in todo:
@@ -133,50 +134,27 @@ def check_tasks(todo) -> dict[str, set[str]]:
     said = {}
     for group in groups.values():
         point, config, run_dir = group[0]
-        heard = _Heard()
+        names = [point_name(p) for p, _, _ in group]
+        print(f"[sweep] checking {names[0]}" + (f" (for {', '.join(names[1:])} too: they "
+                                                f"differ in the seed)" if len(names) > 1 else ""),
+              file=sys.stderr, flush=True)
+        heard = _Heard(sys.stderr)
         try:
             with contextlib.redirect_stderr(heard):
                 tasks.TASKS[config.task](config, run_dir)
         except UserError as e:
             raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
-        finally:
-            names = ", ".join(point_name(p) for p, _, _ in group)
-            for message in heard.messages:
-                print(f"[sweep] {names}: {message}", file=sys.stderr, flush=True)
         for _, _, dir_ in group:
             said[dir_] = set(heard.messages)
     return said
 
 
-class _Heard(io.TextIOBase):
-    """Stands in for sys.stderr: keeps each message written (a print's text, without the
-    newline print writes after it)."""
+class _Stream(io.TextIOBase):
+    """Stands in for sys.stderr, writing through to it: a terminal stays one for progress
+    bars (isatty, fileno, encoding are the stream's)."""
 
-    def __init__(self):
-        self.messages = []
-
-    def write(self, text: str) -> int:
-        if text.strip():
-            self.messages.append(text.rstrip("\n"))
-        return len(text)
-
-
-class _Unrepeated(io.TextIOBase):
-    """Stands in for sys.stderr while a point trains: a message its check printed already
-    (with the newline print writes after it) is not written again; everything else goes
-    through at once (the progress line included)."""
-
-    def __init__(self, stream, said: set[str]):
-        self.stream, self.said, self.skip_newline = stream, said, False
-
-    def write(self, text: str) -> int:
-        newline_of_skipped, self.skip_newline = self.skip_newline and text == "\n", False
-        if newline_of_skipped:
-            return len(text)
-        if text.rstrip("\n") in self.said:
-            self.skip_newline = not text.endswith("\n")
-            return len(text)
-        return self.stream.write(text)
+    def __init__(self, stream):
+        self.stream, self._lock = stream, threading.Lock()
 
     def flush(self) -> None:
         self.stream.flush()
@@ -186,6 +164,44 @@ class _Unrepeated(io.TextIOBase):
 
     def fileno(self) -> int:
         return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.stream, "encoding", None)
+
+
+class _Heard(_Stream):
+    """Writes through, and keeps each message written (a print's text, without the
+    newline print writes after it)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.messages = []
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            self.messages.append(text.rstrip("\n"))
+        return self.stream.write(text)
+
+
+class _Unrepeated(_Stream):
+    """Stands in for sys.stderr while a point trains: a message its check printed already
+    (with the newline print writes after it) is not written again; everything else goes
+    through at once (the progress line included)."""
+
+    def __init__(self, stream, said: set[str]):
+        super().__init__(stream)
+        self.said, self.skip_newline = said, False
+
+    def write(self, text: str) -> int:
+        with self._lock:  # a message and its newline are two writes: one thread's pair
+            newline_of_skipped, self.skip_newline = self.skip_newline and text == "\n", False
+            if newline_of_skipped:
+                return len(text)
+            if text.rstrip("\n") in self.said:
+                self.skip_newline = not text.endswith("\n")
+                return len(text)
+            return self.stream.write(text)
 
 
 class Stopped(Exception):

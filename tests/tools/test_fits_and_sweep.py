@@ -478,9 +478,10 @@ def test_seeds_table_has_each_seed_and_the_paired_difference_to_a_baseline(tmp_p
 
 def test_a_sweep_says_each_note_once_under_the_points_it_is_of(tmp_path, capsys):
     """A point's task is built twice, checked before the first point trains and again by
-    its training: its notes came twice a point. Now the check says them, named by the
-    points it checked (those differing only in the seed share one), and training does not
-    again; what only training says (the warmup warning) is said by each point's."""
+    its training: its notes came twice a point. Now the check says them as they come,
+    under a line naming the points it checks (those differing only in the seed share
+    one), and training does not again; what only training says (the warmup warning) is
+    said by each point's."""
     records = sweep.run_sweep(
         "vit_digits:steps=2", str(tmp_path), sweep.parse_grid(["train.seed=0,1"]),
         ["data.flip=true", "eval.every=-1", "optim.warmup_steps=5", "mesh.num_devices=1"])
@@ -488,6 +489,7 @@ def test_a_sweep_says_each_note_once_under_the_points_it_is_of(tmp_path, capsys)
     said = capsys.readouterr()
     err = said.err
     assert err.count("note: config.data.augment=False") == 1, err
-    assert "[sweep] seed0, seed1: note: config.data.augment=False: " in err, err
+    assert ("[sweep] checking seed0 (for seed1 too: they differ in the seed)\n"
+            "note: config.data.augment=False: ") in err, err
     both = said.out + said.err
     assert both.count("warning: config.optim.warmup_steps=5 is longer than the run") == 2, both
