@@ -464,15 +464,13 @@ def rules_warnings(rules, mesh_shape) -> list[str]:
         out.append(f"config.mesh.rules split 'batch' over none of {list(parallel)} ({shown}): "
                    f"each of those devices computes the whole batch, no faster than one; the "
                    f"default rules have ('batch', {BATCH_AXES})")
-    # Another axis of size > 1 that no rule names (own rules replacing the defaults): its
-    # devices each compute the same thing.
-    unused = [a for a in MESH_AXES if a not in BATCH_AXES and mesh_shape.get(a, 1) > 1
-              and a not in targets(None)]
-    if unused:
-        shown = ", ".join(f"mesh.{a}={mesh_shape[a]}" for a in unused)
-        out.append(f"config.mesh.rules map no logical axis to {shown}: those devices each "
-                   f"compute the same thing; the default rules split heads and the MLP over "
-                   f"'tensor' and the sequence over 'sequence'")
+    # A tensor axis of size > 1 that no rule names (own rules replacing the defaults): its
+    # devices each compute the same thing. (Not the sequence axis: ring attention splits
+    # over it whatever the rules say.)
+    if mesh_shape.get("tensor", 1) > 1 and "tensor" not in targets(None):
+        out.append(f"config.mesh.rules map no logical axis to mesh.tensor="
+                   f"{mesh_shape['tensor']}: those devices each compute the same thing; the "
+                   f"default rules split heads, the MLP and the vocabulary over 'tensor'")
     return out
 
 

@@ -281,9 +281,9 @@ def _check_first_records(path: str, first: list[bytes], fields, integers, hint: 
                          f'objects; valid: one JSON object a line, with {", ".join(map(repr, fields))} '
                          f'keys')
     for key in fields:
-        held = [obj[key] for obj in objects if key in obj]
-        if objects and not held:
+        if objects and not any(key in obj for obj in objects):
             raise _missing_key(path, key, sorted(set().union(*objects)), hint)
+        held = [obj[key] for obj in objects if obj.get(key) is not None]  # (null: missing)
         kinds = {type(v).__name__ for v in held}
         if held and not any(isinstance(_integer_text(v) if key in integers else v, str)
                             for v in held):
@@ -332,9 +332,20 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
                 kind = kind.value_type
             textual = ("is_string", "is_large_string", "is_binary", "is_large_binary",
                        "is_string_view", "is_binary_view")  # the views: pyarrow >= 16
-            if key in integers and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)
-                                    or pa.types.is_floating(kind)):  # whole floats: _integer_text
+            if key in integers and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
                 continue
+            if key in integers and pa.types.is_floating(kind):  # whole floats: _integer_text
+                # (pandas' integers with a missing value); a column of fractions (ratings
+                # of 4.5, a regression target) would skip every row: said now, in one line
+                first = (meta.read_row_group(0, columns=[key]).column(0).to_pylist()
+                         if meta.num_row_groups else [])
+                fraction = next((v for v in first if v is not None and math.isfinite(v)
+                                 and v != int(v)), None)
+                if fraction is None:
+                    continue
+                raise FilesError(f'{path}: column {key!r} holds {kind} values that are not '
+                                 f'whole ({fraction}); valid: a string or integer column, or '
+                                 f'whole numbers ({hint})')
             if not any(getattr(pa.types, name, lambda _: False)(kind) for name in textual):
                 what = 'a string or integer column' if key in integers else 'a string column'
                 raise FilesError(f'{path}: column {key!r} holds {kind}, not text; valid: '
@@ -542,7 +553,9 @@ class Corpus:
                      None)
         if wrong is not None:  # the whole record is skipped: a pair needs both sides
             key, value = wrong
-            if value is not _BAD:
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                self.bad.skip(where, f'{key!r} has no value ({value})')
+            elif value is not _BAD:
                 self.bad.skip(where, f'{key!r} is {type(value).__name__}, not text'
                               + (' or an integer' if key in self.integers else ''))
             values = [''] * len(self.fields)

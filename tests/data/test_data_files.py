@@ -162,6 +162,14 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
                           integer_fields=('stars',))
     cases.append((e, "h.jsonl: 'stars' holds float in its first records, not text; valid: "
                      "text or integers"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({'text': ['x'] * 3, 'stars': [4.5, 3.0, None]}), tmp_path / 'h.parquet')
+    with pytest.raises(files.FilesError) as e:  # (whole floats and nulls pass: below)
+        files.file_splits(str(tmp_path / 'h.parquet'), fields=('text', 'stars'),
+                          integer_fields=('stars',))
+    cases.append((e, "h.parquet: column 'stars' holds double values that are not whole "
+                     "(4.5); valid: a string or integer column, or whole numbers"))
     for name, cut in (('g.jsonl.gz', 'gzip'), ('z.jsonl.zst', 'zstd'), ('r.parquet', 'parquet')):
         whole = (root / name).read_bytes()
         (tmp_path / name).write_bytes(whole[:len(whole) // 2])
@@ -236,6 +244,27 @@ def test_a_header_record_is_a_bad_record_not_a_refused_file(tmp_path, capsys):
     with pytest.raises(files.FilesError, match=r"has no 'body' in its records \(their keys: "
                                                r"\['meta', 'source', 'text', 'version'\]\)"):
         files.file_splits(str(path), text_key='body')
+
+
+def test_nulls_are_missing_values_not_a_type(tmp_path, capsys):
+    """A first stretch of records with null under the key was refused as "holds NoneType";
+    a missing value (null, a pandas NaN label) is a bad record saying so."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / 'n.jsonl').write_text(''.join(
+        json.dumps({'text': None if i < 25 else f'doc {i}'}) + '\n' for i in range(30)))
+    src = files.file_splits(str(tmp_path / 'n.jsonl'), eval_fraction=0.5)
+    texts = [t for s in src.values() for t in _read(s).values()]
+    assert sorted(t for t in texts if t) == [f'doc {i}' for i in range(25, 30)]
+    assert f"{tmp_path / 'n.jsonl'}:1: 'text' has no value (None); skipped" in capsys.readouterr().err
+    pq.write_table(pa.table({'text': [f'doc {i}' for i in range(6)],
+                             'stars': [1.0, 2.0, float('nan'), 1.0, 2.0, 1.0]}),
+                   tmp_path / 'l.parquet')
+    src = files.file_splits(str(tmp_path / 'l.parquet'), eval_fraction=0.5,
+                            fields=('text', 'stars'), integer_fields=('stars',))
+    rows = [s[i] for s in src.values() for i in range(len(s))]
+    assert sorted(r['stars'] for r in rows) == [b'', b'1', b'1', b'1', b'2', b'2']
+    assert "l.parquet: row 2: 'stars' has no value (nan); skipped" in capsys.readouterr().err
 
 
 def test_bad_records_are_skipped_with_a_count_then_stop(tmp_path, capsys):

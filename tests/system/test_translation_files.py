@@ -77,9 +77,22 @@ def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
                                           "mesh.num_devices=1"], workdir),
         workdir, ["five two", "nine nine", "one"])  # two calls of two rows: the same
     assert beam_of_one == greedy
-    beams = main.translate_texts(main.mode_config("translate", None, ["eval.beam_size=3"],
-                                                  workdir), workdir, ["five two"])
-    assert isinstance(beams[0]["translation"], str)
+    # a beam of 3: each row's best beam (scores sorted best first), rows in order
+    beam_config = main.mode_config("translate", None, ["eval.beam_size=3"], workdir)
+    sources = ["five two", "nine nine", "one"]
+    beams = main.translate_texts(beam_config, workdir, sources)
+    from attention_jax.models import encdec
+    tok, reader = run.tokenizer, runs.open_run(workdir, config=beam_config)
+    src = np.full((3, beam_config.data.source_len), tok.pad_id, np.int32)
+    for row, text in enumerate(sources):
+        ids = tok.encode(text)
+        src[row, :len(ids)] = ids
+    with reader.mesh_context():
+        tokens, scores = encdec.beam_search(reader.task.model, reader.params, src, beam_size=3,
+                                            max_len=beam_config.data.target_len)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)  # best first
+    best = [tok.decode(tasks.until_eos(np.asarray(t), tok.eos_id)) for t in tokens[:, 0]]
+    assert [r["translation"] for r in beams] == best
     with pytest.raises(main.InputError, match=r"^--mode=translate: source 2 \('nine nine .*"
                                               r"\.\.\.'\) is 160 tokens; valid: 1\.\.32 "
                                               r"tokens \(data.source_len\)$"):
