@@ -275,7 +275,7 @@ TEXT_FILE_KEYS = {
     "files": "",
     # Globs of the held-out files; "": eval_fraction of the records is held out instead.
     "eval_files": "",
-    "text_key": "text",  # the key (jsonl) or column (parquet) holding a record's text.
+    "text_key": "text",  # the key (jsonl) or column (parquet, csv, tsv) holding a record's text.
     # Without eval_files: the share of the records held out, chosen by a hash of file and
     # line or row (stable as files are added).
     "eval_fraction": 0.05,

@@ -11,6 +11,9 @@ Formats (by the file name's ending):
   .jsonl .jsonl.gz .jsonl.zst one JSON object per line, the document in `text_key`;
                               blank lines are skipped
   .parquet                    one document per row, in the column `text_key`
+  .csv .tsv                   one document per row, in the column `text_key` named by the
+                              header row (CSV: quoted fields may span lines; TSV: a row
+                              a line, no quoting); blank lines are skipped
 `files` is a comma-separated list of globs (`**` recurses, `~` expands; a directory
 stands for every file of these formats under it).
 
@@ -31,7 +34,7 @@ shuffle; the prepared token cache of issue #26 is the fast path for big compress
 corpora).
 
 Pairs (a translation's source and target sentences): `fields=('en', 'fr')` reads those
-two keys of each .jsonl record or columns of each .parquet row, and a record is
+two keys of each .jsonl record or columns of each .parquet, .csv or .tsv row, and a record is
 {'id': ..., 'en': UTF-8 bytes, 'fr': UTF-8 bytes} (text files hold no fields). Labelled
 texts likewise: `fields=('text', 'label'), integer_fields=('label',)`, where the label may
 also be an integer or a boolean (read as its text: '3', 'true').
@@ -63,7 +66,11 @@ from attention_jax.errors import UserError
 
 TEXT_SUFFIXES = ('.txt', '.md', '.py')
 JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
-SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, '.parquet')
+# Tables whose header row names the columns: CSV (RFC 4180: a quoted field may hold the
+# delimiter, doubled quotes and line breaks) and TSV (the IANA form: a record a line,
+# fields split at tabs, no quoting).
+TABLE_SUFFIXES = ('.csv', '.tsv')
+SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, '.parquet', *TABLE_SUFFIXES)
 SPLITS = ('train', 'validation')
 _CHUNK = 1 << 24  # bytes read at a time while indexing
 
@@ -137,30 +144,11 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
         for p in paths:
             if _format(p) is None:
                 raise FilesError(f'{arg}: {p} (matched by {pattern!r}) is not a file type this '
-                                 f'source reads; valid: {", ".join(SUFFIXES)}'
-                                 + _table_hint(p))
+                                 f'source reads; valid: {", ".join(SUFFIXES)}')
             rel = os.path.relpath(p, base) if base else os.path.normpath(p)
             found.setdefault(os.path.abspath(p), rel.replace(os.sep, '/'))
     files = [(ident, path) for path, ident in sorted(found.items())]
     return files[:max_files] if max_files else files
-
-
-# A CSV or TSV table (with a header row naming its columns) is read once into Parquet
-# with pyarrow (installed here), its columns the keys (text_key, label_key; a pair's
-# source and target).
-_TABLES = {'.csv': '', '.tsv': ', parse_options=pyarrow.csv.ParseOptions(delimiter="\\t")'}
-
-
-def _table_hint(path: str) -> str:
-    """For a CSV or TSV file, how to make it a Parquet file that is read; '' else."""
-    for suffix, options in _TABLES.items():
-        if path.lower().endswith(suffix):
-            stem = os.path.basename(path)[:-len(suffix)]
-            return (f' (a table: convert it once, its header row naming the keys: import '
-                    f'pyarrow.csv, pyarrow.parquet; pyarrow.parquet.write_table(pyarrow.csv.'
-                    f'read_csv(PATH{options}), "{stem}.parquet"); without a header row, '
-                    f'give read_options=pyarrow.csv.ReadOptions(column_names=[...]))')
-    return ''
 
 
 # ================================================================================= indexing
@@ -175,6 +163,7 @@ class _File:
     ends: np.ndarray | None = None
     lines: np.ndarray | None = None  # jsonl: its 1-based line number (identity, messages)
     groups: np.ndarray | None = None  # parquet: first row of each row group, then the count
+    columns: tuple[str, ...] = ()  # csv/tsv: the header row's names
     # (size, mtime_ns, inode, ctime_ns) when it was indexed: what is derived from its
     # records is kept by it (records_cache); an edit that restores the size and mtime
     # (cp -p, rsync -t, os.utime) still changes the ctime.
@@ -308,7 +297,7 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
     if fmt in TEXT_SUFFIXES:
         if pairs:
             raise FilesError(f'{path}: a text file is one document; pairs ({", ".join(fields)}) '
-                             f'come from .jsonl or .parquet records holding both')
+                             f'come from .jsonl, .parquet, .csv or .tsv records holding both')
         if not os.access(path, os.R_OK):
             raise FilesError(f'{path}: cannot be read (permissions)')
         return f
@@ -353,6 +342,8 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
         f.groups = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         f.count = int(f.groups[-1])
         return f
+    if fmt in TABLE_SUFFIXES:
+        return _index_table(f, fields, hint)
     try:
         f.starts, f.ends, f.lines, first = _index_lines(_CHUNKS[fmt](path))
     except PermissionError:
@@ -363,6 +354,69 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
     f.count = len(f.starts)
     _check_first_records(path, first, fields, integers, hint)
     return f
+
+
+def _index_csv_records(chunks: Iterator[bytes]):
+    """(starts, ends, line numbers) of a CSV's records, blank ones included: a line break
+    ends a record where the quotes before it are even in number (RFC 4180 doubles a
+    quote inside a quoted field, so the parity says whether a break is inside one)."""
+    starts, ends, lines = [0], [], [1]
+    base, quotes, breaks = 0, 0, 0  # bytes, quotes and line breaks before the chunk
+    for chunk in chunks:
+        data = np.frombuffer(chunk, np.uint8)
+        nl = np.flatnonzero(data == 10)
+        q = np.flatnonzero(data == 34)
+        closing = np.flatnonzero((quotes + np.searchsorted(q, nl)) % 2 == 0)
+        ends.append(base + nl[closing])
+        starts.append(base + nl[closing] + 1)
+        lines.append(breaks + closing + 2)  # a record after the break numbered k + 1
+        base, quotes, breaks = base + len(chunk), quotes + len(q), breaks + len(nl)
+    ends.append([base])  # the last record (empty when the file ends with a line break)
+    cat = lambda xs: np.concatenate([np.atleast_1d(x) for x in xs]).astype(np.int64)  # noqa: E731
+    return cat(starts), cat(ends), cat(lines)
+
+
+def _index_table(f: _File, fields, hint: str) -> _File:
+    """A CSV's or TSV's records after its header row, which names the columns."""
+    import csv
+    try:
+        if f.format == '.csv':
+            starts, ends, lines = _index_csv_records(_plain_chunks(f.path))
+        else:
+            starts, ends, lines, _ = _index_lines(_plain_chunks(f.path))
+        with open(f.path, 'rb') as fh:
+            read = lambda a, b: os.pread(fh.fileno(), int(b - a), int(a))  # noqa: E731
+            # blank records (a CSV's are listed too; a blank one is short) are no rows
+            short = np.flatnonzero(ends - starts <= 8)
+            keep = np.ones(len(starts), bool)
+            keep[short] = [bool(read(starts[k], ends[k]).strip()) for k in short]
+            starts, ends, lines = starts[keep], ends[keep], lines[keep]
+            header = read(starts[0], ends[0]) if len(starts) else b''
+    except PermissionError:
+        raise FilesError(f'{f.path}: cannot be read (permissions)') from None
+    if not header:
+        raise FilesError(f'{f.path}: no header row; valid: a first row naming the columns, '
+                         f'e.g. {",".join(fields)}')
+    text = header.decode('utf-8-sig', errors='replace').rstrip('\r')
+    try:
+        f.columns = tuple(_table_row(text, f.format, csv))
+    except csv.Error as e:
+        raise FilesError(f'{f.path}: its header row is no CSV row ({e})') from None
+    for key in fields:
+        if key not in f.columns:
+            raise FilesError(f'{f.path}: its header row names no column {key!r} (its columns: '
+                             f'{list(f.columns)}); {hint}, or give the file a header row '
+                             f'naming the columns')
+    f.starts, f.ends, f.lines = starts[1:], ends[1:], lines[1:]
+    f.count = len(f.starts)
+    return f
+
+
+def _table_row(text: str, fmt: str, csv) -> list[str]:
+    """One CSV record's fields (quoted ones unquoted), or a TSV line's."""
+    if fmt == '.tsv':
+        return text.split('\t')
+    return next(csv.reader([text], strict=True), [])
 
 
 # What names the key of a document's text, for a file whose records lack it.
@@ -389,7 +443,7 @@ class _Reader:
     def line(self, f: _File, k: int) -> bytes:
         start, end = int(f.starts[k]), int(f.ends[k])
         try:
-            if f.format == '.jsonl':
+            if f.format in ('.jsonl', *TABLE_SUFFIXES):  # plain files: read in place
                 path, handle = self._open
                 if path != f.path:
                     handle = open(f.path, 'rb')  # closed when the next one replaces it
@@ -542,6 +596,10 @@ class Corpus:
             where = f'{f.path}: row {k}'
             values = self._reader.row(f, k, self.fields)
             ident = f'{f.ident}:{k}'
+        elif f.format in TABLE_SUFFIXES:
+            where = f'{f.path}:{int(f.lines[k])}'
+            values = self._table_values(f, self._reader.line(f, k), where)
+            ident = f'{f.ident}:{int(f.lines[k])}'
         else:
             where = f'{f.path}:{int(f.lines[k])}'
             values = self._json_values(self._reader.line(f, k), where)
@@ -562,6 +620,21 @@ class Corpus:
         texts = [v.encode('utf-8', errors='replace') for v in values]
         names = self.fields if self.pairs else ('text',)
         return {'id': ident.encode(), **dict(zip(names, texts))}
+
+    def _table_values(self, f: _File, record: bytes, where: str) -> list:
+        """A CSV or TSV record's values of `fields` (_BAD each if it is a bad record)."""
+        import csv
+        text = record.decode('utf-8', errors='replace').rstrip('\r')
+        try:
+            row = _table_row(text, f.format, csv)
+        except csv.Error as e:
+            self.bad.skip(where, f'not a CSV record ({e})')
+            return [_BAD] * len(self.fields)
+        if len(row) != len(f.columns):
+            self.bad.skip(where, f'{len(row)} fields, where the header row names '
+                                 f'{len(f.columns)}')
+            return [_BAD] * len(self.fields)
+        return [row[f.columns.index(key)] for key in self.fields]
 
     def _json_values(self, line: bytes, where: str) -> list:
         """The record's values of `fields` (_BAD each if the line is a bad record)."""

@@ -436,8 +436,8 @@ def record_splits(data_opts, fields: Sequence[str], *, holds: str, hint: str,
         return splits(data_opts)
     if not data_opts.files:
         raise ConfigError(f"config.data.name='files' needs --config.data.files=GLOBS "
-                          f"(comma-separated globs of .jsonl[.gz|.zst] or .parquet files whose "
-                          f"records hold {holds})")
+                          f"(comma-separated globs of .jsonl[.gz|.zst], .parquet, .csv or .tsv "
+                          f"files whose records hold {holds})")
     if "id" in fields:  # the record's own key (file and line)
         raise ConfigError(f"config.data: a key is 'id' ({list(fields)}), which names a "
                           f"record's file and line here; valid: other keys (rename that "

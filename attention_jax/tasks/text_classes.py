@@ -4,7 +4,7 @@ fine-tuned on labelled texts (Devlin et al. 2019, §4): [CLS] text [SEP], or a p
 
 The labelled texts: a tfds dataset whose label is a ClassLabel (default: the offline
 `number_languages`; `imdb_reviews`, `glue/sst2`, `ag_news_subset` prepared in data_dir),
-or with data.name="files" the user's .jsonl/.parquet records, the text under
+or with data.name="files" the user's .jsonl/.parquet/.csv/.tsv records, the text under
 data.text_key (a pair's second text under data.pair_key) and the label under
 data.label_key: any text, integer or boolean. A file's classes are the distinct labels of
 the training split in sorted order (numerically where all are integers), kept with the

@@ -39,7 +39,7 @@ def _check_languages(data_opts, records) -> None:
 
 def _pairs(data_opts, held_out_only: bool = False):
     """(train, eval) sources of sentence pairs: a dataset's splits, or with
-    data.name="files" the records of the user's .jsonl/.parquet files, each holding both
+    data.name="files" the records of the user's .jsonl/.parquet/.csv/.tsv files, each holding both
     languages under the keys data.source and data.target (held_out_only: (None, eval),
     of data.eval_files alone)."""
     if data_opts.name == "files":

@@ -177,14 +177,16 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
             files.file_splits(str(tmp_path / name))
         cases.append((e, f'{tmp_path / name}: '))
         assert cut in str(e.value) and ('truncated' in str(e.value))
-    (tmp_path / 'data.csv').write_text('a,b\n')
+    (tmp_path / 'data.xml').write_text('<a/>\n')
+    with pytest.raises(files.FilesError) as e:
+        files.file_splits(f'{tmp_path}/*.xml')
+    cases.append((e, 'is not a file type this source reads; valid: .txt, .md, .py'))
+    (tmp_path / 'data.csv').write_text('a,b\n1,2\n')
     with pytest.raises(files.FilesError) as e:
         files.file_splits(f'{tmp_path}/*.csv')
-    cases.append((e, 'is not a file type this source reads; valid: .txt, .md, .py'))
-    # a table: how to make it a Parquet file, its header row naming the keys
-    assert ('(a table: convert it once, its header row naming the keys: import pyarrow.csv, '
-            'pyarrow.parquet; pyarrow.parquet.write_table(pyarrow.csv.read_csv(PATH), '
-            '"data.parquet");') in str(e.value)
+    cases.append((e, "data.csv: its header row names no column 'text' (its columns: ['a', "
+                     "'b']); set text_key to the one that holds the text, or give the file a "
+                     "header row naming the columns"))
     (tmp_path / 'lone').mkdir()
     (tmp_path / 'lone' / 'e.txt').write_text('')
     with pytest.raises(files.FilesError) as e:  # was "holds one document; ... two or more"
@@ -218,7 +220,7 @@ def test_a_directory_says_what_it_leaves_out_and_brackets_are_a_path(tmp_path, c
     assert [ident for ident, _ in listed] == ['a.txt', 'sub/b [1].md']
     assert capsys.readouterr().err.splitlines() == [
         f"note: files={str(folder)!r}: 2 files of other types left out: d.json, e.txt.gz "
-        f"(read: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet)"]
+        f"(read: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .csv, .tsv)"]
     files.list_files(str(folder))
     assert capsys.readouterr().err == ''  # once a process
     assert files.list_files(str(folder / 'sub' / 'b [1].md')) == [
@@ -244,6 +246,35 @@ def test_a_header_record_is_a_bad_record_not_a_refused_file(tmp_path, capsys):
     with pytest.raises(files.FilesError, match=r"has no 'body' in its records \(their keys: "
                                                r"\['meta', 'source', 'text', 'version'\]\)"):
         files.file_splits(str(path), text_key='body')
+
+
+def test_csv_and_tsv_rows_are_records_named_by_their_header(tmp_path, capsys):
+    """A CSV (RFC 4180: quoted fields with commas, doubled quotes and line breaks) and a
+    TSV (a row a line, no quoting) are read as their header row names the columns; blank
+    lines are no rows, and a row of another width or an unclosed quote is a bad record."""
+    (tmp_path / 'r.csv').write_bytes(
+        b'\xef\xbb\xbfreview,stars\r\n"a good, long\r\nfilm",5\r\nplain text,3\r\n\r\n'
+        b'"say ""hi""",4\r\none,too,many\r\nlast,2')  # (a BOM, Windows line ends)
+    src = files.file_splits(str(tmp_path / 'r.csv'), eval_fraction=0.5,
+                            fields=('review', 'stars'), integer_fields=('stars',))
+    rows = {r['id']: (r['review'], r['stars']) for s in src.values()
+            for r in (s[i] for i in range(len(s)))}
+    assert rows == {b'r.csv:2': (b'a good, long\r\nfilm', b'5'), b'r.csv:4': (b'plain text', b'3'),
+                    b'r.csv:6': (b'say "hi"', b'4'), b'r.csv:7': (b'', b''),
+                    b'r.csv:8': (b'last', b'2')}
+    assert (f"warning: {tmp_path / 'r.csv'}:7: 3 fields, where the header row names 2; "
+            f"skipped") in capsys.readouterr().err
+    (tmp_path / 'p.tsv').write_text('en\tfr\none\tun\n\ntwo "quoted\tdeux "x"\n')
+    src = files.file_splits(str(tmp_path / 'p.tsv'), eval_fraction=0.5, fields=('en', 'fr'))
+    rows = sorted((r['en'], r['fr']) for s in src.values() for r in (s[i] for i in range(len(s))))
+    assert rows == [(b'one', b'un'), (b'two "quoted', b'deux "x"')]
+    (tmp_path / 'q.csv').write_text('"en,fr\none,un\n')  # the header's quote never closes
+    with pytest.raises(files.FilesError, match=r"q\.csv: its header row is no CSV row"):
+        files.file_splits(str(tmp_path / 'q.csv'), fields=('en', 'fr'))
+    (tmp_path / 'e.tsv').write_text('\n\n')
+    with pytest.raises(files.FilesError, match=r"e\.tsv: no header row; valid: a first row "
+                                              r"naming the columns, e\.g\. en,fr"):
+        files.file_splits(str(tmp_path / 'e.tsv'), fields=('en', 'fr'))
 
 
 def test_nulls_are_missing_values_not_a_type(tmp_path, capsys):

@@ -101,7 +101,7 @@ def test_own_jsonl_labels_train_classify_and_resume_on_the_same_classes(tmp_path
         train.train_and_evaluate(config, work)
 
 
-@pytest.mark.parametrize("kind", ["int64", "float64", "jsonl floats"])
+@pytest.mark.parametrize("kind", ["int64", "float64", "jsonl floats", "csv"])
 def test_integer_labels_of_a_parquet_column_sort_as_numbers(tmp_path, kind):
     """An integer label column is read as its numbers' text, ordered numerically (2 before
     10), and each record's label index is its number's place in that order. Whole floats
@@ -109,7 +109,11 @@ def test_integer_labels_of_a_parquet_column_sort_as_numbers(tmp_path, kind):
     they were refused (Parquet) or a skipped record each, then an error (JSONL)."""
     labels = [10, 2, 1] * 20
     texts = [f"the film was {GOOD[i % 6]}" for i in range(60)]
-    if kind == "jsonl floats":
+    if kind == "csv":  # a table's header naming the columns, a quoted field with a comma
+        file = tmp_path / "r.csv"
+        file.write_text("review,stars\n" + "".join(f'"{t}, truly",{n}\n'
+                                                  for t, n in zip(texts, labels)))
+    elif kind == "jsonl floats":
         file = tmp_path / "r.jsonl"
         file.write_text("".join(json.dumps({"review": t, "stars": float(n)}) + "\n"
                                 for t, n in zip(texts, labels)))

@@ -139,7 +139,8 @@ def test_a_text_file_is_no_pair_and_files_need_the_files_source(tmp_path):
     (tmp_path / "a.txt").write_text("five two\n")
     config = _config(tmp_path, f"data.files={tmp_path}/a.txt", task="rnn_seq2seq")
     with pytest.raises(files.FilesError, match=r"a\.txt: a text file is one document; pairs "
-                                               r"\(en, fr\) come from \.jsonl or \.parquet"):
+                                               r"\(en, fr\) come from \.jsonl, \.parquet, "
+                                               r"\.csv or \.tsv records"):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
     config.data.name = "number_translation/small"
     with pytest.raises(ConfigError, match=r"config\.data\.files=.* is read only with "
