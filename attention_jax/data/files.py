@@ -356,47 +356,70 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
     return f
 
 
-def _index_csv_records(chunks: Iterator[bytes]):
-    """(starts, ends, line numbers) of a CSV's records, blank ones included: a line break
-    ends a record where the quotes before it are even in number (RFC 4180 doubles a
-    quote inside a quoted field, so the parity says whether a break is inside one)."""
-    starts, ends, lines = [0], [], [1]
-    base, quotes, breaks = 0, 0, 0  # bytes, quotes and line breaks before the chunk
-    for chunk in chunks:
-        data = np.frombuffer(chunk, np.uint8)
-        nl = np.flatnonzero(data == 10)
-        q = np.flatnonzero(data == 34)
-        closing = np.flatnonzero((quotes + np.searchsorted(q, nl)) % 2 == 0)
-        ends.append(base + nl[closing])
-        starts.append(base + nl[closing] + 1)
-        lines.append(breaks + closing + 2)  # a record after the break numbered k + 1
-        base, quotes, breaks = base + len(chunk), quotes + len(q), breaks + len(nl)
-    ends.append([base])  # the last record (empty when the file ends with a line break)
-    cat = lambda xs: np.concatenate([np.atleast_1d(x) for x in xs]).astype(np.int64)  # noqa: E731
-    return cat(starts), cat(ends), cat(lines)
+def _csv_module():
+    """Python's csv module, its field size limit raised: a long document (an article, a
+    book) in one field was a bad record past the default 128 KiB."""
+    import csv
+    if csv.field_size_limit() < _CSV_FIELD_LIMIT:
+        csv.field_size_limit(_CSV_FIELD_LIMIT)
+    return csv
+
+
+_CSV_FIELD_LIMIT = 2**31 - 1
+
+
+def _index_csv_records(path: str):
+    """(starts, ends, line numbers) of a CSV's non-blank records, as Python's csv module
+    reads them (a quoted field may hold commas, doubled quotes and line breaks; a quote
+    inside an unquoted field is text): the reader takes the file a line at a time and
+    stops at each record's last line, so the lines it took say where the record lies. A
+    quote left open at the end makes the lines after it one record (a bad one)."""
+    csv = _csv_module()
+    where = []  # (offset, length without its line break) of each line the reader took
+
+    def lines():
+        offset = 0
+        with open(path, 'rb') as fh:
+            for raw in fh:
+                where.append((offset, len(raw) - raw.endswith(b'\n')))
+                offset += len(raw)
+                yield raw.decode('utf-8', errors='replace')  # (breaks and quotes are ASCII)
+    starts, ends, numbers = [], [], []
+    taken = 0
+    rows = csv.reader(lines())
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            break
+        except csv.Error:  # an unclosed quote at the end: the rest is one (bad) record
+            row = ['']
+        if row:  # ([] is a blank line)
+            (first, _), (last, length) = where[taken], where[-1]
+            starts.append(first)
+            ends.append(last + length)
+            numbers.append(taken + 1)
+        taken = len(where)
+    cat = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
+    return cat(starts), cat(ends), cat(numbers)
 
 
 def _index_table(f: _File, fields, hint: str) -> _File:
-    """A CSV's or TSV's records after its header row, which names the columns."""
-    import csv
+    """A CSV's or TSV's records after its header row, which names the columns. An empty
+    file (a shard of a split dump) holds no records."""
+    csv = _csv_module()
     try:
         if f.format == '.csv':
-            starts, ends, lines = _index_csv_records(_plain_chunks(f.path))
+            starts, ends, lines = _index_csv_records(f.path)
         else:
             starts, ends, lines, _ = _index_lines(_plain_chunks(f.path))
+        if not len(starts):
+            f.starts, f.ends, f.lines, f.count = starts, ends, lines, 0
+            return f
         with open(f.path, 'rb') as fh:
-            read = lambda a, b: os.pread(fh.fileno(), int(b - a), int(a))  # noqa: E731
-            # blank records (a CSV's are listed too; a blank one is short) are no rows
-            short = np.flatnonzero(ends - starts <= 8)
-            keep = np.ones(len(starts), bool)
-            keep[short] = [bool(read(starts[k], ends[k]).strip()) for k in short]
-            starts, ends, lines = starts[keep], ends[keep], lines[keep]
-            header = read(starts[0], ends[0]) if len(starts) else b''
+            header = os.pread(fh.fileno(), int(ends[0] - starts[0]), int(starts[0]))
     except PermissionError:
         raise FilesError(f'{f.path}: cannot be read (permissions)') from None
-    if not header:
-        raise FilesError(f'{f.path}: no header row; valid: a first row naming the columns, '
-                         f'e.g. {",".join(fields)}')
     text = header.decode('utf-8-sig', errors='replace').rstrip('\r')
     try:
         f.columns = tuple(_table_row(text, f.format, csv))
@@ -407,16 +430,30 @@ def _index_table(f: _File, fields, hint: str) -> _File:
             raise FilesError(f'{f.path}: its header row names no column {key!r} (its columns: '
                              f'{list(f.columns)}); {hint}, or give the file a header row '
                              f'naming the columns')
+        if f.columns.count(key) > 1:
+            raise FilesError(f'{f.path}: its header row names the column {key!r} '
+                             f'{f.columns.count(key)} times; valid: one column of each name')
     f.starts, f.ends, f.lines = starts[1:], ends[1:], lines[1:]
     f.count = len(f.starts)
     return f
 
 
 def _table_row(text: str, fmt: str, csv) -> list[str]:
-    """One CSV record's fields (quoted ones unquoted), or a TSV line's."""
+    """One CSV record's fields (quoted ones unquoted, as Python's csv module reads them),
+    or a TSV line's: split at tabs, a field unquoted only where a writer quoted it (csv's
+    and pandas' tab-separated output: wrapped in quotes, each of its own quotes doubled);
+    another quote is text (a sentence that starts with one)."""
     if fmt == '.tsv':
-        return text.split('\t')
-    return next(csv.reader([text], strict=True), [])
+        return [_tsv_field(field) for field in text.split('\t')]
+    return next(csv.reader([text]), [])
+
+
+def _tsv_field(field: str) -> str:
+    inner = field[1:-1]
+    if (len(field) >= 2 and field[0] == field[-1] == '"' and '""' in inner
+            and '"' not in inner.replace('""', '')):
+        return inner.replace('""', '"')
+    return field
 
 
 # What names the key of a document's text, for a file whose records lack it.
@@ -623,10 +660,14 @@ class Corpus:
 
     def _table_values(self, f: _File, record: bytes, where: str) -> list:
         """A CSV or TSV record's values of `fields` (_BAD each if it is a bad record)."""
-        import csv
-        text = record.decode('utf-8', errors='replace').rstrip('\r')
-        try:
+        csv = _csv_module()
+        try:  # (a record not in UTF-8 is a bad one, as a JSONL line is)
+            text = record.decode('utf-8').rstrip('\r')
             row = _table_row(text, f.format, csv)
+        except UnicodeDecodeError as e:
+            self.bad.skip(where, f'not UTF-8 ({e.reason} at byte {e.start}; a file in another '
+                                 f'encoding: convert it, e.g. iconv -f cp1252 -t utf-8)')
+            return [_BAD] * len(self.fields)
         except csv.Error as e:
             self.bad.skip(where, f'not a CSV record ({e})')
             return [_BAD] * len(self.fields)

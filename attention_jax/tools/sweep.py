@@ -154,7 +154,7 @@ class _Stream(io.TextIOBase):
     bars (isatty, fileno, encoding are the stream's)."""
 
     def __init__(self, stream):
-        self.stream, self._lock = stream, threading.Lock()
+        self.stream = stream
 
     def flush(self) -> None:
         self.stream.flush()
@@ -191,17 +191,19 @@ class _Unrepeated(_Stream):
 
     def __init__(self, stream, said: set[str]):
         super().__init__(stream)
-        self.said, self.skip_newline = said, False
+        self.said, self._thread = said, threading.local()
 
     def write(self, text: str) -> int:
-        with self._lock:  # a message and its newline are two writes: one thread's pair
-            newline_of_skipped, self.skip_newline = self.skip_newline and text == "\n", False
-            if newline_of_skipped:
-                return len(text)
-            if text.rstrip("\n") in self.said:
-                self.skip_newline = not text.endswith("\n")
-                return len(text)
-            return self.stream.write(text)
+        # A message and its newline are two writes of one thread (print's): whether the
+        # next newline is a suppressed message's is that thread's own.
+        skip_newline = getattr(self._thread, "skip_newline", False)
+        self._thread.skip_newline = False
+        if skip_newline and text == "\n":
+            return len(text)
+        if text.rstrip("\n") in self.said:
+            self._thread.skip_newline = not text.endswith("\n")
+            return len(text)
+        return self.stream.write(text)
 
 
 class Stopped(Exception):

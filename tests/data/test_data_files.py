@@ -269,12 +269,43 @@ def test_csv_and_tsv_rows_are_records_named_by_their_header(tmp_path, capsys):
     rows = sorted((r['en'], r['fr']) for s in src.values() for r in (s[i] for i in range(len(s))))
     assert rows == [(b'one', b'un'), (b'two "quoted', b'deux "x"')]
     (tmp_path / 'q.csv').write_text('"en,fr\none,un\n')  # the header's quote never closes
-    with pytest.raises(files.FilesError, match=r"q\.csv: its header row is no CSV row"):
+    with pytest.raises(files.FilesError, match=r"q\.csv: its header row names no column 'en' "
+                                              r"\(its columns: \['en,fr\\none,un'\]\)"):
         files.file_splits(str(tmp_path / 'q.csv'), fields=('en', 'fr'))
-    (tmp_path / 'e.tsv').write_text('\n\n')
-    with pytest.raises(files.FilesError, match=r"e\.tsv: no header row; valid: a first row "
-                                              r"naming the columns, e\.g\. en,fr"):
-        files.file_splits(str(tmp_path / 'e.tsv'), fields=('en', 'fr'))
+    (tmp_path / 'd.csv').write_text('en,en,fr\none,un,uno\n')
+    with pytest.raises(files.FilesError, match=r"d\.csv: its header row names the column 'en' "
+                                              r"2 times; valid: one column of each name"):
+        files.file_splits(str(tmp_path / 'd.csv'), fields=('en', 'fr'))
+
+
+def test_csv_and_tsv_as_the_tools_write_them(tmp_path, capsys):
+    """From a review: a quote inside an unquoted field (5" screen) swallowed the rest of
+    the file into one bad record; a field past 128 KiB (csv's default limit) was a bad
+    record; cp1252 bytes were read as U+FFFD unsaid; a TSV written by csv or pandas kept
+    its quotes; an empty CSV shard stopped the corpus. Each row is read here as Python's
+    csv module reads it."""
+    import csv
+    long_text = 'word ' * 40_000  # 200 kB
+    rows = [['body', 'n'], ['a 5" screen', '1'], ['"quoted, with a break\n"', '2'],
+            [long_text, '3'], ['plain', '4']]
+    with open(tmp_path / 'w.csv', 'w', newline='') as fh:
+        csv.writer(fh).writerows(rows)
+    (tmp_path / 'w.csv').write_bytes((tmp_path / 'w.csv').read_bytes().replace(
+        b'"a 5"" screen"', b'a 5" screen'))  # unquoted, as a hand-written file has it
+    (tmp_path / 'empty.csv').write_text('')  # an empty shard: no records
+    csv.field_size_limit(131072)  # (csv's default, which the reader raises)
+    src = files.file_splits(f'{tmp_path}/*.csv', text_key='body', eval_fraction=0.5)
+    read = sorted(t for s in src.values() for t in _read(s).values())
+    with open(tmp_path / 'w.csv', newline='') as fh:
+        assert read == sorted(r[0] for r in list(csv.reader(fh))[1:])
+    assert capsys.readouterr().err.count('warning') == 0
+    (tmp_path / 'c.tsv').write_bytes(b'en\tfr\n"I said ""hi"""\t"Hello," he said.\n'
+                                     b'caf\xe9\tcaf\xe9\n')  # (a writer's quoting; cp1252)
+    src = files.file_splits(str(tmp_path / 'c.tsv'), fields=('en', 'fr'), eval_fraction=0.5)
+    pairs = sorted((r['en'], r['fr']) for s in src.values() for r in (s[i] for i in range(len(s))))
+    assert pairs == [(b'', b''), (b'I said "hi"', b'"Hello," he said.')]
+    assert (f"{tmp_path / 'c.tsv'}:3: not UTF-8 (invalid continuation byte at byte 3; a file "
+            f"in another encoding: convert it") in capsys.readouterr().err
 
 
 def test_nulls_are_missing_values_not_a_type(tmp_path, capsys):
