@@ -375,17 +375,17 @@ def _index_csv_records(path: str):
     stops at each record's last line, so the lines it took say where the record lies. A
     quote left open at the end makes the lines after it one record (a bad one)."""
     csv = _csv_module()
-    where = []  # (offset, length without its line break) of each line the reader took
+    record = []  # (offset, length without its line break) of the lines of this record
 
     def lines():
         offset = 0
         with open(path, 'rb') as fh:
             for raw in fh:
-                where.append((offset, len(raw) - raw.endswith(b'\n')))
+                record.append((offset, len(raw) - raw.endswith(b'\n')))
                 offset += len(raw)
                 yield raw.decode('utf-8', errors='replace')  # (breaks and quotes are ASCII)
     starts, ends, numbers = [], [], []
-    taken = 0
+    taken = 0  # lines before this record
     rows = csv.reader(lines())
     while True:
         try:
@@ -395,11 +395,12 @@ def _index_csv_records(path: str):
         except csv.Error:  # an unclosed quote at the end: the rest is one (bad) record
             row = ['']
         if row:  # ([] is a blank line)
-            (first, _), (last, length) = where[taken], where[-1]
+            (first, _), (last, length) = record[0], record[-1]
             starts.append(first)
             ends.append(last + length)
             numbers.append(taken + 1)
-        taken = len(where)
+        taken += len(record)
+        record.clear()
     cat = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
     return cat(starts), cat(ends), cat(numbers)
 
