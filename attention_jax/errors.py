@@ -91,6 +91,27 @@ def is_int(x) -> bool:
         return False
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def check_float_dtypes(config, names: Iterable[str] = ("dtype", "param_dtype")) -> None:
+    """ValueError naming the first of `names` on `config` (a model's config dataclass, where
+    it has that field) that is no floating dtype: 'floatx' was taken until init failed
+    ("data type 'floatx' not understood")."""
+    import jax.numpy as jnp
+    for name in names:
+        if not hasattr(config, name):
+            continue
+        value = getattr(config, name)
+        try:
+            ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name}={value!r} is no floating dtype; valid: one of "
+                             f"{list(FLOAT_DTYPES)} (or its jnp dtype)")
+
+
 def check_positive_ints(config, names: Iterable[str], none_means: dict | None = None) -> None:
     """ValueError "NAME must be a positive integer; got VALUE (valid: ...)" for the first of
     `names` whose value on `config` (a model's config dataclass) is not an integer >= 1.

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_positive_ints
+from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -71,6 +71,7 @@ class BertConfig:
     dtype: Any = "float32"
 
     def __post_init__(self):
+        check_float_dtypes(self)
         check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_layers",
                                    "mlp_dim", "max_len", "type_vocab_size", "num_labels"))
         check_heads(self.d_model, self.num_heads)  # ValueError listing the valid head counts

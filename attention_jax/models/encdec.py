@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_positive_ints
+from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
@@ -75,6 +75,7 @@ class EncDecConfig:
         # Checked here, where the message can name the field: a zero d_model or num_heads
         # otherwise divides by zero (here, or in setup's D^-1/2), zero layers fails deep in
         # the stack's setup, and mlp_dim=0 silently became the 4D default.
+        check_float_dtypes(self)
         check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
                                    "num_decoder_layers", "mlp_dim"),
                             none_means={"mlp_dim": "4 * d_model"})  # the block's default

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_positive_ints
+from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
 from attention_jax.layers.posemb import Embed, check_ids
 
 __all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
@@ -59,6 +59,7 @@ class RNNConfig:
     def __post_init__(self):
         if self.cell not in CELLS:
             raise ValueError(f"cell={self.cell!r} is unknown; valid: {CELLS}")
+        check_float_dtypes(self)
         check_positive_ints(self, ("vocab_size", "target_vocab_size", "embed_dim",
                                    "hidden_dim", "attention_dim", "readout_dim"))
         for name in ("pad_id", "bos_id", "eos_id"):

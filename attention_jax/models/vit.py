@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_positive_ints
+from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -66,6 +66,7 @@ class ViTConfig:
     dtype: Any = "float32"
 
     def __post_init__(self):
+        check_float_dtypes(self)
         check_positive_ints(self, ("image_size", "patch_size", "num_channels", "d_model",
                                    "num_heads", "num_layers", "mlp_dim", "num_classes"))
         check_heads(self.d_model, self.num_heads)  # ValueError listing the valid head counts

@@ -257,3 +257,21 @@ def test_every_family_refuses_sizes_that_are_not_positive_integers(family, field
     with pytest.raises(ValueError, match=rf"^{field} must be a positive integer; got "
                                          rf"{value!r} \(valid: an integer >= 1\)$"):
         config_cls(**{**required, field: value})
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "vit", "cnn", "rnn", "encdec"])
+def test_every_family_refuses_a_dtype_that_is_no_float(family):
+    """GPTConfig(dtype='floatx') was taken until init said "data type 'floatx' not
+    understood"; an integer dtype until the first matmul."""
+    from attention_jax.models import bert, cnn, encdec, gpt, rnn, vit
+    config_cls = {"gpt": gpt.GPTConfig, "bert": bert.BertConfig, "vit": vit.ViTConfig,
+                  "cnn": cnn.CNNConfig, "rnn": rnn.RNNConfig,
+                  "encdec": encdec.EncDecConfig}[family]
+    required = (dict(vocab_size=32, embed_dim=8, hidden_dim=8, attention_dim=8, readout_dim=8)
+                if family == "rnn" else {})
+    for bad in ("floatx", "int32"):
+        with pytest.raises(ValueError, match=rf"^dtype={bad!r} is no floating dtype; valid: "
+                                             rf"one of \['float32', 'bfloat16', 'float16', "
+                                             rf"'float64'\]"):
+            config_cls(**{**required, "dtype": bad})
+    config_cls(**{**required, "dtype": "bfloat16"})
