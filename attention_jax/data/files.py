@@ -423,7 +423,7 @@ def _index_table(f: _File, fields, hint: str) -> _File:
         raise FilesError(f'{f.path}: cannot be read (permissions)') from None
     text = header.decode('utf-8-sig', errors='replace').rstrip('\r')
     try:
-        f.columns = tuple(_table_row(text, f.format, csv))
+        f.columns = tuple(_table_row(text, f.format))
     except csv.Error as e:
         raise FilesError(f'{f.path}: its header row is no CSV row ({e})') from None
     for key in fields:
@@ -439,14 +439,14 @@ def _index_table(f: _File, fields, hint: str) -> _File:
     return f
 
 
-def _table_row(text: str, fmt: str, csv) -> list[str]:
+def _table_row(text: str, fmt: str) -> list[str]:
     """One CSV record's fields (quoted ones unquoted, as Python's csv module reads them),
     or a TSV line's: split at tabs, a field unquoted only where a writer quoted it (csv's
     and pandas' tab-separated output: wrapped in quotes, each of its own quotes doubled);
     another quote is text (a sentence that starts with one)."""
     if fmt == '.tsv':
         return [_tsv_field(field) for field in text.split('\t')]
-    return next(csv.reader([text]), [])
+    return next(_csv_module().reader([text]), [])
 
 
 def _tsv_field(field: str) -> str:
@@ -664,7 +664,7 @@ class Corpus:
         csv = _csv_module()
         try:  # (a record not in UTF-8 is a bad one, as a JSONL line is)
             text = record.decode('utf-8').rstrip('\r')
-            row = _table_row(text, f.format, csv)
+            row = _table_row(text, f.format)
         except UnicodeDecodeError as e:
             self.bad.skip(where, f'not UTF-8 ({e.reason} at byte {e.start}; a file in another '
                                  f'encoding: convert it, e.g. iconv -f cp1252 -t utf-8)')

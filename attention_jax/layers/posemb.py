@@ -81,18 +81,24 @@ def lookup(table, ids, rows_axis: str | None = axes.VOCAB):
     return jnp.take(table, ids, axis=0)
 
 
+def _outside(x, limit: int) -> int | None:
+    """A concrete (eager) integer value of `x` outside 0..limit-1, or None (none, or `x`
+    traced: under jit a gather past the end gives NaN or wraps, -1 to the last, unsaid)."""
+    values = known_values(x)
+    if values is None or not values.size or not np.issubdtype(values.dtype, np.integer):
+        return None
+    low, high = int(values.min()), int(values.max())
+    return low if low < 0 else high if high >= limit else None
+
+
 def _check_rows(ids, rows: int, rows_axis) -> None:
     """Out-of-range ids as an error where they can be seen. A gather under jit cannot
     raise: JAX fills an out-of-range row with NaN, and the loss turns NaN with nothing
     said. Concrete ids (a model applied eagerly, as in a notebook) are checked here, as
     PyTorch's embedding checks them; traced ones are the caller's to check."""
-    ids = known_values(ids)
-    if ids is None or not ids.size or not np.issubdtype(ids.dtype, np.integer):
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= rows:
+    bad = _outside(ids, rows)
+    if bad is not None:
         what = "positions" if rows_axis == axes.POSITION else "ids"
-        bad = low if low < 0 else high
         raise ValueError(f"{what}: {bad} is outside the table's {rows} rows; valid: "
                          f"0..{rows - 1}" + (" (the model's max_len)" if what == "positions"
                                               else " (ids of another tokenizer, or a larger "
@@ -100,15 +106,10 @@ def _check_rows(ids, rows: int, rows_axis) -> None:
 
 
 def check_below(name: str, x, limit: int, what: str) -> None:
-    """Concrete (eager) values of `x` outside 0..limit-1 as an error naming `name`; under
-    jit a gather past the end gives NaN or wraps (-1: the last), with nothing said."""
-    values = known_values(x)
-    if values is None or not values.size or not np.issubdtype(values.dtype, np.integer):
-        return
-    low, high = int(values.min()), int(values.max())
-    if low < 0 or high >= limit:
-        raise ValueError(f"{name}: {low if low < 0 else high} is out of range; valid: "
-                         f"0..{limit - 1} ({what})")
+    """Concrete (eager) values of `x` outside 0..limit-1 as an error naming `name`."""
+    bad = _outside(x, limit)
+    if bad is not None:
+        raise ValueError(f"{name}: {bad} is out of range; valid: 0..{limit - 1} ({what})")
 
 
 def check_ids(name: str, x, shape=None, allow_bool: bool = False) -> None:

@@ -232,10 +232,9 @@ def translation_task(config, workdir: str) -> Task:
     if beam > 1 and config.task == "rnn_seq2seq":
         raise ConfigError(f"config.eval.beam_size={beam}: task 'rnn_seq2seq' translates "
                           f"greedily (its decoder has no beam search; encdec's has); valid: 1")
-    if beam > 1:
-        search = jax.jit(lambda params, src: encdec.beam_search(
+    if beam > 1:  # the best beam of each row
+        decode_best = jax.jit(lambda params, src: encdec.beam_search(
             model, params, src, beam_size=beam, max_len=data_opts.target_len)[0][:, 0])
-        decode_best = lambda params, src: search(params, src)  # noqa: E731  the best beam
     else:
         decode_best = lambda params, src: decode(params, src, data_opts.target_len)  # noqa: E731
     # Rows a call decodes at once: one compiled shape (eval.batch_size, as many as the
