@@ -13,7 +13,8 @@ Formats (by the file name's ending):
   .parquet                    one document per row, in the column `text_key`
   .csv .tsv                   one document per row, in the column `text_key` named by the
                               header row (CSV: quoted fields may span lines; TSV: a row
-                              a line, no quoting); blank lines are skipped
+                              a line, a field unquoted only as csv or pandas quote it);
+                              blank lines are skipped
 `files` is a comma-separated list of globs (`**` recurses, `~` expands; a directory
 stands for every file of these formats under it).
 
@@ -68,7 +69,7 @@ TEXT_SUFFIXES = ('.txt', '.md', '.py')
 JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
 # Tables whose header row names the columns: CSV (RFC 4180: a quoted field may hold the
 # delimiter, doubled quotes and line breaks) and TSV (the IANA form: a record a line,
-# fields split at tabs, no quoting).
+# fields split at tabs; a field unquoted only where csv or pandas quoted it, _tsv_field).
 TABLE_SUFFIXES = ('.csv', '.tsv')
 SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, '.parquet', *TABLE_SUFFIXES)
 SPLITS = ('train', 'validation')
