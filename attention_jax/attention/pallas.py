@@ -111,15 +111,25 @@ class BlockSizes:
 
 
 _TILES = ("fwd_q", "fwd_k", "bwd_q", "bwd_k")
+# The longest rows (T) that take the short rows' forward tiles at H <= 64: GPT-2's 1024,
+# where they were measured faster (H200, the packed kernels: causal 201 / 189 TFLOP/s
+# forward / forward+backward against 185 / 181, packed documents 210 / 221 against 142 /
+# 167); at 4096 (H100) 128 x 64 in 8 warps led.
+SHORT_ROWS = 1024
 _given_tiles: dict = {}  # what `tiles(...)` gives, within it
 
 
-def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> BlockSizes:
-    """Tile sizes measured fastest on an H100 (bf16; the sweep is in the README, Measurements behind the code).
+def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None,
+                       length: Optional[int] = None) -> BlockSizes:
+    """Tile sizes measured fastest on a Hopper GPU (bf16; the sweeps are in the README,
+    Measurements behind the code). `length`: the query rows' length T, where known.
 
     Float32 tiles
     and H > 128 tiles are twice the bytes and must be smaller to fit the 227 KiB of
-    shared memory a block may use. In interpret mode (CPU) speed means nothing; small
+    shared memory a block may use. At H <= 64 and T <= SHORT_ROWS the forward and dQ
+    programs take 64 x 64 tiles in 4 warps (four forward and three dQ programs an SM,
+    where 128 x 64 in 8 warps holds two); at T = 4096 128 x 64 led. In interpret mode
+    (CPU) speed means nothing; small
     tiles make the tests walk several blocks per row, so that loop bounds and partial
     masks are exercised. Within `tiles(...)`, the fields it gives replace these.
     """
@@ -132,6 +142,9 @@ def kernel_block_sizes(head_dim: int, dtype, backend: Optional[str] = None) -> B
     elif head_dim > 64:
         blocks = BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=128, num_warps=8,
                             num_stages=3, bwd_num_warps=8, bwd_num_stages=3)
+    elif length is not None and length <= SHORT_ROWS:
+        blocks = BlockSizes(fwd_q=64, fwd_k=64, bwd_q=64, bwd_k=64, num_warps=4,
+                            num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
     else:
         blocks = BlockSizes(fwd_q=128, fwd_k=64, bwd_q=64, bwd_k=64, num_warps=8,
                             num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
@@ -246,7 +259,7 @@ def _prepare(q, k, v, spec: MaskSpec, scale: float, blocks: Optional[BlockSizes]
     s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
     if interpret is None:
         interpret = target_backend() == "cpu"
-    blocks = blocks or kernel_block_sizes(h, q.dtype)
+    blocks = blocks or kernel_block_sizes(h, q.dtype, length=t)
     st = _Static(
         causal=spec.causal, left=spec.left, right=spec.right, scale=float(scale), q_len=t,
         kv_len=s, heads=n, groups=n // kh, has_lengths=spec.kv_lengths is not None,
@@ -295,7 +308,7 @@ def pallas_packed_attention(qkv, bias, spec: MaskSpec, scale: float,
         raise ValueError(f"bias must be [3, N, H]=[3, {n}, {h}] or None; got {bias.shape}")
     if interpret is None:
         interpret = target_backend() == "cpu"
-    blocks = blocks or kernel_block_sizes(h, qkv.dtype)
+    blocks = blocks or kernel_block_sizes(h, qkv.dtype, length=t)
     st = _Static(
         causal=spec.causal, left=spec.left, right=spec.right, scale=float(scale), q_len=t,
         kv_len=t, heads=n, groups=1, has_lengths=spec.kv_lengths is not None,
@@ -324,7 +337,7 @@ def run_packed(qkv, bias, call: AttentionCall):
 
 
 def _call_blocks(call: AttentionCall) -> BlockSizes:
-    blocks = kernel_block_sizes(call.head_dim, call.dtype)
+    blocks = kernel_block_sizes(call.head_dim, call.dtype, length=call.q_len)
     return dataclasses.replace(blocks, fwd_q=_pow2_block("block_q", call.block_q, blocks.fwd_q),
                                fwd_k=_pow2_block("block_k", call.block_k, blocks.fwd_k))
 

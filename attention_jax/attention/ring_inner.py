@@ -212,7 +212,7 @@ class PallasInner:
 
     def _blocks(self, q) -> pallas.BlockSizes:
         """The kernels' tiles for q, with the asked-for forward and dQ tiles in."""
-        blocks = pallas.kernel_block_sizes(q.shape[-1], q.dtype)
+        blocks = pallas.kernel_block_sizes(q.shape[-1], q.dtype, length=q.shape[1])
         return dataclasses.replace(blocks, fwd_q=self.block_q or blocks.fwd_q,
                                    fwd_k=self.block_k or blocks.fwd_k)
 

@@ -49,32 +49,31 @@ from attention_jax.kernel_tiles import (Settings, interpret_off_gpu, power_of_tw
                                         power_of_two_pieces, triton_params)
 from attention_jax.layers.logical import array_mesh_axes, row_mesh_axes, rows_logical
 
-ROWS = 8          # rows a program holds in registers at a time (at most: THREAD_ELEMENTS)
-PROGRAM_ROWS = 64  # rows a backward program walks (at most: BACKWARD_PROGRAMS)
-NUM_WARPS = 4
-# These two adapt the defaults ROWS and PROGRAM_ROWS to the rows' shape; a setting given
-# (`settings`, the benches' sweeps) stands as given.
-# The most elements of a [rows, D] tile a thread holds at a time. Compiled for an H100
-# (`bench gpu-hlo --kernel-code`), GPT-2 medium's 8 rows of 1024 in 4 warps (64 a thread)
-# take 255 registers a thread in the backward and spill nothing; GPT-2 XL's 8 of 1600
-# (100 a thread) spilled 2456 bytes a thread (and the forward rose to 255 registers, two
-# programs an SM), 4 of 1600 spill nothing (forward 127 registers, four an SM). Wider rows
-# (or fewer warps) go fewer at a time.
+ROWS = 1           # rows a program holds in registers at a time
+PROGRAM_ROWS = 16  # rows a backward program walks (at most: BACKWARD_PROGRAMS)
+NUM_WARPS = 1      # Triton's warps a program (more for rows wider than THREAD_ELEMENTS)
+# One row in one warp at a time: measured on an H200 at GPT-2 small's [16384, 768] (bench
+# norm), forward 0.051 ms and forward + backward 0.123 against 0.062 and 0.138 for 8 rows
+# in 4 warps with 64 rows a backward program (the defaults until 2026-11-27). Compiled for
+# an H100 (`bench gpu-hlo --kernel-code`) its backward has no barrier and 206 registers
+# (8 programs an SM), where 8 rows in 4 warps spread a tile's rows and columns over the
+# warps, so both its row and column sums crossed warps (about 100 barriers a step).
+# The most elements of a [rows, D] tile a thread holds at a time: by default a program
+# takes more warps (up to MOST_WARPS) where a thread would hold more, a row of 4096 two,
+# of 8192 four (a setting given stands as given). Compiled for an H100, 8 rows of 1024 in
+# 4 warps (64 a thread) take 255 registers a thread in the backward and spill nothing;
+# 8 of 1600 (100 a thread) spilled 2456 bytes a thread.
 THREAD_ELEMENTS = 64
+MOST_WARPS = 32  # Triton's most: 1024 threads a program
 # On a GPU a backward program walks fewer rows where PROGRAM_ROWS would make fewer
-# programs than this: nine tenths of two on each of an H100's 132 SMs (two is what the
-# defaults' registers allow at D <= 1024; a GPU with more SMs gets the same number). GPT-2
-# medium at batch 8 (8192 rows) made 128 programs of 64, one an SM, half the places
-# (0.48 waves); now 256 of 32 (0.97). GPT-2 small at batch 16 (16,384 rows) keeps 256 of
-# 64 (0.97 waves).
+# programs than this: nine tenths of two on each of an H100's 132 SMs. With 8 rows in 4
+# warps, GPT-2 medium at batch 8 (8192 rows) made 128 programs of 64, one an SM where two
+# fit; 256 of 32 measured the same on an H200 (0.117 ms forward + backward). With one row
+# a warp and 16 rows a program it takes effect below 3792 rows (2048 rows: 256 programs
+# of 8).
 BACKWARD_PROGRAMS = int(0.9 * 2 * 132)
 # What the kernels are traced with, unless `settings` says otherwise (bench norm sweeps
-# them on a GPU). Compiled for an H100 (`bench gpu-hlo --kernel-code`), these defaults'
-# backward holds 255 registers a thread (two programs an SM) and spends about 100
-# barriers a step of 8 rows: Triton spreads a [8, 768] tile over its 4 warps by rows and
-# columns, so its row sums and its column sums both cross warps. One row and one warp a
-# step (rows=1, num_warps=1) has no barrier and 206 registers; which is faster needs
-# the GPU.
+# them on a GPU).
 SETTINGS = Settings(
     together=lambda now: None if now["program_rows"] >= now["rows"] else (
         f"program_rows={now['program_rows']} with rows={now['rows']}: a backward program "
@@ -88,7 +87,7 @@ def settings(rows: int | None = None, program_rows: int | None = None,
     """Within (a context manager): the kernels traced take these launch settings instead of
     the defaults (rows a program holds at a time; rows a backward program walks, at least
     as many; Triton's warps a program; powers of two). Read when a kernel is traced. A
-    setting given stands as given; the defaults adapt to the rows (`_rows`,
+    setting given stands as given; the defaults adapt to the rows (`_warps`,
     `_program_rows`)."""
     return SETTINGS.use(rows=rows, program_rows=program_rows, num_warps=num_warps)
 
@@ -121,14 +120,15 @@ def _pow2_divisor(m: int, most: int) -> int:
     return size
 
 
-def _rows(d: int) -> int:
-    """The rows a program holds at a time, of d features: the rows setting; by default
-    (ROWS) halved, not below 1, while a thread would hold more than THREAD_ELEMENTS."""
-    rows = SETTINGS["rows"]
-    threads = 32 * SETTINGS["num_warps"]
-    while not SETTINGS.given("rows") and rows > 1 and rows * d > THREAD_ELEMENTS * threads:
-        rows //= 2
-    return rows
+def _warps(d: int, rows: int) -> int:
+    """Triton's warps a program of `rows` rows of d features takes: the num_warps setting;
+    by default (NUM_WARPS) doubled, up to MOST_WARPS, while a thread would hold more than
+    THREAD_ELEMENTS."""
+    warps = SETTINGS["num_warps"]
+    while (not SETTINGS.given("num_warps") and warps < MOST_WARPS
+           and rows * d > THREAD_ELEMENTS * 32 * warps):
+        warps *= 2
+    return warps
 
 
 def _program_rows(m: int, rows: int, gpu: bool) -> int:
@@ -147,9 +147,9 @@ def launch(m: int, d: int, gpu: bool = True) -> dict:
     """What the kernels take for m rows of d features on each device, under the current
     settings: {"rows": a program's rows at a time, "program_rows": a backward program's,
     "num_warps"} (on a GPU, or interpreted: gpu=False). For a bench to say what ran."""
-    rows = _rows(d)
+    rows = SETTINGS["rows"]
     return {"rows": rows, "program_rows": _program_rows(m, rows, gpu),
-            "num_warps": SETTINGS["num_warps"]}
+            "num_warps": _warps(d, rows)}
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -389,7 +389,7 @@ def unsupported(x_shape) -> str | None:
     for size, names in zip(lead, split):
         if names and size % math.prod(mesh.shape[a] for a in names):
             return f"a leading axis of {size} does not divide over mesh axes {names}"
-    m, rows = rows_per_device(lead), _rows(x_shape[-1])
+    m, rows = rows_per_device(lead), SETTINGS["rows"]
     if m % rows:
         return f"{m} rows per device, not a multiple of {rows}"
     if features_split(len(x_shape)):
@@ -403,8 +403,8 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
-    product) a multiple of the rows a program holds (by default 8, fewer for rows wider
-    than 1024: `_rows`) on each device. Differentiable in every array argument; the
+    product) a multiple of the rows a program holds (by default 1: `_rows`) on each
+    device. Differentiable in every array argument; the
     backward takes the gradients reaching r (along the residual path) and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:
@@ -432,6 +432,6 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     st = _Static(d=x.shape[-1], centered=bool(centered), epsilon=float(epsilon),
                  out_dtype=jnp.dtype(dtype or x.dtype).name, has_y=y is not None,
                  has_y_bias=y_bias is not None, has_bias=bias is not None, rows=rows,
-                 program_rows=program_rows, num_warps=SETTINGS["num_warps"],
+                 program_rows=program_rows, num_warps=use["num_warps"],
                  interpret=interpret)
     return _add_norm(st, x, y, y_bias, scale, bias)

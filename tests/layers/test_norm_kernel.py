@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from attention_jax.attention import compiling_for
 from attention_jax.layers import norm_kernel
@@ -39,8 +39,8 @@ def _inputs(shape, seed=0):
 @pytest.mark.parametrize("centered", [True, False], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("with_y", [True, False], ids=["add", "no-add"])
 def test_values_and_gradients_match_float64(x64, centered, with_y):
-    """D = 96 goes in pieces of 64 and 32; 2 × 40 rows: programs of 8 rows, the backward's
-    of 16 (its partial sums then cover 5 programs). The gradient reaching r along the
+    """D = 96 goes in pieces of 64 and 32; 2 × 40 rows: programs of one row, the
+    backward's of 16 (its partial sums then cover 5 programs). The gradient reaching r along the
     residual path (gr) and that reaching the norm (gn) both count."""
     x, y, yb, s, b, gr, gn = _inputs((2, 40, 96))
     args = (x, y if with_y else None, yb if with_y else None, s, b if centered else None)
@@ -63,9 +63,9 @@ def test_values_and_gradients_match_float64(x64, centered, with_y):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
 
 
-@pytest.mark.parametrize("given", [dict(rows=1, program_rows=4, num_warps=1),
+@pytest.mark.parametrize("given", [dict(rows=8, program_rows=8, num_warps=4),
                                    dict(rows=2, program_rows=2, num_warps=2)],
-                         ids=["a-row-a-step", "programs-of-one-step"])
+                         ids=["eight-rows-four-warps", "programs-of-one-step"])
 def test_launch_settings_compute_the_same(given, x64):
     """norm_kernel.settings (bench norm sweeps them on a GPU): other rows a step, rows a
     backward program and warps give the same values and gradients (D = 96 in pieces of
@@ -103,8 +103,8 @@ def test_bad_launch_settings_name_the_valid_values():
                                          r"program_rows >= rows"):
         with norm_kernel.settings(rows=8, program_rows=4):
             pass
-    with pytest.raises(ValueError, match=r"program_rows=64 with rows=128"):
-        with norm_kernel.settings(rows=128):  # the default program_rows is 64
+    with pytest.raises(ValueError, match=r"program_rows=16 with rows=128"):
+        with norm_kernel.settings(rows=128):  # the default program_rows is 16
             pass
     assert norm_kernel.SETTINGS["rows"] == norm_kernel.ROWS  # nothing changed by either
 
@@ -122,42 +122,45 @@ def _grids(fn, *args):
 
 
 def test_on_a_gpu_the_backward_grid_fills_the_sms():
-    """GPT-2 medium at batch 8 (8192 rows) made 128 backward programs of 64 rows: one on
-    each SM, half of an H100's places. Traced for a GPU, a program walks fewer rows by
-    default where the grid would have fewer than BACKWARD_PROGRAMS programs (256 of 32
-    there), never fewer than a step's rows; 16,384 rows keep 64; interpreted, and where
+    """By default one row in one warp a step (GPT-2 small's 16,384 rows of 768: 16,384
+    forward programs, 1024 backward programs of 16 rows). Traced for a GPU, a backward
+    program walks fewer rows where the grid would have fewer than BACKWARD_PROGRAMS
+    programs (2048 rows: 256 of 8), never fewer than a step's rows; interpreted, and where
     program_rows is given (a sweep's row), the setting stands."""
     from attention_jax.attention import compiling_for
 
+    assert norm_kernel.launch(16384, 768) == {"rows": 1, "program_rows": 16, "num_warps": 1}
     rows = norm_kernel._program_rows
-    assert rows(8192, 8, gpu=True) == 32 and rows(8192, 8, gpu=False) == 64
-    assert rows(16384, 8, gpu=True) == 64
-    assert rows(800, 8, gpu=True) == 8  # 800 = 32·25: 25 programs, halved down to 8 rows
-    with norm_kernel.settings(program_rows=64):
-        assert rows(8192, 8, gpu=True) == 64
-    x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)  # medium's activations at batch 8
+    assert rows(2048, 1, gpu=True) == 8 and rows(2048, 1, gpu=False) == 16
+    assert rows(8192, 1, gpu=True) == 16
+    assert rows(800, 8, gpu=True) == 8  # 800 = 16·50: 50 programs, halved down to 8 rows
+    with norm_kernel.settings(program_rows=16):
+        assert rows(2048, 1, gpu=True) == 16
+    x = jax.ShapeDtypeStruct((2, 1024, 1024), jnp.bfloat16)  # medium's activations at batch 2
     s = jax.ShapeDtypeStruct((1024,), jnp.float32)
     grad = jax.grad(lambda x, y, s: jnp.sum(norm_kernel.add_norm(x, y, None, s, s)[1]
                                             .astype(jnp.float32)), argnums=(0, 1))
     with compiling_for("gpu"):
-        assert _grids(grad, x, x, s) == {"add_norm_forward": (1024,), "add_norm_backward": (256,)}
+        assert _grids(grad, x, x, s) == {"add_norm_forward": (2048,), "add_norm_backward": (256,)}
 
 
-def test_wide_rows_go_fewer_at_a_time(x64):
-    """By default a thread holds at most THREAD_ELEMENTS of a row tile at a time: GPT-2
-    XL's 8 rows of 1600 in 4 warps (100 a thread) spilled in the backward compiled for an
-    H100, so rows of more than 1024 features go 4 (or fewer) at a time, and fewer warps
-    hold fewer rows. The grids and what `unsupported` asks of the rows follow (12 rows of
-    1600 are 3 forward programs, of 768 not a multiple of 8); the values and gradients at
-    1600 (pieces of 1024, 512 and 64; the kernels work in float32) match float64; rows
-    given stand as given."""
-    widths = (96, 768, 1024, 1600, 4096, 10 ** 5)
-    assert [norm_kernel._rows(d) for d in widths] == [8, 8, 8, 4, 2, 1]
+def test_wide_rows_take_more_warps(x64):
+    """By default a thread holds at most THREAD_ELEMENTS of a row tile at a time (GPT-2
+    XL's 8 rows of 1600 in 4 warps, 100 a thread, spilled in the backward compiled for an
+    H100): one row in one warp up to 2048 features, wider rows more warps (4096: two), up
+    to MOST_WARPS; warps given stand as given, and rows given take the warps they need
+    (8 rows of 1600: eight). 12 rows of 1600 are 12 forward programs and 3 backward ones
+    of 4 rows; a step's rows must divide the rows, which with rows=8 12 does not. The
+    values and gradients at 1600 (pieces of 1024, 512 and 64; the kernels work in
+    float32) match float64."""
+    widths = (96, 768, 1024, 1600, 2048, 4096, 10 ** 5)
+    assert [norm_kernel.launch(64, d)["num_warps"] for d in widths] == [1, 1, 1, 1, 1, 2, 32]
+    assert {norm_kernel.launch(64, d)["rows"] for d in widths} == {1}
     with norm_kernel.settings(num_warps=1):
-        assert norm_kernel._rows(768) == 2
+        assert norm_kernel.launch(64, 4096)["num_warps"] == 1
     with norm_kernel.settings(rows=8):
-        assert norm_kernel._rows(1600) == 8
-    assert "not a multiple of 8" in norm_kernel.unsupported((12, 768))
+        assert norm_kernel.launch(1 << 16, 1600) == {"rows": 8, "program_rows": 16, "num_warps": 8}
+        assert "not a multiple of 8" in norm_kernel.unsupported((12, 768))
     assert norm_kernel.unsupported((12, 1600)) is None
     x, y, yb, s, b, gr, gn = _inputs((12, 1600), seed=3)
 
@@ -168,7 +171,7 @@ def test_wide_rows_go_fewer_at_a_time(x64):
     kernel = lambda *a: norm_kernel.add_norm(*a, interpret=True)  # noqa: E731
     grad = jax.value_and_grad(lambda *a: loss(kernel, *a), argnums=tuple(range(5)))
     args = tuple(map(jnp.asarray, (x, y, yb, s, b)))
-    assert _grids(grad, *args) == {"add_norm_forward": (3,), "add_norm_backward": (3,)}
+    assert _grids(grad, *args) == {"add_norm_forward": (12,), "add_norm_backward": (3,)}
     want = jax.value_and_grad(lambda *a: loss(lambda *c: _reference(*c, True), *a),
                               argnums=tuple(range(5)))(*args)
     for g, w in zip(jax.tree.leaves(grad(*args)), jax.tree.leaves(want)):
@@ -300,7 +303,8 @@ def test_auto_takes_the_kernels_for_a_gpu_only():
     with compiling_for("gpu"):
         assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "pallas"
         assert choose_norm_kernel("auto", shape, jnp.float64) == "xla"
-        assert choose_norm_kernel("auto", (3, 5, 64), jnp.bfloat16) == "xla"  # 15 rows
+        with norm_kernel.settings(rows=8):
+            assert choose_norm_kernel("auto", (3, 5, 64), jnp.bfloat16) == "xla"  # 15 rows
     assert choose_norm_kernel("xla", shape, jnp.bfloat16) == "xla"
 
 
@@ -309,14 +313,15 @@ def test_bad_input_is_named(caplog):
     s = jnp.ones(16)
     with pytest.raises(ValueError, match=r"norm kernel 'triton' is unknown; valid: \('auto', 'xla', 'pallas'\)"):
         choose_norm_kernel("triton", x.shape, x.dtype)
-    # Asked for where the kernels cannot take x (a sampler's prompts): XLA's ops, said once.
-    with caplog.at_level(logging.WARNING):
+    # Asked for where the kernels cannot take x (a sampler's prompts, with a sweep's 8
+    # rows a step): XLA's ops, said once.
+    with caplog.at_level(logging.WARNING), norm_kernel.settings(rows=8):
         r, n = add_normalize(jnp.ones((3, 5, 16)), scale=s, kernel="pallas")
+        with pytest.raises(ValueError, match=r"add_norm cannot take x \(3, 5, 16\) here: 15 rows"):
+            norm_kernel.add_norm(jnp.ones((3, 5, 16)), scale=s)
     assert ("norm_kernel='pallas' cannot take x (3, 5, 16) here (15 rows per device, not a "
             "multiple of 8): XLA's ops compute this call") in caplog.text
     assert r.shape == n.shape == (3, 5, 16)
-    with pytest.raises(ValueError, match=r"add_norm cannot take x \(3, 5, 16\) here: 15 rows"):
-        norm_kernel.add_norm(jnp.ones((3, 5, 16)), scale=s)
     with pytest.raises(ValueError, match=r"scale has shape \(8,\); valid: \[D\] = \(16,\)"):
         norm_kernel.add_norm(x, scale=jnp.ones(8))
     with pytest.raises(ValueError, match=r"y is bfloat16\[2, 8, 16\]; valid: x's shape and dtype"):

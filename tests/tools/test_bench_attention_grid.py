@@ -87,13 +87,13 @@ def test_a_tile_setting_runs_those_kernels(x64):
     want = dot_product_attention(*(qkv[:, :, c] + bias[c] for c in range(3)), causal=True,
                                  implementation="reference")
     tiles = "fwd=32x16,bwd=16x32"
-    packed = gpu._tiled_pallas(tiles, 16, "packed")(qkv, bias, causal=True)
-    separate = gpu._tiled_pallas(tiles, 16, "separate")(
+    packed = gpu._tiled_pallas(tiles, 16, 64, "packed")(qkv, bias, causal=True)
+    separate = gpu._tiled_pallas(tiles, 16, 64, "separate")(
         *(qkv[:, :, c] + bias[c] for c in range(3)), causal=True)
     np.testing.assert_allclose(packed, want, atol=1e-10)
     np.testing.assert_allclose(separate, want, atol=1e-10)
     # and with those tiles: the forward's grid has T / 32 query blocks (the CPU's own 16s: 4)
-    jaxpr = jax.make_jaxpr(lambda x, b: gpu._tiled_pallas(tiles, 16, "packed")(
+    jaxpr = jax.make_jaxpr(lambda x, b: gpu._tiled_pallas(tiles, 16, 64, "packed")(
         x, b, causal=True))(qkv, bias).jaxpr
     assert [e.params["grid_mapping"].grid for e in pallas_calls(jaxpr)] == [(2, 1, 2)]
     with pytest.raises(SystemExit) as e:

@@ -203,7 +203,8 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     assert "| kernel | PTX instructions | exp2 | as FFMA + MUFU.EX2 | threads |" in printed
     # Each kernel's launch as XLA makes it: the warps its tile sizes ask for, the tiles
     # staged in shared memory, a program per (query or key block, batch row, head).
-    blocks = pallas.kernel_block_sizes(row["width"] // row["heads"], jnp.bfloat16, "gpu")
+    blocks = pallas.kernel_block_sizes(row["width"] // row["heads"], jnp.bfloat16, "gpu",
+                                       length=row["seq_len"])
     forward, dkdv = code["flash_forward"], code["flash_backward_dkdv"]
     assert forward["threads"] == 32 * blocks.num_warps
     assert dkdv["threads"] == 32 * blocks.bwd_num_warps

@@ -20,8 +20,8 @@ def _args(*extra):
 def test_kernels_and_a_launch_setting_timed_with_the_same_value(tmp_path, capsys):
     out = tmp_path / "norm.json"
     result = norm_speed.run(_args("--norm-kernel", "xla,pallas", "--pallas-settings",
-                                  "rows=1,program_rows=4,warps=1", "--out", str(out)))
-    names = ["xla", "pallas", "pallas rows=1,program_rows=4,warps=1"]
+                                  "rows=8,program_rows=8,warps=4", "--out", str(out)))
+    names = ["xla", "pallas", "pallas rows=8,program_rows=8,warps=4"]
     assert list(result["kernels"]) == names
     for name in names:
         k = result["kernels"][name]
@@ -32,12 +32,12 @@ def test_kernels_and_a_launch_setting_timed_with_the_same_value(tmp_path, capsys
     assert json.loads(out.read_text())["kernels"].keys() == set(names)
     # what the kernels ran with: the defaults (16 rows: one backward program of 16) and the
     # setting given, as given
-    assert result["kernels"]["pallas"]["launch"] == {"rows": 8, "program_rows": 16, "num_warps": 4}
-    assert result["kernels"][names[2]]["launch"] == {"rows": 1, "program_rows": 4, "num_warps": 1}
+    assert result["kernels"]["pallas"]["launch"] == {"rows": 1, "program_rows": 16, "num_warps": 1}
+    assert result["kernels"][names[2]]["launch"] == {"rows": 8, "program_rows": 8, "num_warps": 4}
     assert "launch" not in result["kernels"]["xla"]
     printed = capsys.readouterr().out
-    assert "| pallas rows=1,program_rows=4,warps=1 (1 rows, backward 4, 1 warps) |" in printed
-    assert "| pallas (8 rows, backward 16, 4 warps) |" in printed
+    assert "| pallas rows=8,program_rows=8,warps=4 (8 rows, backward 8, 4 warps) |" in printed
+    assert "| pallas (1 rows, backward 16, 1 warps) |" in printed
 
 
 def test_bad_arguments_name_the_valid_values():

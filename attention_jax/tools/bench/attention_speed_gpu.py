@@ -150,11 +150,12 @@ def parse_tiles(text: str) -> dict:
         return fields
 
 
-def _tiled_pallas(tiles: str, h: int, qkv: str):
-    """The Pallas kernels with --pallas-tiles' setting for head size h: a function of the
-    row's inputs and keyword arguments, as `packed_self_attention` or
-    `dot_product_attention` would call them."""
-    blocks = dataclasses.replace(pallas.kernel_block_sizes(h, jnp.bfloat16), **parse_tiles(tiles))
+def _tiled_pallas(tiles: str, h: int, t: int, qkv: str):
+    """The Pallas kernels with --pallas-tiles' setting for head size h and rows of t (the
+    rest the defaults there): a function of the row's inputs and keyword arguments, as
+    `packed_self_attention` or `dot_product_attention` would call them."""
+    blocks = dataclasses.replace(pallas.kernel_block_sizes(h, jnp.bfloat16, length=t),
+                                 **parse_tiles(tiles))
 
     def attend(*args, **kwargs):
         if qkv == "packed":
@@ -178,7 +179,7 @@ def bench_jax(impl, h, t, mask, memory_budget, width=WIDTH, qkv="separate"):
     """One row: `impl` is an implementation's name, or "pallas " and a --pallas-tiles
     setting."""
     row = {"impl": impl, "H": h, "T": t, "mask": mask, "width": width}
-    tiled = _tiled_pallas(impl.split(" ", 1)[1], h, qkv) if impl.startswith("pallas ") else None
+    tiled = _tiled_pallas(impl.split(" ", 1)[1], h, t, qkv) if impl.startswith("pallas ") else None
     if qkv == "packed":
         row["qkv"] = qkv
         args, kwargs = _packed_inputs(h, t, mask, width)
