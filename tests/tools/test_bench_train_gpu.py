@@ -5,6 +5,7 @@ child process's step, and the parent's whole flow with children on the CPU."""
 import argparse
 import json
 import math
+import re
 
 import pytest
 
@@ -302,3 +303,41 @@ def test_trainer_row_config_is_the_shipped_gpt2_gpu_with_the_row_set():
     assert config.model.implementation == "xla" and config.train.compute_dtype == "float32"
     assert config.train.steps == 6 and config.eval.every == -1
     assert config.data.packing == "stream"
+
+
+def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
+    """--norm-settings (as --pallas-tiles and --loss-settings): our step timed again with
+    the kernels' launch given, beside the defaults' row, the same first loss (the kernels
+    interpreted here); kernel_settings, which the child compiles within, reaches the
+    kernels traced inside and ends with it; a setting the step's rows cannot take, or for
+    kernels the row leaves out, is refused before any child runs."""
+    from attention_jax.layers import norm_kernel
+    with train_speed_gpu_child.kernel_settings({"norm": {"rows": 2, "program_rows": 4}}):
+        assert norm_kernel.launch(32, 32, gpu=False) == {"rows": 2, "program_rows": 4,
+                                                        "num_warps": 1}
+    assert norm_kernel.launch(32, 32, gpu=False)["rows"] == norm_kernel.ROWS
+    parser = argparse.ArgumentParser()
+    train_speed.add_parser(parser.add_subparsers(dest="which"))
+    common = ["train", "--device", "gpu", "--no-torch", "--warmup", "1", "--repeats", "1",
+              "--steps", "1", "--matmul-size", "64", "--dtype", "float32", "--trainer-steps",
+              "0", "--implementation", "xla", "--out", str(tmp_path / "t.json")]
+    monkeypatch.setattr(train_speed_gpu, "SHAPES", train_speed_gpu.SHAPES_TINY)
+    info = {"device": "cpu (test)"}
+    for extra, says in (
+            (["--norm-kernel", "pallas", "--norm-settings", "rows=64,program_rows=64"],
+             "--norm-settings: the norm kernels cannot take the step's rows: 32 rows per "
+             "device, not a multiple of 64"),
+            (["--norm-settings", "rows=2", "--norm-kernel", "xla"],
+             "--norm-settings is for the Pallas kernels, which --norm-kernel xla leaves out")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            train_speed_gpu.run(parser.parse_args(common + extra), info=info)
+    assert not (tmp_path / "t.json").exists()
+    args = parser.parse_args(common + ["--norm-kernel", "pallas", "--norm-settings",
+                                       "rows=2,program_rows=4,warps=1"])
+    rows = train_speed_gpu.run(args, info=info)
+    assert [r["impl"] for r in rows] == [
+        "xla, norm pallas", "xla, norm pallas with norm-settings rows=2,program_rows=4,warps=1"]
+    assert all("error" not in r for r in rows), rows
+    assert rows[0]["launch"] == {} and rows[1]["launch"] == {"norm": "rows=2,program_rows=4,warps=1"}
+    assert rows[1]["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-5)
+    assert "with norm-settings rows=2,program_rows=4,warps=1 |" in capsys.readouterr().out

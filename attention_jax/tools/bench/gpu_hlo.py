@@ -397,7 +397,6 @@ def compile_step(row: dict, implementation: str, dtype: str, config_text: str,
     settings: the Pallas kernels' launch settings, {"tiles": pallas.tiles' fields, "loss":
     loss_kernel.settings', "norm": norm_kernel.settings'}, each optional. Needs the CUDA
     plugin importable; runs in the child process."""
-    import contextlib
     import time
 
     import flax.linen as nn
@@ -418,15 +417,7 @@ def compile_step(row: dict, implementation: str, dtype: str, config_text: str,
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
                          (params, jax.eval_shape(tx.init, params)))
     tokens = jax.ShapeDtypeStruct((row["batch"], row["seq_len"]), jnp.int32, sharding=whole)
-    from attention_jax.attention import pallas
-    from attention_jax.layers import norm_kernel
-    from attention_jax.models import loss_kernel
-    settings = settings or {}
-    with contextlib.ExitStack() as within:
-        within.enter_context(compiling_for("gpu"))
-        within.enter_context(pallas.tiles(**settings.get("tiles", {})))
-        within.enter_context(loss_kernel.settings(**settings.get("loss", {})))
-        within.enter_context(norm_kernel.settings(**settings.get("norm", {})))
+    with compiling_for("gpu"), train_speed_gpu_child.kernel_settings(settings):
         compiled = step.lower(state, tokens, tokens).compile()
     m = compiled.memory_analysis()
     memory = {k: int(getattr(m, k)) for k in (
@@ -513,37 +504,6 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=900, help="the compiling child's, seconds")
 
 
-def _launch_settings(args, row: dict) -> tuple[dict, dict]:
-    """({"tiles", "loss", "norm": the kernels' settings}, {the same: the text given}) of
-    the options given. An option for kernels the step would not run is an error, as is a
-    norm setting the step's rows cannot take (the norms would be XLA's ops)."""
-    from attention_jax.tools.bench import attention_speed_gpu, loss_speed, norm_speed
-    options = {"tiles": ("--pallas-tiles", args.pallas_tiles, attention_speed_gpu.parse_tiles,
-                         "--implementation", args.implementation),
-               "loss": ("--loss-settings", args.loss_settings, loss_speed.parse_settings,
-                        "--loss-kernel", row["loss_kernel"]),
-               "norm": ("--norm-settings", args.norm_settings, norm_speed.parse_settings,
-                        "--norm-kernel", row["norm_kernel"])}
-    settings, given = {}, {}
-    for name, (flag, text, parse, kernels, chosen) in options.items():
-        if not text:
-            continue
-        if chosen not in ("pallas", "auto"):  # --implementation has no auto here
-            raise SystemExit(f"error: {flag} is for the Pallas kernels, which {kernels} "
-                             f"{chosen} leaves out; valid: {kernels} pallas"
-                             + ("" if name == "tiles" else " or auto"))
-        settings[name], given[name] = parse(text), text
-    if "norm" in settings:
-        from attention_jax.layers import norm_kernel
-        rows = row["batch"] * row["seq_len"]
-        with norm_kernel.settings(**settings["norm"]):
-            why = norm_kernel.unsupported((rows, row["width"]))
-        if why:
-            raise SystemExit(f"error: --norm-settings: the norm kernels cannot take the "
-                             f"step's rows: {why}; valid: rows a power of two dividing {rows}")
-    return settings, given
-
-
 def run(args) -> dict:
     from attention_jax.tools.bench import train_speed_gpu
     shape = {**train_speed_gpu.SHAPES, **train_speed_gpu.SHAPES_TINY}[args.shape]
@@ -553,10 +513,12 @@ def run(args) -> dict:
     if where is None:
         raise SystemExit(f"error: gpu-hlo needs JAX's CUDA plugin (no GPU needed); install it "
                          f"with: {install_hint()}")
-    from attention_jax.tools.bench.train_speed_gpu import one_loss_kernel, one_norm_kernel
-    row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": one_loss_kernel(
-        args.loss_kernel), "norm_kernel": one_norm_kernel(args.norm_kernel)}
-    settings, given = _launch_settings(args, row)
+    row = {**shape.row(args.batch or shape.batches[0]),
+           "loss_kernel": train_speed_gpu.one_loss_kernel(args.loss_kernel),
+           "norm_kernel": train_speed_gpu.one_norm_kernel(args.norm_kernel)}
+    given = {name: text for name, text in (("tiles", args.pallas_tiles), ("loss", args.loss_settings),
+                                           ("norm", args.norm_settings)) if text}
+    settings = train_speed_gpu.launch_settings(given, args.implementation, row)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)
     spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,

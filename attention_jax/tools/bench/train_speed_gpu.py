@@ -324,6 +324,17 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
         raise SystemExit(f"error: --packing {packing_arg!r}; valid: {list(PACKINGS)}, "
                          "comma-separated")
     pairs = select_rows(args.quick, args.shapes, table_)
+    # The row with the kernels' launch options given, checked for every row before any runs.
+    given = {name: text for name, text in (
+        ("tiles", getattr(args, "pallas_tiles", None)), ("loss", getattr(args, "loss_settings", None)),
+        ("norm", getattr(args, "norm_settings", None))) if text}
+    launch_sets = [None]
+    if given:
+        launch_sets.append(given)
+        for (name, batch), impl, lk, nk in [(p, i, lk, nk) for p in pairs for i in impls
+                                            for lk in loss_kernels for nk in norm_kernels]:
+            launch_settings(given, impl, {**table_[name].row(batch), "loss_kernel": lk,
+                                          "norm_kernel": nk})
     print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -369,18 +380,22 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     flag_sets = list(dict.fromkeys(["", *(getattr(args, "xla_flags", None) or [])]))
     record["xla_flags"] = {f"xla{k}": f for k, f in enumerate(flag_sets) if f}
     for name, batch in pairs:
-        for impl, chunk, lk, nk, k in [(i, c, lk, nk, k) for i in impls for c in chunks
-                                       for lk in loss_kernels for nk in norm_kernels
-                                       for k in range(len(flag_sets))]:
+        for impl, chunk, lk, nk, k, launch in [
+                (i, c, lk, nk, k, g) for i in impls for c in chunks for lk in loss_kernels
+                for nk in norm_kernels for k in range(len(flag_sets)) for g in launch_sets]:
             row = {**table_[name].row(batch), "loss_kernel": lk, "norm_kernel": nk}
-            label = _impl_label(impl, chunk, lk, nk) + (f" xla{k}" if flag_sets[k] else "")
+            label = (_impl_label(impl, chunk, lk, nk) + (f" xla{k}" if flag_sets[k] else "")
+                     + ("" if launch is None else " with " + ", ".join(
+                         f"{LAUNCH_FLAGS[n][0][2:]} {t}" for n, t in launch.items())))
+            settings = {} if launch is None else launch_settings(launch, impl, row)
             print(f"  jax {name} batch {batch} attention {label} ...", file=sys.stderr, flush=True)
             result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
-                             "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing],
+                             "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing,
+                             "--settings", json.dumps(settings)],
                             args.child_timeout, xla_flags=flag_sets[k])
             result.pop("returncode", None)
             rows.append({**row, "side": "jax", **result, "impl": label, "loss_chunk": chunk,
-                         "xla_flags": flag_sets[k]})
+                         "xla_flags": flag_sets[k], "launch": launch or {}})
             r = rows[-1]
             print(f"    {r['error'] if 'error' in r else '%.1f ms/step' % (1e3 * r['step_s'])}",
                   file=sys.stderr, flush=True)
@@ -474,6 +489,41 @@ def one_norm_kernel(text) -> str:
     return _one("norm-kernel", text, parse_norm_kernels(text), NORM_KERNELS)
 
 
+# The Pallas kernels' launch options: (their flag, the option the kernels are chosen by).
+LAUNCH_FLAGS = {"tiles": ("--pallas-tiles", "--implementation"),
+                "loss": ("--loss-settings", "--loss-kernel"),
+                "norm": ("--norm-settings", "--norm-kernel")}
+
+
+def launch_settings(given: dict, implementation: str, row: dict) -> dict:
+    """{"tiles", "loss", "norm": the kernels' settings} of the option texts `given` (keyed
+    the same; what is absent: the defaults), for a step whose attention is
+    `implementation` and whose row names its "loss_kernel" and "norm_kernel". An option
+    for kernels the step would not run is an error, as is a norm setting the step's rows
+    cannot take (the norms would be XLA's ops)."""
+    from attention_jax.tools.bench import attention_speed_gpu, loss_speed, norm_speed
+    parse = {"tiles": attention_speed_gpu.parse_tiles, "loss": loss_speed.parse_settings,
+             "norm": norm_speed.parse_settings}
+    chosen = {"tiles": implementation, "loss": row["loss_kernel"], "norm": row["norm_kernel"]}
+    settings = {}
+    for name, text in given.items():
+        flag, kernels = LAUNCH_FLAGS[name]
+        if chosen[name] not in ("pallas", "auto"):
+            raise SystemExit(f"error: {flag} is for the Pallas kernels, which {kernels} "
+                             f"{chosen[name]} leaves out; valid: {kernels} pallas"
+                             + ("" if name == "tiles" else " or auto"))
+        settings[name] = parse[name](text)
+    if "norm" in settings:
+        from attention_jax.layers import norm_kernel
+        rows = row["batch"] * row["seq_len"]
+        with norm_kernel.settings(**settings["norm"]):
+            why = norm_kernel.unsupported((rows, row["width"]))
+        if why:
+            raise SystemExit(f"error: --norm-settings: the norm kernels cannot take the "
+                             f"step's rows: {why}; valid: rows a power of two dividing {rows}")
+    return settings
+
+
 def _one(flag: str, text, kernels: list[str], valid) -> str:
     if len(kernels) != 1:
         raise SystemExit(f"error: --{flag} {text!r}; valid: one of {list(valid)} (this "
@@ -521,5 +571,17 @@ def add_arguments(p) -> None:
                    help="GPU: extra XLA_FLAGS for another set of our rows (repeatable; each set "
                         "is timed beside the rows without, which always run), e.g. "
                         "--xla-flags='--xla_gpu_enable_latency_hiding_scheduler=true'")
+    from attention_jax.tools.bench import attention_speed, loss_speed, norm_speed
+    g.add_argument("--pallas-tiles", default=None, type=attention_speed.tiles_argument,
+                   help="GPU: another row of our step, its attention kernels' tiles and warps "
+                        "these (bench attention's --pallas-tiles, e.g. fwd=128x64,warps=8), "
+                        "timed beside the defaults' row; with --loss-settings and "
+                        "--norm-settings, one row with all given")
+    g.add_argument("--loss-settings", default=None, type=loss_speed.settings_argument,
+                   help="GPU: the same, the loss kernels' launch (bench loss's "
+                        "--pallas-settings, e.g. chunk=8192,warps=16)")
+    g.add_argument("--norm-settings", default=None, type=norm_speed.settings_argument,
+                   help="GPU: the same, the norm kernels' launch (bench norm's "
+                        "--pallas-settings, e.g. rows=8,program_rows=64,warps=4)")
     g.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                    help="which mode: auto asks JAX in a child process")

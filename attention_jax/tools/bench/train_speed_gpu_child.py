@@ -7,6 +7,7 @@ starts them and never touches the GPU itself).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -14,6 +15,21 @@ from pathlib import Path
 
 from attention_jax.tools.bench import bare_step, trainer
 from attention_jax.tools.bench.train_speed_gpu import MATMUL_SIZE, _impl_label
+
+
+@contextlib.contextmanager
+def kernel_settings(settings: dict | None):
+    """Within: the Pallas kernels traced take `settings`' launch settings ({"tiles":
+    pallas.tiles' fields, "loss": loss_kernel.settings', "norm": norm_kernel.settings'},
+    each optional; train_speed_gpu.launch_settings makes it); the rest their defaults."""
+    from attention_jax.attention import pallas
+    from attention_jax.layers import norm_kernel
+    from attention_jax.models import loss_kernel
+    settings = settings or {}
+    with (pallas.tiles(**settings.get("tiles", {})),
+          loss_kernel.settings(**settings.get("loss", {})),
+          norm_kernel.settings(**settings.get("norm", {}))):
+        yield
 
 
 def _step_parts(row: dict, implementation: str, dtype: str, loss_chunk_size: int = 0):
@@ -104,9 +120,11 @@ def largest_batch(row: dict, implementation: str, limit_bytes: int, dtype: str =
 
 
 def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int = 5,
-                 steps: int = 10, dtype: str = "bfloat16", loss_chunk_size: int = 0) -> dict:
+                 steps: int = 10, dtype: str = "bfloat16", loss_chunk_size: int = 0,
+                 settings: dict | None = None) -> dict:
     """One row of our side: median seconds per step over `repeats` timings of `steps`
-    steps queued back to back (one wait at the end), after `warmup` steps."""
+    steps queued back to back (one wait at the end), after `warmup` steps; the Pallas
+    kernels compiled with `settings` (kernel_settings') where given."""
     import jax
 
     from attention_jax.tools.bench import timing  # it imports JAX: children only
@@ -116,8 +134,9 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
               "dtype": dtype, "loss_chunk": loss_chunk_size}
     try:
         start = time.perf_counter()
-        step, state, info = prepare_ours(row, implementation, dtype,
-                                         loss_chunk_size=loss_chunk_size)
+        with kernel_settings(settings):  # read while the step is traced and compiled
+            step, state, info = prepare_ours(row, implementation, dtype,
+                                             loss_chunk_size=loss_chunk_size)
         result.update(info)
         from attention_jax.models.losses import choose_loss_kernel  # what auto chose here
         result["loss_kernel_used"] = ("chunked" if loss_chunk_size else choose_loss_kernel(
@@ -195,6 +214,8 @@ def child_main(argv=None):
     p.add_argument("--size", type=int, default=MATMUL_SIZE)
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (jax, matmul)")
     p.add_argument("--loss-chunk", type=int, default=0, help="jax: positions per loss chunk")
+    p.add_argument("--settings", default="{}",
+                   help="jax: JSON of the Pallas kernels' launch settings (kernel_settings)")
     p.add_argument("--extra", default="[]",
                    help="trainer-step: JSON list of main.py arguments (its --config.* apply)")
     p.add_argument("--limit-gib", type=float, default=0,
@@ -217,7 +238,7 @@ def child_main(argv=None):
         result = fit_child(json.loads(a.row), a.implementation, a.dtype, a.limit_gib, a.loss_chunk)
     else:
         result = measure_ours(json.loads(a.row), a.implementation, a.warmup, a.repeats, a.steps,
-                              a.dtype, a.loss_chunk)
+                              a.dtype, a.loss_chunk, json.loads(a.settings))
         info = device_info()
         result.update(device=info["device"], devices=info["count"])
     Path(a.out).write_text(json.dumps(result, indent=1))
