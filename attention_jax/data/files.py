@@ -11,7 +11,7 @@ Formats (by the file name's ending):
   .jsonl .jsonl.gz .jsonl.zst one JSON object per line, the document in `text_key`;
                               blank lines are skipped
   .parquet                    one document per row, in the column `text_key`
-  .csv .tsv                   one document per row, in the column `text_key` named by the
+  .csv .tsv (also .gz, .zst)  one document per row, in the column `text_key` named by the
                               header row (CSV: quoted fields may span lines; TSV: a row
                               a line, a field unquoted only as csv or pandas quote it);
                               blank lines are skipped
@@ -27,12 +27,12 @@ identity is its path relative to the fixed part of the glob that found it
 (`~/corpus/**/*.txt` -> `sub/a.txt`), so moving the corpus keeps its splits.
 
 Laziness: start-up lists the files and indexes them (byte offsets of the lines of a
-plain .jsonl, the line offsets of a compressed one after decompressing it once, the
-row-group sizes of a .parquet: no parquet data is read). `src[i]` then reads one line
-(plain .jsonl), one row group (.parquet, the last one kept), or the whole decompressed
-file (.jsonl.gz/.zst, the last one kept: fine in file order, slow under a global
-shuffle; the prepared token cache of issue #26 is the fast path for big compressed
-corpora).
+plain .jsonl, .csv or .tsv, the line offsets of a compressed one after decompressing it
+once, the row-group sizes of a .parquet: no parquet data is read). `src[i]` then reads
+one line (plain .jsonl, .csv, .tsv), one row group (.parquet, the last one kept), or the
+whole decompressed file (.gz/.zst, the last one kept: fine in file order, slow under a
+global shuffle; the prepared token cache of issue #26 is the fast path for big
+compressed corpora).
 
 Pairs (a translation's source and target sentences): `fields=('en', 'fr')` reads those
 two keys of each .jsonl record or columns of each .parquet, .csv or .tsv row, and a record is
@@ -59,7 +59,7 @@ import math
 import os
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -70,7 +70,7 @@ JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
 # Tables whose header row names the columns: CSV (RFC 4180: a quoted field may hold the
 # delimiter, doubled quotes and line breaks) and TSV (the IANA form: a record a line,
 # fields split at tabs; a field unquoted only where csv or pandas quoted it, _tsv_field).
-TABLE_SUFFIXES = ('.csv', '.tsv')
+TABLE_SUFFIXES = ('.csv', '.tsv', '.csv.gz', '.csv.zst', '.tsv.gz', '.tsv.zst')
 SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, '.parquet', *TABLE_SUFFIXES)
 SPLITS = ('train', 'validation')
 _CHUNK = 1 << 24  # bytes read at a time while indexing
@@ -204,7 +204,43 @@ def _plain_chunks(path: str) -> Iterator[bytes]:
             yield chunk
 
 
-_CHUNKS = {'.jsonl': _plain_chunks, '.jsonl.gz': _gzip_chunks, '.jsonl.zst': _zstd_chunks}
+def _chunks(fmt: str) -> Callable[[str], Iterator[bytes]]:
+    """What reads a file of format `fmt` as a stream of its (decompressed) bytes."""
+    return (_gzip_chunks if fmt.endswith('.gz') else _zstd_chunks if fmt.endswith('.zst')
+            else _plain_chunks)
+
+
+def _compressed(fmt: str) -> bool:
+    return fmt.endswith(('.gz', '.zst'))
+
+
+def _compression_name(fmt: str) -> str:
+    return 'gzip file' if fmt.endswith('.gz') else 'zstd file' if fmt.endswith('.zst') else 'file'
+
+
+def _stream_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """A byte stream's lines, each with its line break (the last one maybe without)."""
+    carry = b''
+    for chunk in chunks:
+        lines = (carry + chunk).split(b'\n')
+        carry = lines.pop()
+        for line in lines:
+            yield line + b'\n'
+    if carry:
+        yield carry
+
+
+def _span(path: str, fmt: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file's (decompressed) stream, read up to `end` only."""
+    if not _compressed(fmt):
+        with open(path, 'rb') as fh:
+            return os.pread(fh.fileno(), end - start, start)
+    read = bytearray()
+    for chunk in _chunks(fmt)(path):
+        read += chunk
+        if len(read) >= end:
+            break
+    return bytes(read[start:end])
 
 
 def _decompression_errors() -> tuple[type[BaseException], ...]:
@@ -346,12 +382,11 @@ def _index(ident: str, path: str, fields: tuple[str, ...], hint: str,
     if fmt in TABLE_SUFFIXES:
         return _index_table(f, fields, hint)
     try:
-        f.starts, f.ends, f.lines, first = _index_lines(_CHUNKS[fmt](path))
+        f.starts, f.ends, f.lines, first = _index_lines(_chunks(fmt)(path))
     except PermissionError:
         raise FilesError(f'{path}: cannot be read (permissions)') from None
     except _decompression_errors() as e:
-        what = {'.jsonl.gz': 'gzip file', '.jsonl.zst': 'zstd file'}.get(fmt, 'file')
-        raise FilesError(f'{path}: truncated or corrupt {what} ({e})') from None
+        raise FilesError(f'{path}: truncated or corrupt {_compression_name(fmt)} ({e})') from None
     f.count = len(f.starts)
     _check_first_records(path, first, fields, integers, hint)
     return f
@@ -369,7 +404,7 @@ def _csv_module():
 _CSV_FIELD_LIMIT = 2**31 - 1
 
 
-def _index_csv_records(path: str):
+def _index_csv_records(path: str, fmt: str = '.csv'):
     """(starts, ends, line numbers) of a CSV's non-blank records, as Python's csv module
     reads them (a quoted field may hold commas, doubled quotes and line breaks; a quote
     inside an unquoted field is text): the reader takes the file a line at a time and
@@ -380,11 +415,10 @@ def _index_csv_records(path: str):
 
     def lines():
         offset = 0
-        with open(path, 'rb') as fh:
-            for raw in fh:
-                record.append((offset, len(raw) - raw.endswith(b'\n')))
-                offset += len(raw)
-                yield raw.decode('utf-8', errors='replace')  # (breaks and quotes are ASCII)
+        for raw in _stream_lines(_chunks(fmt)(path)):
+            record.append((offset, len(raw) - raw.endswith(b'\n')))
+            offset += len(raw)
+            yield raw.decode('utf-8', errors='replace')  # (breaks and quotes are ASCII)
     starts, ends, numbers = [], [], []
     taken = 0  # lines before this record
     rows = csv.reader(lines())
@@ -407,21 +441,24 @@ def _index_csv_records(path: str):
 
 
 def _index_table(f: _File, fields, hint: str) -> _File:
-    """A CSV's or TSV's records after its header row, which names the columns. An empty
-    file (a shard of a split dump) holds no records."""
+    """A CSV's or TSV's records after its header row, which names the columns (offsets
+    into the decompressed stream of a compressed one). An empty file (a shard of a split
+    dump) holds no records."""
     csv = _csv_module()
     try:
-        if f.format == '.csv':
-            starts, ends, lines = _index_csv_records(f.path)
+        if _table_kind(f.format) == '.csv':
+            starts, ends, lines = _index_csv_records(f.path, f.format)
         else:
-            starts, ends, lines, _ = _index_lines(_plain_chunks(f.path))
+            starts, ends, lines, _ = _index_lines(_chunks(f.format)(f.path))
         if not len(starts):
             f.starts, f.ends, f.lines, f.count = starts, ends, lines, 0
             return f
-        with open(f.path, 'rb') as fh:
-            header = os.pread(fh.fileno(), int(ends[0] - starts[0]), int(starts[0]))
+        header = _span(f.path, f.format, int(starts[0]), int(ends[0]))
     except PermissionError:
         raise FilesError(f'{f.path}: cannot be read (permissions)') from None
+    except _decompression_errors() as e:
+        raise FilesError(f'{f.path}: truncated or corrupt {_compression_name(f.format)} '
+                         f'({e})') from None
     text = header.decode('utf-8-sig', errors='replace').rstrip('\r')
     try:
         f.columns = tuple(_table_row(text, f.format))
@@ -445,9 +482,14 @@ def _table_row(text: str, fmt: str) -> list[str]:
     or a TSV line's: split at tabs, a field unquoted only where a writer quoted it (csv's
     and pandas' tab-separated output: wrapped in quotes, each of its own quotes doubled);
     another quote is text (a sentence that starts with one)."""
-    if fmt == '.tsv':
+    if _table_kind(fmt) == '.tsv':
         return [_tsv_field(field) for field in text.split('\t')]
     return next(_csv_module().reader([text]), [])
+
+
+def _table_kind(fmt: str) -> str:
+    """'.csv' or '.tsv', of a table's format compressed or not."""
+    return fmt[:4]
 
 
 def _tsv_field(field: str) -> str:
@@ -482,13 +524,13 @@ class _Reader:
     def line(self, f: _File, k: int) -> bytes:
         start, end = int(f.starts[k]), int(f.ends[k])
         try:
-            if f.format in ('.jsonl', *TABLE_SUFFIXES):  # plain files: read in place
+            if not _compressed(f.format):  # plain .jsonl, .csv, .tsv: read in place
                 path, handle = self._open
                 if path != f.path:
                     handle = open(f.path, 'rb')  # closed when the next one replaces it
                     self._open = (f.path, handle)
                 return os.pread(handle.fileno(), end - start, start)  # no shared position
-            data = self._cached((f.path, None), lambda: b''.join(_CHUNKS[f.format](f.path)))
+            data = self._cached((f.path, None), lambda: b''.join(_chunks(f.format)(f.path)))
             return data[start:end]
         except (*_decompression_errors(),) as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None

@@ -220,7 +220,8 @@ def test_a_directory_says_what_it_leaves_out_and_brackets_are_a_path(tmp_path, c
     assert [ident for ident, _ in listed] == ['a.txt', 'sub/b [1].md']
     assert capsys.readouterr().err.splitlines() == [
         f"note: files={str(folder)!r}: 2 files of other types left out: d.json, e.txt.gz "
-        f"(read: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .csv, .tsv)"]
+        f"(read: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .csv, .tsv, .csv.gz, "
+        f".csv.zst, .tsv.gz, .tsv.zst)"]
     files.list_files(str(folder))
     assert capsys.readouterr().err == ''  # once a process
     assert files.list_files(str(folder / 'sub' / 'b [1].md')) == [
@@ -306,6 +307,40 @@ def test_csv_and_tsv_as_the_tools_write_them(tmp_path, capsys):
     assert pairs == [(b'', b''), (b'I said "hi"', b'"Hello," he said.')]
     assert (f"{tmp_path / 'c.tsv'}:3: not UTF-8 (invalid continuation byte at byte 3; a file "
             f"in another encoding: convert it") in capsys.readouterr().err
+
+
+def test_compressed_csv_and_tsv_read_as_the_plain_ones(tmp_path, monkeypatch, capsys):
+    """pandas writes `to_csv('x.csv.gz')`: .csv and .tsv compressed with gzip or zstd are
+    read as the plain files are (a quoted field's line break, a BOM, Windows line ends, a
+    bad row counted), their records found in the decompressed stream, here in chunks of
+    7 bytes so that lines and records straddle them; a truncated one is one line naming
+    it."""
+    import gzip
+
+    import zstandard
+    monkeypatch.setattr(files, '_CHUNK', 7)
+    table = (b'\xef\xbb\xbfreview,stars\r\n"a good, long\r\nfilm",5\r\nplain text,3\r\n\r\n'
+             b'"say ""hi""",4\r\none,too,many\r\nlast,2')
+    (tmp_path / 'r.csv').write_bytes(table)
+    (tmp_path / 'r.csv.gz').write_bytes(gzip.compress(table))
+    (tmp_path / 'r.csv.zst').write_bytes(zstandard.ZstdCompressor().compress(table))
+    tsv = b'en\tfr\none\tun\n\n"I said ""hi"""\tdeux\n'
+    (tmp_path / 'p.tsv').write_bytes(tsv)
+    (tmp_path / 'p.tsv.gz').write_bytes(gzip.compress(tsv))
+
+    def rows(name, fields):
+        src = files.file_splits(str(tmp_path / name), eval_fraction=0.5, fields=fields)
+        return {r['id'].decode().replace(name, 'F'): tuple(r[k] for k in fields)
+                for s in src.values() for r in (s[i] for i in range(len(s)))}
+    plain = rows('r.csv', ('review', 'stars'))
+    assert plain['F:2'] == (b'a good, long\r\nfilm', b'5') and len(plain) == 5
+    assert rows('r.csv.gz', ('review', 'stars')) == rows('r.csv.zst', ('review', 'stars')) == plain
+    assert f"{tmp_path / 'r.csv.gz'}:7: 3 fields, where the header row names 2" in capsys.readouterr().err
+    assert rows('p.tsv.gz', ('en', 'fr')) == rows('p.tsv', ('en', 'fr')) == {
+        'F:2': (b'one', b'un'), 'F:4': (b'I said "hi"', b'deux')}
+    (tmp_path / 'cut.csv.gz').write_bytes(gzip.compress(table * 50)[:-30])
+    with pytest.raises(files.FilesError, match=r"cut\.csv\.gz: truncated or corrupt gzip file"):
+        files.file_splits(str(tmp_path / 'cut.csv.gz'), fields=('review', 'stars'))
 
 
 def test_nulls_are_missing_values_not_a_type(tmp_path, capsys):
