@@ -30,7 +30,7 @@ Modes:
           image classifiers (vit, cnn): each line an image file's path.
   translate  translation (encdec, rnn_seq2seq): each line of stdin a source sentence, its
           translation one JSON line each on stdout; greedy, or a beam search of
-          --config.eval.beam_size=N (encdec).
+          --config.eval.beam_size=N.
 Reading modes (eval, sample, embed, classify, translate) use the run's own config.json: --config may
 be left out, and an override may change only what reading uses (eval.*, mesh.*, batch
 sizes, train.compute_dtype, ...); one of a model, data or optimizer key stops in one line.

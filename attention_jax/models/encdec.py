@@ -39,6 +39,7 @@ from attention_jax.errors import check_fields, check_float_dtypes, check_positiv
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
+from attention_jax.models import beam
 
 __all__ = ["EncDecConfig", "EncoderDecoder", "VARIANTS", "get_config", "init_cache", "greedy_decode", "beam_search"]
 
@@ -265,28 +266,18 @@ def _greedy(model, max_len, params, src, src_mask):
     return tokens.T  # [B, max_len]
 
 
-def length_penalty(length, alpha: float):
-    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, §7); scores are log p / lp."""
-    return ((5.0 + length) / 6.0) ** alpha
-
-
 def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: int,
                 alpha: float = 0.6, src_mask=None):
-    """Beam search with the cache (Vaswani §6.1 used beam 4, alpha 0.6).
-
-    Keeps the W best prefixes per source. A beam that has emitted eos is finished: it
-    extends only with pad at no cost, and competes with live beams by its length-penalised
-    score. Returns (tokens [B, W, max_len], scores [B, W]) sorted best first; scores are
-    log p(y | x) / lp(|y|), |y| counting tokens up to and including eos.
-    """
+    """Beam search with the cache (beam.search; Vaswani §6.1 used beam 4, alpha 0.6):
+    (tokens [B, W, max_len], scores [B, W]) sorted best first; scores are
+    log p(y | x) / lp(|y|), |y| counting tokens up to and including eos."""
     if not isinstance(model, EncoderDecoder):  # an RNNSeq2Seq failed deep inside JAX
         raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
-                         f"encdec.EncoderDecoder (the RNN decodes greedily: "
-                         f"RNNSeq2Seq.generate)")
+                         f"encdec.EncoderDecoder (an RNNSeq2Seq's: rnn.beam_search)")
     if src_mask is None:
         src_mask = src != model.config.pad_id
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1; got {beam_size}")
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
     return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)
 
 
@@ -294,46 +285,14 @@ def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: 
 def _beam(model, w, max_len, alpha, params, src, src_mask):
     cfg = model.config
     b, s = src.shape
-    v = cfg.vocab_size
     encoded, _ = model.apply({"params": params}, src, src_mask, method=model.encode)
     encoded = jnp.repeat(encoded, w, axis=0)  # [B·W, S, D]: row b·W + k is beam k of source b
     src_mask = jnp.repeat(src_mask, w, axis=0)
-    batch_axis = 1 if cfg.scan_layers else 0  # scanned caches are [L, B·W, S, K, H]
-    pad_only = jnp.where(jnp.arange(v) == cfg.pad_id, 0.0, -jnp.inf)  # [V]: finished beams
 
-    def carry_last(tokens, i):
-        prev = tokens[:, :, jnp.maximum(i - 1, 0)]  # [B, W]
-        return jnp.where(i == 0, cfg.bos_id, prev).reshape(b * w)
-
-    def step(carry, i):
-        cache, tokens, logp, finished, lengths = carry
-        last = carry_last(tokens, i)  # [B·W]: each beam's latest token
-        step_logp, cache = _step(model, params, cache, last, jnp.full((b * w,), i), encoded,
-                                 src_mask)
-        step_logp = jnp.where(finished[..., None], pad_only, step_logp.reshape(b, w, v))
-        cand = logp[..., None] + step_logp  # [B, W, V]
-        cand_len = jnp.where(finished, lengths, i + 1)[..., None]  # [B, W, 1]
-        rank = (cand / length_penalty(cand_len, alpha)).reshape(b, w * v)
-        _, best = jax.lax.top_k(rank, w)  # [B, W]
-        parent, token = best // v, (best % v).astype(jnp.int32)
-        gather = functools.partial(jnp.take_along_axis, indices=parent, axis=1)
-        logp = jnp.take_along_axis(cand.reshape(b, w * v), best, axis=1)
-        lengths = gather(jnp.broadcast_to(cand_len[..., 0], (b, w)))
-        finished = gather(finished) | (token == cfg.eos_id)
-        tokens = jnp.take_along_axis(tokens, parent[..., None], axis=1).at[:, :, i].set(token)
-        rows = (jnp.arange(b)[:, None] * w + parent).reshape(b * w)  # parent rows in B·W
-        cache = jax.tree.map(lambda c: jnp.take(c, rows, axis=batch_axis), cache)
-        return (cache, tokens, logp, finished, lengths), None
-
-    # Only beam 0 is alive at the start, so the first step expands one prefix, not W copies.
-    logp = jnp.tile(jnp.where(jnp.arange(w) == 0, 0.0, -jnp.inf)[None], (b, 1)).astype(
-        jnp.float32)
-    start = (init_cache(model, b * w, max_len, s), jnp.full((b, w, max_len), cfg.pad_id, jnp.int32),
-             logp, jnp.zeros((b, w), bool), jnp.zeros((b, w), jnp.int32))
-    # (int32 steps and float32 scores: under jax_enable_x64 Python's literals widen)
-    (_, tokens, logp, _, lengths), _ = jax.lax.scan(step, start,
-                                                    jnp.arange(max_len, dtype=jnp.int32))
-    scores = logp / length_penalty(lengths, alpha)
-    order = jnp.argsort(-scores, axis=1)
-    return (jnp.take_along_axis(tokens, order[..., None], axis=1),
-            jnp.take_along_axis(scores, order, axis=1))
+    def step(cache, last, i):
+        return _step(model, params, cache, last, jnp.full((b * w,), i), encoded, src_mask)
+    return beam.search(step, init_cache(model, b * w, max_len, s), batch=b, beam_size=w,
+                       max_len=max_len, vocab=cfg.vocab_size, bos_id=cfg.bos_id,
+                       eos_id=cfg.eos_id, pad_id=cfg.pad_id, alpha=alpha,
+                       # scanned caches are [L, B·W, S, K, H]
+                       take_rows=beam.rows_along(1 if cfg.scan_layers else 0))

@@ -15,6 +15,7 @@ Two decoders share one code path, switched by `RNNConfig.attention`:
     logits, aux = model.apply({"params": params}, src, tgt_in, return_weights=True)   # [B, T, V]
     aux["attention_weights"]["cross"]   # [1, B, 1, T, S]: one layer, one additive "head"
     tokens, aux = model.apply({"params": params}, src, method=model.generate, max_len=20)
+    tokens, scores = beam_search(model, params, src, beam_size=4, max_len=20)  # [B, W, 20]
 
 Sources are right-padded with `pad_id` (or give `src_mask` [B, S], True on real tokens).
 Targets: decoder input is `losses.shift_right(targets)` ([BOS, y_1, ..., y_{T-1}]), loss
@@ -24,6 +25,7 @@ is `losses.cross_entropy(logits, targets, targets != pad_id)`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -33,8 +35,9 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
 from attention_jax.layers.posemb import Embed, check_ids
+from attention_jax.models import beam
 
-__all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS"]
+__all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS", "beam_search"]
 
 CELLS = ("gru", "lstm")
 
@@ -281,6 +284,41 @@ class RNNSeq2Seq(nn.Module):
             self.decoder, start, None, memory, True)
         return tokens, _aux(alpha if return_weights else None,
                             lengths=jnp.sum(live, axis=-1).astype(jnp.int32))
+
+
+def beam_search(model: RNNSeq2Seq, params, src, *, beam_size: int, max_len: int,
+                alpha: float = 0.6, src_mask=None):
+    """Beam search over the decoder's steps (beam.search): each beam carries its own
+    cell state, the source's annotations shared. (tokens [B, W, max_len], scores [B, W])
+    sorted best first; scores are log p(y | x) / lp(|y|), |y| counting tokens up to and
+    including eos. A beam of one is `generate`'s greedy decoding."""
+    if not isinstance(model, RNNSeq2Seq):
+        raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
+                         f"rnn.RNNSeq2Seq (an EncoderDecoder's: encdec.beam_search)")
+    src_mask = _check_source(src, src_mask, model.config.pad_id)
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
+    return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)
+
+
+def _decoder_step(model: RNNSeq2Seq, carry, y_prev, memory):
+    return model.decoder(carry, y_prev, memory, True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _beam(model, w, max_len, alpha, params, src, src_mask):
+    cfg = model.config
+    memory, carry = model.apply({"params": params}, src, src_mask, method=model.encode)
+    # row b·W + k is beam k of source b
+    memory, carry = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), (memory, carry))
+
+    def step(carry, last, i):
+        carry, logits, _ = model.apply({"params": params}, carry, last, memory,
+                                       method=_decoder_step)
+        return jax.nn.log_softmax(logits.astype(jnp.float32)), carry
+    return beam.search(step, carry, batch=src.shape[0], beam_size=w, max_len=max_len,
+                       vocab=cfg.target_vocab_size, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
+                       pad_id=cfg.pad_id, alpha=alpha)
 
 
 def _aux(alpha, **named):

@@ -229,11 +229,9 @@ def translation_task(config, workdir: str) -> Task:
 
     _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)  # checked now
     beam = config.eval.beam_size
-    if beam > 1 and config.task == "rnn_seq2seq":
-        raise ConfigError(f"config.eval.beam_size={beam}: task 'rnn_seq2seq' translates "
-                          f"greedily (its decoder has no beam search; encdec's has); valid: 1")
     if beam > 1:  # the best beam of each row
-        decode_best = jax.jit(lambda params, src: encdec.beam_search(
+        search = rnn.beam_search if config.task == "rnn_seq2seq" else encdec.beam_search
+        decode_best = jax.jit(lambda params, src: search(
             model, params, src, beam_size=beam, max_len=data_opts.target_len)[0][:, 0])
     else:
         decode_best = lambda params, src: decode(params, src, data_opts.target_len)  # noqa: E731

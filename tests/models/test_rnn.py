@@ -1,6 +1,7 @@
 """RNN seq2seq: Bahdanau attention vs the single-vector bottleneck, padding, decoding, training."""
 
 import functools
+import itertools
 
 import flax.linen as nn
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from attention_jax.models.losses import cross_entropy, shift_right
+from attention_jax.models import rnn
 from attention_jax.models.rnn import RNNConfig, RNNSeq2Seq, VARIANTS
 from helpers import adam_losses, assert_loss_goes_down
 
@@ -88,6 +90,42 @@ def test_greedy_decode_matches_teacher_forcing_on_its_own_output():
     np.testing.assert_allclose(
         np.where(live[..., None], tf_aux["attention_weights"]["cross"][0, :, 0], 0),
         np.where(live[..., None], alpha, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-lstm", "tiny-bottleneck"])
+def test_beam_of_one_is_greedy_and_a_wide_beam_finds_the_best_sequence(variant):
+    """A beam of one decodes as `generate` does. With W = V² beams on a 5-token target
+    vocabulary, beam search over 3 steps keeps every prefix, so it returns the most
+    probable sequence (after eos only padding) found by enumerating all V³ under teacher
+    forcing, with its log-probability as the score (alpha 0: no length penalty); the
+    beams come best first. The LSTM carries (c, h), reordered with each beam."""
+    model, params = _init(variant)
+    greedy, _ = model.apply({"params": params}, SRC, method=model.generate, max_len=6)
+    tokens, _ = rnn.beam_search(model, params, SRC, beam_size=1, max_len=6)
+    np.testing.assert_array_equal(tokens[:, 0], greedy)
+    v, steps = 5, 3
+    model, params = _init(variant, tgt_vocab_size=v)
+    tokens, scores = rnn.beam_search(model, params, SRC, beam_size=v * v, max_len=steps,
+                                     alpha=0.0)
+    seqs = np.array(list(itertools.product(range(v), repeat=steps)))  # [V³, 3]
+    logits, _ = jax.jit(lambda s, t: model.apply({"params": params}, s, t))(
+        jnp.repeat(SRC, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
+    logp = np.asarray(jax.nn.log_softmax(logits)).reshape(2, len(seqs), steps, v)
+    for row in range(2):
+        best, best_seq = -np.inf, None
+        for k, seq in enumerate(seqs):
+            eos = np.nonzero(seq == 2)[0]
+            end = eos[0] + 1 if len(eos) else steps
+            if np.any(seq[end:] != 0):
+                continue
+            score = sum(logp[row, k, t, seq[t]] for t in range(end))
+            if score > best:
+                best, best_seq = score, seq
+        np.testing.assert_allclose(scores[row, 0], best, rtol=1e-5)
+        np.testing.assert_array_equal(tokens[row, 0], best_seq)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)
+    with pytest.raises(ValueError, match=r"beam_size must be an int >= 1; got 0"):
+        rnn.beam_search(model, params, SRC, beam_size=0, max_len=3)
 
 
 def test_greedy_decode_stops_at_eos_and_pads_after():

@@ -116,21 +116,41 @@ def test_bad_pair_settings_name_the_key(tmp_path, overrides, message):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
-def test_the_rnn_refuses_a_beam_it_cannot_search(tmp_path):
-    """Its decoder is greedy only: a beam_size asked of it is refused, not ignored; and
-    encdec.beam_search given an RNN failed deep inside JAX."""
+def test_the_rnn_translates_by_beam_search_too(tmp_path):
+    """rnn_seq2seq's eval.beam_size is a beam search of its decoder (it was refused): the
+    task's translation of a sentence is the best beam rnn.beam_search gives it (here with
+    the initial weights, a beam of 3); each family's beam_search refuses the other's
+    model in one line (it failed deep inside JAX)."""
+    import flax.linen as nn
+
     from attention_jax.models import encdec, rnn
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(40)) + "\n")
-    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", "eval.beam_size=2",
+    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", "eval.beam_size=3",
                      task="rnn_seq2seq")
-    with pytest.raises(ConfigError, match=r"^config\.eval\.beam_size=2: task 'rnn_seq2seq' "
-                                          r"translates greedily .*; valid: 1$"):
-        tasks.TASKS[config.task](config, str(tmp_path / "run"))
-    model = rnn.RNNSeq2Seq(rnn.RNNConfig(vocab_size=16, embed_dim=4, hidden_dim=4,
-                                         attention_dim=4, readout_dim=4))
+    task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    params = nn.meta.unbox(task.init(jax.random.key(1)))
+    task.save_assets(str(tmp_path / "assets"))  # the tokenizer the task encodes with
+    from attention_jax import data, workdir as workdir_lib
+    tok = data.load_tokenizer(workdir_lib.path(str(tmp_path / "assets"), workdir_lib.TOKENIZER))
+    n = config.data.source_len
+    sentences = ["five two", "nine nine one"]
+    src = np.full((2, n), tok.pad_id, np.int32)
+    for row, text in enumerate(sentences):
+        ids = tok.encode(text)
+        src[row, :len(ids)] = ids
+    tokens, scores = rnn.beam_search(task.model, params, src, beam_size=3,
+                                     max_len=config.data.target_len)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)  # best first
+    best = [tok.decode(tasks.until_eos(np.asarray(t), tok.eos_id)) for t in tokens[:, 0]]
+    assert task.translate(params, sentences) == best
     with pytest.raises(ValueError, match=r"^beam_search: model is a RNNSeq2Seq; valid: an "
-                                         r"encdec\.EncoderDecoder"):
-        encdec.beam_search(model, {}, np.ones((1, 3), np.int32), beam_size=2, max_len=4)
+                                         r"encdec\.EncoderDecoder \(an RNNSeq2Seq's: "
+                                         r"rnn\.beam_search\)"):
+        encdec.beam_search(task.model, {}, src, beam_size=2, max_len=4)
+    other = encdec.EncoderDecoder(encdec.get_config("transformer-tiny"))
+    with pytest.raises(ValueError, match=r"^beam_search: model is a EncoderDecoder; valid: "
+                                         r"an rnn\.RNNSeq2Seq"):
+        rnn.beam_search(other, {}, src, beam_size=2, max_len=4)
 
 
 def test_a_text_file_is_no_pair_and_files_need_the_files_source(tmp_path):

@@ -1,0 +1,82 @@
+"""Beam search over any decoder that scores the next token one step at a time.
+
+    tokens, scores = search(step, state, batch=B, beam_size=4, max_len=20, vocab=V,
+                            bos_id=1, eos_id=2, pad_id=0)
+
+`step(state, last, i) -> (log_probs [B·W, V], state)` advances every beam by the token
+`last` [B·W] at output position i; `state` is whatever the decoder carries between steps
+(a Transformer's KV cache, an RNN's hidden state), each array holding its B·W beams
+along `take_rows`' axis (row b·W + k is beam k of source b). encdec.beam_search and
+rnn.beam_search are this with their decoders' steps.
+
+Keeps the W best prefixes per source by their length-penalised score. A beam that has
+emitted eos is finished: it extends only with pad at no cost, and competes with live
+beams by its score (GNMT's length penalty, Wu et al. 2016, §7; Vaswani et al. §6.1 used
+W = 4, alpha = 0.6). Returns (tokens [B, W, max_len], scores [B, W]) sorted best first;
+scores are log p(y | x) / lp(|y|), |y| counting tokens up to and including eos.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def length_penalty(length, alpha: float):
+    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, §7); scores are log p / lp."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def rows_along(axis: int) -> Callable:
+    """take_rows for a state whose every array holds the beams along `axis`."""
+    return lambda state, rows: jax.tree.map(lambda x: jnp.take(x, rows, axis=axis), state)
+
+
+def search(step: Callable, state, *, batch: int, beam_size: int, max_len: int, vocab: int,
+           bos_id: int, eos_id: int, pad_id: int, alpha: float = 0.6,
+           take_rows: Callable = rows_along(0)):
+    """(tokens [B, W, max_len], scores [B, W]), best first (the module's text). `state`
+    holds B·W rows (each source's repeated W times); take_rows(state, rows) picks rows
+    [B·W] of it, each beam's parent after a step."""
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be an int >= 1; got {max_len!r}")
+    b, w, v = batch, beam_size, vocab
+    pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)  # [V]: finished beams
+
+    def body(carry, i):
+        state, tokens, logp, finished, lengths = carry
+        prev = tokens[:, :, jnp.maximum(i - 1, 0)]  # [B, W]
+        last = jnp.where(i == 0, bos_id, prev).reshape(b * w)  # each beam's latest token
+        step_logp, state = step(state, last, i)
+        step_logp = jnp.where(finished[..., None], pad_only,
+                              step_logp.reshape(b, w, v).astype(jnp.float32))
+        cand = logp[..., None] + step_logp  # [B, W, V]
+        cand_len = jnp.where(finished, lengths, i + 1)[..., None]  # [B, W, 1]
+        rank = (cand / length_penalty(cand_len, alpha)).reshape(b, w * v)
+        _, best = jax.lax.top_k(rank, w)  # [B, W]
+        parent, token = best // v, (best % v).astype(jnp.int32)
+        gather = functools.partial(jnp.take_along_axis, indices=parent, axis=1)
+        logp = jnp.take_along_axis(cand.reshape(b, w * v), best, axis=1)
+        lengths = gather(jnp.broadcast_to(cand_len[..., 0], (b, w)))
+        finished = gather(finished) | (token == eos_id)
+        tokens = jnp.take_along_axis(tokens, parent[..., None], axis=1).at[:, :, i].set(token)
+        rows = (jnp.arange(b)[:, None] * w + parent).reshape(b * w)  # parent rows in B·W
+        return (take_rows(state, rows), tokens, logp, finished, lengths), None
+
+    # Only beam 0 is alive at the start, so the first step expands one prefix, not W copies.
+    logp = jnp.tile(jnp.where(jnp.arange(w) == 0, 0.0, -jnp.inf)[None], (b, 1)).astype(
+        jnp.float32)
+    start = (state, jnp.full((b, w, max_len), pad_id, jnp.int32), logp,
+             jnp.zeros((b, w), bool), jnp.zeros((b, w), jnp.int32))
+    # (int32 steps and float32 scores: under jax_enable_x64 Python's literals widen)
+    (_, tokens, logp, _, lengths), _ = jax.lax.scan(body, start,
+                                                    jnp.arange(max_len, dtype=jnp.int32))
+    scores = logp / length_penalty(lengths, alpha)
+    order = jnp.argsort(-scores, axis=1)
+    return (jnp.take_along_axis(tokens, order[..., None], axis=1),
+            jnp.take_along_axis(scores, order, axis=1))
