@@ -66,3 +66,23 @@ def rows_and_dtype(args, what: str, sizes: tuple[str, ...], parse) -> tuple[list
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"error: --dtype {dtype!r}; valid: float32, bfloat16 or float16")
     return kernels, dtype
+
+
+def _parse_kernels(flag: str, text, valid) -> list[str]:
+    """--<flag> "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
+    kernels = [k.strip() for k in str(text).split(",") if k.strip()]
+    if not kernels or set(kernels) - set(valid):
+        raise SystemExit(f"error: --{flag} {text!r}; valid: {list(valid)}, comma-separated")
+    return kernels
+
+
+def parse_loss_kernels(text) -> list[str]:
+    """--loss-kernel "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
+    from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
+    return _parse_kernels("loss-kernel", text, LOSS_KERNELS)
+
+
+def parse_norm_kernels(text) -> list[str]:
+    """--norm-kernel "xla,pallas" -> ["xla", "pallas"] (layers/norms.py NORM_KERNELS)."""
+    from attention_jax.layers.norms import NORM_KERNELS  # imports JAX, not the GPU
+    return _parse_kernels("norm-kernel", text, NORM_KERNELS)

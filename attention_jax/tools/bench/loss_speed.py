@@ -124,7 +124,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench.train_speed_gpu import parse_loss_kernels
+    from attention_jax.tools.bench.kernel_bench import parse_loss_kernels
     kernels, dtype = kernel_bench.rows_and_dtype(args, "loss", ("rows", "width", "vocab"),
                                                  parse_loss_kernels)
     print(f"timing the loss, kernels {kernels} ...", file=sys.stderr, flush=True)

@@ -142,7 +142,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict:
-    from attention_jax.tools.bench.train_speed_gpu import parse_norm_kernels
+    from attention_jax.tools.bench.kernel_bench import parse_norm_kernels
     kernels, dtype = kernel_bench.rows_and_dtype(args, "norm", ("rows", "width"),
                                                  parse_norm_kernels)
     print(f"timing the residual add and LayerNorm, kernels {kernels} ...", file=sys.stderr,

@@ -81,6 +81,7 @@ from pathlib import Path
 from attention_jax.data.objectives import PACKINGS
 from attention_jax.models import flops
 from attention_jax.tools.bench import trainer
+from attention_jax.tools.bench.kernel_bench import parse_loss_kernels, parse_norm_kernels
 
 H100_BF16_PEAK = 989e12  # FLOP/s: H100 SXM5, dense bfloat16 (NVIDIA H100 datasheet)
 MATMUL_SIZE = 8192
@@ -219,26 +220,6 @@ def _impl_label(implementation: str, loss_chunk_size: int, loss_kernel: str = "a
     if loss_kernel != "auto" and not loss_chunk_size:
         label += f", loss {loss_kernel}"
     return label if norm_kernel == "auto" else f"{label}, norm {norm_kernel}"
-
-
-def _parse_kernels(flag: str, text, valid) -> list[str]:
-    """--<flag> "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
-    kernels = [k.strip() for k in str(text).split(",") if k.strip()]
-    if not kernels or set(kernels) - set(valid):
-        raise SystemExit(f"error: --{flag} {text!r}; valid: {list(valid)}, comma-separated")
-    return kernels
-
-
-def parse_loss_kernels(text) -> list[str]:
-    """--loss-kernel "xla,pallas" -> ["xla", "pallas"]; SystemExit naming the valid values."""
-    from attention_jax.models.losses import LOSS_KERNELS  # imports JAX, not the GPU
-    return _parse_kernels("loss-kernel", text, LOSS_KERNELS)
-
-
-def parse_norm_kernels(text) -> list[str]:
-    """--norm-kernel "xla,pallas" -> ["xla", "pallas"] (layers/norms.py NORM_KERNELS)."""
-    from attention_jax.layers.norms import NORM_KERNELS  # imports JAX, not the GPU
-    return _parse_kernels("norm-kernel", text, NORM_KERNELS)
 
 
 # --fit only compiles (three or more times per shape) and reads the memory analysis, so
