@@ -7,7 +7,8 @@
 From the command line: `--config.data.name=files --config.data.files=GLOBS`.
 
 Formats (by the file name's ending):
-  .txt .md .py                one document per file (undecodable bytes become U+FFFD)
+  .txt .md .py                one document per file (undecodable bytes become U+FFFD);
+                              .txt also as .txt.gz, .txt.zst
   .jsonl .jsonl.gz .jsonl.zst one JSON object per line, the document in `text_key`;
                               blank lines are skipped
   .parquet                    one document per row, in the column `text_key`
@@ -65,7 +66,7 @@ import numpy as np
 
 from attention_jax.errors import UserError
 
-TEXT_SUFFIXES = ('.txt', '.md', '.py')
+TEXT_SUFFIXES = ('.txt', '.md', '.py', '.txt.gz', '.txt.zst')
 JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.jsonl.zst')
 # Tables whose header row names the columns: CSV (RFC 4180: a quoted field may hold the
 # delimiter, doubled quotes and line breaks) and TSV (the IANA form: a record a line,
@@ -553,12 +554,15 @@ class _Reader:
 
     def text_file(self, f: _File) -> tuple[bytes, int]:
         """The file's text as UTF-8, and how many of its bytes were not UTF-8 (each read
-        as U+FFFD)."""
+        as U+FFFD); a compressed one's, decompressed (_Corrupt if it cannot be)."""
         try:
-            with open(f.path, 'rb') as fh:
-                raw = fh.read()
-        except OSError as e:
+            raw = b''.join(_chunks(f.format)(f.path))
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
+        except _decompression_errors() as e:
+            if not _compressed(f.format):
+                raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
+            raise _Corrupt(f'truncated or corrupt {_compression_name(f.format)} ({e})') from None
         try:
             return raw.decode('utf-8').encode('utf-8'), 0
         except UnicodeDecodeError:
@@ -567,6 +571,10 @@ class _Reader:
             # for U+FFFD) are the ones a decode that drops invalid bytes still has.
             invalid = text.count('\ufffd') - raw.decode('utf-8', errors='ignore').count('\ufffd')
             return text.encode('utf-8'), invalid
+
+
+class _Corrupt(Exception):
+    """A compressed text file that cannot be decompressed: a bad record, skipped."""
 
 
 # A text file more than this share of whose bytes are not UTF-8 is no text (random or
@@ -659,7 +667,11 @@ class Corpus:
         i = int(np.searchsorted(self.first, n, side='right')) - 1
         f, k = self.files[i], n - int(self.first[i])
         if f.format in TEXT_SUFFIXES:
-            text, invalid = self._reader.text_file(f)
+            try:
+                text, invalid = self._reader.text_file(f)
+            except _Corrupt as e:
+                self.bad.skip(f.path, str(e))
+                text, invalid = b'', 0
             if b'\x00' in text:  # a binary file under a text suffix: skipped and counted
                 self.bad.skip(f.path, 'holds NUL bytes: a binary file, or text not in UTF-8 '
                                       '(UTF-16/32: convert it to UTF-8)')

@@ -3,6 +3,7 @@ held-out splits, any tokenizer.json, bad input in one line each, and one command
 run that trains on files with a tokenizer file and samples with it. Every file is made
 here, in tmp_path."""
 
+import bz2
 import gzip
 import json
 import os
@@ -148,8 +149,8 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     (tmp_path / 'n.jsonl').write_text(''.join(json.dumps({'text': i}) + '\n' for i in range(30)))
     with pytest.raises(files.FilesError) as e:
         files.file_splits(str(tmp_path / 'n.jsonl'))
-    cases.append((e, f"n.jsonl: 'text' holds int in its first records, not text; valid: text "
-                     f"(set text_key"))
+    cases.append((e, "n.jsonl: 'text' holds int in its first records, not text; valid: text "
+                     "(set text_key"))
     (tmp_path / 'p.jsonl').write_text(json.dumps(['one', 'eins']) + '\n')
     with pytest.raises(files.FilesError) as e:
         files.file_splits(str(tmp_path / 'p.jsonl'), fields=('en', 'de'))
@@ -207,7 +208,7 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
 
 
 def test_a_directory_says_what_it_leaves_out_and_brackets_are_a_path(tmp_path, capsys):
-    """A directory's files of other types (the largest, a .txt.gz, among them) were
+    """A directory's files of other types (the largest, a .txt.bz2, among them) were
     dropped unsaid, and a directory of only such files "matched no file"; a folder or
     file named with brackets matched nothing (read as a glob's character class)."""
     folder = tmp_path / 'corpus [2024]'
@@ -215,13 +216,14 @@ def test_a_directory_says_what_it_leaves_out_and_brackets_are_a_path(tmp_path, c
     (folder / 'a.txt').write_text('the cat sat')
     (folder / 'sub' / 'b [1].md').write_text('on a mat')
     (folder / 'd.json').write_text('[]')
-    (folder / 'e.txt.gz').write_bytes(gzip.compress(b'seven dogs'))
+    (folder / 'e.txt.bz2').write_bytes(bz2.compress(b'seven dogs'))
+    (folder / 'f.txt.gz').write_bytes(gzip.compress(b'eight dogs'))
     listed = files.list_files(str(folder))
-    assert [ident for ident, _ in listed] == ['a.txt', 'sub/b [1].md']
+    assert [ident for ident, _ in listed] == ['a.txt', 'f.txt.gz', 'sub/b [1].md']
     assert capsys.readouterr().err.splitlines() == [
-        f"note: files={str(folder)!r}: 2 files of other types left out: d.json, e.txt.gz "
-        f"(read: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .csv, .tsv, .csv.gz, "
-        f".csv.zst, .tsv.gz, .tsv.zst)"]
+        f"note: files={str(folder)!r}: 2 files of other types left out: d.json, e.txt.bz2 "
+        f"(read: .txt, .md, .py, .txt.gz, .txt.zst, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, "
+        f".csv, .tsv, .csv.gz, .csv.zst, .tsv.gz, .tsv.zst)"]
     files.list_files(str(folder))
     assert capsys.readouterr().err == ''  # once a process
     assert files.list_files(str(folder / 'sub' / 'b [1].md')) == [
@@ -309,14 +311,27 @@ def test_csv_and_tsv_as_the_tools_write_them(tmp_path, capsys):
             f"in another encoding: convert it") in capsys.readouterr().err
 
 
+def test_compressed_text_files_are_one_document_each(tmp_path, capsys):
+    """A .txt.gz or .txt.zst is one document, decompressed (Project Gutenberg's dumps come
+    so); one that cannot be decompressed is a bad record, skipped and said, the others
+    read."""
+    import zstandard
+    (tmp_path / 'a.txt.gz').write_bytes(gzip.compress('the café\n'.encode() * 3))
+    (tmp_path / 'b.txt.zst').write_bytes(zstandard.ZstdCompressor().compress(b'a mat'))
+    (tmp_path / 'c.txt.gz').write_bytes(gzip.compress(b'lost ' * 1000)[:-20])
+    src = files.file_splits(f'{tmp_path}/*.txt.*', eval_fraction=0.5)
+    read = {k: v for s in src.values() for k, v in _read(s).items()}
+    assert read == {'a.txt.gz': 'the café\n' * 3, 'b.txt.zst': 'a mat', 'c.txt.gz': ''}
+    assert (f"{tmp_path / 'c.txt.gz'}: truncated or corrupt gzip file"
+            in capsys.readouterr().err)
+
+
 def test_compressed_csv_and_tsv_read_as_the_plain_ones(tmp_path, monkeypatch, capsys):
     """pandas writes `to_csv('x.csv.gz')`: .csv and .tsv compressed with gzip or zstd are
     read as the plain files are (a quoted field's line break, a BOM, Windows line ends, a
     bad row counted), their records found in the decompressed stream, here in chunks of
     7 bytes so that lines and records straddle them; a truncated one is one line naming
     it."""
-    import gzip
-
     import zstandard
     monkeypatch.setattr(files, '_CHUNK', 7)
     table = (b'\xef\xbb\xbfreview,stars\r\n"a good, long\r\nfilm",5\r\nplain text,3\r\n\r\n'
