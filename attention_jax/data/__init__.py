@@ -12,7 +12,8 @@ TensorFlow):
   files                       train, validation         {'id', 'text'}: your own files, read
                               where they are, not built (data/files.py): .txt/.md/.py (one
                               document each; .txt.gz|.zst too), .jsonl, .csv, .tsv (each
-                              also .gz|.zst), .parquet (the document in text_key); options files='GLOBS,...', eval_files=, text_key=,
+                              also .gz|.zst), .parquet (the document in text_key);
+                              options files='GLOBS,...', eval_files=, text_key=,
                               eval_fraction= (held out by a hash of file + line/row),
                               max_bad_records=, max_files=
   text_corpus                 train, validation         {'id', 'text'} from your files, built
