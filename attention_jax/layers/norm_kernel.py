@@ -72,6 +72,12 @@ MOST_WARPS = 32  # Triton's most: 1024 threads a program
 # a warp and 16 rows a program it takes effect below 3792 rows (2048 rows: 256 programs
 # of 8).
 BACKWARD_PROGRAMS = int(0.9 * 2 * 132)
+# The fewest rows a backward program walks by default (the halving above stops there),
+# and the fewest `auto` takes the kernels with (layers/norms.py): each program writes
+# float32 partial sums of a row each for the scale's, the bias's and y_bias's gradients,
+# which at fewer rows a program outweigh the bfloat16 rows themselves (one row a
+# program: 6x their bytes). As the defaults of 8 rows a step allowed until 2026-11-27.
+MIN_PROGRAM_ROWS = 8
 # What the kernels are traced with, unless `settings` says otherwise (bench norm sweeps
 # them on a GPU).
 SETTINGS = Settings(
@@ -134,11 +140,11 @@ def _warps(d: int, rows: int) -> int:
 def _program_rows(m: int, rows: int, gpu: bool) -> int:
     """The rows a backward program walks of m rows (a multiple of rows): the largest
     power of two up to the program_rows setting that divides m; by default (PROGRAM_ROWS)
-    on a GPU halved, down to rows, while the grid would have fewer than
-    BACKWARD_PROGRAMS programs."""
+    on a GPU halved, down to rows and MIN_PROGRAM_ROWS, while the grid would have fewer
+    than BACKWARD_PROGRAMS programs."""
     size = _pow2_divisor(m, SETTINGS["program_rows"])
     fill = gpu and not SETTINGS.given("program_rows")
-    while fill and size > rows and m // size < BACKWARD_PROGRAMS:
+    while fill and size > max(rows, MIN_PROGRAM_ROWS) and m // size < BACKWARD_PROGRAMS:
         size //= 2
     return size
 
@@ -403,8 +409,8 @@ def add_norm(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = 
     of r over its last axis with scale [D] (and bias [D]), in `dtype` (default x's).
 
     x, y [..., D] of one dtype (r's); y_bias [D] or None; the rows (the leading axes'
-    product) a multiple of the rows a program holds (by default 1: `_rows`) on each
-    device. Differentiable in every array argument; the
+    product) a multiple of the rows a program holds (the rows setting, by default 1) on
+    each device. Differentiable in every array argument; the
     backward takes the gradients reaching r (along the residual path) and n in one kernel.
     interpret: None = on a CPU or TPU (the kernels compile for NVIDIA GPUs only)."""
     if scale is None or scale.shape != x.shape[-1:]:

@@ -100,7 +100,8 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
     """"xla" or "pallas" for `kernel` (NORM_KERNELS) and an x of this shape and dtype.
 
     auto takes pallas on NVIDIA GPUs (or compiling for them) for x other than float64
-    whose rows divide into the kernels' programs on each device, unless the mesh splits
+    whose rows divide into the kernels' programs on each device, backward programs of
+    norm_kernel.MIN_PROGRAM_ROWS rows or more by default (a multiple of 8 rows), unless the mesh splits
     the features D or would hand every device all the rows (several devices and nothing
     in the logical rules splitting the batch or length, norm_kernel.gathers_rows).
     pallas where the kernels cannot take x (norm_kernel.unsupported) answers xla and says
@@ -128,7 +129,12 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
         return kernel
     unsuited = (target_backend() != "gpu" or jnp.dtype(dtype) == jnp.float64
                 or len(x_shape) < 2 or norm_kernel.gathers_rows(x_shape))
-    return "xla" if unsuited or why else "pallas"
+    if unsuited or why:
+        return "xla"
+    program = norm_kernel.launch(norm_kernel.rows_per_device(tuple(x_shape[:-1])), x_shape[-1])
+    few = (program["program_rows"] < norm_kernel.MIN_PROGRAM_ROWS
+           and not norm_kernel.SETTINGS.given("program_rows"))  # (a sweep's setting stands)
+    return "xla" if few else "pallas"
 
 
 def add_normalize(x, y=None, y_bias=None, scale=None, bias=None, *, centered: bool = True,

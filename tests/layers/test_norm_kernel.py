@@ -126,7 +126,8 @@ def test_on_a_gpu_the_backward_grid_fills_the_sms():
     forward programs, 1024 backward programs of 16 rows). Traced for a GPU, a backward
     program walks fewer rows where the grid would have fewer than BACKWARD_PROGRAMS
     programs (2048 rows: 256 of 8), never fewer than a step's rows; interpreted, and where
-    program_rows is given (a sweep's row), the setting stands."""
+    program_rows is given (a sweep's row), the setting stands. Not below MIN_PROGRAM_ROWS
+    (each program's partial sums would outweigh its rows)."""
     from attention_jax.attention import compiling_for
 
     assert norm_kernel.launch(16384, 768) == {"rows": 1, "program_rows": 16, "num_warps": 1}
@@ -134,6 +135,7 @@ def test_on_a_gpu_the_backward_grid_fills_the_sms():
     assert rows(2048, 1, gpu=True) == 8 and rows(2048, 1, gpu=False) == 16
     assert rows(8192, 1, gpu=True) == 16
     assert rows(800, 8, gpu=True) == 8  # 800 = 16·50: 50 programs, halved down to 8 rows
+    assert rows(1024, 1, gpu=True) == 8  # 128 programs: halved to MIN_PROGRAM_ROWS, no further
     with norm_kernel.settings(program_rows=16):
         assert rows(2048, 1, gpu=True) == 16
     x = jax.ShapeDtypeStruct((2, 1024, 1024), jnp.bfloat16)  # medium's activations at batch 2
@@ -303,8 +305,9 @@ def test_auto_takes_the_kernels_for_a_gpu_only():
     with compiling_for("gpu"):
         assert choose_norm_kernel("auto", shape, jnp.bfloat16) == "pallas"
         assert choose_norm_kernel("auto", shape, jnp.float64) == "xla"
-        with norm_kernel.settings(rows=8):
-            assert choose_norm_kernel("auto", (3, 5, 64), jnp.bfloat16) == "xla"  # 15 rows
+        # 15 rows: backward programs of one row, whose partial sums outweigh the rows
+        assert choose_norm_kernel("auto", (3, 5, 64), jnp.bfloat16) == "xla"
+        assert choose_norm_kernel("pallas", (3, 5, 64), jnp.bfloat16) == "pallas"  # as asked
     assert choose_norm_kernel("xla", shape, jnp.bfloat16) == "xla"
 
 

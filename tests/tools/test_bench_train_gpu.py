@@ -309,8 +309,9 @@ def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
     """--norm-settings (as --pallas-tiles and --loss-settings): our step timed again with
     the kernels' launch given, beside the defaults' row, the same first loss (the kernels
     interpreted here); kernel_settings, which the child compiles within, reaches the
-    kernels traced inside and ends with it; a setting the step's rows cannot take, or for
-    kernels the row leaves out, is refused before any child runs."""
+    kernels traced inside and ends with it, and each child says what it compiled with;
+    of --norm-kernel xla,pallas only the pallas rows get such a row. A setting the step's
+    rows cannot take, or for kernels no row runs, is refused before any child runs."""
     from attention_jax.layers import norm_kernel
     with train_speed_gpu_child.kernel_settings({"norm": {"rows": 2, "program_rows": 4}}):
         assert norm_kernel.launch(32, 32, gpu=False) == {"rows": 2, "program_rows": 4,
@@ -328,16 +329,26 @@ def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
              "--norm-settings: the norm kernels cannot take the step's rows: 32 rows per "
              "device, not a multiple of 64"),
             (["--norm-settings", "rows=2", "--norm-kernel", "xla"],
-             "--norm-settings is for the Pallas kernels, which --norm-kernel xla leaves out")):
+             "--norm-settings is for the Pallas kernels, which --norm-kernel xla leaves out"),
+            (["--loss-settings", "warps=4", "--loss-chunk", "8"],
+             "--loss-settings is for the loss kernels, which --loss-chunk 8 leaves out"),
+            (["--pallas-tiles", "fwd=32x32"],  # (--implementation xla, above)
+             "which --implementation xla leaves out; valid: --implementation pallas or auto")):
         with pytest.raises(SystemExit, match=re.escape(says)):
             train_speed_gpu.run(parser.parse_args(common + extra), info=info)
     assert not (tmp_path / "t.json").exists()
-    args = parser.parse_args(common + ["--norm-kernel", "pallas", "--norm-settings",
+    args = parser.parse_args(common + ["--norm-kernel", "xla,pallas", "--norm-settings",
                                        "rows=2,program_rows=4,warps=1"])
-    rows = train_speed_gpu.run(args, info=info)
+    rows = train_speed_gpu.run(args, info=info)[1:]  # of xla and pallas norms, the pallas rows
     assert [r["impl"] for r in rows] == [
         "xla, norm pallas", "xla, norm pallas with norm-settings rows=2,program_rows=4,warps=1"]
     assert all("error" not in r for r in rows), rows
     assert rows[0]["launch"] == {} and rows[1]["launch"] == {"norm": "rows=2,program_rows=4,warps=1"}
+    # what each child compiled with: the defaults, and the settings given
+    assert rows[0]["launch_used"]["norm"] == norm_kernel.launch(32, 32, gpu=False)
+    assert rows[1]["launch_used"]["norm"] == {"rows": 2, "program_rows": 4, "num_warps": 1}
     assert rows[1]["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-5)
     assert "with norm-settings rows=2,program_rows=4,warps=1 |" in capsys.readouterr().out
+    # auto's choice is named in a launch row's label as in the defaults' row
+    assert (train_speed_gpu._attention_label("auto with pallas-tiles fwd=64x64", None, "pallas")
+            == "auto (pallas) with pallas-tiles fwd=64x64")

@@ -518,7 +518,8 @@ def run(args) -> dict:
            "norm_kernel": train_speed_gpu.one_norm_kernel(args.norm_kernel)}
     given = {name: text for name, text in (("tiles", args.pallas_tiles), ("loss", args.loss_settings),
                                            ("norm", args.norm_settings)) if text}
-    settings = train_speed_gpu.launch_settings(given, args.implementation, row)
+    settings = train_speed_gpu.launch_settings(given, args.implementation, row,
+                                               attention_auto=False)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_hlo_"))
     out.mkdir(parents=True, exist_ok=True)
     spec = {"row": row, "implementation": args.implementation, "dtype": args.dtype,

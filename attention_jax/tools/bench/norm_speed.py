@@ -79,8 +79,7 @@ def measure(rows: int, width: int, dtype: str, kernels: list[str], repeats: int,
         if name.startswith("pallas") and why:  # add_normalize would take XLA's ops instead
             raise SystemExit(f"error: {name!r}: the kernels cannot take [{rows}, {width}]: "
                              f"{why}; valid: --rows a multiple of the rows a program "
-                             f"holds (the rows setting; by default 8, fewer for rows wider "
-                             f"than 1024)")
+                             f"holds (the rows setting, by default 1)")
     for name in kernels:  # "pallas SETTINGS": the kernels traced with those settings
         kernel, _, given = name.partition(" ")
 

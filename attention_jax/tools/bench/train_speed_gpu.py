@@ -207,7 +207,7 @@ def _findable(module: str) -> bool:
 def _attention_label(impl: str, packing: str | None, used: str | None = None) -> str:
     """A row's attention in the table, with what auto chose where a bare row says; a
     trainer row also names its data.packing."""
-    if used and impl.split(",")[0] == "auto":
+    if used and impl.split(",")[0].split(" ")[0] == "auto":
         impl = impl.replace("auto", f"auto ({used})", 1)
     return f"{impl}, {packing} packing" if packing else impl
 
@@ -309,13 +309,22 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     given = {name: text for name, text in (
         ("tiles", getattr(args, "pallas_tiles", None)), ("loss", getattr(args, "loss_settings", None)),
         ("norm", getattr(args, "norm_settings", None))) if text}
-    launch_sets = [None]
+    # A row of ours runs with them where its kernels are the Pallas ones they set (e.g. of
+    # --norm-kernel xla,pallas the pallas rows); none such is an error.
+    launch_for: dict = {}
     if given:
-        launch_sets.append(given)
-        for (name, batch), impl, lk, nk in [(p, i, lk, nk) for p in pairs for i in impls
-                                            for lk in loss_kernels for nk in norm_kernels]:
-            launch_settings(given, impl, {**table_[name].row(batch), "loss_kernel": lk,
-                                          "norm_kernel": nk})
+        refusals = []
+        for (name, batch), impl, chunk, lk, nk in [
+                (p, i, c, lk, nk) for p in pairs for i in impls for c in chunks
+                for lk in loss_kernels for nk in norm_kernels]:
+            try:
+                launch_for[(name, batch, impl, chunk, lk, nk)] = launch_settings(
+                    given, impl, {**table_[name].row(batch), "loss_kernel": lk,
+                                  "norm_kernel": nk}, chunk)
+            except SystemExit as e:
+                refusals.append(e)
+        if not launch_for:
+            raise refusals[0]
     print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -363,12 +372,13 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     for name, batch in pairs:
         for impl, chunk, lk, nk, k, launch in [
                 (i, c, lk, nk, k, g) for i in impls for c in chunks for lk in loss_kernels
-                for nk in norm_kernels for k in range(len(flag_sets)) for g in launch_sets]:
+                for nk in norm_kernels for k in range(len(flag_sets)) for g in (None, given)
+                if g is None or (name, batch, i, c, lk, nk) in launch_for]:
             row = {**table_[name].row(batch), "loss_kernel": lk, "norm_kernel": nk}
             label = (_impl_label(impl, chunk, lk, nk) + (f" xla{k}" if flag_sets[k] else "")
                      + ("" if launch is None else " with " + ", ".join(
                          f"{LAUNCH_FLAGS[n][0][2:]} {t}" for n, t in launch.items())))
-            settings = {} if launch is None else launch_settings(launch, impl, row)
+            settings = {} if launch is None else launch_for[(name, batch, impl, chunk, lk, nk)]
             print(f"  jax {name} batch {batch} attention {label} ...", file=sys.stderr, flush=True)
             result = _child(["jax", "--row", json.dumps(row), "--implementation", impl,
                              "--dtype", args.dtype, "--loss-chunk", str(chunk), *timing,
@@ -476,12 +486,15 @@ LAUNCH_FLAGS = {"tiles": ("--pallas-tiles", "--implementation"),
                 "norm": ("--norm-settings", "--norm-kernel")}
 
 
-def launch_settings(given: dict, implementation: str, row: dict) -> dict:
+def launch_settings(given: dict, implementation: str, row: dict, loss_chunk: int = 0,
+                    attention_auto: bool = True) -> dict:
     """{"tiles", "loss", "norm": the kernels' settings} of the option texts `given` (keyed
     the same; what is absent: the defaults), for a step whose attention is
-    `implementation` and whose row names its "loss_kernel" and "norm_kernel". An option
-    for kernels the step would not run is an error, as is a norm setting the step's rows
-    cannot take (the norms would be XLA's ops)."""
+    `implementation` and whose row names its "loss_kernel" and "norm_kernel" (and a
+    chunked loss, loss_chunk > 0, runs no loss kernel). An option for kernels the step
+    would not run is an error (SystemExit), as is a norm setting the step's rows cannot
+    take (the norms would be XLA's ops). attention_auto: whether --implementation auto
+    is a choice (bench train's; gpu-hlo's is not)."""
     from attention_jax.tools.bench import attention_speed_gpu, loss_speed, norm_speed
     parse = {"tiles": attention_speed_gpu.parse_tiles, "loss": loss_speed.parse_settings,
              "norm": norm_speed.parse_settings}
@@ -492,7 +505,10 @@ def launch_settings(given: dict, implementation: str, row: dict) -> dict:
         if chosen[name] not in ("pallas", "auto"):
             raise SystemExit(f"error: {flag} is for the Pallas kernels, which {kernels} "
                              f"{chosen[name]} leaves out; valid: {kernels} pallas"
-                             + ("" if name == "tiles" else " or auto"))
+                             + ("" if name == "tiles" and not attention_auto else " or auto"))
+        if name == "loss" and loss_chunk:
+            raise SystemExit(f"error: {flag} is for the loss kernels, which --loss-chunk "
+                             f"{loss_chunk} leaves out (the chunked loss); valid: --loss-chunk 0")
         settings[name] = parse[name](text)
     if "norm" in settings:
         from attention_jax.layers import norm_kernel

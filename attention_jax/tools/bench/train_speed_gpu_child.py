@@ -137,6 +137,7 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
         with kernel_settings(settings):  # read while the step is traced and compiled
             step, state, info = prepare_ours(row, implementation, dtype,
                                              loss_chunk_size=loss_chunk_size)
+            result["launch_used"] = launch_used(row, dtype)
         result.update(info)
         from attention_jax.models.losses import choose_loss_kernel  # what auto chose here
         result["loss_kernel_used"] = ("chunked" if loss_chunk_size else choose_loss_kernel(
@@ -155,6 +156,23 @@ def measure_ours(row: dict, implementation: str, warmup: int = 3, repeats: int =
     except Exception as e:  # out of memory, a backend refusing a shape: a result
         result["error"] = _error_line(e)
     return result
+
+
+def launch_used(row: dict, dtype: str) -> dict:
+    """The Pallas kernels' launch settings at `row` under the settings now in force (what
+    a step traced now takes, where it runs them): the attention's tiles, the loss's and
+    the norms' (their defaults adapted to the row's rows)."""
+    import dataclasses
+
+    import jax
+
+    from attention_jax.attention import pallas
+    from attention_jax.layers import norm_kernel
+    from attention_jax.models import loss_kernel
+    tiles = pallas.kernel_block_sizes(row["width"] // row["heads"], dtype, length=row["seq_len"])
+    return {"tiles": dataclasses.asdict(tiles), "loss": loss_kernel.SETTINGS.current(),
+            "norm": norm_kernel.launch(row["batch"] * row["seq_len"], row["width"],
+                                       gpu=jax.default_backend() == "gpu")}
 
 
 def attention_used(row: dict, implementation: str, dtype: str) -> str:
