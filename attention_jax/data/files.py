@@ -14,8 +14,10 @@ Formats (by the file name's ending):
   .parquet                    one document per row, in the column `text_key`
   .csv .tsv (also .gz, .zst)  one document per row, in the column `text_key` named by the
                               header row (CSV: quoted fields may span lines; TSV: a row
-                              a line, a field unquoted only as csv or pandas quote it);
-                              blank lines are skipped
+                              a line, a field unquoted only as csv or pandas quote it, one
+                              they quoted over a line break a bad record); blank lines are
+                              skipped; a whole number written as a float (5.0) in an
+                              integer field reads as the integer, as in JSONL
 `files` is a comma-separated list of globs (`**` recurses, `~` expands; a directory
 stands for every file of these formats under it).
 
@@ -58,6 +60,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -488,6 +491,22 @@ def _table_row(text: str, fmt: str) -> list[str]:
     return next(_csv_module().reader([text]), [])
 
 
+# Why a TSV row holds half a quoted field: the writer (csv, pandas) quoted a field with a
+# line break, which a TSV, read a row a line, cannot hold.
+_TSV_BREAK = 'a quoted field with a line break? a TSV is read a row a line: write such fields as CSV'
+
+
+def _quote_left_open(text: str) -> bool:
+    """Whether a CSV record ends inside a quoted field: Python's csv module, lenient, reads
+    such a quote to the end of the file as one field; strict, it says so."""
+    csv = _csv_module()
+    try:
+        next(csv.reader([text], strict=True), None)
+    except csv.Error as e:
+        return 'unexpected end of data' in str(e)  # (other strict complaints: lenient is right)
+    return False
+
+
 def _table_kind(fmt: str) -> str:
     """'.csv' or '.tsv', of a table's format compressed or not."""
     return fmt[:4]
@@ -641,6 +660,17 @@ def _integer_text(value):
     return str(value) if isinstance(value, (int, np.integer)) else value
 
 
+_WHOLE_NUMBER = re.compile(r'\s*([+-]?\d+)\.0+\s*')
+
+
+def _whole_number_text(text: str) -> str:
+    """A table cell of a whole number written as a float ('5.0', as pandas writes an
+    integer column with a missing value) as its integer's text, as _integer_text reads
+    the number 5.0 in JSONL; any other text as it is."""
+    whole = _WHOLE_NUMBER.fullmatch(text)
+    return str(int(whole.group(1))) if whole else text
+
+
 class Corpus:
     """The indexed files of one `files` spec, documents numbered in file order. A record
     is the document under 'text' (read from `fields` = (text_key,)), or with `pairs` each
@@ -692,6 +722,8 @@ class Corpus:
         elif f.format in TABLE_SUFFIXES:
             where = f'{f.path}:{int(f.lines[k])}'
             values = self._table_values(f, self._reader.line(f, k), where)
+            values = [_whole_number_text(v) if key in self.integers and v is not _BAD else v
+                      for key, v in zip(self.fields, values)]
             ident = f'{f.ident}:{int(f.lines[k])}'
         else:
             where = f'{f.path}:{int(f.lines[k])}'
@@ -719,7 +751,17 @@ class Corpus:
         csv = _csv_module()
         try:  # (a record not in UTF-8 is a bad one, as a JSONL line is)
             text = record.decode('utf-8').rstrip('\r')
+            if _table_kind(f.format) == '.csv' and _quote_left_open(text):
+                lines = text.count('\n') + 1
+                self.bad.skip(where, 'a quote opened in it never closes, so the rest of the file'
+                                     + (f' ({lines} lines)' if lines > 1 else '')
+                                     + ' was read as this one record')
+                return [_BAD] * len(self.fields)
             row = _table_row(text, f.format)
+            if _table_kind(f.format) == '.tsv' and any(
+                    field.startswith('"') and field.count('"') % 2 for field in text.split('\t')):
+                self.bad.skip(where, f'a field opens a quote it does not close: {_TSV_BREAK}')
+                return [_BAD] * len(self.fields)
         except UnicodeDecodeError as e:
             self.bad.skip(where, f'not UTF-8 ({e.reason} at byte {e.start}; a file in another '
                                  f'encoding: convert it, e.g. iconv -f cp1252 -t utf-8)')
@@ -728,8 +770,11 @@ class Corpus:
             self.bad.skip(where, f'not a CSV record ({e})')
             return [_BAD] * len(self.fields)
         if len(row) != len(f.columns):
+            # A writer's quoted field with a line break spans lines, which a TSV, read a row
+            # a line, cannot hold: its pieces are rows of another width, an odd quote each.
+            broken = _table_kind(f.format) == '.tsv' and text.count('"') % 2
             self.bad.skip(where, f'{len(row)} fields, where the header row names '
-                                 f'{len(f.columns)}')
+                                 f'{len(f.columns)}' + (f' ({_TSV_BREAK})' if broken else ''))
             return [_BAD] * len(self.fields)
         return [row[f.columns.index(key)] for key in self.fields]
 
