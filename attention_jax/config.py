@@ -123,7 +123,7 @@ def base_config() -> ml_collections.ConfigDict:
     e.sample_top_k = 40  # keep the k most likely tokens (0: all).
     e.sample_top_p = 1.0  # keep the fewest most likely tokens holding this mass (1: all).
     # translations (--mode=translate, and sample's): 1 is greedy; N > 1 a beam search of N
-    # (the Transformer's; Vaswani et al. used 4).
+    # (encdec's and rnn_seq2seq's; Vaswani et al. used 4).
     e.beam_size = 1
     return c
 

@@ -22,7 +22,8 @@ Modes:
           workdir's evals.jsonl (never to the training's metrics.jsonl; a record of another
           split names it under "data").
   sample  language models: print continuations of config.eval.sample_prompts;
-          translation (encdec, rnn_seq2seq): their greedy translations.
+          translation (encdec, rnn_seq2seq): their translations (greedy, or a beam
+          search of --config.eval.beam_size=N).
   embed   BERT sentence embeddings of the lines on stdin, from
           --config.train.init_from=hf:<dir> or the workdir's checkpoint (embed_texts).
   classify  text classifiers (bert_classify): each line of stdin's class and its
@@ -367,7 +368,9 @@ def _register_the_runs_task(config, spec: str | None, reading: bool) -> bool:
 def translate_texts(config, workdir: str, texts: Sequence[str] | None = None) -> list[dict]:
     """`--mode=translate`: each of `texts` (default: the non-empty lines of stdin), a
     source sentence, translated by the workdir's trained model: [{"source", "translation"}]
-    in order; greedy, or the best of a beam search of config.eval.beam_size."""
+    in order; greedy, or the best of a beam search of config.eval.beam_size. A sentence
+    that cannot be translated (no tokens, longer than data.source_len) gets {"source",
+    "error"}, said on stderr, the others translated."""
     from attention_jax import runs, tasks
     declared = getattr(tasks.TASKS.get(config.task), "provides", None)
     if declared is not None and "translate" not in declared:  # before stdin is read
@@ -380,12 +383,15 @@ def translate_texts(config, workdir: str, texts: Sequence[str] | None = None) ->
         raise InputError("--mode=translate: no source sentences (give one per line on stdin)")
     run = runs.open_run(workdir, config=config)
     translate = tasks.need(run.task, "translate", config.task, "translate (--mode=translate)")
-    try:
-        with run.mesh_context():
-            out = translate(run.params, list(texts))
-    except ValueError as e:  # a line too long, or of no tokens
-        raise InputError(f"--mode=translate: {e}") from None
-    return [{"source": text, "translation": t} for text, t in zip(texts, out)]
+    untranslated: dict[int, str] = {}  # a line too long, or of no tokens: said on its line
+    with run.mesh_context():
+        out = translate(run.params, list(texts), untranslated)
+    if untranslated:  # the others are translated; these lines say why not, in order
+        print(f"warning: --mode=translate: {len(untranslated)} of the {len(texts)} source "
+              f"sentences cannot be translated: their lines carry \"error\" and no "
+              f"translation", file=sys.stderr)
+    return [{"source": text, "error": untranslated[i]} if i in untranslated else
+            {"source": text, "translation": t} for i, (text, t) in enumerate(zip(texts, out))]
 
 
 def _holds_a_run(workdir: str) -> bool:

@@ -909,6 +909,13 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
                      f'against {arg}files, which cannot be listed now ({e})')
             trained = set()
         _refuse_both(trained, listed['eval_files'], arg)
+    packed = [path for _, path, *_ in listed['files'] + listed['eval_files']
+              if _compressed(_format(path)) and _format(path) not in TEXT_SUFFIXES]
+    if fields and len(packed) > 1:  # records read one by one, in a shuffled order
+        say_once(f'compressed:{files}', f'note: {arg}files: {len(packed)} compressed files '
+                 f'of records (.gz, .zst): a record is read by decompressing its whole file, '
+                 f'one file kept at a time, so a shuffled pass over several is slow; '
+                 f'decompress them (gunzip, zstd -d) to read them in place')
     train = None if held_out_only else tuple(map(tuple, listed['files']))
     return _splits(train, tuple(map(tuple, listed['eval_files'])), read,
                    bool(fields), eval_fraction, max_bad_records, arg,

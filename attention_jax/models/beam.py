@@ -46,6 +46,9 @@ def search(step: Callable, state, *, batch: int, beam_size: int, max_len: int, v
     if not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be an int >= 1; got {max_len!r}")
     b, w, v = batch, beam_size, vocab
+    if w * v >= 2**31:  # top_k's indices into a row of W·V candidates are int32
+        raise ValueError(f"beam_size={w} with a vocabulary of {v}: {w * v} candidates a step; "
+                         f"valid: beam_size <= {(2**31 - 1) // v}")
     pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)  # [V]: finished beams
 
     def body(carry, i):

@@ -52,8 +52,10 @@ class Task:
       decode(params, src [B, S] int32, max_len: int) -> tokens [B, max_len] int32: greedy
         translation, EOS kept and pad after it (rnn_seq2seq: RNNSeq2Seq.generate; encdec:
         encdec.greedy_decode).
-      translate(params, texts: list[str]) -> list[str]: each source text's translation,
-        greedy or a beam search of config.eval.beam_size (rnn_seq2seq, encdec).
+      translate(params, texts: list[str], untranslated=None) -> list[str]: each source
+        text's translation, greedy or a beam search of config.eval.beam_size (rnn_seq2seq,
+        encdec); a text it cannot take is a ValueError, or with a dict `untranslated`
+        translated as '' and its index mapped there to why.
       embed(params, texts: list[str]) -> np.ndarray [B, D] float32: sentence embeddings,
         mean-pooled, unit length (bert_mlm, through convert.SentenceEncoder).
       attention_input(params, text: str | None = None, *, target: str | None = None,
@@ -92,7 +94,7 @@ class Task:
     seq_len: int | None = None  # tokens per example when fixed (checked against mesh.sequence).
     sample: Callable[[Any, jax.Array], list[str]] | None = None
     decode: Callable[[Any, Any, int], Any] | None = None
-    translate: Callable[[Any, Sequence[str]], list[str]] | None = None
+    translate: Callable[..., list[str]] | None = None
     embed: Callable[[Any, Sequence[str]], np.ndarray] | None = None
     attention_input: Callable[..., AttentionInput] | None = None
     classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None

@@ -229,6 +229,11 @@ def translation_task(config, workdir: str) -> Task:
 
     _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)  # checked now
     beam = config.eval.beam_size
+    vocab = getattr(model.config, "target_vocab_size", model.config.vocab_size)
+    if beam > vocab:  # (a beam of 1e9 was a traceback from top_k's int32 indices)
+        raise ConfigError(f"config.eval.beam_size={beam}: more beams than the target "
+                          f"vocabulary's {vocab} tokens; valid: 1..{vocab} (Vaswani et al. "
+                          f"used 4)")
     if beam > 1:  # the best beam of each row
         search = rnn.beam_search if config.task == "rnn_seq2seq" else encdec.beam_search
         decode_best = jax.jit(lambda params, src: search(
@@ -239,25 +244,33 @@ def translation_task(config, workdir: str) -> Task:
     # batch axes split evenly; the last batch padded and its extra rows dropped after).
     per_call = -(-config.eval.batch_size // data_parallel_size()) * data_parallel_size()
 
-    def translate(params, texts) -> list[str]:
+    def translate(params, texts, untranslated: dict | None = None) -> list[str]:
         """Each source text's translation: greedy, or the best of a beam search of
-        config.eval.beam_size."""
-        ids = []
+        config.eval.beam_size. A text of no tokens or more than data.source_len is a
+        ValueError; with `untranslated` (a dict) it is translated as '' and its index
+        maps to why there, the others translated."""
+        ids, good = [], []
         for i, text in enumerate(texts):
             ids.append(tok.encode(text))
             if not ids[-1] or len(ids[-1]) > data_opts.source_len:
                 shown = text if len(text) <= 40 else text[:37] + "..."
-                raise ValueError(f"source {i + 1} ({shown!r}) is {len(ids[-1])} tokens; "
-                                 f"valid: 1..{data_opts.source_len} tokens (data.source_len)")
-        out = []
-        for first in range(0, len(ids), per_call):
-            chunk = ids[first:first + per_call]
+                why = (f"source {i + 1} ({shown!r}) is {len(ids[-1])} tokens; valid: "
+                       f"1..{data_opts.source_len} tokens (data.source_len)")
+                if untranslated is None:
+                    raise ValueError(why)
+                untranslated[i] = why
+            else:
+                good.append(i)
+        out = [""] * len(texts)
+        for first in range(0, len(good), per_call):
+            chunk = good[first:first + per_call]
             # padded as in training: the pad id masks it out of attention
             src = np.full((per_call, data_opts.source_len), tok.pad_id, np.int32)
-            for row, p in enumerate(chunk):
-                src[row, :len(p)] = p
+            for row, i in enumerate(chunk):
+                src[row, :len(ids[i])] = ids[i]
             tokens = gather_rows(decode_best(params, src))[:len(chunk)]
-            out += [tok.decode(until_eos(row, tok.eos_id)) for row in tokens]
+            for i, row in zip(chunk, tokens):
+                out[i] = tok.decode(until_eos(row, tok.eos_id))
         return out
 
     def sample(params, rng) -> list[str]:

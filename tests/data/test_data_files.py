@@ -387,6 +387,10 @@ def test_compressed_csv_and_tsv_read_as_the_plain_ones(tmp_path, monkeypatch, ca
     assert f"{tmp_path / 'r.csv.gz'}:7: 3 fields, where the header row names 2" in capsys.readouterr().err
     assert rows('p.tsv.gz', ('en', 'fr')) == rows('p.tsv', ('en', 'fr')) == {
         'F:2': (b'one', b'un'), 'F:4': (b'I said "hi"', b'deux')}
+    # records of several compressed files, read one by one in a shuffled order: slow, said
+    files.file_splits(f'{tmp_path}/r.csv.*', fields=('review', 'stars'))
+    assert ("2 compressed files of records (.gz, .zst): a record is read by decompressing its "
+            "whole file") in capsys.readouterr().err
     (tmp_path / 'cut.csv.gz').write_bytes(gzip.compress(table * 50)[:-30])
     with pytest.raises(files.FilesError, match=r"cut\.csv\.gz: truncated or corrupt gzip file"):
         files.file_splits(str(tmp_path / 'cut.csv.gz'), fields=('review', 'stars'))

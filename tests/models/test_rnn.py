@@ -126,6 +126,10 @@ def test_beam_of_one_is_greedy_and_a_wide_beam_finds_the_best_sequence(variant):
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)
     with pytest.raises(ValueError, match=r"beam_size must be an int >= 1; got 0"):
         rnn.beam_search(model, params, SRC, beam_size=0, max_len=3)
+    with pytest.raises(ValueError, match=r"beam_size=429496730 with a vocabulary of 5: "
+                                         r"2147483650 candidates a step; valid: beam_size <= "
+                                         r"429496729"):  # (top_k's int32 indices)
+        rnn.beam_search(model, params, SRC, beam_size=2**31 // 5 + 1, max_len=3)
 
 
 def test_greedy_decode_stops_at_eos_and_pads_after():

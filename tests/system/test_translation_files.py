@@ -93,11 +93,14 @@ def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)  # best first
     best = [tok.decode(tasks.until_eos(np.asarray(t), tok.eos_id)) for t in tokens[:, 0]]
     assert [r["translation"] for r in beams] == best
-    with pytest.raises(main.InputError, match=r"^--mode=translate: source 2 \('nine nine .*"
-                                              r"\.\.\.'\) is 160 tokens; valid: 1\.\.32 "
-                                              r"tokens \(data.source_len\)$"):
-        main.translate_texts(main.mode_config("translate", None, [], workdir), workdir,
-                             ["one", "nine " * 40])
+    # a sentence too long is its line's error (it stopped every other line's translation)
+    rows = main.translate_texts(main.mode_config("translate", None, [], workdir), workdir,
+                                ["one", "nine " * 40, "five two"])
+    assert rows[0] == greedy[2] and rows[2] == greedy[0]
+    assert rows[1] == {"source": "nine " * 40, "error": "source 2 ('nine nine nine nine nine "
+                       "nine nine ni...') is 160 tokens; valid: 1..32 tokens (data.source_len)"}
+    assert ("warning: --mode=translate: 1 of the 3 source sentences cannot be translated: "
+            "their lines carry \"error\" and no translation") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -147,6 +150,12 @@ def test_the_rnn_translates_by_beam_search_too(tmp_path):
                                          r"encdec\.EncoderDecoder \(an RNNSeq2Seq's: "
                                          r"rnn\.beam_search\)"):
         encdec.beam_search(task.model, {}, src, beam_size=2, max_len=4)
+    big = _config(tmp_path, f"data.files={tmp_path}/a.jsonl", "eval.beam_size=1000000000",
+                  task="rnn_seq2seq")  # (a traceback from top_k's int32 indices)
+    with pytest.raises(ConfigError, match=r"^config\.eval\.beam_size=1000000000: more beams "
+                                          r"than the target vocabulary's \d+ tokens; valid: "
+                                          r"1\.\.\d+ \(Vaswani et al\. used 4\)$"):
+        tasks.TASKS[big.task](big, str(tmp_path / "run"))
     other = encdec.EncoderDecoder(encdec.get_config("transformer-tiny"))
     with pytest.raises(ValueError, match=r"^beam_search: model is a EncoderDecoder; valid: "
                                          r"an rnn\.RNNSeq2Seq"):
