@@ -33,8 +33,9 @@ Laziness: start-up lists the files and indexes them (byte offsets of the lines o
 plain .jsonl, .csv or .tsv, the line offsets of a compressed one after decompressing it
 once, the row-group sizes of a .parquet: no parquet data is read). `src[i]` then reads
 one line (plain .jsonl, .csv, .tsv), one row group (.parquet, the last one kept), or the
-whole decompressed file (.gz/.zst, the last one kept: fine in file order, slow under a
-global shuffle; the prepared token cache of issue #26 is the fast path for big
+whole decompressed file (.gz/.zst; decompressed files and row groups are kept up to
+CACHE_BYTES: a global shuffle over more than that decompresses a file almost every
+record, slow, and said; the prepared token cache of issue #26 is the fast path for big
 compressed corpora).
 
 Pairs (a translation's source and target sentences): `fields=('en', 'fr')` reads those
@@ -52,6 +53,7 @@ empty document) with a counted warning on stderr; past `max_bad_records` it is a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import glob as glob_lib
@@ -62,6 +64,7 @@ import math
 import os
 import re
 import sys
+import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
@@ -525,20 +528,38 @@ _TEXT_HINT = 'set {arg}text_key to the one that holds the text'
 
 
 # ================================================================================== reading
+# Bytes of decompressed files and parquet row groups a reader keeps, the latest used
+# first (at least the last one read, whatever its size). A shuffled pass over records of
+# several compressed files reads each file once where they fit: two files of pairs, 8.7 MB
+# each decompressed, trained 17x slower as .csv.gz than as .csv when one was kept.
+CACHE_BYTES = 256 << 20
+
+
+def _nbytes(value) -> int:
+    """Bytes of what a reader keeps: a decompressed file, or a row group's columns."""
+    return len(value) if isinstance(value, bytes) else sum(c.nbytes for c in value)
+
+
 class _Reader:
-    """Reads documents of indexed files, keeping the last decompressed file or row group."""
+    """Reads documents of indexed files, keeping decompressed files and row groups up to
+    CACHE_BYTES (the least recently used go first)."""
 
     def __init__(self):
-        self._cache = (None, None)  # ((path, row group), what was read)
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # key -> (value, bytes)
+        self._lock = threading.Lock()  # read threads share a reader
         self._open = (None, None)  # (path, open file) of the last plain .jsonl
 
     def _cached(self, key, load):
-        # One read of the tuple: a thread never gets another thread's file.
-        cached_key, value = self._cache
-        if cached_key != key:
-            self._cache = (None, None)  # free the old one before reading the next
-            value = load()
-            self._cache = (key, value)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key][0]
+        value = load()  # (outside the lock: two threads may load one file; both get it)
+        with self._lock:
+            self._cache[key] = (value, _nbytes(value))
+            total = sum(size for _, size in self._cache.values())
+            while total > CACHE_BYTES and len(self._cache) > 1:
+                total -= self._cache.popitem(last=False)[1][1]
         return value
 
     def line(self, f: _File, k: int) -> bytes:
@@ -909,13 +930,6 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
                      f'against {arg}files, which cannot be listed now ({e})')
             trained = set()
         _refuse_both(trained, listed['eval_files'], arg)
-    packed = [path for _, path, *_ in listed['files'] + listed['eval_files']
-              if _compressed(_format(path)) and _format(path) not in TEXT_SUFFIXES]
-    if fields and len(packed) > 1:  # records read one by one, in a shuffled order
-        say_once(f'compressed:{files}', f'note: {arg}files: {len(packed)} compressed files '
-                 f'of records (.gz, .zst): a record is read by decompressing its whole file, '
-                 f'one file kept at a time, so a shuffled pass over several is slow; '
-                 f'decompress them (gunzip, zstd -d) to read them in place')
     train = None if held_out_only else tuple(map(tuple, listed['files']))
     return _splits(train, tuple(map(tuple, listed['eval_files'])), read,
                    bool(fields), eval_fraction, max_bad_records, arg,
@@ -956,6 +970,7 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
     if train_files is None:  # file_splits(held_out_only=True)
         return {'validation': FileDocuments(eval_corpus())}
     train = corpus(train_files)
+    _say_if_uncached(train.files, pairs, arg)
     if len(train) == 0:
         raise FilesError(f'{arg}files={spec!r}: the files hold no documents')
     if eval_files:
@@ -972,6 +987,21 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
                     f'{arg}eval_files')
     return {'train': FileDocuments(train, np.flatnonzero(~held)),
             'validation': FileDocuments(train, np.flatnonzero(held))}
+
+
+def _say_if_uncached(indexed: list[_File], records: bool, arg: str) -> None:
+    """A note where records of compressed files (read one by one, in a shuffled order, by
+    the pair and label tasks) decompress to more than a reader keeps: a record is read by
+    decompressing its whole file, so such a pass is slow."""
+    packed = [f for f in indexed if _compressed(f.format) and f.format not in TEXT_SUFFIXES
+              and f.count]
+    total = sum(int(f.ends[-1]) for f in packed)
+    if records and len(packed) > 1 and total > CACHE_BYTES:
+        say_once(f'uncached:{[f.path for f in packed]}', f'note: {arg}files: {len(packed)} '
+                 f'compressed files of records decompress to {total / 2**20:,.0f} MiB, more '
+                 f'than a reader keeps ({CACHE_BYTES >> 20} MiB): a record is read by '
+                 f'decompressing its whole file, so a shuffled pass is slow; decompress them '
+                 f'(gunzip, zstd -d) to read them in place')
 
 
 def _refuse_both(trained: set[str], eval_listed, arg: str) -> None:

@@ -387,10 +387,27 @@ def test_compressed_csv_and_tsv_read_as_the_plain_ones(tmp_path, monkeypatch, ca
     assert f"{tmp_path / 'r.csv.gz'}:7: 3 fields, where the header row names 2" in capsys.readouterr().err
     assert rows('p.tsv.gz', ('en', 'fr')) == rows('p.tsv', ('en', 'fr')) == {
         'F:2': (b'one', b'un'), 'F:4': (b'I said "hi"', b'deux')}
-    # records of several compressed files, read one by one in a shuffled order: slow, said
-    files.file_splits(f'{tmp_path}/r.csv.*', fields=('review', 'stars'))
-    assert ("2 compressed files of records (.gz, .zst): a record is read by decompressing its "
-            "whole file") in capsys.readouterr().err
+    # Records of several compressed files read in turn (a shuffle): each file decompressed
+    # once where they fit in what a reader keeps; where they do not, a note says so.
+    reads = []
+    for name in ('_gzip_chunks', '_zstd_chunks'):
+        inner = getattr(files, name)
+        monkeypatch.setattr(files, name, lambda path, inner=inner: (reads.append(path),
+                                                                    inner(path))[1])
+    src = files.file_splits(f'{tmp_path}/r.csv.*', eval_fraction=0.5, fields=('review', 'stars'))
+    assert len(reads) == 4  # indexing: a pass over each, and the first record (the header)
+    reads.clear()
+    for _ in range(3):  # the two splits share their files' reader
+        for split in src.values():
+            for i in range(len(split)):
+                split[i]
+    assert sorted(reads) == [str(tmp_path / 'r.csv.gz'), str(tmp_path / 'r.csv.zst')]
+    assert 'compressed files of records' not in capsys.readouterr().err
+    monkeypatch.setattr(files, 'CACHE_BYTES', 100)  # one file kept: each turn reads one
+    files.file_splits(f'{tmp_path}/r.csv.*', eval_fraction=0.4,  # (another call: not memoised)
+                      fields=('review', 'stars'))
+    assert ("2 compressed files of records decompress to 0 MiB, more than a reader keeps (0 "
+            "MiB): a record is read by decompressing its whole file") in capsys.readouterr().err
     (tmp_path / 'cut.csv.gz').write_bytes(gzip.compress(table * 50)[:-30])
     with pytest.raises(files.FilesError, match=r"cut\.csv\.gz: truncated or corrupt gzip file"):
         files.file_splits(str(tmp_path / 'cut.csv.gz'), fields=('review', 'stars'))
