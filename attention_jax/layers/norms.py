@@ -101,9 +101,10 @@ def choose_norm_kernel(kernel: str, x_shape, dtype) -> str:
 
     auto takes pallas on NVIDIA GPUs (or compiling for them) for x other than float64
     whose rows divide into the kernels' programs on each device, backward programs of
-    norm_kernel.MIN_PROGRAM_ROWS rows or more by default (a multiple of 8 rows), unless the mesh splits
-    the features D or would hand every device all the rows (several devices and nothing
-    in the logical rules splitting the batch or length, norm_kernel.gathers_rows).
+    norm_kernel.MIN_PROGRAM_ROWS rows or more by default (a multiple of 8 rows), unless
+    the mesh splits the features D or would hand every device all the rows (several
+    devices and nothing in the logical rules splitting the batch or length,
+    norm_kernel.gathers_rows).
     pallas where the kernels cannot take x (norm_kernel.unsupported) answers xla and says
     so once per shape."""
     if kernel not in NORM_KERNELS:

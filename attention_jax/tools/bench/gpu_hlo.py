@@ -516,7 +516,8 @@ def run(args) -> dict:
     row = {**shape.row(args.batch or shape.batches[0]),
            "loss_kernel": train_speed_gpu.one_loss_kernel(args.loss_kernel),
            "norm_kernel": train_speed_gpu.one_norm_kernel(args.norm_kernel)}
-    given = {name: text for name, text in (("tiles", args.pallas_tiles), ("loss", args.loss_settings),
+    given = {name: text for name, text in (("tiles", args.pallas_tiles),
+                                           ("loss", args.loss_settings),
                                            ("norm", args.norm_settings)) if text}
     settings = train_speed_gpu.launch_settings(given, args.implementation, row,
                                                attention_auto=False)

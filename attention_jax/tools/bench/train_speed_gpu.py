@@ -307,7 +307,8 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     pairs = select_rows(args.quick, args.shapes, table_)
     # The row with the kernels' launch options given, checked for every row before any runs.
     given = {name: text for name, text in (
-        ("tiles", getattr(args, "pallas_tiles", None)), ("loss", getattr(args, "loss_settings", None)),
+        ("tiles", getattr(args, "pallas_tiles", None)),
+        ("loss", getattr(args, "loss_settings", None)),
         ("norm", getattr(args, "norm_settings", None))) if text}
     # A row of ours runs with them where its kernels are the Pallas ones they set (e.g. of
     # --norm-kernel xla,pallas the pallas rows); none such is an error.
