@@ -129,3 +129,30 @@ def all_eqns(jaxpr):
                 inner = getattr(inner, "jaxpr", inner)
                 if hasattr(inner, "eqns"):
                     yield from all_eqns(inner)
+
+
+def assert_beam_finds_the_best(tokens, scores, teacher_forced, vocab: int, steps: int,
+                               eos_id: int = 2, pad_id: int = 0) -> None:
+    """A beam search that kept every prefix (W >= V^(steps-1)) returns, for each of its
+    rows, the most probable of all V^steps sequences (after eos only padding, the form it
+    returns), with that sequence's log-probability as its score (alpha 0), best first.
+    teacher_forced(seqs [N, steps]) -> log-probs [rows, N, steps, V] of each sequence fed
+    as the target."""
+    import itertools
+
+    import numpy as np
+    seqs = np.array(list(itertools.product(range(vocab), repeat=steps)))  # [V^steps, steps]
+    logp = np.asarray(teacher_forced(seqs))
+    for row in range(logp.shape[0]):
+        best, best_seq = -np.inf, None
+        for k, seq in enumerate(seqs):
+            eos = np.nonzero(seq == eos_id)[0]
+            end = eos[0] + 1 if len(eos) else steps
+            if np.any(seq[end:] != pad_id):
+                continue
+            score = sum(logp[row, k, t, seq[t]] for t in range(end))
+            if score > best:
+                best, best_seq = score, seq
+        np.testing.assert_allclose(scores[row, 0], best, rtol=1e-5)
+        np.testing.assert_array_equal(tokens[row, 0], best_seq)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)  # sorted best first

@@ -1,7 +1,6 @@
 """RNN seq2seq: Bahdanau attention vs the single-vector bottleneck, padding, decoding, training."""
 
 import functools
-import itertools
 
 import flax.linen as nn
 import jax
@@ -12,7 +11,7 @@ import pytest
 from attention_jax.models.losses import cross_entropy, shift_right
 from attention_jax.models import rnn
 from attention_jax.models.rnn import RNNConfig, RNNSeq2Seq, VARIANTS
-from helpers import adam_losses, assert_loss_goes_down
+from helpers import adam_losses, assert_beam_finds_the_best, assert_loss_goes_down
 
 # Row 0 has 4 real source tokens and 2 pads; row 1 is full.
 SRC = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]], jnp.int32)
@@ -107,23 +106,12 @@ def test_beam_of_one_is_greedy_and_a_wide_beam_finds_the_best_sequence(variant):
     model, params = _init(variant, tgt_vocab_size=v)
     tokens, scores = rnn.beam_search(model, params, SRC, beam_size=v * v, max_len=steps,
                                      alpha=0.0)
-    seqs = np.array(list(itertools.product(range(v), repeat=steps)))  # [V³, 3]
-    logits, _ = jax.jit(lambda s, t: model.apply({"params": params}, s, t))(
-        jnp.repeat(SRC, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
-    logp = np.asarray(jax.nn.log_softmax(logits)).reshape(2, len(seqs), steps, v)
-    for row in range(2):
-        best, best_seq = -np.inf, None
-        for k, seq in enumerate(seqs):
-            eos = np.nonzero(seq == 2)[0]
-            end = eos[0] + 1 if len(eos) else steps
-            if np.any(seq[end:] != 0):
-                continue
-            score = sum(logp[row, k, t, seq[t]] for t in range(end))
-            if score > best:
-                best, best_seq = score, seq
-        np.testing.assert_allclose(scores[row, 0], best, rtol=1e-5)
-        np.testing.assert_array_equal(tokens[row, 0], best_seq)
-    assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)
+
+    def teacher_forced(seqs):
+        logits, _ = jax.jit(lambda s, t: model.apply({"params": params}, s, t))(
+            jnp.repeat(SRC, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
+        return jax.nn.log_softmax(logits).reshape(2, len(seqs), steps, v)
+    assert_beam_finds_the_best(tokens, scores, teacher_forced, v, steps)
     with pytest.raises(ValueError, match=r"beam_size must be an int >= 1; got 0"):
         rnn.beam_search(model, params, SRC, beam_size=0, max_len=3)
     with pytest.raises(ValueError, match=r"beam_size=429496730 with a vocabulary of 5: "
