@@ -501,14 +501,10 @@ _TSV_BREAK = ('a quoted field with a line break? a TSV is read a row a line: wri
 
 
 def _quote_left_open(text: str) -> bool:
-    """Whether a CSV record ends inside a quoted field: Python's csv module, lenient, reads
-    such a quote to the end of the file as one field; strict, it says so."""
-    csv = _csv_module()
-    try:
-        next(csv.reader([text], strict=True), None)
-    except csv.Error as e:
-        return 'unexpected end of data' in str(e)  # (other strict complaints: lenient is right)
-    return False
+    """Whether a CSV record ends inside a quoted field (Python's csv module, lenient, reads
+    such a quote to the end of the file as one field): a line after it is then taken into
+    the same record."""
+    return len(list(_csv_module().reader([text + '\n', 'x\n']))) == 1
 
 
 def _table_kind(fmt: str) -> str:
@@ -601,7 +597,9 @@ class _Reader:
         except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
         except _decompression_errors() as e:
-            if not _compressed(f.format):
+            # (an OSError of the disk or network is no corrupt file: gzip's own is BadGzipFile)
+            if not _compressed(f.format) or (type(e) is OSError or isinstance(
+                    e, (ConnectionError, TimeoutError, InterruptedError))):
                 raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
             raise _Corrupt(f'truncated or corrupt {_compression_name(f.format)} ({e})') from None
         try:
@@ -682,13 +680,14 @@ def _integer_text(value):
     return str(value) if isinstance(value, (int, np.integer)) else value
 
 
-_WHOLE_NUMBER = re.compile(r'\s*([+-]?\d+)\.0+\s*')
+_WHOLE_NUMBER = re.compile(r'\s*([+-]?\d+)\.0+\s*', re.ASCII)
 
 
 def _whole_number_text(text: str) -> str:
     """A table cell of a whole number written as a float ('5.0', as pandas writes an
     integer column with a missing value) as its integer's text, as _integer_text reads
-    the number 5.0 in JSONL; any other text as it is."""
+    the number 5.0 in JSONL ('007.0' -> '7'); any other text as it is. For the fields
+    that may hold integers (a class label) only."""
     whole = _WHOLE_NUMBER.fullmatch(text)
     return str(int(whole.group(1))) if whole else text
 
@@ -743,7 +742,7 @@ class Corpus:
             ident = f'{f.ident}:{k}'
         elif f.format in TABLE_SUFFIXES:
             where = f'{f.path}:{int(f.lines[k])}'
-            values = self._table_values(f, self._reader.line(f, k), where)
+            values = self._table_values(f, self._reader.line(f, k), where, k == f.count - 1)
             values = [_whole_number_text(v) if key in self.integers and v is not _BAD else v
                       for key, v in zip(self.fields, values)]
             ident = f'{f.ident}:{int(f.lines[k])}'
@@ -768,22 +767,19 @@ class Corpus:
         names = self.fields if self.pairs else ('text',)
         return {'id': ident.encode(), **dict(zip(names, texts))}
 
-    def _table_values(self, f: _File, record: bytes, where: str) -> list:
-        """A CSV or TSV record's values of `fields` (_BAD each if it is a bad record)."""
+    def _table_values(self, f: _File, record: bytes, where: str, last: bool) -> list:
+        """A CSV or TSV record's values of `fields` (_BAD each if it is a bad record);
+        `last`: the file's last record (only it can run to the end inside a quote)."""
         csv = _csv_module()
         try:  # (a record not in UTF-8 is a bad one, as a JSONL line is)
             text = record.decode('utf-8').rstrip('\r')
-            if _table_kind(f.format) == '.csv' and _quote_left_open(text):
+            if last and _table_kind(f.format) == '.csv' and _quote_left_open(text):
                 lines = text.count('\n') + 1
                 self.bad.skip(where, 'a quote opened in it never closes, so the rest of the file'
                                      + (f' ({lines} lines)' if lines > 1 else '')
                                      + ' was read as this one record')
                 return [_BAD] * len(self.fields)
             row = _table_row(text, f.format)
-            if _table_kind(f.format) == '.tsv' and any(
-                    field.startswith('"') and field.count('"') % 2 for field in text.split('\t')):
-                self.bad.skip(where, f'a field opens a quote it does not close: {_TSV_BREAK}')
-                return [_BAD] * len(self.fields)
         except UnicodeDecodeError as e:
             self.bad.skip(where, f'not UTF-8 ({e.reason} at byte {e.start}; a file in another '
                                  f'encoding: convert it, e.g. iconv -f cp1252 -t utf-8)')
@@ -793,7 +789,8 @@ class Corpus:
             return [_BAD] * len(self.fields)
         if len(row) != len(f.columns):
             # A writer's quoted field with a line break spans lines, which a TSV, read a row
-            # a line, cannot hold: its pieces are rows of another width, an odd quote each.
+            # a line, cannot hold: its pieces are rows, an odd quote each, of another width
+            # (said so here) or, by chance, of the header's (read, a stray quote in them).
             broken = _table_kind(f.format) == '.tsv' and text.count('"') % 2
             self.bad.skip(where, f'{len(row)} fields, where the header row names '
                                  f'{len(f.columns)}' + (f' ({_TSV_BREAK})' if broken else ''))

@@ -33,7 +33,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-VERSION = 1
+# 2 (2026-11-27): a table's records read otherwise (a CSV quote left open is a bad
+# record, a whole number written as a float a label's integer), so entries of 1 are stale
+VERSION = 2
 FOLDER = 'records'
 
 # The JSON part of an entry, beside its arrays in the .npz.

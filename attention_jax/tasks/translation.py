@@ -230,10 +230,12 @@ def translation_task(config, workdir: str) -> Task:
     _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)  # checked now
     beam = config.eval.beam_size
     vocab = getattr(model.config, "target_vocab_size", model.config.vocab_size)
-    if beam > vocab:  # (a beam of 1e9 was a traceback from top_k's int32 indices)
-        raise ConfigError(f"config.eval.beam_size={beam}: more beams than the target "
-                          f"vocabulary's {vocab} tokens; valid: 1..{vocab} (Vaswani et al. "
-                          f"used 4)")
+    most = min(vocab, (2**31 - 1) // vocab)  # (top_k's indices into W·V are int32)
+    if beam > most:  # (a beam of 1e9 was a traceback)
+        raise ConfigError(f"config.eval.beam_size={beam}: more beams than "
+                          + (f"the target vocabulary's {vocab} tokens" if most == vocab else
+                             f"int32 indices into {vocab} tokens a beam allow")
+                          + f"; valid: 1..{most} (Vaswani et al. used 4)")
     if beam > 1:  # the best beam of each row
         search = rnn.beam_search if config.task == "rnn_seq2seq" else encdec.beam_search
         decode_best = jax.jit(lambda params, src: search(

@@ -315,8 +315,10 @@ def test_table_cells_read_as_the_same_records_in_jsonl_would(tmp_path, capsys):
     """From a new user's audit: a label column pandas wrote as floats (5.0: an integer
     column with a missing value) read '5.0' from a CSV and '5' from JSONL, so a corpus of
     both had four classes for two; a quote that never closes read the rest of the CSV as
-    one record, unsaid; a TSV field with a line break (as csv and pandas quote it) was
-    two rows of the wrong width, its warning no hint why."""
+    one record, unsaid (also after a field strict csv refuses, "x"y); a TSV field with a
+    line break (as csv and pandas quote it) is rows of another width, whose warning now
+    says why (a piece of the header's width still reads, its stray quote in it: a TSV is
+    read a row a line, and a quote may open a field's text, "Hello," he said.)."""
     (tmp_path / 'a.csv').write_text('review,stars\ngood,5.0\nbad,1.0\n"so so",-2.00\nmeh,2.5\n')
     (tmp_path / 'b.jsonl').write_text('{"review": "fine", "stars": 5.0}\n'
                                       '{"review": "poor", "stars": 1}\n')
@@ -326,17 +328,21 @@ def test_table_cells_read_as_the_same_records_in_jsonl_would(tmp_path, capsys):
     assert labels == {b'good': b'5', b'bad': b'1', b'so so': b'-2', b'meh': b'2.5',
                       b'fine': b'5', b'poor': b'1'}
     (tmp_path / 'q.csv').write_text('id,text\n1,hello\n2,"oops unclosed\n3,world\n4,again\n')
-    src = files.file_splits(str(tmp_path / 'q.csv'), eval_fraction=0.5)
-    assert sorted(t for s in src.values() for t in _read(s).values()) == ['', 'hello']
-    assert (f"{tmp_path / 'q.csv'}:3: a quote opened in it never closes, so the rest of the "
-            f"file (3 lines) was read as this one record; skipped") in capsys.readouterr().err
-    (tmp_path / 'm.tsv').write_text('id\ttext\n1\t"para one\nof two"\n2\tplain\n')
-    src = files.file_splits(str(tmp_path / 'm.tsv'), eval_fraction=0.5)
-    assert sorted(t for s in src.values() for t in _read(s).values()) == ['', '', 'plain']
+    (tmp_path / 'r.csv').write_text('id,a,text\n1,q,"x"y\n2,"x"y,"open\n3,rest,more\n')
+    src = files.file_splits(f'{tmp_path}/q.csv,{tmp_path}/r.csv', eval_fraction=0.5)
+    assert sorted(t for s in src.values() for t in _read(s).values()) == ['', '', 'hello', 'xy']
     said = capsys.readouterr().err
-    assert (f"{tmp_path / 'm.tsv'}:2: a field opens a quote it does not close: a quoted field "
-            f"with a line break? a TSV is read a row a line: write such fields as CSV" in said)
-    assert f"{tmp_path / 'm.tsv'}:3: 1 fields, where the header row names 2 (a quoted" in said
+    assert (f"{tmp_path / 'q.csv'}:3: a quote opened in it never closes, so the rest of the "
+            f"file (3 lines) was read as this one record; skipped") in said
+    assert f"{tmp_path / 'r.csv'}:3: a quote opened in it never closes" in said
+    (tmp_path / 'm.tsv').write_text('id\ttext\n1\t"para one\nof two"\n2\tplain\n'
+                                    '3\t"Buy the 5" TV," he said.\n4\t"I went home.\n')
+    src = files.file_splits(str(tmp_path / 'm.tsv'), eval_fraction=0.5)
+    assert sorted(t for s in src.values() for t in _read(s).values()) == [
+        '', '"Buy the 5" TV," he said.', '"I went home.', '"para one', 'plain']
+    assert (f"{tmp_path / 'm.tsv'}:3: 1 fields, where the header row names 2 (a quoted field "
+            f"with a line break? a TSV is read a row a line: write such fields as CSV)"
+            in capsys.readouterr().err)
     (tmp_path / 'n.tsv').write_text('id\ttext\tn\n1\t"para one\nof two"\t3\n')
     src = files.file_splits(str(tmp_path / 'n.tsv'), eval_fraction=0.5)
     [_read(s) for s in src.values()]

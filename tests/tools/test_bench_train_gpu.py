@@ -325,9 +325,9 @@ def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(train_speed_gpu, "SHAPES", train_speed_gpu.SHAPES_TINY)
     info = {"device": "cpu (test)"}
     for extra, says in (
-            (["--norm-kernel", "pallas", "--norm-settings", "rows=64,program_rows=64"],
+            (["--norm-kernel", "xla,pallas", "--norm-settings", "rows=64,program_rows=64"],
              "--norm-settings: the norm kernels cannot take the step's rows: 32 rows per "
-             "device, not a multiple of 64"),
+             "device, not a multiple of 64"),  # (said, though the xla rows need none)
             (["--norm-settings", "rows=2", "--norm-kernel", "xla"],
              "--norm-settings is for the Pallas kernels, which --norm-kernel xla leaves out"),
             (["--loss-settings", "warps=4", "--loss-chunk", "8"],

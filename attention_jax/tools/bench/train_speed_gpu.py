@@ -322,7 +322,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                 launch_for[(name, batch, impl, chunk, lk, nk)] = launch_settings(
                     given, impl, {**table_[name].row(batch), "loss_kernel": lk,
                                   "norm_kernel": nk}, chunk)
-            except SystemExit as e:
+            except KernelsLeftOut as e:  # (a setting wrong for a row that runs them: raised)
                 refusals.append(e)
         if not launch_for:
             raise refusals[0]
@@ -487,14 +487,18 @@ LAUNCH_FLAGS = {"tiles": ("--pallas-tiles", "--implementation"),
                 "norm": ("--norm-settings", "--norm-kernel")}
 
 
+class KernelsLeftOut(SystemExit):
+    """A launch setting for kernels a row does not run (bench train gives that row none)."""
+
+
 def launch_settings(given: dict, implementation: str, row: dict, loss_chunk: int = 0,
                     attention_auto: bool = True) -> dict:
     """{"tiles", "loss", "norm": the kernels' settings} of the option texts `given` (keyed
     the same; what is absent: the defaults), for a step whose attention is
     `implementation` and whose row names its "loss_kernel" and "norm_kernel" (and a
     chunked loss, loss_chunk > 0, runs no loss kernel). An option for kernels the step
-    would not run is an error (SystemExit), as is a norm setting the step's rows cannot
-    take (the norms would be XLA's ops). attention_auto: whether --implementation auto
+    would not run is an error (KernelsLeftOut, a SystemExit), as is a norm setting the
+    step's rows cannot take (SystemExit: the norms would be XLA's ops). attention_auto: whether --implementation auto
     is a choice (bench train's; gpu-hlo's is not)."""
     from attention_jax.tools.bench import attention_speed_gpu, loss_speed, norm_speed
     parse = {"tiles": attention_speed_gpu.parse_tiles, "loss": loss_speed.parse_settings,
@@ -504,12 +508,13 @@ def launch_settings(given: dict, implementation: str, row: dict, loss_chunk: int
     for name, text in given.items():
         flag, kernels = LAUNCH_FLAGS[name]
         if chosen[name] not in ("pallas", "auto"):
-            raise SystemExit(f"error: {flag} is for the Pallas kernels, which {kernels} "
-                             f"{chosen[name]} leaves out; valid: {kernels} pallas"
-                             + ("" if name == "tiles" and not attention_auto else " or auto"))
+            raise KernelsLeftOut(f"error: {flag} is for the Pallas kernels, which {kernels} "
+                                 f"{chosen[name]} leaves out; valid: {kernels} pallas"
+                                 + ("" if name == "tiles" and not attention_auto else " or auto"))
         if name == "loss" and loss_chunk:
-            raise SystemExit(f"error: {flag} is for the loss kernels, which --loss-chunk "
-                             f"{loss_chunk} leaves out (the chunked loss); valid: --loss-chunk 0")
+            raise KernelsLeftOut(f"error: {flag} is for the loss kernels, which --loss-chunk "
+                                 f"{loss_chunk} leaves out (the chunked loss); valid: "
+                                 f"--loss-chunk 0")
         settings[name] = parse[name](text)
     if "norm" in settings:
         from attention_jax.layers import norm_kernel
