@@ -13,9 +13,11 @@ Formats (by the file name's ending):
                               blank lines are skipped
   .parquet                    one document per row, in the column `text_key`
   .csv .tsv (also .gz, .zst)  one document per row, in the column `text_key` named by the
-                              header row (CSV: quoted fields may span lines; TSV: a row
-                              a line, a field unquoted only as csv or pandas quote it, one
-                              they quoted over a line break a bad record); blank lines are
+                              header row (CSV: quoted fields may span lines, a quote that
+                              never closes is a bad record; TSV: a row a line, a field
+                              unquoted only as csv or pandas quote it, so a field they
+                              quoted over a line break is rows of the pieces, those of
+                              another width bad records saying so); blank lines are
                               skipped; a whole number written as a float (5.0) in an
                               integer field reads as the integer, as in JSONL
 `files` is a comma-separated list of globs (`**` recurses, `~` expands; a directory
