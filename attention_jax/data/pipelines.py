@@ -135,9 +135,15 @@ class TextClassification:
         index = (int(label) if self.by_index and 0 <= int(label) < len(self.classes) else
                  None if self.by_index else self._index.get(label_text(label)))
         if index is None:
+            # A run whose classes came from a table's float-written labels ('1.0', read as
+            # '1' since 2026-11-27) cannot go on: said so, not only that '1' is no class.
+            floats = not self.by_index and f'{label_text(label)}.0' in self._index
             raise ValueError(f'{self.label_key}={_text(label)!r} is not one of the '
                              f'{len(self.classes)} classes {list(self.classes)[:8]}'
-                             + (' (as an index)' if self.by_index else ''))
+                             + (' (as an index)' if self.by_index else '')
+                             + (f' (its classes were read as {label_text(label)}.0 from a '
+                                f'CSV or TSV, which now reads whole numbers as integers: '
+                                f'train a new run)' if floats else ''))
         return {**example, 'label': np.int32(index)}
 
     @functools.cached_property

@@ -387,6 +387,14 @@ def test_an_unlabelled_tfds_split_is_refused_and_an_index_outside_the_classes_ra
     assert transform({"sentence": b"fine", "label": 1}, None)["label"] == 1
     with pytest.raises(ValueError, match=r"label='2' is not one of the 2 classes"):
         transform({"sentence": b"fine", "label": 2}, None)
+    # a run whose classes were a table's float-written labels, read as integers since
+    named = data.TextClassification(tok, 8, tok.cls_id, tok.sep_id, ("1.0", "5.0"),
+                                    text_key="sentence")
+    with pytest.raises(ValueError, match=r"label='5' is not one of the 2 classes \['1\.0', "
+                                         r"'5\.0'\] \(its classes were read as 5\.0 from a CSV or "
+                                         r"TSV, which now reads whole numbers as integers: train "
+                                         r"a new run\)"):
+        named({"sentence": b"fine", "label": b"5"}, None)
 
 
 def test_an_exported_pair_classifier_reads_what_the_run_read(tmp_path):
