@@ -14,9 +14,10 @@ others are left out, and a note says how many.
 Any size and mode: grey, grey+alpha, RGBA, palette and 16-bit grey are converted to RGB
 (or to grey with channels=1); alpha is dropped (not composited).
 
-Splits 'train' and 'validation'. With `eval_root` (the same class folders), train is
-root and validation eval_root. Without, an image goes to validation when a stable hash
-of its path relative to root falls below `eval_fraction`: the same image always lands on
+Splits 'train' and 'validation'. With `eval_root` (the same class folders, or some of
+them: said), train is root and validation eval_root. Without, an image goes to
+validation when a stable hash of its path relative to root falls below `eval_fraction`:
+the same image always lands on
 the same side, whatever else the folder holds, and moving the folder keeps the splits.
 
 Laziness: start-up lists the file names and nothing else; `src[i]` opens and decodes one
@@ -268,18 +269,27 @@ def _say_classes_not_held_out(held_labels, classes, eval_fraction, total: int, a
 
 def held_out_folder(eval_root: str, classes: Sequence[str], *, channels: int = 3,
                     max_bad_records: int = 100, arg: str = '') -> ImageFiles:
-    """Every image of `eval_root`, a held-out folder whose class folders must be `classes`
-    (the training folder's, or a trained run's classes.json): one split, listed without
-    the training folder."""
+    """Every image of `eval_root`, a held-out folder whose class folders are `classes`
+    (the training folder's, or a trained run's classes.json) or some of them (a test set
+    of a few classes; said): one split, its labels the training classes' indices, listed
+    without the training folder."""
     eval_root = os.path.expanduser(os.fspath(eval_root))
     eval_classes, eval_files = list_classes(eval_root, f'{arg}eval_root')
-    if eval_classes != list(classes):
-        diff = sorted(set(classes) ^ set(eval_classes))
-        raise ImagesError(f'{arg}eval_root={eval_root!r} has other classes than {arg}root '
-                          f'(differing: {diff[:5]}); valid: the same class folders')
+    unknown = sorted(set(eval_classes) - set(classes))
+    if unknown:
+        raise ImagesError(f'{arg}eval_root={eval_root!r} has class folders the training has '
+                          f'not: {unknown[:5]}; valid: folders named as {arg}root\'s classes '
+                          f'{list(classes)[:8]}' + (' ...' if len(classes) > 8 else ''))
+    missing = [c for c in classes if c not in eval_classes]
+    if missing:
+        shown = ', '.join(map(repr, missing[:3])) + (', ...' if len(missing) > 3 else '')
+        print(f'note: {arg}eval_root={eval_root!r} holds {len(eval_classes)} of the '
+              f'{len(classes)} classes (none of {shown}): the eval metrics leave those out',
+              file=sys.stderr)
+    index = {name: i for i, name in enumerate(classes)}
     return ImageFiles(eval_root, [p for g in eval_files for p in g],
-                      [c for c, g in enumerate(eval_files) for _ in g], classes,
-                      channels=channels, max_bad_records=max_bad_records, arg=arg)
+                      [index[name] for name, g in zip(eval_classes, eval_files) for _ in g],
+                      classes, channels=channels, max_bad_records=max_bad_records, arg=arg)
 
 
 def get_split(split: str, **options) -> ImageFiles:

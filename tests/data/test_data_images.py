@@ -138,13 +138,25 @@ def test_source_and_transform_pickle_into_worker_processes(tmp_path):
     np.testing.assert_array_equal(prep2(src[1], rng())["image"], prep(splits["train"][1], rng())["image"])
 
 
-def test_eval_root_must_hold_the_same_classes(tmp_path):
+def test_eval_root_holds_the_training_classes_or_some_of_them(tmp_path, capsys):
+    """A held-out folder of some of the classes (a test set of two of three; an empty
+    class folder removed, as its error says) evaluates with the training classes'
+    indices, said; one with a class the training has not is refused (it was refused for
+    a missing class too)."""
     root, other = _folder(tmp_path / "train"), _folder(tmp_path / "val", per_class=2)
-    splits, _ = folder_splits(str(root), str(other))
+    splits, classes = folder_splits(str(root), str(other))
     assert (len(splits["train"]), len(splits["validation"])) == (9, 6)
+    some = _folder(tmp_path / "some", classes=("bee", "cat"), per_class=2)
+    splits, _ = folder_splits(str(root), str(some))
+    held = splits["validation"]
+    assert sorted(int(held[i]["label"]) for i in range(len(held))) == [
+        classes.index("bee")] * 2 + [classes.index("cat")] * 2
+    assert (f"note: eval_root={str(some)!r} holds 2 of the 3 classes (none of 'ant'): the "
+            f"eval metrics leave those out") in capsys.readouterr().err
     odd = _folder(tmp_path / "odd", classes=("ant", "bee", "dog"))
-    with pytest.raises(ImagesError, match=r"eval_root=.* has other classes than root "
-                                          r"\(differing: \['cat', 'dog'\]\)"):
+    with pytest.raises(ImagesError, match=r"eval_root=.* has class folders the training has "
+                                          r"not: \['dog'\]; valid: folders named as root's "
+                                          r"classes \['ant', 'bee', 'cat'\]"):
         folder_splits(str(root), str(odd))
     with pytest.raises(ImagesError, match="is root itself"):
         folder_splits(str(root), str(root))
