@@ -17,8 +17,8 @@ Any size and mode: grey, grey+alpha, RGBA, palette and 16-bit grey are converted
 Splits 'train' and 'validation'. With `eval_root` (the same class folders, or some of
 them: said), train is root and validation eval_root. Without, an image goes to
 validation when a stable hash of its path relative to root falls below `eval_fraction`:
-the same image always lands on
-the same side, whatever else the folder holds, and moving the folder keeps the splits.
+the same image always lands on the same side, whatever else the folder holds, and moving
+the folder keeps the splits.
 
 Laziness: start-up lists the file names and nothing else; `src[i]` opens and decodes one
 file. A file that cannot be decoded (corrupt, truncated, not an image) is skipped with a
