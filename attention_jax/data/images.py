@@ -23,8 +23,9 @@ the folder keeps the splits.
 Laziness: start-up lists the file names and nothing else; `src[i]` opens and decodes one
 file. A file that cannot be decoded (corrupt, truncated, not an image) is skipped with a
 counted warning on stderr and the next image of the split stands in for it (a function of
-the index only, so resumption stays exact); past `max_bad_records` distinct bad files
-it is an error. The count is kept in each reading process (grain workers each count
+the index only, so resumption stays exact; in the held-out split it carries
+loaders.STAND_IN, so an evaluation weighs it 0: its `examples` count the images read);
+past `max_bad_records` distinct bad files it is an error. The count is kept in each reading process (grain workers each count
 theirs). Every other bad input (a root that does not exist, no class folders, a class
 with no images, eval_root with other classes) is an ImagesError, one line.
 """
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from attention_jax.data.files import held_out, say_once, stable_hash64
+from attention_jax.data.loaders import STAND_IN
 from attention_jax.errors import UserError
 
 SUFFIXES = ('.jpg', '.jpeg', '.png', '.webp', '.bmp', '.gif', '.tif', '.tiff')  # PIL reads them
@@ -162,8 +164,8 @@ def decode(path: str, channels: int = 3) -> np.ndarray:
 class _BadImages:
     """Distinct undecodable files seen by this process; over `limit` is an error."""
 
-    def __init__(self, limit: int, arg: str):
-        self.limit, self.arg, self.seen = limit, arg, set()
+    def __init__(self, limit: int, arg: str, held_out: bool = False):
+        self.limit, self.arg, self.seen, self.held_out = limit, arg, set(), held_out
 
     def skip(self, path: str, why: str) -> None:
         if path in self.seen:
@@ -173,19 +175,24 @@ class _BadImages:
             raise ImagesError(f'{path}: {why}; that is {len(self.seen)} bad images, more than '
                               f'{self.arg}max_bad_records={self.limit}: fix or remove them, or '
                               f'raise it')
-        print(f'warning: {path}: cannot be decoded ({why}); skipped, the next image stands in '
-              f'(bad image {len(self.seen)}, at most {self.limit})', file=sys.stderr, flush=True)
+        print(f'warning: {path}: cannot be decoded ({why}); skipped, the next image stands in'
+              + (' (weighted 0: the eval leaves it out)' if self.held_out else '')
+              + f' (bad image {len(self.seen)}, at most {self.limit})', file=sys.stderr,
+              flush=True)
 
 
 class ImageFiles:
-    """The images of one split: `len`, `[i]` -> {'image': uint8 [H, W, C], 'label': int32}."""
+    """The images of one split: `len`, `[i]` -> {'image': uint8 [H, W, C], 'label': int32}
+    (held_out: and STAND_IN, whether the next image stood in for an undecodable one)."""
 
     def __init__(self, root: str, paths: Sequence[str], labels: Sequence[int], classes: Sequence[str],
-                 *, channels: int = 3, max_bad_records: int = 100, arg: str = ''):
+                 *, channels: int = 3, max_bad_records: int = 100, arg: str = '',
+                 held_out: bool = False):
         self.root, self.classes, self.channels = root, list(classes), channels
         self.paths = np.asarray(paths, dtype=object)
         self.labels = np.asarray(labels, np.int32)
-        self._bad = _BadImages(max_bad_records, arg)
+        self.held_out = held_out
+        self._bad = _BadImages(max_bad_records, arg, held_out)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -202,7 +209,8 @@ class ImageFiles:
             except BAD_IMAGE_ERRORS as e:
                 self._bad.skip(path, f'{type(e).__name__}: {e}')
                 continue
-            return {'image': image, 'label': self.labels[j]}
+            example = {'image': image, 'label': self.labels[j]}
+            return {**example, STAND_IN: np.bool_(k > 0)} if self.held_out else example
         raise ImagesError(f'{self.root}: none of the {len(self)} images of this split can be decoded')
 
 
@@ -228,8 +236,9 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
                           f'classifier needs at least 2; valid: one subfolder of images per class')
     paths = [p for group in files for p in group]
     labels = [c for c, group in enumerate(files) for _ in group]
-    make = lambda top, p, l: ImageFiles(top, p, l, classes, channels=channels,
-                                        max_bad_records=max_bad_records, arg=arg)
+    make = lambda top, p, l, held=False: ImageFiles(  # noqa: E731
+        top, p, l, classes, channels=channels, max_bad_records=max_bad_records, arg=arg,
+        held_out=held)
     if eval_root:
         eval_root = os.path.expanduser(os.fspath(eval_root))
         if os.path.realpath(eval_root) == os.path.realpath(root):
@@ -249,7 +258,8 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
                          [labels[i] for i in np.flatnonzero(mask)])
     if say_held_out:
         _say_classes_not_held_out(pick(held)[1], classes, eval_fraction, len(paths), arg)
-    return {'train': make(root, *pick(~held)), 'validation': make(root, *pick(held))}, classes
+    return ({'train': make(root, *pick(~held)), 'validation': make(root, *pick(held), True)},
+            classes)
 
 
 def _say_classes_not_held_out(held_labels, classes, eval_fraction, total: int, arg: str) -> None:
@@ -289,7 +299,8 @@ def held_out_folder(eval_root: str, classes: Sequence[str], *, channels: int = 3
     index = {name: i for i, name in enumerate(classes)}
     return ImageFiles(eval_root, [p for g in eval_files for p in g],
                       [index[name] for name, g in zip(eval_classes, eval_files) for _ in g],
-                      classes, channels=channels, max_bad_records=max_bad_records, arg=arg)
+                      classes, channels=channels, max_bad_records=max_bad_records, arg=arg,
+                      held_out=True)
 
 
 def get_split(split: str, **options) -> ImageFiles:

@@ -60,6 +60,11 @@ Transform = Callable[[Any, np.random.Generator], Any]
 # The per-example field of a `pad_remainder` loader's batches: 1.0 on the stream's own
 # examples, 0.0 on the copies that pad the final global batch (float32 [B]).
 EXAMPLE_WEIGHT = 'example_weight'
+# A field a source's example may carry: True where it was read in place of one that could
+# not be (an image file that does not decode: data/images.py). Under pad_remainder it is
+# weighted 0 like a padding copy, so an evaluation counts and scores only what it read;
+# the field itself is dropped.
+STAND_IN = 'stand_in'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +417,9 @@ class _WithExampleWeight:
         n = len(self.stream)
         example = self.stream[i % n]
         _check_weightable(example)
-        return {**example, EXAMPLE_WEIGHT: np.float32(i < n)}
+        stood_in = bool(example.get(STAND_IN, False))
+        example = {k: v for k, v in example.items() if k != STAND_IN}
+        return {**example, EXAMPLE_WEIGHT: np.float32(i < n and not stood_in)}
 
 
 class ExampleRngs(Sequence):

@@ -221,6 +221,28 @@ def test_corrupt_and_truncated_images_are_skipped_counted_then_refused(tmp_path,
         strict[0]
 
 
+def test_an_eval_counts_only_the_images_it_read(tmp_path, capsys):
+    """From a new user's audit: in the held-out split an undecodable file's stand-in (the
+    next image) was scored and counted, so `examples` said 19 for 18 images read. It
+    carries loaders.STAND_IN there, and an evaluation's loader weighs it 0; the training
+    split's items are as before."""
+    from attention_jax import data
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT, STAND_IN
+    root = _folder(tmp_path / "f", per_class=3, classes=("a", "b"))
+    (root / "b" / "1.png").write_bytes(b"not a png at all")
+    held = images_lib.held_out_folder(str(root), ["a", "b"])
+    loader = data.Loader(held, global_batch_size=4, seed=0, shuffle=False, num_epochs=1,
+                         process_index=0, process_count=1, pad_remainder=True)
+    batches = list(loader)
+    weights = np.concatenate([b[EXAMPLE_WEIGHT] for b in batches])
+    assert weights.sum() == 5 and len(weights) == 8  # 6 files, one bad; 2 rows padding
+    assert all(STAND_IN not in b for b in batches)
+    assert "skipped, the next image stands in (weighted 0: the eval leaves it out)" in (
+        capsys.readouterr().err)
+    train = images_lib.ImageFiles(str(root), ["b/1.png", "a/0.png"], [1, 0], ["a", "b"])
+    assert set(train[0]) == {"image", "label"}
+
+
 # ============================================================================= preprocess
 def test_eval_resizes_the_shorter_side_and_cuts_the_centre():
     image = np.zeros((4, 8, 1), np.uint8)
