@@ -336,9 +336,13 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         if mode == "train":
             raise ConfigError("--config is required to train: a shipped config NAME or a "
                               "FILE.py (--help lists them)")
+        # (only embed reads a model without a run: a Hugging Face checkpoint)
+        hint = ("train there first, name a run's workdir, or give --config with "
+                "--config.train.init_from=hf:DIR" if mode == "embed" else
+                "train there first, or name a run's workdir")
         raise workdir_lib.RunNotFoundError(
             f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} does not exist: {workdir!r} holds "
-            f"no trained run (train first, or give --config)")
+            f"no trained run ({hint})")
     return config_lib.load(spec, overrides)
 
 

@@ -76,7 +76,8 @@ def test_eval_overrides_apply_only_where_reading_may_differ(overridden):
 def test_reading_without_a_run_or_training_without_a_config(tmp_path):
     line = one_error_line(cli(f"--workdir={tmp_path}", "--mode=eval"))
     assert line == (f"error: --mode=eval: {tmp_path}/config.json does not exist: "
-                    f"'{tmp_path}' holds no trained run (train first, or give --config)")
+                    f"'{tmp_path}' holds no trained run (train there first, or name a run's "
+                    f"workdir)")  # (--config, which it named, gave "no checkpoint" next)
     line = one_error_line(cli(f"--workdir={tmp_path}"))
     assert line.startswith("error: --config is required to train: ")
     # A folder whose config.json is no run's (a Hugging Face export) is not trained as one.
