@@ -252,9 +252,15 @@ def _span(path: str, fmt: str, start: int, end: int) -> bytes:
     return bytes(read[start:end])
 
 
-def _decompression_errors() -> tuple[type[BaseException], ...]:
+def _corrupt_errors() -> tuple[type[BaseException], ...]:
+    """What decompressing a truncated or corrupt .gz or .zst raises (gzip's own OSError
+    is BadGzipFile)."""
     import zstandard
-    return (EOFError, OSError, zlib.error, zstandard.ZstdError)
+    return (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError)
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    return (*_corrupt_errors(), OSError)
 
 
 FIRST_RECORDS = 20  # a file's records whose keys tell whether text_key is its key
@@ -436,7 +442,7 @@ def _index_csv_records(path: str, fmt: str = '.csv'):
             row = next(rows)
         except StopIteration:
             break
-        except csv.Error:  # an unclosed quote at the end: the rest is one (bad) record
+        except csv.Error:  # (a NUL byte, say): a record still, said bad when it is read
             row = ['']
         if row:  # ([] is a blank line)
             (first, _), (last, length) = record[0], record[-1]
@@ -596,14 +602,10 @@ class _Reader:
         as U+FFFD); a compressed one's, decompressed (_Corrupt if it cannot be)."""
         try:
             raw = b''.join(_chunks(f.format)(f.path))
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
-        except _decompression_errors() as e:
-            # (an OSError of the disk or network is no corrupt file: gzip's own is BadGzipFile)
-            if not _compressed(f.format) or (type(e) is OSError or isinstance(
-                    e, (ConnectionError, TimeoutError, InterruptedError))):
-                raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
+        except _corrupt_errors() as e:  # (the disk's or network's OSError is no corrupt file)
             raise _Corrupt(f'truncated or corrupt {_compression_name(f.format)} ({e})') from None
+        except OSError as e:
+            raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
         try:
             return raw.decode('utf-8').encode('utf-8'), 0
         except UnicodeDecodeError:

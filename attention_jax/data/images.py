@@ -25,9 +25,10 @@ file. A file that cannot be decoded (corrupt, truncated, not an image) is skippe
 counted warning on stderr and the next image of the split stands in for it (a function of
 the index only, so resumption stays exact; in the held-out split it carries
 loaders.STAND_IN, so an evaluation weighs it 0: its `examples` count the images read);
-past `max_bad_records` distinct bad files it is an error. The count is kept in each reading process (grain workers each count
-theirs). Every other bad input (a root that does not exist, no class folders, a class
-with no images, eval_root with other classes) is an ImagesError, one line.
+past `max_bad_records` distinct bad files it is an error. The count is kept in each
+reading process (grain workers each count theirs). Every other bad input (a root that
+does not exist, no class folders, a class with no images, eval_root with a class the
+training has not) is an ImagesError, one line.
 """
 
 from __future__ import annotations
@@ -262,6 +263,11 @@ def folder_splits(root: str, eval_root: str = '', *, eval_fraction: float = 0.05
             classes)
 
 
+def _some(names) -> str:
+    """The first three names, quoted, and '...' for more: a note's list of classes."""
+    return ', '.join(map(repr, names[:3])) + (', ...' if len(names) > 3 else '')
+
+
 def _say_classes_not_held_out(held_labels, classes, eval_fraction, total: int, arg: str) -> None:
     """A note where eval_fraction of a small folder held out no image of some class: the
     eval accuracy then says nothing of those classes, unsaid (the record's `examples`
@@ -269,7 +275,7 @@ def _say_classes_not_held_out(held_labels, classes, eval_fraction, total: int, a
     held = set(held_labels)
     missing = [c for i, c in enumerate(classes) if i not in held]
     if missing:
-        shown = ', '.join(map(repr, missing[:3])) + (', ...' if len(missing) > 3 else '')
+        shown = _some(missing)
         print(f'note: {arg}eval_fraction={eval_fraction} of {total} images held out '
               f'{len(held_labels)}, of {len(classes) - len(missing)} of the {len(classes)} '
               f'classes (none of {shown}): the eval metrics leave those out; give a larger '
@@ -292,7 +298,7 @@ def held_out_folder(eval_root: str, classes: Sequence[str], *, channels: int = 3
                           f'{list(classes)[:8]}' + (' ...' if len(classes) > 8 else ''))
     missing = [c for c in classes if c not in eval_classes]
     if missing:
-        shown = ', '.join(map(repr, missing[:3])) + (', ...' if len(missing) > 3 else '')
+        shown = _some(missing)
         print(f'note: {arg}eval_root={eval_root!r} holds {len(eval_classes)} of the '
               f'{len(classes)} classes (none of {shown}): the eval metrics leave those out',
               file=sys.stderr)

@@ -25,6 +25,10 @@ import jax
 import jax.numpy as jnp
 
 
+# top_k's indices into a row of W·V candidates are int32: W·V at most this.
+MOST_CANDIDATES = 2**31 - 1
+
+
 def length_penalty(length, alpha: float):
     """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, §7); scores are log p / lp."""
     return ((5.0 + length) / 6.0) ** alpha
@@ -46,9 +50,9 @@ def search(step: Callable, state, *, batch: int, beam_size: int, max_len: int, v
     if not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be an int >= 1; got {max_len!r}")
     b, w, v = batch, beam_size, vocab
-    if w * v >= 2**31:  # top_k's indices into a row of W·V candidates are int32
+    if w * v > MOST_CANDIDATES:
         raise ValueError(f"beam_size={w} with a vocabulary of {v}: {w * v} candidates a step; "
-                         f"valid: beam_size <= {(2**31 - 1) // v}")
+                         f"valid: beam_size <= {MOST_CANDIDATES // v}")
     pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)  # [V]: finished beams
 
     def body(carry, i):

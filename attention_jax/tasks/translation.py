@@ -16,6 +16,7 @@ from attention_jax.config import PAIR_FILE_KEYS
 from attention_jax.data.tokenization import TokenizerEncodeError
 from attention_jax.errors import ConfigError
 from attention_jax.models import encdec, flops, rnn
+from attention_jax.models.beam import MOST_CANDIDATES
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.data import records_cache
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
@@ -230,7 +231,7 @@ def translation_task(config, workdir: str) -> Task:
     _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)  # checked now
     beam = config.eval.beam_size
     vocab = getattr(model.config, "target_vocab_size", model.config.vocab_size)
-    most = min(vocab, (2**31 - 1) // vocab)  # (top_k's indices into W·V are int32)
+    most = min(vocab, MOST_CANDIDATES // vocab)  # (top_k's int32 indices into W·V)
     if beam > most:  # (a beam of 1e9 was a traceback)
         raise ConfigError(f"config.eval.beam_size={beam}: more beams than "
                           + (f"the target vocabulary's {vocab} tokens" if most == vocab else

@@ -498,8 +498,8 @@ def launch_settings(given: dict, implementation: str, row: dict, loss_chunk: int
     `implementation` and whose row names its "loss_kernel" and "norm_kernel" (and a
     chunked loss, loss_chunk > 0, runs no loss kernel). An option for kernels the step
     would not run is an error (KernelsLeftOut, a SystemExit), as is a norm setting the
-    step's rows cannot take (SystemExit: the norms would be XLA's ops). attention_auto: whether --implementation auto
-    is a choice (bench train's; gpu-hlo's is not)."""
+    step's rows cannot take (SystemExit: the norms would be XLA's ops). attention_auto:
+    whether --implementation auto is a choice (bench train's; gpu-hlo's is not)."""
     from attention_jax.tools.bench import attention_speed_gpu, loss_speed, norm_speed
     parse = {"tiles": attention_speed_gpu.parse_tiles, "loss": loss_speed.parse_settings,
              "norm": norm_speed.parse_settings}
