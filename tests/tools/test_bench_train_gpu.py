@@ -348,7 +348,11 @@ def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
     assert rows[0]["launch_used"]["norm"] == norm_kernel.launch(32, 32, gpu=False)
     assert rows[1]["launch_used"]["norm"] == {"rows": 2, "program_rows": 4, "num_warps": 1}
     assert rows[1]["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-5)
-    assert "with norm-settings rows=2,program_rows=4,warps=1 |" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "with norm-settings rows=2,program_rows=4,warps=1 |" in printed.out
+    assert ("a row with them beside 1 of our 2 rows, those running their kernels "
+            "(--norm-settings is for the Pallas kernels, which --norm-kernel xla leaves out"
+            in printed.err)
     # auto's choice is named in a launch row's label as in the defaults' row
     assert (train_speed_gpu._attention_label("auto with pallas-tiles fwd=64x64", None, "pallas")
             == "auto (pallas) with pallas-tiles fwd=64x64")

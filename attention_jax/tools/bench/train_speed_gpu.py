@@ -326,6 +326,10 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                 refusals.append(e)
         if not launch_for:
             raise refusals[0]
+        if refusals:  # rows whose kernels they do not set get none: said, not left unsaid
+            print(f"launch settings {given}: a row with them beside {len(launch_for)} of our "
+                  f"{len(launch_for) + len(refusals)} rows, those running their kernels "
+                  f"({str(refusals[0]).removeprefix('error: ')})", file=sys.stderr)
     print(f"GPU: {device}; rows {pairs}; attention {impls}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
