@@ -532,7 +532,10 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:   # the bench JSON measured none of this quantity: say so on the empty panel
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center")
     axes[0].set_title("time (solid: forward, dashed: forward+backward)")
     axes[1].set_title("memory (solid: forward, dashed: forward+backward)")
     fig.tight_layout()

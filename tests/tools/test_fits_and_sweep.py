@@ -5,6 +5,7 @@ report on a benchmark JSON, and tools/sweep's grid handling."""
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -270,6 +271,20 @@ def test_attention_cost_report_fits_quadratic_time_and_memory_slopes(tmp_path):
     assert "| blockwise | 2.00 ± 0.00 (N 512–4096) |" in open(tmp_path / "cost.md").read()
     with pytest.raises(ValueError, match="no rows with mask='packed'"):
         fits.attention_cost_report(str(path), str(tmp_path / "c2"), mask="packed")
+
+
+def test_attention_cost_report_with_time_only_draws_no_empty_legend(tmp_path):
+    # torch's rows carry no compiled memory: the memory panel is empty, and matplotlib warned
+    # "No artists with labels found to put in legend" for it; now it says "not measured".
+    rows = [{"impl": "torch_sdpa", "n": n, "causal": False, "fwd_s": 1e-9 * n ** 2}
+            for n in (512, 1024, 2048)]
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"rows": rows}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = fits.attention_cost_report(str(path), str(tmp_path / "cost"))
+    assert result["slopes"]["torch_sdpa"]["fwd_s"]["slope"] == pytest.approx(2.0)
+    assert (tmp_path / "cost.png").stat().st_size > 0
 
 
 # --------------------------------------------------------------------------------- sweep
