@@ -55,7 +55,10 @@ from attention_jax.data.loaders import watch_parent
 from attention_jax.data.packing import PAD_SEGMENT
 from attention_jax.data.tokenization import encode_many
 
-VERSION = 1
+# The key stats the files and never reads them, so a change in how their documents are
+# read must change VERSION. 2 (2026-11-27): a CSV's quote left open is a bad record (it
+# used to take the rest of the file as one text).
+VERSION = 2
 MANIFEST = 'manifest.json'
 INPUTS = 'inputs.json'
 DEFAULT_SHARD_BYTES = 4 << 20  # of source text: small enough to keep every core busy to the end
