@@ -596,7 +596,7 @@ def saved_classes(workdir: str) -> list[str] | None:
     return json.loads(saved.read_text()) if saved is not None and saved.exists() else None
 
 
-def _trained(workdir: str) -> bool:
+def has_trained(workdir: str) -> bool:
     """Whether the workdir holds a checkpoint's step folder, intact or not: whether a run
     there trained at all, or only started. A listing that fails answers True: what this
     guards (a resume's classes) is then checked."""
@@ -611,7 +611,7 @@ def check_classes(workdir: str, classes) -> None:
     never a silently different dataset (image folders, a file's labels). Those of a start
     that saved no checkpoint (it stopped at a mistake since mended) are only replaced."""
     before = saved_classes(workdir) if classes else None
-    if before is not None and before != list(classes) and _trained(workdir):
+    if before is not None and before != list(classes) and has_trained(workdir):
         changed = sorted(set(before) ^ set(classes))[:5] or "their order"
         raise ConfigError(f"{workdir_lib.path(workdir, CLASSES_FILE)} holds the {len(before)} "
                           f"classes this run trained on; the data now has {len(classes)} "

@@ -10,14 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax import workdir as workdir_lib
 from attention_jax.config import IMAGE_KEYS
 from attention_jax.errors import ConfigError, check_choice, check_range, did_you_mean
 from attention_jax.models import cnn, flops, vit
 from attention_jax.models.losses import classifier_cross_entropy
-from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, check_classes,
-                                      check_model_keys, check_source_keys, data_is_on_demand,
-                                      data_options, model_config, register, save_classes,
-                                      saved_classes, splits)
+from attention_jax.tasks.base import (CLASSES_FILE, AttentionInput, OnDemand, Task,
+                                      check_classes, check_model_keys, check_source_keys,
+                                      data_is_on_demand, data_options, has_trained,
+                                      model_config, register, save_classes, saved_classes,
+                                      splits)
 
 # Images classified per call of label_images' program (the last call padded to it).
 PREDICT_ROWS = 64
@@ -64,8 +66,19 @@ def image_task(config, workdir: str) -> Task:
             eval_src = OnDemand(lambda: _held_out_folder(data_opts, saved))
     else:
         # A held-out split is said only where it is evaluated, once for the run.
-        train_src, eval_src, classes = _image_sources(
-            data_opts, say_held_out=config.eval.every != -1 and jax.process_index() == 0)
+        try:
+            train_src, eval_src, classes = _image_sources(
+                data_opts, say_held_out=config.eval.every != -1 and jax.process_index() == 0)
+        except ConfigError as e:
+            if not (data_is_on_demand() and data_opts.name == "image_folder"
+                    and workdir and has_trained(workdir)):
+                raise
+            # A reader of a trained run lists the folder only for want of its classes.json.
+            raise ConfigError(f"{e}; a reading mode takes the run's classes from "
+                              f"{workdir_lib.path(workdir, CLASSES_FILE)}, which is gone, and "
+                              f"so lists the training folder; valid: that file put back, or "
+                              f"config.data.root naming where the training folder is now "
+                              f"(its class folders are the run's classes)") from None
         train_src = fraction(train_src)
     forced = _model_fields(config, data_opts, config_cls, variants, train_src, classes)
     cfg = model_config(config_cls, config, dtype=config.train.compute_dtype, **forced)

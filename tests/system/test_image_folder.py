@@ -152,6 +152,13 @@ def test_vit_trains_on_a_folder(folder, tmp_path, capsys, monkeypatch, size=16):
                                           r"texts or images; valid: \['bert_classify', 'cnn', "
                                           r"'vit'\]$"):
         main.classify_texts(gpt, str(tmp_path / "vit"))
+    # Its classes.json deleted as well as its folder moved: the error names both, since
+    # the folder is listed only for want of the file.
+    (tmp_path / "vit" / "classes.json").unlink()
+    with pytest.raises(ConfigError, match=r"does not exist .*; a reading mode takes the run's "
+                                          r"classes from .*classes\.json, which is gone"):
+        main.classify_texts(workdir_lib.read_config(str(tmp_path / "vit")),
+                            str(tmp_path / "vit"), paths)
 
 
 def test_cnn_trains_on_a_folder(folder, tmp_path, capsys, size=20):
