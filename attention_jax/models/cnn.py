@@ -111,4 +111,5 @@ class CNN(nn.Module):
         pooled = x.mean(axis=(1, 2))  # [B, width]: global average pooling
         h = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
         logits = nn.Dense(cfg.num_classes, dtype=dtype, name="head")(h)
-        return logits.astype(jnp.float32), {"feature_maps": x, "pooled": pooled}
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        return logits, {"feature_maps": x, "pooled": pooled}

@@ -193,7 +193,7 @@ class EncoderDecoder(nn.Module):
             y = self.decoder_norm(y)
         logits = self.tgt_embed.attend(y) if self.config.share_embeddings else self.output(y)
         logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
-        return logits.astype(jnp.float32), aux
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), aux
 
     def __call__(self, src, tgt_in, src_mask=None, *, deterministic: bool = True,
                  return_weights: bool = False):

@@ -231,7 +231,8 @@ class GPT(nn.Module):
         logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
         if return_hidden:
             return x, aux
-        return logits.astype(jnp.float32), aux
+        # float32 at least: bfloat16 logits are widened, float64 ones (a numerics check) kept
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), aux
 
 
 def lm_head_weights(params, config: GPTConfig):

@@ -315,7 +315,8 @@ def _beam(model, w, max_len, alpha, params, src, src_mask):
     def step(carry, last, i):
         carry, logits, _ = model.apply({"params": params}, carry, last, memory,
                                        method=_decoder_step)
-        return jax.nn.log_softmax(logits.astype(jnp.float32)), carry
+        exact = jnp.promote_types(logits.dtype, jnp.float32)
+        return jax.nn.log_softmax(logits.astype(exact)), carry
     return beam.search(step, carry, batch=src.shape[0], beam_size=w, max_len=max_len,
                        vocab=cfg.target_vocab_size, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
                        pad_id=cfg.pad_id, alpha=alpha)

@@ -275,3 +275,25 @@ def test_every_family_refuses_a_dtype_that_is_no_float(family):
                                              rf"'float64'\]"):
             config_cls(**{**required, "dtype": bad})
     config_cls(**{**required, "dtype": "bfloat16"})
+
+
+@pytest.mark.parametrize("family", ["gpt", "encdec", "cnn"])
+def test_logits_are_float32_at_least_and_stay_float64(family):
+    """The families that widen their logits (bfloat16 -> float32, for the loss) kept them
+    float32 under dtype='float64' too, so a float64 numerics check lost its precision at the
+    model's last step. (Shapes and dtypes only: jax.eval_shape compiles nothing.)"""
+    from attention_jax.models import cnn, encdec, gpt
+    for dtype, want in (("bfloat16", jnp.float32), ("float64", jnp.float64)):
+        with jax.enable_x64(dtype == "float64"):
+            kw = dict(dtype=dtype, param_dtype="float64" if dtype == "float64" else "float32")
+            if family == "gpt":
+                model, args = gpt.GPT(gpt.get_config("gpt-tiny", **kw)), (jnp.ones((1, 8), int),)
+            elif family == "encdec":
+                model = encdec.EncoderDecoder(encdec.get_config("transformer-tiny", **kw))
+                args = (jnp.ones((1, 8), int),) * 2
+            else:
+                model = cnn.CNN(cnn.CNNConfig.from_variant("resnet-tiny", dtype=dtype))
+                args = (jnp.ones((1, 8, 8, 1)),)
+            logits = jax.eval_shape(lambda: model.apply(
+                model.init(jax.random.key(0), *args), *args)[0])
+            assert logits.dtype == want, (dtype, logits.dtype)
