@@ -504,8 +504,9 @@ def _table_row(text: str, fmt: str) -> list[str]:
 
 # Why a TSV row holds half a quoted field: the writer (csv, pandas) quoted a field with a
 # line break, which a TSV, read a row a line, cannot hold.
-_TSV_BREAK = ('a quoted field with a line break? a TSV is read a row a line: write such '
-              'fields as CSV')
+_TSV_BREAK = ('a quoted field with a line break? a TSV is read a row a line, so the '
+              "field's other lines are rows too, read where they have the header's width: "
+              'write such fields as CSV')
 
 
 def _quote_left_open(text: str) -> bool:

@@ -341,13 +341,15 @@ def test_table_cells_read_as_the_same_records_in_jsonl_would(tmp_path, capsys):
     assert sorted(t for s in src.values() for t in _read(s).values()) == [
         '', '"Buy the 5" TV," he said.', '"I went home.', '"para one', 'plain']
     assert (f"{tmp_path / 'm.tsv'}:3: 1 fields, where the header row names 2 (a quoted field "
-            f"with a line break? a TSV is read a row a line: write such fields as CSV)"
+            f"with a line break? a TSV is read a row a line, so the field's other lines are "
+            f"rows too, read where they have the header's width: write such fields as CSV)"
             in capsys.readouterr().err)
     (tmp_path / 'n.tsv').write_text('id\ttext\tn\n1\t"para one\nof two"\t3\n')
     src = files.file_splits(str(tmp_path / 'n.tsv'), eval_fraction=0.5)
     [_read(s) for s in src.values()]
     assert (f"{tmp_path / 'n.tsv'}:3: 2 fields, where the header row names 3 (a quoted field "
-            f"with a line break? a TSV is read a row a line: write such fields as CSV)"
+            f"with a line break? a TSV is read a row a line, so the field's other lines are "
+            f"rows too, read where they have the header's width: write such fields as CSV)"
             in capsys.readouterr().err)
 
 
