@@ -26,6 +26,18 @@ class DatasetNotFoundError(UserError, FileNotFoundError):
     """A dataset that is neither an offline builder nor prepared in the data dir."""
 
 
+class DataDirError(UserError, OSError):
+    """The data_dir where an offline dataset is built cannot hold it (missing, a file, or
+    not writable)."""
+
+
+def _under(path, folder: str) -> bool:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return False
+    path, folder = os.path.abspath(os.fsdecode(path)), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
 class SplitError(UserError, ValueError):
     """A split the dataset does not have, or one that holds no records."""
 
@@ -117,9 +129,17 @@ def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
         if not sys.stderr.isatty():
             tfds.disable_progress_bar()  # Its bars are lines of escape codes in a log file.
         with quiet.drop_log_messages(*builders.HARMLESS_TFDS_WARNINGS):
-            builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
-            if prepare and not builder.is_prepared():
-                builder.download_and_prepare()
+            try:
+                builder = cls(data_dir=data_dir, file_format=builders.FILE_FORMAT, **kwargs)
+                if prepare and not builder.is_prepared():
+                    builder.download_and_prepare()
+            except OSError as e:
+                if not _under(getattr(e, 'filename', None), data_dir):
+                    raise  # (a corpus file of its own, say: its error names it)
+                raise DataDirError(
+                    f'data_dir={data_dir!r}: the offline dataset {name!r} cannot be built '
+                    f'there ({e.strerror or e}: {e.filename}); set config.data.data_dir to a '
+                    f'writable directory') from None
         return builder
     if options:
         raise ValueError(f'options {sorted(options)} only apply to the offline datasets '

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from attention_jax import data
-from attention_jax.data import builders
+from attention_jax.data import builders, sources
 
 
 def _records(source):
@@ -216,3 +216,20 @@ def test_stdlib_docstrings_are_labelled_by_package_and_split_by_source(tmp_path)
     for source, text, label in every[:50]:
         assert source.decode().split("/")[0] == builders.DOC_PACKAGES[label]
     assert len(built[0]["train"]) > 3 * len(built[0]["validation"])
+
+
+def test_an_offline_dataset_names_a_data_dir_it_cannot_be_built_in(tmp_path):
+    """A data_dir that is a file (or unwritable, or missing under /proc) raised the
+    builder's own NotADirectoryError from tfds' insides, a traceback; a corpus file's
+    error is still its own."""
+    from attention_jax.errors import UserError
+    a_file = tmp_path / 'afile'
+    a_file.write_text('not a folder')
+    with pytest.raises(sources.DataDirError, match=rf"^data_dir='{a_file}': the offline "
+                                                   rf"dataset 'python_stdlib' cannot be built "
+                                                   rf"there \(.*\); set config\.data\.data_dir "
+                                                   rf"to a writable directory$") as info:
+        sources.get_builder('python_stdlib', str(a_file), max_files=2)
+    assert isinstance(info.value, UserError)
+    assert not sources._under(str(tmp_path / 'corpus.txt'), str(a_file))
+    assert sources._under(str(a_file / 'downloads'), str(a_file))
