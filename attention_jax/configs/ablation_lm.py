@@ -115,9 +115,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.attention_scale = None  # None: 1/sqrt(H); 1.0: unscaled logits (study=scale).
     if study == "moe":
         c.model.mlp = "mlp" if variant == "dense" else "moe"
-        c.model.num_experts = 4  # E.
-        c.model.top_k = 1  # Switch routing: one expert's MLP per token = the dense MLP's cost.
-        c.model.capacity_factor = 1.25  # Switch's default; overflow tokens skip the MLP.
+        if variant != "dense":  # (a dense MLP refuses the experts' keys)
+            c.model.num_experts = 4  # E.
+            c.model.top_k = 1  # Switch routing: one expert's MLP per token = the dense cost.
+            c.model.capacity_factor = 1.25  # Switch's default; overflow tokens skip the MLP.
     if study == "scale":
         scaling, head_dim = variant.split("-h")
         c.model.num_heads = c.model.d_model // int(head_dim)  # H = 32: 4 heads; 128: 1.

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from attention_jax import axes
 from attention_jax.attention import IMPLEMENTATIONS, RING_INNER
+from attention_jax.errors import check_positive_ints
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP
 from attention_jax.layers.moe import MoE
@@ -108,23 +109,22 @@ class BlockConfig:
             raise ValueError("norm_kernel='pallas' takes a pre-norm block's residual add "
                              "into the next norm's kernel; a post-norm block has no such "
                              "add to give it: valid with norm_position='post': 'auto' or 'xla'")
-        if self.mlp == "moe":  # checked with the config, not when the layer first runs
-            e = self.num_experts
-            if e < 1:
-                raise ValueError(f"num_experts={e}; valid: >= 1 (mlp='moe')")
-            if not 1 <= self.top_k <= e:
-                raise ValueError(f"top_k={self.top_k}; valid: 1..{e} (num_experts={e})")
-            if not self.capacity_factor > 0:
-                raise ValueError(f"capacity_factor={self.capacity_factor}; valid: > 0 (1.0: "
-                                 f"room for every token under an even load)")
-        # The MLP reads `mlp_dim or 4 * D`, so 0 would silently become the default width.
-        if self.mlp_dim is not None and self.mlp_dim <= 0:
-            raise ValueError(f"mlp_dim must be positive; got {self.mlp_dim}; valid: None "
-                             f"(the {self.mlp!r} default width) or an integer >= 1")
+        # Types first: a string or a float from the command line was compared with an
+        # integer below ("'<=' not supported") or reached a shape (a JAX traceback).
+        check_positive_ints(self, ("num_heads", "num_kv_heads", "mlp_dim", "num_experts",
+                                   "top_k"),
+                            none_means={"num_kv_heads": "num_heads: multi-head attention",
+                                        "mlp_dim": f"the {self.mlp!r} default width"})
+        if (isinstance(self.capacity_factor, bool)
+                or not isinstance(self.capacity_factor, (int, float))
+                or not self.capacity_factor > 0):
+            raise ValueError(f"capacity_factor={self.capacity_factor!r}; valid: a number > 0 "
+                             f"(1.0: room for every token under an even load)")
+        if self.mlp == "moe" and self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k}; valid: 1..{self.num_experts} "
+                             f"(num_experts={self.num_experts})")
         n, k = self.num_heads, self.num_kv_heads
-        if n <= 0:
-            raise ValueError(f"num_heads must be positive; got {n}")
-        if k is not None and (k <= 0 or n % k):
+        if k is not None and n % k:
             raise ValueError(f"num_kv_heads={k} must divide num_heads={n}; valid: "
                              f"{[d for d in range(1, n + 1) if n % d == 0]}")
 

@@ -330,6 +330,9 @@ def check_model_keys(cls, config) -> None:
                           f"valid: {sorted(fields)}{did_you_mean(unknown[0], fields)}")
 
 
+MOE_KEYS = ("num_experts", "top_k", "capacity_factor")  # read only where mlp="moe"
+
+
 def model_config(cls, config, **forced):
     """The model's frozen config from `config.model`: an optional `variant` name (the
     model file's table) plus overrides of its fields; a key set to None is not set (the
@@ -342,6 +345,13 @@ def model_config(cls, config, **forced):
         cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
+    # The experts' keys of a dense MLP would be ignored, unsaid (a reader of a run is not
+    # stopped by what it ignores).
+    moe_keys = [k for k in MOE_KEYS if k in given]
+    if moe_keys and getattr(cfg, "mlp", "moe") != "moe" and not data_is_on_demand():
+        raise ConfigError(f"config.model.{moe_keys[0]}={given[moe_keys[0]]!r} is read only "
+                          f"with config.model.mlp='moe' (now {cfg.mlp!r}); set "
+                          f"--config.model.mlp=moe, or leave it unset")
     # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
     # checked on the resolved config so a variant's own values are covered too.
     for f in dataclasses.fields(cfg):

@@ -162,7 +162,15 @@ def test_a_sequence_without_its_batch_axis_is_named():
     (dict(mlp="kan"), r"valid: \('mlp', 'swiglu', 'geglu', 'moe'\)"),
     (dict(num_kv_heads=3), r"valid: \[1, 2, 4\]"),
     # The MLP reads `mlp_dim or 4 * D`: 0 was silently the default width.
-    (dict(mlp_dim=0), r"mlp_dim must be positive; got 0; valid: None .* or an integer >= 1"),
+    (dict(mlp_dim=0), r"mlp_dim must be a positive integer; got 0 \(valid: an integer >= 1 "
+                      r"or None \(the 'mlp' default width\)\)"),
+    # From the command line a string or a float reached a comparison or a shape.
+    (dict(mlp_dim=2.5), r"mlp_dim must be a positive integer; got 2\.5"),
+    (dict(mlp_dim="abc"), r"mlp_dim must be a positive integer; got 'abc'"),
+    (dict(num_heads="4"), r"num_heads must be a positive integer; got '4'"),
+    (dict(mlp="moe", top_k="x"), r"top_k must be a positive integer; got 'x'"),
+    (dict(mlp="moe", num_experts=2.0), r"num_experts must be a positive integer; got 2\.0"),
+    (dict(mlp="moe", capacity_factor="abc"), r"capacity_factor='abc'; valid: a number > 0"),
 ])
 def test_bad_block_configs_raise_with_valid_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -706,10 +706,18 @@ def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path):
     given = moe("model.num_experts=3", "model.top_k=1")
     assert (moe().num_experts, given.num_experts, given.top_k) == (4, 3, 1)
     for over, message in ((["model.top_k=5"], r"top_k=5; valid: 1\.\.4 \(num_experts=4\)"),
-                          (["model.num_experts=0"], r"num_experts=0; valid: >= 1"),
-                          (["model.capacity_factor=0"], r"capacity_factor=0; valid: > 0")):
+                          (["model.num_experts=0"], r"num_experts must be a positive "
+                                                    r"integer; got 0"),
+                          (["model.capacity_factor=0"], r"capacity_factor=0; valid: a number "
+                                                        r"> 0")):
         with pytest.raises(ConfigError, match=rf"^config.model: {message}"):
             moe(*over)
+    # On a dense MLP the experts' keys were ignored, unsaid.
+    with pytest.raises(ConfigError, match=r"^config.model.num_experts=8 is read only with "
+                                          r"config.model.mlp='moe' \(now 'mlp'\); set "
+                                          r"--config.model.mlp=moe, or leave it unset$"):
+        tasks.model_config(gpt.GPTConfig, config_lib.load("gpt", ["model.num_experts=8"]),
+                           vocab_size=256)
     config = config_lib.load("gpt")
     old = json.loads(config.to_json_best_effort())
     del old["model"]["mlp_dim"]
