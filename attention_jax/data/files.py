@@ -764,6 +764,10 @@ class Corpus:
             key, value = wrong
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 self.bad.skip(where, f'{key!r} has no value ({value})')
+            elif isinstance(value, (float, np.floating)) and key in self.integers:
+                # (a half-star rating, 2.5: a class named by a number with a fraction)
+                self.bad.skip(where, f'{key!r} is the float {value!r}, not text or an '
+                                     f'integer; a class named so is written as text ("{value}")')
             elif value is not _BAD:
                 self.bad.skip(where, f'{key!r} is {type(value).__name__}, not text'
                               + (' or an integer' if key in self.integers else ''))
