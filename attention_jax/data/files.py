@@ -51,6 +51,8 @@ unsupported file type, a jsonl or parquet whose records lack `text_key` (with th
 they have), an unreadable, truncated or corrupt file. A bad record inside a good file
 (a line that is not JSON, a value that is not a string) is skipped (it reads as an
 empty document) with a counted warning on stderr; past `max_bad_records` it is an error.
+A compressed text file (.txt.gz, .txt.zst) is one document, so one that cannot be
+decompressed is such a bad record, as a text file of NUL bytes is.
 """
 
 from __future__ import annotations
