@@ -243,18 +243,13 @@ def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> 
                           f"images (its Task has neither label_texts nor label_images); "
                           f"valid: {able}")
     params = jax.tree.map(np.asarray, jax.device_get(run.params))
-    unreadable = {}
     if images:  # a path's own spaces around it are no part of it (a pasted list)
         texts = [t.strip() for t in texts]
-        probabilities, unreadable = label(params, texts)
-    else:
-        try:
-            probabilities = label(params, list(texts))
-        except ValueError as e:  # a pair's line without its tab
-            raise InputError(f"--mode=classify: {e}") from None
+    probabilities, unreadable = label(params, list(texts))
     if unreadable:  # the others are classified; these lines say why not, in order
-        print(f"warning: --mode=classify: {len(unreadable)} of the {len(texts)} files are no "
-              f"readable image: their lines carry \"error\" and no label", file=sys.stderr)
+        what = "files are no readable image" if images else "lines are no pair of texts"
+        print(f"warning: --mode=classify: {len(unreadable)} of the {len(texts)} {what}: their "
+              f"lines carry \"error\" and no label", file=sys.stderr)
     names = run.task.class_names or [str(k) for k in range(probabilities.shape[-1])]
     key = "image" if images else "text"
     return [{key: text, "error": unreadable[i]} if i in unreadable else

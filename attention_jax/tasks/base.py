@@ -65,9 +65,10 @@ class Task:
         longer than the model's context raises InputTooLongError before any compute.
       classify(params, batch) -> (predicted [B] int32, labels [B] int32): the predicted
         classes of a batch of eval examples and their labels (vit, cnn, bert_classify).
-      label_texts(params, texts: list[str]) -> np.ndarray [B, C] float32: each class's
-        probability for each text, in class_names' order; a pair's two texts are one
-        string with a tab between them (bert_classify).
+      label_texts(params, texts: list[str]) -> (np.ndarray [B, C] float32, {i: reason}):
+        each class's probability for each text, in class_names' order; a pair's two texts
+        are one string with a tab between them, and the lines that are no such pair are
+        the reasons' (their rows NaN) (bert_classify).
       label_images(params, paths: list[str]) -> (np.ndarray [B, C] float32, {i: reason}):
         each class's probability for each image file, read as the run's eval images are,
         and the files that are no readable image (their rows NaN) (vit, cnn).
@@ -98,7 +99,7 @@ class Task:
     embed: Callable[[Any, Sequence[str]], np.ndarray] | None = None
     attention_input: Callable[..., AttentionInput] | None = None
     classify: Callable[[Any, dict], tuple[np.ndarray, np.ndarray]] | None = None
-    label_texts: Callable[[Any, Sequence[str]], np.ndarray] | None = None
+    label_texts: Callable[[Any, Sequence[str]], tuple[np.ndarray, dict[int, str]]] | None = None
     label_images: Callable[[Any, Sequence[str]], tuple[np.ndarray, dict[int, str]]] | None = None
     flops_per_unit: Callable[[Any], float] | None = None
     tokens_per_example: int | None = None

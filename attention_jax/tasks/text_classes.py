@@ -328,7 +328,12 @@ def classify_task(config, workdir: str) -> Task:
         return texts
 
     def label_texts(params, texts):
-        ids = [[tok.encode(t) for t in texts_of(text)] for text in texts]
+        unusable, ids = {}, []
+        for i, text in enumerate(texts):
+            try:
+                ids.append([tok.encode(t) for t in texts_of(text)])
+            except ValueError as e:  # a pair's line without its tab: its row stays NaN
+                unusable[i] = str(e)
         rows = [data.classification_example(
             a[0], a[1] if o.pair_key else None, seq_len=o.seq_len, start_id=start_id,
             end_id=end_id, pad_id=tok.pad_id) for a in ids]
@@ -343,7 +348,10 @@ def classify_task(config, workdir: str) -> Task:
             chunk += chunk[:1] * (PREDICT_ROWS - len(chunk))  # one shape: one compilation
             batch = {k: np.stack([r[k] for r in chunk]) for k in chunk[0]}
             out.append(np.asarray(probabilities(params, batch))[:len(rows) - at])
-        return np.concatenate(out) if out else np.zeros((0, len(classes)), np.float32)
+        labelled = np.full((len(texts), len(classes)), np.nan, np.float32)
+        if out:
+            labelled[[i for i in range(len(texts)) if i not in unusable]] = np.concatenate(out)
+        return labelled, unusable
 
     def attention_input(params, text: str | None = None, *, target: str | None = None,
                         index: int = 0) -> AttentionInput:

@@ -147,9 +147,9 @@ def test_a_classifier_learns_its_labels_and_predicts_them(tmp_path):
     assert right >= 0.9, rows
 
 
-def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch):
+def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch, capsys):
     """data.pair_key: [CLS] A [SEP] B [SEP] with token types 1 on B's part; --mode=classify
-    takes a pair as its two texts around a tab, and a line without one is one error line."""
+    takes a pair as its two texts around a tab, and a line without one gets an "error"."""
     records = [{"premise": f"the film was {GOOD[i % 6]}", "hypothesis": f"it was {w}",
                 "label": "entails" if w in GOOD else "contradicts"}
                for i in range(40) for w in (GOOD[i % 6], BAD[i % 6])]
@@ -171,12 +171,17 @@ def test_pairs_get_their_token_types_and_a_tab_on_stdin(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("the film was great\tit was great\n"))
     rows = main_lib.classify_texts(runs.load_config(work), work)
     assert rows[0]["label"] in ("contradicts", "entails")
-    with pytest.raises(main_lib.InputError, match=r"^--mode=classify: 'no tab here' holds 0 "
-                                                  r"tab\(s\); task 'bert_classify' classifies"):
-        main_lib.classify_texts(runs.load_config(work), work, ["no tab here"])
-    with pytest.raises(main_lib.InputError, match=r"'great\\t' holds 1 tab\(s\) and an empty "
-                                                  r"side"):
-        main_lib.classify_texts(runs.load_config(work), work, ["great\t"])
+    # A line that is no pair gets a line saying why; the others their labels (one bad line
+    # stopped them all, nothing written).
+    got = main_lib.classify_texts(runs.load_config(work), work, [
+        "no tab here", "the film was great\tit was great", "great\t"])
+    assert got[1] == rows[0]
+    assert [set(g) for g in (got[0], got[2])] == [{"text", "error"}] * 2
+    assert re.match(r"^'no tab here' holds 0 tab\(s\); task 'bert_classify' classifies pairs",
+                    got[0]["error"])
+    assert re.match(r"^'great\\t' holds 1 tab\(s\) and an empty side", got[2]["error"])
+    assert ("warning: --mode=classify: 2 of the 3 lines are no pair of texts: their lines "
+            "carry \"error\" and no label") in capsys.readouterr().err
     # The attention maps read the pair as the model does: B's part of token type 1.
     task = runs.open_run(work).task
     got = task.attention_input(None, "the film was great\tit was dull")
@@ -472,6 +477,8 @@ def test_texts_longer_than_seq_len_are_cut_and_said(tmp_path, capsys):
     tasks.TASKS[config.task](config, str(tmp_path / "run2"))
     assert "are cut" not in capsys.readouterr().err
     params = task.init(jax.random.key(0))
-    task.label_texts(params, ["fine", "the film was fine and the music was lovely"])
+    probabilities, unusable = task.label_texts(
+        params, ["fine", "the film was fine and the music was lovely"])
+    assert probabilities.shape == (2, len(task.class_names)) and unusable == {}
     assert re.search(r"note: 1 of the 2 texts are longer than config\.data\.seq_len=5 tokens",
                      capsys.readouterr().err)
