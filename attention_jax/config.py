@@ -269,9 +269,10 @@ def flat(tree, prefix: str = "") -> dict[str, Any]:
 # The data keys of text from the user's own files, shared by every text experiment (GPT,
 # BERT), read with data.name="files" (data/files.py). Each entry's comment is its --help.
 TEXT_FILE_KEYS = {
-    # Comma-separated globs of your files: .txt .md .py (a document each), .jsonl[.gz|.zst]
-    # and .parquet (the document under text_key; for translation and classification, the
-    # records holding the keys data.source/target or text_key/label_key).
+    # Comma-separated globs of your files: .jsonl, .csv, .tsv (each also .gz or .zst) and
+    # .parquet, a record's text under text_key (translation and classification: records
+    # holding data.source/target or text_key/label_key); for text alone also .txt .md .py
+    # and .txt.gz/.zst, a document each.
     "files": "",
     # Globs of the held-out files; "": eval_fraction of the records is held out instead.
     "eval_files": "",
@@ -287,8 +288,9 @@ TEXT_FILE_KEYS = {
 
 
 # The data keys of sentence pairs from the user's own files, for the translation tasks
-# (encdec, rnn_seq2seq): data.name="files"; files: comma-separated globs of .jsonl[.gz|.zst]
-# and .parquet whose records (rows) hold both languages under the keys (columns)
+# (encdec, rnn_seq2seq): data.name="files"; files: comma-separated globs of .jsonl, .csv,
+# .tsv (each also .gz or .zst) and .parquet whose records (rows) hold both languages under
+# the keys (columns)
 # data.source and data.target; the held-out split as for text (eval_files, else
 # eval_fraction of the pairs by a hash of file and line or row: data/files.py).
 # cache_dir: where what a pass over every record found (the pairs kept, their digest,
