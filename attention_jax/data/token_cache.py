@@ -60,6 +60,7 @@ from attention_jax.data.tokenization import encode_many
 # used to take the rest of the file as one text).
 VERSION = 2
 MANIFEST = 'manifest.json'
+MOST_BAD_WHERE = 5  # the bad records' places a manifest keeps, to say at each start
 INPUTS = 'inputs.json'
 DEFAULT_SHARD_BYTES = 4 << 20  # of source text: small enough to keep every core busy to the end
 
@@ -164,7 +165,7 @@ class _ShardWriter:
 
     def __call__(self, k: int, first: int, last: int) -> dict:
         bad = getattr(getattr(self.docs, 'corpus', None), 'bad', None)
-        bad_before = bad.count if bad is not None else 0
+        bad_before = set(bad.seen) if bad is not None else set()
         texts, names, source_bytes = [], [], 0
         for i in range(first, last):
             doc = self.docs[i]
@@ -196,7 +197,8 @@ class _ShardWriter:
         digest.update(ends.astype(np.int64).tobytes())
         meta = {'key': self.key, 'shard': k, 'first_document': first, 'documents': last - first,
                 'tokens': len(tokens), 'digest': digest.hexdigest(), 'source_bytes': source_bytes,
-                'bad_records': (bad.count if bad is not None else 0) - bad_before,
+                'bad_records': len(found := sorted(bad.seen - bad_before) if bad else []),
+                'bad_where': found[:MOST_BAD_WHERE],
                 'sizes': [os.path.getsize(_shard_name(self.directory, k, w))
                           for w in ('tokens.npy', 'ends.npy')]}
         _write_json(_shard_name(self.directory, k, 'json'), meta)
@@ -284,7 +286,14 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
     key = cache_key(inputs)
     directory = os.path.join(_local(root), key)
     if os.path.exists(os.path.join(directory, MANIFEST)):
-        check_manifest(directory, inputs)
+        manifest = check_manifest(directory, inputs)
+        if manifest.get('bad_records') and process_index == 0:
+            # Their warnings were said once, by the prepare; each start says they are out.
+            where = manifest.get('bad_where') or []
+            more = ', ...' if manifest['bad_records'] > len(where) else ''
+            print(f"note: {label}: {manifest['bad_records']} bad record(s) of its files were "
+                  f"left out when its token cache was prepared ({', '.join(where)}{more}; "
+                  f"{directory})", file=sys.stderr)
         return directory
     try:
         os.makedirs(directory, exist_ok=True)
@@ -332,7 +341,8 @@ def prepare(docs, tokenizer, root: str, *, text_key: str = 'text', max_documents
                 'tokens': [s['tokens'] for s in shards],
                 'documents': [s['documents'] for s in shards],
                 'sizes': [s['sizes'] for s in shards],
-                'source_bytes': sum(s['source_bytes'] for s in shards), 'bad_records': bad}
+                'source_bytes': sum(s['source_bytes'] for s in shards), 'bad_records': bad,
+                'bad_where': [w for s in shards for w in s.get('bad_where', [])][:MOST_BAD_WHERE]}
     if all('digest' in s for s in shards):  # (shards of a prepare from before digests: none)
         manifest['digests'] = [s['digest'] for s in shards]
     _write_json(os.path.join(directory, MANIFEST), manifest)

@@ -174,8 +174,16 @@ def test_bad_records_are_counted_through_prepare(tmp_path, capsys):
                                            shard_bytes=40, workers=1, progress=False)
         if ok:
             directory = prep()
-            assert json.load(open(os.path.join(directory, 'manifest.json')))['bad_records'] == 2
+            manifest = json.load(open(os.path.join(directory, 'manifest.json')))
+            where = [f'{tmp_path / "m.jsonl"}:3', f'{tmp_path / "m.jsonl"}:6']
+            assert (manifest['bad_records'], manifest['bad_where']) == (2, where)
             assert capsys.readouterr().err.count('warning: ') == 2
+            # A later start reads the cache and no record: it says they are left out (it
+            # said nothing, and a new workdir never saw the warnings).
+            assert prep() == directory
+            assert capsys.readouterr().err == (
+                f"note: split: 2 bad record(s) of its files were left out when its token "
+                f"cache was prepared ({', '.join(where)}; {directory})\n")
         else:
             with pytest.raises(files.FilesError, match='more than'):
                 prep()
