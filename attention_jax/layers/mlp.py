@@ -29,9 +29,9 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # keeps only x. Autodiff keeps five [B, T, F] intermediates of the formula for the
 # backward pass, and XLA writes at least tanh's out in the forward and reads it back:
 # two passes through memory per layer over the largest activation. Here the backward
-# recomputes the derivative from x (the matmul's output, kept anyway), in float32. It
-# writes tanh as 2·sigmoid(2u) - 1 so that XLA does not merge it with the forward's tanh
-# and keep that after all. The values are jax.nn.gelu(approximate=True)'s.
+# recomputes the derivative from x (the matmul's output, kept anyway), in float32 (or
+# float64, given that). It writes tanh as 2·sigmoid(2u) - 1 so that XLA does not merge
+# it with the forward's tanh and keep that after all. The values are jax.nn.gelu(approximate=True)'s.
 @jax.custom_vjp
 def gelu_tanh(x):
     """GPT-2's tanh-approximated GELU (Hendrycks & Gimpel 2016), elementwise."""
@@ -43,11 +43,12 @@ def _gelu_tanh_forward(x):
 
 
 def _gelu_tanh_backward(x, g):
-    xf = x.astype(jnp.float32)
+    exact = jnp.promote_types(x.dtype, jnp.float32)  # float64 stays float64 (a check)
+    xf = x.astype(exact)
     t = 2.0 * jax.nn.sigmoid(2.0 * _SQRT_2_OVER_PI * (xf + 0.044715 * xf ** 3)) - 1.0  # tanh(u)
     du_dx = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * xf * xf)
     dy_dx = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * du_dx
-    return ((g.astype(jnp.float32) * dy_dx).astype(x.dtype),)
+    return ((g.astype(exact) * dy_dx).astype(x.dtype),)
 
 
 gelu_tanh.defvjp(_gelu_tanh_forward, _gelu_tanh_backward)
