@@ -108,8 +108,9 @@ def make_call(q, k, v, *, causal: bool = False, segment_ids=None, q_segment_ids=
         raise ValueError("causal must be a Python bool (masks are built when tracing, so not "
                          "a traced value: under jit, mark it static, e.g. "
                          "jax.jit(f, static_argnames='causal'))")
-    if not isinstance(causal, (bool, np.bool_)):  # bool("False") is True
-        raise ValueError(f"causal must be a Python bool, True or False; got {causal!r}")
+    for name, flag in (("causal", causal), ("return_weights", return_weights)):
+        if not isinstance(flag, (bool, np.bool_)):  # bool("False") is True
+            raise ValueError(f"{name} must be a Python bool, True or False; got {flag!r}")
     spec = MaskSpec(
         causal=bool(causal),
         window=_check_window(window),
@@ -231,6 +232,11 @@ def _check_lengths(kv_lengths, batch, kv_len):
 
 
 def _check_offset(q_offset, batch):
+    int32 = np.iinfo(np.int32)
+    if _is_int(q_offset) and not int32.min <= int(q_offset) <= int32.max:
+        # (jnp.asarray raised OverflowError, naming no argument)
+        raise ValueError(f"q_offset={int(q_offset)} is no int32 (positions are int32); valid: "
+                         f"{int32.min}..{int32.max}")
     offset = jnp.asarray(q_offset)
     if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim not in (0, 1) or (
             offset.ndim == 1 and offset.shape[0] != batch):

@@ -439,6 +439,13 @@ def test_values_that_would_silently_change_the_result_are_named():
                                              rf"got {re.escape(repr(bad))}"):
             dot_product_attention(q, k, v, causal=bad)
     dot_product_attention(q, k, v, causal=np.bool_(True))  # NumPy's bool is a bool
+    # return_weights="no" returned (y, weights); a q_offset past int32 an OverflowError.
+    with pytest.raises(ValueError, match=r"return_weights must be a Python bool, True or "
+                                         r"False; got 'no'"):
+        dot_product_attention(q, k, v, return_weights="no")
+    with pytest.raises(ValueError, match=r"q_offset=2147483648 is no int32 \(positions are "
+                                         r"int32\); valid: -2147483648\.\.2147483647"):
+        dot_product_attention(q, k, v, q_offset=2 ** 31)
     with pytest.raises(ValueError, match=r"kv_lengths: 11 is not a length of the S=10 keys; "
                                          r"valid: 0..10"):
         dot_product_attention(q, k, v, kv_lengths=jnp.array([11, 4]))
