@@ -96,12 +96,33 @@ def run(q, k, v, call: AttentionCall):
     sinks = jnp.full((call.heads,), _SINK, jnp.float32)
     q_ids, kv_ids = _segment_ids(call)
     if q_ids is None:
-        y = jax.vmap(lambda a, b, c: kernel(a, b, c, sinks=sinks))(qx, kx, vx)
+        y = _without_x64(jax.vmap(lambda a, b, c: kernel(a, b, c, sinks=sinks)))(qx, kx, vx)
     else:
-        y = jax.vmap(lambda a, b, c, qi, ki: kernel(
-            a, b, c, segment_ids=kernel_lib.SegmentIds(qi, ki), sinks=sinks))(
+        y = _without_x64(jax.vmap(lambda a, b, c, qi, ki: kernel(
+            a, b, c, segment_ids=kernel_lib.SegmentIds(qi, ki), sinks=sinks)))(
                 qx, kx, vx, q_ids, kv_ids)
     return jnp.transpose(y, (0, 2, 1, 3))  # [B, T, N, Hv]
+
+
+def _without_x64(f):
+    """f, its forward and backward traced with 64-bit types off. With jax_enable_x64,
+    JAX's splash kernels divide an int32 grid index by a Python int made int64 in their
+    index maps (a TypeError in lax.div wherever T != S, heads are grouped or q_offset is
+    set); their inputs are float32 or bfloat16 and int32 ids either way."""
+    @jax.custom_vjp
+    def g(*args):
+        with jax.enable_x64(False):
+            return f(*args)
+
+    def forward(*args):
+        with jax.enable_x64(False):
+            return jax.vjp(f, *args)  # (y, the pullback: a pytree of the residuals)
+
+    def backward(pullback, dy):
+        with jax.enable_x64(False):
+            return pullback(dy)
+    g.defvjp(forward, backward)
+    return g
 
 
 def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
