@@ -331,7 +331,7 @@ def check_model_keys(cls, config) -> None:
                           f"valid: {sorted(fields)}{did_you_mean(unknown[0], fields)}")
 
 
-MOE_KEYS = ("num_experts", "top_k", "capacity_factor")  # read only where mlp="moe"
+EXPERT_KEYS = ("num_experts", "top_k", "capacity_factor")  # model keys read only by mlp="moe"
 
 
 def model_config(cls, config, **forced):
@@ -348,7 +348,7 @@ def model_config(cls, config, **forced):
         raise ConfigError(f"config.model: {e}") from None
     # The experts' keys of a dense MLP would be ignored, unsaid (a reader of a run is not
     # stopped by what it ignores).
-    moe_keys = [k for k in MOE_KEYS if k in given]
+    moe_keys = [k for k in EXPERT_KEYS if k in given]
     if moe_keys and getattr(cfg, "mlp", "moe") != "moe" and not data_is_on_demand():
         raise ConfigError(f"config.model.{moe_keys[0]}={given[moe_keys[0]]!r} is read only "
                           f"with config.model.mlp='moe' (now {cfg.mlp!r}); set "
