@@ -323,6 +323,11 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         # again: the run's own config.json is the config, these overrides on top.
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
+        if config.mesh.distributed and not any(str(o).startswith("mesh.") for o in overrides):
+            # Process 0's launch settings (its id, the coordinator) are no part of the run:
+            # inherited, this one process joined the gone coordinator and waited 5 minutes.
+            from attention_jax import runs
+            runs.fit_reader_mesh(config, "training", doing="train")
         _register_the_runs_task(config, None, reading=False)
         print(f"training the run's own config ({workdir_lib.path(workdir, workdir_lib.CONFIG)})"
               + (f" with {', '.join(map(str, overrides))}" if overrides else ""), file=sys.stderr)

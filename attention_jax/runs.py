@@ -47,7 +47,7 @@ def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.C
     return config
 
 
-def fit_reader_mesh(config, who: str) -> bool:
+def fit_reader_mesh(config, who: str, doing: str = "read") -> bool:
     """A run read on fewer devices than it trained on (8 devices, read on a laptop): the
     mesh of its config.json cannot be built here, and a reader needs no particular one
     (checkpoints restore onto any mesh). So it reads on this host's devices, batch split
@@ -56,27 +56,35 @@ def fit_reader_mesh(config, who: str) -> bool:
     load_config (the tools) sets one device instead.
 
     A run trained by several processes (mesh.distributed) is read by this one alone: it
-    joined the training's coordinator, long gone, waited 5 minutes and aborted. Said."""
+    joined the training's coordinator, long gone, waited 5 minutes and aborted. Said.
+    doing="train": the same for a run continued without --config or a --config.mesh.*
+    (main.mode_config calls it only for a run of several processes: their launch settings,
+    process 0's, are no part of the run)."""
+    words = {"read": ("read", "reads", "reading"),
+             "train": ("continued", "continues", "training")}[doing]
     m = config.mesh
     joined = m.distributed
     if joined:
         m.distributed, m.coordinator_address, m.cpu_collectives = False, "", ""
         m.num_processes, m.process_id = -1, -1
-    alone = (" (it trained as several processes, mesh.distributed=True: read here by "
-             "this one; --config.mesh.distributed=True with each process's settings reads "
-             "with all of them)") if joined else ""
+    alone = (f" (it trained as several processes, mesh.distributed=True: {words[0]} here by "
+             f"this one; --config.mesh.distributed=True with each process's settings "
+             f"{words[1]} with all of them)") if joined else ""
     shape = {a: m.get(a, 1) for a in sharding.MESH_AXES}
     here = jax.device_count()
     if _mesh_fits(m, shape, here):
         if joined:
-            print(f"{who}: the run is read on its mesh {shape}{alone}", file=sys.stderr)
+            print(f"{who}: the run is {words[0]} on its mesh {shape}{alone}", file=sys.stderr)
         return joined
+    # (its processes' or slices' split: the part of its mesh a single process cannot have)
+    over = " × ".join(f"mesh.dcn_{a}={n}" for a, n in sharding.dcn_shape(m).items() if n != 1)
     m.data, m.fsdp, m.sequence, m.tensor, m.num_devices = -1, 1, 1, 1, 0
     m.dcn_data, m.dcn_fsdp = 1, 1
     where = "the one device here" if here == 1 else f"the {here} devices here, batch split"
-    print(f"{who}: the run's mesh {shape} does not fit this host's {here} "
-          f"device{'s' * (here > 1)}: reading on {where} (--config.mesh.* to choose){alone}",
-          file=sys.stderr)
+    print(f"{who}: the run's mesh {shape}{f' over {over} processes' if over else ''} does not "
+          f"fit this host's {here} device{'s' * (here > 1)}"
+          f"{' (one process)' if over else ''}: {words[2]} on {where} (--config.mesh.* to "
+          f"choose){alone}", file=sys.stderr)
     return True
 
 

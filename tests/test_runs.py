@@ -155,6 +155,25 @@ def test_a_reading_mode_fits_a_mesh_this_host_lacks(tmp_path, capsys):
     workdir_lib.write_config(str(tmp_path), config)
     read = main.mode_config("eval", None, [], str(tmp_path))
     assert not read.mesh.distributed and read.mesh.num_processes == -1
+    err = capsys.readouterr().err
     assert ("(it trained as several processes, mesh.distributed=True: read here by this "
             "one; --config.mesh.distributed=True with each process's settings reads with all "
+            "of them)") in err
+    # The mesh said is the one it had: over two processes (it fits 8 devices otherwise).
+    assert ("--mode=eval: the run's mesh {'data': 4, 'fsdp': 1, 'sequence': 1, 'tensor': 1} "
+            "over mesh.dcn_data=2 processes does not fit this host's 8 devices (one process): "
+            "reading on the 8 devices here, batch split") in err
+    # Continued without --config (more steps), by one process: process 0's launch settings
+    # were inherited, and it joined the gone coordinator for 5 minutes. Now it trains
+    # alone, and says so; a mesh.* given is taken as the user's launch.
+    more = main.mode_config("train", None, ["train.steps=44"], str(tmp_path))
+    assert not more.mesh.distributed and (more.mesh.process_id, more.mesh.dcn_data) == (-1, 1)
+    assert ("training: the run's mesh {'data': 4, 'fsdp': 1, 'sequence': 1, 'tensor': 1} over "
+            "mesh.dcn_data=2 processes does not fit this host's 8 devices (one process): "
+            "training on the 8 devices here, batch split (--config.mesh.* to choose) (it "
+            "trained as several processes, mesh.distributed=True: continued here by this one; "
+            "--config.mesh.distributed=True with each process's settings continues with all "
             "of them)") in capsys.readouterr().err
+    given = main.mode_config("train", None, ["train.steps=44", "mesh.process_id=1"],
+                             str(tmp_path))
+    assert given.mesh.distributed and given.mesh.process_id == 1
