@@ -37,7 +37,10 @@ def create_state(task: Task, tx, mesh, rules, seed: int):
     readable by any tool. Shardings come from the logical names on the parameters; the
     optimizer state mirrors them (optax's tree_map_params), counters are replicated.
     """
-    boxed = jax.eval_shape(task.init, jax.random.PRNGKey(seed))
+    # The mesh's abstract form is ambient while shapes are traced: implementation="ring"
+    # asked for by name finds its sequence axis there (it refused, naming a mesh the run had).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        boxed = jax.eval_shape(task.init, jax.random.PRNGKey(seed))
     logical = nn.get_partition_spec(boxed)
     param_sh = sharding.logical_to_shardings(logical, mesh, rules)
     abstract_params = nn.meta.unbox(boxed)
@@ -54,7 +57,8 @@ def create_state(task: Task, tx, mesh, rules, seed: int):
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "opt_state": tx.init(params), "rng": jax.random.fold_in(seed_key, 1)}
 
-    abstract = jax.eval_shape(init, jax.random.PRNGKey(seed))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        abstract = jax.eval_shape(init, jax.random.PRNGKey(seed))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
     # jit with out_shardings: every device computes only its own shards; the full

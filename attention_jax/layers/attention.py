@@ -266,9 +266,15 @@ class MultiHeadAttention(nn.Module):
             cached_v.value = _write_cache(cached_v.value, v, start)
             k, v, q_offset = cached_k.value, cached_v.value, start  # [B, S_max, K, H]
 
+        implementation = "reference" if return_weights else self.implementation
+        if decode and self_attention:
+            # A cached step's queries (a prompt of any length, then one token a row at
+            # per-row offsets) are no sequence to split over a ring: a ring asked for, or a
+            # ring_inner kernel, is the training's request, so decoding takes auto's choice.
+            masks["ring_inner"] = "auto"
+            implementation = "auto" if implementation == "ring" else implementation
         out = dot_product_attention(
-            q, k, v, q_offset=q_offset,
-            implementation="reference" if return_weights else self.implementation,
+            q, k, v, q_offset=q_offset, implementation=implementation,
             return_weights=return_weights, **split, **masks)
         if return_weights:
             out, aux["attention_weights"] = out  # [B, N, T, S]

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from attention_jax import train
+from attention_jax import main, train
 from attention_jax.errors import ConfigError
 from helpers import load, shrink
 
@@ -46,10 +46,25 @@ def test_fused_pair_kernel_in_the_ring_trains_like_one_device(one_device, data_d
                                   "train.steps": 2})
     summary = train.train_and_evaluate(config, str(tmp_path / "pallas"))
     np.testing.assert_allclose(summary["losses"], one_device[:2], rtol=1e-5)
+    # Sampling on the same mesh: the cached prompt (3 tokens) and each new token are no
+    # sequence a ring splits, and the forced kernel refused them ("T ... must be divisible
+    # by 2 × mesh.sequence"); decoding takes auto's choice.
+    config.eval.sample_prompts, config.eval.sample_tokens = ("def",), 3
+    (text,) = main.sample_checkpoint(config, str(tmp_path / "pallas"))
+    assert text.startswith("def") and len(text) > 3
     # The key reaches the ring: splash, forced, refuses chunks of 4 tokens (it tiles by 128).
     config.model.ring_inner = "splash"
     with pytest.raises(ValueError, match="ring_inner='splash' needs chunks"):
         train.train_and_evaluate(config, str(tmp_path / "splash"))
+
+
+def test_ring_asked_for_by_name_trains_like_one_device(one_device, data_dir, tmp_path):
+    """model.implementation="ring" (listed valid) refused at the model's init, which ran
+    outside the mesh: "needs a mesh with a 'sequence' axis" under mesh.sequence=4."""
+    config = _config(data_dir, **{"mesh.sequence": 4, "model.implementation": "ring",
+                                  "train.steps": 2})
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    np.testing.assert_allclose(summary["losses"], one_device[:2], rtol=1e-5)
 
 
 def test_checkpoint_restores_across_sequence_sizes(one_device, data_dir, tmp_path):
