@@ -118,6 +118,13 @@ def describe_mismatch(expected: dict, found: dict, limit: int = 12) -> str:
 
 
 # ============================ step folders, orbax's errors, agreement between processes
+def warn(message: str) -> None:
+    """A `warning:` line on stderr from process 0 (as the trainer's own warnings; absl's
+    log lines carried a timestamp and this file's line number instead)."""
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def _is_committed(path: epath.Path) -> bool:
     """Orbax's commit marker, written once every item of the step is on disk."""
     return (path / "commit_success.txt").exists()
@@ -149,7 +156,8 @@ def _move_aside(path: epath.Path, suffix: str) -> epath.Path:
         n += 1
         target = path.parent / f"{path.name}.{suffix}.{n}"
     if jax.process_index() == 0:
-        path.rename(target)  # in an object store: a copy of every object, then a delete
+        with quiet.drop_gcsfs(quiet.GCSFS_MOVE_FALLBACK):
+            path.rename(target)  # in an object store: a copy of every object, then a delete
     _sync(f"attention_jax_move_aside_{path.name}")
     return target
 
@@ -448,14 +456,14 @@ class Checkpointer:
             # unfinished save and deletes it as the manager opens: a copy made beside it
             # (a rename is a copy of every object there) was deleted too, after it was
             # said to be kept.
-            logging.warning("checkpoint folder(s) %s have no commit marker (saves that did "
-                            "not finish): ignored, and deleted as orbax deletes unfinished "
-                            "saves in an object store", ", ".join(map(str, uncommitted)))
+            warn(f"checkpoint folder(s) {', '.join(map(str, uncommitted))} have no commit "
+                 f"marker (saves that did not finish): ignored, and deleted as orbax deletes "
+                 f"unfinished saves in an object store")
             return
         for path in uncommitted:
             target = _move_aside(path, "uncommitted")
-            logging.warning("checkpoint folder %s has no commit marker (a save that did "
-                            "not finish): ignored, moved aside to %s", path, target)
+            warn(f"checkpoint folder {path} has no commit marker (a save that did not "
+                 f"finish): ignored, moved aside to {target}")
 
     # -------------------------------------------------------------------------- save
     def prepare(self, state, *, device_programs: bool | None = None,
@@ -782,8 +790,8 @@ class Checkpointer:
             digest = None if digest is None else {**digest, "data": None}
             data_state = data_state or {}
         if digest is None:
-            logging.warning("checkpoint step %d in %s has no digests (saved before they were "
-                            "recorded): restored without verification", step, path)
+            warn(f"checkpoint step {step} in {path} has no digests (saved before they were "
+                 f"recorded): restored without verification")
             return state, dict(data_state)
         bad = digests.verify_against(digest, digests.state_digests(state), data_state)
         if bad:
@@ -791,7 +799,7 @@ class Checkpointer:
         return state, dict(data_state)
 
     def restore_intact(self, abstract_state, *, on_damage: str = "fall_back",
-                       say: Callable[[str], None] = logging.warning, need_data: bool = True):
+                       say: Callable[[str], None] | None = None, need_data: bool = True):
         """(state, data_state, step) of the newest committed step that restores and
         verifies; None when there is no committed step.
 
@@ -804,6 +812,7 @@ class Checkpointer:
         """
         if on_damage not in ("fall_back", "stop"):
             raise ValueError(f"on_damage={on_damage!r} is invalid; valid: ['fall_back', 'stop']")
+        say = say or warn
         steps = self.committed_steps()
         if not steps:
             return None

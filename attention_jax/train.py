@@ -24,7 +24,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from absl import logging
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
@@ -564,8 +563,8 @@ class StopRequest(contextlib.AbstractContextManager):
         self.signal = signum
         # The host runs ahead of the device by the steps it has queued (up to a log,
         # eval or save): those finish, then the checkpoint, then the run stops.
-        logging.warning("received %s: finishing the steps already queued, then saving a "
-                        "final checkpoint and stopping", signal.Signals(signum).name)
+        _warn(f"received {signal.Signals(signum).name}: finishing the steps already queued, "
+              f"then saving a final checkpoint and stopping")
         if self._preemption:
             signal.raise_signal(signal.SIGTERM)  # JAX's handler: every process stops
 
@@ -720,7 +719,7 @@ def _progress_line(step, total, means, unit, elapsed, steps_done,
 def _nonfinite(config, step, metrics, ckpt) -> None:
     what = f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}"
     if config.train.nonfinite == "skip":
-        logging.warning("step %d: non-finite (%s); update skipped", step, what)
+        _warn(f"step {step}: non-finite ({what}); update skipped")
         return
     ckpt.wait()
     last = ckpt.latest_step()

@@ -361,7 +361,7 @@ class MetricWriter:
         after gcsfs's retries is one line naming the workdir and what is kept, in place
         of gcsfs's traceback when it gives up."""
         try:
-            with quiet.drop_gcsfs_gave_up():
+            with quiet.drop_gcsfs():
                 write()
         except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
             self._unreachable = True  # close() does not wait through the retries again
@@ -884,7 +884,7 @@ def _check_remote(workdir: str, valid: str) -> None:
     scheme, rest = str(workdir).split("://", 1)
     bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")
     try:
-        with quiet.drop_gcsfs_gave_up():  # the one line below says what went wrong
+        with quiet.drop_gcsfs():  # the one line below says what went wrong
             found = bucket.exists()
             is_object = found and epath.Path(workdir).is_file()
         if not found:
