@@ -559,10 +559,41 @@ def parse_flags(argv):
     return rest
 
 
+# Seconds an exit after an error waits for the background threads that are no daemons
+# (orbax's save threads) before it leaves without them.
+THREAD_GRACE_S = 10.0
+
+
+def exit_with(code: int) -> None:
+    """sys.exit(code); after an error, without the non-daemon threads still running
+    THREAD_GRACE_S later. A checkpoint save that failed as the object store went away
+    left orbax's threads waiting on each other for its signals' 5-minute timeout, which
+    Python's exit joins first: the run said its error and hung on."""
+    import threading
+    import time
+    if code:
+        deadline = time.monotonic() + THREAD_GRACE_S
+        waiting = [t for t in threading.enumerate()
+                   if t is not threading.current_thread() and not t.daemon]
+        for t in waiting:
+            try:
+                t.join(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:  # orbax's threads raise it from a join that timed out
+                pass
+        stuck = [t.name for t in waiting if t.is_alive()]
+        if stuck:
+            print(f"note: exiting without {len(stuck)} background thread(s) still waiting "
+                  f"after the error ({', '.join(stuck[:3])}{', ...' if len(stuck) > 3 else ''})",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
+    sys.exit(code)
+
+
 def run() -> None:
     """Console-script entry point (`attention-jax` in pyproject)."""
     signal.signal(signal.SIGINT, _stop_now)  # training's loop installs its own meanwhile
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    app.run(lambda argv: exit_with(main(argv)), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,24 @@ def drop_gcsfs(parts=GCSFS_GAVE_UP):
         yield
 
 
+@contextlib.contextmanager
+def storage_errors_in_one_line(limit: int = 300):
+    """Within: orbax's ERROR records (on absl's logger) and gcsfs's keep their message's
+    first line and lose their tracebacks. A save that fails as the object store goes away
+    logged a dozen tracebacks of gcsfs's, aiohttp's and orbax's threads (600 lines)
+    before the run's own one line (checkpoint.CheckpointSaveError) said what failed;
+    each is now one line."""
+    def shorten(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and (record.name == "gcsfs"
+                                                or "orbax" in record.pathname):
+            first = (record.getMessage().splitlines() or [""])[0]
+            record.msg = first if len(first) <= limit else first[:limit] + " ..."
+            record.args, record.exc_info, record.exc_text, record.stack_info = (), None, None, None
+        return True
+    with _filtered("absl", shorten), _filtered("gcsfs", shorten):
+        yield
+
+
 _warned: set = set()
 
 

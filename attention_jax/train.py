@@ -27,7 +27,7 @@ import numpy as np
 
 from attention_jax import checkpoint as ckpt_lib
 from attention_jax import config as config_lib
-from attention_jax import convert, heap, sharding, steps
+from attention_jax import convert, heap, quiet, sharding, steps
 from attention_jax import tasks as tasks_lib
 from attention_jax import workdir as workdir_lib
 from attention_jax.data import loaders
@@ -377,7 +377,8 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool,
             workdir_lib.save_assets(prepared.task.save_assets, workdir)
     _say(f"workdir {workdir_lib.resolve(workdir)}: " + ", ".join(_outputs(config, prepared.task)))
 
-    with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules):
+    with jax.set_mesh(prepared.mesh), nn.logical_axis_rules(prepared.rules), \
+            quiet.storage_errors_in_one_line():
         state, data_state = restore_or_init(prepared, config)
         if note:  # the step actually resumed: a damaged newer one may have been passed over
             _say(f"resuming step {int(steps.fetch(state['step']))} {note}")

@@ -355,3 +355,30 @@ def test_ctrl_c_outside_training_s_loop_is_one_line(tmp_path, when):
     assert lines[-1] == ("stopped by SIGINT: the workdir keeps its last committed checkpoint "
                          "(a save still being written is dropped); run again to resume")
     assert "Traceback" not in out
+
+
+def test_an_error_s_exit_leaves_threads_that_never_end():
+    """A checkpoint save that failed as the object store went away left orbax's threads
+    (no daemons) waiting for each other's signals for 5 minutes; Python's exit joins them
+    first, so the run said its error and hung on. main's exit after an error waits
+    THREAD_GRACE_S for such threads, then leaves without them and says so; a clean exit
+    is untouched."""
+    program = (
+        "import threading, time, sys\n"
+        "from attention_jax import main\n"
+        "main.THREAD_GRACE_S = 0.5\n"
+        "stuck = threading.Event().wait if sys.argv[1] == '1' else lambda: time.sleep(1)\n"
+        "threading.Thread(target=stuck, name='save_finalize').start()\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('joined', flush=True)),\n"
+        "                 name='done').start()\n"
+        "main.exit_with(int(sys.argv[1]))\n")
+    p = subprocess.run([sys.executable, "-c", program, "1"], env=subprocess_env(1), cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stdout == "joined\n"  # the grace lets a thread end
+    assert p.stderr.strip().splitlines()[-1] == (
+        "note: exiting without 1 background thread(s) still waiting after the error "
+        "(save_finalize)")
+    # A clean exit is Python's own: it joins every thread, one of 1 s here.
+    p = subprocess.run([sys.executable, "-c", program, "0"], env=subprocess_env(1), cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "joined\n", "")

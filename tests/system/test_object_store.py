@@ -234,6 +234,47 @@ def test_gcsfs_giving_up_is_left_to_the_caller_s_one_line(caplog):
                     "_request out of retries on exception: [Errno 111] Connect call failed"]
 
 
+def test_orbax_errors_come_as_one_line_each(caplog):
+    """A save failing as the store went away logged a dozen tracebacks of orbax's
+    threads (600 lines) before the run's one line said what failed. Within the block
+    (the training loop) orbax's ERROR records keep their first line only; another
+    library's, a warning, and the same record outside the block are untouched."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    from attention_jax import quiet
+    log = logging.getLogger("absl")
+
+    def failed(pathname):
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed")
+        except ConnectionRefusedError:
+            record = log.makeRecord("absl", logging.ERROR, pathname, 387,
+                                    "[process=0] Save Finalize thread failed: %s\nmore", ("x",),
+                                    sys.exc_info())
+        log.handle(record)
+    orbax = "/site-packages/orbax/checkpoint/_src/futures/future.py"
+    with caplog.at_level(logging.INFO, logger="absl"):
+        with quiet.storage_errors_in_one_line():
+            failed(orbax)
+            failed("/site-packages/somebody/else.py")
+            absl_logging.warning("a warning\nof two lines")
+            try:  # gcsfs's own, out of retries
+                raise ConnectionRefusedError(111, "Connect call failed")
+            except ConnectionRefusedError as e:
+                logging.getLogger("gcsfs").exception(f"_request out of retries on exception: "
+                                                     f"{e}\nand a second line")
+        failed(orbax)
+    said = [(r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert said == [("[process=0] Save Finalize thread failed: x", False),
+                    ("[process=0] Save Finalize thread failed: x\nmore", True),
+                    ("a warning\nof two lines", False),
+                    ("_request out of retries on exception: [Errno 111] Connect call failed",
+                     False),
+                    ("[process=0] Save Finalize thread failed: x\nmore", True)]
+
+
 def test_a_failing_run_s_close_does_not_replace_its_error(gcs):
     """The trainer closes its writer with the store's error on its way out (upload=False):
     the event files are not uploaded then, so a store that is gone cannot hold the run
