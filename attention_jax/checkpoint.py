@@ -230,6 +230,9 @@ def one_line_error(e: BaseException, where=None, limit: int = 300) -> str:
     while e is not None and e not in seen:
         seen.append(e)
         e = e.__cause__ or e.__context__
+    # (a StopIteration in the chain is control flow, e.g. json's scanner under its
+    # "Expecting value" error: 'StopIteration: 0' said nothing of a garbled file)
+    seen = [err for err in seen if not isinstance(err, StopIteration)] or seen
     for err in reversed(seen):  # the innermost message that says something
         text = " ".join(str(err).split())
         if text:

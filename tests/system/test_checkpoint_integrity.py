@@ -560,3 +560,17 @@ def test_a_reader_restores_a_step_whose_loader_state_alone_is_lost(runs, tmp_pat
             setup.ckpt.restore(setup.abstract, 15, need_data=False)
     finally:
         setup.ckpt.close()
+
+
+def test_a_garbled_json_file_is_said_as_json_s_error():
+    """A data-loader state of garbage bytes was said as "could not be read (StopIteration:
+    0)": the chain's innermost exception was json's scanner's control flow, not its
+    error."""
+    import json
+
+    from attention_jax.checkpoint import one_line_error
+    try:
+        json.loads("garbage\x00")
+    except ValueError as e:
+        said = one_line_error(e)
+    assert said == "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
