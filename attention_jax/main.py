@@ -323,9 +323,14 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         # again: the run's own config.json is the config, these overrides on top.
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
-        if config.mesh.distributed and not any(str(o).startswith("mesh.") for o in overrides):
+        m = config.mesh
+        launched = m.coordinator_address or m.process_id >= 0 or m.num_processes > 0
+        if (m.distributed and launched
+                and not any(str(o).startswith("mesh.") for o in overrides)):
             # Process 0's launch settings (its id, the coordinator) are no part of the run:
             # inherited, this one process joined the gone coordinator and waited 5 minutes.
+            # (A cluster JAX detects, a TPU VM's or SLURM's, recorded none: its workers
+            # continue together, as they trained.)
             from attention_jax import runs
             runs.fit_reader_mesh(config, "training", doing="train")
         _register_the_runs_task(config, None, reading=False)

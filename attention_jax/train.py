@@ -564,8 +564,15 @@ class StopRequest(contextlib.AbstractContextManager):
         self.signal = signum
         # The host runs ahead of the device by the steps it has queued (up to a log,
         # eval or save): those finish, then the checkpoint, then the run stops.
-        _warn(f"received {signal.Signals(signum).name}: finishing the steps already queued, "
-              f"then saving a final checkpoint and stopping")
+        # os.write, not print: a print inside a signal handler raises where the handler
+        # interrupted a write to stderr (a progress line) or the pipe is closed.
+        if jax.process_index() == 0:
+            try:
+                os.write(2, f"warning: received {signal.Signals(signum).name}: finishing the "
+                            f"steps already queued, then saving a final checkpoint and "
+                            f"stopping\n".encode())
+            except OSError:
+                pass
         if self._preemption:
             signal.raise_signal(signal.SIGTERM)  # JAX's handler: every process stops
 

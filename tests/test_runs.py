@@ -177,3 +177,10 @@ def test_a_reading_mode_fits_a_mesh_this_host_lacks(tmp_path, capsys):
     given = main.mode_config("train", None, ["train.steps=44", "mesh.process_id=1"],
                              str(tmp_path))
     assert given.mesh.distributed and given.mesh.process_id == 1
+    # A cluster JAX detects (a TPU VM's workers, SLURM) recorded no launch settings: every
+    # worker continues it together, as they trained.
+    config.mesh.update(coordinator_address="", num_processes=-1, process_id=-1)
+    workdir_lib.write_config(str(tmp_path), config)
+    together = main.mode_config("train", None, ["train.steps=44"], str(tmp_path))
+    assert together.mesh.distributed and together.mesh.dcn_data == 2
+    assert "continued here by this one" not in capsys.readouterr().err

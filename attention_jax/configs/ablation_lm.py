@@ -115,7 +115,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.attention_scale = None  # None: 1/sqrt(H); 1.0: unscaled logits (study=scale).
     if study == "moe":
         c.model.mlp = "mlp" if variant == "dense" else "moe"
-        if variant != "dense":  # (a dense MLP refuses the experts' keys)
+        if variant != "dense":  # (a dense MLP has no experts: the keys would be a note)
             c.model.num_experts = 4  # E.
             c.model.top_k = 1  # Switch routing: one expert's MLP per token = the dense cost.
             c.model.capacity_factor = 1.25  # Switch's default; overflow tokens skip the MLP.

@@ -31,10 +31,11 @@ class DataDirError(UserError, OSError):
     not writable)."""
 
 
-def _under(path, folder: str) -> bool:
-    if not isinstance(path, (str, bytes, os.PathLike)):
+def _under(path, folder) -> bool:
+    """Whether `path` is `folder` or inside it (False unless both are paths)."""
+    if not all(isinstance(p, (str, bytes, os.PathLike)) for p in (path, folder)):
         return False
-    path, folder = os.path.abspath(os.fsdecode(path)), os.path.abspath(folder)
+    path, folder = os.path.abspath(os.fsdecode(path)), os.path.abspath(os.fsdecode(folder))
     return os.path.commonpath([path, folder]) == folder
 
 
@@ -134,7 +135,9 @@ def get_builder(name: str, data_dir: str | None = None, *, prepare: bool = True,
                 if prepare and not builder.is_prepared():
                     builder.download_and_prepare()
             except OSError as e:
-                if not _under(getattr(e, 'filename', None), data_dir):
+                where = getattr(e, 'filename', None)
+                # In data_dir, or a folder above it that makedirs could not create.
+                if not (_under(where, data_dir) or _under(data_dir, where)):
                     raise  # (a corpus file of its own, say: its error names it)
                 raise DataDirError(
                     f'data_dir={data_dir!r}: the offline dataset {name!r} cannot be built '

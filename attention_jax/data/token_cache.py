@@ -42,6 +42,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import socket
 import sys
 import time
@@ -197,12 +198,19 @@ class _ShardWriter:
         digest.update(ends.astype(np.int64).tobytes())
         meta = {'key': self.key, 'shard': k, 'first_document': first, 'documents': last - first,
                 'tokens': len(tokens), 'digest': digest.hexdigest(), 'source_bytes': source_bytes,
-                'bad_records': len(found := sorted(bad.seen - bad_before) if bad else []),
+                'bad_records': len(found := sorted(bad.seen - bad_before, key=_place_order)
+                                   if bad else []),
                 'bad_where': found[:MOST_BAD_WHERE],
                 'sizes': [os.path.getsize(_shard_name(self.directory, k, w))
                           for w in ('tokens.npy', 'ends.npy')]}
         _write_json(_shard_name(self.directory, k, 'json'), meta)
         return meta
+
+
+def _place_order(where: str) -> list:
+    """A bad record's place ('file.jsonl:12', 'file.parquet: row 3') as a sort key that
+    orders its numbers as numbers (line 2 before line 10)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r'(\d+)', where)]
 
 
 _WORKER: dict = {}

@@ -346,13 +346,14 @@ def model_config(cls, config, **forced):
         cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
-    # The experts' keys of a dense MLP would be ignored, unsaid (a reader of a run is not
-    # stopped by what it ignores).
+    # The experts' keys of a dense MLP were ignored, unsaid. A note, not an error: a run
+    # that set them (the ablation's dense baseline did) continues as it trained.
     moe_keys = [k for k in EXPERT_KEYS if k in given]
-    if moe_keys and getattr(cfg, "mlp", "moe") != "moe" and not data_is_on_demand():
-        raise ConfigError(f"config.model.{moe_keys[0]}={given[moe_keys[0]]!r} is read only "
-                          f"with config.model.mlp='moe' (now {cfg.mlp!r}); set "
-                          f"--config.model.mlp=moe, or leave it unset")
+    if (moe_keys and getattr(cfg, "mlp", "moe") != "moe" and not data_is_on_demand()
+            and jax.process_index() == 0):
+        print(f"note: config.model.{', '.join(moe_keys)} "
+              f"{'is' if len(moe_keys) == 1 else 'are'} read only with config.model.mlp='moe' "
+              f"(now {cfg.mlp!r}): this dense MLP has no experts", file=sys.stderr)
     # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
     # checked on the resolved config so a variant's own values are covered too.
     for f in dataclasses.fields(cfg):

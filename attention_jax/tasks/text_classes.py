@@ -42,6 +42,10 @@ CLASSIFY_DATA = dict(name="number_languages", data_dir="", tokenizer="wordpiece"
 # A file's labels listed in a message, at most.
 SHOWN = 8
 
+class PairFormatError(ValueError):
+    """A line given to a pair classifier that is no pair: not two texts around one tab."""
+
+
 # Texts classified per call of label_texts' program (the last call padded to it).
 PREDICT_ROWS = 64
 
@@ -321,7 +325,7 @@ def classify_task(config, workdir: str) -> Task:
             return [text]
         texts = text.split("\t")
         if len(texts) != 2 or not all(t.strip() for t in texts):
-            raise ValueError(f"{text[:60]!r} holds {len(texts) - 1} tab(s)"
+            raise PairFormatError(f"{text[:60]!r} holds {len(texts) - 1} tab(s)"
                              f"{'' if len(texts) != 2 else ' and an empty side'}; task "
                              f"{config.task!r} classifies pairs (data.pair_key={o.pair_key!r}): "
                              f"give each as its two texts, neither empty, with one tab between")
@@ -332,7 +336,7 @@ def classify_task(config, workdir: str) -> Task:
         for i, text in enumerate(texts):
             try:
                 ids.append([tok.encode(t) for t in texts_of(text)])
-            except ValueError as e:  # a pair's line without its tab: its row stays NaN
+            except PairFormatError as e:  # a pair's line without its tab: its row stays NaN
                 unusable[i] = str(e)
         rows = [data.classification_example(
             a[0], a[1] if o.pair_key else None, seq_len=o.seq_len, start_id=start_id,

@@ -231,5 +231,10 @@ def test_an_offline_dataset_names_a_data_dir_it_cannot_be_built_in(tmp_path):
                                                    rf"to a writable directory$") as info:
         sources.get_builder('python_stdlib', str(a_file), max_files=2)
     assert isinstance(info.value, UserError)
+    # A folder above data_dir that cannot be made fails at that folder: named too.
+    with pytest.raises(sources.DataDirError, match=rf"^data_dir='{a_file}/x/y': .*"
+                                                   rf"\(.*: {a_file}"):
+        sources.get_builder('python_stdlib', str(a_file / 'x' / 'y'), max_files=2)
     assert not sources._under(str(tmp_path / 'corpus.txt'), str(a_file))
     assert sources._under(str(a_file / 'downloads'), str(a_file))
+    assert not sources._under(None, str(a_file))

@@ -162,8 +162,8 @@ def test_the_key_follows_files_and_tokenizer_and_damage_is_one_line(corpus, tmp_
 
 
 def test_bad_records_are_counted_through_prepare(tmp_path, capsys):
-    lines = [json.dumps({'text': f'doc {i}'}) for i in range(8)]
-    lines[2], lines[5] = '{"text": "cut', '{"text": 3}'
+    lines = [json.dumps({'text': f'doc {i}'}) for i in range(12)]
+    lines[2], lines[9] = '{"text": "cut', '{"text": 3}'  # lines 3 and 10: said in that order
     (tmp_path / 'm.jsonl').write_text('\n'.join(lines) + '\n')
     (tmp_path / 'e.jsonl').write_text(lines[0] + '\n')
     tok = data.get_tokenizer('byte')
@@ -175,12 +175,16 @@ def test_bad_records_are_counted_through_prepare(tmp_path, capsys):
         if ok:
             directory = prep()
             manifest = json.load(open(os.path.join(directory, 'manifest.json')))
-            where = [f'{tmp_path / "m.jsonl"}:3', f'{tmp_path / "m.jsonl"}:6']
+            where = [f'{tmp_path / "m.jsonl"}:3', f'{tmp_path / "m.jsonl"}:10']
             assert (manifest['bad_records'], manifest['bad_where']) == (2, where)
             assert capsys.readouterr().err.count('warning: ') == 2
             # A later start reads the cache and no record: it says they are left out (it
             # said nothing, and a new workdir never saw the warnings).
             assert prep() == directory
+            # (a shard's places in the order of their numbers, not of their text)
+            assert sorted(['m.jsonl:10', 'm.jsonl:3', 'p.parquet: row 11', 'p.parquet: row 2'],
+                          key=token_cache._place_order) == [
+                'm.jsonl:3', 'm.jsonl:10', 'p.parquet: row 2', 'p.parquet: row 11']
             assert capsys.readouterr().err == (
                 f"note: split: 2 bad record(s) of its files were left out when its token "
                 f"cache was prepared ({', '.join(where)}; {directory})\n")

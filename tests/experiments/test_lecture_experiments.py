@@ -73,7 +73,7 @@ def test_ablation_pairs_differ_in_one_field():
     assert learned == rope
     dense, moe = (get(f"study=moe,variant={v}").to_dict() for v in ("dense", "moe"))
     assert (dense["model"].pop("mlp"), moe["model"].pop("mlp")) == ("mlp", "moe")
-    # and the experts' keys, which a dense MLP refuses (not set there)
+    # and the experts' keys, which a dense MLP has no use for (not set there)
     experts = {k: (dense["model"].pop(k, None), moe["model"].pop(k))
                for k in ("num_experts", "top_k", "capacity_factor")}
     assert experts == {"num_experts": (None, 4), "top_k": (None, 1),

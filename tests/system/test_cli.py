@@ -366,7 +366,7 @@ def test_an_error_s_exit_leaves_threads_that_never_end():
     program = (
         "import threading, time, sys\n"
         "from attention_jax import main\n"
-        "main.THREAD_GRACE_S = 0.5\n"
+        "main.THREAD_GRACE_S = 3.0\n"
         "stuck = threading.Event().wait if sys.argv[1] == '1' else lambda: time.sleep(1)\n"
         "threading.Thread(target=stuck, name='save_finalize').start()\n"
         "threading.Thread(target=lambda: (time.sleep(0.2), print('joined', flush=True)),\n"
