@@ -131,7 +131,15 @@ def translate_split(workdir: str, split: str = "test", max_examples: int = 0,
     d = config.data
     tok = data.load_tokenizer(workdir_lib.local_dir(workdir, workdir_lib.TOKENIZER)
                               or workdir_lib.path(workdir, workdir_lib.TOKENIZER))
-    records = data.get_dataset(d.name, split, d.data_dir or None)
+    if d.name == "files":  # the user's own pairs: read as the run reads them (its files, keys)
+        own = {"train": task.train_source, "validation": task.eval_source}
+        if split not in own:
+            raise ConfigError(f"--split={split!r}: a run on its own files (data.name='files') "
+                              f"has the splits {list(own)}; its held-out pairs: "
+                              f"--split=validation")
+        records = own[split]
+    else:
+        records = data.get_dataset(d.name, split, d.data_dir or None)
     n = min(len(records), max_examples) if max_examples else len(records)
     text = lambda x: x.decode("utf-8") if isinstance(x, bytes) else str(x)
     out = []

@@ -59,6 +59,15 @@ def test_pairs_from_jsonl_and_parquet_train_and_read_back(tmp_path, capsys):
     assert sum(map(int, left_out)) == 2, err
     summary = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert np.isfinite(summary["losses"]).all()
+    # analysis translation reads the run's own held-out pairs (it asked the files source
+    # for a dataset of no files: a TypeError traceback)
+    from attention_jax.tools import analysis
+    rows = analysis.translate_split(str(tmp_path / "run"), "validation", max_examples=4)
+    assert len(rows) == 4 and all((r["source"], r["reference"]) in pairs for r in rows)
+    with pytest.raises(ConfigError, match=r"--split='test': a run on its own files .* has the "
+                                          r"splits \['train', 'validation'\]; its held-out "
+                                          r"pairs: --split=validation"):
+        analysis.translate_split(str(tmp_path / "run"), "test")
     for name in ("a.jsonl", "b.parquet"):  # the data moves away
         (tmp_path / name).rename(tmp_path / f"moved-{name}")
     run = runs.open_run(str(tmp_path / "run"))  # a reader: the task built on demand
