@@ -68,15 +68,16 @@ token_labels = tasks.token_labels
 
 
 def check_length(n: int, limit: int = MAX_TOKENS, what: str = "input",
-                 context: int | None = None) -> None:
-    """Raises InputTooLongError naming the length and the limit, before any compute."""
+                 context: int | None = None, shorter: str = "a shorter text") -> None:
+    """Raises InputTooLongError naming the length and the limit, before any compute;
+    `shorter` says what would have fewer tokens (an image's are its patches)."""
     if context is not None and n > context:
         raise InputTooLongError(f"{what} is {n} tokens long; the model's context is {context} "
-                                f"tokens. Give a shorter text (at most {min(limit, context)} tokens).")
+                                f"tokens. Give {shorter} (at most {min(limit, context)} tokens).")
     if n > limit:
         raise InputTooLongError(f"{what} is {n} tokens long; at most {limit} tokens can be drawn "
-                                f"(more and the per-head panels are unreadable). Give a shorter "
-                                f"text, raise the limit (--max-tokens, max_tokens=), or call "
+                                f"(more and the per-head panels are unreadable). Give {shorter}, "
+                                f"raise the limit (--max-tokens, max_tokens=), or call "
                                 f"plot_attention_grid yourself on a slice.")
 
 
@@ -248,8 +249,13 @@ def maps_for_run(run, text: str | None, *, target: str | None = None,
     make = tasks.need(run.task, "attention_input", name, "draw attention maps")
     with run.mesh_context():
         example = make(run.params, text, target=target, index=image_index)
+        # (an image's tokens are its patches and [CLS]: fewer come from a model of larger
+        # patches or smaller images, not from another input)
+        shorter = ("a shorter text" if text is not None else
+                   "a model of fewer patches (a smaller data.image_size or a larger patch)")
         for kind, (queries, keys) in example.labels.items():  # before the forward pass
-            check_length(max(len(queries), len(keys)), max_tokens, f"the {kind}-attention input")
+            check_length(max(len(queries), len(keys)), max_tokens, f"the {kind}-attention input",
+                         shorter=shorter)
         weights = model_attention(run.task.model, run.params, *example.inputs)
     head = f"{name} {example.title}".strip() + f", step {run.step}"
     maps = {}

@@ -235,6 +235,12 @@ def test_each_family_is_drawn_through_its_task(data_dir, tmp_path):
     assert maps["info"]["tokens"] == ["[CLS]", "0,0", "0,1", "1,0", "1,1"]
     with pytest.raises(ValueError, match=r"image index 9999 \(index=, or viz.s --image-index\); valid: 0\.\.358"):
         viz.maps_for_run(run, None, image_index=9999)
+    # An image of more patches than can be drawn: its advice is no "shorter text".
+    with pytest.raises(viz.InputTooLongError, match=r"is 5 tokens long; at most 4 tokens can "
+                                                    r"be drawn .* Give a model of fewer patches "
+                                                    r"\(a smaller data.image_size or a larger "
+                                                    r"patch\), raise the limit"):
+        viz.maps_for_run(run, None, image_index=3, max_tokens=4)
 
     run = _untrained_run("inductive_bias:model=cnn", data_dir, str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"task 'cnn' cannot draw attention maps .*valid: "
