@@ -170,6 +170,11 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     import numpy as np
 
     from attention_jax import convert, runs, tasks
+    declared = getattr(tasks.TASKS.get(config.get("task")), "provides", None)
+    if declared is not None and "embed" not in declared:
+        # before stdin is read (an empty one said only "no texts"), as classify does
+        raise ConfigError(f"--mode=embed: task {config.task!r} cannot embed text; valid: "
+                          f"{tasks.tasks_with('embed')} (e.g. --config=bert_mlm)")
     if texts is None:
         texts = _stdin_texts("embed", "one row each (the _texts.json written beside the "
                                       "embeddings lists them)")

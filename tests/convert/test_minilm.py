@@ -153,6 +153,11 @@ def test_embed_mode_on_another_bert_dir(tmp_path, monkeypatch, capsys):
                                           r"valid: \['bert_mlm'\]"):
         main.embed_texts(ml_collections.ConfigDict({**config.to_dict(), "task": "vit"}),
                          str(tmp_path / "work"), texts=SENTENCES[:1])
+    # said before stdin is read: an empty one said only "no texts"
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    with pytest.raises(ConfigError, match=r"^--mode=embed: task 'gpt' cannot embed text"):
+        main.embed_texts(ml_collections.ConfigDict({**config.to_dict(), "task": "gpt"}),
+                         str(tmp_path / "work"))
     for i in range(20):
         (tmp_path / "many" / f"f{i:02d}.txt").parent.mkdir(exist_ok=True)
         (tmp_path / "many" / f"f{i:02d}.txt").write_text("x")
