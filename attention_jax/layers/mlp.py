@@ -31,7 +31,8 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # two passes through memory per layer over the largest activation. Here the backward
 # recomputes the derivative from x (the matmul's output, kept anyway), in float32 (or
 # float64, given that). It writes tanh as 2·sigmoid(2u) - 1 so that XLA does not merge
-# it with the forward's tanh and keep that after all. The values are jax.nn.gelu(approximate=True)'s.
+# it with the forward's tanh and keep that after all. The values are
+# jax.nn.gelu(approximate=True)'s.
 @jax.custom_vjp
 def gelu_tanh(x):
     """GPT-2's tanh-approximated GELU (Hendrycks & Gimpel 2016), elementwise."""

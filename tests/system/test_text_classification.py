@@ -62,8 +62,8 @@ def test_own_jsonl_labels_train_classify_and_resume_on_the_same_classes(tmp_path
     assert len(seen) + len(held) == 200 and not seen & held and 5 < len(held) < 40
     err = capsys.readouterr().err
     assert "r.jsonl:202: not a JSON line" in err
-    assert ('''r.jsonl:203: 'stars' is the float 2.5, not text or an integer; a class named so is '''
-            '''written as text ("2.5"); skipped''' in err)
+    assert ('''r.jsonl:203: 'stars' is the float 2.5, not text or an integer; a class '''
+            '''named so is written as text ("2.5"); skipped''' in err)
     left = re.findall(r"warning: (\d+) of the \d+ records of (?:train|validation) have an "
                       r"empty 'review' or 'stars' \(or were bad records\): left out", err)
     assert sum(map(int, left)) == 3, err
