@@ -119,8 +119,9 @@ def describe_mismatch(expected: dict, found: dict, limit: int = 12) -> str:
 
 # ============================ step folders, orbax's errors, agreement between processes
 def warn(message: str) -> None:
-    """A `warning:` line on stderr from process 0 (as the trainer's own warnings; absl's
-    log lines carried a timestamp and this file's line number instead)."""
+    """A `warning:` line on stderr from process 0, with every other warning and note
+    (stdout has the run's progress and results); the trainer's too. absl's log lines
+    carried a timestamp and a file's line number instead."""
     if jax.process_index() == 0:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 

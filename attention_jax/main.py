@@ -308,9 +308,9 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         config_lib.apply_overrides(config, overrides)
         from attention_jax import runs
         fitted = (not any(str(o).startswith("mesh.") for o in overrides)
-                  and runs.fit_reader_mesh(config, f"--mode={mode}"))
+                  and runs.fit_run_mesh(config, f"--mode={mode}"))
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
-        if fitted:  # said once, by fit_reader_mesh
+        if fitted:  # said once, by fit_run_mesh
             changed = {k: v for k, v in changed.items() if not k.startswith("mesh.")}
         registers = _register_the_runs_task(config, spec, reading=True)
         if spec is not None:
@@ -337,7 +337,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
             # (A cluster JAX detects, a TPU VM's or SLURM's, recorded none: its workers
             # continue together, as they trained.)
             from attention_jax import runs
-            runs.fit_reader_mesh(config, "training", doing="train")
+            runs.fit_run_mesh(config, "training", doing="train")
         _register_the_runs_task(config, None, reading=False)
         print(f"training the run's own config ({workdir_lib.path(workdir, workdir_lib.CONFIG)})"
               + (f" with {', '.join(map(str, overrides))}" if overrides else ""), file=sys.stderr)

@@ -47,7 +47,7 @@ def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.C
     return config
 
 
-def fit_reader_mesh(config, who: str, doing: str = "read") -> bool:
+def fit_run_mesh(config, who: str, doing: str = "read") -> bool:
     """A run read on fewer devices than it trained on (8 devices, read on a laptop): the
     mesh of its config.json cannot be built here, and a reader needs no particular one
     (checkpoints restore onto any mesh). So it reads on this host's devices, batch split

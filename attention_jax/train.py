@@ -45,13 +45,6 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _warn(message: str) -> None:
-    """A `warning:` line on stderr, with every other warning and note (stdout has the
-    run's progress and results)."""
-    if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 # ==================================================================================== setup
 @dataclasses.dataclass
 class Setup:
@@ -112,8 +105,8 @@ def restore_or_init(prepared, config):
     of `train.init_from` (fresh optimizer and data position) → scratch."""
     # The newest checkpoint that restores and matches its digests (damaged newer ones are
     # reported, and moved aside unless train.checkpoint_on_damage='stop').
-    restored = prepared.ckpt.restore_intact(prepared.abstract, on_damage=config.train.checkpoint_on_damage,
-                                     say=_warn)
+    restored = prepared.ckpt.restore_intact(prepared.abstract,
+                                            on_damage=config.train.checkpoint_on_damage)
     if restored is not None:
         state, data_state, step = restored
         _say(f"resumed from {prepared.ckpt.directory} at step {step}")
@@ -360,7 +353,7 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool,
             pass  # restore_intact reports it and falls back to an older step
     for warning in (config_lib.warnings(config)
                     + sharding.rules_warnings(prepared.rules, dict(prepared.mesh.shape))):
-        _warn(warning)
+        ckpt_lib.warn(warning)
     # Data that changed since the checkpoint is refused (or, resume_changed, noted) before
     # its arrays are read and before config.json is rewritten: it was found only after
     # "resumed from ... at step N", which read as if the run had gone on.
@@ -727,7 +720,7 @@ def _progress_line(step, total, means, unit, elapsed, steps_done,
 def _nonfinite(config, step, metrics, ckpt) -> None:
     what = f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}"
     if config.train.nonfinite == "skip":
-        _warn(f"step {step}: non-finite ({what}); update skipped")
+        ckpt_lib.warn(f"step {step}: non-finite ({what}); update skipped")
         return
     ckpt.wait()
     last = ckpt.latest_step()
