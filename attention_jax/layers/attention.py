@@ -46,6 +46,7 @@ from attention_jax.errors import known_values
 from attention_jax.layers.linear import matmul
 from attention_jax.layers.logical import mesh_axes
 from attention_jax.layers.posemb import apply_rope
+from attention_jax.quiet import warn_once
 
 
 def _divisors(n: int) -> list[int]:
@@ -267,10 +268,16 @@ class MultiHeadAttention(nn.Module):
             k, v, q_offset = cached_k.value, cached_v.value, start  # [B, S_max, K, H]
 
         implementation = "reference" if return_weights else self.implementation
-        if decode and self_attention:
+        if decode and self_attention and (implementation == "ring"
+                                          or self.ring_inner != "auto"):
             # A cached step's queries (a prompt of any length, then one token a row at
             # per-row offsets) are no sequence to split over a ring: a ring asked for, or a
-            # ring_inner kernel, is the training's request, so decoding takes auto's choice.
+            # ring_inner kernel, is the training's request, so decoding takes auto's
+            # choice, and says so once.
+            warn_once(__name__, ("decode", implementation, self.ring_inner),
+                      "decoding with the KV cache takes implementation='auto' (ring_inner="
+                      "'auto'), not implementation=%r, ring_inner=%r: a cached step is no "
+                      "sequence to split over a ring", implementation, self.ring_inner)
             masks["ring_inner"] = "auto"
             implementation = "auto" if implementation == "ring" else implementation
         out = dot_product_attention(

@@ -1,6 +1,7 @@
 """GPT trained with its sequence split over the mesh (mesh.sequence, ring attention):
 the same losses as on one device, and checkpoints that restore across sequence sizes."""
 
+import logging
 import shutil
 
 import numpy as np
@@ -39,7 +40,8 @@ def test_gpt_on_sequence_4_trains_like_one_device(one_device, data_dir, tmp_path
     np.testing.assert_allclose(summary["losses"], one_device, rtol=1e-5)
 
 
-def test_fused_pair_kernel_in_the_ring_trains_like_one_device(one_device, data_dir, tmp_path):
+def test_fused_pair_kernel_in_the_ring_trains_like_one_device(one_device, data_dir, tmp_path,
+                                                             caplog):
     """model.ring_inner="pallas": every chunk pair through the Pallas kernels (interpret
     mode here, as on a GPU compiled), forward and backward; 2 steps as one device's."""
     config = _config(data_dir, **{"mesh.sequence": 4, "model.ring_inner": "pallas",
@@ -50,8 +52,13 @@ def test_fused_pair_kernel_in_the_ring_trains_like_one_device(one_device, data_d
     # sequence a ring splits, and the forced kernel refused them ("T ... must be divisible
     # by 2 × mesh.sequence"); decoding takes auto's choice.
     config.eval.sample_prompts, config.eval.sample_tokens = ("def",), 3
-    (text,) = main.sample_checkpoint(config, str(tmp_path / "pallas"))
+    with caplog.at_level(logging.WARNING, logger="attention_jax.layers.attention"):
+        (text,) = main.sample_checkpoint(config, str(tmp_path / "pallas"))
     assert text.startswith("def") and len(text) > 3
+    assert [r.getMessage() for r in caplog.records] == [  # said, once
+        "decoding with the KV cache takes implementation='auto' (ring_inner='auto'), not "
+        "implementation='auto', ring_inner='pallas': a cached step is no sequence to split "
+        "over a ring"]
     # The key reaches the ring: splash, forced, refuses chunks of 4 tokens (it tiles by 128).
     config.model.ring_inner = "splash"
     with pytest.raises(ValueError, match="ring_inner='splash' needs chunks"):
