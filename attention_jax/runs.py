@@ -181,7 +181,8 @@ def run_summary(workdir: str) -> dict:
     evals = workdir_lib.eval_records(workdir)  # --mode=eval's too, where training had none
     trains = [r for r in records if r["split"] == "train"]
     config = load_config(workdir)
-    task = tasks.TASKS[config.task](config, workdir)
+    with tasks.data_on_demand():  # its config and entries: not its corpus, which may have moved
+        task = tasks.TASKS[config.task](config, workdir)
     shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
     return {"workdir": workdir, "task": config.task, "step": trains[-1]["step"] if trains else 0,
             "steps": config.train.steps,

@@ -510,7 +510,8 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
     rows = {name: run_summary(w) for name, w in runs.items()}
     for r in rows.values():
         config = load_config(r["workdir"])
-        task = tasks.TASKS[config.task](config, r["workdir"])  # its entries, no checkpoint
+        with tasks.data_on_demand():  # its entries: no checkpoint, no corpus
+            task = tasks.TASKS[config.task](config, r["workdir"])
         if task.tokens_per_example:
             r["tokens"] = task.tokens_per_example
         if task.flops_per_unit is not None:  # shapes suffice: nothing is computed

@@ -82,6 +82,33 @@ def test_translation_report_on_two_step_runs(tmp_path):
         assert json.load(f)["edges"] == list(analysis.DEFAULT_EDGES)
 
 
+def test_runs_report_reads_no_corpus(tmp_path, capsys):
+    """A report of runs needs their configs and metrics, not their corpus: it read the
+    user's files again (stopping once they had moved) and said the training run's note
+    on its sample prompts, twice."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in "ab":
+        (corpus / f"{name}.txt").write_text("the cat sat on the mat. " * 40)
+    config = config_lib.load("char_gpt", [
+        "data.name=files", f"data.files={corpus}/*.txt", "data.seq_len=16",
+        f"data.cache_dir={tmp_path}/cache", "model.num_layers=1", "model.d_model=16",
+        "model.num_heads=2", "train.batch_size=8", "train.steps=1", "optim.warmup_steps=0",
+        "eval.every=0", "eval.sample_prompts=()"])
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(config, workdir)
+    with open(os.path.join(workdir, "config.json")) as f:  # as trained with the shipped ones
+        saved = json.load(f)
+    saved["eval"]["sample_prompts"] = list(config_lib.SHIPPED_PROMPTS["python_stdlib"])
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(saved, f)
+    corpus.rename(tmp_path / "moved")
+    capsys.readouterr()
+    rows = analysis.runs_report({"a": workdir}, str(tmp_path / "report" / "r"), metric="loss")
+    assert rows["a"]["step"] == 1 and rows["a"]["tokens"] == 16
+    assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_runs_report_counts_every_test_image(tmp_path):
     data_dir = str(tmp_path / "tfds")
