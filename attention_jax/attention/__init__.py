@@ -287,7 +287,10 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
     says which and why). Where the choice reads packed inputs (`reads_packed`: the
     Pallas kernels), nothing is copied between the projection and the kernels, forward or
     backward (pallas.pallas_packed_attention); elsewhere q, k and v are sliced out and
-    biased first, copies that three separate projections avoid.
+    biased first, copies that three separate projections avoid. The bias may be in
+    another float dtype than qkv (a model's float32 parameter): the kernels read it as
+    it is (no launch to cast it; they add it in float32, and its gradient keeps its
+    dtype); elsewhere it is cast to qkv's dtype and added.
     """
     if getattr(qkv, "ndim", None) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be [B, T, 3, N, H] (q, k, v in slots 0, 1, 2); got shape "
@@ -298,14 +301,14 @@ def packed_self_attention(qkv, bias=None, *, implementation: str = "auto",
         if bias.shape != (3, *qkv.shape[3:]):
             raise ValueError(f"bias must be [3, N, H]={[3, *qkv.shape[3:]]} or None; got "
                              f"{bias.shape}")
-        bias = bias.astype(qkv.dtype)
-    if impl in _PACKED_RUN:
+    if impl in _PACKED_RUN:  # (the kernels read the bias as given, in float32 arithmetic)
         packed = (("B", None, None, "N", None), (None, "N", None))  # qkv, bias [3, N, H]
         if bias is None:
             return _run(impl, lambda qkv, call: _PACKED_RUN[impl](qkv, None, call), call,
                         (qkv,), packed[:1], batch_axes, head_axes)
         return _run(impl, _PACKED_RUN[impl], call, (qkv, bias), packed, batch_axes, head_axes)
-    q, k, v = (qkv[:, :, c] if bias is None else qkv[:, :, c] + bias[c] for c in range(3))
+    q, k, v = (qkv[:, :, c] if bias is None else qkv[:, :, c] + bias[c].astype(qkv.dtype)
+               for c in range(3))
     return _run(impl, _BY_NAME[impl].run, call, (q, k, v), _QKV_ROLES, batch_axes, head_axes)
 
 

@@ -319,7 +319,7 @@ def pallas_packed_attention(qkv, bias, spec: MaskSpec, scale: float,
     length = _round_up(t, max(blocks.fwd_q, blocks.bwd_q, blocks.fwd_k, blocks.bwd_k))
     hp = _pow2_at_least_16(h)
     qkvp = _pad(_pad(qkv, 1, length), 4, hp)
-    biasp = None if bias is None else _pad(bias.astype(qkv.dtype), 2, hp)
+    biasp = None if bias is None else _pad(bias, 2, hp)  # read as given: added in float32
     y = _flash_packed(st, qkvp, biasp, _mask_arrays(st, spec, length, length))
     return y[:, :t, :, :h]
 

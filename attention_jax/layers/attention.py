@@ -140,11 +140,14 @@ class MultiHeadAttention(nn.Module):
             1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
         return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
 
-    def _bias(self, name, shape, names):
+    def _bias(self, name, shape, names, cast: bool = True):
+        """The bias `name` in dtype (cast=False: in param_dtype, for a kernel that reads it
+        so: no launch of its own to cast it, its gradient summed in float32)."""
         if not self.use_bias:
             return 0.0
         init = nn.with_logical_partitioning(nn.initializers.zeros, names)
-        return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+        bias = self.param(name, init, shape, self.param_dtype)
+        return bias.astype(self.dtype) if cast else bias
 
     @nn.compact
     def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
@@ -194,8 +197,9 @@ class MultiHeadAttention(nn.Module):
             wo = self._param("out", (n, h, d_out), (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
                              (0, 1), 2)
             y = matmul(out, wo.astype(self.dtype), in_dims=2)  # [B, T, D]
-            bias = self._bias("out_bias", (d_out,), (axes.EMBED,))
-            if self.defer_output_bias and self.use_bias:
+            defer = self.defer_output_bias and self.use_bias
+            bias = self._bias("out_bias", (d_out,), (axes.EMBED,), cast=not defer)
+            if defer:
                 aux["output_bias"] = bias
             else:
                 y = y + bias
@@ -210,7 +214,9 @@ class MultiHeadAttention(nn.Module):
         if self_attention and k_heads == n and self.fuse_qkv:
             w = self._param("qkv", (d, 3, n, h), (axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
                             0, (1, 2, 3)).astype(self.dtype)
-            bias = self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM))
+            # (in param_dtype for the kernels reading qkv packed; cast for project)
+            bias = self._bias("qkv_bias", (3, n, h), (None, axes.HEADS, axes.HEAD_DIM),
+                              cast=False)
             if (self.rope_base is None and not decode and not return_weights and reads_packed(
                     jax.ShapeDtypeStruct((b, t, 3, n, h), self.dtype),
                     implementation=self.implementation, **split, **masks)):
@@ -220,6 +226,7 @@ class MultiHeadAttention(nn.Module):
                                             implementation=self.implementation,
                                             **split, **masks)
                 return output(out), aux
+            bias = bias.astype(self.dtype) if self.use_bias else bias
             q, k, v = (project(x, w, bias, c) for c in range(3))  # each [B, T, N, H]
         else:
             src = x if self_attention else context.astype(self.dtype)

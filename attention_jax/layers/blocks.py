@@ -325,7 +325,7 @@ class TransformerStack(nn.Module):
                                  f"norm_position={self.config.norm_position!r}")
             # The carry through the layers, (x, y, y_bias): one structure for every layer
             # (nn.scan's), so the first block gets zeros to add.
-            bias = (jnp.zeros(x.shape[-1:], x.dtype)
+            bias = (jnp.zeros(x.shape[-1:], self.config.param_dtype)  # (as a bias apart is)
                     if self.config.defers_output_bias(deterministic) and self.config.mlp != "moe"
                     else None)
             x = (x, jnp.zeros_like(x), bias) if self.scan_layers else (x, None, None)

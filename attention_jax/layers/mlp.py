@@ -85,7 +85,9 @@ def dense_init():
 class _DenseBiasApart(nn.Module):
     """nn.Dense's parameters ("kernel" [K, F], "bias" [F]) and product, the bias returned
     beside it, not added: (x · kernel, bias), for a caller that adds it in a kernel of its
-    own (a pre-norm block's next norm, layers/norms.py add_normalize)."""
+    own (a pre-norm block's next norm, layers/norms.py add_normalize). The bias stays in
+    param_dtype: the norm kernel reads it so (cast, it was a launch of its own each step,
+    and its gradient was rounded to dtype); XLA's ops cast it where they add it."""
 
     features: int
     dtype: Any
@@ -100,7 +102,7 @@ class _DenseBiasApart(nn.Module):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         y = dot_general_2d(x.astype(self.dtype), kernel.astype(self.dtype),
                            (((x.ndim - 1,), (0,)), ((), ())))
-        return y, bias.astype(self.dtype)
+        return y, bias
 
 
 def _dense(features, in_axis, out_axis, use_bias, dtype, param_dtype, name, kernel_init=None,
