@@ -183,6 +183,11 @@ def test_the_step_compiles_for_an_h100_on_this_host(tmp_path, capsys):
     # the norm's kernel sums as one array): 16 - 1 - 2 - 2. Summed as three arrays, 16
     # (and GPT-2 small's step 443 memory-bound launches, not 345).
     assert sources["add"]["kernels"] <= 11, sources["add"]
+    # The biases the kernels add (q, k, v's in attention; the output projection's and
+    # wo's in the norm after) reach them as the float32 parameters: no launch casts them
+    # (two of the layer's four bias casts were `self_attention._bias/convert_element_type`).
+    assert not [s for s in sources if s.endswith("_bias/convert_element_type")]
+    assert sources["jvp(GPT)/decoder/layer_N/mlp/wo/convert_element_type"]["kernels"] == 1
     # Its matmuls multiply each weight once forward and twice backward, nothing more.
     assert kinds["matmul"]["flops"] == summary["weight_flops"] == gpu_hlo.weight_flops(row)
     assert summary["memory_bound_ms"] > 0
