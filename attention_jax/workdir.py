@@ -277,19 +277,47 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 # ================================================================================== metrics
-def _tensorboard_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch
-    wherever it is installed, only to accept torch tensors, which a run never hands it:
-    1.2 of the import's 1.5 s on the 2-core CPU host, at every run's start. With torch
-    already imported (a notebook that uses it) it is imported as usual."""
+def _import_tensorboardx():
+    """tensorboardX, imported without torch. tensorboardX imports torch wherever it is
+    installed, only to accept torch tensors, which a run never hands it: 1.2 of the
+    import's 1.5 s on the 2-core CPU host, at every run's start. With torch already
+    imported (a notebook that uses it) it is imported as usual."""
     if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError, which it expects
         try:
-            from tensorboardX import SummaryWriter
+            import tensorboardX  # noqa: F401
         finally:
             del sys.modules["torch"]
-    from tensorboardX import SummaryWriter
-    return SummaryWriter
+    import tensorboardX
+    return tensorboardX
+
+
+def _tensorboard_writer_class():
+    """tensorboardX's SummaryWriter (_import_tensorboardx)."""
+    return _import_tensorboardx().SummaryWriter
+
+
+def _last_event_time(event_file) -> float | None:
+    """The wall time of the last event in a TensorBoard events file (an epath), read from
+    its records (TFRecord framing: a length, its CRC, the Event proto, its CRC); None
+    where it holds none readable."""
+    import struct
+    _import_tensorboardx()
+    from tensorboardX.proto import event_pb2
+    data, at, last = event_file.read_bytes(), 0, None
+    while at + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[at:at + 8])
+        record = data[at + 12:at + 12 + length]
+        at += 12 + length + 4
+        if len(record) < length:
+            break  # a record cut short (a run killed as it wrote one)
+        event = event_pb2.Event()
+        try:
+            event.ParseFromString(record)
+        except Exception:  # noqa: BLE001 (protobuf's DecodeError): a damaged record
+            break
+        last = max(last or 0.0, event.wall_time)
+    return last
 
 
 class MetricWriter:
@@ -506,18 +534,28 @@ def wall_seconds(workdir: str) -> float:
     compilation, training and evaluation included, as a user waits for it. A resumed
     run's span includes the pause.
 
-    Every start rewrites config.json, so its time is the latest start's; the first
-    start's is in the name TensorBoard gave the first events file
-    (events.out.tfevents.<unix time>.<host>), which a resume keeps. Never negative (a
-    last start that failed before its first record rewrote config.json after it)."""
+    The times are those written inside TensorBoard's events files, which a copy keeps
+    (cp, scp and gsutil give the files new modification times): the first start's is in
+    the name TensorBoard gave the first events file (events.out.tfevents.<unix
+    time>.<host>), which a resume keeps, the last record's is its event's wall time.
+    Without events files (a run of before, or one copied without them), the files'
+    times: metrics.jsonl's last change, and config.json's, which every start rewrites.
+    Never negative (a last start that failed before its first record)."""
     if is_remote(workdir):  # the objects' times (whole seconds through epath)
         end, start = (float(epath_of(workdir, n).stat().mtime) for n in (METRICS, CONFIG))
     else:
         end, start = (os.path.getmtime(path(workdir, n)) for n in (METRICS, CONFIG))
+    stamps, ends = [], []
     for event_file in epath_of(workdir, TENSORBOARD).glob("events.out.tfevents.*"):
         stamp = event_file.name.split(".")[3]
         if stamp.isdigit():
-            start = min(start, float(stamp))
+            stamps.append(float(stamp))
+            ends.append(_last_event_time(event_file))
+    ends = [t for t in ends if t is not None]
+    if stamps and ends:
+        start, end = min(stamps), max(ends)
+    elif stamps:
+        start = min(start, min(stamps))
     return round(max(0.0, end - start), 1)
 
 

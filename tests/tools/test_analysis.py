@@ -211,9 +211,16 @@ def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path, capsys):
     assert (tmp_path / "tensorboard" / "earlier_run_1000" / "events.out.tfevents.1000.host").exists()
     (new,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     stamp = float(new.name.split(".")[3])
-    for name, mtime in (("metrics.jsonl", stamp + 50), ("config.json", stamp + 100)):
-        os.utime(tmp_path / name, (mtime, mtime))
+    writer = workdir_lib._tensorboard_writer_class()(str(tmp_path / "tensorboard"))
+    writer.add_scalar("train/loss", 1.0, 1, walltime=stamp + 50)  # its last record
+    writer.close()
     assert workdir_lib.wall_seconds(str(tmp_path)) == 50.0  # from this run's start, not 1000
+    # A run copied elsewhere (cp, scp, gsutil: new modification times) keeps its wall
+    # time: the events' own times, not the files' (a copy's was its copying's time).
+    for f in [tmp_path / "metrics.jsonl", tmp_path / "config.json",
+              *(tmp_path / "tensorboard").glob("events.out.tfevents.*")]:
+        os.utime(f, (stamp + 5000, stamp + 5000))
+    assert workdir_lib.wall_seconds(str(tmp_path)) == 50.0
 
 
 def test_runs_table_says_a_run_stopped_early_and_edges_are_checked_first(tmp_path):
