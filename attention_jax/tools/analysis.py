@@ -43,7 +43,7 @@ import numpy as np
 from attention_jax import tasks
 from attention_jax import workdir as workdir_lib
 from attention_jax.errors import ConfigError, UserError
-from attention_jax.runs import run_summary
+from attention_jax.runs import last_eval_step, run_summary
 from attention_jax.tools import fits
 from attention_jax.workdir import read_metrics
 
@@ -222,11 +222,15 @@ def plot_translation(results: dict[str, list[dict]], path: str) -> None:
 
 # ========================================================================= classification
 def _predictions(workdir: str, split: str, batch_size: int):
-    """(task, predicted [n], labels [n]) of the run's checkpoint on every example of
-    `split` (default: the run's eval split), as its task reads that split (an image
-    folder's held-out files, a user's labelled records less the empty ones), through its
-    task's `classify`."""
-    config, task, params = restore_run(workdir, {"data.eval_split": split} if split else None)
+    """(task, predicted [n], labels [n], the checkpoint's step) of the run's latest
+    checkpoint on every example of `split` (default: the run's eval split), as its task
+    reads that split (an image folder's held-out files, a user's labelled records less
+    the empty ones), through its task's `classify`."""
+    import jax
+
+    from attention_jax.runs import open_run
+    run = open_run(workdir, {"data.eval_split": split} if split else None)
+    config, task, params = run.config, run.task, jax.device_get(run.params)
     classify = tasks.need(task, "classify", config.task, "classify")
     records = task.eval_source
     predicted, labels = [], []
@@ -237,17 +241,18 @@ def _predictions(workdir: str, split: str, batch_size: int):
         p, y = classify(params, batch)
         predicted.append(p)
         labels.append(y)
-    return task, np.concatenate(predicted), np.concatenate(labels)
+    return task, np.concatenate(predicted), np.concatenate(labels), run.step
 
 
-def classification_accuracy(workdir: str, split: str = "", batch_size: int = 512
-                            ) -> tuple[float, int]:
-    """(accuracy, n) of the run's checkpoint on every example of `split` (default: the
-    run's eval split), through its task's `classify`. The trainer's eval drops the last
-    partial batch (359 digits test images are 11 batches of 32 and 7 left over); this
-    counts all of them."""
-    _, predicted, labels = _predictions(workdir, split, batch_size)
-    return float(np.mean(predicted == labels)), len(labels)
+def classification_accuracy(workdir: str, split: str = "", batch_size: int = 512,
+                            with_step: bool = False) -> tuple:
+    """(accuracy, n) of the run's latest checkpoint on every example of `split` (default:
+    the run's eval split), through its task's `classify`; with_step: (accuracy, n, the
+    checkpoint's step). The trainer's eval drops the last partial batch (359 digits test
+    images are 11 batches of 32 and 7 left over); this counts all of them."""
+    _, predicted, labels, step = _predictions(workdir, split, batch_size)
+    found = float(np.mean(predicted == labels)), len(labels)
+    return (*found, step) if with_step else found
 
 
 def class_accuracies(workdir: str, split: str = "", batch_size: int = 512
@@ -256,7 +261,7 @@ def class_accuracies(workdir: str, split: str = "", batch_size: int = 512
     (default: its eval split), by the names the run was trained with (an image folder's
     subfolders; label numbers where the data has no names). Classes absent from the
     split are left out."""
-    task, predicted, labels = _predictions(workdir, split, batch_size)
+    task, predicted, labels, _ = _predictions(workdir, split, batch_size)
     names = task.class_names or tuple(str(c) for c in range(int(labels.max()) + 1))
     return {names[c]: (float(np.mean(predicted[labels == c] == c)), int(np.sum(labels == c)))
             for c in np.unique(labels)}
@@ -521,7 +526,10 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
         if task.classify is not None:
             # The whole test split, not the trainer's full batches only.
             r["eval"]["accuracy_batches"] = r["eval"].get("accuracy")
-            r["eval"]["accuracy"], r["eval"]["n"] = classification_accuracy(r["workdir"])
+            r["eval"]["accuracy"], r["eval"]["n"], step = classification_accuracy(
+                r["workdir"], with_step=True)
+            if step != last_eval_step(r["workdir"]):  # a killed run: an older checkpoint
+                r["eval"]["accuracy_step"] = step
     for name, r in rows.items():  # before anything is written
         if r["eval"] and metric not in r["eval"]:
             raise ValueError(f"--metric={metric!r}: run {name!r}'s eval records have no such "
@@ -552,6 +560,8 @@ def runs_table(rows: dict[str, dict], metric: str = "accuracy") -> str:
         value = r["eval"].get(metric)
         shown = "–" if value is None else (f"{100 * value:.1f}%" if metric == "accuracy"
                                            else f"{value:.4f}")
+        if metric == "accuracy" and "accuracy_step" in r["eval"]:
+            shown += f" (checkpoint of step {r['eval']['accuracy_step']})"
         loss = r["eval"].get("loss")
         lines.append(f"| {name} | " + (f"{r.get('tokens', '–')} | " if has_tokens else "") +
                      f"{r['params']:,} | {_steps(r)} | {shown} | " +

@@ -130,6 +130,15 @@ def test_runs_report_counts_every_test_image(tmp_path):
     assert rows["p2"]["flops_per_unit"] == 17 * (6 * n + 12 * 1 * 17 * 8)
     assert os.path.getsize(out + ".png") > 0
     assert "| p4 | 5 |" in open(out + ".md").read()
+    assert "checkpoint of step" not in open(out + ".md").read()
+    # A run killed after an eval its last checkpoint is older than: the whole split's
+    # accuracy is the checkpoint's, and the table says which (it stood beside the later
+    # eval's loss as that step's).
+    with open(os.path.join(runs["p4"], "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 3, "split": "eval", "accuracy": 0.2, "loss": 2.2}) + "\n")
+    again = analysis.runs_report({"p4": runs["p4"]}, str(tmp_path / "report3" / "vit"))
+    assert again["p4"]["eval"]["accuracy_step"] == 2
+    assert "% (checkpoint of step 2) | 2.2000 |" in open(str(tmp_path / "report3" / "vit.md")).read()
     # An --x no run has: named with what is valid, before anything is written (it was
     # matplotlib's TypeError after the table).
     bogus = str(tmp_path / "report2" / "vit")
