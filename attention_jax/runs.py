@@ -221,8 +221,15 @@ def check_comparable(workdirs, report: str, same=(), finished: bool = True) -> N
         configs[w] = config_lib.flat(config)
     for key in same:
         values = {w: flat.get(key) for w, flat in configs.items()}
-        if len({repr(v) for v in values.values()}) > 1:
-            shown = ", ".join(f"{w}: {v!r}" for w, v in list(values.items())[:4])
+        groups: dict[str, list] = {}
+        for w, v in values.items():
+            groups.setdefault(repr(v), []).append(w)
+        if len(groups) > 1:
+            # Each value with its runs, the fewest first: the odd run out is named, where
+            # the first few runs shown may all share the common value.
+            shown = "; ".join(
+                f"{v}: {', '.join(ws[:3])}" + (f" and {len(ws) - 3} more" if len(ws) > 3 else "")
+                for v, ws in sorted(groups.items(), key=lambda g: len(g[1])))
             raise ValueError(f"{report}: the runs differ in {key} ({shown}); valid: runs of "
                              f"one {key}")
 

@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Sequence
 
+import ml_collections
 import numpy as np
 
 from attention_jax.runs import count_params, resolved_model_fields
@@ -274,9 +275,10 @@ def scaling_table(result: dict) -> str:
 
 
 # ============================================================================ seed sweeps
-def _point_value(workdir: str, key: str):
+def _point_value(workdir: str, key: str, flag: str = ""):
     """A run's value of `key`: its sweep point (tools/sweep.py's sweep.json; `key` may be
-    the last part of a dotted grid key) or else the dotted field of its config.json."""
+    the last part of a dotted grid key) or else the dotted field of its config.json.
+    flag: the option that named the key, for the error."""
     path = workdir_lib.epath_of(workdir, "sweep.json")  # a local path or gs:// / s3://
     if path.exists():
         point = json.loads(path.read_text())["point"]
@@ -287,8 +289,15 @@ def _point_value(workdir: str, key: str):
     node = load_config(workdir)
     for part in key.split("."):
         if part not in node:
-            raise ValueError(f"{workdir}: no sweep point or config field {key!r}")
+            raise ValueError(f"{flag + '=' + repr(key) + ': ' if flag else ''}{workdir}: no "
+                             f"sweep point or config field {key!r}")
         node = node[part]
+    if isinstance(node, (dict, ml_collections.ConfigDict)):  # a group, not a value
+        fields = ", ".join(f"{key}.{k}" for k in sorted(node)[:5])
+        raise ValueError(f"{flag + '=' + repr(key) + ': ' if flag else ''}{workdir}: config "
+                         f"field {key!r} is a group of settings, not a "
+                         f"value; valid: a key of the runs' sweep (sweep.json) or a field "
+                         f"with a value, e.g. {fields}")
     return node
 
 
@@ -337,7 +346,8 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
             named = sorted({k for r in records for k in r} - {"split", "step"})
             raise ValueError(f"{w}: no eval record with {metric!r}; valid: a finished run's "
                              f"eval metrics{': ' + str(named) if named else ''}")
-        key = (str(_point_value(w, by)), _number(_point_value(w, x)) if x else None)
+        key = (str(_point_value(w, by, "--by")),
+               _number(_point_value(w, x, "--x")) if x else None)
         groups.setdefault(key, []).append({"workdir": w, "value": float(evals[-1][metric]),
                                            "seed": int(_point_value(w, "train.seed")),
                                            "wall_s": wall_seconds(w)})

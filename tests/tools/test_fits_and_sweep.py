@@ -139,7 +139,9 @@ def test_scaling_report_counts_compute_with_the_tasks_flops(tmp_path):
         c.model.num_layers, c.train.batch_size = 16, 8
         (other / "config.json").write_text(c.to_json_best_effort())
         (other / "metrics.jsonl").write_text((tmp_path / "l1" / "metrics.jsonl").read_text())
-        with pytest.raises(ValueError, match=r"^scaling: the runs differ in train.batch_size"):
+        with pytest.raises(ValueError, match=r"^scaling: the runs differ in train.batch_size"
+                                             rf" \(8: {other}; 4: .*l1, .*l2, .*l4 and 1 "
+                                             r"more\)"):  # the odd run named, first
             fits.scaling_report([*dirs, str(other)], str(tmp_path / "report" / "mixed"))
         # Two runs: named in the command's terms (was "n and loss need the same length").
         with pytest.raises(ValueError, match=r"to 4 or more runs of different model sizes; got "
@@ -464,6 +466,12 @@ def test_seeds_refuses_runs_it_would_mix_unsaid(tmp_path):
     cnn = _fake_run(tmp_path / "cnn", {"mlp": "cnn", "train.seed": "0"}, 0.8, metric="loss")
     (tmp_path / "cnn" / "config.json").write_text(c.to_json_best_effort())
     assert len(fits.seeds_report([a, b, cnn], out, by="mlp")["groups"]) == 2
+    # --by naming a group of settings (a run of the config's own, no sweep.json): a
+    # whole config dumped into the table's first column, exit 0.
+    with pytest.raises(ValueError, match=r"^--by='optim': .*a: config field 'optim' is a "
+                                         r"group of settings, not a value; valid: .*, e.g. "
+                                         r"optim\.[a-z_]+"):
+        fits.seeds_report([a, b], out, by="optim")
     result = fits.seeds_report([a], out, by="mlp")  # one seed: no spread to show
     assert result["groups"][0]["std"] is None and "| relu | 1 | 1.0000 | – |" in open(out + ".md").read()
 
