@@ -36,6 +36,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -160,12 +161,23 @@ def translation_report(runs: dict[str, str], out: str, split: str = "test",
                        edges: Sequence[int] = DEFAULT_EDGES, max_examples: int = 0) -> dict:
     """Bucketed exact match and BLEU of each named run; writes out.json, out.md, out.png
     and out_examples.json (a few long-source translations of each run, to read)."""
+    if max_examples < 0:
+        raise ValueError(f"--max_examples={max_examples}; valid: 0 (the whole split) or a "
+                         f"count of examples")
     results, examples = {}, {}
+    unfinished = unfinished_runs(runs)
     for name, workdir in runs.items():
         rows = translate_split(workdir, split, max_examples)
         results[name] = bucketed_translation_metrics(
             [r["source_tokens"] for r in rows], [r["hypothesis"] for r in rows],
             [r["reference"] for r in rows], edges)
+        if results[name][-1]["n"] == 0:  # before anything is written
+            lengths = [r["source_tokens"] for r in rows]
+            raise ValueError(
+                f"--edges={','.join(map(str, edges))}: none of run {name!r}'s {len(rows)} "
+                f"{split} examples has a source length in [{edges[0]}, {edges[-1]}), so "
+                f"there is nothing to score; valid: edges that cover the sources' lengths"
+                + (f" ({min(lengths)} to {max(lengths)} tokens)" if lengths else ""))
         longest = sorted(rows, key=lambda r: -r["source_tokens"])[:3]
         examples[name] = longest
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -174,7 +186,7 @@ def translation_report(runs: dict[str, str], out: str, split: str = "test",
     with open(out + "_examples.json", "w") as f:
         json.dump(examples, f, indent=1, ensure_ascii=False)
     with open(out + ".md", "w") as f:
-        f.write(translation_table(results))
+        f.write(translation_table(results) + unfinished)
     plot_translation(results, out + ".png")
     return results
 
@@ -280,6 +292,13 @@ def eval_batches(task, batches: int, batch_size: int):
 
 
 # ============================================================================== positions
+def check_counts(**counts: int) -> None:
+    """A ValueError naming the first of the options (--name=value) that is not >= 1."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"--{name}={value}; valid: an int >= 1")
+
+
 def check_run_tasks(runs: dict[str, str], report: str, valid: Sequence[str]) -> None:
     """A ValueError naming a run whose task the report cannot read (a ViT run given to a
     report of language models), before anything is computed or written."""
@@ -289,6 +308,24 @@ def check_run_tasks(runs: dict[str, str], report: str, valid: Sequence[str]) -> 
         if task not in valid:
             raise ValueError(f"{report} reads runs of task {' or '.join(map(repr, valid))}; run "
                              f"{name!r} ({workdir}) is a {task!r} run")
+
+
+def unfinished_runs(runs: dict[str, str]) -> str:
+    """A note (markdown, "" for none) naming the runs that stopped before their
+    train.steps, said on stderr too: a report of checkpoints reads their latest, which is
+    then not the run's result (`runs` marks them in its table; seeds and scaling refuse)."""
+    from attention_jax.runs import load_config
+    lines = []
+    for name, workdir in runs.items():
+        steps, evaluated = load_config(workdir).train.steps, last_eval_step(workdir)
+        if evaluated < steps:
+            reached = max((int(r.get("step", 0)) for r in read_metrics(workdir)), default=0)
+            lines.append(f"note: run {name!r} ({workdir}) is unfinished: it logged step "
+                         f"{reached} of its train.steps={steps} and has no final evaluation; "
+                         f"this report reads its latest checkpoint")
+    for line in lines:
+        print(line, file=sys.stderr)
+    return "".join(f"\n{line}\n" for line in lines)
 
 
 def training_length(runs: dict[str, str], given: int | None) -> int:
@@ -348,6 +385,7 @@ def positions_report(runs: dict[str, str], out: str, eval_len: int,
     """Loss by position of each run at `eval_len` (out.png, out.json) and a table of the
     mean loss inside and beyond the training length (out.md; `train_len`: the runs' own
     data.seq_len, checked against it when given)."""
+    check_counts(batches=batches, batch_size=batch_size)
     check_run_tasks(runs, "positions", ("gpt",))
     train_len = training_length(runs, train_len)
     if not 0 < train_len < eval_len:
@@ -357,7 +395,7 @@ def positions_report(runs: dict[str, str], out: str, eval_len: int,
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    results = {}
+    results, unfinished = {}, unfinished_runs(runs)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, workdir in runs.items():
         try:
@@ -387,7 +425,7 @@ def positions_report(runs: dict[str, str], out: str, eval_len: int,
                  f"| {n} | {r['within_train_len']:.3f} | {r['beyond_train_len']:.3f} |\n"
                  for n, r in results.items()))
     with open(out + ".md", "w") as f:
-        f.write(table)
+        f.write(table + unfinished)
     return results
 
 
@@ -434,8 +472,9 @@ def attention_report(runs: dict[str, str], out: str, batches: int = 4,
     its latest checkpoint, on the first validation rows; writes out.json and out.md."""
     import flax.linen as nn
     import jax
+    check_counts(batches=batches, batch_size=batch_size)
     check_run_tasks(runs, "attention", ("gpt",))
-    results = {}
+    results, unfinished = {}, unfinished_runs(runs)
     for name, workdir in runs.items():
         config, task, trained = restore_run(workdir)
         init = nn.meta.unbox(task.init(jax.random.PRNGKey(config.train.seed)))
@@ -463,7 +502,7 @@ def attention_report(runs: dict[str, str], out: str, batches: int = 4,
              + f"\nEntropy in nats, mean over layers, heads and query rows; equal weights "
                f"on every visible key would give {uniform:.2f}.\n")
     with open(out + ".md", "w") as f:
-        f.write(table)
+        f.write(table + unfinished)
     return results
 
 

@@ -488,14 +488,23 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
+    valid = "valid: what `bench attention --out FILE` writes"
     try:
         with open(bench_json) as f:
             bench = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{bench_json}: not the attention benchmark's JSON ({e}); valid: "
-                         f"what `bench attention --out FILE` writes") from None
+    except (OSError, ValueError) as e:  # missing, a folder, unreadable, not JSON
+        raise ValueError(f"{bench_json}: not the attention benchmark's JSON "
+                         f"({getattr(e, 'strerror', None) or e}); {valid}") from None
+    rows = bench.get("rows") if isinstance(bench, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "impl" in r for r in rows):
+        raise ValueError(f"{bench_json}: not the attention benchmark's JSON (no list of "
+                         f"\"rows\" of timed implementations); {valid}")
+    masks = sorted({r.get("mask", "causal" if r.get("causal") else "full") for r in rows})
+    if mask not in masks:
+        raise ValueError(f"--mask={mask!r}: {bench_json} has no rows of that mask; valid: "
+                         f"{masks}")
     series: dict[tuple, list] = {}
-    for r in bench["rows"]:
+    for r in rows:
         n = r.get("n", r.get("T"))
         row_mask = r.get("mask", "causal" if r.get("causal") else "full")
         if row_mask != mask or n is None or n < min_n:

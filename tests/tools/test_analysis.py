@@ -80,6 +80,17 @@ def test_translation_report_on_two_step_runs(tmp_path):
         assert os.path.getsize(out + suffix) > 0
     with open(out + ".json") as f:
         assert json.load(f)["edges"] == list(analysis.DEFAULT_EDGES)
+    # Edges that hold no example, or a negative count: named, nothing written (it was
+    # "min() arg is an empty sequence" after the tables).
+    empty = str(tmp_path / "report2" / "b")
+    with pytest.raises(ValueError, match=r"^--edges=40,50: none of run 'rnn-bottleneck'.s 12 "
+                                         r"test examples has a source length in \[40, 50\), "
+                                         r"so there is nothing to score; valid: edges that cover "
+                                         r"the sources' lengths \(\d+ to \d+ tokens\)$"):
+        analysis.translation_report(runs, empty, split="test", edges=(40, 50), max_examples=12)
+    with pytest.raises(ValueError, match=r"^--max_examples=-5; valid: 0 \(the whole split\)"):
+        analysis.translation_report(runs, empty, split="test", max_examples=-5)
+    assert not os.path.exists(os.path.dirname(empty))
 
 
 def test_runs_report_reads_no_corpus(tmp_path, capsys):
@@ -195,6 +206,23 @@ def test_position_losses_past_the_training_length(tmp_path):
     with pytest.raises(ValueError, match=r"^--eval_len=4096 for run 'learned': "
                                          r"config.data.seq_len=4096 exceeds"):
         analysis.positions_report({"learned": workdir}, out, eval_len=4096, train_len=32)
+    # No batch to read: named (it said "fewer than batch_size=16 rows; valid: <= 8037").
+    for report in (lambda: analysis.positions_report({"learned": workdir}, out, 64, batches=0),
+                   lambda: analysis.attention_report({"learned": workdir}, out, batches=0)):
+        with pytest.raises(ValueError, match=r"^--batches=0; valid: an int >= 1$"):
+            report()
+    with pytest.raises(ValueError, match=r"^--batch_size=0; valid: an int >= 1$"):
+        analysis.attention_report({"learned": workdir}, out, batch_size=0)
+    # A run that stopped before its train.steps: the reports of its checkpoint say so
+    # (they gave a normal table).
+    config = json.loads(open(os.path.join(workdir, "config.json")).read())
+    config["train"]["steps"] = 1000
+    open(os.path.join(workdir, "config.json"), "w").write(json.dumps(config))
+    analysis.attention_report({"learned": workdir}, out, batches=1, batch_size=2)
+    assert ("note: run 'learned' (" + workdir + ") is unfinished: it logged step 2 of its "
+            "train.steps=1000 and has no final evaluation; this report reads its latest "
+            "checkpoint") in \
+        open(out + ".md").read()
 
 
 def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path, capsys):

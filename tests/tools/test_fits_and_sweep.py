@@ -242,6 +242,14 @@ def test_seeds_report_names_a_run_without_the_metric(tmp_path):
     (tmp_path / "bench.json").write_text("not json")
     with pytest.raises(ValueError, match=r"bench\.json: not the attention benchmark's JSON"):
         fits.attention_cost_report(str(tmp_path / "bench.json"), str(tmp_path / "cost"))
+    # Missing, a folder, a run's config.json, a JSON list: the same one line (they were
+    # FileNotFoundError, IsADirectoryError, KeyError and TypeError tracebacks).
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "config.json").write_text('{"task": "gpt"}')
+    for bad in ("nope.json", ".", "list.json", "config.json"):
+        with pytest.raises(ValueError, match=r"not the attention benchmark's JSON \(.*\); "
+                                             r"valid: what `bench attention --out FILE` writes"):
+            fits.attention_cost_report(str(tmp_path / bad), str(tmp_path / "cost"))
 
 
 # ---------------------------------------------------------------------- attention's cost
@@ -271,8 +279,11 @@ def test_attention_cost_report_fits_quadratic_time_and_memory_slopes(tmp_path):
     assert s["blockwise"]["fwd_bwd_temp_bytes"]["slope"] == pytest.approx(1.0)
     assert "fwd_temp_bytes" not in s["torch_sdpa"]
     assert "| blockwise | 2.00 ± 0.00 (N 512–4096) |" in open(tmp_path / "cost.md").read()
-    with pytest.raises(ValueError, match="no rows with mask='packed'"):
+    with pytest.raises(ValueError, match=r"^--mask='packed': .*attention\.json has no rows of "
+                                         r"that mask; valid: \['causal', 'full'\]$"):
         fits.attention_cost_report(str(path), str(tmp_path / "c2"), mask="packed")
+    with pytest.raises(ValueError, match=r"no rows with mask='full' and N >= 10000"):
+        fits.attention_cost_report(str(path), str(tmp_path / "c2"), min_n=10000)
 
 
 def test_attention_cost_report_with_time_only_draws_no_empty_legend(tmp_path):
