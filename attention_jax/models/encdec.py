@@ -84,6 +84,9 @@ class EncDecConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "
                 f"num_heads: {[n for n in range(1, self.d_model + 1) if self.d_model % n == 0]}")
+        if self.d_model % 2:  # the positions are sinusoidal
+            raise ValueError(f"the sinusoidal positions are sin/cos pairs: d_model="
+                             f"{self.d_model} is odd; valid: an even d_model")
         self.block()  # validates norm, norm_position, activation, implementation
 
     @classmethod

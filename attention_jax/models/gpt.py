@@ -102,6 +102,17 @@ class GPTConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "
                 f"num_heads: {[n for n in range(1, self.d_model + 1) if self.d_model % n == 0]}")
+        head_dim = self.d_model // self.num_heads
+        if self.position == "rope" and head_dim % 2:  # RoPE rotates pairs of coordinates
+            even = [n for n in range(1, self.d_model + 1)
+                    if self.d_model % n == 0 and (self.d_model // n) % 2 == 0]
+            raise ValueError(
+                f"position='rope' rotates pairs of a head's coordinates: head dim d_model / "
+                f"num_heads = {self.d_model} / {self.num_heads} = {head_dim} is odd; valid "
+                f"num_heads: {even or 'none (d_model is odd)'}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"position='sinusoidal' is sin/cos pairs: d_model={self.d_model} is "
+                             f"odd; valid: an even d_model")
         self.block()  # validates the block fields (norm, mlp, kv heads, ...)
 
     @classmethod

@@ -39,6 +39,9 @@ def test_bad_configs_raise_with_valid_choices():
         ed.get_config("transformer-tiny", num_heads=3)
     with pytest.raises(ValueError, match=r"valid: \('pre', 'post'\)"):
         ed.get_config("transformer-tiny", norm_position="sandwich")
+    with pytest.raises(ValueError, match=r"sinusoidal positions are sin/cos pairs: d_model=63 "
+                                         r"is odd; valid: an even d_model"):
+        ed.get_config("transformer-tiny", d_model=63, num_heads=3)
 
 
 @pytest.mark.parametrize("field", ["d_model", "num_heads", "num_encoder_layers",

@@ -44,6 +44,14 @@ def test_bad_configs_raise_with_valid_choices():
         gpt.get_config("gpt-tiny", num_kv_heads=3)
     with pytest.raises(ValueError, match=r"valid: \('learned', 'sinusoidal', 'rope'\)"):
         gpt.get_config("gpt-tiny", position="alibi")
+    # Pairs of coordinates: found here, not as a traceback from the first trace of the
+    # model (after the data was built).
+    with pytest.raises(ValueError, match=r"head dim d_model / num_heads = 100 / 4 = 25 is odd; "
+                                         r"valid num_heads: \[1, 2, 5, 10, 25, 50\]$"):
+        gpt.get_config("gpt-tiny-rope", d_model=100, num_kv_heads=None)
+    with pytest.raises(ValueError, match=r"^position='sinusoidal' is sin/cos pairs: "
+                                         r"d_model=105 is odd"):
+        gpt.get_config("gpt-tiny", position="sinusoidal", d_model=105, num_heads=5)
     with pytest.raises(ValueError, match=r"norm_position='middle' is unknown; valid: \('pre', 'post'\)"):
         gpt.get_config("gpt-tiny", norm_position="middle")
 
