@@ -83,7 +83,7 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
         with tasks_lib.data_on_demand() if read_only else contextlib.nullcontext():
             task = TASKS[config.task](config, workdir)
     config_lib.check_model_fits_mesh(getattr(task.model, "config", task.model), mesh.shape,
-                                     task.seq_len)
+                                     task.seq_len, task.tokens_per_example)
     if config.eval.every >= 0 and not read_only:
         steps.check_eval_split(task, config)
     tx, schedule = make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)

@@ -203,3 +203,12 @@ def test_the_sequence_axis_hint_lists_only_sizes_that_divide_the_devices():
         config_lib.check_model_fits_mesh(object(), shape, seq_len=30)
     with pytest.raises(ConfigError, match=r"mesh\.sequence in \[1, 2, 4\]$"):
         config_lib.check_model_fits_mesh(object(), {"sequence": 3}, seq_len=40)
+    # A ViT's 17 positions (16 patches and [CLS]) on mesh.sequence=8: auto's attention
+    # took another backend than the ring, unsaid, and the axis's devices split nothing.
+    with pytest.raises(ConfigError, match=r"^config\.mesh\.sequence=8: the model's 17 "
+                                          r"positions an example are not divisible by 2 × "
+                                          r"mesh\.sequence = 16 .*valid: mesh\.sequence in "
+                                          r"\[1\]$"):
+        config_lib.check_model_fits_mesh(object(), {"sequence": 8}, positions=17)
+    config_lib.check_model_fits_mesh(object(), {"sequence": 8}, positions=16)  # GAP: no [CLS]
+    config_lib.check_model_fits_mesh(object(), {"sequence": 8}, seq_len=32, positions=17)
