@@ -658,21 +658,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m attention_jax.tools.analysis",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("translation", help="bucketed exact match and BLEU of translation runs")
+
+    def command(name: str, help: str):  # its --help says what it does, as the list does
+        return sub.add_parser(name, help=help, description=help)
+    t = command("translation", help="bucketed exact match and BLEU of translation runs")
     t.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     t.add_argument("--split", default="test", help="the split translated (default: test)")
     t.add_argument("--edges", default=",".join(map(str, DEFAULT_EDGES)),
                    help="source-length bucket edges in tokens, comma-separated")
     t.add_argument("--max_examples", type=int, default=0, help="0: the whole split")
     t.add_argument("runs", nargs="+", help="NAME=WORKDIR")
-    r = sub.add_parser("runs", help="final eval metrics, params and wall time of runs")
+    r = command("runs", help="final eval metrics, params and wall time of runs")
     r.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     r.add_argument("--x", default="", help="model field (or 'tokens') to plot against")
     r.add_argument("--metric", default="accuracy",
                    help="the eval metric of the table and plot (default: accuracy)")
     r.add_argument("--curves", default="", help="also plot this metric against step")
     r.add_argument("runs", nargs="+", help="NAME=WORKDIR")
-    p = sub.add_parser("positions", help="LM loss by position beyond the training length")
+    p = command("positions", help="LM loss by position beyond the training length")
     p.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     p.add_argument("--eval_len", type=int, required=True,
                    help="length of the validation rows read (past the training length)")
@@ -682,25 +685,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=8, help="validation batches read (default 8)")
     p.add_argument("--batch_size", type=int, default=16, help="rows a batch (default 16)")
     p.add_argument("runs", nargs="+", help="NAME=WORKDIR")
-    a = sub.add_parser("attention", help="entropy and largest weight of GPT attention rows, "
+    a = command("attention", help="entropy and largest weight of GPT attention rows, "
                                          "at initialisation and trained")
     a.add_argument("--out", required=True, help="path prefix of the .json/.md written")
     a.add_argument("--batches", type=int, default=4, help="validation batches read (default 4)")
     a.add_argument("--batch_size", type=int, default=16, help="rows a batch (default 16)")
     a.add_argument("runs", nargs="+", help="NAME=WORKDIR")
-    s = sub.add_parser("scaling", help="L(N) power-law fit and the loss-vs-compute envelope "
+    s = command("scaling", help="L(N) power-law fit and the loss-vs-compute envelope "
                                        "of a model-size sweep")
     s.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     s.add_argument("workdirs", nargs="+", help="one run directory per model size")
-    d = sub.add_parser("seeds", help="mean and spread over seeds of runs grouped by a sweep key")
+    d = command("seeds", help="mean and spread over seeds of runs grouped by a sweep key")
     d.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     d.add_argument("--by", required=True, help="sweep key (or dotted config field) to group by")
     d.add_argument("--x", default="", help="a second key to plot against (e.g. train_fraction)")
     d.add_argument("--metric", default="loss", help="the eval metric compared (default: loss)")
     d.add_argument("--baseline", default="",
                    help="a value of --by: each group's difference to it, seed by seed")
-    d.add_argument("workdirs", nargs="+")
-    c = sub.add_parser("attention_cost", help="log-log slopes of attention time and memory "
+    d.add_argument("workdirs", nargs="+", help="the runs' workdirs (e.g. a sweep's /tmp/sweep/*)")
+    c = command("attention_cost", help="log-log slopes of attention time and memory "
                                               "against N, from the benchmark's JSON")
     c.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     c.add_argument("--mask", default="full", help="full | causal (| packed on GPU)")

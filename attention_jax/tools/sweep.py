@@ -88,7 +88,13 @@ def point_config(spec: str, point: dict[str, str],
     name, _, given = spec.partition(":")
     args = ",".join(a for a in (given, args) if a)
     fields = [*overrides, *(f"{k}={v}" for k, v in point.items() if "." in k)]
-    return config_lib.load(f"{name}:{args}" if args else name, fields)
+    try:
+        return config_lib.load(f"{name}:{args}" if args else name, fields)
+    except ConfigError as e:  # a grid key's mistake named as the --grid it came from
+        for key in point:
+            if "." in key and str(e).startswith(f"--config.{key}: "):
+                raise ConfigError(f"--grid={key}=...: {str(e).split(': ', 1)[1]}") from None
+        raise
 
 
 def check_grid(spec: str, grid: dict[str, list[str]], overrides: Sequence[str]) -> None:

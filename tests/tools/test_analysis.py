@@ -272,3 +272,18 @@ def test_runs_table_says_a_run_stopped_early_and_edges_are_checked_first(tmp_pat
             analysis.main(["translation", f"--out={tmp_path / 't'}", f"--edges={bad}",
                            f"x={tmp_path}"])
     assert not os.listdir(tmp_path)
+
+
+def test_each_report_s_help_says_what_it_does(capsys):
+    """`analysis seeds --help` had no line on what the report is (the list of reports
+    had), and its workdirs no help."""
+    for name in ("translation", "runs", "positions", "attention", "scaling", "seeds",
+                 "attention_cost"):
+        with pytest.raises(SystemExit) as done:
+            analysis.main([name, "--help"])
+        assert done.value.code == 0
+        usage, _, rest = capsys.readouterr().out.partition("\n\n")
+        assert rest.split("\n\n")[0].strip() and not rest.startswith("positional"), name
+    with pytest.raises(SystemExit):
+        analysis.main(["seeds", "--help"])
+    assert "the runs' workdirs" in capsys.readouterr().out

@@ -318,10 +318,14 @@ def test_sweep_rejects_bad_grids_naming_what_is_valid():
         sweep.parse_grid(["seed"])
     with pytest.raises(ValueError, match="given twice"):
         sweep.parse_grid(["a=1", "a=2"])
-    with pytest.raises(ValueError, match=r"config.train has no key 'sed'; valid: \[.*'seed'"):
+    # A grid key's mistake names the --grid (it said --config.train.sed, given nowhere).
+    with pytest.raises(ValueError, match=r"^--grid=train\.sed=\.\.\.: config.train has no key "
+                                         r"'sed'; valid: \[.*'seed'"):
         sweep.point_config("gated_mlp", {"train.sed": "1"})
     with pytest.raises(ValueError, match="train.seed='x' must be an int"):
         sweep.point_config("gated_mlp", {"train.seed": "x"})
+    with pytest.raises(ValueError, match=r"^--config\.train\.sed: config.train has no key"):
+        sweep.point_config("gated_mlp", {"train.seed": "1"}, ["train.sed=3"])
     with pytest.raises(ValueError, match=r"--config=gated_mlp:mlp=tanh: :mlp='tanh' is unknown; "
                                          r"valid: \['relu'"):
         sweep.point_config("gated_mlp", {"mlp": "tanh"})
