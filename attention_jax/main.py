@@ -162,7 +162,8 @@ def sample_checkpoint(config, workdir: str) -> list[str]:
 
 def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dict:
     """`--mode=embed`: embeds `texts` (default: the non-empty lines of stdin) with the
-    BERT of `config.train.init_from=hf:<dir>`, else the workdir's trained BERT. Writes
+    workdir's trained BERT (its latest checkpoint), or where the workdir holds no run
+    with the BERT of `config.train.init_from=hf:<dir>` as it is. Writes
     workdir/embeddings.npy ([B, D] float32) and embeddings_texts.json (a later call:
     embeddings_2.npy and embeddings_2_texts.json, and so on); returns
     {"texts", "dim", "file", "similarity"} (the cosine matrix, for a quick look)."""
@@ -180,8 +181,13 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
                                       "embeddings lists them)")
     if not texts:
         raise InputError("--mode=embed: no texts (give one text per line on stdin)")
+    from attention_jax import checkpoint
+    from attention_jax import workdir as workdir_lib  # local or gs:// / s3:// alike
     src = str(config.train.init_from or "")
-    if src.startswith("hf:"):
+    # A run trained here embeds with its own weights: its config.json keeps init_from,
+    # where its training started (the hf: dir's untrained weights were embedded, unsaid).
+    trained = checkpoint.latest_step_in(workdir_lib.epath_of(workdir, workdir_lib.CHECKPOINTS))
+    if src.startswith("hf:") and trained is None:
         # The config's task must embed too: --config=vit with a BERT dir embedded with
         # the BERT in silence, the config ignored.
         task = config.get("task")  # (a notebook's config may name none)
@@ -198,7 +204,6 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
         embed = tasks.need(run.task, "embed", config.task,
                            "embed text (--mode=embed; or --config.train.init_from=hf:<bert dir>)")
         emb = embed(jax.tree.map(np.asarray, jax.device_get(run.params)), list(texts))
-    from attention_jax import workdir as workdir_lib  # local or gs:// / s3:// alike
     # Each call its own pair of files: embeddings.npy, then embeddings_2.npy, ... (an
     # earlier call's embeddings are never overwritten). Process 0 writes them.
     stem, n = "embeddings", 1

@@ -181,3 +181,36 @@ def test_one_string_is_one_text_everywhere(encoder):
         encoder.embed([b"Stocks"])
     with pytest.raises(ValueError, match=r"texts is empty"):
         encoder.tokenize([])
+
+
+def test_embed_mode_on_a_run_warm_started_from_a_bert_dir(tmp_path):
+    """A run trained from hf:<dir> keeps that init_from in its config.json, and
+    --mode=embed on its workdir embedded with the dir's untrained weights, unsaid: it
+    embeds with the run's own checkpoint."""
+    import shutil
+
+    import jax
+
+    from attention_jax import config as config_lib
+    from attention_jax import main, runs, train
+    transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64)).save_pretrained(tmp_path / "bert")
+    shutil.copy(os.path.join(convert.bundled_minilm_dir(), "tokenizer.json"), tmp_path / "bert")
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(" ".join(SENTENCES) * 4)
+    config = config_lib.load("bert_mlm", [
+        f"train.init_from=hf:{tmp_path / 'bert'}", "train.steps=3", "optim.lr=0.03",
+        "optim.warmup_steps=0", "model.d_model=32", "model.num_layers=2", "model.num_heads=2",
+        "model.mlp_dim=64", "model.max_len=64", "data.seq_len=64", "data.name=files",
+        f"data.files={tmp_path / 'corpus'}/*.txt", f"data.cache_dir={tmp_path / 'cache'}",
+        "train.batch_size=8", "eval.every=-1"])
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(config, workdir)
+    run = runs.open_run(workdir)
+    own = run.task.embed(jax.tree.map(np.asarray, jax.device_get(run.params)), SENTENCES[:2])
+    out = main.embed_texts(runs.load_config(workdir), workdir, texts=SENTENCES[:2])
+    np.testing.assert_allclose(np.load(out["file"]), own, atol=1e-6)
+    untrained = convert.load_sentence_encoder(str(tmp_path / "bert")).embed(SENTENCES[:2])
+    assert np.abs(untrained - own).max() > 1e-2  # (what it embedded with before)
