@@ -142,10 +142,11 @@ def warm_start_params(init_from: str, abstract_params, model_config=None,
             if workdir_lib.epath_of(src, "checkpoints").is_dir():
                 src = workdir_lib.path(src, "checkpoints")
             params, step = ckpt_lib.restore_params(src, abstract_params)
-    except (FileNotFoundError, convert.ConversionError) as e:
+    except (FileNotFoundError, ValueError) as e:
         if isinstance(e, UserError):
             raise
-        # Nothing there, or weights that do not fit the model: the config's mistake.
+        # Nothing there, weights that do not fit the model, a model dir of an architecture
+        # or setting the conversion does not take, a damaged file: the config's mistake.
         raise ConfigError(f"config.train.init_from={init_from!r}: {e}") from None
     _say(f"warm start: params from {src} step {step}")
     return params

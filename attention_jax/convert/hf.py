@@ -413,7 +413,7 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
     shardings of `abstract_params` (a tree of jax.ShapeDtypeStruct), and step 0.
 
     The architecture check is by shape; the fields shapes cannot show (activation,
-    LayerNorm epsilon) are compared with `model_config` (the run's model config; a
+    LayerNorm epsilon, a GPT's tied head) are compared with `model_config` (the run's model config; a
     difference is a ConversionError naming them), or printed when it is not given. New
     task heads: see `hf_params.fresh_numpy`. vocab_size, the run's tokenizer's: a
     checkpoint's vocabulary more than ADDED_TOKENS smaller is another tokenizer's (its
@@ -459,7 +459,12 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
                               f"architecture: {', '.join(differ)}; valid: the checkpoint's values "
                               f"(--config.model.KEY=...)") from None
     fields = family.arch_fields(implied)
-    unseen = {k: fields[k] for k in fields if k in ("activation", "norm_epsilon")}
+    # (tie_embeddings: a tied checkpoint's head is its embedding, an untied one's its own
+    # lm_head; either fits the other's shapes, dropping or inventing the trained head. A
+    # GPT2Model has no head to keep: a run may give it a new one of its own.)
+    unseen = {k: fields[k] for k in fields
+              if k in ("activation", "norm_epsilon")
+              or (k == "tie_embeddings" and arch != "GPT2Model")}
     if isinstance(model_config, type(implied)):  # another family's failed the shapes above
         ours = family.arch_fields(model_config)
         differ = [f"config.model.{k}={ours[k]!r} (its config.json: {v!r})"

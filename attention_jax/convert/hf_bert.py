@@ -34,9 +34,12 @@ class BertFamily(Family):
         if arch in ("BertForMaskedLM", "BertForPreTraining"):
             require(hf_cfg, "tie_word_embeddings", True, "the MLM output matrix is the word embedding")
         return bert.BertConfig(
-            vocab_size=hf_cfg["vocab_size"], d_model=hf_cfg["hidden_size"],
-            num_layers=hf_cfg["num_hidden_layers"], num_heads=hf_cfg["num_attention_heads"],
-            mlp_dim=hf_cfg["intermediate_size"], max_len=hf_cfg.get("max_position_embeddings", 512),
+            # (a key config.json lacks takes BertConfig's default, as transformers reads it)
+            vocab_size=hf_cfg.get("vocab_size", 30522), d_model=hf_cfg.get("hidden_size", 768),
+            num_layers=hf_cfg.get("num_hidden_layers", 12),
+            num_heads=hf_cfg.get("num_attention_heads", 12),
+            mlp_dim=hf_cfg.get("intermediate_size", 3072),
+            max_len=hf_cfg.get("max_position_embeddings", 512),
             type_vocab_size=hf_cfg.get("type_vocab_size", 2), num_labels=num_labels(hf_cfg),
             activation=activation_from_hf(hf_cfg, "hidden_act", "gelu"),
             norm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),

@@ -77,19 +77,47 @@ def _read_torch(file: str) -> dict[str, np.ndarray]:
     return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
 
 
+def _read_file(reader, file: str) -> dict[str, np.ndarray]:
+    """reader(file), a damaged or missing file said with its name (safetensors' own error
+    named none: "invalid header length")."""
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file}: a weights file its index names is not there")
+    try:
+        return reader(file)
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 (SafetensorError, torch's UnpicklingError, ...)
+        raise ValueError(f"{file}: unreadable weights ({type(e).__name__}: {e}); valid: the "
+                         f"file as save_pretrained wrote it (a download cut short, or "
+                         f"damaged?)") from None
+
+
+def _read_json(file: str, what: str):
+    try:
+        with open(file) as f:
+            found = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{file}: not JSON ({e}); valid: {what}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{file}: a JSON {type(found).__name__}, not an object; valid: {what}")
+    return found
+
+
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a model dir: single file or sharded (an index.json naming the shards)."""
     for name, reader in (("model.safetensors", _read_safetensors),
                          ("pytorch_model.bin", _read_torch)):
         if os.path.exists(os.path.join(path, name)):
-            return reader(os.path.join(path, name))
+            return _read_file(reader, os.path.join(path, name))
         index = os.path.join(path, name + ".index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = _read_json(index, "a weights index with a weight_map").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no weight_map (tensor name -> shard file); valid: "
+                                 f"the index save_pretrained wrote")
             out = {}
-            for shard in shards:
-                out.update(reader(os.path.join(path, shard)))
+            for shard in sorted(set(weight_map.values())):
+                out.update(_read_file(reader, os.path.join(path, shard)))
             return out
     raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin (nor a sharded "
                             f"*.index.json); files there: {folder_listing(path)}")
@@ -115,8 +143,7 @@ def read_hf_dir(path) -> tuple[dict, dict[str, np.ndarray]]:
     if not os.path.exists(cfg_file):
         raise FileNotFoundError(f"{path}: no config.json (the model's architecture); files "
                                 f"there: {folder_listing(path)}")
-    with open(cfg_file) as f:
-        hf_cfg = json.load(f)
+    hf_cfg = _read_json(cfg_file, "a Hugging Face model's config.json")
     tensors = {}
     for name, x in _read_tensors(path).items():
         name = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", name))

@@ -27,8 +27,10 @@ class GPT2Family(Family):
         # GPT2Model has no LM head: our logits are then h·wteᵀ, the tied head.
         tie = arch == "GPT2Model" or bool(hf_cfg.get("tie_word_embeddings", True))
         return gpt.GPTConfig(
-            vocab_size=hf_cfg["vocab_size"], max_len=hf_cfg["n_positions"],
-            num_layers=hf_cfg["n_layer"], d_model=hf_cfg["n_embd"], num_heads=hf_cfg["n_head"],
+            # (a key config.json lacks takes GPT2Config's default, as transformers reads it)
+            vocab_size=hf_cfg.get("vocab_size", 50257), max_len=hf_cfg.get("n_positions", 1024),
+            num_layers=hf_cfg.get("n_layer", 12), d_model=hf_cfg.get("n_embd", 768),
+            num_heads=hf_cfg.get("n_head", 12),
             mlp_dim=hf_cfg.get("n_inner"),
             activation=activation_from_hf(hf_cfg, "activation_function", "gelu_new"),
             norm_epsilon=hf_cfg.get("layer_norm_epsilon", 1e-5), tie_embeddings=tie,

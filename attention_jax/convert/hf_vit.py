@@ -44,9 +44,11 @@ class ViTFamily(Family):
         return vit.ViTConfig(
             image_size=_square(hf_cfg, "image_size", 224),
             patch_size=_square(hf_cfg, "patch_size", 16),
-            num_channels=hf_cfg.get("num_channels", 3), d_model=hf_cfg["hidden_size"],
-            num_layers=hf_cfg["num_hidden_layers"], num_heads=hf_cfg["num_attention_heads"],
-            mlp_dim=hf_cfg["intermediate_size"], num_classes=num_classes, pool="cls",
+            # (a key config.json lacks takes ViTConfig's default, as transformers reads it)
+            num_channels=hf_cfg.get("num_channels", 3), d_model=hf_cfg.get("hidden_size", 768),
+            num_layers=hf_cfg.get("num_hidden_layers", 12),
+            num_heads=hf_cfg.get("num_attention_heads", 12),
+            mlp_dim=hf_cfg.get("intermediate_size", 3072), num_classes=num_classes, pool="cls",
             norm_epsilon=hf_cfg.get("layer_norm_eps", 1e-12),
             dropout_rate=hf_cfg.get("hidden_dropout_prob", 0.0),
             attention_dropout_rate=hf_cfg.get("attention_probs_dropout_prob", 0.0))

@@ -742,6 +742,60 @@ def test_a_warm_start_of_other_sizes_is_one_line_naming_the_fields(tmp_path):
                                  "(--config.model.KEY=...)")
 
 
+def test_a_warm_start_across_a_tied_and_an_untied_head_is_refused(tmp_path):
+    """An untied GPT-2 into a tied config dropped its trained lm_head, and a tied one
+    into an untied config started the head at random, both as 'heads' (the shapes fit
+    either way); a GPT2Model, which has no head, may get a new one."""
+    for tied, arch in ((False, "lm"), (True, "lm"), (True, "base")):
+        cls = transformers.GPT2LMHeadModel if arch == "lm" else transformers.GPT2Model
+        path = _save(cls(transformers.GPT2Config(**GPT_KW, tie_word_embeddings=tied)),
+                     tmp_path / f"{tied}{arch}")
+        ours = dataclasses.replace(convert.config_from_hf(path)[0], tie_embeddings=not tied)
+        abstract = _abstract_params(gpt.GPT(ours), jnp.ones((1, 8), jnp.int32))
+        if arch == "base":  # untied, its head new
+            params, _ = convert.restore_params_from_hf(path, abstract, model_config=ours)
+            assert "lm_head" in params
+            continue
+        with pytest.raises(convert.ConversionError, match=rf"config\.model\.tie_embeddings="
+                                                          rf"{not tied} \(its config\.json: "
+                                                          rf"{tied}\), which its weights cannot "
+                                                          rf"show"):
+            convert.restore_params_from_hf(path, abstract, model_config=ours)
+
+
+def test_a_damaged_model_dir_is_named_with_its_file(tmp_path):
+    """A corrupt config.json (a bare JSONDecodeError), a truncated model.safetensors
+    (safetensors' "invalid header length", no file named), a shard its index names that
+    is missing (a raw FileNotFoundError), and a config.json without its sizes
+    (KeyError: 'n_embd'; transformers takes its defaults)."""
+    import json
+    import shutil
+    good = _save(transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT_KW)), tmp_path / "g")
+
+    def one_shard_gone(d):
+        (d / "model.safetensors").rename(d / "part.safetensors")
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"wte.weight": "part.safetensors", "wpe.weight": "gone.safetensors"}}))
+    for name, damage, message in (
+            ("config", lambda d: (d / "config.json").write_text("{x"),
+             r"config\.json: not JSON \(.*\); valid: a Hugging Face model's config\.json"),
+            ("weights", lambda d: (d / "model.safetensors").write_bytes(b"\x01" * 12),
+             r"model\.safetensors: unreadable weights \(SafetensorError: .*\); valid: the "
+             r"file as save_pretrained wrote it"),
+            ("shard", one_shard_gone, r"gone\.safetensors: a weights file its index names is not there")):
+        broken = tmp_path / name
+        shutil.copytree(good, broken)
+        damage(broken)
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            convert.load_hf(str(broken))
+    sizes = tmp_path / "sizes"
+    shutil.copytree(good, sizes)
+    cfg = json.loads((sizes / "config.json").read_text())
+    del cfg["n_embd"]  # transformers: 768
+    (sizes / "config.json").write_text(json.dumps(cfg))
+    assert convert.config_from_hf(str(sizes))[0].d_model == 768
+
+
 # ================================================================================ helpers
 
 

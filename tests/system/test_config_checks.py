@@ -387,6 +387,21 @@ def test_a_warm_start_from_nothing_names_the_key(init_from, message, tmp_path):
         train.warm_start_params(init_from, {"w": None})
 
 
+def test_a_warm_start_from_a_model_dir_the_conversion_does_not_take_names_the_key(tmp_path):
+    """A T5 dir (or a GPT-2 of an unsupported activation) given as init_from=hf:: a
+    30-line traceback ending in the conversion's ValueError; now the config's one line."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    save_file({"shared.weight": np.zeros((4, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"^config\.train\.init_from='hf:{tmp_path}': "
+                                          rf"config\.json model_type='t5' is not supported; "
+                                          rf"valid: \['bert', 'gpt2', 'vit'\]$"):
+        train.warm_start_params(f"hf:{tmp_path}", {"w": None})
+
+
 def test_a_split_without_text_is_refused(tmp_path):
     """Empty files (or records all skipped) gave a split of end-of-text tokens only: the
     run trained on nothing, or evaluated to NaN, and exited 0."""
