@@ -33,6 +33,16 @@ def test_an_output_path_that_cannot_be_written_is_found_first(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench_main.main(argv)
         assert e.value.code == 2 and f"={tmp_path} is a folder" in capsys.readouterr().err
+    # The tools whose --out is a folder: a file there failed after the profile's windows
+    # (FileExistsError; with --save orbax's "is not a directory" after the saves).
+    (tmp_path / "f").write_text("x")
+    for argv, says in ((["profile", "--out", str(tmp_path / "f")],
+                        f"--out={tmp_path / 'f'} is a file; valid: a folder (made if absent)"),
+                       (["gpu-hlo", "--out", str(tmp_path / "f" / "hlo")],
+                        f"--out={tmp_path / 'f' / 'hlo'}: the folder cannot be made")):
+        with pytest.raises(SystemExit) as e:
+            bench_main.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_what_only_a_run_knows_is_refused_before_it_runs():

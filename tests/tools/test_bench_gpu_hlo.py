@@ -304,3 +304,7 @@ def test_a_failed_compile_says_xla_s_reason_not_the_plugin_s_noise():
     with pytest.raises(SystemExit, match=r"compiling for the GPU failed: .*Unknown flag in "
                                          r"XLA_FLAGS: --xla_gpu_no_such_option=true"):
         gpu_hlo.run(_args("--xla-flags=--xla_gpu_no_such_option=true"))
+    # Repeated, all apply (the last one alone did: the bad first flag went unread).
+    with pytest.raises(SystemExit, match=r"Unknown flag in XLA_FLAGS: --xla_gpu_no_such_option"):
+        gpu_hlo.run(_args("--xla-flags=--xla_gpu_no_such_option=true",
+                          "--xla-flags=--xla_gpu_enable_cublaslt=true"))

@@ -356,3 +356,35 @@ def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
     # auto's choice is named in a launch row's label as in the defaults' row
     assert (train_speed_gpu._attention_label("auto with pallas-tiles fwd=64x64", None, "pallas")
             == "auto (pallas) with pallas-tiles fwd=64x64")
+
+
+@pytest.mark.parametrize("given, says", [
+    (["--trainer-steps", "1"], r"^error: --trainer-steps=1: the trainer's rows time the logged "
+                               r"windows after the first; valid: 0 \(no trainer rows\) or >= 2$"),
+    (["--trainer-steps", "12", "--trainer-args=--config.train.chekpoint_every=100"],
+     r"^error: --trainer-args='--config\.train\.chekpoint_every=100': --config\.train\."
+     r"chekpoint_every: config\.train has no key 'chekpoint_every'"),
+    (["--xla-flags=--xla_gpu_bogus=1"], r"^error: --xla-flags='--xla_gpu_bogus=1': XLA refused "
+                                        r"it \(Unknown flag in XLA_FLAGS: --xla_gpu_bogus=1\)$"),
+])
+def test_gpu_mode_refuses_bad_options_before_any_row_runs(given, says, tmp_path, monkeypatch):
+    """One trainer step (trainer.measure's ValueError), a misspelt --trainer-args key and
+    an --xla-flags XLA does not know each failed only after the peer's, the matmul's and
+    our rows' minutes of a GPU session: now before any of them."""
+    parser = argparse.ArgumentParser()
+    train_speed.add_parser(parser.add_subparsers(dest="which"))
+    args = parser.parse_args(["train", "--device", "gpu", "--no-torch", "--shapes",
+                              "gpt-tiny-gpu:2", "--out", str(tmp_path / "t.json"), *given])
+    started = []
+
+    def child(argv, timeout, module="", xla_flags=""):
+        started.append(argv[0])
+        if argv[0] == "info":  # the flags' check: XLA's own refusal, as a child reports it
+            return ({"error": f"Unknown flag in XLA_FLAGS: {xla_flags}"}
+                    if "bogus" in xla_flags else {"backend": "gpu"})
+        return {"step_s": 1.0}
+    monkeypatch.setattr(train_speed_gpu, "_child", child)
+    with pytest.raises(SystemExit, match=says):
+        train_speed_gpu.run(args, info={"backend": "gpu", "device": "test"},
+                            shapes_table=train_speed_gpu.SHAPES_TINY)
+    assert set(started) <= {"info"}  # no row, no matmul, no peer

@@ -189,7 +189,8 @@ def run(args):
     peers = installed("torch") and not args.no_torch
     isa = cpu_vector_isa()
     print(f"backend {jax.default_backend()}, {os.cpu_count()} CPU threads ({isa}), "
-          f"matmul {rate / 1e9:.0f} GFLOP/s, torch peer: {'yes' if peers else 'not installed'}",
+          f"matmul {rate / 1e9:.0f} GFLOP/s, torch peer: "
+          f"{'yes' if peers else 'no (--no-torch)' if args.no_torch else 'not installed'}",
           file=sys.stderr)
     rows = []
     for n in sizes:

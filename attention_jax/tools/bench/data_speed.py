@@ -250,7 +250,7 @@ def run(args) -> dict:
     sizes = _sizes(args.sizes)
     only = set(args.only.split(','))
     if only - set(PARTS):
-        raise SystemExit(f'--only {args.only}: valid parts are {",".join(PARTS)}')
+        raise SystemExit(f'error: --only {args.only}: valid parts are {",".join(PARTS)}')
     start_load = os.getloadavg()[0]  # a shared machine: the table says how busy it was
     tokenizer = make_tokenizer(os.path.join(root, 'tokenizer.json'))
     out = {'machine': _machine(), 'cores': os.cpu_count(), 'sizes_mb': sizes, 'prepare': {},

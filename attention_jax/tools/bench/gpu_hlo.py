@@ -483,9 +483,10 @@ def add_parser(sub) -> None:
                         "auto: as on a GPU (pallas)")
     p.add_argument("--top", type=int, default=25, help="sources listed")
     p.add_argument("--out", default=None, help="directory for the compiled module and summary.json")
-    p.add_argument("--xla-flags", default="",
+    p.add_argument("--xla-flags", action="append", default=[],
                    help="added to XLA_FLAGS for the compile (an XLA:GPU option's effect on "
-                        "the kernels, e.g. --xla-flags='--xla_gpu_enable_cublaslt=true')")
+                        "the kernels, e.g. --xla-flags='--xla_gpu_enable_cublaslt=true'); "
+                        "repeatable, all given apply together (one compile)")
     p.add_argument("--kernel-code", action="store_true",
                    help="also read the Pallas kernels' PTX (XLA's dump) and launches: their "
                         "instructions, exponentials, programs and threads; with CUDA's ptxas "
@@ -532,7 +533,8 @@ def run(args) -> dict:
                             CUDA_VISIBLE_DEVICES="-1")
     if where:
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], where])
-    flags = args.xla_flags + (f" --xla_dump_to={out / 'dump'}" if args.kernel_code else "")
+    given_flags = " ".join(args.xla_flags) if isinstance(args.xla_flags, list) else args.xla_flags
+    flags = given_flags + (f" --xla_dump_to={out / 'dump'}" if args.kernel_code else "")
     if flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     print(f"compiling the bare step of {args.shape} batch {row['batch']} for an "
@@ -557,7 +559,7 @@ def run(args) -> dict:
         raise SystemExit("error: compiling for the GPU failed: " + " | ".join(tail))
     rows = kernel_traffic(Path(spec["hlo"]).read_text())
     summary = {"row": row, "implementation": args.implementation, "dtype": args.dtype,
-               "xla_flags": args.xla_flags, "settings": settings, "settings_given": given,
+               "xla_flags": given_flags, "settings": settings, "settings_given": given,
                "gpu": H100["name"], **summarize(rows, H100["bandwidth"]),
                "weight_flops": weight_flops(row),
                **json.loads(Path(spec["result"]).read_text())}

@@ -266,6 +266,12 @@ def run(args) -> dict:
     row = {**shape.row(args.batch or shape.batches[0]), "loss_kernel": loss_kernel,
            "norm_kernel": norm_kernel}
     args.trainer = args.trainer or args.save
+    import jax
+    if jax.default_backend() == "cpu" and args.shape not in train_speed_gpu.SHAPES_TINY:
+        # (it ran GPT-2's step on the CPU for minutes with nothing said)
+        print(f"note: no GPU here: {args.shape}'s step runs on the CPU, for minutes a step "
+              f"at this size; a quick look at the tool: --shape "
+              f"{next(iter(train_speed_gpu.SHAPES_TINY))} --dtype float32", file=sys.stderr)
     which = "the trainer's step" if args.trainer else "the bare step"
     print(f"profiling {which}: {args.shape} batch {row['batch']} attention {args.implementation} "
           f"loss-chunk {args.loss_chunk} loss {loss_kernel} ...", file=sys.stderr, flush=True)

@@ -79,6 +79,7 @@ import tempfile
 from pathlib import Path
 
 from attention_jax.data.objectives import PACKINGS
+from attention_jax.errors import UserError
 from attention_jax.models import flops
 from attention_jax.tools.bench import trainer
 from attention_jax.tools.bench.kernel_bench import parse_loss_kernels, parse_norm_kernels
@@ -144,7 +145,8 @@ def finish_row(r: dict, matmul_rate: float | None, peak: float = H100_BF16_PEAK)
     return r
 
 
-def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
+def table(rows: list[dict], matmul_rate: float | None, device: str,
+          matmul: str = f"bf16 matmul {MATMUL_SIZE}³") -> str:
     """Markdown: one line per (shape, batch, side); ours ÷ peer is step-time speed-up; the
     trainer's rows give their speed as a share of our bare step's (same attention), and
     main.py's row also as a share of the trainer's jitted step alone (same packing)."""
@@ -177,7 +179,7 @@ def table(rows: list[dict], matmul_rate: float | None, device: str) -> str:
                      f"{r['tokens_per_s']:,.0f} | {100 * r['mfu_peak']:.1f}% | {mfu_mm} "
                      f"| {ratio} |")
     rate = f"{matmul_rate / 1e12:.0f} TFLOP/s" if matmul_rate else "not measured"
-    lines += ["", f"Device: {device}. bf16 matmul {MATMUL_SIZE}³ through XLA: {rate}; peak "
+    lines += ["", f"Device: {device}. {matmul} through XLA: {rate}; peak "
                   f"{H100_BF16_PEAK / 1e12:.0f} TFLOP/s is the H100 SXM's dense bf16 figure."]
     return "\n".join(lines)
 
@@ -283,6 +285,29 @@ def _child(args: list[str], timeout: float,
                 "returncode": done.returncode}
 
 
+def trainer_log_every(trainer_steps: int) -> int:
+    """The trainer rows' logging interval: six windows a run, the first left out."""
+    return max(1, trainer_steps // 6)
+
+
+def check_trainer_options(args, row: dict, impls) -> None:
+    """--trainer-steps and --trainer-args as the trainer's rows will take them, before any
+    row runs: one step gave trainer.measure's ValueError after every other row had run,
+    and a misspelt --config key failed both trainer rows after them."""
+    steps = args.trainer_steps
+    if not steps:
+        return
+    if steps < 2 * trainer_log_every(steps):
+        raise SystemExit(f"error: --trainer-steps={steps}: the trainer's rows time the logged "
+                         f"windows after the first; valid: 0 (no trainer rows) or >= "
+                         f"{2 * trainer_log_every(2)}")
+    extra = tuple(shlex.split(args.trainer_args))
+    try:
+        trainer.experiment_config(row, impls[0], args.dtype, steps, extra)
+    except (UserError, ValueError) as e:
+        raise SystemExit(f"error: --trainer-args={args.trainer_args!r}: {e}") from None
+
+
 def run(args, info: dict | None = None, shapes_table: dict | None = None) -> list[dict]:
     """`bench train` on a GPU (see the module docstring). `info`: the device info the
     caller already has; `shapes_table`: SHAPES unless a test passes SHAPES_TINY."""
@@ -305,6 +330,13 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
         raise SystemExit(f"error: --packing {packing_arg!r}; valid: {list(PACKINGS)}, "
                          "comma-separated")
     pairs = select_rows(args.quick, args.shapes, table_)
+    check_trainer_options(args, table_[pairs[0][0]].row(pairs[0][1]), impls)
+    # Each set of --xla-flags read by XLA now, in a child that only starts JAX: a typo
+    # failed its rows only after the peer's and the plain rows' minutes.
+    for flags in dict.fromkeys(getattr(args, "xla_flags", None) or []):
+        got = _child(["info"], args.child_timeout, xla_flags=flags)
+        if "error" in got:
+            raise SystemExit(f"error: --xla-flags={flags!r}: XLA refused it ({got['error']})")
     # The row with the kernels' launch options given, checked for every row before any runs.
     given = {name: text for name, text in (
         ("tiles", getattr(args, "pallas_tiles", None)),
@@ -363,7 +395,8 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
             rows.append({**row, "side": "torch", "impl": "sdpa + compile", **result})
             save()
     # 2. The matmul yardstick.
-    print(f"  bf16 matmul {MATMUL_SIZE}³ ...", file=sys.stderr, flush=True)
+    matmul = f"{'bf16' if args.dtype == 'bfloat16' else args.dtype} matmul {args.matmul_size}³"
+    print(f"  {matmul} ...", file=sys.stderr, flush=True)
     mm = _child(["matmul", "--size", str(args.matmul_size), "--dtype", args.dtype],
                 args.child_timeout)
     rate = mm.get("flops_per_s")
@@ -417,7 +450,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
                 print(f"  trainer {name} batch {batch} attention {label} ...", file=sys.stderr,
                       flush=True)
                 result = trainer.measure(row, impl, dtype=args.dtype, steps=args.trainer_steps,
-                                         log_every=max(1, args.trainer_steps // 6),
+                                         log_every=trainer_log_every(args.trainer_steps),
                                          timeout=args.child_timeout, extra=extra)
                 rows.append({**row, "side": "trainer", "impl": impl, "packing": packing,
                              **result})
@@ -449,7 +482,7 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     for r in rows:
         finish_row(r, rate)
     save()
-    print(table(rows, rate, device))
+    print(table(rows, rate, device, matmul))
     for k, flags in record["xla_flags"].items():
         print(f"{k}: XLA_FLAGS += {flags}")
     for f in record.get("fits", []):
