@@ -29,6 +29,19 @@ import jax.numpy as jnp
 MOST_CANDIDATES = 2**31 - 1
 
 
+def check_decode_inputs(src, max_len, vocab_size: int) -> None:
+    """A sequence-to-sequence decode's source ids [B, S] and length, checked before its
+    jitted loop (greedy or beam; encdec's, rnn's): there an id past the vocabulary embeds
+    a NaN row (all-pad tokens, NaN beam scores, unsaid), and max_len 0 failed as an
+    IndexError from a cache."""
+    from attention_jax.layers.posemb import check_below, check_ids
+    check_ids("src", src)
+    check_below("src", src, vocab_size, "token ids of the model's vocabulary")
+    import numbers
+    if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len < 1:
+        raise ValueError(f"max_len={max_len!r}; valid: an int >= 1 (tokens to decode)")
+
+
 def length_penalty(length, alpha: float):
     """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, §7); scores are log p / lp."""
     return ((5.0 + length) / 6.0) ** alpha

@@ -246,6 +246,7 @@ def _step(model, params, cache, tokens, position, encoded, src_mask):
 def greedy_decode(model: EncoderDecoder, params, src, *, max_len: int, src_mask=None):
     """Most likely token at each step, with the cache. src [B, S] -> tokens [B, max_len]:
     the output without bos, eos kept, pad after it."""
+    beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     if src_mask is None:
         src_mask = src != model.config.pad_id
     return _greedy(model, max_len, params, src, src_mask)
@@ -277,6 +278,7 @@ def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: 
     if not isinstance(model, EncoderDecoder):  # an RNNSeq2Seq failed deep inside JAX
         raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
                          f"encdec.EncoderDecoder (an RNNSeq2Seq's: rnn.beam_search)")
+    beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     if src_mask is None:
         src_mask = src != model.config.pad_id
     if not isinstance(beam_size, int) or beam_size < 1:

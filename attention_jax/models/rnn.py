@@ -296,6 +296,7 @@ def beam_search(model: RNNSeq2Seq, params, src, *, beam_size: int, max_len: int,
         raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
                          f"rnn.RNNSeq2Seq (an EncoderDecoder's: encdec.beam_search)")
     src_mask = _check_source(src, src_mask, model.config.pad_id)
+    beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     if not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
     return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)

@@ -123,6 +123,16 @@ def test_greedy_decoding_matches_the_full_model_and_beam_of_one():
         assert np.all(seq[stop:] == 0)
     beam, _ = ed.beam_search(model, params, SRC, beam_size=1, max_len=6, alpha=0.0)
     np.testing.assert_array_equal(beam[:, 0], out)
+    # An id past the vocabulary embedded a NaN row under jit: all-pad tokens and NaN beam
+    # scores, unsaid; max_len 0 an IndexError from the cache.
+    bad = jnp.asarray(SRC).at[0, 1].set(model.config.vocab_size + 5)
+    for decode in (lambda: ed.greedy_decode(model, params, bad, max_len=6),
+                   lambda: ed.beam_search(model, params, bad, beam_size=2, max_len=4)):
+        with pytest.raises(ValueError, match=rf"^src: {model.config.vocab_size + 5} is out of "
+                                             rf"range; valid: 0\.\.{model.config.vocab_size - 1}"):
+            decode()
+    with pytest.raises(ValueError, match=r"^max_len=0; valid: an int >= 1"):
+        ed.greedy_decode(model, params, SRC, max_len=0)
 
 
 def test_wide_beam_search_finds_the_exact_best_sequence():

@@ -114,6 +114,10 @@ def test_beam_of_one_is_greedy_and_a_wide_beam_finds_the_best_sequence(variant):
     assert_beam_finds_the_best(tokens, scores, teacher_forced, v, steps)
     with pytest.raises(ValueError, match=r"beam_size must be an int >= 1; got 0"):
         rnn.beam_search(model, params, SRC, beam_size=0, max_len=3)
+    # A source id past the vocabulary: NaN scores under jit, unsaid.
+    with pytest.raises(ValueError, match=rf"^src: {model.config.vocab_size} is out of range"):
+        rnn.beam_search(model, params, jnp.asarray(SRC).at[0, 0].set(model.config.vocab_size),
+                        beam_size=2, max_len=3)
     with pytest.raises(ValueError, match=r"beam_size=429496730 with a vocabulary of 5: "
                                          r"2147483650 candidates a step; valid: beam_size <= "
                                          r"429496729"):  # (top_k's int32 indices)
