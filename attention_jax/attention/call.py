@@ -163,6 +163,11 @@ def _check_shapes(q, k, v):
             f"k has K={kv_heads} heads, which must divide q's N={n} heads; valid K: {divisors}")
     if min(q.shape[1], k.shape[1]) == 0:
         raise ValueError(f"empty sequence: q {q.shape}, k {k.shape}")
+    # (a ZeroDivisionError from deep in the blocking, or from the default scale 1/sqrt(H))
+    if q.shape[0] == 0:
+        raise ValueError(f"empty batch: q {q.shape}; valid: B >= 1")
+    if q.shape[3] == 0 or v.shape[3] == 0:
+        raise ValueError(f"empty heads: q {q.shape}, v {v.shape}; valid: head dims >= 1")
 
 
 def _check_scale(scale, head_dim):
@@ -237,6 +242,15 @@ def _check_offset(q_offset, batch):
         # (jnp.asarray raised OverflowError, naming no argument)
         raise ValueError(f"q_offset={int(q_offset)} is no int32 (positions are int32); valid: "
                          f"{int32.min}..{int32.max}")
+    if (isinstance(q_offset, (np.ndarray, jax.Array)) and not isinstance(q_offset, jax.core.Tracer)
+            and np.issubdtype(q_offset.dtype, np.integer) and q_offset.size
+            and np.iinfo(q_offset.dtype).bits > 32):
+        # An int64 array (numpy's default) past int32 wrapped when cast: 2**32 + 3 read as 3.
+        values = np.asarray(q_offset)
+        bad = values[(values < int32.min) | (values > int32.max)]
+        if bad.size:
+            raise ValueError(f"q_offset holds {int(bad[0])}, no int32 (positions are int32); "
+                             f"valid: {int32.min}..{int32.max}")
     offset = jnp.asarray(q_offset)
     if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim not in (0, 1) or (
             offset.ndim == 1 and offset.shape[0] != batch):

@@ -74,8 +74,15 @@ def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
     losses, correct = _cross_entropy_terms(float(label_smoothing), logits,
                                            targets.astype(jnp.int32))
     weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
-    total = jnp.maximum(weights.sum(), 1.0)
+    total = _weight_total(weights)
     return (losses * weights).sum() / total, {"accuracy": (correct * weights).sum() / total}
+
+
+def _weight_total(weights):
+    """Σw, the mean's divisor, or 1 where no position counts (a loss of 0, not NaN). Not
+    max(Σw, 1): fractional weights summing below 1 gave a smaller loss than uniform ones."""
+    total = weights.sum()
+    return jnp.where(total > 0, total, 1.0)
 
 
 def check_targets(targets, classes: int, weights=None) -> None:
@@ -228,7 +235,7 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
     b, t, d = hidden.shape
     weights = (jnp.ones((b, t), jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
-    scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw
+    scale = lax.stop_gradient(weights / _weight_total(weights))  # w / Σw
     n, c = _chunk_layout(t, int(chunk_size))
     if n * c > t:  # padding positions carry weight 0
         pad = ((0, 0), (0, n * c - t))
@@ -415,7 +422,7 @@ def head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
     check_targets(targets, kernel.shape[1], weights)
     weights = (jnp.ones(targets.shape, jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
-    scale = lax.stop_gradient(weights / jnp.maximum(weights.sum(), 1.0))  # w / Σw
+    scale = lax.stop_gradient(weights / _weight_total(weights))  # w / Σw
     loss, accuracy = _kernel_head_loss(float(label_smoothing), hidden, kernel, bias,
                                        targets.astype(jnp.int32), scale)
     return loss, {"accuracy": accuracy}

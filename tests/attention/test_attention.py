@@ -446,6 +446,14 @@ def test_values_that_would_silently_change_the_result_are_named():
     with pytest.raises(ValueError, match=r"q_offset=2147483648 is no int32 \(positions are "
                                          r"int32\); valid: -2147483648\.\.2147483647"):
         dot_product_attention(q, k, v, q_offset=2 ** 31)
+    # As an int64 array (numpy's default), one per row: it wrapped, 2**32 + 3 read as 3.
+    with pytest.raises(ValueError, match=r"^q_offset holds 4294967299, no int32"):
+        dot_product_attention(q, k, v, q_offset=np.array([2 ** 32 + 3, 0]))
+    # An empty batch or head dim: ZeroDivisionErrors from the blocking and the scale.
+    with pytest.raises(ValueError, match=r"^empty batch: q \(0, "):
+        dot_product_attention(q[:0], k[:0], v[:0])
+    with pytest.raises(ValueError, match=r"^empty heads: q "):
+        dot_product_attention(q[..., :0], k[..., :0], v[..., :0])
     with pytest.raises(ValueError, match=r"kv_lengths: 11 is not a length of the S=10 keys; "
                                          r"valid: 0..10"):
         dot_product_attention(q, k, v, kv_lengths=jnp.array([11, 4]))

@@ -27,6 +27,12 @@ def test_cross_entropy_averages_over_weighted_positions_only():
     unweighted, _ = cross_entropy(logits, TGT)
     np.testing.assert_allclose(float(unweighted), -np.mean(
         np.take_along_axis(logp, TGT[..., None], -1)), rtol=1e-6)
+    # Uniform weights are the unweighted mean, whatever their size: weights of 0.1 (Σw
+    # 0.8) gave 0.8 of it, divided by max(Σw, 1); none counting gives 0, not NaN.
+    tenth, _ = cross_entropy(logits, TGT, jnp.full(TGT.shape, 0.1))
+    np.testing.assert_allclose(float(tenth), float(unweighted), rtol=1e-6)
+    none, _ = cross_entropy(logits, TGT, jnp.zeros(TGT.shape))
+    assert float(none) == 0.0
 
 
 def test_label_smoothing_mixes_in_the_uniform_distribution():
