@@ -150,8 +150,10 @@ class EncoderDecoder(nn.Module):
         self.decoder = stack(num_layers=cfg.num_decoder_layers, block="decoder")
         self.dropout = nn.Dropout(cfg.dropout_rate)
         if cfg.norm_position == "pre":  # pre-norm leaves the residual stream unnormalised
-            self.encoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype)
-            self.decoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype)
+            self.encoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype,
+                                          param_dtype=param_dtype)
+            self.decoder_norm = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, dtype=dtype,
+                                          param_dtype=param_dtype)
 
     def _embed(self, table, tokens, positions, deterministic):
         x = table(tokens) * jnp.sqrt(jnp.float32(self.config.d_model)).astype(table.dtype)

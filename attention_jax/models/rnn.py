@@ -116,8 +116,11 @@ def _cell(cfg: RNNConfig, **module_kwargs):
     (the only wide axis an RNN has); the recurrent kernel's input side stays unsharded
     because one parameter cannot use a mesh axis twice."""
     cls = nn.GRUCell if cfg.cell == "gru" else nn.LSTMCell
+    # flax starts the carry in param_dtype: float32 params under dtype float64 made the
+    # scan's carry float32 in, float64 out (a TypeError at init); bfloat16 keeps float32.
     return cls(
-        features=cfg.hidden_dim, dtype=cfg.dtype, **module_kwargs,
+        features=cfg.hidden_dim, dtype=cfg.dtype,
+        param_dtype=jnp.promote_types(jnp.float32, cfg.dtype), **module_kwargs,
         kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (axes.EMBED, axes.MLP)),
         recurrent_kernel_init=nn.with_logical_partitioning(nn.initializers.orthogonal(), (None, axes.MLP)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes.MLP,)))
