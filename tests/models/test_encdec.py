@@ -203,3 +203,15 @@ def test_decoding_runs_with_float64_on():
         beam, _ = ed.beam_search(model, params, SRC, beam_size=1, max_len=6, alpha=0.0)
     np.testing.assert_array_equal(out, ed.greedy_decode(model, params, SRC, max_len=6))
     np.testing.assert_array_equal(beam[:, 0], out)
+
+
+def test_param_dtype_reaches_every_parameter(x64):
+    """The pre-norm stacks' final norms were made without param_dtype: float32 among the
+    float64 parameters a check asked for."""
+    import flax.linen as nn
+    _, params = _model(norm_position="pre", param_dtype="float64", dtype="float64")
+    found = {"/".join(str(getattr(k, "key", k)) for k in path): leaf.dtype
+             for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(params))}
+    assert "encoder_norm/scale" in found and "decoder_norm/scale" in found
+    assert {str(d) for d in found.values()} == {"float64"}, {
+        k: d for k, d in found.items() if d != jnp.float64}
