@@ -463,22 +463,22 @@ def check_model_fits_mesh(model_config, mesh_shape: Mapping[str, int],
     must `positions`, the fixed positions an example of a task without a seq_len has (a
     ViT's patches and [CLS]), which no key sets directly."""
     sequence = mesh_shape.get("sequence", 1)
+
+    def fits(length: int) -> list[int]:  # the mesh.sequence sizes that split `length`
+        return [d for d in range(1, length + 1)
+                if length % (2 * d) == 0 and jax.device_count() % d == 0]
     if seq_len is not None and sequence > 1 and seq_len % (2 * sequence):
-        fits = [d for d in range(1, seq_len + 1)
-                if seq_len % (2 * d) == 0 and jax.device_count() % d == 0]
         raise ConfigError(
             f"config.data.seq_len={seq_len} is not divisible by 2 × mesh.sequence = "
             f"{2 * sequence} (ring attention gives each device two chunks of the sequence); "
-            f"valid: seq_len a multiple of {2 * sequence}, or mesh.sequence in {fits}")
+            f"valid: seq_len a multiple of {2 * sequence}, or mesh.sequence in {fits(seq_len)}")
     if seq_len is None and positions and sequence > 1 and positions % (2 * sequence):
         # (auto's attention took another backend than the ring, unsaid, and the sequence
         # axis's devices split nothing)
-        fits = [d for d in range(1, positions + 1)
-                if positions % (2 * d) == 0 and jax.device_count() % d == 0]
         raise ConfigError(
             f"config.mesh.sequence={sequence}: the model's {positions} positions an example "
             f"are not divisible by 2 × mesh.sequence = {2 * sequence} (ring attention gives "
-            f"each device two chunks of them); valid: mesh.sequence in {fits or [1]}")
+            f"each device two chunks of them); valid: mesh.sequence in {fits(positions) or [1]}")
     if seq_len is not None and sequence > 1 and getattr(model_config, "ring_inner",
                                                         None) == "splash":
         # Said here, before the workdir is made (it came at the first trace, unprefixed).

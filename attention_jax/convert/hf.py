@@ -413,8 +413,9 @@ def restore_params_from_hf(path, abstract_params, *, seed: int = 0, model_config
     shardings of `abstract_params` (a tree of jax.ShapeDtypeStruct), and step 0.
 
     The architecture check is by shape; the fields shapes cannot show (activation,
-    LayerNorm epsilon, a GPT's tied head) are compared with `model_config` (the run's model config; a
-    difference is a ConversionError naming them), or printed when it is not given. New
+    LayerNorm epsilon, a GPT's tied head) are compared with `model_config` (the run's
+    model config; a difference is a ConversionError naming them), or printed when it is
+    not given. New
     task heads: see `hf_params.fresh_numpy`. vocab_size, the run's tokenizer's: a
     checkpoint's vocabulary more than ADDED_TOKENS smaller is another tokenizer's (its
     embedding rows would stand for other tokens), and one larger than the run's table

@@ -782,7 +782,8 @@ def test_a_damaged_model_dir_is_named_with_its_file(tmp_path):
             ("weights", lambda d: (d / "model.safetensors").write_bytes(b"\x01" * 12),
              r"model\.safetensors: unreadable weights \(SafetensorError: .*\); valid: the "
              r"file as save_pretrained wrote it"),
-            ("shard", one_shard_gone, r"gone\.safetensors: a weights file its index names is not there")):
+            ("shard", one_shard_gone,
+             r"gone\.safetensors: a weights file its index names is not there")):
         broken = tmp_path / name
         shutil.copytree(good, broken)
         damage(broken)

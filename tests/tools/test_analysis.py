@@ -149,7 +149,8 @@ def test_runs_report_counts_every_test_image(tmp_path):
         f.write(json.dumps({"step": 3, "split": "eval", "accuracy": 0.2, "loss": 2.2}) + "\n")
     again = analysis.runs_report({"p4": runs["p4"]}, str(tmp_path / "report3" / "vit"))
     assert again["p4"]["eval"]["accuracy_step"] == 2
-    assert "% (checkpoint of step 2) | 2.2000 |" in open(str(tmp_path / "report3" / "vit.md")).read()
+    table = open(str(tmp_path / "report3" / "vit.md")).read()
+    assert "% (checkpoint of step 2) | 2.2000 |" in table
     # An --x no run has: named with what is valid, before anything is written (it was
     # matplotlib's TypeError after the table).
     bogus = str(tmp_path / "report2" / "vit")

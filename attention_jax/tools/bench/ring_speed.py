@@ -67,7 +67,8 @@ def check_args(args) -> None:
     for flag, length in (("--length", args.length), ("--gpt-length", args.gpt_length)):
         bad = [p for p in args.sizes if length % (2 * p)]
         if bad:
-            raise SystemExit(f"error: bench ring: {flag}={length} does not split over --sizes {bad}; "
+            raise SystemExit(f"error: bench ring: {flag}={length} does not split over "
+                             f"--sizes {bad}; "
                              f"valid: a multiple of {2 * math.lcm(*args.sizes)} (2P for "
                              f"every P of --sizes)")
     if not args.budget_mib > 0:
