@@ -187,6 +187,10 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     # A run trained here embeds with its own weights: its config.json keeps init_from,
     # where its training started (the hf: dir's untrained weights were embedded, unsaid).
     trained = checkpoint.latest_step_in(workdir_lib.epath_of(workdir, workdir_lib.CHECKPOINTS))
+    if src.startswith("hf:") and trained is not None:
+        print(f"note: {workdir} holds a trained run (step {trained}): embedding with its "
+              f"checkpoint, not config.train.init_from={src!r} (where its training started; "
+              f"a new --workdir embeds with that dir itself)", file=sys.stderr)
     if src.startswith("hf:") and trained is None:
         # The config's task must embed too: --config=vit with a BERT dir embedded with
         # the BERT in silence, the config ignored.

@@ -131,8 +131,9 @@ def warm_start_params(init_from: str, abstract_params, model_config=None,
     (convert/), checked against `model_config` where its weights cannot show a field and
     against the run's tokenizer's `vocab_size`; of `untrained` (Task.untrained), what a
     Hugging Face dir lacks starts at zero."""
+    hf = init_from.startswith("hf:")
     try:
-        if init_from.startswith("hf:"):
+        if hf:
             params, step = convert.restore_params_from_hf(
                 init_from[len("hf:"):], abstract_params, model_config=model_config,
                 vocab_size=vocab_size, untrained=untrained)
@@ -143,10 +144,12 @@ def warm_start_params(init_from: str, abstract_params, model_config=None,
                 src = workdir_lib.path(src, "checkpoints")
             params, step = ckpt_lib.restore_params(src, abstract_params)
     except (FileNotFoundError, ValueError) as e:
-        if isinstance(e, UserError):
+        # Nothing there, weights that do not fit the model, and for a model dir an
+        # architecture or setting the conversion does not take or a damaged file (its
+        # ValueErrors): the config's mistake. A checkpoint's other ValueErrors are not.
+        if isinstance(e, UserError) or not (
+                hf or isinstance(e, (FileNotFoundError, convert.ConversionError))):
             raise
-        # Nothing there, weights that do not fit the model, a model dir of an architecture
-        # or setting the conversion does not take, a damaged file: the config's mistake.
         raise ConfigError(f"config.train.init_from={init_from!r}: {e}") from None
     _say(f"warm start: params from {src} step {step}")
     return params

@@ -282,14 +282,14 @@ def _import_tensorboardx():
     installed, only to accept torch tensors, which a run never hands it: 1.2 of the
     import's 1.5 s on the 2-core CPU host, at every run's start. With torch already
     imported (a notebook that uses it) it is imported as usual."""
+    import importlib
     if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError, which it expects
         try:
-            import tensorboardX  # noqa: F401
+            return importlib.import_module("tensorboardX")
         finally:
             del sys.modules["torch"]
-    import tensorboardX
-    return tensorboardX
+    return importlib.import_module("tensorboardX")
 
 
 def _tensorboard_writer_class():
@@ -298,9 +298,10 @@ def _tensorboard_writer_class():
 
 
 def _last_event_time(event_file) -> float | None:
-    """The wall time of the last event in a TensorBoard events file (an epath), read from
-    its records (TFRecord framing: a length, its CRC, the Event proto, its CRC); None
-    where it holds none readable."""
+    """The wall time of the last metric record (a summary event) in a TensorBoard events
+    file (an epath), read from its records (TFRecord framing: a length, its CRC, the Event
+    proto, its CRC); None where it holds none. A start's own file_version event is not
+    one: a later start that wrote nothing would otherwise move the run's end."""
     import struct
     _import_tensorboardx()
     from tensorboardX.proto import event_pb2
@@ -316,7 +317,8 @@ def _last_event_time(event_file) -> float | None:
             event.ParseFromString(record)
         except Exception:  # noqa: BLE001 (protobuf's DecodeError): a damaged record
             break
-        last = max(last or 0.0, event.wall_time)
+        if event.HasField("summary"):  # a record's: every start writes a file_version event
+            last = max(last or 0.0, event.wall_time)
     return last
 
 

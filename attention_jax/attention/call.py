@@ -242,11 +242,15 @@ def _check_offset(q_offset, batch):
         # (jnp.asarray raised OverflowError, naming no argument)
         raise ValueError(f"q_offset={int(q_offset)} is no int32 (positions are int32); valid: "
                          f"{int32.min}..{int32.max}")
+    if isinstance(q_offset, (list, tuple)):  # (jnp.asarray raised OverflowError for big ints)
+        q_offset = np.asarray(q_offset)
     if (isinstance(q_offset, (np.ndarray, jax.Array)) and not isinstance(q_offset, jax.core.Tracer)
             and np.issubdtype(q_offset.dtype, np.integer) and q_offset.size
-            and np.iinfo(q_offset.dtype).bits > 32):
-        # An int64 array (numpy's default) past int32 wrapped when cast: 2**32 + 3 read as 3.
-        values = np.asarray(q_offset)
+            and (np.iinfo(q_offset.dtype).max > int32.max
+                 or np.iinfo(q_offset.dtype).min < int32.min)):
+        # An int64 (numpy's default) or uint32 array past int32 wrapped when cast: 2**32 + 3
+        # read as 3.
+        values = np.asarray(q_offset).astype(object)
         bad = values[(values < int32.min) | (values > int32.max)]
         if bad.size:
             raise ValueError(f"q_offset holds {int(bad[0])}, no int32 (positions are int32); "

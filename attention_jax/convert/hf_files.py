@@ -84,7 +84,7 @@ def _read_file(reader, file: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{file}: a weights file its index names is not there")
     try:
         return reader(file)
-    except ImportError:
+    except (ImportError, MemoryError):
         raise
     except Exception as e:  # noqa: BLE001 (SafetensorError, torch's UnpicklingError, ...)
         raise ValueError(f"{file}: unreadable weights ({type(e).__name__}: {e}); valid: the "

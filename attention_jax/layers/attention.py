@@ -113,7 +113,9 @@ class MultiHeadAttention(nn.Module):
       fuse_qkv: one [D, 3, N, H] projection for self-attention when K == N.
       defer_output_bias: return y without the output projection's bias and the bias in
         aux["output_bias"], for the caller to add (a pre-norm block's next norm adds it in
-        its kernel as it reads y, layers/norms.py add_normalize).
+        its kernel as it reads y, layers/norms.py add_normalize). The bias is the
+        parameter as it is, in param_dtype: cast it to y's dtype before adding it
+        yourself (y + bias of a bfloat16 y and a float32 bias is float32).
       kernel_init: overrides the per-kernel fan-in initialiser (any shape-agnostic init).
     """
 

@@ -123,8 +123,9 @@ def _dense(features, in_axis, out_axis, use_bias, dtype, param_dtype, name, kern
 class MLP(nn.Module):
     """Two-layer MLP [B, T, D] -> [B, T, D] with hidden F (default 4D).
 
-    defer_output_bias (with use_bias): return (y without wo's bias, that bias [D]), for
-    the caller to add (a pre-norm block's next norm adds it in its kernel)."""
+    defer_output_bias (with use_bias): return (y without wo's bias, that bias [D] in
+    param_dtype), for the caller to add (a pre-norm block's next norm adds it in its
+    kernel; cast it to y's dtype to add it yourself)."""
 
     hidden: Optional[int] = None
     activation: str = "gelu"

@@ -221,7 +221,8 @@ class GPT(nn.Module):
         if pre_norm:  # post-norm blocks already end in a norm
             # The stack leaves its last residual add to this norm: (x, y, y_bias).
             x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,
-                          dtype=dtype, kernel=cfg.norm_kernel, name="final_norm")(
+                          dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
+                          kernel=cfg.norm_kernel, name="final_norm")(
                               *x, residual=True)[1]
         aux = {"layers": layer_aux}
         if return_weights:

@@ -175,7 +175,7 @@ def translation_report(runs: dict[str, str], out: str, split: str = "test",
             lengths = [r["source_tokens"] for r in rows]
             raise ValueError(
                 f"--edges={','.join(map(str, edges))}: none of run {name!r}'s {len(rows)} "
-                f"{split} examples has a source length in [{edges[0]}, {edges[-1]}), so "
+                f"{split} examples has a source length in ({edges[0]}, {edges[-1]}], so "
                 f"there is nothing to score; valid: edges that cover the sources' lengths"
                 + (f" ({min(lengths)} to {max(lengths)} tokens)" if lengths else ""))
         longest = sorted(rows, key=lambda r: -r["source_tokens"])[:3]
@@ -317,12 +317,14 @@ def unfinished_runs(runs: dict[str, str]) -> str:
     from attention_jax.runs import load_config
     lines = []
     for name, workdir in runs.items():
-        steps, evaluated = load_config(workdir).train.steps, last_eval_step(workdir)
-        if evaluated < steps:
-            reached = max((int(r.get("step", 0)) for r in read_metrics(workdir)), default=0)
+        steps = load_config(workdir).train.steps
+        # (the last step it logged, trained or evaluated: a run with eval.every=-1 that
+        # trained every step is finished without an eval)
+        reached = max((int(r.get("step", 0)) for r in read_metrics(workdir)), default=0)
+        if reached < steps:
             lines.append(f"note: run {name!r} ({workdir}) is unfinished: it logged step "
-                         f"{reached} of its train.steps={steps} and has no final evaluation; "
-                         f"this report reads its latest checkpoint")
+                         f"{reached} of its train.steps={steps}; this report reads its "
+                         f"latest checkpoint")
     for line in lines:
         print(line, file=sys.stderr)
     return "".join(f"\n{line}\n" for line in lines)
@@ -567,7 +569,9 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
             r["eval"]["accuracy_batches"] = r["eval"].get("accuracy")
             r["eval"]["accuracy"], r["eval"]["n"], step = classification_accuracy(
                 r["workdir"], with_step=True)
-            if step != last_eval_step(r["workdir"]):  # a killed run: an older checkpoint
+            # The step of the eval the row shows (else of its last train record): a killed
+            # run's checkpoint is older
+            if step != (last_eval_step(r["workdir"]) or r["step"]):
                 r["eval"]["accuracy_step"] = step
     for name, r in rows.items():  # before anything is written
         if r["eval"] and metric not in r["eval"]:

@@ -449,6 +449,10 @@ def test_values_that_would_silently_change_the_result_are_named():
     # As an int64 array (numpy's default), one per row: it wrapped, 2**32 + 3 read as 3.
     with pytest.raises(ValueError, match=r"^q_offset holds 4294967299, no int32"):
         dot_product_attention(q, k, v, q_offset=np.array([2 ** 32 + 3, 0]))
+    with pytest.raises(ValueError, match=r"^q_offset holds 4294967295, no int32"):
+        dot_product_attention(q, k, v, q_offset=np.array([2 ** 32 - 1, 0], np.uint32))
+    with pytest.raises(ValueError, match=r"^q_offset holds 1099511627776, no int32"):
+        dot_product_attention(q, k, v, q_offset=[2 ** 40, 0])  # (an OverflowError)
     # An empty batch or head dim: ZeroDivisionErrors from the blocking and the scale.
     with pytest.raises(ValueError, match=r"^empty batch: q \(0, "):
         dot_product_attention(q[:0], k[:0], v[:0])

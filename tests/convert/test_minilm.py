@@ -183,7 +183,7 @@ def test_one_string_is_one_text_everywhere(encoder):
         encoder.tokenize([])
 
 
-def test_embed_mode_on_a_run_warm_started_from_a_bert_dir(tmp_path):
+def test_embed_mode_on_a_run_warm_started_from_a_bert_dir(tmp_path, capsys):
     """A run trained from hf:<dir> keeps that init_from in its config.json, and
     --mode=embed on its workdir embedded with the dir's untrained weights, unsaid: it
     embeds with the run's own checkpoint."""
@@ -210,7 +210,10 @@ def test_embed_mode_on_a_run_warm_started_from_a_bert_dir(tmp_path):
     train.train_and_evaluate(config, workdir)
     run = runs.open_run(workdir)
     own = run.task.embed(jax.tree.map(np.asarray, jax.device_get(run.params)), SENTENCES[:2])
+    capsys.readouterr()
     out = main.embed_texts(runs.load_config(workdir), workdir, texts=SENTENCES[:2])
     np.testing.assert_allclose(np.load(out["file"]), own, atol=1e-6)
+    assert (f"note: {workdir} holds a trained run (step 3): embedding with its checkpoint, "
+            f"not config.train.init_from='hf:{tmp_path / 'bert'}'") in capsys.readouterr().err
     untrained = convert.load_sentence_encoder(str(tmp_path / "bert")).embed(SENTENCES[:2])
     assert np.abs(untrained - own).max() > 1e-2  # (what it embedded with before)

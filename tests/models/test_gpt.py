@@ -352,3 +352,15 @@ def test_inputs_of_the_wrong_kind_are_named_in_one_line():
                                          r"\[B, T\]=\[2, 7\]; got \(2, 8, \d+\) \(the order is "
                                          r"lm_loss\(logits, tokens\)\)"):
         gpt.lm_loss(logits, tokens[:, :7])
+
+
+def test_param_dtype_reaches_every_parameter():
+    """The final norm was made without param_dtype: float32 among bfloat16 parameters."""
+    import flax.linen as nn
+    model = gpt.GPT(gpt.get_config("gpt-tiny", param_dtype="bfloat16"))
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+    found = {"/".join(str(getattr(k, "key", k)) for k in path): leaf.dtype
+             for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(params))}
+    assert any("final_norm" in k for k in found)
+    assert {str(d) for d in found.values()} == {"bfloat16"}, {
+        k: d for k, d in found.items() if d != jnp.bfloat16}

@@ -84,7 +84,7 @@ def test_translation_report_on_two_step_runs(tmp_path):
     # "min() arg is an empty sequence" after the tables).
     empty = str(tmp_path / "report2" / "b")
     with pytest.raises(ValueError, match=r"^--edges=40,50: none of run 'rnn-bottleneck'.s 12 "
-                                         r"test examples has a source length in \[40, 50\), "
+                                         r"test examples has a source length in \(40, 50\], "
                                          r"so there is nothing to score; valid: edges that cover "
                                          r"the sources' lengths \(\d+ to \d+ tokens\)$"):
         analysis.translation_report(runs, empty, split="test", edges=(40, 50), max_examples=12)
@@ -215,14 +215,16 @@ def test_position_losses_past_the_training_length(tmp_path):
     with pytest.raises(ValueError, match=r"^--batch_size=0; valid: an int >= 1$"):
         analysis.attention_report({"learned": workdir}, out, batch_size=0)
     # A run that stopped before its train.steps: the reports of its checkpoint say so
-    # (they gave a normal table).
+    # (they gave a normal table). This one trained every step, evaluating none
+    # (eval.every=-1): finished, no note.
+    analysis.attention_report({"learned": workdir}, out, batches=1, batch_size=2)
+    assert "unfinished" not in open(out + ".md").read()
     config = json.loads(open(os.path.join(workdir, "config.json")).read())
     config["train"]["steps"] = 1000
     open(os.path.join(workdir, "config.json"), "w").write(json.dumps(config))
     analysis.attention_report({"learned": workdir}, out, batches=1, batch_size=2)
     assert ("note: run 'learned' (" + workdir + ") is unfinished: it logged step 2 of its "
-            "train.steps=1000 and has no final evaluation; this report reads its latest "
-            "checkpoint") in \
+            "train.steps=1000; this report reads its latest checkpoint") in \
         open(out + ".md").read()
 
 
@@ -258,6 +260,18 @@ def test_wall_time_spans_a_resumed_run_from_its_first_start(tmp_path, capsys):
     for f in [tmp_path / "metrics.jsonl", tmp_path / "config.json",
               *(tmp_path / "tensorboard").glob("events.out.tfevents.*")]:
         os.utime(f, (stamp + 5000, stamp + 5000))
+    assert workdir_lib.wall_seconds(str(tmp_path)) == 50.0
+    # A later start that logged nothing (main.py on the finished run) writes an events
+    # file of its own whose only event is its file_version, stamped now: not the run's end.
+    for f in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
+        f.unlink()
+    writer = workdir_lib._tensorboard_writer_class()(str(tmp_path / "tensorboard"))
+    writer.add_scalar("train/loss", 1.0, 1, walltime=1050.0)
+    writer.close()
+    (only,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    only.rename(tmp_path / "tensorboard" / "events.out.tfevents.1000.host")
+    workdir_lib._tensorboard_writer_class()(str(tmp_path / "tensorboard")).close()  # the restart
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
     assert workdir_lib.wall_seconds(str(tmp_path)) == 50.0
 
 

@@ -364,8 +364,9 @@ def test_launch_settings_are_a_row_of_their_own(tmp_path, capsys, monkeypatch):
     (["--trainer-steps", "12", "--trainer-args=--config.train.chekpoint_every=100"],
      r"^error: --trainer-args='--config\.train\.chekpoint_every=100': --config\.train\."
      r"chekpoint_every: config\.train has no key 'chekpoint_every'"),
-    (["--xla-flags=--xla_gpu_bogus=1"], r"^error: --xla-flags='--xla_gpu_bogus=1': XLA refused "
-                                        r"it \(Unknown flag in XLA_FLAGS: --xla_gpu_bogus=1\)$"),
+    (["--xla-flags=--xla_gpu_bogus=1"], r"^error: --xla-flags=.--xla_gpu_bogus=1.: a child "
+                                        r"starting JAX with it failed \(Unknown flag in "
+                                        r"XLA_FLAGS: --xla_gpu_bogus=1\)$"),
 ])
 def test_gpu_mode_refuses_bad_options_before_any_row_runs(given, says, tmp_path, monkeypatch):
     """One trainer step (trainer.measure's ValueError), a misspelt --trainer-args key and

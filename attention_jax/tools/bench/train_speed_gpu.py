@@ -336,7 +336,8 @@ def run(args, info: dict | None = None, shapes_table: dict | None = None) -> lis
     for flags in dict.fromkeys(getattr(args, "xla_flags", None) or []):
         got = _child(["info"], args.child_timeout, xla_flags=flags)
         if "error" in got:
-            raise SystemExit(f"error: --xla-flags={flags!r}: XLA refused it ({got['error']})")
+            raise SystemExit(f"error: --xla-flags={flags!r}: a child starting JAX with it "
+                             f"failed ({got['error']})")
     # The row with the kernels' launch options given, checked for every row before any runs.
     given = {name: text for name, text in (
         ("tiles", getattr(args, "pallas_tiles", None)),
