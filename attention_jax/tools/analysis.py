@@ -320,7 +320,11 @@ def unfinished_runs(runs: dict[str, str]) -> str:
         steps = load_config(workdir).train.steps
         # (the last step it logged, trained or evaluated: a run with eval.every=-1 that
         # trained every step is finished without an eval)
-        reached = max((int(r.get("step", 0)) for r in read_metrics(workdir)), default=0)
+        try:
+            records = read_metrics(workdir)
+        except workdir_lib.RunNotFoundError:  # no metrics.jsonl: nothing says how far
+            continue
+        reached = max((int(r.get("step", 0)) for r in records), default=0)
         if reached < steps:
             lines.append(f"note: run {name!r} ({workdir}) is unfinished: it logged step "
                          f"{reached} of its train.steps={steps}; this report reads its "
