@@ -54,6 +54,7 @@ from absl import logging
 from etils import epath
 
 from attention_jax import background_save, digests, packed_state, quiet, sharding
+from attention_jax.quiet import warn
 from attention_jax.errors import UserError
 
 
@@ -118,14 +119,6 @@ def describe_mismatch(expected: dict, found: dict, limit: int = 12) -> str:
 
 
 # ============================ step folders, orbax's errors, agreement between processes
-def warn(message: str) -> None:
-    """A `warning:` line on stderr from process 0, with every other warning and note
-    (stdout has the run's progress and results); the trainer's too. absl's log lines
-    carried a timestamp and a file's line number instead."""
-    if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def _is_committed(path: epath.Path) -> bool:
     """Orbax's commit marker, written once every item of the step is on disk."""
     return (path / "commit_success.txt").exists()
@@ -803,7 +796,7 @@ class Checkpointer:
         return state, dict(data_state)
 
     def restore_intact(self, abstract_state, *, on_damage: str = "fall_back",
-                       say: Callable[[str], None] | None = None, need_data: bool = True):
+                       say: Callable[[str], None] = warn, need_data: bool = True):
         """(state, data_state, step) of the newest committed step that restores and
         verifies; None when there is no committed step.
 
@@ -816,7 +809,6 @@ class Checkpointer:
         """
         if on_damage not in ("fall_back", "stop"):
             raise ValueError(f"on_damage={on_damage!r} is invalid; valid: ['fall_back', 'stop']")
-        say = say or warn
         steps = self.committed_steps()
         if not steps:
             return None

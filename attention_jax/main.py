@@ -171,11 +171,9 @@ def embed_texts(config, workdir: str, texts: Sequence[str] | None = None) -> dic
     import numpy as np
 
     from attention_jax import convert, runs, tasks
-    declared = getattr(tasks.TASKS.get(config.get("task")), "provides", None)
-    if declared is not None and "embed" not in declared:
-        # before stdin is read (an empty one said only "no texts"), as classify does
-        raise ConfigError(f"--mode=embed: task {config.task!r} cannot embed text; valid: "
-                          f"{tasks.tasks_with('embed')} (e.g. --config=bert_mlm)")
+    # (before stdin is read: an empty one said only "no texts")
+    tasks.declared_for("embed", config.get("task"), ("embed",), "embed text",
+                       " (e.g. --config=bert_mlm)")
     if texts is None:
         texts = _stdin_texts("embed", "one row each (the _texts.json written beside the "
                                       "embeddings lists them)")
@@ -236,13 +234,8 @@ def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> 
     import numpy as np
 
     from attention_jax import runs, tasks
-    able = sorted(tasks.tasks_with("label_texts") + tasks.tasks_with("label_images"))
-    declared = getattr(tasks.TASKS.get(config.task), "provides", None)
-    if declared is not None and not {"label_texts", "label_images"} & declared:
-        # before stdin is read or the run loaded (a task added as TASKS[name] = make
-        # declares nothing: its built Task tells, below)
-        raise ConfigError(f"--mode=classify: task {config.task!r} cannot classify texts or "
-                          f"images; valid: {able}")
+    declared = tasks.declared_for("classify", config.task, ("label_texts", "label_images"),
+                                  "classify texts or images")
     what = "image path" if declared and "label_images" in declared else "text"
     if texts is None:
         texts = _stdin_texts("classify", f"one output line each (each names its {what})",
@@ -253,6 +246,7 @@ def classify_texts(config, workdir: str, texts: Sequence[str] | None = None) -> 
     images = run.task.label_images is not None
     label = run.task.label_images if images else run.task.label_texts
     if label is None:
+        able = sorted(tasks.tasks_with("label_texts") + tasks.tasks_with("label_images"))
         raise ConfigError(f"--mode=classify: task {config.task!r} cannot classify texts or "
                           f"images (its Task has neither label_texts nor label_images); "
                           f"valid: {able}")
@@ -310,14 +304,14 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
     from the run's are named on stderr. (embed of a Hugging Face model, with no run in the
     workdir, takes `spec`.)"""
     from attention_jax import workdir as workdir_lib
+    mesh_given = any(str(o).startswith("mesh.") for o in overrides)
     if mode != "train":
         workdir_lib.check_readable(workdir)
     if mode != "train" and workdir_lib.exists(workdir, workdir_lib.CONFIG):
         config = workdir_lib.read_config(workdir)
         config_lib.apply_overrides(config, overrides)
         from attention_jax import runs
-        fitted = (not any(str(o).startswith("mesh.") for o in overrides)
-                  and runs.fit_run_mesh(config, f"--mode={mode}"))
+        fitted = not mesh_given and runs.fit_run_mesh(config, f"--mode={mode}")
         changed = workdir_lib.check_reader_config(config, workdir, f"--mode={mode}")
         if fitted:  # said once, by fit_run_mesh
             changed = {k: v for k, v in changed.items() if not k.startswith("mesh.")}
@@ -339,8 +333,7 @@ def mode_config(mode: str, spec: str | None, overrides: Sequence[str], workdir: 
         config_lib.apply_overrides(config, overrides)
         m = config.mesh
         launched = m.coordinator_address or m.process_id >= 0 or m.num_processes > 0
-        if (m.distributed and launched
-                and not any(str(o).startswith("mesh.") for o in overrides)):
+        if m.distributed and launched and not mesh_given:
             # Process 0's launch settings (its id, the coordinator) are no part of the run:
             # inherited, this one process joined the gone coordinator and waited 5 minutes.
             # (A cluster JAX detects, a TPU VM's or SLURM's, recorded none: its workers
@@ -395,10 +388,7 @@ def translate_texts(config, workdir: str, texts: Sequence[str] | None = None) ->
     that cannot be translated (no tokens, longer than data.source_len) gets {"source",
     "error"}, said on stderr, the others translated."""
     from attention_jax import runs, tasks
-    declared = getattr(tasks.TASKS.get(config.task), "provides", None)
-    if declared is not None and "translate" not in declared:  # before stdin is read
-        raise ConfigError(f"--mode=translate: task {config.task!r} cannot translate; valid: "
-                          f"{tasks.tasks_with('translate')}")
+    tasks.declared_for("translate", config.task, ("translate",), "translate")
     if texts is None:
         texts = _stdin_texts("translate", "one output line each (each names its source)",
                              what="source sentence")

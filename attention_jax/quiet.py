@@ -10,7 +10,8 @@ so a filter cannot swallow a different message that happens to contain the words
 
 And our own warnings about a choice made at trace time (a kernel that cannot take a
 shape, a mesh that splits nothing) are said once per process and key, not at every
-trace: `warn_once(logger, key, message, *args)`.
+trace: `warn_once(logger, key, message, *args)`; those of a run as it goes (a damaged
+checkpoint, a skipped step) as `warn(message)`, a `warning:` line.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ def storage_errors_in_one_line(limit: int = 300):
 
 
 _warned: set = set()
+
+
+def warn(message: str) -> None:
+    """A `warning:` line on stderr from process 0, with every other warning and note
+    (stdout has the run's progress and results): the checkpoints' and the trainer's.
+    absl's log lines carried a timestamp and a file's line number instead."""
+    import sys
+
+    import jax
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def warn_once(logger: str, key, message: str, *args) -> None:

@@ -144,8 +144,7 @@ def open_run(workdir: str, overrides: dict | None = None, *, config=None) -> Run
             # skipped, not moved: a reader changes nothing in the workdir).
             try:
                 state, _, _ = prepared.ckpt.restore_intact(  # arrays only: no loader
-                    prepared.abstract, say=lambda m: print(f"warning: {m}", file=sys.stderr),
-                    need_data=False)
+                    prepared.abstract, need_data=False)
             except CheckpointMismatchError as e:
                 if not overrides:
                     raise
@@ -169,20 +168,22 @@ def count_params(params) -> int:
 
 
 
-def run_summary(workdir: str) -> dict:
+def run_summary(workdir: str, task=None) -> dict:
     """Final eval metrics, steps, parameter count and wall time of a finished run.
 
     Wall time is the span from the run's first start to its last metric record (the
     final eval; workdir.wall_seconds): compilation, training and evaluation included, as
     a user waits for it. A resumed run's span includes the pause. "model" is the resolved
-    model config (a variant's fields included), not config.model's given keys.
+    model config (a variant's fields included), not config.model's given keys. task: the
+    run's, where the caller has built it (data on demand).
     """
     records = workdir_lib.read_metrics(workdir)
     evals = workdir_lib.eval_records(workdir)  # --mode=eval's too, where training had none
     trains = [r for r in records if r["split"] == "train"]
     config = load_config(workdir)
-    with tasks.data_on_demand():  # its config and entries: not its corpus, which may have moved
-        task = tasks.TASKS[config.task](config, workdir)
+    if task is None:  # its config and entries: not its corpus, which may have moved
+        with tasks.data_on_demand():
+            task = tasks.TASKS[config.task](config, workdir)
     shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))  # Counts without computing.
     return {"workdir": workdir, "task": config.task, "step": trains[-1]["step"] if trains else 0,
             "steps": config.train.steps,

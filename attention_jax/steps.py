@@ -57,8 +57,12 @@ def create_state(task: Task, tx, mesh, rules, seed: int):
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "opt_state": tx.init(params), "rng": jax.random.fold_in(seed_key, 1)}
 
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        abstract = jax.eval_shape(init, jax.random.PRNGKey(seed))
+    # init's shapes from the pieces traced above (a second trace of the model's init cost
+    # as much as the first)
+    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
+                "opt_state": abstract_opt,
+                "rng": jax.eval_shape(lambda k: jax.random.fold_in(k, 1),
+                                      jax.random.PRNGKey(seed))}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
     # jit with out_shardings: every device computes only its own shards; the full

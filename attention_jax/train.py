@@ -357,7 +357,7 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool,
             pass  # restore_intact reports it and falls back to an older step
     for warning in (config_lib.warnings(config)
                     + sharding.rules_warnings(prepared.rules, dict(prepared.mesh.shape))):
-        ckpt_lib.warn(warning)
+        quiet.warn(warning)
     # Data that changed since the checkpoint is refused (or, resume_changed, noted) before
     # its arrays are read and before config.json is rewritten: it was found only after
     # "resumed from ... at step N", which read as if the run had gone on.
@@ -724,7 +724,7 @@ def _progress_line(step, total, means, unit, elapsed, steps_done,
 def _nonfinite(config, step, metrics, ckpt) -> None:
     what = f"loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])}"
     if config.train.nonfinite == "skip":
-        ckpt_lib.warn(f"step {step}: non-finite ({what}); update skipped")
+        quiet.warn(f"step {step}: non-finite ({what}); update skipped")
         return
     ckpt.wait()
     last = ckpt.latest_step()

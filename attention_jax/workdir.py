@@ -968,5 +968,18 @@ def check_output_path(out: str, flag: str = "--out") -> None:
                            f"files written)")
 
 
+def check_output_folder(out: str, flag: str = "--out") -> None:
+    """A tool's output folder (made now if absent) that can be written; else one line
+    naming the flag (check_output_path's counterpart for the tools whose --out is a folder)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunPathError(f"{flag}={out} is a file; valid: a folder (made if absent)")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise RunPathError(f"{flag}={out}: the folder cannot be made ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise RunPathError(f"{flag}={out} is not writable")
+
+
 class RunPathError(UserError, OSError):
     """A workdir (or a file in it) that is not what it must be: a file, unwritable..."""

@@ -196,11 +196,10 @@ class _ShardWriter:
         # (TokenRows.fingerprint): a cache is rebuilt when a file's size or time changes.
         digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
         digest.update(ends.astype(np.int64).tobytes())
+        skipped = sorted(bad.seen - bad_before, key=_place_order) if bad is not None else []
         meta = {'key': self.key, 'shard': k, 'first_document': first, 'documents': last - first,
                 'tokens': len(tokens), 'digest': digest.hexdigest(), 'source_bytes': source_bytes,
-                'bad_records': len(found := sorted(bad.seen - bad_before, key=_place_order)
-                                   if bad else []),
-                'bad_where': found[:MOST_BAD_WHERE],
+                'bad_records': len(skipped), 'bad_where': skipped[:MOST_BAD_WHERE],
                 'sizes': [os.path.getsize(_shard_name(self.directory, k, w))
                           for w in ('tokens.npy', 'ends.npy')]}
         _write_json(_shard_name(self.directory, k, 'json'), meta)

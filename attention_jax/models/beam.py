@@ -19,10 +19,13 @@ scores are log p(y | x) / lp(|y|), |y| counting tokens up to and including eos.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from attention_jax.layers.posemb import check_below, check_ids
 
 
 # top_k's indices into a row of W·V candidates are int32: W·V at most this.
@@ -34,10 +37,8 @@ def check_decode_inputs(src, max_len, vocab_size: int) -> None:
     jitted loop (greedy or beam; encdec's, rnn's): there an id past the vocabulary embeds
     a NaN row (all-pad tokens, NaN beam scores, unsaid), and max_len 0 failed as an
     IndexError from a cache."""
-    from attention_jax.layers.posemb import check_below, check_ids
     check_ids("src", src)
     check_below("src", src, vocab_size, "token ids of the model's vocabulary")
-    import numbers
     if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len < 1:
         raise ValueError(f"max_len={max_len!r}; valid: an int >= 1 (tokens to decode)")
 

@@ -22,7 +22,8 @@ A notebook or a test adds a family without editing the package:
 # The families register themselves on import.
 from attention_jax.tasks import images, text, text_classes, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
-                                      data_on_demand, data_options, lm_vocab_size,
+                                      data_on_demand, data_options, declared_for,
+                                      lm_vocab_size,
                                       model_config, need,
                                       describe_readers, padded_vocab, register, tasks_with,
                                       token_labels, unread_keys, until_eos)
@@ -32,7 +33,7 @@ from attention_jax.tasks.text_classes import classify_task
 from attention_jax.tasks.translation import translation_task
 
 __all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "classify_task",
-           "data_on_demand", "describe_readers",
+           "data_on_demand", "declared_for", "describe_readers",
            "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
            "register", "tasks_with", "token_labels", "translation_task",

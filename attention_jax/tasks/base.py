@@ -307,6 +307,18 @@ def tasks_with(entry: str) -> list[str]:
     return sorted(n for n, make in TASKS.items() if entry in getattr(make, "provides", ()))
 
 
+def declared_for(mode: str, name: str, entries: Sequence[str], doing: str, hint: str = ""):
+    """The entries registered task `name` declares (None where it declares nothing:
+    TASKS[name] = make; its built Task tells), or, where it declares none of `entries`, a
+    ConfigError "--mode=M: task N cannot DOING; valid: [the tasks that do]": a reading
+    mode's refusal before stdin is read or the run is loaded."""
+    declared = getattr(TASKS.get(name), "provides", None)
+    if declared is not None and not set(entries) & set(declared):
+        valid = sorted(t for entry in entries for t in tasks_with(entry))
+        raise ConfigError(f"--mode={mode}: task {name!r} cannot {doing}; valid: {valid}{hint}")
+    return declared
+
+
 def need(task: Task, entry: str, name: str, doing: str):
     """task.<entry>, or a ConfigError naming task `name` (config.task) and the registered
     tasks that have it: "task 'vit' cannot translate; valid: ['encdec', 'rnn_seq2seq']"."""

@@ -557,11 +557,14 @@ def runs_report(runs: dict[str, str], out: str, x: str = "", metric: str = "accu
     import jax
 
     from attention_jax.runs import load_config
-    rows = {name: run_summary(w) for name, w in runs.items()}
-    for r in rows.values():
-        config = load_config(r["workdir"])
-        with tasks.data_on_demand():  # its entries: no checkpoint, no corpus
-            task = tasks.TASKS[config.task](config, r["workdir"])
+    rows, built = {}, {}
+    for name, w in runs.items():
+        config = load_config(w)
+        with tasks.data_on_demand():  # its config and entries: no checkpoint, no corpus
+            built[name] = tasks.TASKS[config.task](config, w)
+        rows[name] = run_summary(w, built[name])
+    for name, r in rows.items():
+        task = built[name]
         if task.tokens_per_example:
             r["tokens"] = task.tokens_per_example
         if task.flops_per_unit is not None:  # shapes suffice: nothing is computed

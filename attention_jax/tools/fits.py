@@ -286,17 +286,16 @@ def _point_value(workdir: str, key: str, flag: str = ""):
             if k == key or k.rsplit(".", 1)[-1] == key:
                 return v
     from attention_jax.runs import load_config
+    named = f"{flag}={key!r}: " if flag else ""  # the errors' start
     node = load_config(workdir)
     for part in key.split("."):
         if part not in node:
-            raise ValueError(f"{flag + '=' + repr(key) + ': ' if flag else ''}{workdir}: no "
-                             f"sweep point or config field {key!r}")
+            raise ValueError(f"{named}{workdir}: no sweep point or config field {key!r}")
         node = node[part]
     if isinstance(node, (dict, ml_collections.ConfigDict)):  # a group, not a value
         fields = ", ".join(f"{key}.{k}" for k in sorted(node)[:5])
-        raise ValueError(f"{flag + '=' + repr(key) + ': ' if flag else ''}{workdir}: config "
-                         f"field {key!r} is a group of settings, not a "
-                         f"value; valid: a key of the runs' sweep (sweep.json) or a field "
+        raise ValueError(f"{named}{workdir}: config field {key!r} is a group of settings, "
+                         f"not a value; valid: a key of the runs' sweep (sweep.json) or a field "
                          f"with a value, e.g. {fields}")
     return node
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 import attention_jax.tools.bench as bench
 from attention_jax.tools.bench import (attention_speed, checkpoint_speed, data_speed, gpu_hlo,
@@ -51,21 +50,12 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
                 parser.error(f"{action.option_strings[0]} is for runs {needs}; add {flag}, or "
                              f"leave it out")
         if action.dest in FILE_OUTPUTS and value:
-            flag = action.option_strings[0]
+            # (a folder's mistakes were found after the profile's windows: FileExistsError,
+            # or orbax's "is not a directory" after the saves had run)
+            check = (workdir_lib.check_output_folder if args.which in WRITES_A_FOLDER
+                     else workdir_lib.check_output_path)
             try:
-                if args.which not in WRITES_A_FOLDER:
-                    workdir_lib.check_output_path(value, flag)
-                elif os.path.exists(value) and not os.path.isdir(value):
-                    # (found after the profile's windows: FileExistsError, or orbax's
-                    # "is not a directory" after the saves had run)
-                    parser.error(f"{flag}={value} is a file; valid: a folder (made if absent)")
-                else:  # the folder, made now, and writable
-                    try:
-                        os.makedirs(value, exist_ok=True)
-                    except OSError as e:
-                        parser.error(f"{flag}={value}: the folder cannot be made ({e.strerror})")
-                    if not os.access(value, os.W_OK | os.X_OK):
-                        parser.error(f"{flag}={value} is not writable")
+                check(value, action.option_strings[0])
             except workdir_lib.RunPathError as e:
                 parser.error(str(e))
 

@@ -533,7 +533,7 @@ def run(args) -> dict:
                             CUDA_VISIBLE_DEVICES="-1")
     if where:
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], where])
-    given_flags = " ".join(args.xla_flags) if isinstance(args.xla_flags, list) else args.xla_flags
+    given_flags = " ".join(args.xla_flags)
     flags = given_flags + (f" --xla_dump_to={out / 'dump'}" if args.kernel_code else "")
     if flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()

@@ -297,10 +297,11 @@ def check_trainer_options(args, row: dict, impls) -> None:
     steps = args.trainer_steps
     if not steps:
         return
-    if steps < 2 * trainer_log_every(steps):
+    try:
+        trainer.check_windows(steps, trainer_log_every(steps))
+    except ValueError:
         raise SystemExit(f"error: --trainer-steps={steps}: the trainer's rows time the logged "
-                         f"windows after the first; valid: 0 (no trainer rows) or >= "
-                         f"{2 * trainer_log_every(2)}")
+                         f"windows after the first; valid: 0 (no trainer rows) or >= 2") from None
     extra = tuple(shlex.split(args.trainer_args))
     try:
         trainer.experiment_config(row, impls[0], args.dtype, steps, extra)

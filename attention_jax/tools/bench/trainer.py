@@ -67,6 +67,13 @@ def child_env(**extra: str) -> dict:
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
 
 
+def check_windows(steps: int, log_every: int) -> None:
+    """`measure`'s run must log two windows at least: the first is left out."""
+    if steps < 2 * log_every:
+        raise ValueError(f"steps={steps} must be at least 2 × log_every={log_every}: the first "
+                         f"window is left out")
+
+
 def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: int = 60,
             log_every: int = 10, timeout: float = 600, extra: tuple[str, ...] = ()) -> dict:
     """{"step_s", "tokens_per_s_logged", "windows", "windows_tokens_per_s",
@@ -74,9 +81,7 @@ def measure(row: dict, implementation: str, *, dtype: str = "bfloat16", steps: i
     after the first, as seconds per step, every window's figure, and the median shares of
     a window the host spent getting batches and calling the step; or {"error": ...}
     when the run failed or logged too few windows."""
-    if steps < 2 * log_every:
-        raise ValueError(f"steps={steps} must be at least 2 × log_every={log_every}: the first "
-                         f"window is left out")
+    check_windows(steps, log_every)
     return run_commands(row, lambda workdir: [command(
         row, workdir, steps=steps, log_every=log_every, implementation=implementation,
         dtype=dtype, extra=extra)], env=child_env(), timeout=timeout)
