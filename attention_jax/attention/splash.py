@@ -231,7 +231,8 @@ def forward_with_lse(kernel, q, k, v, segment_ids=None):
     v [K, S, Hv] -> (out [N, T, Hv] in q's dtype, lse [N, T] natural log, -inf on rows
     that see no key). The sink makes such rows 0 instead of 0/0 (see the module doc)."""
     sinks = jnp.full((q.shape[0],), _SINK, jnp.float32)
-    out, (lse,) = kernel(q, k, v, segment_ids=segment_ids, sinks=sinks)
+    with jax.enable_x64(False):  # as `_without_x64`: splash's index maps under x64
+        out, (lse,) = kernel(q, k, v, segment_ids=segment_ids, sinks=sinks)
     return out, jnp.where(lse <= _SINK / 2, -jnp.inf, lse)  # only the sink: nothing seen
 
 
@@ -250,9 +251,10 @@ def backward_given_lse(kernel, q, k, v, segment_ids, out, lse, d_out):
     kw = kernel.kwargs
     residuals = (q, k, v, segment_ids, None, out, lse.astype(jnp.float32),
                  _collapse(kernel.dq_mask_info), _collapse(kernel.dkv_mask_info))
-    grads = kernel_lib._splash_attention_bwd(
-        False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
-        kw["attn_logits_soft_cap"], kw["interpret"], residuals, d_out)
+    with jax.enable_x64(False):  # as `_without_x64`: splash's index maps under x64
+        grads = kernel_lib._splash_attention_bwd(
+            False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None,
+            kw["mask_function"], kw["attn_logits_soft_cap"], kw["interpret"], residuals, d_out)
     return grads[3], grads[4], grads[5]  # (.., q, k, v, segment_ids, sinks)
 
 

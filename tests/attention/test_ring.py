@@ -189,8 +189,7 @@ def _fused_value_and_grads(inner, q, k, v, kw):
 
 
 def _reference_float64(q, k, v, kw):
-    """The float64 reference's y and grads, as numpy (x64 only here: splash's index maps
-    do not trace with x64 on)."""
+    """The float64 reference's y and grads, as numpy."""
     with jax.enable_x64(True):
         f64 = [jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in (q, k, v)]
         w = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape[-1]), jnp.float32)
@@ -251,6 +250,19 @@ def test_ring_with_splash_pairs_matches_reference_float32(name):
     the merged statistics; float32 against the float64 reference."""
     q, k, v = _splash_inputs(jnp.float32, s=1024 if name.startswith("cross") else None)
     kw = SPLASH_CASES[name](q.shape[1])
+    with jax.set_mesh(_mesh(2)):
+        (_, y), g = _fused_value_and_grads("splash", q, k, v, kw)
+    assert y.dtype == jnp.float32
+    errors = _relative_errors((y, *g), _reference_float64(q, k, v, kw))
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_ring_with_splash_pairs_runs_with_x64_on(x64):
+    """With jax_enable_x64 on (float32 inputs), splash's index maps divided an int32 grid
+    index by an int64 Python int on the ring's pairs too (a TypeError at the pair offset
+    off the chunk grid): the pairs' forward and backward now trace with 64-bit types off."""
+    q, k, v = _splash_inputs(jnp.float32, s=1024)
+    kw = SPLASH_CASES["cross-offset-window"](q.shape[1])
     with jax.set_mesh(_mesh(2)):
         (_, y), g = _fused_value_and_grads("splash", q, k, v, kw)
     assert y.dtype == jnp.float32
