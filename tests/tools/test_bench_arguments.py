@@ -3,6 +3,9 @@ line naming the option (they ended in tracebacks from statistics, numpy or the O
 after a ten-minute run, or in the out-of-memory killer)."""
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +83,17 @@ def test_gpu_only_options_given_to_a_cpu_run_are_named(capsys):
     assert capsys.readouterr().err == ("note: --quick, --shapes are for a GPU run; this one "
                                        "runs on the CPU and ignores them\n")
     assert bench_main.gpu_only_given(sub.choices["train"], parser.parse_args(["train"])) == []
+
+
+def test_bench_images_reads_its_images_before_removing_them(tmp_path):
+    """The read-ahead threads were still reading when the bench removed its temporary
+    JPEGs, and each read warned that an image 'cannot be decoded'. The folder now goes
+    at exit, after those threads end; it is gone afterwards all the same."""
+    run = subprocess.run(
+        [sys.executable, "-m", "attention_jax.tools.bench", "images", "--images", "16",
+         "--size", "40", "30", "--image-size", "16", "--batch", "4", "--workers", "0",
+         "--warmup", "1", "--batches", "2"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    assert "| 0 |" in run.stdout and "cannot be decoded" not in run.stderr, run.stderr
+    assert not list(tmp_path.glob("bench_images_*"))

@@ -19,6 +19,7 @@ The pixels are smooth gradients plus noise, so the files are about the size of p
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -80,18 +81,16 @@ def run(args) -> dict:
 
     from attention_jax.data import images as images_lib
     root = args.dir or tempfile.mkdtemp(prefix="bench_images_")
-    try:
-        nbytes = write_jpegs(root, args.images, *args.size)
-        splits, classes = images_lib.folder_splits(root, eval_fraction=0.01)
-        imagenet = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
-        transform = images_lib.Preprocess(args.image_size, train=True, crop="random_resized",
-                                          flip=True, **imagenet)
-        rows = [{"workers": w, "images_per_s": _rate(splits["train"], transform, args.batch, w,
-                                                     args.warmup, args.batches)}
-                for w in args.workers]
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
+    if not args.dir:  # at exit, after the loaders' read-ahead threads (still reading) end
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    nbytes = write_jpegs(root, args.images, *args.size)
+    splits, classes = images_lib.folder_splits(root, eval_fraction=0.01)
+    imagenet = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    transform = images_lib.Preprocess(args.image_size, train=True, crop="random_resized",
+                                      flip=True, **imagenet)
+    rows = [{"workers": w, "images_per_s": _rate(splits["train"], transform, args.batch, w,
+                                                 args.warmup, args.batches)}
+            for w in args.workers]
     from attention_jax.tools.bench.data_speed import _machine
     from attention_jax.tools.bench.train_speed_gpu import H100_BF16_PEAK
     need = args.mfu * H100_BF16_PEAK / vit_b16_train_flops_per_image()
