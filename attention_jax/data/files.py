@@ -123,7 +123,8 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
     if not globs:
         raise NoFilesError(f'{arg}={spec!r}: no glob given; valid: comma-separated globs of '
                            f'{", ".join(SUFFIXES)} files, e.g. {arg}=~/corpus/**/*.txt')
-    found: dict[str, str] = {}
+    found: dict[str, tuple] = {}  # real path -> (len(identity), identity, path)
+    aliases = set()
     for pattern in globs:
         full = os.path.expanduser(pattern)
         if os.path.isdir(full):  # a directory: every file of a known format under it
@@ -157,9 +158,21 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
             if _format(p) is None:
                 raise FilesError(f'{arg}: {p} (matched by {pattern!r}) is not a file type this '
                                  f'source reads; valid: {", ".join(SUFFIXES)}')
-            rel = os.path.relpath(p, base) if base else os.path.normpath(p)
-            found.setdefault(os.path.abspath(p), rel.replace(os.sep, '/'))
-    files = [(ident, path) for path, ident in sorted(found.items())]
+            rel = (os.path.relpath(p, base) if base else os.path.normpath(p)).replace(os.sep, '/')
+            # One file once, however many globs or links reach it (a link back up, `up ->
+            # ..`, listed a folder's files dozens of times, in both splits), under the
+            # shortest of its names: the split hashes it, so not the first glob's.
+            named = (len(rel), rel, os.path.abspath(p))
+            real = os.path.realpath(p)
+            if real in found:
+                aliases.add(real)
+            found[real] = min(found.get(real, named), named)
+    if aliases:
+        say_once(f'aliases:{spec}', f'note: {arg}={spec!r}: {len(aliases)} file'
+                 f'{"s" if len(aliases) > 1 else ""} reached by more than one glob or link '
+                 f'(e.g. {found[min(aliases)][1]}); each read once')
+    files = sorted((path, ident) for _, ident, path in found.values())
+    files = [(ident, path) for path, ident in files]
     return files[:max_files] if max_files else files
 
 
@@ -600,9 +613,10 @@ class _Reader:
         at = k - int(f.groups[g])
         return [column[at].as_py() for column in self._cached((f.path, g), load)]
 
-    def text_file(self, f: _File) -> tuple[bytes, int]:
-        """The file's text as UTF-8, and how many of its bytes were not UTF-8 (each read
-        as U+FFFD); a compressed one's, decompressed (_Corrupt if it cannot be)."""
+    def text_file(self, f: _File) -> tuple[bytes, int, int]:
+        """The file's text as UTF-8, how many of its bytes were not UTF-8 (each read as
+        U+FFFD), and how many bytes it had; a compressed one's, decompressed (_Corrupt if
+        it cannot be)."""
         try:
             raw = b''.join(_chunks(f.format)(f.path))
         except _corrupt_errors() as e:  # (the disk's or network's OSError is no corrupt file)
@@ -610,13 +624,13 @@ class _Reader:
         except OSError as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
         try:
-            return raw.decode('utf-8').encode('utf-8'), 0
+            return raw.decode('utf-8').encode('utf-8'), 0, len(raw)
         except UnicodeDecodeError:
             text = raw.decode('utf-8', errors='replace')
             # Each invalid byte became a U+FFFD; those the file itself held (valid UTF-8
             # for U+FFFD) are the ones a decode that drops invalid bytes still has.
             invalid = text.count('\ufffd') - raw.decode('utf-8', errors='ignore').count('\ufffd')
-            return text.encode('utf-8'), invalid
+            return text.encode('utf-8'), invalid, len(raw)
 
 
 class _Corrupt(Exception):
@@ -726,15 +740,16 @@ class Corpus:
         f, k = self.files[i], n - int(self.first[i])
         if f.format in TEXT_SUFFIXES:
             try:
-                text, invalid = self._reader.text_file(f)
+                text, invalid, size = self._reader.text_file(f)
             except _Corrupt as e:
                 self.bad.skip(f.path, str(e))
-                text, invalid = b'', 0
+                text, invalid, size = b'', 0, 0
             if b'\x00' in text:  # a binary file under a text suffix: skipped and counted
                 self.bad.skip(f.path, 'holds NUL bytes: a binary file, or text not in UTF-8 '
                                       '(UTF-16/32: convert it to UTF-8)')
                 text = b''
-            elif invalid > MOST_INVALID * max(len(text), 1):
+            elif invalid > MOST_INVALID * max(size, 1):  # of the file's bytes, not the
+                # text's (each U+FFFD is 3 bytes there: the share never passed a third)
                 self.bad.skip(f.path, f'{invalid} of its bytes are not UTF-8: not text, or text '
                                       f'in another encoding (convert it, e.g. iconv -t utf-8)')
                 text = b''
@@ -947,10 +962,10 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
 
 def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] = '', *,
                    max_files: int = 0, arg: str = '', train: bool = True) -> dict[str, list]:
-    """{'files': [[identity, path, size, mtime_ns], ...], 'eval_files': [...]}: what the
-    globs match, from a listing and a stat per file (no file is read). The splits are a
-    function of it (and eval_fraction), so it keys what is derived from them: the
-    indexing here, the token cache (data/token_cache.py). train=False: `files` is not
+    """{'files': [[identity, path, size, mtime_ns, inode, ctime_ns], ...], 'eval_files':
+    [...]}: what the globs match, from a listing and a stat per file (no file is read).
+    The splits are a function of it (and eval_fraction), so it keys what is derived from
+    them: the indexing here, the token cache (data/token_cache.py). train=False: `files` is not
     listed ('files': [])."""
     listed = {}
     for name, spec, limit in (('files', files, max_files), ('eval_files', eval_files, 0)):
@@ -959,7 +974,10 @@ def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] =
             continue
         found = list_files(spec, f'{arg}{name}', limit) if spec or name == 'files' else []
         stats = [(ident, path, os.stat(path)) for ident, path in found]
-        listed[name] = [[ident, path, st.st_size, st.st_mtime_ns] for ident, path, st in stats]
+        # The inode and change time too: an edit that keeps the size and modification
+        # time (cp -p, rsync -t, touch -r) was a token cache read stale.
+        listed[name] = [[ident, path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+                        for ident, path, st in stats]
     return listed
 
 
@@ -969,7 +987,7 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
     bad = _BadRecords(max_bad_records, arg)
     fields, hint, integers = read
     corpus = lambda listed: Corpus([_index(ident, path, fields, hint, pairs, integers)  # noqa: E731
-                                    for ident, path, _, _ in listed], fields, bad, pairs,
+                                    for ident, path, *_ in listed], fields, bad, pairs,
                                    integers)
     def eval_corpus():
         evaluated = corpus(eval_files)
@@ -987,7 +1005,7 @@ def _splits(train_files, eval_files, read, pairs, eval_fraction, max_bad_records
         evaluated = eval_corpus()
         return {'train': FileDocuments(train), 'validation': FileDocuments(evaluated)}
     if len(train) < 2:
-        if all(size == 0 for _, _, size, _ in train_files):  # (as the tasks word it)
+        if all(size == 0 for _, _, size, *_ in train_files):  # (as the tasks word it)
             raise FilesError(f'{arg}files={spec!r}: the train split holds no text (its 1 '
                              f'document is empty); valid: documents with text')
         raise FilesError(f'{arg}files={spec!r} holds one document; a held-out split needs '
@@ -1014,7 +1032,7 @@ def _say_if_uncached(indexed: list[_File], records: bool, arg: str) -> None:
 
 
 def _refuse_both(trained: set[str], eval_listed, arg: str) -> None:
-    both = sorted(trained & {path for _, path, _, _ in eval_listed})
+    both = sorted(trained & {path for _, path, *_ in eval_listed})
     if both:
         raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
                          f'document must not be both trained and evaluated on')

@@ -104,27 +104,56 @@ def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str
             f'class folders inside, not class folders: point {arg} at {first!r}'
             + (f' and {arg.replace("root", "eval_root")} at {other!r}' if other else '')
             + ' (root/<class>/<image>.jpg)')
-    files, others = [], []
-    for name in classes:
-        found = []
-        for top, dirs, names in os.walk(os.path.join(root, name), followlinks=True):
-            dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
-            for n in names:
+    # Linked folders and images are followed (a class may live elsewhere), each real
+    # image read once: a link back up (`up -> ..`) walked root again and put the other
+    # classes' images in this class, dozens of times over. An image reached both directly
+    # and through a link keeps its direct place (and class); the links are said.
+    tops = {os.path.realpath(p) for p in [root] + [os.path.join(root, c) for c in classes]}
+    others, links, entries = [], [], {}  # entries: real path -> (linked?, class, rel path)
+    for k, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        real_folder, walked = os.path.realpath(folder), set()
+        for top, dirs, names in os.walk(folder, followlinks=True):
+            kept = []
+            for d in sorted(d for d in dirs if not d.startswith('.')):
+                real = os.path.realpath(os.path.join(top, d))
+                if real in tops or real in walked:  # a loop, or another class's folder
+                    links.append(os.path.relpath(os.path.join(top, d), root) + '/')
+                else:
+                    walked.add(real)
+                    kept.append(d)
+            dirs[:] = kept
+            for n in sorted(names):
+                path = os.path.join(top, n)
+                rel = os.path.relpath(path, root)
                 if n.startswith('.'):
                     continue
-                (found if n.lower().endswith(SUFFIXES) else others).append(
-                    os.path.relpath(os.path.join(top, n), root))
+                if not n.lower().endswith(SUFFIXES):
+                    others.append(rel)
+                    continue
+                real = os.path.realpath(path)
+                entry = (real != os.path.join(real_folder, os.path.relpath(path, folder)), k, rel)
+                if real in entries:
+                    links.append(max(entry, entries[real])[2])
+                    entry = min(entry, entries[real])
+                entries[real] = entry
+    files = [[] for _ in classes]
+    for _, k, rel in entries.values():
+        files[k].append(rel)
+    for name, found in zip(classes, files):
         if not found:
             raise ImagesError(f'{arg}={root!r}: class folder {name!r} has no images '
                               f'({", ".join(SUFFIXES)}); remove it or add images')
-        files.append(sorted(found))
+        found.sort()
     loose = sorted(e.name for e in os.scandir(root) if not e.name.startswith('.')
                    and not e.is_dir())
-    for what, names in ((f'without an image suffix ({", ".join(SUFFIXES)})', others),
-                        ('beside the class folders, in none,', loose)):
+    for noun, what, names in (
+            ('file', f'without an image suffix ({", ".join(SUFFIXES)})', others),
+            ('file', 'beside the class folders, in none,', loose),
+            ('path', 'to a folder or image already read (a link)', links)):
         if names:  # said, not dropped in silence
             shown = ', '.join(sorted(names)[:3]) + (', ...' if len(names) > 3 else '')
-            print(f'note: {arg}={root!r}: {len(names)} file{"s" if len(names) > 1 else ""} '
+            print(f'note: {arg}={root!r}: {len(names)} {noun}{"s" if len(names) > 1 else ""} '
                   f'{what} left out: {shown}', file=sys.stderr)
     return classes, files
 

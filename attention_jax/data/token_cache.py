@@ -72,12 +72,13 @@ class CacheError(FilesError):
 
 # ====================================================================================== key
 def _file_stats(docs) -> list:
-    """(path, size, mtime_ns) of every file behind `docs` (a FileDocuments), else []."""
+    """(path, size, mtime_ns, inode, ctime_ns) of every file behind `docs` (a
+    FileDocuments), else [] (files.corpus_listing's stats)."""
     corpus = getattr(docs, 'corpus', None)
     out = []
     for f in getattr(corpus, 'files', ()):
         st = os.stat(f.path)
-        out.append([f.path, st.st_size, st.st_mtime_ns])
+        out.append([f.path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
     return out
 
 
@@ -193,7 +194,8 @@ class _ShardWriter:
         _write_npy(_shard_name(self.directory, k, 'tokens.npy'), tokens)
         _write_npy(_shard_name(self.directory, k, 'ends.npy'), ends.astype(np.int64))
         # What the shard holds, for a resumed run to tell the same tokens from others
-        # (TokenRows.fingerprint): a cache is rebuilt when a file's size or time changes.
+        # (TokenRows.fingerprint): a cache is rebuilt when a file's size, times or inode
+        # change.
         digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
         digest.update(ends.astype(np.int64).tobytes())
         skipped = sorted(bad.seen - bad_before, key=_place_order) if bad is not None else []

@@ -129,6 +129,28 @@ def test_every_format_pil_reads_is_an_image_and_other_files_are_said(tmp_path, c
     assert images_lib.decode(str(root / "ant" / "w.webp"))[0, 0].tolist() == [7, 7, 7]
 
 
+def test_linked_folders_and_images_are_read_once_in_their_own_class(tmp_path, capsys):
+    """A link back up (`up -> ..`) walked the root again: 2 images became 80, class b's
+    in class a. Each real image is now read once, under its own folder's class, and the
+    links are said; a class folder that lives elsewhere (a link) is still followed."""
+    root = tmp_path / "root"
+    _folder(root, per_class=1, classes=("a", "b"))
+    elsewhere = tmp_path / "elsewhere"
+    _folder(elsewhere, per_class=2, classes=("c",))
+    (root / "c").symlink_to(elsewhere / "c")
+    (root / "a" / "up").symlink_to("..")
+    (root / "a" / "b_too").symlink_to("../b")
+    b_image = next(p.name for p in (root / "b").iterdir())
+    (root / "a" / f"zz_{b_image}").symlink_to(f"../b/{b_image}")
+    classes, files = images_lib.list_classes(str(root))
+    assert classes == ["a", "b", "c"]
+    assert [len(f) for f in files] == [1, 1, 2]
+    assert files[1] == [f"b/{b_image}"]
+    note = capsys.readouterr().err
+    assert "3 paths to a folder or image already read (a link) left out: a/b_too/, a/up/, " \
+        f"a/zz_{b_image}" in note
+
+
 def test_source_and_transform_pickle_into_worker_processes(tmp_path):
     import pickle
     splits, _ = folder_splits(str(_folder(tmp_path / "f")), eval_fraction=0.3)
