@@ -259,7 +259,15 @@ def read_config_json(workdir: str) -> dict | None:
     file = epath_of(workdir, CONFIG)
     if not file.exists():
         return None
-    stored = json.loads(file.read_text())
+    try:
+        stored = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+        stored, why = None, f"not JSON: {e}"
+    else:
+        why = f"a JSON {type(stored).__name__}, not an object"
+    if not isinstance(stored, dict):  # (was a traceback from json or from .get)
+        raise RunPathError(f"{file}: not a run's config ({why}); move it away, or give "
+                           f"another --workdir")
     stored["model"] = rename_old_model_fields(stored.get("task", ""), stored.get("model", {}))
     return stored
 
@@ -885,7 +893,18 @@ def prepare_for_writing(workdir: str) -> bool:
         file = path(workdir, name)
         if os.path.exists(file) and not os.access(file, os.W_OK):
             raise RunPathError(f"{file} is not writable; training rewrites it")
+    _check_folders(workdir, (CHECKPOINTS, TENSORBOARD, TOKENIZER))
     return created
+
+
+def _check_folders(workdir: str, names) -> None:
+    """The run's folders among `names` that are files: one line, not NotADirectoryError's
+    traceback from orbax or from the step listing."""
+    for name in names:
+        folder = path(workdir, name)
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise RunPathError(f"{folder} is a file; valid: a folder (the run's {name}/), or "
+                               f"no entry of that name")
 
 
 def other_entries(workdir: str) -> list[str]:
@@ -910,6 +929,7 @@ def check_readable(workdir: str) -> None:
     file = path(workdir, CONFIG)
     if os.path.exists(file) and not os.access(file, os.R_OK):
         raise RunPathError(f"{file} is not readable by this user")
+    _check_folders(workdir, (CHECKPOINTS, TOKENIZER))
 
 
 def _check_remote(workdir: str, valid: str) -> None:

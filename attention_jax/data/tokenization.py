@@ -385,6 +385,28 @@ def _configured_roles(file: str) -> dict[str, str]:
     return roles
 
 
+def _what_bpe_drops(spec: dict) -> str | None:
+    """What a BPE tokenizer.json encodes as nothing (the tokenizers library drops a
+    character it has no id for when the model names no unknown token; other models raise,
+    which `encode` names): None when it has an id for everything."""
+    model = spec.get('model') or {}
+    if model.get('type') != 'BPE' or model.get('byte_fallback'):
+        return None
+    vocab = model.get('vocab') or {}
+    if model.get('unk_token') in vocab:
+        return None
+    pre = spec.get('pre_tokenizer') or {}
+    steps = pre.get('pretokenizers', [pre]) if pre.get('type') == 'Sequence' else [pre]
+    if any(isinstance(p, dict) and p.get('type') == 'ByteLevel' for p in steps):
+        from tokenizers.pre_tokenizers import ByteLevel
+        missing = [c for c in ByteLevel.alphabet() if c not in vocab]
+        if not missing:
+            return None
+        return (f'its byte-level vocabulary lacks {len(missing)} of the 256 bytes and it '
+                f'has no unknown token: those bytes have no id')
+    return ('it has no unknown token, and a character it never saw in training has no id')
+
+
 class FileTokenizer(_TokenizersLibrary):
     """A Hugging Face `tokenizer.json` as it is: its vocabulary, its ids, its special
     tokens. No id is reserved by us: each role (pad, bos, eos, mask, ...) is the token
@@ -438,6 +460,11 @@ class FileTokenizer(_TokenizersLibrary):
                   f'packed documents run into each other with no token between them, and '
                   f'samples stop only at their length (to name one, eos_token in a '
                   f'special_tokens_map.json beside it)', file=sys.stderr)
+        if fresh and (drops := _what_bpe_drops(json.loads(self.hf.to_str()))):
+            print(f'note: {self.path}: {drops}, so a text holding one loses it, unsaid (a '
+                  f'tokenizer trained with an unk_token among its special tokens, or a '
+                  f'byte-level one with every byte, initial_alphabet=ByteLevel.alphabet(), '
+                  f'encodes every text)', file=sys.stderr)
         self.pad_id = self._stand_in('pad', ('pad', 'eos', 'bos'), fresh)
         self.bos_id = self._stand_in('bos', ('bos', 'eos', 'pad'), fresh)
         self.mask_id = self.roles.get('mask')

@@ -335,7 +335,8 @@ def lm_task(config, workdir: str) -> Task:
                        dtype=config.train.compute_dtype)
     check_sample_prompts(config.eval.sample_prompts, tok,
                          cfg.max_len if cfg.position == "learned" else None)
-    if config.eval.sample_top_k > tok.vocab_size:  # found now, not after training
+    # Found now, not after training; without prompts nothing is sampled, nothing to refuse.
+    if config.eval.sample_prompts and config.eval.sample_top_k > tok.vocab_size:
         raise ConfigError(f"config.eval.sample_top_k={config.eval.sample_top_k} exceeds the "
                           f"tokenizer's vocabulary; valid: 0 (no top-k) or 1..{tok.vocab_size}")
     if cfg.position == "learned":

@@ -13,8 +13,8 @@ import numpy as np
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import PAIR_FILE_KEYS
-from attention_jax.data.tokenization import TokenizerEncodeError
 from attention_jax.errors import ConfigError
+from attention_jax.data.tokenization import TokenizerEncodeError
 from attention_jax.models import encdec, flops, rnn
 from attention_jax.models.beam import MOST_CANDIDATES
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
@@ -167,6 +167,11 @@ def translation_task(config, workdir: str) -> Task:
         train_src, eval_src = whole("train_split"), whole("eval_split")
     tok = run_tokenizer(data_opts, workdir, lambda: [as_text(train_src[i][k]) for i in range(len(train_src))
                                           for k in (data_opts.source, data_opts.target)])
+    if tok.eos_id is None:  # (was a TypeError in a loader thread, once training began)
+        raise ConfigError(f"config.data.tokenizer={data_opts.tokenizer!r} has no end-of-text "
+                          f"token, which ends every target and tells the decoder where to "
+                          f"stop; valid: a tokenizer with one, or eos_token named in a "
+                          f"special_tokens_map.json beside its tokenizer.json")
     if not reader:  # a reader's run trained on these lengths already
         _check_lengths(data_opts, tok, train_src, eval_src)
     note_shipped_prompts(config, data_opts.name)  # (once the data is there: errors first)

@@ -275,3 +275,31 @@ def test_remote_folders_go_through_the_workdir(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no saved tokenizer in 's3://b/t' here: "
                                                 r".*workdir\.local_dir"):
         data.load_tokenizer('s3://b/t')
+
+
+def test_a_bpe_file_that_drops_what_it_has_no_id_for_is_said(tmp_path, capsys):
+    """A BPE tokenizer.json with no unknown token (or byte-level, trained without every
+    byte) encodes a character it never saw as nothing: 'ZZZZ 日本語' was a document of no
+    tokens, unsaid. Loading it now says so; a complete byte-level one is quiet."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    texts = ['hello world abc'] * 20
+    cases = {}
+    for name, pre, alphabet in (('words', pre_tokenizers.Whitespace(), []),
+                                ('bytes', pre_tokenizers.ByteLevel(), []),
+                                ('all_bytes', pre_tokenizers.ByteLevel(),
+                                 pre_tokenizers.ByteLevel.alphabet())):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre
+        tok.train_from_iterator(texts, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=['<|endoftext|>'], initial_alphabet=alphabet,
+            show_progress=False))
+        tok.save(str(tmp_path / f'{name}.json'))
+        capsys.readouterr()
+        loaded = data.get_tokenizer('file', path=str(tmp_path / f'{name}.json'))
+        cases[name] = (loaded.encode('ZZZZ'), capsys.readouterr().err)
+    assert cases['words'][0] == []  # what the note is about: the text is gone
+    assert (f"note: {tmp_path / 'words.json'}: it has no unknown token, and a character it "
+            f"never saw in training has no id, so a text holding one loses it, unsaid") \
+        in cases['words'][1]
+    assert len(cases['bytes'][0]) < 4 and "its byte-level vocabulary lacks " in cases['bytes'][1]
+    assert len(cases['all_bytes'][0]) >= 1 and 'loses it' not in cases['all_bytes'][1]

@@ -138,6 +138,31 @@ def test_a_workdir_that_is_a_file(tmp_path):
     assert line == f"error: --workdir={file} is a file; valid: a run directory"
 
 
+def test_a_workdir_whose_entries_are_not_what_a_run_writes(tmp_path):
+    """checkpoints/ as a file was NotADirectoryError's traceback, in training and every
+    reader; a config.json that is not JSON, or JSON but not an object, json's or an
+    AttributeError's, after the task was built."""
+    run = tmp_path / "run"
+    train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 1}), str(run))
+    os.rename(run / "checkpoints", tmp_path / "moved")
+    (run / "checkpoints").write_text("x")
+    said = (f"{run / 'checkpoints'} is a file; valid: a folder (the run's checkpoints/), or "
+            f"no entry of that name")
+    with pytest.raises(workdir_lib.RunPathError) as e:
+        train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), str(run))
+    assert str(e.value) == said
+    assert one_error_line(cli(f"--workdir={run}", "--mode=eval")) == f"error: {said}"
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for text, why in (("not json", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+                      ("[1, 2]", "a JSON list, not an object")):
+        (odd / "config.json").write_text(text)
+        with pytest.raises(workdir_lib.RunPathError) as e:
+            train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), str(odd))
+        assert str(e.value) == (f"{odd / 'config.json'}: not a run's config ({why}); move it "
+                                f"away, or give another --workdir")
+
+
 def test_training_into_a_folder_that_is_not_a_run_says_so(tmp_path, capsys):
     folder = tmp_path / "home"
     folder.mkdir()

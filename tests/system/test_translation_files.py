@@ -128,6 +128,24 @@ def test_bad_pair_settings_name_the_key(tmp_path, overrides, message):
         tasks.TASKS[config.task](config, str(tmp_path / "run"))
 
 
+def test_a_tokenizer_file_without_an_end_of_text_token_is_refused(tmp_path):
+    """A target ends with the end-of-text token: a tokenizer.json without one was a
+    TypeError in a loader thread once training began (after a note about packed
+    documents, which translation does not pack)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([f"{p['en']} {p['fr']}" for p in _pairs(40)], trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<pad>", "<s>"], show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(p) for p in _pairs(40)) + "\n")
+    config = _config(tmp_path, f"data.files={tmp_path}/a.jsonl",
+                     f"data.tokenizer={tmp_path / 'tokenizer.json'}")
+    with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer='.*tokenizer\.json' has no "
+                                          r"end-of-text token, which ends every target"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
 def test_the_rnn_translates_by_beam_search_too(tmp_path):
     """rnn_seq2seq's eval.beam_size is a beam search of its decoder (it was refused): the
     task's translation of a sentence is the best beam rnn.beam_search gives it (here with
