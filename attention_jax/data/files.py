@@ -965,8 +965,8 @@ def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] =
     """{'files': [[identity, path, size, mtime_ns, inode, ctime_ns], ...], 'eval_files':
     [...]}: what the globs match, from a listing and a stat per file (no file is read).
     The splits are a function of it (and eval_fraction), so it keys what is derived from
-    them: the indexing here, the token cache (data/token_cache.py). train=False: `files` is not
-    listed ('files': [])."""
+    them: the indexing here, the token cache (data/token_cache.py). train=False: `files`
+    is not listed ('files': [])."""
     listed = {}
     for name, spec, limit in (('files', files, max_files), ('eval_files', eval_files, 0)):
         if name == 'files' and not train:

@@ -13,8 +13,8 @@ import numpy as np
 
 from attention_jax import workdir as workdir_lib
 from attention_jax.config import PAIR_FILE_KEYS
-from attention_jax.errors import ConfigError
 from attention_jax.data.tokenization import TokenizerEncodeError
+from attention_jax.errors import ConfigError
 from attention_jax.models import encdec, flops, rnn
 from attention_jax.models.beam import MOST_CANDIDATES
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
