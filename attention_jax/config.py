@@ -326,13 +326,16 @@ IMAGE_KEYS = {
     # Without eval_root: the share of the images held out, chosen by a hash of the path.
     "eval_fraction": 0.05,
     "max_bad_records": 100,  # undecodable images skipped with a warning, up to this many.
+    "augment": True,  # the training crops and flips below; False: read as the eval's.
     # Side the images are resized to; 0: the dataset's own (a folder: the model's).
     "image_size": 0,
     "channels": 0,  # 1 (grayscale) or 3 (RGB); 0: the dataset's own (a folder: RGB).
     # Training crop: 'none' | 'random' (pad by data.padding, crop back) |
     # 'random_resized' (Inception's crop, keeping at least crop_scale of the area).
     "train_crop": "random",
+    "padding": 1,  # train_crop='random': the pixels padded on each side before the crop.
     "crop_scale": 0.08,  # random_resized: the smallest share of the image's area kept.
+    "flip": False,  # mirror half the training images left to right.
     "mean": "0.5",  # subtracted from pixels in [0, 1]: one number or one per channel.
     "std": "0.5",  # pixels are divided by it after: one number or one per channel.
     "mixup": 0.0,  # mixup's Beta(alpha, alpha) mixing of image pairs; 0: off.
@@ -341,10 +344,12 @@ IMAGE_KEYS = {
 
 
 def add_image_keys(data: ml_collections.ConfigDict) -> None:
-    """Gives an image experiment's `config.data` the IMAGE_KEYS with their defaults, so the
-    command line can set them (--config.data.root=DIR --config.data.image_size=32)."""
+    """Gives an image experiment's `config.data` the IMAGE_KEYS it lacks, with their
+    defaults, so the command line can set them (--config.data.root=DIR
+    --config.data.image_size=32); keys the experiment set keep its values."""
     for key, value in IMAGE_KEYS.items():
-        data[key] = value
+        if key not in data:
+            data[key] = value
 
 
 # =============================================================================== validation

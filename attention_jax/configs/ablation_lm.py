@@ -99,6 +99,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
+    c.model.ring_inner = "auto"  # mesh.sequence > 1: the chunk pairs' kernel (attention.RING_INNER).
+    c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 
     c.model.num_layers = 4
     c.model.num_heads = 4

@@ -45,6 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = config_lib.base_config()
     c.task = "gpt"  # next-token prediction on packed documents (tasks.lm_task).
     c.model.implementation = "auto"  # attention backend (attention_jax.attention.IMPLEMENTATIONS).
+    c.model.ring_inner = "auto"  # mesh.sequence > 1: the chunk pairs' kernel (attention.RING_INNER).
 
     c.model.num_layers = layers  # n_layer.
     c.model.num_heads = heads  # n_head.

@@ -59,6 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.max_len = 1024
     c.model.dropout_rate = 0.0  # a short run on a large corpus: no regularisation.
     c.model.implementation = "auto"  # the Pallas kernels here, or cuDNN (attention/__init__.py).
+    c.model.ring_inner = "auto"  # mesh.sequence > 1: the chunk pairs' kernel (attention.RING_INNER).
     c.model.remat_policy = "none"  # 124M at batch 16 fits in 80 GB without recomputation.
     c.model.norm_kernel = "auto"  # residual add + norm: one Pallas kernel each way on a GPU, or "xla".
 

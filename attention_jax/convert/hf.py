@@ -207,6 +207,13 @@ def export_hf(model: nn.Module, params, out_dir, *, architecture: Optional[str] 
         print("note: export_hf: the pooler and NSP head are all zero (untrained: a masked-LM "
               "run's, or load_hf's for a BertForMaskedLM): exported as BertForMaskedLM "
               "without them; architecture='BertForPreTraining' keeps them", file=sys.stderr)
+    elif architecture is None and arch == "BertForPreTraining" and not any(
+            np.any(np.asarray(flat[n])) for n in zero if n.startswith("nsp/")):
+        # A masked-LM run warm-started from a BertModel (MiniLM): its pooler came with the
+        # checkpoint, its NSP head started at zero and stayed there.
+        print("note: export_hf: the NSP head is all zero (untrained) but the pooler is not (a "
+              "warm start's): exported as BertForPreTraining, whose next-sentence scores are "
+              "then 0; architecture='BertForMaskedLM' leaves both out", file=sys.stderr)
     hf_cfg = family.hf_config(cfg, arch)  # raises for families or options without an HF form
     if class_names is not None:
         hf_cfg = _with_class_names(hf_cfg, arch, [str(c) for c in class_names])

@@ -40,9 +40,8 @@ def image_task(config, workdir: str) -> Task:
               "cnn": (cnn.CNNConfig, cnn.CNN, cnn.VARIANTS, _cnn_entries)}
     config_cls, model_cls, variants, entries = family[config.task]
     check_model_keys(config_cls, config)  # before the images are read
-    data_opts = data_options(config, name="digits", data_dir="", augment=True, padding=1, flip=False,
-                             train_split="train", eval_split="test", train_fraction=1.0,
-                             **IMAGE_KEYS)
+    data_opts = data_options(config, name="digits", data_dir="", train_split="train",
+                             eval_split="test", train_fraction=1.0, **IMAGE_KEYS)
     _check_image_options(data_opts)
 
     def fraction(train_src):  # data.train_fraction < 1: that share of the training split

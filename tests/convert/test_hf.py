@@ -597,6 +597,15 @@ def test_a_loaded_masked_lm_exports_as_one(tmp_path, capsys):
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["architectures"] == ["BertForPreTraining"]
     assert "note" not in capsys.readouterr().err
+    # A masked-LM run warm-started from a BertModel (MiniLM): a pooler of its own, the NSP
+    # head still zero. It went out as BertForPreTraining with a zero NSP head, unsaid.
+    warm = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.5 if "pooler" in jax.tree_util.keystr(path) else x, ckpt.params)
+    out = convert.export_hf(ckpt.model, warm, tmp_path / "warm")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["BertForPreTraining"]
+    assert ("note: export_hf: the NSP head is all zero (untrained) but the pooler is not"
+            in capsys.readouterr().err)
 
 
 def test_untied_mlm_decoder_is_an_error(tmp_path):

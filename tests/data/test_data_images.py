@@ -428,3 +428,15 @@ def test_a_folder_without_an_image_size_says_the_size_it_trains_at(tmp_path, cap
             f"model's own size (variant vit-tiny/4)") in capsys.readouterr().err
     TASKS["vit"](_config(root, "vit:variant=vit-tiny/4", **{"data.image_size": 16}), "")
     assert "note: config.data.image_size" not in capsys.readouterr().err
+
+
+def test_an_image_config_of_ones_own_takes_every_preprocessing_key():
+    """The README names augment, flip and padding among config.IMAGE_KEYS, but they were
+    not there: a config built with add_image_keys refused --config.data.flip=true. Keys a
+    config set before calling it keep their values."""
+    import ml_collections
+    data = ml_collections.ConfigDict({"name": "image_folder", "augment": False})
+    config_lib.add_image_keys(data)
+    assert (data.augment, data.flip, data.padding) == (False, False, 1)
+    assert {"augment", "flip", "padding"} <= set(config_lib.IMAGE_KEYS)
+    data.flip = True  # what --config.data.flip=true does

@@ -92,7 +92,8 @@ def test_the_general_meaning_comes_first_then_the_configs_own():
     # a config built on another (inductive_bias on vit_digits) takes that one's comments
     # for the keys it leaves as they were
     _, inductive = explained("inductive_bias")
-    assert inductive["data.flip"] == "mirroring changes what a digit is."
+    assert inductive["data.flip"] == ("mirror half the training images left to right. This "
+                                      "config: mirroring changes what a digit is.")
     # words, not letters: BERT's "A: attention heads" is not within "head dim 32"
     assert not config_help._says_within("A.", "head dim 32.")
     assert config_help._says_within("D", "D: the width.")
