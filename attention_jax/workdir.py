@@ -688,6 +688,11 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     knows the step it resumed; "" when nothing changed); others raise a ConfigError
     listing `key: old -> new` and the ways through, unless `resume_changed` (then the old
     file is kept as config_until_step_<step>.json)."""
+    stored = read_config_json(workdir)
+    if stored is not None and "task" not in stored:  # replaced, it was lost
+        raise RunPathError(f"{path(workdir, CONFIG)} is not a run's config (no 'task': a "
+                           f"Hugging Face model's, or another tool's?), and training would "
+                           f"replace it; move it away, or give another --workdir")
     if step is None:  # Nothing to resume: the workdir's config.json is replaced, and said.
         changes = config_changes(config, workdir)
         relevant = _training_keys(changes, config)
