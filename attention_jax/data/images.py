@@ -484,8 +484,11 @@ class Preprocess:
                 image = objectives.random_crop_flip(image, rng, padding=self.padding)
         if self.train and self.flip and rng.random() < 0.5:
             image = image[:, ::-1]
-        return {'image': objectives.normalize_image(image, self.mean, self.std),
-                'label': np.int32(record[self.label_key])}
+        out = {'image': objectives.normalize_image(image, self.mean, self.std),
+               'label': np.int32(record[self.label_key])}
+        if STAND_IN in record:  # (dropped, the stand-in was weighed 1: counted twice)
+            out[STAND_IN] = record[STAND_IN]
+        return out
 
 
 def direct_source(split: str, data_dir: str | None = None, **options) -> ImageFiles:

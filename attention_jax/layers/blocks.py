@@ -222,10 +222,13 @@ class TransformerBlock(nn.Module):
                       activation=cfg.activation, use_bias=cfg.use_bias,
                       dropout_rate=cfg.dropout_rate, dtype=dtype, param_dtype=param_dtype,
                       name="mlp")
-            # The block's keys are its tokens: kv_mask marks its padding, which takes
-            # no expert's slot from a real token (and counts in no router statistic).
+            # The block's keys are its tokens: kv_mask marks its padding, or else segment
+            # id 0 (packed rows' padding, data/packing.py; a GPT passes only segment_ids),
+            # which takes no expert's slot from a real token (and counts in no router
+            # statistic, nor in the balance loss).
+            real = kv_mask if kv_mask is not None or segment_ids is None else segment_ids != 0
             x, aux["moe"] = residual(x, "mlp", lambda h: (
-                *ffn(h, deterministic=deterministic, token_mask=kv_mask), None))
+                *ffn(h, deterministic=deterministic, token_mask=real), None))
         else:
             if cfg.mlp in GATED_MLPS:
                 ffn = GatedMLP(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,

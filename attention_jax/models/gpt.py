@@ -178,7 +178,8 @@ class GPT(nn.Module):
                  decode: bool = False, return_weights: bool = False, return_hidden: bool = False):
         """positions [B, T]: default arange(T); required with decode=True (the absolute
         positions of the new tokens, see layers/attention.py). segment_ids [B, T]: packed
-        documents (no attention across documents)."""
+        documents (no attention across documents), numbered from 1; 0 marks padding (with
+        mlp="moe" routed to no expert, data/packing.py's rows)."""
         cfg = self.config
         check_ids("tokens", tokens)
         b, t = tokens.shape

@@ -261,6 +261,14 @@ def test_an_eval_counts_only_the_images_it_read(tmp_path, capsys):
     assert all(STAND_IN not in b for b in batches)
     assert "skipped, the next image stands in (weighted 0: the eval leaves it out)" in (
         capsys.readouterr().err)
+    # Through the eval's preprocessing too, as a run reads it: the transform returned
+    # image and label only, so the stand-in was weighed 1 and counted twice.
+    loader = data.Loader(held, global_batch_size=4, seed=0, shuffle=False, num_epochs=1,
+                         process_index=0, process_count=1, pad_remainder=True,
+                         transform=Preprocess(8, train=False))
+    batches = list(loader)
+    assert np.concatenate([b[EXAMPLE_WEIGHT] for b in batches]).sum() == 5
+    assert all(set(b) == {"image", "label", EXAMPLE_WEIGHT} for b in batches)
     train = images_lib.ImageFiles(str(root), ["b/1.png", "a/0.png"], [1, 0], ["a", "b"])
     assert set(train[0]) == {"image", "label"}
 

@@ -126,3 +126,23 @@ def test_an_encoder_s_real_tokens_do_not_see_its_padding_through_the_experts():
     y_other, _ = stack.apply(params, other, kv_mask=kv_mask)
     np.testing.assert_allclose(y[:, :6], y_other[:, :6], atol=1e-6)
     np.testing.assert_allclose(y[0], y_other[0], atol=1e-6)
+
+
+def test_a_gpt_s_packed_padding_takes_no_expert_slot_and_no_statistic():
+    """A GPT passes only segment_ids (0: padding, data/packing.py), so its MoE got no
+    token_mask: the padding was routed, took slots and counted in expert_load and the
+    balance loss added to the objective. Changing only the padding now changes nothing."""
+    from attention_jax.models import gpt
+    cfg = gpt.GPTConfig.from_variant("gpt-tiny-moe", capacity_factor=1.0)
+    model = gpt.GPT(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
+    other = tokens.at[:, 8:].set((tokens[:, 8:] * 7 + 3) % cfg.vocab_size)  # the padding
+    segments = jnp.array([[1] * 8 + [0] * 8, [1] * 5 + [2] * 3 + [0] * 8])
+    positions = jnp.array([list(range(8)) + [0] * 8, list(range(5)) + list(range(3)) + [0] * 8])
+    params = model.init(jax.random.key(1), tokens, segment_ids=segments, positions=positions)
+    runs = [model.apply(params, t, segment_ids=segments, positions=positions)
+            for t in (tokens, other)]
+    (y, aux), (y_other, aux_other) = runs
+    np.testing.assert_allclose(y[:, :8], y_other[:, :8], atol=1e-6)
+    for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(aux_other)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
