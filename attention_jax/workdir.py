@@ -688,11 +688,6 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     knows the step it resumed; "" when nothing changed); others raise a ConfigError
     listing `key: old -> new` and the ways through, unless `resume_changed` (then the old
     file is kept as config_until_step_<step>.json)."""
-    stored = read_config_json(workdir)
-    if stored is not None and "task" not in stored:  # replaced, it was lost
-        raise RunPathError(f"{path(workdir, CONFIG)} is not a run's config (no 'task': a "
-                           f"Hugging Face model's, or another tool's?), and training would "
-                           f"replace it; move it away, or give another --workdir")
     if step is None:  # Nothing to resume: the workdir's config.json is replaced, and said.
         changes = config_changes(config, workdir)
         relevant = _training_keys(changes, config)
@@ -882,6 +877,7 @@ def prepare_for_writing(workdir: str) -> bool:
     bucket to exist (nothing is created: folders there are only name prefixes)."""
     if is_remote(workdir):
         _check_remote(workdir, "a directory (new, or a run to resume)")
+        _check_run_config(workdir)
         return False
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise RunPathError(f"--workdir={workdir} is a file; valid: a directory (new, or a run "
@@ -899,7 +895,18 @@ def prepare_for_writing(workdir: str) -> bool:
         if os.path.exists(file) and not os.access(file, os.W_OK):
             raise RunPathError(f"{file} is not writable; training rewrites it")
     _check_folders(workdir, (CHECKPOINTS, TENSORBOARD, TOKENIZER))
+    _check_run_config(workdir)
     return created
+
+
+def _check_run_config(workdir: str) -> None:
+    """A config.json in the workdir is a run's, or one line before anything is written
+    there (read_config_json's for one that is no JSON object)."""
+    stored = read_config_json(workdir)
+    if stored is not None and "task" not in stored:  # replaced by the run's, it was lost
+        raise RunPathError(f"{path(workdir, CONFIG)} is not a run's config (no 'task': a "
+                           f"Hugging Face model's, or another tool's?), and training would "
+                           f"replace it; move it away, or give another --workdir")
 
 
 def _check_folders(workdir: str, names) -> None:

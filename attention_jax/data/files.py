@@ -125,6 +125,8 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
                            f'{", ".join(SUFFIXES)} files, e.g. {arg}=~/corpus/**/*.txt')
     found: dict[str, tuple] = {}  # real path -> (len(identity), identity, path)
     aliases = set()
+    # A folder's real path once (each file's realpath is an lstat per part of its path).
+    real_dir = functools.lru_cache(maxsize=None)(os.path.realpath)
     for pattern in globs:
         full = os.path.expanduser(pattern)
         if os.path.isdir(full):  # a directory: every file of a known format under it
@@ -163,7 +165,8 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
             # ..`, listed a folder's files dozens of times, in both splits), under the
             # shortest of its names: the split hashes it, so not the first glob's.
             named = (len(rel), rel, os.path.abspath(p))
-            real = os.path.realpath(p)
+            real = (os.path.realpath(p) if os.path.islink(p) else
+                    os.path.join(real_dir(os.path.dirname(p)), os.path.basename(p)))
             if real in found:
                 aliases.add(real)
             found[real] = min(found.get(real, named), named)
@@ -962,8 +965,8 @@ def file_splits(files: str | Sequence[str], eval_files: str | Sequence[str] = ''
 
 def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] = '', *,
                    max_files: int = 0, arg: str = '', train: bool = True) -> dict[str, list]:
-    """{'files': [[identity, path, size, mtime_ns, inode, ctime_ns], ...], 'eval_files':
-    [...]}: what the globs match, from a listing and a stat per file (no file is read).
+    """{'files': [[identity, path, size, mtime_ns], ...], 'eval_files': [...]}: what the
+    globs match, from a listing and a stat per file (no file is read).
     The splits are a function of it (and eval_fraction), so it keys what is derived from
     them: the indexing here, the token cache (data/token_cache.py). train=False: `files`
     is not listed ('files': [])."""
@@ -974,10 +977,10 @@ def corpus_listing(files: str | Sequence[str], eval_files: str | Sequence[str] =
             continue
         found = list_files(spec, f'{arg}{name}', limit) if spec or name == 'files' else []
         stats = [(ident, path, os.stat(path)) for ident, path in found]
-        # The inode and change time too: an edit that keeps the size and modification
-        # time (cp -p, rsync -t, touch -r) was a token cache read stale.
-        listed[name] = [[ident, path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
-                        for ident, path, st in stats]
+        # Size and modification time only: an inode or change time differs between the
+        # hosts of a gcsfuse mount (their token cache keys would) and moves on a chmod or
+        # a fresh copy. An edit that keeps both (touch -r) is not seen: delete the cache.
+        listed[name] = [[ident, path, st.st_size, st.st_mtime_ns] for ident, path, st in stats]
     return listed
 
 
@@ -1032,7 +1035,9 @@ def _say_if_uncached(indexed: list[_File], records: bool, arg: str) -> None:
 
 
 def _refuse_both(trained: set[str], eval_listed, arg: str) -> None:
-    both = sorted(trained & {path for _, path, *_ in eval_listed})
+    # By real path: one file under two names (a link) is one document all the same.
+    real = {os.path.realpath(p) for p in trained}
+    both = sorted(path for _, path, *_ in eval_listed if os.path.realpath(path) in real)
     if both:
         raise FilesError(f'{both[0]} is in both {arg}files and {arg}eval_files: a '
                          f'document must not be both trained and evaluated on')

@@ -58,8 +58,10 @@ from attention_jax.data.tokenization import encode_many
 
 # The key stats the files and never reads them, so a change in how their documents are
 # read must change VERSION. 2 (2026-11-27): a CSV's quote left open is a bad record (it
-# used to take the rest of the file as one text).
-VERSION = 2
+# used to take the rest of the file as one text). 3 (2026-11-27): a text file more than a
+# quarter of whose own bytes are not UTF-8 is a bad record (the share was of the decoded
+# text, where each U+FFFD is 3 bytes, so it never passed a third).
+VERSION = 3
 MANIFEST = 'manifest.json'
 MOST_BAD_WHERE = 5  # the bad records' places a manifest keeps, to say at each start
 INPUTS = 'inputs.json'
@@ -72,13 +74,13 @@ class CacheError(FilesError):
 
 # ====================================================================================== key
 def _file_stats(docs) -> list:
-    """(path, size, mtime_ns, inode, ctime_ns) of every file behind `docs` (a
-    FileDocuments), else [] (files.corpus_listing's stats)."""
+    """(path, size, mtime_ns) of every file behind `docs` (a FileDocuments), else []
+    (files.corpus_listing's stats, and why no more)."""
     corpus = getattr(docs, 'corpus', None)
     out = []
     for f in getattr(corpus, 'files', ()):
         st = os.stat(f.path)
-        out.append([f.path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+        out.append([f.path, st.st_size, st.st_mtime_ns])
     return out
 
 
@@ -194,8 +196,7 @@ class _ShardWriter:
         _write_npy(_shard_name(self.directory, k, 'tokens.npy'), tokens)
         _write_npy(_shard_name(self.directory, k, 'ends.npy'), ends.astype(np.int64))
         # What the shard holds, for a resumed run to tell the same tokens from others
-        # (TokenRows.fingerprint): a cache is rebuilt when a file's size, times or inode
-        # change.
+        # (TokenRows.fingerprint): a cache is rebuilt when a file's size or time changes.
         digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
         digest.update(ends.astype(np.int64).tobytes())
         skipped = sorted(bad.seen - bad_before, key=_place_order) if bad is not None else []

@@ -246,9 +246,15 @@ def _predictions(workdir: str, split: str, batch_size: int):
     classify = tasks.need(task, "classify", config.task, "classify")
     records = task.eval_source
     predicted, labels = [], []
+    from attention_jax.data.loaders import STAND_IN
     for start in range(0, len(records), batch_size):
         examples = [task.eval_transform(records[i], None)
                     for i in range(start, min(start + batch_size, len(records)))]
+        # An image standing in for an undecodable one is scored once, as itself (the
+        # trainer's eval weighs its copy 0).
+        examples = [e for e in examples if not e.pop(STAND_IN, False)]
+        if not examples:
+            continue
         batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
         p, y = classify(params, batch)
         predicted.append(p)

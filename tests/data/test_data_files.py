@@ -258,6 +258,10 @@ def test_a_file_reached_twice_is_read_once_under_one_name_whatever_the_order(tmp
     held = [[d['text'] for d in files.file_splits(spec, eval_fraction=0.2)['validation']]
             for spec in (one, two)]
     assert held[0] == held[1] and held[0]
+    # Held out under a link's name, a trained file is still both trained and evaluated on.
+    (corp / 'alias').symlink_to('sub')
+    with pytest.raises(files.FilesError, match=r"alias/f1\.txt is in both files and eval_files"):
+        files.file_splits(f'{corp}/**/*.txt', f'{corp}/alias/f1.txt')
 
 
 def test_a_header_record_is_a_bad_record_not_a_refused_file(tmp_path, capsys):

@@ -161,6 +161,7 @@ def test_a_workdir_whose_entries_are_not_what_a_run_writes(tmp_path):
             train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), str(odd))
         assert str(e.value) == (f"{odd / 'config.json'}: not a run's config ({why}); move it "
                                 f"away, or give another --workdir")
+        assert [p.name for p in odd.iterdir()] == ["config.json"]  # refused before any write
     # A Hugging Face model's config.json (--workdir at its folder by mistake) was replaced
     # by the run's, with a note: the user's file was gone.
     hf = '{"model_type": "gpt2", "n_layer": 2}'
@@ -169,6 +170,7 @@ def test_a_workdir_whose_entries_are_not_what_a_run_writes(tmp_path):
                                                        r"\(no 'task': a Hugging Face model's"):
         train.train_and_evaluate(tiny.tiny_config(**{"train.steps": 2}), str(odd))
     assert (odd / "config.json").read_text() == hf
+    assert [p.name for p in odd.iterdir()] == ["config.json"]  # no lock, no checkpoints/
 
 
 def test_training_into_a_folder_that_is_not_a_run_says_so(tmp_path, capsys):
