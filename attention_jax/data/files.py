@@ -174,8 +174,7 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
         say_once(f'aliases:{spec}', f'note: {arg}={spec!r}: {len(aliases)} file'
                  f'{"s" if len(aliases) > 1 else ""} reached by more than one glob or link '
                  f'(e.g. {found[min(aliases)][1]}); each read once')
-    files = sorted((path, ident) for _, ident, path in found.values())
-    files = [(ident, path) for path, ident in files]
+    files = [(ident, path) for _, ident, path in sorted(found.values(), key=lambda e: e[2])]
     return files[:max_files] if max_files else files
 
 

@@ -443,8 +443,7 @@ def random_resized_box(h: int, w: int, rng: np.random.Generator, scale=(0.08, 1.
 
 @dataclasses.dataclass(frozen=True)
 class Preprocess:
-    """Image record -> {'image': float32 [S, S, C] normalised, 'label': int32} (and the
-    record's STAND_IN, where a held-out split marks it, for the loader to weigh).
+    """Image record -> {'image': float32 [S, S, C] normalised, 'label': int32}.
 
     Eval (train=False) and crop='none': the shorter side resized to S and the centre
     square cut (resize_centre; an image already S×S is untouched). Training crops: 'random' pads by
@@ -489,11 +488,8 @@ class Preprocess:
                 image = objectives.random_crop_flip(image, rng, padding=self.padding)
         if self.train and self.flip and rng.random() < 0.5:
             image = image[:, ::-1]
-        out = {'image': objectives.normalize_image(image, self.mean, self.std),
-               'label': np.int32(record[self.label_key])}
-        if STAND_IN in record:  # (dropped, the stand-in was weighed 1: counted twice)
-            out[STAND_IN] = record[STAND_IN]
-        return out
+        return {'image': objectives.normalize_image(image, self.mean, self.std),
+                'label': np.int32(record[self.label_key])}
 
 
 def direct_source(split: str, data_dir: str | None = None, **options) -> ImageFiles:

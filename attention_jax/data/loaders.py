@@ -336,7 +336,7 @@ class Loader:
         if self.shuffle:
             ds = ds.shuffle(seed=self.seed)  # Reseeded per epoch by the repeat below.
         if self.transform is not None:
-            ds = ds.random_map(self.transform, seed=self.seed)
+            ds = ds.random_map(_KeepStandIn(self.transform), seed=self.seed)
         return ds.repeat(self.num_epochs)
 
     def _process_batches(self) -> grain.MapDataset:
@@ -402,6 +402,21 @@ def _check_weightable(example) -> None:
     if EXAMPLE_WEIGHT in example:
         raise ValueError(f'the examples already have a field {EXAMPLE_WEIGHT!r}; '
                          f'pad_remainder=True adds it')
+
+
+class _KeepStandIn:
+    """transform(record, rng), with the record's STAND_IN mark carried over to what it
+    returns (a transform that builds a new dict, as images.Preprocess does, dropped it:
+    the stand-in was then weighed 1, counted twice)."""
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, record, rng):
+        out = self.transform(record, rng)
+        if isinstance(record, Mapping) and STAND_IN in record and isinstance(out, Mapping):
+            out = {**out, STAND_IN: record[STAND_IN]}
+        return out
 
 
 class _WithExampleWeight:

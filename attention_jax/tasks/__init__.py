@@ -23,10 +23,9 @@ A notebook or a test adds a family without editing the package:
 from attention_jax.tasks import images, text, text_classes, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
                                       data_on_demand, data_options, declared_for,
-                                      lm_vocab_size,
-                                      model_config, need,
-                                      describe_readers, padded_vocab, register, tasks_with,
-                                      token_labels, unread_keys, until_eos)
+                                      describe_readers, lm_vocab_size, model_config, need,
+                                      padded_vocab, register, tasks_with, token_labels,
+                                      unread_keys, until_eos)
 from attention_jax.tasks.images import image_task
 from attention_jax.tasks.text import lm_task, mlm_task
 from attention_jax.tasks.text_classes import classify_task

@@ -240,19 +240,19 @@ def _predictions(workdir: str, split: str, batch_size: int):
     the empty ones), through its task's `classify`."""
     import jax
 
+    from attention_jax.data.loaders import STAND_IN
     from attention_jax.runs import open_run
     run = open_run(workdir, {"data.eval_split": split} if split else None)
     config, task, params = run.config, run.task, jax.device_get(run.params)
     classify = tasks.need(task, "classify", config.task, "classify")
     records = task.eval_source
     predicted, labels = [], []
-    from attention_jax.data.loaders import STAND_IN
     for start in range(0, len(records), batch_size):
-        examples = [task.eval_transform(records[i], None)
-                    for i in range(start, min(start + batch_size, len(records)))]
+        read = (records[i] for i in range(start, min(start + batch_size, len(records))))
         # An image standing in for an undecodable one is scored once, as itself (the
         # trainer's eval weighs its copy 0).
-        examples = [e for e in examples if not e.pop(STAND_IN, False)]
+        examples = [task.eval_transform(r, None) for r in read
+                    if not (isinstance(r, dict) and r.get(STAND_IN, False))]
         if not examples:
             continue
         batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
@@ -703,13 +703,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch_size", type=int, default=16, help="rows a batch (default 16)")
     p.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     a = command("attention", help="entropy and largest weight of GPT attention rows, "
-                                         "at initialisation and trained")
+                                  "at initialisation and trained")
     a.add_argument("--out", required=True, help="path prefix of the .json/.md written")
     a.add_argument("--batches", type=int, default=4, help="validation batches read (default 4)")
     a.add_argument("--batch_size", type=int, default=16, help="rows a batch (default 16)")
     a.add_argument("runs", nargs="+", help="NAME=WORKDIR")
     s = command("scaling", help="L(N) power-law fit and the loss-vs-compute envelope "
-                                       "of a model-size sweep")
+                                "of a model-size sweep")
     s.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     s.add_argument("workdirs", nargs="+", help="one run directory per model size")
     d = command("seeds", help="mean and spread over seeds of runs grouped by a sweep key")
@@ -721,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="a value of --by: each group's difference to it, seed by seed")
     d.add_argument("workdirs", nargs="+", help="the runs' workdirs (e.g. a sweep's /tmp/sweep/*)")
     c = command("attention_cost", help="log-log slopes of attention time and memory "
-                                              "against N, from the benchmark's JSON")
+                                       "against N, from the benchmark's JSON")
     c.add_argument("--out", required=True, help="path prefix of the .json/.md/.png written")
     c.add_argument("--mask", default="full", help="full | causal (| packed on GPU)")
     c.add_argument("--min_n", type=int, default=0, help="fit lengths N >= this only")

@@ -498,15 +498,16 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "impl" in r for r in rows):
         raise ValueError(f"{bench_json}: not the attention benchmark's JSON (no list of "
                          f"\"rows\" of timed implementations); {valid}")
-    masks = sorted({r.get("mask", "causal" if r.get("causal") else "full") for r in rows})
+    def mask_of(r):  # (older files: a "causal" flag, not a "mask")
+        return r.get("mask", "causal" if r.get("causal") else "full")
+    masks = sorted({mask_of(r) for r in rows})
     if mask not in masks:
         raise ValueError(f"--mask={mask!r}: {bench_json} has no rows of that mask; valid: "
                          f"{masks}")
     series: dict[tuple, list] = {}
     for r in rows:
         n = r.get("n", r.get("T"))
-        row_mask = r.get("mask", "causal" if r.get("causal") else "full")
-        if row_mask != mask or n is None or n < min_n:
+        if mask_of(r) != mask or n is None or n < min_n:
             continue
         for key in ("fwd_s", "fwd_bwd_s", "fwd_temp_bytes", "fwd_bwd_temp_bytes"):
             if r.get(key):  # skipped timings are absent; 0 bytes has no logarithm
