@@ -61,7 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
     o.weight_decay = 0.1
     o.clip_norm = 1.0  # global-norm gradient clipping; 0 disables.
     o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
-    o.grad_accum = 1  # micro-batches per optimizer step (train.batch_size is split into them).
+    # Micro-batches per optimizer step (train.batch_size is split into them); the step is
+    # the whole batch's: its mean over all real tokens, however padding falls among them.
+    o.grad_accum = 1
     o.decay_steps = 0  # length of the warmup + decay schedule; 0: train.steps.
 
     c.train = t = ml_collections.ConfigDict()
@@ -76,7 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
     t.loss_kernel = "auto"
     t.log_every = 10  # steps between metric records (JSONL + TensorBoard).
     t.progress = True  # show a progress bar on process 0.
-    t.nonfinite = "stop"  # non-finite loss: stop (keep last good checkpoint) | skip the step.
+    # Non-finite loss: stop (keep the last good checkpoint) | skip the step (no update;
+    # the optimizer's counts stay too, so its lr schedule runs one step behind per skip).
+    t.nonfinite = "stop"
     t.inject_nan_at = -1  # fault injection: the loss of step N (1-based, as logged) is NaN; -1 never.
     t.checkpoint_every = 500  # steps between checkpoints (plus one at the end and on SIGTERM).
     t.keep_checkpoints = 3  # the newest checkpoints kept in the workdir; older are deleted.

@@ -105,19 +105,36 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
                     x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
                         None, *batch_sh.spec)))
 
+            # Each micro-batch's loss is a mean over its own tokens (examples); their
+            # counts differ where rows hold padding, so the big batch's mean is
+            # Σ_j mean_j·W_j / Σ_j W_j, not the mean of the means. A loss reports W_j
+            # (losses.WEIGHT) when its batch carries example weights, as an eval batch
+            # does: each micro-batch is given weights of 1, which change nothing else.
+            micro = jax.tree.map(split, batch)
+            if isinstance(batch, dict):
+                rows = jax.tree.leaves(batch)[0].shape[0]
+                micro[loaders.EXAMPLE_WEIGHT] = split(jnp.ones((rows,), jnp.float32))
+            first = jax.tree.map(lambda x: x[0], micro)
+            (_, shapes), _ = jax.eval_shape(grad_fn, params, first, rng, step)
+            weighted = losses.WEIGHT in shapes
+
             def body(carry, xs):
                 mb, j = xs
                 (l, m), g = grad_fn(params, mb, jax.random.fold_in(rng, j), step)
-                return jax.tree.map(jnp.add, carry, (l, m, g)), None
+                w = m.pop(losses.WEIGHT) if weighted else jnp.ones((), jnp.float32)
+                scaled = jax.tree.map(lambda x: x * w.astype(x.dtype), (l, m, g))
+                return jax.tree.map(jnp.add, carry, (*scaled, w)), None
 
-            micro = jax.tree.map(split, batch)
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                 jax.eval_shape(grad_fn, params,
-                                                jax.tree.map(lambda x: x[0], micro), rng, step))
+                                 jax.eval_shape(grad_fn, params, first, rng, step))
             (loss, metrics), grads = zeros
-            (loss, metrics, grads), _ = jax.lax.scan(
-                body, (loss, metrics, grads), (micro, jnp.arange(accum)))
-            loss, metrics, grads = jax.tree.map(lambda x: x / accum, (loss, metrics, grads))
+            metrics = {k: v for k, v in metrics.items() if k != losses.WEIGHT}
+            (loss, metrics, grads, total), _ = jax.lax.scan(
+                body, (loss, metrics, grads, jnp.zeros((), jnp.float32)),
+                (micro, jnp.arange(accum)))
+            total = jnp.where(total > 0, total, 1.0)  # no real token at all: 0, not NaN
+            loss, metrics, grads = jax.tree.map(lambda x: x / total.astype(x.dtype),
+                                                (loss, metrics, grads))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
@@ -133,11 +150,23 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
                                {"params": params, "opt_state": state["opt_state"]})
         new_state = {**new, "step": step + 1, "rng": state["rng"]}
-        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": schedule(step),
-                   "finite": finite}
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm,
+                   "lr": schedule(schedule_count(state["opt_state"], step)), "finite": finite}
         return new_state, metrics
 
     return train_step
+
+
+def schedule_count(opt_state, step):
+    """The count the optimizer's learning-rate schedule reads this step: optax keeps its
+    own (ScaleByScheduleState), equal to the step until train.nonfinite=skip skips one
+    (a skipped step leaves the optimizer's state as it was, counts included, as optax's
+    apply_if_finite does: the schedule then runs a step behind the step counter per
+    skip). `step` where the optimizer has no schedule state."""
+    counts = [s.count for s in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+        if isinstance(s, optax.ScaleByScheduleState)]
+    return counts[0] if counts else step
 
 
 def make_eval_step(task: Task, config):

@@ -46,7 +46,10 @@ class Task:
       pad the last, partial batch); a loss that weights its means by it and returns their
       total weight as metrics["weight"] is evaluated over exactly the split (every family
       here does, through models/losses.py); one that does not is refused before training
-      when a partial batch would be evaluated (steps.check_eval_split).
+      when a partial batch would be evaluated (steps.check_eval_split). Training with
+      optim.grad_accum > 1 gives each micro-batch weights of 1 the same way: the step
+      weighs each micro-batch's means by their reported weight (tokens), so the step is
+      the whole batch's mean; a loss that reports none has its micro-batches averaged.
     Optional (None: the family cannot; `need` names the registered tasks that can):
       sample(params, rng) -> list[str]: continuations of config.eval.sample_prompts (gpt).
       decode(params, src [B, S] int32, max_len: int) -> tokens [B, max_len] int32: greedy

@@ -369,7 +369,9 @@ def lm_task(config, workdir: str) -> Task:
         metrics = {"accuracy": m["accuracy"], **moe_metrics(aux)}
         if example_weight is not None:
             metrics[WEIGHT] = jnp.sum(weights)  # the tokens the means are over
-        return nll + aux.get("moe_loss", 0.0), metrics
+        # The routers' balance loss is part of the objective trained on, not of the
+        # model's fit: eval's loss (and its perplexity) is the tokens' NLL alone.
+        return (nll + aux.get("moe_loss", 0.0) if train else nll), metrics
 
     def sample(params, rng):
         prompts = [tok.encode(p) or [tok.bos_id] for p in config.eval.sample_prompts]

@@ -197,3 +197,23 @@ def test_every_family_loss_weighs_a_padding_row_zero(data_dir, tmp_path, name, o
     weights = {"gpt": "weights", "bert_mlm": "weights", "encdec": "target_weights",
                "rnn_seq2seq": "target_weights"}.get(config.task)
     assert total == (rows[weights].sum() if weights else n)
+
+
+def test_an_moe_gpt_s_eval_loss_is_the_tokens_nll_without_the_balance_loss(data_dir, tmp_path):
+    """The routers' balance loss is added to what an MoE GPT trains on, not to what its
+    evaluation reports: eval's loss (and perplexity, its exp) was the NLL plus
+    moe_loss_weight × the balance loss, so a larger weight read as a worse model."""
+    got = {}
+    for weight in (0.0, 1.0):
+        config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe", "model.num_heads=2"),
+                        data_dir)
+        config.model.moe_loss_weight = weight  # a GPTConfig field the shipped config leaves out
+        task = TASKS[config.task](config, str(tmp_path / str(weight)))
+        batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
+                                         num_epochs=1, transform=task.eval_transform,
+                                         process_index=0, process_count=1)))
+        params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+        got[weight] = [float(task.loss(params, batch, jax.random.PRNGKey(1), train)[0])
+                       for train in (False, True)]
+    assert got[1.0][0] == pytest.approx(got[0.0][0], rel=1e-6)  # eval: the NLL alone
+    assert got[1.0][1] > got[0.0][1] + 0.5  # training: + the balance loss (>= 1 per layer)

@@ -5,6 +5,7 @@ run must reproduce its losses (within float tolerance across meshes, exactly whe
 mesh and program are the same).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,11 +15,12 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import tiny
-from attention_jax import checkpoint, steps, train
+from attention_jax import checkpoint, sharding, steps, train
 from conftest import finish, free_port, start_worker, subprocess_env
 
 MESHES = {
@@ -223,6 +225,81 @@ def test_gradient_accumulation_and_bfloat16(reference, tmp_path):
                                     str(tmp_path / "b"))
     _close(bf16["losses"], reference["losses"][:10], rtol=5e-2)
     assert all(v.dtype == np.float32 for v in tiny.flat_params(bf16["state"]).values())
+
+
+def _weighted_tiny_task(config):
+    """The tiny LM with per-token weights, reporting its means' weight where the batch
+    carries example weights (the Task contract an eval batch relies on)."""
+    from attention_jax.data import loaders
+    from attention_jax.models import losses
+    task = tiny.make_tiny_task(config)
+
+    def loss(params, batch, rng, is_train):
+        logits, _ = task.model.apply({"params": params}, batch["inputs"], train=is_train,
+                                     rngs={"dropout": rng})
+        example_weight = batch.get(loaders.EXAMPLE_WEIGHT)
+        weights = losses.example_weighted(batch["weights"], example_weight)
+        nll, metrics = losses.cross_entropy(logits, batch["targets"], weights)
+        if example_weight is not None:
+            metrics[losses.WEIGHT] = jnp.sum(weights)
+        return nll, metrics
+    return dataclasses.replace(task, loss=loss)
+
+
+def test_accumulation_is_the_big_batch_s_mean_over_real_tokens(tmp_path):
+    """Micro-batches with 8 and 128 real tokens (rows of padding): the accumulated step's
+    loss, gradient and update are the one big batch's, whose mean is over its 136 tokens;
+    the mean of the two micro-batches' means (what accumulation once took) is not."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, tiny.VOCAB, (16, tiny.SEQ + 1)).astype(np.int32)
+    weights = np.zeros((16, tiny.SEQ), np.float32)
+    weights[0::2, 0] = 1  # micro-batch 0 (rows 0, 2, ...): one real token a row
+    weights[1::2] = 1     # micro-batch 1: every token real
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+    out = {}
+    for accum in (1, 2):
+        cfg = tiny.tiny_config(**{"optim.grad_accum": accum, "mesh.data": 2,
+                                  "mesh.num_devices": 2, "optim.warmup_steps": 0})
+        s = train.setup(cfg, str(tmp_path / str(accum)), task=_weighted_tiny_task(cfg))
+        step, _ = steps.jit_steps(s, cfg)
+        with jax.set_mesh(s.mesh):
+            state, metrics = step(s.init_state(), sharding.shard_batch(batch, s.mesh))
+        out[accum] = (steps.fetch(metrics), tiny.flat_params(state))
+    (one, params_one), (two, params_two) = out[1], out[2]
+    for key in ("loss", "accuracy", "grad_norm"):
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-5, err_msg=key)
+    for name in params_one:
+        np.testing.assert_allclose(params_two[name], params_one[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+def test_the_logged_lr_is_the_lr_applied_after_a_skipped_step(tmp_path):
+    """With AdamW's moments memoryless (b1 = b2 = 0) and no decay or clipping, each
+    parameter moves by exactly the lr applied. A skipped step (train.nonfinite=skip)
+    leaves the optimizer's counts where they were, so the schedule runs a step behind
+    the step counter; the logged lr once read the step counter and said otherwise."""
+    cfg = tiny.tiny_config(**{"train.nonfinite": "skip", "train.inject_nan_at": 2,
+                              "mesh.num_devices": 1, "optim.warmup_steps": 5,
+                              "optim.b1": 0.0, "optim.b2": 0.0, "optim.eps": 1e-12,
+                              "optim.weight_decay": 0.0, "optim.clip_norm": 0.0})
+    s = train.setup(cfg, str(tmp_path))
+    step, _ = steps.jit_steps(s, cfg)
+    rng = np.random.default_rng(0)
+    logged, applied = [], []
+    with jax.set_mesh(s.mesh):
+        state = s.init_state()
+        for _ in range(4):
+            tokens = rng.integers(0, tiny.VOCAB, (16, tiny.SEQ + 1)).astype(np.int32)
+            batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+            before = tiny.flat_params(state)
+            state, metrics = step(state, sharding.shard_batch(batch, s.mesh))
+            after = tiny.flat_params(state)
+            logged.append(float(steps.fetch(metrics)["lr"]))
+            applied.append(max(float(np.abs(after[k] - before[k]).max()) for k in after))
+    # warmup 0, 0.002, 0.004, ... a step; step 2 (the second) skipped: nothing applied
+    # (its lr logged is the one it would have had), and the next takes that lr
+    np.testing.assert_allclose(applied, [0.0, 0.0, 0.002, 0.004], atol=1e-6)
+    np.testing.assert_allclose(logged, [0.0, 0.002, 0.002, 0.004], atol=1e-7)
 
 
 @pytest.mark.parametrize("nonfinite, most_copies", [("stop", 2), ("skip", None)])
