@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -252,12 +253,26 @@ def _call_masked(body, masked, index, carry):
 # ----------------------------------------------------------------------------- forward
 
 
+def _folds_scale(scale: float, dtype) -> bool:
+    """Whether Q may carry the softmax scale (one multiply of [T, H], not of every [T, S]
+    score tile): where Q·scale is exact in Q's dtype, as in float32 and wider, or for a
+    power of two (1/8 at head dim 64). Rounded to bfloat16, 1/sqrt(48)'s Q added a
+    relative error of 2^-9 to every score (about twice the reference's error at H = 48
+    against float64); then the scores take the scale, in float32."""
+    if jnp.dtype(dtype) == _acc_dtype(dtype):
+        return True
+    mantissa, _ = math.frexp(scale)
+    return mantissa == 0.5
+
+
 def _forward(st: _Static, q, k, v, arrays, out_dtype=None):
     """Returns y [X, G, T, Hv] (in out_dtype, default q's) and the log-sum-exp
     [X, G, Tp] (+inf on empty rows). Ring attention (ring.py) calls it once per pair of
     sequence chunks, with out_dtype the accumulation dtype, and merges the results."""
     acc_t = _acc_dtype(q.dtype)
-    q = (q.astype(acc_t) * st.scale).astype(q.dtype)  # fold the scale into Q once
+    fold = _folds_scale(st.scale, q.dtype)
+    if fold:
+        q = (q.astype(acc_t) * st.scale).astype(q.dtype)  # the scale in Q, once
     tiles = _Tiles(st, q, k, v, arrays)
     x, g, tp, _ = tiles.q.shape
     rows, hv = g * st.bq, v.shape[-1]
@@ -269,6 +284,8 @@ def _forward(st: _Static, q, k, v, arrays, out_dtype=None):
         def kv_step(j, state, masked):
             m, l, acc = state  # [X, R], [X, R], [X, R, Hv]
             s = tiles.scores(qi, tiles.kv_tile(tiles.k, j))  # [X, R, bk]
+            if not fold:
+                s = s * st.scale
             ok = tiles.tile_mask(i, j) if masked else None
             if ok is not None:
                 s = jnp.where(ok, s, -jnp.inf)
@@ -315,7 +332,8 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, delta=None, grad_dt
     XLA's CPU matmuls run several times slower. dQ is then accumulated transposed too.
     """
     acc_t = _acc_dtype(q.dtype)
-    q_scaled = (q.astype(acc_t) * st.scale).astype(q.dtype)
+    fold = _folds_scale(st.scale, q.dtype)
+    q_scaled = (q.astype(acc_t) * st.scale).astype(q.dtype) if fold else q
     tiles = _Tiles(st, q_scaled, k, v, arrays)
     # D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij: the softmax Jacobian's correction term.
     if delta is None:
@@ -332,9 +350,11 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, delta=None, grad_dt
 
         def q_step(i, state, masked):
             dq_t, dk_j, dv_j = state
-            qi = tiles.q_rows(tiles.q, i)  # [X, R, H], already scaled
+            qi = tiles.q_rows(tiles.q, i)  # [X, R, H], scaled where the scale folds
             doi = tiles.q_rows(d_out, i)  # [X, R, Hv]
             s_t = jnp.einsum("XSH,XRH->XSR", kj, qi, preferred_element_type=acc_t)
+            if not fold:
+                s_t = s_t * st.scale
             ok = tiles.tile_mask(i, j, transposed=True) if masked else None
             if ok is not None:
                 s_t = jnp.where(ok, s_t, -jnp.inf)
@@ -345,8 +365,9 @@ def _backward(st: _Static, q, k, v, arrays, out, lse, d_out, delta=None, grad_dt
             dp_t = jnp.einsum("XSH,XRH->XSR", vj, doi, preferred_element_type=acc_t)
             ds_t = p_t * (dp_t - tiles.q_rows(delta, i)[:, None, :])
             # With Q pre-scaled, dK = dSᵀ (Q·scale) needs no extra factor; dQ does.
-            dk_j = dk_j + jnp.einsum("XSR,XRH->XSH", ds_t.astype(qi.dtype), qi,
-                                     preferred_element_type=acc_t)
+            dk_step = jnp.einsum("XSR,XRH->XSH", ds_t.astype(qi.dtype), qi,
+                                 preferred_element_type=acc_t)
+            dk_j = dk_j + (dk_step if fold else dk_step * st.scale)
             dq_i = jnp.einsum("XHS,XSR->XHR", *_cpu_dot_inputs(kj_t, ds_t.astype(kj.dtype)),
                               preferred_element_type=acc_t) * st.scale  # [X, H, R]
             dq_i = jnp.swapaxes(dq_i.reshape(x, h, g, st.bq), 1, 2)  # [X, G, H, bq]

@@ -204,7 +204,9 @@ def _check_window(window):
         raise ValueError(f"{valid}; got {window!r}")
     if len(pair) != 2 or any(not _is_int(w) or w < 0 for w in pair):
         raise ValueError(f"{valid}; got {window!r}")
-    return int(pair[0]), int(pair[1])
+    # Wider than any two positions are apart (OFFSET_LIMIT) is the same window, and
+    # within int32 when added to a position.
+    return min(int(pair[0]), WINDOW_LIMIT), min(int(pair[1]), WINDOW_LIMIT)
 
 
 def _check_block(name, value):
@@ -236,25 +238,34 @@ def _check_lengths(kv_lengths, batch, kv_len):
     return lengths.astype(jnp.int32)
 
 
+# How far from 0 a query offset may put positions. The masks add windows and lengths to
+# int32 positions (a query's position plus its right window, a tile's last key plus the
+# left window less the smallest offset): with |q_offset| <= 2**29, T and S below 2**28
+# and each window side clamped at 2**30 (`_check_window`: no two positions are farther
+# apart, so the clamp changes nothing) every such sum stays within int32. A window of
+# 2**31 - 1, a common "unlimited", wrapped to negative and masked keys it should keep.
+OFFSET_LIMIT = 2 ** 29
+WINDOW_LIMIT = 2 ** 30
+
+
 def _check_offset(q_offset, batch):
-    int32 = np.iinfo(np.int32)
-    if _is_int(q_offset) and not int32.min <= int(q_offset) <= int32.max:
-        # (jnp.asarray raised OverflowError, naming no argument)
-        raise ValueError(f"q_offset={int(q_offset)} is no int32 (positions are int32); valid: "
-                         f"{int32.min}..{int32.max}")
+    valid = (f"valid: -{OFFSET_LIMIT}..{OFFSET_LIMIT} (positions are int32, and the masks "
+             f"add windows to them)")
+    if _is_int(q_offset) and abs(int(q_offset)) > OFFSET_LIMIT:
+        # (jnp.asarray raised OverflowError past int32, naming no argument)
+        raise ValueError(f"q_offset={int(q_offset)} is out of range; {valid}")
     if isinstance(q_offset, (list, tuple)):  # (jnp.asarray raised OverflowError for big ints)
         q_offset = np.asarray(q_offset)
-    if (isinstance(q_offset, (np.ndarray, jax.Array)) and not isinstance(q_offset, jax.core.Tracer)
-            and np.issubdtype(q_offset.dtype, np.integer) and q_offset.size
-            and (np.iinfo(q_offset.dtype).max > int32.max
-                 or np.iinfo(q_offset.dtype).min < int32.min)):
-        # An int64 (numpy's default) or uint32 array past int32 wrapped when cast: 2**32 + 3
-        # read as 3.
-        values = np.asarray(q_offset).astype(object)
-        bad = values[(values < int32.min) | (values > int32.max)]
-        if bad.size:
-            raise ValueError(f"q_offset holds {int(bad[0])}, no int32 (positions are int32); "
-                             f"valid: {int32.min}..{int32.max}")
+    # Every offset a row of them holds, where it can be seen: an int64 (numpy's default)
+    # or uint32 array past int32 wrapped when cast (2**32 + 3 read as 3).
+    if (isinstance(q_offset, (np.ndarray, jax.Array)) and np.issubdtype(q_offset.dtype, np.integer)
+            and q_offset.size):
+        known = known_values(q_offset)
+        if known is not None:
+            values = known.astype(object).ravel()
+            bad = [int(x) for x in values if abs(int(x)) > OFFSET_LIMIT]
+            if bad:
+                raise ValueError(f"q_offset holds {bad[0]}, out of range; {valid}")
     offset = jnp.asarray(q_offset)
     if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim not in (0, 1) or (
             offset.ndim == 1 and offset.shape[0] != batch):
@@ -265,6 +276,20 @@ def _check_offset(q_offset, batch):
 
 
 def _check_ids(name, ids, batch, length):
+    if isinstance(ids, (list, tuple)):
+        ids = np.asarray(ids)
+    wide = (isinstance(ids, np.ndarray) and np.issubdtype(ids.dtype, np.integer)
+            and (np.iinfo(ids.dtype).bits > 32 or ids.dtype == np.uint32))
+    if wide and ids.size:
+        # int64 ids (numpy's default; hashed document ids) wrapped when cast: 2**32 read as
+        # 0, two documents merged into one with nothing said. The padding's id is one
+        # below -max|id|, so int32's least value is out too.
+        values = ids.astype(object).ravel()
+        low, high = -np.iinfo(np.int32).max, np.iinfo(np.int32).max
+        bad = [int(x) for x in values if not low <= int(x) <= high]
+        if bad:
+            raise ValueError(f"{name} holds {bad[0]}, no int32 id; valid: {low}..{high} "
+                             f"(renumber the segments: only which ids are equal matters)")
     ids = jnp.asarray(ids)
     if ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be an int array of shape [{batch}, {length}]; "
@@ -283,8 +308,10 @@ def _segments(segment_ids, q_segment_ids, kv_segment_ids, kv_mask, b, t, s):
         q_segment_ids = kv_segment_ids = segment_ids
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    q_ids = None if q_segment_ids is None else _check_ids("q_segment_ids", q_segment_ids, b, t)
-    kv_ids = None if kv_segment_ids is None else _check_ids("kv_segment_ids", kv_segment_ids, b, s)
+    q_name, kv_name = (("segment_ids",) * 2 if segment_ids is not None
+                       else ("q_segment_ids", "kv_segment_ids"))
+    q_ids = None if q_segment_ids is None else _check_ids(q_name, q_segment_ids, b, t)
+    kv_ids = None if kv_segment_ids is None else _check_ids(kv_name, kv_segment_ids, b, s)
     if kv_mask is not None:
         kv_mask = jnp.asarray(kv_mask)
         if kv_mask.shape != (b, s) or kv_mask.dtype != jnp.bool_:

@@ -73,6 +73,23 @@ def cudnn_auto_refusal(call: AttentionCall, platform: Platform) -> Optional[str]
     return None
 
 
+def rows_with_keys(call: AttentionCall):
+    """[B, T] bool: which queries see a key, for the masks jax.nn takes in its own
+    arguments (causal from query 0, right padding, a causal left window), or None where
+    every query does. Only padding hides every key from a row: all of them where a row has
+    no real key, and with a left window L, query t's keys t - L..t where they start at
+    or past the row's length (jax.nn's rows without a key come back as the mean of v)."""
+    spec = call.spec
+    if spec.kv_lengths is None:
+        return None
+    lengths = spec.kv_lengths[:, None]  # [B, 1]
+    seen = jnp.broadcast_to(lengths > 0, (call.batch, call.q_len))
+    if spec.window is not None and spec.causal:
+        t = jnp.arange(call.q_len, dtype=jnp.int32)[None, :]
+        seen = seen & (t - spec.window[0] < lengths)
+    return seen
+
+
 def _jax_nn(q, k, v, call: AttentionCall, implementation: str):
     """jax.nn.dot_product_attention, with the mask in its own arguments where they can say it."""
     spec = call.spec
@@ -84,8 +101,9 @@ def _jax_nn(q, k, v, call: AttentionCall, implementation: str):
             q, k, v, scale=call.scale, is_causal=spec.causal,
             key_value_seq_lengths=spec.kv_lengths, local_window_size=window,
             implementation=implementation)
-        if spec.kv_lengths is not None:  # a row of no real keys is zero, as on every path
-            y = jnp.where((spec.kv_lengths > 0)[:, None, None, None], y, 0)
+        seen = rows_with_keys(call)
+        if seen is not None:  # a row of no visible key is zero, as on every path
+            y = jnp.where(seen[:, :, None, None], y, 0)
         return y
     full = dense_mask(spec, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len)
     y = jax.nn.dot_product_attention(q, k, v, scale=call.scale, mask=full,

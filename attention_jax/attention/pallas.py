@@ -348,6 +348,12 @@ def refusal(call: AttentionCall, platform: Platform) -> Optional[str]:
     if platform.backend != "cpu" and call.dtype == jnp.float64:
         return ("implementation='pallas' takes float16, bfloat16 or float32 on a GPU; got "
                 "float64 (use 'blockwise' or 'reference')")
+    # Here, not only where the tiles are made: "auto" took the kernels for tiles they
+    # cannot have (block_q=8 on a GPU) and failed, where it could pass them over.
+    for name, value in (("block_q", call.block_q), ("block_k", call.block_k)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            return (f"{name} must be a power of two >= 16 for implementation='pallas'; got "
+                    f"{value!r}")
     return None
 
 

@@ -277,6 +277,84 @@ def _ok():
     return jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 10, 2, 16)), jnp.zeros((2, 10, 2, 16))
 
 
+@pytest.mark.parametrize("implementation", ["reference", "xla", "blockwise"])
+def test_a_window_wider_than_int32_reaches_is_no_window(implementation):
+    """window=2**31 - 1, a common "unlimited": added to int32 positions it wrapped to
+    negative, and keys it should keep were masked (every backend's values two-sided,
+    blockwise's gradients as a causal left window); 2**31 was an OverflowError."""
+    r = np.random.RandomState(0)
+    q, k, v = (jnp.asarray(r.randn(1, 8, 1, 4), jnp.float32) for _ in range(3))
+    tiles = dict(block_q=2, block_k=2) if implementation == "blockwise" else {}
+
+    def values_and_grads(**kw):
+        f = lambda q, k, v: dot_product_attention(q, k, v, implementation=implementation,
+                                                  **tiles, **kw)
+        return f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(q, k, v)
+
+    big = 2 ** 31 - 1
+    for wide, plain in ((dict(window=(big - 4, big - 4)), {}),
+                        (dict(causal=True, window=(big, 0)), dict(causal=True)),
+                        (dict(causal=True, window=(2 ** 31, 0)), dict(causal=True))):
+        got, want = values_and_grads(**wide), values_and_grads(**plain)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=str(wide))
+
+
+def test_int64_segment_ids_past_int32_are_refused_not_wrapped():
+    """Hashed document ids as int64: 2**32 read as 0, the two documents merged into one
+    with nothing said."""
+    q = jnp.zeros((1, 4, 1, 4))
+    ids = np.array([[0, 0, 2 ** 32, 2 ** 32]], np.int64)
+    with pytest.raises(ValueError, match=r"^segment_ids holds 4294967296, no int32 id; "
+                                         r"valid: -2147483647\.\.2147483647 \(renumber"):
+        dot_product_attention(q, q, q, segment_ids=ids)
+    with pytest.raises(ValueError, match=r"^kv_segment_ids holds -2147483648, no int32 id"):
+        dot_product_attention(q, q, q, q_segment_ids=np.zeros((1, 4), np.int64),
+                              kv_segment_ids=np.array([[0, 0, 0, -2 ** 31]]))
+    small = np.array([[0, 0, 7, 7]], np.int64)  # int64 within int32: taken as it is
+    np.testing.assert_array_equal(dot_product_attention(q, q, q, segment_ids=small),
+                                  dot_product_attention(q, q, q, segment_ids=small.astype(np.int32)))
+
+
+def test_the_rows_cudnn_is_asked_to_zero_are_those_the_mask_leaves_without_a_key():
+    """The structural path (jax.nn's own causal, lengths and left-window arguments, as
+    cuDNN takes them) zeroes the rows with no visible key, whose jax.nn output is the mean
+    of v. It zeroed only rows of no real key: with a causal left window, query t sees
+    nothing once t - L reaches the row's length (row 0 below from query 5 on)."""
+    from attention_jax.attention import jax_nn
+    from attention_jax.attention.call import make_call
+    from attention_jax.attention.masks import dense_mask
+    x = jnp.zeros((3, 8, 2, 8), jnp.bfloat16)
+    lengths = jnp.array([3, 8, 0])
+    for kw in (dict(causal=True, window=(2, 0)), dict(causal=True, window=(0, 0)),
+               dict(causal=True), dict(causal=False), dict(causal=True, window=(9, 0))):
+        call = make_call(x, x, x, kv_lengths=lengths, **kw)
+        want = np.asarray(dense_mask(call.spec, 3, 2, 2, 8, 8)).any(-1)[:, 0]  # [B, T]
+        np.testing.assert_array_equal(jax_nn.rows_with_keys(call), want, err_msg=str(kw))
+    call = make_call(x, x, x, kv_lengths=lengths, causal=True, window=(2, 0))
+    assert np.asarray(jax_nn.rows_with_keys(call))[0].tolist() == [True] * 5 + [False] * 3
+
+
+@pytest.mark.parametrize("head_dim", [48, 64])
+def test_blockwise_bfloat16_is_as_exact_as_the_reference_whatever_the_scale(head_dim):
+    """In bfloat16, Q·(1/sqrt(48)) rounded back to bfloat16 added 2^-9 to every score:
+    blockwise's error against float64 was twice the reference's (which scales the float32
+    scores). 1/8 (head dim 64) is exact in any dtype and still folds into Q."""
+    r = np.random.RandomState(0)
+    q, k, v = (jnp.asarray(r.randn(2, 64, 4, head_dim) * s, jnp.bfloat16)
+               for s in (2.5, 2.5, 1.0))
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    e = np.einsum("btnh,bsnh->bnts", q64, k64) / np.sqrt(head_dim)
+    e = np.where(np.tril(np.ones((64, 64), bool)), e, -np.inf)
+    a = np.exp(e - e.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnh->btnh", a / a.sum(-1, keepdims=True), v64)
+    err = {impl: np.abs(np.asarray(dot_product_attention(q, k, v, causal=True,
+                                                         implementation=impl),
+                                   np.float64) - want).mean()
+           for impl in ("reference", "blockwise")}
+    assert err["blockwise"] <= 1.25 * err["reference"], err
+
+
 def test_compiling_for_a_gpu_lowers_attention_as_on_one():
     """Inside compiling_for("gpu") (an H100's step compiled on a CPU host, bench gpu-hlo)
     attention chooses and lowers as on an NVIDIA GPU: auto picks cuDNN for plain causal
@@ -443,16 +521,19 @@ def test_values_that_would_silently_change_the_result_are_named():
     with pytest.raises(ValueError, match=r"return_weights must be a Python bool, True or "
                                          r"False; got 'no'"):
         dot_product_attention(q, k, v, return_weights="no")
-    with pytest.raises(ValueError, match=r"q_offset=2147483648 is no int32 \(positions are "
-                                         r"int32\); valid: -2147483648\.\.2147483647"):
+    with pytest.raises(ValueError, match=r"q_offset=2147483648 is out of range; valid: "
+                                         r"-536870912\.\.536870912 \(positions are int32"):
         dot_product_attention(q, k, v, q_offset=2 ** 31)
     # As an int64 array (numpy's default), one per row: it wrapped, 2**32 + 3 read as 3.
-    with pytest.raises(ValueError, match=r"^q_offset holds 4294967299, no int32"):
+    with pytest.raises(ValueError, match=r"^q_offset holds 4294967299, out of range"):
         dot_product_attention(q, k, v, q_offset=np.array([2 ** 32 + 3, 0]))
-    with pytest.raises(ValueError, match=r"^q_offset holds 4294967295, no int32"):
+    with pytest.raises(ValueError, match=r"^q_offset holds 4294967295, out of range"):
         dot_product_attention(q, k, v, q_offset=np.array([2 ** 32 - 1, 0], np.uint32))
-    with pytest.raises(ValueError, match=r"^q_offset holds 1099511627776, no int32"):
+    with pytest.raises(ValueError, match=r"^q_offset holds 1099511627776, out of range"):
         dot_product_attention(q, k, v, q_offset=[2 ** 40, 0])  # (an OverflowError)
+    # Within int32 but near its end: the positions q_offset + i wrapped (all-zero rows).
+    with pytest.raises(ValueError, match=r"^q_offset holds 2147483646, out of range"):
+        dot_product_attention(q, k, v, q_offset=jnp.full((q.shape[0],), 2 ** 31 - 2))
     # An empty batch or head dim: ZeroDivisionErrors from the blocking and the scale.
     with pytest.raises(ValueError, match=r"^empty batch: q \(0, "):
         dot_product_attention(q[:0], k[:0], v[:0])

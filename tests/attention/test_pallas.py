@@ -190,6 +190,16 @@ def test_bad_pallas_arguments(kwargs, message):
         dot_product_attention(q, k, k, **kwargs)
 
 
+def test_auto_on_a_gpu_passes_the_kernels_over_for_tiles_they_cannot_take():
+    """The tile rule was checked only where the kernels' tiles were made: on a GPU, auto
+    took the kernels for block_q=8 (explain said so) and the call then failed on it."""
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.float32)
+    assert explain(q, q, q, causal=True, backend="gpu")[0] == "pallas"
+    name, reason = explain(q, q, q, causal=True, block_q=8, block_k=8, backend="gpu")
+    assert name == "blockwise"
+    assert "not pallas: block_q must be a power of two >= 16" in reason, reason
+
+
 def test_tiles_given_within_reach_the_kernels_and_end_with_it():
     """pallas.tiles (bench gpu-hlo --pallas-tiles compiles a whole step with them): the
     kernels traced within take the tiles given (a row of 64 in query blocks of 32, where
