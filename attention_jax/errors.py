@@ -112,6 +112,24 @@ def check_float_dtypes(config, names: Iterable[str] = ("dtype", "param_dtype")) 
                              f"{list(FLOAT_DTYPES)} (or its jnp dtype)")
 
 
+RATES = ("dropout_rate", "attention_dropout_rate")  # probabilities of dropping: [0, 1)
+
+
+def check_rates_and_epsilon(config) -> None:
+    """ValueError naming the first dropout rate on `config` (a model's config dataclass,
+    where it has the field) outside [0, 1), or a norm_epsilon not > 0. A notebook's model
+    took 1.5 (training's logits all zeros) or -0.5 (activations scaled by 1/1.5) unsaid;
+    the trainer's config checks say the same for config.model.*."""
+    for name in RATES:
+        value = getattr(config, name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"{name}={value!r} is out of range; valid: 0 <= {name} < 1")
+    epsilon = getattr(config, "norm_epsilon", 1.0)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"norm_epsilon={epsilon!r} is out of range; valid: norm_epsilon > 0 "
+                         f"(added to the variance under the square root)")
+
+
 def check_positive_ints(config, names: Iterable[str], none_means: dict | None = None) -> None:
     """ValueError "NAME must be a positive integer; got VALUE (valid: ...)" for the first of
     `names` whose value on `config` (a model's config dataclass) is not an integer >= 1.

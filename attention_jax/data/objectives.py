@@ -66,8 +66,8 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, voca
              mask_token_rate: float = 0.8, random_token_rate: float = 0.1) -> dict[str, np.ndarray]:
     """BERT masking (Devlin et al. 2019, sec. 3.1) of tokens [..., L].
 
-    In each row, round(mask_rate * eligible) positions are chosen among non-special
-    tokens (padding, [CLS], [SEP], ... are never chosen). Of those, 80% become [MASK],
+    In each row, round(mask_rate * eligible) positions (at least 1) are chosen among
+    non-special tokens (padding, [CLS], [SEP], ... are never chosen). Of those, 80% become [MASK],
     10% a random non-special token, 10% stay, and all of them are predicted.
     Returns inputs, targets (the original tokens) and weights (1 where predicted).
     """
@@ -77,7 +77,11 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, voca
     # Choose exactly k positions per row: rank random keys, ineligible ones last.
     keys = np.where(eligible, rng.random(tokens.shape), np.inf)
     ranks = np.argsort(np.argsort(keys, axis=-1), axis=-1)
-    k = np.round(mask_rate * eligible.sum(-1, keepdims=True))
+    count = eligible.sum(-1, keepdims=True)
+    # At least one where a row has an ordinary token (as BERT's own data script does): a
+    # short row (3 tokens or fewer at 15%) otherwise rounded to nothing to predict.
+    k = np.round(mask_rate * count)
+    k = np.where((count > 0) & (mask_rate > 0), np.maximum(k, 1), k)
     chosen = (ranks < k) & eligible
 
     action = rng.random(tokens.shape)

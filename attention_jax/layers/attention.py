@@ -54,15 +54,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_heads(d_model: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                head_dim: Optional[int] = None) -> tuple[int, int, int]:
-    """(N, K, H) after validation; raises ValueError naming the valid choices."""
+                head_dim: Optional[int] = None, *,
+                head_dim_settable: bool = True) -> tuple[int, int, int]:
+    """(N, K, H) after validation; raises ValueError naming the valid choices.
+    head_dim_settable: whether the caller has a head_dim field the message may suggest
+    (a model config whose head dim is always D / N has none)."""
     if num_heads <= 0:
         raise ValueError(f"num_heads must be positive; got {num_heads}")
     if head_dim is None:
         if d_model % num_heads:
             raise ValueError(
-                f"num_heads={num_heads} does not divide the model width D={d_model} (set "
-                f"head_dim explicitly, or use num_heads in {_divisors(d_model)})")
+                f"num_heads={num_heads} does not divide the model width D={d_model} ("
+                + ("set head_dim explicitly, or " if head_dim_settable else "")
+                + f"use num_heads in {_divisors(d_model)})")
         head_dim = d_model // num_heads
     kv = num_heads if num_kv_heads is None else num_kv_heads
     if kv <= 0 or num_heads % kv:

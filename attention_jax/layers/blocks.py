@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from attention_jax import axes
 from attention_jax.attention import IMPLEMENTATIONS, RING_INNER
-from attention_jax.errors import check_positive_ints
+from attention_jax.errors import check_positive_ints, check_rates_and_epsilon
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP
 from attention_jax.layers.moe import MoE
@@ -111,6 +111,7 @@ class BlockConfig:
                              "add to give it: valid with norm_position='post': 'auto' or 'xla'")
         # Types first: a string or a float from the command line was compared with an
         # integer below ("'<=' not supported") or reached a shape (a JAX traceback).
+        check_rates_and_epsilon(self)
         check_positive_ints(self, ("num_heads", "num_kv_heads", "mlp_dim", "num_experts",
                                    "top_k"),
                             none_means={"num_kv_heads": "num_heads: multi-head attention",
@@ -228,7 +229,7 @@ class TransformerBlock(nn.Module):
             # statistic, nor in the balance loss).
             real = kv_mask if kv_mask is not None or segment_ids is None else segment_ids != 0
             x, aux["moe"] = residual(x, "mlp", lambda h: (
-                *ffn(h, deterministic=deterministic, token_mask=real), None))
+                *ffn(h, deterministic=deterministic, token_mask=real, no_drop=decode), None))
         else:
             if cfg.mlp in GATED_MLPS:
                 ffn = GatedMLP(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,

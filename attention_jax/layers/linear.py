@@ -50,7 +50,7 @@ def dot_general_2d(lhs, rhs, dimension_numbers, precision=None, preferred_elemen
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
             and not lhs_batch and not rhs_batch and rhs.ndim == 2 and lhs.ndim > 2):
-        y = matmul(lhs, rhs, precision=precision)
-        return y if preferred_element_type is None else y.astype(preferred_element_type)
+        return matmul(lhs, rhs, precision=precision,
+                      preferred_element_type=preferred_element_type)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)

@@ -7,8 +7,11 @@ each batch row (a "group") gives every expert room for
     C = ceil(capacity_factor · T · A / E)   tokens.
 
 C depends on T, so a token can be dropped in a full forward pass but kept when decoded
-alone (T = 1): decoding with the KV cache matches the full pass exactly only when no
-token is dropped (capacity_factor >= E / A guarantees it).
+alone (T = 1). Decoding with the KV cache (`no_drop`, which blocks pass when they
+decode) gives every token a slot (C = T): the prompts' padded width would otherwise set
+C, and a prompt's continuation depended on the other prompts batched with it. It
+matches the full pass exactly where that drops nothing (capacity_factor >= E / A
+guarantees it).
 
 Routing is written as dense one-hot tensors and einsums, never a Python loop over
 experts, so the expert axis E of the weights and of the buffers can be sharded (the
@@ -151,9 +154,11 @@ class MoE(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, *, deterministic: bool = True, token_mask=None):
+    def __call__(self, x, *, deterministic: bool = True, token_mask=None,
+                 no_drop: bool = False):
         """x [B, T, D]; token_mask [B, T] bool or None: True for a real token (padding
-        is routed nowhere: y = 0 there, and it takes no expert's slot)."""
+        is routed nowhere: y = 0 there, and it takes no expert's slot). no_drop: room for
+        every token (C = T), whatever capacity_factor says (the module doc)."""
         b, t, d = x.shape
         e, f = self.num_experts, self.hidden or 4 * x.shape[-1]
         if e < 1 or not 1 <= self.top_k <= e:
@@ -172,7 +177,8 @@ class MoE(nn.Module):
         w_router = param("router", nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
                          (d, e), (axes.EMBED, None))
         logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), w_router.astype(jnp.float32))
-        capacity = expert_capacity(t, e, self.top_k, self.capacity_factor)
+        # (a token takes at most one slot of an expert: T slots hold every one)
+        capacity = t if no_drop else expert_capacity(t, e, self.top_k, self.capacity_factor)
         dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates,
                                        self.priority, token_mask)
 

@@ -19,6 +19,7 @@ scores are log p(y | x) / lp(|y|), |y| counting tokens up to and including eos.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Callable
 
@@ -39,8 +40,49 @@ def check_decode_inputs(src, max_len, vocab_size: int) -> None:
     IndexError from a cache."""
     check_ids("src", src)
     check_below("src", src, vocab_size, "token ids of the model's vocabulary")
-    if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len < 1:
+    if not _is_count(max_len) or max_len < 1:
         raise ValueError(f"max_len={max_len!r}; valid: an int >= 1 (tokens to decode)")
+
+
+def _is_count(x) -> bool:
+    """An int (Python's or NumPy's: a length from an array), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_beam_size(beam_size) -> int:
+    if not _is_count(beam_size) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
+    return int(beam_size)
+
+
+def check_alpha(alpha) -> float:
+    """The length penalty's exponent as a float: a finite number (NaN ranked every beam
+    as NaN, unsaid; a string was float()'s bare message)."""
+    if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"alpha={alpha!r}; valid: a finite number (GNMT's length penalty "
+                         f"exponent; 0: none, Vaswani et al. 0.6)")
+    return float(alpha)
+
+
+def check_vocab_size(vocab_size, model_vocab: int):
+    """`vocab_size` as a decode's static argument: None where it is the model's (or not
+    given), else an int in 1..model_vocab (ValueError naming it otherwise)."""
+    if vocab_size is None or vocab_size == model_vocab:
+        return None
+    if (not isinstance(vocab_size, numbers.Integral) or isinstance(vocab_size, bool)
+            or not 1 <= vocab_size <= model_vocab):
+        raise ValueError(f"vocab_size={vocab_size!r}; valid: None or 1..{model_vocab} (the "
+                         f"model's vocabulary)")
+    return int(vocab_size)
+
+
+def only_vocabulary(logits, vocab_size):
+    """logits [..., V] with the ids from `vocab_size` up at -inf, so that no decode picks
+    them (a tokenizer's vocabulary, where the model's is padded to a multiple of 64 for
+    its matmuls: those ids decode to nothing); unchanged where vocab_size is None."""
+    if vocab_size is None:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
 
 
 def length_penalty(length, alpha: float):
@@ -59,10 +101,10 @@ def search(step: Callable, state, *, batch: int, beam_size: int, max_len: int, v
     """(tokens [B, W, max_len], scores [B, W]), best first (the module's text). `state`
     holds B·W rows (each source's repeated W times); take_rows(state, rows) picks rows
     [B·W] of it, each beam's parent after a step."""
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
-    if not isinstance(max_len, int) or max_len < 1:
+    beam_size = check_beam_size(beam_size)
+    if not _is_count(max_len) or max_len < 1:
         raise ValueError(f"max_len must be an int >= 1; got {max_len!r}")
+    max_len, alpha = int(max_len), check_alpha(alpha)
     b, w, v = batch, beam_size, vocab
     if w * v > MOST_CANDIDATES:
         raise ValueError(f"beam_size={w} with a vocabulary of {v}: {w * v} candidates a step; "

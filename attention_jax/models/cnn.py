@@ -24,7 +24,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
+from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
+                                 check_rates_and_epsilon)
 
 __all__ = ["CNNConfig", "CNN", "VARIANTS"]
 
@@ -43,6 +44,7 @@ class CNNConfig:
 
     def __post_init__(self):
         check_float_dtypes(self)
+        check_rates_and_epsilon(self)
         check_positive_ints(self, ("image_size", "num_channels", "width", "num_blocks",
                                    "kernel_size", "groups", "num_classes"))
         if self.width % self.groups:

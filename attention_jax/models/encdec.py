@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
+from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
+                                 check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
@@ -77,6 +78,7 @@ class EncDecConfig:
         # otherwise divides by zero (here, or in setup's D^-1/2), zero layers fails deep in
         # the stack's setup, and mlp_dim=0 silently became the 4D default.
         check_float_dtypes(self)
+        check_rates_and_epsilon(self)
         check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
                                    "num_decoder_layers", "mlp_dim"),
                             none_means={"mlp_dim": "4 * d_model"})  # the block's default
@@ -87,6 +89,11 @@ class EncDecConfig:
         if self.d_model % 2:  # the positions are sinusoidal
             raise ValueError(f"the sinusoidal positions are sin/cos pairs: d_model="
                              f"{self.d_model} is odd; valid: an even d_model")
+        for name in ("pad_id", "bos_id", "eos_id"):  # (one out of range: NaN beams, unsaid)
+            value = getattr(self, name)
+            if not is_int(value) or not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value!r} is no token id of the vocabulary; valid: "
+                                 f"0..{self.vocab_size - 1}")
         self.block()  # validates norm, norm_position, activation, implementation
 
     @classmethod
@@ -237,32 +244,38 @@ def init_cache(model: EncoderDecoder, batch: int, max_len: int, src_len: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
 
-def _step(model, params, cache, tokens, position, encoded, src_mask):
-    """One decoding step: tokens [B] at positions [B] -> (log-probs [B, V], cache)."""
+def _step(model, params, cache, tokens, position, encoded, src_mask, vocab_size=None):
+    """One decoding step: tokens [B] at positions [B] -> (log-probs [B, V], cache), the
+    ids from vocab_size up (if given) at probability 0."""
     (logits, _), state = model.apply(
         {"params": params, "cache": cache}, tokens[:, None], encoded, src_mask,
         positions=position[:, None], decode=True, mutable=["cache"], method=model.decode)
-    return jax.nn.log_softmax(logits[:, 0]), state["cache"]
+    logits = beam.only_vocabulary(logits[:, 0], vocab_size)
+    return jax.nn.log_softmax(logits), state["cache"]
 
 
-def greedy_decode(model: EncoderDecoder, params, src, *, max_len: int, src_mask=None):
+def greedy_decode(model: EncoderDecoder, params, src, *, max_len: int, src_mask=None,
+                  vocab_size: Optional[int] = None):
     """Most likely token at each step, with the cache. src [B, S] -> tokens [B, max_len]:
-    the output without bos, eos kept, pad after it."""
+    the output without bos, eos kept, pad after it. vocab_size: ids from it up are never
+    emitted (a tokenizer's vocabulary, where the model's is padded past it)."""
     beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     if src_mask is None:
         src_mask = src != model.config.pad_id
-    return _greedy(model, max_len, params, src, src_mask)
+    vocab_size = beam.check_vocab_size(vocab_size, model.config.vocab_size)
+    return _greedy(model, int(max_len), vocab_size, params, src, src_mask)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _greedy(model, max_len, params, src, src_mask):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _greedy(model, max_len, vocab_size, params, src, src_mask):
     cfg = model.config
     b = src.shape[0]
     encoded, _ = model.apply({"params": params}, src, src_mask, method=model.encode)
 
     def step(carry, i):
         cache, token, done = carry
-        logp, cache = _step(model, params, cache, token, jnp.full((b,), i), encoded, src_mask)
+        logp, cache = _step(model, params, cache, token, jnp.full((b,), i), encoded, src_mask,
+                            vocab_size)
         token = jnp.where(done, cfg.pad_id, jnp.argmax(logp, -1).astype(jnp.int32))
         return (cache, token, done | (token == cfg.eos_id)), token
 
@@ -273,23 +286,25 @@ def _greedy(model, max_len, params, src, src_mask):
 
 
 def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: int,
-                alpha: float = 0.6, src_mask=None):
+                alpha: float = 0.6, src_mask=None, vocab_size: Optional[int] = None):
     """Beam search with the cache (beam.search; Vaswani §6.1 used beam 4, alpha 0.6):
     (tokens [B, W, max_len], scores [B, W]) sorted best first; scores are
-    log p(y | x) / lp(|y|), |y| counting tokens up to and including eos."""
+    log p(y | x) / lp(|y|), |y| counting tokens up to and including eos. vocab_size: as
+    greedy_decode's (the probabilities then over the ids below it)."""
     if not isinstance(model, EncoderDecoder):  # an RNNSeq2Seq failed deep inside JAX
         raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
                          f"encdec.EncoderDecoder (an RNNSeq2Seq's: rnn.beam_search)")
     beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     if src_mask is None:
         src_mask = src != model.config.pad_id
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
-    return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)
+    beam_size = beam.check_beam_size(beam_size)
+    vocab_size = beam.check_vocab_size(vocab_size, model.config.vocab_size)
+    return _beam(model, beam_size, int(max_len), beam.check_alpha(alpha), vocab_size, params,
+                 src, src_mask)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _beam(model, w, max_len, alpha, params, src, src_mask):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _beam(model, w, max_len, alpha, vocab_size, params, src, src_mask):
     cfg = model.config
     b, s = src.shape
     encoded, _ = model.apply({"params": params}, src, src_mask, method=model.encode)
@@ -297,7 +312,8 @@ def _beam(model, w, max_len, alpha, params, src, src_mask):
     src_mask = jnp.repeat(src_mask, w, axis=0)
 
     def step(cache, last, i):
-        return _step(model, params, cache, last, jnp.full((b * w,), i), encoded, src_mask)
+        return _step(model, params, cache, last, jnp.full((b * w,), i), encoded, src_mask,
+                     vocab_size)
     return beam.search(step, init_cache(model, b * w, max_len, s), batch=b, beam_size=w,
                        max_len=max_len, vocab=cfg.vocab_size, bos_id=cfg.bos_id,
                        eos_id=cfg.eos_id, pad_id=cfg.pad_id, alpha=alpha,

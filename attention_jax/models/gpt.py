@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints, is_int
+from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
+                                 check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.norms import make_norm
@@ -96,6 +97,7 @@ class GPTConfig:
         # Before the division below (num_heads=0 was a ZeroDivisionError; d_model=0 and
         # num_layers=0 built a model with nothing in it).
         check_float_dtypes(self)
+        check_rates_and_epsilon(self)
         check_positive_ints(self, ("vocab_size", "max_len", "num_layers", "d_model",
                                    "num_heads"))
         if self.d_model % self.num_heads:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -33,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
+from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
+                                 check_rates_and_epsilon)
 from attention_jax.layers.posemb import Embed, check_ids
 from attention_jax.models import beam
 
@@ -63,14 +65,13 @@ class RNNConfig:
         if self.cell not in CELLS:
             raise ValueError(f"cell={self.cell!r} is unknown; valid: {CELLS}")
         check_float_dtypes(self)
+        check_rates_and_epsilon(self)
         check_positive_ints(self, ("vocab_size", "target_vocab_size", "embed_dim",
                                    "hidden_dim", "attention_dim", "readout_dim"))
         for name in ("pad_id", "bos_id", "eos_id"):
             if not 0 <= getattr(self, name) < self.target_vocab_size:
                 raise ValueError(f"{name}={getattr(self, name)} must lie in "
                                  f"[0, target vocabulary size {self.target_vocab_size})")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"dropout_rate must be in [0, 1); got {self.dropout_rate}")
 
     @property
     def target_vocab_size(self) -> int:
@@ -191,10 +192,11 @@ def _teacher_body(step: DecoderStep, carry, y_prev, memory, deterministic):
     return carry, (logits, alpha)
 
 
-def _greedy_body(step: DecoderStep, state, _, memory, deterministic):
+def _greedy_body(step: DecoderStep, state, _, memory, deterministic, vocab_size=None):
     carry, y_prev, done = state
     cfg = step.config
     carry, logits, alpha = step(carry, y_prev, memory, deterministic)
+    logits = beam.only_vocabulary(logits, vocab_size)
     token = jnp.argmax(logits, axis=-1).astype(y_prev.dtype)  # [B]
     live = ~done  # this step belongs to the output (up to and including EOS)
     token = jnp.where(live, token, cfg.pad_id)  # finished rows emit padding
@@ -272,45 +274,52 @@ class RNNSeq2Seq(nn.Module):
         return logits, _aux(alpha if return_weights else None,
                             hidden_states=memory["annotations"], summary=memory["summary"])
 
-    def generate(self, src, src_mask=None, max_len: int = 32, return_weights: bool = False):
+    def generate(self, src, src_mask=None, max_len: int = 32, return_weights: bool = False,
+                 vocab_size: Optional[int] = None):
         """Greedy decoding for max_len steps from BOS. After a row emits EOS it emits
-        pad_id. Returns (tokens [B, max_len], aux) with aux["lengths"] [B] (tokens up to
-        and including EOS, or max_len) and, with attention and return_weights,
-        aux["attention_weights"]["cross"] [1, B, 1, max_len, S]."""
+        pad_id. vocab_size: ids from it up are never emitted (a tokenizer's vocabulary,
+        where the model's is padded past it). Returns (tokens [B, max_len], aux) with
+        aux["lengths"] [B] (tokens up to and including EOS, or max_len) and, with
+        attention and return_weights, aux["attention_weights"]["cross"] [1, B, 1,
+        max_len, S]."""
         cfg = self.config
-        if not isinstance(max_len, int) or max_len <= 0:
+        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len <= 0:
             raise ValueError(f"max_len must be a positive int; got {max_len!r}")
+        vocab_size = beam.check_vocab_size(vocab_size, cfg.target_vocab_size)
         memory, carry = self.encode(src, src_mask, deterministic=True)
         b = src.shape[0]
         start = (carry, jnp.full((b,), cfg.bos_id, jnp.int32), jnp.zeros((b,), bool))
-        _, (tokens, alpha, live) = _scan(_greedy_body, length=max_len)(
+        body = functools.partial(_greedy_body, vocab_size=vocab_size)
+        _, (tokens, alpha, live) = _scan(body, length=int(max_len))(
             self.decoder, start, None, memory, True)
         return tokens, _aux(alpha if return_weights else None,
                             lengths=jnp.sum(live, axis=-1).astype(jnp.int32))
 
 
 def beam_search(model: RNNSeq2Seq, params, src, *, beam_size: int, max_len: int,
-                alpha: float = 0.6, src_mask=None):
+                alpha: float = 0.6, src_mask=None, vocab_size: Optional[int] = None):
     """Beam search over the decoder's steps (beam.search): each beam carries its own
     cell state, the source's annotations shared. (tokens [B, W, max_len], scores [B, W])
     sorted best first; scores are log p(y | x) / lp(|y|), |y| counting tokens up to and
-    including eos. A beam of one is `generate`'s greedy decoding."""
+    including eos. A beam of one is `generate`'s greedy decoding. vocab_size: as
+    generate's (the probabilities then over the ids below it)."""
     if not isinstance(model, RNNSeq2Seq):
         raise ValueError(f"beam_search: model is a {type(model).__name__}; valid: an "
                          f"rnn.RNNSeq2Seq (an EncoderDecoder's: encdec.beam_search)")
     src_mask = _check_source(src, src_mask, model.config.pad_id)
     beam.check_decode_inputs(src, max_len, model.config.vocab_size)
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
-    return _beam(model, beam_size, max_len, float(alpha), params, src, src_mask)
+    beam_size = beam.check_beam_size(beam_size)
+    vocab_size = beam.check_vocab_size(vocab_size, model.config.target_vocab_size)
+    return _beam(model, beam_size, int(max_len), beam.check_alpha(alpha), vocab_size, params,
+                 src, src_mask)
 
 
 def _decoder_step(model: RNNSeq2Seq, carry, y_prev, memory):
     return model.decoder(carry, y_prev, memory, True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _beam(model, w, max_len, alpha, params, src, src_mask):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _beam(model, w, max_len, alpha, vocab_size, params, src, src_mask):
     cfg = model.config
     memory, carry = model.apply({"params": params}, src, src_mask, method=model.encode)
     # row b·W + k is beam k of source b
@@ -320,7 +329,8 @@ def _beam(model, w, max_len, alpha, params, src, src_mask):
         carry, logits, _ = model.apply({"params": params}, carry, last, memory,
                                        method=_decoder_step)
         exact = jnp.promote_types(logits.dtype, jnp.float32)
-        return jax.nn.log_softmax(logits.astype(exact)), carry
+        logits = beam.only_vocabulary(logits.astype(exact), vocab_size)
+        return jax.nn.log_softmax(logits), carry
     return beam.search(step, carry, batch=src.shape[0], beam_size=w, max_len=max_len,
                        vocab=cfg.target_vocab_size, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
                        pad_id=cfg.pad_id, alpha=alpha)

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_fields, check_float_dtypes, check_positive_ints
+from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
+                                 check_rates_and_epsilon)
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -67,9 +68,10 @@ class ViTConfig:
 
     def __post_init__(self):
         check_float_dtypes(self)
+        check_rates_and_epsilon(self)
         check_positive_ints(self, ("image_size", "patch_size", "num_channels", "d_model",
                                    "num_heads", "num_layers", "mlp_dim", "num_classes"))
-        check_heads(self.d_model, self.num_heads)  # ValueError listing the valid head counts
+        check_heads(self.d_model, self.num_heads, head_dim_settable=False)  # lists the valid counts
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}; "

@@ -182,8 +182,8 @@ def translation_task(config, workdir: str) -> Task:
                            dtype=jnp.dtype(config.train.compute_dtype), **ids)
         model = rnn.RNNSeq2Seq(cfg)
         generate = jax.jit(lambda params, src, max_len: model.apply(
-            {"params": params}, src, max_len=max_len, method=model.generate)[0],
-            static_argnums=2)
+            {"params": params}, src, max_len=max_len, method=model.generate,
+            vocab_size=tok.vocab_size)[0], static_argnums=2)
         decode = lambda params, src, max_len: generate(params, src, int(max_len))
         # Recurrent: no PaLM count (its additive attention is no Transformer's 12·L·T·D).
         entries = {}
@@ -191,8 +191,8 @@ def translation_task(config, workdir: str) -> Task:
         cfg = model_config(encdec.EncDecConfig, config, vocab_size=vocab,
                            dtype=config.train.compute_dtype, **ids)
         model = encdec.EncoderDecoder(cfg)
-        decode = lambda params, src, max_len: encdec.greedy_decode(model, params, src,
-                                                                   max_len=int(max_len))
+        decode = lambda params, src, max_len: encdec.greedy_decode(
+            model, params, src, max_len=int(max_len), vocab_size=tok.vocab_size)
         entries = dict(flops_per_unit=lambda params: _encdec_flops(cfg, data_opts, params))
 
     def loss(params, batch, rng, train):
@@ -235,17 +235,20 @@ def translation_task(config, workdir: str) -> Task:
 
     _encode_prompts(config.eval.sample_prompts, tok, data_opts.source_len)  # checked now
     beam = config.eval.beam_size
-    vocab = getattr(model.config, "target_vocab_size", model.config.vocab_size)
-    most = min(vocab, MOST_CANDIDATES // vocab)  # (top_k's int32 indices into W·V)
+    # Decodes emit only the tokenizer's ids, never those padding the model's vocabulary.
+    vocab = tok.vocab_size
+    model_vocab = getattr(model.config, "target_vocab_size", model.config.vocab_size)
+    most = min(vocab, MOST_CANDIDATES // model_vocab)  # (top_k's int32 indices into W·V)
     if beam > most:  # (a beam of 1e9 was a traceback)
         raise ConfigError(f"config.eval.beam_size={beam}: more beams than "
                           + (f"the target vocabulary's {vocab} tokens" if most == vocab else
-                             f"int32 indices into {vocab} tokens a beam allow")
+                             f"int32 indices into {model_vocab} tokens a beam allow")
                           + f"; valid: 1..{most} (Vaswani et al. used 4)")
     if beam > 1:  # the best beam of each row
         search = rnn.beam_search if config.task == "rnn_seq2seq" else encdec.beam_search
         decode_best = jax.jit(lambda params, src: search(
-            model, params, src, beam_size=beam, max_len=data_opts.target_len)[0][:, 0])
+            model, params, src, beam_size=beam, max_len=data_opts.target_len,
+            vocab_size=tok.vocab_size)[0][:, 0])
     else:
         decode_best = lambda params, src: decode(params, src, data_opts.target_len)  # noqa: E731
     # Rows a call decodes at once: one compiled shape (eval.batch_size, as many as the

@@ -112,3 +112,12 @@ def test_image_normalisation_and_augmentation():
     mirrored = sum(np.array_equal(f, image[:, ::-1]) for f in flips)
     assert 25 < mirrored < 75 and all(np.array_equal(f, image) or
                                       np.array_equal(f, image[:, ::-1]) for f in flips)
+
+
+def test_mlm_predicts_at_least_one_token_of_a_short_row():
+    # 3 ordinary tokens at 15% round to 0; BERT's data script predicts max(1, round(...)).
+    tokens = np.array([[CLS, 10, 11, 12, SEP, PAD], [CLS, SEP, PAD, PAD, PAD, PAD]])
+    out = data.mlm_mask(tokens, np.random.default_rng(0), mask_id=MASK, vocab_size=VOCAB,
+                        special_ids=SPECIALS)
+    assert out['weights'][0].sum() == 1
+    assert out['weights'][1].sum() == 0  # no ordinary token: nothing to predict

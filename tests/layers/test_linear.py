@@ -45,3 +45,15 @@ def test_dense_with_dot_general_2d_equals_flax_dense(x64):
     a, b = _rand((3, 4, 5), 3), _rand((3, 5, 2), 4)
     dims = (((2,), (1,)), ((0,), (0,)))
     np.testing.assert_allclose(dot_general_2d(a, b, dims), lax.dot_general(a, b, dims), rtol=1e-12)
+
+
+def test_dot_general_2d_keeps_the_float32_accumulator_asked_for():
+    # bfloat16 operands with preferred_element_type=float32: the folded path returns the
+    # accumulator unrounded, as lax.dot_general does (it once rounded to bfloat16 first).
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 3, 64)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(6), (64, 16)).astype(jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+    ours = dot_general_2d(x, w, dims, preferred_element_type=jnp.float32)
+    assert ours.dtype == jnp.float32
+    np.testing.assert_allclose(ours, lax.dot_general(x, w, dims, preferred_element_type=jnp.float32),
+                               rtol=1e-6, atol=1e-5)

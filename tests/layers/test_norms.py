@@ -55,10 +55,35 @@ def test_values_and_gradients_match_float64(centered, use_bias, dtype, tol):
                                    rtol=tol, atol=tol * float(np.abs(ref).max()))
 
 
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_a_row_far_from_zero_beside_its_spread_normalises_exactly(kernel):
+    """Rows near 1e3 with a spread of 0.1 (|μ| / σ = 1e4) in float32: the one-pass
+    variance E[x²] - E[x]² lost every digit to cancellation (outputs up to hundreds of
+    times too large, on the XLA path only: the kernel took two passes). Both paths
+    against float64, values and the input's gradient."""
+    from attention_jax.layers.norms import add_normalize
+    rng = np.random.default_rng(0)
+    x = (1000.0 + 0.1 * rng.standard_normal((2, 8, 64))).astype(np.float32)
+    scale, bias, g = np.ones(64, np.float32), np.zeros(64, np.float32), rng.standard_normal(
+        (2, 8, 64)).astype(np.float32)
+    f = lambda x: add_normalize(x, None, None, scale, bias, kernel=kernel, epsilon=EPS)[1]
+    y, vjp = jax.vjp(f, jnp.asarray(x))
+    (dx,) = vjp(jnp.asarray(g))
+    with jax.enable_x64(True):
+        x64 = jnp.asarray(x, jnp.float64)  # the float32 values, exactly
+        ref = lambda x: _norm_formula(x, jnp.asarray(scale, jnp.float64), None, True)
+        y64, vjp64 = jax.vjp(ref, x64)
+        (dx64,) = vjp64(jnp.asarray(g, jnp.float64))
+    np.testing.assert_allclose(np.asarray(y, np.float64), y64, atol=2e-3)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), dx64,
+                               atol=2e-3 * float(np.abs(dx64).max()))
+
+
 @pytest.mark.parametrize("kind, ours, theirs", [
-    ("layernorm", LayerNorm(epsilon=EPS), nn.LayerNorm(epsilon=EPS)),
+    # flax's two-pass variance (use_fast_variance=False), as ours takes it
+    ("layernorm", LayerNorm(epsilon=EPS), nn.LayerNorm(epsilon=EPS, use_fast_variance=False)),
     ("layernorm, no bias", LayerNorm(epsilon=EPS, use_bias=False),
-     nn.LayerNorm(epsilon=EPS, use_bias=False)),
+     nn.LayerNorm(epsilon=EPS, use_bias=False, use_fast_variance=False)),
     ("rmsnorm", RMSNorm(epsilon=EPS), nn.RMSNorm(epsilon=EPS)),
 ])
 def test_flax_modules_values_and_parameters(kind, ours, theirs):

@@ -277,6 +277,41 @@ def test_every_family_refuses_a_dtype_that_is_no_float(family):
     config_cls(**{**required, "dtype": "bfloat16"})
 
 
+@pytest.mark.parametrize("family", ["gpt", "bert", "vit", "cnn", "rnn", "encdec"])
+def test_every_family_refuses_a_dropout_rate_outside_0_1_and_a_norm_epsilon_not_positive(
+        family):
+    """A model built in a notebook took dropout_rate=1.5 (training's activations all
+    zeros) and -0.5 (scaled by 1/1.5) unsaid; only the trainer's config checks refused."""
+    from attention_jax.models import bert, cnn, encdec, gpt, rnn, vit
+    config_cls = {"gpt": gpt.GPTConfig, "bert": bert.BertConfig, "vit": vit.ViTConfig,
+                  "cnn": cnn.CNNConfig, "rnn": rnn.RNNConfig,
+                  "encdec": encdec.EncDecConfig}[family]
+    required = (dict(vocab_size=32, embed_dim=8, hidden_dim=8, attention_dim=8, readout_dim=8)
+                if family == "rnn" else {})
+    names = [n for n in ("dropout_rate", "attention_dropout_rate")
+             if n in config_cls.__dataclass_fields__]
+    assert "dropout_rate" in names
+    for name in names:
+        for bad in (1.5, 1.0, -0.5):
+            with pytest.raises(ValueError, match=rf"^{name}={bad!r} is out of range; valid: "
+                                                 rf"0 <= {name} < 1$"):
+                config_cls(**{**required, name: bad})
+        config_cls(**{**required, name: 0.3})
+    if "norm_epsilon" in config_cls.__dataclass_fields__:
+        with pytest.raises(ValueError, match=r"^norm_epsilon=-1e-06 is out of range; valid: "
+                                             r"norm_epsilon > 0"):
+            config_cls(**{**required, "norm_epsilon": -1e-6})
+
+
+def test_a_model_without_head_dim_names_only_the_head_counts_that_divide():
+    """BERT's and ViT's head dim is always D / N: the message suggested a head_dim field
+    they do not have."""
+    with pytest.raises(ValueError, match=r"^num_heads=4 does not divide the model width "
+                                         r"D=30 \(use num_heads in \[1, 2, 3, 5, 6, 10, "
+                                         r"15, 30\]\)$"):
+        BertConfig(d_model=30, num_heads=4)
+
+
 @pytest.mark.parametrize("family", ["gpt", "encdec", "cnn"])
 def test_logits_are_float32_at_least_and_stay_float64(family):
     """The families that widen their logits (bfloat16 -> float32, for the loss) kept them

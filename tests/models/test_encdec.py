@@ -42,6 +42,11 @@ def test_bad_configs_raise_with_valid_choices():
     with pytest.raises(ValueError, match=r"sinusoidal positions are sin/cos pairs: d_model=63 "
                                          r"is odd; valid: an even d_model"):
         ed.get_config("transformer-tiny", d_model=63, num_heads=3)
+    # A special id outside the vocabulary: greedy decoding all zeros, beam scores NaN.
+    for name, value in (("bos_id", 50), ("pad_id", -1), ("eos_id", 8)):
+        with pytest.raises(ValueError, match=rf"^{name}={value} is no token id of the "
+                                             rf"vocabulary; valid: 0\.\.7$"):
+            ed.get_config("transformer-tiny", vocab_size=8, **{name: value})
 
 
 @pytest.mark.parametrize("field", ["d_model", "num_heads", "num_encoder_layers",
@@ -148,6 +153,39 @@ def test_wide_beam_search_finds_the_exact_best_sequence():
             jnp.repeat(src, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
         return jax.nn.log_softmax(logits).reshape(2, len(seqs), steps, v)
     assert_beam_finds_the_best(tokens, scores, teacher_forced, v, steps)
+
+
+def test_decoding_within_a_tokenizer_s_vocabulary_never_emits_the_padding_ids():
+    """vocab_size (a tokenizer's 5 ids in the model's 64): greedy decoding is the argmax
+    over those ids under teacher forcing, and a beam search keeping every prefix finds
+    the best sequence of the distribution over them. Unrestricted, the model emits ids
+    past them (which a tokenizer decodes to nothing)."""
+    model, params = _model()
+    v, steps = 5, 3
+    src = SRC[:2]
+    assert int(ed.greedy_decode(model, params, src, max_len=6).max()) >= v  # (can tell)
+    out = ed.greedy_decode(model, params, src, max_len=6, vocab_size=v)
+    full = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(src, shift_right(out))
+    best = np.asarray(jnp.argmax(full[..., :v], -1))
+    for row in range(2):
+        seq = np.asarray(out[row])
+        stop = int(np.argmax(seq == 2)) + 1 if 2 in seq else 6
+        np.testing.assert_array_equal(seq[:stop], best[row, :stop])
+    tokens, scores = ed.beam_search(model, params, src, beam_size=v * v, max_len=steps,
+                                    alpha=0.0, vocab_size=v)
+
+    def teacher_forced(seqs):
+        logits = jax.jit(lambda s, t: model.apply({"params": params}, s, t)[0])(
+            jnp.repeat(src, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
+        return jax.nn.log_softmax(logits[..., :v]).reshape(2, len(seqs), steps, v)
+    assert_beam_finds_the_best(tokens, scores, teacher_forced, v, steps)
+    for bad in (0, 65, 2.5):
+        with pytest.raises(ValueError, match=rf"^vocab_size={bad!r}; valid: None or 1\.\.64"):
+            ed.greedy_decode(model, params, src, max_len=2, vocab_size=bad)
+    # NumPy ints are ints; a NaN length penalty ranked every beam as NaN
+    ed.beam_search(model, params, src, beam_size=np.int64(2), max_len=np.int64(2))
+    with pytest.raises(ValueError, match=r"^alpha=nan; valid: a finite number"):
+        ed.beam_search(model, params, src, beam_size=2, max_len=2, alpha=float("nan"))
 
 
 def test_reference_and_blockwise_give_equal_outputs_and_gradients():

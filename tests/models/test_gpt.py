@@ -159,6 +159,25 @@ def test_generate_keeps_below_vocab_size_and_compiles_once():
         sample(vocab_size=257)
 
 
+def test_an_moe_prompt_continues_the_same_alone_or_beside_a_longer_one():
+    """The prefill's expert capacity came from the batch's padded width: a short prompt
+    beside a long one had more slots than alone, so its continuation depended on the
+    other prompts (5 of 6 such pairs here). Decoding now drops no token."""
+    cfg = gpt.GPTConfig(vocab_size=40, max_len=32, num_layers=1, d_model=32, num_heads=4,
+                        mlp="moe", num_experts=4, top_k=2, mlp_dim=64)
+    model = gpt.GPT(cfg)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    rng = np.random.RandomState(0)
+    for _ in range(6):
+        long, short = rng.randint(0, 40, 12), rng.randint(0, 40, 4)
+        both = np.zeros((2, 12), np.int32)
+        both[0], both[1, :4] = long, short
+        out, lengths = gpt.generate(model, params, both, np.array([12, 4]), max_new_tokens=6)
+        alone, alone_lengths = gpt.generate(model, params, short[None].astype(np.int32),
+                                            np.array([4]), max_new_tokens=6)
+        np.testing.assert_array_equal(out[1, :lengths[1]], alone[0, :alone_lengths[0]])
+
+
 def test_generate_names_a_bad_argument():
     """Prompt lengths past the prompts' width read padding as the prompt (and returned
     lengths longer than the output); top_p 1.5 or a negative temperature sampled anyway."""

@@ -124,6 +124,32 @@ def test_beam_of_one_is_greedy_and_a_wide_beam_finds_the_best_sequence(variant):
         rnn.beam_search(model, params, SRC, beam_size=2**31 // 5 + 1, max_len=3)
 
 
+def test_decoding_within_a_tokenizer_s_vocabulary_never_emits_the_padding_ids():
+    """vocab_size (a tokenizer's 5 ids in the model's 32): generate and a beam search
+    keeping every prefix decode the distribution over those ids alone."""
+    model, params = _init("tiny")
+    v, steps = 5, 3
+    out, _ = model.apply({"params": params}, SRC, method=model.generate, max_len=6)
+    assert int(out.max()) >= v  # (unrestricted, the ids past them come out)
+    out, _ = model.apply({"params": params}, SRC, method=model.generate, max_len=6,
+                         vocab_size=v)
+    logits, _ = model.apply({"params": params}, SRC, shift_right(out))
+    best = np.asarray(jnp.argmax(logits[..., :v], -1))
+    for row in range(2):
+        seq = np.asarray(out[row])
+        stop = int(np.argmax(seq == 2)) + 1 if 2 in seq else 6
+        np.testing.assert_array_equal(seq[:stop], best[row, :stop])
+    tokens, scores = rnn.beam_search(model, params, SRC, beam_size=v * v, max_len=steps,
+                                     alpha=0.0, vocab_size=v)
+
+    def teacher_forced(seqs):
+        logits, _ = jax.jit(lambda s, t: model.apply({"params": params}, s, t))(
+            jnp.repeat(SRC, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
+        return jax.nn.log_softmax(logits[..., :v]).reshape(2, len(seqs), steps, v)
+    assert_beam_finds_the_best(tokens, scores, teacher_forced, v, steps)
+    rnn.beam_search(model, params, SRC, beam_size=np.int64(2), max_len=np.int64(2))
+
+
 def test_greedy_decode_stops_at_eos_and_pads_after():
     model, params = _init("tiny")
 
