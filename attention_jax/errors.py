@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import operator
 from collections.abc import Iterable
 
@@ -120,14 +121,18 @@ def check_rates_and_epsilon(config) -> None:
     where it has the field) outside [0, 1), or a norm_epsilon not > 0. A notebook's model
     took 1.5 (training's logits all zeros) or -0.5 (activations scaled by 1/1.5) unsaid;
     the trainer's config checks say the same for config.model.*."""
+    def number(name, value):  # NumPy's float32 is a number too (no Python float)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}={value!r} is no number; valid: a float")
+        return float(value)
+
     for name in RATES:
-        value = getattr(config, name, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ValueError(f"{name}={value!r} is out of range; valid: 0 <= {name} < 1")
-    epsilon = getattr(config, "norm_epsilon", 1.0)
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"norm_epsilon={epsilon!r} is out of range; valid: norm_epsilon > 0 "
-                         f"(added to the variance under the square root)")
+        if not 0 <= number(name, getattr(config, name, 0.0)) < 1:
+            raise ValueError(f"{name}={getattr(config, name)!r} is out of range; valid: 0 <= "
+                             f"{name} < 1")
+    if not number("norm_epsilon", getattr(config, "norm_epsilon", 1.0)) > 0:
+        raise ValueError(f"norm_epsilon={config.norm_epsilon!r} is out of range; valid: "
+                         f"norm_epsilon > 0 (added to the variance under the square root)")
 
 
 def check_positive_ints(config, names: Iterable[str], none_means: dict | None = None) -> None:

@@ -109,25 +109,32 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
             # counts differ where rows hold padding, so the big batch's mean is
             # Σ_j mean_j·W_j / Σ_j W_j, not the mean of the means. A loss reports W_j
             # (losses.WEIGHT) when its batch carries example weights, as an eval batch
-            # does: each micro-batch is given weights of 1, which change nothing else.
+            # does: micro-batches without them are given weights of 1, which change
+            # nothing else (a batch's own are kept).
             micro = jax.tree.map(split, batch)
-            if isinstance(batch, dict):
+            if isinstance(batch, dict) and loaders.EXAMPLE_WEIGHT not in batch:
                 rows = jax.tree.leaves(batch)[0].shape[0]
                 micro[loaders.EXAMPLE_WEIGHT] = split(jnp.ones((rows,), jnp.float32))
             first = jax.tree.map(lambda x: x[0], micro)
-            (_, shapes), _ = jax.eval_shape(grad_fn, params, first, rng, step)
+            (shapes_loss, shapes), shapes_grads = jax.eval_shape(grad_fn, params, first, rng,
+                                                                 step)
             weighted = losses.WEIGHT in shapes
+
+            # Sums in float32 at least: a boolean metric's sum was a logical or, an
+            # integer's weights cut to whole numbers.
+            wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))  # noqa: E731
 
             def body(carry, xs):
                 mb, j = xs
                 (l, m), g = grad_fn(params, mb, jax.random.fold_in(rng, j), step)
                 w = m.pop(losses.WEIGHT) if weighted else jnp.ones((), jnp.float32)
-                scaled = jax.tree.map(lambda x: x * w.astype(x.dtype), (l, m, g))
+                w = w.astype(jnp.float32)
+                scaled = jax.tree.map(lambda x: wide(x) * w.astype(wide(x).dtype), (l, m, g))
                 return jax.tree.map(jnp.add, carry, (*scaled, w)), None
 
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                 jax.eval_shape(grad_fn, params, first, rng, step))
-            (loss, metrics), grads = zeros
+            loss, metrics, grads = jax.tree.map(
+                lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)),
+                (shapes_loss, shapes, shapes_grads))
             metrics = {k: v for k, v in metrics.items() if k != losses.WEIGHT}
             (loss, metrics, grads, total), _ = jax.lax.scan(
                 body, (loss, metrics, grads, jnp.zeros((), jnp.float32)),
@@ -135,6 +142,8 @@ def make_train_step(task: Task, tx, schedule, config, mesh):
             total = jnp.where(total > 0, total, 1.0)  # no real token at all: 0, not NaN
             loss, metrics, grads = jax.tree.map(lambda x: x / total.astype(x.dtype),
                                                 (loss, metrics, grads))
+            # (the optimizer's state keeps the parameters' dtype)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}

@@ -284,12 +284,12 @@ def _check_ids(name, ids, batch, length):
         # int64 ids (numpy's default; hashed document ids) wrapped when cast: 2**32 read as
         # 0, two documents merged into one with nothing said. The padding's id is one
         # below -max|id|, so int32's least value is out too.
-        values = ids.astype(object).ravel()
         low, high = -np.iinfo(np.int32).max, np.iinfo(np.int32).max
-        bad = [int(x) for x in values if not low <= int(x) <= high]
-        if bad:
-            raise ValueError(f"{name} holds {bad[0]}, no int32 id; valid: {low}..{high} "
-                             f"(renumber the segments: only which ids are equal matters)")
+        out = ids > high if ids.dtype.kind == "u" else (ids < low) | (ids > high)
+        if out.any():
+            raise ValueError(f"{name} holds {int(ids[out].flat[0])}, no int32 id; valid: "
+                             f"{low}..{high} (renumber the segments: only which ids are "
+                             f"equal matters)")
     ids = jnp.asarray(ids)
     if ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be an int array of shape [{batch}, {length}]; "

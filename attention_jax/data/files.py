@@ -57,6 +57,7 @@ decompressed is such a bad record, as a text file of NUL bytes is.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import functools
@@ -281,6 +282,7 @@ def _decompression_errors() -> tuple[type[BaseException], ...]:
 
 
 FIRST_RECORDS = 20  # a file's records whose keys tell whether text_key is its key
+_WHITE_SPACE = np.frombuffer(b' \t\r\x0b\x0c', np.uint8)  # what bytes.strip() takes (and \n)
 
 
 def _index_lines(chunks: Iterator[bytes]):
@@ -291,7 +293,11 @@ def _index_lines(chunks: Iterator[bytes]):
 
     def keep(buf, s, e, first_line):
         blank = np.zeros(len(s), bool)
-        for k in np.flatnonzero(e - s <= 8):  # a JSON object is rarely this short
+        # Only a line this short, or one that starts with white space, can be blank (a
+        # JSON object is rarely this short): a line of 12 spaces was a bad record.
+        heads = np.frombuffer(buf, np.uint8)[np.minimum(s, len(buf) - 1)] if len(buf) else s
+        maybe = (e - s <= 8) | np.isin(heads, _WHITE_SPACE)
+        for k in np.flatnonzero(maybe):
             blank[k] = not buf[s[k]:e[k]].strip()
         for k in np.flatnonzero(~blank)[:FIRST_RECORDS - len(first)]:
             first.append(buf[s[k]:e[k]])
@@ -625,6 +631,9 @@ class _Reader:
             raise _Corrupt(f'truncated or corrupt {_compression_name(f.format)} ({e})') from None
         except OSError as e:
             raise FilesError(f'{f.path}: cannot be read any more ({e})') from None
+        # A UTF-8 byte order mark (Windows editors write one) is no text: as a CSV's
+        # header and a JSON line are read, it goes (it was three tokens of a byte BPE).
+        raw = raw[3:] if raw.startswith(codecs.BOM_UTF8) else raw
         try:
             return raw.decode('utf-8').encode('utf-8'), 0, len(raw)
         except UnicodeDecodeError:
@@ -664,6 +673,10 @@ class _BadRecords:
 
     def __init__(self, limit: int, arg: str):
         self.limit, self.arg, self.seen = limit, arg, set()
+        # Every skip while a reader watches (a list, not None), a record seen before too:
+        # a token cache's shard counts the bad records in its range, some of which the
+        # tokenizer's training read first.
+        self.log: list[str] | None = None
 
     @property
     def count(self) -> int:
@@ -681,6 +694,8 @@ class _BadRecords:
                              f'{self.limit}: fix the files or raise it')
 
     def skip(self, where: str, why: str) -> None:
+        if self.log is not None:
+            self.log.append(where)
         if where in self.seen:
             return
         self.seen.add(where)

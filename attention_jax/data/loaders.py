@@ -5,7 +5,8 @@ The order of examples is defined once, for the whole job, as a *global stream*:
     stream[g] = transform(source[perm_e(g mod N)], rng(seed, g)),   e = g // N
 
 with `perm_e` a seeded permutation per epoch (grain's index shuffle: O(1) memory, so
-it scales to catalogue datasets) and `rng(seed, g)` the random stream of augmentation
+it scales to catalogue datasets; seeded by order_seed(seed) + e, see there) and
+`rng(seed, g)` the random stream of augmentation
 and masking. Global step s is the slice stream[s*G : (s+1)*G] (G the global batch), and
 process p of P takes the p-th contiguous block of B = G/P examples from it.
 
@@ -22,7 +23,7 @@ gathered in one call and transformed together (`transform.apply_batch(batch, rng
 when the transform has it, else example by example). The order, the per-example random
 streams and the state are those of the per-example path, exactly (tests compare them):
 record perm_e(g mod N) is computed as grain's shuffle computes it (its index_shuffle,
-seeded by seed + epoch), and example g's rng is grain's random_map rng for index g
+seeded by order_seed(seed) + epoch), and example g's rng is grain's random_map rng for index g
 (Philox keyed by the seed, counter [0, 0, 0, g]).
 
 A finite stream whose length is not a multiple of G ends in a partial global batch. For
@@ -67,6 +68,22 @@ EXAMPLE_WEIGHT = 'example_weight'
 STAND_IN = 'stand_in'
 
 
+# How a seed orders the epochs (LoaderState.order): 1, each seed's epochs from their own
+# point of a Weyl sequence (order_seed); 0, the seed itself, as before 2026-11-28, kept
+# for the states saved then so that their runs resume in the order they began.
+ORDER = 1
+
+
+def order_seed(seed: int, order: int = ORDER) -> int:
+    """The base of the per-epoch shuffle seeds, order_seed + e. grain reseeds its shuffle
+    with seed + epoch, so seed s + 1 saw seed s's epochs one epoch late (a multi-epoch
+    sweep over seeds 0, 1, 2 shared its data order). Bases a golden-ratio step of 2**32
+    apart keep the seeds of a sweep millions of epochs from each other's."""
+    if order == 0:
+        return seed
+    return (seed * 0x9E3779B1 + 0x7F4A7C15) % 2**32
+
+
 @dataclasses.dataclass(frozen=True)
 class LoaderState:
     """Everything needed to continue a loader exactly. JSON-able via `to_dict`.
@@ -75,12 +92,14 @@ class LoaderState:
     order (another seed, another dataset), which would silently repeat or skip data;
     `source`, the records' identity where the source has one (a token cache's
     `fingerprint`, a tfds split's `tfds_id`), also refuses the same number of other
-    records (an edited corpus, a tfds dataset rebuilt with other examples).
+    records (an edited corpus, a tfds dataset rebuilt with other examples). `order`:
+    how the seed orders the epochs (ORDER; 0 in a state saved before there was one).
     """
     next_index: int
     seed: int
     num_records: int
     source: str = ''  # '' where unknown (a source without one, a state saved before)
+    order: int = ORDER
 
     def to_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
@@ -95,13 +114,13 @@ class LoaderState:
         if isinstance(state, (bytes, str)):
             state = json.loads(state)
         return cls(**{k: int(state[k]) for k in ('next_index', 'seed', 'num_records')},
-                   source=str(state.get('source', '')))
+                   source=str(state.get('source', '')), order=int(state.get('order', 0)))
 
     def moved_to(self, num_records: int, seed: int, source: str = '') -> LoaderState:
         """This position in another data order (more or fewer records, another seed, other
         records): the same point in epochs, in the new order."""
         return LoaderState(round(self.next_index * num_records / self.num_records), seed,
-                           num_records, source)
+                           num_records, source, self.order)
 
 
 # Records of a tfds split whose decoded contents go into its identity: all of a split up
@@ -262,6 +281,7 @@ class Loader:
         self.global_batch_size = global_batch_size
         self.batch_size = global_batch_size // self.process_count  # B, per process.
         self.seed = seed
+        self.order = ORDER  # a restored state's own (set_state)
         self.shuffle = shuffle
         self.num_epochs = num_epochs
         self.transform = transform
@@ -290,7 +310,8 @@ class Loader:
         return self._source_id
 
     def get_state(self) -> LoaderState:
-        return LoaderState(self._next_index, self.seed, len(self.source), self.source_id)
+        return LoaderState(self._next_index, self.seed, len(self.source), self.source_id,
+                           self.order)
 
     def set_state(self, state) -> None:
         state = LoaderState.from_any(state)
@@ -305,6 +326,7 @@ class Loader:
             raise DataChangedError(f'loader state was saved for records {state.source}; this '
                                    f'loader reads {now} (as many, other ones)')
         self._next_index = state.next_index
+        self.order = state.order  # a run resumes in the order it began
 
     @property
     def steps_per_epoch(self) -> int:
@@ -334,7 +356,8 @@ class Loader:
         """The global stream (see module docstring) as a grain MapDataset."""
         ds = grain.MapDataset.source(self.source)
         if self.shuffle:
-            ds = ds.shuffle(seed=self.seed)  # Reseeded per epoch by the repeat below.
+            # Reseeded per epoch by the repeat below (order_seed + epoch).
+            ds = ds.shuffle(seed=order_seed(self.seed, self.order))
         if self.transform is not None:
             ds = ds.random_map(_KeepStandIn(self.transform), seed=self.seed)
         return ds.repeat(self.num_epochs)
@@ -368,7 +391,8 @@ class Loader:
         remaining = length - start
         steps = -(-remaining // G) if self.pad_remainder else remaining // G
         return grain.MapDataset.range(steps).map(_BatchReader(
-            self.source, self.shuffle, self.transform, self.seed, start, remaining,
+            self.source, self.shuffle, self.transform, self.seed,
+            order_seed(self.seed, self.order), start, remaining,
             self.batch_size, self.process_index, self.process_count, self.pad_remainder))
 
     def __iter__(self) -> Iterator[Batch]:
@@ -463,6 +487,7 @@ class _BatchReader:
     shuffle: bool
     transform: Transform | None
     seed: int
+    shuffle_seed: int  # order_seed(seed, order): epoch e's shuffle is seeded + e
     start: int
     remaining: int
     batch_size: int
@@ -491,7 +516,7 @@ class _BatchReader:
 
     def records(self, stream: np.ndarray) -> list[int]:
         """Record perm_e(g mod N) of each stream index g: grain's shuffle (MapDataset.
-        shuffle) computed as it does, index_shuffle with seed + epoch, 4 rounds (2.5x
+        shuffle) computed as it does, index_shuffle with shuffle_seed + epoch, 4 rounds (2.5x
         cheaper than a lookup through the dataset; tests compare the two paths)."""
         n = len(self.source)
         if not self.shuffle:
@@ -499,7 +524,8 @@ class _BatchReader:
         out = []
         for g in stream.tolist():
             epoch, i = divmod(g, n)
-            out.append(index_shuffle(i, max_index=n - 1, seed=(self.seed + epoch) % 2**32,
+            out.append(index_shuffle(i, max_index=n - 1,
+                                     seed=(self.shuffle_seed + epoch) % 2**32,
                                      rounds=4))
         return out
 

@@ -33,9 +33,12 @@ def next_token_targets(row: dict[str, np.ndarray],
       padding), so its weight is 0; segment_ids and positions go with the example, for
       attention that stays inside a document and positions that restart at each.
     packing 'stream': the row is a window of one token stream, as GPT-2 and nanoGPT
-      train. Every next token is a target (a document's end-of-text token predicts the
-      next document's first token), except padding; no segment_ids or positions, so
-      attention is plain causal over the row and positions run 0..L-1.
+      train. Every next token in the row is a target (a document's end-of-text token
+      predicts the next document's first token), except padding; the row's last token
+      has none, its next being the next row's first (one pair in L of the stream, the
+      same ones each epoch: the rows are fixed windows, where nanoGPT reads L + 1
+      tokens at a random offset). No segment_ids or positions, so attention is plain
+      causal over the row and positions run 0..L-1.
     """
     if packing not in PACKINGS:
         raise ValueError(f'packing={packing!r} is unknown; valid: {PACKINGS}')
@@ -104,16 +107,21 @@ def nsp_pairs(documents: Sequence[Sequence[Sequence[int]]], rng: np.random.Gener
     (is_next=0). Each example is [CLS] A [SEP] B [SEP] padded to `seq_len`, with
     type_ids 0 for A and 1 for B; the longer side is trimmed when it does not fit.
     """
-    if len(documents) < 2:
-        raise ValueError('nsp_pairs needs at least two documents to draw random segments')
+    # A random segment comes from a document with segments (an empty one was
+    # rng.integers(0, 0): "high <= 0", for some seeds).
+    with_segments = [d for d, doc in enumerate(documents) if len(doc)]
+    place = {d: k for k, d in enumerate(with_segments)}
+    if len(with_segments) < 2:
+        raise ValueError('nsp_pairs needs at least two documents with segments to draw '
+                         f'random segments; got {len(with_segments)} of {len(documents)}')
     examples = []
     for d, doc in enumerate(documents):
         for i in range(len(doc) - 1):
             a, b, is_next = list(doc[i]), list(doc[i + 1]), 1
             if rng.random() < 0.5:
-                other = int(rng.integers(0, len(documents) - 1))
-                other += other >= d  # Any document but this one.
-                segs = documents[other]
+                k = int(rng.integers(0, len(with_segments) - 1))
+                k += k >= place[d]  # any document but this one (which has segments)
+                segs = documents[with_segments[k]]
                 b, is_next = list(segs[int(rng.integers(0, len(segs)))]), 0
             while len(a) + len(b) > seq_len - 3:
                 (a if len(a) > len(b) else b).pop()

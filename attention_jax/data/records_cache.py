@@ -34,8 +34,9 @@ from collections.abc import Callable
 import numpy as np
 
 # 2 (2026-11-27): a table's records read otherwise (a CSV quote left open is a bad
-# record, a whole number written as a float a label's integer), so entries of 1 are stale
-VERSION = 2
+# record, a whole number written as a float a label's integer), so entries of 1 are stale.
+# 3 (2026-11-28): a line of white space longer than 8 bytes is blank, not a bad record.
+VERSION = 3
 FOLDER = 'records'
 
 # The JSON part of an entry, beside its arrays in the .npz.

@@ -60,8 +60,10 @@ from attention_jax.data.tokenization import encode_many
 # read must change VERSION. 2 (2026-11-27): a CSV's quote left open is a bad record (it
 # used to take the rest of the file as one text). 3 (2026-11-27): a text file more than a
 # quarter of whose own bytes are not UTF-8 is a bad record (the share was of the decoded
-# text, where each U+FFFD is 3 bytes, so it never passed a third).
-VERSION = 3
+# text, where each U+FFFD is 3 bytes, so it never passed a third). 4 (2026-11-28): a text
+# file's UTF-8 byte order mark is no text, and a line of white space longer than 8 bytes
+# is a blank line (it was a bad record).
+VERSION = 4
 MANIFEST = 'manifest.json'
 MOST_BAD_WHERE = 5  # the bad records' places a manifest keeps, to say at each start
 INPUTS = 'inputs.json'
@@ -169,7 +171,8 @@ class _ShardWriter:
 
     def __call__(self, k: int, first: int, last: int) -> dict:
         bad = getattr(getattr(self.docs, 'corpus', None), 'bad', None)
-        bad_before = set(bad.seen) if bad is not None else set()
+        if bad is not None:  # the bad records of this range, those read before included
+            bad.log = []
         texts, names, source_bytes = [], [], 0
         for i in range(first, last):
             doc = self.docs[i]
@@ -199,7 +202,9 @@ class _ShardWriter:
         # (TokenRows.fingerprint): a cache is rebuilt when a file's size or time changes.
         digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
         digest.update(ends.astype(np.int64).tobytes())
-        skipped = sorted(bad.seen - bad_before, key=_place_order) if bad is not None else []
+        skipped = sorted(set(bad.log), key=_place_order) if bad is not None else []
+        if bad is not None:
+            bad.log = None
         meta = {'key': self.key, 'shard': k, 'first_document': first, 'documents': last - first,
                 'tokens': len(tokens), 'digest': digest.hexdigest(), 'source_bytes': source_bytes,
                 'bad_records': len(skipped), 'bad_where': skipped[:MOST_BAD_WHERE],

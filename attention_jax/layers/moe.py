@@ -8,10 +8,10 @@ each batch row (a "group") gives every expert room for
 
 C depends on T, so a token can be dropped in a full forward pass but kept when decoded
 alone (T = 1). Decoding with the KV cache (`no_drop`, which blocks pass when they
-decode) gives every token a slot (C = T): the prompts' padded width would otherwise set
-C, and a prompt's continuation depended on the other prompts batched with it. It
-matches the full pass exactly where that drops nothing (capacity_factor >= E / A
-guarantees it).
+decode) drops nothing: the prompts' padded width would otherwise set C, and a prompt's
+continuation depended on the other prompts batched with it. Its experts take their
+tokens grouped (jax.lax.ragged_dot), not in slots. It matches the full pass exactly
+where that drops nothing (capacity_factor >= E / A guarantees it).
 
 Routing is written as dense one-hot tensors and einsums, never a Python loop over
 experts, so the expert axis E of the weights and of the buffers can be sharded (the
@@ -86,16 +86,7 @@ def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = N
     if priority not in PRIORITIES:
         raise ValueError(f"priority={priority!r} is unknown; valid: {PRIORITIES}")
     b, t, e = logits.shape
-    if token_mask is not None and tuple(token_mask.shape) != (b, t):
-        raise ValueError(f"token_mask: shape {tuple(token_mask.shape)}; valid: [B, T] = "
-                         f"{(b, t)}, True for a real token")
-    real = (jnp.ones((b, t), jnp.float32) if token_mask is None
-            else token_mask.astype(jnp.float32))  # [B, T]
-    logits = logits.astype(jnp.float32)  # routing decisions in float32 (Switch §2.4)
-    probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
-    gates, experts = jax.lax.top_k(probs, top_k)  # [B, T, A]
-    if normalize_gates if normalize_gates is not None else top_k > 1:
-        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    logits, real, probs, gates, experts = _choose(logits, top_k, normalize_gates, token_mask)
     # [B, T, A, E]; a padding token chooses no expert, so it takes no slot
     choice = jax.nn.one_hot(experts, e, dtype=jnp.int32) * real[:, :, None, None].astype(jnp.int32)
 
@@ -115,20 +106,53 @@ def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = N
     dispatch_a = choice[..., None].astype(jnp.float32) * slot_onehot[:, :, :, None, :]  # [B, T, A, E, C]
     dispatch = jnp.sum(dispatch_a, axis=2)  # [B, T, E, C]
     combine = jnp.sum(dispatch_a * gates[..., None, None], axis=2)  # [B, T, E, C]
+    return dispatch.astype(bool), combine, _statistics(logits, real, probs, choice, kept)
 
+
+def route_all(logits, top_k: int, normalize_gates: Optional[bool] = None, token_mask=None):
+    """Router logits [B, T, E] -> (experts [B, T, A] int32, gates [B, T, A], aux) with no
+    capacity: every assignment kept, a padding token's gates 0. For `MoE(no_drop=True)`,
+    whose experts then take their tokens grouped, not in slots."""
+    b, t, e = logits.shape
+    logits, real, probs, gates, experts = _choose(logits, top_k, normalize_gates, token_mask)
+    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32) * real[:, :, None, None].astype(jnp.int32)
+    kept = jnp.broadcast_to(real[:, :, None] > 0, experts.shape)
+    return experts, gates * real[:, :, None], _statistics(logits, real, probs, choice, kept)
+
+
+def _choose(logits, top_k, normalize_gates, token_mask):
+    """(float32 logits, real [B, T] 1.0 where a token is, probs [B, T, E], gates and
+    experts [B, T, A]): each token's top-A experts and their gate weights."""
+    b, t, e = logits.shape
+    if token_mask is not None and tuple(token_mask.shape) != (b, t):
+        raise ValueError(f"token_mask: shape {tuple(token_mask.shape)}; valid: [B, T] = "
+                         f"{(b, t)}, True for a real token")
+    real = (jnp.ones((b, t), jnp.float32) if token_mask is None
+            else token_mask.astype(jnp.float32))  # [B, T]
+    logits = logits.astype(jnp.float32)  # routing decisions in float32 (Switch §2.4)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
+    gates, experts = jax.lax.top_k(probs, top_k)  # [B, T, A]
+    if normalize_gates if normalize_gates is not None else top_k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return logits, real, probs, gates, experts
+
+
+def _statistics(logits, real, probs, choice, kept):
+    """The router's aux (module doc) from its choices [B, T, A, E] and which of the
+    assignments were kept [B, T, A]."""
+    e, top_k = logits.shape[-1], choice.shape[2]
     # Means over the real tokens (every token without a mask).
     count = jnp.maximum(jnp.sum(real), 1.0)
     mean = lambda per_token: jnp.sum(per_token * real) / count  # noqa: E731  [B, T] -> ()
     load = jnp.sum(jnp.sum(choice, axis=2), axis=(0, 1)) / (count * top_k)  # [E] f_e, sums to 1
     mean_prob = jnp.sum(probs * real[..., None], axis=(0, 1)) / count  # [E] P_e
-    aux = {
+    return {
         "load_balance_loss": e * jnp.sum(load * mean_prob),
         "router_z_loss": mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
         "expert_load": load,
         "router_entropy": mean(-jnp.sum(probs * jnp.log(probs + 1e-9), axis=-1)),
         "dropped_fraction": 1.0 - mean(jnp.mean(kept.astype(jnp.float32), axis=-1)),
     }
-    return dispatch.astype(bool), combine, aux
 
 
 class MoE(nn.Module):
@@ -157,8 +181,8 @@ class MoE(nn.Module):
     def __call__(self, x, *, deterministic: bool = True, token_mask=None,
                  no_drop: bool = False):
         """x [B, T, D]; token_mask [B, T] bool or None: True for a real token (padding
-        is routed nowhere: y = 0 there, and it takes no expert's slot). no_drop: room for
-        every token (C = T), whatever capacity_factor says (the module doc)."""
+        is routed nowhere: y = 0 there, and it takes no expert's slot). no_drop: every
+        assignment computed, whatever capacity_factor says (the module doc; `_grouped`)."""
         b, t, d = x.shape
         e, f = self.num_experts, self.hidden or 4 * x.shape[-1]
         if e < 1 or not 1 <= self.top_k <= e:
@@ -177,24 +201,53 @@ class MoE(nn.Module):
         w_router = param("router", nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
                          (d, e), (axes.EMBED, None))
         logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), w_router.astype(jnp.float32))
-        # (a token takes at most one slot of an expert: T slots hold every one)
-        capacity = t if no_drop else expert_capacity(t, e, self.top_k, self.capacity_factor)
-        dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates,
-                                       self.priority, token_mask)
-
         wi = param("wi", fan_in, (e, d, f), (axes.EXPERT, axes.EMBED, axes.MLP))
         wo = param("wo", fan_in, (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED))
+        wi_bias = wo_bias = None
+        if self.use_bias:
+            wi_bias = param("wi_bias", nn.initializers.zeros, (e, f), (axes.EXPERT, axes.MLP))
+            wo_bias = param("wo_bias", nn.initializers.zeros, (e, d), (axes.EXPERT, axes.EMBED))
         x = x.astype(self.dtype)
+        dropout = nn.Dropout(self.dropout_rate)
+        if no_drop:
+            return self._grouped(x, logits, token_mask, wi, wo, wi_bias, wo_bias, act, dropout,
+                                 deterministic)
+        capacity = expert_capacity(t, e, self.top_k, self.capacity_factor)
+        dispatch, combine, aux = route(logits, self.top_k, capacity, self.normalize_gates,
+                                       self.priority, token_mask)
         expert_in = jnp.einsum("BTEC,BTD->EBCD", dispatch.astype(self.dtype), x)  # [E, B, C, D]
         expert_in = nn.with_logical_constraint(expert_in, (axes.EXPERT, axes.BATCH, None, axes.EMBED))
         hdn = jnp.einsum("EBCD,EDF->EBCF", expert_in, wi.astype(self.dtype))  # [E, B, C, F]
-        if self.use_bias:
-            hdn = hdn + param("wi_bias", nn.initializers.zeros, (e, f),
-                              (axes.EXPERT, axes.MLP))[:, None, None, :].astype(self.dtype)
-        hdn = nn.Dropout(self.dropout_rate)(act(hdn), deterministic=deterministic)
+        if wi_bias is not None:
+            hdn = hdn + wi_bias[:, None, None, :].astype(self.dtype)
+        hdn = dropout(act(hdn), deterministic=deterministic)
         out = jnp.einsum("EBCF,EFD->EBCD", hdn, wo.astype(self.dtype))  # [E, B, C, D]
-        if self.use_bias:
-            out = out + param("wo_bias", nn.initializers.zeros, (e, d),
-                              (axes.EXPERT, axes.EMBED))[:, None, None, :].astype(self.dtype)
+        if wo_bias is not None:
+            out = out + wo_bias[:, None, None, :].astype(self.dtype)
         y = jnp.einsum("BTEC,EBCD->BTD", combine.astype(self.dtype), out)  # [B, T, D]
+        return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux
+
+    def _grouped(self, x, logits, token_mask, wi, wo, wi_bias, wo_bias, act, dropout,
+                 deterministic):
+        """Every assignment computed (no capacity, nothing dropped): the B·T·A assignments
+        sorted by expert, each expert's rows one group of jax.lax.ragged_dot. Memory and
+        FLOPs linear in T, where slots enough for every token ([B, T, E, C = T]) grew as
+        T²: 4 GiB a row at E = 64, T = 4096."""
+        b, t, d = x.shape
+        experts, gates, aux = route_all(logits, self.top_k, self.normalize_gates, token_mask)
+        flat = experts.reshape(-1)  # [M = B·T·A]
+        order = jnp.argsort(flat, stable=True)
+        token = (jnp.arange(b * t * self.top_k) // self.top_k)[order]  # each row's token
+        chosen = flat[order]
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)  # [E]
+        rows = x.reshape(b * t, d)[token]  # [M, D]
+        hdn = jax.lax.ragged_dot(rows, wi.astype(self.dtype), sizes)  # [M, F]
+        if wi_bias is not None:
+            hdn = hdn + wi_bias[chosen].astype(self.dtype)
+        hdn = dropout(act(hdn), deterministic=deterministic)
+        out = jax.lax.ragged_dot(hdn, wo.astype(self.dtype), sizes)  # [M, D]
+        if wo_bias is not None:
+            out = out + wo_bias[chosen].astype(self.dtype)
+        weighted = out * gates.reshape(-1)[order][:, None].astype(out.dtype)
+        y = jnp.zeros((b * t, d), out.dtype).at[token].add(weighted).reshape(b, t, d)
         return nn.with_logical_constraint(y, (axes.BATCH, axes.LENGTH, axes.EMBED)), aux

@@ -175,8 +175,8 @@ def _norm_param(module: nn.Module, name: str, init, d: int):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last axis (`normalize`, centered): flax's nn.LayerNorm's values
-    and parameters, the leaner backward pass."""
+    """LayerNorm over the last axis (`normalize`, centered): the values of flax's
+    nn.LayerNorm(use_fast_variance=False) and its parameters, the leaner backward pass."""
     epsilon: float = 1e-6
     use_bias: bool = True
     dtype: Any = jnp.float32

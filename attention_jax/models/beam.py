@@ -64,22 +64,28 @@ def check_alpha(alpha) -> float:
     return float(alpha)
 
 
-def check_vocab_size(vocab_size, model_vocab: int):
+def check_vocab_size(vocab_size, model_vocab: int, special_ids=()):
     """`vocab_size` as a decode's static argument: None where it is the model's (or not
-    given), else an int in 1..model_vocab (ValueError naming it otherwise)."""
+    given), else an int in 1..model_vocab past every special id (the end of a sequence
+    must be emittable); ValueError naming it otherwise."""
     if vocab_size is None or vocab_size == model_vocab:
         return None
+    least = max(special_ids, default=-1) + 1
     if (not isinstance(vocab_size, numbers.Integral) or isinstance(vocab_size, bool)
-            or not 1 <= vocab_size <= model_vocab):
-        raise ValueError(f"vocab_size={vocab_size!r}; valid: None or 1..{model_vocab} (the "
-                         f"model's vocabulary)")
+            or not max(1, least) <= vocab_size <= model_vocab):
+        raise ValueError(f"vocab_size={vocab_size!r}; valid: None or {max(1, least)}.."
+                         f"{model_vocab} (the model's vocabulary"
+                         + (f", past its special ids {sorted(special_ids)})" if least > 1
+                            else ")"))
     return int(vocab_size)
 
 
 def only_vocabulary(logits, vocab_size):
     """logits [..., V] with the ids from `vocab_size` up at -inf, so that no decode picks
     them (a tokenizer's vocabulary, where the model's is padded to a multiple of 64 for
-    its matmuls: those ids decode to nothing); unchanged where vocab_size is None."""
+    its matmuls: those ids decode to nothing; a beam search of more beams than ids can
+    only fill its last beams, at score -inf, with them); unchanged where vocab_size is
+    None."""
     if vocab_size is None:
         return logits
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)

@@ -244,6 +244,10 @@ def init_cache(model: EncoderDecoder, batch: int, max_len: int, src_len: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
 
+def _specials(cfg) -> tuple[int, int, int]:
+    return cfg.pad_id, cfg.bos_id, cfg.eos_id
+
+
 def _step(model, params, cache, tokens, position, encoded, src_mask, vocab_size=None):
     """One decoding step: tokens [B] at positions [B] -> (log-probs [B, V], cache), the
     ids from vocab_size up (if given) at probability 0."""
@@ -262,7 +266,8 @@ def greedy_decode(model: EncoderDecoder, params, src, *, max_len: int, src_mask=
     beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     if src_mask is None:
         src_mask = src != model.config.pad_id
-    vocab_size = beam.check_vocab_size(vocab_size, model.config.vocab_size)
+    vocab_size = beam.check_vocab_size(vocab_size, model.config.vocab_size,
+                                       _specials(model.config))
     return _greedy(model, int(max_len), vocab_size, params, src, src_mask)
 
 
@@ -298,7 +303,8 @@ def beam_search(model: EncoderDecoder, params, src, *, beam_size: int, max_len: 
     if src_mask is None:
         src_mask = src != model.config.pad_id
     beam_size = beam.check_beam_size(beam_size)
-    vocab_size = beam.check_vocab_size(vocab_size, model.config.vocab_size)
+    vocab_size = beam.check_vocab_size(vocab_size, model.config.vocab_size,
+                                       _specials(model.config))
     return _beam(model, beam_size, int(max_len), beam.check_alpha(alpha), vocab_size, params,
                  src, src_mask)
 

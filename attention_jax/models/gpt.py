@@ -321,6 +321,9 @@ def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = 
     """One token per row from logits [B, V]. temperature 0 is greedy (argmax).
     top_k keeps the k largest logits; top_p keeps the smallest set of tokens whose
     probability reaches p (nucleus sampling, Holtzman et al. 2020)."""
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        # (a negative one sampled the inverted distribution, unsaid)
+        raise ValueError(f"temperature={temperature!r}; valid: 0 (greedy) or a finite number > 0")
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # Each row's largest logit moved to 0 before the division: a tiny temperature then
@@ -355,6 +358,8 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
     directly by its continuation, padded on the right.
     """
     cfg = model.config
+    if isinstance(prompts, (list, tuple)):  # (an AttributeError on .shape)
+        prompts = np.asarray(prompts)
     if jnp.ndim(prompts) != 2:
         raise ValueError(f"prompts: shape {jnp.shape(prompts)}; valid: [B, T] token ids (one "
                          f"prompt: prompts[None])")
@@ -382,16 +387,19 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
                          f"(or jax.random.PRNGKey(0))")
     if top_k is not None and (not is_int(top_k) or not 1 <= top_k <= cfg.vocab_size):
         raise ValueError(f"top_k={top_k}; valid: None or 1..{cfg.vocab_size} (the vocabulary)")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p}; valid: None or in (0, 1]")
+    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r}; valid: None or in (0, 1]")
     if vocab_size is not None and not 1 <= vocab_size <= cfg.vocab_size:
         raise ValueError(f"vocab_size={vocab_size}; valid: None or 1..{cfg.vocab_size} (the "
                          f"model's vocabulary)")
     lengths = np.asarray(jax.device_get(prompt_lengths)) if not isinstance(
         prompt_lengths, jax.core.Tracer) else None
-    if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t):
+    if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t
+                                or not np.issubdtype(lengths.dtype, np.integer)):  # (2.5 read as 2)
         raise ValueError(f"prompt_lengths={lengths.tolist()}; valid: {b} lengths in 1..{t} "
                          f"(prompts is [{b}, {t}])")
+    if not is_int(pad_token) or not 0 <= pad_token < cfg.vocab_size:
+        raise ValueError(f"pad_token={pad_token!r}; valid: a token id 0..{cfg.vocab_size - 1}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     # The settings are static values, so a second call with the same ones reuses the
     # compiled loop (a fresh functools.partial each call compiled it every time).

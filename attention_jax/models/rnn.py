@@ -285,7 +285,8 @@ class RNNSeq2Seq(nn.Module):
         cfg = self.config
         if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len <= 0:
             raise ValueError(f"max_len must be a positive int; got {max_len!r}")
-        vocab_size = beam.check_vocab_size(vocab_size, cfg.target_vocab_size)
+        vocab_size = beam.check_vocab_size(vocab_size, cfg.target_vocab_size,
+                                              (cfg.pad_id, cfg.bos_id, cfg.eos_id))
         memory, carry = self.encode(src, src_mask, deterministic=True)
         b = src.shape[0]
         start = (carry, jnp.full((b,), cfg.bos_id, jnp.int32), jnp.zeros((b,), bool))
@@ -309,7 +310,9 @@ def beam_search(model: RNNSeq2Seq, params, src, *, beam_size: int, max_len: int,
     src_mask = _check_source(src, src_mask, model.config.pad_id)
     beam.check_decode_inputs(src, max_len, model.config.vocab_size)
     beam_size = beam.check_beam_size(beam_size)
-    vocab_size = beam.check_vocab_size(vocab_size, model.config.target_vocab_size)
+    cfg = model.config
+    vocab_size = beam.check_vocab_size(vocab_size, cfg.target_vocab_size,
+                                       (cfg.pad_id, cfg.bos_id, cfg.eos_id))
     return _beam(model, beam_size, int(max_len), beam.check_alpha(alpha), vocab_size, params,
                  src, src_mask)
 

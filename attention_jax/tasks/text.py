@@ -335,10 +335,14 @@ def lm_task(config, workdir: str) -> Task:
                        dtype=config.train.compute_dtype)
     check_sample_prompts(config.eval.sample_prompts, tok,
                          cfg.max_len if cfg.position == "learned" else None)
-    # Found now, not after training; without prompts nothing is sampled, nothing to refuse.
+    # A top-k of the whole vocabulary or more keeps every token, as nanoGPT's min(k, V):
+    # the default 40 is more than a small alphabet's (it refused the default config).
+    # Said now, not after training; without prompts nothing is sampled.
+    top_k = config.eval.sample_top_k if 0 < config.eval.sample_top_k < tok.vocab_size else None
     if config.eval.sample_prompts and config.eval.sample_top_k > tok.vocab_size:
-        raise ConfigError(f"config.eval.sample_top_k={config.eval.sample_top_k} exceeds the "
-                          f"tokenizer's vocabulary; valid: 0 (no top-k) or 1..{tok.vocab_size}")
+        print(f"note: config.eval.sample_top_k={config.eval.sample_top_k} keeps all of the "
+              f"tokenizer's {tok.vocab_size} tokens: samples come from the whole "
+              f"distribution, as with sample_top_k=0", file=sys.stderr)
     if cfg.position == "learned":
         _check_seq_len(data_opts, cfg.max_len)
     model = gpt.GPT(cfg)
@@ -394,7 +398,7 @@ def lm_task(config, workdir: str) -> Task:
         out, lengths = gpt.generate(
             model, params, padded, np.array([len(p) for p in prompts], np.int32),
             max_new_tokens=new, rng=rng, temperature=config.eval.sample_temperature,
-            top_k=config.eval.sample_top_k or None, top_p=top_p if top_p < 1 else None,
+            top_k=top_k, top_p=top_p if top_p < 1 else None,
             stop_token=tok.eos_id, pad_token=tok.pad_id,
             vocab_size=tok.vocab_size)  # never the ids padding the model's vocabulary
         out, lengths = gather_rows(out), gather_rows(lengths)

@@ -70,6 +70,36 @@ def test_each_epoch_is_a_new_permutation_and_transform_rng_changes():
     assert list(_indices(_take(other_seed))) != list(order[:N])
 
 
+def test_the_next_seed_does_not_see_this_seed_s_epochs_late():
+    """grain reseeds its shuffle with seed + epoch: seed 1's epoch 0 was seed 0's epoch 1,
+    so a multi-epoch sweep over seeds 0, 1, 2 shared its data order. Each seed's epochs
+    now start from their own base (order_seed), on both reading paths; a state saved
+    before (no `order`) resumes in the order its run began."""
+    from grain.experimental import index_shuffle
+    from attention_jax.data import loaders
+    class Rows(list):  # a source read a batch per call (the batched path)
+        def read_rows(self, indices):
+            return {'index': np.asarray(indices, np.int64)}
+
+    def order(seed, epochs, source=None, **kw):
+        loader = data.Loader(source or _source(), global_batch_size=N, seed=seed,
+                             num_epochs=epochs, process_index=0, process_count=1, **kw)
+        stream = [int(i) for i in _indices(_take(loader))]
+        return [stream[e * N:(e + 1) * N] for e in range(epochs)]
+    zero, one = order(0, 3), order(1, 2)
+    assert zero[1] != one[0] and zero[2] != one[1]
+    assert one == order(1, 2, Rows(_source()), batched=True)  # both paths, one order
+    # A state from before `order` existed: the epochs of its seed's old order, seed + e.
+    old = data.Loader(_source(), global_batch_size=N, seed=0, num_epochs=3, process_index=0,
+                      process_count=1, state={'next_index': N, 'seed': 0, 'num_records': N})
+    assert old.get_state().order == 0
+    want = [index_shuffle(i, max_index=N - 1, seed=1, rounds=4) for i in range(N)]
+    assert list(_indices(_take(old, 1))) == want
+    assert loaders.LoaderState.from_any(data.Loader(
+        _source(), global_batch_size=N, process_index=0, process_count=1
+    ).get_state().to_dict()).order == loaders.ORDER == 1
+
+
 def test_two_processes_are_disjoint_cover_the_epoch_and_match_one_process():
     def run(p, count):
         return _take(data.Loader(_source(40), global_batch_size=10, seed=3, num_epochs=1,

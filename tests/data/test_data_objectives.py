@@ -121,3 +121,15 @@ def test_mlm_predicts_at_least_one_token_of_a_short_row():
                         special_ids=SPECIALS)
     assert out['weights'][0].sum() == 1
     assert out['weights'][1].sum() == 0  # no ordinary token: nothing to predict
+
+
+def test_nsp_pairs_draw_random_segments_only_from_documents_that_have_some():
+    """An empty document drawn as the other one failed ("high <= 0") for some seeds."""
+    docs = [[[10, 11], [12]], [], [[20], [21, 22]], []]
+    for seed in range(20):
+        examples = data.nsp_pairs(docs, np.random.default_rng(seed), seq_len=10, cls_id=CLS,
+                                  sep_id=SEP)
+        assert len(examples) == 2
+    with pytest.raises(ValueError, match=r"at least two documents with segments .* got 1 of 3"):
+        data.nsp_pairs([[[1], [2]], [], []], np.random.default_rng(0), seq_len=8, cls_id=CLS,
+                       sep_id=SEP)

@@ -191,6 +191,14 @@ def test_bad_records_are_counted_through_prepare(tmp_path, capsys):
         else:
             with pytest.raises(files.FilesError, match='more than'):
                 prep()
+    # Read once before, as a tokenizer's training reads them (bpe, char): the cache still
+    # counts its range's bad records (it counted only those read for the first time: 0).
+    docs = files.file_splits(str(tmp_path / 'm.jsonl'), str(tmp_path / 'e.jsonl'),
+                             max_bad_records=2)['train']
+    [docs[i] for i in range(len(docs))]
+    directory = token_cache.prepare(docs, tok, str(tmp_path / 'read-before'), shard_bytes=40,
+                                    workers=1, progress=False)
+    assert json.load(open(os.path.join(directory, 'manifest.json')))['bad_records'] == 2
 
 
 def test_a_document_the_tokenizer_cannot_encode_is_named(corpus, tmp_path):
@@ -236,7 +244,7 @@ def test_loader_over_the_cache_resumes_exactly_and_splits_over_processes(corpus,
     it = iter(straight)
     first = [next(it) for _ in range(3)]
     state = straight.get_state().to_dict()
-    assert set(state) == {'next_index', 'seed', 'num_records', 'source'}
+    assert set(state) == {'next_index', 'seed', 'num_records', 'source', 'order'}
     # The tokens' identity: the same in the cache the other two processes prepared
     # elsewhere (a moved corpus resumes), another for other tokens of as many rows.
     assert state['source'] == rows.fingerprint == token_cache.TokenRows(

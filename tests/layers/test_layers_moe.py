@@ -146,3 +146,42 @@ def test_a_gpt_s_packed_padding_takes_no_expert_slot_and_no_statistic():
     np.testing.assert_allclose(y[:, :8], y_other[:, :8], atol=1e-6)
     for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(aux_other)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_no_drop_computes_every_assignment_grouped_as_the_slots_do_with_room(use_bias):
+    """MoE(no_drop=True), as a decoder runs while decoding: each expert's tokens grouped
+    (ragged_dot) rather than in capacity slots. Where the slots have room for every token
+    the two agree, outputs and router statistics; where they drop, no_drop keeps what the
+    slots dropped; padding gets y = 0 either way. Slots enough for every token (C = T)
+    grew as T²: the grouped form's temporaries stay linear in T."""
+    b, t, d = 2, 9, 8
+    x = jax.random.normal(jax.random.PRNGKey(0), (b, t, d))
+    mask = jnp.arange(t)[None, :] < jnp.array([[9], [5]])
+    roomy = MoE(num_experts=4, top_k=2, hidden=16, capacity_factor=4.0, use_bias=use_bias,
+                priority="token")
+    params = roomy.init(jax.random.PRNGKey(1), x)
+    if use_bias:  # nonzero biases, so that they count
+        params = jax.tree.map(lambda p: p + 0.1, params)
+    want, want_aux = roomy.apply(params, x, token_mask=mask)
+    got, got_aux = roomy.apply(params, x, token_mask=mask, no_drop=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(got)[1, 5:].any()
+    for key in want_aux:
+        np.testing.assert_allclose(got_aux[key], want_aux[key], rtol=1e-5, err_msg=key)
+    tight = MoE(num_experts=4, top_k=2, hidden=16, capacity_factor=0.25, use_bias=use_bias,
+                priority="token")
+    _, aux = tight.apply(params, x, token_mask=mask)
+    assert float(aux["dropped_fraction"]) > 0.3
+    kept, aux = tight.apply(params, x, token_mask=mask, no_drop=True)
+    np.testing.assert_allclose(kept, want, rtol=1e-5, atol=1e-6)
+    assert float(aux["dropped_fraction"]) == 0.0
+
+    def temporaries(t, no_drop):
+        x = jnp.zeros((1, t, d))
+        f = jax.jit(lambda p, x: MoE(num_experts=16, top_k=1, hidden=16).apply(
+            p, x, no_drop=no_drop)[0])
+        p = MoE(num_experts=16, top_k=1, hidden=16).init(jax.random.PRNGKey(1), x)
+        return f.lower(p, x).compile().memory_analysis().temp_size_in_bytes
+    grouped = temporaries(2048, True) / temporaries(512, True)
+    assert grouped < 6, grouped  # (4x the tokens: linear; slots of C = T grew 16x)

@@ -297,7 +297,11 @@ def test_every_family_refuses_a_dropout_rate_outside_0_1_and_a_norm_epsilon_not_
                                                  rf"0 <= {name} < 1$"):
                 config_cls(**{**required, name: bad})
         config_cls(**{**required, name: 0.3})
+        config_cls(**{**required, name: np.float32(0.25)})  # a NumPy float is a number
+        with pytest.raises(ValueError, match=rf"^{name}='0.1' is no number; valid: a float"):
+            config_cls(**{**required, name: "0.1"})
     if "norm_epsilon" in config_cls.__dataclass_fields__:
+        config_cls(**{**required, "norm_epsilon": np.float32(1e-5)})
         with pytest.raises(ValueError, match=r"^norm_epsilon=-1e-06 is out of range; valid: "
                                              r"norm_epsilon > 0"):
             config_cls(**{**required, "norm_epsilon": -1e-6})

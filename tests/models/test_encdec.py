@@ -179,8 +179,10 @@ def test_decoding_within_a_tokenizer_s_vocabulary_never_emits_the_padding_ids():
             jnp.repeat(src, len(seqs), 0), shift_right(jnp.tile(jnp.asarray(seqs), (2, 1))))
         return jax.nn.log_softmax(logits[..., :v]).reshape(2, len(seqs), steps, v)
     assert_beam_finds_the_best(tokens, scores, teacher_forced, v, steps)
-    for bad in (0, 65, 2.5):
-        with pytest.raises(ValueError, match=rf"^vocab_size={bad!r}; valid: None or 1\.\.64"):
+    for bad in (0, 2, 65, 2.5):  # (2: eos could never end a sequence)
+        with pytest.raises(ValueError, match=rf"^vocab_size={bad!r}; valid: None or 3\.\.64 "
+                                             rf"\(the model's vocabulary, past its special "
+                                             rf"ids \[0, 1, 2\]\)"):
             ed.greedy_decode(model, params, src, max_len=2, vocab_size=bad)
     # NumPy ints are ints; a NaN length penalty ranked every beam as NaN
     ed.beam_search(model, params, src, beam_size=np.int64(2), max_len=np.int64(2))

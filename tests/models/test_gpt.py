@@ -217,6 +217,22 @@ def test_generate_names_a_bad_argument():
         gpt.generate(model, params, prompts.at[1, 2].set(300), [8, 5], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"prompts: shape \(8,\); valid: \[B, T\]"):
         gpt.generate(model, params, prompts[0], [8], max_new_tokens=2)
+    # A string top_p compared with a number (a TypeError naming nothing); a length of 2.5
+    # read as 2; a pad token past the vocabulary taken; a negative temperature handed to
+    # sample_logits itself sampled the inverted distribution.
+    with pytest.raises(ValueError, match=r"top_p='0.9'; valid: None or in \(0, 1\]"):
+        run([8, 5], temperature=1.0, top_p="0.9")
+    with pytest.raises(ValueError, match=r"prompt_lengths=\[8.0, 2.5\]; valid: 2 lengths"):
+        run(np.array([8, 2.5]))
+    with pytest.raises(ValueError, match=r"pad_token=256; valid: a token id 0\.\.255"):
+        run([8, 5], pad_token=256)
+    with pytest.raises(ValueError, match=r"temperature=-1.0; valid: 0 \(greedy\)"):
+        gpt.sample_logits(jax.random.PRNGKey(0), jnp.zeros((1, 4)), temperature=-1.0)
+    # A nested list of ids is a batch of prompts, as an array is.
+    listed, _ = gpt.generate(model, params, np.asarray(prompts).tolist(), [8, 5],
+                             max_new_tokens=2)
+    np.testing.assert_array_equal(listed, gpt.generate(model, params, prompts, [8, 5],
+                                                       max_new_tokens=2)[0])
 
 
 def test_ids_outside_a_table_are_an_error_when_applied_eagerly():

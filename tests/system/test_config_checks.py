@@ -4,6 +4,8 @@ import json
 import os
 import re
 
+import flax.linen as nn
+import jax
 import pytest
 
 import tiny
@@ -622,20 +624,27 @@ def test_a_gpt_with_bert_s_wordpiece_vocabulary_is_refused_before_the_corpus(tmp
         text.prepare_from_config(config)
 
 
-def test_a_top_k_past_the_vocabulary_is_refused_before_training(tmp_path):
-    """It trained, saved, then failed at sampling with a traceback."""
+def test_a_top_k_past_the_vocabulary_keeps_every_token_and_says_so(tmp_path, capsys):
+    """It trained, saved, then failed at sampling with a traceback; then it was refused
+    before training, the default 40 with it on a small alphabet. A top-k of the whole
+    vocabulary or more keeps every token (nanoGPT's min(k, V)), said before training."""
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
     (tmp_path / "u.txt").write_text("the dog sat on the log. " * 20)
     config = config_lib.load("gpt", ["data.name=files", f"data.files={tmp_path}/*.txt",
-                                     f"data.cache_dir={tmp_path}/cache", "data.tokenizer=byte",
-                                     "eval.sample_top_k=1000"])
-    with pytest.raises(ConfigError, match=r"^config\.eval\.sample_top_k=1000 exceeds the "
-                                          r"tokenizer's vocabulary; valid: 0 \(no top-k\) or "
-                                          r"1\.\.259$"):
-        tasks.TASKS[config.task](config, str(tmp_path / "run"))
-    # Without prompts nothing is sampled: a small vocabulary's run was refused all the same.
+                                     f"data.cache_dir={tmp_path}/cache", "data.tokenizer=char",
+                                     "model.num_layers=1", "model.d_model=32",
+                                     "model.num_heads=2", "eval.sample_prompts=('the ',)",
+                                     "eval.sample_tokens=8"])
+    task = tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    assert ("note: config.eval.sample_top_k=40 keeps all of the tokenizer's 15 tokens: "
+            "samples come from the whole distribution" in capsys.readouterr().err)
+    params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+    [text] = task.sample(params, jax.random.PRNGKey(1))
+    assert text.startswith("the ") and len(text) > len("the ")
+    # Without prompts nothing is sampled: nothing said.
     config.eval.sample_prompts = ()
-    tasks.TASKS[config.task](config, str(tmp_path / "run"))
+    tasks.TASKS[config.task](config, str(tmp_path / "run2"))
+    assert "sample_top_k" not in capsys.readouterr().err
 
 
 def test_sampling_takes_top_p_from_the_config(tmp_path):

@@ -250,27 +250,31 @@ def test_accumulation_is_the_big_batch_s_mean_over_real_tokens(tmp_path):
     """Micro-batches with 8 and 128 real tokens (rows of padding): the accumulated step's
     loss, gradient and update are the one big batch's, whose mean is over its 136 tokens;
     the mean of the two micro-batches' means (what accumulation once took) is not."""
+    from attention_jax.data import loaders
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, tiny.VOCAB, (16, tiny.SEQ + 1)).astype(np.int32)
     weights = np.zeros((16, tiny.SEQ), np.float32)
     weights[0::2, 0] = 1  # micro-batch 0 (rows 0, 2, ...): one real token a row
     weights[1::2] = 1     # micro-batch 1: every token real
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
-    out = {}
-    for accum in (1, 2):
-        cfg = tiny.tiny_config(**{"optim.grad_accum": accum, "mesh.data": 2,
-                                  "mesh.num_devices": 2, "optim.warmup_steps": 0})
-        s = train.setup(cfg, str(tmp_path / str(accum)), task=_weighted_tiny_task(cfg))
-        step, _ = steps.jit_steps(s, cfg)
-        with jax.set_mesh(s.mesh):
-            state, metrics = step(s.init_state(), sharding.shard_batch(batch, s.mesh))
-        out[accum] = (steps.fetch(metrics), tiny.flat_params(state))
-    (one, params_one), (two, params_two) = out[1], out[2]
-    for key in ("loss", "accuracy", "grad_norm"):
-        np.testing.assert_allclose(two[key], one[key], rtol=1e-5, err_msg=key)
-    for name in params_one:
-        np.testing.assert_allclose(params_two[name], params_one[name], rtol=1e-5, atol=1e-7,
-                                   err_msg=name)
+    # A batch's own example weights (the last 12 rows weigh 0) are kept, not replaced.
+    own = {**batch, loaders.EXAMPLE_WEIGHT: (np.arange(16) < 4).astype(np.float32)}
+    for batch in (batch, own):
+        out = {}
+        for accum in (1, 2):
+            cfg = tiny.tiny_config(**{"optim.grad_accum": accum, "mesh.data": 2,
+                                      "mesh.num_devices": 2, "optim.warmup_steps": 0})
+            s = train.setup(cfg, str(tmp_path / str(accum)), task=_weighted_tiny_task(cfg))
+            step, _ = steps.jit_steps(s, cfg)
+            with jax.set_mesh(s.mesh):
+                state, metrics = step(s.init_state(), sharding.shard_batch(batch, s.mesh))
+            out[accum] = (steps.fetch(metrics), tiny.flat_params(state))
+        (one, params_one), (two, params_two) = out[1], out[2]
+        for key in ("loss", "accuracy", "grad_norm"):
+            np.testing.assert_allclose(two[key], one[key], rtol=1e-5, err_msg=key)
+        for name in params_one:
+            np.testing.assert_allclose(params_two[name], params_one[name], rtol=1e-5,
+                                       atol=1e-7, err_msg=name)
 
 
 def test_the_logged_lr_is_the_lr_applied_after_a_skipped_step(tmp_path):
