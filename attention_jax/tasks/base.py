@@ -357,6 +357,11 @@ def model_config(cls, config, **forced):
     given = {k: v for k, v in config.model.to_dict().items() if v is not None}
     variant = given.pop("variant", None)
     kwargs = {**given, **forced}
+    # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
+    # said as config keys (the model configs refuse them too, a variant's own included).
+    for name, value in kwargs.items():
+        if name.endswith("dropout_rate") and isinstance(value, (int, float)):
+            check_range(f"model.{name}", value, "[0, 1)")
     try:
         cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -369,11 +374,6 @@ def model_config(cls, config, **forced):
         print(f"note: config.model.{', '.join(moe_keys)} "
               f"{'is' if len(moe_keys) == 1 else 'are'} read only with config.model.mlp='moe' "
               f"(now {cfg.mlp!r}): this dense MLP has no experts", file=sys.stderr)
-    # Dropout probabilities of any model family (dropout_rate, attention_dropout_rate),
-    # checked on the resolved config so a variant's own values are covered too.
-    for f in dataclasses.fields(cfg):
-        if f.name.endswith("dropout_rate") and isinstance(getattr(cfg, f.name), (int, float)):
-            check_range(f"model.{f.name}", getattr(cfg, f.name), "[0, 1)")
     return cfg
 
 

@@ -148,9 +148,10 @@ def test_a_tokenizer_file_without_an_end_of_text_token_is_refused(tmp_path):
 
 def test_the_rnn_translates_by_beam_search_too(tmp_path):
     """rnn_seq2seq's eval.beam_size is a beam search of its decoder (it was refused): the
-    task's translation of a sentence is the best beam rnn.beam_search gives it (here with
-    the initial weights, a beam of 3); each family's beam_search refuses the other's
-    model in one line (it failed deep inside JAX)."""
+    task's translation of a sentence is the best beam rnn.beam_search gives it over the
+    tokenizer's ids (here with the initial weights, a beam of 3; those past them, which
+    pad the model's vocabulary, decode to nothing); each family's beam_search refuses
+    the other's model in one line (it failed deep inside JAX)."""
     import flax.linen as nn
 
     from attention_jax.models import encdec, rnn
@@ -169,7 +170,8 @@ def test_the_rnn_translates_by_beam_search_too(tmp_path):
         ids = tok.encode(text)
         src[row, :len(ids)] = ids
     tokens, scores = rnn.beam_search(task.model, params, src, beam_size=3,
-                                     max_len=config.data.target_len)
+                                     max_len=config.data.target_len, vocab_size=tok.vocab_size)
+    assert np.asarray(tokens).max() < tok.vocab_size
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)  # best first
     best = [tok.decode(tasks.until_eos(np.asarray(t), tok.eos_id)) for t in tokens[:, 0]]
     assert task.translate(params, sentences) == best
