@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob as glob_lib
@@ -673,10 +674,25 @@ class _BadRecords:
 
     def __init__(self, limit: int, arg: str):
         self.limit, self.arg, self.seen = limit, arg, set()
-        # Every skip while a reader watches (a list, not None), a record seen before too:
-        # a token cache's shard counts the bad records in its range, some of which the
-        # tokenizer's training read first.
-        self.log: list[str] | None = None
+        self._watch = threading.local()  # this thread's log while it watches (`watching`)
+
+    def __getstate__(self):  # (a thread's log stays in its process: workers get none)
+        return {k: v for k, v in self.__dict__.items() if k != '_watch'}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._watch = threading.local()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """A list of every record this thread skips inside, one seen before too: a token
+        cache's shard counts the bad records of its range, some of which the tokenizer's
+        training read first (and two threads may prepare shards at once)."""
+        self._watch.log = log = []
+        try:
+            yield log
+        finally:
+            self._watch.log = None
 
     @property
     def count(self) -> int:
@@ -694,8 +710,9 @@ class _BadRecords:
                              f'{self.limit}: fix the files or raise it')
 
     def skip(self, where: str, why: str) -> None:
-        if self.log is not None:
-            self.log.append(where)
+        log = getattr(self._watch, 'log', None)
+        if log is not None:
+            log.append(where)
         if where in self.seen:
             return
         self.seen.add(where)

@@ -37,6 +37,7 @@ a local (or mounted) filesystem: np.memmap needs one.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -171,18 +172,18 @@ class _ShardWriter:
 
     def __call__(self, k: int, first: int, last: int) -> dict:
         bad = getattr(getattr(self.docs, 'corpus', None), 'bad', None)
-        if bad is not None:  # the bad records of this range, those read before included
-            bad.log = []
         texts, names, source_bytes = [], [], 0
-        for i in range(first, last):
-            doc = self.docs[i]
-            raw = doc['text']
-            source_bytes += len(raw)
-            texts.append(raw.decode('utf-8', errors='replace') if isinstance(raw, bytes)
-                         else str(raw))
-            name = doc.get('id', i)
-            names.append(name.decode('utf-8', errors='replace') if isinstance(name, bytes)
-                         else str(name))
+        # the bad records of this range, those read before included
+        with bad.watching() if bad is not None else contextlib.nullcontext([]) as bad_here:
+            for i in range(first, last):
+                doc = self.docs[i]
+                raw = doc['text']
+                source_bytes += len(raw)
+                texts.append(raw.decode('utf-8', errors='replace') if isinstance(raw, bytes)
+                             else str(raw))
+                name = doc.get('id', i)
+                names.append(name.decode('utf-8', errors='replace') if isinstance(name, bytes)
+                             else str(name))
         ids = encode_many(self.tokenizer, texts, names)
         del texts, names
         lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
@@ -202,9 +203,7 @@ class _ShardWriter:
         # (TokenRows.fingerprint): a cache is rebuilt when a file's size or time changes.
         digest = hashlib.blake2b(tokens.tobytes(), digest_size=16)
         digest.update(ends.astype(np.int64).tobytes())
-        skipped = sorted(set(bad.log), key=_place_order) if bad is not None else []
-        if bad is not None:
-            bad.log = None
+        skipped = sorted(set(bad_here), key=_place_order)
         meta = {'key': self.key, 'shard': k, 'first_document': first, 'documents': last - first,
                 'tokens': len(tokens), 'digest': digest.hexdigest(), 'source_bytes': source_bytes,
                 'bad_records': len(skipped), 'bad_where': skipped[:MOST_BAD_WHERE],

@@ -450,7 +450,7 @@ def test_resuming_on_changed_data_stops_unless_asked(tmp_path, capsys):
             "seed 0): its new order starts at epoch 0.039") in capsys.readouterr().out
     ck = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
     assert ck.data_state(20) == {"next_index": round(160 * 5000 / 4096) + 160, "seed": 0,
-                                 "num_records": 5000, "source": ""}
+                                 "num_records": 5000, "source": "", "order": 1}
     ck.close()
 
 
