@@ -390,6 +390,10 @@ def explain(q, k, v, *, implementation: str = "auto", backend: Optional[str] = N
     def trace(q, k, v, arrays):
         answer.append(_choose(implementation, make_call(q, k, v, **static, **arrays), platform))
 
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in arrays.values()):
+        # Values seen now, as dot_product_attention sees them eagerly: traced, a length
+        # past S (kv_lengths=[99, 2] for 4 keys) passed unsaid.
+        make_call(q, k, v, **static, **arrays)
     jax.eval_shape(trace, q, k, v, arrays)
     return answer[0]
 

@@ -198,6 +198,12 @@ def test_auto_on_a_gpu_passes_the_kernels_over_for_tiles_they_cannot_take():
     name, reason = explain(q, q, q, causal=True, block_q=8, block_k=8, backend="gpu")
     assert name == "blockwise"
     assert "not pallas: block_q must be a power of two >= 16" in reason, reason
+    # explain's values are checked as the call's are (traced, a length past S passed)
+    x = jnp.ones((2, 4, 1, 8))
+    with pytest.raises(ValueError, match=r"^kv_lengths: 99 is not a length of the S=4 keys"):
+        explain(x, x, x, kv_lengths=np.array([99, 2]))
+    assert explain(jax.ShapeDtypeStruct(x.shape, x.dtype), x, x,
+                   kv_lengths=np.array([3, 2]))[0] == "blockwise"
 
 
 def test_tiles_given_within_reach_the_kernels_and_end_with_it():
