@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from attention_jax.errors import is_int
 from attention_jax.layers.posemb import check_below, check_ids
 
 
@@ -40,17 +41,12 @@ def check_decode_inputs(src, max_len, vocab_size: int) -> None:
     IndexError from a cache."""
     check_ids("src", src)
     check_below("src", src, vocab_size, "token ids of the model's vocabulary")
-    if not _is_count(max_len) or max_len < 1:
+    if not is_int(max_len) or max_len < 1:
         raise ValueError(f"max_len={max_len!r}; valid: an int >= 1 (tokens to decode)")
 
 
-def _is_count(x) -> bool:
-    """An int (Python's or NumPy's: a length from an array), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def check_beam_size(beam_size) -> int:
-    if not _is_count(beam_size) or beam_size < 1:
+    if not is_int(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
     return int(beam_size)
 
@@ -71,8 +67,7 @@ def check_vocab_size(vocab_size, model_vocab: int, special_ids=()):
     if vocab_size is None or vocab_size == model_vocab:
         return None
     least = max(special_ids, default=-1) + 1
-    if (not isinstance(vocab_size, numbers.Integral) or isinstance(vocab_size, bool)
-            or not max(1, least) <= vocab_size <= model_vocab):
+    if not is_int(vocab_size) or not max(1, least) <= vocab_size <= model_vocab:
         raise ValueError(f"vocab_size={vocab_size!r}; valid: None or {max(1, least)}.."
                          f"{model_vocab} (the model's vocabulary"
                          + (f", past its special ids {sorted(special_ids)})" if least > 1
@@ -108,7 +103,7 @@ def search(step: Callable, state, *, batch: int, beam_size: int, max_len: int, v
     holds B·W rows (each source's repeated W times); take_rows(state, rows) picks rows
     [B·W] of it, each beam's parent after a step."""
     beam_size = check_beam_size(beam_size)
-    if not _is_count(max_len) or max_len < 1:
+    if not is_int(max_len) or max_len < 1:
         raise ValueError(f"max_len must be an int >= 1; got {max_len!r}")
     max_len, alpha = int(max_len), check_alpha(alpha)
     b, w, v = batch, beam_size, vocab

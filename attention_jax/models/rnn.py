@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 
 from attention_jax import axes
 from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon)
+                                 check_rates_and_epsilon, is_int)
 from attention_jax.layers.posemb import Embed, check_ids
 from attention_jax.models import beam
 
@@ -283,7 +282,7 @@ class RNNSeq2Seq(nn.Module):
         attention and return_weights, aux["attention_weights"]["cross"] [1, B, 1,
         max_len, S]."""
         cfg = self.config
-        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len <= 0:
+        if not is_int(max_len) or max_len <= 0:
             raise ValueError(f"max_len must be a positive int; got {max_len!r}")
         vocab_size = beam.check_vocab_size(vocab_size, cfg.target_vocab_size,
                                               (cfg.pad_id, cfg.bos_id, cfg.eos_id))
