@@ -1,8 +1,10 @@
 r"""Gated MLPs (Shazeer 2020, "GLU Variants Improve Transformer"): ReLU, GELU, SwiGLU and
 GeGLU feed-forward layers in the same small GPT, at equal parameters, same steps.
 
-Argument `mlp=relu|gelu|swiglu|geglu` (it sets both model.mlp and model.activation; an
-override `--config.model.mlp=mlp` alone keeps this config's gelu). A 2-layer GPT of width
+Argument `mlp=relu|gelu|swiglu|geglu` (it sets both model.mlp and model.activation, a gated
+MLP's to its gate's; an override `--config.model.mlp=mlp` alone keeps that activation, silu
+with the default swiglu; `--config.model.mlp=glu` gates with model.activation, e.g. relu:
+ReGLU). A 2-layer GPT of width
 D = 48 (2 heads of 24) on the byte-level stdlib corpus; the plain MLPs have hidden F = 4D = 192 (two matrices,
 2·D·F = 18,432 weights a layer), the gated ones F = 8D/3 = 128 (three matrices, 3·D·F =
 18,432): exactly the same parameter count, as in Shazeer's Table 1. (Small because the
@@ -37,7 +39,7 @@ from attention_jax import config as config_lib
 VARIANTS = {  # mlp=... -> (config.model.mlp, config.model.activation)
     "relu": ("mlp", "relu"),
     "gelu": ("mlp", "gelu"),
-    "swiglu": ("swiglu", "gelu"),  # the activation field is unused by gated MLPs.
+    "swiglu": ("swiglu", "silu"),  # a gated MLP's activation is its gate's
     "geglu": ("geglu", "gelu"),
 }
 D_MODEL = 48

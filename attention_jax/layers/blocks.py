@@ -31,7 +31,8 @@ from attention_jax import axes
 from attention_jax.attention import IMPLEMENTATIONS, RING_INNER
 from attention_jax.errors import check_positive_ints, check_rates_and_epsilon
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.layers.mlp import ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP
+from attention_jax.layers.mlp import (ACTIVATIONS, GATED_MLPS, MLP, MLPS, GatedMLP,
+                                      gate_activation)
 from attention_jax.layers.moe import MoE
 from attention_jax.layers.norms import NORM_KERNELS, NORMS, make_norm
 
@@ -49,8 +50,9 @@ class BlockConfig:
     """Hyperparameters of one transformer block (hashable: a Flax module field).
 
     num_heads N, num_kv_heads K (default N), head_dim H (default D/N).
-    mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu" or "geglu" (gated; hidden
-      mlp_dim, default ≈ 8D/3 rounded to swiglu_multiple) or "moe" (num_experts, top_k,
+    mlp: "mlp" (two-layer, hidden mlp_dim, default 4D), "swiglu", "geglu" or "glu" (gated;
+      hidden mlp_dim, default ≈ 8D/3 rounded to swiglu_multiple; "glu"'s gate is
+      `activation`, the others' silu and gelu) or "moe" (num_experts, top_k,
       capacity_factor; hidden mlp_dim).
     norm: "layernorm" | "rmsnorm"; norm_position: "pre" | "post"; norm_kernel: how a
       pre-norm block adds a sublayer's output and normalises the sum (norms.NORM_KERNELS:
@@ -105,6 +107,8 @@ class BlockConfig:
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise ValueError(f"{field}={getattr(self, field)!r} is unknown; valid: {valid}")
+        if self.mlp in GATED_MLPS:
+            gate_activation(self.mlp, self.activation)
         if self.norm_kernel == "pallas" and self.norm_position == "post":
             raise ValueError("norm_kernel='pallas' takes a pre-norm block's residual add "
                              "into the next norm's kernel; a post-norm block has no such "
@@ -233,7 +237,7 @@ class TransformerBlock(nn.Module):
         else:
             if cfg.mlp in GATED_MLPS:
                 ffn = GatedMLP(hidden=cfg.mlp_dim, multiple_of=cfg.swiglu_multiple,
-                             gate_activation=GATED_MLPS[cfg.mlp],
+                             gate_activation=gate_activation(cfg.mlp, cfg.activation),
                              use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, dtype=dtype,
                              param_dtype=param_dtype, name="mlp", **defer)
             else:

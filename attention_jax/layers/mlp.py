@@ -61,9 +61,25 @@ ACTIVATIONS: dict[str, Callable] = {
     "silu": nn.silu,
 }
 # The feed-forward kinds a block can use (moe: layers/moe.py).
-MLPS = ("mlp", "swiglu", "geglu", "moe")
-# The gated kinds and the activation of their gate (Shazeer 2020, eq. 5-6; GeGLU's GELU exact).
-GATED_MLPS = {"swiglu": "silu", "geglu": "gelu"}
+MLPS = ("mlp", "glu", "swiglu", "geglu", "moe")
+# The gated kinds and the activation of their gate (Shazeer 2020, eq. 5-6; GeGLU's GELU
+# exact); "glu"'s gate is the block's `activation` (relu: ReGLU, silu: SwiGLU, ...).
+GATED_MLPS = {"glu": None, "swiglu": "silu", "geglu": "gelu"}
+
+
+def gate_activation(mlp: str, activation_name: str, default: str = "gelu") -> str:
+    """The activation of a gated MLP kind's gate. The named kinds fix theirs, so an
+    `activation` other than theirs or the config's `default` (left as it is) would be
+    ignored: refused, pointing at "glu", whose gate is `activation`."""
+    activation(activation_name)  # an unknown name first, with the valid ones
+    fixed = GATED_MLPS[mlp]
+    if fixed is None:
+        return activation_name
+    if activation_name not in (fixed, default):
+        raise ValueError(f"activation={activation_name!r} is not used by mlp={mlp!r}, whose "
+                         f"gate is {fixed!r}; valid: {fixed!r} or the default {default!r} (left "
+                         f"as it is), or mlp='glu' for a gate of activation={activation_name!r}")
+    return fixed
 
 
 def activation(name: str) -> Callable:

@@ -39,6 +39,7 @@ from attention_jax.errors import (check_fields, check_float_dtypes, check_positi
                                  check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack
 from attention_jax.layers.linear import dot_general_2d
+from attention_jax.layers.mlp import GATED_MLPS, gate_activation
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import (Embed, LearnedPositionEmbedding, check_ids,
                                          sinusoidal)
@@ -49,6 +50,7 @@ __all__ = ["GPTConfig", "GPT", "VARIANTS", "get_config", "lm_loss", "lm_head_wei
            "init_cache", "generate", "sample_logits"]
 
 GPT_POSITIONS = ("learned", "sinusoidal", "rope")
+DEFAULT_ACTIVATION = "gelu_tanh"  # GPT-2's MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +65,11 @@ class GPTConfig:
     d_model: int = 768  # D: the width of every token's vector
     num_heads: int = 12  # N query heads (head dim D/N)
     num_kv_heads: Optional[int] = None  # K < N: grouped-query attention
-    mlp: str = "mlp"  # "mlp" | "swiglu" | "geglu" | "moe"
+    mlp: str = "mlp"  # "mlp" | "glu" | "swiglu" | "geglu" | "moe"
     mlp_dim: Optional[int] = None  # F (default 4D)
-    # the MLP's and the experts' (mlp="mlp", "moe"): relu | gelu | gelu_tanh (GPT-2's) |
-    # silu; a gated MLP's gate has its own (swiglu: silu, geglu: gelu), not this
-    activation: str = "gelu_tanh"
+    # the MLP's and the experts' (mlp="mlp", "moe") and mlp="glu"'s gate: relu | gelu |
+    # gelu_tanh (GPT-2's) | silu; swiglu's gate is silu, geglu's gelu (this left as it is)
+    activation: str = DEFAULT_ACTIVATION
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_epsilon: float = 1e-5  # added to the variance in every norm
     norm_position: str = "pre"  # "pre" (GPT-2) | "post" (GPT-1, Vaswani et al.)
@@ -127,7 +129,11 @@ class GPTConfig:
     def block(self) -> BlockConfig:
         return BlockConfig(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp=self.mlp,
-            mlp_dim=self.mlp_dim, activation=self.activation, norm=self.norm,
+            mlp_dim=self.mlp_dim, norm=self.norm,
+            # A named gated MLP's own gate (this config's default activation is not the
+            # block's: gelu_tanh left as it is means "unset" here, not a gate).
+            activation=(gate_activation(self.mlp, self.activation, default=DEFAULT_ACTIVATION)
+                        if self.mlp in GATED_MLPS else self.activation),
             norm_epsilon=self.norm_epsilon, norm_position=self.norm_position,
             norm_kernel=self.norm_kernel, causal=True,
             use_bias=self.use_bias, dropout_rate=self.dropout_rate,

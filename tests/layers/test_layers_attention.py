@@ -159,7 +159,7 @@ def test_a_sequence_without_its_batch_axis_is_named():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(norm_position="middle"), r"valid: \('pre', 'post'\)"),
     (dict(norm="batchnorm"), r"valid: \('layernorm', 'rmsnorm'\)"),
-    (dict(mlp="kan"), r"valid: \('mlp', 'swiglu', 'geglu', 'moe'\)"),
+    (dict(mlp="kan"), r"valid: \('mlp', 'glu', 'swiglu', 'geglu', 'moe'\)"),
     (dict(num_kv_heads=3), r"valid: \[1, 2, 4\]"),
     # The MLP reads `mlp_dim or 4 * D`: 0 was silently the default width.
     (dict(mlp_dim=0), r"mlp_dim must be a positive integer; got 0 \(valid: an integer >= 1 "
