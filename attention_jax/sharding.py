@@ -410,6 +410,51 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None,
     return Mesh(array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
+def batch_split_problem(processes: np.ndarray, process_count: int) -> str | None:
+    """What is wrong with a mesh whose devices belong to `processes` (an int array of the
+    mesh's shape, axes MESH_AXES: each device's process index) for batches that each of
+    `process_count` processes loads its own share of (loaders.Loader: process p reads the
+    p-th block of G/P rows; shard_batch hands it to jax.make_array_from_process_local_data),
+    or None. Each batch shard (a coordinate of the data and fsdp axes) must lie on the
+    devices of one process: one spread over several, because the sequence or tensor axis
+    spans processes, is one "replica" to JAX that the processes fill with different rows
+    (and the global batch shrinks to G/P), which trains on nothing consistent, unsaid.
+    Every process must hold a shard too (mesh.num_devices cutting a process out)."""
+    processes = np.asarray(processes)
+    dp = processes.shape[0] * processes.shape[1]
+    by_shard = processes.reshape(dp, -1)  # [data × fsdp, sequence × tensor]
+    for i, row in enumerate(by_shard):
+        owners = sorted(set(row.tolist()))
+        if len(owners) > 1:
+            sizes = dict(zip(MESH_AXES, processes.shape))
+            return (f"batch shard {i} of the {dp} (mesh.data={sizes['data']} × mesh.fsdp="
+                    f"{sizes['fsdp']}) lies on devices of processes {owners}, which each load "
+                    f"their own rows of every batch: mesh.sequence={sizes['sequence']} × "
+                    f"mesh.tensor={sizes['tensor']} spans processes, so the batch would be "
+                    f"{process_count} different copies of one shard")
+    missing = sorted(set(range(process_count)) - set(by_shard[:, 0].tolist()))
+    if missing:
+        return (f"the mesh holds no device of process(es) {missing}, which load their share "
+                f"of every batch too")
+    return None
+
+
+def check_batch_split(mesh: Mesh) -> None:
+    """ConfigError when the batches of a multi-process run cannot be assembled on `mesh`
+    (`batch_split_problem`); nothing with one process."""
+    if jax.process_count() == 1:
+        return
+    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    problem = batch_split_problem(processes, jax.process_count())
+    if problem:
+        local = jax.local_device_count()
+        raise ConfigError(
+            f"config.mesh: {problem}; valid: mesh.data × mesh.fsdp (× mesh.dcn_data × "
+            f"mesh.dcn_fsdp) a multiple of the {jax.process_count()} processes, with "
+            f"mesh.sequence × mesh.tensor dividing one process's {local} devices, and "
+            f"mesh.num_devices=0 (all)")
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data and fsdp; the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

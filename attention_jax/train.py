@@ -78,6 +78,7 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
                         granules=len(set(sharding.granules(devices)[0])))
     mesh = sharding.make_mesh({a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, devices,
                               dcn=sharding.dcn_shape(config.mesh))
+    sharding.check_batch_split(mesh)  # each process's batch rows on its own devices
     rules = sharding.rules_from_config(config.mesh.rules)
     if task is None:
         with tasks_lib.data_on_demand() if read_only else contextlib.nullcontext():

@@ -363,3 +363,51 @@ def test_checkpoints_leave_the_preemption_step_to_the_loop(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "REPORTED ['10']" in out.stdout, out.stdout
     assert "STOP AT 11" in out.stdout, out.stdout
+
+
+_BATCH_SPLIT_SCRIPT = """
+import sys
+import jax
+import tiny
+from attention_jax import sharding, train
+from attention_jax.errors import ConfigError
+me, port, workdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me)
+mesh = sharding.make_mesh({"data": -1, "sequence": 4})  # data=2: one batch shard a process
+sharding.check_batch_split(mesh)
+print("GOOD", sharding.shard_batch({"x": jax.numpy.arange(4) + 10 * me}, mesh)["x"].shape)
+try:  # sequence=8 spans both processes: the batch is one shard, filled twice
+    train.setup(tiny.tiny_config(**{"mesh.data": 1, "mesh.sequence": 8}), workdir + str(me))
+    print("NO ERROR")
+except ConfigError as e:
+    print("ERROR", e)
+"""
+
+
+def test_a_mesh_axis_other_than_the_batch_s_may_not_span_processes(tmp_path):
+    """Each process loads its own rows of every batch; with mesh.sequence (or tensor)
+    spanning the processes the batch's one shard lay on both, and jax took the two
+    processes' different rows as replicas of one [G/2] batch: training went on, on
+    nothing consistent, unsaid."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _BATCH_SPLIT_SCRIPT, str(i), str(port),
+                               str(tmp_path / "w")], env=subprocess_env(4),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for out in outputs:
+        assert "GOOD (8,)" in out, out
+        assert re.search(r"ERROR config.mesh: batch shard 0 of the 1 \(mesh.data=1 × "
+                         r"mesh.fsdp=1\) lies on devices of processes \[0, 1\].*valid: "
+                         r"mesh.data × mesh.fsdp", out), out
+
+
+def test_batch_split_problem_names_the_shard_and_the_processes():
+    ok = np.repeat(np.arange(2), 4).reshape(2, 1, 4, 1)  # data=2 × sequence=4, 2 processes
+    assert sharding.batch_split_problem(ok, 2) is None
+    spans = np.repeat(np.arange(2), 4).reshape(1, 1, 4, 2)  # sequence=4 × tensor=2
+    assert "processes [0, 1]" in sharding.batch_split_problem(spans, 2)
+    cut = np.zeros((4, 1, 1, 1), int)  # mesh.num_devices=4 of process 0's devices only
+    assert "no device of process(es) [1]" in sharding.batch_split_problem(cut, 2)
