@@ -849,20 +849,23 @@ def restore_params(directory, abstract_params, step: int | None = None):
     `abstract_params`; mismatching keys raise CheckpointMismatchError.
     """
     ckpt = Checkpointer(directory, read_only=True)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no committed checkpoint in {str(directory)!r}")
-    layout = ckpt.layout(step)
-    if layout is None:
-        found = flat_shapes({"params": ckpt.manager.item_metadata(step)["state"].tree["params"]})
-    else:
-        found = {path: shape for path, shape in layout.shapes().items()
-                 if path.startswith("params/")}
-    diff = describe_mismatch(flat_shapes({"params": abstract_params}), found)
-    if diff:
-        raise CheckpointMismatchError(
-            f"init_from checkpoint {ckpt.directory / str(step)} does not match the model:\n{diff}")
-    ckpt.close()
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no committed checkpoint in {str(directory)!r}")
+        layout = ckpt.layout(step)
+        if layout is None:
+            found = flat_shapes({"params": ckpt.manager.item_metadata(step)["state"].tree["params"]})
+        else:
+            found = {path: shape for path, shape in layout.shapes().items()
+                     if path.startswith("params/")}
+        diff = describe_mismatch(flat_shapes({"params": abstract_params}), found)
+        if diff:
+            raise CheckpointMismatchError(
+                f"init_from checkpoint {ckpt.directory / str(step)} does not match the model:\n{diff}")
+        recorded = _recorded_digest_or_damage(ckpt, step)
+    finally:
+        ckpt.close()
     # A partial restore: the tree we ask for names only `params` (packed: its flat
     # arrays); the optimizer state is never read. Only the PyTree handler (same files as
     # the standard one) restores a subtree, so this read-only manager registers it for
@@ -883,4 +886,33 @@ def restore_params(directory, abstract_params, step: int | None = None):
     reader.close()
     if layout is not None:
         restored = packed_state.unpack(restored, layout, {"params": abstract_params})
+    _verify_params(recorded, ckpt.step_path(step), step, restored["params"])
     return restored["params"], step
+
+
+def _recorded_digest_or_damage(ckpt: "Checkpointer", step: int) -> dict[str, Any] | None:
+    """`ckpt.recorded_digest(step)`, its failure to read as CheckpointDamagedError."""
+    try:
+        return ckpt.recorded_digest(step)
+    except Exception as e:  # noqa: BLE001 - orbax raises anything from here
+        path = ckpt.step_path(step)
+        raise CheckpointDamagedError(step, path, f"digest file could not be read "
+                                                 f"({one_line_error(e, path)})") from None
+
+
+def _verify_params(recorded: dict[str, Any] | None, path, step: int, params) -> None:
+    """Raises CheckpointDamagedError where warm-started `params` do not match the digests
+    `recorded` with `step` (a warm start read them unchecked: another step's arrays, or
+    a flipped bit, were trained on in silence). An array restored in another dtype than
+    it was saved in (cast onto the model's) cannot be compared and is left out."""
+    if recorded is None:
+        warn(f"checkpoint step {step} in {path} has no digests (saved before they were "
+             f"recorded): its params restored without verification")
+        return
+    found = digests.state_digests({"params": params})
+    wanted = {k: v for k, v in recorded["arrays"].items()
+              if k in found and found[k]["dtype"] == v["dtype"]}
+    bad = digests.verify_against({"arrays": wanted, "data": None},
+                                 {k: v for k, v in found.items() if k in wanted}, None)
+    if bad:
+        raise CheckpointDamagedError(step, path, bad)

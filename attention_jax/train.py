@@ -144,6 +144,10 @@ def warm_start_params(init_from: str, abstract_params, model_config=None,
             if workdir_lib.epath_of(src, "checkpoints").is_dir():
                 src = workdir_lib.path(src, "checkpoints")
             params, step = ckpt_lib.restore_params(src, abstract_params)
+    except ckpt_lib.CheckpointDamagedError as e:
+        # (a warm start takes the step it names or the newest: not silently an older one)
+        raise ConfigError(f"config.train.init_from={init_from!r}: {e}; not warm-started "
+                          f"(python -m attention_jax.verify {src} lists its steps)") from None
     except (FileNotFoundError, ValueError) as e:
         # Nothing there, weights that do not fit the model, and for a model dir an
         # architecture or setting the conversion does not take or a damaged file (its
