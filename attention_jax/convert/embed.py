@@ -118,7 +118,10 @@ class SentenceEncoder:
         if cut:  # as sentence encoders do; said, so that two long texts' likeness is read right
             print(f"note: {cut} of {len(rows)} texts longer than {room} tokens were cut to "
                   f"their first {room} (max_length={self.max_length})", file=sys.stderr)
-        width = -(-max(map(len, rows)) // 16) * 16
+        # Rounded up to 16 tokens, but never past max_length: a model whose position table
+        # is no multiple of 16 (max_len=40) was given 48 positions for a 40-token text
+        # and refused it ("input length T=48 exceeds max_len=40").
+        width = min(-(-max(map(len, rows)) // 16) * 16, self.max_length)
         ids = np.full((len(rows), width), self.tokenizer.pad_id, np.int32)
         mask = np.zeros((len(rows), width), bool)
         for i, row in enumerate(rows):

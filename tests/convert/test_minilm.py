@@ -217,3 +217,39 @@ def test_embed_mode_on_a_run_warm_started_from_a_bert_dir(tmp_path, capsys):
             f"not config.train.init_from='hf:{tmp_path / 'bert'}'") in capsys.readouterr().err
     untrained = convert.load_sentence_encoder(str(tmp_path / "bert")).embed(SENTENCES[:2])
     assert np.abs(untrained - own).max() > 1e-2  # (what it embedded with before)
+
+
+def _small_bert_dir(path, max_positions, **files):
+    """A randomly initialised BertModel with MiniLM's tokenizer.json, and `files`
+    ({relative path: JSON}) of sentence-transformers beside it."""
+    import json
+    import shutil
+    transformers.BertModel(transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=max_positions)).eval().save_pretrained(path)
+    shutil.copy(os.path.join(convert.bundled_minilm_dir(), "tokenizer.json"), path)
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(path, name)) or path, exist_ok=True)
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(content, f)
+    return str(path)
+
+
+def test_a_position_table_of_no_multiple_of_16_embeds_its_longest_texts(tmp_path, capsys):
+    """Padding to a multiple of 16 tokens stops at max_length: a model of 40 positions
+    was given 48 for a text cut to 40 tokens, and refused it."""
+    path = _small_bert_dir(tmp_path / "bert", 40)
+    enc = convert.load_sentence_encoder(path)
+    assert enc.max_length == 40
+    ids, mask = enc.tokenize(SENTENCES[7])  # 60 words: cut to 40 tokens
+    assert ids.shape == (1, 40) and mask.all()
+    ours = enc.embed(SENTENCES[6:8])
+    assert "were cut to their first 38" in capsys.readouterr().err
+    tok = transformers.AutoTokenizer.from_pretrained(convert.bundled_minilm_dir())
+    batch = tok(SENTENCES[6:8], padding=True, truncation=True, max_length=40, return_tensors="pt")
+    model = transformers.BertModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    m = batch["attention_mask"][..., None].float()
+    ref = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1).numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
