@@ -9,7 +9,9 @@ tokenizer.json), encoded by our BERT, and pooled: the mean of the final hidden s
 over real tokens (the attention mask), then L2-normalised, as all-MiniLM-L6-v2 was
 trained (Reimers & Gurevych 2019, Sentence-BERT: mean pooling beat [CLS]). The pooling
 and normalisation come from the sentence-transformers files in the dir
-(1_Pooling/config.json, modules.json) when present.
+(1_Pooling/config.json, modules.json) when present, and the lowercasing from
+sentence_bert_config.json's do_lower_case; a module in modules.json beyond the BERT,
+its pooling and Normalize (a Dense projection) is refused, never left out.
 
 CLI: `python -m attention_jax.main --mode=embed --config=... --workdir=DIR
 --config.train.init_from=hf:<dir>` reads one text per line on stdin (main.embed_texts).
@@ -61,19 +63,36 @@ def _read_json(path) -> Optional[dict]:
         return json.load(f)
 
 
+# sentence-transformers modules this encoder applies (modules.json's "type", last part):
+# the BERT itself, its pooling and the L2 normalisation.
+APPLIED_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
 def _pooling_from_dir(path) -> tuple[str, bool]:
-    """(pooling, normalize) from sentence-transformers' files; (mean, True) without them."""
-    pool_cfg = _read_json(os.path.join(path, "1_Pooling", "config.json"))
+    """(pooling, normalize) from sentence-transformers' files; (mean, True) without them.
+    A module the encoder does not apply (a Dense projection after the pooling, as
+    LaBSE's) is a ValueError naming it: left out, the embeddings were another space's."""
+    modules = _read_json(os.path.join(path, "modules.json"))
+    pool_dir = "1_Pooling"
+    if modules is not None:
+        kinds = [str(m.get("type", "")) for m in modules]
+        other = [k for k in kinds if k.rsplit(".", 1)[-1] not in APPLIED_MODULES]
+        if other:
+            raise ValueError(f"{path}/modules.json has modules {other} that the sentence "
+                             f"encoder does not apply (the embeddings would differ from the "
+                             f"model's); valid: {', '.join(APPLIED_MODULES)} only")
+        pool_dir = next((m.get("path") or pool_dir for m, k in zip(modules, kinds)
+                         if k.rsplit(".", 1)[-1] == "Pooling"), pool_dir)
+    pool_cfg = _read_json(os.path.join(path, pool_dir, "config.json"))
     pooling = "mean"
     if pool_cfg is not None:
         on = [k[len("pooling_mode_"):] for k, v in pool_cfg.items()
               if k.startswith("pooling_mode_") and v]
         names = {"mean_tokens": "mean", "cls_token": "cls"}
         if len(on) != 1 or on[0] not in names:
-            raise ValueError(f"{path}/1_Pooling/config.json pooling modes {on} are not "
+            raise ValueError(f"{path}/{pool_dir}/config.json pooling modes {on} are not "
                              f"supported; valid: one of {sorted(names)}")
         pooling = names[on[0]]
-    modules = _read_json(os.path.join(path, "modules.json"))
     normalize = True if modules is None else any(
         m.get("type", "").endswith("Normalize") for m in modules)
     return pooling, normalize
@@ -87,7 +106,8 @@ class SentenceEncoder:
     """
 
     def __init__(self, model: bert.Bert, params, tokenizer, *, max_length: int = 512,
-                 pooling: str = "mean", normalize: bool = True, batch_size: int = 64):
+                 pooling: str = "mean", normalize: bool = True, batch_size: int = 64,
+                 lower_case: bool = False):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r} is unknown; valid: {POOLINGS}")
         if not 2 < max_length <= model.config.max_len:
@@ -102,6 +122,9 @@ class SentenceEncoder:
         self.tokenizer = tokenizer
         self.max_length, self.pooling, self.normalize = max_length, pooling, normalize
         self.batch_size = batch_size
+        # sentence_bert_config.json's do_lower_case: sentence-transformers lowercases each
+        # text before its tokenizer sees it (a cased vocabulary then reads lowercase).
+        self.lower_case = lower_case
 
     def tokenize(self, texts: Sequence[str] | str) -> tuple[np.ndarray, np.ndarray]:
         """(ids [B, T], mask [B, T]): [CLS] text [SEP], truncated to max_length, padded.
@@ -112,7 +135,7 @@ class SentenceEncoder:
         sep = [self.tokenizer.sep_id] if hasattr(self.tokenizer, "sep_id") else []
         rows, cut, room = [], 0, self.max_length - len(cls) - len(sep)
         for text in texts:
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text.lower() if self.lower_case else text)
             cut += len(ids) > room
             rows.append([*cls, *ids[:room], *sep])
         if cut:  # as sentence encoders do; said, so that two long texts' likeness is read right
@@ -174,7 +197,8 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
     """A SentenceEncoder from a Hugging Face BERT dir (config.json, model.safetensors,
     tokenizer.json; default: the bundled all-MiniLM-L6-v2). max_length defaults to
     sentence_bert_config.json's max_seq_length, else the position table; pooling and
-    normalize to the dir's sentence-transformers files (else mean, True)."""
+    normalize to the dir's sentence-transformers files (else mean, True); texts are
+    lowercased first where sentence_bert_config.json sets do_lower_case."""
     from attention_jax.data.tokenization import WordPieceTokenizer
     path = os.path.expanduser(os.fspath(path)) if path is not None else bundled_minilm_dir()
     ckpt = load_hf(path, implementation=implementation)
@@ -194,4 +218,4 @@ def load_sentence_encoder(path=None, *, max_length: Optional[int] = None,
         ckpt.model, ckpt.params, WordPieceTokenizer(tok_file),
         max_length=max_length or min(st_cfg.get("max_seq_length", 10 ** 9), ckpt.config.max_len),
         pooling=pooling or dir_pooling, normalize=dir_normalize if normalize is None else normalize,
-        batch_size=batch_size)
+        batch_size=batch_size, lower_case=bool(st_cfg.get("do_lower_case", False)))

@@ -253,3 +253,47 @@ def test_a_position_table_of_no_multiple_of_16_embeds_its_longest_texts(tmp_path
     m = batch["attention_mask"][..., None].float()
     ref = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1).numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def test_sentence_transformers_files_are_followed_or_refused(tmp_path):
+    """A Dense module after the pooling (LaBSE's) was left out in silence, the embeddings
+    another space's than the model's: refused, naming it. do_lower_case (which
+    sentence-transformers applies to each text before its tokenizer) was ignored.
+    The Pooling module's folder is modules.json's, not always 1_Pooling."""
+    transformer = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
+    pooling = {"idx": 1, "name": "1", "path": "pool", "type": "sentence_transformers.models.Pooling"}
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    path = _small_bert_dir(tmp_path / "dense", 64, **{
+        "modules.json": [transformer, pooling, dense],
+        "pool/config.json": {"word_embedding_dimension": 32, "pooling_mode_cls_token": True}})
+    with pytest.raises(ValueError, match=r"modules.json has modules "
+                                         r"\['sentence_transformers.models.Dense'\] that the "
+                                         r"sentence encoder does not apply"):
+        convert.load_sentence_encoder(path)
+    path = _small_bert_dir(tmp_path / "cls", 64, **{
+        "modules.json": [transformer, pooling],
+        "pool/config.json": {"word_embedding_dimension": 32, "pooling_mode_cls_token": True},
+        "sentence_bert_config.json": {"max_seq_length": 32, "do_lower_case": True}})
+    enc = convert.load_sentence_encoder(path)
+    assert (enc.pooling, enc.normalize, enc.max_length) == ("cls", False, 32)
+    # MiniLM's tokenizer lowercases anyway: a cased text shows do_lower_case in a
+    # tokenizer that does not (one without the normaliser's lowercase).
+    enc.tokenizer = _CaseKeeping(enc.tokenizer)
+    np.testing.assert_array_equal(enc.tokenize("Stocks FELL.")[0], enc.tokenize("stocks fell.")[0])
+    model = transformers.BertModel.from_pretrained(path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(convert.bundled_minilm_dir())
+    batch = tok(["stocks fell."], return_tensors="pt")
+    with torch.no_grad():
+        ref = model(**batch).last_hidden_state[:, 0].numpy()
+    np.testing.assert_allclose(enc.embed("Stocks FELL."), ref, atol=1e-5)
+
+
+class _CaseKeeping:
+    """A tokenizer stand-in that maps upper- and lowercase text to different ids."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.cls_id, self.sep_id, self.pad_id = inner.cls_id, inner.sep_id, inner.pad_id
+
+    def encode(self, text):
+        return [i + (1 if any(c.isupper() for c in text) else 0) for i in self.inner.encode(text)]
