@@ -190,6 +190,10 @@ def decode(path: str, channels: int = 3) -> np.ndarray:
             img = Image.fromarray(np.clip(x / top * 255.0 + 0.5, 0, 255).astype(np.uint8))
         if img.mode == 'P':  # palette (maybe with transparency): through RGBA
             img = img.convert('RGBA')
+        if channels == 1 and img.mode in ('LAB', 'HSV'):
+            # PIL converts these to RGB only: straight to grey was a ValueError, and the
+            # image was skipped as undecodable (it reads as RGB with channels=3).
+            img = img.convert('RGB')
         img = img.convert('L' if channels == 1 else 'RGB')
         x = np.asarray(img, np.uint8)
     return x[..., None] if x.ndim == 2 else x

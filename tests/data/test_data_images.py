@@ -51,6 +51,14 @@ def test_every_mode_decodes_to_rgb_or_grey(tmp_path):
         assert grey.shape == (5, 7, 1)
     classes, files = images_lib.list_classes(str(tmp_path))
     assert classes == ["a"] and len(files[0]) == 5  # the .txt is not an image
+    # A CIELAB TIFF: PIL converts LAB to RGB only, so grey goes through RGB (it was
+    # skipped as an undecodable image with channels=1, read with channels=3).
+    Image.fromarray(rgb).convert("LAB").save(tmp_path / "lab.tif")
+    colour = images_lib.decode(str(tmp_path / "lab.tif"))
+    np.testing.assert_allclose(colour.reshape(-1, 3).mean(0), (200, 100, 50), atol=3)
+    grey = images_lib.decode(str(tmp_path / "lab.tif"), channels=1)
+    want_grey = np.asarray(Image.fromarray(colour).convert("L"))[..., None]
+    np.testing.assert_array_equal(grey, want_grey)
 
 
 def test_float_images_in_0_1_and_12_bit_data_in_16_bits(tmp_path, capsys):
