@@ -478,6 +478,16 @@ class Preprocess:
         if self.image_size <= 0 or self.channels not in (1, 3):
             raise ImagesError(f'image_size={self.image_size} channels={self.channels}; valid: '
                               f'image_size >= 1, channels 1 or 3')
+        # One value for every channel, or one per channel: ImageNet's three means on a grey
+        # transform broadcast its [S, S, 1] images to [S, S, 3], unsaid (and an export
+        # wrote three means into a one-channel model's image processor).
+        for name in ('mean', 'std'):
+            values = np.ravel(np.asarray(getattr(self, name), np.float64))
+            if values.size not in (1, self.channels) or not np.isfinite(values).all() or (
+                    name == 'std' and (values <= 0).any()):
+                raise ImagesError(f'{name}={getattr(self, name)!r} for channels={self.channels}; '
+                                  f'valid: one number or {self.channels} (one per channel)'
+                                  + (', each > 0' if name == 'std' else ''))
 
     def __call__(self, record, rng: np.random.Generator) -> dict[str, np.ndarray]:
         from attention_jax.data import objectives

@@ -325,6 +325,22 @@ def test_mean_std_per_channel_and_channel_conversion():
         images_lib.parse_floats("nan", "mean", 3)
 
 
+def test_a_transform_s_mean_and_std_fit_its_channels():
+    """ImageNet's three means on a grey transform broadcast its images to three channels,
+    unsaid; a zero std divided by zero. Both refused when the transform is made."""
+    for kw, message in (({"channels": 1, "mean": (0.485, 0.456, 0.406)},
+                         r"mean=\(0.485, 0.456, 0.406\) for channels=1; valid: one number or 1"),
+                        ({"channels": 3, "std": (0.2, 0.3)},
+                         r"std=\(0.2, 0.3\) for channels=3; valid: one number or 3 .*each > 0"),
+                        ({"channels": 3, "std": (0.0,)}, r"std=\(0.0,\) for channels=3")):
+        with pytest.raises(ImagesError, match=message):
+            Preprocess(4, **kw)
+    grey = Preprocess(4, channels=1, mean=(0.5,), std=0.25)  # one number, as a tuple or not
+    out = grey({"image": np.zeros((6, 6, 1), np.uint8), "label": 0}, np.random.default_rng(0))
+    assert out["image"].shape == (4, 4, 1)
+    np.testing.assert_allclose(out["image"], -2.0)
+
+
 def test_flip_mirrors_half_the_draws_and_random_crop_keeps_the_size():
     image = np.arange(16, dtype=np.uint8).reshape(4, 4, 1)
     prep = Preprocess(4, channels=1, train=True, crop="none", flip=True, mean=(0.0,), std=(1.0 / 255,))
