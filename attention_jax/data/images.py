@@ -386,10 +386,16 @@ def _to_channels(image: np.ndarray, channels: int) -> np.ndarray:
     have = image.shape[-1]
     if have == channels:
         return image
+    if have == 2:  # grey and alpha: the alpha dropped, as RGBA's is
+        image = image[..., :1]
+        return image if channels == 1 else np.repeat(image, channels, axis=-1)
     if have == 1:
         return np.repeat(image, channels, axis=-1)
     if have == 4:
         image = image[..., :3]
+    elif have != 3:
+        raise ImagesError(f'an image of shape {image.shape}: {have} channels; valid: 1 (grey), '
+                          f'2 (grey and alpha), 3 (RGB) or 4 (RGBA)')
     if channels == 1:
         return np.asarray(_pil(np.ascontiguousarray(image)).convert('L'))[..., None]
     return image

@@ -325,6 +325,21 @@ def test_mean_std_per_channel_and_channel_conversion():
         images_lib.parse_floats("nan", "mean", 3)
 
 
+def test_grey_and_alpha_arrays_drop_the_alpha_and_other_channel_counts_are_named():
+    """A [H, W, 2] array (grey and alpha, as a tfds set or an .npy may hold) reached the
+    normalisation as two channels and failed there with numpy's broadcasting error."""
+    grey_alpha = np.stack([np.full((2, 2), 255, np.uint8), np.zeros((2, 2), np.uint8)], -1)
+    for channels in (1, 3):
+        prep = Preprocess(2, channels=channels)
+        out = prep({"image": grey_alpha, "label": 0}, np.random.default_rng(0))["image"]
+        assert out.shape == (2, 2, channels)
+        np.testing.assert_allclose(out, 1.0)  # (1 - 0.5) / 0.5: the grey, not the alpha
+    with pytest.raises(ImagesError, match=r"shape \(2, 2, 5\): 5 channels; valid: 1 \(grey\), "
+                                          r"2 \(grey and alpha\), 3 \(RGB\) or 4 \(RGBA\)"):
+        Preprocess(2)({"image": np.zeros((2, 2, 5), np.uint8), "label": 0},
+                      np.random.default_rng(0))
+
+
 def test_a_transform_s_mean_and_std_fit_its_channels():
     """ImageNet's three means on a grey transform broadcast its images to three channels,
     unsaid; a zero std divided by zero. Both refused when the transform is made."""
