@@ -382,6 +382,14 @@ def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None
         if type(value) is not type(want) and not (isinstance(want, tuple) and isinstance(value, list)):
             raise ConfigError(f"config.{key}={value!r} has type {type(value).__name__}; "
                               f"expected {type(want).__name__} (default {want!r})")
+    # The prompts are texts: (1, 2) passed the tuple check above and failed in the
+    # tokenizer's encode with an AttributeError traceback.
+    prompts = got["eval.sample_prompts"]
+    wrong = [p for p in prompts if not isinstance(p, str)]
+    if wrong:
+        raise ConfigError(f"config.eval.sample_prompts={prompts!r} holds {wrong[0]!r} "
+                          f"({type(wrong[0]).__name__}); valid: a tuple of strings, e.g. "
+                          f"'(\"def \", \"import \")', or () for none")
     if tasks is not None:
         check_choice("config.task", config.task, sorted(tasks))
     for key, choices in CHOICES.items():

@@ -986,3 +986,13 @@ def test_the_user_data_keys_given_for_a_dataset_are_refused_and_never_block_a_re
         workdir_lib.refuse_config_change(
             config_lib.load("gpt", ["data.name=files", "data.files=a.txt",
                                     "data.eval_fraction=0.5"]), str(tmp_path), 10)
+
+
+def test_sample_prompts_that_are_not_strings_are_a_config_error():
+    # --config.eval.sample_prompts='(1, 2)' is a tuple, as the key's type asks, and was
+    # taken: the task's tokenizer then failed on it with an AttributeError traceback.
+    with pytest.raises(ConfigError, match=r"^config\.eval\.sample_prompts=\(1, 2\) holds 1 "
+                                          r"\(int\); valid: a tuple of strings"):
+        config_lib.validate(tiny.tiny_config(**{"eval.sample_prompts": (1, 2)}))
+    config_lib.validate(tiny.tiny_config(**{"eval.sample_prompts": ()}))
+    config_lib.validate(tiny.tiny_config(**{"eval.sample_prompts": ["def "]}))  # a config.json's
