@@ -249,3 +249,24 @@ def test_lm_stream_packing_attends_across_documents(data_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"config\.data\.packing='rows' is unknown; valid: "
                                                 r"\['documents', 'stream'\]"):
         tasks.TASKS["gpt"](config, str(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("spec,model,want", [
+    # (encdec's and rnn_seq2seq's explicit sizes overrode every variant: :variant=
+    # transformer-base trained the 64-wide model and tiny-lstm a GRU, unsaid.)
+    ("encdec", "EncDecConfig", dict(d_model=64, num_heads=4, num_encoder_layers=2)),
+    ("encdec:variant=transformer-base", "EncDecConfig",
+     dict(d_model=512, num_heads=8, mlp_dim=2048, num_encoder_layers=6, dropout_rate=0.1)),
+    ("encdec:variant=transformer-big", "EncDecConfig",
+     dict(d_model=1024, num_heads=16, mlp_dim=4096, dropout_rate=0.3)),
+    ("rnn_seq2seq", "RNNConfig", dict(embed_dim=64, hidden_dim=128, cell="gru")),
+    ("rnn_seq2seq:variant=tiny-lstm", "RNNConfig", dict(embed_dim=64, cell="lstm")),
+    ("rnn_seq2seq:variant=tiny-bottleneck", "RNNConfig", dict(hidden_dim=128, attention=False)),
+    ("rnn_seq2seq:variant=rnnsearch", "RNNConfig", dict(embed_dim=620, hidden_dim=1000)),
+])
+def test_a_translation_configs_variant_is_the_model_it_names(spec, model, want):
+    from attention_jax.models import encdec, rnn
+    from attention_jax.tasks import base
+    cls = {"EncDecConfig": encdec.EncDecConfig, "RNNConfig": rnn.RNNConfig}[model]
+    got = base.model_config(cls, config_lib.load(spec))
+    assert {k: getattr(got, k) for k in want} == want
