@@ -531,3 +531,27 @@ def test_a_sweep_says_each_note_once_under_the_points_it_is_of(tmp_path, capsys)
             "note: config.data.augment=False: ") in err, err
     both = said.out + said.err
     assert both.count("warning: config.optim.warmup_steps=5 is longer than the run") == 2, both
+
+
+def test_a_sweep_checks_every_points_config_against_the_devices_before_the_first_trains(tmp_path):
+    """run_sweep validated each point without the devices or the registered tasks: a grid
+    batch size the 8 devices do not divide stopped the sweep when its point came, after
+    the points before it had trained, and --config.task=gtp was check_tasks' KeyError
+    traceback."""
+    import os
+
+    from attention_jax.errors import ConfigError
+    grid = sweep.parse_grid(["train.batch_size=16,12"])
+    with pytest.raises(ConfigError, match=r"^sweep point batch_size12: config.train.batch_size"
+                                          r"=12 must be divisible by optim.grad_accum × "
+                                          r"data-parallel size = 1 × 8"):
+        sweep.run_sweep("vit_digits:steps=1", str(tmp_path), grid)
+    assert not os.listdir(tmp_path)  # nothing trained, no folder made
+    with pytest.raises(ConfigError, match=r"^sweep point seed0: config.task='gtp' is unknown; "
+                                          r"valid: \[.*'gpt'"):
+        sweep.run_sweep("vit_digits:steps=1", str(tmp_path), sweep.parse_grid(["train.seed=0"]),
+                        ["task=gtp"])
+    with pytest.raises(ConfigError, match=r"^sweep point seed0: config.mesh.num_devices=9: "
+                                          r"this run has 8 device"):
+        sweep.run_sweep("vit_digits:steps=1", str(tmp_path), sweep.parse_grid(["train.seed=0"]),
+                        ["mesh.num_devices=9"])
