@@ -212,6 +212,14 @@ class _Documents:
         # outside tasks.data_on_demand.
         self.reader = data_is_on_demand()
         if data_opts.name != "files":
+            # A dataset's documents are its records' 'text' (reading them, the tokenizer
+            # and the packing all take that key): a text_key given for one did nothing.
+            # (Training only: a reader of a run that set it is not stopped by it.)
+            if data_opts.get("text_key", "text") != "text" and not data_is_on_demand():
+                raise ConfigError(f"config.data.text_key={data_opts.text_key!r} is read only "
+                                  f"with config.data.name='files' (now {data_opts.name!r}, "
+                                  f"whose documents are its records' 'text'); valid: 'text', "
+                                  f"or --config.data.name=files")
             if not data_is_on_demand():
                 self._dataset_splits()
             return
@@ -232,8 +240,19 @@ class _Documents:
         return self._listing
 
     def _dataset_splits(self) -> None:
-        self._docs = dict(zip(("train", "eval"),
-                              splits(self.opts, **corpus_options(self.opts))))
+        docs = dict(zip(("train", "eval"), splits(self.opts, **corpus_options(self.opts))))
+        for label, split in docs.items():
+            # A dataset without a 'text' feature (number_translation's en/fr) was a
+            # KeyError traceback from the tokenizer's first read.
+            record = split[0] if len(split) else None
+            if isinstance(record, dict) and "text" not in record:
+                raise ConfigError(f"config.data.name={self.opts.name!r}: its "
+                                  f"{self.split(label)!r} records hold no 'text' (their keys: "
+                                  f"{sorted(record)}), the document a language model reads; "
+                                  f"valid: a dataset with a 'text' feature, or your own files "
+                                  f"(--config.data.name=files --config.data.files=GLOBS "
+                                  f"--config.data.text_key=KEY)")
+        self._docs = docs
 
     def split(self, label: str) -> str:
         return self.opts["train_split" if label == "train" else "eval_split"]

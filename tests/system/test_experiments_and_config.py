@@ -270,3 +270,19 @@ def test_a_translation_configs_variant_is_the_model_it_names(spec, model, want):
     cls = {"EncDecConfig": encdec.EncDecConfig, "RNNConfig": rnn.RNNConfig}[model]
     got = base.model_config(cls, config_lib.load(spec))
     assert {k: getattr(got, k) for k in want} == want
+
+
+def test_a_language_model_on_a_dataset_without_text_says_so_in_one_line(data_dir, tmp_path):
+    """The LM tasks read a dataset's documents from its records' 'text' only: a
+    data.text_key set for one did nothing, and a dataset without that feature
+    (number_translation's en/fr) was a KeyError traceback from the tokenizer."""
+    config = shrink(load("gpt").get_config(), data_dir)
+    config.data.name, config.data.max_files = "number_translation/small", 0
+    with pytest.raises(ConfigError, match=r"^config\.data\.name='number_translation/small': "
+                                          r"its 'train' records hold no 'text' \(their keys: "
+                                          r"\['de', 'en', 'fr', 'number'\]\)"):
+        tasks.TASKS["gpt"](config, str(tmp_path / "a"))
+    config.data.text_key = "en"
+    with pytest.raises(ConfigError, match=r"^config\.data\.text_key='en' is read only with "
+                                          r"config\.data\.name='files'"):
+        tasks.TASKS["gpt"](config, str(tmp_path / "b"))
