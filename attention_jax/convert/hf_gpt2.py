@@ -34,7 +34,7 @@ class GPT2Family(Family):
             mlp_dim=hf_cfg.get("n_inner"),
             activation=activation_from_hf(hf_cfg, "activation_function", "gelu_new"),
             norm_epsilon=hf_cfg.get("layer_norm_epsilon", 1e-5), tie_embeddings=tie,
-            dropout_rate=hf_cfg.get("resid_pdrop", 0.0))
+            dropout_rate=hf_cfg.get("resid_pdrop", 0.1))
 
     def rules(self, c: gpt.GPTConfig, arch):
         d, f, v = c.d_model, c.mlp_dim or 4 * c.d_model, c.vocab_size

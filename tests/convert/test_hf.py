@@ -860,3 +860,15 @@ def test_warm_start_hf_prefix_onto_a_mesh(tmp_path):
                                           rf"{cfg.norm_epsilon!r}\), which its weights cannot "
                                           rf"show; valid: the checkpoint's values"):
         train.warm_start_params(f"hf:{path}", abstract, other)
+
+
+def test_keys_a_config_json_lacks_take_the_transformers_defaults():
+    """A GPT-2 config.json without resid_pdrop fine-tuned without dropout here, with 0.1
+    in transformers (its GPT2Config default, which the mapping says it follows)."""
+    from attention_jax.convert.hf_gpt2 import GPT2Family
+    ours = GPT2Family().config({"model_type": "gpt2"}, "GPT2LMHeadModel")
+    theirs = transformers.GPT2Config()
+    assert (ours.dropout_rate, ours.vocab_size, ours.max_len, ours.num_layers, ours.d_model,
+            ours.num_heads, ours.norm_epsilon) == (
+        theirs.resid_pdrop, theirs.vocab_size, theirs.n_positions, theirs.n_layer,
+        theirs.n_embd, theirs.n_head, theirs.layer_norm_epsilon)
