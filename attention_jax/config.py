@@ -156,6 +156,9 @@ RANGES = {
     "optim.grad_accum": "[1, inf)",
     "optim.decay_steps": "[0, inf)",
     "train.steps": "[1, inf)",
+    # The PRNG key takes 32 bits of it (2**32 + 5 was seed 5), the data order's Philox
+    # no negative one.
+    "train.seed": "[0, 4294967296)",
     "train.batch_size": "[1, inf)",
     "train.loss_chunk_size": "[0, inf)",
     "train.log_every": "[1, inf)",

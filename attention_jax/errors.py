@@ -72,7 +72,7 @@ def check_range(key: str, value, interval: str) -> None:
     below = value < high if interval[-1] == ")" else value <= high
     if above and below:  # False for NaN as well.
         return
-    fmt = lambda x: f"{x:g}"
+    fmt = lambda x: f"{int(x)}" if x.is_integer() else f"{x:g}"  # 4294967296, not 4.29e+09
     if math.isinf(high):
         valid = f"{key} {'>' if interval[0] == '(' else '>='} {fmt(low)}"
     else:

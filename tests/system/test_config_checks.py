@@ -29,6 +29,12 @@ from attention_jax.errors import ConfigError
     ("train.batch_size", -8, "config.train.batch_size=-8 is out of range; valid: "
                              "train.batch_size >= 1"),
     ("eval.every", -2, "config.eval.every=-2 is out of range; valid: eval.every >= -1"),
+    # A negative seed was a traceback from the data order's Philox; 2**32 + 5 the PRNG key
+    # of seed 5 (its low 32 bits), unsaid.
+    ("train.seed", -7, "config.train.seed=-7 is out of range; valid: 0 <= train.seed < "
+                       "4294967296"),
+    ("train.seed", 2 ** 32 + 5, "config.train.seed=4294967301 is out of range; valid: "
+                                "0 <= train.seed < 4294967296"),
     ("eval.sample_temperature", -1.0, "config.eval.sample_temperature=-1.0 is out of range; "
                                       "valid: eval.sample_temperature >= 0"),
     ("eval.sample_top_p", 0.0, "config.eval.sample_top_p=0.0 is out of range; valid: "
@@ -43,7 +49,8 @@ def test_out_of_range_values_name_the_key_value_and_range(key, value, message):
 def test_boundaries_are_valid():
     config_lib.validate(tiny.tiny_config(**{"optim.b1": 0.0, "optim.clip_norm": 0.0,
                                               "eval.every": -1, "optim.end_lr_ratio": 1.0,
-                                              "optim.warmup_steps": 20}))
+                                              "optim.warmup_steps": 20,
+                                              "train.seed": 2 ** 32 - 1}))
 
 
 def test_warmup_longer_than_a_short_run_is_a_warning_not_an_error():
