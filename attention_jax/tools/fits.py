@@ -307,6 +307,12 @@ def _number(v):
         return v
 
 
+def _order(v) -> tuple:
+    """A sort key that puts numbers in numeric order ('2' before '16'), then text."""
+    n = _number(v)
+    return (0, n, "") if isinstance(n, float) else (1, 0.0, str(v))
+
+
 def crossings(xs, a, b) -> list[float]:
     """Where the curves a(x) and b(x) cross, linear in log x between measured points
     (an x where they are equal counts once)."""
@@ -345,8 +351,12 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
             named = sorted({k for r in records for k in r} - {"split", "step"})
             raise ValueError(f"{w}: no eval record with {metric!r}; valid: a finished run's "
                              f"eval metrics{': ' + str(named) if named else ''}")
-        key = (str(_point_value(w, by, "--by")),
-               _number(_point_value(w, x, "--x")) if x else None)
+        xv = _number(_point_value(w, x, "--x")) if x else None
+        if x and not isinstance(xv, float):  # the curves, crossings and log axis need numbers
+            raise ValueError(f"--x={x!r}: {w} has {x}={xv!r}, not a number; valid: a key "
+                             f"with numeric values (e.g. train_fraction), or --by for a "
+                             f"key of names")
+        key = (str(_point_value(w, by, "--by")), xv)
         groups.setdefault(key, []).append({"workdir": w, "value": float(evals[-1][metric]),
                                            "seed": int(_point_value(w, "train.seed")),
                                            "wall_s": wall_seconds(w)})
@@ -368,7 +378,7 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
                      "std": float(v.std(ddof=1)) if len(v) > 1 else None,
                      "min": float(v.min()), "max": float(v.max()),
                      "wall_s": float(np.mean([r["wall_s"] for r in runs])), "runs": runs})
-    rows.sort(key=lambda r: (r[by], r.get(x, 0)))
+    rows.sort(key=lambda r: (_order(r[by]), _order(r.get(x, 0))))  # 2 before 16
     if baseline:
         _paired_differences(rows, by, x, baseline)
     result = {"by": by, "x": x, "metric": metric, "baseline": baseline, "groups": rows}

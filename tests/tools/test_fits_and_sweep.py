@@ -555,3 +555,22 @@ def test_a_sweep_checks_every_points_config_against_the_devices_before_the_first
                                           r"this run has 8 device"):
         sweep.run_sweep("vit_digits:steps=1", str(tmp_path), sweep.parse_grid(["train.seed=0"]),
                         ["mesh.num_devices=9"])
+
+
+def test_seeds_orders_numeric_groups_by_number_and_refuses_a_non_numeric_x(tmp_path):
+    """--by=num_heads put 16 before 2 and 4 (the values are text: sorted as strings), in
+    the table, the plot and the pair of curves whose crossing is computed; an --x of names
+    ended in 'could not convert string to float' from the crossing's arithmetic."""
+    dirs = [_fake_run(tmp_path / f"h{h}s{s}", {"model.num_heads": str(h), "train.seed": str(s)},
+                      1.0 + h / 100 + s / 1000, metric="loss")
+            for h in (2, 4, 16) for s in (0, 1)]
+    out = str(tmp_path / "heads")
+    result = fits.seeds_report(dirs, out, by="num_heads")
+    assert [r["num_heads"] for r in result["groups"]] == ["2", "4", "16"]
+    rows = [line.split(" | ")[0] for line in open(out + ".md").read().splitlines()[2:]]
+    assert rows == ["| 2", "| 4", "| 16"]
+    named = [_fake_run(tmp_path / f"{m}{k}", {"mlp": m, "kind": k, "train.seed": "0"}, 1.0,
+                       metric="loss") for m in ("relu", "gelu") for k in ("a", "b")]
+    with pytest.raises(ValueError, match=r"^--x='kind': .* has kind='a', not a number; valid: "
+                                         r"a key with numeric values"):
+        fits.seeds_report(named, str(tmp_path / "named"), by="mlp", x="kind")
