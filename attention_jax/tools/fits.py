@@ -366,6 +366,7 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
         # differ in `by` and `x`: a CNN against a ViT, a step count against another).
         check_comparable([r["workdir"] for r in runs], f"seeds ({by}={name})",
                          same=("task", "train.steps"), finished=False)
+        _check_seeds_only(runs, f"seeds ({by}={name})")
         seeds = [r["seed"] for r in runs]
         twice = sorted({s for s in seeds if seeds.count(s) > 1})
         if twice:  # two copies of one run would count as two seeds
@@ -425,6 +426,22 @@ def seeds_report(workdirs: Sequence[str], out: str, by: str, x: str = "",
     fig.savefig(out + ".png", dpi=120)
     plt.close(fig)
     return result
+
+
+def _check_seeds_only(runs: list[dict], report: str) -> None:
+    """A ValueError where two runs of one group differ in a training key besides the seed
+    (another optim.lr, data, model size): they would be averaged as two seeds of one
+    setting. Keys a resume may change (workdir_lib.RESUME_SAFE_KEYS) do not count."""
+    from attention_jax.runs import load_config
+    first = runs[0]["workdir"]
+    config = load_config(first)
+    for r in runs[1:]:
+        config.train.seed = r["seed"]
+        changed = workdir_lib.training_changes(config, r["workdir"])
+        if changed:  # (config.json's value -> the first run's)
+            raise ValueError(f"{report}: {r['workdir']} and {first} differ in more than the "
+                             f"seed ({changed}); valid: runs that differ only in train.seed "
+                             f"within a group (--by and --x name what else differs)")
 
 
 def _paired_differences(rows: list[dict], by: str, x: str, baseline: str) -> None:

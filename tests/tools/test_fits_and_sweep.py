@@ -574,3 +574,22 @@ def test_seeds_orders_numeric_groups_by_number_and_refuses_a_non_numeric_x(tmp_p
     with pytest.raises(ValueError, match=r"^--x='kind': .* has kind='a', not a number; valid: "
                                          r"a key with numeric values"):
         fits.seeds_report(named, str(tmp_path / "named"), by="mlp", x="kind")
+
+
+def test_seeds_refuses_a_group_whose_runs_differ_in_more_than_the_seed(tmp_path):
+    """Two runs of mlp=relu at another learning rate (two sweeps' folders given together)
+    were averaged as two seeds of one setting: mean 1.5, std 0.71, said nowhere."""
+    from attention_jax import config as config_lib
+    a = _fake_run(tmp_path / "a", {"mlp": "relu", "train.seed": "0"}, 1.0, metric="loss")
+    b = _fake_run(tmp_path / "b", {"mlp": "relu", "train.seed": "1"}, 2.0, metric="loss")
+    c = config_lib.base_config()
+    c.train.steps, c.train.seed, c.optim.lr = 10, 1, 0.5
+    (tmp_path / "b" / "config.json").write_text(c.to_json_best_effort())
+    with pytest.raises(ValueError, match=r"^seeds \(mlp=relu\): .*b and .*a differ in more than "
+                                         r"the seed \(optim.lr: 0.5 -> .*\); valid: runs that "
+                                         r"differ only in train.seed"):
+        fits.seeds_report([a, b], str(tmp_path / "out"), by="mlp")
+    # What a resume may change (where the data lives, how often it logged) is no difference.
+    c.optim.lr, c.train.log_every = config_lib.base_config().optim.lr, 7
+    (tmp_path / "b" / "config.json").write_text(c.to_json_best_effort())
+    assert fits.seeds_report([a, b], str(tmp_path / "out"), by="mlp")["groups"][0]["n"] == 2
