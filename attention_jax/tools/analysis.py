@@ -391,6 +391,16 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
     return sums / np.maximum(counts, 1), counts
 
 
+def smoothed_losses(loss, counts, width: int = 8) -> np.ndarray:
+    """The moving average of `width` positions of the loss by position, over the positions
+    some token reached only: one no token reached has no loss (position_losses gives it
+    0, which pulled the curve towards 0), and a window none reached is NaN (no point)."""
+    seen = (np.asarray(counts) > 0).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (np.convolve(np.asarray(loss) * seen, np.ones(width), mode="valid")
+                / np.convolve(seen, np.ones(width), mode="valid"))
+
+
 def positions_report(runs: dict[str, str], out: str, eval_len: int,
                      train_len: int | None = None, batches: int = 8,
                      batch_size: int = 16) -> dict:
@@ -414,12 +424,18 @@ def positions_report(runs: dict[str, str], out: str, eval_len: int,
             loss, counts = position_losses(workdir, eval_len, batches, batch_size)
         except ConfigError as e:  # the rows it reads are --eval_len long: say so
             raise ValueError(f"--eval_len={eval_len} for run {name!r}: {e}") from None
+        if not counts[train_len:].any():  # (its average was 0.000: a loss of no token)
+            raise ValueError(f"run {name!r}: no token of the {batches} validation batches read "
+                             f"is at a position >= train_len={train_len} (positions restart at "
+                             f"each packed document: its documents are shorter); valid: "
+                             f"validation documents longer than {train_len} tokens, or more "
+                             f"--batches")
         inside = float(np.average(loss[:train_len], weights=counts[:train_len]))
-        beyond = float(np.average(loss[train_len:], weights=np.maximum(counts[train_len:], 1e-9)))
+        beyond = float(np.average(loss[train_len:], weights=counts[train_len:]))
         results[name] = {"loss_by_position": loss.tolist(), "tokens": counts.tolist(),
                          "within_train_len": inside, "beyond_train_len": beyond}
         # A moving average of 8 positions: single positions are noisy at this batch count.
-        smooth = np.convolve(loss, np.ones(8) / 8, mode="valid")
+        smooth = smoothed_losses(loss, counts)
         ax.plot(np.arange(len(smooth)) + 4, smooth, label=name)
     ax.axvline(train_len, color="grey", linestyle=":", label=f"training length {train_len}")
     ax.set_xlabel("position in the row")

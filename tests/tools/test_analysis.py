@@ -302,3 +302,32 @@ def test_each_report_s_help_says_what_it_does(capsys):
     with pytest.raises(SystemExit):
         analysis.main(["seeds", "--help"])
     assert "the runs' workdirs" in capsys.readouterr().out
+
+
+def test_positions_report_says_no_token_reached_past_the_training_length(tmp_path, monkeypatch):
+    """Positions restart at each packed document: where every document is shorter than the
+    training length, no token is counted past it, and the table gave its loss as 0.000;
+    the curve averaged the 0 of each position no token reached into its neighbours'."""
+    from attention_jax import workdir as workdir_lib
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    workdir_lib.write_config(run, config_lib.load("gpt", ["data.seq_len=32"]))
+    counts = np.zeros(64)
+    counts[:20] = 10  # documents of 20 tokens
+
+    def losses(workdir, seq_len, batches, batch_size):
+        return np.where(counts > 0, 3.0, 0.0), counts
+
+    monkeypatch.setattr(analysis, "position_losses", losses)
+    out = str(tmp_path / "report" / "pos")
+    with pytest.raises(ValueError, match=r"^run 'r': no token of the 8 validation batches read "
+                                         r"is at a position >= train_len=32 .*; valid: "):
+        analysis.positions_report({"r": run}, out, eval_len=64)
+    assert not os.path.exists(out + ".md")
+    # The curve: 3.0 wherever a token was counted in the window, no point where none was.
+    smooth = analysis.smoothed_losses(np.where(counts > 0, 3.0, 0.0), counts)
+    np.testing.assert_allclose(smooth[:20], 3.0)
+    assert np.all(np.isnan(smooth[20:]))
+    full = np.arange(16.0)
+    np.testing.assert_allclose(analysis.smoothed_losses(full, np.ones(16)),
+                               np.convolve(full, np.ones(8) / 8, mode="valid"))
