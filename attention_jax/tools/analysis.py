@@ -69,7 +69,8 @@ def bucket_index(length: int, edges: Sequence[int]) -> int:
 def bucketed_translation_metrics(lengths: Sequence[int], hypotheses: Sequence[str],
                                  references: Sequence[str],
                                  edges: Sequence[int] = DEFAULT_EDGES) -> list[dict]:
-    """Exact match (%) and corpus BLEU per source-length bucket, plus an 'all' row.
+    """Exact match (%) and corpus BLEU per source-length bucket, plus an 'all' row (every
+    example, in a bucket or not).
 
     BLEU is sacrebleu's corpus BLEU over the bucket's sentences (default 13a
     tokenisation), so a bucket's score is comparable with published corpus scores; an
@@ -95,7 +96,9 @@ def bucketed_translation_metrics(lengths: Sequence[int], hypotheses: Sequence[st
         return {"bucket": name, "n": len(idx), "exact_match": float(exact), "bleu": float(bleu)}
 
     rows = [row(name, idx) for name, idx in zip(bucket_labels(edges), groups)]
-    rows.append(row("all", [i for g in groups for i in g]))
+    # Every example, those outside all buckets too (a source longer than the last edge was
+    # left out of "all" as well, unsaid: its n and scores were of the buckets' only).
+    rows.append(row("all", list(range(len(lengths)))))
     return rows
 
 
@@ -171,7 +174,7 @@ def translation_report(runs: dict[str, str], out: str, split: str = "test",
         results[name] = bucketed_translation_metrics(
             [r["source_tokens"] for r in rows], [r["hypothesis"] for r in rows],
             [r["reference"] for r in rows], edges)
-        if results[name][-1]["n"] == 0:  # before anything is written
+        if not any(r["n"] for r in results[name][:-1]):  # before anything is written
             lengths = [r["source_tokens"] for r in rows]
             raise ValueError(
                 f"--edges={','.join(map(str, edges))}: none of run {name!r}'s {len(rows)} "

@@ -331,3 +331,13 @@ def test_positions_report_says_no_token_reached_past_the_training_length(tmp_pat
     full = np.arange(16.0)
     np.testing.assert_allclose(analysis.smoothed_losses(full, np.ones(16)),
                                np.convolve(full, np.ones(8) / 8, mode="valid"))
+
+
+def test_bucketed_metrics_all_row_counts_every_example():
+    """A source longer than the last edge (a user's own pairs, data.source_len > 32) was
+    left out of every bucket and of the 'all' row too: its n and BLEU were of a subset."""
+    rows = analysis.bucketed_translation_metrics([3, 40, 50], ["a b", "x", "y"],
+                                                 ["a b", "c", "d"], edges=(0, 8, 16))
+    by = {r["bucket"]: r for r in rows}
+    assert by["1-8"]["n"] == 1 and by["9-16"]["n"] == 0
+    assert by["all"]["n"] == 3 and by["all"]["exact_match"] == pytest.approx(100 / 3)
