@@ -107,7 +107,7 @@ class SentenceEncoder:
 
     def __init__(self, model: bert.Bert, params, tokenizer, *, max_length: int = 512,
                  pooling: str = "mean", normalize: bool = True, batch_size: int = 64,
-                 lower_case: bool = False):
+                 lower_case: bool = False, ends: Optional[tuple[Sequence[int], Sequence[int]]] = None):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r} is unknown; valid: {POOLINGS}")
         if not 2 < max_length <= model.config.max_len:
@@ -125,14 +125,21 @@ class SentenceEncoder:
         # sentence_bert_config.json's do_lower_case: sentence-transformers lowercases each
         # text before its tokenizer sees it (a cased vocabulary then reads lowercase).
         self.lower_case = lower_case
+        # The ids around each text: (start, end). Default: the tokenizer's [CLS] and [SEP]
+        # (a WordPiece BERT's, as sentence-transformers frames a text); a run trained here
+        # gives those its training documents had (tasks.text: no [CLS], an end-of-text
+        # token where the tokenizer has one), which are all its model ever read.
+        if ends is None:
+            # WordPiece has [CLS]/[SEP]; a BPE vocabulary trained here has neither.
+            ends = ([tokenizer.cls_id] if hasattr(tokenizer, "cls_id") else [],
+                    [tokenizer.sep_id] if hasattr(tokenizer, "sep_id") else [])
+        self.ends = tuple(list(map(int, e)) for e in ends)
 
     def tokenize(self, texts: Sequence[str] | str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids [B, T], mask [B, T]): [CLS] text [SEP], truncated to max_length, padded.
-        One string is one text (B = 1), as in embed."""
+        """(ids [B, T], mask [B, T]): [CLS] text [SEP] (or the `ends` given), truncated
+        to max_length, padded. One string is one text (B = 1), as in embed."""
         texts = _text_list(texts)
-        # WordPiece has [CLS]/[SEP]; a BPE vocabulary trained here has neither.
-        cls = [self.tokenizer.cls_id] if hasattr(self.tokenizer, "cls_id") else []
-        sep = [self.tokenizer.sep_id] if hasattr(self.tokenizer, "sep_id") else []
+        cls, sep = self.ends
         rows, cut, room = [], 0, self.max_length - len(cls) - len(sep)
         for text in texts:
             ids = self.tokenizer.encode(text.lower() if self.lower_case else text)
