@@ -161,12 +161,15 @@ def seq2seq_example(source_ids: Sequence[int], target_ids: Sequence[int], *,
                     source_len: int, target_len: int, bos_id: int, eos_id: int,
                     pad_id: int = 0) -> dict[str, np.ndarray]:
     """Fixed-length encoder-decoder example. Targets end with EOS so decoding can stop;
-    `target_weights` zero the padding in the loss."""
+    `target_weights` zero the padding in the loss: by position, the target's tokens and
+    its EOS weighing 1 (not by id: a tokenizer whose pad token is its end-of-text token,
+    as a file saved with pad_token = eos_token names it, weighed every EOS 0, and the
+    model never learnt to stop)."""
     targets = _pad_to([*target_ids, eos_id], target_len, pad_id, 'target')
     return {'inputs': _pad_to(source_ids, source_len, pad_id, 'source'),
             'decoder_inputs': shift_right(targets, bos_id),
             'targets': targets,
-            'target_weights': (targets != pad_id).astype(np.float32)}
+            'target_weights': (np.arange(target_len) <= len(target_ids)).astype(np.float32)}
 
 
 # --------------------------------------------------------------------------------------

@@ -68,3 +68,17 @@ def tokenization_of(task, tmp_path):
     from attention_jax.data import load_tokenizer
     task.save_assets(str(tmp_path / "saved"))
     return load_tokenizer(str(tmp_path / "saved" / "tokenizer"))
+
+
+def test_a_target_s_eos_is_trained_on_where_the_pad_token_is_the_eos_token():
+    """A tokenizer file whose pad token is its end-of-text token (save_pretrained after
+    tokenizer.pad_token = tokenizer.eos_token, GPT-2's usual setting) weighed every
+    target's EOS 0, as padding, by its id: the model never learnt to stop, unsaid."""
+    from attention_jax import data
+    ex = data.seq2seq_example([7, 8], [5, 6], source_len=4, target_len=5, bos_id=0,
+                              eos_id=0, pad_id=0)
+    np.testing.assert_array_equal(ex["targets"], [5, 6, 0, 0, 0])
+    np.testing.assert_array_equal(ex["target_weights"], [1, 1, 1, 0, 0])
+    ex = data.seq2seq_example([7], [5, 6], source_len=4, target_len=3, bos_id=1, eos_id=2,
+                              pad_id=0)  # a target that fills its row: all weigh 1
+    np.testing.assert_array_equal(ex["target_weights"], [1, 1, 1])
