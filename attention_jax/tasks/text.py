@@ -336,6 +336,15 @@ def check_sample_prompts(prompts, tok, max_len: int | None = None) -> None:
                               f"{max_len}); valid: prompts under {max_len} tokens")
 
 
+def empty_prompt(tok) -> list[int]:
+    """The prompt of an empty sample prompt: the end-of-text token, which ends every
+    training document and so comes before each next one in a stream; the tokenizer's
+    begin token only where it has no end one (a GPT here never trains on a begin token:
+    its samples from one read a token the model never saw)."""
+    eos = getattr(tok, "eos_id", None)
+    return [tok.bos_id if eos is None else eos]
+
+
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
@@ -397,7 +406,7 @@ def lm_task(config, workdir: str) -> Task:
         return (nll + aux.get("moe_loss", 0.0) if train else nll), metrics
 
     def sample(params, rng):
-        prompts = [tok.encode(p) or [tok.bos_id] for p in config.eval.sample_prompts]
+        prompts = [tok.encode(p) or empty_prompt(tok) for p in config.eval.sample_prompts]
         if not prompts:  # --config.eval.sample_prompts='()': nothing to continue
             return []
         width = max(map(len, prompts))

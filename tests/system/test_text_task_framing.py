@@ -82,3 +82,16 @@ def test_a_target_s_eos_is_trained_on_where_the_pad_token_is_the_eos_token():
     ex = data.seq2seq_example([7], [5, 6], source_len=4, target_len=3, bos_id=1, eos_id=2,
                               pad_id=0)  # a target that fills its row: all weigh 1
     np.testing.assert_array_equal(ex["target_weights"], [1, 1, 1])
+
+
+def test_an_empty_sample_prompt_starts_from_the_token_that_ends_each_training_document():
+    """An empty prompt started from the begin token, which no GPT document here holds
+    (they are text <eos>): samples continued a token the model never read."""
+    from attention_jax.data import tokenization
+    from attention_jax.tasks.text import empty_prompt
+    tok = tokenization.ByteTokenizer()
+    assert tok.bos_id != tok.eos_id and empty_prompt(tok) == [tok.eos_id]
+
+    class NoEnd:  # a tokenizer.json with a begin token only
+        bos_id = 5
+    assert empty_prompt(NoEnd()) == [5]
