@@ -674,10 +674,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, nq: int):
             s = jnp.where(block.visible(j), s, -jnp.inf)
         # The max of S₂ = s·c is c times s's: c > 0, and rounding keeps the order.
         m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
-        if masked:  # a row with nothing visible yet keeps m = -inf: shift by 0 instead
-            m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = _exp2(st, s, c, m_new[:, None])
-        rescale = jnp.exp2(m - m_new)
+        # A row with nothing visible yet keeps m = -inf and is shifted by 0 instead. The
+        # 0 must not become its running max: a later tile's scores, all far below 0
+        # (every visible score under -87 or so), would then underflow exp2 to 0 and the
+        # row would read as one that sees no key (output 0, zero gradients).
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        p = _exp2(st, s, c, shift[:, None])
+        rescale = jnp.exp2(m - shift)
         l = l * rescale + jnp.sum(p, axis=1)
         acc = acc * rescale[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :])
         return m_new, l, acc

@@ -84,6 +84,31 @@ def test_a_scale_of_zero_or_below_equals_the_reference(scale, x64):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-10, err_msg=f"d{name}")
 
 
+def test_rows_whose_scores_are_all_far_below_zero_after_a_hidden_tile():
+    """A row whose first key tile is hidden from it (a causal left window: rows 19..31
+    see nothing of keys 0..15) and whose visible scores all lie near -100 is a softmax
+    like any other. The forward once kept 0 as such a row's running max after the hidden
+    tile, so exp2 of every later score underflowed: output 0 and zero gradients."""
+    rng = np.random.default_rng(0)
+    w = np.zeros(16)
+    w[0] = 10.0
+    q = jnp.asarray(-w + 0.3 * rng.standard_normal((1, 32, 1, 16)), jnp.float32)
+    k = jnp.asarray(w + 0.3 * rng.standard_normal((1, 32, 1, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 32, 1, 16)), jnp.float32)
+
+    def run(impl):
+        def loss(q, k, v):
+            y = dot_product_attention(q, k, v, causal=True, window=(3, 0), scale=1.0,
+                                      block_q=16, block_k=16, implementation=impl)
+            return jnp.sum(y * v[:, ::-1]), y
+        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return y, g
+
+    (y, g), (y_ref, g_ref) = run("pallas"), run("reference")
+    for name, a, b in zip(("y", "dq", "dk", "dv"), (y, *g), (y_ref, *g_ref)):
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-5, name
+
+
 @pytest.mark.parametrize("impl", ["reference", "blockwise", "pallas", "xla"])
 def test_kv_lengths_equal_a_prefix_kv_mask(impl):
     """Right padding given as lengths (what cuDNN takes) is the same mask as kv_mask."""
