@@ -465,14 +465,24 @@ def _print_samples(config, workdir: str, form: str) -> None:
 
 
 def _summary_line(summary: dict, workdir: str) -> str:
-    """The end of a run in one line: its step, how it stopped, its last eval, and where
-    every record is (the file holds them all; the terminal needs no copy)."""
+    """The end of a run in one line: its step, how it stopped, its last eval (with its
+    step where that is not the run's: a run stopped between evaluations, or extended
+    with eval.every=-1), and where every record is (the file holds them all; the
+    terminal needs no copy)."""
     how = f"stopped by {summary['stopped_by']} at" if summary["stopped_by"] else "done:"
     last = summary["eval"] or summary["train"]
     shown = ", ".join(f"{k} {v:.4g}" for k, v in last.items()
                       if k in ("loss", "accuracy", "perplexity"))
     split = "eval" if summary["eval"] else "train"
     from attention_jax import workdir as workdir_lib
+    # The record shown is the split's last in metrics.jsonl (this call's, or read back from
+    # the file): its step is there. A SIGTERM at step 777 with evaluations every 500 read
+    # "stopped by SIGTERM at step 777; eval loss ...", the loss of step 500's model.
+    at = last.get("step")
+    if at is None and shown:
+        at = workdir_lib.last_records(workdir)[split].get("step")
+    if shown and at is not None and at != summary["step"]:
+        split = f"{split} (step {at})"
     return (f"{how} step {summary['step']}" + (f"; {split} {shown}" if shown else "")
             + f"; every record in {workdir_lib.path(workdir, workdir_lib.METRICS)}")
 

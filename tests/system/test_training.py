@@ -342,6 +342,35 @@ def test_a_signal_during_the_last_step_s_eval_still_stops(tmp_path, monkeypatch)
     assert summary["step"] == 4 and summary["stopped_by"] == "SIGTERM"
 
 
+def test_the_summary_line_names_the_step_of_an_eval_older_than_the_run_s_end(tmp_path,
+                                                                            monkeypatch):
+    """A run stopped between evaluations (or extended with no evaluation) ended with
+    "stopped by SIGTERM at step 6; eval loss ...": the loss of step 4's model, read as
+    step 6's."""
+    from attention_jax import main
+    advance, taken = train.Progress.advance, []
+
+    def advance_then_signal(self):
+        advance(self)
+        taken.append(1)
+        if len(taken) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler takes it
+    monkeypatch.setattr(train.Progress, "advance", advance_then_signal)
+    workdir = str(tmp_path / "w")
+    cfg = tiny.tiny_config(**{"train.steps": 8, "eval.every": 4})
+    summary = train.train_and_evaluate(cfg, workdir)
+    assert summary["step"] == 6 and summary["stopped_by"] == "SIGTERM"
+    line = main._summary_line(summary, workdir)
+    assert line.startswith("stopped by SIGTERM at step 6; eval (step 4) accuracy "), line
+    monkeypatch.setattr(train.Progress, "advance", advance)
+    summary = train.train_and_evaluate(cfg, workdir)  # resumed: evaluated at its step 8
+    assert main._summary_line(summary, workdir).startswith("done: step 8; eval accuracy "), summary
+    # Extended without evaluating: the eval shown is read back from metrics.jsonl.
+    cfg.train.steps, cfg.eval.every = 10, -1
+    summary = train.train_and_evaluate(cfg, workdir)
+    assert main._summary_line(summary, workdir).startswith("done: step 10; eval (step 8) accuracy ")
+
+
 def test_the_window_of_the_compiling_step_leaves_the_compilation_out(tmp_path):
     """Logged every step, a resumed run's first window (its step compiled there) reported
     a throughput of the compile time and a time left of hours."""
