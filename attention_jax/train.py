@@ -702,10 +702,13 @@ class Progress:
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.write(step, "eval", metrics)
-        self.bar.write(f"step {step} eval: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        self.note(f"step {step} eval: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
     def note(self, message: str) -> None:
-        self.bar.write(message)
+        # On process 0 only, as every other line of the run: tqdm.write prints whether or
+        # not the bar is disabled, so each process printed every eval line and stop note.
+        if jax.process_index() == 0:
+            self.bar.write(message)
 
     def close(self, upload: bool = True, failing: bool = False) -> None:
         self.bar.close()

@@ -371,6 +371,24 @@ def test_the_summary_line_names_the_step_of_an_eval_older_than_the_run_s_end(tmp
     assert main._summary_line(summary, workdir).startswith("done: step 10; eval (step 8) accuracy ")
 
 
+@pytest.mark.parametrize("process", [0, 1])
+def test_eval_lines_and_stop_notes_come_from_process_0_only(tmp_path, monkeypatch, capsys,
+                                                            process):
+    """tqdm.write prints whether or not the bar is disabled: every process of a
+    multi-process run printed each eval line and the stop note (N copies in a job's
+    merged log), where every other line of the run comes from process 0."""
+    monkeypatch.setattr(jax, "process_index", lambda *a: process)
+    progress = train.Progress(tiny.tiny_config(), str(tmp_path), "tokens", 0)
+    progress.eval(5, {"loss": 1.5, "examples": 32})
+    progress.note("SIGTERM: saved checkpoint at step 5")
+    progress.close()
+    out = capsys.readouterr().out
+    if process == 0:
+        assert "step 5 eval: loss=1.5, examples=32" in out and "SIGTERM: saved" in out
+    else:
+        assert out == ""
+
+
 def test_the_window_of_the_compiling_step_leaves_the_compilation_out(tmp_path):
     """Logged every step, a resumed run's first window (its step compiled there) reported
     a throughput of the compile time and a time left of hours."""
