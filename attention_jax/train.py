@@ -738,7 +738,10 @@ def _nonfinite(config, step, metrics, ckpt) -> None:
     last = ckpt.latest_step()
     where = (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
              else "no checkpoint was written yet")
+    # The loss finite, its gradient not (an overflow in the backward pass): said as such,
+    # not as a "non-finite training loss" beside the finite loss it prints.
+    bad = "training loss" if not np.isfinite(float(metrics["loss"])) else "gradient"
     raise NonFiniteLossError(
-        f"non-finite training loss at step {step} ({what}); stopping without saving: "
+        f"non-finite {bad} at step {step} ({what}); stopping without saving: "
         f"{where}. Lower config.optim.lr, check the data, or set "
         f"--config.train.nonfinite=skip to skip such steps.")

@@ -193,6 +193,21 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(v).all() for v in tiny.flat_params(summary["state"]).values())
 
 
+def test_a_non_finite_gradient_of_a_finite_loss_is_said_as_such(tmp_path):
+    """A finite loss whose gradient is NaN (0 * sqrt(0)'s derivative): the error said
+    "non-finite training loss ... (loss=6.6, ...)"."""
+    cfg = tiny.tiny_config(**{"train.steps": 2, "train.log_every": 1})
+    task = tiny.make_tiny_task(cfg)
+
+    def loss(params, batch, rng, is_train):
+        nll, metrics = task.loss(params, batch, rng, is_train)
+        w = params["embed"][0, 0]
+        return nll + 0.0 * jnp.sqrt(w - jax.lax.stop_gradient(w)), metrics
+    with pytest.raises(train.NonFiniteLossError,
+                       match=r"^non-finite gradient at step 1 \(loss=6\.\d+, grad_norm=nan\)"):
+        train.train_and_evaluate(cfg, str(tmp_path / "w"), task=dataclasses.replace(task, loss=loss))
+
+
 def test_the_host_waits_only_at_sync_points_and_prefetch_resumes_exactly(reference, tmp_path,
                                                                          monkeypatch):
     """With batches prefetched 3 ahead, the host fetches device values only when it logs
