@@ -399,6 +399,11 @@ def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None
         check_choice(f"config.{key}", got[key], choices)
     for key, interval in RANGES.items():
         check_range(key, got[key], interval)
+    if got["train.inject_nan_at"] == 0:
+        # Steps count from 1 (as logged): 0 matched no step, and the fault a test asked
+        # for never came, unsaid.
+        raise ConfigError("config.train.inject_nan_at=0 is no step: steps count from 1, as "
+                          "metrics.jsonl logs them; valid: -1 (never) or a step 1, 2, ...")
     sharding.rules_from_config(config.mesh.rules)
     if num_devices is None:
         return

@@ -39,6 +39,9 @@ from attention_jax.errors import ConfigError
                                       "valid: eval.sample_temperature >= 0"),
     ("eval.sample_top_p", 0.0, "config.eval.sample_top_p=0.0 is out of range; valid: "
                                "0 < eval.sample_top_p <= 1"),
+    # Steps count from 1: a fault asked for at 0 never came, unsaid.
+    ("train.inject_nan_at", 0, "config.train.inject_nan_at=0 is no step: steps count from 1, "
+                               "as metrics.jsonl logs them; valid: -1 (never) or a step 1, 2, ..."),
 ])
 def test_out_of_range_values_name_the_key_value_and_range(key, value, message):
     with pytest.raises(ConfigError) as e:
