@@ -516,9 +516,12 @@ def last_records(workdir: str) -> dict[str, dict]:
     return found
 
 
-def finished(workdir: str, steps: int) -> bool:
-    """Whether the run trained all `steps` and wrote its final evaluation."""
-    return any(r.get("split") == "eval" and r.get("step") == steps
+def finished(workdir: str, steps: int, evaluates: bool = True) -> bool:
+    """Whether the run trained all `steps` and wrote its final evaluation (a run that
+    `evaluates` not, eval.every=-1: its final training record; it never counted as
+    finished, and each later sweep call retrained nothing and overwrote its record)."""
+    split = "eval" if evaluates else "train"
+    return any(r.get("split") == split and r.get("step") == steps
                for r in read_records(path(workdir, METRICS)))
 
 

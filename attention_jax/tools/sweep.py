@@ -250,7 +250,8 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
             raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
         run_dir = os.path.join(workdir, point_name(point))
         _check_earlier_folder_name(workdir, point, run_dir)
-        done = workdir_lib.finished(run_dir, config.train.steps)
+        done = workdir_lib.finished(run_dir, config.train.steps,
+                                    evaluates=config.eval.every >= 0)
         # A point's folder holding a run of another config (finished, or with a checkpoint
         # to resume) would stand in its place, or stop the sweep after the points before
         # it have trained. One without a checkpoint is simply trained anew, as main does.

@@ -368,6 +368,29 @@ def test_a_sweep_skips_only_its_own_finished_runs(tmp_path):
     assert not (tmp_path / "seed1").exists()
 
 
+def test_a_sweep_of_runs_that_never_evaluate_skips_its_finished_ones(tmp_path):
+    """finished() asked for an eval record at the last step, which eval.every=-1 never
+    writes: each later call "resumed" the finished run, trained nothing, and overwrote its
+    sweep.json with a wall time of seconds and an empty eval."""
+    import json
+
+    from attention_jax import workdir as workdir_lib
+    grid = sweep.parse_grid(["train.seed=0"])
+    run = tmp_path / "seed0"
+    run.mkdir()
+    workdir_lib.write_config(str(run), sweep.point_config("vit_digits:steps=30",
+                                                          {"train.seed": "0"},
+                                                          ["eval.every=-1"]))
+    (run / "metrics.jsonl").write_text(json.dumps({"split": "train", "step": 30}) + "\n")
+    (run / "sweep.json").write_text(json.dumps({"wall_s": 81.5}))
+    (record,) = sweep.run_sweep("vit_digits:steps=30", str(tmp_path), grid, ["eval.every=-1"])
+    assert record["skipped"]
+    assert json.loads((run / "sweep.json").read_text()) == {"wall_s": 81.5}
+    assert not workdir_lib.finished(str(run), 30)  # one that evaluates needs its final eval
+    assert workdir_lib.finished(str(run), 30, evaluates=False)
+    assert not workdir_lib.finished(str(run), 40, evaluates=False)
+
+
 def test_what_a_grid_would_give_twice_or_fold_into_one_folder_is_refused(tmp_path):
     """A grid key --config's :ARG also set ran with the --config value recorded as the
     point's; a value with '/' (vit's variant vit-tiny/4) nested the run a folder deeper."""
