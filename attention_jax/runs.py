@@ -41,6 +41,8 @@ def load_config(workdir: str, overrides: dict | None = None) -> ml_collections.C
     config.mesh.num_devices = 1
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
     config.mesh.sequence = 1
+    # (a multi-process or multislice run's split over the slow network: one process here)
+    config.mesh.dcn_data, config.mesh.dcn_fsdp = 1, 1
     config.mesh.distributed = False
     config.train.progress = False
     config_lib.apply_overrides(config, overrides or {})

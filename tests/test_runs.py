@@ -95,6 +95,22 @@ def test_a_config_json_with_the_old_field_names_still_opens(tmp_path, gpt_run):
     assert run.task.model.config.d_model == config.model.d_model and run.step == 1
 
 
+def test_open_run_reads_a_run_of_several_processes_here(tmp_path, gpt_run):
+    """A run trained as two processes over a hybrid mesh (mesh.dcn_data=2) opens in a
+    notebook's one process, as load_config promises ("set to one device"): it stopped at
+    "config.mesh.dcn_data=2 × mesh.dcn_fsdp=1 = 2 must equal the number of ... processes,
+    1", a key the reader never gave (main's reading modes reset it, load_config did not)."""
+    config, workdir, _ = gpt_run
+    multi = tmp_path / "multi"
+    shutil.copytree(workdir, multi)
+    with open(multi / "config.json") as f:
+        raw = json.load(f)
+    raw["mesh"].update(distributed=True, num_processes=2, process_id=0, dcn_data=2)
+    with open(multi / "config.json", "w") as f:
+        json.dump(raw, f)
+    assert runs.open_run(str(multi)).step == 1
+
+
 def test_old_model_field_names_map_per_family():
     assert workdir_lib.rename_old_model_fields(
         "bert_mlm", {"max_positions": 64, "layer_norm_epsilon": 1e-12, "num_layers": 2}) == {
