@@ -495,15 +495,25 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def eval_records(workdir: str) -> list[dict]:
-    """The run's evaluations, by step: the eval records of metrics.jsonl, or where
-    training evaluated nothing (eval.every=-1), those of evals.jsonl (--mode=eval) on the
-    run's own data (a record of other data, its "data" key, is not the run's)."""
-    found = [r for r in read_metrics(workdir) if r.get("split") == "eval"]
-    if not found and exists(workdir, EVALS):
+    """The run's evaluations, by step: the eval records of metrics.jsonl, then those of
+    evals.jsonl (--mode=eval) on the run's own data (a record of other data, its "data"
+    key, is not the run's) at later steps: all of them where training evaluated nothing
+    (eval.every=-1); else those up to the run's last training step, e.g. the final
+    evaluation of a run killed during its own (they were read only where training had
+    none, so such a run stayed "last evaluated at" its earlier step after --mode=eval at
+    its end, as check_comparable's error advises)."""
+    records = read_metrics(workdir)
+    found = [r for r in records if r.get("split") == "eval"]
+    if exists(workdir, EVALS):
+        after = max((r["step"] for r in found), default=-1)
+        # (records past the last training step: an evaluation of a checkpoint that a
+        # resume from an older one has since superseded)
+        upto = max((r["step"] for r in records if r.get("split") == "train"), default=None)
         by_step = {r["step"]: {**{k: v for k, v in r.items() if k != "time"}, "split": "eval"}
                    for r in read_records(path(workdir, EVALS))
-                   if "data" not in r and "step" in r}  # the latest of a step's records
-        found = [by_step[k] for k in sorted(by_step)]
+                   if "data" not in r and "step" in r and r["step"] > after
+                   and (not found or upto is None or r["step"] <= upto)}
+        found = found + [by_step[k] for k in sorted(by_step)]  # the latest of a step's records
     return found
 
 

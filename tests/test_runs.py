@@ -200,3 +200,28 @@ def test_a_reading_mode_fits_a_mesh_this_host_lacks(tmp_path, capsys):
     together = main.mode_config("train", None, ["train.steps=44"], str(tmp_path))
     assert together.mesh.distributed and together.mesh.dcn_data == 2
     assert "continued here by this one" not in capsys.readouterr().err
+
+
+def test_a_run_killed_in_its_final_eval_counts_as_evaluated_after_mode_eval(tmp_path):
+    """A run killed during its final evaluation is refused by the reports with "--mode=eval
+    it at the end"; that evaluation (evals.jsonl) was read only where training had none, so
+    the run stayed "last evaluated at step 1" and the reports kept step 1's loss. An
+    evaluation past the last training step (of a checkpoint a resume superseded) is not
+    the run's."""
+    config = load("gpt").get_config()
+    config.train.steps = 2
+    workdir = str(tmp_path)
+    workdir_lib.write_config(workdir, config)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for r in ({"step": 1, "split": "train", "loss": 5.0}, {"step": 1, "split": "eval", "loss": 4.0},
+                  {"step": 2, "split": "train", "loss": 4.5}):  # killed in step 2's eval
+            f.write(json.dumps(r) + "\n")
+    with pytest.raises(ValueError, match="last evaluated at step 1 of its train.steps=2"):
+        runs.check_comparable([workdir], "seeds")
+    with open(tmp_path / "evals.jsonl", "w") as f:
+        for r in ({"step": 2, "loss": 3.0, "data": "other"}, {"step": 2, "loss": 3.5},
+                  {"step": 3, "loss": 1.0}):
+            f.write(json.dumps(r) + "\n")
+    assert [(r["step"], r["loss"]) for r in workdir_lib.eval_records(workdir)] == [(1, 4.0), (2, 3.5)]
+    assert runs.last_eval_step(workdir) == 2
+    runs.check_comparable([workdir], "seeds")  # the advice taken: it counts as finished
