@@ -461,11 +461,15 @@ def drop_records_after(file: str, step: int) -> None:
 
 def append_eval_record(workdir: str, record: dict) -> str | None:
     """Appends `record` (with the time) to workdir/evals.jsonl; its path, or None when
-    the workdir is read-only (a reader writes nothing it was not asked to)."""
+    the workdir is read-only (a reader writes nothing it was not asked to). Process 0
+    writes it: every process of a multi-process --mode=eval appended the same record (N
+    copies of each evaluation; in an object store each rewrote the object, racing)."""
     import datetime
     if not writable(workdir):
         return None
     file = path(workdir, EVALS)
+    if jax.process_index() != 0:
+        return file
     stamped = {**record, "time": datetime.datetime.now().isoformat(timespec="seconds")}
     if is_remote(workdir):  # no append: the object rewritten with one more line
         old = epath_of(file).read_text() if exists(file) else ""

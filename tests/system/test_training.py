@@ -463,3 +463,16 @@ def test_each_window_reports_the_share_of_its_checkpoint_saves(tmp_path):
         assert 0.0 <= r["host_gc_frac"] <= 1.0  # apart: it overlaps the others
     # Python collects young objects many times a second: some window holds some.
     assert any(r["host_gc_frac"] > 0 for r in windows.values())
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_an_eval_record_is_written_by_process_0_only(tmp_path, monkeypatch, process):
+    """--mode=eval on several processes: every process appended the same record to
+    evals.jsonl (2 copies of each evaluation with 2 processes; in a bucket, each
+    rewrote the object from what it had read, racing)."""
+    from attention_jax import workdir as workdir_lib
+    monkeypatch.setattr(jax, "process_index", lambda *a: process)
+    file = workdir_lib.append_eval_record(str(tmp_path), {"step": 4, "loss": 1.5})
+    assert file == workdir_lib.path(str(tmp_path), workdir_lib.EVALS)
+    records = workdir_lib.read_records(file)
+    assert [r["step"] for r in records] == ([4] if process == 0 else [])
