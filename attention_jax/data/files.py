@@ -114,6 +114,17 @@ def _glob_base(pattern: str) -> str:
     return os.sep.join(fixed) or ('' if not pattern.startswith(os.sep) else os.sep)
 
 
+def refuse_url(value: str, arg: str, what: str, error: type = None) -> None:
+    """One line for an object-store URL (gs://, s3://...) where local or mounted paths are
+    read: it was globbed as a local path and said to match nothing (files that are
+    there), or to be a folder that does not exist, 'moved?'."""
+    if '://' in str(value):
+        flag = f'--{arg}' if arg.startswith('config.') else arg
+        raise (error or FilesError)(f'{flag}={value!r}: {what} in object storage are not read here; '
+                         f'valid: local paths, or the bucket mounted as a folder (gcsfuse, '
+                         f'mountpoint-s3)')
+
+
 def list_files(spec: str | Sequence[str], arg: str = 'files',
                max_files: int = 0) -> list[tuple[str, str]]:
     """(identity, absolute path) of every file the globs of `spec` match, sorted by path.
@@ -130,6 +141,7 @@ def list_files(spec: str | Sequence[str], arg: str = 'files',
     # A folder's real path once (each file's realpath is an lstat per part of its path).
     real_dir = functools.lru_cache(maxsize=None)(os.path.realpath)
     for pattern in globs:
+        refuse_url(pattern, arg, 'files')
         full = os.path.expanduser(pattern)
         if os.path.isdir(full):  # a directory: every file of a known format under it
             # escaped: a folder named "corpus [2024]" is a path, not a character class

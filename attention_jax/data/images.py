@@ -72,6 +72,8 @@ SPLIT_NAMES = ('train', 'training', 'val', 'valid', 'validation', 'test', 'eval'
 
 def list_classes(root: str, arg: str = 'root') -> tuple[list[str], list[list[str]]]:
     """(sorted class names, per class the sorted image paths relative to root)."""
+    from attention_jax.data.files import refuse_url
+    refuse_url(os.fspath(root), arg, 'images', ImagesError)
     root = os.path.expanduser(os.fspath(root))
     if not os.path.isdir(root):
         # The setting as the user gives it: a command-line flag, else the argument.

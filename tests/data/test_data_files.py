@@ -659,3 +659,21 @@ def test_prepare_refuses_a_corpus_without_text_as_training_does(tmp_path, capsys
     assert prepare.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith('error: config.data.files: the train split holds no text')
+
+
+@pytest.mark.parametrize("spec", ["gs://bucket/corpus/*.jsonl", "s3://bucket/a.txt"])
+def test_files_in_object_storage_are_one_line_saying_so(spec):
+    """A bucket's URL in data.files was globbed as a local path: 'matches no file
+    (relative globs start in <cwd>); moved?', of files that are there."""
+    with pytest.raises(files.FilesError) as e:
+        files.list_files(spec, "config.data.files")
+    assert "object storage are not read" in str(e.value), e.value
+    assert "matches no file" not in str(e.value)
+
+
+def test_an_image_root_in_object_storage_is_one_line_saying_so():
+    from attention_jax.data import images
+    with pytest.raises(images.ImagesError) as e:
+        images.list_classes("gs://bucket/pets", "config.data.root")
+    assert "object storage are not read" in str(e.value), e.value
+    assert "does not exist" not in str(e.value)
