@@ -355,6 +355,8 @@ class MetricWriter:
                 drop_records_after(file, resume_step)
             self._remote, self._workdir, self._unreachable = is_remote(workdir), workdir, False
             tb_dir = path(workdir, TENSORBOARD)
+            if resume_step == 0:  # (an object store's too: wall_seconds reads them all)
+                _set_aside_earlier_events(tb_dir)
             if self._remote:
                 self._file = file
                 self._lines = [json.dumps(r) + "\n" for r in read_records(file)]
@@ -363,8 +365,6 @@ class MetricWriter:
                 tb_dir = self._tb_local
             else:
                 self._jsonl = open(file, "a")
-                if resume_step == 0:
-                    _set_aside_earlier_events(tb_dir)
             self._tb = SummaryWriter(tb_dir,
                                      purge_step=None if resume_step is None else resume_step + 1)
 
@@ -544,13 +544,23 @@ def _set_aside_earlier_events(tb_dir: str) -> None:
     moved away, or killed before its first save): that run's TensorBoard files go into a
     folder of their own (TensorBoard shows it as another run), so that the events files
     left at the top, whose names carry their start times, are this run's (wall_seconds)."""
-    earlier = sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")))
+    if is_remote(tb_dir):
+        folder = epath_of(tb_dir)
+        earlier = sorted(str(f) for f in folder.glob("events.out.tfevents.*")) \
+            if folder.exists() else []
+    else:
+        earlier = sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")))
     if earlier:
         stamp = os.path.basename(earlier[0]).split(".")[3]
         aside = os.path.join(tb_dir, f"earlier_run_{stamp}")
-        os.makedirs(aside, exist_ok=True)
-        for f in earlier:
-            os.replace(f, os.path.join(aside, os.path.basename(f)))
+        if is_remote(tb_dir):  # no rename: each object copied, then deleted
+            for f in earlier:
+                epath_of(aside, os.path.basename(f)).write_bytes(epath_of(f).read_bytes())
+                epath_of(f).unlink()
+        else:
+            os.makedirs(aside, exist_ok=True)
+            for f in earlier:
+                os.replace(f, os.path.join(aside, os.path.basename(f)))
         print(f"note: {tb_dir} held an earlier run's TensorBoard files and this run starts at "
               f"step 0: they are in {aside} now (TensorBoard shows them as another run)",
               flush=True)

@@ -352,3 +352,25 @@ def test_the_records_cache_may_be_in_a_bucket(gcs, tmp_path, monkeypatch):
     again = complete_records(split, ["text", "label"], labels_of="label", cache=cache)
     assert reads == [] and (again.digest, again.labels, again.count) == (
         first.digest, ("a", "b"), first.count)
+
+
+def test_a_run_from_step_0_sets_an_earlier_run_s_events_aside_in_a_bucket(gcs):
+    """A run that starts at step 0 in a bucket folder that held an earlier run (its
+    checkpoints moved away) left that run's events files beside its own, as a local
+    workdir no longer does: wall_seconds took the earlier run's start, and a sweep's
+    wall time counted the earlier run and the pause after it (32.6 s for a 3 s run)."""
+    run = f"gs://{BUCKET}/aside"
+    writer = workdir_lib.MetricWriter(run)
+    writer.write(1, "train", {"loss": 2.0})
+    writer.close()
+    tb = epath.Path(run) / "tensorboard"
+    earlier = [p.name for p in tb.iterdir()]
+    assert len(earlier) == 1 and earlier[0].startswith("events.out.tfevents."), earlier
+    time.sleep(1.1)  # (the events file's name has the start time in whole seconds)
+    writer = workdir_lib.MetricWriter(run, resume_step=0)
+    writer.write(1, "train", {"loss": 1.0})
+    writer.close()
+    top = sorted(p.name for p in tb.iterdir() if p.name.startswith("events.out.tfevents."))
+    assert len(top) == 1 and top != earlier, top
+    aside = [p for p in tb.iterdir() if p.name.startswith("earlier_run_")]
+    assert [p.name for p in aside[0].iterdir()] == earlier, aside
