@@ -143,13 +143,18 @@ def save_assets(save: Callable[[str], None], workdir) -> None:
     if not is_remote(workdir):
         save(str(workdir))
         return
+    from attention_jax.data.tokenization import META_FILE
     with tempfile.TemporaryDirectory(prefix="attention_jax_assets_") as tmp:
         save(tmp)
-        for root, _, files in os.walk(tmp):
-            for f in files:
-                local = os.path.join(root, f)
-                target = epath_of(workdir, os.path.relpath(local, tmp))
-                target.write_bytes(open(local, "rb").read())
+        local = [os.path.join(root, f) for root, _, files in os.walk(tmp) for f in files]
+        # A tokenizer's META_FILE last: it says the folder holds a tokenizer (the saver
+        # writes it after the vocabulary). Uploaded in the listing's order (the
+        # filesystem's hash order), it could go up first, and a run stopped before the
+        # vocabulary followed (a kill, the store gone) failed at every later start with
+        # a traceback ("No such file or directory") until the folder was deleted.
+        for file in sorted(local, key=lambda f: (os.path.basename(f) == META_FILE, f)):
+            target = epath_of(workdir, os.path.relpath(file, tmp))
+            target.write_bytes(open(file, "rb").read())
 
 
 _LOCAL_COPIES: dict[str, str] = {}

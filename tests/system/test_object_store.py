@@ -374,3 +374,27 @@ def test_a_run_from_step_0_sets_an_earlier_run_s_events_aside_in_a_bucket(gcs):
     assert len(top) == 1 and top != earlier, top
     aside = [p for p in tb.iterdir() if p.name.startswith("earlier_run_")]
     assert [p.name for p in aside[0].iterdir()] == earlier, aside
+
+
+def test_a_tokenizer_s_meta_file_goes_up_last(gcs, monkeypatch):
+    """save_assets uploaded a tokenizer's files in the listing's order (the filesystem's
+    hash order): where tokenizer_meta.json came first and the upload of the vocabulary
+    failed (a kill, the store gone), the bucket held a tokenizer folder without its
+    vocabulary, and every later start failed with a traceback until it was deleted."""
+    from attention_jax import data
+    tok = data.get_tokenizer("bpe", texts=["the cat sat on the mat"] * 20, vocab_size=300)
+    walk = os.walk
+    monkeypatch.setattr(workdir_lib.os, "walk", lambda top: (
+        (root, dirs, sorted(files, reverse=True)) for root, dirs, files in walk(top)))
+    write_bytes = epath.Path.write_bytes
+
+    def fail_on_vocabulary(self, data_):
+        if self.name == "tokenizer.json":
+            raise OSError("the store is gone")
+        return write_bytes(self, data_)
+    monkeypatch.setattr(type(epath.Path(f"gs://{BUCKET}/x")), "write_bytes", fail_on_vocabulary)
+    run = f"gs://{BUCKET}/tok_cut"
+    with pytest.raises(OSError):
+        workdir_lib.save_assets(lambda w: tok.save(workdir_lib.path(w, workdir_lib.TOKENIZER)),
+                                run)
+    assert not (epath.Path(run) / "tokenizer" / "tokenizer_meta.json").exists()
