@@ -214,6 +214,21 @@ def rename_old_model_fields(task: str, model: dict) -> dict:
     return {renamed.get(k, k): v for k, v in model.items()}
 
 
+def fix_old_gated_activation(model: dict) -> dict:
+    """`model` with a named gated MLP's activation set to its gate where the run's config
+    gave another (configs/gated_mlp wrote activation='gelu' for mlp='swiglu'). Before
+    model.activation fed mlp='glu' only, swiglu and geglu ignored it and trained their own
+    gate; it is now refused, so such a run's config.json no longer loaded (its eval,
+    sample, reports) and its resume read as a change of model.activation. GPT's default
+    (gelu_tanh: "left as it is") is kept, which today's config writes and accepts."""
+    from attention_jax.layers.mlp import GATED_MLPS
+    from attention_jax.models.gpt import DEFAULT_ACTIVATION
+    gate = GATED_MLPS.get(model.get("mlp"))
+    if gate is not None and model.get("activation") not in (gate, DEFAULT_ACTIVATION):
+        return {**model, "activation": gate}
+    return model
+
+
 # Config keys that may name local files or folders. config.json holds them absolute, so
 # that what reads the run later (--mode=eval or sample, a resume) from another directory
 # finds the data it trained on, or is told that the data differs, never reading other
@@ -274,6 +289,8 @@ def read_config_json(workdir: str) -> dict | None:
         raise RunPathError(f"{file}: not a run's config ({why}); move it away, or give "
                            f"another --workdir")
     stored["model"] = rename_old_model_fields(stored.get("task", ""), stored.get("model", {}))
+    if stored.get("task") == "gpt":  # (the one model whose block's MLP kind is a config key)
+        stored["model"] = fix_old_gated_activation(stored["model"])
     return stored
 
 

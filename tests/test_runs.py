@@ -225,3 +225,29 @@ def test_a_run_killed_in_its_final_eval_counts_as_evaluated_after_mode_eval(tmp_
     assert [(r["step"], r["loss"]) for r in workdir_lib.eval_records(workdir)] == [(1, 4.0), (2, 3.5)]
     assert runs.last_eval_step(workdir) == 2
     runs.check_comparable([workdir], "seeds")  # the advice taken: it counts as finished
+
+
+@pytest.mark.parametrize("mlp, gate", [("swiglu", "silu"), ("geglu", "gelu")])
+def test_an_old_gated_mlp_run_s_config_still_loads_and_resumes(tmp_path, mlp, gate):
+    """configs/gated_mlp wrote model.activation='gelu' beside mlp='swiglu' (the field was
+    unused by a named gated MLP, which trained its own silu gate). Since such an
+    activation is refused, that run's config.json stopped loading (--mode=eval, sample,
+    the reports: 'activation='gelu' is not used by mlp='swiglu'') and its README command
+    resumed it as a change of model.activation ("gelu" -> "silu"). Such a config reads
+    as the gate it trained; GPT's default activation left as it is stays as written."""
+    from attention_jax import config as config_lib
+    today = config_lib.load(f"gated_mlp:mlp={mlp}", [])
+    old = today.copy_and_resolve_references()
+    old.model.activation = "relu" if mlp == "geglu" else "gelu"  # what a run wrote
+    workdir_lib.write_config(str(tmp_path), old)
+    config = runs.load_config(str(tmp_path))
+    assert config.model.activation == gate
+    with tasks.data_on_demand():
+        task = tasks.TASKS[config.task](config, str(tmp_path))
+    assert task.model.config.block().activation == gate
+    assert not workdir_lib.training_changes(today, str(tmp_path))  # resumes as it is
+    # The GPT default (gelu_tanh, "left as it is") and glu's own activation are kept.
+    for kind, act in (("swiglu", "gelu_tanh"), ("glu", "relu")):
+        today.model.mlp, today.model.activation = kind, act
+        workdir_lib.write_config(str(tmp_path), today)
+        assert runs.load_config(str(tmp_path)).model.activation == act
