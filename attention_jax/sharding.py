@@ -419,7 +419,8 @@ def batch_split_problem(processes: np.ndarray, process_count: int) -> str | None
     devices of one process: one spread over several, because the sequence or tensor axis
     spans processes, is one "replica" to JAX that the processes fill with different rows
     (and the global batch shrinks to G/P), which trains on nothing consistent, unsaid.
-    Every process must hold a shard too (mesh.num_devices cutting a process out)."""
+    Every process must hold a shard too (mesh.num_devices cutting a process out), and as
+    many as every other (mesh.num_devices cutting one short)."""
     processes = np.asarray(processes)
     dp = processes.shape[0] * processes.shape[1]
     by_shard = processes.reshape(dp, -1)  # [data × fsdp, sequence × tensor]
@@ -436,6 +437,13 @@ def batch_split_problem(processes: np.ndarray, process_count: int) -> str | None
     if missing:
         return (f"the mesh holds no device of process(es) {missing}, which load their share "
                 f"of every batch too")
+    # Each process loads G/P rows: it must hold dp/P of the shards (mesh.num_devices=6 of
+    # 2 processes × 4 devices gave 4 and 2, and the first batch stopped in jax's 'Unable
+    # to compute global_shape due to non-uniform sharding' traceback).
+    held = {p: int(np.sum(by_shard[:, 0] == p)) for p in range(process_count)}
+    if len(set(held.values())) > 1:
+        return (f"the processes hold {', '.join(f'{n} (process {p})' for p, n in held.items())}"
+                f" of the {dp} batch shards, where each loads an equal share of every batch")
     return None
 
 

@@ -411,3 +411,11 @@ def test_batch_split_problem_names_the_shard_and_the_processes():
     assert "processes [0, 1]" in sharding.batch_split_problem(spans, 2)
     cut = np.zeros((4, 1, 1, 1), int)  # mesh.num_devices=4 of process 0's devices only
     assert "no device of process(es) [1]" in sharding.batch_split_problem(cut, 2)
+    # mesh.num_devices=6 of 2 processes × 4: process 0 holds 4 shards, process 1 two,
+    # while each loads G/2 rows (jax's traceback at the first batch, not a ConfigError).
+    short = np.array([0, 0, 0, 0, 1, 1]).reshape(6, 1, 1, 1)
+    assert sharding.batch_split_problem(short, 2) == (
+        "the processes hold 4 (process 0), 2 (process 1) of the 6 batch shards, where each "
+        "loads an equal share of every batch")
+    even = np.array([0, 0, 1, 1]).reshape(2, 2, 1, 1)  # data=2 × fsdp=2
+    assert sharding.batch_split_problem(even, 2) is None
