@@ -143,6 +143,13 @@ CHOICES = {
 }
 
 # Valid values of the numeric keys, as intervals ("(" open, "[" closed; errors.check_range).
+# GPTConfig's fields of the architecture configs/gpt.py leaves to its variant (None)
+# unless given on the command line; a run saved before they were keys left them so
+# (workdir.ADDED_KEYS).
+GPT_ARCHITECTURE_KEYS = ("num_kv_heads", "position", "rope_base", "mlp", "activation", "norm",
+                         "norm_epsilon", "norm_position", "attention_scale", "tie_embeddings",
+                         "use_bias", "moe_loss_weight")
+
 RANGES = {
     "optim.lr": "(0, inf)",
     "optim.warmup_steps": "[0, inf)",

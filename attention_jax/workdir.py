@@ -199,6 +199,7 @@ RENAMED_MODEL_FIELDS = {
 ADDED_KEYS = {"data.packing": "documents", "model.ring_inner": "auto", "model.norm_kernel": "auto",
               "model.mlp_dim": None, "model.num_experts": None, "model.top_k": None,
               "model.capacity_factor": None,
+              **{f"model.{k}": None for k in config_lib.GPT_ARCHITECTURE_KEYS},
               **{f"data.{k}": v for k, v in config_lib.TEXT_FILE_KEYS.items()},
               **{f"data.{k}": v for k, v in config_lib.IMAGE_KEYS.items()}}
 
@@ -224,7 +225,8 @@ def fix_old_gated_activation(model: dict) -> dict:
     from attention_jax.layers.mlp import GATED_MLPS
     from attention_jax.models.gpt import DEFAULT_ACTIVATION
     gate = GATED_MLPS.get(model.get("mlp"))
-    if gate is not None and model.get("activation") not in (gate, DEFAULT_ACTIVATION):
+    # (None, configs/gpt.py's "unset", is the variant's: left as it is too)
+    if gate is not None and model.get("activation") not in (gate, DEFAULT_ACTIVATION, None):
         return {**model, "activation": gate}
     return model
 

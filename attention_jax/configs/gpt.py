@@ -5,7 +5,9 @@ Command (2-core CPU, default sizes):
 Variants: `--config=gpt:variant=gpt-tiny-rope` (any name of models/gpt.py's
 VARIANTS, in its own shape: `:variant=gpt2` is GPT-2 small's 12 layers of width 768;
 `gpt-tiny-moe` logs router load, entropy and dropped tokens). `--config.model.variant=X`
-instead keeps the fields this config sets (2 layers, width 128, 4 heads).
+instead keeps the fields this config sets (2 layers, width 128, 4 heads). The
+architecture's keys are the variant's unless given: `--config.model.position=rope
+--config.model.norm=rmsnorm --config.model.mlp=swiglu --config.model.use_bias=False`.
 Then: `--mode=sample` prints continuations of `eval.sample_prompts` from the checkpoint.
 
 Measured (2-core CPU): 600 steps in 6.9 min wall (with other jobs sharing
@@ -45,6 +47,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.top_k = None
     c.model.capacity_factor = None
     c.model.dropout_rate = 0.0  # none: this config's own small model and short run need none.
+    # The architecture, settable from the command line; None: the variant's (gpt-tiny's:
+    # GPT-2's choices, models/gpt.py GPTConfig), e.g. --config.model.position=rope
+    # --config.model.norm=rmsnorm --config.model.mlp=swiglu --config.model.use_bias=False.
+    for field in config_lib.GPT_ARCHITECTURE_KEYS:
+        c.model[field] = None
     c.model.remat_policy = "none"  # activation checkpointing per block (see layers/blocks.py).
 
     c.data.name = "python_stdlib"  # offline corpus: the standard library's own source.

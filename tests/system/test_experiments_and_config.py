@@ -286,3 +286,38 @@ def test_a_language_model_on_a_dataset_without_text_says_so_in_one_line(data_dir
     with pytest.raises(ConfigError, match=r"^config\.data\.text_key='en' is read only with "
                                           r"config\.data\.name='files'"):
         tasks.TASKS["gpt"](config, str(tmp_path / "b"))
+
+
+def test_the_gpt_configs_architecture_is_set_from_the_command_line(tmp_path):
+    """configs/gpt had no key for the position, norm, MLP kind or biases: the flagship
+    config's architecture was its variant's, and --config.model.position=rope said "no
+    key 'position'". The keys are None (the variant's) unless given; a run saved before
+    they existed resumes as no change."""
+    import json
+
+    from attention_jax import workdir as workdir_lib
+    from attention_jax.models import gpt
+    from attention_jax.tasks import base
+    assert base.model_config(gpt.GPTConfig, config_lib.load("gpt")) == base.model_config(
+        gpt.GPTConfig, config_lib.load("gpt", ["model.variant=gpt-tiny"]))
+    overrides = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu",
+                 "model.use_bias=False", "model.num_kv_heads=2", "model.norm_epsilon=1e-6"]
+    got = base.model_config(gpt.GPTConfig, config_lib.load("gpt", overrides))
+    assert (got.position, got.norm, got.mlp, got.use_bias, got.num_kv_heads,
+            got.norm_epsilon, got.num_layers, got.d_model) == (
+        "rope", "rmsnorm", "swiglu", False, 2, 1e-6, 2, 128)
+    config = config_lib.load("gpt")
+    workdir_lib.write_config(str(tmp_path), config)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    for key in config_lib.GPT_ARCHITECTURE_KEYS:  # as a run saved before them
+        del stored["model"][key]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    assert workdir_lib.training_changes(config, str(tmp_path)) == ""
+    assert 'model.position: null -> "rope"' in workdir_lib.training_changes(
+        config_lib.load("gpt", ["model.position=rope"]), str(tmp_path))
+    # A swiglu run leaving model.activation unset reads back as it was saved (reading it
+    # as the gate's silu made the samples after training refuse their own config).
+    swiglu = config_lib.load("gpt", ["model.mlp=swiglu"])
+    (tmp_path / "swiglu").mkdir()
+    workdir_lib.write_config(str(tmp_path / "swiglu"), swiglu)
+    assert workdir_lib.training_changes(swiglu, str(tmp_path / "swiglu")) == ""
