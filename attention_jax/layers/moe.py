@@ -56,6 +56,7 @@ Auxiliary outputs (aux dict), to add to the loss and to plot:
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -68,8 +69,11 @@ from attention_jax.layers.mlp import activation
 
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int,
                     capacity_factor: float) -> int:
-    """C: slots per expert per group; at least 1."""
-    return max(1, math.ceil(capacity_factor * tokens_per_group * top_k / num_experts))
+    """C: slots per expert per group; at least 1. Exact arithmetic on the factor as
+    written (its shortest decimal): in floats 1.1 · 100 / 2 is 55.00000000000001, and
+    the ceiling gave a 56th slot where the formula says 55."""
+    exact = Fraction(repr(float(capacity_factor))) * tokens_per_group * top_k / num_experts
+    return max(1, math.ceil(exact))
 
 
 PRIORITIES = ("choice", "token")

@@ -185,3 +185,13 @@ def test_no_drop_computes_every_assignment_grouped_as_the_slots_do_with_room(use
         return f.lower(p, x).compile().memory_analysis().temp_size_in_bytes
     grouped = temporaries(2048, True) / temporaries(512, True)
     assert grouped < 6, grouped  # (4x the tokens: linear; slots of C = T grew 16x)
+
+
+@pytest.mark.parametrize("factor, tokens, top_k, experts, slots", [
+    (1.1, 100, 1, 2, 55), (1.1, 100, 2, 4, 55), (1.1, 50, 2, 2, 55), (1.2, 10, 1, 4, 3),
+    (0.7, 30, 1, 3, 7), (1.25, 8, 2, 4, 5), (1.25, 9, 2, 4, 6), (0.01, 4, 1, 8, 1)])
+def test_expert_capacity_is_the_ceiling_of_the_exact_product(factor, tokens, top_k, experts,
+                                                              slots):
+    # C = ceil(capacity_factor · T · A / E) as written: float rounding of an exact whole
+    # product (1.1 · 100 / 2 = 55.00000000000001) gave one slot more than the formula.
+    assert expert_capacity(tokens, experts, top_k, factor) == slots
