@@ -449,6 +449,15 @@ def lm_task(config, workdir: str) -> Task:
                 tokens_per_example=data_opts.seq_len)
 
 
+def mlm_slots(mask_rate: float, seq_len: int) -> int:
+    """The M positions per row the MLM head projects: at least the most that mlm_mask
+    predicts in a row of seq_len (round(mask_rate * eligible), at least 1; the + 1 covers
+    a product just over a whole number), and never more than the row's seq_len
+    positions: lax.top_k refused k > T (mask_rate=0.95, seq_len=10 gave k=11 and the
+    first step stopped)."""
+    return min(math.ceil(mask_rate * seq_len) + 1, seq_len)
+
+
 def mlm_task(config, workdir: str) -> Task:
     """BERT masked-language modelling (Devlin et al. 2019) on packed documents."""
     from attention_jax import data
@@ -470,7 +479,7 @@ def mlm_task(config, workdir: str) -> Task:
     transform = data.MaskedLM.for_tokenizer(tok, data_opts.mask_rate)
     # The MLM head runs on the M predicted positions only (as BERT's own code does): a
     # [B, T, V] logit array would dominate memory for a 30k vocabulary.
-    m_slots = math.ceil(data_opts.mask_rate * data_opts.seq_len) + 1
+    m_slots = mlm_slots(data_opts.mask_rate, data_opts.seq_len)
 
     def loss(params, batch, rng, train):
         _, slots = jax.lax.top_k(batch["weights"], m_slots)  # [B, M] predicted positions
