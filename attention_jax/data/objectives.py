@@ -106,6 +106,10 @@ def nsp_pairs(documents: Sequence[Sequence[Sequence[int]]], rng: np.random.Gener
     B is kept (is_next=1), otherwise replaced by a random segment of another document
     (is_next=0). Each example is [CLS] A [SEP] B [SEP] padded to `seq_len`, with
     type_ids 0 for A and 1 for B; the longer side is trimmed when it does not fit.
+    `next_sentence_label` is the NSP head's class (models/bert.py: logits IsNext /
+    NotNext, Google's and Hugging Face's order): 0 where B follows A, 1 where it is
+    random, the complement of `is_next`. Train the head on it: on `is_next` its two
+    classes swap, and an exported (or imported) NSP head reads the other way round.
     """
     # A random segment comes from a document with segments (an empty one was
     # rng.integers(0, 0): "high <= 0", for some seeds).
@@ -130,7 +134,8 @@ def nsp_pairs(documents: Sequence[Sequence[Sequence[int]]], rng: np.random.Gener
             pad = seq_len - len(tokens)
             examples.append({'tokens': np.array(tokens + [pad_id] * pad, np.int32),
                              'type_ids': np.array(type_ids + [0] * pad, np.int32),
-                             'is_next': np.int32(is_next)})
+                             'is_next': np.int32(is_next),
+                             'next_sentence_label': np.int32(1 - is_next)})
     return examples
 
 

@@ -69,6 +69,9 @@ def test_nsp_pairs_are_half_real_next_and_well_formed():
         assert (types[:5] == 0).all() and (types[5:9] == 1).all() and (tokens[9:] == PAD).all()
         same_doc, next_seg = a[0] // 100 == b[0] // 100, b[0] % 100 // 10 == a[0] % 100 // 10 + 1
         assert (same_doc and next_seg) if e['is_next'] else not same_doc
+        # The NSP head's class, IsNext first (Google's and Hugging Face's order, which an
+        # exported head keeps): training it on is_next swapped the classes.
+        assert e['next_sentence_label'] == (0 if same_doc and next_seg else 1)
 
 
 def test_teacher_forcing_shift_and_seq2seq_example():
