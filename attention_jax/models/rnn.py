@@ -164,7 +164,10 @@ class DecoderStep(nn.Module):
                             dtype=cfg.dtype)(hid)[..., 0]  # [B, S]
             # A finite fill (not -inf) keeps a row with no real source token NaN-free,
             # forward and backward; the final where gives padding exactly zero weight.
-            scores = jnp.where(memory["mask"], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+            # The softmax in float32 at least: float64 under dtype float64 (the numerics
+            # checks), where a float32 one gave the float64 model weights off by ~1e-7.
+            exact = jnp.promote_types(cfg.dtype, jnp.float32)
+            scores = jnp.where(memory["mask"], scores.astype(exact), jnp.finfo(exact).min)
             alpha = jnp.where(memory["mask"], jax.nn.softmax(scores, axis=-1), 0.0)  # [B, S]
             context = jnp.einsum("BS,BSC->BC", alpha.astype(cfg.dtype), memory["annotations"])
         else:

@@ -232,3 +232,17 @@ def test_float64_runs_and_agrees_with_float32(variant, x64):
     low, _ = f32.apply({"params": jax.tree.map(lambda p: p.astype(jnp.float32), params)},
                        SRC, shift_right(TGT))
     np.testing.assert_allclose(np.asarray(low), np.asarray(logits), atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-lstm"])
+def test_float64_attention_weights_are_float64(variant, x64):
+    """Under dtype float64 the additive attention's softmax ran in float32: its weights
+    came back float32, summing to 1 only within ~1e-7, and the float64 model's logits
+    carried that error."""
+    model = RNNSeq2Seq(RNNConfig.from_variant(variant, dtype="float64"))
+    params = nn.unbox(model.init(jax.random.key(0), SRC, shift_right(TGT))["params"])
+    _, aux = model.apply({"params": params}, SRC, shift_right(TGT), return_weights=True)
+    alpha = aux["attention_weights"]["cross"][0, :, 0]  # [B, T, S]
+    assert alpha.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(alpha).sum(-1), 1.0, rtol=0, atol=1e-13)
+    np.testing.assert_array_equal(np.asarray(alpha)[0, :, 4:], 0.0)
