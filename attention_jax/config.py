@@ -142,7 +142,6 @@ CHOICES = {
     "mesh.cpu_collectives": ("", "gloo", "mpi", "megascale"),
 }
 
-# Valid values of the numeric keys, as intervals ("(" open, "[" closed; errors.check_range).
 # GPTConfig's fields of the architecture configs/gpt.py leaves to its variant (None)
 # unless given on the command line; a run saved before they were keys left them so
 # (workdir.ADDED_KEYS).
@@ -150,6 +149,7 @@ GPT_ARCHITECTURE_KEYS = ("num_kv_heads", "position", "rope_base", "mlp", "activa
                          "norm_epsilon", "norm_position", "attention_scale", "tie_embeddings",
                          "use_bias", "moe_loss_weight")
 
+# Valid values of the numeric keys, as intervals ("(" open, "[" closed; errors.check_range).
 RANGES = {
     "optim.lr": "(0, inf)",
     "optim.warmup_steps": "[0, inf)",

@@ -60,6 +60,19 @@ class Setup:
     ckpt: ckpt_lib.Checkpointer
 
 
+def validated_devices(config, tasks=TASKS) -> list:
+    """The devices `config` runs on (mesh.num_devices of them, 0: all), with the config
+    validated against them and against `tasks` (None: the task is given, not named)."""
+    if config.mesh.num_devices > jax.device_count():  # was cut to those there, unsaid
+        raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices}: this run has "
+                          f"{jax.device_count()} device(s); valid: 0 (all) or "
+                          f"1..{jax.device_count()}")
+    devices = jax.devices()[:config.mesh.num_devices or None]
+    config_lib.validate(config, len(devices), tasks=tasks,
+                        granules=len(set(sharding.granules(devices)[0])))
+    return devices
+
+
 def setup(config, workdir: str, task: Task | None = None, read_only: bool = False) -> Setup:
     """Validated config, mesh, task, optimizer, state shardings and the checkpointer.
 
@@ -69,13 +82,7 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
     use (tasks.data_on_demand): sampling needs no corpus, and evaluation checks its eval
     split itself (steps.check_eval_split)."""
     sharding.maybe_initialize_distributed(config.mesh)  # Before anything touches devices.
-    if config.mesh.num_devices > jax.device_count():  # was cut to those there, unsaid
-        raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices}: this run has "
-                          f"{jax.device_count()} device(s); valid: 0 (all) or "
-                          f"1..{jax.device_count()}")
-    devices = jax.devices()[:config.mesh.num_devices or None]
-    config_lib.validate(config, len(devices), tasks=None if task else TASKS,
-                        granules=len(set(sharding.granules(devices)[0])))
+    devices = validated_devices(config, tasks=None if task else TASKS)
     mesh = sharding.make_mesh({a: config.mesh.get(a, 1) for a in sharding.MESH_AXES}, devices,
                               dcn=sharding.dcn_shape(config.mesh))
     sharding.check_batch_split(mesh)  # each process's batch rows on its own devices

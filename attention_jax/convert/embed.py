@@ -128,7 +128,7 @@ class SentenceEncoder:
         # The ids around each text: (start, end). Default: the tokenizer's [CLS] and [SEP]
         # (a WordPiece BERT's, as sentence-transformers frames a text); a run trained here
         # gives those its training documents had (tasks.text: no [CLS], an end-of-text
-        # token where the tokenizer has one), which are all its model ever read.
+        # token where the tokenizer has one), as its MLM training read text.
         if ends is None:
             # WordPiece has [CLS]/[SEP]; a BPE vocabulary trained here has neither.
             ends = ([tokenizer.cls_id] if hasattr(tokenizer, "cls_id") else [],

@@ -504,11 +504,11 @@ def mlm_task(config, workdir: str) -> Task:
         from attention_jax import convert
         if encoder.get("params") is not params:
             host = jax.tree.map(np.asarray, jax.device_get(params))
-            # A text reads as the run's training documents read: no [CLS] before it (the
-            # model never read one: [CLS] text [SEP] was embedded), its end-of-text token
-            # after it where the tokenizer has one (the token cache and PackedSource end
-            # each document so), cut where its rows were (data.seq_len: the positions
-            # past it never trained).
+            # A text reads as the run's training documents read: no [CLS] before it (its
+            # MLM training read none; [CLS] text [SEP] was embedded), its end-of-text
+            # token after it where the tokenizer has one (the token cache and PackedSource
+            # end each document so), cut where its rows were (data.seq_len: the positions
+            # past it this run never trained).
             eos = getattr(tok, "eos_id", None)
             encoder.update(params=params, encoder=convert.SentenceEncoder(
                 model, host, tok, max_length=min(data_opts.seq_len, cfg.max_len),

@@ -229,7 +229,7 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
     sweep: Stopped."""
     import jax
 
-    from attention_jax import sharding, tasks, train
+    from attention_jax import train
     check_grid(config_path, grid, overrides)
     workdir = workdir_lib.expand(workdir)
     runs = []  # (point, config, its run directory, finished before): all errors first
@@ -238,14 +238,8 @@ def run_sweep(config_path: str, workdir: str, grid: dict[str, list[str]],
         # As train.setup validates it: the task's name (a --config.task typo was a
         # KeyError traceback in check_tasks) and what must divide the devices (a grid's
         # batch size that does not stopped the sweep after the points before it trained).
-        if config.mesh.num_devices > jax.device_count():
-            raise ConfigError(f"sweep point {point_name(point)}: config.mesh.num_devices="
-                              f"{config.mesh.num_devices}: this run has {jax.device_count()} "
-                              f"device(s); valid: 0 (all) or 1..{jax.device_count()}")
-        devices = jax.devices()[:config.mesh.num_devices or None]
         try:
-            config_lib.validate(config, len(devices), tasks=tasks.TASKS,
-                                granules=len(set(sharding.granules(devices)[0])))
+            train.validated_devices(config)
         except ConfigError as e:
             raise ConfigError(f"sweep point {point_name(point)}: {e}") from None
         run_dir = os.path.join(workdir, point_name(point))
