@@ -1,32 +1,33 @@
 #!/usr/bin/env bash
-# Issue 35's first device call (docs/gpu_next.md §0): the launch defaults chosen on the
-# H200 on 2026-11-27 (the attention's 64x64 forward and dQ tiles in 4 warps at T <= 1024,
-# H <= 64; the norm kernels' one row in one warp) checked on the GPU first, then the
-# bare step against the peer with a row of the old defaults beside. Then, on the
-# still-warm machine, docs/gpu_second.sh.
+# Issue 35's first device call (docs/gpu_next.md §0): where the bare step's 30.3 ms go
+# now (H200, 2026-11-28, with the launch defaults of 2026-11-27), GPT-2 medium with those
+# defaults, cuDNN's GEMM fusions as an XLA flag, and the H = 128 forward's tiles. Then,
+# on the still-warm machine, docs/gpu_second.sh.
 #   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 490
 # (.whl: ../shared/device/prepare_wheels.sh fills it.) Each measurement is its own
-# process; every output lands in $OUT. DEADLINE: seconds for all of it.
+# process; every output lands in $OUT. DEADLINE: seconds for all of it. The kernels did
+# not change since their GPU tests passed on 2026-11-28; if they have, put
+# `run gpu_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu ...` (the files
+# as in git history of this script) first.
 DEADLINE=${DEADLINE:-475}
 . docs/gpu_common.sh
 export PYTHONPATH=$PWD:/tmp/site
-# 1. The GPU tests of the kernels whose defaults changed: the attention's (the packed
-# q, k, v the GPT layer hands them; separate q, k, v with no mask and with padding; rows
-# of at most 1024, so the new tiles) and the norm's, Triton-compiled, against the
-# float32/float64 references (about 20 s a case; 7 passed in 136 s on 2026-11-27 with the
-# loss kernel's, left out now). A failure here makes every figure after it suspect.
-run gpu_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu -p no:cacheprovider \
-  tests/attention/test_pallas_packed.py \
-  "tests/attention/test_pallas.py::test_pallas_on_gpu_equals_reference[full]" \
-  "tests/attention/test_pallas.py::test_pallas_on_gpu_equals_reference[padding]" \
-  tests/layers/test_norm_kernel.py
-# 2. The bare step against the PyTorch peer at batch 16 and 32, and our step again with
-# the defaults before 2026-11-27 (attention forward and dQ 128x64 in 8 warps; norms 8
-# rows a step in 4 warps, 64 rows a backward program): each row its own process, about
-# 35-45 s for ours, more for the peer's compile. On 2026-11-27 (the old defaults): ours
-# 30.72 / 59.88 ms, the peer 33.14 / 64.80.
-run peer 300 $PY -m attention_jax.tools.bench train --device gpu \
-  --shapes gpt2-124m:16 gpt2-124m:32 --trainer-steps 0 --repeats 5 \
-  --pallas-tiles fwd=128x64,warps=8 --norm-settings rows=8,program_rows=64,warps=4 \
-  --out $OUT/peer.json
+# 1. The bare step's profile, GPT-2 small at batch 16: the kernels by time, grouped
+# (matmuls, attention, norms, GELU, loss, AdamW, casts), to say what is left between
+# 30.3 ms and the 27.8 ms of 1.2x the peer (about 60 s).
+run profile 110 $PY -m attention_jax.tools.bench profile --shape $SHAPE --batch 16 --top 40
+# 2. GPT-2 medium with the new defaults (42.94 ms, 46.8% MFU on 2026-11-27 with the old
+# ones), and GPT-2 small beside, ours only (about 45 s a row).
+run steps 130 $PY -m attention_jax.tools.bench train --device gpu --no-torch \
+  --shapes gpt2-124m:16 gpt2-medium:8 --trainer-steps 0 --repeats 5 --out $OUT/steps.json
+# 3. cuDNN's GEMMs taking the bias adds and GELU into their epilogues: its own command,
+# so a flag the GPU's XLA refuses loses only this row (the CPU host's XLA takes it).
+run gemm_fusion 110 $PY -m attention_jax.tools.bench train --device gpu --no-torch \
+  --shapes gpt2-124m:16 --trainer-steps 0 --repeats 5 \
+  --xla-flags=--xla_gpu_cudnn_gemm_fusion_level=3 --out $OUT/gemm_fusion.json
+# 4. The H = 128 forward at T = 4096 with 128 x 32 tiles (two programs an SM where the
+# default 128 x 64 holds one; the standing plan's 450 TFLOP/s is not met).
+run h128_tiles 100 $PY -m attention_jax.tools.bench attention --sizes 4096 --head-dims 128 \
+  --masks causal --implementations pallas --no-torch \
+  --pallas-tiles fwd=128x32 fwd=128x32,stages=4 --out $OUT/h128_tiles.json
 echo "== done at $((SECONDS - start)) s"
