@@ -419,6 +419,8 @@ def _holds_a_run(workdir: str) -> bool:
 
 
 def _run_mode(config, workdir) -> int:
+    import jax
+
     from attention_jax import train
     if FLAGS.mode == "eval":
         print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
@@ -442,7 +444,8 @@ def _run_mode(config, workdir) -> int:
         _print_samples(config, workdir, "--- prompt {prompt!r}\n{text}\n")
         return 0
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
-    print(_summary_line(summary, workdir))
+    if jax.process_index() == 0:  # as every other line of the run: one, not one a process
+        print(_summary_line(summary, workdir))
     if summary["stopped_by"]:
         return train.EXIT_CODES.get(summary["stopped_by"], 1)
     if summary["task"].sample is not None:  # a language model: show what it learnt
