@@ -111,6 +111,10 @@ def nsp_pairs(documents: Sequence[Sequence[Sequence[int]]], rng: np.random.Gener
     random, the complement of `is_next`. Train the head on it: on `is_next` its two
     classes swap, and an exported (or imported) NSP head reads the other way round.
     """
+    if seq_len < 3:  # (trimming A and B to fit popped from an empty list: an IndexError)
+        raise ValueError(f'nsp_pairs: seq_len={seq_len} cannot hold [CLS] A [SEP] B [SEP]; '
+                         f'valid: seq_len >= 3 (the three special tokens; A and B are trimmed '
+                         f'to fit the rest)')
     # A random segment comes from a document with segments (an empty one was
     # rng.integers(0, 0): "high <= 0", for some seeds).
     with_segments = [d for d, doc in enumerate(documents) if len(doc)]

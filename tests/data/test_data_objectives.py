@@ -136,3 +136,17 @@ def test_nsp_pairs_draw_random_segments_only_from_documents_that_have_some():
     with pytest.raises(ValueError, match=r"at least two documents with segments .* got 1 of 3"):
         data.nsp_pairs([[[1], [2]], [], []], np.random.default_rng(0), seq_len=8, cls_id=CLS,
                        sep_id=SEP)
+
+
+def test_nsp_pairs_refuse_a_seq_len_below_the_three_special_tokens():
+    """seq_len 2 was an IndexError from trimming A and B (popping an empty list)."""
+    docs = [[[10, 11], [12, 13]], [[20], [21, 22]]]
+    for seq_len in (0, 2):
+        with pytest.raises(ValueError, match=rf"^nsp_pairs: seq_len={seq_len} cannot hold "
+                                             r"\[CLS\] A \[SEP\] B \[SEP\]; valid: seq_len >= 3"):
+            data.nsp_pairs(docs, np.random.default_rng(0), seq_len=seq_len, cls_id=CLS,
+                           sep_id=SEP)
+    # The least valid: A and B trimmed away, the special tokens kept.
+    examples = data.nsp_pairs(docs, np.random.default_rng(0), seq_len=3, cls_id=CLS, sep_id=SEP)
+    assert [e['tokens'].tolist() for e in examples] == [[CLS, SEP, SEP]] * 2
+    assert [e['type_ids'].tolist() for e in examples] == [[0, 0, 1]] * 2
