@@ -195,7 +195,8 @@ def save(fig, path: str) -> str:
 
 
 # ============================================================================ weights from models
-def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.ndarray]:
+def model_attention(model, params, inputs, decoder_inputs=None, *,
+                    example: int | None = None) -> dict[str, np.ndarray]:
     """Attention weights of one example, by kind of attention, from the reference path.
 
     GPT / BERT: inputs [1, T] ids -> {"self": [L, N, T, T]}.
@@ -203,8 +204,21 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
     EncoderDecoder: inputs [1, S], decoder_inputs [1, T] -> {"encoder": [L, N, S, S],
       "decoder": [L, N, T, T], "cross": [L, N, T, S]}.
     RNNSeq2Seq (with attention): -> {"cross": [1, 1, T, S]} (one additive "head").
+
+    A batch of B > 1 examples needs `example`, the one to return (0 <= example < B); the
+    model still reads the whole batch. With B = 1 it may be left out.
     """
     import jax
+    batch = int(np.shape(inputs)[0])
+    if example is None and batch > 1:
+        # Only the first was returned, unsaid: a notebook's batch drew its first example.
+        raise ValueError(f"model_attention: inputs hold a batch of {batch} examples and the "
+                         f"weights are of one; valid: example=0..{batch - 1} (which one), or "
+                         f"inputs of one example ([1, ...])")
+    example = 0 if example is None else example
+    if not 0 <= example < batch:
+        raise ValueError(f"model_attention: example={example} is not in the batch of {batch} "
+                         f"(inputs {tuple(np.shape(inputs))}); valid: 0 <= example < {batch}")
     # One compiled call is quicker than dispatching a model's hundreds of ops eagerly.
     apply = jax.jit(model.apply, static_argnames=("return_weights",))
     inputs = (inputs,) if decoder_inputs is None else (inputs, decoder_inputs)
@@ -213,8 +227,9 @@ def model_attention(model, params, inputs, decoder_inputs=None) -> dict[str, np.
         raise ValueError(f"{type(model).__name__} returned no attention weights: a bottleneck "
                          f"model (attention=False) reads one context vector, so there is no "
                          f"alignment to draw")
-    # Every family: {kind: [L, B=1, N, T, S]} -> {kind: [L, N, T, S]} float32 numpy.
-    return {kind: np.asarray(w, np.float32)[:, 0] for kind, w in aux["attention_weights"].items()}
+    # Every family: {kind: [L, B, N, T, S]} -> {kind: [L, N, T, S]} float32 numpy.
+    return {kind: np.asarray(w, np.float32)[:, example]
+            for kind, w in aux["attention_weights"].items()}
 
 
 # ======================================================================================== runs

@@ -55,6 +55,28 @@ def test_grid_png_has_one_panel_per_layer_and_head(tiny_gpt, tmp_path):
     assert width > height  # 4 heads across, 2 layers down
 
 
+def test_a_batch_draws_the_example_asked_for(tiny_gpt):
+    """A batch of 2 returned the first example's weights, unsaid."""
+    model, params, tokens = tiny_gpt
+    other = jnp.arange(20, 10, -1, dtype=jnp.int32)[None]  # another text, same length
+    batch = jnp.concatenate([tokens, other])  # [2, 10]
+    with pytest.raises(ValueError, match=r"^model_attention: inputs hold a batch of 2 examples "
+                                         r"and the weights are of one; valid: example=0\.\.1"):
+        viz.model_attention(model, params, batch)
+    second = viz.model_attention(model, params, batch, example=1)["self"]
+    assert second.shape == (2, 4, 10, 10)
+    np.testing.assert_allclose(second, viz.model_attention(model, params, other)["self"],
+                               atol=1e-6)
+    first = viz.model_attention(model, params, batch, example=0)["self"]
+    np.testing.assert_allclose(first, viz.model_attention(model, params, tokens)["self"],
+                               atol=1e-6)
+    assert not np.allclose(first, second)  # the two texts' weights differ: the choice shows
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=rf"^model_attention: example={bad} is not in the "
+                                             r"batch of 2 .*valid: 0 <= example < 2"):
+            viz.model_attention(model, params, batch, example=bad)
+
+
 def _labels(n, prefix):
     return [f"{prefix}{i}" for i in range(n)]
 
