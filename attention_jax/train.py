@@ -381,6 +381,10 @@ def _train_prepared(config, workdir: str, prepared: Setup, resume_changed: bool,
     # died, and the others waited for it until the lost-host watchdog stopped them (#30).
     sharding.sync_processes("config_read")
     if jax.process_index() == 0:
+        # (moved aside here, not in check_config_change: a process still to read it found none)
+        kept = workdir_lib.keep_replaced_config(config, workdir, latest)
+        if kept:
+            note += f"; the previous config is kept as {kept}"
         workdir_lib.write_config(workdir, config)
         if prepared.task.save_assets:
             workdir_lib.save_assets(prepared.task.save_assets, workdir)

@@ -738,7 +738,8 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     give a note (returned, "with config changes: ...", for the caller to print once it
     knows the step it resumed; "" when nothing changed); others raise a ConfigError
     listing `key: old -> new` and the ways through, unless `resume_changed` (then the old
-    file is kept as config_until_step_<step>.json)."""
+    file is to be kept: keep_replaced_config, once every process has read it). Reads
+    config.json only: every process calls it."""
     if step is None:  # Nothing to resume: the workdir's config.json is replaced, and said.
         changes = config_changes(config, workdir)
         relevant = _training_keys(changes, config)
@@ -750,7 +751,6 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
     changes = config_changes(config, workdir)
     if not changes:
         return ""
-    relevant = _training_keys(changes, config)
     if not resume_changed:
         refuse_config_change(config, workdir, step, changes)
     note = f"with config changes: {_show(changes, list(changes))}"
@@ -766,16 +766,26 @@ def check_config_change(config, workdir: str, step: int | None, resume_changed: 
                  f"--config.optim.decay_steps={old_schedule} --resume_changed, or next time "
                  f"extend with --config.optim.decay_steps={old_schedule} beside "
                  f"--config.train.steps)")
-    if relevant and jax.process_index() == 0:
-        # Never over another one: an earlier --resume_changed from this step (stopped
-        # before it saved one) or a run before the checkpoints were moved away kept it.
-        old, n = path(workdir, f"config_until_step_{step}.json"), 0
-        while epath_of(old).exists():
-            n += 1
-            old = path(workdir, f"config_until_step_{step}.{n}.json")
-        epath_of(workdir, CONFIG).replace(old)
-        note += f"; the previous config is kept as {old}"
     return note
+
+
+def keep_replaced_config(config, workdir: str, step: int | None) -> str | None:
+    """Before process 0 writes `config` over the run's config.json, resuming `step` with
+    training-relevant changes (--resume_changed; check_config_change let them through):
+    moves the old file to config_until_step_<step>.json and returns that path; None when
+    there is nothing to keep. Called after every process has read config.json: done in
+    check_config_change, the move came while another process was still to read it,
+    which then found no config.json (or none at the moment it looked)."""
+    if step is None or not training_changes(config, workdir):
+        return None
+    # Never over another one: an earlier --resume_changed from this step (stopped
+    # before it saved one) or a run before the checkpoints were moved away kept it.
+    old, n = path(workdir, f"config_until_step_{step}.json"), 0
+    while epath_of(old).exists():
+        n += 1
+        old = path(workdir, f"config_until_step_{step}.{n}.json")
+    epath_of(workdir, CONFIG).replace(old)
+    return old
 
 
 def _show(changes: dict, keys) -> str:

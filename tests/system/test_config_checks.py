@@ -275,6 +275,28 @@ def test_no_checkpoint_means_nothing_to_compare(tmp_path):
     assert workdir_lib.config_changes(tiny.tiny_config(), str(tmp_path)) == {"optim.lr": (0.5, 0.01)}
 
 
+def test_the_config_check_reads_and_only_keep_replaced_config_moves_it_aside(tmp_path):
+    """Every process of a run compares with config.json; the check once moved it aside
+    too (process 0), before the others had read it (test_multihost shows the race)."""
+    workdir = str(tmp_path)
+    workdir_lib.write_config(workdir, tiny.tiny_config())
+    trained = (tmp_path / "config.json").read_text()
+    changed = tiny.tiny_config(**{"optim.lr": 0.5})
+    note = workdir_lib.check_config_change(changed, workdir, 10, resume_changed=True)
+    assert note == "with config changes: optim.lr: 0.01 -> 0.5"
+    assert os.listdir(workdir) == ["config.json"]
+    kept = workdir_lib.keep_replaced_config(changed, workdir, 10)
+    assert kept == f"{workdir}/config_until_step_10.json"
+    assert (tmp_path / "config_until_step_10.json").read_text() == trained
+    assert not (tmp_path / "config.json").exists()
+    # Only a resume with training-relevant changes keeps one.
+    workdir_lib.write_config(workdir, changed)
+    extended = tiny.tiny_config(**{"optim.lr": 0.5, "train.steps": 20})
+    assert workdir_lib.keep_replaced_config(extended, workdir, 10) is None
+    assert workdir_lib.keep_replaced_config(tiny.tiny_config(), workdir, None) is None
+    assert (tmp_path / "config.json").exists()
+
+
 def test_an_eval_the_task_cannot_weight_stops_before_training(tmp_path, capsys):
     # The tiny task's eval split holds 256 sequences and its loss ignores the weights that
     # mask the padding of a partial batch: found by tracing the loss before any step, not

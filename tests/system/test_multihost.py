@@ -288,6 +288,45 @@ def _pair(script: str, *args: str) -> list[str]:
     return outputs
 
 
+_RESUME_CHANGED_SCRIPT = """
+import sys, time
+import jax
+import tiny
+from attention_jax import train, workdir as workdir_lib
+me, port, workdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me)
+short = {"train.steps": 2, "train.checkpoint_every": 2}
+train.train_and_evaluate(tiny.tiny_config(**short), workdir)
+if me == 1:  # compares with config.json well after process 0 did (the real check, late)
+    check = workdir_lib.check_config_change
+    def late(*args, **kwargs):
+        time.sleep(2)
+        note = check(*args, **kwargs)
+        print("NOTE", note, flush=True)
+        return note
+    workdir_lib.check_config_change = late
+changed = tiny.tiny_config(**short, **{"optim.lr": 0.02})
+print("STEP", train.train_and_evaluate(changed, workdir, resume_changed=True)["step"])
+"""
+
+
+def test_resume_changed_moves_config_json_aside_after_every_process_read_it(tmp_path):
+    """--resume_changed on several processes: process 0 moved config.json aside (to
+    config_until_step_N.json) inside the config check, before the barrier after which it
+    rewrites it, so a process that read it later found none and took the run for one
+    without a config (or died of a read that found it gone)."""
+    workdir = tmp_path / "run"
+    outputs = _pair(_RESUME_CHANGED_SCRIPT, str(workdir))
+    # Process 1, two seconds late, still compared with the run's own config.json (it
+    # found none, so no change, while process 0 had moved it aside).
+    assert "NOTE with config changes: optim.lr: 0.01 -> 0.02\n" in outputs[1], outputs[1]
+    assert all("STEP 2" in out for out in outputs), outputs
+    assert f"the previous config is kept as {workdir}/config_until_step_2.json" in outputs[0]
+    assert json.loads((workdir / "config_until_step_2.json").read_text())["optim"]["lr"] == 0.01
+    assert json.loads((workdir / "config.json").read_text())["optim"]["lr"] == 0.02
+
+
 _CHECKS_SCRIPT = """
 import os, sys
 import jax
