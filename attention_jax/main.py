@@ -418,23 +418,31 @@ def _holds_a_run(workdir: str) -> bool:
     return isinstance(stored, dict) and "task" in stored
 
 
-def _run_mode(config, workdir) -> int:
+def _say(text: str) -> None:
+    """A result line of the run, on process 0's stdout only: every process computes (the
+    step's collectives span them), one prints, as every other line of the run, so a
+    multi-process eval's JSON comes once, not once a process."""
     import jax
+    if jax.process_index() == 0:
+        print(text)
 
+
+def _run_mode(config, workdir) -> int:
     from attention_jax import train
+
     if FLAGS.mode == "eval":
-        print(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
+        _say(json.dumps(evaluate_checkpoint(config, workdir), indent=1))
         return 0
     if FLAGS.mode == "embed":
-        print(json.dumps(embed_texts(config, workdir), indent=1))
+        _say(json.dumps(embed_texts(config, workdir), indent=1))
         return 0
     if FLAGS.mode == "classify":
         for row in classify_texts(config, workdir):
-            print(json.dumps(row, ensure_ascii=False))
+            _say(json.dumps(row, ensure_ascii=False))
         return 0
     if FLAGS.mode == "translate":
         for row in translate_texts(config, workdir):
-            print(json.dumps(row, ensure_ascii=False))
+            _say(json.dumps(row, ensure_ascii=False))
         return 0
     if FLAGS.mode == "sample":
         if not config.eval.sample_prompts:  # exit 0 with no output read as a broken run
@@ -444,8 +452,7 @@ def _run_mode(config, workdir) -> int:
         _print_samples(config, workdir, "--- prompt {prompt!r}\n{text}\n")
         return 0
     summary = train.train_and_evaluate(config, workdir, resume_changed=FLAGS.resume_changed)
-    if jax.process_index() == 0:  # as every other line of the run: one, not one a process
-        print(_summary_line(summary, workdir))
+    _say(_summary_line(summary, workdir))
     if summary["stopped_by"]:
         return train.EXIT_CODES.get(summary["stopped_by"], 1)
     if summary["task"].sample is not None:  # a language model: show what it learnt

@@ -476,3 +476,13 @@ def test_an_eval_record_is_written_by_process_0_only(tmp_path, monkeypatch, proc
     assert file == workdir_lib.path(str(tmp_path), workdir_lib.EVALS)
     records = workdir_lib.read_records(file)
     assert [r["step"] for r in records] == ([4] if process == 0 else [])
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_result_line_is_printed_by_process_0_only(capsys, monkeypatch, process):
+    """--mode=eval, embed, classify and translate printed their JSON on every process (with
+    2 processes, each result twice on a shared log), as the run's summary line did."""
+    from attention_jax import main as main_lib
+    monkeypatch.setattr(jax, "process_index", lambda *a: process)
+    main_lib._say('{"loss": 1.5}')
+    assert capsys.readouterr().out == ('{"loss": 1.5}\n' if process == 0 else "")
