@@ -18,6 +18,7 @@ Implementations:
   "pallas"     the blockwise algorithm as fused Pallas kernels (pallas.py): Triton on
                NVIDIA GPUs, interpret mode on CPU (slow; for tests). Every structural mask.
   "xla"        jax.nn.dot_product_attention's XLA path (materialises the scores; jax_nn.py).
+               No float64: jax.nn's softmax is float32, so float64 is refused by name.
   "cudnn"      jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPUs, f16/bf16),
                driven by its own causal / key-length / left-window arguments (jax_nn.py).
   "splash"     JAX's splash attention, the block-sparse TPU kernel maxtext uses (splash.py):

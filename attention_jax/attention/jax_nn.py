@@ -29,7 +29,15 @@ def cudnn(q, k, v, call: AttentionCall):
 
 def xla_refusal(call: AttentionCall, platform: Platform, name: str = "xla") -> Optional[str]:
     """jax.nn takes one head dim for q, k and v (it failed inside with "value shape
-    should be ...")."""
+    should be ..."), and no float64: its softmax runs in float32 whatever the inputs, so
+    float64 came back as float64 ~1e-7 from the float64 formula, not ~1e-15 - a silent
+    loss of the precision asked for (jax 0.10 `_dot_product_attention_core`)."""
+    if call.dtype == jnp.float64:
+        # Pallas runs float64 only interpreted, on CPU (pallas.refusal).
+        pallas = ", 'pallas'" if platform.backend == "cpu" else ""
+        return (f"implementation={name!r} cannot compute float64: "
+                f"jax.nn.dot_product_attention computes its softmax in float32 whatever the "
+                f"inputs' dtype. Valid for float64: 'auto', 'reference', 'blockwise'{pallas}")
     if call.value_dim == call.head_dim:
         return None
     return (f"implementation={name!r}: v's head dim Hv={call.value_dim} differs from q's "

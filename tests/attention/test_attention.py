@@ -136,6 +136,40 @@ def test_xla_path_equals_reference(case):
     np.testing.assert_allclose(y_xla, y_ref, atol=2e-5)
 
 
+def test_float64_is_computed_in_float64_or_refused_by_name(x64):
+    """implementation="xla" ran float64 through jax.nn, whose softmax is float32: float64
+    out, ~1e-7 from the float64 formula. "auto" (blockwise here) keeps float64's
+    precision, and an explicit "xla" or "cudnn" is refused, by explain() too."""
+    case = CASES[1]  # causal
+    (q, k, v), kw = _inputs(case, jnp.float64)
+    y_ref = dot_product_attention(q, k, v, implementation="reference", **kw)
+    assert y_ref.dtype == jnp.float64
+    # jax.nn's own path: float64's tolerance below fails it, so the refusal is needed.
+    y_jax_nn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    assert np.abs(np.asarray(y_jax_nn) - np.asarray(y_ref)).max() > 1e-9
+    assert explain(q, k, v, **kw)[0] == "blockwise"
+    y = dot_product_attention(q, k, v, **kw)
+    assert y.dtype == jnp.float64
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-12)
+    message = (r"^implementation='xla' cannot compute float64: jax.nn.dot_product_attention "
+               r"computes its softmax in float32 .* Valid for float64: 'auto', 'reference', "
+               r"'blockwise', 'pallas'")
+    with pytest.raises(BackendRefusedError, match=message):
+        dot_product_attention(q, k, v, implementation="xla", **kw)
+    with pytest.raises(BackendRefusedError, match=message):
+        explain(q, k, v, implementation="xla", **kw)
+    # On a GPU: cuDNN refused by name, auto past it and past Triton's pallas, to blockwise.
+    with pytest.raises(BackendRefusedError, match=r"^implementation='cudnn' cannot compute "
+                                                  r"float64: .* 'blockwise'(?!, )"):
+        explain(q, k, v, implementation="cudnn", backend="gpu", **kw)
+    impl, reason = explain(q, k, v, backend="gpu", **kw)
+    assert impl == "blockwise" and "not cudnn: implementation='cudnn' cannot compute float64" \
+        in reason, reason
+    # float32 is unchanged: still jax.nn's path.
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    assert explain(q32, k32, v32, implementation="xla", **kw) == ("xla", "asked for")
+
+
 def test_reference_weights_are_a_distribution():
     (q, k, v), kw = _inputs(Case("w", causal=True, padding=True), jnp.float32)
     y, a = dot_product_attention(q, k, v, return_weights=True, **kw)
