@@ -29,7 +29,10 @@ from attention_jax.workdir import read_metrics, wall_seconds
 # ================================================================================== fits
 def fit_slope(x, y) -> dict:
     """Least-squares line through (log x, log y): y ∝ x^slope. Returns slope, its
-    standard error (from the fit's covariance; 0 for two points) and the prefactor."""
+    standard error (from the fit's covariance) and the prefactor. With two points the
+    standard error is None, undetermined: the line passes through both, leaving no
+    residual to estimate it from (it was 0, which read as an exact slope). JSON writes
+    it as null; `plus_minus` prints it."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     if len(x) != len(y) or len(x) < 2:
         raise ValueError(f"x and y need the same length >= 2; got {len(x)} and {len(y)}")
@@ -38,14 +41,20 @@ def fit_slope(x, y) -> dict:
     lx, ly = np.log(x), np.log(y)
     if len(x) == 2:
         slope = (ly[1] - ly[0]) / (lx[1] - lx[0])
-        return {"slope": float(slope), "stderr": 0.0,
+        return {"slope": float(slope), "stderr": None,
                 "prefactor": float(np.exp(ly[0] - slope * lx[0])), "points": 2}
     (slope, intercept), cov = np.polyfit(lx, ly, 1, cov="unscaled")
     resid = ly - (slope * lx + intercept)
-    dof = len(x) - 2
-    scale = float(resid @ resid) / dof if dof else 0.0
+    scale = float(resid @ resid) / (len(x) - 2)  # 3 points or more here
     return {"slope": float(slope), "stderr": float(np.sqrt(cov[0, 0] * scale)),
             "prefactor": float(np.exp(intercept)), "points": len(x)}
+
+
+def plus_minus(stderr, digits: int) -> str:
+    """"± 0.012" for a standard error, or what a two-point fit's None means."""
+    if stderr is None:
+        return "± undetermined (2 points)"
+    return f"± {stderr:.{digits}f}"
 
 
 def fit_power_law(n, loss) -> dict:
@@ -220,8 +229,8 @@ def scaling_report(workdirs: Sequence[str], out: str) -> dict:
               label=f"E + A·N^-α: α = {fit['alpha']:.3f} ± {fit['alpha_stderr']:.3f}, "
                     f"E = {fit['E']:.2f}")
     ax.loglog(grid, (fit["pure_Nc"] / grid) ** fit["pure_alpha"], "--", color="C2",
-              label=f"(N_c/N)^α_N: α_N = {fit['pure_alpha']:.3f} ± "
-                    f"{fit['pure_alpha_stderr']:.3f}")
+              label=f"(N_c/N)^α_N: α_N = {fit['pure_alpha']:.3f} "
+                    f"{plus_minus(fit['pure_alpha_stderr'], 3)}")
     ax.set_xlabel("non-embedding parameters N")
     ax.set_ylabel(f"validation loss (nats per {runs[0]['unit'][:-1]})")
     ax.legend(fontsize=8)
@@ -266,11 +275,11 @@ def scaling_table(result: dict) -> str:
     lines.append(f"Fit L(N) = E + A·N^-α: α = {fit['alpha']:.3f} ± {fit['alpha_stderr']:.3f}, "
                  f"E = {fit['E']:.3f} ± {fit['E_stderr']:.3f}, A = {fit['A']:.3g} "
                  f"(ln A ± {fit['log_A_stderr']:.2f}); RMS residual {fit['rmse']:.4f} nats.")
-    lines.append(f"Pure power law L = (N_c/N)^α_N: α_N = {fit['pure_alpha']:.4f} ± "
-                 f"{fit['pure_alpha_stderr']:.4f}, N_c = {fit['pure_Nc']:.3g}.")
+    lines.append(f"Pure power law L = (N_c/N)^α_N: α_N = {fit['pure_alpha']:.4f} "
+                 f"{plus_minus(fit['pure_alpha_stderr'], 4)}, N_c = {fit['pure_Nc']:.3g}.")
     env = result["envelope"]
     lines.append(f"Compute envelope (upper half of C): L ∝ C^-α_C with α_C = "
-                 f"{env['alpha_C']:.3f} ± {env['alpha_C_stderr']:.3f}.")
+                 f"{env['alpha_C']:.3f} {plus_minus(env['alpha_C_stderr'], 3)}.")
     return "\n".join(lines) + "\n"
 
 
@@ -554,14 +563,15 @@ def attention_cost_report(bench_json: str, out: str, mask: str = "full", min_n: 
     with open(out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     keys = ("fwd_s", "fwd_bwd_s", "fwd_temp_bytes", "fwd_bwd_temp_bytes")
-    cell = lambda s: "–" if s is None else (f"{s['slope']:.2f} ± {s['stderr']:.2f} "
+    cell = lambda s: "–" if s is None else (f"{s['slope']:.2f} {plus_minus(s['stderr'], 2)} "
                                             f"(N {s['n'][0]}–{s['n'][-1]})")
     lines = ["| implementation | time fwd | time fwd+bwd | temp memory fwd | "
              "temp memory fwd+bwd |", "|---|---|---|---|---|"]
     for impl, fits in slopes.items():
         lines.append(f"| {impl} | " + " | ".join(cell(fits.get(k)) for k in keys) + " |")
     with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n\nLog-log slopes (± standard error of the fit): "
+        f.write("\n".join(lines) + "\n\nLog-log slopes (± standard error of the fit; "
+                "undetermined over 2 lengths, which the line passes through): "
                 "2 = quadratic in N, 1 = linear.\n")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     impls = list(slopes)

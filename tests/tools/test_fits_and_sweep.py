@@ -52,6 +52,29 @@ def test_slope_fit_recovers_quadratic_and_linear_growth():
     assert fits.fit_slope([1, 2], [3, 12])["slope"] == pytest.approx(2.0)
 
 
+def test_a_two_point_slope_has_no_standard_error(tmp_path):
+    """A line through 2 points has no residual degrees of freedom: its standard error was
+    reported as 0 (an exact slope); it is None, null in the JSON and said in the table."""
+    two = fits.fit_slope([1, 2], [3, 13])
+    assert two["stderr"] is None and two["points"] == 2
+    three = fits.fit_slope([1, 2, 4], [3, 13, 40])  # off a line: a positive error
+    assert three["stderr"] > 0
+    rows = [{"impl": "reference", "n": n, "causal": False, "fwd_s": 1e-9 * n ** 2}
+            for n in (512, 1024)]
+    rows += [{"impl": "blockwise", "n": n, "causal": False, "fwd_s": 1e-6 * n}
+             for n in (512, 1024, 2048)]
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"rows": rows}))
+    fits.attention_cost_report(str(path), str(tmp_path / "cost"))
+    # Strict JSON (no NaN token): null where undetermined, 0.0 for an exact 3-point line.
+    saved = json.loads((tmp_path / "cost.json").read_text(), parse_constant=pytest.fail)
+    assert saved["slopes"]["reference"]["fwd_s"]["stderr"] is None
+    assert saved["slopes"]["blockwise"]["fwd_s"]["stderr"] == pytest.approx(0.0, abs=1e-12)
+    table = (tmp_path / "cost.md").read_text()
+    assert "| reference | 2.00 ± undetermined (2 points) (N 512–1024) |" in table
+    assert "| blockwise | 1.00 ± 0.00 (N 512–2048) |" in table
+
+
 def test_fits_reject_bad_input():
     with pytest.raises(ValueError, match="positive"):
         fits.fit_slope([1, 2, 3], [1, 0, 2])
