@@ -5,7 +5,8 @@
     tgt_in = losses.shift_right(tgt, cfg.bos_id)                           # tgt [B, T]
     params = model.init(key, src, tgt_in)["params"]                        # src [B, S]
     logits, aux = model.apply({"params": params}, src, tgt_in)             # [B, T, V]
-    loss, metrics = losses.cross_entropy(logits, tgt, tgt != cfg.pad_id, label_smoothing=0.1)
+    weights = jnp.arange(tgt.shape[1]) <= tgt_len[:, None]  # tgt_len [B]: tokens before EOS
+    loss, metrics = losses.cross_entropy(logits, tgt, weights, label_smoothing=0.1)
     out = greedy_decode(model, params, src, max_len=20)                    # [B, 20]
     out, scores = beam_search(model, params, src, beam_size=4, max_len=20) # [B, W, 20]
 
@@ -21,7 +22,11 @@ makes that possible).
 Decoding caches the decoder's self-attention keys/values (layers/attention.py); the
 cross-attention keys/values are recomputed from the encoder output at every step, a
 [B, S, D]·[D, 2D] matmul per layer, which keeps the cache a single kind of entry.
-Token ids: pad 0, bos 1, eos 2 by default; sources are right-padded with pad.
+Token ids: pad 0, bos 1, eos 2 by default; sources are right-padded with pad. Targets end
+with EOS, then pad; the loss weighs them by position, each target's tokens and its EOS
+(data.seq2seq_example's `target_weights`, what the translation task trains on), not by
+id: `tgt != pad_id` weighs every EOS 0 where a tokenizer's pad is its EOS, and the model
+never learns to stop.
 """
 
 from __future__ import annotations

@@ -19,7 +19,11 @@ Two decoders share one code path, switched by `RNNConfig.attention`:
 
 Sources are right-padded with `pad_id` (or give `src_mask` [B, S], True on real tokens).
 Targets: decoder input is `losses.shift_right(targets)` ([BOS, y_1, ..., y_{T-1}]), loss
-is `losses.cross_entropy(logits, targets, targets != pad_id)`.
+is `losses.cross_entropy(logits, targets, weights)` with the weights by position, each
+target's tokens and its EOS: `jnp.arange(T) <= lengths[:, None]`, lengths [B] the tokens
+before EOS (data.seq2seq_example's `target_weights`, what the translation task trains
+on). Not `targets != pad_id`: where a tokenizer's pad is its EOS it weighs every EOS 0,
+and the model never learns to stop.
 """
 
 from __future__ import annotations

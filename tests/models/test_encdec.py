@@ -255,3 +255,29 @@ def test_param_dtype_reaches_every_parameter(x64):
     assert "encoder_norm/scale" in found and "decoder_norm/scale" in found
     assert {str(d) for d in found.values()} == {"float64"}, {
         k: d for k, d in found.items() if d != jnp.float64}
+
+
+def test_the_docstrings_loss_weights_are_the_tasks_target_weights():
+    """The encoder-decoder's and the RNN's docstrings showed `tgt != pad_id` as the loss
+    weights; the task weighs by position (data.seq2seq_example's target_weights), so where
+    pad_id == eos_id each target's EOS still counts. Their expressions, evaluated on
+    such a batch, give the task's weights; `!= pad_id` would not."""
+    import re
+
+    from attention_jax import data
+    from attention_jax.models import rnn
+    pairs = [([7, 8], [5, 6]), ([9], [4, 3, 5]), ([3], [6])]
+    rows = [data.seq2seq_example(s, t, source_len=4, target_len=5, bos_id=1, eos_id=0,
+                                 pad_id=0) for s, t in pairs]
+    tgt = jnp.asarray(np.stack([r["targets"] for r in rows]))
+    want = np.stack([r["target_weights"] for r in rows])
+    lengths = jnp.asarray([len(t) for _, t in pairs])
+    assert not np.array_equal(np.asarray(tgt != 0), want)  # the old docstrings' weights
+    (line,) = re.findall(r"weights = (.*?)  #", ed.__doc__)
+    got = eval(line, {"jnp": jnp, "tgt": tgt, "tgt_len": lengths})
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    (expr,) = re.findall(r"`(jnp\.arange\(T\) <= lengths\[:, None\])`", rnn.__doc__)
+    got = eval(expr, {"jnp": jnp, "T": tgt.shape[1], "lengths": lengths})
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    for doc in (ed.__doc__, rnn.__doc__):  # `!= pad_id` named only as what not to do
+        assert not re.search(r"cross_entropy\([^)]*!=", doc), doc
