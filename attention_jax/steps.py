@@ -236,12 +236,6 @@ def evaluate(eval_step, params, task: Task, config, mesh) -> dict[str, float]:
             w = 1.0  # full batches of a loss without weights: the mean of batch means
         sums = {k: sums.get(k, 0.0) + float(v) * w for k, v in metrics.items()}
         weight += w
-    if partial and any(k.startswith("moe/") for k in sums) and jax.process_index() == 0:
-        # Router statistics are batch-level values: no per-example weight reaches them.
-        print(f"warning: the MoE router statistics (moe/*) and balance loss of the last eval "
-              f"batch include its {batches * batch_size - size} padding copies; "
-              f"config.eval.batch_size dividing the {size} examples avoids them",
-              file=sys.stderr)
     # No weighted position at all (a split of empty targets): no mean exists; NaN says so.
     means = {k: v / weight if weight else math.nan for k, v in sums.items()}
     means[EXAMPLES] = examples

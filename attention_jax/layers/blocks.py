@@ -144,11 +144,13 @@ class TransformerBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
-                 context_mask=None, deterministic: bool = True, decode: bool = False,
-                 return_weights: bool = False):
+                 context_mask=None, token_mask=None, deterministic: bool = True,
+                 decode: bool = False, return_weights: bool = False):
         """x [B, T, D]; context [B, S, Dc] (cross-attention blocks); positions [B, T];
         segment_ids [B, T] / kv_mask [B, T] mask the self-attention keys; context_mask
-        [B, S] bool masks the context's padding; decode: use the KV cache (see
+        [B, S] bool masks the context's padding; token_mask [B, T] bool (mlp="moe" only):
+        False marks padding the attention masks do not (a GPT's stream rows carry no
+        segment ids), routed to no expert; decode: use the KV cache (see
         layers/attention.py). Returns (y [B, T, D], aux).
 
         Pre-norm blocks also take and return the residual stream with its last add left
@@ -232,6 +234,8 @@ class TransformerBlock(nn.Module):
             # which takes no expert's slot from a real token (and counts in no router
             # statistic, nor in the balance loss).
             real = kv_mask if kv_mask is not None or segment_ids is None else segment_ids != 0
+            if token_mask is not None:  # padding the attention masks leave unmarked
+                real = token_mask if real is None else jnp.logical_and(real, token_mask)
             x, aux["moe"] = residual(x, "mlp", lambda h: (
                 *ffn(h, deterministic=deterministic, token_mask=real, no_drop=decode), None))
         else:
@@ -286,10 +290,12 @@ def _positional(block_cls):
         decode: bool = False
         return_weights: bool = False
 
-        def __call__(self, x, context, positions, segment_ids, kv_mask, context_mask):
+        def __call__(self, x, context, positions, segment_ids, kv_mask, context_mask,
+                     token_mask):
             return super().__call__(
                 x, context, positions=positions, segment_ids=segment_ids, kv_mask=kv_mask,
-                context_mask=context_mask, deterministic=self.deterministic,
+                context_mask=context_mask, token_mask=token_mask,
+                deterministic=self.deterministic,
                 decode=self.decode, return_weights=self.return_weights)
 
     Layer.__name__ = block_cls.__name__
@@ -318,8 +324,8 @@ class TransformerStack(nn.Module):
 
     @nn.compact
     def __call__(self, x, context=None, *, positions=None, segment_ids=None, kv_mask=None,
-                 context_mask=None, deterministic: bool = True, decode: bool = False,
-                 return_weights: bool = False):
+                 context_mask=None, token_mask=None, deterministic: bool = True,
+                 decode: bool = False, return_weights: bool = False):
         if self.block not in BLOCKS:
             raise ValueError(f"block={self.block!r} is unknown; valid: {tuple(BLOCKS)}")
         if self.remat_policy not in REMAT_POLICIES:
@@ -344,11 +350,11 @@ class TransformerStack(nn.Module):
             layer = nn.remat(layer, policy=REMAT_POLICIES[self.remat_policy],
                              prevent_cse=not self.scan_layers)
         flags = dict(deterministic=deterministic, decode=decode, return_weights=return_weights)
-        inputs = (context, positions, segment_ids, kv_mask, context_mask)
+        inputs = (context, positions, segment_ids, kv_mask, context_mask, token_mask)
         if self.scan_layers:
             scanned = nn.scan(
                 layer, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
-                split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
+                split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(inputs),
                 length=self.num_layers, metadata_params={nn.PARTITION_NAME: axes.LAYERS})
             return scanned(self.config, name="layers", **flags)(x, *inputs)
         auxes = []

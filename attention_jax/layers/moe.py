@@ -31,7 +31,8 @@ Over capacity. Slots are given out in priority order, `priority`:
 The tokens of a row share its slots: packed documents in a row compete for them (with
 nothing dropped, capacity_factor >= E / A, they never meet). Padding does not: given
 `token_mask` (True = a real token; a block passes its kv_mask, or else its segment ids
-other than 0, a packed row's padding), a padding token is
+other than 0, a packed row's padding, and with them its own token_mask, where a GPT's
+"stream" rows mark their padding), a padding token is
 routed nowhere (y = 0), takes no slot and counts in no statistic below.
 An assignment that
 finds its expert full is DROPPED: it contributes nothing. A token all of whose

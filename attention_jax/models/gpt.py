@@ -182,12 +182,17 @@ class GPT(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens, *, positions=None, segment_ids=None, deterministic: bool = True,
-                 decode: bool = False, return_weights: bool = False, return_hidden: bool = False):
+    def __call__(self, tokens, *, positions=None, segment_ids=None, token_mask=None,
+                 deterministic: bool = True, decode: bool = False, return_weights: bool = False,
+                 return_hidden: bool = False):
         """positions [B, T]: default arange(T); required with decode=True (the absolute
         positions of the new tokens, see layers/attention.py). segment_ids [B, T]: packed
         documents (no attention across documents), numbered from 1; 0 marks padding (with
-        mlp="moe" routed to no expert, data/packing.py's rows)."""
+        mlp="moe" routed to no expert, data/packing.py's rows). token_mask [B, T] bool
+        (mlp="moe"; None: every token real): False marks padding where there are no
+        segment ids (a "stream" row's tail, an eval batch's padding copies), routed to no
+        expert and left out of the router statistics and the balance loss. It masks no
+        attention: a causal model's real tokens see no padding that follows them."""
         cfg = self.config
         check_ids("tokens", tokens)
         b, t = tokens.shape
@@ -225,8 +230,8 @@ class GPT(nn.Module):
         x, layer_aux = TransformerStack(
             cfg.block(), cfg.num_layers, scan_layers=cfg.scan_layers,
             remat_policy=cfg.remat_policy, pending_residual=pre_norm, name="decoder")(
-                x, positions=positions, segment_ids=segment_ids, deterministic=deterministic,
-                decode=decode, return_weights=return_weights)
+                x, positions=positions, segment_ids=segment_ids, token_mask=token_mask,
+                deterministic=deterministic, decode=decode, return_weights=return_weights)
         if pre_norm:  # post-norm blocks already end in a norm
             # The stack leaves its last residual add to this norm: (x, y, y_bias).
             x = make_norm(cfg.norm, epsilon=cfg.norm_epsilon, use_bias=cfg.use_bias,

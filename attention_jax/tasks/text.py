@@ -345,6 +345,28 @@ def empty_prompt(tok) -> list[int]:
     return [tok.bos_id if eos is None else eos]
 
 
+def moe_token_mask(batch, weights):
+    """[B, T] bool, False on the padding of an LM batch the model's segment ids do not
+    mark, for its MoE (gpt.GPT's token_mask: routed to no expert, left out of the router
+    statistics and the balance loss), or None where there is none to mark. `weights`:
+    the batch's loss weights times its example weights (losses.example_weighted).
+
+    An eval batch's padding copies (example weight 0) are padding; so is a "stream"
+    row's tail (objectives.next_token_targets), which has no segment ids: there the
+    weight of the pair (t, t + 1) is real[t] & real[t + 1], so a token is real where the
+    pair it starts or the pair it ends is weighted. (The one token that misses both, a
+    row holding a single real token, has no target either: only the statistics lose it.)
+    Documents rows keep segment id 0 on their padding, which the model masks itself."""
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
+    weighted = weights > 0
+    if "segment_ids" not in batch:
+        return weighted | jnp.pad(weighted[:, :-1], ((0, 0), (1, 0)))
+    example_weight = batch.get(EXAMPLE_WEIGHT)
+    if example_weight is None:
+        return None
+    return jnp.broadcast_to(jnp.asarray(example_weight)[:, None] > 0, weighted.shape)
+
+
 def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
@@ -397,6 +419,7 @@ def lm_task(config, workdir: str) -> Task:
             chunk_size=chunk_size, loss_kernel=loss_kernel,
             label_smoothing=config.optim.label_smoothing if train else 0.0,
             positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+            token_mask=moe_token_mask(batch, weights) if cfg.mlp == "moe" else None,
             deterministic=not train, rngs={"dropout": rng})
         metrics = {"accuracy": m["accuracy"], **moe_metrics(aux)}
         if example_weight is not None:

@@ -195,3 +195,73 @@ def test_expert_capacity_is_the_ceiling_of_the_exact_product(factor, tokens, top
     # C = ceil(capacity_factor · T · A / E) as written: float rounding of an exact whole
     # product (1.1 · 100 / 2 = 55.00000000000001) gave one slot more than the formula.
     assert expert_capacity(tokens, experts, top_k, factor) == slots
+
+
+def test_masked_tokens_are_as_if_absent_outputs_and_aux_alike():
+    """token_mask anywhere in a row (not only a padded tail): a masked token gets y = 0,
+    and with room for every assignment (capacity_factor = E / A) the real tokens' outputs
+    and every statistic equal those of the real tokens alone, packed into one row. No
+    mask and an all-True one route alike."""
+    moe = MoE(num_experts=4, top_k=2, capacity_factor=2.0, hidden=32)
+    x = jax.random.normal(jax.random.key(0), (2, 9, 16))
+    mask = jax.random.bernoulli(jax.random.key(1), 0.6, (2, 9)).at[:, 0].set(True)
+    params = moe.init(jax.random.key(2), x)
+    y, aux = moe.apply(params, x, token_mask=mask)
+    alone_y, alone_aux = moe.apply(params, x[mask][None])  # [1, n, D]: the real tokens
+    np.testing.assert_allclose(y[mask], alone_y[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(y[~mask], 0.0)
+    assert set(aux) == set(alone_aux)
+    for key in aux:
+        np.testing.assert_allclose(aux[key], alone_aux[key], rtol=1e-5, err_msg=key)
+    # The padding changed things before masking: the statistics are not trivially equal.
+    unmasked_aux = moe.apply(params, x)[1]
+    assert abs(unmasked_aux["router_z_loss"] - alone_aux["router_z_loss"]) > 1e-3
+    # Default: exactly as an all-True mask.
+    for a, b in zip(jax.tree.leaves(moe.apply(params, x)),
+                    jax.tree.leaves(moe.apply(params, x, token_mask=jnp.ones((2, 9), bool)))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_gpt_s_stream_padding_is_masked_by_token_mask():
+    """A "stream" row has no segment ids, so nothing marked its padded tail for the
+    MoE: it took slots and counted in the balance loss trained on. With token_mask the
+    real tokens' logits, the router statistics and the weighted MoE loss are those of
+    the batch with the padding cut off (room for every assignment: 2 = E / A)."""
+    from attention_jax.models import gpt
+    cfg = gpt.GPTConfig.from_variant("gpt-tiny-moe", capacity_factor=2.0)
+    model = gpt.GPT(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
+    mask = jnp.broadcast_to(jnp.arange(16) < 11, (2, 16))
+    params = model.init(jax.random.key(1), tokens)
+    logits, aux = model.apply(params, tokens, token_mask=mask)
+    cut_logits, cut_aux = model.apply(params, tokens[:, :11])
+    np.testing.assert_allclose(logits[:, :11], cut_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux["moe_loss"], cut_aux["moe_loss"], rtol=1e-5)
+    for key in ("load_balance_loss", "router_z_loss", "expert_load", "router_entropy"):
+        np.testing.assert_allclose(aux["layers"]["moe"][key], cut_aux["layers"]["moe"][key],
+                                   rtol=1e-5, err_msg=key)
+    assert abs(model.apply(params, tokens)[1]["moe_loss"] - cut_aux["moe_loss"]) > 1e-6
+
+
+def test_the_lm_task_marks_stream_padding_and_eval_padding_copies_for_the_moe():
+    """tasks.text.moe_token_mask recovers a stream row's real tokens from its loss
+    weights (objectives.next_token_targets) and masks an eval batch's padding copies;
+    documents rows leave their padding to the segment ids (None without copies)."""
+    from attention_jax.data import objectives
+    from attention_jax.data.loaders import EXAMPLE_WEIGHT
+    from attention_jax.tasks.text import moe_token_mask
+    lengths = np.array([8, 5, 2, 0])  # real tokens per row of 8 (the last a padding copy)
+    seg = (np.arange(8)[None] < lengths[:, None]).astype(np.int32)
+    rows = {"tokens": np.where(seg > 0, 7, 0).astype(np.int32), "segment_ids": seg,
+            "positions": np.zeros_like(seg)}
+    stream = objectives.next_token_targets(rows, "stream")
+    got = moe_token_mask(stream, jnp.asarray(stream["weights"]))
+    np.testing.assert_array_equal(got, seg > 0)
+    copy = np.array([1.0, 1.0, 0.0, 1.0], np.float32)  # row 2 padding an eval batch
+    got = moe_token_mask({**stream, EXAMPLE_WEIGHT: copy},
+                         jnp.asarray(stream["weights"]) * copy[:, None])
+    np.testing.assert_array_equal(got, (seg > 0) & (copy[:, None] > 0))
+    documents = objectives.next_token_targets(rows, "documents")
+    assert moe_token_mask(documents, jnp.asarray(documents["weights"])) is None
+    got = moe_token_mask({**documents, EXAMPLE_WEIGHT: copy}, jnp.asarray(documents["weights"]))
+    np.testing.assert_array_equal(got, np.broadcast_to(copy[:, None] > 0, (4, 8)))

@@ -217,3 +217,33 @@ def test_an_moe_gpt_s_eval_loss_is_the_tokens_nll_without_the_balance_loss(data_
                        for train in (False, True)]
     assert got[1.0][0] == pytest.approx(got[0.0][0], rel=1e-6)  # eval: the NLL alone
     assert got[1.0][1] > got[0.0][1] + 0.5  # training: + the balance loss (>= 1 per layer)
+
+
+def test_an_moe_gpt_s_stream_padding_moves_neither_its_loss_nor_its_router_metrics(
+        data_dir, tmp_path):
+    """data.packing="stream" rows carry no segment ids, so their padding (a split's
+    last row, an eval batch's padding copies) reached the MoE unmarked: it took expert
+    slots and counted in the router metrics and the balance loss trained on. The task
+    now masks it (text.moe_token_mask): whatever the padding holds, the training loss
+    and every metric stay the same."""
+    config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe",
+                                    ["model.num_heads=2", "data.packing=stream"]), data_dir)
+    task = TASKS[config.task](config, str(tmp_path))
+    batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
+                                     num_epochs=1, transform=task.eval_transform,
+                                     process_index=0, process_count=1)))
+    assert "segment_ids" not in batch
+    # Row 1 padded after its 10th token, as next_token_targets weights a stream's tail.
+    batch["weights"][1, 9:] = 0.0
+    params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+    runs = []
+    for fill in (0, 5):
+        padded = {**batch, "inputs": batch["inputs"].copy()}
+        padded["inputs"][1, 10:] = fill
+        loss, metrics = task.loss(params, padded, jax.random.PRNGKey(1), True)
+        runs.append((float(loss), {k: float(v) for k, v in metrics.items()}))
+    (loss_a, metrics_a), (loss_b, metrics_b) = runs
+    assert any(k.startswith("moe/") for k in metrics_a)
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    for k in metrics_a:
+        assert metrics_a[k] == pytest.approx(metrics_b[k], rel=1e-5, abs=1e-7), k
