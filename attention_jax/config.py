@@ -147,7 +147,7 @@ CHOICES = {
 # (workdir.ADDED_KEYS).
 GPT_ARCHITECTURE_KEYS = ("num_kv_heads", "position", "rope_base", "mlp", "activation", "norm",
                          "norm_epsilon", "norm_position", "attention_scale", "tie_embeddings",
-                         "use_bias", "moe_loss_weight")
+                         "use_bias", "moe_loss_weight", "router_z_loss_weight")
 
 # Valid values of the numeric keys, as intervals ("(" open, "[" closed; errors.check_range).
 RANGES = {

@@ -48,7 +48,8 @@ Auxiliary outputs (aux dict), to add to the loss and to plot:
   load_balance_loss  E · Σ_e f_e · P_e  (Switch eq. 4), f_e the fraction of assignments
                      the router sends to e (before capacity), P_e the mean router
                      probability of e. Equals 1 for a uniform router, E when collapsed.
-  router_z_loss      mean (logsumexp logits)², keeps router logits small (ST-MoE, Zoph 2022).
+  router_z_loss      mean (logsumexp logits)², keeps router logits small (ST-MoE, Zoph 2022,
+                     weight it 1e-3; a GPT's router_z_loss_weight, 0 by default).
   expert_load [E]    f_e: the router's load per expert (sums to 1).
   router_entropy     mean entropy of the router distribution (log E = uniform).
   dropped_fraction   fraction of assignments dropped for lack of capacity.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -90,6 +91,9 @@ class GPTConfig:
     top_k: int = 2  # mlp="moe": experts each token is sent to
     capacity_factor: float = 1.25  # mlp="moe": an expert's slots, a multiple of its even share
     moe_loss_weight: float = 0.01  # weight of the load-balancing loss (Switch uses 1e-2)
+    # weight of the router z-loss, mean logsumexp(router logits)² (ST-MoE, Zoph et al.
+    # 2022, use 1e-3; it keeps the router's logits small); 0: not in the loss
+    router_z_loss_weight: float = 0.0
     dtype: Any = "float32"
     param_dtype: Any = "float32"
 
@@ -100,6 +104,14 @@ class GPTConfig:
         # num_layers=0 built a model with nothing in it).
         check_float_dtypes(self)
         check_rates_and_epsilon(self)
+        # The MoE losses' weights: a negative one would reward the imbalance (or the large
+        # router logits) the loss is there to penalise.
+        for name in ("moe_loss_weight", "router_z_loss_weight"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not 0 <= value < math.inf):
+                raise ValueError(f"{name}={value!r} is out of range; valid: a finite "
+                                 f"{name} >= 0 (0: not in the loss)")
         check_positive_ints(self, ("vocab_size", "max_len", "num_layers", "d_model",
                                    "num_heads"))
         if self.d_model % self.num_heads:
@@ -175,8 +187,9 @@ class GPT(nn.Module):
     lm_head_weights).
 
     aux: {"layers": per-layer aux stacked [L, ...] (MoE statistics), "attention_weights":
-    {"self": [L, B, N, T, S]} when asked, "moe_loss": weighted load-balancing loss summed
-    over layers (MoE only)}.
+    {"self": [L, B, N, T, S]} when asked, "moe_loss": moe_loss_weight × the load-balancing
+    loss + router_z_loss_weight × the router z-loss, each summed over layers (MoE only),
+    for the training objective}.
     """
 
     config: GPTConfig
@@ -243,6 +256,9 @@ class GPT(nn.Module):
             aux["attention_weights"] = {"self": layer_aux.pop("self_attention_weights")}  # [L, B, N, T, S]
         if cfg.mlp == "moe":
             aux["moe_loss"] = cfg.moe_loss_weight * jnp.sum(layer_aux["moe"]["load_balance_loss"])
+            if cfg.router_z_loss_weight:  # (left out at 0: the sum stays bit for bit as it was)
+                aux["moe_loss"] = aux["moe_loss"] + cfg.router_z_loss_weight * jnp.sum(
+                    layer_aux["moe"]["router_z_loss"])
         if return_hidden and not self.is_initializing():  # init still creates the head
             return x, aux
         if cfg.tie_embeddings:

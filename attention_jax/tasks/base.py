@@ -187,7 +187,8 @@ def moe_metrics(aux) -> dict[str, jax.Array]:
     Mixture-of-experts layers report `load_balance_loss` (Switch Transformer, Fedus et
     al. 2021), `router_entropy`, `dropped_fraction` and `expert_load` [E] (one metric
     per expert), so every task logs MoE models the same way. (The weighted balance loss
-    itself is added to the objective by the model, as aux["moe_loss"].) They are batch
+    itself, with the weighted router z-loss, is added to the objective by the model, as
+    aux["moe_loss"].) They are batch
     means over the tokens the router saw: a task keeps its padding out of them (an eval
     batch's padding copies included) by masking it, as text.moe_token_mask does.
     """

@@ -424,8 +424,9 @@ def lm_task(config, workdir: str) -> Task:
         metrics = {"accuracy": m["accuracy"], **moe_metrics(aux)}
         if example_weight is not None:
             metrics[WEIGHT] = jnp.sum(weights)  # the tokens the means are over
-        # The routers' balance loss is part of the objective trained on, not of the
-        # model's fit: eval's loss (and its perplexity) is the tokens' NLL alone.
+        # The routers' balance loss (and z-loss, where weighted) is part of the objective
+        # trained on, not of the model's fit: eval's loss (and its perplexity) is the
+        # tokens' NLL alone.
         return (nll + aux.get("moe_loss", 0.0) if train else nll), metrics
 
     def sample(params, rng):

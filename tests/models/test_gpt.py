@@ -399,3 +399,27 @@ def test_param_dtype_reaches_every_parameter():
     assert any("final_norm" in k for k in found)
     assert {str(d) for d in found.values()} == {"bfloat16"}, {
         k: d for k, d in found.items() if d != jnp.bfloat16}
+
+
+def test_router_z_loss_weight_adds_its_multiple_of_the_z_loss_to_the_moe_loss():
+    """The z-loss (ST-MoE) was computed and never trained on. moe_loss is now
+    moe_loss_weight × Σ balance + router_z_loss_weight × Σ z over layers; the weight's
+    default 0 leaves moe_loss the balance term alone, bit for bit."""
+    tokens = _tokens((2, 16), 5)
+    base = gpt.get_config("gpt-tiny-moe")
+    params = gpt.GPT(base).init(jax.random.PRNGKey(0), tokens)
+    _, aux0 = gpt.GPT(base).apply(params, tokens)
+    assert base.router_z_loss_weight == 0.0
+    assert float(aux0["moe_loss"]) == float(
+        base.moe_loss_weight * jnp.sum(aux0["layers"]["moe"]["load_balance_loss"]))
+    z = float(jnp.sum(aux0["layers"]["moe"]["router_z_loss"]))
+    assert z > 0
+    weighted = gpt.get_config("gpt-tiny-moe", router_z_loss_weight=1e-3)
+    _, aux = gpt.GPT(weighted).apply(params, tokens)
+    np.testing.assert_allclose(float(aux["moe_loss"]) - float(aux0["moe_loss"]), 1e-3 * z,
+                               rtol=1e-5)
+    for name in ("router_z_loss_weight", "moe_loss_weight"):
+        for bad in (-1e-3, float("inf"), "1e-3"):
+            with pytest.raises(ValueError, match=rf"^{name}={bad!r} is out of range; valid: "
+                                                 rf"a finite {name} >= 0"):
+                gpt.get_config("gpt-tiny-moe", **{name: bad})

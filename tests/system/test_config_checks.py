@@ -91,6 +91,32 @@ def test_an_moe_capacity_below_one_warns_that_tokens_are_dropped():
     assert not config_lib.warnings(config_lib.load("gpt"))  # None: the variant's own
 
 
+def test_moe_loss_weights_are_keys_refused_below_zero_and_absent_from_old_runs(tmp_path):
+    """model.router_z_loss_weight (new) and model.moe_loss_weight: None is the model's
+    default (0 and 0.01); a negative weight is a ConfigError naming the key; a run saved
+    before the z-loss's key reads back with it unset, and resumes as no change."""
+    from attention_jax.models import gpt
+    load = lambda *over: config_lib.load("gpt:variant=gpt-tiny-moe", list(over))  # noqa: E731
+    cfg = tasks.model_config(gpt.GPTConfig, load(), vocab_size=256)
+    assert (cfg.router_z_loss_weight, cfg.moe_loss_weight) == (0.0, 0.01)
+    assert tasks.model_config(gpt.GPTConfig, load("model.router_z_loss_weight=1e-3"),
+                              vocab_size=256).router_z_loss_weight == 1e-3
+    for key in ("router_z_loss_weight", "moe_loss_weight"):
+        with pytest.raises(ConfigError, match=rf"^config\.model: {key}=-0\.5 is out of "
+                                              rf"range; valid: a finite {key} >= 0"):
+            tasks.model_config(gpt.GPTConfig, load(f"model.{key}=-0.5"), vocab_size=256)
+    config = load()
+    workdir_lib.write_config(str(tmp_path), config)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    del stored["model"]["router_z_loss_weight"]  # as a run saved before the key
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    old = workdir_lib.read_config(str(tmp_path))
+    assert tasks.model_config(gpt.GPTConfig, old, vocab_size=256).router_z_loss_weight == 0.0
+    assert workdir_lib.training_changes(config, str(tmp_path)) == ""
+    assert "model.router_z_loss_weight: null -> 0.001" in workdir_lib.training_changes(
+        load("model.router_z_loss_weight=1e-3"), str(tmp_path))
+
+
 def test_model_dropout_and_data_probabilities():
     from attention_jax.models import bert, gpt
     c = tiny.tiny_config()

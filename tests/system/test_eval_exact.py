@@ -247,3 +247,29 @@ def test_an_moe_gpt_s_stream_padding_moves_neither_its_loss_nor_its_router_metri
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     for k in metrics_a:
         assert metrics_a[k] == pytest.approx(metrics_b[k], rel=1e-5, abs=1e-7), k
+
+
+def test_an_moe_gpt_trains_on_router_z_loss_weight_times_the_z_loss(data_dir, tmp_path):
+    """config.model.router_z_loss_weight (ST-MoE's 1e-3; default 0) adds exactly that
+    multiple of the routers' z-loss, summed over layers, to the training loss, and
+    nothing to eval's."""
+    got, z = {}, None
+    for weight in (0.0, 0.5):
+        config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe", "model.num_heads=2"),
+                        data_dir)
+        config.model.router_z_loss_weight = weight
+        task = TASKS[config.task](config, str(tmp_path / str(weight)))
+        batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
+                                         num_epochs=1, transform=task.eval_transform,
+                                         process_index=0, process_count=1)))
+        params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+        got[weight] = [float(task.loss(params, batch, jax.random.PRNGKey(1), train)[0])
+                       for train in (False, True)]
+        if weight == 0.0:
+            aux = task.model.apply({"params": params}, batch["inputs"],
+                                   positions=batch["positions"],
+                                   segment_ids=batch["segment_ids"])[1]
+            z = float(np.sum(aux["layers"]["moe"]["router_z_loss"]))
+    assert z > 0
+    assert got[0.5][0] == pytest.approx(got[0.0][0], rel=1e-6)  # eval: the NLL alone
+    assert got[0.5][1] - got[0.0][1] == pytest.approx(0.5 * z, rel=1e-4)
