@@ -79,6 +79,9 @@ def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int,
 
 
 PRIORITIES = ("choice", "token")
+# The MoE's per-expert parameters (leading axis E, after a scanned stack's L): a token
+# passes through top_k of each's E slices (models/flops.py counts only those).
+EXPERT_PARAMS = ("wi", "wo", "wi_bias", "wo_bias")
 
 
 def route(logits, top_k: int, capacity: int, normalize_gates: Optional[bool] = None,

@@ -6,7 +6,8 @@ Per token of a Transformer that reads T tokens per sequence:
 
 N: the parameters that take part in a matmul per token (`matmul_params`): all but the
 position (and BERT's token-type) tables; a tied embedding counts once, for the output
-projection. 6 = 2 (a multiply-add) × 3 (the forward matmul and two backward ones, for the
+projection; of a mixture-of-experts layer's experts, the top_k a token is routed to
+(the "active parameters" convention: Switch, Mixtral), its router in full. 6 = 2 (a multiply-add) × 3 (the forward matmul and two backward ones, for the
 input's and the weight's gradients). 12·L·T·D: the two attention matmuls QKᵀ and AV, 2·2·T·D
 per token and layer forward, ×3 with the backward; counted in full for causal models too, as
 PaLM does. "Model" FLOPs: what the model needs, not what the hardware did (activation
@@ -19,10 +20,14 @@ scaling report (tools/fits.py) and the benchmarks (tools/bench).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import numpy as np
+
+from attention_jax.errors import is_int
+from attention_jax.layers.moe import EXPERT_PARAMS
 
 __all__ = ["PER_PARAM", "matmul_params", "attention_flops_per_token", "flops_per_token",
            "conv_flops_per_example"]
@@ -40,13 +45,32 @@ def _leaves(params):
         yield "/".join(str(getattr(k, "key", k)) for k in path).lower(), tuple(np.shape(leaf))
 
 
-def matmul_params(params, skip: Sequence[str] = LOOKUP_TABLES) -> int:
+def matmul_params(params, skip: Sequence[str] = LOOKUP_TABLES,
+                  experts_per_token: Optional[tuple[int, int]] = None) -> int:
     """N of the formula: parameters of `params` (arrays or their shapes) whose path names
     none of `skip` (default: position and token-type tables). Pass "token_embedding" too
     for a GPT with an untied output head: its input table is then only looked up.
-    Mixture-of-experts layers count every expert (an upper bound: a token uses top_k)."""
-    return int(sum(np.prod(shape, dtype=np.int64) for name, shape in _leaves(params)
-                   if not any(s in name for s in skip)))
+
+    experts_per_token: (top_k, num_experts) of the model's mixture-of-experts layers
+    (layers/moe.py): each expert's weights and biases (EXPERT_PARAMS) count top_k /
+    num_experts of their size, the experts a token is routed to (the active parameters;
+    the router counts in full). A model FLOPs count: the capacity's empty slots and the
+    dropped assignments change what the hardware does, not this. None: every parameter
+    counts in full (a parameter count; for an MoE, every expert for every token)."""
+    if experts_per_token is not None:
+        top_k, num_experts = experts_per_token
+        if not (is_int(top_k) and is_int(num_experts) and 1 <= top_k <= num_experts):
+            raise ValueError(f"experts_per_token={experts_per_token!r}; valid: (top_k, "
+                             f"num_experts) with 1 <= top_k <= num_experts")
+    total = 0
+    for name, shape in _leaves(params):
+        if any(s in name for s in skip):
+            continue
+        size = int(np.prod(shape, dtype=np.int64))
+        if experts_per_token is not None and name.rsplit("/", 1)[-1] in EXPERT_PARAMS:
+            size = size * top_k // num_experts  # (exact: E divides an expert leaf's size)
+        total += size
+    return total
 
 
 def attention_flops_per_token(num_layers: int, key_len: int, d_model: int) -> float:
@@ -58,7 +82,8 @@ def attention_flops_per_token(num_layers: int, key_len: int, d_model: int) -> fl
 def flops_per_token(matmul_params: int, num_layers: int, seq_len: int, d_model: int) -> float:
     """Model FLOPs of a training step per token: 6·N + 12·L·T·D (PaLM, App. B).
 
-    matmul_params: N (see `matmul_params`; e.g. GPT-2's V·D + L·(12·D² + 13·D) + 2·D);
+    matmul_params: N (see `matmul_params`; e.g. GPT-2's V·D + L·(12·D² + 13·D) + 2·D;
+    for a mixture of experts, the active parameters: top_k of the E experts per token);
     num_layers: L; seq_len: T, the tokens each attends over (a ViT image: patches, + 1
     with [CLS]); d_model: D. A step's FLOPs: this × tokens per step.
     """

@@ -468,8 +468,11 @@ def lm_task(config, workdir: str) -> Task:
                 # The position table bounds the input only when it is learned.
                 attention_input=_text_attention_input(
                     tok, cfg.max_len if cfg.position == "learned" else None, config.task),
+                # An MoE's experts count top_k of num_experts: those a token passes through.
                 flops_per_unit=lambda params: flops.flops_per_token(
-                    flops.matmul_params(params, lookups), cfg.num_layers, data_opts.seq_len, cfg.d_model),
+                    flops.matmul_params(params, lookups, experts_per_token=(
+                        (cfg.top_k, cfg.num_experts) if cfg.mlp == "moe" else None)),
+                    cfg.num_layers, data_opts.seq_len, cfg.d_model),
                 tokens_per_example=data_opts.seq_len)
 
 

@@ -119,6 +119,45 @@ def test_flops_per_token_is_palms_formula_with_gpt2s_parameter_count():
     assert per_token == pytest.approx(0.855e9, rel=1e-3)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_an_moe_gpt_s_flops_count_the_top_k_experts_a_token_passes_through(
+        data_dir, tmp_path, scan_layers):
+    """The active-parameter convention: of an MoE layer's E experts a token is routed
+    through top_k, so N counts top_k of each expert weight's E slices (the router in
+    full); every expert for every token was counted before (2x at E 4, top 2). By hand
+    for gpt-tiny-moe (V 256, D 64, L 2, F 128, E 4, top 2, biases, tied head), with the
+    layers as one scan (a leading L axis) too; and the gpt task's FLOPs use it."""
+    import jax
+
+    from attention_jax import config as config_lib
+    from attention_jax.models import flops, gpt
+    from attention_jax.tasks import TASKS
+    from helpers import shrink
+    cfg = gpt.get_config("gpt-tiny-moe", scan_layers=scan_layers)
+    shapes = jax.eval_shape(gpt.GPT(cfg).init, jax.random.PRNGKey(0),
+                            jax.numpy.zeros((1, 8), "int32"))["params"]
+    v, d, layers, f, e, k = 256, 64, 2, 128, 4, 2
+    expert = d * f + f + f * d + d  # wi, wi_bias, wo, wo_bias of one expert
+    block = (4 * d * d + 4 * d) + 2 * 2 * d + d * e  # attention, two LayerNorms, router
+    final_norm = 2 * d
+    assert flops.matmul_params(shapes) == v * d + layers * (block + e * expert) + final_norm
+    active = v * d + layers * (block + k * expert) + final_norm
+    assert flops.matmul_params(shapes, experts_per_token=(k, e)) == active
+    assert flops.matmul_params(shapes, experts_per_token=(e, e)) == flops.matmul_params(shapes)
+    with pytest.raises(ValueError, match=r"experts_per_token=\(5, 4\); valid: \(top_k, "):
+        flops.matmul_params(shapes, experts_per_token=(5, 4))
+    if scan_layers:
+        return
+    config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe", "model.num_heads=2"), data_dir)
+    task = TASKS[config.task](config, str(tmp_path))
+    c = task.model.config
+    shapes = jax.eval_shape(task.init, jax.random.PRNGKey(0))
+    n = flops.matmul_params(shapes, experts_per_token=(c.top_k, c.num_experts))
+    assert n < flops.matmul_params(shapes)
+    assert task.flops_per_unit(shapes) == flops.flops_per_token(n, c.num_layers,
+                                                                config.data.seq_len, c.d_model)
+
+
 def _scaling_task(config, workdir):
     """A registered stand-in for a model-size sweep: params [L, D, D] and a FLOP count."""
     import jax.numpy as jnp
