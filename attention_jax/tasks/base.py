@@ -208,7 +208,10 @@ def moe_metrics(aux) -> dict[str, jax.Array]:
     return metrics
 
 
-MOE_KEYS = ("load_balance_loss", "router_entropy", "dropped_fraction", "expert_load")
+# The router z-loss is logged whatever its weight in the loss (0 by default): a growing one
+# is what ST-MoE adds it against.
+MOE_KEYS = ("load_balance_loss", "router_z_loss", "router_entropy", "dropped_fraction",
+            "expert_load")
 
 
 # ================================================================================ adapters

@@ -248,7 +248,8 @@ def _check_same_loss(task_and_step, params, batch, want_loss, want_g, model):
     for k in want_m:
         np.testing.assert_allclose(np.asarray(got_m[k]), np.asarray(want_m[k]), rtol=1e-5, atol=1e-7)
     if "mlp" in model:
-        assert "moe/load_balance_loss" in got_m
+        assert {"moe/load_balance_loss", "moe/router_z_loss"} <= set(got_m)
+        assert float(got_m["moe/router_z_loss"]) > 0
     flat_want = jax.tree_util.tree_flatten_with_path(want_g)[0]
     for (path, a), b in zip(flat_want, jax.tree.leaves(got_g), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
