@@ -35,9 +35,11 @@ def xla_refusal(call: AttentionCall, platform: Platform, name: str = "xla") -> O
     if call.dtype == jnp.float64:
         # Pallas runs float64 only interpreted, on CPU (pallas.refusal).
         pallas = ", 'pallas'" if platform.backend == "cpu" else ""
-        return (f"implementation={name!r} cannot compute float64: "
-                f"jax.nn.dot_product_attention computes its softmax in float32 whatever the "
-                f"inputs' dtype. Valid for float64: 'auto', 'reference', 'blockwise'{pallas}")
+        why = ("cuDNN's fused kernel runs float16/bfloat16 only" if name == "cudnn" else
+               "jax.nn.dot_product_attention computes its softmax in float32 whatever the "
+               "inputs' dtype")
+        return (f"implementation={name!r} cannot compute float64: {why}. Valid for float64: "
+                f"'auto', 'reference', 'blockwise'{pallas}")
     if call.value_dim == call.head_dim:
         return None
     return (f"implementation={name!r}: v's head dim Hv={call.value_dim} differs from q's "

@@ -162,6 +162,12 @@ def test_float64_is_computed_in_float64_or_refused_by_name(x64):
     with pytest.raises(BackendRefusedError, match=r"^implementation='cudnn' cannot compute "
                                                   r"float64: .* 'blockwise'(?!, )"):
         explain(q, k, v, implementation="cudnn", backend="gpu", **kw)
+    # cuDNN's own reason (its fused kernel takes float16/bfloat16 only, float32 neither),
+    # not the XLA path's float32 softmax, which is not what stops cuDNN.
+    with pytest.raises(BackendRefusedError) as refused:
+        explain(q, k, v, implementation="cudnn", backend="gpu", **kw)
+    assert "float16/bfloat16" in str(refused.value), refused.value
+    assert "softmax in float32" not in str(refused.value), refused.value
     impl, reason = explain(q, k, v, backend="gpu", **kw)
     assert impl == "blockwise" and "not cudnn: implementation='cudnn' cannot compute float64" \
         in reason, reason
