@@ -352,7 +352,9 @@ def check_model_keys(cls, config) -> None:
                           f"valid: {sorted(fields)}{did_you_mean(unknown[0], fields)}")
 
 
-EXPERT_KEYS = ("num_experts", "top_k", "capacity_factor")  # model keys read only by mlp="moe"
+# Model keys read only by mlp="moe", the router losses' weights among them.
+EXPERT_KEYS = ("num_experts", "top_k", "capacity_factor", "moe_loss_weight",
+               "router_z_loss_weight")
 
 
 def model_config(cls, config, **forced):

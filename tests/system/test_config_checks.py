@@ -805,6 +805,12 @@ def test_gpt_s_mlp_width_is_a_key_and_none_leaves_the_variant_s(tmp_path, capsys
     assert capsys.readouterr().err == ("note: config.model.num_experts is read only with "
                                        "config.model.mlp='moe' (now 'mlp'): this dense MLP "
                                        "has no experts\n")
+    tasks.model_config(gpt.GPTConfig, config_lib.load("gpt", ["model.router_z_loss_weight=0.001",
+                                                              "model.moe_loss_weight=0.1"]),
+                       vocab_size=256)
+    assert capsys.readouterr().err == ("note: config.model.moe_loss_weight, router_z_loss_weight "
+                                       "are read only with config.model.mlp='moe' (now 'mlp'): "
+                                       "this dense MLP has no experts\n")
     config = config_lib.load("gpt")
     old = json.loads(config.to_json_best_effort())
     del old["model"]["mlp_dim"]
