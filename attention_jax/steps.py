@@ -277,6 +277,22 @@ def check_eval_split(task: Task, config) -> None:
               f"each evaluation reads all {size}", file=sys.stderr)
 
 
+def check_train_split(task: Task, config) -> None:
+    """Before any step: a train split of fewer examples than config.train.batch_size,
+    whose every batch would hold the same examples several times over (the loader wraps
+    round the split), is refused (a few short texts packed into one or two rows of
+    data.seq_len, a batch_size meant for a larger corpus)."""
+    size, batch_size = len(task.train_source), config.train.batch_size
+    if size >= batch_size:
+        return
+    rows = (f" (rows of config.data.seq_len={task.seq_len} tokens)"
+            if task.unit == "tokens" and task.seq_len else "")
+    raise ConfigError(f"config.train.batch_size={batch_size} is more than the train split's "
+                      f"{size} example{'s' if size != 1 else ''}{rows}: every batch would "
+                      f"repeat them; valid: config.train.batch_size <= {size}, or more "
+                      f"training data")
+
+
 def _check_weighted(task: Task, config, size: int) -> None:
     """ConfigError unless the task's loss reports its weight (losses.WEIGHT), which
     evaluating a padded batch needs."""

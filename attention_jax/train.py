@@ -94,6 +94,8 @@ def setup(config, workdir: str, task: Task | None = None, read_only: bool = Fals
                                      task.seq_len, task.tokens_per_example)
     if config.eval.every >= 0 and not read_only:
         steps.check_eval_split(task, config)
+    if not read_only:
+        steps.check_train_split(task, config)
     tx, schedule = make_optimizer(config.optim, config.optim.decay_steps or config.train.steps)
     # Shapes and shardings are worked out outside the mesh context: flax's partitioned
     # initialisers would otherwise try to constrain abstract values eagerly.

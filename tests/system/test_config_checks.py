@@ -1060,3 +1060,18 @@ def test_sample_prompts_that_are_not_strings_are_a_config_error():
         config_lib.validate(tiny.tiny_config(**{"eval.sample_prompts": (1, 2)}))
     config_lib.validate(tiny.tiny_config(**{"eval.sample_prompts": ()}))
     config_lib.validate(tiny.tiny_config(**{"eval.sample_prompts": ["def "]}))  # a config.json's
+
+
+def test_a_batch_larger_than_the_train_split_is_a_config_error(tmp_path):
+    """A few short texts packed into two rows, trained at train.batch_size=8, ran: every
+    batch held the same two rows four times over, unsaid."""
+    config = tiny.tiny_config(**{"train.batch_size": 16})
+    task = tiny.make_tiny_task(config)
+    task.train_source = tiny.SyntheticSequences(5)
+    with pytest.raises(ConfigError, match=r"^config\.train\.batch_size=16 is more than the "
+                                          r"train split's 5 examples: every batch would repeat "
+                                          r"them; valid: config\.train\.batch_size <= 5"):
+        train.setup(config, str(tmp_path / "run"), task=task)
+    assert not (tmp_path / "run").exists()
+    task.train_source = tiny.SyntheticSequences(16)  # exactly one batch: trains
+    train.setup(config, str(tmp_path / "run"), task=task)
