@@ -383,6 +383,12 @@ def validate(config, num_devices: int | None = None, tasks: Iterable[str] | None
         if key not in base:
             group = key.rsplit(".", 1)[0]
             valid = sorted(k.rsplit(".", 1)[1] for k in base if k.rsplit(".", 1)[0] == group)
+            if not valid:  # a top-level key or group of its own (my_note, trian.steps)
+                top = sorted(base_config().keys())
+                first = key.split(".", 1)[0]
+                raise ConfigError(f"config.{key} is not a known key: config has no {first!r}; "
+                                  f"valid top-level keys of config: {top}"
+                                  f"{did_you_mean(first, top)}")
             raise ConfigError(f"config.{key} is not a known key; valid keys in "
                               f"config.{group}: {valid or sorted(base)}"
                               f"{_hint(base_config(), key, key.rsplit('.', 1)[-1], valid)}")

@@ -52,6 +52,16 @@ def test_config_errors_name_the_key_and_valid_values():
     c = tiny.tiny_config()
     c.optim.lrr = 1e-3
     _raises(c, r"config\.optim\.lrr is not a known key; valid keys in config\.optim: .*'lr'")
+    # A config file's own top-level key or group listed every flat key as "valid keys in
+    # config.my_note" (and no data.* or model.* one); it names the top-level keys.
+    c = tiny.tiny_config()
+    c.my_note = 3
+    _raises(c, r"^config\.my_note is not a known key: config has no 'my_note'; valid top-level "
+               r"keys of config: \['data', 'eval', 'mesh', 'model', 'optim', 'task', 'train'\]$")
+    c = tiny.tiny_config()
+    c.trian = {"steps": 3}
+    _raises(c, r"^config\.trian\.steps is not a known key: config has no 'trian'; .* \(did you "
+               r"mean 'train'\?\)$")
 
     c = tiny.tiny_config().to_dict()
     c["train"]["steps"] = "ten"
