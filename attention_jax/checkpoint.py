@@ -131,6 +131,22 @@ def step_folders(directory: epath.Path) -> dict[int, epath.Path]:
     return {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()}
 
 
+# What orbax appends to a step's folder name while it writes it (its atomicity module).
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def unfinished_saves(directory: epath.Path) -> dict[int, epath.Path]:
+    """The temporary folders of saves that did not finish, by step."""
+    if not directory.exists():
+        return {}
+    found = {}
+    for p in directory.iterdir():
+        step, suffix, _ = p.name.partition(ORBAX_TMP_SUFFIX)
+        if suffix and step.isdigit() and p.is_dir():
+            found[int(step)] = p
+    return found
+
+
 def committed_steps_in(directory) -> list[int]:
     """Steps whose folder carries orbax's commit marker, oldest first (no manager opened)."""
     return sorted(s for s, p in step_folders(epath.Path(directory)).items() if _is_committed(p))
@@ -461,6 +477,13 @@ class Checkpointer:
             target = _move_aside(path, "uncommitted")
             warn(f"checkpoint folder {path} has no commit marker (a save that did not "
                  f"finish): ignored, moved aside to {target}")
+        # On a local disk orbax writes a step into `<step>.orbax-checkpoint-tmp...` and
+        # renames it when done; a run stopped during a save leaves that folder, which the
+        # manager deletes as it opens (cleanup_tmp_directories). Say so: the run then
+        # resumes from an older step than the one it was saving.
+        for step, path in sorted(unfinished_saves(self.directory).items()):
+            warn(f"checkpoint folder {path}: the save of step {step} did not finish (the run "
+                 f"stopped during it): deleted, as orbax deletes unfinished saves")
 
     # -------------------------------------------------------------------------- save
     def prepare(self, state, *, device_programs: bool | None = None,

@@ -241,6 +241,23 @@ def test_a_step_folder_without_commit_marker_is_ignored(runs, tmp_path):
         assert "20.uncommitted" in names and "20" in names, names
 
 
+def test_an_unfinished_save_s_temporary_folder_is_named_as_it_is_deleted(runs, tmp_path, capsys):
+    """A run stopped while orbax wrote step 20 locally leaves `20.orbax-checkpoint-tmp-...`,
+    which the checkpoint manager deleted as it opened, unsaid: the run resumed from step 15
+    with no word of the step it had been saving."""
+    workdir = _copy(runs, tmp_path / "run")
+    tmp = _step(workdir, 20) + ".orbax-checkpoint-tmp-1764316800"
+    shutil.copytree(_step(workdir, 15), tmp)
+    os.remove(os.path.join(tmp, "commit_success.txt"))
+    summary = train.train_and_evaluate(tiny.tiny_config(**STEPS, **{"train.steps": 20}), workdir)
+    assert summary["losses"] == runs["losses"][15:]
+    err = capsys.readouterr().err
+    assert (f"warning: checkpoint folder {tmp}: the save of step 20 did not finish (the run "
+            f"stopped during it): deleted, as orbax deletes unfinished saves") in err, err
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "20"
+    assert not os.path.exists(tmp)
+
+
 def test_a_flipped_bit_on_disk_never_restores_silently(runs, tmp_path):
     """One flipped bit at several places of the largest array file: each restore either
     raises CheckpointDamagedError or gives back exactly the saved values."""
