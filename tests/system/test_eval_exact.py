@@ -199,20 +199,27 @@ def test_every_family_loss_weighs_a_padding_row_zero(data_dir, tmp_path, name, o
     assert total == (rows[weights].sum() if weights else n)
 
 
+def _tiny_moe(data_dir, workdir, overrides=(), **fields):
+    """The tiny MoE GPT's task (GPTConfig `fields` set on its config), its first eval
+    batch of 2 and its initial params."""
+    config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe", ["model.num_heads=2",
+                                                                 *overrides]), data_dir)
+    for name, value in fields.items():  # GPTConfig fields the shipped config leaves out
+        config.model[name] = value
+    task = TASKS[config.task](config, str(workdir))
+    batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
+                                     num_epochs=1, transform=task.eval_transform,
+                                     process_index=0, process_count=1)))
+    return task, batch, nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+
+
 def test_an_moe_gpt_s_eval_loss_is_the_tokens_nll_without_the_balance_loss(data_dir, tmp_path):
     """The routers' balance loss is added to what an MoE GPT trains on, not to what its
     evaluation reports: eval's loss (and perplexity, its exp) was the NLL plus
     moe_loss_weight × the balance loss, so a larger weight read as a worse model."""
     got = {}
     for weight in (0.0, 1.0):
-        config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe", "model.num_heads=2"),
-                        data_dir)
-        config.model.moe_loss_weight = weight  # a GPTConfig field the shipped config leaves out
-        task = TASKS[config.task](config, str(tmp_path / str(weight)))
-        batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
-                                         num_epochs=1, transform=task.eval_transform,
-                                         process_index=0, process_count=1)))
-        params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+        task, batch, params = _tiny_moe(data_dir, tmp_path / str(weight), moe_loss_weight=weight)
         got[weight] = [float(task.loss(params, batch, jax.random.PRNGKey(1), train)[0])
                        for train in (False, True)]
     assert got[1.0][0] == pytest.approx(got[0.0][0], rel=1e-6)  # eval: the NLL alone
@@ -226,16 +233,10 @@ def test_an_moe_gpt_s_stream_padding_moves_neither_its_loss_nor_its_router_metri
     slots and counted in the router metrics and the balance loss trained on. The task
     now masks it (text.moe_token_mask): whatever the padding holds, the training loss
     and every metric stay the same."""
-    config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe",
-                                    ["model.num_heads=2", "data.packing=stream"]), data_dir)
-    task = TASKS[config.task](config, str(tmp_path))
-    batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
-                                     num_epochs=1, transform=task.eval_transform,
-                                     process_index=0, process_count=1)))
+    task, batch, params = _tiny_moe(data_dir, tmp_path, ["data.packing=stream"])
     assert "segment_ids" not in batch
     # Row 1 padded after its 10th token, as next_token_targets weights a stream's tail.
     batch["weights"][1, 9:] = 0.0
-    params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
     runs = []
     for fill in (0, 5):
         padded = {**batch, "inputs": batch["inputs"].copy()}
@@ -255,14 +256,8 @@ def test_an_moe_gpt_trains_on_router_z_loss_weight_times_the_z_loss(data_dir, tm
     nothing to eval's."""
     got, z = {}, None
     for weight in (0.0, 0.5):
-        config = shrink(config_lib.load("gpt:variant=gpt-tiny-moe", "model.num_heads=2"),
-                        data_dir)
-        config.model.router_z_loss_weight = weight
-        task = TASKS[config.task](config, str(tmp_path / str(weight)))
-        batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
-                                         num_epochs=1, transform=task.eval_transform,
-                                         process_index=0, process_count=1)))
-        params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+        task, batch, params = _tiny_moe(data_dir, tmp_path / str(weight),
+                                        router_z_loss_weight=weight)
         got[weight] = [float(task.loss(params, batch, jax.random.PRNGKey(1), train)[0])
                        for train in (False, True)]
         if weight == 0.0:
