@@ -345,6 +345,8 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
                               f"(--mode=eval to evaluate it), or a new --workdir")
         if not resume_changed:
             workdir_lib.refuse_config_change(config, workdir, latest)
+    elif config.train.init_from:  # (a resumed run reads its own checkpoint instead)
+        _check_init_from_exists(config.train.init_from)
     prepared = setup(config, workdir, task)
     try:
         return _train_prepared(config, workdir, prepared, resume_changed, latest)
@@ -353,6 +355,17 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
         # loop (a changed config found at resume, a checkpoint that does not restore).
         # Left open, orbax's threads outlived the interpreter's shutdown (checkpoint._Manager).
         prepared.ckpt.close()
+
+
+def _check_init_from_exists(init_from: str) -> None:
+    """A warm start from a path that is not there is refused before the task builds its
+    data and before the workdir is written: it was found after both, leaving a run that
+    never trained."""
+    where = init_from[len("hf:"):] if init_from.startswith("hf:") else init_from
+    if not workdir_lib.exists(where):
+        raise ConfigError(f"config.train.init_from={init_from!r}: {where!r} does not exist; "
+                          f"valid: a run's workdir or checkpoints folder, or hf:<a Hugging "
+                          f"Face model directory>")
 
 
 def _checkpoints(workdir: str) -> str:

@@ -447,6 +447,19 @@ def test_a_warm_start_from_nothing_names_the_key(init_from, message, tmp_path):
         train.warm_start_params(init_from, {"w": None})
 
 
+@pytest.mark.parametrize("prefix", ["", "hf:"])
+def test_a_run_warm_started_from_a_path_not_there_stops_before_its_workdir_is_written(
+        prefix, tmp_path):
+    """init_from naming nothing was found after the task built its data and after the
+    workdir got its config.json: a run that never trained."""
+    config = tiny.tiny_config(**{"train.init_from": f"{prefix}{tmp_path}/nowhere"})
+    with pytest.raises(ConfigError, match=rf"^config\.train\.init_from='{prefix}{tmp_path}/"
+                                          rf"nowhere': '{tmp_path}/nowhere' does not exist; "
+                                          rf"valid: a run's workdir or checkpoints folder"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_warm_start_from_a_model_dir_the_conversion_does_not_take_names_the_key(tmp_path):
     """A T5 dir (or a GPT-2 of an unsupported activation) given as init_from=hf:: a
     30-line traceback ending in the conversion's ValueError; now the config's one line."""
