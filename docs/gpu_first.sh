@@ -6,9 +6,8 @@
 #   device run: command "bash docs/gpu_first.sh", carry [".whl"], timeout_s 490
 # (.whl: ../shared/device/prepare_wheels.sh fills it.) Each measurement is its own
 # process; every output lands in $OUT. DEADLINE: seconds for all of it. The kernels did
-# not change since their GPU tests passed on 2026-11-28; if they have, put
-# `run gpu_tests 150 env JAX_PLATFORMS=cuda $PY -m pytest -q -m gpu ...` (the files
-# as in git history of this script) first.
+# not change since their GPU tests passed on 2026-11-28; if they have, run those tests
+# first (this script's step 1 of that day, in its git history).
 DEADLINE=${DEADLINE:-475}
 . docs/gpu_common.sh
 export PYTHONPATH=$PWD:/tmp/site
