@@ -7,8 +7,9 @@ Per token of a Transformer that reads T tokens per sequence:
 N: the parameters that take part in a matmul per token (`matmul_params`): all but the
 position (and BERT's token-type) tables; a tied embedding counts once, for the output
 projection; of a mixture-of-experts layer's experts, the top_k a token is routed to
-(the "active parameters" convention: Switch, Mixtral), its router in full. 6 = 2 (a multiply-add) × 3 (the forward matmul and two backward ones, for the
-input's and the weight's gradients). 12·L·T·D: the two attention matmuls QKᵀ and AV, 2·2·T·D
+(the "active parameters" convention: Switch, Mixtral), its router in full. 6 = 2 (a
+multiply-add) × 3 (the forward matmul and two backward ones, for the input's and the
+weight's gradients). 12·L·T·D: the two attention matmuls QKᵀ and AV, 2·2·T·D
 per token and layer forward, ×3 with the backward; counted in full for causal models too, as
 PaLM does. "Model" FLOPs: what the model needs, not what the hardware did (activation
 recomputation is not counted), so MFU = model FLOP/s ÷ peak compares implementations fairly.

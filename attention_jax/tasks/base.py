@@ -188,9 +188,9 @@ def moe_metrics(aux) -> dict[str, jax.Array]:
     al. 2021), `router_entropy`, `dropped_fraction` and `expert_load` [E] (one metric
     per expert), so every task logs MoE models the same way. (The weighted balance loss
     itself, with the weighted router z-loss, is added to the objective by the model, as
-    aux["moe_loss"].) They are batch
-    means over the tokens the router saw: a task keeps its padding out of them (an eval
-    batch's padding copies included) by masking it, as text.moe_token_mask does.
+    aux["moe_loss"].) They are batch means over the tokens the router saw: a task keeps
+    its padding out of them (an eval batch's padding copies included) by masking it, as
+    text.moe_token_mask does. `router_z_loss` is logged too, whatever its weight.
     """
     found: dict[str, list] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
