@@ -141,15 +141,14 @@ def warm_start_params(init_from: str, abstract_params, model_config=None,
     (convert/), checked against `model_config` where its weights cannot show a field and
     against the run's tokenizer's `vocab_size`; of `untrained` (Task.untrained), what a
     Hugging Face dir lacks starts at zero."""
-    hf = init_from.startswith("hf:")
+    hf, where = _init_from_source(init_from)
+    src = init_from
     try:
         if hf:
             params, step = convert.restore_params_from_hf(
-                init_from[len("hf:"):], abstract_params, model_config=model_config,
+                where, abstract_params, model_config=model_config,
                 vocab_size=vocab_size, untrained=untrained)
-            src = init_from
         else:
-            src = init_from
             if workdir_lib.epath_of(src, "checkpoints").is_dir():
                 src = workdir_lib.path(src, "checkpoints")
             params, step = ckpt_lib.restore_params(src, abstract_params)
@@ -357,11 +356,17 @@ def _train_locked(config, workdir: str, task: Task | None, resume_changed: bool)
         prepared.ckpt.close()
 
 
+def _init_from_source(init_from: str) -> tuple[bool, str]:
+    """(whether train.init_from names a Hugging Face model dir, `hf:<dir>`; the path)."""
+    hf = init_from.startswith("hf:")
+    return hf, init_from[len("hf:"):] if hf else init_from
+
+
 def _check_init_from_exists(init_from: str) -> None:
     """A warm start from a path that is not there is refused before the task builds its
     data and before the workdir is written: it was found after both, leaving a run that
     never trained."""
-    where = init_from[len("hf:"):] if init_from.startswith("hf:") else init_from
+    _, where = _init_from_source(init_from)
     if not workdir_lib.exists(where):
         raise ConfigError(f"config.train.init_from={init_from!r}: {where!r} does not exist; "
                           f"valid: a run's workdir or checkpoints folder, or hf:<a Hugging "
