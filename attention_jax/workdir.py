@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import atexit
 import json
 import logging
 import os
@@ -163,7 +164,8 @@ _LOCAL_COPIES: dict[str, str] = {}
 def local_dir(workdir, name: str) -> str | None:
     """A local folder holding workdir/name (e.g. the tokenizer) for code that reads it
     with `open` (data.load_tokenizer): the folder itself for a local workdir, else a
-    copy downloaded once per process into a temporary folder; None when it is absent."""
+    copy downloaded once per process into a temporary folder, removed when the process
+    exits (each run against a bucket once left one behind); None when it is absent."""
     folder = epath_of(workdir, name)
     if not is_remote(workdir):
         return str(folder) if folder.is_dir() else None
@@ -174,6 +176,7 @@ def local_dir(workdir, name: str) -> str | None:
         import fsspec  # epath refuses recursive globs on GCS; fsspec's find is one listing
         fs, inside = fsspec.core.url_to_fs(key)
         tmp = tempfile.mkdtemp(prefix="attention_jax_copy_")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
         for f in fs.find(inside):
             local = os.path.join(tmp, os.path.relpath(f, inside))
             os.makedirs(os.path.dirname(local), exist_ok=True)

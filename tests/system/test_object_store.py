@@ -140,6 +140,15 @@ def test_tokenizer_goes_to_the_bucket_and_back(gcs, tmp_path):
     assert back.encode("the red cat") == tok.encode("the red cat")
     assert workdir_lib.local_dir(f"gs://{BUCKET}/none", workdir_lib.TOKENIZER) is None
 
+    # A process's copy goes when the process does (each run once left one in the temp dir).
+    out = subprocess.run([sys.executable, "-c", "from attention_jax import workdir as w; "
+                          f"print(w.local_dir({run!r}, w.TOKENIZER))"], cwd=REPO,
+                         env={**subprocess_env(1), **gcs}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    copy = out.stdout.strip().splitlines()[-1]
+    assert "attention_jax_copy_" in copy and not os.path.exists(copy), copy
+
 
 def test_an_export_goes_to_the_bucket(gcs, tmp_path, monkeypatch, capsys):
     """export_hf to gs:// wrote a local folder ./gs:/bucket/... and returned as if done."""
