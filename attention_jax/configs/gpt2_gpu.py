@@ -36,7 +36,7 @@ bare step 34.3 ms; the trainer's step 36.4 ms with packed documents (0.94 of bar
 34.9 ms with stream rows (0.98); main.py 36.5 / 35.5 ms (0.98-1.00 of its step). A
 checkpoint save's first call held training 6-7 s there (where its device programs
 compiled; they now compile ahead, `Checkpointer.prepare`, unmeasured on a GPU); later
-ones 27-35 ms, their window still losing 0.4-0.5 s (README, Training speed).
+ones 27-35 ms, their window still losing 0.4-0.5 s (docs/gpu_speed.md).
 Config keys to try there:
 `train.batch_size=32`, `train.loss_chunk_size`, `train.loss_kernel=xla` (auto takes the
 Pallas loss kernels on a GPU since 2026-11-26, unmeasured there), `train.data_workers`,
