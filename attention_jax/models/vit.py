@@ -36,7 +36,7 @@ from attention_jax.errors import (check_fields, check_float_dtypes, check_positi
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
-from attention_jax.layers.norms import make_norm
+from attention_jax.layers.norms import NORM_KERNELS, make_norm
 
 __all__ = ["ViTConfig", "ViT", "VARIANTS", "POOLS", "interpolate_position_embeddings"]
 
@@ -78,8 +78,10 @@ class ViTConfig:
                 f"valid image sizes are multiples such as "
                 f"{[self.patch_size * k for k in range(1, 5)]}, or pick a patch size in "
                 f"{[p for p in range(1, self.image_size + 1) if self.image_size % p == 0]}")
+        # (norm_kernel is the block's field, whose own check came only as the model was
+        # traced: a traceback after the data was built)
         choices = {"pool": POOLS, "implementation": IMPLEMENTATIONS,
-                   "remat_policy": tuple(REMAT_POLICIES)}
+                   "remat_policy": tuple(REMAT_POLICIES), "norm_kernel": NORM_KERNELS}
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown; valid: {valid}")

@@ -141,6 +141,22 @@ def test_model_dropout_and_data_probabilities():
         tasks.data_options(c, tokenizer="byte")
 
 
+# A shipped config's model key given a value its model config refused only as the model
+# was traced (a traceback, after the data was built, the workdir holding lock.json).
+@pytest.mark.parametrize("spec,override,message", [
+    ("gpt", "model.remat_policy=foo", r"remat_policy='foo' is unknown; valid: \('none', "
+                                      r"'full', 'dots', 'dots_no_batch'\)"),
+    ("encdec", "model.remat_policy=foo", r"remat_policy='foo' is unknown; valid: \('none'"),
+    ("vit_digits", "model.norm_kernel=foo", r"norm_kernel='foo' is unknown; valid: \('auto', "
+                                            r"'xla', 'pallas'\)"),
+])
+def test_a_model_key_s_bad_value_is_a_config_error_before_the_model_is_built(
+        spec, override, message):
+    config = config_lib.load(spec, [override])
+    with pytest.raises(ConfigError, match=rf"^config\.model: {message}"):
+        tasks.model_config(tasks.TASKS[config.task].model, config)
+
+
 # ------------------------------------------------------------------------ resuming a run
 def test_resume_refuses_changed_training_keys_and_lists_them(tmp_path, capsys):
     workdir = str(tmp_path)
