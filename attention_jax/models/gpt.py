@@ -114,6 +114,18 @@ class GPTConfig:
                                  f"{name} >= 0 (0: not in the loss)")
         check_positive_ints(self, ("vocab_size", "max_len", "num_layers", "d_model",
                                    "num_heads"))
+        # Numbers the block reads only when the model is traced: a string or NaN scale was
+        # a traceback there, a rope_base <= 0 (0 ** -x, a negative base's fractional
+        # powers) NaN losses once training had begun.
+        for name, low in (("attention_scale", -math.inf), ("rope_base", 0)):
+            value = getattr(self, name)
+            if value is None and name == "attention_scale":
+                continue
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not low < value < math.inf):
+                valid = ("a finite number, or None for 1/sqrt(head dim)"
+                         if name == "attention_scale" else "a finite number > 0")
+                raise ValueError(f"{name}={value!r} is out of range; valid: {valid}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide d_model={self.d_model}; valid "

@@ -149,6 +149,12 @@ def test_model_dropout_and_data_probabilities():
     ("encdec", "model.remat_policy=foo", r"remat_policy='foo' is unknown; valid: \('none'"),
     ("vit_digits", "model.norm_kernel=foo", r"norm_kernel='foo' is unknown; valid: \('auto', "
                                             r"'xla', 'pallas'\)"),
+    ("gpt", "model.attention_scale=foo", r"attention_scale='foo' is out of range; valid: a "
+                                         r"finite number, or None for 1/sqrt\(head dim\)"),
+    ("gpt", "model.attention_scale=nan", r"attention_scale='nan' is out of range"),
+    # (a NaN loss only once training had begun)
+    ("gpt", "model.rope_base=0", r"rope_base=0 is out of range; valid: a finite number > 0"),
+    ("gpt", "model.rope_base=abc", r"rope_base='abc' is out of range"),
 ])
 def test_a_model_key_s_bad_value_is_a_config_error_before_the_model_is_built(
         spec, override, message):
