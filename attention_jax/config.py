@@ -796,6 +796,11 @@ def parse_value(name: str, old, text: str):
                     return int(float(text))
                 raise ConfigError(f"{name}={text!r} must be {'an int' if kind is int else 'a float'}"
                                   f" (now {old!r})") from None
+    if old is None and text.strip().lower() in ("true", "false"):
+        # A key unset until given (configs/gpt's tie_embeddings, use_bias) takes the
+        # words a bool key takes (--noconfig.KEY gives "false"): the string 'false' was
+        # kept, and a model read it as true, unsaid.
+        return text.strip().lower() == "true"
     if isinstance(old, (tuple, list)) or old is None:
         try:
             value = ast.literal_eval(text)

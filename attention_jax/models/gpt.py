@@ -114,6 +114,11 @@ class GPTConfig:
                                  f"{name} >= 0 (0: not in the loss)")
         check_positive_ints(self, ("vocab_size", "max_len", "num_layers", "d_model",
                                    "num_heads"))
+        # (a string or a number was taken as its truth value: 'abc' as True, unsaid)
+        for name in ("tie_embeddings", "use_bias", "scan_layers"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name}={getattr(self, name)!r} is no bool; valid: True or "
+                                 f"False")
         # Numbers the block reads only when the model is traced: a string or NaN scale was
         # a traceback there, a rope_base <= 0 (0 ** -x, a negative base's fractional
         # powers) NaN losses once training had begun.

@@ -155,6 +155,9 @@ def test_model_dropout_and_data_probabilities():
     # (a NaN loss only once training had begun)
     ("gpt", "model.rope_base=0", r"rope_base=0 is out of range; valid: a finite number > 0"),
     ("gpt", "model.rope_base=abc", r"rope_base='abc' is out of range"),
+    # (taken as its truth value: True, unsaid)
+    ("gpt", "model.tie_embeddings=abc", r"tie_embeddings='abc' is no bool; valid: True or False"),
+    ("gpt", "model.use_bias=0", r"use_bias=0 is no bool; valid: True or False"),
 ])
 def test_a_model_key_s_bad_value_is_a_config_error_before_the_model_is_built(
         spec, override, message):
@@ -690,6 +693,10 @@ def test_overrides_as_one_string_and_whole_numbers_in_e_notation():
     assert config.train.steps == 1000 and isinstance(config.train.steps, int)
     with pytest.raises(ConfigError, match=r"config.train.steps='1.5e0' must be an int"):
         config_lib.load("gpt", ["train.steps=1.5e0"])
+    # A key unset until given (None) takes a bool key's words: 'false' was the string,
+    # which the model read as true.
+    config = config_lib.load("gpt", ["model.tie_embeddings=false", "model.use_bias=TRUE"])
+    assert (config.model.tie_embeddings, config.model.use_bias) == (False, True)
 
 
 def test_a_bpe_smaller_than_its_bytes_is_refused(tmp_path):
