@@ -220,6 +220,13 @@ class _Documents:
                                   f"with config.data.name='files' (now {data_opts.name!r}, "
                                   f"whose documents are its records' 'text'); valid: 'text', "
                                   f"or --config.data.name=files")
+            # A dataset's rows are packed in memory: no token cache, so a cache_dir given
+            # for one did nothing, unsaid (the same gate as text_key's).
+            if data_opts.get("cache_dir") and not data_is_on_demand():
+                raise ConfigError(f"config.data.cache_dir={data_opts.cache_dir!r} is read only "
+                                  f"with config.data.name='files' (now {data_opts.name!r}, "
+                                  f"whose rows are packed in memory, no token cache); valid: "
+                                  f"'', or --config.data.name=files")
             if not data_is_on_demand():
                 self._dataset_splits()
             return

@@ -399,6 +399,8 @@ def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_old_value(tmp_p
 @pytest.mark.parametrize("spec,key,value,source", [
     ("gpt", "data.files", "notes/*.md", "files"),
     ("vit", "data.root", "pets/", "image_folder"),
+    # (a dataset's rows are packed in memory: no token cache)
+    ("gpt", "data.cache_dir", "/fast/cache", "files"),
 ])
 def test_a_sources_key_under_another_source_is_refused(spec, key, value, source, tmp_path):
     """--config.data.files (or .root) without data.name set to the source that reads it
