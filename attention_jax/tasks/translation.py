@@ -36,6 +36,10 @@ def _check_languages(data_opts, records) -> None:
         if data_opts[key] not in valid:
             raise ConfigError(f"config.data.{key}={data_opts[key]!r} is not a language of "
                               f"{data_opts.name!r}; valid: {valid}")
+    if data_opts.source == data_opts.target:  # (as for files: it trained a copy task, unsaid)
+        raise ConfigError(f"config.data.source and config.data.target are both "
+                          f"{data_opts.source!r}; valid: two different languages of "
+                          f"{data_opts.name!r}: {valid}")
 
 
 def _pairs(data_opts, held_out_only: bool = False):

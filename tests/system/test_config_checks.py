@@ -431,6 +431,10 @@ def test_rows_longer_than_the_position_table_are_refused(spec, tmp_path):
     (["data.target_len=18"], r"config\.data\.target_len=18: the longest target \('fr'\) of "
                              r"'number_translation/small' has 20 tokens with its end token; "
                              r"valid: target_len >= 20"),
+    # (a copy task, trained unsaid; a user's files already refused it)
+    (["data.source=fr"], r"config\.data\.source and config\.data\.target are both 'fr'; valid: "
+                         r"two different languages of 'number_translation/small': "
+                         r"\['de', 'en', 'fr'\]"),
 ])
 def test_a_translation_s_languages_and_lengths_are_checked_at_setup(overrides, message, tmp_path):
     """A language the records lack was a KeyError; an example longer than its length a
