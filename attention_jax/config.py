@@ -472,6 +472,13 @@ def warnings(config) -> list[str]:
                 else f"the learning rate reaches optim.lr at step {warmup + 1}, then drops to "
                      f"the schedule's end at once")
         out.append(f"config.optim.warmup_steps={warmup} is longer than {what}: {tail}")
+    # A constant schedule holds optim.lr after the warmup: it has no end, nor a length.
+    unread = [f"optim.{k}={config.optim[k]}" for k in ("end_lr_ratio", "decay_steps")
+              if config.optim[k] != base_config().optim[k]]
+    if config.optim.schedule == "constant" and unread:
+        out.append(f"config.{', '.join(unread)} set, but optim.schedule='constant' holds "
+                   f"optim.lr after the warmup: ignored (valid with them: optim.schedule "
+                   f"'cosine' or 'linear')")
     m, unset = config.mesh, base_config().mesh
     given = [f"mesh.{k}" for k in ("coordinator_address", "num_processes", "process_id",
                                    "cpu_collectives") if m.get(k, unset[k]) != unset[k]]

@@ -76,6 +76,15 @@ def test_warmup_longer_than_a_short_run_is_a_warning_not_an_error():
     # An impossible value still stops.
     with pytest.raises(ConfigError, match=r"config\.optim\.warmup_steps=-1 is out of range"):
         config_lib.validate(tiny.tiny_config(**{"optim.warmup_steps": -1}))
+    # A constant schedule reads neither the decay's end nor its length (both were ignored,
+    # unsaid).
+    c = tiny.tiny_config(**{"optim.schedule": "constant", "optim.end_lr_ratio": 0.01})
+    assert config_lib.warnings(c) == [
+        "config.optim.end_lr_ratio=0.01, optim.decay_steps=20 set, but optim.schedule="
+        "'constant' holds optim.lr after the warmup: ignored (valid with them: "
+        "optim.schedule 'cosine' or 'linear')"]
+    c = tiny.tiny_config(**{"optim.schedule": "constant", "optim.decay_steps": 0})
+    assert config_lib.warnings(c) == []
 
 
 def test_an_moe_capacity_below_one_warns_that_tokens_are_dropped():
