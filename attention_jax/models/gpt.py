@@ -373,6 +373,14 @@ def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = 
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         # (a negative one sampled the inverted distribution, unsaid)
         raise ValueError(f"temperature={temperature!r}; valid: 0 (greedy) or a finite number > 0")
+    # generate checks these too, but a direct call went on: top_p <= 0 masked every
+    # token and drew id 0 for every row, unsaid; top_k 0 or past V failed inside lax.
+    vocab = jnp.shape(logits)[-1]
+    if top_k is not None and (not is_int(top_k) or not 1 <= top_k <= vocab):
+        raise ValueError(f"top_k={top_k!r}; valid: None or 1..{vocab} (the logits' last axis)")
+    if top_p is not None and not isinstance(top_p, jax.core.Tracer) and (
+            not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r}; valid: None or in (0, 1]")
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # Each row's largest logit moved to 0 before the division: a tiny temperature then

@@ -274,6 +274,14 @@ def test_sampling_filters():
     for temperature in (1e-30, 1e-45):
         assert set(np.asarray(draw(keys, temperature=temperature)).tolist()) == {3}
         assert set(np.asarray(draw(keys, temperature=temperature, top_p=0.9)).tolist()) == {3}
+    # Called directly (generate checks its own), top_p 0 masked every token and drew id
+    # 0 for every row, unsaid; top_k 0 or past V failed inside lax.
+    for kw, valid in ((dict(top_p=0.0), r"top_p=0.0; valid: None or in \(0, 1\]"),
+                      (dict(top_p=-0.5), r"top_p=-0.5; valid: None or in \(0, 1\]"),
+                      (dict(top_k=0), r"top_k=0; valid: None or 1\.\.4 "),
+                      (dict(top_k=5), r"top_k=5; valid: None or 1\.\.4 ")):
+        with pytest.raises(ValueError, match=valid):
+            gpt.sample_logits(keys[0], logits, **kw)
 
 
 def _grads(model, params, tokens):
