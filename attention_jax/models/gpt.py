@@ -446,9 +446,16 @@ def generate(model: GPT, params, prompts, prompt_lengths, *, max_new_tokens: int
         raise ValueError(f"top_k={top_k}; valid: None or 1..{cfg.vocab_size} (the vocabulary)")
     if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"top_p={top_p!r}; valid: None or in (0, 1]")
-    if vocab_size is not None and not 1 <= vocab_size <= cfg.vocab_size:
-        raise ValueError(f"vocab_size={vocab_size}; valid: None or 1..{cfg.vocab_size} (the "
+    # (a float was cut to an int without a word: vocab_size=True kept id 0 alone, and
+    # stop_token=6.5 stopped at 6)
+    if vocab_size is not None and (not is_int(vocab_size)
+                                   or not 1 <= vocab_size <= cfg.vocab_size):
+        raise ValueError(f"vocab_size={vocab_size!r}; valid: None or 1..{cfg.vocab_size} (the "
                          f"model's vocabulary)")
+    emittable = cfg.vocab_size if vocab_size is None else int(vocab_size)
+    if stop_token is not None and (not is_int(stop_token) or not 0 <= stop_token < emittable):
+        raise ValueError(f"stop_token={stop_token!r}; valid: None or a token id "
+                         f"0..{emittable - 1} (one that can be generated)")
     lengths = np.asarray(jax.device_get(prompt_lengths)) if not isinstance(
         prompt_lengths, jax.core.Tracer) else None
     if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t

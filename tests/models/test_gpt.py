@@ -226,6 +226,14 @@ def test_generate_names_a_bad_argument():
         run(np.array([8, 2.5]))
     with pytest.raises(ValueError, match=r"pad_token=256; valid: a token id 0\.\.255"):
         run([8, 5], pad_token=256)
+    # A float was cut to an int without a word: vocab_size=True generated id 0 alone,
+    # stop_token=6.5 stopped at 6; a stop past vocab_size can never come.
+    with pytest.raises(ValueError, match=r"vocab_size=True; valid: None or 1\.\.256"):
+        run([8, 5], vocab_size=True)
+    for stop, valid in ((6.5, r"0\.\.255"), (200, r"0\.\.199")):
+        with pytest.raises(ValueError, match=rf"stop_token={stop}; valid: None or a token id "
+                                             rf"{valid} \(one that can be generated\)"):
+            run([8, 5], stop_token=stop, vocab_size=200 if stop == 200 else None)
     with pytest.raises(ValueError, match=r"temperature=-1.0; valid: 0 \(greedy\)"):
         gpt.sample_logits(jax.random.PRNGKey(0), jnp.zeros((1, 4)), temperature=-1.0)
     # A nested list of ids is a batch of prompts, as an array is.
