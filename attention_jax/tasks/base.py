@@ -357,11 +357,41 @@ EXPERT_KEYS = ("num_experts", "top_k", "capacity_factor", "moe_loss_weight",
                "router_z_loss_weight")
 
 
+# What stands in for the vocabulary's size before there is a tokenizer
+# (check_model_config): large enough for any special id a check compares with it.
+LOOSE_VOCAB = 1 << 20
+
+
+def check_model_config(cls, config, **data_fields) -> None:
+    """check_model_keys, then the model's config built with `data_fields` standing in for
+    the fields the data decides (the vocabulary: LOOSE_VOCAB, its special ids): a bad
+    value of a key of the model's own (remat_policy='foo', heads that do not divide
+    d_model) is said before a corpus is read and a tokenizer trained on it, which on a
+    large corpus took minutes before the error came."""
+    check_model_keys(cls, config)
+    _build_model_config(cls, config, data_fields)
+
+
 def model_config(cls, config, **forced):
     """The model's frozen config from `config.model`: an optional `variant` name (the
     model file's table) plus overrides of its fields; a key set to None is not set (the
     variant's value, else the field's default). Unknown keys name the valid ones."""
     check_model_keys(cls, config)
+    cfg, given = _build_model_config(cls, config, forced)
+    # The experts' keys of a dense MLP were ignored, unsaid. A note, not an error: a run
+    # that set them (the ablation's dense baseline did) continues as it trained.
+    moe_keys = [k for k in EXPERT_KEYS if k in given]
+    if (moe_keys and getattr(cfg, "mlp", "moe") != "moe" and not data_is_on_demand()
+            and jax.process_index() == 0):
+        print(f"note: config.model.{', '.join(moe_keys)} "
+              f"{'is' if len(moe_keys) == 1 else 'are'} read only with config.model.mlp='moe' "
+              f"(now {cfg.mlp!r}): this dense MLP has no experts", file=sys.stderr)
+    return cfg
+
+
+def _build_model_config(cls, config, forced: dict):
+    """(the model's config, the keys config.model sets) for model_config and
+    check_model_config; a refused value is a ConfigError."""
     given = {k: v for k, v in config.model.to_dict().items() if v is not None}
     variant = given.pop("variant", None)
     kwargs = {**given, **forced}
@@ -374,15 +404,7 @@ def model_config(cls, config, **forced):
         cfg = cls.from_variant(variant, **kwargs) if variant else cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
-    # The experts' keys of a dense MLP were ignored, unsaid. A note, not an error: a run
-    # that set them (the ablation's dense baseline did) continues as it trained.
-    moe_keys = [k for k in EXPERT_KEYS if k in given]
-    if (moe_keys and getattr(cfg, "mlp", "moe") != "moe" and not data_is_on_demand()
-            and jax.process_index() == 0):
-        print(f"note: config.model.{', '.join(moe_keys)} "
-              f"{'is' if len(moe_keys) == 1 else 'are'} read only with config.model.mlp='moe' "
-              f"(now {cfg.mlp!r}): this dense MLP has no experts", file=sys.stderr)
-    return cfg
+    return cfg, given
 
 
 # Valid ranges of the `config.data` keys the adapters share (a key a task lacks is skipped).

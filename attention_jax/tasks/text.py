@@ -17,12 +17,12 @@ from attention_jax.errors import ConfigError
 from attention_jax.models import bert, flops, gpt
 from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.tasks.base import (AttentionInput, Task, as_text, cache_root, check_context,
-                                      check_file_options, check_model_keys,
+                                      check_file_options, check_model_config,
                                       check_source_keys, corpus_options,
                                       data_options,
                                       OnDemand, data_is_on_demand, data_parallel_size,
                                       gather_rows, held_out_files_alone, lm_vocab_size,
-                                      note_shipped_prompts, model_config, moe_metrics,
+                                      LOOSE_VOCAB, note_shipped_prompts, model_config, moe_metrics,
                                       padded_vocab, register, run_tokenizer, splits,
                                       tasks_with, token_labels)
 
@@ -378,7 +378,9 @@ def lm_task(config, workdir: str) -> Task:
     """GPT next-token prediction on packed documents (default: the stdlib corpus)."""
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    check_model_keys(gpt.GPTConfig, config)  # before the corpus and tokenizer are built
+    # before the corpus and tokenizer are built (the vocabulary a stand-in)
+    check_model_config(gpt.GPTConfig, config, dtype=config.train.compute_dtype,
+                       vocab_size=config.model.get("vocab_size") or LOOSE_VOCAB)
     # packing: "documents" keeps each packed document to itself (segment ids, positions
     # restarting per document); "stream" reads a row as a window of one token stream, as
     # GPT-2 and nanoGPT train (plain causal attention).
@@ -496,7 +498,9 @@ def mlm_task(config, workdir: str) -> Task:
     """BERT masked-language modelling (Devlin et al. 2019) on packed documents."""
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    check_model_keys(bert.BertConfig, config)  # before the corpus and tokenizer are built
+    # before the corpus and tokenizer are built (the vocabulary a stand-in)
+    check_model_config(bert.BertConfig, config, vocab_size=LOOSE_VOCAB,
+                       dtype=config.train.compute_dtype)
     data_opts = data_options(config, **MLM_DATA)
     _check_mlm_tokenizer(data_opts)
     documents = _Documents(data_opts)

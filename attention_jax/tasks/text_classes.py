@@ -27,9 +27,9 @@ from attention_jax.models import bert, flops
 from attention_jax.models.losses import classifier_cross_entropy
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
                                       check_classes,
-                                      check_context, check_model_keys, complete_records,
+                                      check_context, check_model_config, complete_records,
                                       data_is_on_demand, data_options, held_out_files_alone,
-                                      model_config,
+                                      LOOSE_VOCAB, model_config,
                                       padded_vocab, record_splits, register, run_tokenizer,
                                       save_classes, saved_classes, token_labels)
 
@@ -218,7 +218,9 @@ def classify_task(config, workdir: str) -> Task:
     """BERT fine-tuned to classify texts (module docstring)."""
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    check_model_keys(bert.BertConfig, config)  # before the data and tokenizer are built
+    # before the data and tokenizer are built (the vocabulary and classes stand-ins)
+    check_model_config(bert.BertConfig, config, vocab_size=LOOSE_VOCAB, num_labels=2,
+                       dtype=config.train.compute_dtype)
     o = data_options(config, **CLASSIFY_DATA)
     files = o.name == "files"
 

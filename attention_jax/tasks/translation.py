@@ -21,11 +21,11 @@ from attention_jax.models.losses import WEIGHT, cross_entropy, example_weighted
 from attention_jax.data import records_cache
 from attention_jax.tasks.base import (AttentionInput, OnDemand, Task, as_text, cache_root,
                                       check_context,
-                                      check_model_keys, complete_records, data_is_on_demand,
+                                      check_model_config, complete_records, data_is_on_demand,
                                       data_options, data_parallel_size, gather_rows,
                                       held_out_files_alone, note_shipped_prompts,
-                                      model_config, padded_vocab, record_splits, register,
-                                      run_tokenizer, token_labels, until_eos)
+                                      LOOSE_VOCAB, model_config, padded_vocab, record_splits,
+                                      register, run_tokenizer, token_labels, until_eos)
 
 
 def _check_languages(data_opts, records) -> None:
@@ -139,8 +139,10 @@ def translation_task(config, workdir: str) -> Task:
     """
     from attention_jax import data
     from attention_jax.data.loaders import EXAMPLE_WEIGHT
-    check_model_keys(rnn.RNNConfig if config.task == "rnn_seq2seq" else encdec.EncDecConfig,
-                     config)  # before the data and tokenizer are built
+    # before the data and tokenizer are built (the vocabulary and its ids stand-ins)
+    check_model_config(rnn.RNNConfig if config.task == "rnn_seq2seq" else encdec.EncDecConfig,
+                       config, vocab_size=LOOSE_VOCAB, pad_id=0, bos_id=1, eos_id=2,
+                       dtype=config.train.compute_dtype)
     data_opts = data_options(config, name="number_translation", data_dir="", source="en", target="fr",
                      tokenizer="bpe", vocab_size=512, source_len=32, target_len=32,
                      train_split="train", eval_split="validation", **PAIR_FILE_KEYS)

@@ -175,6 +175,24 @@ def test_a_model_key_s_bad_value_is_a_config_error_before_the_model_is_built(
         tasks.model_config(tasks.TASKS[config.task].model, config)
 
 
+# A model key refused only once the corpus was read and a tokenizer trained on it (minutes
+# on a large corpus): said first, with the vocabulary a stand-in. The files named are not
+# there, so the data, had it come first, would have been the error.
+@pytest.mark.parametrize("spec,override,message", [
+    ("gpt", "model.remat_policy=foo", r"remat_policy='foo' is unknown"),
+    ("bert_mlm", "model.num_heads=5", r"num_heads"),
+    ("bert_classify", "model.remat_policy=foo", r"remat_policy"),
+    ("encdec", "model.num_heads=7", r"num_heads"),
+    ("rnn_seq2seq", "model.cell=rnn", r"cell='rnn'"),
+])
+def test_a_model_key_s_bad_value_is_said_before_the_data_is_read(spec, override, message,
+                                                                 tmp_path):
+    config = config_lib.load(spec, [override, "data.name=files",
+                                    f"data.files={tmp_path / 'none' / '*.jsonl'}"])
+    with pytest.raises(ConfigError, match=rf"^config\.model: .*{message}"):
+        tasks.TASKS[config.task](config, str(tmp_path / "run"))
+
+
 # ------------------------------------------------------------------------ resuming a run
 def test_resume_refuses_changed_training_keys_and_lists_them(tmp_path, capsys):
     workdir = str(tmp_path)
