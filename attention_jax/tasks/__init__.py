@@ -22,7 +22,7 @@ A notebook or a test adds a family without editing the package:
 # The families register themselves on import.
 from attention_jax.tasks import images, text, text_classes, translation
 from attention_jax.tasks.base import (TASKS, AttentionInput, InputTooLongError, Task,
-                                      data_on_demand, data_options, declared_for,
+                                      check_model_config, data_on_demand, data_options, declared_for,
                                       describe_readers, lm_vocab_size, model_config, need,
                                       padded_vocab, register, tasks_with, token_labels,
                                       unread_keys, until_eos)
@@ -31,7 +31,8 @@ from attention_jax.tasks.text import lm_task, mlm_task
 from attention_jax.tasks.text_classes import classify_task
 from attention_jax.tasks.translation import translation_task
 
-__all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "classify_task",
+__all__ = ["TASKS", "AttentionInput", "InputTooLongError", "Task", "check_model_config",
+           "classify_task",
            "data_on_demand", "declared_for", "describe_readers",
            "data_options", "image_task",
            "lm_task", "lm_vocab_size", "mlm_task", "model_config", "need", "padded_vocab",
