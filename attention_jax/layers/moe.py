@@ -130,15 +130,18 @@ def route_all(logits, top_k: int, normalize_gates: Optional[bool] = None, token_
 
 
 def _choose(logits, top_k, normalize_gates, token_mask):
-    """(float32 logits, real [B, T] 1.0 where a token is, probs [B, T, E], gates and
-    experts [B, T, A]): each token's top-A experts and their gate weights."""
+    """(logits in float32 at least, real [B, T] 1.0 where a token is, probs [B, T, E],
+    gates and experts [B, T, A]): each token's top-A experts and their gate weights."""
     b, t, e = logits.shape
     if token_mask is not None and tuple(token_mask.shape) != (b, t):
         raise ValueError(f"token_mask: shape {tuple(token_mask.shape)}; valid: [B, T] = "
                          f"{(b, t)}, True for a real token")
-    real = (jnp.ones((b, t), jnp.float32) if token_mask is None
-            else token_mask.astype(jnp.float32))  # [B, T]
-    logits = logits.astype(jnp.float32)  # routing decisions in float32 (Switch §2.4)
+    # Routing decisions in float32 at least (Switch §2.4); float64 logits stay float64, or
+    # a float64 check of the layer met float32's rounding in its gates and aux losses.
+    exact = jnp.promote_types(logits.dtype, jnp.float32)
+    real = (jnp.ones((b, t), exact) if token_mask is None
+            else token_mask.astype(exact))  # [B, T]
+    logits = logits.astype(exact)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
     gates, experts = jax.lax.top_k(probs, top_k)  # [B, T, A]
     if normalize_gates if normalize_gates is not None else top_k > 1:
@@ -209,7 +212,8 @@ class MoE(nn.Module):
 
         w_router = param("router", nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
                          (d, e), (axes.EMBED, None))
-        logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), w_router.astype(jnp.float32))
+        exact = jnp.promote_types(self.dtype, jnp.float32)  # the router's, at least float32
+        logits = jnp.einsum("BTD,DE->BTE", x.astype(exact), w_router.astype(exact))
         wi = param("wi", fan_in, (e, d, f), (axes.EXPERT, axes.EMBED, axes.MLP))
         wo = param("wo", fan_in, (e, f, d), (axes.EXPERT, axes.MLP, axes.EMBED))
         wi_bias = wo_bias = None

@@ -187,6 +187,33 @@ def test_no_drop_computes_every_assignment_grouped_as_the_slots_do_with_room(use
     assert grouped < 6, grouped  # (4x the tokens: linear; slots of C = T grew 16x)
 
 
+def test_a_float64_layer_routes_in_float64():
+    """dtype='float64' (a numerics check under x64): the router's logits, gates and aux
+    losses stay float64. They were cast to float32, so the layer's output and its
+    z-loss were float32's 1e-7 from the float64 formula where every other layer is
+    at 1e-15."""
+    with jax.enable_x64(True):
+        moe = MoE(num_experts=3, top_k=2, hidden=5, capacity_factor=3.0, activation="relu",
+                  dtype="float64", param_dtype="float64")
+        x = np.random.default_rng(0).standard_normal((2, 4, 6))
+        variables = moe.init(jax.random.key(0), x)
+        p = {k: np.asarray(v.value) for k, v in variables["params"].items()}
+        for no_drop in (False, True):
+            y, aux = moe.apply(variables, x, no_drop=no_drop)
+            logits = x @ p["router"]
+            probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+            top = np.argsort(-probs, -1)[..., :2]  # [B, T, A]
+            gates = np.take_along_axis(probs, top, -1)
+            gates /= gates.sum(-1, keepdims=True)
+            hidden = np.maximum(np.einsum("btd,btadf->btaf", x, p["wi"][top])
+                                + p["wi_bias"][top], 0)
+            out = np.einsum("btaf,btafd->btad", hidden, p["wo"][top]) + p["wo_bias"][top]
+            np.testing.assert_allclose(y, np.einsum("bta,btad->btd", gates, out),
+                                       rtol=0, atol=1e-12)
+            z_loss = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+            np.testing.assert_allclose(aux["router_z_loss"], z_loss, rtol=1e-12)
+
+
 @pytest.mark.parametrize("factor, tokens, top_k, experts, slots", [
     (1.1, 100, 1, 2, 55), (1.1, 100, 2, 4, 55), (1.1, 50, 2, 2, 55), (1.2, 10, 1, 4, 3),
     (0.7, 30, 1, 3, 7), (1.25, 8, 2, 4, 5), (1.25, 9, 2, 4, 6), (0.01, 4, 1, 8, 1)])
