@@ -4,11 +4,11 @@ the host and writes. Real orbax, real files. Speed is never asserted as time: ca
 order is (a state that is not computed yet stays not computed across `save`).
 """
 
+import functools
 import gc
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 
@@ -20,10 +20,10 @@ import pytest
 from attention_jax import background_save, checkpoint, digests
 
 
-@jax.jit
-def _slow(a):
-    """About a second of matmuls on CPU: its result is not ready for a while."""
-    return jax.lax.fori_loop(0, 800, lambda i, v: jnp.tanh(v @ a), a)
+@functools.partial(jax.jit, static_argnums=1)
+def _slow(a, steps: int = 800):
+    """About a second of matmuls on CPU (800 steps): its result is not ready for a while."""
+    return jax.lax.fori_loop(0, steps, lambda i, v: jnp.tanh(v @ a), a)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,9 @@ def seed_matrix():
     return a
 
 
-def _unfinished_state(a):
+def _unfinished_state(a, steps: int = 800):
     """A train-state-like tree whose arrays are outputs of a computation still running."""
-    w = _slow(a)
+    w = _slow(a, steps)
     return {"params": {"w": w, "b": w[0] * 2}, "step": jnp.int32(7) + w[0, 0].astype(jnp.int32)}
 
 
@@ -48,7 +48,9 @@ def test_save_does_not_wait_for_the_devices(tmp_path, seed_matrix):
     """`save` returns while the state it saves is still being computed; `wait` then
     commits it, and it restores, verifies and equals the values."""
     ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1)
-    state = _unfinished_state(seed_matrix)
+    # Four seconds of work: with one, a suite's process sharing two cores with three
+    # others once saw the state ready when save returned.
+    state = _unfinished_state(seed_matrix, steps=3200)
     assert ck.save(5, state, {"next_index": 5})
     assert not state["params"]["w"].is_ready()  # save did not wait for the device
     # The step counts as saved while queued: a forced save of the same step is skipped.
