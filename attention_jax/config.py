@@ -473,13 +473,14 @@ def warnings(config) -> list[str]:
                      f"the schedule's end at once")
         out.append(f"config.optim.warmup_steps={warmup} is longer than {what}: {tail}")
     # A constant schedule holds optim.lr after the warmup: it has no end, nor a length.
+    default = base_config()
     unread = [f"optim.{k}={config.optim[k]}" for k in ("end_lr_ratio", "decay_steps")
-              if config.optim[k] != base_config().optim[k]]
+              if config.optim[k] != default.optim[k]]
     if config.optim.schedule == "constant" and unread:
         out.append(f"config.{', '.join(unread)} set, but optim.schedule='constant' holds "
                    f"optim.lr after the warmup: ignored (valid with them: optim.schedule "
                    f"'cosine' or 'linear')")
-    m, unset = config.mesh, base_config().mesh
+    m, unset = config.mesh, default.mesh
     given = [f"mesh.{k}" for k in ("coordinator_address", "num_processes", "process_id",
                                    "cpu_collectives") if m.get(k, unset[k]) != unset[k]]
     if given and not m.distributed:

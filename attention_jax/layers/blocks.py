@@ -45,6 +45,13 @@ REMAT_POLICIES = {
 }
 
 
+def check_remat_policy(policy) -> None:
+    """ValueError naming `policy` and REMAT_POLICIES unless it is one: the stack checks it
+    as it is traced, and the models' configs when built (before any data is read)."""
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={policy!r} is unknown; valid: {tuple(REMAT_POLICIES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Hyperparameters of one transformer block (hashable: a Flax module field).
@@ -328,9 +335,7 @@ class TransformerStack(nn.Module):
                  decode: bool = False, return_weights: bool = False):
         if self.block not in BLOCKS:
             raise ValueError(f"block={self.block!r} is unknown; valid: {tuple(BLOCKS)}")
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"remat_policy={self.remat_policy!r} is unknown; "
-                             f"valid: {tuple(REMAT_POLICIES)}")
+        check_remat_policy(self.remat_policy)
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1; got {self.num_layers}")
         if self.pending_residual:

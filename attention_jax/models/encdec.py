@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
                                  check_rates_and_epsilon, is_int)
-from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
+from attention_jax.layers.blocks import BlockConfig, TransformerStack, check_remat_policy
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
 from attention_jax.models import beam
@@ -100,11 +100,9 @@ class EncDecConfig:
                 raise ValueError(f"{name}={value!r} is no token id of the vocabulary; valid: "
                                  f"0..{self.vocab_size - 1}")
         self.block()  # validates norm, norm_position, activation, implementation
-        # The stacks' own field, not the block's: an unknown one was refused only as the
+        # The stack's own field, not the block's: an unknown one was refused only as the
         # model was traced (a traceback after the data was built).
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"remat_policy={self.remat_policy!r} is unknown; valid: "
-                             f"{tuple(REMAT_POLICIES)}")
+        check_remat_policy(self.remat_policy)
 
     @classmethod
     def from_variant(cls, name: str, **overrides) -> "EncDecConfig":

@@ -38,7 +38,7 @@ import numpy as np
 from attention_jax import axes
 from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
                                  check_rates_and_epsilon, is_int)
-from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
+from attention_jax.layers.blocks import BlockConfig, TransformerStack, check_remat_policy
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.mlp import GATED_MLPS, gate_activation
 from attention_jax.layers.norms import make_norm
@@ -149,9 +149,7 @@ class GPTConfig:
         self.block()  # validates the block fields (norm, mlp, kv heads, ...)
         # The stack's own field, not the block's: an unknown one was refused only as the
         # model was traced (a traceback after the corpus was built).
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"remat_policy={self.remat_policy!r} is unknown; valid: "
-                             f"{tuple(REMAT_POLICIES)}")
+        check_remat_policy(self.remat_policy)
 
     @classmethod
     def from_variant(cls, name: str, **overrides) -> "GPTConfig":
