@@ -63,6 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     o.label_smoothing = 0.0  # Szegedy et al. 2016; applies to classification/LM targets.
     # Micro-batches per optimizer step (train.batch_size is split into them); the step is
     # the whole batch's: its mean over all real tokens, however padding falls among them.
+    # The exception: a mixture of experts' router losses are not linear in the batch, so
+    # each micro-batch's routers are balanced over its own tokens (their losses then
+    # averaged as the rest), not over the whole batch's: per group, as Switch's.
     o.grad_accum = 1
     o.decay_steps = 0  # length of the warmup + decay schedule; 0: train.steps.
 
