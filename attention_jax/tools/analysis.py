@@ -376,22 +376,38 @@ def position_losses(workdir: str, seq_len: int, batches: int = 8, batch_size: in
 
     @jax.jit
     def nll(params, b):  # [B, T] per-token negative log-likelihood.
-        logits, _ = model.apply({"params": params}, b["inputs"], positions=b["positions"],
-                                segment_ids=b["segment_ids"])
+        logits, _ = model.apply({"params": params}, b["inputs"], positions=b.get("positions"),
+                                segment_ids=b.get("segment_ids"))
         return token_cross_entropy(logits, b["targets"])
 
     sums, counts = np.zeros(seq_len), np.zeros(seq_len)
     for b in eval_batches(task, batches, batch_size):
-        losses = np.asarray(nll(params, {k: b[k] for k in
-                                         ("inputs", "targets", "positions", "segment_ids")}))
+        losses = np.asarray(nll(params, _lm_inputs(b, "inputs", "targets")))
         w = np.asarray(b["weights"], bool)
-        np.add.at(sums, b["positions"][w], losses[w])
-        np.add.at(counts, b["positions"][w], 1)
+        positions = _row_positions(b)
+        np.add.at(sums, positions[w], losses[w])
+        np.add.at(counts, positions[w], 1)
     if not counts.any():
         raise ValueError(f"{workdir}: the validation split has fewer than batch_size="
                          f"{batch_size} rows of {seq_len} tokens; valid: batch_size <= "
                          f"{len(task.eval_source)}")
     return sums / np.maximum(counts, 1), counts
+
+
+def _lm_inputs(batch, *keys) -> dict:
+    """`keys` of a language model's batch and its positions and segment ids where it has
+    them: a data.packing='stream' row has neither (plain causal attention over the row,
+    positions 0..T-1), as the task's loss reads it (they were KeyErrors here)."""
+    return {k: batch[k] for k in (*keys, "positions", "segment_ids") if k in batch}
+
+
+def _row_positions(batch) -> np.ndarray:
+    """Each token's position [B, T]: the batch's own (restarting at each packed
+    document), or its index in the row where the batch has none (packing='stream')."""
+    if "positions" in batch:
+        return np.asarray(batch["positions"])
+    b, t = np.shape(batch["inputs"])
+    return np.broadcast_to(np.arange(t), (b, t))
 
 
 def smoothed_losses(loss, counts, width: int = 8) -> np.ndarray:
@@ -469,8 +485,9 @@ def _self_attention_weights_fn(model):
 
     @jax.jit
     def weights(params, batch):
-        _, aux = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                             segment_ids=batch["segment_ids"], return_weights=True)
+        _, aux = model.apply({"params": params}, batch["inputs"],
+                             positions=batch.get("positions"),
+                             segment_ids=batch.get("segment_ids"), return_weights=True)
         return aux["attention_weights"]["self"]
     return weights
 
@@ -484,9 +501,10 @@ def attention_stats(model, params, batch) -> dict[str, float]:
     A saturated softmax (the lectures' argument for 1/sqrt(H): logits of std sqrt(H)
     make it near one-hot) shows as a largest weight near 1 and entropy near 0.
     """
-    batch = {k: batch[k] for k in ("inputs", "positions", "segment_ids")}
+    batch = _lm_inputs(batch, "inputs")
     w = np.asarray(_self_attention_weights_fn(model)(params, batch), np.float64)
-    seg = np.asarray(batch["segment_ids"])
+    # A stream row (no segment ids) is one sequence: every token a query, causal over it.
+    seg = np.asarray(batch.get("segment_ids", np.ones(np.shape(batch["inputs"]), np.int32)))
     t = seg.shape[1]
     visible = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))  # [B, T, S]
     real = seg != 0  # [B, T] query rows of real tokens (0 is padding)

@@ -341,3 +341,33 @@ def test_bucketed_metrics_all_row_counts_every_example():
     by = {r["bucket"]: r for r in rows}
     assert by["1-8"]["n"] == 1 and by["9-16"]["n"] == 0
     assert by["all"]["n"] == 3 and by["all"]["exact_match"] == pytest.approx(100 / 3)
+
+
+def test_position_losses_and_attention_stats_read_stream_packed_rows(monkeypatch):
+    """A data.packing='stream' run's rows have no positions or segment ids (plain causal
+    attention, positions 0..T-1): the positions and attention reports read them as its
+    loss does (both were KeyErrors), the loss by position being each row's index."""
+    import jax
+    from types import SimpleNamespace
+
+    from attention_jax.models import gpt
+    from attention_jax.models.losses import token_cross_entropy
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=1, d_model=8,
+                                  num_heads=2))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 32, (2, 9)).astype(np.int32)
+    weights = np.ones((2, 8), np.float32)
+    weights[1, 5:] = 0  # the stream's end: padding
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+    params = model.init(jax.random.PRNGKey(0), batch["inputs"])["params"]
+    task = SimpleNamespace(model=model)
+    monkeypatch.setattr(analysis, "restore_run", lambda w, o=None: (None, task, params))
+    monkeypatch.setattr(analysis, "eval_batches", lambda t, n, b: iter([batch]))
+    loss, counts = analysis.position_losses("run", seq_len=8, batches=1, batch_size=2)
+    logits, _ = model.apply({"params": params}, batch["inputs"])
+    nll = np.asarray(token_cross_entropy(logits, batch["targets"]), np.float64)
+    np.testing.assert_array_equal(counts, weights.sum(0))
+    np.testing.assert_allclose(loss, (nll * weights).sum(0) / weights.sum(0), rtol=1e-5)
+    stats = analysis.attention_stats(model, params, batch)
+    assert stats["uniform_entropy"] == pytest.approx(np.mean(np.log(np.arange(1, 9))))
+    assert 0 < stats["entropy"] <= stats["uniform_entropy"] + 1e-6
