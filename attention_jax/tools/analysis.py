@@ -269,8 +269,8 @@ def classification_accuracy(workdir: str, split: str = "", batch_size: int = 512
                             with_step: bool = False) -> tuple:
     """(accuracy, n) of the run's latest checkpoint on every example of `split` (default:
     the run's eval split), through its task's `classify`; with_step: (accuracy, n, the
-    checkpoint's step). The trainer's eval drops the last partial batch (359 digits test
-    images are 11 batches of 32 and 7 left over); this counts all of them."""
+    checkpoint's step). It counts every example, as the trainer's eval does (its last
+    partial batch padded and weighted), of any split the run's data has."""
     _, predicted, labels, step = _predictions(workdir, split, batch_size)
     found = float(np.mean(predicted == labels)), len(labels)
     return (*found, step) if with_step else found
@@ -492,19 +492,31 @@ def _self_attention_weights_fn(model):
     return weights
 
 
+def _segments(batch) -> np.ndarray:
+    """The batch's segment ids [B, T] (0: padding). A data.packing='stream' row has none:
+    it is one sequence, whose padding (at the split's end) shows in its weights only, a
+    token being real where it predicts one (weight 1) or is predicted (its left
+    neighbour's weight 1)."""
+    if "segment_ids" in batch:
+        return np.asarray(batch["segment_ids"])
+    if "weights" not in batch:
+        return np.ones(np.shape(batch["inputs"]), np.int32)
+    w = np.asarray(batch["weights"]) > 0
+    return (w | np.pad(w[:, :-1], ((0, 0), (1, 0)))).astype(np.int32)
+
+
 def attention_stats(model, params, batch) -> dict[str, float]:
     """Mean entropy (nats) and mean largest weight of the causal attention rows of a GPT
-    on a packed batch (inputs, positions, segment_ids [B, T]), over layers, heads and the
-    rows of real tokens; `uniform_entropy` is the entropy the same rows would have with
+    on a packed batch (inputs, positions, segment_ids [B, T]; a stream-packed one's inputs
+    and weights), over layers, heads and the rows of real tokens; `uniform_entropy` is the entropy the same rows would have with
     equal weights on every key they may see (log of the number of such keys).
 
     A saturated softmax (the lectures' argument for 1/sqrt(H): logits of std sqrt(H)
     make it near one-hot) shows as a largest weight near 1 and entropy near 0.
     """
+    seg = _segments(batch)
     batch = _lm_inputs(batch, "inputs")
     w = np.asarray(_self_attention_weights_fn(model)(params, batch), np.float64)
-    # A stream row (no segment ids) is one sequence: every token a query, causal over it.
-    seg = np.asarray(batch.get("segment_ids", np.ones(np.shape(batch["inputs"]), np.int32)))
     t = seg.shape[1]
     visible = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))  # [B, T, S]
     real = seg != 0  # [B, T] query rows of real tokens (0 is padding)

@@ -343,31 +343,34 @@ def test_bucketed_metrics_all_row_counts_every_example():
     assert by["all"]["n"] == 3 and by["all"]["exact_match"] == pytest.approx(100 / 3)
 
 
-def test_position_losses_and_attention_stats_read_stream_packed_rows(monkeypatch):
+def test_position_losses_and_attention_stats_read_stream_packed_rows(tmp_path):
     """A data.packing='stream' run's rows have no positions or segment ids (plain causal
     attention, positions 0..T-1): the positions and attention reports read them as its
-    loss does (both were KeyErrors), the loss by position being each row's index."""
-    import jax
-    from types import SimpleNamespace
-
-    from attention_jax.models import gpt
+    loss does (both were KeyErrors), the loss by position being each row's index, and
+    the padding at the split's end (seen in the weights only) no query row."""
     from attention_jax.models.losses import token_cross_entropy
-    model = gpt.GPT(gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=1, d_model=8,
-                                  num_heads=2))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 32, (2, 9)).astype(np.int32)
-    weights = np.ones((2, 8), np.float32)
-    weights[1, 5:] = 0  # the stream's end: padding
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
-    params = model.init(jax.random.PRNGKey(0), batch["inputs"])["params"]
-    task = SimpleNamespace(model=model)
-    monkeypatch.setattr(analysis, "restore_run", lambda w, o=None: (None, task, params))
-    monkeypatch.setattr(analysis, "eval_batches", lambda t, n, b: iter([batch]))
-    loss, counts = analysis.position_losses("run", seq_len=8, batches=1, batch_size=2)
-    logits, _ = model.apply({"params": params}, batch["inputs"])
+    config = shrink(config_lib.load("ablation_lm:study=position,variant=learned"),
+                    str(tmp_path / "tfds"))
+    config.train.steps, config.optim.warmup_steps, config.eval.every = 1, 1, -1
+    config.data.packing = "stream"
+    workdir = str(tmp_path / "stream")
+    train.train_and_evaluate(config, workdir)
+    t = config.data.seq_len
+    loss, counts = analysis.position_losses(workdir, seq_len=t, batches=1, batch_size=2)
+    _, task, params = analysis.restore_run(workdir)
+    batch = next(analysis.eval_batches(task, 1, 2))
+    assert "positions" not in batch and "segment_ids" not in batch
+    logits, _ = task.model.apply({"params": params}, batch["inputs"])
     nll = np.asarray(token_cross_entropy(logits, batch["targets"]), np.float64)
-    np.testing.assert_array_equal(counts, weights.sum(0))
-    np.testing.assert_allclose(loss, (nll * weights).sum(0) / weights.sum(0), rtol=1e-5)
-    stats = analysis.attention_stats(model, params, batch)
-    assert stats["uniform_entropy"] == pytest.approx(np.mean(np.log(np.arange(1, 9))))
+    w = np.asarray(batch["weights"], np.float64)
+    np.testing.assert_array_equal(counts, w.sum(0))
+    seen = counts > 0
+    np.testing.assert_allclose(loss[seen], (nll * w).sum(0)[seen] / counts[seen], rtol=1e-5)
+    padded = dict(batch, weights=w.copy())
+    padded["weights"][1, t // 2:] = 0  # row 1 ends the split: its tokens after t/2 + 1 pad
+    real = np.ones(w.shape, bool)
+    real[1, t // 2 + 1:] = False
+    stats = analysis.attention_stats(task.model, params, padded)
+    keys = np.broadcast_to(np.arange(1, t + 1), w.shape)  # a causal row's visible keys
+    assert stats["uniform_entropy"] == pytest.approx(np.log(keys[real]).mean())
     assert 0 < stats["entropy"] <= stats["uniform_entropy"] + 1e-6
