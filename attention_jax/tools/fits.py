@@ -110,11 +110,14 @@ def fit_power_law(n, loss) -> dict:
 
 # ========================================================================== scaling laws
 def non_embedding_params(params) -> int:
-    """Parameters outside the token and position tables (Kaplan's N; norms included)."""
+    """Parameters outside the vocabulary and position tables (Kaplan's N; norms
+    included): the token and position embeddings, and an untied output head (`lm_head`,
+    GPTConfig.tie_embeddings=False), which is a vocabulary matrix too; Kaplan et al.
+    2020's N leaves out "all vocabulary and positional embeddings"."""
     import flax
     flat = flax.traverse_util.flatten_dict(params)
     return int(sum(np.size(v) for k, v in flat.items()
-                   if not any("embedding" in part for part in k)))
+                   if not any("embedding" in part or part == "lm_head" for part in k)))
 
 
 def _smooth(values, width: int = 5):

@@ -98,6 +98,9 @@ def test_non_embedding_params_leave_out_the_tables():
               "decoder": {"layer_0": {"mlp": {"wi": {"kernel": np.zeros((8, 32))}}}},
               "final_norm": {"scale": np.zeros(8)}}
     assert fits.non_embedding_params(params) == 8 * 32 + 8
+    # An untied head is a vocabulary matrix as well (it counted 256 * 8 more)
+    params["lm_head"] = {"kernel": np.zeros((8, 256))}
+    assert fits.non_embedding_params(params) == 8 * 32 + 8
 
 
 # ------------------------------------------------------------------- FLOPs, scaling report
