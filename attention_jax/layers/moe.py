@@ -136,6 +136,12 @@ def _choose(logits, top_k, normalize_gates, token_mask):
     if token_mask is not None and tuple(token_mask.shape) != (b, t):
         raise ValueError(f"token_mask: shape {tuple(token_mask.shape)}; valid: [B, T] = "
                          f"{(b, t)}, True for a real token")
+    # (an int or float mask was used as a weight: segment ids 1, 2, 3 passed as the mask
+    # scaled each token's expert output and its share of the router statistics by its id)
+    if token_mask is not None and jnp.result_type(token_mask) != jnp.bool_:
+        raise ValueError(f"token_mask: dtype {jnp.result_type(token_mask)}; valid: a bool "
+                         f"array [B, T] = {(b, t)}, True for a real token (e.g. "
+                         f"segment_ids != 0)")
     # Routing decisions in float32 at least (Switch §2.4); float64 logits stay float64, or
     # a float64 check of the layer met float32's rounding in its gates and aux losses.
     exact = jnp.promote_types(logits.dtype, jnp.float32)

@@ -231,6 +231,12 @@ class GPT(nn.Module):
         b, t = tokens.shape
         if positions is not None:
             check_ids("positions", positions, (b, t))
+        if token_mask is not None and (jnp.shape(token_mask) != (b, t)
+                                       or jnp.result_type(token_mask) != jnp.bool_):
+            # (an int mask went to the MoE as a weight: segment ids scaled its outputs)
+            raise ValueError(f"token_mask must be a bool array of shape [B, T]={[b, t]} (True "
+                             f"for a real token); got {jnp.result_type(token_mask)} "
+                             f"{tuple(jnp.shape(token_mask))}")
         dtype = jnp.dtype(cfg.dtype)
         if positions is None:
             if decode:

@@ -292,3 +292,20 @@ def test_the_lm_task_marks_stream_padding_and_eval_padding_copies_for_the_moe():
     assert moe_token_mask(documents, jnp.asarray(documents["weights"])) is None
     got = moe_token_mask({**documents, EXAMPLE_WEIGHT: copy}, jnp.asarray(documents["weights"]))
     np.testing.assert_array_equal(got, np.broadcast_to(copy[:, None] > 0, (4, 8)))
+
+
+def test_a_token_mask_that_is_not_bool_is_refused_by_name():
+    """An int mask was a weight: segment ids 1, 2, 3 passed as token_mask scaled each
+    token's expert output (and its share of the statistics) by its id, unsaid."""
+    from attention_jax.models import gpt
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 4))
+    with pytest.raises(ValueError, match=r"token_mask: dtype int32; valid: a bool array"):
+        route(logits, 2, 3, token_mask=jnp.ones((2, 5), jnp.int32))
+    cfg = gpt.GPTConfig.from_variant("gpt-tiny-moe", num_layers=1, d_model=16, mlp_dim=16)
+    model = gpt.GPT(cfg)
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    params = model.init(jax.random.key(1), tokens)
+    segments = jnp.array([[1, 1, 2, 2], [1, 2, 3, 3]])
+    with pytest.raises(ValueError, match=r"token_mask must be a bool array of shape \[B, T\]"):
+        model.apply(params, tokens, token_mask=segments)
+    model.apply(params, tokens, token_mask=segments != 0)  # what was meant
