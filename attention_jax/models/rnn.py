@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
                                  check_rates_and_epsilon, is_int)
-from attention_jax.layers.posemb import Embed, check_ids
+from attention_jax.layers.posemb import Embed, check_below, check_ids
 from attention_jax.models import beam
 
 __all__ = ["RNNConfig", "RNNSeq2Seq", "VARIANTS", "beam_search"]
@@ -272,6 +272,11 @@ class RNNSeq2Seq(nn.Module):
         families' [L, B, N, T, S]; each row sums to 1 over real source tokens, 0 on
         padding). The weights are computed either way: they make the context."""
         check_ids("tgt_in", tgt_in)
+        # The decoder embeds tgt_in inside its scan, where the ids are traced and the
+        # lookup's own check cannot see them: an id past the target vocabulary gave NaN
+        # logits, unsaid. Checked here where they are concrete (an eager apply).
+        check_below("tgt_in", tgt_in, self.config.target_vocab_size,
+                    "token ids of the target vocabulary")
         memory, carry = self.encode(src, src_mask, deterministic)  # checks src
         if src.shape[0] != tgt_in.shape[0]:
             raise ValueError(f"src and tgt_in need the same batch B: src {tuple(src.shape)}, "

@@ -246,3 +246,14 @@ def test_float64_attention_weights_are_float64(variant, x64):
     assert alpha.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(alpha).sum(-1), 1.0, rtol=0, atol=1e-13)
     np.testing.assert_array_equal(np.asarray(alpha)[0, :, 4:], 0.0)
+
+
+def test_teacher_forcing_refuses_target_ids_past_the_vocabulary():
+    """tgt_in is embedded inside the decoder's scan, where the lookup cannot check it:
+    an id past the target vocabulary gave NaN logits, unsaid (src was checked)."""
+    model, params = _init("tiny")
+    v = model.config.target_vocab_size
+    for bad in (v, -1):
+        with pytest.raises(ValueError, match=rf"^tgt_in: {bad} is out of range; valid: "
+                                             rf"0..{v - 1}"):
+            model.apply({"params": params}, SRC, shift_right(TGT).at[1, 2].set(bad))
