@@ -56,7 +56,18 @@ def token_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     With label_smoothing ε the target is (1-ε)·onehot + ε/V (Szegedy et al. 2016;
     Vaswani et al. 2017 §5.4 use ε = 0.1)."""
     _check_label_smoothing(label_smoothing)
+    _check_target_dtype(targets)
     return _cross_entropy_terms(float(label_smoothing), logits, targets.astype(jnp.int32))[0]
+
+
+def _check_target_dtype(targets) -> None:
+    """Class ids are ints (or bools, 0/1): float targets were cut to ints, unsaid (2.7
+    read as class 2; soft labels of one axis as class 0), where the chunked loss refused
+    them."""
+    dtype = jnp.result_type(targets)
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+        raise ValueError(f"targets has dtype {dtype}; valid: an integer dtype (class ids: "
+                         f"targets.astype(jnp.int32) if they are whole numbers)")
 
 
 def cross_entropy(logits, targets, weights=None, label_smoothing: float = 0.0):
@@ -94,6 +105,7 @@ def check_targets(targets, classes: int, weights=None) -> None:
     if weights is not None and tuple(np.shape(weights)) != tuple(targets.shape):
         raise ValueError(f"weights has shape {tuple(np.shape(weights))}; valid: "
                          f"{tuple(targets.shape)}, the targets' (one weight a target)")
+    _check_target_dtype(targets)
     known = known_values(targets)
     if known is None or not known.size or not np.issubdtype(known.dtype, np.integer):
         return

@@ -158,3 +158,22 @@ def test_targets_and_weights_of_another_shape_are_named():
     with pytest.raises(ValueError, match=r"^targets has shape \(2, 1\); valid: \(2, 4\) "
                                          r"\(logits' leading axes"):
         cross_entropy(logits, TGT[:, :1])
+
+
+def test_float_targets_are_named_not_cut_to_ints():
+    """Float targets were cut to ints with nothing said (2.7 read as class 2), where the
+    chunked loss refused them; class ids in a float array are now refused alike."""
+    from attention_jax.models.losses import head_cross_entropy
+    logits = _logits()  # [2, 4, 8]
+    floats = jnp.asarray(TGT, jnp.float32) + 0.7
+    message = r"^targets has dtype float32; valid: an integer dtype"
+    with pytest.raises(ValueError, match=message):
+        cross_entropy(logits, floats)
+    with pytest.raises(ValueError, match=message):
+        jax.jit(cross_entropy)(logits, floats)  # the dtype is known when tracing
+    with pytest.raises(ValueError, match=message):
+        token_cross_entropy(logits, floats)
+    with pytest.raises(ValueError, match=message):
+        head_cross_entropy(jnp.ones((2, 4, 3)), jnp.ones((3, 8)), floats)
+    np.testing.assert_allclose(  # bool labels are the classes 0 and 1
+        cross_entropy(logits, TGT > 2)[0], cross_entropy(logits, (TGT > 2).astype(int))[0])
