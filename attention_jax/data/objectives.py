@@ -10,6 +10,7 @@ compiles once.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Collection, Sequence
 
 import jax
@@ -74,6 +75,17 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, voca
     10% a random non-special token, 10% stay, and all of them are predicted.
     Returns inputs, targets (the original tokens) and weights (1 where predicted).
     """
+    # Fractions, not percentages: mask_rate=15 chose every ordinary token and
+    # mask_token_rate=80 made every chosen one [MASK], a negative rate chose none, unsaid.
+    for name, rate in (('mask_rate', mask_rate), ('mask_token_rate', mask_token_rate),
+                       ('random_token_rate', random_token_rate)):
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate <= 1:
+            raise ValueError(f'{name}={rate!r} is out of range; valid: a fraction in [0, 1] '
+                             f'(0.15, not 15)')
+    if mask_token_rate + random_token_rate > 1:
+        raise ValueError(f'mask_token_rate={mask_token_rate} + random_token_rate='
+                         f'{random_token_rate} > 1; valid: fractions of the chosen tokens '
+                         f'summing to at most 1 (the rest keep their token)')
     tokens = np.asarray(tokens)
     specials = np.array(sorted(special_ids), dtype=tokens.dtype)
     eligible = ~np.isin(tokens, specials)

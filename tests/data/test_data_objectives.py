@@ -150,3 +150,19 @@ def test_nsp_pairs_refuse_a_seq_len_below_the_three_special_tokens():
     examples = data.nsp_pairs(docs, np.random.default_rng(0), seq_len=3, cls_id=CLS, sep_id=SEP)
     assert [e['tokens'].tolist() for e in examples] == [[CLS, SEP, SEP]] * 2
     assert [e['type_ids'].tolist() for e in examples] == [[0, 0, 1]] * 2
+
+
+def test_mlm_rates_are_fractions_or_named():
+    """mask_rate=15 (a percentage) chose every ordinary token, mask_token_rate=80 made
+    every chosen one [MASK], a negative rate chose none: all unsaid."""
+    tokens = _batch(np.random.default_rng(0), rows=4)
+    for kwargs, name in ((dict(mask_rate=15), 'mask_rate=15'),
+                         (dict(mask_rate=-0.1), r'mask_rate=-0\.1'),
+                         (dict(mask_token_rate=80), 'mask_token_rate=80'),
+                         (dict(random_token_rate=-1), 'random_token_rate=-1')):
+        with pytest.raises(ValueError, match=rf'^{name} is out of range; valid: a fraction'):
+            data.mlm_mask(tokens, np.random.default_rng(0), mask_id=MASK, vocab_size=VOCAB,
+                          special_ids=SPECIALS, **kwargs)
+    with pytest.raises(ValueError, match=r'^mask_token_rate=0\.8 \+ random_token_rate=0\.5 > 1'):
+        data.mlm_mask(tokens, np.random.default_rng(0), mask_id=MASK, vocab_size=VOCAB,
+                      special_ids=SPECIALS, random_token_rate=0.5)
