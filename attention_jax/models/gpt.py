@@ -324,6 +324,10 @@ def lm_loss(logits, tokens, weights=None):
         raise ValueError(f"logits must be [B, T, V] over tokens' [B, T]={list(tokens.shape)}; "
                          f"got {getattr(logits, 'shape', type(logits).__name__)} (the order "
                          f"is lm_loss(logits, tokens))")
+    if weights is not None and jnp.shape(weights) != tokens.shape:  # (an IndexError below)
+        raise ValueError(f"weights: shape {tuple(jnp.shape(weights))}; valid: tokens' [B, T]="
+                         f"{list(tokens.shape)}, one weight a token (a per-example weight "
+                         f"[B]: weights[:, None] * jnp.ones_like(tokens))")
     w = None if weights is None else weights[:, 1:]
     return cross_entropy(logits[:, :-1], tokens[:, 1:], w)
 
@@ -371,9 +375,15 @@ def init_cache(model: nn.Module, batch: int, max_len: int):
 
 def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = None,
                   top_p: Optional[float] = None):
-    """One token per row from logits [B, V]. temperature 0 is greedy (argmax).
+    """One token per row from logits [..., V] ([B, V]: one per row, -> [B]; [V]: one
+    token). temperature 0 is greedy (argmax).
     top_k keeps the k largest logits; top_p keeps the smallest set of tokens whose
     probability reaches p (nucleus sampling, Holtzman et al. 2020)."""
+    if not _is_key(rng):  # (a TypeError from inside jax.random otherwise)
+        raise ValueError(f"rng={rng!r}; valid: a JAX PRNG key, e.g. jax.random.key(0) "
+                         f"(or jax.random.PRNGKey(0))")
+    if jnp.ndim(logits) < 1:
+        raise ValueError(f"logits: shape {jnp.shape(logits)}; valid: [..., V], e.g. [B, V]")
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         # (a negative one sampled the inverted distribution, unsaid)
         raise ValueError(f"temperature={temperature!r}; valid: 0 (greedy) or a finite number > 0")
@@ -393,10 +403,10 @@ def sample_logits(rng, logits, temperature: float = 1.0, top_k: Optional[int] = 
     logits = logits.astype(jnp.float32)
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p is not None:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # [B, V] descending
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
         cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)

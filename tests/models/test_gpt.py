@@ -439,3 +439,21 @@ def test_router_z_loss_weight_adds_its_multiple_of_the_z_loss_to_the_moe_loss():
             with pytest.raises(ValueError, match=rf"^{name}={bad!r} is out of range; valid: "
                                                  rf"a finite {name} >= 0"):
                 gpt.get_config("gpt-tiny-moe", **{name: bad})
+
+
+def test_sample_logits_of_one_row_or_many_axes_and_lm_loss_weights_of_another_shape():
+    """top_k/top_p indexed logits as [B, V]: one row [V] was an IndexError and [B, T, V]
+    a broadcasting TypeError; an int for rng a TypeError from inside jax.random; lm_loss
+    weights [B] an IndexError."""
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+    key = jax.random.key(0)
+    for kw in (dict(top_k=2), dict(top_p=0.7)):
+        assert int(gpt.sample_logits(key, logits, **kw)) in (0, 1)
+        drawn = gpt.sample_logits(key, jnp.broadcast_to(logits, (2, 3, 4)), **kw)
+        assert drawn.shape == (2, 3) and set(np.asarray(drawn).ravel().tolist()) <= {0, 1}
+    with pytest.raises(ValueError, match=r"^rng=0; valid: a JAX PRNG key"):
+        gpt.sample_logits(0, logits[None])
+    tokens = _tokens((2, 8))
+    with pytest.raises(ValueError, match=r"^weights: shape \(2,\); valid: tokens' \[B, T\]="
+                                         r"\[2, 8\]"):
+        gpt.lm_loss(jnp.zeros((2, 8, 4)), tokens % 4, jnp.ones((2,)))
