@@ -42,7 +42,7 @@ from jax import lax
 from attention_jax import axes
 from attention_jax.attention import (IMPLEMENTATIONS, dot_product_attention,
                                      packed_self_attention, reads_packed)
-from attention_jax.errors import known_values
+from attention_jax.errors import check_rates_and_epsilon, known_values
 from attention_jax.layers.linear import matmul
 from attention_jax.layers.logical import mesh_axes
 from attention_jax.layers.posemb import apply_rope
@@ -175,6 +175,7 @@ class MultiHeadAttention(nn.Module):
                                                       if context is not None else "")
                              + "; valid: [B, T, D] (one sequence: x[None])")
         b, t, d = x.shape
+        check_rates_and_epsilon(self)  # dropout_rate=10 (a percentage) zeroed every output
         self_attention = context is None
         if not self_attention:  # each was left out of a cross-attention without a word
             given = [name for name, on in (("causal=True", self.causal),

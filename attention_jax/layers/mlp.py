@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.errors import check_rates_and_epsilon
 from attention_jax.layers.linear import dot_general_2d
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -154,6 +155,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
+        check_rates_and_epsilon(self)  # dropout_rate=10 (a percentage) zeroed every output
         d = x.shape[-1]
         f = self.hidden or 4 * d
         act = activation(self.activation)
@@ -184,6 +186,7 @@ class GatedMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
+        check_rates_and_epsilon(self)
         d = x.shape[-1]
         f = self.hidden or gated_hidden(d, self.multiple_of)
         args = (self.use_bias, self.dtype, self.param_dtype)

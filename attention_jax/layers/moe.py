@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.errors import check_rates_and_epsilon
 from attention_jax.layers.mlp import activation
 
 
@@ -201,6 +202,9 @@ class MoE(nn.Module):
         """x [B, T, D]; token_mask [B, T] bool or None: True for a real token (padding
         is routed nowhere: y = 0 there, and it takes no expert's slot). no_drop: every
         assignment computed, whatever capacity_factor says (the module doc; `_grouped`)."""
+        if x.ndim != 3:  # (not enough values to unpack)
+            raise ValueError(f"x: shape {x.shape}; valid: [B, T, D] (one sequence: x[None])")
+        check_rates_and_epsilon(self)  # dropout_rate=10 (a percentage) zeroed every output
         b, t, d = x.shape
         e, f = self.num_experts, self.hidden or 4 * x.shape[-1]
         if e < 1 or not 1 <= self.top_k <= e:

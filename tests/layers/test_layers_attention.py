@@ -303,3 +303,16 @@ def test_what_only_self_attention_reads_is_refused_with_a_context():
             jax.eval_shape(module.init, jax.random.PRNGKey(0), x, context, **kwargs)
     jax.eval_shape(MultiHeadAttention(num_heads=4).init, jax.random.PRNGKey(0), x, context,
                    kv_mask=jnp.ones((1, 6), bool))
+
+
+@pytest.mark.parametrize("rate", [10, 1.5, -0.5])
+def test_a_layer_s_dropout_rate_out_of_range_is_named(rate):
+    """The layers took any rate (the model configs checked theirs): dropout_rate=10, a
+    percentage, zeroed every training output, -0.5 scaled them by 1/1.5, unsaid."""
+    from attention_jax.layers import MoE
+    x = jnp.ones((1, 3, 8))
+    for layer in (MultiHeadAttention(2, dropout_rate=rate), MLP(dropout_rate=rate),
+                  GatedMLP(dropout_rate=rate), MoE(num_experts=2, top_k=1, dropout_rate=rate)):
+        with pytest.raises(ValueError, match=rf"^dropout_rate={rate} is out of range; valid: "
+                                             rf"0 <= dropout_rate < 1"):
+            jax.eval_shape(layer.init, jax.random.key(0), x)
