@@ -181,6 +181,7 @@ class EncoderDecoder(nn.Module):
         check_ids("src", src)
         if src_mask is None:
             src_mask = src != self.config.pad_id
+        _check_src_mask(src_mask, src.shape)
         b, s = src.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         x = self._embed(self.src_embed, src, positions, deterministic)
@@ -200,6 +201,7 @@ class EncoderDecoder(nn.Module):
         if tgt_in.shape[0] != encoded.shape[0]:
             raise ValueError(f"tgt_in and src need the same batch B: tgt_in {tuple(tgt_in.shape)}"
                              f", src's encoding {tuple(encoded.shape)}")
+        _check_src_mask(src_mask, encoded.shape[:2])
         b, t = tgt_in.shape
         if positions is None:
             if decode:
@@ -234,6 +236,18 @@ class EncoderDecoder(nn.Module):
                                         "decoder": dec_aux.pop("self_attention_weights"),
                                         "cross": dec_aux.pop("cross_attention_weights")}
         return logits, aux
+
+
+def _check_src_mask(src_mask, shape) -> None:
+    """src_mask by its own name (it reached attention as kv_mask, and its error named
+    that): a bool array of src's shape [B, S]."""
+    if (getattr(src_mask, "dtype", None) != jnp.bool_
+            or tuple(jnp.shape(src_mask)) != tuple(shape)):
+        got = (f"{src_mask.dtype} {tuple(src_mask.shape)}" if hasattr(src_mask, "dtype")
+               else type(src_mask).__name__)
+        raise ValueError(f"src_mask must be a bool array of src's shape [B, S]="
+                         f"{list(shape)} (True on real tokens; default src != pad_id); got "
+                         f"{got}")
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -281,3 +281,17 @@ def test_the_docstrings_loss_weights_are_the_tasks_target_weights():
     np.testing.assert_array_equal(np.asarray(got, np.float32), want)
     for doc in (ed.__doc__, rnn.__doc__):  # `!= pad_id` named only as what not to do
         assert not re.search(r"cross_entropy\([^)]*!=", doc), doc
+
+
+def test_a_src_mask_of_the_wrong_kind_is_named_src_mask():
+    """An int src_mask (the 0/1 masks of other libraries) or one of another length was
+    refused by attention as "kv_mask must be a bool array", an argument never passed."""
+    model, params = _model()
+    tgt = _targets((3, 5))
+    for bad, got in ((jnp.ones(SRC.shape, jnp.int32), r"int32 \(3, 7\)"),
+                     (jnp.ones((3, 6), bool), r"bool \(3, 6\)")):
+        with pytest.raises(ValueError, match=rf"^src_mask must be a bool array of src's shape "
+                                             rf"\[B, S\]=\[3, 7\] .*; got {got}"):
+            model.apply({"params": params}, SRC, tgt, bad)
+        with pytest.raises(ValueError, match=r"^src_mask must be a bool array"):
+            ed.greedy_decode(model, params, SRC, max_len=3, src_mask=bad)
