@@ -116,6 +116,19 @@ def check_float_dtypes(config, names: Iterable[str] = ("dtype", "param_dtype")) 
 RATES = ("dropout_rate", "attention_dropout_rate")  # probabilities of dropping: [0, 1)
 
 
+def check_bools(config) -> None:
+    """ValueError naming the first field of `config` (a model's config dataclass) declared
+    bool whose value is none: a string was taken by its truth value, so
+    position_embeddings="False" kept the position embeddings, unsaid."""
+    import dataclasses
+
+    import numpy as np
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type in ("bool", bool) and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{field.name}={value!r} is no bool; valid: True or False")
+
+
 def check_rates_and_epsilon(config) -> None:
     """ValueError naming the first dropout rate on `config` (a model's config dataclass,
     where it has the field) outside [0, 1), or a norm_epsilon not > 0. A notebook's model

@@ -34,8 +34,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon)
+from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+                                 check_positive_ints, check_rates_and_epsilon)
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -73,6 +73,7 @@ class BertConfig:
 
     def __post_init__(self):
         check_float_dtypes(self)
+        check_bools(self)
         check_rates_and_epsilon(self)
         check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_layers",
                                    "mlp_dim", "max_len", "type_vocab_size", "num_labels"))

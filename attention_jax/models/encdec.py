@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon, is_int)
+from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+                                 check_positive_ints, check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack, check_remat_policy
 from attention_jax.layers.norms import make_norm
 from attention_jax.layers.posemb import Embed, check_ids, sinusoidal
@@ -83,6 +83,7 @@ class EncDecConfig:
         # otherwise divides by zero (here, or in setup's D^-1/2), zero layers fails deep in
         # the stack's setup, and mlp_dim=0 silently became the 4D default.
         check_float_dtypes(self)
+        check_bools(self)
         check_rates_and_epsilon(self)
         check_positive_ints(self, ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
                                    "num_decoder_layers", "mlp_dim"),

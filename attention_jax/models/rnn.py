@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon, is_int)
+from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+                                 check_positive_ints, check_rates_and_epsilon, is_int)
 from attention_jax.layers.posemb import Embed, check_below, check_ids
 from attention_jax.models import beam
 
@@ -68,6 +68,7 @@ class RNNConfig:
         if self.cell not in CELLS:
             raise ValueError(f"cell={self.cell!r} is unknown; valid: {CELLS}")
         check_float_dtypes(self)
+        check_bools(self)
         check_rates_and_epsilon(self)
         check_positive_ints(self, ("vocab_size", "target_vocab_size", "embed_dim",
                                    "hidden_dim", "attention_dim", "readout_dim"))

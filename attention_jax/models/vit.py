@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon)
+from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+                                 check_positive_ints, check_rates_and_epsilon)
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -68,6 +68,7 @@ class ViTConfig:
 
     def __post_init__(self):
         check_float_dtypes(self)
+        check_bools(self)
         check_rates_and_epsilon(self)
         check_positive_ints(self, ("image_size", "patch_size", "num_channels", "d_model",
                                    "num_heads", "num_layers", "mlp_dim", "num_classes"))

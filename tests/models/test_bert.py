@@ -336,3 +336,21 @@ def test_logits_are_float32_at_least_and_stay_float64(family):
             logits = jax.eval_shape(lambda: model.apply(
                 model.init(jax.random.key(0), *args), *args)[0])
             assert logits.dtype == want, (dtype, logits.dtype)
+
+
+@pytest.mark.parametrize("family, field", [("bert", "position_embeddings"),
+                                           ("vit", "scan_layers"),
+                                           ("encdec", "share_embeddings"),
+                                           ("rnn", "attention")])
+def test_a_bool_field_given_a_string_is_named(family, field):
+    """A string was taken by its truth value (position_embeddings="False" kept the
+    position embeddings; rnn attention="False" kept the attention), unsaid; GPT's
+    config already refused it."""
+    from attention_jax.models import encdec, rnn, vit
+    make = {"bert": lambda **kw: BertConfig.from_variant("bert-tiny", **kw),
+            "vit": lambda **kw: vit.ViTConfig.from_variant("vit-tiny/2", **kw),
+            "encdec": lambda **kw: encdec.get_config("transformer-tiny", **kw),
+            "rnn": lambda **kw: rnn.RNNConfig.from_variant("tiny", **kw)}[family]
+    with pytest.raises(ValueError, match=rf"^{field}='False' is no bool; valid: True or False"):
+        make(**{field: "False"})
+    assert getattr(make(**{field: False}), field) is False
