@@ -113,6 +113,17 @@ def check_float_dtypes(config, names: Iterable[str] = ("dtype", "param_dtype")) 
                              f"{list(FLOAT_DTYPES)} (or its jnp dtype)")
 
 
+def check_float_images(images) -> None:
+    """ValueError for images of an integer dtype (a ViT's or CNN's input): raw uint8 pixels
+    in 0..255 trained and classified without a word, at 255 times the scale the models
+    and their converted weights expect."""
+    import jax.numpy as jnp
+    if not jnp.issubdtype(jnp.result_type(images), jnp.floating):
+        raise ValueError(f"images have dtype {jnp.result_type(images)}; valid: a floating "
+                         f"dtype, the pixels normalised as the data pipeline does "
+                         f"(data.images.Preprocess: (x / 255 - mean) / std)")
+
+
 RATES = ("dropout_rate", "attention_dropout_rate")  # probabilities of dropping: [0, 1)
 
 

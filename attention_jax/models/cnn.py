@@ -24,8 +24,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon)
+from attention_jax.errors import (check_fields, check_float_dtypes, check_float_images,
+                                 check_positive_ints, check_rates_and_epsilon)
 
 __all__ = ["CNNConfig", "CNN", "VARIANTS"]
 
@@ -105,6 +105,7 @@ class CNN(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if images.ndim != 4 or images.shape[-1] != cfg.num_channels:
             raise ValueError(f"images must be [B, H, W, C={cfg.num_channels}]; got {images.shape}")
+        check_float_images(images)
         k = (cfg.kernel_size, cfg.kernel_size)
         x = nn.Conv(cfg.width, k, padding="SAME", dtype=dtype, name="stem")(images.astype(dtype))
         for i in range(cfg.num_blocks):

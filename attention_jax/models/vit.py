@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from attention_jax import axes
 from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
-                                 check_positive_ints, check_rates_and_epsilon)
+                                 check_float_images, check_positive_ints,
+                                 check_rates_and_epsilon)
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
 from attention_jax.layers.blocks import BlockConfig, REMAT_POLICIES, TransformerStack
@@ -176,6 +177,7 @@ class ViT(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if images.ndim != 4 or images.shape[-1] != cfg.num_channels:
             raise ValueError(f"images must be [B, H, W, C={cfg.num_channels}]; got {images.shape}")
+        check_float_images(images)
         b, h, w, _ = images.shape
         p = cfg.patch_size
         if h % p or w % p:

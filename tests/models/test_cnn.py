@@ -72,4 +72,6 @@ def test_bad_configuration_raises():
         CNNConfig(num_blocks=0)
     with pytest.raises(ValueError, match=r"C=1"):
         jax.eval_shape(_model().init, jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
+    with pytest.raises(ValueError, match=r"^images have dtype int32; valid: a floating dtype"):
+        jax.eval_shape(_model().init, jax.random.key(0), jnp.zeros((1, 8, 8, 1), jnp.int32))
     assert set(VARIANTS) == {"resnet-tiny"}

@@ -162,6 +162,9 @@ def test_bad_configuration_raises():
         jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 9, 8, 1)))
     with pytest.raises(ValueError, match="C=1"):
         jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
+    # Raw pixels 0..255 were taken as they came, at 255 times the trained scale
+    with pytest.raises(ValueError, match=r"^images have dtype uint8; valid: a floating dtype"):
+        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 1), jnp.uint8))
     assert {"vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/16", "vit-h/14"} <= set(VARIANTS)
 
 
