@@ -41,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -213,10 +214,15 @@ def watch_parent(parent: int, name: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class _EndWithParent:
     """grain's worker_init_fn (pickled into each spawned worker): the worker watches the
-    process that started it."""
+    process that started it, and leaves Ctrl-C to it. A terminal's Ctrl-C reaches the
+    whole process group: each worker died of it with a KeyboardInterrupt traceback (and
+    the batches it held in shared memory were reported leaked) while the trainer was
+    still finishing its step and saving its checkpoint. The trainer stops its workers
+    when it closes the loader, or they end with it (watch_parent)."""
     parent: int
 
     def __call__(self, worker_index: int, worker_count: int) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         watch_parent(self.parent, "loader-parent-watch")
 
 

@@ -279,3 +279,44 @@ def test_loader_workers_end_with_a_killed_trainer(tmp_path):
     children, left = children_outliving(tmp_path / 'trainer.py', {'JAX_PLATFORMS': 'cpu'})
     assert len(children) >= 2  # the two workers (and multiprocessing's resource tracker)
     assert not left
+
+
+def test_loader_workers_leave_ctrl_c_to_the_trainer(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group. grain's loader workers died
+    of it, each printing a KeyboardInterrupt traceback, while the trainer (which handles
+    SIGINT: finish the step, save, stop) was still taking batches. They now ignore it;
+    the trainer's closing the loader ends them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    (tmp_path / 'trainer.py').write_text(
+        "import signal, sys\n"
+        "import numpy as np\n"
+        "from attention_jax.data import loaders\n"
+        "if __name__ == '__main__':\n"
+        "    stop = []\n"
+        "    signal.signal(signal.SIGINT, lambda *_: stop.append(1))\n"
+        "    source = [{'x': np.full(4, i, np.int32)} for i in range(64)]\n"
+        "    it = iter(loaders.Loader(source, global_batch_size=4, seed=0, worker_count=2))\n"
+        "    next(it)  # the workers are up\n"
+        "    print('up', flush=True)\n"
+        "    while not stop:\n"
+        "        next(it)\n"
+        "    for _ in range(8):  # batches taken after the Ctrl-C still come\n"
+        "        next(it)\n"
+        "    it.close()\n"
+        "    print('closed', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / 'trainer.py')],
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    try:
+        assert proc.stdout.readline().strip() == 'up'
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and 'closed' in out, err[-3000:]
+    assert 'KeyboardInterrupt' not in err and 'leaked' not in err, err[-3000:]
