@@ -218,7 +218,8 @@ class _EndWithParent:
     whole process group: each worker died of it with a KeyboardInterrupt traceback (and
     the batches it held in shared memory were reported leaked) while the trainer was
     still finishing its step and saving its checkpoint. The trainer stops its workers
-    when it closes the loader, or they end with it (watch_parent)."""
+    when it closes the loader, or they end with it (watch_parent). (A Ctrl-C in the
+    seconds a worker takes to start, before this runs, still reaches it.)"""
     parent: int
 
     def __call__(self, worker_index: int, worker_count: int) -> None:

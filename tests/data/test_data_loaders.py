@@ -299,7 +299,7 @@ def test_loader_workers_leave_ctrl_c_to_the_trainer(tmp_path):
         "    signal.signal(signal.SIGINT, lambda *_: stop.append(1))\n"
         "    source = [{'x': np.full(4, i, np.int32)} for i in range(64)]\n"
         "    it = iter(loaders.Loader(source, global_batch_size=4, seed=0, worker_count=2))\n"
-        "    next(it)  # the workers are up\n"
+        "    next(it), next(it)  # each worker has made a batch: it is past its init\n"
         "    print('up', flush=True)\n"
         "    while not stop:\n"
         "        next(it)\n"
