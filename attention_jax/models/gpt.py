@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import axes
-from attention_jax.errors import (check_fields, check_float_dtypes, check_positive_ints,
-                                 check_rates_and_epsilon, is_int)
+from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+                                 check_positive_ints, check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack, check_remat_policy
 from attention_jax.layers.linear import dot_general_2d
 from attention_jax.layers.mlp import GATED_MLPS, gate_activation
@@ -114,11 +114,7 @@ class GPTConfig:
                                  f"{name} >= 0 (0: not in the loss)")
         check_positive_ints(self, ("vocab_size", "max_len", "num_layers", "d_model",
                                    "num_heads"))
-        # (a string or a number was taken as its truth value: 'abc' as True, unsaid)
-        for name in ("tie_embeddings", "use_bias", "scan_layers"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name}={getattr(self, name)!r} is no bool; valid: True or "
-                                 f"False")
+        check_bools(self)  # ('abc' was taken as its truth value, True, unsaid)
         # Numbers the block reads only when the model is traced: a string or NaN scale was
         # a traceback there, a rope_base <= 0 (0 ** -x, a negative base's fractional
         # powers) NaN losses once training had begun.

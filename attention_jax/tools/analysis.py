@@ -501,8 +501,8 @@ def _segments(batch) -> np.ndarray:
         return np.asarray(batch["segment_ids"])
     if "weights" not in batch:
         return np.ones(np.shape(batch["inputs"]), np.int32)
-    w = np.asarray(batch["weights"]) > 0
-    return (w | np.pad(w[:, :-1], ((0, 0), (1, 0)))).astype(np.int32)
+    real = tasks.text.moe_token_mask(batch, np.asarray(batch["weights"]))  # as the MoE reads it
+    return np.asarray(real, np.int32)
 
 
 def attention_stats(model, params, batch) -> dict[str, float]:
