@@ -272,8 +272,7 @@ def _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, labe
                          f"(hidden's last axis, hidden {hidden.shape})")
     if targets.shape != (b, t):
         raise ValueError(f"targets has shape {targets.shape}; valid: [B, T] = {(b, t)}")
-    if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise ValueError(f"targets has dtype {targets.dtype}; valid: an integer dtype")
+    _check_target_dtype(targets)  # bools (0/1) as the other losses take them
     if weights is not None and jnp.shape(weights) != (b, t):
         raise ValueError(f"weights has shape {jnp.shape(weights)}; valid: [B, T] = {(b, t)}")
     if bias is not None and bias.shape != kernel.shape[1:]:

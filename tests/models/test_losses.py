@@ -177,3 +177,17 @@ def test_float_targets_are_named_not_cut_to_ints():
         head_cross_entropy(jnp.ones((2, 4, 3)), jnp.ones((3, 8)), floats)
     np.testing.assert_allclose(  # bool labels are the classes 0 and 1
         cross_entropy(logits, TGT > 2)[0], cross_entropy(logits, (TGT > 2).astype(int))[0])
+
+
+def test_the_chunked_loss_takes_bool_targets_as_the_others_do():
+    """Bools are the classes 0 and 1 in every loss: the chunked head refused them."""
+    from attention_jax.models.losses import chunked_head_cross_entropy
+    hidden = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 3))
+    kernel = jax.random.normal(jax.random.PRNGKey(1), (3, 8))
+    labels = TGT > 2
+    loss, metrics = chunked_head_cross_entropy(hidden, kernel, labels, chunk_size=3)
+    want, want_metrics = cross_entropy(hidden @ kernel, labels.astype(int))
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    np.testing.assert_allclose(metrics["accuracy"], want_metrics["accuracy"])
+    with pytest.raises(ValueError, match=r"^targets has dtype float32; valid: an integer"):
+        chunked_head_cross_entropy(hidden, kernel, labels.astype(np.float32), chunk_size=3)
