@@ -101,17 +101,23 @@ def check_targets(targets, classes: int, weights=None) -> None:
     values are known (errors.known_values): the loss would add their logsumexp to the
     mean with nothing said (PyTorch's ignore_index -100 among them). Weights of another
     shape than the targets' are refused: broadcast, they would count the mean's
-    positions wrongly (a NumPy broadcast error otherwise)."""
+    positions wrongly (a NumPy broadcast error otherwise); so are known negative or
+    non-finite weights (the mean over Σw would go the wrong way, or be NaN)."""
     if weights is not None and tuple(np.shape(weights)) != tuple(targets.shape):
         raise ValueError(f"weights has shape {tuple(np.shape(weights))}; valid: "
                          f"{tuple(targets.shape)}, the targets' (one weight a target)")
     _check_target_dtype(targets)
+    w = None if weights is None else known_values(weights)
+    if w is not None and w.size and not (np.isfinite(w) & (w >= 0)).all():
+        value = w[~(np.isfinite(w) & (w >= 0))].flat[0]
+        raise ValueError(f"weights: {value} is a weight; valid: finite and >= 0 (0 leaves a "
+                         f"position out; a negative weight pushes the mean's loss the "
+                         f"wrong way)")
     known = known_values(targets)
     if known is None or not known.size or not np.issubdtype(known.dtype, np.integer):
         return
     bad = (known < 0) | (known >= classes)
     if weights is not None:
-        w = known_values(weights)
         if w is None:
             return
         bad &= np.broadcast_to(w, bad.shape) != 0

@@ -191,3 +191,16 @@ def test_the_chunked_loss_takes_bool_targets_as_the_others_do():
     np.testing.assert_allclose(metrics["accuracy"], want_metrics["accuracy"])
     with pytest.raises(ValueError, match=r"^targets has dtype float32; valid: an integer"):
         chunked_head_cross_entropy(hidden, kernel, labels.astype(np.float32), chunk_size=3)
+
+
+def test_negative_or_nan_weights_are_named():
+    """A negative weight pushed the mean's loss the wrong way and a NaN one made it NaN,
+    both unsaid; weights known when the loss is called (eagerly) are checked."""
+    logits, weights = _logits(), np.ones(TGT.shape, np.float32)
+    for bad in (-1.0, np.nan):
+        weights[1, 2] = bad
+        with pytest.raises(ValueError, match=r"^weights: (-1.0|nan) is a weight; valid: "
+                                             r"finite and >= 0"):
+            cross_entropy(logits, TGT, weights)
+    weights[1, 2] = 0.0
+    cross_entropy(logits, TGT, weights)  # zeros leave positions out
