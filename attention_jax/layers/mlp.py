@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_rates_and_epsilon
+from attention_jax.errors import check_positive_ints, check_rates_and_epsilon
 from attention_jax.layers.linear import dot_general_2d
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -156,6 +156,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
         check_rates_and_epsilon(self)  # dropout_rate=10 (a percentage) zeroed every output
+        # hidden=0 was read as the default 4D, unsaid
+        check_positive_ints(self, ["hidden"], {"hidden": "4 times the input's width"})
         d = x.shape[-1]
         f = self.hidden or 4 * d
         act = activation(self.activation)
@@ -187,6 +189,8 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
         check_rates_and_epsilon(self)
+        check_positive_ints(self, ["hidden", "multiple_of"],  # hidden=0 read as the default
+                            {"hidden": "8/3 of the input's width, rounded up to multiple_of"})
         d = x.shape[-1]
         f = self.hidden or gated_hidden(d, self.multiple_of)
         args = (self.use_bias, self.dtype, self.param_dtype)

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import check_rates_and_epsilon
+from attention_jax.errors import check_positive_ints, check_rates_and_epsilon
 from attention_jax.layers.mlp import activation
 
 
@@ -205,6 +205,7 @@ class MoE(nn.Module):
         if x.ndim != 3:  # (not enough values to unpack)
             raise ValueError(f"x: shape {x.shape}; valid: [B, T, D] (one sequence: x[None])")
         check_rates_and_epsilon(self)  # dropout_rate=10 (a percentage) zeroed every output
+        check_positive_ints(self, ["hidden"], {"hidden": "4 times the input's width"})
         b, t, d = x.shape
         e, f = self.num_experts, self.hidden or 4 * x.shape[-1]
         if e < 1 or not 1 <= self.top_k <= e:

@@ -316,3 +316,19 @@ def test_a_layer_s_dropout_rate_out_of_range_is_named(rate):
         with pytest.raises(ValueError, match=rf"^dropout_rate={rate} is out of range; valid: "
                                              rf"0 <= dropout_rate < 1"):
             jax.eval_shape(layer.init, jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("hidden", [0, -4, 2.5])
+def test_a_feed_forward_layer_s_hidden_width_is_checked(hidden):
+    """hidden=0 was read as the default width (4D, or 8D/3 for the gated MLP), unsaid."""
+    from attention_jax.layers import MoE
+    x = jnp.ones((1, 3, 8))
+    for layer in (MLP(hidden=hidden), GatedMLP(hidden=hidden),
+                  MoE(num_experts=2, top_k=1, hidden=hidden)):
+        with pytest.raises(ValueError, match=rf"^hidden must be a positive integer; got "
+                                             rf"{hidden}"):
+            jax.eval_shape(layer.init, jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"^multiple_of must be a positive integer; got 0"):
+        jax.eval_shape(GatedMLP(multiple_of=0).init, jax.random.key(0), x)
+    for layer in (MLP(), GatedMLP(multiple_of=16), MoE(num_experts=2, top_k=1)):  # None: default
+        jax.eval_shape(layer.init, jax.random.key(0), x)
