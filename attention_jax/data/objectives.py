@@ -86,6 +86,10 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, voca
         raise ValueError(f'mask_token_rate={mask_token_rate} + random_token_rate='
                          f'{random_token_rate} > 1; valid: fractions of the chosen tokens '
                          f'summing to at most 1 (the rest keep their token)')
+    if isinstance(mask_id, bool) or not isinstance(mask_id, numbers.Integral) or not (
+            0 <= mask_id < vocab_size):  # an id past the embedding table gathers garbage
+        raise ValueError(f'mask_id={mask_id!r} is not a token id of the vocabulary; valid: an '
+                         f'int in 0..{vocab_size - 1} (vocab_size={vocab_size})')
     tokens = np.asarray(tokens)
     specials = np.array(sorted(special_ids), dtype=tokens.dtype)
     eligible = ~np.isin(tokens, specials)

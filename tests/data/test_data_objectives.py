@@ -166,3 +166,17 @@ def test_mlm_rates_are_fractions_or_named():
     with pytest.raises(ValueError, match=r'^mask_token_rate=0\.8 \+ random_token_rate=0\.5 > 1'):
         data.mlm_mask(tokens, np.random.default_rng(0), mask_id=MASK, vocab_size=VOCAB,
                       special_ids=SPECIALS, random_token_rate=0.5)
+
+
+def test_mlm_mask_id_must_be_a_token_of_the_vocabulary():
+    """A mask_id past vocab_size (a tokenizer's [MASK] beside a smaller model vocabulary)
+    went into the inputs unsaid, where the embedding's gather reads past its table."""
+    tokens = _batch(np.random.default_rng(0), rows=4)
+    for bad in (VOCAB, -1, 2.0):
+        with pytest.raises(ValueError, match=rf'^mask_id={bad!r} is not a token id of the '
+                                             rf'vocabulary; valid: an int in 0\.\.{VOCAB - 1}'):
+            data.mlm_mask(tokens, np.random.default_rng(0), mask_id=bad, vocab_size=VOCAB,
+                          special_ids=SPECIALS)
+    out = data.mlm_mask(tokens, np.random.default_rng(0), mask_id=np.int64(MASK),
+                        vocab_size=VOCAB, special_ids=SPECIALS)  # NumPy ints are ids too
+    assert (out['inputs'] == MASK).any()
