@@ -140,6 +140,19 @@ def check_bools(config) -> None:
             raise ValueError(f"{field.name}={value!r} is no bool; valid: True or False")
 
 
+def check_flags(**flags) -> None:
+    """ValueError naming the first of a call's switches (deterministic=..., return_weights=...)
+    that is no bool: deterministic="False" is truthy, so a training call ran without
+    dropout, unsaid. NumPy's and JAX's 0-d bools are bools too."""
+    import numpy as np
+    for name, value in flags.items():
+        if isinstance(value, (bool, np.bool_)):
+            continue
+        if getattr(value, "shape", None) == () and getattr(value, "dtype", None) == np.bool_:
+            continue
+        raise ValueError(f"{name}={value!r} is no bool; valid: True or False")
+
+
 def check_rates_and_epsilon(config) -> None:
     """ValueError naming the first dropout rate on `config` (a model's config dataclass,
     where it has the field) outside [0, 1), or a norm_epsilon not > 0. A notebook's model

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+from attention_jax.errors import (check_bools, check_fields, check_flags, check_float_dtypes,
                                  check_positive_ints, check_rates_and_epsilon)
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
@@ -155,6 +155,7 @@ class Bert(nn.Module):
         positions [B, T] position ids (default 0..T-1; packed rows restart per document);
         segment_ids [B, T]: packed documents that must not attend to each other;
         masked_positions [B, M]: positions whose MLM logits to compute (default: all)."""
+        check_flags(deterministic=deterministic, return_weights=return_weights)
         cfg = self.config
         if self.head not in HEADS:
             raise ValueError(f"head={self.head!r} is unknown; valid: {HEADS}")

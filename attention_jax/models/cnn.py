@@ -24,8 +24,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from attention_jax.errors import (check_fields, check_float_dtypes, check_float_images,
-                                 check_positive_ints, check_rates_and_epsilon)
+from attention_jax.errors import (check_fields, check_flags, check_float_dtypes,
+                                 check_float_images, check_positive_ints,
+                                 check_rates_and_epsilon)
 
 __all__ = ["CNNConfig", "CNN", "VARIANTS"]
 
@@ -101,6 +102,7 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, images, *, deterministic: bool = True):
+        check_flags(deterministic=deterministic)
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         if images.ndim != 4 or images.shape[-1] != cfg.num_channels:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+from attention_jax.errors import (check_bools, check_fields, check_flags, check_float_dtypes,
                                  check_positive_ints, check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack, check_remat_policy
 from attention_jax.layers.norms import make_norm
@@ -220,6 +220,7 @@ class EncoderDecoder(nn.Module):
 
     def __call__(self, src, tgt_in, src_mask=None, *, deterministic: bool = True,
                  return_weights: bool = False):
+        check_flags(deterministic=deterministic, return_weights=return_weights)
         check_ids("src", src)
         check_ids("tgt_in", tgt_in)
         if src.shape[0] != tgt_in.shape[0]:

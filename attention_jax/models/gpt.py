@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import axes
-from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+from attention_jax.errors import (check_bools, check_fields, check_flags, check_float_dtypes,
                                  check_positive_ints, check_rates_and_epsilon, is_int)
 from attention_jax.layers.blocks import BlockConfig, TransformerStack, check_remat_policy
 from attention_jax.layers.linear import dot_general_2d
@@ -222,6 +222,8 @@ class GPT(nn.Module):
         segment ids (a "stream" row's tail, an eval batch's padding copies), routed to no
         expert and left out of the router statistics and the balance loss. It masks no
         attention: a causal model's real tokens see no padding that follows them."""
+        check_flags(deterministic=deterministic, decode=decode, return_weights=return_weights,
+                    return_hidden=return_hidden)
         cfg = self.config
         check_ids("tokens", tokens)
         b, t = tokens.shape

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
+from attention_jax.errors import (check_bools, check_fields, check_flags, check_float_dtypes,
                                  check_positive_ints, check_rates_and_epsilon, is_int)
 from attention_jax.layers.posemb import Embed, check_below, check_ids
 from attention_jax.models import beam
@@ -272,6 +272,7 @@ class RNNSeq2Seq(nn.Module):
         return_weights, aux["attention_weights"]["cross"] [1, B, 1, T, S] (the other
         families' [L, B, N, T, S]; each row sums to 1 over real source tokens, 0 on
         padding). The weights are computed either way: they make the context."""
+        check_flags(deterministic=deterministic, return_weights=return_weights)
         check_ids("tgt_in", tgt_in)
         # The decoder embeds tgt_in inside its scan, where the ids are traced and the
         # lookup's own check cannot see them: an id past the target vocabulary gave NaN

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
-from attention_jax.errors import (check_bools, check_fields, check_float_dtypes,
-                                 check_float_images, check_positive_ints,
+from attention_jax.errors import (check_bools, check_fields, check_flags,
+                                 check_float_dtypes, check_float_images, check_positive_ints,
                                  check_rates_and_epsilon)
 from attention_jax.attention import IMPLEMENTATIONS
 from attention_jax.layers.attention import check_heads
@@ -173,6 +173,7 @@ class ViT(nn.Module):
 
     @nn.compact
     def __call__(self, images, *, deterministic: bool = True, return_weights: bool = False):
+        check_flags(deterministic=deterministic, return_weights=return_weights)
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         if images.ndim != 4 or images.shape[-1] != cfg.num_channels:

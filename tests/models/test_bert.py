@@ -354,3 +354,25 @@ def test_a_bool_field_given_a_string_is_named(family, field):
     with pytest.raises(ValueError, match=rf"^{field}='False' is no bool; valid: True or False"):
         make(**{field: "False"})
     assert getattr(make(**{field: False}), field) is False
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "vit", "encdec", "rnn", "cnn"])
+def test_a_call_s_switch_given_a_string_is_named(family):
+    """deterministic="False" is truthy: a training call ran without dropout, unsaid.
+    (Shapes only: jax.eval_shape compiles nothing.)"""
+    from attention_jax.models import cnn, encdec, gpt, rnn, vit
+    ids, images = jnp.ones((1, 8), int), jnp.ones((1, 8, 8, 1))
+    model, args = {
+        "gpt": (gpt.GPT(gpt.get_config("gpt-tiny")), (ids,)),
+        "bert": (Bert(BertConfig.from_variant("bert-tiny")), (ids,)),
+        "vit": (vit.ViT(vit.ViTConfig.from_variant("vit-tiny/2", image_size=8, num_channels=1)),
+                (images,)),
+        "encdec": (encdec.EncoderDecoder(encdec.get_config("transformer-tiny")), (ids, ids)),
+        "rnn": (rnn.RNNSeq2Seq(rnn.RNNConfig.from_variant("tiny")), (ids, ids)),
+        "cnn": (cnn.CNN(cnn.CNNConfig.from_variant("resnet-tiny", num_channels=1)), (images,)),
+    }[family]
+    variables = jax.eval_shape(model.init, jax.random.key(0), *args)
+    with pytest.raises(ValueError, match=r"^deterministic='False' is no bool; valid: True or "
+                                         r"False"):
+        jax.eval_shape(lambda v: model.apply(v, *args, deterministic="False"), variables)
+    jax.eval_shape(lambda v: model.apply(v, *args, deterministic=np.bool_(True)), variables)
