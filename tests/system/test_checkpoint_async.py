@@ -196,7 +196,9 @@ def test_a_wait_for_a_save_is_said_while_it_lasts():
         saves.wait()
     after = len(said)
     time.sleep(0.3)
-    assert after == 3 and len(said) == after, said  # none after the wait ended
+    # Three or more: a fourth may fall between the third and the wait's end on a loaded
+    # host (the save's thread and this one each to be scheduled within 0.05 s).
+    assert after >= 3 and len(said) == after, said  # none after the wait ended
     assert said == sorted(said) and said[0] >= 0.05
 
 
