@@ -207,14 +207,23 @@ def test_the_checkpointer_says_a_wait_for_its_saves(tmp_path, seed_matrix, monke
     and the folder named."""
     monkeypatch.setattr(background_save, "WAIT_NOTE_S", 0.05)
     ck = checkpoint.Checkpointer(str(tmp_path / "ck"), save_every=1, async_save=True)
-    started = threading.Event()
+    started, noted = threading.Event(), threading.Event()
 
+    # The store stays slow until the wait has said a note (at most 30 s), not for a
+    # fixed 0.5 s: a test thread descheduled that long on a loaded host reached `wait`
+    # after the write had ended, with nothing left to say.
     def slow_write(*args, **kwargs):  # the real write, after a store's slowness
         started.set()
-        time.sleep(0.5)
+        noted.wait(30)
         return write(*args, **kwargs)
     write = ck._write
     monkeypatch.setattr(ck, "_write", slow_write)
+    say = ck._say_waiting
+
+    def say_and_note(seconds):
+        say(seconds)
+        noted.set()
+    monkeypatch.setattr(ck, "_say_waiting", say_and_note)
     with caplog.at_level(logging.WARNING):
         ck.save(1, {"w": seed_matrix}, {})
         started.wait(10)
