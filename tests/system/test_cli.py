@@ -325,6 +325,15 @@ def test_the_metric_writer_leaves_torch_unimported(tmp_path):
     assert len(os.listdir(tmp_path / "tensorboard")) == 1  # the events were written
 
 
+def _maps_jaxlib(pid: int) -> bool:
+    """Whether process `pid` has loaded a library of jaxlib (it is importing JAX)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f"{os.sep}jaxlib{os.sep}" in f.read()
+    except OSError:  # gone
+        return False
+
+
 @pytest.mark.parametrize("when", ["importing", "starting"])
 def test_ctrl_c_outside_training_s_loop_is_one_line(tmp_path, when):
     """A SIGINT while Python imports JAX, or while the run loads its data and compiles,
@@ -339,7 +348,13 @@ def test_ctrl_c_outside_training_s_loop_is_one_line(tmp_path, when):
                          stderr=subprocess.STDOUT, text=True)
     seen = []
     if when == "importing":
-        time.sleep(1.0)  # the handler is set before main.py's first import
+        # Once jaxlib's libraries are mapped, Python is importing JAX, and main.py set its
+        # handler before its first import. (A fixed second's sleep raced a loaded host's
+        # interpreter start-up: a SIGINT before the handler is Python's own traceback.)
+        deadline = time.time() + 120
+        while not _maps_jaxlib(p.pid):
+            assert p.poll() is None and time.time() < deadline, p.communicate()[0][-3000:]
+            time.sleep(0.01)
     else:
         for line in p.stdout:  # printed once the config and workdir are set up
             seen.append(line)
