@@ -442,11 +442,14 @@ def test_the_window_of_the_compiling_step_leaves_the_compilation_out(tmp_path):
                if r.get("split") == "train"]
     rate = {r["step"]: next(v for k, v in r.items() if k.endswith("_per_sec")) for r in records}
     later = sorted(rate[s] for s in range(7, 13))
-    # A window with the compile in it runs thousands of times slower than the steps after
-    # (a second against milliseconds); a margin of 20 leaves room for a busy host (at 5 a
-    # test beside it on this 2-core host once made step 5 6.5x slower).
+    # A window with the compile in it runs about a thousand times slower than the steps
+    # after (the resumed run's trace, lowering and cache read: 0.2 s against 0.2 ms on an
+    # idle 2-core host, 2026-11-28); without it the first window is still slower, 15-18x
+    # for step 1 and 7x for step 5 on that idle host, which a margin of 20 left a
+    # millisecond's stall of room (at 5 a test beside it once made step 5 6.5x slower).
+    # 100 leaves a loaded host 20 ms and still finds a compile by a factor of ten.
     for first in (1, 5):  # the first step of each run
-        assert rate[first] > later[len(later) // 2] / 20, rate
+        assert rate[first] > later[len(later) // 2] / 100, rate
     # A resumed run whose compiling step is a save's sync point, not a log step (5 of
     # checkpoint_every 5, log_every 2): its window left the compilation out too.
     saved_first = str(tmp_path / "s")
@@ -456,7 +459,7 @@ def test_the_window_of_the_compiling_step_leaves_the_compilation_out(tmp_path):
     records = [r for r in workdir_lib.read_records(workdir_lib.path(saved_first, workdir_lib.METRICS))
                if r.get("split") == "train"]
     rate = {r["step"]: next(v for k, v in r.items() if k.endswith("_per_sec")) for r in records}
-    assert rate[6] > sorted(rate[s] for s in (8, 10, 12, 14, 16))[2] / 20, rate
+    assert rate[6] > sorted(rate[s] for s in (8, 10, 12, 14, 16))[2] / 100, rate
     line = train._progress_line(5, 12, {"loss": 1.0, "lr": 1e-3, "examples_per_sec": 900.0},
                                 "examples", 0.01, 0, compile_s=2.25)
     assert line == "step 5/12  loss 1.0000  lr 1.00e-03  900 examples/s  (compiled in 2.2s)"
