@@ -79,10 +79,12 @@ def json_from_cuda_plugin_child(script: str, timeout: float = 600):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def children_outliving(script_path, env=None, timeout: float = 15) -> tuple[list[int], list[int]]:
+def children_outliving(script_path, env=None, timeout: float = 60) -> tuple[list[int], list[int]]:
     """Runs the Python script at `script_path` (it prints the pids of the processes it
     started on its first line of output, then sleeps), SIGKILLs it, and returns (those
-    pids, the ones still running `timeout` seconds later)."""
+    pids, the ones still running `timeout` seconds later). The wait ends as soon as all
+    have ended: a long `timeout` costs a loaded host nothing where they do (a worker
+    looks for its parent every second, then must be scheduled to exit)."""
     import signal
     import subprocess
     import sys

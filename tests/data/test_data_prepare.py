@@ -366,5 +366,5 @@ def test_workers_end_with_a_killed_prepare(tmp_path):
         "    list(pool.map(abs, [-1, -2, -3]))  # the workers are up, now idle\n"
         "    print(*pool._processes, flush=True)\n"
         "    time.sleep(120)\n")
-    workers, left = children_outliving(tmp_path / 'parent.py', timeout=10)
+    workers, left = children_outliving(tmp_path / 'parent.py')
     assert len(workers) == 2 and not left
