@@ -182,12 +182,17 @@ def main(argv=None) -> int:
                     "digests saved with it and print a table.")
     parser.add_argument("workdir", help="a run's workdir or its checkpoints folder")
     args = parser.parse_args(argv)
+    # absl's warnings (orbax's among them) off while it reads, and back after: called
+    # from Python (a notebook, a test) it left them off for the rest of the process.
+    verbosity = logging.get_verbosity()
     logging.set_verbosity(logging.ERROR)
     try:
         rows, others = verify_directory(args.workdir)
     except (FileNotFoundError, CheckpointLocationError, workdir_lib.RunPathError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        logging.set_verbosity(verbosity)
     print(format_table(rows, others))
     return 0 if rows and all(r["status"].startswith("ok") for r in rows) else 1
 
