@@ -13,21 +13,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-# Folders and files of whole runs (subprocesses, training, notebooks): tens of seconds a
-# test, where the unit tests take about one.
-_LONG = ("system/", "tools/", "experiments/", "test_notebooks.py", "test_readme_and_makefile.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The modules of whole runs go first, each module's tests still together (its
-    module-scoped fixtures are set up once): with pytest-xdist's workers, a suite that
-    ended on them left one worker idle for a minute while the other finished its last
-    long test; ending on unit tests, the workers finish together.
-
-    Tests marked `tpu` run only where JAX's default backend is a TPU (set JAX_PLATFORMS=tpu:
+    """Tests marked `tpu` run only where JAX's default backend is a TPU (set JAX_PLATFORMS=tpu:
     this file defaults it to cpu); elsewhere they are skipped, saying why."""
-    here = os.path.dirname(__file__)
-    items.sort(key=lambda item: not os.path.relpath(str(item.path), here).startswith(_LONG))
     tpu_tests = [item for item in items if item.get_closest_marker("tpu")]
     if tpu_tests and jax.default_backend() != "tpu":
         skip = pytest.mark.skip(reason=f"needs a TPU; JAX's backend is {jax.default_backend()!r}")
