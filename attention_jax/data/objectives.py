@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax.errors import is_int
+
 # --------------------------------------------------------------------------------------
 # Language modelling.
 # --------------------------------------------------------------------------------------
@@ -86,8 +88,7 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int, voca
         raise ValueError(f'mask_token_rate={mask_token_rate} + random_token_rate='
                          f'{random_token_rate} > 1; valid: fractions of the chosen tokens '
                          f'summing to at most 1 (the rest keep their token)')
-    if isinstance(mask_id, bool) or not isinstance(mask_id, numbers.Integral) or not (
-            0 <= mask_id < vocab_size):  # an id past the embedding table gathers garbage
+    if not is_int(mask_id) or not 0 <= mask_id < vocab_size:  # past the embedding table
         raise ValueError(f'mask_id={mask_id!r} is not a token id of the vocabulary; valid: an '
                          f'int in 0..{vocab_size - 1} (vocab_size={vocab_size})')
     tokens = np.asarray(tokens)

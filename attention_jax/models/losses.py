@@ -249,7 +249,7 @@ def chunked_head_cross_entropy(hidden, kernel, targets, weights=None, *, bias=No
     reduces its one gradient (not once per chunk).
     """
     _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, label_smoothing)
-    check_targets(targets, kernel.shape[1], weights)
+    check_targets(targets, kernel.shape[1], weights)  # dtype (bools: 0/1) and values
     b, t, d = hidden.shape
     weights = (jnp.ones((b, t), jnp.float32) if weights is None
                else jnp.asarray(weights).astype(jnp.float32))
@@ -278,7 +278,6 @@ def _check_chunked_args(hidden, kernel, targets, weights, bias, chunk_size, labe
                          f"(hidden's last axis, hidden {hidden.shape})")
     if targets.shape != (b, t):
         raise ValueError(f"targets has shape {targets.shape}; valid: [B, T] = {(b, t)}")
-    _check_target_dtype(targets)  # bools (0/1) as the other losses take them
     if weights is not None and jnp.shape(weights) != (b, t):
         raise ValueError(f"weights has shape {jnp.shape(weights)}; valid: [B, T] = {(b, t)}")
     if bias is not None and bias.shape != kernel.shape[1:]:
