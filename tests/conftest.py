@@ -1,12 +1,16 @@
-"""Test setup: 8 fake CPU devices so sharding tests run on real multi-device meshes.
+"""Test setup: 8 fake CPU devices so sharding tests run on real multi-device meshes, and
+LLVM's optimisation of the CPU code off (helpers.FAST_COMPILE_XLA_FLAG says why).
 
-XLA reads the flag when the CPU backend starts, so it must be set before jax is imported.
+XLA reads the flags when the CPU backend starts, so they must be set before jax is imported.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from helpers import FAST_COMPILE_XLA_FLAG
+
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    FAST_COMPILE_XLA_FLAG]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

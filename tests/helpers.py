@@ -9,6 +9,14 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The suite compiles hundreds of small programs and runs each for a moment, so LLVM's
+# optimisation of the CPU code is much of its time and buys little. Level 0 changes no
+# HLO (the fusions, the buffers, the memory analysis are the same), only the machine code's
+# speed: it took a third off compile-bound tests (an RNN and an MoE test, 36 -> 24 CPU-s;
+# the README's notebook snippet 52 -> 33). conftest.py sets it for the test process and
+# the children inherit it; compiles for a GPU (json_from_cuda_plugin_child) leave it out.
+FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
+
 
 def load(name):
     """The shipped config attention_jax/configs/<name>.py as a module."""
@@ -70,6 +78,8 @@ def json_from_cuda_plugin_child(script: str, timeout: float = 600):
 
     from attention_jax.tools.bench import gpu_hlo, trainer
     env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    # The kernels' PTX and the fusions' code as a user's GPU compile has them.
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE_XLA_FLAG, "").strip()
     where = gpu_hlo.plugin_path()
     if where:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), where]))
