@@ -10,9 +10,9 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The suite compiles hundreds of small programs and runs each for a moment, so LLVM's
-# optimisation of the CPU code is much of its time and buys little. Level 0 changes no
-# HLO (the fusions, the buffers, the memory analysis are the same), only the machine code's
-# speed. Measured on the 2-core host, each test alone, without and with it: the encoder-
+# optimisation of the CPU code is much of its time and buys little. Level 0 is LLVM's
+# codegen level, below the HLO: a GPT step's optimised HLO and memory analysis compiled
+# with and without it are identical; only the machine code's speed changes. Measured on the 2-core host, each test alone, without and with it: the encoder-
 # decoder's tests 93 -> 70 s, `bench ring`'s 45 -> 33, test_training.py 119 -> 109, the
 # README's notebook snippet 52 -> 33 CPU-s; tests that train for a while (the notebooks,
 # 51 -> 54 s, which run without it, as a user's kernel does) lose a little. conftest.py
