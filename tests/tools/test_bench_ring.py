@@ -14,9 +14,10 @@ def test_run_ring_writes_tables_and_json(tmp_path, capsys):
     out = tmp_path / "ring.json"
     parser = argparse.ArgumentParser()
     bench_ring.add_parser(parser.add_subparsers(dest="which"))
-    args = parser.parse_args(["ring", "--sizes", "1", "4", "--length", "1024",
-                              "--gpt-length", "512", "--budget-mib", "16",
-                              "--max-length", "2048", "--repeats", "1", "--out", str(out)])
+    args = parser.parse_args(["ring", "--sizes", "1", "4", "--length", "256",
+                              "--gpt-length", "256", "--budget-mib", "9", "--min-length", "256",
+                              "--max-length", "512", "--repeats", "1", "--out", str(out)])
+    bench_ring._gpt_step.cache_clear()
     results = bench_ring.run(args)
     assert json.loads(out.read_text()) == results
     att, gpt = results["attention"], results["gpt"]
@@ -28,7 +29,9 @@ def test_run_ring_writes_tables_and_json(tmp_path, capsys):
     assert (one["devices"], ring["devices"], ring["implementation"]) == (1, 4, "ring")
     assert ring["longest_T"] > one["longest_T"] > 0
     assert 0 < ring["bytes"] <= ring["budget_bytes"]
-    assert "longest GPT training context within 16 MiB" in capsys.readouterr().out
+    assert "longest GPT training context within 9 MiB" in capsys.readouterr().out
+    # the search starts where the gpt table's steps are: those two compile once, not twice
+    assert bench_ring._gpt_step.cache_info().hits == 2
 
 
 def test_lengths_the_ring_cannot_split_are_one_line_before_any_work():
@@ -41,6 +44,10 @@ def test_lengths_the_ring_cannot_split_are_one_line_before_any_work():
     args = parser.parse_args(["ring", "--sizes", "2", "--length", "1024", "--gpt-length", "4098"])
     with pytest.raises(SystemExit, match=r"--gpt-length=4098 does not split over --sizes \[2\]; "
                                          r"valid: a multiple of 4"):
+        bench_ring.run(args)
+    args = parser.parse_args(["ring", "--sizes", "2", "--min-length", "4096", "--max-length", "2048"])
+    with pytest.raises(SystemExit, match=r"--min-length=4096 is past --max-length=2048; "
+                                         r"valid: at most --max-length"):
         bench_ring.run(args)
     with pytest.raises(SystemExit):  # argparse: sizes are integers >= 1
         parser.parse_args(["ring", "--sizes", "0"])

@@ -11,7 +11,7 @@ blockwise kernel; P > 1: ring attention, attention/ring.py):
   gpt        one training step (forward, backward, AdamW) of a fixed small GPT at a fixed
              T: per-device memory (arguments + outputs + temp, less what is aliased)
              and step time.
-  context    the longest context (powers of two, then 1.5×) whose GPT training step fits a
+  context    the longest context (--min-length doubled, then 1.5×) whose GPT training step fits a
              fixed per-device memory budget: on one device; on P devices with the length
              split but attention left to GSPMD (implementation="blockwise": keys and
              values gathered whole on every device); on P devices with the ring.
@@ -26,6 +26,7 @@ with one device the ring cannot be timed at all. Memory is per device either way
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -50,6 +51,8 @@ def add_parser(sub) -> None:
                    help="T for the GPT step table (a multiple of 2P for every P)")
     p.add_argument("--budget-mib", type=float, default=64.0,
                    help="per-device memory budget for the longest-context table (MiB)")
+    p.add_argument("--min-length", type=positive_int, default=512,
+                   help="the context search's first length (then doubling; a multiple of 2P)")
     p.add_argument("--max-length", type=positive_int, default=1 << 17,
                    help="stop the context search here")
     p.add_argument("--repeats", type=positive_int, default=3,
@@ -64,13 +67,17 @@ def add_parser(sub) -> None:
 def check_args(args) -> None:
     """What the ring needs of the lengths, said before any child starts or step compiles:
     the zig-zag split gives each of P devices two chunks, so a length divides by 2P."""
-    for flag, length in (("--length", args.length), ("--gpt-length", args.gpt_length)):
+    for flag, length in (("--length", args.length), ("--gpt-length", args.gpt_length),
+                         ("--min-length", args.min_length)):
         bad = [p for p in args.sizes if length % (2 * p)]
         if bad:
             raise SystemExit(f"error: bench ring: {flag}={length} does not split over "
                              f"--sizes {bad}; "
                              f"valid: a multiple of {2 * math.lcm(*args.sizes)} (2P for "
                              f"every P of --sizes)")
+    if args.min_length > args.max_length:
+        raise SystemExit(f"error: bench ring: --min-length={args.min_length} is past "
+                         f"--max-length={args.max_length}; valid: at most --max-length")
     if not args.budget_mib > 0:
         raise SystemExit(f"bench ring: --budget-mib={args.budget_mib:g}; valid: a number > 0")
 
@@ -89,7 +96,8 @@ def run(args) -> dict:
         argv = [sys.executable, "-m", "attention_jax.tools.bench", "ring",
                 "--sizes", *map(str, args.sizes), "--length", str(args.length),
                 "--gpt-length", str(args.gpt_length), "--budget-mib", str(args.budget_mib),
-                "--max-length", str(args.max_length), "--repeats", str(args.repeats),
+                "--min-length", str(args.min_length), "--max-length", str(args.max_length),
+                "--repeats", str(args.repeats),
                 "--inner", *args.inner, "--out", args.out]
         subprocess.run(argv, env=env, check=True)
         return json.loads(Path(args.out).read_text())
@@ -174,6 +182,7 @@ def _pair_kernel(reason: str) -> str:
     return match.group(1) if match else "-"
 
 
+@functools.cache  # the context search meets the gpt table's steps again: compile each once
 def _gpt_step(t: int, p: int, implementation: str):
     """(compiled train step, its arguments' builder) of the benchmark GPT at length t."""
     import flax.linen as nn
@@ -261,7 +270,7 @@ def context_table(args) -> list[dict]:
     for devices, impl, label in ((1, "blockwise", "blockwise, one device"),
                                  (p, "blockwise", "blockwise, GSPMD"),
                                  (p, "ring", "ring")):
-        best, best_bytes, t = 0, 0, 512
+        best, best_bytes, t = 0, 0, args.min_length
         while t <= args.max_length:  # doubling, then one 1.5× step past the last fit
             ok, total = _fits(t, devices, impl, budget)
             if not ok:
