@@ -1,16 +1,14 @@
 """Test setup: 8 fake CPU devices so sharding tests run on real multi-device meshes, and
-LLVM's optimisation of the CPU code off (helpers.FAST_COMPILE_XLA_FLAG says why).
+the CPU backend's fast-compile flags (helpers.FAST_COMPILE_XLA_FLAGS says why).
 
 XLA reads the flags when the CPU backend starts, so they must be set before jax is imported.
 """
 
 import os
 
-from helpers import FAST_COMPILE_XLA_FLAG
+from helpers import xla_flags
 
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [
-    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-    FAST_COMPILE_XLA_FLAG]))
+os.environ["XLA_FLAGS"] = xla_flags(8, before=os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -12,13 +12,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The suite compiles hundreds of small programs and runs each for a moment, so LLVM's
 # optimisation of the CPU code is much of its time and buys little. Level 0 is LLVM's
 # codegen level, below the HLO: a GPT step's optimised HLO and memory analysis compiled
-# with and without it are identical; only the machine code's speed changes. Measured on the 2-core host, each test alone, without and with it: the encoder-
-# decoder's tests 93 -> 70 s, `bench ring`'s 45 -> 33, test_training.py 119 -> 109, the
-# README's notebook snippet 52 -> 33 CPU-s; tests that train for a while (the notebooks,
-# 51 -> 54 s, which run without it, as a user's kernel does) lose a little. conftest.py
-# sets it for the test process and the children inherit it; compiles for a GPU
+# with and without it are identical; only the machine code's speed changes. Measured on
+# the 2-core host, each test alone, without and with it: the encoder-decoder's tests
+# 93 -> 70 s, `bench ring`'s 45 -> 33, test_training.py 119 -> 109, the README's notebook
+# snippet 52 -> 33 CPU-s; tests that train for a while (the notebooks, 51 -> 54 s, which
+# run without it, as a user's kernel does) lose a little. Compiles for a GPU
 # (json_from_cuda_plugin_child) leave it out.
-FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
+# Tried and left out: XLA:CPU's older fusion emitters (--xla_cpu_use_fusion_emitters=false)
+# halve a small compile (a tiny GPT step's 1.0 -> 0.5 s; its process's CPU time, the eager
+# ops' many compiles included, 10 -> 6 s), but with them gelu_tanh's float32 gradient is 0
+# in its far tail where autodiff through jax.nn.gelu gives -9e-6 (test_gelu_tanh), and a
+# resumed run that compiles a different step program (skip mode on) no longer repeats the
+# uninterrupted run's losses bit for bit (test_training): a user's compile has neither.
+FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(devices: int | None = None, before: str = "") -> str:
+    """XLA_FLAGS for the test process or a child it starts: `before` (flags already set),
+    `devices` fake CPU devices (None: the host's one, as a user runs), the fast flags."""
+    count = [f"--xla_force_host_platform_device_count={devices}"] if devices else []
+    return " ".join(filter(None, [before.strip(), *count, *FAST_COMPILE_XLA_FLAGS]))
 
 
 def load(name):
@@ -82,7 +95,8 @@ def json_from_cuda_plugin_child(script: str, timeout: float = 600):
     from attention_jax.tools.bench import gpu_hlo, trainer
     env = trainer.child_env(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     # The kernels' PTX and the fusions' code as a user's GPU compile has them.
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE_XLA_FLAG, "").strip()
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if f not in FAST_COMPILE_XLA_FLAGS)
     where = gpu_hlo.plugin_path()
     if where:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), where]))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import FAST_COMPILE_XLA_FLAG
+from helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +36,7 @@ def test_pretrained_checkpoints_snippet_runs_as_written(tmp_path):
     assert len(expected) == 2, code  # the similarities and the loaded model's output shape
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = FAST_COMPILE_XLA_FLAG  # one CPU device, as a user runs it
+    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user runs it
     script = tmp_path / "snippet.py"
     script.write_text(code)
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
@@ -59,7 +59,7 @@ def test_models_in_a_notebook_snippet_runs_as_written(tmp_path):
              "print('ok')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = FAST_COMPILE_XLA_FLAG  # one CPU device, as a user runs it
+    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user runs it
     script = tmp_path / "snippet.py"
     script.write_text(code + check)
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,

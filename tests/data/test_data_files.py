@@ -22,7 +22,7 @@ from attention_jax.configs import bert_mlm as bert_config
 from attention_jax.data import files
 from attention_jax.errors import ConfigError, UserError
 from attention_jax.tasks import base
-from helpers import FAST_COMPILE_XLA_FLAG
+from helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORDS = 'the cat sat on a mat while seven dogs ran over hills and rivers far away'.split()
@@ -586,7 +586,7 @@ def test_prepare_then_train_on_files_with_a_tokenizer_file_then_sample(corpus, t
     root, expected = corpus
     tokenizer = _bpe_file(tmp_path / 'tokenizer.json', list(expected.values()))
     env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO,
-               XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAG}')
+               XLA_FLAGS=xla_flags(8))
     work = tmp_path / 'run'
     args = ['--config=gpt', f'--workdir={work}', '--config.data.name=files',
             f'--config.data.files={root}/**/*.txt,{root}/*.jsonl.gz,{root}/*.parquet',

@@ -14,7 +14,7 @@ import tempfile
 
 import jax
 import pytest
-from helpers import FAST_COMPILE_XLA_FLAG
+from helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.join(REPO, "tests", "system")
@@ -28,7 +28,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 def subprocess_env(devices: int = 8) -> dict:
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAG}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=CACHE,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
