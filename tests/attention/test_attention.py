@@ -98,7 +98,7 @@ def _value_and_grads(impl, q, k, v, kw, case):
                                   block_k=case.block_k, **kw)
         return jnp.sum(jnp.sin(y) * w), y
 
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return y, grads
 
 

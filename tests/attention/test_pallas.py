@@ -75,7 +75,7 @@ def test_a_scale_of_zero_or_below_equals_the_reference(scale, x64):
         def loss(q, k, v):
             y = dot_product_attention(q, k, v, causal=True, scale=scale, implementation=impl)
             return jnp.sum(jnp.sin(y)), y
-        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return y, g
 
     (y, g), (y_ref, g_ref) = run("pallas"), run("reference")
@@ -101,7 +101,7 @@ def test_rows_whose_scores_are_all_far_below_zero_after_a_hidden_tile():
             y = dot_product_attention(q, k, v, causal=True, window=(3, 0), scale=1.0,
                                       block_q=16, block_k=16, implementation=impl)
             return jnp.sum(y * v[:, ::-1]), y
-        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return y, g
 
     (y, g), (y_ref, g_ref) = run("pallas"), run("reference")
@@ -121,7 +121,7 @@ def test_kv_lengths_equal_a_prefix_kv_mask(impl):
         def loss(q, k, v):
             y = dot_product_attention(q, k, v, causal=True, implementation=impl, **mask)
             return jnp.sum(jnp.sin(y)), y
-        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return y, g
 
     y_len, g_len = run(kv_lengths=lengths)
@@ -141,7 +141,7 @@ def test_pallas_fully_masked_rows_are_zero_with_zero_gradients():
         y = dot_product_attention(q, k, v, kv_mask=kv_mask, implementation="pallas")
         return jnp.sum(y ** 2), y
 
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     assert float(jnp.abs(y[1]).max()) == 0.0 and float(jnp.abs(y[0]).max()) > 0
     for g in grads:
         assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g[1]).max()) == 0.0

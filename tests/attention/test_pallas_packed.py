@@ -47,7 +47,7 @@ def _value_and_grads(attend, qkv, bias, case):
         return jnp.sum(jnp.sin(y) * w), y
 
     argnums = (0, 1) if bias is not None else 0
-    (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(qkv, bias)
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(qkv, bias)
     return y, jax.tree.leaves(grads)
 
 

@@ -56,9 +56,9 @@ def test_values_and_gradients_match_float64(x64, centered, with_y):
     got = kernel(*as32)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
-    grads = jax.grad(lambda *a: loss(kernel, *a), argnums=present)(*as32)
-    wants = jax.grad(lambda *a: loss(lambda *b: _reference(*b, centered), *a),
-                     argnums=present)(*map(lambda a: None if a is None else jnp.asarray(a), args))
+    grads = jax.jit(jax.grad(lambda *a: loss(kernel, *a), argnums=present))(*as32)
+    wants = jax.jit(jax.grad(lambda *a: loss(lambda *b: _reference(*b, centered), *a),
+                             argnums=present))(*map(lambda a: None if a is None else jnp.asarray(a), args))
     for g, w in zip(grads, wants):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
 
