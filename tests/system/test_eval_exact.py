@@ -29,6 +29,7 @@ def _vit_config(data_dir, **overrides):
     """The shipped vit_digits config at a tiny size: 2 steps, evaluated at the end over
     the whole test split (eval.steps=0)."""
     c = shrink(config_lib.load("vit_digits"), data_dir)
+    c.mesh.num_devices = 0  # every device: these tests evaluate on one and on eight
     c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.mlp_dim = 16, 1, 2, 32
     c.train.steps, c.train.checkpoint_every = 2, 2
     c.eval.every, c.eval.steps = 0, 0

@@ -14,6 +14,7 @@ from helpers import load, shrink
 
 def _config(data_dir, **overrides):
     c = shrink(load("gpt").get_config(), data_dir)
+    c.mesh.num_devices = 0  # all 8 devices: the tests split the sequence 4 or 2 ways
     c.data.seq_len = 32  # 2 chunks of 4 tokens on each of 4 sequence devices
     c.train.steps = 4
     c.train.batch_size = 8
