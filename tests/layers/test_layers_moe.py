@@ -12,6 +12,13 @@ def _logits(shape, seed=0):
     return jax.random.normal(jax.random.PRNGKey(seed), shape) * 2
 
 
+# A module's init and apply, jitted: op by op, each of its ops is compiled alone (a
+# layer's check took 304 small compiles).
+_init = jax.jit(lambda module, *a, **k: module.init(*a, **k), static_argnums=0)
+_apply = jax.jit(lambda module, *a, **k: module.apply(*a, **k), static_argnums=0,
+                 static_argnames="no_drop")
+
+
 def test_every_kept_token_goes_to_exactly_top_k_experts_with_weights_summing_to_one():
     logits = _logits((3, 10, 5))
     dispatch, combine, aux = route(logits, top_k=2, capacity=20)  # room for everyone
@@ -120,10 +127,10 @@ def test_an_encoder_s_real_tokens_do_not_see_its_padding_through_the_experts():
     stack = TransformerStack(cfg, 1, block="encoder")
     x = jax.random.normal(jax.random.key(1), (2, 16, 16))
     kv_mask = jnp.arange(16)[None, :] < jnp.array([[16], [6]])
-    params = stack.init(jax.random.key(2), x, kv_mask=kv_mask)
+    params = _init(stack, jax.random.key(2), x, kv_mask=kv_mask)
     other = x.at[1, 6:].set(jax.random.normal(jax.random.key(3), (10, 16)) * 5)
-    y, _ = stack.apply(params, x, kv_mask=kv_mask)
-    y_other, _ = stack.apply(params, other, kv_mask=kv_mask)
+    y, _ = _apply(stack, params, x, kv_mask=kv_mask)
+    y_other, _ = _apply(stack, params, other, kv_mask=kv_mask)
     np.testing.assert_allclose(y[:, :6], y_other[:, :6], atol=1e-6)
     np.testing.assert_allclose(y[0], y_other[0], atol=1e-6)
 
@@ -139,8 +146,8 @@ def test_a_gpt_s_packed_padding_takes_no_expert_slot_and_no_statistic():
     other = tokens.at[:, 8:].set((tokens[:, 8:] * 7 + 3) % cfg.vocab_size)  # the padding
     segments = jnp.array([[1] * 8 + [0] * 8, [1] * 5 + [2] * 3 + [0] * 8])
     positions = jnp.array([list(range(8)) + [0] * 8, list(range(5)) + list(range(3)) + [0] * 8])
-    params = model.init(jax.random.key(1), tokens, segment_ids=segments, positions=positions)
-    runs = [model.apply(params, t, segment_ids=segments, positions=positions)
+    params = _init(model, jax.random.key(1), tokens, segment_ids=segments, positions=positions)
+    runs = [_apply(model, params, t, segment_ids=segments, positions=positions)
             for t in (tokens, other)]
     (y, aux), (y_other, aux_other) = runs
     np.testing.assert_allclose(y[:, :8], y_other[:, :8], atol=1e-6)
@@ -160,20 +167,20 @@ def test_no_drop_computes_every_assignment_grouped_as_the_slots_do_with_room(use
     mask = jnp.arange(t)[None, :] < jnp.array([[9], [5]])
     roomy = MoE(num_experts=4, top_k=2, hidden=16, capacity_factor=4.0, use_bias=use_bias,
                 priority="token")
-    params = roomy.init(jax.random.PRNGKey(1), x)
+    params = _init(roomy, jax.random.PRNGKey(1), x)
     if use_bias:  # nonzero biases, so that they count
         params = jax.tree.map(lambda p: p + 0.1, params)
-    want, want_aux = roomy.apply(params, x, token_mask=mask)
-    got, got_aux = roomy.apply(params, x, token_mask=mask, no_drop=True)
+    want, want_aux = _apply(roomy, params, x, token_mask=mask)
+    got, got_aux = _apply(roomy, params, x, token_mask=mask, no_drop=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert not np.asarray(got)[1, 5:].any()
     for key in want_aux:
         np.testing.assert_allclose(got_aux[key], want_aux[key], rtol=1e-5, err_msg=key)
     tight = MoE(num_experts=4, top_k=2, hidden=16, capacity_factor=0.25, use_bias=use_bias,
                 priority="token")
-    _, aux = tight.apply(params, x, token_mask=mask)
+    _, aux = _apply(tight, params, x, token_mask=mask)
     assert float(aux["dropped_fraction"]) > 0.3
-    kept, aux = tight.apply(params, x, token_mask=mask, no_drop=True)
+    kept, aux = _apply(tight, params, x, token_mask=mask, no_drop=True)
     np.testing.assert_allclose(kept, want, rtol=1e-5, atol=1e-6)
     assert float(aux["dropped_fraction"]) == 0.0
 
@@ -181,7 +188,7 @@ def test_no_drop_computes_every_assignment_grouped_as_the_slots_do_with_room(use
         x = jnp.zeros((1, t, d))
         f = jax.jit(lambda p, x: MoE(num_experts=16, top_k=1, hidden=16).apply(
             p, x, no_drop=no_drop)[0])
-        p = MoE(num_experts=16, top_k=1, hidden=16).init(jax.random.PRNGKey(1), x)
+        p = jax.eval_shape(MoE(num_experts=16, top_k=1, hidden=16).init, jax.random.PRNGKey(1), x)
         return f.lower(p, x).compile().memory_analysis().temp_size_in_bytes
     grouped = temporaries(2048, True) / temporaries(512, True)
     assert grouped < 6, grouped  # (4x the tokens: linear; slots of C = T grew 16x)
@@ -232,18 +239,19 @@ def test_masked_tokens_are_as_if_absent_outputs_and_aux_alike():
     moe = MoE(num_experts=4, top_k=2, capacity_factor=2.0, hidden=32)
     x = jax.random.normal(jax.random.key(0), (2, 9, 16))
     mask = jax.random.bernoulli(jax.random.key(1), 0.6, (2, 9)).at[:, 0].set(True)
-    params = moe.init(jax.random.key(2), x)
-    y, aux = moe.apply(params, x, token_mask=mask)
-    alone_y, alone_aux = moe.apply(params, x[mask][None])  # [1, n, D]: the real tokens
+    params = _init(moe, jax.random.key(2), x)
+    y, aux = _apply(moe, params, x, token_mask=mask)
+    alone_y, alone_aux = _apply(moe, params, x[mask][None])  # [1, n, D]: the real tokens
     np.testing.assert_allclose(y[mask], alone_y[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(y[~mask], 0.0)
     assert set(aux) == set(alone_aux)
     for key in aux:
         np.testing.assert_allclose(aux[key], alone_aux[key], rtol=1e-5, err_msg=key)
     # The padding changed things before masking: the statistics are not trivially equal.
-    unmasked_aux = moe.apply(params, x)[1]
+    unmasked_aux = _apply(moe, params, x)[1]
     assert abs(unmasked_aux["router_z_loss"] - alone_aux["router_z_loss"]) > 1e-3
     # Default: exactly as an all-True mask.
+    # (op by op: two jitted programs, fused apart, differ in the last bit)
     for a, b in zip(jax.tree.leaves(moe.apply(params, x)),
                     jax.tree.leaves(moe.apply(params, x, token_mask=jnp.ones((2, 9), bool)))):
         np.testing.assert_array_equal(a, b)
@@ -259,15 +267,15 @@ def test_a_gpt_s_stream_padding_is_masked_by_token_mask():
     model = gpt.GPT(cfg)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
     mask = jnp.broadcast_to(jnp.arange(16) < 11, (2, 16))
-    params = model.init(jax.random.key(1), tokens)
-    logits, aux = model.apply(params, tokens, token_mask=mask)
-    cut_logits, cut_aux = model.apply(params, tokens[:, :11])
+    params = _init(model, jax.random.key(1), tokens)
+    logits, aux = _apply(model, params, tokens, token_mask=mask)
+    cut_logits, cut_aux = _apply(model, params, tokens[:, :11])
     np.testing.assert_allclose(logits[:, :11], cut_logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(aux["moe_loss"], cut_aux["moe_loss"], rtol=1e-5)
     for key in ("load_balance_loss", "router_z_loss", "expert_load", "router_entropy"):
         np.testing.assert_allclose(aux["layers"]["moe"][key], cut_aux["layers"]["moe"][key],
                                    rtol=1e-5, err_msg=key)
-    assert abs(model.apply(params, tokens)[1]["moe_loss"] - cut_aux["moe_loss"]) > 1e-6
+    assert abs(_apply(model, params, tokens)[1]["moe_loss"] - cut_aux["moe_loss"]) > 1e-6
 
 
 def test_the_lm_task_marks_stream_padding_and_eval_padding_copies_for_the_moe():
