@@ -31,7 +31,7 @@ def _model(variant="vit-tiny/2", **overrides):
 def _params(variant="vit-tiny/2", pool="cls"):
     """Initial parameters with a random (not zero-initialised) head, so that gradients
     reach the encoder and outputs depend on it."""
-    params = nn.unbox(_model(variant, pool=pool).init(jax.random.key(0), IMAGES)["params"])
+    params = nn.unbox(jax.jit(_model(variant, pool=pool).init)(jax.random.key(0), IMAGES)["params"])
     kernel = jax.random.normal(jax.random.key(3), params["head"]["kernel"].shape)
     return params | {"head": {"kernel": kernel, "bias": params["head"]["bias"]}}
 

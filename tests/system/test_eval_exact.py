@@ -185,7 +185,7 @@ def test_every_family_loss_weighs_a_padding_row_zero(data_dir, tmp_path, name, o
                                     process_index=0, process_count=1)))
     padded = {k: np.concatenate([v, v[:1]]) for k, v in rows.items()}
     padded[loaders.EXAMPLE_WEIGHT] = np.array([1] * n + [0], np.float32)
-    params = nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+    params = nn.meta.unbox(jax.jit(task.init)(jax.random.PRNGKey(0)))  # one compile, not an op's each
     loss = jax.jit(lambda p, b: task.loss(p, b, jax.random.PRNGKey(1), False))
     want_loss, want = loss(params, rows)
     got_loss, got = loss(params, padded)
@@ -211,7 +211,7 @@ def _tiny_moe(data_dir, workdir, overrides=(), **fields):
     batch = next(iter(loaders.Loader(task.eval_source, global_batch_size=2, shuffle=False,
                                      num_epochs=1, transform=task.eval_transform,
                                      process_index=0, process_count=1)))
-    return task, batch, nn.meta.unbox(task.init(jax.random.PRNGKey(0)))
+    return task, batch, nn.meta.unbox(jax.jit(task.init)(jax.random.PRNGKey(0)))
 
 
 def test_an_moe_gpt_s_eval_loss_is_the_tokens_nll_without_the_balance_loss(data_dir, tmp_path):
@@ -221,7 +221,8 @@ def test_an_moe_gpt_s_eval_loss_is_the_tokens_nll_without_the_balance_loss(data_
     got = {}
     for weight in (0.0, 1.0):
         task, batch, params = _tiny_moe(data_dir, tmp_path / str(weight), moe_loss_weight=weight)
-        got[weight] = [float(task.loss(params, batch, jax.random.PRNGKey(1), train)[0])
+        loss = jax.jit(task.loss, static_argnums=3)
+        got[weight] = [float(loss(params, batch, jax.random.PRNGKey(1), train)[0])
                        for train in (False, True)]
     assert got[1.0][0] == pytest.approx(got[0.0][0], rel=1e-6)  # eval: the NLL alone
     assert got[1.0][1] > got[0.0][1] + 0.5  # training: + the balance loss (>= 1 per layer)
@@ -259,7 +260,8 @@ def test_an_moe_gpt_trains_on_router_z_loss_weight_times_the_z_loss(data_dir, tm
     for weight in (0.0, 0.5):
         task, batch, params = _tiny_moe(data_dir, tmp_path / str(weight),
                                         router_z_loss_weight=weight)
-        got[weight] = [float(task.loss(params, batch, jax.random.PRNGKey(1), train)[0])
+        loss = jax.jit(task.loss, static_argnums=3)
+        got[weight] = [float(loss(params, batch, jax.random.PRNGKey(1), train)[0])
                        for train in (False, True)]
         if weight == 0.0:
             aux = task.model.apply({"params": params}, batch["inputs"],
