@@ -214,6 +214,15 @@ def test_bfloat16_rounds_the_sum_once(x64):
     np.testing.assert_allclose(n.astype(jnp.float64), want, rtol=1e-2, atol=2e-2)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _moved_params(model, scale, x):
+    """`model`'s initial params (key 1), each moved by `scale` × a normal draw (key 2).
+    Jitted: op by op, each initialiser and draw was compiled alone."""
+    params = model.init(jax.random.key(1), x)
+    return jax.tree.map(lambda p: p + scale * jax.random.normal(jax.random.key(2), p.shape),
+                        params)
+
+
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_a_pre_norm_block_computes_as_with_xla_s_ops(norm):
     """The block with the kernels (the attention's output bias left to the next norm)
@@ -221,10 +230,9 @@ def test_a_pre_norm_block_computes_as_with_xla_s_ops(norm):
     x = jax.random.normal(jax.random.key(0), (2, 16, 32))
     blocks = {k: TransformerBlock(BlockConfig(num_heads=4, causal=True, norm=norm, norm_kernel=k))
               for k in ("xla", "pallas")}
-    params = blocks["xla"].init(jax.random.key(1), x)
     # Non-zero biases and scales, so that leaving the output bias apart is tested.
-    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape), params)
-    assert (jax.tree.structure(blocks["pallas"].init(jax.random.key(1), x))
+    params = _moved_params(blocks["xla"], 0.1, x)
+    assert (jax.tree.structure(jax.eval_shape(blocks["pallas"].init, jax.random.key(1), x))
             == jax.tree.structure(params))
 
     def loss(p, x, kind):
@@ -249,10 +257,8 @@ def test_gpt_hands_each_residual_add_to_the_next_norm(scan, remat):
     models = {k: gpt.GPT(gpt.GPTConfig(vocab_size=64, max_len=16, num_layers=3, d_model=32,
                                        num_heads=4, scan_layers=scan, remat_policy=remat,
                                        norm_kernel=k)) for k in ("xla", "pallas")}
-    params = models["xla"].init(jax.random.key(1), tokens)
-    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape),
-                          params)
-    assert (jax.tree.structure(models["pallas"].init(jax.random.key(1), tokens))
+    params = _moved_params(models["xla"], 0.05, tokens)
+    assert (jax.tree.structure(jax.eval_shape(models["pallas"].init, jax.random.key(1), tokens))
             == jax.tree.structure(params))
 
     def loss(p, kind):
@@ -276,10 +282,8 @@ def test_vit_hands_its_last_residual_add_to_the_encoder_norm():
     models = {k: vit.ViT(vit.ViTConfig(image_size=8, patch_size=2, num_channels=1, d_model=32,
                                        num_layers=2, num_heads=4, mlp_dim=64, num_classes=10,
                                        norm_kernel=k)) for k in ("xla", "pallas")}
-    params = models["xla"].init(jax.random.key(1), images)
-    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape),
-                          params)
-    assert (jax.tree.structure(models["pallas"].init(jax.random.key(1), images))
+    params = _moved_params(models["xla"], 0.05, images)
+    assert (jax.tree.structure(jax.eval_shape(models["pallas"].init, jax.random.key(1), images))
             == jax.tree.structure(params))
     loss = lambda p, kind: jnp.sum(jnp.sin(models[kind].apply(p, images)[0]))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
