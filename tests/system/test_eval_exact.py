@@ -185,7 +185,7 @@ def test_every_family_loss_weighs_a_padding_row_zero(data_dir, tmp_path, name, o
                                     process_index=0, process_count=1)))
     padded = {k: np.concatenate([v, v[:1]]) for k, v in rows.items()}
     padded[loaders.EXAMPLE_WEIGHT] = np.array([1] * n + [0], np.float32)
-    params = nn.meta.unbox(jax.jit(task.init)(jax.random.PRNGKey(0)))  # one compile, not an op's each
+    params = nn.meta.unbox(jax.jit(task.init)(jax.random.PRNGKey(0)))  # one compile
     loss = jax.jit(lambda p, b: task.loss(p, b, jax.random.PRNGKey(1), False))
     want_loss, want = loss(params, rows)
     got_loss, got = loss(params, padded)
