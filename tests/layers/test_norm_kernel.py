@@ -223,6 +223,15 @@ def _moved_params(model, scale, x):
                         params)
 
 
+def _params_of_both(models, scale, x):
+    """models["xla"]'s moved params (_moved_params), with the same tree as models["pallas"]'s
+    (compared through eval_shape: no values needed)."""
+    params = _moved_params(models["xla"], scale, x)
+    assert (jax.tree.structure(jax.eval_shape(models["pallas"].init, jax.random.key(1), x))
+            == jax.tree.structure(params))
+    return params
+
+
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_a_pre_norm_block_computes_as_with_xla_s_ops(norm):
     """The block with the kernels (the attention's output bias left to the next norm)
@@ -231,9 +240,7 @@ def test_a_pre_norm_block_computes_as_with_xla_s_ops(norm):
     blocks = {k: TransformerBlock(BlockConfig(num_heads=4, causal=True, norm=norm, norm_kernel=k))
               for k in ("xla", "pallas")}
     # Non-zero biases and scales, so that leaving the output bias apart is tested.
-    params = _moved_params(blocks["xla"], 0.1, x)
-    assert (jax.tree.structure(jax.eval_shape(blocks["pallas"].init, jax.random.key(1), x))
-            == jax.tree.structure(params))
+    params = _params_of_both(blocks, 0.1, x)
 
     def loss(p, x, kind):
         return jnp.sum(jnp.sin(blocks[kind].apply(p, x)[0]))
@@ -257,9 +264,7 @@ def test_gpt_hands_each_residual_add_to_the_next_norm(scan, remat):
     models = {k: gpt.GPT(gpt.GPTConfig(vocab_size=64, max_len=16, num_layers=3, d_model=32,
                                        num_heads=4, scan_layers=scan, remat_policy=remat,
                                        norm_kernel=k)) for k in ("xla", "pallas")}
-    params = _moved_params(models["xla"], 0.05, tokens)
-    assert (jax.tree.structure(jax.eval_shape(models["pallas"].init, jax.random.key(1), tokens))
-            == jax.tree.structure(params))
+    params = _params_of_both(models, 0.05, tokens)
 
     def loss(p, kind):
         logits = models[kind].apply(p, tokens)[0]
@@ -282,9 +287,7 @@ def test_vit_hands_its_last_residual_add_to_the_encoder_norm():
     models = {k: vit.ViT(vit.ViTConfig(image_size=8, patch_size=2, num_channels=1, d_model=32,
                                        num_layers=2, num_heads=4, mlp_dim=64, num_classes=10,
                                        norm_kernel=k)) for k in ("xla", "pallas")}
-    params = _moved_params(models["xla"], 0.05, images)
-    assert (jax.tree.structure(jax.eval_shape(models["pallas"].init, jax.random.key(1), images))
-            == jax.tree.structure(params))
+    params = _params_of_both(models, 0.05, images)
     loss = lambda p, kind: jnp.sum(jnp.sin(models[kind].apply(p, images)[0]))  # noqa: E731
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     got, want = grad(params, "pallas"), grad(params, "xla")
